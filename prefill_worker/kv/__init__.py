@@ -1,0 +1,1 @@
+"""KV bookkeeping (torch-free): page pool, request-to-page tables, aux rows, pool layout."""

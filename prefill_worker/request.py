@@ -1,0 +1,130 @@
+"""Request vocabulary shared by ingress, scheduler and daemon: sampling, states, outcomes.
+
+Torch-free. The life cycle (DESIGN §3)::
+
+    BOOTSTRAPPING ──▶ WAITING ──▶ PREFILLING ──▶ TRANSFERRING ──▶ DONE
+          │              │             │               │
+          └──────────────┴─────────────┴───────────────┴──▶ FAILED | ABORTED
+
+Every move is checked against ``ALLOWED_EDGES``; terminal states have no way out.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class RequestState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED, RequestState.ABORTED})
+_LIVE = (
+    RequestState.BOOTSTRAPPING,
+    RequestState.WAITING,
+    RequestState.PREFILLING,
+    RequestState.TRANSFERRING,
+)
+
+ALLOWED_EDGES: frozenset[tuple[RequestState, RequestState]] = frozenset(
+    {
+        (RequestState.BOOTSTRAPPING, RequestState.WAITING),
+        (RequestState.WAITING, RequestState.PREFILLING),
+        (RequestState.PREFILLING, RequestState.TRANSFERRING),
+        (RequestState.TRANSFERRING, RequestState.DONE),
+    }
+    | {(live, end) for live in _LIVE for end in (RequestState.FAILED, RequestState.ABORTED)}
+)
+
+
+class IllegalTransition(AssertionError):
+    """An internal invariant broke: a state move outside ``ALLOWED_EDGES``."""
+
+
+def check_edge(src: RequestState, dst: RequestState) -> None:
+    if (src, dst) not in ALLOWED_EDGES:
+        raise IllegalTransition(f"{src.value} -> {dst.value} is not an allowed edge")
+
+
+class OutcomeStatus(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended; the label of the outcome counter and the ``error`` code."""
+
+    OK = "ok"
+    ABORTED_BY_ROUTER = "aborted_by_router"
+    ABORTED_BY_DECODE = "aborted_by_decode"
+    BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    TRANSFER_FAILED = "transfer_failed"
+    PEER_LOST = "peer_lost"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    DRAINING = "draining"
+    ENGINE_ERROR = "engine_error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """First-token sampling. ``temperature == 0`` or ``top_k == 1`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first out-of-range field, or None when valid."""
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            return "sampling.temperature", "must be a finite number in [0, 100]"
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            return "sampling.top_p", "must be in (0, 1]"
+        if self.top_k < 0:
+            return "sampling.top_k", "must be >= 0 (0 disables top-k)"
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            return "sampling.seed", "must be in [0, 2**63)"
+        return None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds spent in each phase of one request (DESIGN §4 ``result.timings``)."""
+
+    queue_s: float = 0.0
+    bootstrap_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The one final answer for one request; ingress turns it into a ``result`` message."""
+
+    request_id: str
+    status: OutcomeStatus
+    reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    first_token_id: int | None = None
+    first_token_logprob: float | None = None
+    error: str | None = None
+    timings: Timings = Timings()

@@ -1,0 +1,1 @@
+"""KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK."""

@@ -1,0 +1,82 @@
+"""The scheduler-side seam of KV transfer: one ``KVSender`` per request, made by a backend.
+
+Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a sender::
+
+    create_sender(room)      poll() == BOOTSTRAPPING   (no `want` from the decode peer yet)
+      decode sends `want`    poll() == READY           (destination pages known)
+      send_pages(...) × n    poll() == TRANSFERRING
+      send_aux(row)          poll() == TRANSFERRING    (aux row, then `status ok`, follow)
+                             poll() == SUCCESS         (every write landed, status sent)
+    any time:                poll() == FAILED | ABORTED, with failure_reason()
+    fail(reason)             tell the decode peer `status failed`; poll() then says FAILED
+    close()                  release handles; returns once no transfer reads local memory
+
+Pages and the aux row may be freed only after ``close()`` has returned.
+
+Destination mapping: the decode side's ``want`` gives ``num_cached_tokens`` (a multiple of
+the page size, the prefix it already holds) and ``dst_page_ids`` for prompt pages
+``num_cached_tokens // page_size`` onward. ``send_pages(page_ids, first_page)`` names local
+pages holding prompt pages ``[first_page, first_page + len(page_ids))``; the sender skips the
+cached ones and maps the rest onto ``dst_page_ids``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class KVPoll(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    READY = "ready"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+    ABORTED = "aborted"  # the decode peer aborted the room
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (KVPoll.SUCCESS, KVPoll.FAILED, KVPoll.ABORTED)
+
+
+class KVSender(Protocol):
+    """One request's push of KV pages and its aux row to the decode peer that wants it."""
+
+    def poll(self) -> KVPoll:
+        """The sender's state; never blocks."""
+        ...
+
+    def num_cached_tokens(self) -> int:
+        """Prefix the decode peer already holds; meaningful once READY."""
+        ...
+
+    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        """Start writing local pages holding prompt pages [first_page, first_page+len)."""
+        ...
+
+    def send_aux(self, aux_row: int) -> None:
+        """After the last pages: write the aux row, then send `status ok` once all landed."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """Give up: the decode peer gets `status failed` with the reason. Idempotent."""
+        ...
+
+    def failure_reason(self) -> str | None: ...
+
+    def close(self) -> None:
+        """Release everything; on return no transfer of this sender reads local memory."""
+        ...
+
+
+class TransferBackend(Protocol):
+    """Makes senders and drives all their progress from the engine loop."""
+
+    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> KVSender: ...
+
+    def poll(self) -> None:
+        """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
+        ...
+
+    def close(self) -> None: ...

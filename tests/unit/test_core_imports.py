@@ -1,0 +1,66 @@
+"""The core (config, request, batch, protocol, scheduler, KV bookkeeping, transfer seam) must
+import with torch, ZMQ and NIXL absent, so the state machine stays testable in milliseconds."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import prefill_worker
+
+BLOCKED = ("torch", "zmq", "nixl", "nixl_cu12", "flashinfer", "transformers")
+CORE_PACKAGES = ("scheduler", "kv")
+CORE_MODULES = (
+    "prefill_worker.config",
+    "prefill_worker.configdoc",
+    "prefill_worker.request",
+    "prefill_worker.batch",
+    "prefill_worker.protocol",
+    "prefill_worker.transfer.base",
+)
+
+_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is blocked: the core must not import it")
+        return None
+sys.meta_path.insert(0, Blocker())
+import importlib
+for name in {modules!r}:
+    importlib.import_module(name)
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+assert not leaked, leaked
+print("ok", len({modules!r}))
+"""
+
+
+def core_modules() -> list[str]:
+    root = Path(prefill_worker.__file__).parent
+    found = [
+        m for m in CORE_MODULES if (root / (m.split(".", 1)[1].replace(".", "/") + ".py")).exists()
+    ]
+    for package in CORE_PACKAGES:
+        found.append(f"prefill_worker.{package}")
+        for info in pkgutil.walk_packages([str(root / package)], f"prefill_worker.{package}."):
+            found.append(info.name)
+    return found
+
+
+def test_core_imports_without_torch_zmq_nixl() -> None:
+    modules = core_modules()
+    assert "prefill_worker.config" in modules and "prefill_worker.request" in modules
+    code = _BLOCKER.format(blocked=BLOCKED, modules=modules)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
+def test_blocker_catches_a_leak() -> None:
+    code = _BLOCKER.format(blocked=BLOCKED, modules=["json", "zmq"])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0 and "blocked" in proc.stderr
