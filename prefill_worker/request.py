@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -128,3 +129,23 @@ class Outcome:
     first_token_logprob: float | None = None
     error: str | None = None
     timings: Timings = Timings()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A validated ``prefill`` as ingress hands it to the engine loop."""
+
+    request_id: str
+    token_ids: Sequence[int]  # in practice array("i"), decoded from packed int32
+    sampling: SamplingParams
+    return_logprob: bool
+    bootstrap_room: int
+    arrival_time: float  # time.monotonic() when ingress received it
+    deadline_s: float | None = None  # whole-request budget from arrival; None: phase timeouts only
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """The router withdrew a request; idempotent, unknown ids are ignored."""
+
+    request_id: str
