@@ -1,0 +1,142 @@
+"""The worker's Prometheus metric set (DESIGN §6), on an injected registry.
+
+Names are ``prefill_worker_*`` in base units, counters end in ``_total``, and no label carries a
+request id. ``WorkerMetrics`` is a plain recorder: the daemon forwards engine, ingress and
+transfer events to it; nothing here knows those components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from prefill_worker.request import Outcome, OutcomeStatus
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STEP_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class WorkerMetrics:
+    """Every metric the worker exports, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.info = Info(
+            "prefill_worker_build", "Build and model of this worker", registry=registry
+        )
+        self.requests = Counter(
+            "prefill_worker_requests_total",
+            "Requests ended, by outcome status and reason",
+            ["status", "reason"],
+            registry=registry,
+        )
+        self.rejects = Counter(
+            "prefill_worker_rejects_total",
+            "Messages answered with a reject, by code",
+            ["code"],
+            registry=registry,
+        )
+        self.queue = Gauge(
+            "prefill_worker_queue_requests",
+            "Requests held, by state",
+            ["state"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "prefill_worker_prompt_tokens_total",
+            "Prompt tokens of ended requests",
+            registry=registry,
+        )
+        self.cached_tokens = Counter(
+            "prefill_worker_cached_tokens_total",
+            "Prompt tokens the decode peer already held (not sent)",
+            registry=registry,
+        )
+        self.prompt_length = Histogram(
+            "prefill_worker_prompt_length_tokens",
+            "Prompt length of ended requests",
+            buckets=_TOKENS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "prefill_worker_time_to_first_token_seconds",
+            "Arrival to result of successful requests: first token and KV at the decode peer",
+            buckets=_SECONDS,
+            registry=registry,
+        )
+        self.phase = {
+            phase: Histogram(
+                f"prefill_worker_{phase}_seconds",
+                f"Time requests spent in the {phase} phase",
+                buckets=_SECONDS,
+                registry=registry,
+            )
+            for phase in ("queue", "bootstrap", "prefill", "transfer")
+        }
+        self.kv_pages_used = Gauge(
+            "prefill_worker_kv_pages_used", "KV pages held by requests", registry=registry
+        )
+        self.kv_pages_total = Gauge(
+            "prefill_worker_kv_pages_capacity", "KV pages in the pool", registry=registry
+        )
+        self.transfer_bytes = Counter(
+            "prefill_worker_transfer_bytes_total",
+            "KV and aux bytes pushed to decode peers by successful requests",
+            registry=registry,
+        )
+        self.transfer_failures = Counter(
+            "prefill_worker_transfer_failures_total",
+            "Requests whose KV push failed, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "prefill_worker_step_duration_seconds",
+            "Wall time of one forward batch",
+            buckets=_STEP_SECONDS,
+            registry=registry,
+        )
+        self.batch_tokens = Histogram(
+            "prefill_worker_batch_tokens",
+            "Tokens in one forward batch",
+            buckets=_TOKENS,
+            registry=registry,
+        )
+        self.ready = Gauge("prefill_worker_ready", "1 when serving, else 0", registry=registry)
+        self.draining = Gauge("prefill_worker_draining", "1 while draining", registry=registry)
+
+    def observe_outcome(self, outcome: Outcome, transfer_bytes: int) -> None:
+        self.requests.labels(outcome.status.value, outcome.reason.value).inc()
+        self.prompt_tokens.inc(outcome.num_prompt_tokens)
+        self.cached_tokens.inc(outcome.num_cached_tokens)
+        self.prompt_length.observe(outcome.num_prompt_tokens)
+        t = outcome.timings
+        for phase, seconds in (
+            ("queue", t.queue_s),
+            ("bootstrap", t.bootstrap_s),
+            ("prefill", t.prefill_s),
+            ("transfer", t.transfer_s),
+        ):
+            self.phase[phase].observe(seconds)
+        if outcome.status is OutcomeStatus.OK:
+            self.ttft.observe(t.queue_s + t.bootstrap_s + t.prefill_s + t.transfer_s)
+            self.transfer_bytes.inc(transfer_bytes)
+        elif outcome.reason.value.startswith(("transfer", "peer")):
+            self.transfer_failures.labels(outcome.reason.value).inc()
+
+    def observe_step(self, duration_s: float, batch_tokens: int) -> None:
+        self.step_seconds.observe(duration_s)
+        self.batch_tokens.observe(batch_tokens)
+
+    def set_queue_sizes(self, sizes: Mapping[str, int]) -> None:
+        for state, count in sizes.items():
+            self.queue.labels(state).set(count)
+
+    def set_kv_pages(self, used: int, total: int) -> None:
+        self.kv_pages_used.set(used)
+        self.kv_pages_total.set(total)
+
+    def on_reject(self, code: str) -> None:
+        self.rejects.labels(code).inc()

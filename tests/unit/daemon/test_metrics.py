@@ -1,0 +1,74 @@
+"""The metric set: names, units, labels; `promtool check metrics` is clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from prefill_worker.metrics import WorkerMetrics
+from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
+
+
+def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    ok = Outcome(
+        "a",
+        OutcomeStatus.OK,
+        FinishReason.OK,
+        100,
+        32,
+        7,
+        -0.5,
+        None,
+        Timings(0.01, 0.02, 0.3, 0.04),
+    )
+    failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
+    metrics.observe_outcome(ok, transfer_bytes=4096)
+    metrics.observe_outcome(failed, transfer_bytes=0)
+    metrics.observe_step(0.02, 128)
+    metrics.set_queue_sizes({"waiting": 3, "prefilling": 1})
+    metrics.set_kv_pages(10, 100)
+    metrics.on_reject("empty_prompt")
+    return registry, metrics
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    got = registry.get_sample_value(name, labels)
+    assert got is not None, name
+    return got
+
+
+def test_values() -> None:
+    registry, _ = filled()
+    assert value(registry, "prefill_worker_requests_total", status="ok", reason="ok") == 1
+    assert value(registry, "prefill_worker_prompt_tokens_total") == 150
+    assert value(registry, "prefill_worker_cached_tokens_total") == 32
+    assert value(registry, "prefill_worker_transfer_bytes_total") == 4096
+    assert value(registry, "prefill_worker_transfer_failures_total", reason="transfer_timeout") == 1
+    assert value(registry, "prefill_worker_time_to_first_token_seconds_count") == 1
+    assert value(registry, "prefill_worker_time_to_first_token_seconds_sum") == pytest.approx(0.37)
+    assert value(registry, "prefill_worker_queue_requests", state="waiting") == 3
+    assert value(registry, "prefill_worker_kv_pages_capacity") == 100
+    assert value(registry, "prefill_worker_rejects_total", code="empty_prompt") == 1
+
+
+def test_names_follow_the_house_rules() -> None:
+    registry, _ = filled()
+    for family in registry.collect():
+        assert family.name.startswith("prefill_worker_")
+        for sample in family.samples:
+            assert "request_id" not in sample.labels
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_is_clean() -> None:
+    registry, _ = filled()
+    proc = subprocess.run(
+        ["promtool", "check", "metrics"], input=generate_latest(registry), capture_output=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == b"" and proc.stderr.strip() == b""
