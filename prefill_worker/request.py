@@ -15,6 +15,10 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefill_worker.transfer.base import KVSender
 
 
 class RequestState(enum.Enum):
@@ -78,6 +82,15 @@ class FinishReason(enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     DRAINING = "draining"
     ENGINE_ERROR = "engine_error"
+    PROMPT_TOO_LONG = "prompt_too_long"  # needs more KV pages than the whole pool has
+
+    @property
+    def status(self) -> OutcomeStatus:
+        if self is FinishReason.OK:
+            return OutcomeStatus.OK
+        if self in (FinishReason.ABORTED_BY_ROUTER, FinishReason.ABORTED_BY_DECODE):
+            return OutcomeStatus.ABORTED
+        return OutcomeStatus.FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +162,122 @@ class AbortRequest:
     """The router withdrew a request; idempotent, unknown ids are ignored."""
 
     request_id: str
+
+
+_ALLOWED_EDGE_IDS = frozenset((id(src), id(dst)) for src, dst in ALLOWED_EDGES)
+_END_STATE = {
+    OutcomeStatus.OK: RequestState.DONE,
+    OutcomeStatus.FAILED: RequestState.FAILED,
+    OutcomeStatus.ABORTED: RequestState.ABORTED,
+}
+
+
+def end_state(reason: FinishReason) -> RequestState:
+    """The terminal state a request ends in for ``reason``."""
+    return _END_STATE[reason.status]
+
+
+class Request:
+    """One prefill as the engine loop tracks it: mutable, owned by the engine thread only.
+
+    ``num_scheduled_tokens`` runs ahead of ``num_computed_tokens`` while a chunk is in a
+    forward batch; ``is_in_forward`` says a launched batch may still write its pages. Phase
+    timestamps are ``time.monotonic()`` values, None until the phase is reached.
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "aux_row",
+        "deadline_s",
+        "finish_time",
+        "first_token_id",
+        "first_token_logprob",
+        "is_in_forward",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+        "page_ids",
+        "prefill_end_time",
+        "prefill_start_time",
+        "ready_time",
+        "request_id",
+        "return_logprob",
+        "room",
+        "sampling",
+        "sender",
+        "state",
+        "token_ids",
+    )
+
+    def __init__(self, message: PrefillRequest, sender: KVSender | None) -> None:
+        self.request_id = message.request_id
+        self.token_ids = message.token_ids
+        self.sampling = message.sampling
+        self.return_logprob = message.return_logprob
+        self.room = message.bootstrap_room
+        self.arrival_time = message.arrival_time
+        self.deadline_s = message.deadline_s
+        self.sender = sender
+        self.state = RequestState.BOOTSTRAPPING
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_cached_tokens = 0
+        self.page_ids: tuple[int, ...] = ()
+        self.aux_row: int | None = None
+        self.is_in_forward = False
+        self.first_token_id: int | None = None
+        self.first_token_logprob: float | None = None
+        self.ready_time: float | None = None
+        self.prefill_start_time: float | None = None
+        self.prefill_end_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.state.value}, {self.num_prompt_tokens} tok)"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def move_to(self, state: RequestState) -> None:
+        """The only way a request changes state; raises ``IllegalTransition`` off the table."""
+        if (id(self.state), id(state)) not in _ALLOWED_EDGE_IDS:  # Enum.__hash__ is slow
+            check_edge(self.state, state)
+        self.state = state
+
+    def timings(self, now: float) -> Timings:
+        """Seconds per phase; a phase not reached is 0, the current one runs until ``now``."""
+        marks = (
+            self.arrival_time,
+            self.ready_time,
+            self.prefill_start_time,
+            self.prefill_end_time,
+            self.finish_time,
+        )
+        spans = [0.0, 0.0, 0.0, 0.0]
+        for phase in range(4):
+            begin, end = marks[phase], marks[phase + 1]
+            if begin is None:
+                break
+            spans[phase] = max(0.0, (now if end is None else end) - begin)
+            if end is None:
+                break
+        bootstrap_s, queue_s, prefill_s, transfer_s = spans
+        return Timings(
+            queue_s=queue_s, bootstrap_s=bootstrap_s, prefill_s=prefill_s, transfer_s=transfer_s
+        )
+
+    def outcome(self, reason: FinishReason, error: str | None, now: float) -> Outcome:
+        """The final answer for this request; the first token only when it succeeded."""
+        is_ok = reason is FinishReason.OK
+        return Outcome(
+            request_id=self.request_id,
+            status=reason.status,
+            reason=reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            first_token_id=self.first_token_id if is_ok else None,
+            first_token_logprob=self.first_token_logprob if is_ok else None,
+            error=error,
+            timings=self.timings(now),
+        )

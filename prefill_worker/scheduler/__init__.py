@@ -1,0 +1,57 @@
+"""The scheduler: request queues, admission and chunking, deadlines, and the one engine loop.
+
+Torch-free. The daemon composes it like this (all on the engine thread except where noted)::
+
+    pages = PagePool(num_pages)                  # prefill_worker.kv.pages
+    aux = AuxPool(cfg.cache.num_aux_rows)        # prefill_worker.kv.aux
+    engine = Engine(
+        runner,                                  # batch.ModelRunner (model/)
+        transfer,                                # transfer.base.TransferBackend
+        pages, aux,
+        sink=reply,                              # Callable[[Outcome], None]: → ingress
+        page_size=cfg.cache.page_size,
+        chunk_size=cfg.scheduler.chunk_size,
+        max_batch_tokens=cfg.scheduler.max_batch_tokens,
+        max_running_requests=cfg.scheduler.max_running_requests,
+        bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
+        transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+        overlap=cfg.scheduler.overlap,
+        observer=metrics_adapter,                # EngineObserver; NullObserver if omitted
+    )
+    engine.run(stop_event, inbox)   # inbox: queue.Queue[PrefillRequest | AbortRequest]
+    ...                             # (or call engine.submit(msg) / engine.step() yourself)
+    engine.shutdown()               # after run returns: fail what is left, stop the executor
+
+From other threads: ``engine.load`` (a ``LoadSnapshot``, for ``pong`` and gauges),
+``engine.last_turn_at`` (``clock()`` at the end of the last turn, for ``/livez``) and
+``engine.begin_drain()`` (new prefills then fail with DRAINING while accepted ones finish).
+A drain ends by stopping the loop once ``engine.load.num_live == 0`` or the drain timeout
+passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is left.
+``run`` fails every live request with ENGINE_ERROR before it re-raises an error.
+
+Modules: ``queues`` (requests per state), ``admission`` (token budget, running cap, page and
+aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one heap),
+``forward`` (serial or executor-thread forwards), ``observer`` (sink, observer, snapshot),
+``engine`` (the loop and the one finish path).
+"""
+
+from prefill_worker.scheduler.engine import Engine, Message
+from prefill_worker.scheduler.forward import ForwardStrategy, SerialForward, ThreadedForward
+from prefill_worker.scheduler.observer import (
+    EngineObserver,
+    LoadSnapshot,
+    NullObserver,
+    OutcomeSink,
+)
+
+__all__ = [
+    "Engine",
+    "EngineObserver",
+    "ForwardStrategy",
+    "LoadSnapshot",
+    "Message",
+    "NullObserver",
+    "OutcomeSink",
+    "SerialForward",
+    "ThreadedForward",
+]

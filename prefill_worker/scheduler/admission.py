@@ -1,0 +1,111 @@
+"""Builds each forward batch: continue prefilling requests, then admit waiting ones FCFS.
+
+Per batch, at most ``max_batch_tokens`` tokens and one chunk per request (``chunking.py``).
+A waiting request starts only when all of its prompt's pages and an aux row are free (no
+mid-prefill eviction) and fewer than ``max_running_requests`` are prefilling. Strict FCFS:
+when the head of the queue has to wait, everyone behind it waits too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.tables import PageTable
+from prefill_worker.request import Request, RequestState
+from prefill_worker.scheduler.chunking import chunk_end
+from prefill_worker.scheduler.queues import RequestQueues
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    plan: BatchPlan
+    requests: tuple[Request, ...]  # requests[i] owns plan.chunks[i]
+
+
+class Admission:
+    """Turns the queues into the next ``BatchPlan``; reserves pages and aux rows on admit."""
+
+    def __init__(
+        self,
+        queues: RequestQueues,
+        table: PageTable,
+        aux: AuxPool,
+        clock: Callable[[], float],
+        *,
+        chunk_size: int,
+        max_batch_tokens: int,
+        max_running_requests: int,
+    ) -> None:
+        if chunk_size < table.page_size or max_batch_tokens < table.page_size:
+            raise ValueError(
+                f"chunk_size ({chunk_size}) and max_batch_tokens ({max_batch_tokens}) must be "
+                f">= page_size ({table.page_size}): non-final chunks end on a page boundary"
+            )
+        self._queues, self._table, self._aux, self._clock = queues, table, aux, clock
+        self.page_size = table.page_size
+        self.chunk_size = chunk_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_requests = max_running_requests
+        self._num_batches = 0
+
+    def next_batch(self) -> ScheduledBatch | None:
+        budget = self.max_batch_tokens
+        chunks: list[ChunkPlan] = []
+        owners: list[Request] = []
+        for req in self._queues.prefilling.values():
+            chunk = self._next_chunk(req, budget) if budget > 0 else None
+            if chunk is not None:
+                chunks.append(chunk)
+                owners.append(req)
+                budget -= chunk.num_tokens
+        while budget > 0 and self._can_start_more():
+            admitted = self._try_admit(budget)
+            if admitted is None:
+                break
+            chunk = self._next_chunk(admitted, budget)
+            assert chunk is not None
+            chunks.append(chunk)
+            owners.append(admitted)
+            budget -= chunk.num_tokens
+        if not chunks:
+            return None
+        self._num_batches += 1
+        return ScheduledBatch(BatchPlan(self._num_batches, tuple(chunks)), tuple(owners))
+
+    def _can_start_more(self) -> bool:
+        return len(self._queues.prefilling) < self.max_running_requests
+
+    def _next_chunk(self, req: Request, budget: int) -> ChunkPlan | None:
+        start, num_tokens = req.num_scheduled_tokens, req.num_prompt_tokens
+        if start >= num_tokens:
+            return None
+        end = chunk_end(start, num_tokens, min(self.chunk_size, budget), self.page_size)
+        if end is None:
+            return None
+        req.num_scheduled_tokens = end
+        sampling = req.sampling if end == num_tokens else None
+        tokens = req.token_ids[start:end]
+        return ChunkPlan(req.request_id, tokens, start, end, req.page_ids, sampling)
+
+    def _try_admit(self, budget: int) -> Request | None:
+        """The head of the waiting queue, moved to PREFILLING with its pages and aux row."""
+        req = self._queues.head_waiting()
+        if req is None:
+            return None
+        limit = min(self.chunk_size, budget)
+        if chunk_end(0, req.num_prompt_tokens, limit, self.page_size) is None:
+            return None
+        page_ids = self._table.try_reserve(req.request_id, req.num_prompt_tokens)
+        if page_ids is None:
+            return None
+        aux_row = self._aux.try_alloc()
+        if aux_row is None:
+            self._table.release(req.request_id)
+            return None
+        self._queues.pop_waiting()
+        req.page_ids, req.aux_row, req.prefill_start_time = page_ids, aux_row, self._clock()
+        self._queues.move(req, RequestState.PREFILLING)
+        return req

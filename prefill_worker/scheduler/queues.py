@@ -1,0 +1,105 @@
+"""Live requests by state: the bootstrap, waiting, prefilling and inflight queues.
+
+Every state move of a live request goes through ``RequestQueues.move``, which checks the edge
+(``Request.move_to``) and keeps the containers and per-state counts in step::
+
+    live        request_id -> Request, every non-terminal request
+    waiting     deque, FCFS order (entries that left WAITING are dropped lazily at the head)
+    prefilling  request_id -> Request, admission order
+    inflight    request_id -> Request (TRANSFERRING: KV pushed, waiting for the sender)
+    watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn,
+                so a turn costs O(poll budget), not O(queued)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prefill_worker.request import Request, RequestState
+
+_WATCHED = (RequestState.BOOTSTRAPPING, RequestState.WAITING)
+
+
+class RequestQueues:
+    """The engine thread's view of every live request; nothing else mutates it."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.prefilling: dict[str, Request] = {}
+        self.inflight: dict[str, Request] = {}
+        self._watch: deque[Request] = deque()
+        self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
+        self.num_waiting = 0
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def add(self, req: Request) -> None:
+        """A new request, in BOOTSTRAPPING."""
+        assert req.state is RequestState.BOOTSTRAPPING and req.request_id not in self.live
+        self.live[req.request_id] = req
+        self.num_bootstrapping += 1
+        self._watch.append(req)
+
+    def move(self, req: Request, state: RequestState) -> None:
+        old = req.state
+        req.move_to(state)
+        if old is RequestState.BOOTSTRAPPING:
+            self.num_bootstrapping -= 1
+        elif old is RequestState.WAITING:
+            self.num_waiting -= 1
+        elif old is RequestState.PREFILLING:
+            del self.prefilling[req.request_id]
+        elif old is RequestState.TRANSFERRING:
+            del self.inflight[req.request_id]
+        if state is RequestState.WAITING:
+            self.num_waiting += 1
+            self.waiting.append(req)
+        elif state is RequestState.PREFILLING:
+            self.prefilling[req.request_id] = req
+        elif state is RequestState.TRANSFERRING:
+            self.inflight[req.request_id] = req
+        else:
+            assert state.is_terminal
+            del self.live[req.request_id]
+
+    def counts(self) -> dict[RequestState, int]:
+        """Live requests per live state."""
+        return {
+            RequestState.BOOTSTRAPPING: self.num_bootstrapping,
+            RequestState.WAITING: self.num_waiting,
+            RequestState.PREFILLING: len(self.prefilling),
+            RequestState.TRANSFERRING: len(self.inflight),
+        }
+
+    def head_waiting(self) -> Request | None:
+        """The oldest WAITING request, or None."""
+        while self.waiting and self.waiting[0].state is not RequestState.WAITING:
+            self.waiting.popleft()
+        return self.waiting[0] if self.waiting else None
+
+    def pop_waiting(self) -> Request:
+        req = self.waiting.popleft()
+        assert req.state is RequestState.WAITING
+        return req
+
+    def next_watched(self, budget: int) -> list[Request]:
+        """Up to ``budget`` BOOTSTRAPPING/WAITING requests, round-robin across turns."""
+        picked = []
+        for _ in range(min(budget, len(self._watch))):
+            req = self._watch.popleft()
+            if req.state in _WATCHED:
+                self._watch.append(req)
+                picked.append(req)
+        return picked
+
+    def check_integrity(self) -> None:
+        for state, count in self.counts().items():
+            assert count == sum(1 for r in self.live.values() if r.state is state), state
+        assert all(r.state is RequestState.PREFILLING for r in self.prefilling.values())
+        assert all(r.state is RequestState.TRANSFERRING for r in self.inflight.values())
+        waiting = [r for r in self.waiting if r.state is RequestState.WAITING]
+        assert len(waiting) == self.num_waiting == len(set(map(id, waiting)))
+        watched = {id(r) for r in self._watch if r.state in _WATCHED}
+        assert all(id(r) in watched for r in self.live.values() if r.state in _WATCHED)

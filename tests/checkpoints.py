@@ -1,0 +1,70 @@
+"""Tiny random checkpoints of each supported family, built offline with ``transformers``.
+
+q/k projections are scaled up so attention is far from uniform: a RoPE or mask bug then moves
+logits by far more than the comparison tolerances. Seeds are fixed per family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+CONFIGS: dict[str, Callable[[], object]] = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE),
+    "mistral": lambda: MistralConfig(**COMMON, tie_word_embeddings=True, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
+}
+FAMILIES = tuple(CONFIGS)
+SEEDS = {family: 11 + i for i, family in enumerate(FAMILIES)}
+
+
+def make_checkpoint(family: str, path: Path, sharded: bool = False) -> Path:
+    torch.manual_seed(SEEDS[family])
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(20.0)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(torch.rand_like(param) * 4 + 2)
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, max_shard_size="100KB" if sharded else "5GB")
+    return path
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def prompt(length: int, seed: int, vocab: int = 320) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, vocab, (length,), generator=g)]

@@ -1,0 +1,280 @@
+"""Test seams for the scheduler: a clock, a KV-writing runner, and a scripted sender/backend.
+
+``FakeRunner`` keeps a token per page slot, so a chunk that lands in the wrong pages (or pages
+reused too early) changes the first token: it is the sum of the prompt as read back from the
+request's pages, modulo ``TOKEN_MOD``. ``FakeSender`` records what the engine sent and checks
+the sender contract (nothing after close, pages still allocated when close runs).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.scheduler import Engine
+from prefill_worker.transfer.base import KVPoll
+
+TOKEN_MOD = 997
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def expected_token(token_ids: Sequence[int]) -> int:
+    return sum(token_ids) % TOKEN_MOD
+
+
+class FakeRunner:
+    """Writes each chunk's tokens into its pages; the last chunk reads the prompt back."""
+
+    def __init__(self, pool: PagePool, page_size: int) -> None:
+        self.pool, self.page_size = pool, page_size
+        self.kv: list[list[int | None]] = [[None] * page_size for _ in range(pool.num_pages)]
+        self.plans: list[BatchPlan] = []
+        self.errors: list[str] = []
+        self.gate: threading.Event | None = None  # when set by a test: run() waits for it
+        self.started = threading.Event()
+        self.fail_with: Exception | None = None
+
+    def run(self, plan: BatchPlan) -> BatchOutput:
+        self.started.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.plans.append(plan)
+        sampled = []
+        for chunk in plan.chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                self._slot_write(chunk.page_ids, chunk.start + offset, token)
+            if chunk.sampling is not None:
+                prompt = [self._slot_read(chunk.page_ids, pos) for pos in range(chunk.end)]
+                token_id = sum(t or 0 for t in prompt) % TOKEN_MOD
+                sampled.append(SampledToken(chunk.request_id, token_id, -0.5))
+        return BatchOutput(plan.batch_id, tuple(sampled))
+
+    def _slot_write(self, page_ids: Sequence[int], pos: int, token: int) -> None:
+        page_id = page_ids[pos // self.page_size]
+        if self.pool.refcount(page_id) == 0:
+            self.errors.append(f"wrote free page {page_id}")
+        self.kv[page_id][pos % self.page_size] = token
+
+    def _slot_read(self, page_ids: Sequence[int], pos: int) -> int | None:
+        return self.kv[page_ids[pos // self.page_size]][pos % self.page_size]
+
+
+class FakeSender:
+    def __init__(self, backend: FakeBackend, room: int, request_id: str, num_tokens: int) -> None:
+        self.backend, self.room, self.request_id, self.num_tokens = (
+            backend,
+            room,
+            request_id,
+            num_tokens,
+        )
+        self.state = KVPoll.READY if backend.auto_want else KVPoll.BOOTSTRAPPING
+        self.cached = 0
+        self.sent: list[tuple[tuple[int, ...], int]] = []
+        self.aux: list[AuxRow] = []
+        self.worker_failure: str | None = None
+        self.decode_failure: str | None = None
+        self.is_closed = False
+        self.polls_to_success: int | None = backend.polls_to_success
+        self.errors: list[str] = []
+
+    # the engine's side
+    def poll(self) -> KVPoll:
+        if self.state is KVPoll.TRANSFERRING and self.aux and self.polls_to_success is not None:
+            if self.polls_to_success <= 0:
+                self.state = KVPoll.SUCCESS
+            self.polls_to_success -= 1
+        return self.state
+
+    def num_cached_tokens(self) -> int:
+        return self.cached
+
+    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        self._expect(not self.is_closed and self.state in (KVPoll.READY, KVPoll.TRANSFERRING))
+        self._expect(all(self.backend.pool.refcount(p) > 0 for p in page_ids))
+        self.sent.append((tuple(page_ids), first_page))
+        self.state = KVPoll.TRANSFERRING
+
+    def send_aux(self, aux_row: int) -> None:
+        self._expect(not self.is_closed and self.state is KVPoll.TRANSFERRING and not self.aux)
+        self.aux.append(self.backend.aux.read(aux_row))
+
+    def fail(self, reason: str) -> None:
+        self._expect(not self.is_closed)
+        self.worker_failure = self.worker_failure or reason
+        if not self.state.is_terminal:
+            self.state = KVPoll.FAILED
+
+    def failure_reason(self) -> str | None:
+        return self.decode_failure or self.worker_failure
+
+    def close(self) -> None:
+        self._expect(not self.is_closed)
+        for page_ids, _ in self.sent:
+            self._expect(all(self.backend.pool.refcount(p) > 0 for p in page_ids))
+        self.is_closed = True
+
+    # the decode side, driven by tests
+    def want(self, num_cached_tokens: int = 0) -> None:
+        self.cached = num_cached_tokens
+        self.state = KVPoll.READY
+
+    def decode_abort(self) -> None:
+        self.state = KVPoll.ABORTED
+
+    def break_(self, reason: str = "peer lost") -> None:
+        self.decode_failure = reason
+        self.state = KVPoll.FAILED
+
+    def _expect(self, ok: bool) -> None:
+        if not ok:
+            self.errors.append(f"{self.request_id}: contract broken in state {self.state}")
+
+    def prompt_pages_sent(self) -> list[int]:
+        return [first + i for page_ids, first in self.sent for i in range(len(page_ids))]
+
+
+@dataclass
+class FakeBackend:
+    pool: PagePool
+    aux: AuxPool
+    auto_want: bool = False
+    polls_to_success: int | None = 0
+    senders: dict[str, FakeSender] = field(default_factory=dict)
+    all_senders: list[FakeSender] = field(default_factory=list)
+    num_polls: int = 0
+
+    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> FakeSender:
+        sender = FakeSender(self, room, request_id, num_prompt_tokens)
+        self.senders[request_id] = sender
+        self.all_senders.append(sender)
+        return sender
+
+    def poll(self) -> None:
+        self.num_polls += 1
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class Rig:
+    """An engine with fakes around it, and what came out."""
+
+    engine: Engine
+    backend: FakeBackend
+    runner: FakeRunner
+    clock: FakeClock
+    pool: PagePool
+    aux: AuxPool
+    page_size: int
+    outcomes: list = field(default_factory=list)
+    messages: dict[str, PrefillRequest] = field(default_factory=dict)
+
+    def prefill(self, request_id: str, num_tokens: int, **kw: object) -> PrefillRequest:
+        seed = zlib.crc32(request_id.encode())
+        tokens = [(seed + 7919 * i) % 50000 for i in range(num_tokens)]
+        fields: dict = dict(
+            request_id=request_id,
+            token_ids=tokens,
+            sampling=SamplingParams(),
+            return_logprob=True,
+            bootstrap_room=len(self.messages) + 1,
+            arrival_time=self.clock(),
+        )
+        fields.update(kw)
+        msg = PrefillRequest(**fields)
+        self.messages[request_id] = msg
+        self.engine.submit(msg)
+        return msg
+
+    def abort(self, request_id: str) -> None:
+        self.engine.submit(AbortRequest(request_id))
+
+    def sender(self, request_id: str) -> FakeSender:
+        return self.backend.senders[request_id]
+
+    def steps(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.engine.step()
+
+    def run_until_idle(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            busy = self.engine.step()
+            if not busy and self.engine.load.num_live == 0:
+                return
+        raise AssertionError(f"not idle after {max_steps} steps: {self.engine.load}")
+
+    def outcome(self, request_id: str):  # type: ignore[no-untyped-def]
+        found = [o for o in self.outcomes if o.request_id == request_id]
+        assert len(found) == 1, found
+        return found[0]
+
+    def check_whole(self) -> None:
+        """Nothing live: every page and aux row is back, no contract was broken."""
+        self.engine.check_integrity()
+        assert self.pool.num_free == self.pool.num_pages
+        assert self.aux.num_free == self.aux.num_rows
+        assert not self.runner.errors
+        for sender in self.backend.all_senders:
+            assert not sender.errors, sender.errors
+            assert sender.is_closed
+
+
+def make_rig(
+    *,
+    num_pages: int = 64,
+    page_size: int = 4,
+    chunk_size: int = 16,
+    max_batch_tokens: int = 32,
+    max_running_requests: int = 8,
+    num_aux_rows: int = 8,
+    bootstrap_timeout_s: float = 5.0,
+    transfer_timeout_s: float = 5.0,
+    overlap: bool = False,
+    auto_want: bool = True,
+    polls_to_success: int | None = 0,
+) -> Rig:
+    clock = FakeClock()
+    pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
+    backend = FakeBackend(pool, aux, auto_want=auto_want, polls_to_success=polls_to_success)
+    runner = FakeRunner(pool, page_size)
+    outcomes: list = []
+    engine = Engine(
+        runner,
+        backend,
+        pool,
+        aux,
+        outcomes.append,
+        page_size=page_size,
+        chunk_size=chunk_size,
+        max_batch_tokens=max_batch_tokens,
+        max_running_requests=max_running_requests,
+        bootstrap_timeout_s=bootstrap_timeout_s,
+        transfer_timeout_s=transfer_timeout_s,
+        overlap=overlap,
+        clock=clock,
+    )
+    return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
+
+
+def is_nan(value: float) -> bool:
+    return math.isnan(value)

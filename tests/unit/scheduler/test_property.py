@@ -1,0 +1,146 @@
+"""Random arrivals, prompt lengths, chunking, aborts, handshakes and transfer failures.
+
+After every turn the engine's bookkeeping must be consistent; after every run: pools whole,
+exactly one outcome per request, non-final chunks page-aligned, and the pages sent for each
+successful prompt cover it exactly once, with the right first token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefill_worker.kv.tables import num_pages_for
+from prefill_worker.request import FinishReason, OutcomeStatus
+from prefill_worker.transfer.base import KVPoll
+from tests.unit.scheduler.fakes import Rig, expected_token, make_rig
+
+ARRIVE = st.tuples(
+    st.just("arrive"),
+    st.integers(1, 48),  # prompt tokens (some exceed small pools)
+    st.sampled_from([True, True, True, False]),  # the decode side's `want` comes at once
+    st.sampled_from([None, None, None, 2.0, 6.0]),  # deadline_s
+)
+EVENTS = st.one_of(
+    ARRIVE,
+    ARRIVE,
+    ARRIVE,
+    st.tuples(st.just("want"), st.integers(0, 50), st.integers(0, 3)),  # cached pages
+    st.tuples(st.sampled_from(["abort", "decode_abort", "break", "stall"]), st.integers(0, 50)),
+    st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
+    st.tuples(st.just("steps"), st.integers(1, 4)),
+)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict:
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    chunk_size = page_size * draw(st.integers(1, 5)) + draw(st.integers(0, page_size - 1))
+    return dict(
+        page_size=page_size,
+        chunk_size=chunk_size,
+        max_batch_tokens=draw(st.integers(page_size, 3 * chunk_size)),
+        num_pages=draw(st.integers(max(2, 12 // page_size), 96 // page_size)),
+        num_aux_rows=draw(st.integers(1, 6)),
+        max_running_requests=draw(st.integers(1, 4)),
+        overlap=draw(st.booleans()),
+        bootstrap_timeout_s=5.0,
+        transfer_timeout_s=4.0,
+        auto_want=False,
+        polls_to_success=draw(st.integers(0, 3)),
+    )
+
+
+def apply(rig: Rig, event: tuple, ids: list[str]) -> None:
+    kind = event[0]
+    if kind == "arrive":
+        request_id = f"r{len(ids)}"
+        ids.append(request_id)
+        rig.prefill(request_id, event[1], deadline_s=event[3])
+        if event[2]:
+            rig.sender(request_id).want()
+        return
+    if kind == "tick":
+        rig.clock.advance(event[1])
+        return
+    if kind == "steps":
+        for _ in range(event[1]):
+            rig.engine.step()
+            rig.engine.check_integrity()
+        return
+    if not ids:
+        return
+    request_id = ids[event[1] % len(ids)]
+    sender = rig.sender(request_id)
+    if kind == "want" and sender.state is KVPoll.BOOTSTRAPPING:
+        sender.want(event[2] * rig.page_size)
+    elif kind == "abort":
+        rig.abort(request_id)
+    elif kind == "decode_abort" and not sender.is_closed:
+        sender.decode_abort()
+    elif kind == "break" and not sender.is_closed:
+        sender.break_()
+    elif kind == "stall":
+        sender.polls_to_success = None
+
+
+def check_plans(rig: Rig, config: dict) -> None:
+    progress: dict[str, int] = {}
+    for plan in rig.runner.plans:
+        assert plan.num_tokens <= config["max_batch_tokens"]
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
+        for chunk in plan.chunks:
+            assert 0 < chunk.num_tokens <= config["chunk_size"]
+            assert chunk.start == progress.get(chunk.request_id, 0)
+            progress[chunk.request_id] = chunk.end
+            is_final = chunk.end == len(rig.messages[chunk.request_id].token_ids)
+            assert (chunk.sampling is not None) == is_final
+            if not is_final:
+                assert chunk.end % rig.page_size == 0
+
+
+def check_outcomes(rig: Rig, ids: list[str], config: dict) -> None:
+    assert Counter(o.request_id for o in rig.outcomes) == Counter(ids)
+    for out in rig.outcomes:
+        msg, sender = rig.messages[out.request_id], rig.sender(out.request_id)
+        too_long = num_pages_for(len(msg.token_ids), rig.page_size) > config["num_pages"]
+        assert (out.reason is FinishReason.PROMPT_TOO_LONG) == too_long
+        assert out.status is out.reason.status and (out.error is None) == (out.status.value == "ok")
+        if out.status is not OutcomeStatus.OK:
+            assert out.first_token_id is None
+            if out.reason is not FinishReason.ABORTED_BY_DECODE:
+                assert sender.failure_reason() is not None  # the decode side was told
+            continue
+        pages = num_pages_for(len(msg.token_ids), rig.page_size)
+        assert sender.prompt_pages_sent() == list(range(pages))
+        assert out.first_token_id == expected_token(msg.token_ids)
+        assert [row.first_token_id for row in sender.aux] == [out.first_token_id]
+        assert out.num_cached_tokens == sender.cached
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(configs(), st.lists(EVENTS, min_size=4, max_size=50))
+def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> None:
+    rig = make_rig(**config)
+    ids: list[str] = []
+    try:
+        for event in events:
+            apply(rig, event, ids)
+        for _ in range(400):
+            rig.clock.advance(0.5)
+            busy = rig.engine.step()
+            rig.engine.check_integrity()
+            if not busy and rig.engine.load.num_live == 0:
+                break
+        assert rig.engine.load.num_live == 0
+    finally:
+        rig.engine.shutdown()
+    rig.check_whole()
+    check_plans(rig, config)
+    check_outcomes(rig, ids, config)
