@@ -1,0 +1,249 @@
+"""A router's side of the wire protocol: ``RouterClient`` (asyncio) and a blocking wrapper.
+
+One DEALER socket connected to one worker's ingress. Replies are matched to callers by
+``request_id`` (and pings by a nonce), so any number of requests can be in flight at once.
+Used by the tests, the benchmarks and the demo; a production router can embed it as is or
+re-implement docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+
+from prefill_worker.protocol import (
+    AbortMsg,
+    DrainMsg,
+    LoadSnapshot,
+    PingMsg,
+    PongMsg,
+    PrefillMsg,
+    ProtocolError,
+    Reject,
+    ResultMsg,
+    decode_worker,
+    encode,
+    encode_prefill,
+)
+from prefill_worker.request import SamplingParams
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_GREEDY = SamplingParams()
+
+
+class RequestRejected(Exception):
+    """The worker answered a ``prefill`` with a ``reject``."""
+
+    def __init__(self, reject: Reject) -> None:
+        super().__init__(f"{reject.code.value}: {reject.message}")
+        self.reject = reject
+
+    @property
+    def code(self) -> str:
+        return self.reject.code.value
+
+
+@dataclass(frozen=True, slots=True)
+class CurveClientKeys:
+    """CurveZMQ for a router: its own key pair and the worker's public key."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_public_key: bytes
+
+    @classmethod
+    def from_files(cls, secret_key_file: str, server_public_key_file: str) -> CurveClientKeys:
+        public, secret = zmq.auth.load_certificate(secret_key_file)
+        server_public, _ = zmq.auth.load_certificate(server_public_key_file)
+        if secret is None:
+            raise ValueError(f"{secret_key_file}: has no secret key")
+        return cls(public, secret, server_public)
+
+
+class RouterClient:
+    """Asyncio client of one worker; create and use it inside one running event loop."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        curve: CurveClientKeys | None = None,
+        heartbeat_interval_s: float = 5.0,
+        heartbeat_timeout_s: float = 15.0,
+    ) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval_s * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
+        if curve is not None:
+            self._sock.curve_secretkey = curve.secret_key
+            self._sock.curve_publickey = curve.public_key
+            self._sock.curve_serverkey = curve.server_public_key
+        self._sock.connect(endpoint)
+        self._results: dict[str, asyncio.Future[ResultMsg]] = {}
+        self._pongs: dict[int, asyncio.Future[LoadSnapshot]] = {}
+        self._nonces = itertools.count(1)
+        self._receiver: asyncio.Task[None] | None = None
+        self.num_unmatched = 0  # replies no caller waited for (late, or a reject with no id)
+
+    async def prefill(
+        self,
+        token_ids: Sequence[int],
+        bootstrap_room: int,
+        *,
+        sampling: SamplingParams = _GREEDY,
+        return_logprob: bool = False,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> ResultMsg:
+        """Send one ``prefill`` and wait for its ``result``; a ``reject`` raises
+        ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``)."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        msg = PrefillMsg(rid, token_ids, bootstrap_room, sampling, return_logprob, deadline_s)
+        frame = encode_prefill(msg)
+        future: asyncio.Future[ResultMsg] = self._expect(self._results, rid)
+        await self._sock.send(frame)
+        return await self._wait(self._results, rid, future, timeout_s)
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the worker to drop a request; its ``prefill`` then ends with ``aborted``."""
+        await self._sock.send(encode(AbortMsg(request_id)))
+
+    async def ping(self, timeout_s: float | None = None) -> LoadSnapshot:
+        return await self._load_query(PingMsg, timeout_s)
+
+    async def drain(self, timeout_s: float | None = None) -> LoadSnapshot:
+        """Tell the worker to stop admitting; answered with its load (``draining`` set)."""
+        return await self._load_query(DrainMsg, timeout_s)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        pending: list[asyncio.Future[Any]] = [*self._results.values(), *self._pongs.values()]
+        for future in pending:
+            future.cancel()
+        self._sock.close()
+        self._ctx.term()
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _load_query(
+        self, kind: type[PingMsg] | type[DrainMsg], timeout_s: float | None
+    ) -> LoadSnapshot:
+        nonce = next(self._nonces)
+        future = self._expect(self._pongs, nonce)
+        await self._sock.send(encode(kind(nonce)))
+        return await self._wait(self._pongs, nonce, future, timeout_s)
+
+    def _expect(self, pending: dict[Any, asyncio.Future[_T]], key: Any) -> asyncio.Future[_T]:
+        if key in pending:
+            raise ValueError(f"{key!r} is already in flight on this client")
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+        pending[key] = future
+        return future
+
+    async def _wait(
+        self,
+        pending: dict[Any, asyncio.Future[_T]],
+        key: Any,
+        future: asyncio.Future[_T],
+        timeout_s: float | None,
+    ) -> _T:
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            if pending.get(key) is future:
+                del pending[key]
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                self._dispatch(decode_worker(frame))
+            except ProtocolError as exc:
+                self.num_unmatched += 1
+                log.warning("unreadable reply from the worker: %s", exc)
+
+    def _dispatch(self, msg: ResultMsg | Reject | PongMsg) -> None:
+        if isinstance(msg, PongMsg):
+            pong = None if msg.nonce is None else self._pongs.pop(msg.nonce, None)
+            if pong is not None and not pong.done():
+                pong.set_result(msg.load)
+                return
+        elif msg.request_id is not None:
+            future = self._results.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                if isinstance(msg, Reject):
+                    future.set_exception(RequestRejected(msg))
+                else:
+                    future.set_result(msg)
+                return
+        self.num_unmatched += 1
+        log.debug("reply nobody waits for: %s", msg)
+
+
+class BlockingRouterClient:
+    """``RouterClient`` driven from plain threads: an event loop runs in a helper thread."""
+
+    def __init__(self, endpoint: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="router-client")
+        self._thread.daemon = True
+        self._thread.start()
+        self._client: RouterClient = self._call(self._make(endpoint, kwargs))
+
+    async def _make(self, endpoint: str, kwargs: dict[str, Any]) -> RouterClient:
+        return RouterClient(endpoint, **kwargs)
+
+    def prefill(self, token_ids: Sequence[int], bootstrap_room: int, **kwargs: Any) -> ResultMsg:
+        """As ``RouterClient.prefill``; ``timeout_s`` (default 30 s) bounds the wait."""
+        kwargs.setdefault("timeout_s", 30.0)
+        return self._call(self._client.prefill(token_ids, bootstrap_room, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._client.abort(request_id))
+
+    def ping(self, timeout_s: float = 30.0) -> LoadSnapshot:
+        return self._call(self._client.ping(timeout_s))
+
+    def drain(self, timeout_s: float = 30.0) -> LoadSnapshot:
+        return self._call(self._client.drain(timeout_s))
+
+    def close(self) -> None:
+        self._call(self._close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> BlockingRouterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

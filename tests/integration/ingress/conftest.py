@@ -1,0 +1,159 @@
+"""A live ingress on 127.0.0.1 with a fake engine thread that answers through send_outcome."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from prefill_worker.ingress import Ingress
+from prefill_worker.protocol import LoadSnapshot, WorkerMsg, decode_worker
+from prefill_worker.request import (
+    AbortRequest,
+    FinishReason,
+    Outcome,
+    OutcomeStatus,
+    PrefillRequest,
+)
+
+VOCAB = 1000
+LOAD = LoadSnapshot(waiting=3, running=2, free_kv_pages=100, draining=False)
+
+
+class FakeEngine:
+    """Consumes the inbox. ``hold`` keeps prefills until ``release``; abort answers ``aborted``.
+
+    The first token is the prompt's last token, so a reply proves which prompt it belongs to.
+    """
+
+    def __init__(self, inbox: queue.Queue[PrefillRequest | AbortRequest]) -> None:
+        self.inbox = inbox
+        self.hold = False
+        self.held: dict[str, PrefillRequest] = {}
+        self.lock = threading.Lock()
+        self.ingress: Ingress | None = None
+        self.num_aborts_seen = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, ingress: Ingress) -> None:
+        self.ingress = ingress
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.inbox.put(AbortRequest("__stop__"))
+        self._thread.join(5)
+
+    def release(self, limit: int | None = None) -> int:
+        with self.lock:
+            ids = list(self.held)[:limit]
+            reqs = [self.held.pop(rid) for rid in ids]
+        for req in reqs:
+            self._reply(req, OutcomeStatus.OK, FinishReason.OK)
+        return len(reqs)
+
+    def _run(self) -> None:
+        while True:
+            item = self.inbox.get()
+            if isinstance(item, AbortRequest):
+                if item.request_id == "__stop__":
+                    return
+                self.num_aborts_seen += 1
+                with self.lock:
+                    req = self.held.pop(item.request_id, None)
+                if req is not None:
+                    self._reply(req, OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_ROUTER)
+            elif self.hold:
+                with self.lock:
+                    self.held[item.request_id] = item
+            else:
+                self._reply(item, OutcomeStatus.OK, FinishReason.OK)
+
+    def _reply(self, req: PrefillRequest, status: OutcomeStatus, reason: FinishReason) -> None:
+        assert self.ingress is not None
+        self.ingress.send_outcome(
+            Outcome(
+                req.request_id,
+                status,
+                reason,
+                num_prompt_tokens=len(req.token_ids),
+                first_token_id=req.token_ids[-1],
+                first_token_logprob=-0.5,
+            )
+        )
+
+
+@dataclass
+class Worker:
+    ingress: Ingress
+    engine: FakeEngine
+    endpoint: str
+
+
+def start_worker(**kwargs: object) -> Worker:
+    inbox: queue.Queue[PrefillRequest | AbortRequest] = queue.Queue()
+    engine = FakeEngine(inbox)
+    options: dict[str, object] = {
+        "vocab_size": VOCAB,
+        "max_prompt_tokens": 512,
+        "max_pool_tokens": 1024,
+        "max_inflight": 10_000,
+        "max_message_bytes": 64 * 1024,
+    }
+    options.update(kwargs)
+    ingress = Ingress("tcp://127.0.0.1:0", inbox, lambda: LOAD, **options)  # type: ignore[arg-type]
+    endpoint = ingress.start()
+    engine.start(ingress)
+    return Worker(ingress, engine, endpoint)
+
+
+def stop_worker(worker: Worker) -> None:
+    worker.engine.stop()
+    worker.ingress.close()
+
+
+@pytest.fixture
+def worker() -> Iterator[Worker]:
+    w = start_worker()
+    yield w
+    assert w.ingress.error is None
+    stop_worker(w)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def recv_msgs(sock: zmq.Socket[bytes], count: int, timeout_s: float = 10.0) -> list[WorkerMsg]:
+    """Exactly ``count`` replies, or fail after ``timeout_s``."""
+    got: list[WorkerMsg] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms), f"got {len(got)} of {count} replies"
+        got.append(decode_worker(sock.recv()))
+    return got
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll a condition another thread will make true; fail past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.002)

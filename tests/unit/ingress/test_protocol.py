@@ -1,0 +1,299 @@
+"""Wire protocol v1: every message round-trips, and every bad frame decodes to its reject."""
+
+from __future__ import annotations
+
+import math
+from array import array
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from prefill_worker.protocol import (
+    AbortMsg,
+    DrainMsg,
+    Limits,
+    LoadSnapshot,
+    PingMsg,
+    PongMsg,
+    PrefillMsg,
+    ProtocolError,
+    Reject,
+    RejectCode,
+    ResultMsg,
+    decode_router,
+    decode_worker,
+    encode,
+    encode_outcome,
+    pack_tokens,
+    unpack_tokens,
+)
+from prefill_worker.request import (
+    AbortRequest,
+    FinishReason,
+    Outcome,
+    OutcomeStatus,
+    PrefillRequest,
+    SamplingParams,
+    Timings,
+)
+
+LIMITS = Limits(vocab_size=1000, max_prompt_tokens=64, max_pool_tokens=48)
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
+
+
+def prefill_map(**changes: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "v": 1,
+        "type": "prefill",
+        "request_id": "r-1",
+        "token_ids": pack_tokens([1, 2, 3]),
+        "bootstrap_room": 42,
+        "sampling": {"temperature": 0.5, "top_p": 0.9, "top_k": 10, "seed": 7},
+        "return_logprob": True,
+        "deadline_s": 2.5,
+    }
+    m.update(changes)
+    return {k: v for k, v in m.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def decode_map(m: Any, limits: Limits = LIMITS) -> Any:
+    return decode_router(msgpack.packb(m, use_bin_type=True), limits)
+
+
+def expect_reject(m: Any, code: RejectCode, field: str | None = None) -> Reject:
+    got = decode_map(m)
+    assert isinstance(got, Reject), got
+    assert got.code is code, got
+    if field is not None:
+        assert got.field == field and field in got.message, got
+    return got
+
+
+# ── round trips ─────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        PrefillMsg("a", array("i", [0, 999, 5]), 0),
+        PrefillMsg("b" * 256, array("i", range(48)), 2**63 - 1, SamplingParams(1.5, 0.5, 3, 9)),
+        PrefillMsg("c", array("i", [1]), 5, SamplingParams(), True, 0.25),
+        AbortMsg("r-9"),
+        PingMsg(),
+        PingMsg(17),
+        DrainMsg(),
+        DrainMsg(3),
+    ],
+)
+def test_router_messages_round_trip(msg: Any) -> None:
+    expected: Any = msg
+    if isinstance(msg, PrefillMsg):
+        expected = msg.to_request(arrival_time=3.5)
+    elif isinstance(msg, AbortMsg):
+        expected = msg.to_request()
+    assert decode_router(encode(msg), LIMITS, 3.5) == expected
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        ResultMsg(
+            "r", OutcomeStatus.OK, FinishReason.OK, 10, 4, 7, -0.25, None, Timings(1, 2, 3, 4)
+        ),
+        ResultMsg(
+            "r", OutcomeStatus.FAILED, FinishReason.PEER_LOST, 3, 0, None, None, "gone", Timings()
+        ),
+        Reject(RejectCode.DRAINING, "draining", "r", "request_id"),
+        Reject(RejectCode.MALFORMED, "not a map"),
+        PongMsg(LoadSnapshot(1, 2, 3, True), 5),
+        PongMsg(LoadSnapshot(0, 0, 0, False)),
+    ],
+)
+def test_worker_messages_round_trip(msg: Any) -> None:
+    assert decode_worker(encode(msg)) == msg
+
+
+def test_prefill_becomes_a_prefill_request() -> None:
+    req = decode_router(msgpack.packb(prefill_map()), LIMITS, arrival_time=12.5)
+    assert req == PrefillRequest(
+        "r-1", array("i", [1, 2, 3]), SamplingParams(0.5, 0.9, 10, 7), True, 42, 12.5, 2.5
+    )
+    assert isinstance(req.token_ids, array) and req.token_ids.typecode == "i"
+    assert AbortMsg("x").to_request() == AbortRequest("x")
+
+
+def test_outcome_maps_to_result_and_logprob_only_when_asked() -> None:
+    outcome = Outcome(
+        "r", OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_ROUTER, 9, 1, 4, -1.5, "stop"
+    )
+    with_lp = decode_worker(encode_outcome(outcome, return_logprob=True))
+    without = decode_worker(encode_outcome(outcome, return_logprob=False))
+    assert isinstance(with_lp, ResultMsg) and isinstance(without, ResultMsg)
+    assert with_lp.first_token_logprob == -1.5 and without.first_token_logprob is None
+    assert "first_token_logprob" not in msgpack.unpackb(encode_outcome(outcome, False))
+    assert (with_lp.status, with_lp.reason, with_lp.error) == (
+        OutcomeStatus.ABORTED,
+        FinishReason.ABORTED_BY_ROUTER,
+        "stop",
+    )
+    assert (with_lp.num_prompt_tokens, with_lp.num_cached_tokens, with_lp.first_token_id) == (
+        9,
+        1,
+        4,
+    )
+
+
+def test_tokens_are_packed_little_endian_int32() -> None:
+    assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert pack_tokens(np.array([1, 256], dtype=np.int64)) == pack_tokens([1, 256])
+    assert pack_tokens(array("i", [7])) == b"\x07\x00\x00\x00"
+    assert unpack_tokens(pack_tokens([-1, 2**31 - 1])) == array("i", [-1, 2**31 - 1])
+
+
+def test_optional_fields_default_and_extra_fields_are_ignored() -> None:
+    m = prefill_map(sampling=_DROP, return_logprob=_DROP, deadline_s=_DROP, shiny="new")
+    msg = decode_map(m)
+    assert isinstance(msg, PrefillRequest)
+    assert (msg.sampling, msg.return_logprob, msg.deadline_s) == (SamplingParams(), False, None)
+    assert decode_map(prefill_map(sampling={"top_k": 1})).sampling == SamplingParams(top_k=1)
+    assert decode_map({"v": 1, "type": "ping", "x": [1, 2]}) == PingMsg()
+
+
+# ── one test per reject code ────────────────────────────────────────────────────────────────
+
+
+def test_bad_version() -> None:
+    for v in (2, 0, "1", 1.0, None):
+        expect_reject(prefill_map(v=v), RejectCode.BAD_VERSION, "v")
+
+
+def test_unknown_type() -> None:
+    got = expect_reject({"v": 1, "type": "launch", "request_id": "r"}, RejectCode.UNKNOWN_TYPE)
+    assert got.field == "type" and "launch" in got.message
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb("prefill"), b"\x85\xa1v", b"\x81\x01\x02"],
+)
+def test_malformed(frame: bytes) -> None:
+    got = decode_router(frame, LIMITS)
+    assert isinstance(got, Reject) and got.code is RejectCode.MALFORMED
+
+
+@pytest.mark.parametrize("field", ["v", "type", "request_id", "token_ids", "bootstrap_room"])
+def test_missing_field(field: str) -> None:
+    got = expect_reject(prefill_map(**{field: _DROP}), RejectCode.MISSING_FIELD, field)
+    if field not in ("v", "type", "request_id"):
+        assert got.request_id == "r-1"
+    expect_reject({"v": 1, "type": "abort"}, RejectCode.MISSING_FIELD, "request_id")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"type": 3}, "type"),
+        ({"request_id": 5}, "request_id"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "x" * 257}, "request_id"),
+        ({"token_ids": [1, 2, 3]}, "token_ids"),
+        ({"token_ids": b"\x01\x00\x00"}, "token_ids"),
+        ({"token_ids": "abcd"}, "token_ids"),
+        ({"bootstrap_room": "7"}, "bootstrap_room"),
+        ({"bootstrap_room": -1}, "bootstrap_room"),
+        ({"bootstrap_room": 2**63}, "bootstrap_room"),
+        ({"bootstrap_room": True}, "bootstrap_room"),
+        ({"sampling": [0.5]}, "sampling"),
+        ({"sampling": {"temperature": "hot"}}, "sampling.temperature"),
+        ({"sampling": {"top_p": None}}, "sampling.top_p"),
+        ({"sampling": {"top_k": 2.0}}, "sampling.top_k"),
+        ({"sampling": {"seed": "s"}}, "sampling.seed"),
+        ({"return_logprob": 1}, "return_logprob"),
+        ({"deadline_s": -1.0}, "deadline_s"),
+        ({"deadline_s": math.inf}, "deadline_s"),
+        ({"deadline_s": "soon"}, "deadline_s"),
+    ],
+)
+def test_bad_field(changes: dict[str, Any], field: str) -> None:
+    expect_reject(prefill_map(**changes), RejectCode.BAD_FIELD, field)
+
+
+def test_bad_field_in_ping_nonce() -> None:
+    expect_reject({"v": 1, "type": "ping", "nonce": "n"}, RejectCode.BAD_FIELD, "nonce")
+
+
+def test_empty_prompt() -> None:
+    got = expect_reject(prefill_map(token_ids=b""), RejectCode.EMPTY_PROMPT, "token_ids")
+    assert got.request_id == "r-1"
+
+
+@pytest.mark.parametrize("n", [10, 500])
+def test_token_out_of_range(n: int) -> None:
+    limits = Limits(1000, 1000, 1000)
+    for bad in (1000, -1, 2**31 - 1):
+        ids = [3] * n
+        ids[n // 2] = bad
+        got = decode_map(prefill_map(token_ids=pack_tokens(ids)), limits)
+        assert isinstance(got, Reject) and got.code is RejectCode.TOKEN_OUT_OF_RANGE
+        assert f"token_ids[{n // 2}] = {bad}" in got.message and got.field == "token_ids"
+    ok = decode_map(prefill_map(token_ids=pack_tokens([0] * n + [999])), limits)
+    assert isinstance(ok, PrefillRequest)
+
+
+def test_prompt_too_long() -> None:
+    over_max = expect_reject(
+        prefill_map(token_ids=pack_tokens([1] * 65)), RejectCode.PROMPT_TOO_LONG, "token_ids"
+    )
+    assert "max_prompt_tokens=64" in over_max.message
+    over_pool = expect_reject(
+        prefill_map(token_ids=pack_tokens([1] * 49)), RejectCode.PROMPT_TOO_LONG, "token_ids"
+    )
+    assert "KV pool" in over_pool.message
+    assert isinstance(decode_map(prefill_map(token_ids=pack_tokens([1] * 48))), PrefillRequest)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"temperature": -0.1}, "sampling.temperature"),
+        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"top_p": 0.0}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_k": -1}, "sampling.top_k"),
+        ({"seed": -5}, "sampling.seed"),
+    ],
+)
+def test_bad_sampling(sampling: dict[str, Any], field: str) -> None:
+    got = expect_reject(prefill_map(sampling=sampling), RejectCode.BAD_SAMPLING, field)
+    assert got.request_id == "r-1"
+
+
+def test_every_reject_code_is_documented() -> None:
+    text = DOCS.read_text()
+    for code in RejectCode:
+        assert f"`{code.value}`" in text, code
+
+
+# ── the client's side: a worker that breaks the contract ────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xc1",
+        msgpack.packb({"v": 2, "type": "pong", "load": {}}),
+        msgpack.packb({"v": 1, "type": "hello"}),
+        msgpack.packb({"v": 1, "type": "result", "request_id": "r"}),
+        msgpack.packb({"v": 1, "type": "reject", "code": "nope", "message": "m"}),
+        msgpack.packb({"v": 1, "type": "pong", "load": {"waiting": 1}}),
+    ],
+)
+def test_unreadable_worker_frames_raise_protocol_error(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_worker(frame)
