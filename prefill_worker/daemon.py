@@ -1,16 +1,393 @@
-"""Composition root: start-up → serve → drain → shutdown. (Built in the daemon issue.)"""
+"""Composition root: start-up → serve → drain → shutdown, signals, sd_notify, exit codes.
+
+The only module that sees the whole ``Config``. Threads::
+
+    main     start-up steps; then supervises: signals, drain, watchdog, gauges
+    engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
+    ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
+    http     /metrics /livez /readyz /drain (asyncio on uvloop)
+    forward  (overlap mode) the executor thread running batch N
+
+Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
+(NIXL agent and bootstrap server), engine, ingress; then ready. A failing step exits with a
+line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0 after
+a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
 
-from prefill_worker.config import Config
+from prometheus_client import CollectorRegistry
 
-log = logging.getLogger(__name__)
+from prefill_worker import __version__
+from prefill_worker.config import EX_CONFIG, Config
+from prefill_worker.http import Health, HttpServer
+from prefill_worker.ingress import CurveServerKeys, EngineInbox, Ingress
+from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.logs import configure_logging, log_outcome
+from prefill_worker.metrics import WorkerMetrics
+from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
+from prefill_worker.protocol import LoadSnapshot as PongLoad
+from prefill_worker.request import FinishReason, Outcome
+from prefill_worker.scheduler import Engine, LoadSnapshot
+from prefill_worker.sdnotify import SdNotifier
+from prefill_worker.transfer.factory import ServingBackend, make_backend
+
+log = logging.getLogger("prefill_worker.daemon")
+
+EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
+_SUPERVISE_PERIOD_S = 0.25
 
 
-def run_daemon(config: Config) -> int:
-    """Until the daemon lands: the configuration loads, and the worker says it cannot serve."""
-    logging.basicConfig(level=config.daemon.log_level.upper())
-    log.error("serve is not implemented yet; configuration for %s is valid", config.model.path)
-    return 1
+class StartupError(Exception):
+    def __init__(self, step: str, message: str, exit_code: int) -> None:
+        super().__init__(f"start-up failed at step '{step}': {message}")
+        self.step, self.exit_code = step, exit_code
+
+
+@contextmanager
+def startup_step(name: str, config_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Turn any failure inside into a ``StartupError`` naming the step."""
+    log.info("start-up: %s", name)
+    try:
+        yield
+    except config_errors as exc:
+        raise StartupError(name, str(exc), EX_CONFIG) from exc
+    except Exception as exc:
+        raise StartupError(name, f"{type(exc).__name__}: {exc}", 1) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Bytes:
+    """Bytes one prompt page moves (all layers, K and V), to count transfer bytes."""
+
+    page_size: int
+    per_page: int
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> _Bytes:
+        return cls(layout.page_size, 2 * layout.num_layers * layout.page_bytes)
+
+    def pushed(self, outcome: Outcome) -> int:
+        pages = math.ceil(outcome.num_prompt_tokens / self.page_size)
+        cached = outcome.num_cached_tokens // self.page_size
+        return (pages - cached) * self.per_page + AUX_ROW_BYTES
+
+
+class _EngineEvents:
+    """The engine's observer: metrics and the per-request log line (engine thread)."""
+
+    def __init__(self, metrics: WorkerMetrics, sizes: _Bytes) -> None:
+        self._metrics, self._sizes = metrics, sizes
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self._metrics.observe_outcome(outcome, self._sizes.pushed(outcome))
+        log_outcome(log, outcome)
+
+    def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
+        if num_batch_tokens:
+            self._metrics.observe_step(duration_s, num_batch_tokens)
+
+    def on_load(self, load: LoadSnapshot) -> None:
+        self._metrics.set_queue_sizes(load.queue_sizes())
+        self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages)
+
+
+class _IngressEvents:
+    """The ingress observer (I/O thread): reject counters."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def on_request(self) -> None:
+        return None
+
+    def on_reject(self, code: str) -> None:
+        self._metrics.on_reject(code)
+
+    def on_malformed(self) -> None:
+        self._metrics.malformed.inc()
+
+
+class Daemon:
+    def __init__(self, config: Config, env: Mapping[str, str]) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.health = Health(config.metrics.livez_stale_s)
+        self.notifier = SdNotifier.from_environ(env)
+        self.inbox: EngineInbox = queue.Queue()
+        self._wake = threading.Event()
+        self._stop_engine = threading.Event()
+        self._drain_asked = threading.Event()
+        self._num_signals = 0
+        self._engine_error: BaseException | None = None
+        self._closers: list[tuple[str, Callable[[], None]]] = []
+        self._engine: Engine | None = None
+        self._engine_thread: threading.Thread | None = None
+        self._ingress: Ingress | None = None
+        self.bootstrap_endpoint = ""
+
+    # ---- start-up ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self._start()
+        except StartupError as exc:
+            log.error("%s", exc)
+            self._close()
+            return exc.exit_code
+        if threading.current_thread() is threading.main_thread():
+            self._install_signals()
+        code = self._supervise()
+        self._close()
+        log.info("exit %d", code)
+        return code
+
+    def _start(self) -> None:
+        cfg = self.config
+        with startup_step("http", (ValueError,)):
+            http = HttpServer(cfg.metrics.bind, self.health, self.registry, self.request_drain)
+            http.start()
+            self._closers.append(("http", http.stop))
+            log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
+        runner, kv_cache, info = self._load_model()
+        with startup_step("kv pools"):
+            pages = PagePool(kv_cache.layout.num_pages)
+            aux = AuxPool(cfg.cache.num_aux_rows)
+        transfer = self._start_transfer(kv_cache.regions(aux.base_addr, aux.num_rows))
+        with startup_step("engine"):
+            engine = Engine(
+                runner,
+                transfer,
+                pages,
+                aux,
+                sink=self._reply,
+                page_size=cfg.cache.page_size,
+                chunk_size=cfg.scheduler.chunk_size,
+                max_batch_tokens=cfg.scheduler.max_batch_tokens,
+                max_running_requests=cfg.scheduler.max_running_requests,
+                bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
+                transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+                overlap=cfg.scheduler.overlap,
+                observer=_EngineEvents(self.metrics, _Bytes.of(kv_cache.layout)),
+            )
+            self._engine = engine
+        self._start_ingress(
+            info.vocab_size,
+            min(cfg.scheduler.max_prompt_tokens, info.max_position),
+            pages.num_pages * cfg.cache.page_size,
+        )
+        self._start_engine_thread(engine)
+        self.metrics.info.info(
+            {
+                "version": __version__,
+                "model": cfg.model.path,
+                "device": info.device,
+                "attention_backend": info.attention_backend,
+            }
+        )
+        self.metrics.set_kv_pages(0, pages.num_pages)
+        self.health.watch(lambda: engine.last_turn_at)
+        self.health.is_ready = True
+        self.metrics.ready.set(1)
+        self.notifier.ready(f"serving {cfg.model.path}")
+        log.info("ready: ingress %s, bootstrap %s", self.ingress.endpoint, self.bootstrap_endpoint)
+
+    def _load_model(self) -> tuple[Runner, KVCache, ModelInfo]:
+        cfg = self.config
+        with startup_step("model load", (CheckpointError, ValueError)):
+            started = time.monotonic()
+            runner, kv_cache, info = build(
+                cfg.model.path,
+                dtype=cfg.model.dtype,
+                device=cfg.model.device,
+                attention_backend=cfg.model.attention_backend,
+                page_size=cfg.cache.page_size,
+                num_pages=cfg.cache.num_pages,
+                memory_bytes=cfg.cache.memory_bytes,
+                memory_fraction=cfg.cache.memory_fraction,
+                num_threads=cfg.model.num_threads,
+            )
+            log.info(
+                "model %s (%s, %s, %s) loaded in %.1f s",
+                info.architecture,
+                info.dtype,
+                info.device,
+                info.attention_backend,
+                time.monotonic() - started,
+            )
+        return runner, kv_cache, info
+
+    def _start_transfer(self, regions: KVRegions) -> ServingBackend:
+        cfg = self.config.transfer
+        with startup_step("transfer", (ValueError,)):
+            backend = make_backend(
+                cfg.backend,
+                regions,
+                cfg.bootstrap_bind,
+                cfg.agent_name,
+                list(cfg.nixl_backends),
+                cfg.peer_timeout_s,
+                cfg.heartbeat_interval_s,
+                want_timeout_s=self.config.scheduler.bootstrap_timeout_s,
+            )
+            self._closers.append(("transfer", backend.close))
+            self.bootstrap_endpoint = backend.bootstrap_endpoint
+        return backend
+
+    def _start_ingress(self, vocab_size: int, max_prompt_tokens: int, pool_tokens: int) -> None:
+        cfg = self.config.ingress
+        with startup_step("ingress", (ValueError, OSError)):
+            curve = None
+            if cfg.curve_secret_key_file:
+                curve = CurveServerKeys.from_files(
+                    cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
+                )
+            ingress = Ingress(
+                cfg.bind,
+                self.inbox,
+                self._pong_load,
+                vocab_size=vocab_size,
+                max_prompt_tokens=max_prompt_tokens,
+                max_pool_tokens=pool_tokens,
+                max_inflight=self.config.scheduler.max_queued_requests,
+                max_message_bytes=cfg.max_message_bytes,
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                curve=curve,
+                observer=_IngressEvents(self.metrics),
+                on_drain=self.request_drain,
+            )
+            ingress.start()
+            self._ingress = ingress
+            # Closed before the engine's pools go: it flushes the last replies.
+            self._closers.append(("ingress", ingress.close))
+
+    def _start_engine_thread(self, engine: Engine) -> None:
+        def loop() -> None:
+            try:
+                engine.run(self._stop_engine, self.inbox)
+            except BaseException as exc:  # reported and turned into exit 70 by the supervisor
+                self._engine_error = exc
+            finally:
+                self._wake.set()
+
+        self._engine_thread = threading.Thread(target=loop, name="engine", daemon=True)
+        self._engine_thread.start()
+
+    @property
+    def ingress(self) -> Ingress:
+        assert self._ingress is not None, "ingress starts before anything replies"
+        return self._ingress
+
+    # ---- serving ----------------------------------------------------------------------
+
+    def request_drain(self) -> None:
+        """From any thread (HTTP, ingress, signal handler): begin a graceful drain."""
+        self._drain_asked.set()
+        self._wake.set()
+
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._num_signals += 1
+            self.request_drain()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _supervise(self) -> int:
+        drain_deadline: float | None = None
+        while True:
+            self._wake.wait(_SUPERVISE_PERIOD_S)
+            self._wake.clear()
+            if self._engine_error is not None:
+                return self._fatal()
+            if self._num_signals > 1:
+                log.warning("second signal: stopping now")
+                return self._stop(FinishReason.DRAINING, EX_FORCED)
+            if self._drain_asked.is_set() and drain_deadline is None:
+                drain_deadline = time.monotonic() + self.config.daemon.drain_timeout_s
+                self._begin_drain()
+            if drain_deadline is not None and (
+                self._is_idle() or time.monotonic() >= drain_deadline
+            ):
+                return self._stop(FinishReason.DRAINING, EX_OK)
+            if self.health.is_live():
+                self.notifier.watchdog()
+
+    def _begin_drain(self) -> None:
+        log.info("draining: new requests are rejected, in-flight ones may finish")
+        self.ingress.set_draining(True)
+        self.health.is_draining = True
+        self.metrics.draining.set(1)
+        self.notifier.stopping("draining")
+
+    def _is_idle(self) -> bool:
+        """No request held: the engine turned after this check began with nothing live."""
+        assert self._engine is not None
+        checked_at = time.monotonic()
+        if not self.inbox.empty():
+            return False
+        deadline = checked_at + 1.0
+        while self._engine.last_turn_at <= checked_at and time.monotonic() < deadline:
+            self._wake.wait(0.005)
+        return self.inbox.empty() and self._engine.load.num_live == 0
+
+    def _stop(self, reason: FinishReason, code: int) -> int:
+        assert self._engine is not None and self._engine_thread is not None
+        self._stop_engine.set()
+        self._engine_thread.join()
+        if self._engine_error is not None:
+            return self._fatal()
+        self._engine.shutdown(reason)
+        return code
+
+    def _fatal(self) -> int:
+        log.error("fatal engine error: %r; every request in flight was failed", self._engine_error)
+        if self._engine is not None:
+            self._engine.shutdown(FinishReason.ENGINE_ERROR)
+        return EX_SOFTWARE
+
+    def _reply(self, outcome: Outcome) -> None:
+        self.ingress.send_outcome(outcome)
+
+    def _pong_load(self) -> PongLoad:
+        load = self._engine.load if self._engine is not None else LoadSnapshot()
+        return PongLoad(
+            waiting=load.num_bootstrapping + load.num_waiting,
+            running=load.num_prefilling + load.num_transferring,
+            free_kv_pages=load.num_free_pages,
+            draining=self._ingress is not None and self._ingress.is_draining,
+        )
+
+    def _close(self) -> None:
+        self.health.is_ready = False
+        self.metrics.ready.set(0)
+        for name, close in reversed(self._closers):
+            try:
+                close()
+            except Exception:
+                log.exception("closing %s failed", name)
+        self.notifier.close()
+
+
+def run_daemon(config: Config, env: Mapping[str, str] | None = None) -> int:
+    configure_logging(config.daemon.log_level, config.daemon.log_format)
+    return Daemon(config, os.environ if env is None else env).run()
+
+
+__all__ = ["Daemon", "StartupError", "run_daemon"]

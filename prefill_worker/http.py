@@ -24,24 +24,25 @@ _READ_TIMEOUT_S = 5.0
 
 
 class Health:
-    """Liveness and readiness, written by the daemon and engine, read by the HTTP thread."""
+    """Liveness and readiness: set by the daemon, read by the HTTP thread.
+
+    Live while starting up; once ``watch`` names the engine's last-turn clock, live only while
+    the engine loop turned within ``livez_stale_s``."""
 
     def __init__(self, livez_stale_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._stale_s = livez_stale_s
         self._clock = clock
-        self._last_tick = clock()
+        self._last_turn_at: Callable[[], float] | None = None
         self.is_ready = False
         self.is_draining = False
 
-    def tick(self) -> None:
-        """The engine loop turned."""
-        self._last_tick = self._clock()
+    def watch(self, last_turn_at: Callable[[], float]) -> None:
+        self._last_turn_at = last_turn_at
 
     def is_live(self) -> bool:
-        return self._clock() - self._last_tick <= self._stale_s
-
-    def can_serve(self) -> bool:
-        return self.is_ready and not self.is_draining
+        if self._last_turn_at is None:
+            return True
+        return self._clock() - self._last_turn_at() <= self._stale_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,11 @@ class WorkerMetrics:
             ["code"],
             registry=registry,
         )
+        self.malformed = Counter(
+            "prefill_worker_malformed_messages_total",
+            "Frames that were not a readable message (answered with a reject when possible)",
+            registry=registry,
+        )
         self.queue = Gauge(
             "prefill_worker_queue_requests",
             "Requests held, by state",

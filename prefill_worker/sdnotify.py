@@ -25,7 +25,9 @@ class SdNotifier:
         self._address = _address(socket_path) if socket_path else None
         self._sock: socket.socket | None = None
         if self._address is not None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+            )
         self._clock = clock
         self._watchdog_period_s = watchdog_usec / 2e6 if watchdog_usec else None
         self._last_watchdog = float("-inf")
@@ -45,6 +47,9 @@ class SdNotifier:
             return
         try:
             self._sock.sendto("\n".join(fields).encode(), self._address)
+        except BlockingIOError:
+            # The manager is not reading (its queue holds ~10): drop rather than stall the loop.
+            log.debug("sd_notify queue full; dropped %s", fields[0])
         except OSError as exc:
             log.warning("sd_notify failed: %s", exc)
 

@@ -54,10 +54,14 @@ def test_readyz_follows_health(served) -> None:
 
 def test_livez_goes_stale(served) -> None:
     server, health, clock, _ = served
+    clock.now += 60.0
+    assert get(server.port, "/livez")[0] == 200  # starting up: live before the engine runs
+    last_turn = [clock.now]
+    health.watch(lambda: last_turn[0])
     assert get(server.port, "/livez")[0] == 200
     clock.now += 6.0
     assert get(server.port, "/livez") == (503, "engine loop stalled\n")
-    health.tick()
+    last_turn[0] = clock.now
     assert get(server.port, "/livez")[0] == 200
 
 

@@ -1,0 +1,145 @@
+"""`prefill-worker serve` as a subprocess: requests end to end (router → worker → NIXL → decode,
+checked against transformers), SIGTERM drain during a burst, forced stop, start-up failures,
+sd_notify order, and the metrics endpoint."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from prefill_worker.client import RequestRejected
+from prefill_worker.request import OutcomeStatus
+from tests.checkpoints import hf_model, prompt
+from tests.integration.daemon.conftest import Decode, wait_until
+
+LENGTHS = (5, 17, 40, 63)
+
+
+def hf_reference(checkpoint, ids: list[int]):  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        out = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True)
+    kv = [
+        (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+        for layer in out.past_key_values.layers
+    ]
+    return int(out.logits[0, -1].argmax()), kv
+
+
+def test_requests_end_to_end(worker_factory, router_factory, checkpoint) -> None:
+    worker = worker_factory()
+    assert worker.http("/readyz") == (200, "ready\n")
+    assert worker.http("/livez")[0] == 200
+    decode = Decode(worker.bootstrap)
+    router = router_factory(worker.ingress)
+    prompts = {room: prompt(n, seed=room) for room, n in enumerate(LENGTHS, start=101)}
+    for room, ids in prompts.items():
+        decode.want(room, len(ids))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = {
+            room: pool.submit(router.prefill, ids, room, return_logprob=True)
+            for room, ids in prompts.items()
+        }
+        statuses = decode.wait(list(prompts))
+        results = {room: future.result(timeout=60) for room, future in futures.items()}
+    for room, ids in prompts.items():
+        first_token, hf_kv = hf_reference(checkpoint, ids)
+        result = results[room]
+        assert result.status is OutcomeStatus.OK, result
+        assert result.first_token_id == first_token
+        assert result.num_prompt_tokens == len(ids)
+        assert result.first_token_logprob is not None and result.first_token_logprob <= 0
+        assert statuses[room].state.value == "done"
+        aux = decode.receiver.read_aux(decode.rooms[room][1])
+        assert (aux.first_token_id, aux.num_prompt_tokens) == (first_token, len(ids))
+        for layer, (k_ref, v_ref) in enumerate(hf_kv):
+            k, v = decode.kv(room, len(ids), layer)
+            torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=0)
+    status, text = worker.http("/metrics")
+    assert status == 200
+    assert 'prefill_worker_requests_total{reason="ok",status="ok"} 4.0' in text
+    decode.close()
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.wait_exit(30) == 0
+
+
+def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
+    worker = worker_factory(env={"WATCHDOG_USEC": "400000"})
+    decode = Decode(worker.bootstrap)
+    router = router_factory(worker.ingress)
+    prompts = {room: prompt(8 + 5 * room, seed=room) for room in range(1, 7)}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = {room: pool.submit(router.prefill, ids, room) for room, ids in prompts.items()}
+        # Every request accepted and waiting for its decode peer: now the signal.
+        wait_until(lambda: router.ping().waiting == len(prompts), 30, "all requests accepted")
+        wait_until(lambda: "WATCHDOG=1" in worker.notifications, 30, "a watchdog ping")
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: worker.http("/readyz")[0] == 503, 10, "readyz 503")
+        assert worker.http("/readyz") == (503, "draining\n")
+        with pytest.raises(RequestRejected) as rejected:
+            router.prefill(prompt(9, seed=99), 99)
+        assert rejected.value.code == "draining"
+        for room, ids in prompts.items():
+            decode.want(room, len(ids))
+        statuses = decode.wait(list(prompts))
+        results = {room: future.result(timeout=60) for room, future in futures.items()}
+    assert all(r.status is OutcomeStatus.OK for r in results.values()), results
+    assert all(s.state.value == "done" for s in statuses.values())
+    assert worker.wait_exit(30) == 0
+    notes = list(worker.notifications)
+    kinds = [n.split("\n")[0] for n in notes]
+    assert kinds[0] == "READY=1"
+    assert "STOPPING=1" in kinds
+    assert "WATCHDOG=1" in kinds[: kinds.index("STOPPING=1")], kinds
+    assert kinds.index("READY=1") < kinds.index("STOPPING=1")
+    decode.close()
+
+
+def test_drain_timeout_fails_what_is_left(worker_factory, router_factory) -> None:
+    worker = worker_factory("daemon.drain_timeout_s=1.0", "scheduler.bootstrap_timeout_s=60")
+    router = router_factory(worker.ingress)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(router.prefill, prompt(10, seed=5), 5)  # no decode peer ever wants it
+        wait_until(lambda: router.ping().waiting == 1, 30, "request accepted")
+        sent_at = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        result = future.result(timeout=30)
+    assert result.status is OutcomeStatus.FAILED and "draining" in (result.error or "")
+    assert worker.wait_exit(30) == 0
+    assert time.monotonic() - sent_at < 15
+
+
+def test_second_signal_forces(worker_factory, router_factory) -> None:
+    worker = worker_factory("daemon.drain_timeout_s=60", "scheduler.bootstrap_timeout_s=60")
+    router = router_factory(worker.ingress)
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(router.prefill, prompt(10, seed=6), 6)
+        wait_until(lambda: router.ping().waiting == 1, 30, "request accepted")
+        worker.proc.send_signal(signal.SIGINT)
+        wait_until(lambda: worker.http("/readyz")[0] == 503, 10, "draining")
+        worker.proc.send_signal(signal.SIGINT)
+        result = future.result(timeout=30)
+    assert result.status is OutcomeStatus.FAILED
+    assert worker.wait_exit(20) == 1
+
+
+def test_bad_checkpoint_exits_78_naming_the_step(worker_factory, tmp_path) -> None:
+    worker = worker_factory(f"model.path={tmp_path / 'missing'}", ready=False)
+    assert worker.wait_exit(60) == 78
+    assert "start-up failed at step 'model load'" in worker.log()
+
+
+def test_port_in_use_names_the_step(worker_factory) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        worker = worker_factory(f"metrics.bind=127.0.0.1:{port}", ready=False)
+        assert worker.wait_exit(60) == 1
+    assert "start-up failed at step 'http'" in worker.log()

@@ -1,0 +1,120 @@
+"""Readiness follows start-up: /readyz answers 503 while the model loads, 200 once serving,
+503 again while draining; POST /drain ends the daemon with exit 0. In-process, with the model
+load held back by a gate so the 503 is observed for certain."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from prefill_worker import daemon as daemon_module
+from prefill_worker.config import load_config
+from tests.integration.daemon.conftest import ROOT, free_port, wait_until
+
+
+def test_readyz_503_until_loaded_then_200_then_drain(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    real_build = daemon_module.build
+
+    def gated_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert gate.wait(60)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(daemon_module, "build", gated_build)
+    http_port = free_port()
+    config = load_config(
+        ROOT / "configs" / "tiny-test.yaml",
+        env={},
+        overrides=[
+            f"model.path={checkpoint}",
+            f"metrics.bind=127.0.0.1:{http_port}",
+            f"ingress.bind=tcp://127.0.0.1:{free_port()}",
+            f"transfer.bootstrap_bind=tcp://127.0.0.1:{free_port()}",
+        ],
+    )
+    daemon = daemon_module.Daemon(config, env={})
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    try:
+        health = daemon.health
+        wait_until(lambda: not gate.is_set() and _get(http_port, "/readyz") == 503, 30, "503")
+        assert not health.is_ready
+        gate.set()
+        wait_until(lambda: _get(http_port, "/readyz") == 200, 60, "ready")
+        assert _get(http_port, "/livez") == 200
+        assert _get(http_port, "/drain", "POST") == 202
+        thread.join(timeout=30)
+        assert codes == [0]
+    finally:
+        gate.set()
+        daemon.request_drain()
+        thread.join(timeout=30)
+
+
+def _get(port: int, path: str, method: str = "GET") -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+class _BrokenRunner:
+    def run(self, plan):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device fell over")
+
+
+def test_fatal_engine_error_fails_in_flight_and_exits_70(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, router_factory
+) -> None:
+    from prefill_worker.request import OutcomeStatus
+    from tests.checkpoints import prompt
+    from tests.integration.daemon.conftest import Decode
+
+    real_build = daemon_module.build
+
+    def broken_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        _, kv_cache, info = real_build(*args, **kwargs)
+        return _BrokenRunner(), kv_cache, info
+
+    monkeypatch.setattr(daemon_module, "build", broken_build)
+    bootstrap = f"tcp://127.0.0.1:{free_port()}"
+    ingress = f"tcp://127.0.0.1:{free_port()}"
+    config = load_config(
+        ROOT / "configs" / "tiny-test.yaml",
+        env={},
+        overrides=[
+            f"model.path={checkpoint}",
+            f"metrics.bind=127.0.0.1:{free_port()}",
+            f"ingress.bind={ingress}",
+            f"transfer.bootstrap_bind={bootstrap}",
+        ],
+    )
+    daemon = daemon_module.Daemon(config, env={})
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    try:
+        wait_until(lambda: daemon.health.is_ready, 60, "ready")
+        decode = Decode(bootstrap)
+        decode.want(7, 12)
+        result = router_factory(ingress).prefill(prompt(12, seed=7), 7)
+        assert result.status is OutcomeStatus.FAILED
+        assert result.reason.value == "engine_error" and "device fell over" in (result.error or "")
+        thread.join(timeout=30)
+        assert codes == [70]
+        decode.close()
+    finally:
+        daemon.request_drain()
+        thread.join(timeout=30)
