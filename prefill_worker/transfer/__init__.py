@@ -1,1 +1,27 @@
-"""KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK."""
+"""KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK.
+
+Public for decode engines: ``KVReceiver`` (with ``RoomState``, ``RoomStatus``,
+``RegistrationError``); for the daemon: ``make_backend``. Exported lazily, so importing
+``prefill_worker.transfer.base`` stays free of NIXL and ZMQ.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "KVReceiver": "prefill_worker.transfer.receiver",
+    "RoomState": "prefill_worker.transfer.receiver",
+    "RoomStatus": "prefill_worker.transfer.receiver",
+    "RegistrationError": "prefill_worker.transfer.receiver",
+    "make_backend": "prefill_worker.transfer.factory",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

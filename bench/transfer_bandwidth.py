@@ -1,0 +1,183 @@
+"""KV push bandwidth over real NIXL to a decode process, against an in-process memcpy.
+
+A Llama-3-8B-shaped KV pool (32 layers, 8 KV heads, head_dim 128, bf16, page size 16: 32 KiB
+per page and region) for 1k and 8k tokens, pushed in chunks (2048 tokens by default) to a
+KVReceiver in a spawned process, with contiguous and fully scattered page maps (no two
+consecutive pages adjacent on either side). The reference is a memcpy of the same number of
+bytes in this process, in the same run. One JSON line per case::
+
+    {"name": "transfer", "tokens", "layout", "gb_s", "memcpy_gb_s", "ratio", "prep_ms"}
+
+``prep_ms`` is the per-request time spent building descriptor indices and NIXL transfer
+requests (all chunks). Goals: ratio >= 0.8 contiguous, >= 0.5 scattered, prep_ms <= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.layout import KVLayout, KVRegions
+
+PAGE_SIZE = 16
+NUM_LOCAL_PAGES = 8192 // PAGE_SIZE
+NUM_DECODE_PAGES = NUM_LOCAL_PAGES + NUM_LOCAL_PAGES // 4
+
+
+def layout(num_pages: int) -> KVLayout:
+    return KVLayout(32, 8, 128, "bfloat16", PAGE_SIZE, num_pages)
+
+
+def regions_over(lay: KVLayout, buf: np.ndarray, aux: AuxPool) -> KVRegions:
+    """K of each layer, then V of each layer, back to back in ``buf``."""
+    base = int(buf.ctypes.data)
+    starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
+    k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
+    return KVRegions(lay, k, v, "cpu", aux.base_addr, aux.num_rows)
+
+
+def decode_main(conn: Connection, addr: str) -> None:
+    from prefill_worker.transfer import KVReceiver, RoomState
+
+    lay = layout(NUM_DECODE_PAGES)
+    pool = np.ones(2 * lay.num_layers * lay.region_bytes, np.uint8)  # touched: no page faults
+    aux = AuxPool(16)
+    receiver = KVReceiver(regions_over(lay, pool, aux), addr, heartbeat_interval_s=0.2)
+    receiver.wait_registered(30.0)
+    conn.send("registered")
+    while True:
+        receiver.progress()
+        if not conn.poll(0.0005):
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            break
+        if cmd == "want":
+            receiver.want(*args)
+            conn.send("ok")
+        elif cmd == "wait":
+            while receiver.poll(args[0]).state is RoomState.PENDING:
+                receiver.progress()
+            conn.send(receiver.poll(args[0]).state.value)
+            receiver.forget(args[0])
+    receiver.close()
+
+
+def scattered(rng: np.random.Generator, pool_pages: int, n: int) -> list[int]:
+    """n distinct pages of the pool, no two consecutive entries adjacent in memory."""
+    while True:
+        pages = rng.choice(pool_pages, n, replace=False)
+        if not np.any(np.abs(np.diff(pages)) == 1):
+            return [int(p) for p in pages]
+
+
+def memcpy_gb_s(src: np.ndarray, nbytes: int, repeats: int) -> float:
+    dst = np.ones(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src[:nbytes])
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def push_once(
+    backend, conn: Connection, room: int, src: list[int], dst: list[int], chunk_pages: int
+) -> tuple[float, float]:
+    """(seconds from first chunk to status ok, prep seconds) for one request."""
+    from prefill_worker.transfer.base import KVPoll
+
+    conn.send(("want", room, dst, 0, 0))
+    assert conn.recv() == "ok"
+    sender = backend.create_sender(room, f"bench-{room}", len(src) * PAGE_SIZE)
+    while sender.poll() is not KVPoll.READY:
+        backend.poll()
+        assert not sender.poll().is_terminal, sender.failure_reason()
+    start = time.perf_counter()
+    for first in range(0, len(src), chunk_pages):
+        sender.send_pages(src[first : first + chunk_pages], first)
+        backend.poll()
+    sender.send_aux(0)
+    while not sender.poll().is_terminal:
+        backend.poll()
+    elapsed = time.perf_counter() - start
+    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    conn.send(("wait", room))
+    assert conn.recv() == "done"
+    prep_s = sender.prep_s
+    sender.close()
+    return elapsed, prep_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens per chunk")
+    args = parser.parse_args()
+    from prefill_worker.transfer import make_backend
+
+    lay = layout(NUM_LOCAL_PAGES)
+    pool = np.random.default_rng(0).integers(
+        0, 256, 2 * lay.num_layers * lay.region_bytes, np.uint8
+    )
+    aux = AuxPool(16)
+    row = aux.try_alloc()
+    assert row == 0
+    aux.write(row, AuxRow(1, 0.0, 8192, 0))
+    backend = make_backend(
+        "nixl", regions_over(lay, pool, aux), "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.2
+    )
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=decode_main, args=(child, backend.bootstrap_endpoint), daemon=True)
+    proc.start()
+    while not conn.poll(0.001):
+        backend.poll()
+    assert conn.recv() == "registered"
+    rng = np.random.default_rng(1)
+    room = 1
+    try:
+        for tokens in (1024, 8192):
+            n = tokens // PAGE_SIZE
+            nbytes = n * lay.page_bytes * 2 * lay.num_layers
+            for kind in ("contiguous", "scattered"):
+                times, preps = [], []
+                for _ in range(args.repeats + 1):  # the first is a warm-up
+                    if kind == "contiguous":
+                        src, dst = list(range(n)), list(range(7, 7 + n))
+                    else:
+                        src = scattered(rng, NUM_LOCAL_PAGES, n)
+                        dst = scattered(rng, NUM_DECODE_PAGES, n)
+                    room += 1
+                    elapsed, prep_s = push_once(
+                        backend, conn, room, src, dst, args.chunk_tokens // PAGE_SIZE
+                    )
+                    times.append(elapsed)
+                    preps.append(prep_s)
+                gb_s = nbytes / statistics.median(times[1:]) / 1e9
+                ref = memcpy_gb_s(pool, nbytes, args.repeats)
+                line = {
+                    "name": "transfer",
+                    "tokens": tokens,
+                    "layout": kind,
+                    "gb_s": round(gb_s, 3),
+                    "memcpy_gb_s": round(ref, 3),
+                    "ratio": round(gb_s / ref, 3),
+                    "prep_ms": round(statistics.median(preps[1:]) * 1e3, 3),
+                }
+                print(json.dumps(line), flush=True)
+    finally:
+        conn.send(("exit",))
+        proc.join(10)
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()

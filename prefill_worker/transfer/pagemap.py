@@ -1,0 +1,99 @@
+"""Page arithmetic shared by every backend: checking a ``want``, mapping local pages to the
+decode peer's pages, and turning pages into descriptor indices.
+
+Descriptor lists (local and per decode peer) are prepared once, region-major::
+
+    index  r * num_pages + p       page p of region r; regions 0..L-1 are K of layers 0..L-1,
+                                   regions L..2L-1 are V of layers 0..L-1
+    index  2L * num_pages + row    aux row `row`
+
+so a run of adjacent pages is a run of adjacent indices, which NIXL merges into one
+descriptor when both sides are adjacent in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefill_worker.kv.aux import AUX_ROW_BYTES
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.wire import Want
+
+
+def num_prompt_pages(num_prompt_tokens: int, page_size: int) -> int:
+    return -(-num_prompt_tokens // page_size)
+
+
+def check_want(
+    want: Want, num_prompt_tokens: int, local: KVLayout, remote: KVRegions
+) -> str | None:
+    """Why the decode peer's ``want`` cannot be served for this prompt, or None if it can."""
+    page_size = local.page_size
+    if want.num_cached_tokens < 0 or want.num_cached_tokens % page_size:
+        return f"num_cached_tokens {want.num_cached_tokens} is not a multiple of {page_size}"
+    if want.num_cached_tokens > num_prompt_tokens:
+        return (
+            f"num_cached_tokens {want.num_cached_tokens} exceeds the prompt ({num_prompt_tokens})"
+        )
+    needed = num_prompt_pages(num_prompt_tokens, page_size) - want.num_cached_tokens // page_size
+    if len(want.dst_page_ids) != needed:
+        return f"want names {len(want.dst_page_ids)} pages, the prompt needs {needed}"
+    if any(p < 0 or p >= remote.layout.num_pages for p in want.dst_page_ids):
+        return f"dst_page_ids outside the decode pool of {remote.layout.num_pages} pages"
+    if len(set(want.dst_page_ids)) != len(want.dst_page_ids):
+        return "dst_page_ids repeat a page"
+    if not 0 <= want.dst_aux_slot < remote.num_aux_rows:
+        return f"dst_aux_slot {want.dst_aux_slot} outside 0..{remote.num_aux_rows - 1}"
+    return None
+
+
+def map_pages(
+    page_ids: Sequence[int], first_page: int, num_cached_pages: int, dst_page_ids: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(local pages, decode pages) for prompt pages [first_page, first_page + len(page_ids)),
+    skipping the ones the decode peer already holds."""
+    skip = min(len(page_ids), max(0, num_cached_pages - first_page))
+    src = np.asarray(page_ids[skip:], dtype=np.int64)
+    start = first_page + skip - num_cached_pages
+    dst = np.asarray(dst_page_ids[start : start + len(src)], dtype=np.int64)
+    if len(dst) != len(src):
+        raise ValueError(f"prompt pages up to {first_page + len(page_ids)} exceed the want")
+    return src, dst
+
+
+def region_indices(pages: np.ndarray, num_regions: int, num_pages: int) -> np.ndarray:
+    """Descriptor indices of ``pages`` in every region, region-major: [num_regions * len]."""
+    base = np.arange(num_regions, dtype=np.int64)[:, None] * num_pages
+    return (base + pages[None, :]).ravel().astype(np.int32)
+
+
+def aux_index(row: int, num_regions: int, num_pages: int) -> int:
+    return num_regions * num_pages + row
+
+
+def descriptor_table(regions: KVRegions) -> np.ndarray:
+    """The [2L * num_pages + num_aux_rows, 3] (addr, len, dev) table, indexed as above."""
+    lay = regions.layout
+    bases = np.asarray(regions.k_base_addrs + regions.v_base_addrs, dtype=np.uint64)
+    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_bytes)
+    kv = (bases[:, None] + pages[None, :]).ravel()
+    aux = (
+        np.uint64(regions.aux_base_addr)
+        + np.arange(regions.num_aux_rows, dtype=np.uint64) * AUX_ROW_BYTES
+    )
+    addrs = np.concatenate([kv, aux])
+    lens = np.concatenate(
+        [np.full(kv.size, lay.page_bytes, np.uint64), np.full(aux.size, AUX_ROW_BYTES, np.uint64)]
+    )
+    dev = np.full(addrs.size, device_id(regions.device), np.uint64)
+    return np.stack([addrs, lens, dev], axis=1)
+
+
+def device_id(device: str) -> int:
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+def mem_type(device: str) -> str:
+    return "DRAM" if device == "cpu" else "VRAM"

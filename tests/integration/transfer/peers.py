@@ -1,0 +1,91 @@
+"""Child-process mains for the transfer tests: a decode peer (KVReceiver over a shared-memory
+pool the test reads directly) and a prefill worker (NixlBackend). Commands come over a pipe."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from prefill_worker.kv.aux import AUX_ROW_BYTES
+from prefill_worker.kv.layout import KVLayout, KVRegions
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    layout: KVLayout
+    num_aux_rows: int
+
+    @property
+    def nbytes(self) -> int:
+        lay = self.layout
+        return 2 * lay.num_layers * lay.region_bytes + self.num_aux_rows * AUX_ROW_BYTES
+
+
+def regions_over(spec: PoolSpec, buf: np.ndarray, aux_addr: int | None = None) -> KVRegions:
+    """KV regions laid out back to back in ``buf``: K of each layer, V of each layer, then the
+    aux rows (unless they live at ``aux_addr``)."""
+    lay = spec.layout
+    base = int(buf.ctypes.data)
+    starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
+    aux = base + 2 * lay.num_layers * lay.region_bytes if aux_addr is None else aux_addr
+    k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
+    return KVRegions(lay, k, v, "cpu", aux, spec.num_aux_rows)
+
+
+def decode_main(
+    conn: Connection, shm_name: str, spec: PoolSpec, addr: str, timeout_s: float
+) -> None:
+    from prefill_worker.transfer import KVReceiver, RoomState
+
+    shm = shared_memory.SharedMemory(name=shm_name)
+    buf = np.frombuffer(shm.buf, dtype=np.uint8)
+    receiver = KVReceiver(
+        regions_over(spec, buf), addr, peer_timeout_s=timeout_s, heartbeat_interval_s=0.1
+    )
+    conn.send("started")
+    while True:
+        receiver.progress()
+        if not conn.poll(0.002):
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            break
+        if cmd == "registered":
+            try:
+                receiver.wait_registered(args[0])
+                conn.send(None)
+            except RuntimeError as exc:
+                conn.send(str(exc))
+        elif cmd == "want":
+            receiver.want(*args)
+            conn.send("ok")
+        elif cmd == "abort":
+            receiver.abort(args[0])
+            conn.send("ok")
+        elif cmd == "wait":
+            room, deadline = args[0], time.monotonic() + args[1]
+            status = receiver.poll(room)
+            while status.state is RoomState.PENDING and time.monotonic() < deadline:
+                time.sleep(0.001)
+                status = receiver.poll(room)
+            conn.send((status.state.value, status.reason))
+    receiver.close()
+    del buf
+    shm.close()
+
+
+def prefill_main(conn: Connection, spec: PoolSpec, timeout_s: float) -> None:
+    from prefill_worker.transfer import make_backend
+
+    buf = np.zeros(spec.nbytes, np.uint8)
+    backend = make_backend(
+        "nixl", regions_over(spec, buf), "tcp://127.0.0.1:0", None, ["UCX"], timeout_s, 0.1, 5.0
+    )
+    conn.send(backend.bootstrap_endpoint)
+    while True:
+        backend.poll()
+        time.sleep(0.001)

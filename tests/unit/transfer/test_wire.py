@@ -1,0 +1,126 @@
+"""The bootstrap protocol codec and the metadata frame: round trips, and refusals that name
+what is wrong."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer import wire
+
+LAYOUT = KVLayout(2, 4, 64, "bfloat16", 16, 100)
+REGIONS = KVRegions(LAYOUT, (1 << 40, 2 << 40), (3 << 40, 4 << 40), "cuda:1", 5 << 40, 64)
+
+MESSAGES: list[wire.Message] = [
+    wire.Register("decode-a", wire.frame_metadata(b"md"), REGIONS, LAYOUT.compat_hash()),
+    wire.Want(2**63 - 1, (5, 0, 99), 3, 32),
+    wire.Abort(7),
+    wire.Heartbeat(),
+    wire.Bye(),
+    wire.Registered(False, "layout mismatch", "prefill-x", 1.0, 10.0),
+    wire.Status(9, "failed", "peer silent"),
+    wire.Status(9, "ok"),
+    wire.Reject("bad"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: wire.Message) -> None:
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+@given(
+    room=st.integers(0, 2**63 - 1),
+    pages=st.lists(st.integers(0, 2**31 - 1), max_size=300),
+    slot=st.integers(0, 2**31),
+    cached=st.integers(0, 2**31),
+)
+def test_want_round_trip(room: int, pages: list[int], slot: int, cached: int) -> None:
+    msg = wire.Want(room, tuple(pages), slot, cached)
+    assert wire.decode(wire.encode(msg)) == msg
+
+
+def test_page_ids_travel_packed_int32() -> None:
+    body = msgpack.unpackb(wire.encode(wire.Want(1, (1, 2, 3), 0, 0)))
+    assert body["v"] == 1 and body["type"] == "want"
+    assert body["dst_page_ids"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00"
+
+
+def _raw(**fields: object) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("frame", "why"),
+    [
+        (b"\xc1", "not a msgpack"),
+        (_raw(v=1), "missing field type"),
+        (msgpack.packb([1, 2]), "not a map"),
+        (_raw(v=2, type="abort", room=1), "unsupported version"),
+        (_raw(v=1, type="nope"), "unknown message type"),
+        (_raw(v=1, type="abort"), "missing field room"),
+        (_raw(v=1, type="abort", room="x"), "field room has the wrong type"),
+        (_raw(v=1, type="abort", room=True), "field room has the wrong type"),
+        (
+            _raw(
+                v=1, type="want", room=1, dst_page_ids=b"abc", dst_aux_slot=0, num_cached_tokens=0
+            ),
+            "not packed int32",
+        ),
+        (_raw(v=1, type="status", room=1, status="maybe"), "unknown code"),
+    ],
+)
+def test_bad_messages_name_the_problem(frame: bytes, why: str) -> None:
+    with pytest.raises(wire.WireError, match=why):
+        wire.decode(frame)
+
+
+def test_register_checks_the_layout_fields() -> None:
+    good = msgpack.unpackb(wire.encode(MESSAGES[0]))
+    for key, value, why in [
+        ("dtype", "int7", "unknown dtype"),
+        ("num_pages", 0, "positive"),
+        ("head_dim", "64", "layout.head_dim has the wrong type"),
+    ]:
+        body = dict(good, layout=dict(good["layout"], **{key: value}))
+        with pytest.raises(wire.WireError, match=why):
+            wire.decode(msgpack.packb(body, use_bin_type=True))
+    body = dict(good, k_base_addrs=[1])
+    with pytest.raises(wire.WireError, match="one address per layer"):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_unknown_extra_fields_are_ignored() -> None:
+    assert wire.decode(_raw(v=1, type="abort", room=3, extra="x")) == wire.Abort(3)
+
+
+@given(st.binary(max_size=2000))
+def test_frame_round_trip(payload: bytes) -> None:
+    assert wire.unframe_metadata(wire.frame_metadata(payload)) == payload
+
+
+@given(st.binary(min_size=1, max_size=500), st.data())
+def test_any_single_byte_flip_or_cut_is_refused(payload: bytes, data: st.DataObject) -> None:
+    frame = wire.frame_metadata(payload)
+    i = data.draw(st.integers(0, len(frame) - 1))
+    flipped = frame[:i] + bytes([frame[i] ^ data.draw(st.integers(1, 255))]) + frame[i + 1 :]
+    with pytest.raises(wire.WireError):
+        wire.unframe_metadata(flipped)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(wire.WireError):
+        wire.unframe_metadata(frame[:cut])
+
+
+def test_frame_errors_say_why() -> None:
+    frame = wire.frame_metadata(b"x" * 100)
+    with pytest.raises(wire.WireError, match="truncated"):
+        wire.unframe_metadata(frame[:10])
+    with pytest.raises(wire.WireError, match="length mismatch"):
+        wire.unframe_metadata(frame[:-1])
+    with pytest.raises(wire.WireError, match="checksum"):
+        wire.unframe_metadata(frame[:-1] + b"y")
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.unframe_metadata(b"ABCD" + frame[4:])
