@@ -17,7 +17,6 @@ a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import signal
@@ -25,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
@@ -34,12 +32,13 @@ from prefill_worker import __version__
 from prefill_worker.config import EX_CONFIG, Config
 from prefill_worker.http import Health, HttpServer
 from prefill_worker.ingress import CurveServerKeys, EngineInbox, Ingress
-from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.logs import configure_logging, log_outcome
+from prefill_worker.logs import configure_logging
 from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
+from prefill_worker.observers import EngineEvents, IngressEvents, PushedBytes
 from prefill_worker.protocol import LoadSnapshot as PongLoad
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler import Engine, LoadSnapshot
@@ -68,58 +67,6 @@ def startup_step(name: str, config_errors: tuple[type[Exception], ...] = ()) -> 
         raise StartupError(name, str(exc), EX_CONFIG) from exc
     except Exception as exc:
         raise StartupError(name, f"{type(exc).__name__}: {exc}", 1) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class _Bytes:
-    """Bytes one prompt page moves (all layers, K and V), to count transfer bytes."""
-
-    page_size: int
-    per_page: int
-
-    @classmethod
-    def of(cls, layout: KVLayout) -> _Bytes:
-        return cls(layout.page_size, 2 * layout.num_layers * layout.page_bytes)
-
-    def pushed(self, outcome: Outcome) -> int:
-        pages = math.ceil(outcome.num_prompt_tokens / self.page_size)
-        cached = outcome.num_cached_tokens // self.page_size
-        return (pages - cached) * self.per_page + AUX_ROW_BYTES
-
-
-class _EngineEvents:
-    """The engine's observer: metrics and the per-request log line (engine thread)."""
-
-    def __init__(self, metrics: WorkerMetrics, sizes: _Bytes) -> None:
-        self._metrics, self._sizes = metrics, sizes
-
-    def on_outcome(self, outcome: Outcome) -> None:
-        self._metrics.observe_outcome(outcome, self._sizes.pushed(outcome))
-        log_outcome(log, outcome)
-
-    def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
-        if num_batch_tokens:
-            self._metrics.observe_step(duration_s, num_batch_tokens)
-
-    def on_load(self, load: LoadSnapshot) -> None:
-        self._metrics.set_queue_sizes(load.queue_sizes())
-        self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages)
-
-
-class _IngressEvents:
-    """The ingress observer (I/O thread): reject counters."""
-
-    def __init__(self, metrics: WorkerMetrics) -> None:
-        self._metrics = metrics
-
-    def on_request(self) -> None:
-        return None
-
-    def on_reject(self, code: str) -> None:
-        self._metrics.on_reject(code)
-
-    def on_malformed(self) -> None:
-        self._metrics.malformed.inc()
 
 
 class Daemon:
@@ -183,7 +130,7 @@ class Daemon:
                 bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
                 transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
                 overlap=cfg.scheduler.overlap,
-                observer=_EngineEvents(self.metrics, _Bytes.of(kv_cache.layout)),
+                observer=EngineEvents(self.metrics, PushedBytes.of(kv_cache.layout), log),
             )
             self._engine = engine
         self._start_ingress(
@@ -269,7 +216,7 @@ class Daemon:
                 heartbeat_interval_s=cfg.heartbeat_interval_s,
                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                 curve=curve,
-                observer=_IngressEvents(self.metrics),
+                observer=IngressEvents(self.metrics),
                 on_drain=self.request_drain,
             )
             ingress.start()
