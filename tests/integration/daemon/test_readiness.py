@@ -14,6 +14,23 @@ from prefill_worker.config import load_config
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
 
 
+def tiny_daemon(
+    checkpoint: Path, http_port: int, ingress_port: int, bootstrap_port: int
+) -> daemon_module.Daemon:
+    """An in-process daemon on the tiny test config (signals stay with pytest)."""
+    config = load_config(
+        ROOT / "configs" / "tiny-test.yaml",
+        env={},
+        overrides=[
+            f"model.path={checkpoint}",
+            f"metrics.bind=127.0.0.1:{http_port}",
+            f"ingress.bind=tcp://127.0.0.1:{ingress_port}",
+            f"transfer.bootstrap_bind=tcp://127.0.0.1:{bootstrap_port}",
+        ],
+    )
+    return daemon_module.Daemon(config, env={})
+
+
 def test_readyz_503_until_loaded_then_200_then_drain(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -26,17 +43,7 @@ def test_readyz_503_until_loaded_then_200_then_drain(
 
     monkeypatch.setattr(daemon_module, "build", gated_build)
     http_port = free_port()
-    config = load_config(
-        ROOT / "configs" / "tiny-test.yaml",
-        env={},
-        overrides=[
-            f"model.path={checkpoint}",
-            f"metrics.bind=127.0.0.1:{http_port}",
-            f"ingress.bind=tcp://127.0.0.1:{free_port()}",
-            f"transfer.bootstrap_bind=tcp://127.0.0.1:{free_port()}",
-        ],
-    )
-    daemon = daemon_module.Daemon(config, env={})
+    daemon = tiny_daemon(checkpoint, http_port, free_port(), free_port())
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
@@ -89,19 +96,10 @@ def test_fatal_engine_error_fails_in_flight_and_exits_70(
         return _BrokenRunner(), kv_cache, info
 
     monkeypatch.setattr(daemon_module, "build", broken_build)
-    bootstrap = f"tcp://127.0.0.1:{free_port()}"
-    ingress = f"tcp://127.0.0.1:{free_port()}"
-    config = load_config(
-        ROOT / "configs" / "tiny-test.yaml",
-        env={},
-        overrides=[
-            f"model.path={checkpoint}",
-            f"metrics.bind=127.0.0.1:{free_port()}",
-            f"ingress.bind={ingress}",
-            f"transfer.bootstrap_bind={bootstrap}",
-        ],
-    )
-    daemon = daemon_module.Daemon(config, env={})
+    ingress_port, bootstrap_port = free_port(), free_port()
+    ingress = f"tcp://127.0.0.1:{ingress_port}"
+    bootstrap = f"tcp://127.0.0.1:{bootstrap_port}"
+    daemon = tiny_daemon(checkpoint, free_port(), ingress_port, bootstrap_port)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
