@@ -64,9 +64,12 @@ def map_pages(
 
 
 def region_indices(pages: np.ndarray, num_regions: int, num_pages: int) -> np.ndarray:
-    """Descriptor indices of ``pages`` in every region, region-major: [num_regions * len]."""
-    base = np.arange(num_regions, dtype=np.int64)[:, None] * num_pages
-    return (base + pages[None, :]).ravel().astype(np.int32)
+    """Descriptor indices of ``pages`` in every region, region-major: [num_regions * len].
+
+    int32 throughout (what NIXL takes; the descriptor table is far below 2**31 entries), one
+    outer add and no temporary copies: this runs once per chunk on the engine loop."""
+    base = np.arange(0, num_regions * num_pages, num_pages, dtype=np.int32)
+    return np.add.outer(base, np.asarray(pages, dtype=np.int32)).ravel()
 
 
 def aux_index(row: int, num_regions: int, num_pages: int) -> int:

@@ -48,6 +48,7 @@ def test_map_pages_skips_the_cached_prefix() -> None:
 def test_region_indices_are_region_major() -> None:
     idx = pagemap.region_indices(np.array([3, 4]), 3, 16)
     assert idx.tolist() == [3, 4, 19, 20, 35, 36]
+    assert idx.dtype == np.int32 and idx.flags.c_contiguous  # what NIXL takes without a copy
     assert pagemap.aux_index(2, 3, 16) == 50
 
 
