@@ -1,0 +1,113 @@
+"""The model side of the worker: checkpoint, KV pool, runner; ``build`` composes them.
+
+The daemon calls ``build(...)`` once at start-up and gets the runner (the scheduler's
+``ModelRunner``), the KV pool (whose ``regions(...)`` the transfer side registers) and a
+``ModelInfo`` with the limits the scheduler and ingress check requests against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.model.attention import create_backend, resolve_backend_name
+from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
+from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
+from prefill_worker.model.llama import CausalLM
+from prefill_worker.model.loader import load_checkpoint
+from prefill_worker.model.runner import Runner
+
+__all__ = ["CheckpointError", "KVCache", "ModelInfo", "Runner", "build", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    architecture: str
+    vocab_size: int
+    max_position: int  # longest prompt the model accepts
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str  # "cpu" | "cuda:N"
+    attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else as torch reads it."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (fp32 when it names none)."""
+    if name == "auto":
+        name = spec.torch_dtype if spec.torch_dtype in TORCH_DTYPES else "float32"
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (supported: {', '.join(TORCH_DTYPES)})")
+    return TORCH_DTYPES[name]
+
+
+def build(
+    model_path: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    attention_backend: str = "auto",
+    page_size: int = 16,
+    num_pages: int | None = None,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    num_threads: int | None = None,
+) -> tuple[Runner, KVCache, ModelInfo]:
+    """Load the checkpoint, allocate the KV pool, pick the attention backend.
+
+    Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
+    setting (both are configuration problems: exit 78)."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    dev = resolve_device(device)
+    backend_name = resolve_backend_name(attention_backend, dev)
+    torch_dtype = resolve_dtype(dtype, read_spec(model_path))
+    spec, weights = load_checkpoint(model_path, torch_dtype, dev)
+    one_page = KVLayout(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPE_NAMES[torch_dtype], page_size, 1
+    )
+    pages = pool_num_pages(one_page, dev, num_pages, memory_bytes, memory_fraction)
+    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
+    pool_bytes = 2 * spec.num_layers * kv_cache.layout.region_bytes
+    log.info("KV pool: %d pages of %d tokens, %d bytes", pages, page_size, pool_bytes)
+    runner = Runner(CausalLM(spec, weights), kv_cache, create_backend(backend_name, dev))
+    return runner, kv_cache, _info(spec, one_page.dtype, kv_cache.device_name, backend_name)
+
+
+def _info(spec: ModelSpec, dtype: str, device: str, backend: str) -> ModelInfo:
+    return ModelInfo(
+        architecture=spec.architecture,
+        vocab_size=spec.vocab_size,
+        max_position=spec.max_position,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        hidden_size=spec.hidden_size,
+        dtype=dtype,
+        device=device,
+        attention_backend=backend,
+        eos_token_ids=spec.eos_token_ids,
+    )

@@ -1,0 +1,73 @@
+"""The reference attention backend: torch ``scaled_dot_product_attention``, CPU and CUDA.
+
+A chunk that starts at position 0 attends straight over its fresh q/k/v (no page gather,
+plain causal mask). A chunk with earlier positions gathers keys and values ``[0, end)`` from
+its pages and uses a bottom-right-aligned causal mask: query ``i`` (position ``start + i``)
+sees keys ``j <= start + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.attention import AttentionBatch, ChunkSpan
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    q_start: int
+    q_end: int
+    kv_slots: torch.Tensor | None  # [end] rows of the flat pool; None: fresh chunk
+    mask: torch.Tensor | None  # [num_tokens, end] bool, True = may attend
+
+
+class SdpaBackend:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._planned: tuple[_Planned, ...] = ()
+
+    def plan(self, batch: AttentionBatch) -> None:
+        self._planned = tuple(self._plan_span(span, batch.page_size) for span in batch.spans)
+
+    def _plan_span(self, span: ChunkSpan, page_size: int) -> _Planned:
+        if span.start == 0:
+            return _Planned(span.q_start, span.q_end, None, None)
+        positions = torch.arange(span.end)
+        pages = torch.tensor(span.page_ids, dtype=torch.int64)
+        slots = pages[positions // page_size] * page_size + positions % page_size  # [end]
+        query_pos = torch.arange(span.start, span.end)[:, None]
+        mask = positions[None, :] <= query_pos  # [n, end]
+        return _Planned(span.q_start, span.q_end, slots.to(self.device), mask.to(self.device))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        k_flat = k_pool.view(-1, *k_pool.shape[2:])  # [num_pages * page_size, KV, D]
+        v_flat = v_pool.view(-1, *v_pool.shape[2:])
+        for p in self._planned:
+            qs = q[p.q_start : p.q_end]
+            if p.kv_slots is None:
+                ks, vs = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
+            else:
+                ks, vs = k_flat[p.kv_slots], v_flat[p.kv_slots]
+            out[p.q_start : p.q_end] = _sdpa(qs, ks, vs, p.mask)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``q [n, H, D]``, ``k/v [m, KV, D]`` -> ``[n, H, D]``; GQA by head grouping."""
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, len, D]
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)

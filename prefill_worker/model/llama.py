@@ -1,0 +1,140 @@
+"""The decoder of the Llama family (Llama, Mistral, Qwen2, Qwen3) over packed tokens.
+
+Weights arrive fused from the loader (q/k/v in one matrix, gate/up in one), so each layer is
+four GEMMs over all tokens of the batch. The layer writes its fresh K/V into the pool before
+attention, and only the rows that need logits go through the final norm and LM head::
+
+    x = embed(ids)                                   [T, hidden]
+    per layer:  qkv = norm(x) @ Wqkv                 [T, (H + 2 KV) D]
+                (qwen3: q/k RMSNorm per head), RoPE, write K/V to pages, attention
+                x += attn @ Wo ;  x += silu(g) * u @ Wdown,  [g|u] = norm(x) @ Wgu
+    logits = norm(x[rows]) @ Wlm                     [R, vocab]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KV) * D]
+    o: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D] (qwen3)
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden], gate rows first
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, I]
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ForwardInputs:
+    """A packed batch as tensors on the model's device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its prompt
+    slots: torch.Tensor  # [T] int64, flat pool row: page_id * page_size + offset
+    logits_rows: torch.Tensor  # [R] int64, rows of the tokens whose logits are wanted
+
+
+class CausalLM:
+    """Forward pass only; owns nothing but its weights and the rotary frequencies.
+
+    Everything but attention runs over blocks of at most ``block_tokens`` rows, updating
+    the residual stream in place, and the largest intermediate (``[rows, 2I]``) lives in one
+    buffer per forward. On a CPU, fresh tensors over glibc's mmap threshold (32 MiB) cost
+    more in page faults than the op itself; blocks bound the other temporaries. The block
+    is large because each op is also an OpenMP barrier, which is slow on shared cores.
+    """
+
+    block_tokens = 2048
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.dtype = weights.embed.dtype
+        self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
+        self._q_dim = spec.num_heads * spec.head_dim
+        self._kv_dim = spec.num_kv_heads * spec.head_dim
+
+    def forward(
+        self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """Write every token's K/V into its pages; return logits ``[R, vocab]``."""
+        spec, num_tokens = self.spec, inputs.input_ids.shape[0]
+        x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
+        cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
+        # Reused by every layer: [T, heads, D] each.
+        q = x.new_empty(num_tokens, spec.num_heads, spec.head_dim)
+        k = x.new_empty(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = torch.empty_like(k)
+        attn = torch.empty_like(q)
+        gate_up = x.new_empty(min(num_tokens, self.block_tokens), 2 * spec.intermediate_size)
+        blocks = [
+            slice(r, min(r + self.block_tokens, num_tokens))
+            for r in range(0, num_tokens, self.block_tokens)
+        ]
+        for index, layer in enumerate(self.weights.layers):
+            for rows in blocks:
+                self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
+            kv_cache.write(index, inputs.slots, k, v)
+            attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
+            for rows in blocks:
+                self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
+        last = rms_norm(x[inputs.logits_rows], self.weights.norm, spec.rms_norm_eps)
+        return F.linear(last, self.weights.lm_head)  # [R, vocab]
+
+    def _qkv(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,  # [B, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_out: torch.Tensor,  # [B, H, D]
+        k_out: torch.Tensor,  # [B, KV, D]
+        v_out: torch.Tensor,
+    ) -> None:
+        eps = self.spec.rms_norm_eps
+        qkv = F.linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+        q = qkv[:, : self._q_dim].view(q_out.shape)
+        k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].view(k_out.shape)
+        v_out.copy_(qkv[:, self._q_dim + self._kv_dim :].view(v_out.shape))
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = rms_norm(q, layer.q_norm, eps)
+            k = rms_norm(k, layer.k_norm, eps)
+        self.rotary.apply_into(q, cos, sin, q_out)
+        self.rotary.apply_into(k, cos, sin, k_out)
+
+    def _output_and_mlp(
+        self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the MLP."""
+        x.add_(F.linear(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias))
+        h = rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
+        gate_up = buffer[: x.shape[0]]  # [B, 2I]
+        if layer.gate_up_bias is None:
+            torch.mm(h, layer.gate_up.t(), out=gate_up)
+        else:
+            torch.addmm(layer.gate_up_bias, h, layer.gate_up.t(), out=gate_up)
+        x.add_(F.linear(silu_and_mul_(gate_up), layer.down, layer.down_bias))

@@ -1,0 +1,153 @@
+"""Load a Hugging Face checkpoint (config.json + safetensors) into fused ``ModelWeights``.
+
+Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
+checkpoints are read. Every expected tensor's presence and shape is checked before any is
+loaded; a missing tensor or a shape mismatch raises ``CheckpointError`` naming it. q/k/v
+are concatenated into one matrix and gate/up into another, so a layer runs four GEMMs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
+from prefill_worker.model.llama import LayerWeights, ModelWeights
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the checkpoint must hold, with its shape."""
+    hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_out, hidden),
+            p + "self_attn.k_proj.weight": (kv_out, hidden),
+            p + "self_attn.v_proj.weight": (kv_out, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_out),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if spec.has_qkv_bias:
+            for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                shapes[f"{p}self_attn.{name}_proj.bias"] = (size,)
+        if spec.has_o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        if spec.has_mlp_bias:
+            shapes |= {p + f"mlp.{n}_proj.bias": (inter,) for n in ("gate", "up")}
+            shapes[p + "mlp.down_proj.bias"] = (hidden,)
+        if spec.has_qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (dim,)
+    return shapes
+
+
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: unreadable weight_map: {exc}") from exc
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.exists():
+        raise CheckpointError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+class _Reader:
+    """Reads named tensors from their files, cast to one dtype and device."""
+
+    def __init__(self, files: Mapping[str, Path], dtype: torch.dtype, device: torch.device):
+        self.files, self.dtype, self.device = files, dtype, device
+        self._open: dict[Path, object] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
+        return self.get(name) if needed else None
+
+    def _handle(self, name: str):  # type: ignore[no-untyped-def]
+        path = self.files[name]
+        if path not in self._open:
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard named in the index is missing")
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
+
+def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
+    """Refuse a checkpoint with a missing tensor or a shape that disagrees with config.json."""
+    for name, shape in expected_shapes(spec).items():
+        if name not in reader.files:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint")
+        found = reader.shape(name)
+        if found != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
+
+
+def load_checkpoint(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device
+) -> tuple[ModelSpec, ModelWeights]:
+    """Read, check and fuse a checkpoint; raises ``CheckpointError`` on any problem."""
+    root = Path(model_dir)
+    spec = read_spec(root)
+    reader = _Reader(tensor_files(root), dtype, device)
+    check_tensors(spec, reader)
+    layers = tuple(_layer(spec, reader, i) for i in range(spec.num_layers))
+    embed = reader.get("model.embed_tokens.weight")
+    lm_head = embed if spec.tie_word_embeddings else reader.get("lm_head.weight")
+    log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
+    return spec, ModelWeights(embed, layers, reader.get("model.norm.weight"), lm_head)
+
+
+def _layer(spec: ModelSpec, r: _Reader, index: int) -> LayerWeights:
+    p = f"model.layers.{index}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv_bias = None
+    if spec.has_qkv_bias:
+        qkv_bias = torch.cat([r.get(f"{attn}{n}_proj.bias") for n in "qkv"])
+    gate_up_bias = None
+    if spec.has_mlp_bias:
+        gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])
+    return LayerWeights(
+        input_norm=r.get(p + "input_layernorm.weight"),
+        qkv=torch.cat([r.get(f"{attn}{n}_proj.weight") for n in "qkv"]),
+        qkv_bias=qkv_bias,
+        o=r.get(attn + "o_proj.weight"),
+        o_bias=r.maybe(attn + "o_proj.bias", spec.has_o_bias),
+        q_norm=r.maybe(attn + "q_norm.weight", spec.has_qk_norm),
+        k_norm=r.maybe(attn + "k_norm.weight", spec.has_qk_norm),
+        post_norm=r.get(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([r.get(mlp + "gate_proj.weight"), r.get(mlp + "up_proj.weight")]),
+        gate_up_bias=gate_up_bias,
+        down=r.get(mlp + "down_proj.weight"),
+        down_bias=r.maybe(mlp + "down_proj.bias", spec.has_mlp_bias),
+    )

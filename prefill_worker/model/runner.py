@@ -1,0 +1,102 @@
+"""The model runner: turns a ``BatchPlan`` into tensors, runs the forward, samples.
+
+Chunks are packed back to back without padding (``[T]`` tokens in plan order). Each token's
+pool row is ``page_ids[pos // page_size] * page_size + pos % page_size``; the attention
+backend is planned once per batch. Logits are computed only for the last token of chunks
+whose ``sampling`` is set, i.e. the chunks that end their prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan, SampledToken
+from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.llama import CausalLM, ForwardInputs
+from prefill_worker.model.sampling import sample
+
+
+class Runner:
+    """Implements ``prefill_worker.batch.ModelRunner`` for the Llama family."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, attention: AttentionBackend) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.page_size = kv_cache.layout.page_size
+        self._synchronize = _device_sync(kv_cache.device)
+
+    def run(self, plan: BatchPlan) -> BatchOutput:
+        """Blocking: on return the pages hold the K/V (the transfer reads them next)."""
+        if not plan.chunks:
+            return BatchOutput(plan.batch_id, ())
+        logits = self.compute_logits(plan)  # [R, vocab]
+        wanted = [c for c in plan.chunks if c.sampling is not None]
+        if not wanted:
+            self._synchronize()
+            return BatchOutput(plan.batch_id, ())
+        with torch.inference_mode():
+            tokens, logprobs = sample(
+                logits, [c.sampling for c in wanted if c.sampling is not None]
+            )
+        sampled = tuple(
+            SampledToken(c.request_id, t, lp)
+            for c, t, lp in zip(wanted, tokens, logprobs, strict=True)
+        )
+        return BatchOutput(plan.batch_id, sampled)
+
+    def compute_logits(self, plan: BatchPlan) -> torch.Tensor:
+        """Run the forward (K/V into pages); logits ``[R, vocab]`` of the sampled chunks."""
+        with torch.inference_mode():
+            inputs, batch = self.pack(plan)
+            self.attention.plan(batch)
+            return self.model.forward(inputs, self.kv_cache, self.attention)
+
+    def pack(self, plan: BatchPlan) -> tuple[ForwardInputs, AttentionBatch]:
+        spans, ids, positions, slots, rows = [], [], [], [], []
+        offset = 0
+        for chunk in plan.chunks:
+            span = self._span(chunk, offset)
+            pos = np.arange(chunk.start, chunk.end, dtype=np.int64)
+            pages = np.asarray(span.page_ids, dtype=np.int64)
+            spans.append(span)
+            ids.append(np.asarray(chunk.token_ids, dtype=np.int64))
+            positions.append(pos)
+            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+            offset += chunk.num_tokens
+            if chunk.sampling is not None:
+                rows.append(offset - 1)
+        device, all_ids = self.kv_cache.device, np.concatenate(ids)
+        if all_ids.min() < 0 or all_ids.max() >= self.model.spec.vocab_size:
+            raise ValueError(f"batch {plan.batch_id}: a token id is outside the vocabulary")
+        inputs = ForwardInputs(
+            input_ids=_to(all_ids, device),
+            positions=_to(np.concatenate(positions), device),
+            slots=_to(np.concatenate(slots), device),
+            logits_rows=_to(np.asarray(rows, dtype=np.int64), device),
+        )
+        return inputs, AttentionBatch(tuple(spans), self.page_size, offset)
+
+    def _span(self, chunk: ChunkPlan, offset: int) -> ChunkSpan:
+        num_pages = -(-chunk.end // self.page_size)
+        if not 0 <= chunk.start < chunk.end or len(chunk.token_ids) != chunk.num_tokens:
+            raise ValueError(f"chunk of {chunk.request_id}: bad range [{chunk.start}, {chunk.end})")
+        if len(chunk.page_ids) < num_pages:
+            raise ValueError(f"chunk of {chunk.request_id}: {num_pages} pages needed")
+        page_ids = tuple(int(p) for p in chunk.page_ids[:num_pages])
+        return ChunkSpan(offset, offset + chunk.num_tokens, chunk.start, chunk.end, page_ids)
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    """Waits for queued kernels: a no-op on CPU, where every op has finished on return."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None

@@ -1,0 +1,92 @@
+"""The flashinfer backend against the sdpa reference on CUDA (skipped without one)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from prefill_worker.model.attention import AttentionBatch, ChunkSpan, create_backend
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed"
+    ),
+]
+
+PAGE_SIZE, NUM_PAGES, HEADS, KV_HEADS, DIM = 16, 64, 8, 2, 128
+
+
+def _batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
+    """Spans on scattered pages; the flat pool rows of every span's new tokens."""
+    spans, slots, offset, next_page = [], [], 0, NUM_PAGES - 1
+    for start, end in chunks:
+        count = -(-end // PAGE_SIZE)
+        pages = tuple(range(next_page, next_page - 2 * count, -2))
+        next_page -= 2 * count
+        spans.append(ChunkSpan(offset, offset + end - start, start, end, pages))
+        slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, end)]
+        offset += end - start
+    return AttentionBatch(tuple(spans), PAGE_SIZE, offset), torch.tensor(slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_matches_sdpa(dtype):
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    # fresh prompt, a chunk after a cached prefix, a one-token chunk
+    batch, slots = _batch([(0, 100), (128, 200), (40, 41)])
+    pool_shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, DIM)
+    k_pool = torch.randn(pool_shape, generator=gen, device=device, dtype=dtype)
+    v_pool = torch.randn(pool_shape, generator=gen, device=device, dtype=dtype)
+    num_tokens = batch.num_tokens
+    q = torch.randn(num_tokens, HEADS, DIM, generator=gen, device=device, dtype=dtype) * 3
+    slots = slots.to(device)
+    k = k_pool.view(-1, KV_HEADS, DIM)[slots]  # this batch's K/V, already in its pages
+    v = v_pool.view(-1, KV_HEADS, DIM)[slots]
+    outputs = {}
+    for name in ("sdpa", "flashinfer"):
+        backend = create_backend(name, device)
+        backend.plan(batch)
+        outputs[name] = torch.empty_like(q)
+        backend.attend(q, k, v, k_pool, v_pool, outputs[name])
+    torch.testing.assert_close(outputs["flashinfer"], outputs["sdpa"], atol=2e-2, rtol=2e-2)
+
+
+def test_runner_with_flashinfer_matches_sdpa(tmp_path):
+    """The whole model on CUDA: chunked prefill with each backend, same logits and pages."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from prefill_worker.batch import BatchPlan, ChunkPlan
+    from prefill_worker.model import build
+    from prefill_worker.request import SamplingParams
+
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (150,)).tolist()
+    pages = list(range(30, 0, -3))
+    results = {}
+    for name in ("sdpa", "flashinfer"):
+        runner, kv_cache, _ = build(tmp_path, "bfloat16", "cuda", name, PAGE_SIZE, num_pages=32)
+        first = ChunkPlan("a", ids[:64], 0, 64, pages, None)
+        runner.compute_logits(BatchPlan(0, (first,)))
+        last = ChunkPlan("a", ids[64:], 64, 150, pages, SamplingParams())
+        other = ChunkPlan("b", ids[:37], 0, 37, [31, 29, 28], SamplingParams())
+        logits = runner.compute_logits(BatchPlan(1, (other, last)))
+        results[name] = (logits.float(), kv_cache.k[1][list(pages)].float())
+    torch.testing.assert_close(results["flashinfer"][0], results["sdpa"][0], atol=5e-2, rtol=0)
+    torch.testing.assert_close(results["flashinfer"][1], results["sdpa"][1], atol=5e-2, rtol=0)
+
+
+def test_auto_picks_flashinfer_on_cuda():
+    from prefill_worker.model.attention import resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cuda")) == "flashinfer"
+    assert resolve_backend_name("auto", torch.device("cpu")) == "sdpa"
