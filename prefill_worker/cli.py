@@ -1,4 +1,5 @@
-"""Command line: ``prefill-worker serve | check-config | print-config | config-docs | version``.
+"""Command line: ``prefill-worker serve | check-config | print-config | config-docs | version``
+(and ``decode-peer``, the reference decode peer of prefill_worker/decode_peer.py).
 
 The CLI parses arguments, resolves the configuration and hands it to the daemon; it owns no
 state. A bad configuration prints one line per problem to stderr and exits 78 (EX_CONFIG).
@@ -37,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--log-format", choices=["text", "json"])
     sub.add_parser("config-docs", help="print docs/config.md, generated from the models")
     sub.add_parser("version", help="print the version")
+    sub.add_parser(
+        "decode-peer",
+        add_help=False,
+        help="the reference decode peer, a test and demo tool (decode-peer --help)",
+    )
     return parser
 
 
@@ -52,6 +58,11 @@ def _resolve(args: argparse.Namespace) -> Config:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["decode-peer"]:
+        from prefill_worker.decode_peer import main as decode_peer_main
+
+        return decode_peer_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(__version__)

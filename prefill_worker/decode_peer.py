@@ -1,0 +1,421 @@
+"""The reference decode peer: receives a prompt's KV from a worker, then decodes greedily.
+
+A test and demo tool, NOT a product decode engine: no sampling beyond greedy, no prefix
+cache, no preemption, CPU-friendly batching only. It shows how a decode engine embeds the
+decode SDK (``KVReceiver``) and proves the pushed KV is exactly what decoding needs.
+
+Per request (the router chose ``room`` and sent the worker a ``prefill`` with it)::
+
+    expect(room, prompt, max_new_tokens)   pages for prompt + new tokens, an aux row, `want`
+    step()  ... DONE                       first token from the aux row
+    step()  ... one-token chunks           K/V of the last token into the pages, argmax next
+    -> Generation                          pages and aux row freed
+
+It builds the same model code as the worker (``prefill_worker.model.build``) over its own KV
+pool. In-process use: ``DecodePeer.load(...)`` then ``generate(...)`` or ``expect``/``step``.
+As a process (``prefill-worker decode-peer`` or ``python -m prefill_worker.decode_peer``) it
+serves ``generate`` requests on a small ZMQ control socket (``DecodePeerClient``), sends
+sd_notify READY=1 once registered with the worker, and exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from prefill_worker.batch import BatchPlan, ChunkPlan, ModelRunner
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.request import SamplingParams
+from prefill_worker.transfer.receiver import KVReceiver, RoomState
+
+log = logging.getLogger(__name__)
+_GREEDY = SamplingParams()
+
+
+class KVPool(Protocol):
+    """What the peer needs of its KV pool (``prefill_worker.model.KVCache`` is one)."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def regions(self, aux_base_addr: int, num_aux_rows: int) -> KVRegions: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One finished request: the tokens after the prompt (first token included)."""
+
+    room: int
+    is_ok: bool
+    token_ids: tuple[int, ...]
+    error: str | None = None
+    kv_wait_s: float = 0.0  # expect() until the KV and first token had landed
+    decode_s: float = 0.0  # from then until the last token
+
+
+@dataclass(slots=True)
+class _Sequence:
+    room: int
+    prompt_len: int
+    max_new_tokens: int
+    page_ids: list[int] = field(default_factory=list)
+    aux_slot: int = -1
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    expected_at: float = 0.0
+    landed_at: float = 0.0
+
+
+class DecodePeer:
+    """A KV pool, a ``KVReceiver`` over it, a page allocator and a greedy decode loop."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_cache: KVPool,
+        bootstrap_addr: str,
+        *,
+        num_aux_rows: int = 64,
+        max_batch_size: int = 16,
+        stop_token_ids: Sequence[int] = (),
+        peer_timeout_s: float = 10.0,
+        registration_timeout_s: float = 60.0,
+    ) -> None:
+        self.runner = runner
+        self.kv_cache = kv_cache  # keeps the registered pool alive as long as the receiver
+        self.page_size: int = kv_cache.layout.page_size
+        self.max_batch_size = max_batch_size
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.pages = PagePool(kv_cache.layout.num_pages)
+        self.aux = AuxPool(num_aux_rows)
+        regions = kv_cache.regions(self.aux.base_addr, self.aux.num_rows)
+        self.receiver = KVReceiver(regions, bootstrap_addr, peer_timeout_s=peer_timeout_s)
+        self.receiver.wait_registered(registration_timeout_s)
+        self._queued: collections.deque[_Sequence] = collections.deque()  # waiting for space
+        self._landing: dict[int, _Sequence] = {}  # room -> wanted, KV not landed yet
+        self._decoding: dict[int, _Sequence] = {}  # room -> generating
+        self._is_closed = False
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        bootstrap_addr: str,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        attention_backend: str = "auto",
+        page_size: int = 16,
+        num_pages: int = 1024,
+        num_threads: int | None = None,
+        **kwargs: Any,
+    ) -> DecodePeer:
+        """Build the model (its own KV pool) and connect to the worker's bootstrap server.
+        ``stop_token_ids`` defaults to the checkpoint's EOS ids."""
+        from prefill_worker.model import build
+
+        runner, kv_cache, info = build(
+            model_path,
+            dtype=dtype,
+            device=device,
+            attention_backend=attention_backend,
+            page_size=page_size,
+            num_pages=num_pages,
+            num_threads=num_threads,
+        )
+        kwargs.setdefault("stop_token_ids", info.eos_token_ids)
+        return cls(runner, kv_cache, bootstrap_addr, **kwargs)
+
+    @property
+    def is_decoding(self) -> bool:
+        """A ``step()`` now would compute (so a caller should not sleep)."""
+        return bool(self._decoding)
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self._queued or self._landing or self._decoding)
+
+    def expect(self, room: int, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Take a request: it is wanted from the worker as soon as pages and a row are free."""
+        assert max_new_tokens >= 1
+        seq = _Sequence(room, len(prompt_ids), max_new_tokens, expected_at=time.monotonic())
+        self._queued.append(seq)
+        self._admit()
+
+    def step(self) -> list[Generation]:
+        """Drive the receiver, start what landed, run one decode batch; what finished."""
+        self.receiver.progress()
+        finished = self._collect_landed()
+        batch = list(self._decoding.values())[: self.max_batch_size]
+        if batch:
+            plan = BatchPlan(0, tuple(self._decode_chunk(seq) for seq in batch))
+            for seq, sampled in zip(batch, self.runner.run(plan).sampled, strict=True):
+                seq.tokens.append(sampled.token_id)
+                if self._is_complete(seq):
+                    finished.append(self._finish(self._decoding.pop(seq.room)))
+        self._admit()
+        return finished
+
+    def generate(
+        self, prompts: Mapping[int, Sequence[int]], max_new_tokens: int, timeout_s: float = 60.0
+    ) -> dict[int, Generation]:
+        """Blocking: ``expect`` every ``room -> prompt``, step until all have finished."""
+        for room, ids in prompts.items():
+            self.expect(room, ids, max_new_tokens)
+        done: dict[int, Generation] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(prompts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rooms {sorted(set(prompts) - set(done))} did not finish")
+            done.update((g.room, g) for g in self.step())
+            if not self.is_decoding:
+                time.sleep(0.001)  # nothing to compute: wait for the worker's writes
+        return done
+
+    def close(self) -> None:
+        """Say goodbye to the worker and release the receiver; idempotent."""
+        if not self._is_closed:
+            self._is_closed = True
+            self.receiver.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self._queued:
+            seq = self._queued[0]
+            num_pages = -(-(seq.prompt_len + seq.max_new_tokens) // self.page_size)
+            page_ids = self.pages.try_alloc(num_pages)
+            if page_ids is None:
+                return
+            slot = self.aux.try_alloc()
+            if slot is None:
+                self.pages.free(page_ids)
+                return
+            self._queued.popleft()
+            seq.page_ids, seq.aux_slot = page_ids, slot
+            num_prompt_pages = -(-seq.prompt_len // self.page_size)
+            self.receiver.want(seq.room, page_ids[:num_prompt_pages], slot, 0)
+            self._landing[seq.room] = seq
+
+    def _collect_landed(self) -> list[Generation]:
+        finished = []
+        for room, seq in list(self._landing.items()):
+            status = self.receiver.poll(room)
+            if status.state is RoomState.PENDING:
+                continue
+            del self._landing[room]
+            seq.landed_at = time.monotonic()
+            if status.state is not RoomState.DONE:
+                finished.append(self._finish(seq, f"{status.state.value}: {status.reason}"))
+                continue
+            seq.tokens.append(self.receiver.read_aux(seq.aux_slot).first_token_id)
+            if self._is_complete(seq):
+                finished.append(self._finish(seq))
+            else:
+                self._decoding[room] = seq
+        return finished
+
+    def _decode_chunk(self, seq: _Sequence) -> ChunkPlan:
+        """The newest token's K/V is not in the pages yet: it is the one-token chunk."""
+        position = seq.prompt_len + len(seq.tokens) - 1
+        return ChunkPlan(
+            str(seq.room), (seq.tokens[-1],), position, position + 1, seq.page_ids, _GREEDY
+        )
+
+    def _is_complete(self, seq: _Sequence) -> bool:
+        return len(seq.tokens) >= seq.max_new_tokens or seq.tokens[-1] in self.stop_token_ids
+
+    def _finish(self, seq: _Sequence, error: str | None = None) -> Generation:
+        self.receiver.forget(seq.room)
+        self.pages.free(seq.page_ids)
+        self.aux.free(seq.aux_slot)
+        now = time.monotonic()
+        return Generation(
+            seq.room,
+            error is None,
+            tuple(seq.tokens),
+            error,
+            kv_wait_s=seq.landed_at - seq.expected_at,
+            decode_s=now - seq.landed_at,
+        )
+
+
+# -- the process: a control socket in front of a DecodePeer ---------------------------------
+
+
+def _generation_msg(gen: Generation) -> dict[str, Any]:
+    return {
+        "type": "generated",
+        "room": gen.room,
+        "is_ok": gen.is_ok,
+        "token_ids": list(gen.token_ids),
+        "error": gen.error,
+        "kv_wait_s": gen.kv_wait_s,
+        "decode_s": gen.decode_s,
+    }
+
+
+def serve(peer: DecodePeer, bind: str, stop: threading.Event) -> None:
+    """Answer ``generate`` {room, token_ids, max_new_tokens} and ``ping`` on a ROUTER socket
+    until ``stop`` is set; each ``generated`` reply goes to the identity that asked."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(bind)
+    askers: dict[int, bytes] = {}
+    try:
+        while not stop.is_set():
+            idle_ms = 0 if peer.is_decoding else 2
+            while sock.poll(idle_ms):
+                identity, frame = sock.recv_multipart()
+                reply = _on_control(peer, askers, identity, frame)
+                if reply is not None:
+                    sock.send_multipart([identity, msgpack.packb(reply)])
+                idle_ms = 0
+            for gen in peer.step():
+                sock.send_multipart([askers.pop(gen.room), msgpack.packb(_generation_msg(gen))])
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _on_control(
+    peer: DecodePeer, askers: dict[int, bytes], identity: bytes, frame: bytes
+) -> dict[str, Any] | None:
+    """One control message; the immediate reply, if any (``generated`` comes later)."""
+    try:
+        msg = msgpack.unpackb(frame)
+        if msg["type"] == "ping":
+            return {"type": "pong"}
+        room, token_ids, max_new_tokens = msg["room"], msg["token_ids"], msg["max_new_tokens"]
+        if msg["type"] != "generate" or room in askers or max_new_tokens < 1 or not token_ids:
+            raise ValueError(f"not a new valid generate: {msg['type']} room {room}")
+    except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
+        return {"type": "error", "message": str(exc)}
+    askers[room] = identity
+    peer.expect(room, token_ids, max_new_tokens)
+    return None
+
+
+class DecodePeerClient:
+    """Asyncio client of a decode-peer process's control socket (what a router would do);
+    create and use it inside one running event loop."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._waiting: dict[int, asyncio.Future[Generation]] = {}
+        self._pongs: list[asyncio.Future[None]] = []
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def generate(
+        self, room: int, token_ids: Sequence[int], max_new_tokens: int
+    ) -> Generation:
+        """Hand the peer a request; returns once it has finished decoding."""
+        future = self._expect()
+        self._waiting[room] = future
+        msg = {"type": "generate", "room": room, "token_ids": [int(t) for t in token_ids]}
+        await self._sock.send(msgpack.packb({**msg, "max_new_tokens": max_new_tokens}))
+        return await future
+
+    async def ping(self, timeout_s: float) -> None:
+        """Returns once the peer answers (it serves only after registering with the worker)."""
+        future: asyncio.Future[None] = self._expect()
+        self._pongs.append(future)
+        await self._sock.send(msgpack.packb({"type": "ping"}))
+        await asyncio.wait_for(future, timeout_s)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._sock.close()
+        self._ctx.term()
+
+    def _expect(self) -> asyncio.Future[Any]:
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        return asyncio.get_running_loop().create_future()
+
+    async def _receive(self) -> None:
+        while True:
+            reply = msgpack.unpackb(await self._sock.recv())
+            if reply.get("type") == "pong":
+                for pong in self._pongs:
+                    if not pong.done():
+                        pong.set_result(None)
+                self._pongs.clear()
+            elif reply.get("type") == "generated" and reply["room"] in self._waiting:
+                fields = {k: v for k, v in reply.items() if k != "type"}
+                fields["token_ids"] = tuple(fields["token_ids"])
+                self._waiting.pop(reply["room"]).set_result(Generation(**fields))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decode-peer", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory (as the worker's)")
+    parser.add_argument("--bootstrap", required=True, help="the worker's bootstrap address")
+    parser.add_argument("--bind", required=True, help="control socket, e.g. tcp://127.0.0.1:5600")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="always decode max_new_tokens (tests)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
+    from prefill_worker.sdnotify import SdNotifier
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("loading %s", args.model)
+    peer = DecodePeer.load(
+        args.model,
+        args.bootstrap,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        num_threads=args.num_threads,
+        max_batch_size=args.max_batch_size,
+        **({"stop_token_ids": ()} if args.ignore_eos else {}),
+    )
+    log.info("registered with %s; serving on %s", args.bootstrap, args.bind)
+    SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")
+    try:
+        serve(peer, args.bind, stop)
+    finally:
+        peer.close()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
