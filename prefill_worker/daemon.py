@@ -248,10 +248,14 @@ class Daemon:
         self._drain_asked.set()
         self._wake.set()
 
+    def on_stop_signal(self) -> None:
+        """SIGTERM or SIGINT: the first drains, a second forces the stop."""
+        self._num_signals += 1
+        self.request_drain()
+
     def _install_signals(self) -> None:
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            self._num_signals += 1
-            self.request_drain()
+            self.on_stop_signal()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -297,7 +301,13 @@ class Daemon:
     def _stop(self, reason: FinishReason, code: int) -> int:
         assert self._engine is not None and self._engine_thread is not None
         self._stop_engine.set()
-        self._engine_thread.join()
+        while self._engine_thread.is_alive():
+            self._engine_thread.join(timeout=_SUPERVISE_PERIOD_S)
+            if self._engine_thread.is_alive() and self._num_signals > 1:
+                # A forward that never returns must not hold the process: the forced stop
+                # leaves without the engine (its in-flight requests get no reply).
+                log.error("second signal while the engine is stuck in a forward: exiting")
+                return EX_FORCED
         if self._engine_error is not None:
             return self._fatal()
         self._engine.shutdown(reason)

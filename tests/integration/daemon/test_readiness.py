@@ -116,3 +116,51 @@ def test_fatal_engine_error_fails_in_flight_and_exits_70(
     finally:
         daemon.request_drain()
         thread.join(timeout=30)
+
+
+def test_second_signal_leaves_a_stuck_forward(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, router_factory
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.checkpoints import prompt
+    from tests.integration.daemon.conftest import Decode
+
+    release, entered = threading.Event(), threading.Event()
+    real_build = daemon_module.build
+
+    class StuckRunner:
+        def run(self, plan):  # type: ignore[no-untyped-def]
+            entered.set()
+            release.wait(120)
+            raise RuntimeError("released at the end of the test")
+
+    def stuck_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        _, kv_cache, info = real_build(*args, **kwargs)
+        return StuckRunner(), kv_cache, info
+
+    monkeypatch.setattr(daemon_module, "build", stuck_build)
+    ingress_port, bootstrap_port = free_port(), free_port()
+    daemon = tiny_daemon(checkpoint, free_port(), ingress_port, bootstrap_port)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    router = None
+    try:
+        wait_until(lambda: daemon.health.is_ready, 60, "ready")
+        decode = Decode(f"tcp://127.0.0.1:{bootstrap_port}")
+        decode.want(3, 12)
+        router = router_factory(f"tcp://127.0.0.1:{ingress_port}")
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=5.0)
+            assert entered.wait(30), "the forward never started"
+            daemon.on_stop_signal()
+            wait_until(lambda: daemon.health.is_draining, 10, "draining")
+            daemon.on_stop_signal()
+            thread.join(timeout=30)
+            assert codes == [1]
+        decode.close()
+    finally:
+        release.set()
+        daemon.request_drain()
+        thread.join(timeout=30)
