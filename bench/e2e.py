@@ -29,12 +29,8 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +46,7 @@ from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan  # noqa: E402
 from prefill_worker.client import RouterClient  # noqa: E402
 from prefill_worker.decode_peer import DecodePeer  # noqa: E402
 from prefill_worker.kv.layout import KVLayout  # noqa: E402
+from prefill_worker.launch import ChildProcess, free_port  # noqa: E402
 from prefill_worker.model import Runner, build  # noqa: E402
 from prefill_worker.model.kv_cache import KVCache  # noqa: E402
 from prefill_worker.request import OutcomeStatus, SamplingParams, Timings  # noqa: E402
@@ -115,12 +112,8 @@ class WorkerProcess:
     """``prefill-worker serve`` on the bench checkpoint; ready on its sd_notify READY=1."""
 
     def __init__(self, ckpt: Path, overlap: bool, chunk_size: int, workdir: Path) -> None:
-        ports = [_free_port() for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
         self.ingress, self.bootstrap = (f"tcp://127.0.0.1:{p}" for p in ports[:2])
-        notify_path = workdir / f"notify-{ports[2]}"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(notify_path))
-        self.notify.settimeout(300)
         settings = {
             "model.path": ckpt, "model.dtype": "float32", "model.attention_backend": "sdpa",
             "model.num_threads": 1, "cache.page_size": PAGE_SIZE, "cache.num_pages": NUM_PAGES,
@@ -134,18 +127,15 @@ class WorkerProcess:
         args = [sys.executable, "-m", "prefill_worker", "serve", "configs/default.yaml"]
         for key, value in settings.items():
             args += ["--set", f"{key}={value}"]
-        env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "NIXL_LOG_LEVEL": "WARN"}
-        self.log_path = workdir / f"worker-{ports[2]}.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=log, env=env)
-        while not self.notify.recv(4096).startswith(b"READY=1"):
-            pass
+        self.child = ChildProcess.start("worker", args, workdir, cwd=ROOT)
+        self.child.wait_ready(300)
+
+    @property
+    def log_path(self) -> Path:
+        return self.child.log_path
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(120)
-        self.notify.close()
-        return code
+        return self.child.stop(120)
 
 
 class _NoRunner:
@@ -243,12 +233,6 @@ def _kv_bytes(num_tokens: int) -> int:
 
 def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)] if values else math.nan
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from prefill_worker.client import RouterClient  # noqa: E402
 from prefill_worker.config import load_config  # noqa: E402
 from prefill_worker.decode_peer import DecodePeerClient, Generation  # noqa: E402
+from prefill_worker.launch import ChildProcess, LaunchError, free_port  # noqa: E402
 from prefill_worker.protocol import ResultMsg  # noqa: E402
 
 PROMPTS = (
@@ -38,68 +35,6 @@ PROMPTS = (
     "Write one sentence about the ocean.",
     "What color is the sky on a clear day?",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    """A child process with its log file and its sd_notify socket."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    notify: socket.socket
-    log_offset: int = 0
-
-    @classmethod
-    def start(cls, name: str, args: list[str], workdir: Path) -> Proc:
-        notify_path = workdir / f"{name}.notify"
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        notify.setblocking(False)
-        log_path = workdir / f"{name}.log"
-        env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "NIXL_LOG_LEVEL": "WARN"}
-        with log_path.open("wb") as log:
-            popen = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return cls(name, popen, log_path, notify)
-
-    def new_log_lines(self) -> list[str]:
-        text = self.log_path.read_text(errors="replace")
-        lines, self.log_offset = text[self.log_offset :], len(text)
-        return [line for line in lines.splitlines() if line.strip()]
-
-    def wait_ready(self, timeout_s: float) -> None:
-        """Show the child's log while it starts; return on its READY=1."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            for line in self.new_log_lines():
-                print(f"  [{time.monotonic() - started:5.1f} s] {self.name} | {line[:140]}")
-            if self.popen.poll() is not None:
-                raise SystemExit(f"{self.name} exited with {self.popen.returncode} while starting")
-            try:
-                if self.notify.recv(4096).startswith(b"READY=1"):
-                    print(f"  [{time.monotonic() - started:5.1f} s] {self.name} ready")
-                    return
-            except BlockingIOError:
-                time.sleep(0.2)
-        raise SystemExit(f"{self.name} not ready after {timeout_s:.0f} s; log: {self.log_path}")
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM and wait; a child that does not exit in time is killed."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-        try:
-            code = self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            code = self.popen.wait()
-        self.notify.close()
-        return code
 
 
 @dataclass(frozen=True)
@@ -176,22 +111,37 @@ def main() -> int:
     print(f"== prefill-worker demo: {config.model.path} ({config.model.dtype}, CPU)")
     with tempfile.TemporaryDirectory(prefix="prefill-demo-") as tmp:
         worker_args = _worker_args(args.config, ingress, bootstrap, metrics)
-        worker = Proc.start("worker", worker_args, Path(tmp))
+        worker = ChildProcess.start("worker", worker_args, Path(tmp), cwd=ROOT)
         procs = [worker]
         try:
             print("== starting the worker (loading the model)")
-            worker.wait_ready(600)
+            _wait_ready(worker)
             peer_args = _peer_args(config, str(model), bootstrap, control)
-            procs.insert(0, Proc.start("decode-peer", peer_args, Path(tmp)))
+            procs.insert(0, ChildProcess.start("decode-peer", peer_args, Path(tmp), cwd=ROOT))
             print("== starting the decode peer (loading the same model, registering its KV pool)")
-            procs[0].wait_ready(600)
+            _wait_ready(procs[0])
             _converse(config, model, ingress, control, args.max_new_tokens)
+        except LaunchError as exc:
+            raise SystemExit(str(exc)) from None
         finally:
             print("\n== stopping (SIGTERM): decode peer first, then the worker")
             codes = {proc.name: proc.stop() for proc in procs}
             for name, code in codes.items():
                 print(f"  {name} exited with {code}")
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _wait_ready(child: ChildProcess) -> None:
+    """Show the child's log while it starts (model loading takes a while); return on READY=1."""
+    started = time.monotonic()
+
+    def show(line: str) -> None:
+        print(f"  [{time.monotonic() - started:5.1f} s] {child.name} | {line[:140]}")
+
+    child.wait_ready(600, on_log_line=show)
+    for line in child.new_log_lines():
+        show(line)
+    print(f"  [{time.monotonic() - started:5.1f} s] {child.name} ready")
 
 
 def _converse(config: object, model: Path, ingress: str, control: str, max_new: int) -> None:

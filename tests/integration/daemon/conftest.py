@@ -4,43 +4,29 @@ over real NIXL) in this process, and a router (``BlockingRouterClient``) over re
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from prefill_worker.client import BlockingRouterClient
+from prefill_worker.launch import ChildProcess, free_port
 from prefill_worker.transfer.receiver import KVReceiver, RoomState, RoomStatus
 from tests.checkpoints import make_checkpoint
+from tests.polling import wait_until
+
+__all__ = ["free_port", "wait_until"]  # re-exported for the daemon and e2e tests
 
 ROOT = Path(__file__).resolve().parents[3]
 PAGE_SIZE = 4  # configs/tiny-test.yaml
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16  # tests/checkpoints.py COMMON (llama)
 DECODE_PAGES = 256
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
@@ -50,13 +36,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclass
 class Worker:
-    proc: subprocess.Popen[bytes]
+    """`prefill-worker serve` as a child process, with the endpoints it was told to bind."""
+
+    child: ChildProcess
     ingress: str
     bootstrap: str
     http_port: int
-    notify: socket.socket
-    log_path: Path
-    notifications: list[str] = field(default_factory=list)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.child.popen
+
+    @property
+    def notifications(self) -> list[str]:
+        return self.child.notifications
 
     def http(self, path: str, method: str = "GET") -> tuple[int, str]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", method=method)
@@ -66,17 +59,6 @@ class Worker:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
-    def collect_notifications(self) -> None:
-        """Read sd_notify datagrams as they come (the kernel queues only ~10), until closed."""
-        self.notify.settimeout(0.2)
-        while self.notify.fileno() != -1:
-            try:
-                self.notifications.append(self.notify.recv(4096).decode())
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
     def wait_exit(self, timeout_s: float) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)
@@ -85,7 +67,7 @@ class Worker:
             raise AssertionError(f"worker did not exit in {timeout_s} s\n{self.log()}") from None
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
+        return self.child.log_tail()
 
 
 def start_worker(
@@ -94,9 +76,6 @@ def start_worker(
     ingress = f"tcp://127.0.0.1:{free_port()}"
     bootstrap = f"tcp://127.0.0.1:{free_port()}"
     http_port = free_port()
-    notify_path = str(tmp_path / f"notify-{http_port}.sock")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
     flags = [
         f"model.path={checkpoint}",
         f"ingress.bind={ingress}",
@@ -108,26 +87,12 @@ def start_worker(
     for flag in flags:
         args += ["--set", flag]
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFILL_WORKER_")}
-    log_path = tmp_path / f"worker-{http_port}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**base, "NOTIFY_SOCKET": notify_path, "NIXL_LOG_LEVEL": "WARN", **(env or {})},
-        )
-    worker = Worker(proc, ingress, bootstrap, http_port, notify, log_path)
-    threading.Thread(target=worker.collect_notifications, daemon=True).start()
-    return worker
+    child = ChildProcess.start("worker", args, tmp_path, cwd=ROOT, env={**base, **(env or {})})
+    return Worker(child, ingress, bootstrap, http_port)
 
 
 def wait_ready(worker: Worker, timeout_s: float = 120.0) -> None:
-    def is_ready() -> bool:
-        assert worker.proc.poll() is None, f"worker exited early:\n{worker.log()}"
-        return any(n.startswith("READY=1") for n in worker.notifications)
-
-    wait_until(is_ready, timeout_s, "READY=1")
+    worker.child.wait_ready(timeout_s)
 
 
 @pytest.fixture
@@ -143,10 +108,7 @@ def worker_factory(tmp_path: Path, checkpoint: Path) -> Iterator[Callable[..., W
 
     yield factory
     for worker in started:
-        if worker.proc.poll() is None:
-            worker.proc.send_signal(signal.SIGKILL)
-            worker.proc.wait()
-        worker.notify.close()
+        worker.child.kill()
 
 
 class Decode:

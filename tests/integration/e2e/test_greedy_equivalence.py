@@ -14,7 +14,6 @@ from prefill_worker.client import BlockingRouterClient, RouterClient
 from prefill_worker.decode_peer import DecodePeerClient
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import hf_model, prompt
-from tests.integration.daemon.conftest import wait_until
 from tests.integration.e2e.conftest import start_peer_process
 
 LENGTHS = (3, 16, 29, 47, 70)  # chunk_size 16, page_size 4: one chunk, several, ragged ends
@@ -73,12 +72,12 @@ def test_decode_peer_process_serves_and_stops_cleanly(worker, checkpoint, tmp_pa
     """`prefill-worker decode-peer` as a process: READY=1, the same tokens as in process over
     its control socket, exit 0 on SIGTERM."""
     ids = prompt(21, seed=5)
-    proc = start_peer_process(worker.bootstrap, checkpoint, tmp_path)
+    peer, control = start_peer_process(worker.bootstrap, checkpoint, tmp_path)
     try:
-        wait_until(proc.is_ready, 60, "the decode peer's READY=1")
+        peer.wait_ready(60)
 
         async def ask() -> tuple[object, object]:
-            client, router = DecodePeerClient(proc.control), RouterClient(worker.ingress)
+            client, router = DecodePeerClient(control), RouterClient(worker.ingress)
             try:
                 await client.ping(timeout_s=10)
                 generation = asyncio.ensure_future(client.generate(502, ids, NUM_NEW_TOKENS))
@@ -90,12 +89,11 @@ def test_decode_peer_process_serves_and_stops_cleanly(worker, checkpoint, tmp_pa
 
         result, generation = asyncio.run(ask())
     finally:
-        proc.popen.send_signal(signal.SIGTERM)
-        code = proc.popen.wait(30)
+        code = peer.stop(30)
     assert result.status is OutcomeStatus.OK
     assert generation.is_ok
     assert list(generation.token_ids) == hf_generate(checkpoint, ids)
-    assert code == 0, proc.log()
+    assert code == 0, peer.log_tail()
 
 
 def test_worker_exits_cleanly_after_the_peer_leaves(worker, decode_peer) -> None:

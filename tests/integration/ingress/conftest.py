@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +20,9 @@ from prefill_worker.request import (
     OutcomeStatus,
     PrefillRequest,
 )
+from tests.polling import wait_until
+
+__all__ = ["wait_until"]  # re-exported for the ingress tests
 
 VOCAB = 1000
 LOAD = LoadSnapshot(waiting=3, running=2, free_kv_pages=100, draining=False)
@@ -149,11 +152,3 @@ def recv_msgs(sock: zmq.Socket[bytes], count: int, timeout_s: float = 10.0) -> l
         assert left_ms > 0 and sock.poll(left_ms), f"got {len(got)} of {count} replies"
         got.append(decode_worker(sock.recv()))
     return got
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll a condition another thread will make true; fail past the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.002)

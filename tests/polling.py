@@ -1,0 +1,15 @@
+"""Waiting in tests for what another thread or process will make true: poll a condition with
+a deadline (never a bare sleep standing in for synchronisation)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or 'condition'}")
+        time.sleep(0.002)
