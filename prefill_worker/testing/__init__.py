@@ -1,0 +1,1 @@
+"""Tools that check the worker, not parts of it: nothing in the serving path imports them."""
