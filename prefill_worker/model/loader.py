@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -78,6 +79,14 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+class TensorSource(Protocol):
+    """Named checkpoint tensors, already in the dtype and on the device wanted."""
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def maybe(self, name: str, needed: bool) -> torch.Tensor | None: ...
+
+
 class _Reader:
     """Reads named tensors from their files, cast to one dtype and device."""
 
@@ -121,14 +130,20 @@ def load_checkpoint(
     spec = read_spec(root)
     reader = _Reader(tensor_files(root), dtype, device)
     check_tensors(spec, reader)
-    layers = tuple(_layer(spec, reader, i) for i in range(spec.num_layers))
-    embed = reader.get("model.embed_tokens.weight")
-    lm_head = embed if spec.tie_word_embeddings else reader.get("lm_head.weight")
+    weights = fuse_weights(spec, reader)
     log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
-    return spec, ModelWeights(embed, layers, reader.get("model.norm.weight"), lm_head)
+    return spec, weights
 
 
-def _layer(spec: ModelSpec, r: _Reader, index: int) -> LayerWeights:
+def fuse_weights(spec: ModelSpec, source: TensorSource) -> ModelWeights:
+    """The checkpoint's tensors, by HF name, fused into the model's ``ModelWeights``."""
+    layers = tuple(_layer(spec, source, i) for i in range(spec.num_layers))
+    embed = source.get("model.embed_tokens.weight")
+    lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
+    return ModelWeights(embed, layers, source.get("model.norm.weight"), lm_head)
+
+
+def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
     p = f"model.layers.{index}."
     attn, mlp = p + "self_attn.", p + "mlp."
     qkv_bias = None

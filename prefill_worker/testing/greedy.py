@@ -70,7 +70,9 @@ def compare_greedy(
     tolerance: float,
 ) -> Agreement:
     """Check each candidate continuation against the reference's greedy choices."""
-    equal, ties, failures = 0, [], []
+    equal = 0
+    ties: list[Divergence] = []
+    failures: list[Divergence] = []
     for index, (prompt, tokens) in enumerate(zip(prompts, candidates, strict=True)):
         found = _first_divergence(reference, index, prompt, tokens)
         if found is None:

@@ -17,7 +17,7 @@ pytestmark = [
     ),
 ]
 
-PAGE_SIZE, NUM_PAGES, HEADS, KV_HEADS, DIM = 16, 64, 8, 2, 128
+PAGE_SIZE, NUM_PAGES, HEADS, KV_HEADS = 16, 64, 8, 2
 
 
 def _batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
@@ -33,20 +33,21 @@ def _batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]
     return AttentionBatch(tuple(spans), PAGE_SIZE, offset), torch.tensor(slots)
 
 
+@pytest.mark.parametrize("dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_flashinfer_matches_sdpa(dtype):
+def test_flashinfer_matches_sdpa(dtype, dim):
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     # fresh prompt, a chunk after a cached prefix, a one-token chunk
     batch, slots = _batch([(0, 100), (128, 200), (40, 41)])
-    pool_shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, DIM)
+    pool_shape = (NUM_PAGES, PAGE_SIZE, KV_HEADS, dim)
     k_pool = torch.randn(pool_shape, generator=gen, device=device, dtype=dtype)
     v_pool = torch.randn(pool_shape, generator=gen, device=device, dtype=dtype)
     num_tokens = batch.num_tokens
-    q = torch.randn(num_tokens, HEADS, DIM, generator=gen, device=device, dtype=dtype) * 3
+    q = torch.randn(num_tokens, HEADS, dim, generator=gen, device=device, dtype=dtype) * 3
     slots = slots.to(device)
-    k = k_pool.view(-1, KV_HEADS, DIM)[slots]  # this batch's K/V, already in its pages
-    v = v_pool.view(-1, KV_HEADS, DIM)[slots]
+    k = k_pool.view(-1, KV_HEADS, dim)[slots]  # this batch's K/V, already in its pages
+    v = v_pool.view(-1, KV_HEADS, dim)[slots]
     outputs = {}
     for name in ("sdpa", "flashinfer"):
         backend = create_backend(name, device)
