@@ -84,7 +84,9 @@ class NoopBackend:
         self.poll_cpu_s = poll_cpu_s
         self.next_ready = True
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> NoopSender:
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> NoopSender:
         return NoopSender(self.next_ready)
 
     def poll(self) -> None:

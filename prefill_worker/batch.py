@@ -48,6 +48,7 @@ class SampledToken:
     request_id: str
     token_id: int
     logprob: float  # log-probability of token_id under the unmodified (temperature 1) softmax
+    error: str | None = None  # this row could not be sampled: its request fails, nothing else
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
         cmd.add_argument("--log-format", choices=["text", "json"])
+        cmd.add_argument("--ready-file", metavar="PATH", help="set daemon.ready_file")
     sub.add_parser("config-docs", help="print docs/config.md, generated from the models")
     sub.add_parser("version", help="print the version")
     sub.add_parser(
@@ -54,6 +55,8 @@ def _resolve(args: argparse.Namespace) -> Config:
         overrides.append(f"daemon.log_level={args.log_level}")
     if args.log_format:
         overrides.append(f"daemon.log_format={args.log_format}")
+    if args.ready_file:
+        overrides.append(f"daemon.ready_file={args.ready_file}")
     return load_config(args.config_path or args.config_flag, overrides=overrides)
 
 

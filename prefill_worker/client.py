@@ -14,13 +14,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 import zmq.auth
 
+from prefill_worker.curve import CurveClientKeys, apply_client
 from prefill_worker.protocol import (
     AbortMsg,
     DrainMsg,
@@ -54,23 +54,6 @@ class RequestRejected(Exception):
         return self.reject.code.value
 
 
-@dataclass(frozen=True, slots=True)
-class CurveClientKeys:
-    """CurveZMQ for a router: its own key pair and the worker's public key."""
-
-    public_key: bytes
-    secret_key: bytes
-    server_public_key: bytes
-
-    @classmethod
-    def from_files(cls, secret_key_file: str, server_public_key_file: str) -> CurveClientKeys:
-        public, secret = zmq.auth.load_certificate(secret_key_file)
-        server_public, _ = zmq.auth.load_certificate(server_public_key_file)
-        if secret is None:
-            raise ValueError(f"{secret_key_file}: has no secret key")
-        return cls(public, secret, server_public)
-
-
 class RouterClient:
     """Asyncio client of one worker; create and use it inside one running event loop."""
 
@@ -90,9 +73,7 @@ class RouterClient:
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout_s * 1000))
         if curve is not None:
-            self._sock.curve_secretkey = curve.secret_key
-            self._sock.curve_publickey = curve.public_key
-            self._sock.curve_serverkey = curve.server_public_key
+            apply_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._results: dict[str, asyncio.Future[ResultMsg]] = {}
         self._pongs: dict[int, asyncio.Future[LoadSnapshot]] = {}
@@ -110,11 +91,15 @@ class RouterClient:
         deadline_s: float | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        decode_peer: str | None = None,
     ) -> ResultMsg:
         """Send one ``prefill`` and wait for its ``result``; a ``reject`` raises
-        ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``)."""
+        ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``). ``decode_peer``
+        names the only decode agent that may claim the room."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        msg = PrefillMsg(rid, token_ids, bootstrap_room, sampling, return_logprob, deadline_s)
+        msg = PrefillMsg(
+            rid, token_ids, bootstrap_room, sampling, return_logprob, deadline_s, decode_peer
+        )
         frame = encode_prefill(msg)
         future: asyncio.Future[ResultMsg] = self._expect(self._results, rid)
         await self._sock.send(frame)
@@ -128,7 +113,8 @@ class RouterClient:
         return await self._load_query(PingMsg, timeout_s)
 
     async def drain(self, timeout_s: float | None = None) -> LoadSnapshot:
-        """Tell the worker to stop admitting; answered with its load (``draining`` set)."""
+        """Tell the worker to stop admitting; answered with its load (``draining`` set), or
+        ``RequestRejected`` (``forbidden``) where the worker does not allow the message."""
         return await self._load_query(DrainMsg, timeout_s)
 
     def close(self) -> None:
@@ -186,10 +172,13 @@ class RouterClient:
                 log.warning("unreadable reply from the worker: %s", exc)
 
     def _dispatch(self, msg: ResultMsg | Reject | PongMsg) -> None:
-        if isinstance(msg, PongMsg):
+        if isinstance(msg, PongMsg) or (isinstance(msg, Reject) and msg.nonce is not None):
             pong = None if msg.nonce is None else self._pongs.pop(msg.nonce, None)
             if pong is not None and not pong.done():
-                pong.set_result(msg.load)
+                if isinstance(msg, Reject):
+                    pong.set_exception(RequestRejected(msg))
+                else:
+                    pong.set_result(msg.load)
                 return
         elif msg.request_id is not None:
             future = self._results.pop(msg.request_id, None)

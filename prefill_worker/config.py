@@ -97,8 +97,16 @@ class IngressConfig(_Section):
     """The ZMQ ROUTER socket routers send requests to (DESIGN §4)."""
 
     bind: str = Field("tcp://127.0.0.1:5557", description="ZMQ ROUTER address routers connect to.")
-    max_message_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="Larger frames are dropped by ZMQ and counted."
+    max_message_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description="Larger frames make ZMQ drop the connection; unset: what the longest prompt "
+        "needs (4 × scheduler.max_prompt_tokens + 64 KiB).",
+    )
+    allow_drain_message: bool = Field(
+        False,
+        description="Honour the router `drain` message; off, it is refused with `forbidden` "
+        "(any router could stop the worker). SIGTERM drains either way.",
     )
     heartbeat_interval_s: float = Field(5.0, gt=0, description="ZMTP heartbeat interval.")
     heartbeat_timeout_s: float = Field(15.0, gt=0, description="ZMTP heartbeat timeout.")
@@ -125,6 +133,37 @@ class TransferConfig(_Section):
         10.0, gt=0, description="A decode peer silent this long fails its requests."
     )
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Heartbeat period to peers.")
+    max_peer_pages: int = Field(
+        2**20,
+        ge=1,
+        description="Most decode pool pages (and aux rows) one peer may register; larger "
+        "registrations are refused (the descriptor list is built on the engine thread).",
+    )
+    max_message_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest bootstrap message; ZMQ drops larger ones and their connection "
+        "(a `register` of 80 layers is ~9 KiB; a `want` is 4 bytes per prompt page).",
+    )
+    curve_secret_key_file: str | None = Field(
+        None, description="CurveZMQ secret key file of the bootstrap socket; unset disables."
+    )
+    curve_authorized_keys_dir: str | None = Field(
+        None, description="Directory of allowed decode public keys (with CURVE)."
+    )
+    ucx_net_devices: str | None = Field(
+        None,
+        description="UCX_NET_DEVICES for the NIXL agent (`lo`, `eth0`, `mlx5_0:1`, `all`): the "
+        "interfaces UCX listens on and sends over. Unset: `lo` when bootstrap_bind is on "
+        "127.0.0.1, else UCX's default (every interface).",
+    )
+
+    @property
+    def resolved_ucx_net_devices(self) -> str | None:
+        """What the NIXL agent gets; None leaves UCX_NET_DEVICES to the environment."""
+        if self.ucx_net_devices is not None:
+            return self.ucx_net_devices
+        return "lo" if "//127.0.0.1:" in self.bootstrap_bind else None
 
 
 class MetricsConfig(_Section):
@@ -133,6 +172,16 @@ class MetricsConfig(_Section):
     bind: str = Field("127.0.0.1:9400", description="host:port of /metrics /livez /readyz /drain.")
     livez_stale_s: float = Field(
         5.0, gt=0, description="/livez fails when the engine loop has not turned for this long."
+    )
+    admin_token_file: str | None = Field(
+        None,
+        description="File holding the bearer token that POST /drain needs "
+        "(`Authorization: Bearer <token>`); unset, /drain answers 403.",
+    )
+    allow_unauthenticated_admin: bool = Field(
+        False,
+        description="Let anyone who reaches metrics.bind POST /drain without a token "
+        "(local demos only).",
     )
 
 
@@ -146,6 +195,11 @@ class DaemonConfig(_Section):
         "info", description="Least severe log level written."
     )
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    ready_file: str | None = Field(
+        None,
+        description="Once serving, write the bound endpoints here as JSON (as `/readyz` shows"
+        " them; replaced atomically, removed at exit). `serve --ready-file PATH` sets it.",
+    )
 
 
 class Config(_Section):

@@ -16,6 +16,7 @@ a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -24,13 +25,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
 from prefill_worker.config import EX_CONFIG, Config
-from prefill_worker.http import Health, HttpServer
+from prefill_worker.http import AdminAccess, Health, HttpServer
 from prefill_worker.ingress import CurveServerKeys, EngineInbox, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVRegions
@@ -44,6 +46,7 @@ from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler import Engine, LoadSnapshot
 from prefill_worker.sdnotify import SdNotifier
 from prefill_worker.transfer.factory import ServingBackend, make_backend
+from prefill_worker.transfer.validate import BootstrapLimits
 
 log = logging.getLogger("prefill_worker.daemon")
 
@@ -107,7 +110,12 @@ class Daemon:
     def _start(self) -> None:
         cfg = self.config
         with startup_step("http", (ValueError,)):
-            http = HttpServer(cfg.metrics.bind, self.health, self.registry, self.request_drain)
+            admin = AdminAccess.from_token_file(
+                cfg.metrics.admin_token_file, cfg.metrics.allow_unauthenticated_admin
+            )
+            http = HttpServer(
+                cfg.metrics.bind, self.health, self.registry, self.request_drain, admin
+            )
             http.start()
             self._closers.append(("http", http.stop))
             log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
@@ -149,10 +157,29 @@ class Daemon:
         )
         self.metrics.set_kv_pages(0, pages.num_pages)
         self.health.watch(lambda: engine.last_turn_at)
+        self._announce(http.port)
+
+    def _announce(self, http_port: int) -> None:
+        """Ready: say where everything is bound (port 0 picks any) to `/readyz`, systemd, a file."""
+        cfg = self.config
+        http_host = cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
+        endpoints: dict[str, str | int] = {
+            "ingress": self.ingress.endpoint,
+            "bootstrap": self.bootstrap_endpoint,
+            "http": f"{http_host}:{http_port}",
+            "pid": os.getpid(),
+        }
+        self.health.endpoints = endpoints
+        if cfg.daemon.ready_file:
+            ready_file = Path(cfg.daemon.ready_file)
+            with startup_step("ready file", (OSError,)):
+                write_ready_file(ready_file, endpoints)
+            self._closers.append(("ready file", lambda: ready_file.unlink(missing_ok=True)))
         self.health.is_ready = True
         self.metrics.ready.set(1)
-        self.notifier.ready(f"serving {cfg.model.path}")
-        log.info("ready: ingress %s, bootstrap %s", self.ingress.endpoint, self.bootstrap_endpoint)
+        where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
+        self.notifier.ready(f"serving {cfg.model.path}: {where}")
+        log.info("ready: %s", where)
 
     def _load_model(self) -> tuple[Runner, KVCache, ModelInfo]:
         cfg = self.config
@@ -182,6 +209,11 @@ class Daemon:
     def _start_transfer(self, regions: KVRegions) -> ServingBackend:
         cfg = self.config.transfer
         with startup_step("transfer", (ValueError,)):
+            curve = None
+            if cfg.curve_secret_key_file:
+                curve = CurveServerKeys.from_files(
+                    cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
+                )
             backend = make_backend(
                 cfg.backend,
                 regions,
@@ -191,6 +223,10 @@ class Daemon:
                 cfg.peer_timeout_s,
                 cfg.heartbeat_interval_s,
                 want_timeout_s=self.config.scheduler.bootstrap_timeout_s,
+                limits=BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes),
+                curve=curve,
+                ucx_net_devices=cfg.resolved_ucx_net_devices,
+                on_reject=self.metrics.on_bootstrap_reject,
             )
             self._closers.append(("transfer", backend.close))
             self.bootstrap_endpoint = backend.bootstrap_endpoint
@@ -218,6 +254,7 @@ class Daemon:
                 curve=curve,
                 observer=IngressEvents(self.metrics),
                 on_drain=self.request_drain,
+                allow_drain_message=cfg.allow_drain_message,
             )
             ingress.start()
             self._ingress = ingress
@@ -340,6 +377,13 @@ class Daemon:
             except Exception:
                 log.exception("closing %s failed", name)
         self.notifier.close()
+
+
+def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
+    """JSON, replaced atomically: a reader sees the old file or the whole new one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
+    partial.replace(path)
 
 
 def run_daemon(config: Config, env: Mapping[str, str] | None = None) -> int:

@@ -3,17 +3,23 @@
 It runs on its own thread with its own event loop and reads only ``Health`` (a few atomically
 replaced values) and the metrics registry; ``/drain`` calls the drain callback it was given.
 A minimal HTTP/1.1 server: one request per connection, no body parsing beyond its length.
+
+Mutating routes (``/drain``) are admin routes: they need ``Authorization: Bearer <token>``
+when ``AdminAccess`` has a token, and answer 403 when it has none, unless it explicitly allows
+anyone (local demos). The read-only routes stay open for probes and Prometheus.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hmac
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -35,6 +41,7 @@ class Health:
         self._last_turn_at: Callable[[], float] | None = None
         self.is_ready = False
         self.is_draining = False
+        self.endpoints: dict[str, str | int] = {}  # what the worker bound: `/readyz` shows it
 
     def watch(self, last_turn_at: Callable[[], float]) -> None:
         self._last_turn_at = last_turn_at
@@ -43,6 +50,48 @@ class Health:
         if self._last_turn_at is None:
             return True
         return self._clock() - self._last_turn_at() <= self._stale_s
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAccess:
+    """Who may call the mutating routes: holders of ``token``; without one, nobody, unless
+    ``allow_unauthenticated`` (then anyone who can reach the bind)."""
+
+    token: bytes | None = None
+    allow_unauthenticated: bool = False
+
+    @classmethod
+    def from_token_file(cls, path: str | None, allow_unauthenticated: bool) -> AdminAccess:
+        """Raises ``ValueError`` when the file cannot be read or holds no token."""
+        if path is None:
+            return cls(None, allow_unauthenticated)
+        try:
+            token = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the admin token: {exc.strerror}") from exc
+        if not token or len(token.split()) != 1:
+            raise ValueError(f"{path}: the admin token must be one non-empty word")
+        return cls(token, allow_unauthenticated)
+
+    def refusal(self, head: bytes) -> str | None:
+        """None when the request may go on, else why not (the token is never echoed)."""
+        if self.token is None:
+            if self.allow_unauthenticated:
+                return None
+            return "admin routes are off: set metrics.admin_token_file"
+        scheme, _, credentials = _header(head, b"authorization").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token):
+            return None
+        return "needs Authorization: Bearer <the token in metrics.admin_token_file>"
+
+
+def _header(head: bytes, name: bytes) -> bytes:
+    """The value of header ``name`` (lower case), or b"" when absent."""
+    for line in head.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip()
+    return b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +104,7 @@ class _Response:
 _REASONS = {
     200: "OK",
     202: "Accepted",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     400: "Bad Request",
@@ -71,6 +121,7 @@ class HttpServer:
         health: Health,
         registry: CollectorRegistry,
         on_drain: Callable[[], None],
+        admin: AdminAccess = AdminAccess(),
     ) -> None:
         host, _, port = bind.rpartition(":")
         self._host = host or "127.0.0.1"
@@ -78,6 +129,7 @@ class HttpServer:
         self._health = health
         self._registry = registry
         self._on_drain = on_drain
+        self._admin = admin
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
@@ -122,6 +174,14 @@ class HttpServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            await self._serve_one(reader, writer)
+        except ConnectionError as exc:  # reset or broken pipe: the client's business, not ours
+            log.debug("http client went away: %r", exc)
+        finally:
+            writer.close()
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
             response = self._route(head)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
@@ -131,10 +191,11 @@ class HttpServer:
             f"Content-Type: {response.content_type}\r\n"
             f"Content-Length: {len(response.body)}\r\nConnection: close\r\n\r\n"
         )
-        with contextlib.suppress(ConnectionError):
-            writer.write(header.encode() + response.body)
-            await writer.drain()
-        writer.close()
+        if writer.is_closing():  # reset while we read (uvloop refuses writes to it)
+            log.debug("http client went away before its %d answer", response.status)
+            return
+        writer.write(header.encode() + response.body)
+        await writer.drain()
 
     def _route(self, head: bytes) -> _Response:
         if len(head) > _MAX_HEADER_BYTES:
@@ -152,6 +213,11 @@ class HttpServer:
         allowed, handler = handlers[path]
         if method != allowed and not (allowed == "GET" and method == "HEAD"):
             return _Response(405, f"use {allowed}\n".encode())
+        if allowed == "POST":  # every mutating route is an admin route
+            refusal = self._admin.refusal(head)
+            if refusal is not None:
+                log.info("refused %s %s: %s", method, path, refusal)
+                return _Response(403, f"forbidden: {refusal}\n".encode())
         return handler()
 
     def _metrics(self) -> _Response:
@@ -163,11 +229,11 @@ class HttpServer:
         return _Response(503, b"engine loop stalled\n")
 
     def _readyz(self) -> _Response:
-        if self._health.is_draining:
-            return _Response(503, b"draining\n")
-        if not self._health.is_ready:
-            return _Response(503, b"starting\n")
-        return _Response(200, b"ready\n")
+        """``{"status": "ready" | "starting" | "draining", <the bound endpoints>}``."""
+        health = self._health
+        status = "draining" if health.is_draining else "ready" if health.is_ready else "starting"
+        body = json.dumps({"status": status, **health.endpoints}).encode() + b"\n"
+        return _Response(200 if status == "ready" else 503, body, "application/json")
 
     def _drain(self) -> _Response:
         self._on_drain()

@@ -4,21 +4,29 @@ Routers connect DEALER sockets (DESIGN §4, docs/protocol.md). The I/O thread ow
 and everything below; the engine loop owns everything else::
 
     routers ─▶ ROUTER ─▶ decode_router ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
-                  ▲                                                      │ engine loop
+                  ▲  └─ monitor: DISCONNECTED ─▶ AbortRequest(ROUTER_GONE) for its requests
+                  │                                                      │ engine loop
                   └── encode_outcome ◀── outbox (deque) + wake pipe ◀── send_outcome(outcome)
 
-Invariants: every ``prefill`` gets exactly one ``result`` or ``reject``; a ``request_id`` is in
-flight from its admission until its reply has been sent, and a second ``prefill`` with it in
-that window is rejected; ``abort`` is forwarded only for an id in flight and never answered.
-A reply the router cannot take any more (it went away: EHOSTUNREACH under ROUTER_MANDATORY) is
-counted and dropped. Nothing here touches engine state; ``load`` and the observer are called
-from the I/O thread and must be thread-safe.
+Invariants: every ``prefill`` gets exactly one ``result`` or ``reject``. Request ids are
+scoped by router connection: the engine sees ``"<routing id hex>/<request_id>"``, unique in
+the worker, and the reply carries the router's own id again. So two routers may use one id,
+and ``duplicate_request_id`` and ``abort`` concern only the sender's own ids (this module is
+the one owner of that rule; the engine trusts it). An ``abort`` is never answered. A router
+whose connection closes has its requests aborted (``router_gone``); a reply the router cannot
+take any more (EHOSTUNREACH under ROUTER_MANDATORY) is counted and dropped.
+
+Fairness: one turn of the I/O thread reads at most ``_RECV_BATCH`` messages or
+``_RECV_BATCH_BYTES`` of frames, then sends every reply that is ready, so a reply waits behind
+a bounded amount of decoding. Nothing here touches engine state; ``load`` and the observer are
+called from the I/O thread and must be thread-safe.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -30,9 +38,13 @@ from typing import Protocol
 
 import zmq
 import zmq.auth
+import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
+from prefill_worker.connections import RouterConnections
+from prefill_worker.curve import CurveServerKeys, start_server
 from prefill_worker.protocol import (
+    DrainMsg,
     Limits,
     LoadSnapshot,
     PingMsg,
@@ -43,14 +55,17 @@ from prefill_worker.protocol import (
     encode_pong,
     encode_reject,
 )
-from prefill_worker.request import AbortRequest, Outcome, PrefillRequest
+from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
+from prefill_worker.router_sender import RouterSender
 
 log = logging.getLogger(__name__)
 
 _RECV_BATCH = 512  # messages taken per wake-up before the outbox gets a turn
+_RECV_BATCH_BYTES = 1 << 20  # ... or this many bytes of frames, whichever comes first
+_MESSAGE_OVERHEAD_BYTES = 64 * 1024  # a prefill's fields besides token_ids, with room to spare
+_MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _IDLE_POLL_MS = 100
 _RETRY_POLL_MS = 1
-_MAX_PARKED = 100_000  # replies parked on full peer pipes before we drop (and count) them
 
 EngineInbox = queue.Queue[PrefillRequest | AbortRequest]
 
@@ -67,6 +82,9 @@ class IngressObserver(Protocol):
     def on_malformed(self) -> None:
         """A frame could not be read at all (not a one-frame msgpack map)."""
 
+    def on_unroutable(self) -> None:
+        """A reply was dropped: its router had gone."""
+
 
 class NullIngressObserver:
     def on_request(self) -> None:
@@ -78,24 +96,8 @@ class NullIngressObserver:
     def on_malformed(self) -> None:
         return None
 
-
-@dataclass(frozen=True, slots=True)
-class CurveServerKeys:
-    """CurveZMQ for the ingress socket: the server's key pair and the allowed client keys."""
-
-    public_key: bytes
-    secret_key: bytes
-    authorized_keys_dir: str
-
-    @classmethod
-    def from_files(cls, secret_key_file: str, authorized_keys_dir: str) -> CurveServerKeys:
-        """Read a ``zmq.auth`` secret certificate and name the directory of public ones."""
-        public, secret = zmq.auth.load_certificate(secret_key_file)
-        if secret is None:
-            raise ValueError(f"{secret_key_file}: has no secret key (a .key_secret file?)")
-        if not os.path.isdir(authorized_keys_dir):
-            raise ValueError(f"{authorized_keys_dir}: not a directory of client public keys")
-        return cls(public, secret, authorized_keys_dir)
+    def on_unroutable(self) -> None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,22 @@ class IngressStats:
     num_unroutable: int  # replies dropped: the router had gone
     num_orphan_outcomes: int  # outcomes for no request in flight (an engine bug)
     num_inflight: int
+    num_sent: int = 0  # results, rejects and pongs handed to ZMQ
+    num_routers_gone: int = 0  # router connections that closed with requests in flight
+    num_aborted_router_gone: int = 0  # requests aborted because their router went away
+    num_from_gone: int = 0  # messages read after their connection had closed (dropped)
+
+
+def default_max_message_bytes(max_prompt_tokens: int) -> int:
+    """The largest valid ``prefill`` is its packed token ids plus a few small fields."""
+    return 4 * max_prompt_tokens + _MESSAGE_OVERHEAD_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    identity: bytes
+    request_id: str  # the router's own id
+    return_logprob: bool
 
 
 class IngressError(RuntimeError):
@@ -125,13 +143,19 @@ class Ingress:
         max_prompt_tokens: int,
         max_pool_tokens: int,
         max_inflight: int,
-        max_message_bytes: int = 16 * 1024 * 1024,
+        max_message_bytes: int | None = None,
         heartbeat_interval_s: float = 5.0,
         heartbeat_timeout_s: float = 15.0,
         curve: CurveServerKeys | None = None,
         observer: IngressObserver | None = None,
         on_drain: Callable[[], None] | None = None,
+        allow_drain_message: bool = False,
     ) -> None:
+        """``max_message_bytes`` None: ``default_max_message_bytes(max_prompt_tokens)``. The
+        ``drain`` message calls ``on_drain`` only with ``allow_drain_message``; otherwise it
+        is refused with ``forbidden`` (any router could stop the worker)."""
+        if max_message_bytes is None:
+            max_message_bytes = default_max_message_bytes(max_prompt_tokens)
         self._bind = bind[:-2] + ":*" if bind.endswith(":0") else bind
         self._inbox = inbox
         self._load = load
@@ -139,7 +163,9 @@ class Ingress:
         self._max_inflight = max_inflight
         self._sockopts = {
             zmq.ROUTER_MANDATORY: 1,
-            zmq.ROUTER_HANDOVER: 1,
+            # Off: while a connection holds a routing id, another connection naming the same
+            # id is refused, so it can neither take the replies nor abort the requests.
+            zmq.ROUTER_HANDOVER: 0,
             zmq.MAXMSGSIZE: max_message_bytes,
             zmq.HEARTBEAT_IVL: int(heartbeat_interval_s * 1000),
             zmq.HEARTBEAT_TIMEOUT: int(heartbeat_timeout_s * 1000),
@@ -151,14 +177,14 @@ class Ingress:
         self._curve = curve
         self._observer: IngressObserver = observer or NullIngressObserver()
         self._on_drain = on_drain
+        self._allow_drain_message = allow_drain_message
         self._draining = False
         self._stopping = False
-        self._routes: dict[str, tuple[bytes, bool]] = {}  # request_id -> (identity, logprob?)
+        self._routes: dict[str, _Route] = {}  # scoped id -> where its reply goes
+        self._by_router: dict[bytes, set[str]] = {}  # identity -> its scoped ids in flight
+        self._connections = RouterConnections()
         self._outbox: collections.deque[Outcome] = collections.deque()
         self._outbox_lock = threading.Lock()
-        # Replies waiting for a router whose pipe was full (SNDHWM), in order, per router.
-        self._retry: dict[bytes, collections.deque[bytes]] = {}
-        self._num_parked = 0
         self._counts = collections.Counter[str]()
         self._thread: threading.Thread | None = None
         self._endpoint: str | None = None
@@ -169,6 +195,9 @@ class Ingress:
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._sock = self._make_socket()
+        # Before bind, so that no connection is accepted unseen.
+        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._sender = RouterSender(self._sock, self._observer.on_unroutable)
         self.error: BaseException | None = None  # set when the I/O thread died
 
     # ── life cycle (caller's thread) ────────────────────────────────────────────────────────
@@ -245,9 +274,13 @@ class Ingress:
             num_admitted=c["admitted"],
             num_rejected=c["rejected"],
             num_malformed=c["malformed"],
-            num_unroutable=c["unroutable"],
+            num_unroutable=self._sender.num_unroutable,
             num_orphan_outcomes=c["orphan"],
             num_inflight=len(self._routes),
+            num_sent=self._sender.num_sent,
+            num_routers_gone=c["routers_gone"],
+            num_aborted_router_gone=c["aborted_router_gone"],
+            num_from_gone=c["from_gone"],
         )
 
     def _wake(self) -> None:
@@ -265,14 +298,13 @@ class Ingress:
 
     def _start_curve(self, curve: CurveServerKeys) -> None:
         # The authenticator answers ZAP for this (private) context only.
-        self._auth = ThreadAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
-        self._sock.curve_secretkey = curve.secret_key
-        self._sock.curve_publickey = curve.public_key
-        self._sock.curve_server = True
+        self._auth = start_server(self._ctx, self._sock, curve)
 
     def _teardown(self) -> None:
+        if self._sock.closed:
+            return
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
         if self._auth is not None:
             self._auth.stop()
@@ -281,16 +313,20 @@ class Ingress:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stopping:
-                for ready, _ in poller.poll(_RETRY_POLL_MS if self._retry else _IDLE_POLL_MS):
+                retry = self._sender.has_parked
+                for ready, _ in poller.poll(_RETRY_POLL_MS if retry else _IDLE_POLL_MS):
                     if ready is self._sock:
                         self._receive_batch()
+                    elif ready is self._monitor:
+                        self._read_monitor()
                     else:
                         self._drain_wake_pipe()
                 # The pipe is read before the deque is taken, so that no wake-up is lost.
-                if self._outbox or self._retry:
+                if self._outbox or self._sender.has_parked:
                     self._send_outbox()
             self._send_outbox()
         except Exception as exc:
@@ -301,27 +337,69 @@ class Ingress:
 
     def _receive_batch(self) -> None:
         recv = self._sock.recv_multipart
-        handle = self._handle
+        budget = _RECV_BATCH_BYTES
         for _ in range(_RECV_BATCH):
             try:
-                frames = recv(zmq.NOBLOCK)
+                frames = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handle(frames)
+            identity = frames[0].bytes
+            if identity not in self._connections and not self._is_connected(identity, frames):
+                self._counts["from_gone"] += 1
+                continue
+            self._handle(identity, frames)
+            budget -= sum(len(frame) for frame in frames)
+            if budget <= 0:
+                return  # the outbox gets its turn before more decoding
 
-    def _handle(self, frames: list[bytes]) -> None:
-        identity = frames[0]
+    def _is_connected(self, identity: bytes, frames: list[zmq.Frame]) -> bool:
+        """A routing id seen first: file it under its connection, unless that has closed."""
+        self._read_monitor()  # every event before this message is known now
+        return self._connections.try_add(identity, frames[-1].get(zmq.SRCFD))
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                gone = self._connections.on_accepted(fd)
+            else:
+                gone = self._connections.on_disconnected(fd)
+            for identity in gone:
+                self._on_router_gone(identity)
+
+    def _on_router_gone(self, identity: bytes) -> None:
+        """Abort what the router left in flight; its parked replies can never be delivered."""
+        self._sender.forget(identity)
+        scoped_ids = self._by_router.get(identity, ())
+        if not scoped_ids:
+            return
+        self._counts["routers_gone"] += 1
+        self._counts["aborted_router_gone"] += len(scoped_ids)
+        log.info(
+            "router %s disconnected with %d requests in flight: aborting them",
+            identity.hex(),
+            len(scoped_ids),
+        )
+        for scoped_id in list(scoped_ids):
+            self._forward_abort(AbortRequest(scoped_id, FinishReason.ROUTER_GONE))
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             self._counts["malformed"] += 1
             self._observer.on_malformed()
             self._reject(identity, Reject(RejectCode.MALFORMED, "expected exactly one frame"))
             return
-        msg = decode_router(frames[1], self._limits, time.monotonic())
+        msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
         if isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
         elif isinstance(msg, AbortRequest):
-            if msg.request_id in self._routes:
-                self._forward_abort(msg)
+            scoped_id = _scoped(identity, msg.request_id)
+            if scoped_id in self._routes:  # only the sender's own ids
+                self._forward_abort(AbortRequest(scoped_id))
         elif isinstance(msg, Reject):
             if msg.code is RejectCode.MALFORMED:
                 self._counts["malformed"] += 1
@@ -330,32 +408,42 @@ class Ingress:
         elif isinstance(msg, PingMsg):
             self._pong(identity, msg.nonce)
         else:
-            self._draining = True
-            if self._on_drain is not None:
-                self._on_drain()
-            self._pong(identity, msg.nonce)
+            self._drain(identity, msg)
+
+    def _drain(self, identity: bytes, msg: DrainMsg) -> None:
+        if not self._allow_drain_message:
+            why = "the drain message is disabled (ingress.allow_drain_message); use SIGTERM"
+            self._reject(identity, Reject(RejectCode.FORBIDDEN, why, None, "type", msg.nonce))
+            return
+        log.info("drain asked by router %s", identity.hex())
+        self._draining = True
+        if self._on_drain is not None:
+            self._on_drain()
+        self._pong(identity, msg.nonce)
 
     def _admit(self, identity: bytes, req: PrefillRequest) -> None:
-        reject = self._admission_problem(req)
+        scoped_id = _scoped(identity, req.request_id)
+        reject = self._admission_problem(req, scoped_id)
         if reject is None:
-            self._routes[req.request_id] = (identity, req.return_logprob)
+            self._routes[scoped_id] = _Route(identity, req.request_id, req.return_logprob)
             try:
-                self._inbox.put_nowait(req)
+                self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
             except queue.Full:
-                del self._routes[req.request_id]
+                del self._routes[scoped_id]
                 reject = Reject(RejectCode.OVERLOADED, "the engine queue is full", req.request_id)
             else:
+                self._by_router.setdefault(identity, set()).add(scoped_id)
                 self._counts["admitted"] += 1
                 self._observer.on_request()
                 return
         self._reject(identity, reject)
 
-    def _admission_problem(self, req: PrefillRequest) -> Reject | None:
+    def _admission_problem(self, req: PrefillRequest, scoped_id: str) -> Reject | None:
         rid = req.request_id
         if self._draining:
             return Reject(RejectCode.DRAINING, "the worker is draining; send it elsewhere", rid)
-        if rid in self._routes:
-            why = f"request_id {rid!r} is already in flight"
+        if scoped_id in self._routes:
+            why = f"request_id {rid!r} is already in flight on this connection"
             return Reject(RejectCode.DUPLICATE_REQUEST_ID, why, rid, "request_id")
         if len(self._routes) >= self._max_inflight:
             why = f"{self._max_inflight} requests already in flight"
@@ -371,13 +459,13 @@ class Ingress:
     def _reject(self, identity: bytes, reject: Reject) -> None:
         self._counts["rejected"] += 1
         self._observer.on_reject(reject.code.value)
-        self._send(identity, encode_reject(reject))
+        self._sender.send(identity, encode_reject(reject))
 
     def _pong(self, identity: bytes, nonce: int | None) -> None:
         load = self._load()
         if self._draining and not load.draining:
             load = LoadSnapshot(load.waiting, load.running, load.free_kv_pages, True)
-        self._send(identity, encode_pong(load, nonce))
+        self._sender.send(identity, encode_pong(load, nonce))
 
     def _drain_wake_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -385,13 +473,7 @@ class Ingress:
                 continue
 
     def _send_outbox(self) -> None:
-        for identity in list(self._retry):
-            parked = self._retry[identity]
-            while parked and self._try_send(identity, parked[0]):
-                parked.popleft()
-                self._num_parked -= 1
-            if not parked:
-                del self._retry[identity]
+        self._sender.retry_parked()
         with self._outbox_lock:
             outcomes, self._outbox = self._outbox, collections.deque()
         for outcome in outcomes:
@@ -400,31 +482,14 @@ class Ingress:
                 self._counts["orphan"] += 1
                 log.warning("outcome for %r, which is not in flight", outcome.request_id)
                 continue
-            self._send(route[0], encode_outcome(outcome, route[1]))
+            in_flight = self._by_router[route.identity]
+            in_flight.discard(outcome.request_id)
+            if not in_flight:
+                del self._by_router[route.identity]
+            frame = encode_outcome(outcome, route.return_logprob, route.request_id)
+            self._sender.send(route.identity, frame)
 
-    def _send(self, identity: bytes, frame: bytes) -> None:
-        """Send now, or park behind this router's earlier replies while its pipe is full."""
-        parked = self._retry.get(identity)
-        if parked is None and self._try_send(identity, frame):
-            return
-        if self._num_parked >= _MAX_PARKED:
-            self._counts["unroutable"] += 1
-            return
-        if parked is None:
-            parked = self._retry[identity] = collections.deque()
-        parked.append(frame)
-        self._num_parked += 1
 
-    def _try_send(self, identity: bytes, frame: bytes) -> bool:
-        """False when the peer's pipe is full (try again later); unreachable peers are dropped."""
-        try:
-            self._sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self._counts["unroutable"] += 1
-            return True
-        self._sock.send(frame, zmq.NOBLOCK)
-        return True
+def _scoped(identity: bytes, request_id: str) -> str:
+    """The worker-wide id of a router's request: hex has no '/', so the pair is recoverable."""
+    return f"{identity.hex()}/{request_id}"

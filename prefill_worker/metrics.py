@@ -43,6 +43,11 @@ class WorkerMetrics:
             "Frames that were not a readable message (answered with a reject when possible)",
             registry=registry,
         )
+        self.unroutable = Counter(
+            "prefill_worker_unroutable_replies_total",
+            "Replies dropped because their router had disconnected",
+            registry=registry,
+        )
         self.queue = Gauge(
             "prefill_worker_queue_requests",
             "Requests held, by state",
@@ -86,9 +91,21 @@ class WorkerMetrics:
         self.kv_pages_total = Gauge(
             "prefill_worker_kv_pages_capacity", "KV pages in the pool", registry=registry
         )
+        self.aux_rows_used = Gauge(
+            "prefill_worker_aux_rows_used", "Aux rows held by requests", registry=registry
+        )
+        self.aux_rows_total = Gauge(
+            "prefill_worker_aux_rows_capacity", "Aux rows in the pool", registry=registry
+        )
         self.transfer_bytes = Counter(
             "prefill_worker_transfer_bytes_total",
             "KV and aux bytes pushed to decode peers by successful requests",
+            registry=registry,
+        )
+        self.bootstrap_rejects = Counter(
+            "prefill_worker_bootstrap_rejects_total",
+            "Bootstrap messages or decode peers refused, by reason",
+            ["reason"],
             registry=registry,
         )
         self.transfer_failures = Counter(
@@ -143,5 +160,12 @@ class WorkerMetrics:
         self.kv_pages_used.set(used)
         self.kv_pages_total.set(total)
 
+    def set_aux_rows(self, used: int, total: int) -> None:
+        self.aux_rows_used.set(used)
+        self.aux_rows_total.set(total)
+
     def on_reject(self, code: str) -> None:
         self.rejects.labels(code).inc()
+
+    def on_bootstrap_reject(self, reason: str) -> None:
+        self.bootstrap_rejects.labels(reason).inc()

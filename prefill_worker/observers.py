@@ -52,10 +52,11 @@ class EngineEvents:
     def on_load(self, load: LoadSnapshot) -> None:
         self._metrics.set_queue_sizes(load.queue_sizes())
         self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages)
+        self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
 
 
 class IngressEvents:
-    """The ingress observer (I/O thread): reject counters."""
+    """The ingress observer (I/O thread): reject and dropped-reply counters."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self._metrics = metrics
@@ -68,3 +69,6 @@ class IngressEvents:
 
     def on_malformed(self) -> None:
         self._metrics.malformed.inc()
+
+    def on_unroutable(self) -> None:
+        self._metrics.unroutable.inc()

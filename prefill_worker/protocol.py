@@ -36,6 +36,10 @@ from prefill_worker.request import (
 PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_BOOTSTRAP_ROOM = 2**63  # exclusive: rooms are random 63-bit integers
+MAX_PEER_NAME_CHARS = 256
+# A router message is a small map of scalars and one bin; anything bigger is refused while
+# unpacking, before Python objects are built for it (a 16 MiB array of ints costs ~1 s).
+_MAX_ITEMS = 64  # per map or array
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
 
 _GREEDY = SamplingParams()
@@ -58,6 +62,7 @@ class RejectCode(str, enum.Enum):
     DUPLICATE_REQUEST_ID = "duplicate_request_id"
     DRAINING = "draining"
     OVERLOADED = "overloaded"
+    FORBIDDEN = "forbidden"
 
 
 class ProtocolError(ValueError):
@@ -84,6 +89,7 @@ class PrefillMsg:
     sampling: SamplingParams = _GREEDY
     return_logprob: bool = False
     deadline_s: float | None = None
+    decode_peer: str | None = None  # the decode's NIXL agent name: only it may claim the room
 
     def to_request(self, arrival_time: float) -> PrefillRequest:
         return PrefillRequest(
@@ -94,6 +100,7 @@ class PrefillMsg:
             bootstrap_room=self.bootstrap_room,
             arrival_time=arrival_time,
             deadline_s=self.deadline_s,
+            decode_peer=self.decode_peer,
         )
 
 
@@ -140,6 +147,7 @@ class Reject:
     message: str
     request_id: str | None = None
     field: str | None = None
+    nonce: int | None = None  # a refused ``drain`` (or ``ping``) echoes its nonce
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,16 +250,21 @@ def encode_prefill(msg: PrefillMsg) -> bytes:
     }
     if msg.deadline_s is not None:
         body["deadline_s"] = msg.deadline_s
+    if msg.decode_peer is not None:
+        body["decode_peer"] = msg.decode_peer
     return _frame("prefill", body)
 
 
-def encode_outcome(outcome: Outcome, return_logprob: bool = True) -> bytes:
-    """The ``result`` for an engine outcome; the logprob is sent only when it was asked for."""
+def encode_outcome(
+    outcome: Outcome, return_logprob: bool = True, request_id: str | None = None
+) -> bytes:
+    """The ``result`` for an engine outcome; the logprob is sent only when it was asked for.
+    ``request_id`` replaces the outcome's (the ingress's scoped id) with the router's own."""
     t = outcome.timings
     body: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "type": "result",
-        "request_id": outcome.request_id,
+        "request_id": outcome.request_id if request_id is None else request_id,
         "status": outcome.status.value,
         "reason": outcome.reason.value,
         "first_token_id": outcome.first_token_id,
@@ -293,6 +306,8 @@ def encode_reject(r: Reject) -> bytes:
         body["request_id"] = r.request_id
     if r.field is not None:
         body["field"] = r.field
+    if r.nonce is not None:
+        body["nonce"] = r.nonce
     return _frame("reject", body)
 
 
@@ -381,9 +396,10 @@ def _optional_nonce(m: dict[str, Any]) -> int | None:
     return None if nonce is None else _int(nonce, "nonce")
 
 
-def _unpack_map(frame: bytes) -> dict[str, Any] | None:
+def _unpack_map(frame: bytes | memoryview, max_items: int = -1) -> dict[str, Any] | None:
+    """The frame's map; -1: msgpack's default limits (the frame's size)."""
     try:
-        obj = msgpack.unpackb(frame, raw=False)
+        obj = msgpack.unpackb(frame, raw=False, max_map_len=max_items, max_array_len=max_items)
     except _UNPACK_ERRORS:
         return None
     return obj if type(obj) is dict else None
@@ -402,15 +418,18 @@ def _check_version(m: dict[str, Any]) -> str:
 
 
 def decode_router(
-    frame: bytes, limits: Limits, arrival_time: float = 0.0
+    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0
 ) -> PrefillRequest | AbortRequest | PingMsg | DrainMsg | Reject:
     """A router frame as what the engine consumes, or the ``Reject`` that answers it.
 
     Never raises. A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``.
+    The cost is linear in the frame's size and small: the one big field, ``token_ids``, is
+    copied once and range-checked by numpy; arrays and maps are capped while unpacking.
     """
-    m = _unpack_map(frame)
+    m = _unpack_map(frame, _MAX_ITEMS)
     if m is None:
-        return Reject(RejectCode.MALFORMED, "frame is not a msgpack map")
+        why = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
+        return Reject(RejectCode.MALFORMED, why)
     request_id = None
     try:
         type_ = _check_version(m)
@@ -443,7 +462,10 @@ def _decode_prefill(
         deadline = _number(deadline, "deadline_s")
         if not (math.isfinite(deadline) and deadline > 0):
             raise _Invalid(RejectCode.BAD_FIELD, "deadline_s", "deadline_s must be > 0")
-    return PrefillRequest(request_id, tokens, sampling, logprob, room, arrival_time, deadline)
+    peer = m.get("decode_peer")
+    if peer is not None:
+        peer = _str(peer, "decode_peer", MAX_PEER_NAME_CHARS)
+    return PrefillRequest(request_id, tokens, sampling, logprob, room, arrival_time, deadline, peer)
 
 
 def _decode_tokens(raw: Any, limits: Limits) -> array:
@@ -554,6 +576,7 @@ def _decode_reject(m: dict[str, Any]) -> Reject:
         message=_text(_required(m, "message", "message"), "message"),
         request_id=_optional(m, "request_id", _str),
         field=_optional(m, "field", _str),
+        nonce=_optional(m, "nonce", _int),
     )
 
 

@@ -75,6 +75,7 @@ class FinishReason(enum.Enum):
     OK = "ok"
     ABORTED_BY_ROUTER = "aborted_by_router"
     ABORTED_BY_DECODE = "aborted_by_decode"
+    ROUTER_GONE = "router_gone"  # the router's connection closed with the request in flight
     BOOTSTRAP_TIMEOUT = "bootstrap_timeout"
     TRANSFER_TIMEOUT = "transfer_timeout"
     TRANSFER_FAILED = "transfer_failed"
@@ -88,9 +89,14 @@ class FinishReason(enum.Enum):
     def status(self) -> OutcomeStatus:
         if self is FinishReason.OK:
             return OutcomeStatus.OK
-        if self in (FinishReason.ABORTED_BY_ROUTER, FinishReason.ABORTED_BY_DECODE):
+        if self in _ABORTS:
             return OutcomeStatus.ABORTED
         return OutcomeStatus.FAILED
+
+
+_ABORTS = frozenset(
+    {FinishReason.ABORTED_BY_ROUTER, FinishReason.ABORTED_BY_DECODE, FinishReason.ROUTER_GONE}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +152,12 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class PrefillRequest:
-    """A validated ``prefill`` as ingress hands it to the engine loop."""
+    """A validated ``prefill`` as ingress hands it to the engine loop.
+
+    ``request_id`` is unique among the worker's requests in flight: the ingress scopes the
+    router's own id by its connection (and maps it back in the reply), so two routers may use
+    the same id. ``decode_peer`` names the decode agent allowed to claim the room, if the
+    router said."""
 
     request_id: str
     token_ids: Sequence[int]  # in practice array("i"), decoded from packed int32
@@ -155,13 +166,16 @@ class PrefillRequest:
     bootstrap_room: int
     arrival_time: float  # time.monotonic() when ingress received it
     deadline_s: float | None = None  # whole-request budget from arrival; None: phase timeouts only
+    decode_peer: str | None = None  # the only decode agent that may claim the room; None: any
 
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """The router withdrew a request; idempotent, unknown ids are ignored."""
+    """The router withdrew a request (or its connection closed); idempotent, unknown ids are
+    ignored."""
 
     request_id: str
+    reason: FinishReason = FinishReason.ABORTED_BY_ROUTER
 
 
 _ALLOWED_EDGE_IDS = frozenset((id(src), id(dst)) for src, dst in ALLOWED_EDGES)
@@ -189,6 +203,7 @@ class Request:
         "arrival_time",
         "aux_row",
         "deadline_s",
+        "decode_peer",
         "finish_time",
         "first_token_id",
         "first_token_logprob",
@@ -217,6 +232,7 @@ class Request:
         self.room = message.bootstrap_room
         self.arrival_time = message.arrival_time
         self.deadline_s = message.deadline_s
+        self.decode_peer = message.decode_peer
         self.sender = sender
         self.state = RequestState.BOOTSTRAPPING
         self.num_computed_tokens = 0

@@ -40,12 +40,10 @@ class Runner:
             self._synchronize()
             return BatchOutput(plan.batch_id, ())
         with torch.inference_mode():
-            tokens, logprobs = sample(
-                logits, [c.sampling for c in wanted if c.sampling is not None]
-            )
+            samples = sample(logits, [c.sampling for c in wanted if c.sampling is not None])
         sampled = tuple(
-            SampledToken(c.request_id, t, lp)
-            for c, t, lp in zip(wanted, tokens, logprobs, strict=True)
+            SampledToken(c.request_id, t, lp, error)
+            for c, t, lp, error in zip(wanted, *samples, strict=True)
         )
         return BatchOutput(plan.batch_id, sampled)
 

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from prefill_worker.batch import BatchOutput, ModelRunner, SampledToken
+from prefill_worker.batch import BatchOutput, ChunkPlan, ModelRunner, SampledToken
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.tables import PageTable, num_pages_for
@@ -56,8 +56,13 @@ Message = PrefillRequest | AbortRequest
 _SENDER_END = {
     KVPoll.FAILED: FinishReason.TRANSFER_FAILED,
     KVPoll.ABORTED: FinishReason.ABORTED_BY_DECODE,
+    KVPoll.PEER_LOST: FinishReason.PEER_LOST,
 }
 _IDLE_WAIT_EMPTY_S = 0.05
+_ABORT_ERRORS = {
+    FinishReason.ABORTED_BY_ROUTER: "aborted by the router",
+    FinishReason.ROUTER_GONE: "the router's connection closed",
+}
 
 
 class Engine:
@@ -139,17 +144,21 @@ class Engine:
             raise
 
     def submit(self, message: Message) -> None:
+        """Take one message. Ids are unique among live requests: the ingress owns that policy
+        (it scopes router ids by connection and rejects duplicates), so a repeat is a bug."""
         if isinstance(message, AbortRequest):
             req = self._queues.live.get(message.request_id)
             if req is not None:
-                self._finish(req, FinishReason.ABORTED_BY_ROUTER, "aborted by the router")
+                error = _ABORT_ERRORS.get(message.reason, message.reason.value)
+                self._finish(req, message.reason, error)
             return
-        if message.request_id in self._queues.live:
-            self._reply_duplicate(message)
-            return
+        assert message.request_id not in self._queues.live, f"{message.request_id!r} is live"
         num_tokens = len(message.token_ids)
         sender = self._transfer.create_sender(
-            message.bootstrap_room, message.request_id, num_tokens
+            message.bootstrap_room,
+            message.request_id,
+            num_tokens,
+            allowed_peer=message.decode_peer,
         )
         req = Request(message, sender)
         self._queues.add(req)
@@ -246,7 +255,15 @@ class Engine:
 
     def _check_sender(self, req: Request) -> None:
         assert req.sender is not None
-        status = req.sender.poll()
+        if req.state.is_terminal:
+            return  # ended earlier in this turn
+        try:
+            status = req.sender.poll()
+        except AssertionError:
+            raise  # a broken invariant is shared state: the engine stops
+        except Exception as exc:  # this request's transfer: it fails, the engine goes on
+            log.exception("request %s: its sender failed", req.request_id)
+            return self._finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
         if status is KVPoll.READY:
             if req.state is RequestState.BOOTSTRAPPING:
                 req.num_cached_tokens = req.sender.num_cached_tokens()
@@ -255,17 +272,15 @@ class Engine:
         elif status is KVPoll.SUCCESS:
             if req.state is RequestState.TRANSFERRING:
                 self._finish(req, FinishReason.OK, None)
-        elif status is KVPoll.FAILED or status is KVPoll.ABORTED:
+        elif status in _SENDER_END:
             reason = req.sender.failure_reason() or f"sender {status.value}"
             self._finish(req, _SENDER_END[status], reason)
 
     def _expire(self) -> None:
         for kind, req in self._deadlines.pop_expired(self._clock()):
             if kind is DeadlineKind.BOOTSTRAP and req.state is RequestState.BOOTSTRAPPING:
-                error = (
-                    f"no handshake from the decode peer for room {req.room} "
-                    f"within {self.bootstrap_timeout_s}s"
-                )
+                # No room in the text: it is logged, and rooms are capabilities.
+                error = f"no handshake from the decode peer within {self.bootstrap_timeout_s}s"
                 self._finish(req, FinishReason.BOOTSTRAP_TIMEOUT, error)
             elif kind is DeadlineKind.TRANSFER and req.state is RequestState.TRANSFERRING:
                 error = f"KV transfer did not finish within {self.transfer_timeout_s}s"
@@ -299,12 +314,27 @@ class Engine:
         for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
             if req.state is not RequestState.PREFILLING:
                 continue  # ended while its chunk was computing
-            assert req.sender is not None
-            req.num_computed_tokens = chunk.end
-            first, end = chunk.start // self.page_size, num_pages_for(chunk.end, self.page_size)
-            req.sender.send_pages(req.page_ids[first:end], first)
-            if chunk.sampling is not None:
-                self._end_prefill(req, sampled[req.request_id])
+            try:
+                self._consume_chunk(chunk, req, sampled.get(req.request_id))
+            except AssertionError:
+                raise  # a broken invariant is shared state: the engine stops
+            except Exception as exc:  # this request's own data: it fails, the engine goes on
+                log.exception("request %s failed in its chunk's post-processing", req.request_id)
+                if not req.state.is_terminal:
+                    self._finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
+
+    def _consume_chunk(self, chunk: ChunkPlan, req: Request, token: SampledToken | None) -> None:
+        assert req.sender is not None
+        req.num_computed_tokens = chunk.end
+        first, end = chunk.start // self.page_size, num_pages_for(chunk.end, self.page_size)
+        req.sender.send_pages(req.page_ids[first:end], first)
+        if chunk.sampling is None:
+            return
+        assert token is not None, f"no sampled token for {req.request_id!r}"
+        if token.error is not None:
+            self._finish(req, FinishReason.ENGINE_ERROR, f"sampling failed: {token.error}")
+        else:
+            self._end_prefill(req, token)
 
     def _end_prefill(self, req: Request, token: SampledToken) -> None:
         assert req.sender is not None and req.aux_row is not None
@@ -337,13 +367,6 @@ class Engine:
                 self._table.release(req.request_id)
         self._emit(req.outcome(reason, error, req.finish_time))
 
-    def _reply_duplicate(self, message: PrefillRequest) -> None:
-        error = f"request_id {message.request_id!r} is already in flight"
-        reason = FinishReason.ENGINE_ERROR
-        self._emit(
-            Outcome(message.request_id, reason.status, reason, len(message.token_ids), error=error)
-        )
-
     def _emit(self, outcome: Outcome) -> None:
         self.outcome_counts[outcome.reason] += 1
         self._observer.on_outcome(outcome)
@@ -359,6 +382,7 @@ class Engine:
             num_free_pages=self._table.pool.num_free,
             num_total_pages=self._table.pool.num_pages,
             num_free_aux_rows=self._aux.num_free,
+            num_total_aux_rows=self._aux.num_rows,
             is_draining=self._is_draining,
         )
         self.last_turn_at = self._clock()

@@ -29,6 +29,7 @@ class LoadSnapshot:
     num_total_pages: int = 0
     num_free_aux_rows: int = 0
     is_draining: bool = False
+    num_total_aux_rows: int = 0
 
     @property
     def num_running(self) -> int:
@@ -43,6 +44,10 @@ class LoadSnapshot:
     @property
     def num_used_pages(self) -> int:
         return self.num_total_pages - self.num_free_pages
+
+    @property
+    def num_used_aux_rows(self) -> int:
+        return self.num_total_aux_rows - self.num_free_aux_rows
 
     def queue_sizes(self) -> dict[str, int]:
         """Live requests keyed by ``RequestState.value`` (the metrics ``state`` label)."""

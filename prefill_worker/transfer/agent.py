@@ -7,17 +7,30 @@ Importing this module imports NIXL; keep it out of the core (``transfer.base`` n
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 # NIXL logs to stdout at INFO; quiet it unless the operator asked otherwise. Set before import.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import numpy as np
-from nixl_cu12 import _bindings as _nixl_bindings  # type: ignore[attr-defined]
-from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+try:  # the CUDA 12 build, as pinned; a CUDA 13 host (the GPU check) carries nixl-cu13
+    from nixl_cu12 import _bindings as _nixl_bindings  # type: ignore[attr-defined]
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:  # pragma: no cover - only where nixl-cu13 is what is installed
+    from nixl_cu13 import _bindings as _nixl_bindings  # type: ignore[no-redef]
+    from nixl_cu13._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVRegions
-from prefill_worker.transfer.pagemap import device_id, mem_type
+from prefill_worker.transfer.pagemap import (
+    AUX_MEM_TYPE,
+    aux_descriptor_table,
+    device_id,
+    kv_descriptor_table,
+    mem_type,
+)
 
 NIXL_ERRORS: tuple[type[Exception], ...] = (
     _nixl_bindings.nixlBackendError,
@@ -34,21 +47,81 @@ NIXL_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def make_agent(name: str, backends: list[str]) -> nixl_agent:
-    """One agent; progress is driven by the owner's poll (check_xfer_state, get_new_notifs)."""
-    config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-    return nixl_agent(name, config)
+def make_agent(name: str, backends: list[str], ucx_net_devices: str | None = None) -> nixl_agent:
+    """One agent; progress is driven by the owner's poll (check_xfer_state, get_new_notifs).
+
+    ``ucx_net_devices`` (UCX_NET_DEVICES, e.g. ``lo`` or ``eth0``) picks the interfaces UCX
+    opens its TCP listeners on; UCX reads it when the backend is created, here and only here.
+    NIXL's own listener (``enable_listen_thread``) stays off: metadata goes over bootstrap."""
+    config = nixl_agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, backends=list(backends)
+    )
+    if not ucx_net_devices:
+        return nixl_agent(name, config)
+    previous = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = ucx_net_devices  # for this agent only: restored below
+    try:
+        return nixl_agent(name, config)
+    finally:
+        if previous is None:
+            del os.environ["UCX_NET_DEVICES"]
+        else:
+            os.environ["UCX_NET_DEVICES"] = previous
 
 
-def region_table(regions: KVRegions) -> np.ndarray:
-    """[2L + 1, 3] (addr, len, dev): K regions, V regions, then the aux rows."""
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """The two registrations of one pool: KV in its own memory type, aux rows as DRAM."""
+
+    kv: Any
+    aux: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PreppedLists:
+    """One side's prepared descriptor lists (``pagemap``): the KV pool, and the aux rows."""
+
+    kv: Any
+    aux: Any
+
+    def release(self) -> None:
+        self.kv.release()
+        self.aux.release()
+
+
+def region_tables(regions: KVRegions) -> tuple[np.ndarray, np.ndarray]:
+    """([2L, 3] KV regions, [1, 3] aux rows) as (addr, len, dev): what is registered."""
     lay = regions.layout
-    addrs = [*regions.k_base_addrs, *regions.v_base_addrs, regions.aux_base_addr]
-    lens = [lay.region_bytes] * (2 * lay.num_layers) + [regions.num_aux_rows * AUX_ROW_BYTES]
+    addrs = [*regions.k_base_addrs, *regions.v_base_addrs]
     dev = device_id(regions.device)
-    return np.array([[a, n, dev] for a, n in zip(addrs, lens, strict=True)], dtype=np.uint64)
+    kv = np.array([[a, lay.region_bytes, dev] for a in addrs], dtype=np.uint64)
+    aux_bytes = regions.num_aux_rows * AUX_ROW_BYTES
+    aux = np.array([[regions.aux_base_addr, aux_bytes, 0]], dtype=np.uint64)
+    return kv, aux
 
 
-def register_regions(agent: nixl_agent, regions: KVRegions) -> object:
-    """Register the KV pool and aux rows once; returns the descriptors for deregistration."""
-    return agent.register_memory(region_table(regions), mem_type(regions.device))
+def register_regions(agent: nixl_agent, regions: KVRegions) -> Registration:
+    """Register the KV pool (DRAM or VRAM) and the aux rows (host DRAM) once."""
+    kv, aux = region_tables(regions)
+    kv_reg = agent.register_memory(kv, mem_type(regions.device))
+    try:
+        return Registration(kv_reg, agent.register_memory(aux, AUX_MEM_TYPE))
+    except BaseException:
+        agent.deregister_memory(kv_reg)
+        raise
+
+
+def deregister_regions(agent: nixl_agent, registration: Registration) -> None:
+    agent.deregister_memory(registration.aux)
+    agent.deregister_memory(registration.kv)
+
+
+def prep_lists(agent: nixl_agent, agent_name: str, regions: KVRegions) -> PreppedLists:
+    """Prepare one side's descriptor lists; ``agent_name`` is "NIXL_INIT_AGENT" for ours."""
+    kv = agent.prep_xfer_dlist(agent_name, kv_descriptor_table(regions), mem_type(regions.device))
+    try:
+        aux = agent.prep_xfer_dlist(agent_name, aux_descriptor_table(regions), AUX_MEM_TYPE)
+    except BaseException:
+        kv.release()
+        raise
+    return PreppedLists(kv, aux)

@@ -34,10 +34,11 @@ class KVPoll(enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
     ABORTED = "aborted"  # the decode peer aborted the room
+    PEER_LOST = "peer_lost"  # the decode peer went silent, left, or was replaced mid-request
 
     @property
     def is_terminal(self) -> bool:
-        return self in (KVPoll.SUCCESS, KVPoll.FAILED, KVPoll.ABORTED)
+        return self in (KVPoll.SUCCESS, KVPoll.FAILED, KVPoll.ABORTED, KVPoll.PEER_LOST)
 
 
 class KVSender(Protocol):
@@ -73,7 +74,12 @@ class KVSender(Protocol):
 class TransferBackend(Protocol):
     """Makes senders and drives all their progress from the engine loop."""
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> KVSender: ...
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        """A sender for ``room``; with ``allowed_peer`` (a decode agent name from the router),
+        only that peer's ``want`` may claim the room."""
+        ...
 
     def poll(self) -> None:
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""

@@ -3,6 +3,15 @@
 Polled without blocking from the engine loop (``poll`` drains what has arrived); it only
 moves and decodes frames, the NIXL backend decides what they mean. Binds 127.0.0.1 in tests;
 ``endpoint`` is the address actually bound (port 0 allowed).
+
+Identity: a peer is the connection that registered it, named by its ZMQ routing id.
+``ROUTER_HANDOVER`` is off, so while a connection holds a routing id a second connection
+claiming the same id is ignored by ZMQ (libzmq drops "peers with duplicate ID"): it cannot
+send ``bye``/``abort``/``want`` as the first. The decode SDK sets no routing id, so ZMQ gives
+each connection a fresh one; after a reconnect the worker sees a new, unregistered
+connection, answers ``unknown_peer``, and the SDK registers again. ZMTP heartbeats let a dead
+connection release its id. A per-registration token would add nothing a routing id the
+client cannot take over does not already give; CURVE (optional) authenticates the client.
 """
 
 from __future__ import annotations
@@ -10,29 +19,42 @@ from __future__ import annotations
 import logging
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from prefill_worker.curve import CurveServerKeys, start_server
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.validate import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_ZMTP_HEARTBEAT_MS = 1000
+_ZMTP_TIMEOUT_MS = 5000
 
 
 class BootstrapServer:
     """ROUTER socket: (peer identity, message or WireError) in, messages out."""
 
-    def __init__(self, bind: str) -> None:
+    def __init__(
+        self,
+        bind: str,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        curve: CurveServerKeys | None = None,
+    ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._auth: ThreadAuthenticator | None = None
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer keeps its identity
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # see the module docstring
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_TIMEOUT_MS)
         try:
+            if curve is not None:
+                self._auth = start_server(self._ctx, self._sock, curve)
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self.close()
             raise OSError(f"bootstrap server cannot bind {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -45,7 +67,8 @@ class BootstrapServer:
             except zmq.Again:
                 break
             if len(frames) != 2:
-                log.warning("bootstrap: dropped a message of %d frames", len(frames))
+                error = wire.WireError(f"a message is one frame, this one has {len(frames) - 1}")
+                out.append((frames[0], error))
                 continue
             try:
                 out.append((frames[0], wire.decode(frames[1])))
@@ -64,4 +87,6 @@ class BootstrapServer:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Literal, Protocol
 
+from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
+from prefill_worker.transfer.validate import BootstrapLimits
 
 
 class ServingBackend(Protocol):
@@ -14,7 +17,9 @@ class ServingBackend(Protocol):
 
     bootstrap_endpoint: str
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> KVSender: ...
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender: ...
 
     def poll(self) -> None: ...
 
@@ -30,9 +35,17 @@ def make_backend(
     peer_timeout_s: float,
     heartbeat_interval_s: float,
     want_timeout_s: float = 30.0,
+    *,
+    limits: BootstrapLimits | None = None,
+    curve: CurveServerKeys | None = None,
+    ucx_net_devices: str | None = None,
+    on_reject: Callable[[str], None] | None = None,
 ) -> ServingBackend:
     """``nixl``: the real backend, its bootstrap server bound (``bootstrap_endpoint`` is the
     actual address, port 0 allowed). ``loopback``: the in-process test backend.
+    ``limits`` bound what a decode peer may register and send; ``curve`` turns on CurveZMQ
+    with an allow-list on the bootstrap socket; ``ucx_net_devices`` picks UCX's interfaces;
+    ``on_reject(reason)`` counts each refused bootstrap message (engine thread).
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
@@ -50,4 +63,8 @@ def make_backend(
         peer_timeout_s,
         heartbeat_interval_s,
         want_timeout_s,
+        limits=limits,
+        curve=curve,
+        ucx_net_devices=ucx_net_devices,
+        on_reject=on_reject,
     )

@@ -88,7 +88,7 @@ class LoopbackBackend:
     def want(
         self, room: int, dst_page_ids: Sequence[int], dst_aux_slot: int, num_cached_tokens: int
     ) -> None:
-        want = wire.Want(room, tuple(dst_page_ids), dst_aux_slot, num_cached_tokens)
+        want = wire.Want.of(room, dst_page_ids, dst_aux_slot, num_cached_tokens)
         sender = self.senders.get(room)
         if sender is None:
             self.wants[room] = want
@@ -104,7 +104,10 @@ class LoopbackBackend:
 
     # -- TransferBackend ----------------------------------------------------------------
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> KVSender:
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        # One in-process decode side: there is no other peer to keep out.
         sender = LoopbackSender(self, room, num_prompt_tokens)
         if room in self.senders:
             sender.fail(f"bootstrap_room {room} is already in use")

@@ -11,6 +11,11 @@ merge into single descriptors); ``send_aux`` asks for the aux row, posted once e
 write has landed, carrying a NIXL notification; when it lands the peer gets ``status ok``.
 A peer silent past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the
 request (the peer is told when reachable); handles are released, cancelling if need be.
+
+Fault isolation: every message is checked (``validate``) before work is done for it; one
+that still raises refuses its peer, is counted, and never leaves ``poll``. Rooms are
+capabilities: a room is bound once, to the first acceptable ``want``; when the router named
+the decode peer (``allowed_peer``) only that agent's ``want`` is acceptable.
 """
 
 from __future__ import annotations
@@ -19,15 +24,34 @@ import logging
 import time
 from collections.abc import Callable
 
+from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import NIXL_ERRORS, make_agent, register_regions
+from prefill_worker.transfer.agent import (
+    NIXL_ERRORS,
+    deregister_regions,
+    make_agent,
+    prep_lists,
+    register_regions,
+)
 from prefill_worker.transfer.base import KVPoll, KVSender
 from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl_sender import NixlSender, Peer, notif_tag
-from prefill_worker.transfer.pagemap import descriptor_table, mem_type
+from prefill_worker.transfer.rooms import Gone, RoomBook
+from prefill_worker.transfer.validate import (
+    BootstrapLimits,
+    Refusal,
+    RejectReason,
+    check_register,
+    check_want_size,
+    duplicate_want,
+    foreign_room,
+)
 
 log = logging.getLogger(__name__)
+
+_MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
+UNKNOWN_PEER = "decode peer not registered"
 
 
 class NixlBackend:
@@ -43,6 +67,11 @@ class NixlBackend:
         heartbeat_interval_s: float,
         want_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        limits: BootstrapLimits | None = None,
+        curve: CurveServerKeys | None = None,
+        ucx_net_devices: str | None = None,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.regions = regions
         self.agent_name = agent_name
@@ -50,41 +79,53 @@ class NixlBackend:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.want_timeout_s = want_timeout_s
         self.clock = clock
-        self._server = BootstrapServer(bootstrap_bind)  # first: a taken port fails fast
+        self.limits = limits or BootstrapLimits()
+        self._on_reject = on_reject or (lambda reason: None)
+        # First: a taken port fails fast.
+        self._server = BootstrapServer(bootstrap_bind, self.limits.max_message_bytes, curve)
         self.bootstrap_endpoint = self._server.endpoint
         try:
-            self.agent = make_agent(agent_name, nixl_backends)
+            self.agent = make_agent(agent_name, nixl_backends, ucx_net_devices)
             self._reg = register_regions(self.agent, regions)
-            table = descriptor_table(regions)
-            self.local_dlist = self.agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", table, mem_type(regions.device)
-            )
+            self.local_lists = prep_lists(self.agent, "NIXL_INIT_AGENT", regions)
         except BaseException:
             self._server.close()
             raise
-        self._peers: dict[bytes, Peer] = {}
+        self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._senders: dict[int, NixlSender] = {}  # room -> open sender
-        self._unmatched: dict[int, tuple[bytes, wire.Want, float]] = {}  # room -> want
-        self._gone: dict[int, tuple[str, float]] = {}  # room -> (why it failed, forget after)
+        self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
         self._next_heartbeat = clock()
+        self.reject_counts: dict[str, int] = {}
 
     # -- the TransferBackend seam -------------------------------------------------------
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> KVSender:
-        sender = NixlSender(self, room, request_id, num_prompt_tokens)
-        if room in self._senders:
-            sender.fail(f"bootstrap_room {room} is already in use")
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        sender = NixlSender(self, room, request_id, num_prompt_tokens, allowed_peer)
+        if room in self._senders:  # the request holding the room goes on untouched
+            # No room number in the text: it reaches the outcome log, and rooms are capabilities.
+            sender.fail("its bootstrap_room is already in use by another request")
             return sender
         self._senders[room] = sender
-        self._gone.pop(room, None)
-        if room in self._unmatched:
-            identity, want, _ = self._unmatched.pop(room)
-            self._bind(sender, identity, want)
+        aborted_by = self._rooms.take_aborted(room)
+        claims = self._rooms.take(room)
+        winner = next((c for c in claims if sender.accepts(c.peer.agent_name)), None)
+        for claim in claims:
+            if claim is not winner:
+                self._refuse_room(claim.peer.identity, room, self._why_not(sender, claim.peer))
+        if winner is not None:
+            self._bind(sender, winner.peer, winner.want)
+        elif aborted_by is not None and sender.accepts(aborted_by):
+            sender.abort_by_peer()  # its decode gave up before the request came: end now
         return sender
 
     def poll(self) -> None:
         for identity, msg in self._server.poll():
-            self._dispatch(identity, msg)
+            try:
+                self._dispatch(identity, msg)
+            except Exception as exc:  # one peer's message must never stop the engine
+                self._on_dispatch_error(identity, exc)
         for sender in list(self._senders.values()):
             sender.progress()
         now = self.clock()
@@ -99,8 +140,8 @@ class NixlBackend:
             sender.close()
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "prefill worker shutting down")
-        self.local_dlist.release()
-        self.agent.deregister_memory(self._reg)
+        self.local_lists.release()
+        deregister_regions(self.agent, self._reg)
         self._server.close()
 
     # -- for tests and metrics ----------------------------------------------------------
@@ -113,6 +154,13 @@ class NixlBackend:
     def num_peers(self) -> int:
         return len(self._peers)
 
+    def num_claims(self, room: int) -> int:
+        """Wants waiting for the room's request."""
+        return self._rooms.num_claims(room)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return any(p.agent_name == agent_name for p in self._peers.values())
+
     def num_inflight_transfers(self) -> int:
         return sum(s.num_inflight for s in self._senders.values())
 
@@ -122,6 +170,9 @@ class NixlBackend:
             assert sender.peer is None or sender.peer.identity in self._peers
         for peer in self._peers.values():
             assert all(self._senders[r].peer is peer for r in peer.rooms)
+        self._rooms.check_integrity(list(self._peers.values()))
+        names = [p.agent_name for p in self._peers.values()]
+        assert len(names) == len(set(names)), "one peer per agent name"
 
     # -- used by NixlSender -------------------------------------------------------------
 
@@ -137,10 +188,9 @@ class NixlBackend:
         if sender.peer is not None:
             sender.peer.rooms.discard(sender.room)
         elif sender.failure_reason() is not None and sender.room not in self._senders:
-            self._gone[sender.room] = (
-                sender.failure_reason() or "",
-                self.clock() + self.want_timeout_s,
-            )
+            forget_at = self.clock() + self.want_timeout_s
+            gone = Gone(sender.failure_reason() or "", sender.allowed_peer, forget_at)
+            self._rooms.mark_gone(sender.room, gone)
 
     def drop_peer_of(self, sender: NixlSender, reason: str) -> None:
         """Last resort when a handle cannot be released: disconnecting cancels its writes."""
@@ -155,20 +205,40 @@ class NixlBackend:
             peer.last_seen = self.clock()
         match msg:
             case wire.WireError():
-                log.warning("bootstrap: bad message from a peer: %s", msg)
+                self._count(RejectReason.BAD_MESSAGE, f"bad message from a peer: {msg}")
                 self._server.send(identity, wire.Reject(str(msg)))
             case wire.Register():
                 self._register(identity, msg)
-            case wire.Want():
-                self._want(identity, peer, msg)
-            case wire.Abort():
-                self._abort(identity, msg.room)
+            case wire.Want() | wire.Abort() | wire.Heartbeat() if peer is None:
+                self._from_unknown(identity, msg)
+            case wire.Want() if peer is not None:
+                self._want(peer, msg)
+            case wire.Abort() if peer is not None:
+                self._abort(peer, msg.room)
             case wire.Bye() if peer is not None:
                 self._drop_peer(peer, "decode peer left")
 
-    def _refuse(self, identity: bytes, reason: str) -> None:
-        log.warning("bootstrap: registration refused: %s", reason)
-        self._server.send(identity, self._registered(reason))
+    def _on_dispatch_error(self, identity: bytes, exc: Exception) -> None:
+        reason = f"internal error on a bootstrap message: {exc!r}"[:300]
+        self._count(RejectReason.INTERNAL_ERROR, reason, level=logging.ERROR)
+        peer = self._peers.get(identity)
+        if peer is not None:
+            self._drop_peer(peer, reason)
+        self._server.send(identity, wire.Reject(reason))
+
+    def _count(self, reason: RejectReason, message: str, level: int = logging.WARNING) -> None:
+        self.reject_counts[reason.value] = self.reject_counts.get(reason.value, 0) + 1
+        self._on_reject(reason.value)
+        log.log(level, "bootstrap: %s: %s", reason.value, message)
+
+    def _refuse(self, identity: bytes, refusal: Refusal) -> None:
+        self._count(refusal.reason, f"registration refused: {refusal.message}")
+        self._server.send(identity, self._registered(refusal.message))
+
+    def _refuse_room(self, identity: bytes, room: int, refusal: Refusal) -> None:
+        self._count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms stay private
+        status = wire.Status(room, "failed", refusal.message, refusal.reason.value)
+        self._server.send(identity, status)
 
     def _registered(self, reason: str | None) -> wire.Registered:
         return wire.Registered(
@@ -176,65 +246,95 @@ class NixlBackend:
         )
 
     def _register(self, identity: bytes, msg: wire.Register) -> None:
-        ours, theirs = self.regions.layout, msg.regions.layout
-        if msg.compat_hash != theirs.compat_hash() or theirs.compat_hash() != ours.compat_hash():
-            return self._refuse(identity, f"KV layout mismatch: decode {theirs}, worker {ours}")
+        """Everything is checked before an existing peer is touched; NIXL keys remote agents
+        by name, so a peer under the same name is replaced only if it is this connection or
+        its connection is gone (a send to it fails)."""
+        refusal = check_register(msg, self.regions.layout, self.limits)
+        if refusal is not None:
+            return self._refuse(identity, refusal)
+        holder = next((p for p in self._peers.values() if p.agent_name == msg.agent_name), None)
+        if holder is not None and holder.identity != identity:
+            if self._server.send(holder.identity, wire.Heartbeat()):
+                why = f"agent name {msg.agent_name!r} is registered by another live connection"
+                return self._refuse(identity, Refusal(RejectReason.NAME_TAKEN, why))
+            self._drop_peer(holder, "decode peer reconnected")
+        if identity in self._peers:
+            self._drop_peer(self._peers[identity], "decode peer registered again")
         try:
-            metadata = wire.unframe_metadata(msg.metadata)
-        except wire.WireError as exc:
-            return self._refuse(identity, str(exc))
-        for old in [
-            p
-            for p in self._peers.values()
-            if p.identity == identity or p.agent_name == msg.agent_name
-        ]:
-            self._drop_peer(old, "decode peer registered again")
-        try:
-            name = self.agent.add_remote_agent(metadata)
+            name = self.agent.add_remote_agent(wire.unframe_metadata(msg.metadata))
             name = name.decode() if isinstance(name, bytes) else name
         except NIXL_ERRORS as exc:
-            return self._refuse(identity, f"NIXL refused the metadata: {exc}")
+            return self._refuse(
+                identity, Refusal(RejectReason.NIXL_REFUSED, f"NIXL refused: {exc}")
+            )
         if name != msg.agent_name:
-            self.agent.remove_remote_agent(name)
-            return self._refuse(identity, f"metadata names agent {name!r}, not {msg.agent_name!r}")
+            if all(p.agent_name != name for p in self._peers.values()):
+                self.agent.remove_remote_agent(name)
+            why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
+            return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why))
         try:
-            table = descriptor_table(msg.regions)
-            dlist = self.agent.prep_xfer_dlist(name, table, mem_type(msg.regions.device))
+            lists = prep_lists(self.agent, name, msg.regions)
         except NIXL_ERRORS as exc:
             self.agent.remove_remote_agent(name)
-            return self._refuse(identity, f"NIXL cannot address the decode pool: {exc}")
-        self._peers[identity] = Peer(identity, name, msg.regions, dlist, self.clock())
+            why = f"NIXL cannot address the decode pool: {exc}"
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why))
+        self._peers[identity] = Peer(identity, name, msg.regions, lists, self.clock())
         self._server.send(identity, self._registered(None))
         log.info("bootstrap: decode peer %s registered", name)
 
-    def _want(self, identity: bytes, peer: Peer | None, want: wire.Want) -> None:
-        room, sender = want.room, self._senders.get(want.room)
-        if peer is None:
-            self._server.send(identity, wire.Status(room, "failed", "decode peer not registered"))
-        elif room in self._unmatched or (sender is not None and sender.peer is not None):
-            self._server.send(identity, wire.Status(room, "failed", f"duplicate want for {room}"))
-        elif sender is not None:
-            self._bind(sender, identity, want)
-        elif room in self._gone:
-            self._server.send(identity, wire.Status(room, "failed", self._gone.pop(room)[0]))
-        else:
-            self._unmatched[room] = (identity, want, self.clock() + self.want_timeout_s)
+    def _from_unknown(self, identity: bytes, msg: wire.Want | wire.Abort | wire.Heartbeat) -> None:
+        """Nothing from an unregistered connection touches a room; it learns it is unknown."""
+        match msg:
+            case wire.Want(room=room):
+                self._refuse_room(identity, room, Refusal(RejectReason.UNKNOWN_PEER, UNKNOWN_PEER))
+            case wire.Abort(room=room):  # acknowledged, as unknown rooms are; nothing is done
+                self._server.send(identity, wire.Status(room, "aborted", "aborted by decode"))
+            case wire.Heartbeat():
+                self._server.send(identity, wire.UnknownPeer(UNKNOWN_PEER))
 
-    def _bind(self, sender: NixlSender, identity: bytes, want: wire.Want) -> None:
-        peer = self._peers.get(identity)
-        if peer is None:  # left between its want and our request
-            return sender.fail("decode peer left before the request arrived")
+    def _want(self, peer: Peer, want: wire.Want) -> None:
+        room, sender = want.room, self._senders.get(want.room)
+        refusal = check_want_size(want, self.regions.layout, peer.regions.layout)
+        if refusal is not None:
+            return self._refuse_room(peer.identity, room, refusal)
+        if sender is not None:
+            if sender.peer is not None or not sender.accepts(peer.agent_name):
+                return self._refuse_room(peer.identity, room, self._why_not(sender, peer))
+            return self._bind(sender, peer, want)
+        gone = self._rooms.gone(room)
+        if gone is not None:
+            if gone.allowed_peer not in (None, peer.agent_name):
+                return self._refuse_room(peer.identity, room, foreign_room(room))
+            self._rooms.forget_gone(room)
+            self._server.send(peer.identity, wire.Status(room, "failed", gone.reason))
+            return None
+        self._claim(peer, want)
+
+    def _claim(self, peer: Peer, want: wire.Want) -> None:
+        refusal = self._rooms.claim(peer, want, self.clock() + self.want_timeout_s)
+        if refusal is not None:
+            self._refuse_room(peer.identity, want.room, refusal)
+
+    @staticmethod
+    def _why_not(sender: NixlSender, peer: Peer) -> Refusal:
+        if not sender.accepts(peer.agent_name):
+            return foreign_room(sender.room)
+        return duplicate_want(sender.room)
+
+    def _bind(self, sender: NixlSender, peer: Peer, want: wire.Want) -> None:
         sender.bind(peer, want)
         if sender.poll() is KVPoll.READY:
             peer.rooms.add(sender.room)
 
-    def _abort(self, identity: bytes, room: int) -> None:
+    def _abort(self, peer: Peer, room: int) -> None:
+        """Only the owner's abort acts; any other is acknowledged and changes nothing."""
         sender = self._senders.get(room)
-        if sender is not None and sender.peer is not None and sender.peer.identity == identity:
+        if sender is not None and sender.peer is peer:
             sender.abort_by_peer()
             return
-        self._unmatched.pop(room, None)
-        self._server.send(identity, wire.Status(room, "aborted", "aborted by decode"))
+        if self._rooms.drop(room, peer):  # its want was waiting: the request may still come
+            self._rooms.mark_aborted(room, peer.agent_name, self.clock() + self.want_timeout_s)
+        self._server.send(peer.identity, wire.Status(room, "aborted", "aborted by decode"))
 
     # -- liveness -----------------------------------------------------------------------
 
@@ -242,27 +342,22 @@ class NixlBackend:
         for peer in list(self._peers.values()):
             if now - peer.last_seen > self.peer_timeout_s:
                 self._drop_peer(peer, f"decode peer silent for over {self.peer_timeout_s:g} s")
-        for room, (identity, _, deadline) in list(self._unmatched.items()):
-            if now >= deadline:
-                del self._unmatched[room]
-                reason = "prefill request never arrived"
-                self._server.send(identity, wire.Status(room, "failed", reason))
-        for room, (_, deadline) in list(self._gone.items()):
-            if now >= deadline:
-                del self._gone[room]
+        for claim in self._rooms.pop_expired(now):
+            status = wire.Status(claim.want.room, "failed", "prefill request never arrived")
+            self._server.send(claim.peer.identity, status)
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         """Fail every request bound to the peer, cancel its writes, forget its agent."""
-        level = logging.INFO if peer.rooms else logging.DEBUG
-        log.log(level, "bootstrap: dropping decode peer %s: %s", peer.agent_name, reason)
+        log.info("bootstrap: dropping decode peer %s: %s", peer.agent_name, reason)
         del self._peers[peer.identity]
         for sender in [s for s in self._senders.values() if s.peer is peer]:
             sender.lose_peer(reason)
-        for room, (identity, _, _) in list(self._unmatched.items()):
-            if identity == peer.identity:
-                del self._unmatched[room]
+        for room in list(peer.unmatched):  # not an outcome: the SDK registers and asks again
+            self._rooms.drop(room, peer)
+            status = wire.Status(room, "failed", f"{UNKNOWN_PEER}: {reason}", "unknown_peer")
+            self._server.send(peer.identity, status)
         peer.rooms.clear()
-        peer.dlist.release()
+        peer.lists.release()
         try:
             self.agent.remove_remote_agent(peer.agent_name)
         except NIXL_ERRORS as exc:

@@ -24,9 +24,9 @@ import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import NIXL_ERRORS
+from prefill_worker.transfer.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.pagemap import aux_index, check_want, map_pages, region_indices
+from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,16 @@ class Peer:
     identity: bytes  # ZMQ routing id
     agent_name: str
     regions: KVRegions
-    dlist: Any  # nixl_prepped_dlist_handle over descriptor_table(regions)
+    lists: PreppedLists  # its pool's descriptor lists, prepared at registration
     last_seen: float
     rooms: set[int] = field(default_factory=set)  # open senders bound to this peer
+    unmatched: set[int] = field(default_factory=set)  # rooms it wants, no request yet
+    num_claimed_pages: int = 0  # pages those wants name (rooms.RoomBook keeps it)
 
 
 class SenderHost(Protocol):
     agent: Any
-    local_dlist: Any
+    local_lists: PreppedLists
     regions: KVRegions
     peer_timeout_s: float
     clock: Callable[[], float]
@@ -75,11 +77,19 @@ class _Write:
 class NixlSender:
     """KVSender over NIXL; all progress happens in ``progress()``, called by the backend."""
 
-    def __init__(self, host: SenderHost, room: int, request_id: str, num_prompt_tokens: int):
+    def __init__(
+        self,
+        host: SenderHost,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+    ) -> None:
         self._host = host
         self.room = room
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.allowed_peer = allowed_peer  # the only decode agent that may claim the room
         self.peer: Peer | None = None
         self.is_closed = False
         self._state = KVPoll.BOOTSTRAPPING
@@ -149,6 +159,10 @@ class NixlSender:
     def num_inflight(self) -> int:
         return len(self._writes)
 
+    def accepts(self, agent_name: str) -> bool:
+        """May this decode agent claim the room (the router may have named one)?"""
+        return self.allowed_peer is None or self.allowed_peer == agent_name
+
     def bind(self, peer: Peer, want: wire.Want) -> None:
         """The decode peer's `want` for this room arrived: READY, or FAILED with the reason."""
         self.peer = peer
@@ -169,8 +183,11 @@ class NixlSender:
         self._maybe_ack()
 
     def lose_peer(self, reason: str) -> None:
-        """The peer is gone (silent, left, or disconnected): fail and cancel every write."""
-        self.fail(reason)
+        """The peer is gone (silent, left, or disconnected): PEER_LOST, every write cancelled.
+        The peer is told too, in case it can still hear (it left, or registered again)."""
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.PEER_LOST, reason
+            self._host.send_status(self, "failed", reason)
         self._is_ack_due = False
         self._release_all()
         self.peer = None
@@ -190,20 +207,25 @@ class NixlSender:
 
     def _post_aux(self, aux_row: int) -> None:
         assert self._want is not None and self.peer is not None
-        num_regions = 2 * self._host.regions.layout.num_layers
-        local = aux_index(aux_row, num_regions, self._host.regions.layout.num_pages)
-        remote = aux_index(self._want.dst_aux_slot, num_regions, self.peer.regions.layout.num_pages)
         self._is_aux_posted = True
-        local_idx, remote_idx = np.array([local], np.int32), np.array([remote], np.int32)
-        self._post(local_idx, remote_idx, notif_tag(self.room), time.perf_counter())
+        local_idx = np.array([aux_row], np.int32)
+        remote_idx = np.array([self._want.dst_aux_slot], np.int32)
+        self._post(local_idx, remote_idx, notif_tag(self.room), time.perf_counter(), is_aux=True)
 
-    def _post(self, local: np.ndarray, remote: np.ndarray, notif: bytes, start: float) -> None:
+    def _post(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+        start: float,
+        is_aux: bool = False,
+    ) -> None:
         assert self.peer is not None
         agent = self._host.agent
+        ours, theirs = self._host.local_lists, self.peer.lists
+        local_list, remote_list = (ours.aux, theirs.aux) if is_aux else (ours.kv, theirs.kv)
         try:
-            handle = agent.make_prepped_xfer(
-                "WRITE", self._host.local_dlist, local, self.peer.dlist, remote, notif
-            )
+            handle = agent.make_prepped_xfer("WRITE", local_list, local, remote_list, remote, notif)
         except NIXL_ERRORS as exc:
             return self.fail(f"NIXL could not prepare the write: {exc}")
         finally:
@@ -237,7 +259,7 @@ class NixlSender:
         try:
             write.handle.release()
         except NIXL_ERRORS as exc:
-            log.warning("room %d: releasing a write in flight: %s", self.room, exc)
+            log.warning("request %s: releasing a write in flight: %s", self.request_id, exc)
             return False
         return True
 
@@ -247,7 +269,7 @@ class NixlSender:
             self._host.drop_peer_of(self, "writes could not be cancelled")
             for write in stuck:
                 if not self._release(write):
-                    log.error("room %d: a write handle is leaked to NIXL", self.room)
+                    log.error("request %s: a write handle is leaked to NIXL", self.request_id)
         self._writes.clear()
 
     def _maybe_ack(self) -> None:

@@ -1,14 +1,16 @@
 """Page arithmetic shared by every backend: checking a ``want``, mapping local pages to the
 decode peer's pages, and turning pages into descriptor indices.
 
-Descriptor lists (local and per decode peer) are prepared once, region-major::
+Each side prepares two descriptor lists once (local, and per decode peer): the KV pool in
+its own memory (``DRAM`` on the CPU, ``VRAM`` on a GPU), region-major::
 
-    index  r * num_pages + p       page p of region r; regions 0..L-1 are K of layers 0..L-1,
-                                   regions L..2L-1 are V of layers 0..L-1
-    index  2L * num_pages + row    aux row `row`
+    KV list   index r * num_pages + p    page p of region r; regions 0..L-1 are K of layers
+                                         0..L-1, regions L..2L-1 are V of layers 0..L-1
+    aux list  index row                  aux row `row`, always host memory (DRAM)
 
 so a run of adjacent pages is a run of adjacent indices, which NIXL merges into one
-descriptor when both sides are adjacent in memory.
+descriptor when both sides are adjacent in memory. The aux rows are a list of their own
+because one NIXL list holds one memory type, and they live in host memory on every device.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def check_want(
             f"num_cached_tokens {want.num_cached_tokens} exceeds the prompt ({num_prompt_tokens})"
         )
     needed = num_prompt_pages(num_prompt_tokens, page_size) - want.num_cached_tokens // page_size
-    if len(want.dst_page_ids) != needed:
-        return f"want names {len(want.dst_page_ids)} pages, the prompt needs {needed}"
-    if any(p < 0 or p >= remote.layout.num_pages for p in want.dst_page_ids):
+    if want.num_dst_pages != needed:
+        return f"want names {want.num_dst_pages} pages, the prompt needs {needed}"
+    ids = want.dst_page_ids  # checked against the prompt first: at most its page count
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= remote.layout.num_pages):
         return f"dst_page_ids outside the decode pool of {remote.layout.num_pages} pages"
-    if len(set(want.dst_page_ids)) != len(want.dst_page_ids):
+    if np.unique(ids).size != ids.size:
         return "dst_page_ids repeat a page"
     if not 0 <= want.dst_aux_slot < remote.num_aux_rows:
         return f"dst_aux_slot {want.dst_aux_slot} outside 0..{remote.num_aux_rows - 1}"
@@ -50,7 +53,10 @@ def check_want(
 
 
 def map_pages(
-    page_ids: Sequence[int], first_page: int, num_cached_pages: int, dst_page_ids: Sequence[int]
+    page_ids: Sequence[int],
+    first_page: int,
+    num_cached_pages: int,
+    dst_page_ids: Sequence[int] | np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(local pages, decode pages) for prompt pages [first_page, first_page + len(page_ids)),
     skipping the ones the decode peer already holds."""
@@ -72,26 +78,26 @@ def region_indices(pages: np.ndarray, num_regions: int, num_pages: int) -> np.nd
     return np.add.outer(base, np.asarray(pages, dtype=np.int32)).ravel()
 
 
-def aux_index(row: int, num_regions: int, num_pages: int) -> int:
-    return num_regions * num_pages + row
+AUX_MEM_TYPE = "DRAM"  # aux rows live in host memory on every device, both sides
 
 
-def descriptor_table(regions: KVRegions) -> np.ndarray:
-    """The [2L * num_pages + num_aux_rows, 3] (addr, len, dev) table, indexed as above."""
+def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
+    """The [2L * num_pages, 3] (addr, len, dev) table of the KV pool, indexed as above."""
     lay = regions.layout
     bases = np.asarray(regions.k_base_addrs + regions.v_base_addrs, dtype=np.uint64)
     pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_bytes)
-    kv = (bases[:, None] + pages[None, :]).ravel()
-    aux = (
-        np.uint64(regions.aux_base_addr)
-        + np.arange(regions.num_aux_rows, dtype=np.uint64) * AUX_ROW_BYTES
-    )
-    addrs = np.concatenate([kv, aux])
-    lens = np.concatenate(
-        [np.full(kv.size, lay.page_bytes, np.uint64), np.full(aux.size, AUX_ROW_BYTES, np.uint64)]
-    )
+    addrs = (bases[:, None] + pages[None, :]).ravel()
+    lens = np.full(addrs.size, lay.page_bytes, np.uint64)
     dev = np.full(addrs.size, device_id(regions.device), np.uint64)
     return np.stack([addrs, lens, dev], axis=1)
+
+
+def aux_descriptor_table(regions: KVRegions) -> np.ndarray:
+    """The [num_aux_rows, 3] (addr, len, 0) table of the aux rows, in host memory."""
+    rows = np.arange(regions.num_aux_rows, dtype=np.uint64)
+    addrs = np.uint64(regions.aux_base_addr) + rows * np.uint64(AUX_ROW_BYTES)
+    lens = np.full(addrs.size, AUX_ROW_BYTES, np.uint64)
+    return np.stack([addrs, lens, np.zeros(addrs.size, np.uint64)], axis=1)
 
 
 def device_id(device: str) -> int:

@@ -13,6 +13,10 @@ row's write, so every byte has landed. ``poll`` also drives the agent, sends hea
 fails every pending room when the worker is silent past ``peer_timeout_s``: call it (or
 ``progress()``) at least every ``heartbeat_interval_s``. After ``abort(room)`` wait for
 ABORTED before reusing the pages: the worker acknowledges once no write targets them.
+
+Recovery: when the worker says this connection is not registered (it dropped the peer, or
+the connection was replaced), the receiver registers again by itself and repeats the wants
+that were refused for it. A room still PENDING after ``room_timeout_s`` fails.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from typing import Any
 
 import zmq
 
+from prefill_worker.curve import CurveClientKeys, apply_client
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import make_agent, register_regions
+from prefill_worker.transfer.agent import deregister_regions, make_agent, register_regions
 from prefill_worker.transfer.nixl_sender import notif_tag
 
 
@@ -55,8 +60,12 @@ class RegistrationError(RuntimeError):
 @dataclass(slots=True)
 class _Room:
     status: RoomStatus
+    want: wire.Want
+    deadline: float  # PENDING past this fails
     is_status_ok: bool = False  # the worker said `status ok`
     is_landed: bool = False  # the aux row's NIXL notification arrived
+    is_resend_due: bool = False  # refused as unknown_peer: send again once registered
+    timed_out_reason: str | None = None  # past the deadline: aborted, failing once acked
 
 
 class KVReceiver:
@@ -71,20 +80,26 @@ class KVReceiver:
         nixl_backends: Sequence[str] = ("UCX",),
         peer_timeout_s: float = 10.0,
         heartbeat_interval_s: float = 1.0,
+        room_timeout_s: float = 60.0,
+        curve: CurveClientKeys | None = None,
+        ucx_net_devices: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.regions = regions
         self.agent_name = agent_name or f"decode-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.room_timeout_s = room_timeout_s
         self._clock = clock
-        self._agent = make_agent(self.agent_name, list(nixl_backends))
+        self._agent = make_agent(self.agent_name, list(nixl_backends), ucx_net_devices)
         self._reg = register_regions(self._agent, regions)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # A stable routing id: after a reconnect the worker still knows who this is.
-        self._sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode()[:255])
+        # No routing id of our own: ZMQ gives each connection a fresh one, which no other
+        # connection can take over (the worker binds the registration to it).
+        if curve is not None:
+            apply_client(self._sock, curve)
         self._sock.connect(bootstrap_addr)
         self._rooms: dict[int, _Room] = {}
         self._tags: dict[bytes, int] = {}  # notif_tag(room) -> room
@@ -105,13 +120,22 @@ class KVReceiver:
         num_aux_rows: int = 256,
         **kwargs: Any,
     ) -> KVReceiver:
-        """From per-layer CPU tensors [num_pages, page_size, num_kv_heads, head_dim]; the
-        receiver allocates its aux rows."""
+        """From per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all on one
+        device (CPU, or one CUDA device: the pool is registered as VRAM) and contiguous; the
+        receiver allocates its aux rows in host memory (registered as DRAM on any device)."""
         from prefill_worker.kv.aux import AuxPool
         from prefill_worker.kv.layout import KVLayout
 
         k0 = k_caches[0]
-        assert k0.device.type == "cpu", "from_tensors takes CPU tensors; pass KVRegions for CUDA"
+        device = _pool_device(k0.device)
+        for t in (*k_caches, *v_caches):
+            if t.device != k0.device or t.shape != k0.shape or t.dtype != k0.dtype:
+                raise ValueError(
+                    f"every K and V tensor must match the first ({tuple(k0.shape)}, {k0.dtype},"
+                    f" {k0.device}); one is {tuple(t.shape)}, {t.dtype}, {t.device}"
+                )
+            if not t.is_contiguous():
+                raise ValueError("K and V tensors must be contiguous: pages are byte ranges")
         num_pages, page_size, num_kv_heads, head_dim = k0.shape
         dtype = str(k0.dtype).removeprefix("torch.")
         layout = KVLayout(len(k_caches), num_kv_heads, head_dim, dtype, page_size, num_pages)
@@ -120,7 +144,7 @@ class KVReceiver:
             layout,
             tuple(int(t.data_ptr()) for t in k_caches),
             tuple(int(t.data_ptr()) for t in v_caches),
-            "cpu",
+            device,
             aux.base_addr,
             num_aux_rows,
         )
@@ -149,33 +173,44 @@ class KVReceiver:
     def want(
         self, room: int, page_ids: Sequence[int], aux_slot: int, num_cached_tokens: int
     ) -> None:
-        """Ask for the room's KV in ``page_ids`` (prompt pages from num_cached_tokens on)."""
-        assert room not in self._rooms, f"room {room} is already wanted"
-        self._rooms[room] = _Room(RoomStatus(RoomState.PENDING))
+        """Ask for the room's KV in ``page_ids`` (prompt pages from num_cached_tokens on).
+
+        ``ValueError`` if the room is already wanted (``forget`` it first)."""
+        if room in self._rooms:
+            state = self._rooms[room].status.state.value
+            raise ValueError(f"room {room} is already wanted ({state}); forget it first")
+        want = wire.Want.of(room, [int(p) for p in page_ids], aux_slot, num_cached_tokens)
+        self._rooms[room] = _Room(
+            RoomStatus(RoomState.PENDING), want, self._clock() + self.room_timeout_s
+        )
         self._tags[notif_tag(room)] = room
-        if self._is_worker_lost and self._registration.state is RoomState.DONE:
-            self._reregister()
+        if self._is_worker_lost and self._registration.state is not RoomState.PENDING:
+            self._reregister()  # silent or refused before (it may have restarted): ask again
         if self._registration.state is RoomState.FAILED:
             return self._end(room, RoomStatus(RoomState.FAILED, self._registration.reason))
-        self._send(wire.Want(room, tuple(int(p) for p in page_ids), aux_slot, num_cached_tokens))
+        self._send(want)
 
     def poll(self, room: int) -> RoomStatus:
         self.progress()
-        return self._rooms[room].status
+        return self._entry(room).status
 
     def abort(self, room: int) -> None:
         """Ask the worker to stop; the room turns ABORTED once it acknowledges."""
-        if self._rooms[room].status.state is RoomState.PENDING:
+        if self._entry(room).status.state is RoomState.PENDING:
             self._send(wire.Abort(room))
 
     def read_aux(self, aux_slot: int) -> AuxRow:
-        assert self.regions.device == "cpu" and 0 <= aux_slot < self.regions.num_aux_rows
+        if self.regions.device != "cpu":
+            raise ValueError(f"read_aux reads CPU aux rows; this pool is on {self.regions.device}")
+        if not 0 <= aux_slot < self.regions.num_aux_rows:
+            raise ValueError(f"aux_slot {aux_slot} outside 0..{self.regions.num_aux_rows - 1}")
         raw = ctypes.string_at(self.regions.aux_base_addr + aux_slot * AUX_ROW_BYTES, AUX_ROW_BYTES)
         return AuxRow.unpack(raw)
 
     def forget(self, room: int) -> None:
-        """Drop a finished room's status."""
-        assert self._rooms[room].status.state is not RoomState.PENDING, "forget a pending room"
+        """Drop a finished room's status; ``ValueError`` while it is PENDING (abort it)."""
+        if self._entry(room).status.state is RoomState.PENDING:
+            raise ValueError(f"room {room} is pending: abort it and wait for ABORTED first")
         del self._rooms[room]
         self._tags.pop(notif_tag(room), None)
 
@@ -200,12 +235,15 @@ class KVReceiver:
             self._send(wire.Heartbeat())
         if now - self._last_heard > self.peer_timeout_s:
             self._on_worker_lost(f"prefill worker silent for over {self.peer_timeout_s:g} s")
+        for room, entry in self._rooms.items():
+            if entry.status.state is RoomState.PENDING and now >= entry.deadline:
+                self._time_out(room, entry)
 
     def close(self) -> None:
         self._send(wire.Bye())
         self._sock.close(linger=0)
         self._ctx.term()
-        self._agent.deregister_memory(self._reg)
+        deregister_regions(self._agent, self._reg)
 
     # -- internals ----------------------------------------------------------------------
 
@@ -215,11 +253,29 @@ class KVReceiver:
         return wire.Register(self.agent_name, metadata, self.regions, compat)
 
     def _reregister(self) -> None:
-        """The worker was silent (it may have restarted): register again before this want."""
+        """Register again before this want; a refusal fails it (and the pending rooms)."""
         self._is_worker_lost = False
         self._registration = RoomStatus(RoomState.PENDING)
         self._last_heard = self._clock()
         self._send(self._register_msg())
+
+    def _entry(self, room: int) -> _Room:
+        entry = self._rooms.get(room)
+        if entry is None:
+            raise KeyError(f"room {room} is not wanted by this receiver")
+        return entry
+
+    def _on_unknown(self) -> None:
+        """The worker does not know this connection: register again (once at a time)."""
+        if self._registration.state is RoomState.DONE:
+            self._registration = RoomStatus(RoomState.PENDING)
+            self._send(self._register_msg())
+
+    def _resend_refused(self) -> None:
+        for entry in self._rooms.values():
+            if entry.is_resend_due and entry.status.state is RoomState.PENDING:
+                entry.is_resend_due = False
+                self._send(entry.want)
 
     def _send(self, msg: wire.Message) -> None:
         # A full queue means the worker is away; liveness fails what is pending.
@@ -230,6 +286,14 @@ class KVReceiver:
         match msg:
             case wire.Registered(is_ok=True):
                 self._registration = RoomStatus(RoomState.DONE)
+                self._resend_refused()
+            case wire.UnknownPeer():  # e.g. after a reconnect: the old connection's wants
+                for entry in self._rooms.values():  # may be lost with it; repeat them all
+                    entry.is_resend_due = not entry.is_status_ok
+                self._on_unknown()
+            case wire.Status(room=room, code="unknown_peer") if room in self._rooms:
+                self._rooms[room].is_resend_due = True
+                self._on_unknown()
             case wire.Registered(reason=reason):
                 self._registration = RoomStatus(RoomState.FAILED, reason or "refused")
                 self._on_worker_lost(f"registration refused: {reason}")
@@ -237,6 +301,13 @@ class KVReceiver:
                 self._registration = RoomStatus(RoomState.FAILED, reason)
             case wire.Status(room=room) if room in self._rooms:
                 self._on_status(room, msg)
+
+    def _time_out(self, room: int, entry: _Room) -> None:
+        """Abort the room and fail it once the worker acknowledges: until then a write may
+        still target its pages (a lost worker fails it through liveness instead)."""
+        if entry.timed_out_reason is None:
+            entry.timed_out_reason = f"room {room} still pending after {self.room_timeout_s:g} s"
+            self._send(wire.Abort(room))
 
     def _on_status(self, room: int, msg: wire.Status) -> None:
         entry = self._rooms[room]
@@ -246,6 +317,8 @@ class KVReceiver:
             entry.is_status_ok = True
             if entry.is_landed:
                 self._end(room, RoomStatus(RoomState.DONE))
+        elif msg.status == "aborted" and entry.timed_out_reason is not None:
+            self._end(room, RoomStatus(RoomState.FAILED, entry.timed_out_reason))
         elif msg.status == "aborted":
             self._end(room, RoomStatus(RoomState.ABORTED, msg.reason))
         else:
@@ -270,3 +343,12 @@ class KVReceiver:
         for room, entry in self._rooms.items():
             if entry.status.state is RoomState.PENDING:
                 self._end(room, RoomStatus(RoomState.FAILED, reason))
+
+
+def _pool_device(device: Any) -> str:
+    """A torch device as ``KVRegions.device`` names it: ``cpu`` or ``cuda:N``."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else 0}"
+    raise ValueError(f"KV tensors on {device}: only CPU and CUDA pools can be registered")

@@ -5,7 +5,8 @@ Page ids travel as packed little-endian int32 bytes. Unknown extra fields are ig
 unknown type, a missing field or a wrong type raises ``WireError`` naming the field.
 
 Decode → worker: ``register``, ``want``, ``abort``, ``heartbeat``, ``bye``.
-Worker → decode: ``registered``, ``status``, ``heartbeat``, ``reject`` (an undecodable message).
+Worker → decode: ``registered``, ``status``, ``heartbeat``, ``reject`` (an undecodable message),
+``unknown_peer`` (a message from a connection that is not registered; the SDK registers again).
 
 NIXL agent metadata travels inside ``register`` framed, because a corrupt blob can crash
 ``add_remote_agent``; the frame is checked before NIXL ever sees the bytes::
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,10 +79,29 @@ class Register:
 
 @dataclass(frozen=True, slots=True)
 class Want:
+    """Page ids stay packed (``<i4`` bytes) as they arrived: the worker checks the peer and the
+    count before it looks at them, and then only as a zero-copy int32 view."""
+
     room: int
-    dst_page_ids: tuple[int, ...]
+    packed_dst_page_ids: bytes
     dst_aux_slot: int
     num_cached_tokens: int
+
+    @classmethod
+    def of(
+        cls, room: int, dst_page_ids: Sequence[int], dst_aux_slot: int, num_cached_tokens: int
+    ) -> Want:
+        packed = np.asarray(dst_page_ids, dtype="<i4").tobytes()
+        return cls(room, packed, dst_aux_slot, num_cached_tokens)
+
+    @property
+    def num_dst_pages(self) -> int:
+        return len(self.packed_dst_page_ids) // 4
+
+    @property
+    def dst_page_ids(self) -> np.ndarray:
+        """[num_dst_pages] int32, a read-only view of the packed bytes."""
+        return np.frombuffer(self.packed_dst_page_ids, dtype="<i4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +130,13 @@ class Registered:
 
 @dataclass(frozen=True, slots=True)
 class Status:
+    """``code`` (optional, v1-compatible) says why in a word a program can act on:
+    ``unknown_peer`` means "register again, then repeat the want"; older peers ignore it."""
+
     room: int
     status: StatusCode
     reason: str | None = None
+    code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +144,14 @@ class Reject:
     reason: str
 
 
-Message = Register | Want | Abort | Heartbeat | Bye | Registered | Status | Reject
+@dataclass(frozen=True, slots=True)
+class UnknownPeer:
+    """The connection that sent a message is not a registered peer (dropped, or never was)."""
+
+    reason: str
+
+
+Message = Register | Want | Abort | Heartbeat | Bye | Registered | Status | Reject | UnknownPeer
 
 
 def _regions_to_wire(regions: KVRegions) -> dict[str, Any]:
@@ -148,8 +180,7 @@ def encode(msg: Message) -> bytes:
             body = {"type": "register", "agent_name": msg.agent_name, "metadata": msg.metadata}
             body |= _regions_to_wire(msg.regions) | {"compat_hash": msg.compat_hash}
         case Want():
-            ids = np.asarray(msg.dst_page_ids, dtype="<i4").tobytes()
-            body = {"type": "want", "room": msg.room, "dst_page_ids": ids}
+            body = {"type": "want", "room": msg.room, "dst_page_ids": msg.packed_dst_page_ids}
             body |= {"dst_aux_slot": msg.dst_aux_slot, "num_cached_tokens": msg.num_cached_tokens}
         case Abort():
             body = {"type": "abort", "room": msg.room}
@@ -163,8 +194,12 @@ def encode(msg: Message) -> bytes:
             body |= {"heartbeat_interval_s": msg.heartbeat_interval_s}
         case Status():
             body = {"type": "status", "room": msg.room, "status": msg.status, "reason": msg.reason}
+            if msg.code is not None:
+                body["code"] = msg.code
         case Reject():
             body = {"type": "reject", "reason": msg.reason}
+        case UnknownPeer():
+            body = {"type": "unknown_peer", "reason": msg.reason}
     return msgpack.packb({"v": WIRE_VERSION} | body, use_bin_type=True)
 
 
@@ -227,10 +262,9 @@ def _decode_body(kind: str, f: _Fields) -> Message:
         case "want":
             raw = f.get("dst_page_ids", bytes)
             if len(raw) % 4:
-                raise WireError("field dst_page_ids is not packed int32")
-            ids = tuple(int(x) for x in np.frombuffer(raw, dtype="<i4"))
+                raise WireError(f"field dst_page_ids is not packed int32 ({len(raw)} bytes)")
             return Want(
-                f.get("room", int), ids, f.get("dst_aux_slot", int), f.get("num_cached_tokens", int)
+                f.get("room", int), raw, f.get("dst_aux_slot", int), f.get("num_cached_tokens", int)
             )
         case "abort":
             return Abort(f.get("room", int))
@@ -250,9 +284,11 @@ def _decode_body(kind: str, f: _Fields) -> Message:
             code = f.get("status", str)
             if code not in _STATUS_CODES:
                 raise WireError(f"field status: unknown code {code!r}")
-            return Status(f.get("room", int), code, f.opt_str("reason"))
+            return Status(f.get("room", int), code, f.opt_str("reason"), f.opt_str("code"))
         case "reject":
             return Reject(f.get("reason", str))
+        case "unknown_peer":
+            return UnknownPeer(f.get("reason", str))
     raise WireError(f"unknown message type {kind!r}")
 
 

@@ -4,17 +4,21 @@ sd_notify order, and the metrics endpoint."""
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from prefill_worker.client import RequestRejected
+from prefill_worker.launch import ChildProcess
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import hf_model, prompt
-from tests.integration.daemon.conftest import Decode, wait_until
+from tests.integration.daemon.conftest import ROOT, Decode, wait_until
 
 LENGTHS = (5, 17, 40, 63)
 
@@ -31,7 +35,15 @@ def hf_reference(checkpoint, ids: list[int]):  # type: ignore[no-untyped-def]
 
 def test_requests_end_to_end(worker_factory, router_factory, checkpoint) -> None:
     worker = worker_factory()
-    assert worker.http("/readyz") == (200, "ready\n")
+    status, body = worker.http("/readyz")
+    assert status == 200
+    assert json.loads(body) == {
+        "status": "ready",
+        "ingress": worker.ingress,
+        "bootstrap": worker.bootstrap,
+        "http": f"127.0.0.1:{worker.http_port}",
+        "pid": worker.proc.pid,
+    }
     assert worker.http("/livez")[0] == 200
     decode = Decode(worker.bootstrap)
     router = router_factory(worker.ingress)
@@ -79,7 +91,8 @@ def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
         wait_until(lambda: "WATCHDOG=1" in worker.notifications, 30, "a watchdog ping")
         worker.proc.send_signal(signal.SIGTERM)
         wait_until(lambda: worker.http("/readyz")[0] == 503, 10, "readyz 503")
-        assert worker.http("/readyz") == (503, "draining\n")
+        status, body = worker.http("/readyz")
+        assert (status, json.loads(body)["status"]) == (503, "draining")
         with pytest.raises(RequestRejected) as rejected:
             router.prefill(prompt(9, seed=99), 99)
         assert rejected.value.code == "draining"
@@ -143,3 +156,37 @@ def test_port_in_use_names_the_step(worker_factory) -> None:
         worker = worker_factory(f"metrics.bind=127.0.0.1:{port}", ready=False)
         assert worker.wait_exit(60) == 1
     assert "start-up failed at step 'http'" in worker.log()
+
+
+def test_port_zero_config_publishes_its_endpoints(tmp_path, checkpoint, router_factory) -> None:
+    """configs/tiny-test.yaml binds port 0 everywhere: the ready file, `/readyz` and the
+    sd_notify STATUS line all say what was bound, and a router can use it from there."""
+    ready_file = tmp_path / "endpoints.json"
+    args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
+    args += ["--set", f"model.path={checkpoint}", "--ready-file", str(ready_file)]
+    child = ChildProcess.start("worker", args, tmp_path, cwd=ROOT)
+    try:
+        child.wait_ready(120)
+        endpoints = json.loads(ready_file.read_text())
+        assert endpoints["pid"] == child.popen.pid
+        host, _, port = endpoints["http"].rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        for name in ("ingress", "bootstrap"):
+            assert endpoints[name].startswith("tcp://127.0.0.1:")
+            assert not endpoints[name].endswith(":0")
+        ready = next(n for n in child.notifications if n.startswith("READY=1"))
+        assert all(str(endpoints[k]) in ready for k in ("ingress", "bootstrap", "http")), ready
+        with urllib.request.urlopen(f"http://{endpoints['http']}/readyz", timeout=5) as response:
+            assert json.loads(response.read()) == {"status": "ready", **endpoints}
+        decode = Decode(endpoints["bootstrap"])
+        decode.want(7, 9)
+        router = router_factory(endpoints["ingress"])
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(router.prefill, prompt(9, seed=7), 7)
+            assert decode.wait([7])[7].state.value == "done"
+            assert future.result(timeout=60).status is OutcomeStatus.OK
+        decode.close()
+        assert child.stop() == 0
+        assert not ready_file.exists()  # removed at exit: a stale file names no dead ports
+    finally:
+        child.kill()

@@ -15,7 +15,11 @@ from tests.integration.daemon.conftest import ROOT, free_port, wait_until
 
 
 def tiny_daemon(
-    checkpoint: Path, http_port: int, ingress_port: int, bootstrap_port: int
+    checkpoint: Path,
+    http_port: int,
+    ingress_port: int,
+    bootstrap_port: int,
+    *extra: str,
 ) -> daemon_module.Daemon:
     """An in-process daemon on the tiny test config (signals stay with pytest)."""
     config = load_config(
@@ -26,13 +30,14 @@ def tiny_daemon(
             f"metrics.bind=127.0.0.1:{http_port}",
             f"ingress.bind=tcp://127.0.0.1:{ingress_port}",
             f"transfer.bootstrap_bind=tcp://127.0.0.1:{bootstrap_port}",
+            *extra,
         ],
     )
     return daemon_module.Daemon(config, env={})
 
 
 def test_readyz_503_until_loaded_then_200_then_drain(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     gate = threading.Event()
     real_build = daemon_module.build
@@ -43,7 +48,15 @@ def test_readyz_503_until_loaded_then_200_then_drain(
 
     monkeypatch.setattr(daemon_module, "build", gated_build)
     http_port = free_port()
-    daemon = tiny_daemon(checkpoint, http_port, free_port(), free_port())
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret-token\n")
+    daemon = tiny_daemon(
+        checkpoint,
+        http_port,
+        free_port(),
+        free_port(),
+        f"metrics.admin_token_file={token_file}",
+    )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
@@ -54,7 +67,10 @@ def test_readyz_503_until_loaded_then_200_then_drain(
         gate.set()
         wait_until(lambda: _get(http_port, "/readyz") == 200, 60, "ready")
         assert _get(http_port, "/livez") == 200
-        assert _get(http_port, "/drain", "POST") == 202
+        assert _get(http_port, "/drain", "POST") == 403  # admin route: the token is needed
+        assert _get(http_port, "/drain", "POST", "Bearer wrong") == 403
+        assert health.is_ready and not health.is_draining
+        assert _get(http_port, "/drain", "POST", "Bearer s3cret-token") == 202
         thread.join(timeout=30)
         assert codes == [0]
     finally:
@@ -63,11 +79,13 @@ def test_readyz_503_until_loaded_then_200_then_drain(
         thread.join(timeout=30)
 
 
-def _get(port: int, path: str, method: str = "GET") -> int:
+def _get(port: int, path: str, method: str = "GET", authorization: str | None = None) -> int:
     import urllib.error
     import urllib.request
 
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    if authorization is not None:
+        request.add_header("Authorization", authorization)
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return int(response.status)

@@ -32,6 +32,7 @@ class FakeEngine:
     """Consumes the inbox. ``hold`` keeps prefills until ``release``; abort answers ``aborted``.
 
     The first token is the prompt's last token, so a reply proves which prompt it belongs to.
+    ``held`` is keyed by the engine-side id, ``"<routing id hex>/<router's id>"``.
     """
 
     def __init__(self, inbox: queue.Queue[PrefillRequest | AbortRequest]) -> None:
@@ -41,6 +42,8 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.ingress: Ingress | None = None
         self.num_aborts_seen = 0
+        self.aborts: list[AbortRequest] = []
+        self.seen_peers: list[str | None] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self, ingress: Ingress) -> None:
@@ -50,6 +53,11 @@ class FakeEngine:
     def stop(self) -> None:
         self.inbox.put(AbortRequest("__stop__"))
         self._thread.join(5)
+
+    def holds(self, router_request_id: str) -> bool:
+        """A request the router sent as ``router_request_id`` is held (from any router)."""
+        with self.lock:
+            return any(key.endswith("/" + router_request_id) for key in self.held)
 
     def release(self, limit: int | None = None) -> int:
         with self.lock:
@@ -66,11 +74,14 @@ class FakeEngine:
                 if item.request_id == "__stop__":
                     return
                 self.num_aborts_seen += 1
+                self.aborts.append(item)
                 with self.lock:
                     req = self.held.pop(item.request_id, None)
                 if req is not None:
-                    self._reply(req, OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_ROUTER)
-            elif self.hold:
+                    self._reply(req, OutcomeStatus.ABORTED, item.reason)
+                continue
+            self.seen_peers.append(item.decode_peer)
+            if self.hold:
                 with self.lock:
                     self.held[item.request_id] = item
             else:

@@ -17,7 +17,12 @@ from prefill_worker.client import (
     RequestRejected,
     RouterClient,
 )
-from prefill_worker.ingress import CurveServerKeys, Ingress, IngressError
+from prefill_worker.ingress import (
+    CurveServerKeys,
+    Ingress,
+    IngressError,
+    default_max_message_bytes,
+)
 from prefill_worker.protocol import (
     AbortMsg,
     PingMsg,
@@ -98,7 +103,23 @@ def test_draining(worker: Worker) -> None:
         assert client.ping().draining
         worker.ingress.set_draining(False)
         assert client.prefill([1], 1).status is OutcomeStatus.OK
-        assert client.drain().draining and worker.ingress.is_draining
+
+
+def test_drain_message_is_forbidden_unless_allowed(worker: Worker) -> None:
+    with BlockingRouterClient(worker.endpoint) as client:
+        with pytest.raises(RequestRejected) as info:
+            client.drain(timeout_s=10)
+        assert info.value.code == "forbidden" and "allow_drain_message" in str(info.value)
+        assert not worker.ingress.is_draining and not client.ping().draining
+        assert client.prefill([1], 1).status is OutcomeStatus.OK
+    drains: list[bool] = []
+    allowed = start_worker(allow_drain_message=True, on_drain=lambda: drains.append(True))
+    try:
+        with BlockingRouterClient(allowed.endpoint) as client:
+            assert client.drain(timeout_s=10).draining and allowed.ingress.is_draining
+        assert drains == [True]
+    finally:
+        stop_worker(allowed)
 
 
 def test_overloaded(zctx: Ctx) -> None:
@@ -122,7 +143,7 @@ def test_abort_is_forwarded_once_answered_once_and_idempotent(worker: Worker, zc
     worker.engine.hold = True
     sock = dealer(zctx, worker.endpoint)
     sock.send(encode(PrefillMsg("a", [4, 5], 1)))
-    wait_until(lambda: "a" in worker.engine.held)
+    wait_until(lambda: worker.engine.holds("a"))
     sock.send(encode(AbortMsg("a")))
     sock.send(encode(AbortMsg("a")))
     sock.send(encode(AbortMsg("never-sent")))
@@ -153,20 +174,24 @@ def test_two_routers_get_their_own_replies_only(worker: Worker, zctx: Ctx) -> No
 
 def test_router_that_disconnects_with_requests_in_flight(worker: Worker, zctx: Ctx) -> None:
     worker.engine.hold = True
+    stays = dealer(zctx, worker.endpoint)
+    stays.send(encode(PrefillMsg("stays", [7], 1)))
     gone = dealer(zctx, worker.endpoint)
     for i in range(300):
         gone.send(encode(PrefillMsg(f"gone-{i}", [1, 2], i)))
-    wait_until(lambda: len(worker.engine.held) == 300)
+    wait_until(lambda: len(worker.engine.held) == 301)
     gone.close(linger=0)
-
-    def released_until_unroutable() -> bool:
-        worker.engine.release(limit=1)
-        return worker.ingress.stats().num_unroutable > 0 or not worker.engine.held
-
-    wait_until(released_until_unroutable)
+    # Every request of the closed connection is aborted, and only those.
+    wait_until(lambda: list(worker.engine.held) == [k for k in worker.engine.held if "/stays" in k])
+    assert worker.engine.holds("stays")
+    assert {a.reason for a in worker.engine.aborts} == {FinishReason.ROUTER_GONE}
+    wait_until(lambda: worker.ingress.stats().num_unroutable == 300)
+    stats = worker.ingress.stats()
+    assert (stats.num_routers_gone, stats.num_aborted_router_gone) == (1, 300)
+    assert stats.num_inflight == 1
     worker.engine.release()
-    wait_until(lambda: worker.ingress.stats().num_inflight == 0)
-    assert worker.ingress.stats().num_unroutable > 0
+    [result] = recv_msgs(stays, 1)
+    assert isinstance(result, ResultMsg) and result.request_id == "stays"
     worker.engine.hold = False
     with BlockingRouterClient(worker.endpoint) as client:
         assert client.prefill([3, 4], 1).first_token_id == 4
@@ -227,7 +252,7 @@ def test_overloaded_when_the_engine_queue_is_full(zctx: Ctx) -> None:
         [reject] = recv_msgs(sock, 1)
         assert isinstance(reject, Reject) and reject.code is RejectCode.OVERLOADED
         assert reject.request_id == "second" and ingress.stats().num_inflight == 1
-        assert inbox.get_nowait().request_id == "first"
+        assert inbox.get_nowait().request_id.endswith("/first")
 
 
 def test_curve_authorized_client_works_and_unauthorized_gets_nothing(tmp_path: Path) -> None:
@@ -270,6 +295,9 @@ class RecordingObserver:
     def on_malformed(self) -> None:
         self.malformed += 1
 
+    def on_unroutable(self) -> None:
+        return None
+
 
 def test_observer_counts_requests_rejects_and_malformed_frames(zctx: Ctx) -> None:
     seen = RecordingObserver()
@@ -294,3 +322,121 @@ def test_outcome_after_close_is_dropped_without_error() -> None:
     stop_worker(w)
     w.ingress.send_outcome(Outcome("late", OutcomeStatus.OK, FinishReason.OK, 1))
     assert not w.ingress.is_alive and w.ingress.error is None
+
+
+def test_two_routers_may_use_the_same_request_id(worker: Worker, zctx: Ctx) -> None:
+    worker.engine.hold = True
+    first, second = dealer(zctx, worker.endpoint), dealer(zctx, worker.endpoint)
+    first.send(encode(PrefillMsg("same", [1, 11], 1)))
+    second.send(encode(PrefillMsg("same", [2, 22], 2)))
+    wait_until(lambda: len(worker.engine.held) == 2)
+    first.send(encode(PrefillMsg("same", [3], 3)))  # a duplicate on its own connection only
+    [reject] = recv_msgs(first, 1)
+    assert isinstance(reject, Reject) and reject.code is RejectCode.DUPLICATE_REQUEST_ID
+    assert "on this connection" in reject.message
+    worker.engine.release()
+    [a] = recv_msgs(first, 1)
+    [b] = recv_msgs(second, 1)
+    assert isinstance(a, ResultMsg) and (a.request_id, a.first_token_id) == ("same", 11)
+    assert isinstance(b, ResultMsg) and (b.request_id, b.first_token_id) == ("same", 22)
+    assert first.poll(50) == 0 and second.poll(50) == 0
+
+
+def test_abort_counts_only_from_the_connection_that_sent_the_prefill(
+    worker: Worker, zctx: Ctx
+) -> None:
+    worker.engine.hold = True
+    owner, other = dealer(zctx, worker.endpoint), dealer(zctx, worker.endpoint)
+    owner.send(encode(PrefillMsg("mine", [5], 1)))
+    wait_until(lambda: worker.engine.holds("mine"))
+    other.send(encode(AbortMsg("mine")))
+    other.send(encode(PingMsg(1)))  # the ping is answered after the abort was handled
+    [pong] = recv_msgs(other, 1)
+    assert isinstance(pong, PongMsg) and worker.engine.num_aborts_seen == 0
+    owner.send(encode(AbortMsg("mine")))
+    [result] = recv_msgs(owner, 1)
+    assert isinstance(result, ResultMsg) and result.status is OutcomeStatus.ABORTED
+    assert other.poll(50) == 0
+
+
+def test_the_decode_peer_named_by_the_router_reaches_the_engine(worker: Worker) -> None:
+    with BlockingRouterClient(worker.endpoint) as client:
+        assert client.prefill([1, 2], 1, decode_peer="decode-agent-7").status is OutcomeStatus.OK
+    assert worker.engine.seen_peers == ["decode-agent-7"]
+
+
+def test_default_message_limit_fits_the_largest_prompt_and_little_more() -> None:
+    assert default_max_message_bytes(8192) == 4 * 8192 + 64 * 1024
+    w = start_worker(max_message_bytes=None, max_prompt_tokens=512)
+    try:
+        with BlockingRouterClient(w.endpoint) as client:
+            assert client.prefill([1] * 512, 1).num_prompt_tokens == 512
+    finally:
+        stop_worker(w)
+
+
+class FairnessObserver(RecordingObserver):
+    """On the first big frame admitted, releases the held small request; then notes, at each
+    later admission, how many replies the I/O thread had sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker: Worker | None = None
+        self.sent_at_admission: list[int] = []
+
+    def on_request(self) -> None:
+        super().on_request()
+        if self.worker is None or self.requests == 1:
+            return  # the small request itself
+        if self.requests == 2:
+            assert self.worker.engine.release(limit=1) == 1
+        self.sent_at_admission.append(self.worker.ingress.stats().num_sent)
+
+
+def test_a_reply_is_not_held_behind_many_big_frames(zctx: Ctx) -> None:
+    tokens = 256 * 1024  # 1 MiB frames: one is a whole receive batch
+    seen = FairnessObserver()
+    w = start_worker(
+        observer=seen,
+        max_prompt_tokens=tokens,
+        max_pool_tokens=tokens,
+        max_message_bytes=2 * 1024 * 1024,
+    )
+    try:
+        w.engine.hold = True
+        small, big = dealer(zctx, w.endpoint), dealer(zctx, w.endpoint)
+        small.send(encode(PrefillMsg("small", [1, 2], 1)))
+        wait_until(lambda: w.engine.holds("small"))
+        seen.worker = w
+        payload = [3] * tokens
+        for i in range(12):
+            big.send(encode(PrefillMsg(f"big-{i}", payload, 100 + i)))
+        [result] = recv_msgs(small, 1)
+        assert isinstance(result, ResultMsg) and result.request_id == "small"
+        wait_until(lambda: len(seen.sent_at_admission) == 12)
+        # Released at the first big admission; out before the third big frame was decoded.
+        assert seen.sent_at_admission[2] >= 1, seen.sent_at_admission
+    finally:
+        stop_worker(w)
+
+
+def test_a_second_connection_cannot_take_over_a_routing_id(worker: Worker, zctx: Ctx) -> None:
+    worker.engine.hold = True
+    owner = zctx.socket(zmq.DEALER)
+    owner.setsockopt(zmq.ROUTING_ID, b"router-1")
+    owner.setsockopt(zmq.LINGER, 0)
+    owner.connect(worker.endpoint)
+    owner.send(encode(PrefillMsg("mine", [5, 6], 1)))
+    wait_until(lambda: worker.engine.holds("mine"))
+    thief = zctx.socket(zmq.DEALER)
+    thief.setsockopt(zmq.ROUTING_ID, b"router-1")
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.connect(worker.endpoint)
+    thief.send(encode(AbortMsg("mine")))
+    owner.send(encode(PingMsg(1)))
+    [pong] = recv_msgs(owner, 1)
+    assert isinstance(pong, PongMsg) and worker.engine.num_aborts_seen == 0
+    worker.engine.release()
+    [result] = recv_msgs(owner, 1)
+    assert isinstance(result, ResultMsg) and result.first_token_id == 6
+    assert thief.poll(50) == 0

@@ -1,12 +1,16 @@
-"""First-token sampling: seeds, greedy equivalence, the temperature distribution, top-p."""
+"""First-token sampling: seeds, greedy equivalence, the temperature distribution, top-p, and
+no NaN whatever the parameters and logits (hypothesis over extreme values)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from prefill_worker.model.sampling import filtered_probs, sample
+from prefill_worker.model.sampling import TEMPERATURE_FLOOR, filtered_probs, sample
 from prefill_worker.request import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
@@ -30,8 +34,11 @@ def test_top_k_1_equals_greedy():
 
 
 def test_logprob_is_under_the_unmodified_softmax():
-    tokens, logprobs = sample(LOGITS[None], [SamplingParams(temperature=5.0, top_k=2, seed=3)])
-    assert logprobs[0] == torch.log_softmax(LOGITS, -1)[tokens[0]].item()
+    tokens, logprobs, errors = sample(
+        LOGITS[None], [SamplingParams(temperature=5.0, top_k=2, seed=3)]
+    )
+    assert errors == [None]
+    assert logprobs[0] == pytest.approx(torch.log_softmax(LOGITS, -1)[tokens[0]].item(), abs=1e-6)
 
 
 def test_temperature_sampling_follows_the_distribution():
@@ -57,3 +64,105 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert (only > 0).tolist() == [False] * 5 + [True]
     params = [SamplingParams(temperature=1.0, top_p=0.7, seed=s) for s in range(200)]
     assert set(sample(LOGITS.expand(200, -1), params)[0]) == {0, 5}
+
+
+# ── extreme values (issue #12: top_p=1e-300 or temperature=1e-39 crashed the worker) ──────────
+
+VOCAB = 37
+FP32_MAX = float(torch.finfo(torch.float32).max)
+temperatures = st.one_of(
+    st.just(0.0),
+    st.floats(min_value=0.0, max_value=100.0),
+    st.sampled_from([1e-45, 1e-39, 1e-30, 1e-8, TEMPERATURE_FLOOR, 1.0001e-5, 1e-4, 100.0]),
+)
+top_ps = st.one_of(
+    st.floats(min_value=5e-324, max_value=1.0, exclude_min=False),
+    st.sampled_from([5e-324, 1e-300, 1e-45, 1e-8, 0.5, 1.0 - 1e-16, 1.0]),
+)
+top_ks = st.integers(min_value=0, max_value=VOCAB + 5)
+logit_values = st.one_of(
+    st.floats(min_value=-FP32_MAX, max_value=FP32_MAX, width=32),
+    st.sampled_from([math.inf, -math.inf, FP32_MAX, -FP32_MAX, 1e30, -1e30, 0.0]),
+)
+params = st.builds(
+    SamplingParams,
+    temperature=temperatures,
+    top_p=top_ps,
+    top_k=top_ks,
+    seed=st.one_of(st.none(), st.integers(min_value=0, max_value=2**63 - 1)),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(st.lists(logit_values, min_size=VOCAB, max_size=VOCAB), min_size=1, max_size=4),
+    ps=st.lists(params, min_size=4, max_size=4),
+)
+def test_any_valid_params_and_non_nan_logits_sample_a_token(rows, ps) -> None:
+    logits = torch.tensor(rows, dtype=torch.float32)
+    ps = ps[: len(rows)]
+    assert all(p.problem() is None for p in ps)
+    tokens, logprobs, errors = sample(logits, ps)
+    for row, (token, logprob, error) in enumerate(zip(tokens, logprobs, errors, strict=True)):
+        if bool(torch.isneginf(logits[row]).all()):
+            assert error == "SamplingError: every logit is -inf"
+            assert token == -1 and math.isnan(logprob)
+            continue
+        assert error is None, (rows[row], ps[row])
+        assert 0 <= token < VOCAB
+        assert not math.isnan(logprob) and logprob <= 0.0
+        assert logits[row, token] > -math.inf  # never a token the logits rule out
+        posinf = torch.isposinf(logits[row])
+        if bool(posinf.any()):
+            assert bool(posinf[token])  # +inf logits take all the mass
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    logits=st.lists(st.floats(-1e4, 1e4, width=32), min_size=VOCAB, max_size=VOCAB),
+    p=params,
+)
+def test_filtered_probs_are_a_distribution_holding_the_top_token(logits, p) -> None:
+    x = torch.tensor(logits)
+    probs = filtered_probs(x, p)
+    assert probs.dtype == torch.float64
+    assert bool(torch.isfinite(probs).all()) and bool((probs >= 0).all())
+    assert float(probs.sum()) == pytest.approx(1.0, abs=1e-9)
+    assert float(probs[x == x.max()].sum()) > 0.0  # a most likely token (ties: any of them)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(temperature=1.0, top_p=1e-300, seed=1),
+        SamplingParams(temperature=1e-39, seed=1),
+        SamplingParams(temperature=1e-39, top_p=1e-300, top_k=3, seed=1),
+        SamplingParams(temperature=100.0, top_p=5e-324, seed=1),
+    ],
+)
+def test_issue_12_values_give_the_greedy_token(p: SamplingParams) -> None:
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(7)) * 30
+    tokens, _, errors = sample(logits, [p, p])
+    assert errors == [None, None]
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_a_bad_row_fails_alone() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = math.nan
+    ps = [SamplingParams(temperature=0.9, seed=s) for s in range(3)]
+    tokens, _, errors = sample(logits, ps)
+    assert errors[1] == "SamplingError: the logits hold NaN" and tokens[1] == -1
+    assert errors[0] is None and errors[2] is None
+    assert tokens[0] >= 0 and tokens[2] >= 0
+
+
+def test_plus_inf_logits_share_the_mass() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = logits[0, 8] = math.inf
+    greedy = sample(logits, [SamplingParams()])
+    assert greedy.token_ids == [3] and greedy.logprobs[0] == pytest.approx(math.log(0.5))
+    drawn = {
+        sample(logits, [SamplingParams(temperature=1.0, seed=s)]).token_ids[0] for s in range(50)
+    }
+    assert drawn == {3, 8}

@@ -52,7 +52,9 @@ class RecordingRunner:
 class CapturingBackend(FakeBackend):
     kv_cache: KVCache
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> FakeSender:
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> FakeSender:
         sender = CapturingSender(self, room, request_id, num_prompt_tokens)
         sender.kv_cache, sender.captured = self.kv_cache, {}
         self.senders[request_id] = sender

@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,7 +32,8 @@ def small_spec(dtype: str, head_dim: int = 8, num_pages: int = 24) -> PoolSpec:
 class Worker:
     """The prefill side: a NixlBackend over a random pool and an AuxPool, in this process."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, **options: Any) -> None:
+        """``options``: make_backend's keywords (limits, curve, ucx_net_devices, on_reject)."""
         from prefill_worker.transfer import make_backend
 
         self.spec = spec
@@ -49,6 +51,7 @@ class Worker:
             PEER_TIMEOUT_S,
             0.1,
             WANT_TIMEOUT_S,
+            **options,
         )
 
     def alloc(self, num_pages: int) -> list[int]:
@@ -82,7 +85,13 @@ class Worker:
 class Decode:
     """A KVReceiver in a child process over a shared-memory pool this process can read."""
 
-    def __init__(self, worker: Worker, spec: PoolSpec, timeout_s: float = PEER_TIMEOUT_S):
+    def __init__(
+        self,
+        worker: Worker,
+        spec: PoolSpec,
+        timeout_s: float = PEER_TIMEOUT_S,
+        options: dict[str, Any] | None = None,
+    ):
         self.worker = worker
         self.spec = spec
         self.shm = shared_memory.SharedMemory(create=True, size=spec.nbytes)
@@ -90,7 +99,8 @@ class Decode:
         self.pool[:] = np.random.default_rng(2).integers(0, 256, spec.nbytes, dtype=np.uint8)
         self.regions = regions_over(spec, self.pool)
         self.conn, child = CTX.Pipe()
-        args = (child, self.shm.name, spec, worker.backend.bootstrap_endpoint, timeout_s)
+        endpoint = worker.backend.bootstrap_endpoint
+        args = (child, self.shm.name, spec, endpoint, timeout_s, options)
         self.proc = CTX.Process(target=decode_main, args=args, daemon=True)
         self.proc.start()
         assert self.conn.poll(30), "decode peer did not start"
@@ -137,7 +147,7 @@ def workers() -> Iterator[dict[str, Worker]]:
 def decodes() -> Iterator[Callable[..., Decode]]:
     started: list[Decode] = []
 
-    def start(worker: Worker, spec: PoolSpec | None = None, **kwargs: float) -> Decode:
+    def start(worker: Worker, spec: PoolSpec | None = None, **kwargs: Any) -> Decode:
         started.append(Decode(worker, spec or worker.spec, **kwargs))
         return started[-1]
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 
@@ -37,14 +38,23 @@ def regions_over(spec: PoolSpec, buf: np.ndarray, aux_addr: int | None = None) -
 
 
 def decode_main(
-    conn: Connection, shm_name: str, spec: PoolSpec, addr: str, timeout_s: float
+    conn: Connection,
+    shm_name: str,
+    spec: PoolSpec,
+    addr: str,
+    timeout_s: float,
+    options: dict[str, Any] | None = None,
 ) -> None:
     from prefill_worker.transfer import KVReceiver, RoomState
 
     shm = shared_memory.SharedMemory(name=shm_name)
     buf = np.frombuffer(shm.buf, dtype=np.uint8)
     receiver = KVReceiver(
-        regions_over(spec, buf), addr, peer_timeout_s=timeout_s, heartbeat_interval_s=0.1
+        regions_over(spec, buf),
+        addr,
+        peer_timeout_s=timeout_s,
+        heartbeat_interval_s=0.1,
+        **(options or {}),
     )
     conn.send("started")
     while True:
@@ -54,6 +64,8 @@ def decode_main(
         cmd, *args = conn.recv()
         if cmd == "exit":
             break
+        if cmd == "name":
+            conn.send(receiver.agent_name)
         if cmd == "registered":
             try:
                 receiver.wait_registered(args[0])
@@ -78,12 +90,22 @@ def decode_main(
     shm.close()
 
 
-def prefill_main(conn: Connection, spec: PoolSpec, timeout_s: float) -> None:
+def prefill_main(
+    conn: Connection, spec: PoolSpec, timeout_s: float, ucx_net_devices: str | None = None
+) -> None:
     from prefill_worker.transfer import make_backend
 
     buf = np.zeros(spec.nbytes, np.uint8)
     backend = make_backend(
-        "nixl", regions_over(spec, buf), "tcp://127.0.0.1:0", None, ["UCX"], timeout_s, 0.1, 5.0
+        "nixl",
+        regions_over(spec, buf),
+        "tcp://127.0.0.1:0",
+        None,
+        ["UCX"],
+        timeout_s,
+        0.1,
+        5.0,
+        ucx_net_devices=ucx_net_devices,
     )
     conn.send(backend.bootstrap_endpoint)
     while True:

@@ -1,16 +1,25 @@
-"""The HTTP endpoint over a real socket: routes, status codes, drain callback, metrics text."""
+"""The HTTP endpoint over a real socket: routes, status codes, drain callback and who may
+call it, metrics text, clients that reset their connection."""
 
 from __future__ import annotations
 
 import http.client
+import json
+import logging
+import socket
+import struct
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from prefill_worker.http import Health, HttpServer
+from prefill_worker.http import AdminAccess, Health, HttpServer
 from prefill_worker.metrics import WorkerMetrics
+from tests.polling import wait_until
+
+TOKEN = "t0ken-with-entropy"
 
 
 class Clock:
@@ -28,15 +37,18 @@ def served() -> Iterator[tuple[HttpServer, Health, Clock, threading.Event]]:
     registry = CollectorRegistry()
     WorkerMetrics(registry).on_reject("draining")
     drained = threading.Event()
-    server = HttpServer("127.0.0.1:0", health, registry, on_drain=drained.set)
+    admin = AdminAccess(TOKEN.encode())
+    server = HttpServer("127.0.0.1:0", health, registry, on_drain=drained.set, admin=admin)
     server.start()
     yield server, health, clock, drained
     server.stop()
 
 
-def get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
+def get(
+    port: int, path: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    conn.request(method, path)
+    conn.request(method, path, headers=headers or {})
     response = conn.getresponse()
     body = response.read().decode()
     conn.close()
@@ -45,11 +57,17 @@ def get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
 
 def test_readyz_follows_health(served) -> None:
     server, health, _, _ = served
-    assert get(server.port, "/readyz") == (503, "starting\n")
+    assert get(server.port, "/readyz") == (503, '{"status": "starting"}\n')
+    health.endpoints = {"ingress": "tcp://127.0.0.1:5557", "pid": 42}
     health.is_ready = True
-    assert get(server.port, "/readyz") == (200, "ready\n")
+    status, body = get(server.port, "/readyz")
+    assert (status, json.loads(body)) == (
+        200,
+        {"status": "ready", "ingress": "tcp://127.0.0.1:5557", "pid": 42},
+    )
     health.is_draining = True
-    assert get(server.port, "/readyz") == (503, "draining\n")
+    status, body = get(server.port, "/readyz")
+    assert (status, json.loads(body)["status"]) == (503, "draining")
 
 
 def test_livez_goes_stale(served) -> None:
@@ -65,12 +83,73 @@ def test_livez_goes_stale(served) -> None:
     assert get(server.port, "/livez")[0] == 200
 
 
-def test_drain_needs_post(served) -> None:
+def test_drain_needs_post_and_the_token(served) -> None:
     server, _, _, drained = served
     assert get(server.port, "/drain")[0] == 405
+    status, body = get(server.port, "/drain", "POST")
+    assert status == 403 and "Bearer" in body and TOKEN not in body
+    for wrong in (f"Bearer {TOKEN}x", f"Basic {TOKEN}", TOKEN, f"Bearer {TOKEN[:-1]}"):
+        assert get(server.port, "/drain", "POST", {"Authorization": wrong})[0] == 403
     assert not drained.is_set()
-    assert get(server.port, "/drain", "POST") == (202, "draining\n")
+    bearer = {"authorization": f"bearer {TOKEN}"}  # names and schemes are case-insensitive
+    assert get(server.port, "/drain", "POST", bearer) == (202, "draining\n")
     assert drained.is_set()
+
+
+@pytest.mark.parametrize(
+    ("admin", "status"),
+    [(AdminAccess(), 403), (AdminAccess(allow_unauthenticated=True), 202)],
+)
+def test_without_a_token_drain_is_off_unless_explicitly_open(
+    admin: AdminAccess, status: int
+) -> None:
+    drained = threading.Event()
+    server = HttpServer("127.0.0.1:0", Health(5.0), CollectorRegistry(), drained.set, admin)
+    server.start()
+    try:
+        got, body = get(server.port, "/drain", "POST")
+        assert got == status and drained.is_set() == (status == 202)
+        if status == 403:
+            assert "metrics.admin_token_file" in body
+        assert get(server.port, "/livez")[0] == 200  # probes need no token
+    finally:
+        server.stop()
+
+
+def test_admin_token_file(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(f"  {TOKEN}\n")
+    assert AdminAccess.from_token_file(str(path), False) == AdminAccess(TOKEN.encode())
+    assert AdminAccess.from_token_file(None, True) == AdminAccess(None, True)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="one non-empty word"):
+        AdminAccess.from_token_file(str(path), False)
+    with pytest.raises(ValueError, match="cannot read"):
+        AdminAccess.from_token_file(str(tmp_path / "missing"), False)
+
+
+def reset(port: int, partial: bytes) -> None:
+    """Connect, send ``partial``, and close with a RST rather than a FIN."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(partial)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_client_reset_logs_no_traceback(served, caplog: pytest.LogCaptureFixture) -> None:
+    server, _, _, _ = served
+    caplog.set_level(logging.DEBUG)
+    for partial in (
+        b"GET /metr",
+        b"POST /drain HTTP/1.1\r\nContent-Length: 5\r\n\r\n",
+        b"",
+        b"GET /metrics HTTP/1.1\r\n\r\n",  # gone while the answer is written
+    ):
+        reset(server.port, partial)
+    wait_until(lambda: get(server.port, "/livez")[0] == 200)
+    assert get(server.port, "/metrics")[0] == 200
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
 
 
 def test_metrics_and_unknown_paths(served) -> None:

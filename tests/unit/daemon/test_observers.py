@@ -36,11 +36,23 @@ def test_events_reach_metrics(caplog) -> None:
     assert "request_id=req-9" in caplog.text and "status=ok" in caplog.text
     events.on_step(0.01, 0)  # an idle turn is not a batch
     events.on_step(0.01, 32)
-    events.on_load(LoadSnapshot(num_waiting=2, num_free_pages=7, num_total_pages=10))
+    events.on_load(
+        LoadSnapshot(
+            num_waiting=2,
+            num_free_pages=7,
+            num_total_pages=10,
+            num_free_aux_rows=5,
+            num_total_aux_rows=8,
+        )
+    )
     IngressEvents(metrics).on_malformed()
+    IngressEvents(metrics).on_unroutable()
     sample = registry.get_sample_value
     assert sample("prefill_worker_transfer_bytes_total") == 512 + AUX_ROW_BYTES
     assert sample("prefill_worker_batch_tokens_count") == 1
     assert sample("prefill_worker_queue_requests", {"state": "waiting"}) == 2
     assert sample("prefill_worker_kv_pages_used") == 3
+    assert sample("prefill_worker_aux_rows_used") == 3
+    assert sample("prefill_worker_aux_rows_capacity") == 8
     assert sample("prefill_worker_malformed_messages_total") == 1
+    assert sample("prefill_worker_unroutable_replies_total") == 1

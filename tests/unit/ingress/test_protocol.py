@@ -84,6 +84,7 @@ def expect_reject(m: Any, code: RejectCode, field: str | None = None) -> Reject:
         PrefillMsg("a", array("i", [0, 999, 5]), 0),
         PrefillMsg("b" * 256, array("i", range(48)), 2**63 - 1, SamplingParams(1.5, 0.5, 3, 9)),
         PrefillMsg("c", array("i", [1]), 5, SamplingParams(), True, 0.25),
+        PrefillMsg("d", array("i", [1]), 6, decode_peer="decode-agent-1"),
         AbortMsg("r-9"),
         PingMsg(),
         PingMsg(17),
@@ -111,6 +112,7 @@ def test_router_messages_round_trip(msg: Any) -> None:
         ),
         Reject(RejectCode.DRAINING, "draining", "r", "request_id"),
         Reject(RejectCode.MALFORMED, "not a map"),
+        Reject(RejectCode.FORBIDDEN, "drain is off", None, "type", 12),
         PongMsg(LoadSnapshot(1, 2, 3, True), 5),
         PongMsg(LoadSnapshot(0, 0, 0, False)),
     ],
@@ -218,6 +220,9 @@ def test_missing_field(field: str) -> None:
         ({"deadline_s": -1.0}, "deadline_s"),
         ({"deadline_s": math.inf}, "deadline_s"),
         ({"deadline_s": "soon"}, "deadline_s"),
+        ({"decode_peer": ""}, "decode_peer"),
+        ({"decode_peer": 7}, "decode_peer"),
+        ({"decode_peer": "d" * 257}, "decode_peer"),
     ],
 )
 def test_bad_field(changes: dict[str, Any], field: str) -> None:
@@ -263,15 +268,66 @@ def test_prompt_too_long() -> None:
     [
         ({"temperature": -0.1}, "sampling.temperature"),
         ({"temperature": math.nan}, "sampling.temperature"),
+        ({"temperature": math.inf}, "sampling.temperature"),
+        ({"temperature": -math.inf}, "sampling.temperature"),
+        ({"temperature": -1e-300}, "sampling.temperature"),
+        ({"temperature": 1e308}, "sampling.temperature"),
         ({"top_p": 0.0}, "sampling.top_p"),
         ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_p": math.nan}, "sampling.top_p"),
+        ({"top_p": -math.inf}, "sampling.top_p"),
         ({"top_k": -1}, "sampling.top_k"),
         ({"seed": -5}, "sampling.seed"),
+        ({"seed": -(2**63)}, "sampling.seed"),
     ],
 )
 def test_bad_sampling(sampling: dict[str, Any], field: str) -> None:
     got = expect_reject(prefill_map(sampling=sampling), RejectCode.BAD_SAMPLING, field)
     assert got.request_id == "r-1"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-39, "top_p": 1.0},
+        {"temperature": 5e-324, "top_p": 1e-300},
+        {"temperature": 1.0, "top_p": 1e-300},
+        {"temperature": 100.0, "top_p": 5e-324, "top_k": 2**64 - 1},
+        {"temperature": 0.7, "top_k": 2**63, "seed": 2**63 - 1},
+        {"temperature": 1, "top_p": 1, "top_k": 0, "seed": 0},
+    ],
+)
+def test_extreme_sampling_in_range_is_accepted(sampling: dict[str, Any]) -> None:
+    # The sampler must serve these (never NaN); the protocol does not refuse them.
+    got = decode_map(prefill_map(sampling=sampling))
+    assert isinstance(got, PrefillRequest), got
+    assert got.sampling.temperature == sampling["temperature"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"junk": list(range(100_000))},
+        {"junk": {str(i): i for i in range(100_000)}},
+        {"token_ids": list(range(100_000))},
+    ],
+)
+def test_big_arrays_and_maps_are_refused_while_unpacking(extra: dict[str, Any]) -> None:
+    got = decode_map(prefill_map(**extra))
+    assert isinstance(got, Reject) and got.code is RejectCode.MALFORMED
+    assert "at most 64 items" in got.message
+
+
+def test_the_decode_peer_is_carried() -> None:
+    req = decode_map(prefill_map(decode_peer="decode-agent-3"))
+    assert isinstance(req, PrefillRequest) and req.decode_peer == "decode-agent-3"
+    assert decode_map(prefill_map(decode_peer=None)).decode_peer is None
+
+
+def test_the_result_carries_the_routers_own_id() -> None:
+    outcome = Outcome("00ab12cd34/r-7", OutcomeStatus.OK, FinishReason.OK, 3)
+    result = decode_worker(encode_outcome(outcome, request_id="r-7"))
+    assert isinstance(result, ResultMsg) and result.request_id == "r-7"
 
 
 def test_every_reject_code_is_documented() -> None:

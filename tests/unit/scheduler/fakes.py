@@ -50,6 +50,7 @@ class FakeRunner:
         self.gate: threading.Event | None = None  # when set by a test: run() waits for it
         self.started = threading.Event()
         self.fail_with: Exception | None = None
+        self.sample_errors: dict[str, str] = {}  # request_id -> its row's sampling error
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         self.started.set()
@@ -65,7 +66,8 @@ class FakeRunner:
             if chunk.sampling is not None:
                 prompt = [self._slot_read(chunk.page_ids, pos) for pos in range(chunk.end)]
                 token_id = sum(t or 0 for t in prompt) % TOKEN_MOD
-                sampled.append(SampledToken(chunk.request_id, token_id, -0.5))
+                error = self.sample_errors.get(chunk.request_id)
+                sampled.append(SampledToken(chunk.request_id, token_id, -0.5, error))
         return BatchOutput(plan.batch_id, tuple(sampled))
 
     def _slot_write(self, page_ids: Sequence[int], pos: int, token: int) -> None:
@@ -95,9 +97,14 @@ class FakeSender:
         self.is_closed = False
         self.polls_to_success: int | None = backend.polls_to_success
         self.errors: list[str] = []
+        self.allowed_peer: str | None = None
+        self.send_raises: Exception | None = None  # set by a test: send_pages raises it
+        self.poll_raises: Exception | None = None  # set by a test: poll raises it
 
     # the engine's side
     def poll(self) -> KVPoll:
+        if self.poll_raises is not None:
+            raise self.poll_raises
         if self.state is KVPoll.TRANSFERRING and self.aux and self.polls_to_success is not None:
             if self.polls_to_success <= 0:
                 self.state = KVPoll.SUCCESS
@@ -108,6 +115,8 @@ class FakeSender:
         return self.cached
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        if self.send_raises is not None:
+            raise self.send_raises
         self._expect(not self.is_closed and self.state in (KVPoll.READY, KVPoll.TRANSFERRING))
         self._expect(all(self.backend.pool.refcount(p) > 0 for p in page_ids))
         self.sent.append((tuple(page_ids), first_page))
@@ -140,9 +149,9 @@ class FakeSender:
     def decode_abort(self) -> None:
         self.state = KVPoll.ABORTED
 
-    def break_(self, reason: str = "peer lost") -> None:
+    def break_(self, reason: str = "write failed", state: KVPoll = KVPoll.FAILED) -> None:
         self.decode_failure = reason
-        self.state = KVPoll.FAILED
+        self.state = state
 
     def _expect(self, ok: bool) -> None:
         if not ok:
@@ -162,8 +171,11 @@ class FakeBackend:
     all_senders: list[FakeSender] = field(default_factory=list)
     num_polls: int = 0
 
-    def create_sender(self, room: int, request_id: str, num_prompt_tokens: int) -> FakeSender:
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> FakeSender:
         sender = FakeSender(self, room, request_id, num_prompt_tokens)
+        sender.allowed_peer = allowed_peer
         self.senders[request_id] = sender
         self.all_senders.append(sender)
         return sender

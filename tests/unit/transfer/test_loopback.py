@@ -49,28 +49,29 @@ def test_region_indices_are_region_major() -> None:
     idx = pagemap.region_indices(np.array([3, 4]), 3, 16)
     assert idx.tolist() == [3, 4, 19, 20, 35, 36]
     assert idx.dtype == np.int32 and idx.flags.c_contiguous  # what NIXL takes without a copy
-    assert pagemap.aux_index(2, 3, 16) == 50
 
 
-def test_descriptor_table_matches_the_layout() -> None:
+def test_descriptor_tables_match_the_layout() -> None:
     pool = Pool(0)
-    table = pagemap.descriptor_table(pool.regions)
-    assert table.shape == (6 * 16 + 4, 3)
+    kv = pagemap.kv_descriptor_table(pool.regions)
+    assert kv.shape == (6 * 16, 3)
     i = pagemap.region_indices(np.array([5]), 6, 16)[4]  # V of layer 1, page 5
-    assert table[i, 0] == pool.regions.v_base_addrs[1] + 5 * LAYOUT.page_bytes
-    assert table[i, 1] == LAYOUT.page_bytes
-    assert table[pagemap.aux_index(3, 6, 16), 0] == pool.aux.base_addr + 3 * AUX_ROW_BYTES
+    assert kv[i, 0] == pool.regions.v_base_addrs[1] + 5 * LAYOUT.page_bytes
+    assert kv[i, 1] == LAYOUT.page_bytes
+    aux = pagemap.aux_descriptor_table(pool.regions)
+    assert aux.shape == (4, 3)
+    assert aux[3].tolist() == [pool.aux.base_addr + 3 * AUX_ROW_BYTES, AUX_ROW_BYTES, 0]
 
 
 @pytest.mark.parametrize(
     ("want", "why"),
     [
-        (wire.Want(1, (1, 2, 3), 0, 2), "not a multiple"),
-        (wire.Want(1, (1,), 0, 24), "exceeds the prompt"),
-        (wire.Want(1, (1, 2), 0, 0), "needs 3"),
-        (wire.Want(1, (1, 2, 16), 0, 0), "outside the decode pool"),
-        (wire.Want(1, (1, 2, 2), 0, 0), "repeat"),
-        (wire.Want(1, (1, 2, 3), 4, 0), "dst_aux_slot"),
+        (wire.Want.of(1, (1, 2, 3), 0, 2), "not a multiple"),
+        (wire.Want.of(1, (1,), 0, 24), "exceeds the prompt"),
+        (wire.Want.of(1, (1, 2), 0, 0), "needs 3"),
+        (wire.Want.of(1, (1, 2, 16), 0, 0), "outside the decode pool"),
+        (wire.Want.of(1, (1, 2, 2), 0, 0), "repeat"),
+        (wire.Want.of(1, (1, 2, 3), 4, 0), "dst_aux_slot"),
     ],
 )
 def test_check_want_refuses_with_a_reason(want: wire.Want, why: str) -> None:
@@ -78,7 +79,7 @@ def test_check_want_refuses_with_a_reason(want: wire.Want, why: str) -> None:
 
 
 def test_check_want_accepts_a_good_want() -> None:
-    assert pagemap.check_want(wire.Want(1, (7,), 3, 8), 10, LAYOUT, Pool(0).regions) is None
+    assert pagemap.check_want(wire.Want.of(1, (7,), 3, 8), 10, LAYOUT, Pool(0).regions) is None
 
 
 @pytest.mark.parametrize("want_first", [True, False])

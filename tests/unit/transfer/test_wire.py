@@ -16,14 +16,16 @@ REGIONS = KVRegions(LAYOUT, (1 << 40, 2 << 40), (3 << 40, 4 << 40), "cuda:1", 5 
 
 MESSAGES: list[wire.Message] = [
     wire.Register("decode-a", wire.frame_metadata(b"md"), REGIONS, LAYOUT.compat_hash()),
-    wire.Want(2**63 - 1, (5, 0, 99), 3, 32),
+    wire.Want.of(2**63 - 1, (5, 0, 99), 3, 32),
     wire.Abort(7),
     wire.Heartbeat(),
     wire.Bye(),
     wire.Registered(False, "layout mismatch", "prefill-x", 1.0, 10.0),
     wire.Status(9, "failed", "peer silent"),
     wire.Status(9, "ok"),
+    wire.Status(9, "failed", "decode peer not registered", "unknown_peer"),
     wire.Reject("bad"),
+    wire.UnknownPeer("decode peer not registered"),
 ]
 
 
@@ -39,12 +41,12 @@ def test_round_trip(msg: wire.Message) -> None:
     cached=st.integers(0, 2**31),
 )
 def test_want_round_trip(room: int, pages: list[int], slot: int, cached: int) -> None:
-    msg = wire.Want(room, tuple(pages), slot, cached)
+    msg = wire.Want.of(room, tuple(pages), slot, cached)
     assert wire.decode(wire.encode(msg)) == msg
 
 
 def test_page_ids_travel_packed_int32() -> None:
-    body = msgpack.unpackb(wire.encode(wire.Want(1, (1, 2, 3), 0, 0)))
+    body = msgpack.unpackb(wire.encode(wire.Want.of(1, (1, 2, 3), 0, 0)))
     assert body["v"] == 1 and body["type"] == "want"
     assert body["dst_page_ids"] == b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00"
 
@@ -124,3 +126,11 @@ def test_frame_errors_say_why() -> None:
         wire.unframe_metadata(frame[:-1] + b"y")
     with pytest.raises(wire.WireError, match="magic"):
         wire.unframe_metadata(b"ABCD" + frame[4:])
+
+
+def test_status_code_is_optional_on_the_wire() -> None:
+    """v1 peers that know no ``code`` send and read statuses as before."""
+    plain = msgpack.unpackb(wire.encode(wire.Status(3, "failed", "x")))
+    assert "code" not in plain
+    old = msgpack.packb({"v": 1, "type": "status", "room": 3, "status": "failed", "reason": "x"})
+    assert wire.decode(old) == wire.Status(3, "failed", "x", None)

@@ -1,0 +1,107 @@
+"""A KV push between two processes over real NIXL, from a pool on one device into a decode
+pool on the same kind of device, byte for byte, first token included.
+
+On ``cuda`` (a ``gpu`` test) both pools are VRAM and the aux rows host DRAM: the mixed
+registration a GPU worker and a GPU decode use. On ``cpu`` the same test runs here and in CI,
+so the GPU variant is known to be a working test before a GPU ever runs it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.base import KVPoll
+
+LAYOUT = KVLayout(2, 2, 64, "bfloat16", 16, 32)
+SHAPE = (LAYOUT.num_pages, LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+SRC_PAGES, DST_PAGES, NUM_TOKENS, ROOM, AUX_SLOT = [5, 9, 20], [30, 2, 17], 40, 77, 1
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = [
+    pytest.param("cpu", id="dram"),
+    pytest.param("cuda", id="vram", marks=[pytest.mark.gpu, CUDA]),
+]
+
+
+def decode_process(conn: Connection, device: str, bootstrap: str) -> None:
+    """The decode: KVReceiver.from_tensors over zeroed pools on ``device``; sends back the
+    room's state, its aux row and the bytes that landed in its pages."""
+    from prefill_worker.transfer.receiver import KVReceiver, RoomState
+
+    k = [torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    v = [torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    receiver = KVReceiver.from_tensors(k, v, bootstrap, num_aux_rows=4)
+    receiver.wait_registered(30)
+    receiver.want(ROOM, DST_PAGES, AUX_SLOT, 0)
+    conn.send("wanted")
+    deadline = time.monotonic() + 30
+    while receiver.poll(ROOM).state is RoomState.PENDING and time.monotonic() < deadline:
+        receiver.progress()
+    status, aux = receiver.poll(ROOM), receiver.read_aux(AUX_SLOT)
+    landed = [t[DST_PAGES].cpu() for t in (*k, *v)]
+    conn.send((status.state.value, status.reason, aux.first_token_id, landed))
+    conn.recv()  # the parent has read it: only now may the pools go
+    receiver.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_and_aux_land_byte_for_byte_between_processes(device: str) -> None:
+    from prefill_worker.transfer import make_backend
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(3)
+    k = [torch.randn(SHAPE, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2)]
+    v = [torch.randn(SHAPE, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2)]
+    aux = AuxPool(4)
+    name = "cpu" if dev.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    regions = KVRegions(
+        LAYOUT,
+        tuple(t.data_ptr() for t in k),
+        tuple(t.data_ptr() for t in v),
+        name,
+        aux.base_addr,
+        4,
+    )
+    backend = make_backend("nixl", regions, "tcp://127.0.0.1:0", None, ["UCX"], 10.0, 0.1, 10.0)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=decode_process, args=(child, device, backend.bootstrap_endpoint), daemon=True
+    )
+    proc.start()
+    try:
+        assert drive(backend, lambda: parent.poll(0)), "the decode never registered"
+        assert parent.recv() == "wanted"
+        sender = backend.create_sender(ROOM, "req", NUM_TOKENS)
+        assert drive(backend, lambda: sender.poll() is KVPoll.READY), sender.failure_reason()
+        sender.send_pages(SRC_PAGES, 0)
+        row = aux.try_alloc()
+        assert row is not None
+        aux.write(row, AuxRow(123, -0.5, NUM_TOKENS, 0))
+        sender.send_aux(row)
+        assert drive(backend, lambda: sender.poll().is_terminal)
+        assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+        assert drive(backend, lambda: parent.poll(0))
+        state, reason, first_token, landed = parent.recv()
+        parent.send("done")
+        assert (state, reason, first_token) == ("done", None, 123)
+        for got, src in zip(landed, (*k, *v), strict=True):
+            assert torch.equal(got, src[SRC_PAGES].cpu())
+        sender.close()
+        aux.free(row)
+    finally:
+        proc.join(30)
+        backend.close()
+
+
+def drive(backend, until, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        if time.monotonic() > deadline:
+            return False
+        backend.poll()
+    return True
