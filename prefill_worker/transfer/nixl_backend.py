@@ -242,7 +242,11 @@ class NixlBackend:
 
     def _registered(self, reason: str | None) -> wire.Registered:
         return wire.Registered(
-            reason is None, reason, self.agent_name, self.heartbeat_interval_s, self.peer_timeout_s
+            is_ok=reason is None,
+            reason=reason,
+            agent_name=self.agent_name,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            peer_timeout_s=self.peer_timeout_s,
         )
 
     def _register(self, identity: bytes, msg: wire.Register) -> None:

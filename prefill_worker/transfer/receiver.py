@@ -250,7 +250,7 @@ class KVReceiver:
     def _register_msg(self) -> wire.Register:
         metadata = wire.frame_metadata(self._agent.get_agent_metadata())
         compat = self.regions.layout.compat_hash()
-        return wire.Register(self.agent_name, metadata, self.regions, compat)
+        return wire.Register.of(self.agent_name, metadata, self.regions, compat)
 
     def _reregister(self) -> None:
         """Register again before this want; a refusal fails it (and the pending rooms)."""

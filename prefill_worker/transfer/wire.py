@@ -1,8 +1,11 @@
 """The bootstrap protocol between a decode node and a worker (DESIGN §5): messages and codec.
 
 Every message is one ZMQ frame: a msgpack map with ``"v": 1`` and ``"type"``. Never pickle.
-Page ids travel as packed little-endian int32 bytes. Unknown extra fields are ignored; an
-unknown type, a missing field or a wrong type raises ``WireError`` naming the field.
+Each message is one msgspec Struct below, tagged by ``type``; the Structs are the schema
+(``docs/protocol.md`` embeds the JSON Schema made from them). Page ids travel as packed
+little-endian int32 bytes. Unknown extra fields are ignored; an unknown type, a missing field or
+a wrong type raises ``WireError`` naming the field path (``Expected `int`, got `str` - at
+`$.room```). Vocabulary and sizes that depend on this worker are checked in ``validate.py``.
 
 Decode → worker: ``register``, ``want``, ``abort``, ``heartbeat``, ``bye``.
 Worker → decode: ``registered``, ``status``, ``heartbeat``, ``reject`` (an undecodable message),
@@ -24,11 +27,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-import msgpack
+import msgspec
 import numpy as np
+from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, KVLayout, KVRegions
 
@@ -38,7 +41,9 @@ _FRAME_MAGIC = b"PWMD"
 _FRAME_VERSION = 1
 
 StatusCode = Literal["ok", "failed", "aborted"]
-_STATUS_CODES = ("ok", "failed", "aborted")
+Dtype = Literal["float32", "bfloat16", "float16"]
+Positive = Annotated[int, Meta(ge=1)]
+assert set(get_args(Dtype)) == set(DTYPE_ITEMSIZE)
 
 
 class WireError(ValueError):
@@ -69,23 +74,104 @@ def unframe_metadata(frame: bytes) -> bytes:
     return payload
 
 
-@dataclass(frozen=True, slots=True)
-class Register:
+class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
+    """Every message carries the protocol version; a frame without ``v`` is read as v1."""
+
+    v: Literal[1] = 1
+
+
+class Layout(Struct, frozen=True):
+    """``register.layout``: the decode pool's shape (``KVLayout`` on the wire)."""
+
+    num_layers: Positive
+    num_kv_heads: Positive
+    head_dim: Positive
+    dtype: Dtype
+    page_size: Positive
+    num_pages: Positive
+
+    @classmethod
+    def of(cls, lay: KVLayout) -> Layout:
+        dtype: Any = lay.dtype
+        return cls(
+            lay.num_layers, lay.num_kv_heads, lay.head_dim, dtype, lay.page_size, lay.num_pages
+        )
+
+    def to_kv(self) -> KVLayout:
+        return KVLayout(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.page_size,
+            self.num_pages,
+        )
+
+
+class Register(_Message, frozen=True, tag="register"):
+    """Decode → worker, once per connection: the decode pool (flat ``KVRegions``) and the
+    framed NIXL agent metadata."""
+
     agent_name: str
     metadata: bytes  # framed, see frame_metadata
-    regions: KVRegions
+    layout: Layout
+    k_base_addrs: tuple[int, ...]  # one per layer
+    v_base_addrs: tuple[int, ...]
+    device: str  # "cpu" or "cuda:N"
+    aux_base_addr: int
+    num_aux_rows: Positive
     compat_hash: str
 
+    def __post_init__(self) -> None:
+        n = self.layout.num_layers
+        if len(self.k_base_addrs) != n or len(self.v_base_addrs) != n:
+            raise ValueError(
+                f"k_base_addrs/v_base_addrs: one address per layer needed ({n} layers, got "
+                f"{len(self.k_base_addrs)} and {len(self.v_base_addrs)}) - at `$.k_base_addrs`"
+            )
 
-@dataclass(frozen=True, slots=True)
-class Want:
-    """Page ids stay packed (``<i4`` bytes) as they arrived: the worker checks the peer and the
-    count before it looks at them, and then only as a zero-copy int32 view."""
+    @classmethod
+    def of(cls, agent_name: str, metadata: bytes, regions: KVRegions, compat_hash: str) -> Register:
+        return cls(
+            agent_name,
+            metadata,
+            Layout.of(regions.layout),
+            regions.k_base_addrs,
+            regions.v_base_addrs,
+            regions.device,
+            regions.aux_base_addr,
+            regions.num_aux_rows,
+            compat_hash,
+        )
 
-    room: int
-    packed_dst_page_ids: bytes
+    @property
+    def regions(self) -> KVRegions:
+        return KVRegions(
+            self.layout.to_kv(),
+            self.k_base_addrs,
+            self.v_base_addrs,
+            self.device,
+            self.aux_base_addr,
+            self.num_aux_rows,
+        )
+
+
+class Want(_Message, frozen=True, tag="want"):
+    """Decode → worker: send room's KV into these pages. Page ids stay packed (``<i4`` bytes)
+    as they arrived: the worker checks the peer and the count before it looks at them, and then
+    only as a zero-copy int32 view (never a Python list on the engine thread)."""
+
+    room: int  # the 63-bit bootstrap_room
+    packed_dst_page_ids: bytes = field(name="dst_page_ids")  # int32 little-endian
     dst_aux_slot: int
     num_cached_tokens: int
+
+    def __post_init__(self) -> None:
+        if len(self.packed_dst_page_ids) % 4:
+            raise ValueError(
+                f"dst_page_ids is not packed int32 ({len(self.packed_dst_page_ids)} bytes)"
+                " - at `$.dst_page_ids`"
+            )
 
     @classmethod
     def of(
@@ -104,48 +190,49 @@ class Want:
         return np.frombuffer(self.packed_dst_page_ids, dtype="<i4")
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
+class Abort(_Message, frozen=True, tag="abort"):
+    """Decode → worker: stop this room; answered by ``status aborted``."""
+
     room: int
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    pass
+class Heartbeat(_Message, frozen=True, tag="heartbeat"):
+    """Either way: liveness, every ``heartbeat_interval_s``."""
 
 
-@dataclass(frozen=True, slots=True)
-class Bye:
-    pass
+class Bye(_Message, frozen=True, tag="bye"):
+    """Decode → worker: the decode node leaves; its open requests fail."""
 
 
-@dataclass(frozen=True, slots=True)
-class Registered:
-    is_ok: bool
-    reason: str | None
-    agent_name: str
-    heartbeat_interval_s: float
+class Registered(_Message, frozen=True, tag="registered", kw_only=True):
+    """Worker → decode, the answer to ``register``: ``ok``, or the refusal's ``reason``.
+    Keyword-only: the wire order (``peer_timeout_s`` before ``heartbeat_interval_s``) is v1's."""
+
+    is_ok: bool = field(name="ok")
+    reason: str | None = None
+    agent_name: str  # the worker's
     peer_timeout_s: float
+    heartbeat_interval_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Status:
-    """``code`` (optional, v1-compatible) says why in a word a program can act on:
-    ``unknown_peer`` means "register again, then repeat the want"; older peers ignore it."""
+class Status(_Message, frozen=True, tag="status"):
+    """Worker → decode: the one outcome of a ``want``. ``code`` (optional, v1-compatible) says
+    why in a word a program can act on: ``unknown_peer`` means "register again, then repeat the
+    want"; older peers ignore it. Absent when unset."""
 
     room: int
     status: StatusCode
     reason: str | None = None
-    code: str | None = None
+    code: str | UnsetType = UNSET
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
+class Reject(_Message, frozen=True, tag="reject"):
+    """Worker → decode: an undecodable message (or one of more than one frame)."""
+
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class UnknownPeer:
+class UnknownPeer(_Message, frozen=True, tag="unknown_peer"):
     """The connection that sent a message is not a registered peer (dropped, or never was)."""
 
     reason: str
@@ -153,154 +240,26 @@ class UnknownPeer:
 
 Message = Register | Want | Abort | Heartbeat | Bye | Registered | Status | Reject | UnknownPeer
 
-
-def _regions_to_wire(regions: KVRegions) -> dict[str, Any]:
-    lay = regions.layout
-    return {
-        "layout": {
-            "num_layers": lay.num_layers,
-            "num_kv_heads": lay.num_kv_heads,
-            "head_dim": lay.head_dim,
-            "dtype": lay.dtype,
-            "page_size": lay.page_size,
-            "num_pages": lay.num_pages,
-        },
-        "k_base_addrs": list(regions.k_base_addrs),
-        "v_base_addrs": list(regions.v_base_addrs),
-        "device": regions.device,
-        "aux_base_addr": regions.aux_base_addr,
-        "num_aux_rows": regions.num_aux_rows,
-    }
+_DECODER = msgspec.msgpack.Decoder(Message)
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(msg: Message) -> bytes:
-    body: dict[str, Any]
-    match msg:
-        case Register():
-            body = {"type": "register", "agent_name": msg.agent_name, "metadata": msg.metadata}
-            body |= _regions_to_wire(msg.regions) | {"compat_hash": msg.compat_hash}
-        case Want():
-            body = {"type": "want", "room": msg.room, "dst_page_ids": msg.packed_dst_page_ids}
-            body |= {"dst_aux_slot": msg.dst_aux_slot, "num_cached_tokens": msg.num_cached_tokens}
-        case Abort():
-            body = {"type": "abort", "room": msg.room}
-        case Heartbeat():
-            body = {"type": "heartbeat"}
-        case Bye():
-            body = {"type": "bye"}
-        case Registered():
-            body = {"type": "registered", "ok": msg.is_ok, "reason": msg.reason}
-            body |= {"agent_name": msg.agent_name, "peer_timeout_s": msg.peer_timeout_s}
-            body |= {"heartbeat_interval_s": msg.heartbeat_interval_s}
-        case Status():
-            body = {"type": "status", "room": msg.room, "status": msg.status, "reason": msg.reason}
-            if msg.code is not None:
-                body["code"] = msg.code
-        case Reject():
-            body = {"type": "reject", "reason": msg.reason}
-        case UnknownPeer():
-            body = {"type": "unknown_peer", "reason": msg.reason}
-    return msgpack.packb({"v": WIRE_VERSION} | body, use_bin_type=True)
-
-
-class _Fields:
-    """Typed access to one decoded map; every miss names the field."""
-
-    def __init__(self, body: dict[Any, Any], where: str = "") -> None:
-        self.body = body
-        self.where = where
-
-    def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
-        if key not in self.body:
-            raise WireError(f"missing field {self.where}{key}")
-        value = self.body[key]
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise WireError(f"field {self.where}{key} has the wrong type")
-        return value
-
-    def opt_str(self, key: str) -> str | None:
-        return None if self.body.get(key) is None else self.get(key, str)
-
-    def int_list(self, key: str) -> tuple[int, ...]:
-        values = self.get(key, list)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise WireError(f"field {self.where}{key} must hold integers")
-        return tuple(values)
-
-
-def _regions_from_wire(f: _Fields) -> KVRegions:
-    lay = _Fields(f.get("layout", dict), "layout.")
-    dtype = lay.get("dtype", str)
-    if dtype not in DTYPE_ITEMSIZE:
-        raise WireError(f"field layout.dtype: unknown dtype {dtype!r}")
-    dims = [lay.get(k, int) for k in ("num_layers", "num_kv_heads", "head_dim", "page_size")]
-    num_pages = lay.get("num_pages", int)
-    if min([*dims, num_pages]) <= 0:
-        raise WireError("field layout: sizes must be positive")
-    layout = KVLayout(dims[0], dims[1], dims[2], dtype, dims[3], num_pages)
-    k_addrs, v_addrs = f.int_list("k_base_addrs"), f.int_list("v_base_addrs")
-    if len(k_addrs) != layout.num_layers or len(v_addrs) != layout.num_layers:
-        raise WireError("field k_base_addrs/v_base_addrs: one address per layer needed")
-    num_aux_rows = f.get("num_aux_rows", int)
-    if num_aux_rows <= 0:
-        raise WireError("field num_aux_rows must be positive")
-    return KVRegions(
-        layout, k_addrs, v_addrs, f.get("device", str), f.get("aux_base_addr", int), num_aux_rows
-    )
-
-
-def _decode_body(kind: str, f: _Fields) -> Message:
-    match kind:
-        case "register":
-            return Register(
-                f.get("agent_name", str),
-                f.get("metadata", bytes),
-                _regions_from_wire(f),
-                f.get("compat_hash", str),
-            )
-        case "want":
-            raw = f.get("dst_page_ids", bytes)
-            if len(raw) % 4:
-                raise WireError(f"field dst_page_ids is not packed int32 ({len(raw)} bytes)")
-            return Want(
-                f.get("room", int), raw, f.get("dst_aux_slot", int), f.get("num_cached_tokens", int)
-            )
-        case "abort":
-            return Abort(f.get("room", int))
-        case "heartbeat":
-            return Heartbeat()
-        case "bye":
-            return Bye()
-        case "registered":
-            return Registered(
-                f.get("ok", bool),
-                f.opt_str("reason"),
-                f.get("agent_name", str),
-                float(f.get("heartbeat_interval_s", (int, float))),
-                float(f.get("peer_timeout_s", (int, float))),
-            )
-        case "status":
-            code = f.get("status", str)
-            if code not in _STATUS_CODES:
-                raise WireError(f"field status: unknown code {code!r}")
-            return Status(f.get("room", int), code, f.opt_str("reason"), f.opt_str("code"))
-        case "reject":
-            return Reject(f.get("reason", str))
-        case "unknown_peer":
-            return UnknownPeer(f.get("reason", str))
-    raise WireError(f"unknown message type {kind!r}")
+    """v1 bytes: ``v`` first, then ``type``, then the fields in declaration order."""
+    body = msgspec.to_builtins(msg, builtin_types=(bytes,))
+    return _ENCODER.encode({"v": WIRE_VERSION} | body)
 
 
 def decode(frame: bytes) -> Message:
-    """One message from one frame, or ``WireError`` naming what is wrong."""
+    """One message from one frame, or ``WireError`` naming what is wrong and where."""
     try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as exc:
+        return _DECODER.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise WireError(str(exc)) from None
+    except msgspec.DecodeError as exc:
         raise WireError(f"not a msgpack message: {exc}") from None
-    if not isinstance(body, dict):
-        raise WireError("message is not a map")
-    f = _Fields(body)
-    if f.get("v", int) != WIRE_VERSION:
-        raise WireError(f"unsupported version {body['v']}, this side speaks {WIRE_VERSION}")
-    return _decode_body(f.get("type", str), f)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of every bootstrap message (bytes fields are msgpack ``bin``)."""
+    return msgspec.json.schema(Message)

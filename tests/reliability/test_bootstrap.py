@@ -12,6 +12,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -60,7 +61,7 @@ class RawPeer:
     def register_msg(self, **region_changes: object) -> wire.Register:
         regions = dataclasses.replace(self.regions, **region_changes)  # type: ignore[arg-type]
         metadata = wire.frame_metadata(self.agent.get_agent_metadata())
-        return wire.Register(self.name, metadata, regions, LAYOUT.compat_hash())
+        return wire.Register.of(self.name, metadata, regions, LAYOUT.compat_hash())
 
     def send(self, msg: wire.Message) -> None:
         self.sock.send(wire.encode(msg))
@@ -232,7 +233,7 @@ def test_a_taken_name_cannot_be_registered_by_another_connection(rig: Rig, raw) 
     name = rig.decode.receiver.agent_name
     impostor = raw(name)  # a real agent under the victim's name: its metadata is valid
     msg = impostor.register_msg()
-    reply, _ = impostor.ask(dataclasses.replace(msg, metadata=msg.metadata[:-1]))
+    reply, _ = impostor.ask(msgspec.structs.replace(msg, metadata=msg.metadata[:-1]))
     assert isinstance(reply, wire.Registered) and "length mismatch" in (reply.reason or "")
     before = rejects(rig, "name_taken")
     reply, _ = impostor.ask(msg)

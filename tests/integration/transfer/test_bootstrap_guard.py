@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -59,7 +60,7 @@ class RawPeer:
     def register_msg(self, **region_changes: object) -> wire.Register:
         regions = dataclasses.replace(self.regions, **region_changes)  # type: ignore[arg-type]
         metadata = wire.frame_metadata(self.agent.get_agent_metadata())
-        return wire.Register(self.name, metadata, regions, self.regions.layout.compat_hash())
+        return wire.Register.of(self.name, metadata, regions, self.regions.layout.compat_hash())
 
     def send(self, msg: wire.Message) -> None:
         self.sock.send(wire.encode(msg))
@@ -288,7 +289,7 @@ def test_a_taken_agent_name_cannot_be_registered_again(workers, decodes, raw_pee
     before = counts(worker)
     impostor = raw_peers(name=name)  # a real agent under the victim's name: valid metadata
     msg = impostor.register_msg()
-    corrupt = dataclasses.replace(msg, metadata=msg.metadata[:-3])
+    corrupt = msgspec.structs.replace(msg, metadata=msg.metadata[:-3])
     reply = impostor.ask(corrupt)
     assert isinstance(reply, wire.Registered) and "length mismatch" in (reply.reason or "")
     reply = impostor.ask(msg)

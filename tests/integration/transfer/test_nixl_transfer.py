@@ -218,7 +218,7 @@ def raw_register(worker: Worker, frame: bytes) -> wire.Message:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(worker.backend.bootstrap_endpoint)
     regions = worker.regions  # any addresses: the frame is refused before they matter
-    sock.send(wire.encode(wire.Register("raw", frame, regions, regions.layout.compat_hash())))
+    sock.send(wire.encode(wire.Register.of("raw", frame, regions, regions.layout.compat_hash())))
     assert worker.drive(lambda: bool(sock.poll(0)), 5.0)
     reply = wire.decode(sock.recv())
     sock.close()

@@ -49,7 +49,14 @@ class ScriptedWorker:
 
     def accept(self, receiver: KVReceiver) -> None:
         self.next(receiver, wire.Register)
-        self.send(wire.Registered(True, None, "scripted", 0.1, 30.0))
+        self.send(
+            wire.Registered(
+                is_ok=True,
+                agent_name="scripted",
+                heartbeat_interval_s=0.1,
+                peer_timeout_s=30.0,
+            )
+        )
         wait_until(lambda: receiver.is_registered, 5.0, "registered")
 
 

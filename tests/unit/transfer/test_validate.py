@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
@@ -31,8 +32,8 @@ def register(**changes: object) -> wire.Register:
         int(changes.pop("aux", 5 << 20)),  # type: ignore[call-overload]
         int(changes.pop("aux_rows", 8)),  # type: ignore[call-overload]
     )
-    msg = wire.Register("decode-1", FRAME, regions, layout.compat_hash())
-    return dataclasses.replace(msg, **changes)  # type: ignore[arg-type]
+    msg = wire.Register.of("decode-1", FRAME, regions, layout.compat_hash())
+    return msgspec.structs.replace(msg, **changes)
 
 
 def test_a_valid_register_passes() -> None:
@@ -72,7 +73,7 @@ def test_a_layout_that_differs_only_in_page_size_is_a_mismatch() -> None:
     msg = register()
     theirs = dataclasses.replace(msg.regions.layout, page_size=8)
     regions = dataclasses.replace(msg.regions, layout=theirs)
-    msg = dataclasses.replace(msg, regions=regions, compat_hash=theirs.compat_hash())
+    msg = wire.Register.of(msg.agent_name, msg.metadata, regions, theirs.compat_hash())
     refusal = check_register(msg, OURS, BootstrapLimits())
     assert refusal is not None and refusal.reason is RejectReason.LAYOUT_MISMATCH
 

@@ -3,7 +3,10 @@ what is wrong."""
 
 from __future__ import annotations
 
+import re
+
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,12 +18,18 @@ LAYOUT = KVLayout(2, 4, 64, "bfloat16", 16, 100)
 REGIONS = KVRegions(LAYOUT, (1 << 40, 2 << 40), (3 << 40, 4 << 40), "cuda:1", 5 << 40, 64)
 
 MESSAGES: list[wire.Message] = [
-    wire.Register("decode-a", wire.frame_metadata(b"md"), REGIONS, LAYOUT.compat_hash()),
+    wire.Register.of("decode-a", wire.frame_metadata(b"md"), REGIONS, LAYOUT.compat_hash()),
     wire.Want.of(2**63 - 1, (5, 0, 99), 3, 32),
     wire.Abort(7),
     wire.Heartbeat(),
     wire.Bye(),
-    wire.Registered(False, "layout mismatch", "prefill-x", 1.0, 10.0),
+    wire.Registered(
+        is_ok=False,
+        reason="layout mismatch",
+        agent_name="prefill-x",
+        heartbeat_interval_s=1.0,
+        peer_timeout_s=10.0,
+    ),
     wire.Status(9, "failed", "peer silent"),
     wire.Status(9, "ok"),
     wire.Status(9, "failed", "decode peer not registered", "unknown_peer"),
@@ -58,41 +67,67 @@ def _raw(**fields: object) -> bytes:
 @pytest.mark.parametrize(
     ("frame", "why"),
     [
-        (b"\xc1", "not a msgpack"),
-        (_raw(v=1), "missing field type"),
-        (msgpack.packb([1, 2]), "not a map"),
-        (_raw(v=2, type="abort", room=1), "unsupported version"),
-        (_raw(v=1, type="nope"), "unknown message type"),
-        (_raw(v=1, type="abort"), "missing field room"),
-        (_raw(v=1, type="abort", room="x"), "field room has the wrong type"),
-        (_raw(v=1, type="abort", room=True), "field room has the wrong type"),
+        (b"\xc1", "not a msgpack message: MessagePack data is malformed"),
+        (_raw(v=1), "Object missing required field `type`"),
+        (msgpack.packb([1, 2]), "Expected `object`, got `array`"),
+        (_raw(v=2, type="abort", room=1), "Invalid enum value 2 - at `$.v`"),
+        (_raw(v=1, type="nope"), "Invalid value 'nope' - at `$.type`"),
+        (_raw(v=1, type="abort"), "Object missing required field `room`"),
+        (_raw(v=1, type="abort", room="x"), "Expected `int`, got `str` - at `$.room`"),
+        (_raw(v=1, type="abort", room=True), "Expected `int`, got `bool` - at `$.room`"),
         (
             _raw(
                 v=1, type="want", room=1, dst_page_ids=b"abc", dst_aux_slot=0, num_cached_tokens=0
             ),
-            "not packed int32",
+            "dst_page_ids is not packed int32 (3 bytes) - at `$.dst_page_ids`",
         ),
-        (_raw(v=1, type="status", room=1, status="maybe"), "unknown code"),
+        (
+            _raw(v=1, type="want", room=1, dst_page_ids=[1, 2], dst_aux_slot=0),
+            "Expected `bytes`, got `array` - at `$.dst_page_ids`",
+        ),
+        (
+            _raw(v=1, type="status", room=1, status="maybe"),
+            "Invalid enum value 'maybe' - at `$.status`",
+        ),
     ],
 )
 def test_bad_messages_name_the_problem(frame: bytes, why: str) -> None:
-    with pytest.raises(wire.WireError, match=why):
+    with pytest.raises(wire.WireError, match=re.escape(why)):
         wire.decode(frame)
 
 
 def test_register_checks_the_layout_fields() -> None:
     good = msgpack.unpackb(wire.encode(MESSAGES[0]))
     for key, value, why in [
-        ("dtype", "int7", "unknown dtype"),
-        ("num_pages", 0, "positive"),
-        ("head_dim", "64", "layout.head_dim has the wrong type"),
+        ("dtype", "int7", "Invalid enum value 'int7' - at `$.layout.dtype`"),
+        ("num_pages", 0, "Expected `int` >= 1 - at `$.layout.num_pages`"),
+        ("head_dim", "64", "Expected `int`, got `str` - at `$.layout.head_dim`"),
     ]:
         body = dict(good, layout=dict(good["layout"], **{key: value}))
-        with pytest.raises(wire.WireError, match=why):
+        with pytest.raises(wire.WireError, match=re.escape(why)):
             wire.decode(msgpack.packb(body, use_bin_type=True))
-    body = dict(good, k_base_addrs=[1])
-    with pytest.raises(wire.WireError, match="one address per layer"):
-        wire.decode(msgpack.packb(body, use_bin_type=True))
+    for body, why in [
+        (dict(good, k_base_addrs=[1]), "one address per layer needed (2 layers, got 1 and 2)"),
+        (dict(good, v_base_addrs=[1, "x"]), "Expected `int`, got `str` - at `$.v_base_addrs[1]`"),
+        (dict(good, num_aux_rows=0), "Expected `int` >= 1 - at `$.num_aux_rows`"),
+    ]:
+        with pytest.raises(wire.WireError, match=re.escape(why)):
+            wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_register_carries_regions_as_kv_regions() -> None:
+    msg = wire.decode(wire.encode(MESSAGES[0]))
+    assert isinstance(msg, wire.Register) and msg.regions == REGIONS
+
+
+def test_want_page_ids_stay_packed_until_looked_at() -> None:
+    """The DoS fix of issue 12: decoding a want never makes a Python list of its page ids."""
+    msg = wire.decode(wire.encode(wire.Want.of(4, range(512), 0, 0)))
+    assert isinstance(msg, wire.Want) and isinstance(msg.packed_dst_page_ids, bytes)
+    assert msg.num_dst_pages == 512
+    view = msg.dst_page_ids
+    assert view.dtype == np.dtype("<i4") and not view.flags.writeable
+    assert view.tolist() == list(range(512))
 
 
 def test_unknown_extra_fields_are_ignored() -> None:
@@ -133,4 +168,4 @@ def test_status_code_is_optional_on_the_wire() -> None:
     plain = msgpack.unpackb(wire.encode(wire.Status(3, "failed", "x")))
     assert "code" not in plain
     old = msgpack.packb({"v": 1, "type": "status", "room": 3, "status": "failed", "reason": "x"})
-    assert wire.decode(old) == wire.Status(3, "failed", "x", None)
+    assert wire.decode(old) == wire.Status(3, "failed", "x")

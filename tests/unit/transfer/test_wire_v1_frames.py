@@ -16,7 +16,7 @@ LAYOUT = KVLayout(2, 4, 64, "bfloat16", 16, 100)
 REGIONS = KVRegions(LAYOUT, (1 << 40, 2 << 40), (3 << 40, 4 << 40), "cuda:1", 5 << 40, 64)
 
 EXPECTED: dict[str, wire.Message] = {
-    "register": wire.Register(
+    "register": wire.Register.of(
         "decode-a", wire.frame_metadata(b"nixl-md"), REGIONS, LAYOUT.compat_hash()
     ),
     "want": wire.Want.of(2**63 - 1, (5, 0, 99, 2**31 - 1), 3, 32),
@@ -24,8 +24,16 @@ EXPECTED: dict[str, wire.Message] = {
     "abort": wire.Abort(7),
     "heartbeat": wire.Heartbeat(),
     "bye": wire.Bye(),
-    "registered_ok": wire.Registered(True, None, "prefill-x", 1.0, 10.0),
-    "registered_refused": wire.Registered(False, "KV layout mismatch: x", "prefill-x", 0.5, 30.0),
+    "registered_ok": wire.Registered(
+        is_ok=True, agent_name="prefill-x", heartbeat_interval_s=1.0, peer_timeout_s=10.0
+    ),
+    "registered_refused": wire.Registered(
+        is_ok=False,
+        reason="KV layout mismatch: x",
+        agent_name="prefill-x",
+        heartbeat_interval_s=0.5,
+        peer_timeout_s=30.0,
+    ),
     "status_ok": wire.Status(9, "ok"),
     "status_failed_reason": wire.Status(9, "failed", "peer silent"),
     "status_aborted": wire.Status(10, "aborted", "aborted by decode"),
