@@ -81,7 +81,7 @@ class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
 
 
 class Layout(Struct, frozen=True):
-    """``register.layout``: the decode pool's shape (``KVLayout`` on the wire)."""
+    """``register.layout``: the decode pool's shape (a ``KVLayout``)."""
 
     num_layers: Positive
     num_kv_heads: Positive
@@ -109,8 +109,10 @@ class Layout(Struct, frozen=True):
 
 
 class Register(_Message, frozen=True, tag="register"):
-    """Decode → worker, once per connection: the decode pool (flat ``KVRegions``) and the
-    framed NIXL agent metadata."""
+    """Decode → worker, once per connection (again when told ``unknown_peer``): where the
+    decode pool lives, and the framed NIXL agent metadata."""
+
+    # On the wire a flat KVRegions (v1's field order); ``of`` and ``regions`` convert at the edge.
 
     agent_name: str
     metadata: bytes  # framed, see frame_metadata
@@ -157,9 +159,11 @@ class Register(_Message, frozen=True, tag="register"):
 
 
 class Want(_Message, frozen=True, tag="want"):
-    """Decode → worker: send room's KV into these pages. Page ids stay packed (``<i4`` bytes)
-    as they arrived: the worker checks the peer and the count before it looks at them, and then
-    only as a zero-copy int32 view (never a Python list on the engine thread)."""
+    """Decode → worker: send the KV of ``room`` into these pages; ``dst_page_ids`` is packed
+    little-endian int32, 4 bytes per page."""
+
+    # Page ids stay packed as they arrived: the worker checks the peer and the count before it
+    # looks at them, and then only as a zero-copy int32 view, never a Python list (issue 12).
 
     room: int  # the 63-bit bootstrap_room
     packed_dst_page_ids: bytes = field(name="dst_page_ids")  # int32 little-endian
@@ -205,8 +209,9 @@ class Bye(_Message, frozen=True, tag="bye"):
 
 
 class Registered(_Message, frozen=True, tag="registered", kw_only=True):
-    """Worker → decode, the answer to ``register``: ``ok``, or the refusal's ``reason``.
-    Keyword-only: the wire order (``peer_timeout_s`` before ``heartbeat_interval_s``) is v1's."""
+    """Worker → decode, the answer to ``register``: ``ok``, or the refusal's ``reason``."""
+
+    # Keyword-only: the field order is v1's wire order (peer_timeout_s first), easy to swap.
 
     is_ok: bool = field(name="ok")
     reason: str | None = None
@@ -216,9 +221,9 @@ class Registered(_Message, frozen=True, tag="registered", kw_only=True):
 
 
 class Status(_Message, frozen=True, tag="status"):
-    """Worker → decode: the one outcome of a ``want``. ``code`` (optional, v1-compatible) says
-    why in a word a program can act on: ``unknown_peer`` means "register again, then repeat the
-    want"; older peers ignore it. Absent when unset."""
+    """Worker → decode: the one outcome of a ``want``. ``code`` (optional, absent when unset;
+    older peers ignore it) names a refusal in a word a program can act on: ``unknown_peer``
+    means "register again, then repeat the want"."""
 
     room: int
     status: StatusCode
