@@ -3,6 +3,7 @@ what is wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import msgpack
@@ -169,3 +170,26 @@ def test_status_code_is_optional_on_the_wire() -> None:
     assert "code" not in plain
     old = msgpack.packb({"v": 1, "type": "status", "room": 3, "status": "failed", "reason": "x"})
     assert wire.decode(old) == wire.Status(3, "failed", "x")
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_decode_or_raise_wire_error(frame: bytes) -> None:
+    with contextlib.suppress(wire.WireError):
+        wire.decode(frame)
+
+
+@given(
+    st.dictionaries(
+        st.one_of(st.sampled_from(["v", "type", "room", "reason", "status"]), st.integers(0, 9)),
+        st.one_of(
+            st.integers(-(2**63), 2**64 - 1),
+            st.sampled_from(["abort", "status", "reject", "ok", "failed"]),
+            st.text(max_size=8),
+            st.none(),
+            st.binary(),
+        ),
+    )
+)
+def test_any_map_decodes_or_raises_wire_error(body: dict[object, object]) -> None:
+    with contextlib.suppress(wire.WireError):
+        wire.decode(msgpack.packb(body, use_bin_type=True))
