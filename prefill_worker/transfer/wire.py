@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, cast, get_args
 
 import msgspec
 import numpy as np
@@ -92,7 +92,7 @@ class Layout(Struct, frozen=True):
 
     @classmethod
     def of(cls, lay: KVLayout) -> Layout:
-        dtype: Any = lay.dtype
+        dtype = cast(Dtype, lay.dtype)
         return cls(
             lay.num_layers, lay.num_kv_heads, lay.head_dim, dtype, lay.page_size, lay.num_pages
         )
@@ -251,6 +251,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def encode(msg: Message) -> bytes:
     """v1 bytes: ``v`` first, then ``type``, then the fields in declaration order."""
+    # msgspec writes the tag first; v1 peers wrote ``v`` first. Via a dict the bytes stay
+    # identical to v1's (tests/unit/transfer/v1_bootstrap_frames.json); UNSET fields are left out.
     body = msgspec.to_builtins(msg, builtin_types=(bytes,))
     return _ENCODER.encode({"v": WIRE_VERSION} | body)
 
