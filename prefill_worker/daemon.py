@@ -5,7 +5,7 @@ The only module that sees the whole ``Config``. Threads::
     main     start-up steps; then supervises: signals, drain, watchdog, gauges
     engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
     ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
-    http     /metrics /livez /readyz /drain (asyncio on uvloop)
+    http     /metrics /livez /readyz /drain (aiohttp on uvloop)
     forward  (overlap mode) the executor thread running batch N
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
