@@ -163,7 +163,8 @@ def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) 
         decode.want(3, 12)
         router = router_factory(f"tcp://127.0.0.1:{ingress_port}")
         with ThreadPoolExecutor(1) as pool:
-            pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=5.0)
+            # Never answered (the forced stop leaves it): the pool waits out this timeout.
+            pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=1.0)
             assert entered.wait(30), "the forward never started"
             daemon.on_stop_signal()
             wait_until(lambda: daemon.health.is_draining, 10, "draining")
