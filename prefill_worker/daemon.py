@@ -5,7 +5,7 @@ The only module that sees the whole ``Config``. Threads::
     main     start-up steps; then supervises: signals, drain, watchdog, gauges
     engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
     ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
-    http     /metrics /livez /readyz /drain (asyncio on uvloop)
+    http     /metrics /livez /readyz /drain (aiohttp on uvloop)
     forward  (overlap mode) the executor thread running batch N
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
@@ -53,6 +53,10 @@ log = logging.getLogger("prefill_worker.daemon")
 EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
 _SUPERVISE_PERIOD_S = 0.25
 
+ModelBuilder = Callable[..., tuple[Runner, KVCache, ModelInfo]]
+"""The shape of ``prefill_worker.model.build`` (the checkpoint path, then its keywords): the
+daemon's one seam to the model, so tests can hold the load back or fail a forward."""
+
 
 class StartupError(Exception):
     def __init__(self, step: str, message: str, exit_code: int) -> None:
@@ -73,8 +77,11 @@ def startup_step(name: str, config_errors: tuple[type[Exception], ...] = ()) -> 
 
 
 class Daemon:
-    def __init__(self, config: Config, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, config: Config, env: Mapping[str, str], build_model: ModelBuilder = build
+    ) -> None:
         self.config = config
+        self._build_model = build_model
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.health = Health(config.metrics.livez_stale_s)
@@ -185,7 +192,7 @@ class Daemon:
         cfg = self.config
         with startup_step("model load", (CheckpointError, ValueError)):
             started = time.monotonic()
-            runner, kv_cache, info = build(
+            runner, kv_cache, info = self._build_model(
                 cfg.model.path,
                 dtype=cfg.model.dtype,
                 device=cfg.model.device,
@@ -391,4 +398,4 @@ def run_daemon(config: Config, env: Mapping[str, str] | None = None) -> int:
     return Daemon(config, os.environ if env is None else env).run()
 
 
-__all__ = ["Daemon", "StartupError", "run_daemon"]
+__all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]

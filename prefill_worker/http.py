@@ -1,8 +1,8 @@
-"""The HTTP endpoint: ``GET /metrics /livez /readyz`` and ``POST /drain``, asyncio on uvloop.
+"""The HTTP endpoint: ``GET /metrics /livez /readyz`` and ``POST /drain``, aiohttp on uvloop.
 
 It runs on its own thread with its own event loop and reads only ``Health`` (a few atomically
 replaced values) and the metrics registry; ``/drain`` calls the drain callback it was given.
-A minimal HTTP/1.1 server: one request per connection, no body parsing beyond its length.
+aiohttp does the HTTP: parsing, HEAD for the GET routes, 404 and 405, clients that go away.
 
 Mutating routes (``/drain``) are admin routes: they need ``Authorization: Bearer <token>``
 when ``AdminAccess`` has a token, and answer 403 when it has none, unless it explicitly allows
@@ -20,13 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER_BYTES = 16 * 1024
-_READ_TIMEOUT_S = 5.0
+_STOP_TIMEOUT_S = 2.0  # requests still in flight at stop get this long, then are cut
 
 
 class Health:
@@ -73,43 +75,18 @@ class AdminAccess:
             raise ValueError(f"{path}: the admin token must be one non-empty word")
         return cls(token, allow_unauthenticated)
 
-    def refusal(self, head: bytes) -> str | None:
-        """None when the request may go on, else why not (the token is never echoed)."""
+    def refusal(self, authorization: str) -> str | None:
+        """None when a request with this ``Authorization`` header may go on, else why not (the
+        token is never echoed)."""
         if self.token is None:
             if self.allow_unauthenticated:
                 return None
             return "admin routes are off: set metrics.admin_token_file"
-        scheme, _, credentials = _header(head, b"authorization").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token):
+        scheme, _, credentials = authorization.partition(" ")
+        offered = credentials.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() == "bearer" and hmac.compare_digest(offered, self.token):
             return None
         return "needs Authorization: Bearer <the token in metrics.admin_token_file>"
-
-
-def _header(head: bytes, name: bytes) -> bytes:
-    """The value of header ``name`` (lower case), or b"" when absent."""
-    for line in head.split(b"\r\n")[1:]:
-        key, sep, value = line.partition(b":")
-        if sep and key.strip().lower() == name:
-            return value.strip()
-    return b""
-
-
-@dataclass(frozen=True, slots=True)
-class _Response:
-    status: int
-    body: bytes
-    content_type: str = "text/plain; charset=utf-8"
-
-
-_REASONS = {
-    200: "OK",
-    202: "Accepted",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    400: "Bad Request",
-    503: "Service Unavailable",
-}
 
 
 class HttpServer:
@@ -131,113 +108,89 @@ class HttpServer:
         self._on_drain = on_drain
         self._admin = admin
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
         self.port = 0
 
     def start(self) -> None:
         """Bind and serve on a daemon thread; raises OSError here if the bind fails."""
-        started = threading.Event()
-        errors: list[BaseException] = []
-        self._thread = threading.Thread(
-            target=self._serve, args=(started, errors), name="http", daemon=True
-        )
+        loop = self._loop = _new_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="http", daemon=True)
         self._thread.start()
-        started.wait()
-        if errors:
-            raise errors[0]
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        if self._loop is None or self._thread is None:
+        """Close the listener and every connection (in-flight requests get a moment)."""
+        loop, thread, self._loop = self._loop, self._thread, None
+        if loop is None or thread is None:
             return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
-    def _serve(self, started: threading.Event, errors: list[BaseException]) -> None:
-        loop = _new_loop()
-        self._loop = loop
         try:
-            self._server = loop.run_until_complete(
-                asyncio.start_server(self._handle, self._host, self._port)
-            )
-        except OSError as exc:
-            errors.append(exc)
-            started.set()
-            return
-        self.port = self._server.sockets[0].getsockname()[1]
-        started.set()
-        try:
-            loop.run_forever()
+            if self._runner is not None:
+                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
+                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
         finally:
-            self._server.close()
-            loop.close()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            if not thread.is_alive():
+                loop.close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await self._serve_one(reader, writer)
-        except ConnectionError as exc:  # reset or broken pipe: the client's business, not ours
-            log.debug("http client went away: %r", exc)
-        finally:
-            writer.close()
-
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            response = self._route(head)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            response = _Response(400, b"bad request\n")
-        header = (
-            f"HTTP/1.1 {response.status} {_REASONS[response.status]}\r\n"
-            f"Content-Type: {response.content_type}\r\n"
-            f"Content-Length: {len(response.body)}\r\nConnection: close\r\n\r\n"
+    async def _serve(self) -> int:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/livez", self._livez)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_post("/drain", self._drain)
+        self._runner = web.AppRunner(
+            app, access_log=None, logger=_ServerLog(), shutdown_timeout=_STOP_TIMEOUT_S
         )
-        if writer.is_closing():  # reset while we read (uvloop refuses writes to it)
-            log.debug("http client went away before its %d answer", response.status)
-            return
-        writer.write(header.encode() + response.body)
-        await writer.drain()
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        return int(self._runner.addresses[0][1])
 
-    def _route(self, head: bytes) -> _Response:
-        if len(head) > _MAX_HEADER_BYTES:
-            return _Response(400, b"headers too large\n")
-        method, _, rest = head.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-        path = rest.split(" ", 1)[0].split("?", 1)[0]
-        handlers: dict[str, tuple[str, Callable[[], _Response]]] = {
-            "/metrics": ("GET", self._metrics),
-            "/livez": ("GET", self._livez),
-            "/readyz": ("GET", self._readyz),
-            "/drain": ("POST", self._drain),
-        }
-        if path not in handlers:
-            return _Response(404, b"not found\n")
-        allowed, handler = handlers[path]
-        if method != allowed and not (allowed == "GET" and method == "HEAD"):
-            return _Response(405, f"use {allowed}\n".encode())
-        if allowed == "POST":  # every mutating route is an admin route
-            refusal = self._admin.refusal(head)
-            if refusal is not None:
-                log.info("refused %s %s: %s", method, path, refusal)
-                return _Response(403, f"forbidden: {refusal}\n".encode())
-        return handler()
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _metrics(self) -> _Response:
-        return _Response(200, generate_latest(self._registry), CONTENT_TYPE_LATEST)
-
-    def _livez(self) -> _Response:
+    async def _livez(self, request: web.Request) -> web.Response:
         if self._health.is_live():
-            return _Response(200, b"live\n")
-        return _Response(503, b"engine loop stalled\n")
+            return web.Response(text="live\n")
+        return web.Response(status=503, text="engine loop stalled\n")
 
-    def _readyz(self) -> _Response:
+    async def _readyz(self, request: web.Request) -> web.Response:
         """``{"status": "ready" | "starting" | "draining", <the bound endpoints>}``."""
         health = self._health
         status = "draining" if health.is_draining else "ready" if health.is_ready else "starting"
         body = json.dumps({"status": status, **health.endpoints}).encode() + b"\n"
-        return _Response(200 if status == "ready" else 503, body, "application/json")
+        code = 200 if status == "ready" else 503
+        return web.Response(status=code, body=body, content_type="application/json")
 
-    def _drain(self) -> _Response:
+    async def _drain(self, request: web.Request) -> web.Response:
+        """An admin route, as every mutating route is."""
+        refusal = self._admin.refusal(request.headers.get("Authorization", ""))
+        if refusal is not None:
+            log.info("refused %s %s: %s", request.method, request.path, refusal)
+            return web.Response(status=403, text=f"forbidden: {refusal}\n")
         self._on_drain()
-        return _Response(202, b"draining\n")
+        return web.Response(status=202, text="draining\n")
+
+
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log less one thing: a malformed request is the client's problem, a
+    DEBUG line rather than an ERROR with a traceback (a port scan would fill the log)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"))
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug(f"{msg}: %r", *args, exc_info)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

@@ -1,8 +1,12 @@
 """The worker as a subprocess on the tiny test config, a decode peer (a real ``KVReceiver``
-over real NIXL) in this process, and a router (``BlockingRouterClient``) over real ZMQ."""
+over real NIXL) in this process, and a router (``BlockingRouterClient``) over real ZMQ.
+
+``shared_worker`` is one worker for every test here that only sends requests and reads
+endpoints; ``worker_factory`` starts one per test, for the tests that stop, kill or configure it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +46,7 @@ class Worker:
     ingress: str
     bootstrap: str
     http_port: int
+    ready_file: Path | None = None
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
@@ -86,9 +91,35 @@ def start_worker(
     args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
     for flag in flags:
         args += ["--set", flag]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFILL_WORKER_")}
-    child = ChildProcess.start("worker", args, tmp_path, cwd=ROOT, env={**base, **(env or {})})
+    child = ChildProcess.start(
+        "worker", args, tmp_path, cwd=ROOT, env={**_base_env(), **(env or {})}
+    )
     return Worker(child, ingress, bootstrap, http_port)
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREFILL_WORKER_")}
+
+
+@pytest.fixture(scope="package")
+def shared_worker(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[Worker]:
+    """configs/tiny-test.yaml as it is (port 0 everywhere) with a ready file, shared by the
+    tests that leave it serving. At the end SIGTERM must drain it to exit 0 and remove the
+    ready file (a stale one would name dead ports)."""
+    tmp_path = tmp_path_factory.mktemp("shared-worker")
+    ready_file = tmp_path / "endpoints.json"
+    args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
+    args += ["--set", f"model.path={checkpoint}", "--ready-file", str(ready_file)]
+    child = ChildProcess.start("worker", args, tmp_path, cwd=ROOT, env=_base_env())
+    try:
+        child.wait_ready(120)
+        endpoints = json.loads(ready_file.read_text())
+        http_port = int(endpoints["http"].rpartition(":")[2])
+        yield Worker(child, endpoints["ingress"], endpoints["bootstrap"], http_port, ready_file)
+        assert child.stop() == 0, child.log_tail()
+        assert not ready_file.exists()
+    finally:
+        child.kill()
 
 
 def wait_ready(worker: Worker, timeout_s: float = 120.0) -> None:

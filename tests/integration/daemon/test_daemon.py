@@ -1,12 +1,15 @@
 """`prefill-worker serve` as a subprocess: requests end to end (router → worker → NIXL → decode,
 checked against transformers), SIGTERM drain during a burst, forced stop, start-up failures,
-sd_notify order, and the metrics endpoint."""
+sd_notify order, and the metrics endpoint.
+
+The tests that leave the worker serving share one (``shared_worker``, port 0 everywhere; its
+teardown checks the SIGTERM exit); the others start their own."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +18,20 @@ import pytest
 import torch
 
 from prefill_worker.client import RequestRejected
-from prefill_worker.launch import ChildProcess
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import hf_model, prompt
-from tests.integration.daemon.conftest import ROOT, Decode, wait_until
+from tests.integration.daemon.conftest import Decode, Worker, wait_until
 
 LENGTHS = (5, 17, 40, 63)
+OK_REQUESTS = re.compile(r'^prefill_worker_requests_total\{reason="ok",status="ok"\} (\S+)$', re.M)
+
+
+def num_ok_requests(worker: Worker) -> float:
+    """``prefill_worker_requests_total`` for OK outcomes, from the worker's /metrics."""
+    status, text = worker.http("/metrics")
+    assert status == 200
+    found = OK_REQUESTS.search(text)
+    return float(found.group(1)) if found else 0.0
 
 
 def hf_reference(checkpoint, ids: list[int]):  # type: ignore[no-untyped-def]
@@ -33,18 +44,11 @@ def hf_reference(checkpoint, ids: list[int]):  # type: ignore[no-untyped-def]
     return int(out.logits[0, -1].argmax()), kv
 
 
-def test_requests_end_to_end(worker_factory, router_factory, checkpoint) -> None:
-    worker = worker_factory()
-    status, body = worker.http("/readyz")
-    assert status == 200
-    assert json.loads(body) == {
-        "status": "ready",
-        "ingress": worker.ingress,
-        "bootstrap": worker.bootstrap,
-        "http": f"127.0.0.1:{worker.http_port}",
-        "pid": worker.proc.pid,
-    }
+def test_requests_end_to_end(shared_worker, router_factory, checkpoint) -> None:
+    worker = shared_worker
+    assert worker.http("/readyz")[0] == 200
     assert worker.http("/livez")[0] == 200
+    num_ok_before = num_ok_requests(worker)
     decode = Decode(worker.bootstrap)
     router = router_factory(worker.ingress)
     prompts = {room: prompt(n, seed=room) for room, n in enumerate(LENGTHS, start=101)}
@@ -71,12 +75,8 @@ def test_requests_end_to_end(worker_factory, router_factory, checkpoint) -> None
             k, v = decode.kv(room, len(ids), layer)
             torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=0)
             torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=0)
-    status, text = worker.http("/metrics")
-    assert status == 200
-    assert 'prefill_worker_requests_total{reason="ok",status="ok"} 4.0' in text
+    assert num_ok_requests(worker) == num_ok_before + len(prompts)
     decode.close()
-    worker.proc.send_signal(signal.SIGTERM)
-    assert worker.wait_exit(30) == 0
 
 
 def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
@@ -158,35 +158,27 @@ def test_port_in_use_names_the_step(worker_factory) -> None:
     assert "start-up failed at step 'http'" in worker.log()
 
 
-def test_port_zero_config_publishes_its_endpoints(tmp_path, checkpoint, router_factory) -> None:
+def test_port_zero_config_publishes_its_endpoints(shared_worker, router_factory) -> None:
     """configs/tiny-test.yaml binds port 0 everywhere: the ready file, `/readyz` and the
-    sd_notify STATUS line all say what was bound, and a router can use it from there."""
-    ready_file = tmp_path / "endpoints.json"
-    args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
-    args += ["--set", f"model.path={checkpoint}", "--ready-file", str(ready_file)]
-    child = ChildProcess.start("worker", args, tmp_path, cwd=ROOT)
-    try:
-        child.wait_ready(120)
-        endpoints = json.loads(ready_file.read_text())
-        assert endpoints["pid"] == child.popen.pid
-        host, _, port = endpoints["http"].rpartition(":")
-        assert host == "127.0.0.1" and int(port) > 0
-        for name in ("ingress", "bootstrap"):
-            assert endpoints[name].startswith("tcp://127.0.0.1:")
-            assert not endpoints[name].endswith(":0")
-        ready = next(n for n in child.notifications if n.startswith("READY=1"))
-        assert all(str(endpoints[k]) in ready for k in ("ingress", "bootstrap", "http")), ready
-        with urllib.request.urlopen(f"http://{endpoints['http']}/readyz", timeout=5) as response:
-            assert json.loads(response.read()) == {"status": "ready", **endpoints}
-        decode = Decode(endpoints["bootstrap"])
-        decode.want(7, 9)
-        router = router_factory(endpoints["ingress"])
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(router.prefill, prompt(9, seed=7), 7)
-            assert decode.wait([7])[7].state.value == "done"
-            assert future.result(timeout=60).status is OutcomeStatus.OK
-        decode.close()
-        assert child.stop() == 0
-        assert not ready_file.exists()  # removed at exit: a stale file names no dead ports
-    finally:
-        child.kill()
+    sd_notify STATUS line all say what was bound, and a router can use it from there (the
+    fixture checks that the ready file goes at exit)."""
+    child, ready_file = shared_worker.child, shared_worker.ready_file
+    endpoints = json.loads(ready_file.read_text())
+    assert endpoints["pid"] == child.popen.pid
+    host, _, port = endpoints["http"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    for name in ("ingress", "bootstrap"):
+        assert endpoints[name].startswith("tcp://127.0.0.1:")
+        assert not endpoints[name].endswith(":0")
+    ready = next(n for n in child.notifications if n.startswith("READY=1"))
+    assert all(str(endpoints[k]) in ready for k in ("ingress", "bootstrap", "http")), ready
+    with urllib.request.urlopen(f"http://{endpoints['http']}/readyz", timeout=5) as response:
+        assert json.loads(response.read()) == {"status": "ready", **endpoints}
+    decode = Decode(endpoints["bootstrap"])
+    decode.want(7, 9)
+    router = router_factory(endpoints["ingress"])
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(router.prefill, prompt(9, seed=7), 7)
+        assert decode.wait([7])[7].state.value == "done"
+        assert future.result(timeout=60).status is OutcomeStatus.OK
+    decode.close()

@@ -1,16 +1,16 @@
 """Readiness follows start-up: /readyz answers 503 while the model loads, 200 once serving,
 503 again while draining; POST /drain ends the daemon with exit 0. In-process, with the model
-load held back by a gate so the 503 is observed for certain."""
+builder passed in: one that holds the load back by a gate (so the 503 is observed for certain),
+runners that fail or never return."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
-import pytest
-
-from prefill_worker import daemon as daemon_module
 from prefill_worker.config import load_config
+from prefill_worker.daemon import Daemon, ModelBuilder
+from prefill_worker.model import build
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
 
 
@@ -20,7 +20,8 @@ def tiny_daemon(
     ingress_port: int,
     bootstrap_port: int,
     *extra: str,
-) -> daemon_module.Daemon:
+    build_model: ModelBuilder = build,
+) -> Daemon:
     """An in-process daemon on the tiny test config (signals stay with pytest)."""
     config = load_config(
         ROOT / "configs" / "tiny-test.yaml",
@@ -33,20 +34,16 @@ def tiny_daemon(
             *extra,
         ],
     )
-    return daemon_module.Daemon(config, env={})
+    return Daemon(config, env={}, build_model=build_model)
 
 
-def test_readyz_503_until_loaded_then_200_then_drain(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_readyz_503_until_loaded_then_200_then_drain(checkpoint: Path, tmp_path: Path) -> None:
     gate = threading.Event()
-    real_build = daemon_module.build
 
     def gated_build(*args, **kwargs):  # type: ignore[no-untyped-def]
         assert gate.wait(60)
-        return real_build(*args, **kwargs)
+        return build(*args, **kwargs)
 
-    monkeypatch.setattr(daemon_module, "build", gated_build)
     http_port = free_port()
     token_file = tmp_path / "admin-token"
     token_file.write_text("s3cret-token\n")
@@ -56,6 +53,7 @@ def test_readyz_503_until_loaded_then_200_then_drain(
         free_port(),
         free_port(),
         f"metrics.admin_token_file={token_file}",
+        build_model=gated_build,
     )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
@@ -100,24 +98,21 @@ class _BrokenRunner:
         raise RuntimeError("device fell over")
 
 
-def test_fatal_engine_error_fails_in_flight_and_exits_70(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, router_factory
-) -> None:
+def test_fatal_engine_error_fails_in_flight_and_exits_70(checkpoint: Path, router_factory) -> None:
     from prefill_worker.request import OutcomeStatus
     from tests.checkpoints import prompt
     from tests.integration.daemon.conftest import Decode
 
-    real_build = daemon_module.build
-
     def broken_build(*args, **kwargs):  # type: ignore[no-untyped-def]
-        _, kv_cache, info = real_build(*args, **kwargs)
+        _, kv_cache, info = build(*args, **kwargs)
         return _BrokenRunner(), kv_cache, info
 
-    monkeypatch.setattr(daemon_module, "build", broken_build)
     ingress_port, bootstrap_port = free_port(), free_port()
     ingress = f"tcp://127.0.0.1:{ingress_port}"
     bootstrap = f"tcp://127.0.0.1:{bootstrap_port}"
-    daemon = tiny_daemon(checkpoint, free_port(), ingress_port, bootstrap_port)
+    daemon = tiny_daemon(
+        checkpoint, free_port(), ingress_port, bootstrap_port, build_model=broken_build
+    )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
@@ -136,16 +131,13 @@ def test_fatal_engine_error_fails_in_flight_and_exits_70(
         thread.join(timeout=30)
 
 
-def test_second_signal_leaves_a_stuck_forward(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, router_factory
-) -> None:
+def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.checkpoints import prompt
     from tests.integration.daemon.conftest import Decode
 
     release, entered = threading.Event(), threading.Event()
-    real_build = daemon_module.build
 
     class StuckRunner:
         def run(self, plan):  # type: ignore[no-untyped-def]
@@ -154,12 +146,13 @@ def test_second_signal_leaves_a_stuck_forward(
             raise RuntimeError("released at the end of the test")
 
     def stuck_build(*args, **kwargs):  # type: ignore[no-untyped-def]
-        _, kv_cache, info = real_build(*args, **kwargs)
+        _, kv_cache, info = build(*args, **kwargs)
         return StuckRunner(), kv_cache, info
 
-    monkeypatch.setattr(daemon_module, "build", stuck_build)
     ingress_port, bootstrap_port = free_port(), free_port()
-    daemon = tiny_daemon(checkpoint, free_port(), ingress_port, bootstrap_port)
+    daemon = tiny_daemon(
+        checkpoint, free_port(), ingress_port, bootstrap_port, build_model=stuck_build
+    )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
@@ -170,7 +163,8 @@ def test_second_signal_leaves_a_stuck_forward(
         decode.want(3, 12)
         router = router_factory(f"tcp://127.0.0.1:{ingress_port}")
         with ThreadPoolExecutor(1) as pool:
-            pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=5.0)
+            # Never answered (the forced stop leaves it): the pool waits out this timeout.
+            pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=1.0)
             assert entered.wait(30), "the forward never started"
             daemon.on_stop_signal()
             wait_until(lambda: daemon.health.is_draining, 10, "draining")

@@ -9,11 +9,12 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from prefill_worker.http import AdminAccess, Health, HttpServer
 from prefill_worker.metrics import WorkerMetrics
@@ -143,7 +144,8 @@ def test_a_client_reset_logs_no_traceback(served, caplog: pytest.LogCaptureFixtu
         b"GET /metr",
         b"POST /drain HTTP/1.1\r\nContent-Length: 5\r\n\r\n",
         b"",
-        b"GET /metrics HTTP/1.1\r\n\r\n",  # gone while the answer is written
+        b"GET /metrics HTTP/1.1\r\n\r\n",  # malformed (no Host), gone before the 400
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",  # gone while the answer is written
     ):
         reset(server.port, partial)
     wait_until(lambda: get(server.port, "/livez")[0] == 200)
@@ -154,10 +156,40 @@ def test_a_client_reset_logs_no_traceback(served, caplog: pytest.LogCaptureFixtu
 
 def test_metrics_and_unknown_paths(served) -> None:
     server, _, _, _ = served
-    status, body = get(server.port, "/metrics")
-    assert status == 200
-    assert 'prefill_worker_rejects_total{code="draining"} 1.0' in body
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.getheader("Content-Type") == CONTENT_TYPE_LATEST
+    assert 'prefill_worker_rejects_total{code="draining"} 1.0' in response.read().decode()
+    conn.close()
     assert get(server.port, "/nope")[0] == 404
+    assert get(server.port, "/metrics", "POST")[0] == 405
+    assert get(server.port, "/livez", "HEAD") == (200, "")  # HEAD for every GET route
+
+
+def test_a_malformed_request_is_a_400_without_a_traceback(
+    served, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, _, _, _ = served
+    caplog.set_level(logging.DEBUG)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /livez HTTP/1.1\r\n\r\n")  # HTTP/1.1 needs a Host header
+        assert sock.recv(4096).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
+
+
+def test_stop_is_prompt_with_a_client_connected() -> None:
+    server = HttpServer("127.0.0.1:0", Health(5.0), CollectorRegistry(), on_drain=lambda: None)
+    server.start()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as idle:
+        idle.sendall(b"GET /liv")  # a request that never finishes
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 3.0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
 
 
 def test_bind_failure_raises() -> None:
