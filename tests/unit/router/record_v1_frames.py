@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-
 from prefill_worker.protocol import (  # type: ignore[import-not-found]
     AbortMsg,
     DrainMsg,
@@ -24,6 +23,7 @@ from prefill_worker.protocol import (  # type: ignore[import-not-found]
     encode,
     encode_outcome,
 )
+
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, SamplingParams, Timings
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefill_worker.protocol import RejectCode
 from prefill_worker.request import FinishReason
+from prefill_worker.router.messages import RejectCode
 
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "protocol.md").read_text()
 

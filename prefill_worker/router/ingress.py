@@ -1,6 +1,7 @@
 """The router-facing ZMQ edge: a ROUTER socket and its I/O thread ↔ the engine's inbox queue.
 
-Routers connect DEALER sockets (DESIGN §4, docs/protocol.md). The I/O thread owns the socket
+Routers connect DEALER sockets (DESIGN §4, docs/protocol.md); ``admission.decode_router``
+decides what a frame is. The I/O thread owns the socket
 and everything below; the engine loop owns everything else::
 
     routers ─▶ ROUTER ─▶ decode_router ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
@@ -36,27 +37,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import zmq
 import zmq.auth
 import zmq.utils.monitor
+from msgspec import UNSET, UnsetType
 from zmq.auth.thread import ThreadAuthenticator
 
-from prefill_worker.connections import RouterConnections
 from prefill_worker.curve import CurveServerKeys, start_server
-from prefill_worker.protocol import (
-    DrainMsg,
-    Limits,
-    LoadSnapshot,
-    PingMsg,
+from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.connections import RouterConnections
+from prefill_worker.router.messages import (
+    Drain,
+    Load,
+    Ping,
+    Pong,
     Reject,
     RejectCode,
-    decode_router,
+    encode,
     encode_outcome,
-    encode_pong,
-    encode_reject,
 )
-from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
-from prefill_worker.router_sender import RouterSender
+from prefill_worker.router.sender import RouterSender
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class Ingress:
         self,
         bind: str,
         inbox: EngineInbox,
-        load: Callable[[], LoadSnapshot],
+        load: Callable[[], Load],
         *,
         vocab_size: int,
         max_prompt_tokens: int,
@@ -391,7 +393,8 @@ class Ingress:
         if len(frames) != 2:
             self._counts["malformed"] += 1
             self._observer.on_malformed()
-            self._reject(identity, Reject(RejectCode.MALFORMED, "expected exactly one frame"))
+            why = "expected exactly one frame"
+            self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
             return
         msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
         if isinstance(msg, PrefillRequest):
@@ -405,15 +408,17 @@ class Ingress:
                 self._counts["malformed"] += 1
                 self._observer.on_malformed()
             self._reject(identity, msg)
-        elif isinstance(msg, PingMsg):
+        elif isinstance(msg, Ping):
             self._pong(identity, msg.nonce)
         else:
             self._drain(identity, msg)
 
-    def _drain(self, identity: bytes, msg: DrainMsg) -> None:
+    def _drain(self, identity: bytes, msg: Drain) -> None:
         if not self._allow_drain_message:
             why = "the drain message is disabled (ingress.allow_drain_message); use SIGTERM"
-            self._reject(identity, Reject(RejectCode.FORBIDDEN, why, None, "type", msg.nonce))
+            nonce = UNSET if msg.nonce is None else msg.nonce
+            reject = Reject(code=RejectCode.FORBIDDEN, message=why, field="type", nonce=nonce)
+            self._reject(identity, reject)
             return
         log.info("drain asked by router %s", identity.hex())
         self._draining = True
@@ -430,7 +435,8 @@ class Ingress:
                 self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
             except queue.Full:
                 del self._routes[scoped_id]
-                reject = Reject(RejectCode.OVERLOADED, "the engine queue is full", req.request_id)
+                why = "the engine queue is full"
+                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=req.request_id)
             else:
                 self._by_router.setdefault(identity, set()).add(scoped_id)
                 self._counts["admitted"] += 1
@@ -441,13 +447,15 @@ class Ingress:
     def _admission_problem(self, req: PrefillRequest, scoped_id: str) -> Reject | None:
         rid = req.request_id
         if self._draining:
-            return Reject(RejectCode.DRAINING, "the worker is draining; send it elsewhere", rid)
+            why = "the worker is draining; send it elsewhere"
+            return Reject(code=RejectCode.DRAINING, message=why, request_id=rid)
         if scoped_id in self._routes:
             why = f"request_id {rid!r} is already in flight on this connection"
-            return Reject(RejectCode.DUPLICATE_REQUEST_ID, why, rid, "request_id")
+            code = RejectCode.DUPLICATE_REQUEST_ID
+            return Reject(code=code, message=why, request_id=rid, field="request_id")
         if len(self._routes) >= self._max_inflight:
             why = f"{self._max_inflight} requests already in flight"
-            return Reject(RejectCode.OVERLOADED, why, rid)
+            return Reject(code=RejectCode.OVERLOADED, message=why, request_id=rid)
         return None
 
     def _forward_abort(self, msg: AbortRequest) -> None:
@@ -459,13 +467,14 @@ class Ingress:
     def _reject(self, identity: bytes, reject: Reject) -> None:
         self._counts["rejected"] += 1
         self._observer.on_reject(reject.code.value)
-        self._sender.send(identity, encode_reject(reject))
+        self._sender.send(identity, encode(reject))
 
-    def _pong(self, identity: bytes, nonce: int | None) -> None:
+    def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
         load = self._load()
         if self._draining and not load.draining:
-            load = LoadSnapshot(load.waiting, load.running, load.free_kv_pages, True)
-        self._sender.send(identity, encode_pong(load, nonce))
+            load = msgspec.structs.replace(load, draining=True)
+        pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
+        self._sender.send(identity, encode(pong))
 
     def _drain_wake_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
