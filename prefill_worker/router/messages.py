@@ -60,10 +60,13 @@ class ProtocolError(ValueError):
     """A worker → router frame the client cannot read (the worker broke the contract)."""
 
 
+_V_DOC = "protocol version; every frame carries it (the worker rejects a frame without it)"
+
+
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """A v1 frame: ``type`` is the tag, ``v`` the protocol version."""
 
-    v: int = PROTOCOL_VERSION
+    v: Annotated[int, msgspec.Meta(description=_V_DOC)] = PROTOCOL_VERSION
 
 
 # ── router → worker ──────────────────────────────────────────────────────────────────────────

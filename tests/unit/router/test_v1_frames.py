@@ -1,4 +1,5 @@
-"""Frames recorded from the v1 hand-written codec (``v1_frames.json``, commit 50c9b29) still
+"""Frames recorded from the v1 hand-written codec (``v1_frames.json``, by the script
+``tests/unit/router/record_v1_frames.py`` of commit b2ba24f) still
 decode, to the same fields, and the Structs encode them back to the same map.
 
 The bytes differ only in key order: msgspec writes the ``type`` tag first, the old encoder
