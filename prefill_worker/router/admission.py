@@ -38,7 +38,12 @@ from prefill_worker.router.messages import (
 
 _MAX_ITEMS = 64  # per map or array
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
-_TYPES = frozenset({"prefill", "abort", "ping", "drain"})
+_TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
+# Values the cap is checked on: a container in any other known field is a type error anyway.
+_SCALAR_FIELDS = frozenset(
+    {"v", "type", "request_id", "bootstrap_room", "return_logprob", "deadline_s"}
+    | {"decode_peer", "nonce"}
+)
 _VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _GREEDY = SamplingParams()
 _MALFORMED = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
@@ -100,8 +105,8 @@ def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
         raws = _raw_map.decode(frame)
     except msgspec.DecodeError:
         return None
-    for raw in raws.values():
-        if _num_items(memoryview(raw)) > _MAX_ITEMS:
+    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
+        if _num_items(memoryview(raws[key])) > _MAX_ITEMS:
             return None
     return raws
 
@@ -132,12 +137,13 @@ def _check_header(raws: dict[str, msgspec.Raw]) -> str:
     raw_type = raws.get("type")
     if raw_type is None:
         raise _Invalid(RejectCode.MISSING_FIELD, "type", "type is required")
-    type_ = _decode_raw(raw_type)
-    if type(type_) is not str:
+    type_ = _TAGS.get(bytes(raw_type))
+    if type_ is not None:
+        return type_
+    got = _decode_raw(raw_type)
+    if type(got) is not str:
         raise _Invalid(RejectCode.BAD_FIELD, "type", "type must be a string")
-    if type_ not in _TYPES:
-        raise _Invalid(RejectCode.UNKNOWN_TYPE, "type", f"unknown message type {type_!r:.40}")
-    return type_
+    raise _Invalid(RejectCode.UNKNOWN_TYPE, "type", f"unknown message type {got!r:.40}")
 
 
 def _decode_raw(raw: msgspec.Raw) -> object:

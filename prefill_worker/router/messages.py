@@ -150,9 +150,9 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
 class Reject(_Message, tag="reject", frozen=True, kw_only=True):
     code: RejectCode
     message: str
-    request_id: str | None | UnsetType = UNSET
-    field: str | None | UnsetType = UNSET  # the field path, e.g. "sampling.top_p"
-    nonce: int | None | UnsetType = UNSET  # a refused ``drain`` (or ``ping``) echoes its nonce
+    request_id: str | UnsetType | None = UNSET
+    field: str | UnsetType | None = UNSET  # the field path, e.g. "sampling.top_p"
+    nonce: int | UnsetType | None = UNSET  # a refused ``drain`` (or ``ping``) echoes its nonce
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True):
