@@ -5,9 +5,11 @@ shapes, with msgspec errors naming the field path; this module maps those to rej
 adds what depends on the worker: prompt length against the model and the KV pool, token ids
 against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
 
-Safety caps: the frame's map, and any array or map directly in it, hold at most ``_MAX_ITEMS``
-items (checked on the headers, before anything is built); deeper unknown fields are skipped by
-msgspec without building objects. Frames over the size limit never get here (ZMQ drops them).
+Safety caps: the frame's map, and any array or map in ``token_ids``, ``sampling`` or an unknown
+key, hold at most ``_MAX_ITEMS`` items (``malformed``; checked on the headers, before anything
+is built). A container where a scalar belongs is a type error (``bad_field``) found on its
+header; deeper ones are skipped by msgspec without building objects. Frames over the size
+limit never get here (ZMQ drops them).
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
 _TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
 # Values the cap is checked on: a container in any other known field is a type error anyway.
 _SCALAR_FIELDS = frozenset(
-    {"v", "type", "request_id", "bootstrap_room", "return_logprob", "deadline_s"}
-    | {"decode_peer", "nonce"}
+    {
+        "v",
+        "type",
+        "request_id",
+        "bootstrap_room",
+        "return_logprob",
+        "deadline_s",
+        "decode_peer",
+        "nonce",
+    }
 )
 _VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _GREEDY = SamplingParams()
