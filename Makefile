@@ -79,6 +79,7 @@ soak:
 
 docs:
 	$(BIN)/prefill-worker config-docs > docs/config.md
+	$(BIN)/python -m prefill_worker.router.schemadoc docs/protocol.md
 	$(BIN)/python -m prefill_worker.transfer.schemadoc docs/protocol.md
 
 bench:

@@ -24,13 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefill_worker.protocol import (
-    Limits,
-    LoadSnapshot,
-    PrefillMsg,
-    decode_router,
-    encode_prefill,
-)
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -39,26 +32,25 @@ from prefill_worker.request import (
     PrefillRequest,
     SamplingParams,
 )
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.messages import Load, encode, prefill_message
 
 VOCAB = 151_936
 
 
 def bench_codec(num_tokens: int = 8192, repeats: int = 3000) -> dict[str, object]:
     rng = random.Random(0)
-    msg = PrefillMsg(
-        "bench-0",
-        array("i", [rng.randrange(VOCAB) for _ in range(num_tokens)]),
-        12345,
-        SamplingParams(0.7, 0.9, 40, 1),
-        True,
-    )
+    tokens = array("i", [rng.randrange(VOCAB) for _ in range(num_tokens)])
+    sampling = SamplingParams(0.7, 0.9, 40, 1)
+    msg = prefill_message("bench-0", tokens, 12345, sampling, True)
     limits = Limits(VOCAB, num_tokens, 1 << 20)
-    assert decode_router(encode_prefill(msg), limits, 0.0) == msg.to_request(0.0)
+    expected = PrefillRequest("bench-0", tokens, sampling, True, 12345, 0.0)
+    assert decode_router(encode(msg), limits, 0.0) == expected
     best = float("inf")
     for _ in range(5):  # best of five: other processes share these cores
         start = time.perf_counter()
         for _ in range(repeats // 5):
-            decode_router(encode_prefill(msg), limits)
+            decode_router(encode(msg), limits)
         best = min(best, (time.perf_counter() - start) / (repeats // 5))
     return {"name": "ingress_codec", "tokens": num_tokens, "us_per_request": round(best * 1e6, 2)}
 
@@ -73,13 +65,13 @@ def _immediate_engine(inbox: queue.Queue[PrefillRequest | AbortRequest], ingress
 
 
 def bench_rate(num_requests: int, window: int) -> dict[str, object]:
-    from prefill_worker.ingress import Ingress
+    from prefill_worker.router.ingress import Ingress
 
     inbox: queue.Queue[PrefillRequest | AbortRequest] = queue.Queue()
     ingress = Ingress(
         "tcp://127.0.0.1:0",
         inbox,
-        lambda: LoadSnapshot(0, 0, 0, False),
+        lambda: Load(waiting=0, running=0, free_kv_pages=0, draining=False),
         vocab_size=VOCAB,
         max_prompt_tokens=8192,
         max_pool_tokens=1 << 20,
@@ -117,7 +109,7 @@ def loadgen(endpoint: str, num_requests: int, window: int) -> float:
     import zmq
 
     frames = [
-        encode_prefill(PrefillMsg(f"r{i}", range(i % 100, i % 100 + 8), i))
+        encode(prefill_message(f"r{i}", range(i % 100, i % 100 + 8), i))
         for i in range(num_requests)
     ]
     ctx = zmq.Context()

@@ -33,7 +33,6 @@ from prometheus_client import CollectorRegistry
 from prefill_worker import __version__
 from prefill_worker.config import EX_CONFIG, Config
 from prefill_worker.http import AdminAccess, Health, HttpServer
-from prefill_worker.ingress import CurveServerKeys, EngineInbox, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pages import PagePool
@@ -41,8 +40,9 @@ from prefill_worker.logs import configure_logging
 from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
 from prefill_worker.observers import EngineEvents, IngressEvents, PushedBytes
-from prefill_worker.protocol import LoadSnapshot as PongLoad
 from prefill_worker.request import FinishReason, Outcome
+from prefill_worker.router.ingress import CurveServerKeys, EngineInbox, Ingress
+from prefill_worker.router.messages import Load
 from prefill_worker.scheduler import Engine, LoadSnapshot
 from prefill_worker.sdnotify import SdNotifier
 from prefill_worker.transfer.factory import ServingBackend, make_backend
@@ -366,9 +366,9 @@ class Daemon:
     def _reply(self, outcome: Outcome) -> None:
         self.ingress.send_outcome(outcome)
 
-    def _pong_load(self) -> PongLoad:
+    def _pong_load(self) -> Load:
         load = self._engine.load if self._engine is not None else LoadSnapshot()
-        return PongLoad(
+        return Load(
             waiting=load.num_bootstrapping + load.num_waiting,
             running=load.num_prefilling + load.num_transferring,
             free_kv_pages=load.num_free_pages,

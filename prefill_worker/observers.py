@@ -1,7 +1,7 @@
 """The daemon's observers: engine and ingress events become metrics and log lines.
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
-implements ``ingress.IngressObserver`` (I/O thread); both only record.
+implements ``router.ingress.IngressObserver`` (I/O thread); both only record.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefill_worker.client import RouterClient  # noqa: E402
 from prefill_worker.config import load_config  # noqa: E402
 from prefill_worker.decode_peer import DecodePeerClient, Generation  # noqa: E402
 from prefill_worker.launch import ChildProcess, LaunchError, free_port  # noqa: E402
-from prefill_worker.protocol import ResultMsg  # noqa: E402
+from prefill_worker.router.client import RouterClient  # noqa: E402
+from prefill_worker.router.messages import Result  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
@@ -52,7 +52,7 @@ def chat_ids(tokenizer: object, question: str) -> list[int]:
 class Answer:
     question: str
     prompt_ids: tuple[int, ...]
-    result: ResultMsg
+    result: Result
     generation: Generation
     ttft_s: float
 

@@ -10,7 +10,7 @@ A scenario::
         room = rig.next_room()
         rig.decode.want(room, 9)                              # the decode asks for the KV
         rid = rig.router.send_prefill(prompt(9, seed=1), room)  # non-blocking; in the ledger
-        reply = rig.router.wait([rid])[rid]                   # ResultMsg or Reject
+        reply = rig.router.wait([rid])[rid]                   # Result or Reject
         assert reply.status is OutcomeStatus.OK
         ...                                                   # the fault under test
         check_healthy(rig)                                    # always last

@@ -16,26 +16,25 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefill_worker.launch import ChildProcess
-from prefill_worker.protocol import (
-    AbortMsg,
-    LoadSnapshot,
-    PingMsg,
-    PongMsg,
-    PrefillMsg,
+from prefill_worker.request import OutcomeStatus, SamplingParams
+from prefill_worker.router.messages import (
+    Abort,
+    Load,
+    Ping,
+    Pong,
     ProtocolError,
     Reject,
-    ResultMsg,
+    Result,
     decode_worker,
     encode,
-    encode_prefill,
+    prefill_message,
 )
-from prefill_worker.request import OutcomeStatus, SamplingParams
 from prefill_worker.transfer.receiver import RoomState, RoomStatus
 from tests.checkpoints import COMMON, prompt
 from tests.integration.daemon.conftest import DECODE_PAGES, PAGE_SIZE, Decode, Worker
 from tests.polling import wait_until
 
-Reply = ResultMsg | Reject
+Reply = Result | Reject
 VOCAB_SIZE = int(COMMON["vocab_size"])
 DECODE_AUX_ROWS = 64  # tests/integration/daemon Decode
 _GREEDY = SamplingParams()
@@ -67,7 +66,8 @@ class Ledger:
 
     def record(self, conn: int, reply: Reply) -> None:
         with self.cond:
-            self.replies.setdefault((conn, reply.request_id), []).append(reply)
+            rid = reply.request_id if isinstance(reply.request_id, str) else None
+            self.replies.setdefault((conn, rid), []).append(reply)
             self.cond.notify_all()
 
     def abandon(self, conn: int) -> None:
@@ -120,7 +120,7 @@ class Router:
         self.endpoint, self.ledger = endpoint, ledger
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
-        self._pongs: dict[int, LoadSnapshot] = {}
+        self._pongs: dict[int, Load] = {}
         self._nonces = itertools.count(1)
         self._sock = self._connect()
         self._stop = threading.Event()
@@ -139,8 +139,8 @@ class Router:
     ) -> str:
         """Send one ``prefill`` (the ledger expects one reply); returns its request id."""
         rid = request_id if request_id is not None else f"rig-{next(_REQUEST_IDS)}"
-        msg = PrefillMsg(rid, token_ids, room, sampling, return_logprob, deadline_s)
-        self.send_frame(encode_prefill(msg), rid)
+        msg = prefill_message(rid, token_ids, room, sampling, return_logprob, deadline_s)
+        self.send_frame(encode(msg), rid)
         return rid
 
     def send_frame(self, frame: bytes, request_id: str | None, num_replies: int = 1) -> None:
@@ -152,7 +152,7 @@ class Router:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._sock.send(encode(AbortMsg(request_id)))
+            self._sock.send(encode(Abort(request_id=request_id)))
 
     def prefill(self, token_ids: Sequence[int], room: int, **kwargs: Any) -> Reply:
         """``send_prefill`` and wait for its reply (30 s)."""
@@ -169,10 +169,10 @@ class Router:
                 raise AssertionError(f"no reply in {timeout_s} s for {missing[:10]}")
             return {k[1]: ledger.replies[k][0] for k in keys if k[1] is not None}
 
-    def ping(self, timeout_s: float = 10.0) -> LoadSnapshot:
+    def ping(self, timeout_s: float = 10.0) -> Load:
         with self._lock:
             nonce = next(self._nonces)
-            self._sock.send(encode(PingMsg(nonce)))
+            self._sock.send(encode(Ping(nonce=nonce)))
         with self.ledger.cond:
             if not self.ledger.cond.wait_for(lambda: nonce in self._pongs, timeout_s):
                 raise AssertionError(f"no pong in {timeout_s} s")
@@ -224,7 +224,7 @@ class Router:
             with self.ledger.cond:
                 self.ledger.unreadable.append(f"{exc}: {frame[:64]!r}")
             return
-        if isinstance(msg, PongMsg):
+        if isinstance(msg, Pong):
             with self.ledger.cond:
                 self._pongs[msg.nonce or 0] = msg.load
                 self.ledger.cond.notify_all()
@@ -346,12 +346,12 @@ def pool_usage(worker: Worker) -> dict[str, float]:
     }
 
 
-def serve_fresh(rig: Rig, num_tokens: int = 9, timeout_s: float = 30.0) -> ResultMsg:
+def serve_fresh(rig: Rig, num_tokens: int = 9, timeout_s: float = 30.0) -> Result:
     """One new request end to end: decode wants, router prefills, result ok, room DONE."""
     room = rig.next_room()
     rig.decode.want(room, num_tokens)
     reply = rig.router.prefill(prompt(num_tokens, seed=room % 10_000), room)
-    assert isinstance(reply, ResultMsg), f"fresh request rejected: {reply}"
+    assert isinstance(reply, Result), f"fresh request rejected: {reply}"
     assert reply.status is OutcomeStatus.OK, f"fresh request failed: {reply}"
     assert reply.first_token_id is not None and 0 <= reply.first_token_id < VOCAB_SIZE
     status = rig.decode.wait([room], timeout_s)[room]

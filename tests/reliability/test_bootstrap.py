@@ -22,8 +22,8 @@ import zmq.auth
 from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
-from prefill_worker.protocol import PrefillMsg, ResultMsg, encode_prefill
 from prefill_worker.request import OutcomeStatus
+from prefill_worker.router.messages import Result, encode, prefill_message
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.agent import deregister_regions, make_agent, register_regions
 from prefill_worker.transfer.receiver import KVReceiver, RegistrationError, RoomState
@@ -106,8 +106,8 @@ def rejects(rig: Rig, reason: str) -> float:
 def prefill(rig: Rig, room: int, num_tokens: int, seed: int, decode_peer: str | None = None):
     """Send a prefill (optionally naming the decode peer); returns its request id."""
     rid = f"boot-{room}-{seed}"
-    msg = PrefillMsg(rid, prompt(num_tokens, seed=seed), room, decode_peer=decode_peer)
-    rig.router.send_frame(encode_prefill(msg), rid)
+    msg = prefill_message(rid, prompt(num_tokens, seed=seed), room, decode_peer=decode_peer)
+    rig.router.send_frame(encode(msg), rid)
     return rid
 
 
@@ -167,7 +167,7 @@ def test_a_room_named_for_a_decode_goes_only_to_it(rig: Rig) -> None:
         rig.decode.want(room, 9)
         rid = prefill(rig, room, 9, seed=5, decode_peer=rig.decode.receiver.agent_name)
         reply = rig.router.wait([rid])[rid]
-        assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK, reply
+        assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
         assert rig.decode.wait([room])[room].state is RoomState.DONE
         stolen = thief.wait([room])[room]
         assert stolen.state is RoomState.FAILED

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefill_worker.launch import ChildProcess
-from prefill_worker.protocol import Reject, ResultMsg
 from prefill_worker.request import OutcomeStatus, SamplingParams
+from prefill_worker.router.messages import Reject, Result
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import ROOT
 from tests.reliability.conftest import Rig, check_healthy
@@ -32,9 +32,9 @@ def test_normal_requests_leave_the_worker_healthy(rig: Rig) -> None:
         rig.decode.want(room, 11)
     rids = [rig.router.send_prefill(prompt(11, seed=room), room) for room in rooms]
     replies = rig.router.wait(rids)
-    assert all(
-        isinstance(r, ResultMsg) and r.status is OutcomeStatus.OK for r in replies.values()
-    ), replies
+    assert all(isinstance(r, Result) and r.status is OutcomeStatus.OK for r in replies.values()), (
+        replies
+    )
     for room in rig.decode.wait(rooms):
         rig.decode.release(room)
     check_healthy(rig)
@@ -53,7 +53,7 @@ def test_extreme_sampling_is_served_among_normal_requests(rig: Rig) -> None:
     greedy: dict[int, int] = {}
     for rid, seed, sampling in sent:
         reply = replies[rid]
-        assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK, reply
+        assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
         assert reply.first_token_id is not None
         greedy.setdefault(seed, reply.first_token_id)
         assert reply.first_token_id == greedy[seed], (sampling, reply)
@@ -134,10 +134,10 @@ def test_a_killed_decode_fails_only_its_requests(rig: Rig, tmp_path: Path) -> No
     replies = rig.router.wait(victims + normal, timeout_s=60)
     for rid in normal:
         reply = replies[rid]
-        assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK, reply
+        assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
     for rid in victims:
         reply = replies[rid]
-        assert isinstance(reply, ResultMsg) and reply.reason.value in PEER_FAILURES, reply
+        assert isinstance(reply, Result) and reply.reason.value in PEER_FAILURES, reply
     for room in rig.decode.wait(list(rig.decode.rooms)):
         rig.decode.release(room)
     check_healthy(rig)
@@ -151,11 +151,11 @@ def test_a_stopped_decode_does_not_hold_up_the_others(rig: Rig, tmp_path: Path) 
         victims, normal = send_mixed(rig, victim_rooms)
         served = rig.router.wait(normal, timeout_s=30)  # while the victim is still stopped
         assert all(
-            isinstance(r, ResultMsg) and r.status is OutcomeStatus.OK for r in served.values()
+            isinstance(r, Result) and r.status is OutcomeStatus.OK for r in served.values()
         ), served
         replies = rig.router.wait(victims, timeout_s=60)
         for reply in replies.values():  # its KV may land in a stopped process's memory
-            assert isinstance(reply, ResultMsg), reply
+            assert isinstance(reply, Result), reply
             assert reply.status is OutcomeStatus.OK or reply.reason.value in PEER_FAILURES
         for room in rig.decode.wait(list(rig.decode.rooms)):
             rig.decode.release(room)

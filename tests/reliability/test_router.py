@@ -12,16 +12,15 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from prefill_worker.protocol import (
-    DrainMsg,
-    PrefillMsg,
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.router.messages import (
+    Drain,
     Reject,
     RejectCode,
-    ResultMsg,
+    Result,
     encode,
-    encode_prefill,
+    prefill_message,
 )
-from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import prompt
 from tests.polling import wait_until
 from tests.reliability.harness import VOCAB_SIZE, Rig, check_healthy
@@ -38,8 +37,8 @@ def test_two_routers_may_use_the_same_request_id(rig: Rig) -> None:
     rig.router.send_prefill(prompt(9, seed=1), rooms[0], request_id="same")
     other.send_prefill(prompt(14, seed=2), rooms[1], request_id="same")
     mine, theirs = rig.router.wait(["same"])["same"], other.wait(["same"])["same"]
-    assert isinstance(mine, ResultMsg) and mine.status is OutcomeStatus.OK, mine
-    assert isinstance(theirs, ResultMsg) and theirs.status is OutcomeStatus.OK, theirs
+    assert isinstance(mine, Result) and mine.status is OutcomeStatus.OK, mine
+    assert isinstance(theirs, Result) and theirs.status is OutcomeStatus.OK, theirs
     assert (mine.num_prompt_tokens, theirs.num_prompt_tokens) == (9, 14)
     for room, status in rig.decode.wait(rooms).items():
         assert status.state.value == "done", status
@@ -55,14 +54,14 @@ def test_abort_of_another_routers_id_has_no_effect(rig: Rig) -> None:
     other.ping()  # the abort was read (and ignored) before this pong was sent
     rig.decode.want(room, 9)
     reply = rig.router.wait(["victim"])["victim"]
-    assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK, reply
+    assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
     assert rig.decode.wait([room])[room].state.value == "done"
     rig.decode.release(room)
     own = rig.next_room()
     rig.router.send_prefill(prompt(9, seed=4), own, request_id="mine")  # no want: it waits
     rig.router.abort("mine")
     aborted = rig.router.wait(["mine"])["mine"]
-    assert isinstance(aborted, ResultMsg) and aborted.status is OutcomeStatus.ABORTED, aborted
+    assert isinstance(aborted, Result) and aborted.status is OutcomeStatus.ABORTED, aborted
     check_healthy(rig)
 
 
@@ -90,7 +89,7 @@ def test_a_router_that_disconnects_has_its_requests_cancelled(rig: Rig) -> None:
 
 
 def test_drain_message_and_unauthenticated_http_drain_are_refused(rig: Rig) -> None:
-    rig.router.send_frame(encode(DrainMsg(77)), None)
+    rig.router.send_frame(encode(Drain(nonce=77)), None)
     key = (rig.router.conn, None)
     wait_until(lambda: key in rig.ledger.replies, 10, "the drain reply")
     [reply] = rig.ledger.replies[key]
@@ -124,7 +123,7 @@ def test_frames_far_over_the_limit_cost_no_decoding(rig: Rig) -> None:
     room = rig.next_room()
     rig.decode.want(room, 9)
     small = rig.router.prefill(prompt(9, seed=5), room)
-    assert isinstance(small, ResultMsg) and small.status is OutcomeStatus.OK, small
+    assert isinstance(small, Result) and small.status is OutcomeStatus.OK, small
     replies = flooder.wait(big_ids)
     assert all(
         isinstance(r, Reject) and r.code is RejectCode.TOKEN_OUT_OF_RANGE for r in replies.values()
@@ -169,10 +168,10 @@ def test_a_room_bound_to_a_named_decode_peer(rig: Rig) -> None:
     rig.decode.want(room, 10)
     name = rig.decode.receiver.agent_name
     rid = "named-peer"
-    msg = PrefillMsg(rid, prompt(10, seed=6), room, decode_peer=name)
-    rig.router.send_frame(encode_prefill(msg), rid)
+    msg = prefill_message(rid, prompt(10, seed=6), room, decode_peer=name)
+    rig.router.send_frame(encode(msg), rid)
     reply = rig.router.wait([rid])[rid]
-    assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK, reply
+    assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
     assert rig.decode.wait([room])[room].state.value == "done"
     rig.decode.release(room)
     check_healthy(rig)
@@ -181,8 +180,8 @@ def test_a_room_bound_to_a_named_decode_peer(rig: Rig) -> None:
 def test_a_room_bound_to_another_decode_peer_is_not_claimed(rig: Rig) -> None:
     room = rig.next_room()
     rid = "bound-elsewhere"
-    msg = PrefillMsg(rid, prompt(10, seed=7), room, decode_peer="decode-that-is-not-here")
-    rig.router.send_frame(encode_prefill(msg), rid)
+    msg = prefill_message(rid, prompt(10, seed=7), room, decode_peer="decode-that-is-not-here")
+    rig.router.send_frame(encode(msg), rid)
     rig.router.ping()  # the prefill is on its way to the engine (either order is checked)
     rig.decode.want(room, 10)
     status = rig.decode.wait([room])[room]
@@ -190,5 +189,5 @@ def test_a_room_bound_to_another_decode_peer_is_not_claimed(rig: Rig) -> None:
     rig.decode.release(room)
     rig.router.abort(rid)  # the router gives up on it (else: bootstrap_timeout)
     reply = rig.router.wait([rid])[rid]
-    assert isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.ABORTED, reply
+    assert isinstance(reply, Result) and reply.status is OutcomeStatus.ABORTED, reply
     check_healthy(rig)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefill_worker.protocol import Reject, RejectCode, ResultMsg
 from prefill_worker.request import FinishReason, OutcomeStatus, SamplingParams
+from prefill_worker.router.messages import Reject, RejectCode, Result
 from prefill_worker.transfer.receiver import RoomState
 from tests.checkpoints import prompt
 from tests.reliability.conftest import VOCAB_SIZE, ProcStats, Reply, Rig, check_healthy
@@ -115,7 +115,7 @@ def check(job: Job, reply: Reply) -> str:
     if job.kind in REJECT_CODES:
         assert isinstance(reply, Reject) and reply.code is REJECT_CODES[job.kind], (job, reply)
         return f"reject:{reply.code.value}"
-    assert isinstance(reply, ResultMsg), (job, reply)
+    assert isinstance(reply, Result), (job, reply)
     allowed = {
         "normal": {FinishReason.OK},
         "normal_want_late": {FinishReason.OK},
@@ -156,7 +156,7 @@ def run_wave(rig: Rig, rng: random.Random, size: int) -> list[str]:
         labels.append(check(job, reply))
         if job.room is not None:
             status = rig.decode.wait([job.room])[job.room]
-            ok = isinstance(reply, ResultMsg) and reply.status is OutcomeStatus.OK
+            ok = isinstance(reply, Result) and reply.status is OutcomeStatus.OK
             assert (status.state is RoomState.DONE) == ok, (job, reply, status)
             rig.decode.release(job.room)
     return labels

@@ -17,7 +17,8 @@ CORE_MODULES = (
     "prefill_worker.configdoc",
     "prefill_worker.request",
     "prefill_worker.batch",
-    "prefill_worker.protocol",
+    "prefill_worker.router.messages",
+    "prefill_worker.router.admission",
     "prefill_worker.transfer.base",
 )
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import pytest
 import zmq
 
-from prefill_worker.ingress import Ingress
-from prefill_worker.protocol import LoadSnapshot, WorkerMsg, decode_worker
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -20,12 +18,14 @@ from prefill_worker.request import (
     OutcomeStatus,
     PrefillRequest,
 )
+from prefill_worker.router.ingress import Ingress
+from prefill_worker.router.messages import Load, WorkerMessage, decode_worker
 from tests.polling import wait_until
 
 __all__ = ["wait_until"]  # re-exported for the ingress tests
 
 VOCAB = 1000
-LOAD = LoadSnapshot(waiting=3, running=2, free_kv_pages=100, draining=False)
+LOAD = Load(waiting=3, running=2, free_kv_pages=100, draining=False)
 
 
 class FakeEngine:
@@ -154,9 +154,9 @@ def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[byt
     return sock
 
 
-def recv_msgs(sock: zmq.Socket[bytes], count: int, timeout_s: float = 10.0) -> list[WorkerMsg]:
+def recv_msgs(sock: zmq.Socket[bytes], count: int, timeout_s: float = 10.0) -> list[WorkerMessage]:
     """Exactly ``count`` replies, or fail after ``timeout_s``."""
-    got: list[WorkerMsg] = []
+    got: list[WorkerMessage] = []
     deadline = time.monotonic() + timeout_s
     while len(got) < count:
         left_ms = int((deadline - time.monotonic()) * 1000)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from prefill_worker.router_sender import RouterSender
+from prefill_worker.router.sender import RouterSender
 from tests.polling import wait_until
 
 Ctx = zmq.Context[zmq.Socket[bytes]]

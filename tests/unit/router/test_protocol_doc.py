@@ -1,11 +1,13 @@
-"""docs/protocol.md names every reason and reject code the worker can send."""
+"""docs/protocol.md names every reason and reject code the worker can send, and embeds the
+current JSON Schema of the router messages."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from prefill_worker.protocol import RejectCode
 from prefill_worker.request import FinishReason
+from prefill_worker.router.messages import RejectCode
+from prefill_worker.router.schemadoc import BEGIN, END, with_current_schema
 
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "protocol.md").read_text()
 
@@ -18,3 +20,8 @@ def test_every_finish_reason_is_documented() -> None:
 def test_every_reject_code_is_documented() -> None:
     missing = [c.value for c in RejectCode if f"`{c.value}`" not in DOC]
     assert not missing, f"docs/protocol.md lacks reject codes {missing}"
+
+
+def test_the_router_schema_is_current() -> None:
+    assert DOC.count(BEGIN) == 1 and DOC.count(END) == 1
+    assert with_current_schema(DOC) == DOC, "stale: run `make docs`"

@@ -21,21 +21,21 @@ import zmq.asyncio
 import zmq.auth
 
 from prefill_worker.curve import CurveClientKeys, apply_client
-from prefill_worker.protocol import (
-    AbortMsg,
-    DrainMsg,
-    LoadSnapshot,
-    PingMsg,
-    PongMsg,
-    PrefillMsg,
+from prefill_worker.request import SamplingParams
+from prefill_worker.router.messages import (
+    Abort,
+    Drain,
+    Load,
+    Ping,
+    Pong,
     ProtocolError,
     Reject,
-    ResultMsg,
+    Result,
+    WorkerMessage,
     decode_worker,
     encode,
-    encode_prefill,
+    prefill_message,
 )
-from prefill_worker.request import SamplingParams
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -75,8 +75,8 @@ class RouterClient:
         if curve is not None:
             apply_client(self._sock, curve)
         self._sock.connect(endpoint)
-        self._results: dict[str, asyncio.Future[ResultMsg]] = {}
-        self._pongs: dict[int, asyncio.Future[LoadSnapshot]] = {}
+        self._results: dict[str, asyncio.Future[Result]] = {}
+        self._pongs: dict[int, asyncio.Future[Load]] = {}
         self._nonces = itertools.count(1)
         self._receiver: asyncio.Task[None] | None = None
         self.num_unmatched = 0  # replies no caller waited for (late, or a reject with no id)
@@ -92,30 +92,30 @@ class RouterClient:
         request_id: str | None = None,
         timeout_s: float | None = None,
         decode_peer: str | None = None,
-    ) -> ResultMsg:
+    ) -> Result:
         """Send one ``prefill`` and wait for its ``result``; a ``reject`` raises
         ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``). ``decode_peer``
         names the only decode agent that may claim the room."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        msg = PrefillMsg(
+        msg = prefill_message(
             rid, token_ids, bootstrap_room, sampling, return_logprob, deadline_s, decode_peer
         )
-        frame = encode_prefill(msg)
-        future: asyncio.Future[ResultMsg] = self._expect(self._results, rid)
+        frame = encode(msg)
+        future: asyncio.Future[Result] = self._expect(self._results, rid)
         await self._sock.send(frame)
         return await self._wait(self._results, rid, future, timeout_s)
 
     async def abort(self, request_id: str) -> None:
         """Ask the worker to drop a request; its ``prefill`` then ends with ``aborted``."""
-        await self._sock.send(encode(AbortMsg(request_id)))
+        await self._sock.send(encode(Abort(request_id=request_id)))
 
-    async def ping(self, timeout_s: float | None = None) -> LoadSnapshot:
-        return await self._load_query(PingMsg, timeout_s)
+    async def ping(self, timeout_s: float | None = None) -> Load:
+        return await self._load_query(Ping, timeout_s)
 
-    async def drain(self, timeout_s: float | None = None) -> LoadSnapshot:
+    async def drain(self, timeout_s: float | None = None) -> Load:
         """Tell the worker to stop admitting; answered with its load (``draining`` set), or
         ``RequestRejected`` (``forbidden``) where the worker does not allow the message."""
-        return await self._load_query(DrainMsg, timeout_s)
+        return await self._load_query(Drain, timeout_s)
 
     def close(self) -> None:
         if self._receiver is not None:
@@ -132,12 +132,10 @@ class RouterClient:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    async def _load_query(
-        self, kind: type[PingMsg] | type[DrainMsg], timeout_s: float | None
-    ) -> LoadSnapshot:
+    async def _load_query(self, kind: type[Ping] | type[Drain], timeout_s: float | None) -> Load:
         nonce = next(self._nonces)
         future = self._expect(self._pongs, nonce)
-        await self._sock.send(encode(kind(nonce)))
+        await self._sock.send(encode(kind(nonce=nonce)))
         return await self._wait(self._pongs, nonce, future, timeout_s)
 
     def _expect(self, pending: dict[Any, asyncio.Future[_T]], key: Any) -> asyncio.Future[_T]:
@@ -171,16 +169,16 @@ class RouterClient:
                 self.num_unmatched += 1
                 log.warning("unreadable reply from the worker: %s", exc)
 
-    def _dispatch(self, msg: ResultMsg | Reject | PongMsg) -> None:
-        if isinstance(msg, PongMsg) or (isinstance(msg, Reject) and msg.nonce is not None):
-            pong = None if msg.nonce is None else self._pongs.pop(msg.nonce, None)
+    def _dispatch(self, msg: WorkerMessage) -> None:
+        if isinstance(msg, Pong) or (isinstance(msg, Reject) and isinstance(msg.nonce, int)):
+            pong = self._pongs.pop(msg.nonce, None) if isinstance(msg.nonce, int) else None
             if pong is not None and not pong.done():
                 if isinstance(msg, Reject):
                     pong.set_exception(RequestRejected(msg))
                 else:
                     pong.set_result(msg.load)
                 return
-        elif msg.request_id is not None:
+        elif isinstance(msg.request_id, str):
             future = self._results.pop(msg.request_id, None)
             if future is not None and not future.done():
                 if isinstance(msg, Reject):
@@ -205,7 +203,7 @@ class BlockingRouterClient:
     async def _make(self, endpoint: str, kwargs: dict[str, Any]) -> RouterClient:
         return RouterClient(endpoint, **kwargs)
 
-    def prefill(self, token_ids: Sequence[int], bootstrap_room: int, **kwargs: Any) -> ResultMsg:
+    def prefill(self, token_ids: Sequence[int], bootstrap_room: int, **kwargs: Any) -> Result:
         """As ``RouterClient.prefill``; ``timeout_s`` (default 30 s) bounds the wait."""
         kwargs.setdefault("timeout_s", 30.0)
         return self._call(self._client.prefill(token_ids, bootstrap_room, **kwargs))
@@ -213,10 +211,10 @@ class BlockingRouterClient:
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))
 
-    def ping(self, timeout_s: float = 30.0) -> LoadSnapshot:
+    def ping(self, timeout_s: float = 30.0) -> Load:
         return self._call(self._client.ping(timeout_s))
 
-    def drain(self, timeout_s: float = 30.0) -> LoadSnapshot:
+    def drain(self, timeout_s: float = 30.0) -> Load:
         return self._call(self._client.drain(timeout_s))
 
     def close(self) -> None:

@@ -11,21 +11,20 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefill_worker.protocol import (
-    DrainMsg,
-    Limits,
-    PingMsg,
-    PongMsg,
-    PrefillMsg,
+from prefill_worker.request import AbortRequest, OutcomeStatus, SamplingParams
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.messages import (
+    Drain,
+    Ping,
+    Pong,
     Reject,
     RejectCode,
-    ResultMsg,
-    decode_router,
+    Result,
     encode,
     pack_tokens,
+    prefill_message,
 )
-from prefill_worker.request import AbortRequest, OutcomeStatus, SamplingParams
-from tests.integration.ingress.conftest import VOCAB, Worker, dealer, recv_msgs
+from tests.integration.router.conftest import VOCAB, Worker, dealer, recv_msgs
 
 LIMITS = Limits(VOCAB, 512, 1024)
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -34,7 +33,7 @@ Ctx = zmq.Context[zmq.Socket[bytes]]
 def good_frame(i: int, rng: random.Random, prefix: str = "ok") -> bytes:
     tokens = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
     sampling = SamplingParams(rng.random(), 0.5 + rng.random() / 2, rng.randrange(5), i)
-    return encode(PrefillMsg(f"{prefix}-{i}", tokens, i, sampling, bool(i % 2)))
+    return encode(prefill_message(f"{prefix}-{i}", tokens, i, sampling, bool(i % 2)))
 
 
 def mutate(frame: bytes, rng: random.Random) -> bytes:
@@ -71,21 +70,21 @@ def expected_replies(frames: list[bytes]) -> tuple[int, int]:
 
 
 def exchange(worker: Worker, sock: zmq.Socket[bytes], frames: list[bytes]) -> list[Any]:
-    frames = [f for f in frames if not isinstance(decode_router(f, LIMITS), DrainMsg)]
+    frames = [f for f in frames if not isinstance(decode_router(f, LIMITS), Drain)]
     owed, malformed = expected_replies(frames)
     before = worker.ingress.stats().num_malformed
     for frame in frames:
         sock.send(frame)
     replies = recv_msgs(sock, owed)
-    sock.send(encode(PingMsg(nonce=424242)))
+    sock.send(encode(Ping(nonce=424242)))
     [last] = recv_msgs(sock, 1)  # nothing beyond what was owed arrived before it
-    assert isinstance(last, PongMsg) and last.nonce == 424242
+    assert isinstance(last, Pong) and last.nonce == 424242
     assert worker.ingress.stats().num_malformed - before == malformed
     return replies
 
 
 def check_good_answered(replies: list[Any], good_ids: set[str]) -> None:
-    results = {r.request_id: r for r in replies if isinstance(r, ResultMsg)}
+    results = {r.request_id: r for r in replies if isinstance(r, Result)}
     for rid in good_ids:
         assert results[rid].status is OutcomeStatus.OK, rid
 
@@ -161,7 +160,7 @@ def test_hypothesis_frames_interleaved_with_good_requests(
     for i, junk in enumerate(garbage_frames):
         frames.append(junk)
         rid = f"ok-{seed}-{i}"
-        frames.append(encode(PrefillMsg(rid, [rng.randrange(VOCAB)], i)))
+        frames.append(encode(prefill_message(rid, [rng.randrange(VOCAB)], i)))
         good_ids.add(rid)
     check_good_answered(exchange(worker, sock, frames), good_ids)
     sock.close(linger=0)

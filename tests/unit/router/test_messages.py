@@ -10,26 +10,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from msgspec import UNSET
 
-from prefill_worker.protocol import (
-    AbortMsg,
-    DrainMsg,
-    Limits,
-    LoadSnapshot,
-    PingMsg,
-    PongMsg,
-    PrefillMsg,
-    ProtocolError,
-    Reject,
-    RejectCode,
-    ResultMsg,
-    decode_router,
-    decode_worker,
-    encode,
-    encode_outcome,
-    pack_tokens,
-    unpack_tokens,
-)
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -38,6 +20,25 @@ from prefill_worker.request import (
     PrefillRequest,
     SamplingParams,
     Timings,
+)
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.messages import (
+    Abort,
+    Drain,
+    Load,
+    Ping,
+    Pong,
+    Prefill,
+    ProtocolError,
+    Reject,
+    RejectCode,
+    Result,
+    decode_worker,
+    encode,
+    encode_outcome,
+    pack_tokens,
+    prefill_message,
+    unpack_tokens,
 )
 
 LIMITS = Limits(vocab_size=1000, max_prompt_tokens=64, max_pool_tokens=48)
@@ -78,43 +79,73 @@ def expect_reject(m: Any, code: RejectCode, field: str | None = None) -> Reject:
 # ── round trips ─────────────────────────────────────────────────────────────────────────────
 
 
+def as_request(msg: Prefill, arrival_time: float) -> PrefillRequest:
+    """What the engine should get for a valid ``prefill``."""
+    s = msg.sampling
+    assert s is not None
+    seed = s.seed if isinstance(s.seed, int) else None
+    return PrefillRequest(
+        msg.request_id,
+        unpack_tokens(msg.token_ids),
+        SamplingParams(s.temperature, s.top_p, s.top_k, seed),
+        msg.return_logprob,
+        msg.bootstrap_room,
+        arrival_time,
+        msg.deadline_s if isinstance(msg.deadline_s, float) else None,
+        msg.decode_peer if isinstance(msg.decode_peer, str) else None,
+    )
+
+
 @pytest.mark.parametrize(
     "msg",
     [
-        PrefillMsg("a", array("i", [0, 999, 5]), 0),
-        PrefillMsg("b" * 256, array("i", range(48)), 2**63 - 1, SamplingParams(1.5, 0.5, 3, 9)),
-        PrefillMsg("c", array("i", [1]), 5, SamplingParams(), True, 0.25),
-        PrefillMsg("d", array("i", [1]), 6, decode_peer="decode-agent-1"),
-        AbortMsg("r-9"),
-        PingMsg(),
-        PingMsg(17),
-        DrainMsg(),
-        DrainMsg(3),
+        prefill_message("a", [0, 999, 5], 0),
+        prefill_message("b" * 256, range(48), 2**63 - 1, SamplingParams(1.5, 0.5, 3, 9)),
+        prefill_message("c", [1], 5, SamplingParams(), True, 0.25),
+        prefill_message("d", [1], 6, decode_peer="decode-agent-1"),
+        Abort(request_id="r-9"),
+        Ping(),
+        Ping(nonce=17),
+        Drain(),
+        Drain(nonce=3),
     ],
 )
 def test_router_messages_round_trip(msg: Any) -> None:
     expected: Any = msg
-    if isinstance(msg, PrefillMsg):
-        expected = msg.to_request(arrival_time=3.5)
-    elif isinstance(msg, AbortMsg):
-        expected = msg.to_request()
+    if isinstance(msg, Prefill):
+        expected = as_request(msg, arrival_time=3.5)
+    elif isinstance(msg, Abort):
+        expected = AbortRequest(msg.request_id)
     assert decode_router(encode(msg), LIMITS, 3.5) == expected
 
 
 @pytest.mark.parametrize(
     "msg",
     [
-        ResultMsg(
-            "r", OutcomeStatus.OK, FinishReason.OK, 10, 4, 7, -0.25, None, Timings(1, 2, 3, 4)
+        Result(
+            request_id="r",
+            status=OutcomeStatus.OK,
+            reason=FinishReason.OK,
+            num_prompt_tokens=10,
+            num_cached_tokens=4,
+            first_token_id=7,
+            first_token_logprob=-0.25,
+            timings=Timings(1, 2, 3, 4),
         ),
-        ResultMsg(
-            "r", OutcomeStatus.FAILED, FinishReason.PEER_LOST, 3, 0, None, None, "gone", Timings()
+        Result(
+            request_id="r",
+            status=OutcomeStatus.FAILED,
+            reason=FinishReason.PEER_LOST,
+            num_prompt_tokens=3,
+            num_cached_tokens=0,
+            error="gone",
+            timings=Timings(),
         ),
-        Reject(RejectCode.DRAINING, "draining", "r", "request_id"),
-        Reject(RejectCode.MALFORMED, "not a map"),
-        Reject(RejectCode.FORBIDDEN, "drain is off", None, "type", 12),
-        PongMsg(LoadSnapshot(1, 2, 3, True), 5),
-        PongMsg(LoadSnapshot(0, 0, 0, False)),
+        Reject(code=RejectCode.DRAINING, message="draining", request_id="r", field="request_id"),
+        Reject(code=RejectCode.MALFORMED, message="not a map"),
+        Reject(code=RejectCode.FORBIDDEN, message="drain is off", field="type", nonce=12),
+        Pong(load=Load(waiting=1, running=2, free_kv_pages=3, draining=True), nonce=5),
+        Pong(load=Load(waiting=0, running=0, free_kv_pages=0, draining=False)),
     ],
 )
 def test_worker_messages_round_trip(msg: Any) -> None:
@@ -127,7 +158,6 @@ def test_prefill_becomes_a_prefill_request() -> None:
         "r-1", array("i", [1, 2, 3]), SamplingParams(0.5, 0.9, 10, 7), True, 42, 12.5, 2.5
     )
     assert isinstance(req.token_ids, array) and req.token_ids.typecode == "i"
-    assert AbortMsg("x").to_request() == AbortRequest("x")
 
 
 def test_outcome_maps_to_result_and_logprob_only_when_asked() -> None:
@@ -136,8 +166,8 @@ def test_outcome_maps_to_result_and_logprob_only_when_asked() -> None:
     )
     with_lp = decode_worker(encode_outcome(outcome, return_logprob=True))
     without = decode_worker(encode_outcome(outcome, return_logprob=False))
-    assert isinstance(with_lp, ResultMsg) and isinstance(without, ResultMsg)
-    assert with_lp.first_token_logprob == -1.5 and without.first_token_logprob is None
+    assert isinstance(with_lp, Result) and isinstance(without, Result)
+    assert with_lp.first_token_logprob == -1.5 and without.first_token_logprob is UNSET
     assert "first_token_logprob" not in msgpack.unpackb(encode_outcome(outcome, False))
     assert (with_lp.status, with_lp.reason, with_lp.error) == (
         OutcomeStatus.ABORTED,
@@ -164,7 +194,7 @@ def test_optional_fields_default_and_extra_fields_are_ignored() -> None:
     assert isinstance(msg, PrefillRequest)
     assert (msg.sampling, msg.return_logprob, msg.deadline_s) == (SamplingParams(), False, None)
     assert decode_map(prefill_map(sampling={"top_k": 1})).sampling == SamplingParams(top_k=1)
-    assert decode_map({"v": 1, "type": "ping", "x": [1, 2]}) == PingMsg()
+    assert decode_map({"v": 1, "type": "ping", "x": [1, 2]}) == Ping()
 
 
 # ── one test per reject code ────────────────────────────────────────────────────────────────
@@ -327,7 +357,7 @@ def test_the_decode_peer_is_carried() -> None:
 def test_the_result_carries_the_routers_own_id() -> None:
     outcome = Outcome("00ab12cd34/r-7", OutcomeStatus.OK, FinishReason.OK, 3)
     result = decode_worker(encode_outcome(outcome, request_id="r-7"))
-    assert isinstance(result, ResultMsg) and result.request_id == "r-7"
+    assert isinstance(result, Result) and result.request_id == "r-7"
 
 
 def test_every_reject_code_is_documented() -> None:

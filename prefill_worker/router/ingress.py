@@ -1,7 +1,8 @@
 """The router-facing ZMQ edge: a ROUTER socket and its I/O thread ↔ the engine's inbox queue.
 
-Routers connect DEALER sockets (DESIGN §4, docs/protocol.md). The I/O thread owns the socket
-and everything below; the engine loop owns everything else::
+Routers connect DEALER sockets (DESIGN §4, docs/protocol.md); ``admission.decode_router``
+decides what a frame is. The I/O thread owns the socket and everything below; the engine loop
+owns everything else::
 
     routers ─▶ ROUTER ─▶ decode_router ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
                   ▲  └─ monitor: DISCONNECTED ─▶ AbortRequest(ROUTER_GONE) for its requests
@@ -9,10 +10,8 @@ and everything below; the engine loop owns everything else::
                   └── encode_outcome ◀── outbox (deque) + wake pipe ◀── send_outcome(outcome)
 
 Invariants: every ``prefill`` gets exactly one ``result`` or ``reject``. Request ids are
-scoped by router connection: the engine sees ``"<routing id hex>/<request_id>"``, unique in
-the worker, and the reply carries the router's own id again. So two routers may use one id,
-and ``duplicate_request_id`` and ``abort`` concern only the sender's own ids (this module is
-the one owner of that rule; the engine trusts it). An ``abort`` is never answered. A router
+scoped by router connection (``routes.RouteTable``: the engine sees ids unique in the worker,
+the reply carries the router's own id again). An ``abort`` is never answered. A router
 whose connection closes has its requests aborted (``router_gone``); a reply the router cannot
 take any more (EHOSTUNREACH under ROUTER_MANDATORY) is counted and dropped.
 
@@ -36,27 +35,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import zmq
 import zmq.auth
 import zmq.utils.monitor
+from msgspec import UNSET, UnsetType
 from zmq.auth.thread import ThreadAuthenticator
 
-from prefill_worker.connections import RouterConnections
 from prefill_worker.curve import CurveServerKeys, start_server
-from prefill_worker.protocol import (
-    DrainMsg,
-    Limits,
-    LoadSnapshot,
-    PingMsg,
+from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.connections import RouterConnections
+from prefill_worker.router.messages import (
+    Drain,
+    Load,
+    Ping,
+    Pong,
     Reject,
     RejectCode,
-    decode_router,
+    encode,
     encode_outcome,
-    encode_pong,
-    encode_reject,
 )
-from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
-from prefill_worker.router_sender import RouterSender
+from prefill_worker.router.routes import RouteTable
+from prefill_worker.router.sender import RouterSender
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +120,6 @@ def default_max_message_bytes(max_prompt_tokens: int) -> int:
     return 4 * max_prompt_tokens + _MESSAGE_OVERHEAD_BYTES
 
 
-@dataclass(frozen=True, slots=True)
-class _Route:
-    identity: bytes
-    request_id: str  # the router's own id
-    return_logprob: bool
-
-
 class IngressError(RuntimeError):
     """The ingress socket could not be set up (bind failure, bad keys)."""
 
@@ -137,7 +131,7 @@ class Ingress:
         self,
         bind: str,
         inbox: EngineInbox,
-        load: Callable[[], LoadSnapshot],
+        load: Callable[[], Load],
         *,
         vocab_size: int,
         max_prompt_tokens: int,
@@ -160,7 +154,6 @@ class Ingress:
         self._inbox = inbox
         self._load = load
         self._limits = Limits(vocab_size, max_prompt_tokens, max_pool_tokens)
-        self._max_inflight = max_inflight
         self._sockopts = {
             zmq.ROUTER_MANDATORY: 1,
             # Off: while a connection holds a routing id, another connection naming the same
@@ -180,8 +173,7 @@ class Ingress:
         self._allow_drain_message = allow_drain_message
         self._draining = False
         self._stopping = False
-        self._routes: dict[str, _Route] = {}  # scoped id -> where its reply goes
-        self._by_router: dict[bytes, set[str]] = {}  # identity -> its scoped ids in flight
+        self._routes = RouteTable(max_inflight)
         self._connections = RouterConnections()
         self._outbox: collections.deque[Outcome] = collections.deque()
         self._outbox_lock = threading.Lock()
@@ -374,7 +366,7 @@ class Ingress:
     def _on_router_gone(self, identity: bytes) -> None:
         """Abort what the router left in flight; its parked replies can never be delivered."""
         self._sender.forget(identity)
-        scoped_ids = self._by_router.get(identity, ())
+        scoped_ids = self._routes.of_router(identity)
         if not scoped_ids:
             return
         self._counts["routers_gone"] += 1
@@ -384,36 +376,39 @@ class Ingress:
             identity.hex(),
             len(scoped_ids),
         )
-        for scoped_id in list(scoped_ids):
+        for scoped_id in scoped_ids:
             self._forward_abort(AbortRequest(scoped_id, FinishReason.ROUTER_GONE))
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             self._counts["malformed"] += 1
             self._observer.on_malformed()
-            self._reject(identity, Reject(RejectCode.MALFORMED, "expected exactly one frame"))
+            why = "expected exactly one frame"
+            self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
             return
         msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
         if isinstance(msg, PrefillRequest):
             self._admit(identity, msg)
         elif isinstance(msg, AbortRequest):
-            scoped_id = _scoped(identity, msg.request_id)
-            if scoped_id in self._routes:  # only the sender's own ids
+            scoped_id = self._routes.find(identity, msg.request_id)
+            if scoped_id is not None:  # only the sender's own ids
                 self._forward_abort(AbortRequest(scoped_id))
         elif isinstance(msg, Reject):
             if msg.code is RejectCode.MALFORMED:
                 self._counts["malformed"] += 1
                 self._observer.on_malformed()
             self._reject(identity, msg)
-        elif isinstance(msg, PingMsg):
+        elif isinstance(msg, Ping):
             self._pong(identity, msg.nonce)
         else:
             self._drain(identity, msg)
 
-    def _drain(self, identity: bytes, msg: DrainMsg) -> None:
+    def _drain(self, identity: bytes, msg: Drain) -> None:
         if not self._allow_drain_message:
             why = "the drain message is disabled (ingress.allow_drain_message); use SIGTERM"
-            self._reject(identity, Reject(RejectCode.FORBIDDEN, why, None, "type", msg.nonce))
+            nonce = UNSET if msg.nonce is None else msg.nonce
+            reject = Reject(code=RejectCode.FORBIDDEN, message=why, field="type", nonce=nonce)
+            self._reject(identity, reject)
             return
         log.info("drain asked by router %s", identity.hex())
         self._draining = True
@@ -422,33 +417,26 @@ class Ingress:
         self._pong(identity, msg.nonce)
 
     def _admit(self, identity: bytes, req: PrefillRequest) -> None:
-        scoped_id = _scoped(identity, req.request_id)
-        reject = self._admission_problem(req, scoped_id)
+        if self._draining:
+            why = "the worker is draining; send it elsewhere"
+            reject: Reject | None = Reject(
+                code=RejectCode.DRAINING, message=why, request_id=req.request_id
+            )
+        else:
+            reject = self._routes.problem(identity, req)
         if reject is None:
-            self._routes[scoped_id] = _Route(identity, req.request_id, req.return_logprob)
+            scoped_id = self._routes.add(identity, req)
             try:
                 self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
             except queue.Full:
-                del self._routes[scoped_id]
-                reject = Reject(RejectCode.OVERLOADED, "the engine queue is full", req.request_id)
+                self._routes.pop(scoped_id)
+                why = "the engine queue is full"
+                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=req.request_id)
             else:
-                self._by_router.setdefault(identity, set()).add(scoped_id)
                 self._counts["admitted"] += 1
                 self._observer.on_request()
                 return
         self._reject(identity, reject)
-
-    def _admission_problem(self, req: PrefillRequest, scoped_id: str) -> Reject | None:
-        rid = req.request_id
-        if self._draining:
-            return Reject(RejectCode.DRAINING, "the worker is draining; send it elsewhere", rid)
-        if scoped_id in self._routes:
-            why = f"request_id {rid!r} is already in flight on this connection"
-            return Reject(RejectCode.DUPLICATE_REQUEST_ID, why, rid, "request_id")
-        if len(self._routes) >= self._max_inflight:
-            why = f"{self._max_inflight} requests already in flight"
-            return Reject(RejectCode.OVERLOADED, why, rid)
-        return None
 
     def _forward_abort(self, msg: AbortRequest) -> None:
         try:
@@ -459,13 +447,14 @@ class Ingress:
     def _reject(self, identity: bytes, reject: Reject) -> None:
         self._counts["rejected"] += 1
         self._observer.on_reject(reject.code.value)
-        self._sender.send(identity, encode_reject(reject))
+        self._sender.send(identity, encode(reject))
 
-    def _pong(self, identity: bytes, nonce: int | None) -> None:
+    def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
         load = self._load()
         if self._draining and not load.draining:
-            load = LoadSnapshot(load.waiting, load.running, load.free_kv_pages, True)
-        self._sender.send(identity, encode_pong(load, nonce))
+            load = msgspec.structs.replace(load, draining=True)
+        pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
+        self._sender.send(identity, encode(pong))
 
     def _drain_wake_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -477,19 +466,10 @@ class Ingress:
         with self._outbox_lock:
             outcomes, self._outbox = self._outbox, collections.deque()
         for outcome in outcomes:
-            route = self._routes.pop(outcome.request_id, None)
+            route = self._routes.pop(outcome.request_id)
             if route is None:
                 self._counts["orphan"] += 1
                 log.warning("outcome for %r, which is not in flight", outcome.request_id)
                 continue
-            in_flight = self._by_router[route.identity]
-            in_flight.discard(outcome.request_id)
-            if not in_flight:
-                del self._by_router[route.identity]
             frame = encode_outcome(outcome, route.return_logprob, route.request_id)
             self._sender.send(route.identity, frame)
-
-
-def _scoped(identity: bytes, request_id: str) -> str:
-    """The worker-wide id of a router's request: hex has no '/', so the pair is recoverable."""
-    return f"{identity.hex()}/{request_id}"

@@ -10,29 +10,8 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
+from msgspec import UNSET
 
-from prefill_worker.client import (
-    BlockingRouterClient,
-    CurveClientKeys,
-    RequestRejected,
-    RouterClient,
-)
-from prefill_worker.ingress import (
-    CurveServerKeys,
-    Ingress,
-    IngressError,
-    default_max_message_bytes,
-)
-from prefill_worker.protocol import (
-    AbortMsg,
-    PingMsg,
-    PongMsg,
-    PrefillMsg,
-    Reject,
-    RejectCode,
-    ResultMsg,
-    encode,
-)
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -40,7 +19,29 @@ from prefill_worker.request import (
     OutcomeStatus,
     PrefillRequest,
 )
-from tests.integration.ingress.conftest import (
+from prefill_worker.router.client import (
+    BlockingRouterClient,
+    CurveClientKeys,
+    RequestRejected,
+    RouterClient,
+)
+from prefill_worker.router.ingress import (
+    CurveServerKeys,
+    Ingress,
+    IngressError,
+    default_max_message_bytes,
+)
+from prefill_worker.router.messages import (
+    Abort,
+    Ping,
+    Pong,
+    Reject,
+    RejectCode,
+    Result,
+    encode,
+    prefill_message,
+)
+from tests.integration.router.conftest import (
     LOAD,
     Worker,
     dealer,
@@ -60,7 +61,7 @@ def test_prefill_ping_and_logprob_round_trip(worker: Worker) -> None:
         plain = client.prefill([5, 6, 7], 11)
         with_lp = client.prefill([5, 6, 8], 12, return_logprob=True, request_id="lp")
     assert (plain.status, plain.first_token_id, plain.num_prompt_tokens) == (OutcomeStatus.OK, 7, 3)
-    assert plain.first_token_logprob is None
+    assert plain.first_token_logprob is UNSET
     assert (with_lp.request_id, with_lp.first_token_id, with_lp.first_token_logprob) == (
         "lp",
         8,
@@ -80,18 +81,18 @@ def test_bad_request_gets_a_reject_naming_the_field(worker: Worker) -> None:
 def test_duplicate_request_id(worker: Worker, zctx: Ctx) -> None:
     worker.engine.hold = True
     sock = dealer(zctx, worker.endpoint)
-    sock.send(encode(PrefillMsg("dup", [1, 2], 1)))
-    sock.send(encode(PrefillMsg("dup", [3, 4], 2)))
+    sock.send(encode(prefill_message("dup", [1, 2], 1)))
+    sock.send(encode(prefill_message("dup", [3, 4], 2)))
     [reject] = recv_msgs(sock, 1)
     assert isinstance(reject, Reject) and reject.code is RejectCode.DUPLICATE_REQUEST_ID
     assert reject.request_id == "dup"
     wait_until(lambda: worker.engine.release() == 1)
     [result] = recv_msgs(sock, 1)
-    assert isinstance(result, ResultMsg) and result.first_token_id == 2
-    sock.send(encode(PrefillMsg("dup", [9], 3)))  # answered: the id is free again
+    assert isinstance(result, Result) and result.first_token_id == 2
+    sock.send(encode(prefill_message("dup", [9], 3)))  # answered: the id is free again
     wait_until(lambda: worker.engine.release() == 1)
     [again] = recv_msgs(sock, 1)
-    assert isinstance(again, ResultMsg) and again.first_token_id == 9
+    assert isinstance(again, Result) and again.first_token_id == 9
 
 
 def test_draining(worker: Worker) -> None:
@@ -128,12 +129,12 @@ def test_overloaded(zctx: Ctx) -> None:
         w.engine.hold = True
         sock = dealer(zctx, w.endpoint)
         for i in range(3):
-            sock.send(encode(PrefillMsg(f"r{i}", [i + 1], i)))
+            sock.send(encode(prefill_message(f"r{i}", [i + 1], i)))
         [reject] = recv_msgs(sock, 1)
         assert isinstance(reject, Reject) and reject.code is RejectCode.OVERLOADED
         assert reject.request_id == "r2"
         wait_until(lambda: w.engine.release() == 2)
-        results = [m for m in recv_msgs(sock, 2) if isinstance(m, ResultMsg)]
+        results = [m for m in recv_msgs(sock, 2) if isinstance(m, Result)]
         assert {m.request_id for m in results} == {"r0", "r1"}
     finally:
         stop_worker(w)
@@ -142,19 +143,19 @@ def test_overloaded(zctx: Ctx) -> None:
 def test_abort_is_forwarded_once_answered_once_and_idempotent(worker: Worker, zctx: Ctx) -> None:
     worker.engine.hold = True
     sock = dealer(zctx, worker.endpoint)
-    sock.send(encode(PrefillMsg("a", [4, 5], 1)))
+    sock.send(encode(prefill_message("a", [4, 5], 1)))
     wait_until(lambda: worker.engine.holds("a"))
-    sock.send(encode(AbortMsg("a")))
-    sock.send(encode(AbortMsg("a")))
-    sock.send(encode(AbortMsg("never-sent")))
+    sock.send(encode(Abort(request_id="a")))
+    sock.send(encode(Abort(request_id="a")))
+    sock.send(encode(Abort(request_id="never-sent")))
     [result] = recv_msgs(sock, 1)
-    assert isinstance(result, ResultMsg) and result.status is OutcomeStatus.ABORTED
+    assert isinstance(result, Result) and result.status is OutcomeStatus.ABORTED
     assert result.reason is FinishReason.ABORTED_BY_ROUTER
-    sock.send(encode(AbortMsg("a")))  # after the reply: not in flight, not forwarded
+    sock.send(encode(Abort(request_id="a")))  # after the reply: not in flight, not forwarded
     worker.engine.hold = False
-    sock.send(encode(PrefillMsg("b", [6], 2)))
+    sock.send(encode(prefill_message("b", [6], 2)))
     [after] = recv_msgs(sock, 1)  # the engine is FIFO: any extra reply would come first
-    assert isinstance(after, ResultMsg) and after.request_id == "b"
+    assert isinstance(after, Result) and after.request_id == "b"
     assert worker.engine.num_aborts_seen <= 2
 
 
@@ -163,11 +164,11 @@ def test_two_routers_get_their_own_replies_only(worker: Worker, zctx: Ctx) -> No
     socks = [dealer(zctx, worker.endpoint) for _ in range(2)]
     for i in range(200):
         for r, sock in enumerate(socks):
-            sock.send(encode(PrefillMsg(f"router{r}-{i}", [r, i % VOCAB_SAFE], i)))
+            sock.send(encode(prefill_message(f"router{r}-{i}", [r, i % VOCAB_SAFE], i)))
     wait_until(lambda: len(worker.engine.held) == 400)
     worker.engine.release()
     for r, sock in enumerate(socks):
-        got = [m for m in recv_msgs(sock, 200) if isinstance(m, ResultMsg)]
+        got = [m for m in recv_msgs(sock, 200) if isinstance(m, Result)]
         assert sorted(m.request_id for m in got) == sorted(f"router{r}-{i}" for i in range(200))
         assert sock.poll(50) == 0, "a reply meant for the other router"
 
@@ -175,10 +176,10 @@ def test_two_routers_get_their_own_replies_only(worker: Worker, zctx: Ctx) -> No
 def test_router_that_disconnects_with_requests_in_flight(worker: Worker, zctx: Ctx) -> None:
     worker.engine.hold = True
     stays = dealer(zctx, worker.endpoint)
-    stays.send(encode(PrefillMsg("stays", [7], 1)))
+    stays.send(encode(prefill_message("stays", [7], 1)))
     gone = dealer(zctx, worker.endpoint)
     for i in range(300):
-        gone.send(encode(PrefillMsg(f"gone-{i}", [1, 2], i)))
+        gone.send(encode(prefill_message(f"gone-{i}", [1, 2], i)))
     wait_until(lambda: len(worker.engine.held) == 301)
     gone.close(linger=0)
     # Every request of the closed connection is aborted, and only those.
@@ -191,7 +192,7 @@ def test_router_that_disconnects_with_requests_in_flight(worker: Worker, zctx: C
     assert stats.num_inflight == 1
     worker.engine.release()
     [result] = recv_msgs(stays, 1)
-    assert isinstance(result, ResultMsg) and result.request_id == "stays"
+    assert isinstance(result, Result) and result.request_id == "stays"
     worker.engine.hold = False
     with BlockingRouterClient(worker.endpoint) as client:
         assert client.prefill([3, 4], 1).first_token_id == 4
@@ -201,19 +202,19 @@ def test_router_that_disconnects_with_requests_in_flight(worker: Worker, zctx: C
 
 def test_multi_frame_and_oversize_messages_do_not_hurt(worker: Worker, zctx: Ctx) -> None:
     sock = dealer(zctx, worker.endpoint)
-    sock.send_multipart([encode(PingMsg(1)), encode(PingMsg(2))])
+    sock.send_multipart([encode(Ping(nonce=1)), encode(Ping(nonce=2))])
     [reject] = recv_msgs(sock, 1)
     assert isinstance(reject, Reject) and reject.code is RejectCode.MALFORMED
     assert worker.ingress.stats().num_malformed == 1
     big = dealer(zctx, worker.endpoint)
     big.send(b"\x00" * (128 * 1024))  # over max_message_bytes: ZMQ drops the connection
-    sock.send(encode(PingMsg(3)))
+    sock.send(encode(Ping(nonce=3)))
     [pong] = recv_msgs(sock, 1)
-    assert isinstance(pong, PongMsg) and pong.nonce == 3
+    assert isinstance(pong, Pong) and pong.nonce == 3
 
 
 def test_many_requests_in_flight_on_the_async_client(worker: Worker) -> None:
-    async def run() -> list[ResultMsg]:
+    async def run() -> list[Result]:
         async with RouterClient(worker.endpoint) as client:
             rng = random.Random(1)
             prompts = [[rng.randrange(VOCAB_SAFE) for _ in range(1 + i % 7)] for i in range(300)]
@@ -247,8 +248,8 @@ def test_overloaded_when_the_engine_queue_is_full(zctx: Ctx) -> None:
     inbox: queue.Queue[PrefillRequest | AbortRequest] = queue.Queue(maxsize=1)
     with bare_ingress("tcp://127.0.0.1:0", inbox) as ingress:
         sock = dealer(zctx, ingress.endpoint)
-        sock.send(encode(PrefillMsg("first", [1], 1)))
-        sock.send(encode(PrefillMsg("second", [2], 2)))
+        sock.send(encode(prefill_message("first", [1], 1)))
+        sock.send(encode(prefill_message("second", [2], 2)))
         [reject] = recv_msgs(sock, 1)
         assert isinstance(reject, Reject) and reject.code is RejectCode.OVERLOADED
         assert reject.request_id == "second" and ingress.stats().num_inflight == 1
@@ -304,10 +305,10 @@ def test_observer_counts_requests_rejects_and_malformed_frames(zctx: Ctx) -> Non
     w = start_worker(observer=seen)
     try:
         sock = dealer(zctx, w.endpoint)
-        sock.send(encode(PrefillMsg("ok", [1], 1)))
-        sock.send(encode(PrefillMsg("bad", [], 1)))
+        sock.send(encode(prefill_message("ok", [1], 1)))
+        sock.send(encode(prefill_message("bad", [], 1)))
         sock.send(b"\xc1not msgpack")
-        sock.send(encode(PingMsg(5)))
+        sock.send(encode(Ping(nonce=5)))
         assert len(recv_msgs(sock, 4)) == 4
         assert (seen.requests, seen.malformed) == (1, 1)
         assert sorted(seen.rejects) == ["empty_prompt", "malformed"]
@@ -327,18 +328,18 @@ def test_outcome_after_close_is_dropped_without_error() -> None:
 def test_two_routers_may_use_the_same_request_id(worker: Worker, zctx: Ctx) -> None:
     worker.engine.hold = True
     first, second = dealer(zctx, worker.endpoint), dealer(zctx, worker.endpoint)
-    first.send(encode(PrefillMsg("same", [1, 11], 1)))
-    second.send(encode(PrefillMsg("same", [2, 22], 2)))
+    first.send(encode(prefill_message("same", [1, 11], 1)))
+    second.send(encode(prefill_message("same", [2, 22], 2)))
     wait_until(lambda: len(worker.engine.held) == 2)
-    first.send(encode(PrefillMsg("same", [3], 3)))  # a duplicate on its own connection only
+    first.send(encode(prefill_message("same", [3], 3)))  # a duplicate on its own connection only
     [reject] = recv_msgs(first, 1)
     assert isinstance(reject, Reject) and reject.code is RejectCode.DUPLICATE_REQUEST_ID
     assert "on this connection" in reject.message
     worker.engine.release()
     [a] = recv_msgs(first, 1)
     [b] = recv_msgs(second, 1)
-    assert isinstance(a, ResultMsg) and (a.request_id, a.first_token_id) == ("same", 11)
-    assert isinstance(b, ResultMsg) and (b.request_id, b.first_token_id) == ("same", 22)
+    assert isinstance(a, Result) and (a.request_id, a.first_token_id) == ("same", 11)
+    assert isinstance(b, Result) and (b.request_id, b.first_token_id) == ("same", 22)
     assert first.poll(50) == 0 and second.poll(50) == 0
 
 
@@ -347,15 +348,15 @@ def test_abort_counts_only_from_the_connection_that_sent_the_prefill(
 ) -> None:
     worker.engine.hold = True
     owner, other = dealer(zctx, worker.endpoint), dealer(zctx, worker.endpoint)
-    owner.send(encode(PrefillMsg("mine", [5], 1)))
+    owner.send(encode(prefill_message("mine", [5], 1)))
     wait_until(lambda: worker.engine.holds("mine"))
-    other.send(encode(AbortMsg("mine")))
-    other.send(encode(PingMsg(1)))  # the ping is answered after the abort was handled
+    other.send(encode(Abort(request_id="mine")))
+    other.send(encode(Ping(nonce=1)))  # the ping is answered after the abort was handled
     [pong] = recv_msgs(other, 1)
-    assert isinstance(pong, PongMsg) and worker.engine.num_aborts_seen == 0
-    owner.send(encode(AbortMsg("mine")))
+    assert isinstance(pong, Pong) and worker.engine.num_aborts_seen == 0
+    owner.send(encode(Abort(request_id="mine")))
     [result] = recv_msgs(owner, 1)
-    assert isinstance(result, ResultMsg) and result.status is OutcomeStatus.ABORTED
+    assert isinstance(result, Result) and result.status is OutcomeStatus.ABORTED
     assert other.poll(50) == 0
 
 
@@ -405,14 +406,14 @@ def test_a_reply_is_not_held_behind_many_big_frames(zctx: Ctx) -> None:
     try:
         w.engine.hold = True
         small, big = dealer(zctx, w.endpoint), dealer(zctx, w.endpoint)
-        small.send(encode(PrefillMsg("small", [1, 2], 1)))
+        small.send(encode(prefill_message("small", [1, 2], 1)))
         wait_until(lambda: w.engine.holds("small"))
         seen.worker = w
         payload = [3] * tokens
         for i in range(12):
-            big.send(encode(PrefillMsg(f"big-{i}", payload, 100 + i)))
+            big.send(encode(prefill_message(f"big-{i}", payload, 100 + i)))
         [result] = recv_msgs(small, 1)
-        assert isinstance(result, ResultMsg) and result.request_id == "small"
+        assert isinstance(result, Result) and result.request_id == "small"
         wait_until(lambda: len(seen.sent_at_admission) == 12)
         # Released at the first big admission; out before the third big frame was decoded.
         assert seen.sent_at_admission[2] >= 1, seen.sent_at_admission
@@ -426,17 +427,17 @@ def test_a_second_connection_cannot_take_over_a_routing_id(worker: Worker, zctx:
     owner.setsockopt(zmq.ROUTING_ID, b"router-1")
     owner.setsockopt(zmq.LINGER, 0)
     owner.connect(worker.endpoint)
-    owner.send(encode(PrefillMsg("mine", [5, 6], 1)))
+    owner.send(encode(prefill_message("mine", [5, 6], 1)))
     wait_until(lambda: worker.engine.holds("mine"))
     thief = zctx.socket(zmq.DEALER)
     thief.setsockopt(zmq.ROUTING_ID, b"router-1")
     thief.setsockopt(zmq.LINGER, 0)
     thief.connect(worker.endpoint)
-    thief.send(encode(AbortMsg("mine")))
-    owner.send(encode(PingMsg(1)))
+    thief.send(encode(Abort(request_id="mine")))
+    owner.send(encode(Ping(nonce=1)))
     [pong] = recv_msgs(owner, 1)
-    assert isinstance(pong, PongMsg) and worker.engine.num_aborts_seen == 0
+    assert isinstance(pong, Pong) and worker.engine.num_aborts_seen == 0
     worker.engine.release()
     [result] = recv_msgs(owner, 1)
-    assert isinstance(result, ResultMsg) and result.first_token_id == 6
+    assert isinstance(result, Result) and result.first_token_id == 6
     assert thief.poll(50) == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefill_worker.connections import RouterConnections
+from prefill_worker.router.connections import RouterConnections
 
 
 def test_a_disconnect_names_the_id_seen_on_that_connection() -> None:

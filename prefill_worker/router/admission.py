@@ -1,0 +1,276 @@
+"""From a router's frame to what the engine consumes, or the ``Reject`` that answers it.
+
+The one owner of what a valid request is. The schema (``messages.py``) checks types and
+shapes, with msgspec errors naming the field path; this module maps those to reject codes and
+adds what depends on the worker: prompt length against the model and the KV pool, token ids
+against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
+
+Safety caps: the frame's map, and any array or map in ``token_ids``, ``sampling`` or an unknown
+key, hold at most ``_MAX_ITEMS`` items (``malformed``; checked on the headers, before anything
+is built). A container where a scalar belongs is a type error (``bad_field``) found on its
+header; deeper ones are skipped by msgspec without building objects. Frames over the size
+limit never get here (ZMQ drops them).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from array import array
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+from msgspec import UNSET
+
+from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.router.messages import (
+    MAX_REQUEST_ID_CHARS,
+    PROTOCOL_VERSION,
+    Abort,
+    Drain,
+    Ping,
+    Prefill,
+    Reject,
+    RejectCode,
+    RouterMessage,
+    Sampling,
+    unpack_tokens,
+)
+
+_MAX_ITEMS = 64  # per map or array
+_SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
+_TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
+# Values the cap is checked on: a container in any other known field is a type error anyway.
+_SCALAR_FIELDS = frozenset(
+    {
+        "v",
+        "type",
+        "request_id",
+        "bootstrap_room",
+        "return_logprob",
+        "deadline_s",
+        "decode_peer",
+        "nonce",
+    }
+)
+_VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
+_GREEDY = SamplingParams()
+_MALFORMED = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
+
+_raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_router_decoder = msgspec.msgpack.Decoder(RouterMessage)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a prompt must satisfy; ``max_pool_tokens`` is the whole KV pool in tokens."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    max_pool_tokens: int
+
+
+class _Invalid(Exception):
+    """Internal: one field is wrong; carries the reject that answers it."""
+
+    def __init__(self, code: RejectCode, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.reject = Reject(code=code, message=message, field=UNSET if field is None else field)
+
+
+def decode_router(
+    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0
+) -> PrefillRequest | AbortRequest | Ping | Drain | Reject:
+    """A router frame as what the engine consumes, or the ``Reject`` that answers it.
+
+    A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``. The cost is
+    linear in the frame's size and small: ``token_ids`` is copied once and range-checked by
+    numpy."""
+    raws = _header_map(frame)
+    if raws is None:
+        return Reject(code=RejectCode.MALFORMED, message=_MALFORMED)
+    try:
+        type_ = _check_header(raws)
+    except _Invalid as exc:
+        return exc.reject
+    try:
+        msg = _decode_typed(frame)
+        if isinstance(msg, Prefill):
+            return _admit_prefill(msg, limits, arrival_time)
+    except _Invalid as exc:
+        return _with_request_id(exc.reject, raws) if type_ == "prefill" else exc.reject
+    if isinstance(msg, Abort):
+        return AbortRequest(msg.request_id)
+    return msg
+
+
+def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
+    """The top-level map with its values still encoded, or None when malformed or too big."""
+    if _num_items(frame) > _MAX_ITEMS:
+        return None
+    try:
+        raws = _raw_map.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
+        if _num_items(memoryview(raws[key])) > _MAX_ITEMS:
+            return None
+    return raws
+
+
+def _num_items(buf: bytes | memoryview) -> int:
+    """Items in the msgpack array or map that ``buf`` starts with (0: not a container)."""
+    if not buf:
+        return 0
+    head = buf[0]
+    if 0x80 <= head <= 0x9F:  # fixmap, fixarray
+        return head & 0x0F
+    if head in (0xDC, 0xDE) and len(buf) >= 3:  # array 16, map 16
+        return int.from_bytes(buf[1:3], "big")
+    if head in (0xDD, 0xDF) and len(buf) >= 5:  # array 32, map 32
+        return int.from_bytes(buf[1:5], "big")
+    return 0
+
+
+def _check_header(raws: dict[str, msgspec.Raw]) -> str:
+    """``v`` before ``type``, so that a frame from another version is told so."""
+    version = raws.get("v")
+    if version is None:
+        raise _Invalid(RejectCode.MISSING_FIELD, "v", "v is required")
+    if bytes(version) != _VERSION:
+        got = _decode_raw(version)
+        why = f"v must be {PROTOCOL_VERSION}, got {got!r:.40}"
+        raise _Invalid(RejectCode.BAD_VERSION, "v", why)
+    raw_type = raws.get("type")
+    if raw_type is None:
+        raise _Invalid(RejectCode.MISSING_FIELD, "type", "type is required")
+    type_ = _TAGS.get(bytes(raw_type))
+    if type_ is not None:
+        return type_
+    got = _decode_raw(raw_type)
+    if type(got) is not str:
+        raise _Invalid(RejectCode.BAD_FIELD, "type", "type must be a string")
+    raise _Invalid(RejectCode.UNKNOWN_TYPE, "type", f"unknown message type {got!r:.40}")
+
+
+def _decode_raw(raw: msgspec.Raw) -> object:
+    try:
+        return msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
+
+
+def _decode_typed(frame: bytes | memoryview) -> RouterMessage:
+    try:
+        return _router_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError:  # a value deeper down is not valid msgpack
+        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
+
+
+def _field_error(text: str) -> _Invalid:
+    """msgspec's error (``Expected `int`, got `str` - at `$.sampling.top_k```) as a reject
+    naming the field path."""
+    at = _PATH.search(text)
+    path = at.group(1) if at else ""
+    why = text[: at.start()] if at else text
+    missing = _MISSING.match(why)
+    if missing:
+        field = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return _Invalid(RejectCode.MISSING_FIELD, field, f"{field} is required")
+    return _Invalid(RejectCode.BAD_FIELD, path, f"{path}: {why}")
+
+
+def _with_request_id(reject: Reject, raws: dict[str, msgspec.Raw]) -> Reject:
+    """A refused ``prefill`` names the router's request id, when that id itself is valid."""
+    raw_id = raws.get("request_id")
+    if raw_id is None or reject.field == "request_id" or reject.code is RejectCode.MALFORMED:
+        return reject
+    try:
+        request_id = msgspec.msgpack.decode(raw_id, type=str)
+    except msgspec.DecodeError:
+        return reject
+    if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return reject
+    return msgspec.structs.replace(reject, request_id=request_id)
+
+
+def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> PrefillRequest:
+    tokens = _check_tokens(msg.token_ids, limits)
+    deadline = msg.deadline_s
+    if deadline is None or deadline is UNSET:
+        deadline = None
+    elif not (math.isfinite(deadline) and deadline > 0):
+        raise _Invalid(RejectCode.BAD_FIELD, "deadline_s", "deadline_s must be > 0")
+    peer = msg.decode_peer if isinstance(msg.decode_peer, str) else None
+    sampling = _check_sampling(msg.sampling)
+    return PrefillRequest(
+        msg.request_id,
+        tokens,
+        sampling,
+        msg.return_logprob,
+        msg.bootstrap_room,
+        arrival_time,
+        deadline,
+        peer,
+    )
+
+
+def _check_tokens(raw: bytes, limits: Limits) -> array:
+    if len(raw) % 4:
+        why = "token_ids must be packed little-endian int32 bytes"
+        raise _Invalid(RejectCode.BAD_FIELD, "token_ids", why)
+    n = len(raw) // 4
+    if n == 0:
+        raise _Invalid(RejectCode.EMPTY_PROMPT, "token_ids", "token_ids is empty")
+    if n > limits.max_prompt_tokens:
+        why = f"token_ids has {n} tokens, over max_prompt_tokens={limits.max_prompt_tokens}"
+        raise _Invalid(RejectCode.PROMPT_TOO_LONG, "token_ids", why)
+    if n > limits.max_pool_tokens:
+        why = f"token_ids has {n} tokens, more than the KV pool holds ({limits.max_pool_tokens})"
+        raise _Invalid(RejectCode.PROMPT_TOO_LONG, "token_ids", why)
+    tokens = unpack_tokens(raw)
+    bad = _first_out_of_range(raw, tokens, limits.vocab_size)
+    if bad is not None:
+        why = f"token_ids[{bad}] = {tokens[bad]} is outside [0, {limits.vocab_size})"
+        raise _Invalid(RejectCode.TOKEN_OUT_OF_RANGE, "token_ids", why)
+    return tokens
+
+
+def _first_out_of_range(data: bytes, tokens: array, vocab_size: int) -> int | None:
+    """Index of the first id outside ``[0, vocab_size)``, or None; no per-token Python loop."""
+    if len(tokens) < _SMALL_PROMPT:
+        if min(tokens) >= 0 and max(tokens) < vocab_size:
+            return None
+    else:
+        as_unsigned = np.frombuffer(data, dtype="<u4")  # negatives wrap to >= 2**31
+        if int(as_unsigned.max()) < vocab_size:
+            return None
+        return int(np.argmax(as_unsigned >= vocab_size))
+    return next(i for i, t in enumerate(tokens) if not 0 <= t < vocab_size)
+
+
+_sampling_cache: dict[Sampling, SamplingParams] = {}
+_SAMPLING_CACHE_SIZE = 4096  # routers tend to repeat a few settings; seeds vary more
+
+
+def _check_sampling(sampling: Sampling | None) -> SamplingParams:
+    if sampling is None:
+        return _GREEDY
+    params = _sampling_cache.get(sampling)
+    if params is not None:
+        return params
+    seed = sampling.seed if isinstance(sampling.seed, int) else None
+    params = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k, seed)
+    problem = params.problem()
+    if problem is not None:
+        field, why = problem
+        raise _Invalid(RejectCode.BAD_SAMPLING, field, f"{field} {why}")
+    if len(_sampling_cache) >= _SAMPLING_CACHE_SIZE:
+        _sampling_cache.clear()
+    _sampling_cache[sampling] = params
+    return params
