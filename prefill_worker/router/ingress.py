@@ -471,5 +471,5 @@ class Ingress:
                 self._counts["orphan"] += 1
                 log.warning("outcome for %r, which is not in flight", outcome.request_id)
                 continue
-            frame = encode_outcome(outcome, route.return_logprob, route.request_id)
+            frame = encode_outcome(outcome, route.request_id)
             self._sender.send(route.identity, frame)

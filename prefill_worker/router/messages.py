@@ -203,10 +203,9 @@ encode = _encoder.encode  # one message as one frame
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 
 
-def encode_outcome(
-    outcome: Outcome, return_logprob: bool = True, request_id: str | None = None
-) -> bytes:
-    """The ``result`` for an engine outcome; the logprob is sent only when it was asked for.
+def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
+    """The ``result`` for an engine outcome. The engine owns the logprob rule: the outcome
+    carries one only when the request asked (``return_logprob``), and then it is sent.
     ``request_id`` replaces the outcome's (the ingress's scoped id) with the router's own."""
     logprob = outcome.first_token_logprob
     result = Result(
@@ -217,7 +216,7 @@ def encode_outcome(
         num_prompt_tokens=outcome.num_prompt_tokens,
         num_cached_tokens=outcome.num_cached_tokens,
         timings=outcome.timings,
-        first_token_logprob=UNSET if logprob is None or not return_logprob else logprob,
+        first_token_logprob=UNSET if logprob is None else logprob,
         error=UNSET if outcome.error is None else outcome.error,
     )
     return _encoder.encode(result)

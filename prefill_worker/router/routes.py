@@ -19,7 +19,6 @@ from prefill_worker.router.messages import Reject, RejectCode
 class Route:
     identity: bytes  # the router's ZMQ routing id
     request_id: str  # the router's own id
-    return_logprob: bool
 
 
 class RouteTable:
@@ -48,7 +47,7 @@ class RouteTable:
     def add(self, identity: bytes, req: PrefillRequest) -> str:
         """File a request that ``problem`` allowed; returns its scoped id."""
         scoped_id = scoped(identity, req.request_id)
-        self._routes[scoped_id] = Route(identity, req.request_id, req.return_logprob)
+        self._routes[scoped_id] = Route(identity, req.request_id)
         self._by_router.setdefault(identity, set()).add(scoped_id)
         return scoped_id
 

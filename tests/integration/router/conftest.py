@@ -96,7 +96,7 @@ class FakeEngine:
                 reason,
                 num_prompt_tokens=len(req.token_ids),
                 first_token_id=req.token_ids[-1],
-                first_token_logprob=-0.5,
+                first_token_logprob=-0.5 if req.return_logprob else None,  # the engine's rule
             )
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from array import array
 from pathlib import Path
@@ -160,15 +161,16 @@ def test_prefill_becomes_a_prefill_request() -> None:
     assert isinstance(req.token_ids, array) and req.token_ids.typecode == "i"
 
 
-def test_outcome_maps_to_result_and_logprob_only_when_asked() -> None:
+def test_outcome_maps_to_result_and_logprob_only_when_the_outcome_has_one() -> None:
     outcome = Outcome(
         "r", OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_ROUTER, 9, 1, 4, -1.5, "stop"
     )
-    with_lp = decode_worker(encode_outcome(outcome, return_logprob=True))
-    without = decode_worker(encode_outcome(outcome, return_logprob=False))
+    not_asked = dataclasses.replace(outcome, first_token_logprob=None)  # the engine's rule
+    with_lp = decode_worker(encode_outcome(outcome))
+    without = decode_worker(encode_outcome(not_asked))
     assert isinstance(with_lp, Result) and isinstance(without, Result)
     assert with_lp.first_token_logprob == -1.5 and without.first_token_logprob is UNSET
-    assert "first_token_logprob" not in msgpack.unpackb(encode_outcome(outcome, False))
+    assert "first_token_logprob" not in msgpack.unpackb(encode_outcome(not_asked))
     assert (with_lp.status, with_lp.reason, with_lp.error) == (
         OutcomeStatus.ABORTED,
         FinishReason.ABORTED_BY_ROUTER,

@@ -149,11 +149,11 @@ def test_structs_encode_the_recorded_map(name: str) -> None:
 
 
 def test_outcomes_encode_to_the_recorded_results() -> None:
-    ok = Outcome("req-min", OutcomeStatus.OK, FinishReason.OK, 1, 0, 3, -0.25, None, TIMINGS)
+    ok = Outcome("req-min", OutcomeStatus.OK, FinishReason.OK, 1, 0, 3, None, None, TIMINGS)
     scoped = Outcome("ab/req", OutcomeStatus.ABORTED, FinishReason.ROUTER_GONE, 2)
     for frame, name in (
-        (encode_outcome(ok, return_logprob=False), "result_ok_no_logprob"),
-        (encode_outcome(scoped, True, "req"), "result_aborted_scoped"),
+        (encode_outcome(ok), "result_ok_no_logprob"),
+        (encode_outcome(scoped, "req"), "result_aborted_scoped"),
     ):
         assert msgspec.msgpack.decode(frame) == msgspec.msgpack.decode(_frame(name))
 
