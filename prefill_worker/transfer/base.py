@@ -66,6 +66,10 @@ class KVSender(Protocol):
 
     def failure_reason(self) -> str | None: ...
 
+    def written_bytes(self) -> int:
+        """Bytes of the writes that have landed so far (KV page runs and the aux row)."""
+        ...
+
     def close(self) -> None:
         """Release everything; on return no transfer of this sender reads local memory."""
         ...
@@ -83,6 +87,12 @@ class TransferBackend(Protocol):
 
     def poll(self) -> None:
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
+        ...
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Block until ``poll`` may have something to do (a message for the backend, its next
+        progress or heartbeat time), ``wake_fd`` is readable, or ``timeout_s`` passed. The
+        engine calls it only when a turn did nothing."""
         ...
 
     def close(self) -> None: ...
