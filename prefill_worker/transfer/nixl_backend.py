@@ -153,12 +153,12 @@ class NixlBackend:
             except Exception as exc:  # one peer's message must never stop the engine
                 self._on_dispatch_error(identity, exc)
         self._drain_events()  # statuses from the engine's fail()/close() since the last poll
+        now = self.clock()
+        self._expire(now)  # first: a silent peer, not its writes' deadline, is the cause
         for sender in list(self._senders.values()):
             sender.progress()
         self._drain_events()
-        now = self.clock()
         self._reap(now)
-        self._expire(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval_s
             for identity in list(self._peers):

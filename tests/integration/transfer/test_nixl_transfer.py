@@ -369,5 +369,5 @@ def test_taken_bootstrap_address_is_an_os_error(workers) -> None:
     worker = workers["bfloat16"]
     with pytest.raises(OSError, match="cannot bind"):
         make_backend(
-            "nixl", worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1
+            worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1
         )
