@@ -368,6 +368,4 @@ def test_taken_bootstrap_address_is_an_os_error(workers) -> None:
 
     worker = workers["bfloat16"]
     with pytest.raises(OSError, match="cannot bind"):
-        make_backend(
-            worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1
-        )
+        make_backend(worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1)

@@ -12,6 +12,7 @@ from prefill_worker.observers import EngineEvents, IngressEvents
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus
 from prefill_worker.scheduler import LoadSnapshot
 
+
 def test_events_reach_metrics(caplog) -> None:
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)

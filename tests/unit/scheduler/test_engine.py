@@ -470,4 +470,3 @@ def test_live_requests_waiting_for_decode_do_not_spin_the_loop() -> None:
     assert not thread.is_alive()
     rig.engine.shutdown()
     rig.check_whole()
-
