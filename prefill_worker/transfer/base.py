@@ -9,9 +9,11 @@ Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a
                              poll() == SUCCESS         (every write landed, status sent)
     any time:                poll() == FAILED | ABORTED, with failure_reason()
     fail(reason)             tell the decode peer `status failed`; poll() then says FAILED
-    close()                  release handles; returns once no transfer reads local memory
+    close()                  release handles, cancelling writes in flight; never waits
 
-Pages and the aux row may be freed only after ``close()`` has returned.
+Pages and the aux row may be freed only after ``close()`` has returned. The engine sleeps
+between turns in ``TransferBackend.wait`` (never in a sender): a backend wakes it for
+messages on its own sockets and for the progress it must poll for.
 
 Destination mapping: the decode side's ``want`` gives ``num_cached_tokens`` (a multiple of
 the page size, the prefix it already holds) and ``dst_page_ids`` for prompt pages
@@ -71,7 +73,8 @@ class KVSender(Protocol):
         ...
 
     def close(self) -> None:
-        """Release everything; on return no transfer of this sender reads local memory."""
+        """Release everything without waiting: writes in flight are cancelled. (A handle the
+        transport refuses to release is the backend's to reap; it disconnects the peer.)"""
         ...
 
 

@@ -1,7 +1,11 @@
 """The production transfer backend: NIXL WRITEs from this worker's KV pool into decode pools.
 
 One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
-server, drives every transfer, sends heartbeats and enforces deadlines. The KV pool and aux
+server, drives every transfer, does what senders recorded (statuses to send, closed senders
+to forget, handles to reap: ``nixl_sender.SenderEvent``; senders never call back), sends
+heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
+bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
+gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
 rows are registered once; the local descriptor list is prepared once, and each decode
 peer's list once at registration (``pagemap`` explains the index layout), so a chunk costs
 one ``make_prepped_xfer`` with two index arrays.
