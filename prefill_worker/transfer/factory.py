@@ -51,7 +51,7 @@ def make_backend(
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
-    from prefill_worker.transfer.nixl_backend import NixlBackend
+    from prefill_worker.transfer.nixl.backend import NixlBackend
 
     return NixlBackend(
         regions,

@@ -2,7 +2,7 @@
 
 One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
 server, drives every transfer, does what senders recorded (statuses to send, closed senders
-to forget, handles to reap: ``nixl_sender.SenderEvent``; senders never call back), sends
+to forget, handles to reap: ``nixl.sender.SenderEvent``; senders never call back), sends
 heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
 bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
 gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
@@ -34,16 +34,16 @@ from typing import Any
 from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import (
+from prefill_worker.transfer.base import KVPoll, KVSender
+from prefill_worker.transfer.bootstrap import BootstrapServer
+from prefill_worker.transfer.nixl.agent import (
     NIXL_ERRORS,
     deregister_regions,
     make_agent,
     prep_lists,
     register_regions,
 )
-from prefill_worker.transfer.base import KVPoll, KVSender
-from prefill_worker.transfer.bootstrap import BootstrapServer
-from prefill_worker.transfer.nixl_sender import (
+from prefill_worker.transfer.nixl.sender import (
     STUCK_RELEASE_S,
     Closed,
     NixlSender,
