@@ -470,3 +470,12 @@ def test_live_requests_waiting_for_decode_do_not_spin_the_loop() -> None:
     assert not thread.is_alive()
     rig.engine.shutdown()
     rig.check_whole()
+
+
+def test_the_outcome_carries_the_bytes_its_sender_wrote() -> None:
+    rig = make_rig()
+    rig.prefill("a", 10)  # 3 pages of 4 tokens, then the aux row
+    rig.run_until_idle()
+    assert rig.outcome("a").reason is FinishReason.OK
+    assert rig.outcome("a").transfer_bytes == rig.sender("a").written_bytes() == 3 + 1
+    rig.check_whole()
