@@ -100,7 +100,7 @@ def prefill_lines(args: argparse.Namespace, device: torch.device) -> list[dict[s
 
 
 def transfer_line(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from prefill_worker.transfer.agent import make_agent
+    from prefill_worker.transfer.nixl.agent import make_agent
 
     size = args.transfer_bytes
     src = _pattern(size, device)
@@ -151,7 +151,7 @@ def transfer_line(args: argparse.Namespace, device: torch.device) -> dict[str, A
 
 def _receiver(conn: Connection, size: int, device_name: str) -> None:
     """The other process: a destination buffer, its agent, then a byte check on request."""
-    from prefill_worker.transfer.agent import make_agent
+    from prefill_worker.transfer.nixl.agent import make_agent
 
     device = torch.device(device_name)
     dst = torch.zeros(size, dtype=torch.uint8, device=device)

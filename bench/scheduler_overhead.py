@@ -75,6 +75,9 @@ class NoopSender:
     def failure_reason(self) -> str | None:
         return None
 
+    def written_bytes(self) -> int:
+        return 0
+
     def close(self) -> None:
         return None
 
@@ -93,6 +96,9 @@ class NoopBackend:
         end = time.perf_counter() + self.poll_cpu_s
         while time.perf_counter() < end:
             pass
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        return None  # the bench drives step() itself and never waits
 
     def close(self) -> None:
         return None

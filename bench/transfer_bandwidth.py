@@ -155,7 +155,7 @@ def main() -> None:
     assert row == 0
     aux.write(row, AuxRow(1, 0.0, 8192, 0))
     backend = make_backend(
-        "nixl", regions_over(lay, pool, aux), "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.2
+        regions_over(lay, pool, aux), "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.2
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -121,8 +121,8 @@ class IngressConfig(_Section):
 class TransferConfig(_Section):
     """KV push to decode peers: the bootstrap server and NIXL (DESIGN §5)."""
 
-    backend: Literal["nixl", "loopback"] = Field(
-        "nixl", description="`nixl` in production; `loopback` is an in-process test backend."
+    backend: Literal["nixl"] = Field(
+        "nixl", description="The transfer backend: `nixl` (test fakes are not selectable)."
     )
     bootstrap_bind: str = Field(
         "tcp://127.0.0.1:5558", description="ZMQ ROUTER address decode peers register with."

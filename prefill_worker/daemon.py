@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -39,11 +38,11 @@ from prefill_worker.kv.pages import PagePool
 from prefill_worker.logs import configure_logging
 from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
-from prefill_worker.observers import EngineEvents, IngressEvents, PushedBytes
+from prefill_worker.observers import EngineEvents, IngressEvents
 from prefill_worker.request import FinishReason, Outcome
-from prefill_worker.router.ingress import CurveServerKeys, EngineInbox, Ingress
+from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.router.messages import Load
-from prefill_worker.scheduler import Engine, LoadSnapshot
+from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.sdnotify import SdNotifier
 from prefill_worker.transfer.factory import ServingBackend, make_backend
 from prefill_worker.transfer.validate import BootstrapLimits
@@ -86,7 +85,7 @@ class Daemon:
         self.metrics = WorkerMetrics(self.registry)
         self.health = Health(config.metrics.livez_stale_s)
         self.notifier = SdNotifier.from_environ(env)
-        self.inbox: EngineInbox = queue.Queue()
+        self.inbox = Inbox()
         self._wake = threading.Event()
         self._stop_engine = threading.Event()
         self._drain_asked = threading.Event()
@@ -145,7 +144,7 @@ class Daemon:
                 bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
                 transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
                 overlap=cfg.scheduler.overlap,
-                observer=EngineEvents(self.metrics, PushedBytes.of(kv_cache.layout), log),
+                observer=EngineEvents(self.metrics, log),
             )
             self._engine = engine
         self._start_ingress(
@@ -222,7 +221,6 @@ class Daemon:
                     cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
                 )
             backend = make_backend(
-                cfg.backend,
                 regions,
                 cfg.bootstrap_bind,
                 cfg.agent_name,
@@ -345,6 +343,7 @@ class Daemon:
     def _stop(self, reason: FinishReason, code: int) -> int:
         assert self._engine is not None and self._engine_thread is not None
         self._stop_engine.set()
+        self.inbox.wake()
         while self._engine_thread.is_alive():
             self._engine_thread.join(timeout=_SUPERVISE_PERIOD_S)
             if self._engine_thread.is_alive() and self._num_signals > 1:

@@ -99,7 +99,7 @@ class WorkerMetrics:
         )
         self.transfer_bytes = Counter(
             "prefill_worker_transfer_bytes_total",
-            "KV and aux bytes pushed to decode peers by successful requests",
+            "KV and aux bytes written to decode peers (writes that landed, any outcome)",
             registry=registry,
         )
         self.bootstrap_rejects = Counter(
@@ -129,8 +129,9 @@ class WorkerMetrics:
         self.ready = Gauge("prefill_worker_ready", "1 when serving, else 0", registry=registry)
         self.draining = Gauge("prefill_worker_draining", "1 while draining", registry=registry)
 
-    def observe_outcome(self, outcome: Outcome, transfer_bytes: int) -> None:
+    def observe_outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.status.value, outcome.reason.value).inc()
+        self.transfer_bytes.inc(outcome.transfer_bytes)  # landed writes, failed requests too
         self.prompt_tokens.inc(outcome.num_prompt_tokens)
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)
@@ -144,7 +145,6 @@ class WorkerMetrics:
             self.phase[phase].observe(seconds)
         if outcome.status is OutcomeStatus.OK:
             self.ttft.observe(t.queue_s + t.bootstrap_s + t.prefill_s + t.transfer_s)
-            self.transfer_bytes.inc(transfer_bytes)
         elif outcome.reason.value.startswith(("transfer", "peer")):
             self.transfer_failures.labels(outcome.reason.value).inc()
 

@@ -7,42 +7,21 @@ implements ``router.ingress.IngressObserver`` (I/O thread); both only record.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
 
-from prefill_worker.kv.aux import AUX_ROW_BYTES
-from prefill_worker.kv.layout import KVLayout
 from prefill_worker.logs import log_outcome
 from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import LoadSnapshot
 
 
-@dataclass(frozen=True, slots=True)
-class PushedBytes:
-    """Bytes one prompt page moves (all layers, K and V), to count transfer bytes."""
-
-    page_size: int
-    per_page: int
-
-    @classmethod
-    def of(cls, layout: KVLayout) -> PushedBytes:
-        return cls(layout.page_size, 2 * layout.num_layers * layout.page_bytes)
-
-    def pushed(self, outcome: Outcome) -> int:
-        pages = math.ceil(outcome.num_prompt_tokens / self.page_size)
-        cached = outcome.num_cached_tokens // self.page_size
-        return (pages - cached) * self.per_page + AUX_ROW_BYTES
-
-
 class EngineEvents:
     """The engine's observer: metrics and the per-request log line (engine thread)."""
 
-    def __init__(self, metrics: WorkerMetrics, sizes: PushedBytes, log: logging.Logger) -> None:
-        self._metrics, self._sizes, self._log = metrics, sizes, log
+    def __init__(self, metrics: WorkerMetrics, log: logging.Logger) -> None:
+        self._metrics, self._log = metrics, log
 
     def on_outcome(self, outcome: Outcome) -> None:
-        self._metrics.observe_outcome(outcome, self._sizes.pushed(outcome))
+        self._metrics.observe_outcome(outcome)
         log_outcome(self._log, outcome)
 
     def on_step(self, duration_s: float, num_batch_tokens: int) -> None:

@@ -148,6 +148,7 @@ class Outcome:
     first_token_logprob: float | None = None
     error: str | None = None
     timings: Timings = Timings()
+    transfer_bytes: int = 0  # what the sender's writes that landed covered (KV runs, aux row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +284,9 @@ class Request:
             queue_s=queue_s, bootstrap_s=bootstrap_s, prefill_s=prefill_s, transfer_s=transfer_s
         )
 
-    def outcome(self, reason: FinishReason, error: str | None, now: float) -> Outcome:
+    def outcome(
+        self, reason: FinishReason, error: str | None, now: float, transfer_bytes: int = 0
+    ) -> Outcome:
         """The final answer for this request; the first token only when it succeeded."""
         is_ok = reason is FinishReason.OK
         return Outcome(
@@ -296,4 +299,5 @@ class Request:
             first_token_logprob=self.first_token_logprob if is_ok else None,
             error=error,
             timings=self.timings(now),
+            transfer_bytes=transfer_bytes,
         )

@@ -18,7 +18,7 @@ Torch-free. The daemon composes it like this (all on the engine thread except wh
         overlap=cfg.scheduler.overlap,
         observer=metrics_adapter,                # EngineObserver; NullObserver if omitted
     )
-    engine.run(stop_event, inbox)   # inbox: queue.Queue[PrefillRequest | AbortRequest]
+    engine.run(stop_event, inbox)   # inbox: scheduler.Inbox, a queue.Queue the loop can sleep on
     ...                             # (or call engine.submit(msg) / engine.step() yourself)
     engine.shutdown()               # after run returns: fail what is left, stop the executor
 
@@ -31,12 +31,14 @@ passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is
 
 Modules: ``queues`` (requests per state), ``admission`` (token budget, running cap, page and
 aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one heap),
-``forward`` (serial or executor-thread forwards), ``observer`` (sink, observer, snapshot),
+``forward`` (serial or executor-thread forwards), ``inbox`` (the queue with a wake-up fd),
+``observer`` (sink, observer, snapshot),
 ``engine`` (the loop and the one finish path).
 """
 
 from prefill_worker.scheduler.engine import Engine, Message
 from prefill_worker.scheduler.forward import ForwardStrategy, SerialForward, ThreadedForward
+from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -48,6 +50,7 @@ __all__ = [
     "Engine",
     "EngineObserver",
     "ForwardStrategy",
+    "Inbox",
     "LoadSnapshot",
     "Message",
     "NullObserver",

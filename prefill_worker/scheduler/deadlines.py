@@ -30,6 +30,10 @@ class DeadlineHeap:
     def push(self, when: float, kind: DeadlineKind, req: Request) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), kind, req))
 
+    def next_at(self) -> float | None:
+        """When the earliest deadline passes (it may no longer apply), if any is held."""
+        return self._heap[0][0] if self._heap else None
+
     def pop_expired(self, now: float) -> list[tuple[DeadlineKind, Request]]:
         expired = []
         while self._heap and self._heap[0][0] <= now:

@@ -41,6 +41,7 @@ from prefill_worker.request import (
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
 from prefill_worker.scheduler.forward import make_forward
+from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -58,7 +59,7 @@ _SENDER_END = {
     KVPoll.ABORTED: FinishReason.ABORTED_BY_DECODE,
     KVPoll.PEER_LOST: FinishReason.PEER_LOST,
 }
-_IDLE_WAIT_EMPTY_S = 0.05
+_MAX_WAIT_S = 0.05  # a wait never exceeds this: the stop flag is checked at least that often
 _ABORT_ERRORS = {
     FinishReason.ABORTED_BY_ROUTER: "aborted by the router",
     FinishReason.ROUTER_GONE: "the router's connection closed",
@@ -87,7 +88,6 @@ class Engine:
         observer: EngineObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_budget: int = 32,
-        idle_wait_s: float = 0.001,
         max_messages_per_turn: int = 256,
     ) -> None:
         self._transfer, self._aux, self._sink = transfer, aux, sink
@@ -108,7 +108,7 @@ class Engine:
         self._deadlines = DeadlineHeap()
         self.page_size = page_size
         self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
-        self._poll_budget, self._idle_wait_s = poll_budget, idle_wait_s
+        self._poll_budget = poll_budget
         self._max_messages = max_messages_per_turn
         self._running: ScheduledBatch | None = None
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
@@ -131,8 +131,10 @@ class Engine:
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def run(self, stop: threading.Event, inbox: queue.Queue[Message]) -> None:
-        """Turn until ``stop`` is set. On an error, every live request fails, then it raises."""
+    def run(self, stop: threading.Event, inbox: Inbox) -> None:
+        """Turn until ``stop`` is set (``inbox.wake()`` makes it look at once). When a turn
+        did nothing the loop sleeps until a message, the transfer backend's next event, or
+        the next deadline. On an error, every live request fails, then it raises."""
         try:
             while not stop.is_set():
                 self._take(inbox)
@@ -144,8 +146,9 @@ class Engine:
             raise
 
     def submit(self, message: Message) -> None:
-        """Take one message. Ids are unique among live requests: the ingress owns that policy
-        (it scopes router ids by connection and rejects duplicates), so a repeat is a bug."""
+        """Take one message. Ids are unique among live requests and prompts are not empty: the
+        ingress owns both policies (it scopes router ids by connection, rejects duplicates and
+        empty prompts), so the engine trusts them."""
         if isinstance(message, AbortRequest):
             req = self._queues.live.get(message.request_id)
             if req is not None:
@@ -153,6 +156,7 @@ class Engine:
                 self._finish(req, message.reason, error)
             return
         assert message.request_id not in self._queues.live, f"{message.request_id!r} is live"
+        assert message.token_ids, f"{message.request_id!r} has an empty prompt"
         num_tokens = len(message.token_ids)
         sender = self._transfer.create_sender(
             message.bootstrap_room,
@@ -164,8 +168,6 @@ class Engine:
         self._queues.add(req)
         if self._is_draining:
             self._finish(req, FinishReason.DRAINING, "the worker is draining")
-        elif num_tokens == 0:
-            self._finish(req, FinishReason.ENGINE_ERROR, "empty prompt")
         elif not self._table.can_ever_fit(num_tokens):
             need = num_pages_for(num_tokens, self.page_size)
             self._finish(
@@ -226,7 +228,8 @@ class Engine:
 
     # ---- one turn ---------------------------------------------------------------------
 
-    def _take(self, inbox: queue.Queue[Message]) -> None:
+    def _take(self, inbox: Inbox) -> None:
+        inbox.clear_wake()  # before draining: a later put wakes the next wait
         for _ in range(self._max_messages):
             try:
                 message = inbox.get_nowait()
@@ -234,13 +237,18 @@ class Engine:
                 return
             self.submit(message)
 
-    def _wait(self, inbox: queue.Queue[Message]) -> None:
-        timeout = self._idle_wait_s if self._queues.live else _IDLE_WAIT_EMPTY_S
-        try:
-            message = inbox.get(timeout=timeout)
-        except queue.Empty:
+    def _wait(self, inbox: Inbox) -> None:
+        """Sleep until there is work: the backend waits on its own sockets and times, and
+        the inbox's fd; the engine bounds it by its next deadline. A forward in flight never
+        gets here: ``step`` collects it (blocking) and reports a busy turn."""
+        if not inbox.empty():
             return
-        self.submit(message)
+        timeout_s = _MAX_WAIT_S
+        next_at = self._deadlines.next_at()
+        if next_at is not None:
+            timeout_s = min(timeout_s, next_at - self._clock())
+        if timeout_s > 0:
+            self._transfer.wait(timeout_s, inbox.fileno())
 
     def _poll_senders(self) -> None:
         for req in self._queues.next_watched(self._poll_budget):
@@ -365,7 +373,8 @@ class Engine:
                 self._deferred.append(self._table.detach(req.request_id))
             else:
                 self._table.release(req.request_id)
-        self._emit(req.outcome(reason, error, req.finish_time))
+        transfer_bytes = req.sender.written_bytes()
+        self._emit(req.outcome(reason, error, req.finish_time, transfer_bytes))
 
     def _emit(self, outcome: Outcome) -> None:
         self.outcome_counts[outcome.reason] += 1

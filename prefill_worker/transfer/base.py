@@ -9,9 +9,11 @@ Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a
                              poll() == SUCCESS         (every write landed, status sent)
     any time:                poll() == FAILED | ABORTED, with failure_reason()
     fail(reason)             tell the decode peer `status failed`; poll() then says FAILED
-    close()                  release handles; returns once no transfer reads local memory
+    close()                  release handles, cancelling writes in flight; never waits
 
-Pages and the aux row may be freed only after ``close()`` has returned.
+Pages and the aux row may be freed only after ``close()`` has returned. The engine sleeps
+between turns in ``TransferBackend.wait`` (never in a sender): a backend wakes it for
+messages on its own sockets and for the progress it must poll for.
 
 Destination mapping: the decode side's ``want`` gives ``num_cached_tokens`` (a multiple of
 the page size, the prefix it already holds) and ``dst_page_ids`` for prompt pages
@@ -66,8 +68,13 @@ class KVSender(Protocol):
 
     def failure_reason(self) -> str | None: ...
 
+    def written_bytes(self) -> int:
+        """Bytes of the writes that have landed so far (KV page runs and the aux row)."""
+        ...
+
     def close(self) -> None:
-        """Release everything; on return no transfer of this sender reads local memory."""
+        """Release everything without waiting: writes in flight are cancelled. (A handle the
+        transport refuses to release is the backend's to reap; it disconnects the peer.)"""
         ...
 
 
@@ -83,6 +90,12 @@ class TransferBackend(Protocol):
 
     def poll(self) -> None:
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
+        ...
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Block until ``poll`` may have something to do (a message for the backend, its next
+        progress or heartbeat time), ``wake_fd`` is readable, or ``timeout_s`` passed. The
+        engine calls it only when a turn did nothing."""
         ...
 
     def close(self) -> None: ...

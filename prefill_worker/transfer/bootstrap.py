@@ -76,6 +76,15 @@ class BootstrapServer:
                 out.append((frames[0], exc))
         return out
 
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Block until a message can be read, ``wake_fd`` is readable, or ``timeout_s`` passes.
+        zmq's poller, not select: the socket's own fd is edge-triggered."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if wake_fd is not None:
+            poller.register(wake_fd, zmq.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)) or 1)
+
     def send(self, identity: bytes, msg: wire.Message) -> bool:
         """Send to one peer; False when it is unreachable (gone, or its queue is full)."""
         try:

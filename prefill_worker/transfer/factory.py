@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Protocol
 
 from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
@@ -23,11 +23,12 @@ class ServingBackend(Protocol):
 
     def poll(self) -> None: ...
 
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None: ...
+
     def close(self) -> None: ...
 
 
 def make_backend(
-    kind: Literal["nixl", "loopback"],
     regions: KVRegions,
     bootstrap_bind: str,
     agent_name: str | None,
@@ -41,19 +42,16 @@ def make_backend(
     ucx_net_devices: str | None = None,
     on_reject: Callable[[str], None] | None = None,
 ) -> ServingBackend:
-    """``nixl``: the real backend, its bootstrap server bound (``bootstrap_endpoint`` is the
-    actual address, port 0 allowed). ``loopback``: the in-process test backend.
+    """The NIXL backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
+    address, port 0 allowed). The in-process test backend (``testing.loopback``) is not
+    selectable here: nothing in production config can pick a fake.
     ``limits`` bound what a decode peer may register and send; ``curve`` turns on CurveZMQ
     with an allow-list on the bootstrap socket; ``ucx_net_devices`` picks UCX's interfaces;
     ``on_reject(reason)`` counts each refused bootstrap message (engine thread).
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
-    if kind == "loopback":
-        from prefill_worker.transfer.loopback import LoopbackBackend
-
-        return LoopbackBackend(regions)
-    from prefill_worker.transfer.nixl_backend import NixlBackend
+    from prefill_worker.transfer.nixl.backend import NixlBackend
 
     return NixlBackend(
         regions,

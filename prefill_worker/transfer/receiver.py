@@ -36,8 +36,8 @@ from prefill_worker.curve import CurveClientKeys, apply_client
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import deregister_regions, make_agent, register_regions
-from prefill_worker.transfer.nixl_sender import notif_tag
+from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
+from prefill_worker.transfer.nixl.sender import notif_tag
 
 
 class RoomState(enum.Enum):

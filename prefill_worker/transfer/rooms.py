@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.nixl_sender import Peer
+from prefill_worker.transfer.nixl.sender import Peer
 from prefill_worker.transfer.validate import Refusal, RejectReason, duplicate_want
 
 
@@ -89,6 +89,10 @@ class RoomBook:
         peer.unmatched.discard(room)
         peer.num_claimed_pages -= sum(c.want.num_dst_pages for c in claims if c.peer is peer)
         return len(kept) != len(claims)
+
+    def next_deadline(self) -> float | None:
+        """When the first waiting `want` expires, if any waits."""
+        return min((c.deadline for cs in self._claims.values() for c in cs), default=None)
 
     def pop_expired(self, now: float) -> list[Claim]:
         expired = [c for claims in self._claims.values() for c in claims if now >= c.deadline]

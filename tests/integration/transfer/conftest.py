@@ -43,7 +43,6 @@ class Worker:
         self.pages = PagePool(spec.layout.num_pages)
         self.regions = regions_over(spec, self.pool, self.aux.base_addr)
         self.backend = make_backend(
-            "nixl",
             self.regions,
             "tcp://127.0.0.1:0",
             None,

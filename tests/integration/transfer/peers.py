@@ -97,7 +97,6 @@ def prefill_main(
 
     buf = np.zeros(spec.nbytes, np.uint8)
     backend = make_backend(
-        "nixl",
         regions_over(spec, buf),
         "tcp://127.0.0.1:0",
         None,

@@ -22,8 +22,8 @@ import zmq.auth
 from prefill_worker.curve import CurveClientKeys, CurveServerKeys
 from prefill_worker.kv.aux import AuxRow
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import deregister_regions, make_agent, register_regions
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
 from tests.integration.transfer.conftest import PEER_TIMEOUT_S, Worker, small_spec
 from tests.integration.transfer.peers import PoolSpec, regions_over
 from tests.integration.transfer.test_nixl_transfer import expected_pool

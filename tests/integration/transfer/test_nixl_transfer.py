@@ -235,7 +235,7 @@ def raw_register(worker: Worker, frame: bytes) -> wire.Message:
     ],
 )
 def test_corrupt_metadata_is_refused_and_worker_serves_on(workers, decodes, mangle, why) -> None:
-    from prefill_worker.transfer.agent import make_agent
+    from prefill_worker.transfer.nixl.agent import make_agent
 
     worker = workers["bfloat16"]
     real = make_agent("raw", ["UCX"]).get_agent_metadata()
@@ -368,6 +368,4 @@ def test_taken_bootstrap_address_is_an_os_error(workers) -> None:
 
     worker = workers["bfloat16"]
     with pytest.raises(OSError, match="cannot bind"):
-        make_backend(
-            "nixl", worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1
-        )
+        make_backend(worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1)

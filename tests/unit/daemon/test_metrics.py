@@ -25,10 +25,11 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
         -0.5,
         None,
         Timings(0.01, 0.02, 0.3, 0.04),
+        transfer_bytes=4096,
     )
     failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
-    metrics.observe_outcome(ok, transfer_bytes=4096)
-    metrics.observe_outcome(failed, transfer_bytes=0)
+    metrics.observe_outcome(ok)
+    metrics.observe_outcome(failed)
     metrics.observe_step(0.02, 128)
     metrics.set_queue_sizes({"waiting": 3, "prefilling": 1})
     metrics.set_kv_pages(10, 100)

@@ -9,7 +9,9 @@ the sender contract (nothing after close, pages still allocated when close runs)
 from __future__ import annotations
 
 import math
+import select
 import threading
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,6 +137,10 @@ class FakeSender:
     def failure_reason(self) -> str | None:
         return self.decode_failure or self.worker_failure
 
+    def written_bytes(self) -> int:
+        """One byte per page sent, and one for the aux row: enough to see it counted."""
+        return len(self.prompt_pages_sent()) + len(self.aux)
+
     def close(self) -> None:
         self._expect(not self.is_closed)
         for page_ids, _ in self.sent:
@@ -170,6 +176,8 @@ class FakeBackend:
     senders: dict[str, FakeSender] = field(default_factory=dict)
     all_senders: list[FakeSender] = field(default_factory=list)
     num_polls: int = 0
+    num_waits: int = 0
+    waited_s: float = 0.0  # time spent blocked in wait()
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
@@ -182,6 +190,15 @@ class FakeBackend:
 
     def poll(self) -> None:
         self.num_polls += 1
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Sleeps on ``wake_fd``; while a scripted transfer counts polls down, only briefly."""
+        self.num_waits += 1
+        if any(s.state is KVPoll.TRANSFERRING and s.aux for s in self.senders.values()):
+            timeout_s = min(timeout_s, 0.001)
+        started = time.monotonic()
+        select.select([] if wake_fd is None else [wake_fd], [], [], max(timeout_s, 0.0))
+        self.waited_s += time.monotonic() - started
 
     def close(self) -> None:
         return None

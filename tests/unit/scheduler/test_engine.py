@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import queue
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -19,7 +19,7 @@ from prefill_worker.request import (
     RequestState,
     SamplingParams,
 )
-from prefill_worker.scheduler import Engine, LoadSnapshot
+from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.transfer.base import KVPoll
 from tests.unit.scheduler.fakes import Rig, expected_token, make_rig
 
@@ -328,15 +328,11 @@ def test_drain_refuses_new_requests_and_lets_accepted_ones_finish() -> None:
     rig.check_whole()
 
 
-def test_empty_request_gets_one_failed_outcome() -> None:
+def test_an_empty_prompt_is_a_caller_bug() -> None:
+    # The ingress owns empty prompts (it rejects them with EMPTY_PROMPT): the engine trusts it.
     rig = make_rig(auto_want=False)
-    rig.prefill("a", 8)
-    rig.prefill("e", 0)
-    assert [(o.request_id, o.reason) for o in rig.outcomes] == [("e", FinishReason.ENGINE_ERROR)]
-    rig.engine.step()
-    assert rig.engine.load.num_bootstrapping == 1
-    rig.engine.shutdown()
-    rig.check_whole()
+    with pytest.raises(AssertionError, match="empty prompt"):
+        rig.prefill("e", 0)
 
 
 def test_a_live_request_id_again_is_a_caller_bug() -> None:
@@ -371,7 +367,7 @@ class StopWhen(threading.Event):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_run_takes_messages_from_the_inbox_until_stopped(overlap: bool) -> None:
     rig = make_rig(overlap=overlap)
-    inbox: queue.Queue = queue.Queue()
+    inbox = Inbox()
     messages = [
         PrefillRequest(f"q{i}", [1, 2, 3] * (i + 1), SamplingParams(), False, i, rig.clock())
         for i in range(3)
@@ -397,7 +393,7 @@ def test_a_runner_error_fails_everything_and_propagates() -> None:
     rig.sender("a").want()
     rig.runner.fail_with = RuntimeError("device lost")
     with pytest.raises(RuntimeError, match="device lost"):
-        rig.engine.run(threading.Event(), queue.Queue())
+        rig.engine.run(threading.Event(), Inbox())
     assert {o.request_id: o.reason for o in rig.outcomes} == {
         "a": FinishReason.ENGINE_ERROR,
         "b": FinishReason.ENGINE_ERROR,
@@ -446,3 +442,40 @@ def test_sender_poll_states_cover_the_protocol() -> None:
     terminal = {KVPoll.FAILED, KVPoll.ABORTED, KVPoll.PEER_LOST, KVPoll.SUCCESS}
     assert terminal == {p for p in KVPoll if p.is_terminal}
     assert Engine.__doc__
+
+
+def test_live_requests_waiting_for_decode_do_not_spin_the_loop() -> None:
+    # Eight requests wait for their decode peer: the loop sleeps on the inbox and the
+    # backend (capped at 50 ms a wait) instead of polling every millisecond.
+    rig = make_rig(auto_want=False, bootstrap_timeout_s=60.0)
+    for i in range(8):
+        rig.prefill(f"r{i}", 8)
+    stop, inbox = threading.Event(), Inbox()
+    thread = threading.Thread(target=rig.engine.run, args=(stop, inbox))
+    thread.start()
+    try:
+        time.sleep(0.3)
+        assert rig.backend.num_polls < 30, rig.backend.num_polls  # 1 ms polling: ~300
+        before = rig.backend.num_polls
+        started = time.monotonic()
+        inbox.put(AbortRequest("r3"))  # wakes the loop at once, not at the end of its wait
+        while not rig.outcomes and time.monotonic() - started < 5:
+            time.sleep(0.001)
+        assert [o.request_id for o in rig.outcomes] == ["r3"]
+        assert rig.backend.num_polls > before
+    finally:
+        stop.set()
+        inbox.wake()
+        thread.join(timeout=5)
+    assert not thread.is_alive()
+    rig.engine.shutdown()
+    rig.check_whole()
+
+
+def test_the_outcome_carries_the_bytes_its_sender_wrote() -> None:
+    rig = make_rig()
+    rig.prefill("a", 10)  # 3 pages of 4 tokens, then the aux row
+    rig.run_until_idle()
+    assert rig.outcome("a").reason is FinishReason.OK
+    assert rig.outcome("a").transfer_bytes == rig.sender("a").written_bytes() == 3 + 1
+    rig.check_whole()

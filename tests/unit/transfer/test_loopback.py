@@ -8,9 +8,9 @@ import pytest
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.testing.loopback import LoopbackBackend
 from prefill_worker.transfer import pagemap, wire
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.loopback import LoopbackBackend
 
 LAYOUT = KVLayout(3, 2, 4, "float32", 4, 16)  # page_bytes = 4 * 2 * 4 * 4 = 128
 

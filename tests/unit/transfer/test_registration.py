@@ -11,7 +11,7 @@ import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVLayout, KVRegions
-from prefill_worker.transfer.agent import prep_lists, register_regions
+from prefill_worker.transfer.nixl.agent import prep_lists, register_regions
 
 LAYOUT = KVLayout(2, 2, 8, "bfloat16", 4, 16)
 REGIONS = KVRegions(LAYOUT, (1 << 20, 2 << 20), (3 << 20, 4 << 20), "cuda:1", 9 << 20, 5)

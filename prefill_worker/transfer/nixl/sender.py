@@ -1,15 +1,22 @@
 """One request's push over NIXL: its writes in flight, its deadlines, and its state.
 
-``NixlBackend`` owns the agent, the descriptor lists and the peers; a sender asks its host
-(a narrow Protocol) for them. Order of a successful push::
+``NixlBackend`` owns the agent, the descriptor lists and the peers; a sender gets the shared
+ones in a ``SendContext`` and never calls back: what the backend must do (a status for the
+peer, forgetting a closed sender, reaping handles NIXL would not release) is appended to the
+context's ``events`` and done by the backend when it drains them, in order, on its next
+``poll()``. Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages       (in flight, each with a deadline)
     send_aux         remembered; once no page write is in flight:
                      WRITE the aux row, notification notif_tag(room)
-    aux landed       `status ok` to the peer  ->  SUCCESS
+    aux landed       Tell(`status ok`, confirm=sender); the backend sends it and calls
+                     ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
 Handles are released when their write is DONE; on failure or close they are released even if
-in flight (NIXL cancels), and if that is refused the peer is disconnected, which ends them.
+in flight (NIXL cancels). ``close()`` never waits: a handle NIXL refuses to release goes to the
+backend in ``Closed.stuck``, which retries on later polls and, past a deadline, disconnects the
+peer (that ends its writes). ``written_bytes`` counts what landed: the descriptors of each DONE
+write (pages × regions × page bytes, and the aux row).
 """
 
 from __future__ import annotations
@@ -18,19 +25,20 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.aux import AUX_ROW_BYTES
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
 
-CLOSE_WAIT_S = 0.5  # close() waits this long for writes in flight before cancelling them
+STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, then its peer goes
 
 
 def notif_tag(room: int) -> bytes:
@@ -52,26 +60,46 @@ class Peer:
     num_claimed_pages: int = 0  # pages those wants name (rooms.RoomBook keeps it)
 
 
-class SenderHost(Protocol):
-    agent: Any
-    local_lists: PreppedLists
-    regions: KVRegions
-    peer_timeout_s: float
-    clock: Callable[[], float]
-
-    def send_status(
-        self, sender: NixlSender, code: wire.StatusCode, reason: str | None
-    ) -> bool: ...
-
-    def forget(self, sender: NixlSender) -> None: ...
-
-    def drop_peer_of(self, sender: NixlSender, reason: str) -> None: ...
-
-
 @dataclass(slots=True)
 class _Write:
     handle: Any  # nixl_xfer_handle
     deadline: float
+    num_bytes: int  # what its descriptors cover
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """A status for the decode peer at ``identity``; with ``confirm``, that sender waits to
+    hear whether it went out (``confirm_ok``)."""
+
+    identity: bytes
+    status: wire.Status
+    confirm: NixlSender | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The sender is closed: its room leaves the tables. ``stuck`` holds write handles NIXL
+    would not release, for the backend to reap (retry, then drop the peer)."""
+
+    sender: NixlSender
+    stuck: tuple[Any, ...] = ()
+
+
+SenderEvent = Tell | Closed
+
+
+@dataclass(frozen=True, slots=True)
+class SendContext:
+    """What all senders of one backend share. ``events`` is the backend's outbox: senders
+    append, the backend drains (``NixlBackend.poll``)."""
+
+    agent: Any  # nixl_agent
+    local_lists: PreppedLists
+    layout: KVLayout
+    peer_timeout_s: float
+    clock: Callable[[], float]
+    events: list[SenderEvent] = field(default_factory=list)
 
 
 class NixlSender:
@@ -79,13 +107,13 @@ class NixlSender:
 
     def __init__(
         self,
-        host: SenderHost,
+        ctx: SendContext,
         room: int,
         request_id: str,
         num_prompt_tokens: int,
         allowed_peer: str | None = None,
     ) -> None:
-        self._host = host
+        self._ctx = ctx
         self.room = room
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
@@ -98,7 +126,9 @@ class NixlSender:
         self._writes: list[_Write] = []
         self._aux_row: int | None = None
         self._is_aux_posted = False
+        self._is_ok_told = False  # `status ok` handed to the backend, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
+        self._written_bytes = 0
         self.prep_s = 0.0  # time spent building descriptor indices and transfer requests
 
     # -- KVSender -----------------------------------------------------------------------
@@ -109,22 +139,26 @@ class NixlSender:
     def num_cached_tokens(self) -> int:
         return 0 if self._want is None else self._want.num_cached_tokens
 
+    def written_bytes(self) -> int:
+        return self._written_bytes
+
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         if self._state.is_terminal:
             return
         assert self._want is not None and self.peer is not None, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
-        num_cached_pages = self._want.num_cached_tokens // self._host.regions.layout.page_size
+        layout = self._ctx.layout
+        num_cached_pages = self._want.num_cached_tokens // layout.page_size
         try:
             src, dst = map_pages(page_ids, first_page, num_cached_pages, self._want.dst_page_ids)
         except ValueError as exc:
             return self.fail(str(exc))
         if len(src):
             start = time.perf_counter()
-            num_regions = 2 * self._host.regions.layout.num_layers
-            local = region_indices(src, num_regions, self._host.regions.layout.num_pages)
+            num_regions = 2 * layout.num_layers
+            local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
-            self._post(local, remote, b"", start)
+            self._post(local, remote, b"", start, len(local) * layout.page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -136,28 +170,34 @@ class NixlSender:
         if self._state.is_terminal:
             return
         self._state, self._reason = KVPoll.FAILED, reason
-        self._host.send_status(self, "failed", reason)
+        self._tell("failed", reason)
 
     def failure_reason(self) -> str | None:
         return self._reason
 
     def close(self) -> None:
+        """Never waits: writes in flight are cancelled (released); a handle NIXL refuses to
+        release goes to the backend with the ``Closed`` event."""
         if self.is_closed:
             return
         self.fail("the request ended before its transfer")
-        deadline = self._host.clock() + min(CLOSE_WAIT_S, self._host.peer_timeout_s)
-        while self._writes and self._host.clock() < deadline:
-            self._check_writes(is_closing=True)
-        self._release_all()
+        stuck = self._release_all()
         self._maybe_ack()
         self.is_closed = True
-        self._host.forget(self)
+        self._ctx.events.append(Closed(self, tuple(stuck)))
 
     # -- driven by the backend ----------------------------------------------------------
 
     @property
     def num_inflight(self) -> int:
         return len(self._writes)
+
+    @property
+    def needs_progress(self) -> bool:
+        """True while ``progress()`` has something to watch: writes in flight, an aux row
+        to post, an acknowledgement due. NIXL gives no fd to wait on, so this means polling."""
+        is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
+        return bool(self._writes) or (is_aux_due and not self._is_ok_told) or self._is_ack_due
 
     def accepts(self, agent_name: str) -> bool:
         """May this decode agent claim the room (the router may have named one)?"""
@@ -167,9 +207,10 @@ class NixlSender:
         """The decode peer's `want` for this room arrived: READY, or FAILED with the reason."""
         self.peer = peer
         if self._state.is_terminal:  # failed before the want came: tell the peer now
-            self._host.send_status(self, "failed", self._reason)
+            self._tell("failed", self._reason)
             return
-        reason = check_want(want, self.num_prompt_tokens, self._host.regions.layout, peer.regions)
+        layout = self._ctx.layout
+        reason = check_want(want, self.num_prompt_tokens, layout, peer.regions)
         if reason is not None:
             return self.fail(reason)
         self._want = want
@@ -187,30 +228,48 @@ class NixlSender:
         The peer is told too, in case it can still hear (it left, or registered again)."""
         if not self._state.is_terminal:
             self._state, self._reason = KVPoll.PEER_LOST, reason
-            self._host.send_status(self, "failed", reason)
+            self._tell("failed", reason)
         self._is_ack_due = False
-        self._release_all()
+        if self._release_all():  # its peer is being dropped: nothing else would end them
+            log.error("request %s: write handles are leaked to NIXL", self.request_id)
         self.peer = None
 
     def progress(self) -> None:
-        self._check_writes(is_closing=False)
-        if self._state is KVPoll.TRANSFERRING and not self._writes and self._aux_row is not None:
+        self._check_writes()
+        is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
+        if is_aux_due and not self._writes and not self._is_ok_told:
+            assert self._aux_row is not None
             if not self._is_aux_posted:
                 self._post_aux(self._aux_row)
-            elif self._host.send_status(self, "ok", None):
-                self._state = KVPoll.SUCCESS
             else:
-                self.fail("decode peer unreachable for status ok")
+                self._is_ok_told = True
+                self._tell("ok", None, confirm=True)
         self._maybe_ack()
 
+    def confirm_ok(self, is_delivered: bool) -> None:
+        """The backend's answer to the `status ok` Tell: SUCCESS, or FAILED if unreachable."""
+        if self._state is not KVPoll.TRANSFERRING:
+            return
+        if is_delivered:
+            self._state = KVPoll.SUCCESS
+        else:
+            self.fail("decode peer unreachable for status ok")
+
     # -- internals ----------------------------------------------------------------------
+
+    def _tell(self, code: wire.StatusCode, reason: str | None, confirm: bool = False) -> None:
+        if self.peer is None:
+            return  # no peer yet: a `want` that comes later learns the reason (bind)
+        status = wire.Status(self.room, code, reason)
+        self._ctx.events.append(Tell(self.peer.identity, status, self if confirm else None))
 
     def _post_aux(self, aux_row: int) -> None:
         assert self._want is not None and self.peer is not None
         self._is_aux_posted = True
         local_idx = np.array([aux_row], np.int32)
         remote_idx = np.array([self._want.dst_aux_slot], np.int32)
-        self._post(local_idx, remote_idx, notif_tag(self.room), time.perf_counter(), is_aux=True)
+        tag = notif_tag(self.room)
+        self._post(local_idx, remote_idx, tag, time.perf_counter(), AUX_ROW_BYTES, is_aux=True)
 
     def _post(
         self,
@@ -218,11 +277,12 @@ class NixlSender:
         remote: np.ndarray,
         notif: bytes,
         start: float,
+        num_bytes: int,
         is_aux: bool = False,
     ) -> None:
         assert self.peer is not None
-        agent = self._host.agent
-        ours, theirs = self._host.local_lists, self.peer.lists
+        agent = self._ctx.agent
+        ours, theirs = self._ctx.local_lists, self.peer.lists
         local_list, remote_list = (ours.aux, theirs.aux) if is_aux else (ours.kv, theirs.kv)
         try:
             handle = agent.make_prepped_xfer("WRITE", local_list, local, remote_list, remote, notif)
@@ -230,7 +290,8 @@ class NixlSender:
             return self.fail(f"NIXL could not prepare the write: {exc}")
         finally:
             self.prep_s += time.perf_counter() - start
-        self._writes.append(_Write(handle, self._host.clock() + self._host.peer_timeout_s))
+        deadline = self._ctx.clock() + self._ctx.peer_timeout_s
+        self._writes.append(_Write(handle, deadline, num_bytes))
         try:
             state = agent.transfer(handle)
         except NIXL_ERRORS as exc:
@@ -238,41 +299,41 @@ class NixlSender:
         if state.startswith("ERR"):
             self.fail(f"NIXL write failed to start: {state}")
 
-    def _check_writes(self, is_closing: bool) -> None:
-        now = self._host.clock()
+    def _check_writes(self) -> None:
+        now = self._ctx.clock()
         for write in list(self._writes):
             try:
-                state = self._host.agent.check_xfer_state(write.handle)
+                state = self._ctx.agent.check_xfer_state(write.handle)
             except NIXL_ERRORS as exc:
                 state = f"ERR ({exc})"
             if state == "DONE":
                 self._writes.remove(write)
+                self._written_bytes += write.num_bytes
                 write.handle.release()
             elif state != "PROC":
                 self._writes.remove(write)
-                self._release(write)
+                release(write.handle, self.request_id)
                 self.fail(f"NIXL write failed: {state}")
-            elif now >= write.deadline and not is_closing:
-                self.fail(f"write still in flight after {self._host.peer_timeout_s:g} s")
+            elif now >= write.deadline:
+                self.fail(f"write still in flight after {self._ctx.peer_timeout_s:g} s")
 
-    def _release(self, write: _Write) -> bool:
-        try:
-            write.handle.release()
-        except NIXL_ERRORS as exc:
-            log.warning("request %s: releasing a write in flight: %s", self.request_id, exc)
-            return False
-        return True
-
-    def _release_all(self) -> None:
-        stuck = [w for w in self._writes if not self._release(w)]
-        if stuck:
-            self._host.drop_peer_of(self, "writes could not be cancelled")
-            for write in stuck:
-                if not self._release(write):
-                    log.error("request %s: a write handle is leaked to NIXL", self.request_id)
+    def _release_all(self) -> list[Any]:
+        """Release every handle (NIXL cancels writes in flight); those it refuses."""
+        stuck = [w.handle for w in self._writes if not release(w.handle, self.request_id)]
         self._writes.clear()
+        return stuck
 
     def _maybe_ack(self) -> None:
         if self._is_ack_due and not self._writes:
             self._is_ack_due = False
-            self._host.send_status(self, "aborted", "aborted by decode")
+            self._tell("aborted", "aborted by decode")
+
+
+def release(handle: Any, request_id: str) -> bool:
+    """Release a write handle; False (logged) when NIXL refuses."""
+    try:
+        handle.release()
+    except NIXL_ERRORS as exc:
+        log.warning("request %s: releasing a write in flight: %s", request_id, exc)
+        return False
+    return True

@@ -1,7 +1,11 @@
 """The production transfer backend: NIXL WRITEs from this worker's KV pool into decode pools.
 
 One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
-server, drives every transfer, sends heartbeats and enforces deadlines. The KV pool and aux
+server, drives every transfer, does what senders recorded (statuses to send, closed senders
+to forget, handles to reap: ``nixl.sender.SenderEvent``; senders never call back), sends
+heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
+bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
+gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
 rows are registered once; the local descriptor list is prepared once, and each decode
 peer's list once at registration (``pagemap`` explains the index layout), so a chunk costs
 one ``make_prepped_xfer`` with two index arrays.
@@ -21,22 +25,34 @@ the decode peer (``allowed_peer``) only that agent's ``want`` is acceptable.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.agent import (
+from prefill_worker.transfer.base import KVPoll, KVSender
+from prefill_worker.transfer.bootstrap import BootstrapServer
+from prefill_worker.transfer.nixl.agent import (
     NIXL_ERRORS,
     deregister_regions,
     make_agent,
     prep_lists,
     register_regions,
 )
-from prefill_worker.transfer.base import KVPoll, KVSender
-from prefill_worker.transfer.bootstrap import BootstrapServer
-from prefill_worker.transfer.nixl_sender import NixlSender, Peer, notif_tag
+from prefill_worker.transfer.nixl.sender import (
+    STUCK_RELEASE_S,
+    Closed,
+    NixlSender,
+    Peer,
+    SendContext,
+    Tell,
+    notif_tag,
+    release,
+)
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
@@ -50,8 +66,19 @@ from prefill_worker.transfer.validate import (
 
 log = logging.getLogger(__name__)
 
+_BUSY_POLL_S = 0.001  # NIXL has no fd: while writes are in flight the engine polls this often
 _MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
 UNKNOWN_PEER = "decode peer not registered"
+
+
+@dataclass(slots=True)
+class _Stuck:
+    """A write handle NIXL would not release when its sender closed."""
+
+    handle: Any
+    request_id: str
+    peer_identity: bytes | None
+    deadline: float
 
 
 class NixlBackend:
@@ -94,6 +121,8 @@ class NixlBackend:
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._senders: dict[int, NixlSender] = {}  # room -> open sender
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
+        self._ctx = SendContext(self.agent, self.local_lists, regions.layout, peer_timeout_s, clock)
+        self._stuck: list[_Stuck] = []
         self._next_heartbeat = clock()
         self.reject_counts: dict[str, int] = {}
 
@@ -102,7 +131,8 @@ class NixlBackend:
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> KVSender:
-        sender = NixlSender(self, room, request_id, num_prompt_tokens, allowed_peer)
+        self._drain_events()  # a sender closed since the last poll gives its room back
+        sender = NixlSender(self._ctx, room, request_id, num_prompt_tokens, allowed_peer)
         if room in self._senders:  # the request holding the room goes on untouched
             # No room number in the text: it reaches the outcome log, and rooms are capabilities.
             sender.fail("its bootstrap_room is already in use by another request")
@@ -126,20 +156,49 @@ class NixlBackend:
                 self._dispatch(identity, msg)
             except Exception as exc:  # one peer's message must never stop the engine
                 self._on_dispatch_error(identity, exc)
+        self._drain_events()  # statuses from the engine's fail()/close() since the last poll
+        now = self.clock()
+        self._expire(now)  # first: a silent peer, not its writes' deadline, is the cause
         for sender in list(self._senders.values()):
             sender.progress()
-        now = self.clock()
-        self._expire(now)
+        self._drain_events()
+        self._reap(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval_s
             for identity in list(self._peers):
                 self._server.send(identity, wire.Heartbeat())
 
+    def next_poll_at(self) -> float:
+        """The earliest time (this backend's clock) ``poll`` has work that no message starts:
+        now with events to drain, soon while NIXL writes are in flight (no fd to wait on),
+        else the next heartbeat, peer timeout or unmatched-want deadline."""
+        now = self.clock()
+        if self._ctx.events:
+            return now
+        if self._stuck or any(s.needs_progress for s in self._senders.values()):
+            return now + _BUSY_POLL_S
+        silent_at = (p.last_seen + self.peer_timeout_s for p in self._peers.values())
+        times = [self._next_heartbeat, *silent_at]
+        claims_at = self._rooms.next_deadline()
+        if claims_at is not None:
+            times.append(claims_at)
+        return min(times)
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Block until a bootstrap message arrives, ``wake_fd`` is readable, ``next_poll_at``
+        comes, or ``timeout_s`` passes."""
+        timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
+        if timeout_s > 0:
+            self._server.wait(timeout_s, wake_fd)
+
     def close(self) -> None:
         for sender in list(self._senders.values()):
             sender.close()
+        self._drain_events()
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "prefill worker shutting down")
+        self._drain_events()
+        self._reap(math.inf)
         self.local_lists.release()
         deregister_regions(self.agent, self._reg)
         self._server.close()
@@ -148,7 +207,7 @@ class NixlBackend:
 
     @property
     def num_open_senders(self) -> int:
-        return len(self._senders)
+        return sum(not s.is_closed for s in self._senders.values())
 
     @property
     def num_peers(self) -> int:
@@ -162,11 +221,12 @@ class NixlBackend:
         return any(p.agent_name == agent_name for p in self._peers.values())
 
     def num_inflight_transfers(self) -> int:
-        return sum(s.num_inflight for s in self._senders.values())
+        return sum(s.num_inflight for s in self._senders.values()) + len(self._stuck)
 
     def check_integrity(self) -> None:
+        closing = {id(e.sender) for e in self._ctx.events if isinstance(e, Closed)}
         for room, sender in self._senders.items():
-            assert sender.room == room and not sender.is_closed
+            assert sender.room == room and (not sender.is_closed or id(sender) in closing)
             assert sender.peer is None or sender.peer.identity in self._peers
         for peer in self._peers.values():
             assert all(self._senders[r].peer is peer for r in peer.rooms)
@@ -174,17 +234,27 @@ class NixlBackend:
         names = [p.agent_name for p in self._peers.values()]
         assert len(names) == len(set(names)), "one peer per agent name"
 
-    # -- used by NixlSender -------------------------------------------------------------
+    # -- what senders asked for --------------------------------------------------------
 
-    def send_status(self, sender: NixlSender, code: wire.StatusCode, reason: str | None) -> bool:
-        if sender.peer is None:
-            return False
-        return self._server.send(sender.peer.identity, wire.Status(sender.room, code, reason))
+    def _drain_events(self) -> None:
+        """Do what senders recorded, in order (a status, then forgetting, say)."""
+        events = self._ctx.events
+        while events:
+            match events.pop(0):
+                case Tell(identity, status, confirm):
+                    is_delivered = self._server.send(identity, status)
+                    if confirm is not None:
+                        confirm.confirm_ok(is_delivered)
+                case Closed(sender, stuck):
+                    self._forget(sender, stuck)
 
-    def forget(self, sender: NixlSender) -> None:
+    def _forget(self, sender: NixlSender, stuck: tuple[Any, ...]) -> None:
         """A closed sender leaves the tables; a late `want` for its room learns why."""
         if self._senders.get(sender.room) is sender:
             del self._senders[sender.room]
+        identity = None if sender.peer is None else sender.peer.identity
+        deadline = self.clock() + min(STUCK_RELEASE_S, self.peer_timeout_s)
+        self._stuck += [_Stuck(h, sender.request_id, identity, deadline) for h in stuck]
         if sender.peer is not None:
             sender.peer.rooms.discard(sender.room)
         elif sender.failure_reason() is not None and sender.room not in self._senders:
@@ -192,10 +262,19 @@ class NixlBackend:
             gone = Gone(sender.failure_reason() or "", sender.allowed_peer, forget_at)
             self._rooms.mark_gone(sender.room, gone)
 
-    def drop_peer_of(self, sender: NixlSender, reason: str) -> None:
-        """Last resort when a handle cannot be released: disconnecting cancels its writes."""
-        if sender.peer is not None and sender.peer.identity in self._peers:
-            self._drop_peer(sender.peer, reason)
+    def _reap(self, now: float) -> None:
+        """Retry handles NIXL would not release; past their deadline, disconnecting the peer
+        (which ends its writes) is the last resort, as it is for a peer that goes silent."""
+        for stuck in list(self._stuck):
+            if release(stuck.handle, stuck.request_id):
+                self._stuck.remove(stuck)
+            elif now >= stuck.deadline:
+                self._stuck.remove(stuck)
+                peer = self._peers.get(stuck.peer_identity or b"")
+                if peer is not None:
+                    self._drop_peer(peer, "writes could not be cancelled")
+                if not release(stuck.handle, stuck.request_id):
+                    log.error("request %s: a write handle is leaked to NIXL", stuck.request_id)
 
     # -- the bootstrap protocol ---------------------------------------------------------
 
@@ -356,6 +435,7 @@ class NixlBackend:
         del self._peers[peer.identity]
         for sender in [s for s in self._senders.values() if s.peer is peer]:
             sender.lose_peer(reason)
+        self._drain_events()  # their `failed` goes out before anything else to this peer
         for room in list(peer.unmatched):  # not an outcome: the SDK registers and asks again
             self._rooms.drop(room, peer)
             status = wire.Status(room, "failed", f"{UNKNOWN_PEER}: {reason}", "unknown_peer")

@@ -1,5 +1,7 @@
 """An in-process transfer backend for tests only: the "decode peer" is the test itself.
 
+Outside the production import graph: no config value selects it.
+
 The test plays the decode side through ``want``, ``abort`` and ``told`` (what the decode
 peer was told). Pages are mapped with the same ``pagemap`` rules as NIXL; when the backend
 is given a decode pool (``dst_regions``), bytes are really copied with ``memmove``, else
@@ -9,6 +11,7 @@ only the page mapping is recorded in ``sent``. Everything completes on the next 
 from __future__ import annotations
 
 import ctypes
+import select
 from collections.abc import Sequence
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
@@ -30,6 +33,7 @@ class LoopbackSender:
         self.want: wire.Want | None = None
         self.is_aux_sent = False
         self.is_closed = False
+        self.num_written_bytes = 0
 
     def poll(self) -> KVPoll:
         return self.state
@@ -48,6 +52,8 @@ class LoopbackSender:
         except ValueError as exc:
             return self.fail(str(exc))
         self._backend.copy_pages(self.room, [int(p) for p in src], [int(p) for p in dst])
+        layout = self._backend.regions.layout
+        self.num_written_bytes += len(src) * 2 * layout.num_layers * layout.page_bytes
 
     def send_aux(self, aux_row: int) -> None:
         if not self.state.is_terminal:
@@ -55,6 +61,7 @@ class LoopbackSender:
             self.state = KVPoll.TRANSFERRING
             self._backend.copy_aux(aux_row, self.want.dst_aux_slot)
             self.is_aux_sent = True
+            self.num_written_bytes += AUX_ROW_BYTES
 
     def fail(self, reason: str) -> None:
         if not self.state.is_terminal:
@@ -63,6 +70,9 @@ class LoopbackSender:
 
     def failure_reason(self) -> str | None:
         return self.reason
+
+    def written_bytes(self) -> int:
+        return self.num_written_bytes
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")
@@ -122,6 +132,12 @@ class LoopbackBackend:
             if sender.state is KVPoll.TRANSFERRING and sender.is_aux_sent:
                 sender.state = KVPoll.SUCCESS
                 self.tell(sender.room, "ok", None)
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Nothing arrives on its own here: sleep on ``wake_fd``, briefly if a poll is due."""
+        if any(s.state is KVPoll.TRANSFERRING and s.is_aux_sent for s in self.senders.values()):
+            return
+        select.select([] if wake_fd is None else [wake_fd], [], [], max(timeout_s, 0.0))
 
     def close(self) -> None:
         for sender in list(self.senders.values()):

@@ -1,0 +1,6 @@
+"""The NIXL side of transfer: the agent and its registrations (``agent``), one request's push
+(``sender``), and the backend that owns peers and drives every sender (``backend``).
+
+Imports NIXL (lazily, in ``agent``) and ZMQ (the bootstrap server): the scheduler never
+imports this package; ``transfer.factory`` does, at start-up.
+"""
