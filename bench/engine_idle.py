@@ -26,10 +26,7 @@ from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
 
-try:
-    from prefill_worker.transfer.nixl.backend import NixlBackend
-except ImportError:
-    from prefill_worker.transfer.nixl_backend import NixlBackend  # type: ignore[no-redef]
+from prefill_worker.transfer.nixl.backend import NixlBackend
 
 LAYOUT = KVLayout(2, 2, 16, "float32", 16, 64)
 

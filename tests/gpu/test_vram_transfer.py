@@ -67,7 +67,7 @@ def test_kv_and_aux_land_byte_for_byte_between_processes(device: str) -> None:
         aux.base_addr,
         4,
     )
-    backend = make_backend("nixl", regions, "tcp://127.0.0.1:0", None, ["UCX"], 10.0, 0.1, 10.0)
+    backend = make_backend(regions, "tcp://127.0.0.1:0", None, ["UCX"], 10.0, 0.1, 10.0)
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
         target=decode_process, args=(child, device, backend.bootstrap_endpoint), daemon=True
