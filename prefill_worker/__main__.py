@@ -1,5 +1,5 @@
 """``python -m prefill_worker`` runs the CLI."""
 
-from prefill_worker.cli import main
+from prefill_worker.service.cli import main
 
 raise SystemExit(main())

@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefill_worker.config import load_config  # noqa: E402
-from prefill_worker.decode_peer import DecodePeerClient, Generation  # noqa: E402
-from prefill_worker.launch import ChildProcess, LaunchError, free_port  # noqa: E402
 from prefill_worker.router.client import RouterClient  # noqa: E402
 from prefill_worker.router.messages import Result  # noqa: E402
+from prefill_worker.service.config import load_config  # noqa: E402
+from prefill_worker.testing.decode_peer import DecodePeerClient, Generation  # noqa: E402
+from prefill_worker.testing.launch import ChildProcess, LaunchError, free_port  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
@@ -178,8 +178,8 @@ def _converse(
 ) -> list[Answer]:
     from transformers import AutoTokenizer
 
-    from prefill_worker.config import Config
     from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.service.config import Config
 
     assert isinstance(config, Config)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -206,12 +206,12 @@ def _worker_args(config: str, ingress: str, bootstrap: str, metrics: str) -> lis
 
 
 def _peer_args(config: object, model: str, bootstrap: str, control: str) -> list[str]:
-    from prefill_worker.config import Config
+    from prefill_worker.service.config import Config
 
     assert isinstance(config, Config)
     dtype = config.model.dtype
     return [
-        sys.executable, "-m", "prefill_worker.decode_peer",
+        sys.executable, "-m", "prefill_worker.testing.decode_peer",
         "--model", model, "--bootstrap", bootstrap, "--bind", control,
         "--dtype", dtype, "--page-size", str(config.cache.page_size), "--num-pages", "1024",
         "--attention-backend", "sdpa",

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 
-from prefill_worker.sdnotify import SdNotifier
+from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.transfer.receiver import RoomState
 from tests.reliability.harness import LiveDecode
 

@@ -15,7 +15,6 @@ from typing import Any
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefill_worker.launch import ChildProcess
 from prefill_worker.request import OutcomeStatus, SamplingParams
 from prefill_worker.router.messages import (
     Abort,
@@ -29,6 +28,7 @@ from prefill_worker.router.messages import (
     encode,
     prefill_message,
 )
+from prefill_worker.testing.launch import ChildProcess
 from prefill_worker.transfer.receiver import RoomState, RoomStatus
 from tests.checkpoints import COMMON, prompt
 from tests.integration.daemon.conftest import DECODE_PAGES, PAGE_SIZE, Decode, Worker

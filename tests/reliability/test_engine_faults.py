@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from prefill_worker.launch import ChildProcess
 from prefill_worker.request import OutcomeStatus, SamplingParams
 from prefill_worker.router.messages import Reject, Result
+from prefill_worker.testing.launch import ChildProcess
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import ROOT
 from tests.reliability.conftest import Rig, check_healthy

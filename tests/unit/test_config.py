@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefill_worker.config import ConfigError, dump_yaml, load_config
+from prefill_worker.service.config import ConfigError, dump_yaml, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefill_worker.config import SECTIONS
-from prefill_worker.configdoc import render_config_doc
+from prefill_worker.service.config import SECTIONS
+from prefill_worker.service.configdoc import render_config_doc
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

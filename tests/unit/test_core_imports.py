@@ -13,8 +13,8 @@ import prefill_worker
 BLOCKED = ("torch", "zmq", "nixl", "nixl_cu12", "flashinfer", "transformers")
 CORE_PACKAGES = ("scheduler", "kv")
 CORE_MODULES = (
-    "prefill_worker.config",
-    "prefill_worker.configdoc",
+    "prefill_worker.service.config",
+    "prefill_worker.service.configdoc",
     "prefill_worker.request",
     "prefill_worker.batch",
     "prefill_worker.router.messages",
@@ -54,7 +54,7 @@ def core_modules() -> list[str]:
 
 def test_core_imports_without_torch_zmq_nixl() -> None:
     modules = core_modules()
-    assert "prefill_worker.config" in modules and "prefill_worker.request" in modules
+    assert "prefill_worker.service.config" in modules and "prefill_worker.request" in modules
     code = _BLOCKER.format(blocked=BLOCKED, modules=modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

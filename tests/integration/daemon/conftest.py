@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_worker.launch import ChildProcess, free_port
 from prefill_worker.router.client import BlockingRouterClient
+from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer.receiver import KVReceiver, RoomState, RoomStatus
 from tests.checkpoints import make_checkpoint
 from tests.polling import wait_until

@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from prefill_worker.config import load_config
-from prefill_worker.daemon import Daemon, ModelBuilder
 from prefill_worker.model import build
+from prefill_worker.service.config import load_config
+from prefill_worker.service.daemon import Daemon, ModelBuilder
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
 
 

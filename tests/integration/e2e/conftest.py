@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from prefill_worker.decode_peer import DecodePeer
-from prefill_worker.launch import ChildProcess
+from prefill_worker.testing.decode_peer import DecodePeer
+from prefill_worker.testing.launch import ChildProcess
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import (
     PAGE_SIZE,
@@ -58,10 +58,10 @@ def decode_peer(worker: Worker, checkpoint: Path) -> Iterator[DecodePeer]:
 def start_peer_process(
     bootstrap: str, checkpoint: Path, tmp_path: Path
 ) -> tuple[ChildProcess, str]:
-    """`prefill-worker decode-peer` with the tiny-test layout, EOS ignored (as in process);
-    returns the child and its control endpoint."""
+    """The reference decode peer (`python -m prefill_worker.testing.decode_peer`) with the
+    tiny-test layout, EOS ignored (as in process); returns the child and its control endpoint."""
     control = f"tcp://127.0.0.1:{free_port()}"
-    args = [sys.executable, "-m", "prefill_worker", "decode-peer", "--model", str(checkpoint)]
+    args = [sys.executable, "-m", "prefill_worker.testing.decode_peer", "--model", str(checkpoint)]
     args += ["--bootstrap", bootstrap, "--bind", control, "--dtype", "float32"]
     args += ["--attention-backend", "sdpa", "--page-size", str(PAGE_SIZE), "--num-pages", "256"]
     args += ["--num-threads", "1", "--ignore-eos"]

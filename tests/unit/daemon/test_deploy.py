@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prefill_worker.config import load_config
+from prefill_worker.service.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 UNIT = DEPLOY / "systemd" / "prefill-worker.service"

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from prefill_worker.http import AdminAccess, Health, HttpServer
-from prefill_worker.metrics import WorkerMetrics
+from prefill_worker.service.http import AdminAccess, Health, HttpServer
+from prefill_worker.service.metrics import WorkerMetrics
 from tests.polling import wait_until
 
 TOKEN = "t0ken-with-entropy"

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from prefill_worker.logs import JsonFormatter, configure_logging, log_outcome
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
+from prefill_worker.service.logs import JsonFormatter, configure_logging, log_outcome
 
 
 def test_outcome_line_as_json(capsys: pytest.CaptureFixture[str]) -> None:

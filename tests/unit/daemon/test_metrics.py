@@ -8,8 +8,8 @@ import subprocess
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
+from prefill_worker.service.metrics import WorkerMetrics
 
 
 def filled() -> tuple[CollectorRegistry, WorkerMetrics]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from prefill_worker.sdnotify import SdNotifier
+from prefill_worker.service.sdnotify import SdNotifier
 
 
 def receiver(tmp_path: Path) -> tuple[socket.socket, str]:

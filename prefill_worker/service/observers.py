@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 
-from prefill_worker.logs import log_outcome
-from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import LoadSnapshot
+from prefill_worker.service.logs import log_outcome
+from prefill_worker.service.metrics import WorkerMetrics
 
 
 class EngineEvents:

@@ -1,5 +1,6 @@
-"""Command line: ``prefill-worker serve | check-config | print-config | config-docs | version``
-(and ``decode-peer``, the reference decode peer of prefill_worker/decode_peer.py).
+"""Command line: ``prefill-worker serve | check-config | print-config | config-docs | version``.
+(The reference decode peer, a test and demo tool, runs as
+``python -m prefill_worker.testing.decode_peer``.)
 
 The CLI parses arguments, resolves the configuration and hands it to the daemon; it owns no
 state. A bad configuration prints one line per problem to stderr and exits 78 (EX_CONFIG).
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from prefill_worker import __version__
-from prefill_worker.config import EX_CONFIG, Config, ConfigError, dump_yaml, load_config
+from prefill_worker.service.config import EX_CONFIG, Config, ConfigError, dump_yaml, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,11 +40,6 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--ready-file", metavar="PATH", help="set daemon.ready_file")
     sub.add_parser("config-docs", help="print docs/config.md, generated from the models")
     sub.add_parser("version", help="print the version")
-    sub.add_parser(
-        "decode-peer",
-        add_help=False,
-        help="the reference decode peer, a test and demo tool (decode-peer --help)",
-    )
     return parser
 
 
@@ -62,16 +58,12 @@ def _resolve(args: argparse.Namespace) -> Config:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["decode-peer"]:
-        from prefill_worker.decode_peer import main as decode_peer_main
-
-        return decode_peer_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(__version__)
         return 0
     if args.command == "config-docs":
-        from prefill_worker.configdoc import render_config_doc
+        from prefill_worker.service.configdoc import render_config_doc
 
         sys.stdout.write(render_config_doc())
         return 0
@@ -91,6 +83,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(config: Config) -> int:
-    from prefill_worker.daemon import run_daemon
+    from prefill_worker.service.daemon import run_daemon
 
     return run_daemon(config)

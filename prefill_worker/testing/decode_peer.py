@@ -13,7 +13,7 @@ Per request (the router chose ``room`` and sent the worker a ``prefill`` with it
 
 It builds the same model code as the worker (``prefill_worker.model.build``) over its own KV
 pool. In-process use: ``DecodePeer.load(...)`` then ``generate(...)`` or ``expect``/``step``.
-As a process (``prefill-worker decode-peer`` or ``python -m prefill_worker.decode_peer``) it
+As a process (``prefill-worker decode-peer`` or ``python -m prefill_worker.testing.decode_peer``) it
 serves ``generate`` requests on a small ZMQ control socket (``DecodePeerClient``), sends
 sd_notify READY=1 once registered with the worker, and exits 0 on SIGTERM.
 """
@@ -387,7 +387,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
-    from prefill_worker.sdnotify import SdNotifier
+    from prefill_worker.service.sdnotify import SdNotifier
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")

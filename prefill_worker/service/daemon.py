@@ -30,24 +30,24 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
-from prefill_worker.config import EX_CONFIG, Config
-from prefill_worker.http import AdminAccess, Health, HttpServer
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.logs import configure_logging
-from prefill_worker.metrics import WorkerMetrics
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
-from prefill_worker.observers import EngineEvents, IngressEvents
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.router.messages import Load
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
-from prefill_worker.sdnotify import SdNotifier
+from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.http import AdminAccess, Health, HttpServer
+from prefill_worker.service.logs import configure_logging
+from prefill_worker.service.metrics import WorkerMetrics
+from prefill_worker.service.observers import EngineEvents, IngressEvents
+from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.transfer.factory import ServingBackend, make_backend
 from prefill_worker.transfer.validate import BootstrapLimits
 
-log = logging.getLogger("prefill_worker.daemon")
+log = logging.getLogger("prefill_worker.service.daemon")
 
 EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
 _SUPERVISE_PERIOD_S = 0.25
