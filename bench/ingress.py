@@ -33,7 +33,8 @@ from prefill_worker.request import (
     SamplingParams,
 )
 from prefill_worker.router.admission import Limits, decode_router
-from prefill_worker.router.messages import Load, encode, prefill_message
+from prefill_worker.router.messages import encode, prefill_message
+from prefill_worker.scheduler import LoadSnapshot
 
 VOCAB = 151_936
 
@@ -71,7 +72,7 @@ def bench_rate(num_requests: int, window: int) -> dict[str, object]:
     ingress = Ingress(
         "tcp://127.0.0.1:0",
         inbox,
-        lambda: Load(waiting=0, running=0, free_kv_pages=0, draining=False),
+        LoadSnapshot,  # an idle engine
         vocab_size=VOCAB,
         max_prompt_tokens=8192,
         max_pool_tokens=1 << 20,

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 import zmq
 import zmq.auth
 import zmq.utils.monitor
@@ -58,6 +57,7 @@ from prefill_worker.router.messages import (
 )
 from prefill_worker.router.routes import RouteTable
 from prefill_worker.router.sender import RouterSender
+from prefill_worker.scheduler.observer import LoadSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Ingress:
         self,
         bind: str,
         inbox: EngineInbox,
-        load: Callable[[], Load],
+        load: Callable[[], LoadSnapshot],
         *,
         vocab_size: int,
         max_prompt_tokens: int,
@@ -450,9 +450,14 @@ class Ingress:
         self._sender.send(identity, encode(reject))
 
     def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
-        load = self._load()
-        if self._draining and not load.draining:
-            load = msgspec.structs.replace(load, draining=True)
+        """The engine's load as the router reads it; draining is this ingress's own state."""
+        snap = self._load()
+        load = Load(
+            waiting=snap.num_bootstrapping + snap.num_waiting,
+            running=snap.num_prefilling + snap.num_transferring,
+            free_kv_pages=snap.num_free_pages,
+            draining=self._draining,
+        )
         pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
         self._sender.send(identity, encode(pong))
 

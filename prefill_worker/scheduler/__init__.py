@@ -22,10 +22,10 @@ Torch-free. The daemon composes it like this (all on the engine thread except wh
     ...                             # (or call engine.submit(msg) / engine.step() yourself)
     engine.shutdown()               # after run returns: fail what is left, stop the executor
 
-From other threads: ``engine.load`` (a ``LoadSnapshot``, for ``pong`` and gauges),
-``engine.last_turn_at`` (``clock()`` at the end of the last turn, for ``/livez``) and
-``engine.begin_drain()`` (new prefills then fail with DRAINING while accepted ones finish).
-A drain ends by stopping the loop once ``engine.load.num_live == 0`` or the drain timeout
+From other threads: ``engine.load`` (a ``LoadSnapshot``, for ``pong`` and gauges) and
+``engine.last_turn_at`` (``clock()`` at the end of the last turn, for ``/livez``). Draining is
+the ingress's (it stops admitting) and the daemon's (it decides when). A drain ends by
+stopping the loop once ``engine.load.num_live == 0`` or the drain timeout
 passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is left.
 ``run`` fails every live request with ENGINE_ERROR before it re-raises an error.
 

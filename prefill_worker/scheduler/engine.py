@@ -67,8 +67,9 @@ _ABORT_ERRORS = {
 
 
 class Engine:
-    """The scheduler and its loop. All methods but ``begin_drain`` and ``load`` belong to the
-    engine thread."""
+    """The scheduler and its loop. All methods but ``load`` and ``last_turn_at`` belong to the
+    engine thread. Draining is not its policy: the ingress stops admitting (the daemon decides
+    when), and ``shutdown`` fails what is left when the drain ends."""
 
     def __init__(
         self,
@@ -112,7 +113,6 @@ class Engine:
         self._max_messages = max_messages_per_turn
         self._running: ScheduledBatch | None = None
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
-        self._is_draining = False
         self._is_closed = False
         self.outcome_counts: Counter[FinishReason] = Counter()
         self.last_turn_at = clock()  # for /livez: read from any thread
@@ -124,10 +124,6 @@ class Engine:
     @property
     def load(self) -> LoadSnapshot:
         return self._load
-
-    def begin_drain(self) -> None:
-        """From now on new prefills fail with DRAINING; accepted ones go on to the end."""
-        self._is_draining = True
 
     # ---- engine thread ----------------------------------------------------------------
 
@@ -166,9 +162,7 @@ class Engine:
         )
         req = Request(message, sender)
         self._queues.add(req)
-        if self._is_draining:
-            self._finish(req, FinishReason.DRAINING, "the worker is draining")
-        elif not self._table.can_ever_fit(num_tokens):
+        if not self._table.can_ever_fit(num_tokens):
             need = num_pages_for(num_tokens, self.page_size)
             self._finish(
                 req,
@@ -392,7 +386,6 @@ class Engine:
             num_total_pages=self._table.pool.num_pages,
             num_free_aux_rows=self._aux.num_free,
             num_total_aux_rows=self._aux.num_rows,
-            is_draining=self._is_draining,
         )
         self.last_turn_at = self._clock()
         if load != self._load:

@@ -28,7 +28,6 @@ class LoadSnapshot:
     num_free_pages: int = 0
     num_total_pages: int = 0
     num_free_aux_rows: int = 0
-    is_draining: bool = False
     num_total_aux_rows: int = 0
 
     @property
@@ -71,7 +70,7 @@ class EngineObserver(Protocol):
         ...
 
     def on_load(self, load: LoadSnapshot) -> None:
-        """After a turn that changed the load (queue sizes, pages, draining)."""
+        """After a turn that changed the load (queue sizes, pages, aux rows)."""
         ...
 
 

@@ -36,7 +36,6 @@ from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
-from prefill_worker.router.messages import Load
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
@@ -148,6 +147,7 @@ class Daemon:
             )
             self._engine = engine
         self._start_ingress(
+            lambda: engine.load,
             info.vocab_size,
             min(cfg.scheduler.max_prompt_tokens, info.max_position),
             pages.num_pages * cfg.cache.page_size,
@@ -237,7 +237,13 @@ class Daemon:
             self.bootstrap_endpoint = backend.bootstrap_endpoint
         return backend
 
-    def _start_ingress(self, vocab_size: int, max_prompt_tokens: int, pool_tokens: int) -> None:
+    def _start_ingress(
+        self,
+        load: Callable[[], LoadSnapshot],
+        vocab_size: int,
+        max_prompt_tokens: int,
+        pool_tokens: int,
+    ) -> None:
         cfg = self.config.ingress
         with startup_step("ingress", (ValueError, OSError)):
             curve = None
@@ -248,7 +254,7 @@ class Daemon:
             ingress = Ingress(
                 cfg.bind,
                 self.inbox,
-                self._pong_load,
+                load,
                 vocab_size=vocab_size,
                 max_prompt_tokens=max_prompt_tokens,
                 max_pool_tokens=pool_tokens,
@@ -364,15 +370,6 @@ class Daemon:
 
     def _reply(self, outcome: Outcome) -> None:
         self.ingress.send_outcome(outcome)
-
-    def _pong_load(self) -> Load:
-        load = self._engine.load if self._engine is not None else LoadSnapshot()
-        return Load(
-            waiting=load.num_bootstrapping + load.num_waiting,
-            running=load.num_prefilling + load.num_transferring,
-            free_kv_pages=load.num_free_pages,
-            draining=self._ingress is not None and self._ingress.is_draining,
-        )
 
     def _close(self) -> None:
         self.health.is_ready = False

@@ -20,11 +20,16 @@ from prefill_worker.request import (
 )
 from prefill_worker.router.ingress import Ingress
 from prefill_worker.router.messages import Load, WorkerMessage, decode_worker
+from prefill_worker.scheduler import LoadSnapshot
 from tests.polling import wait_until
 
 __all__ = ["wait_until"]  # re-exported for the ingress tests
 
 VOCAB = 1000
+# The engine's snapshot the fake engine reports, and the pong a router reads for it.
+SNAPSHOT = LoadSnapshot(
+    num_bootstrapping=1, num_waiting=2, num_prefilling=1, num_transferring=1, num_free_pages=100
+)
 LOAD = Load(waiting=3, running=2, free_kv_pages=100, draining=False)
 
 
@@ -119,7 +124,7 @@ def start_worker(**kwargs: object) -> Worker:
         "max_message_bytes": 64 * 1024,
     }
     options.update(kwargs)
-    ingress = Ingress("tcp://127.0.0.1:0", inbox, lambda: LOAD, **options)  # type: ignore[arg-type]
+    ingress = Ingress("tcp://127.0.0.1:0", inbox, lambda: SNAPSHOT, **options)  # type: ignore[arg-type]
     endpoint = ingress.start()
     engine.start(ingress)
     return Worker(ingress, engine, endpoint)

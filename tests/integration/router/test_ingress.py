@@ -43,6 +43,7 @@ from prefill_worker.router.messages import (
 )
 from tests.integration.router.conftest import (
     LOAD,
+    SNAPSHOT,
     Worker,
     dealer,
     recv_msgs,
@@ -229,7 +230,7 @@ def bare_ingress(endpoint: str, inbox: queue.Queue[PrefillRequest | AbortRequest
     return Ingress(
         endpoint,
         inbox,
-        lambda: LOAD,
+        lambda: SNAPSHOT,
         vocab_size=10,
         max_prompt_tokens=10,
         max_pool_tokens=10,
