@@ -21,6 +21,7 @@ from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler.observer import EngineObserver
 from prefill_worker.transfer.base import KVPoll
 
 TOKEN_MOD = 997
@@ -281,6 +282,7 @@ def make_rig(
     overlap: bool = False,
     auto_want: bool = True,
     polls_to_success: int | None = 0,
+    observer: EngineObserver | None = None,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
@@ -301,6 +303,7 @@ def make_rig(
         transfer_timeout_s=transfer_timeout_s,
         overlap=overlap,
         clock=clock,
+        observer=observer,
     )
     return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
 

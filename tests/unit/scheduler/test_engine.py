@@ -417,9 +417,8 @@ class Recorder:
 
 
 def test_observer_sees_outcomes_steps_and_load_changes() -> None:
-    rig = make_rig(num_pages=16, page_size=4, chunk_size=8, max_batch_tokens=8)
     recorder = Recorder()
-    rig.engine._observer = recorder
+    rig = make_rig(num_pages=16, page_size=4, chunk_size=8, max_batch_tokens=8, observer=recorder)
     rig.prefill("a", 12)
     rig.run_until_idle()
     assert recorder.outcomes == rig.outcomes
