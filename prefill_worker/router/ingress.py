@@ -57,6 +57,7 @@ from prefill_worker.router.messages import (
 )
 from prefill_worker.router.routes import RouteTable
 from prefill_worker.router.sender import RouterSender
+from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ _MESSAGE_OVERHEAD_BYTES = 64 * 1024  # a prefill's fields besides token_ids, wit
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _IDLE_POLL_MS = 100
 _RETRY_POLL_MS = 1
-
-EngineInbox = queue.Queue[PrefillRequest | AbortRequest]
 
 
 class IngressObserver(Protocol):
@@ -130,7 +129,7 @@ class Ingress:
     def __init__(
         self,
         bind: str,
-        inbox: EngineInbox,
+        inbox: queue.Queue[EngineMessage],
         load: Callable[[], LoadSnapshot],
         *,
         vocab_size: int,

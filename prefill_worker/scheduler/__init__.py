@@ -36,9 +36,9 @@ aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one hea
 ``engine`` (the loop and the one finish path).
 """
 
-from prefill_worker.scheduler.engine import Engine, Message
+from prefill_worker.scheduler.engine import Engine
 from prefill_worker.scheduler.forward import ForwardStrategy, SerialForward, ThreadedForward
-from prefill_worker.scheduler.inbox import Inbox
+from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -48,11 +48,11 @@ from prefill_worker.scheduler.observer import (
 
 __all__ = [
     "Engine",
+    "EngineMessage",
     "EngineObserver",
     "ForwardStrategy",
     "Inbox",
     "LoadSnapshot",
-    "Message",
     "NullObserver",
     "OutcomeSink",
     "SerialForward",

@@ -33,7 +33,6 @@ from prefill_worker.request import (
     AbortRequest,
     FinishReason,
     Outcome,
-    PrefillRequest,
     Request,
     RequestState,
     end_state,
@@ -41,7 +40,7 @@ from prefill_worker.request import (
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
 from prefill_worker.scheduler.forward import make_forward
-from prefill_worker.scheduler.inbox import Inbox
+from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -53,7 +52,6 @@ from prefill_worker.transfer.base import KVPoll, TransferBackend
 
 log = logging.getLogger(__name__)
 
-Message = PrefillRequest | AbortRequest
 _SENDER_END = {
     KVPoll.FAILED: FinishReason.TRANSFER_FAILED,
     KVPoll.ABORTED: FinishReason.ABORTED_BY_DECODE,
@@ -141,7 +139,7 @@ class Engine:
             self.fail_all(FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
             raise
 
-    def submit(self, message: Message) -> None:
+    def submit(self, message: EngineMessage) -> None:
         """Take one message. Ids are unique among live requests and prompts are not empty: the
         ingress owns both policies (it scopes router ids by connection, rejects duplicates and
         empty prompts), so the engine trusts them."""

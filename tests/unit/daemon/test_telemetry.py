@@ -10,7 +10,7 @@ from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus
 from prefill_worker.scheduler import LoadSnapshot
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.observers import EngineEvents, IngressEvents
+from prefill_worker.service.telemetry import EngineEvents, IngressEvents
 
 
 def test_events_reach_metrics(caplog) -> None:

@@ -1,4 +1,4 @@
-"""The daemon's observers: engine and ingress events become metrics and log lines.
+"""Telemetry: engine and ingress events become metrics and log lines.
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
 implements ``router.ingress.IngressObserver`` (I/O thread); both only record.
