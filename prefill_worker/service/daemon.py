@@ -41,8 +41,8 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.telemetry import EngineEvents, IngressEvents
 from prefill_worker.service.sdnotify import SdNotifier
+from prefill_worker.service.telemetry import EngineEvents, IngressEvents
 from prefill_worker.transfer.factory import ServingBackend, make_backend
 from prefill_worker.transfer.validate import BootstrapLimits
 
