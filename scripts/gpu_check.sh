@@ -33,7 +33,9 @@ if [ "$dry_run" = 1 ]; then
   $PY bench/gpu.py --dry-run --out "${GPU_CHECK_OUT:-/tmp/gpu-dry-run.json}" || status=1
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  $PY -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)"
+  $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+  $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" \
+    || echo "flashinfer does not import: its tests fail below and bench/gpu.py measures sdpa"
   step "gpu tests"
   $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu || status=1
   step "runner against transformers (CUDA where the tests take a device)"

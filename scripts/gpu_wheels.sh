@@ -7,7 +7,10 @@
 #     wheel is 59 MB (and nixl-cu12's 69 MB), so it fits;
 #   - flashinfer-python 0.6.13 (14 MB: JIT sources; the prebuilt flashinfer-cubin is 458 MB
 #     and cannot travel, so kernels compile with nvcc there on first use);
-#   - pyzmq, pydantic and its parts, prometheus-client.
+#   - what flashinfer 0.6.13 imports that the image lacks: apache-tvm-ffi, nvidia-cudnn-frontend
+#     (nvidia-cutlass-dsl and cuda-tile are left out: large, and used only by kernels we do not
+#     call; if flashinfer's import needs them there, the check says so and measures sdpa);
+#   - pyzmq, pydantic and its parts, prometheus-client, msgspec.
 # Then: device run, carry [".whl"], command "bash scripts/gpu_check.sh".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +19,12 @@ rm -rf .whl && mkdir -p .whl
 download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
 }
 download .whl flashinfer-python==0.6.13 pydantic==2.14.4 pydantic-core==2.50.5 \
-  annotated-types==0.8.0 typing-inspection==0.4.5 pyzmq==27.3.0 prometheus-client==0.26.0
+  annotated-types==0.8.0 typing-inspection==0.4.5 pyzmq==27.3.0 prometheus-client==0.26.0 \
+  msgspec==0.23.0 'apache-tvm-ffi>=0.1.6,<0.2,!=0.1.8,!=0.1.8.post0' nvidia-cudnn-frontend==1.32.0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 download "$work" nixl-cu13==1.5.1
