@@ -1,13 +1,15 @@
 """The router-facing ZMQ edge: a ROUTER socket and its I/O thread ↔ the engine's inbox queue.
 
-Routers connect DEALER sockets (DESIGN §4, docs/protocol.md); ``admission.decode_router``
-decides what a frame is. The I/O thread owns the socket and everything below; the engine loop
-owns everything else::
+This module owns the socket and its life cycle: the context, the ROUTER options, CURVE, the
+connection monitor, the I/O thread and its poll loop, and the outbox the engine fills. What a
+message means and where a reply goes is ``dispatch.IngressDispatch``'s; routers connect DEALER
+sockets (DESIGN §4, docs/protocol.md) and ``admission.decode_router`` decides what a frame is.
+The I/O thread owns the socket and everything below; the engine loop owns everything else::
 
-    routers ─▶ ROUTER ─▶ decode_router ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
+    routers ─▶ ROUTER ─▶ dispatch ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
                   ▲  └─ monitor: DISCONNECTED ─▶ AbortRequest(ROUTER_GONE) for its requests
                   │                                                      │ engine loop
-                  └── encode_outcome ◀── outbox (deque) + wake pipe ◀── send_outcome(outcome)
+                  └── dispatch.reply ◀── outbox (deque) + wake pipe ◀── send_outcome(outcome)
 
 Invariants: every ``prefill`` gets exactly one ``result`` or ``reject``. Request ids are
 scoped by router connection (``routes.RouteTable``: the engine sees ids unique in the worker,
@@ -15,46 +17,32 @@ the reply carries the router's own id again). An ``abort`` is never answered. A 
 whose connection closes has its requests aborted (``router_gone``); a reply the router cannot
 take any more (EHOSTUNREACH under ROUTER_MANDATORY) is counted and dropped.
 
-Fairness: one turn of the I/O thread reads at most ``_RECV_BATCH`` messages or
-``_RECV_BATCH_BYTES`` of frames, then sends every reply that is ready, so a reply waits behind
-a bounded amount of decoding. Nothing here touches engine state; ``load`` and the observer are
-called from the I/O thread and must be thread-safe.
+Fairness: one turn of the I/O thread reads a bounded batch (``dispatch.receive_batch``: at
+most 512 messages or 1 MiB of frames), then sends every reply that is ready, so a reply waits
+behind a bounded amount of decoding. Nothing here touches engine state; ``load`` and the
+observer are called from the I/O thread and must be thread-safe.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import zmq
 import zmq.auth
 import zmq.utils.monitor
-from msgspec import UNSET, UnsetType
 from zmq.auth.thread import ThreadAuthenticator
 
 from prefill_worker.curve import CurveServerKeys, start_server
-from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
-from prefill_worker.router.admission import Limits, decode_router
-from prefill_worker.router.connections import RouterConnections
-from prefill_worker.router.messages import (
-    Drain,
-    Load,
-    Ping,
-    Pong,
-    Reject,
-    RejectCode,
-    encode,
-    encode_outcome,
-)
+from prefill_worker.request import Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.dispatch import IngressDispatch, IngressObserver, NullIngressObserver
 from prefill_worker.router.routes import RouteTable
 from prefill_worker.router.sender import RouterSender
 from prefill_worker.scheduler.inbox import EngineMessage
@@ -62,42 +50,10 @@ from prefill_worker.scheduler.observer import LoadSnapshot
 
 log = logging.getLogger(__name__)
 
-_RECV_BATCH = 512  # messages taken per wake-up before the outbox gets a turn
-_RECV_BATCH_BYTES = 1 << 20  # ... or this many bytes of frames, whichever comes first
 _MESSAGE_OVERHEAD_BYTES = 64 * 1024  # a prefill's fields besides token_ids, with room to spare
 _MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _IDLE_POLL_MS = 100
 _RETRY_POLL_MS = 1
-
-
-class IngressObserver(Protocol):
-    """Counters the metrics implement; called from the I/O thread."""
-
-    def on_request(self) -> None:
-        """A ``prefill`` was admitted and handed to the engine."""
-
-    def on_reject(self, code: str) -> None:
-        """A ``reject`` with this code was sent (``malformed`` included)."""
-
-    def on_malformed(self) -> None:
-        """A frame could not be read at all (not a one-frame msgpack map)."""
-
-    def on_unroutable(self) -> None:
-        """A reply was dropped: its router had gone."""
-
-
-class NullIngressObserver:
-    def on_request(self) -> None:
-        return None
-
-    def on_reject(self, code: str) -> None:
-        return None
-
-    def on_malformed(self) -> None:
-        return None
-
-    def on_unroutable(self) -> None:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +106,6 @@ class Ingress:
         if max_message_bytes is None:
             max_message_bytes = default_max_message_bytes(max_prompt_tokens)
         self._bind = bind[:-2] + ":*" if bind.endswith(":0") else bind
-        self._inbox = inbox
-        self._load = load
-        self._limits = Limits(vocab_size, max_prompt_tokens, max_pool_tokens)
         self._sockopts = {
             zmq.ROUTER_MANDATORY: 1,
             # Off: while a connection holds a routing id, another connection naming the same
@@ -167,16 +120,9 @@ class Ingress:
             zmq.LINGER: 500,
         }
         self._curve = curve
-        self._observer: IngressObserver = observer or NullIngressObserver()
-        self._on_drain = on_drain
-        self._allow_drain_message = allow_drain_message
-        self._draining = False
         self._stopping = False
-        self._routes = RouteTable(max_inflight)
-        self._connections = RouterConnections()
         self._outbox: collections.deque[Outcome] = collections.deque()
         self._outbox_lock = threading.Lock()
-        self._counts = collections.Counter[str]()
         self._thread: threading.Thread | None = None
         self._endpoint: str | None = None
         self._is_closed = False
@@ -188,7 +134,20 @@ class Ingress:
         self._sock = self._make_socket()
         # Before bind, so that no connection is accepted unseen.
         self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
-        self._sender = RouterSender(self._sock, self._observer.on_unroutable)
+        observer = observer or NullIngressObserver()
+        self._sender = RouterSender(self._sock, observer.on_unroutable)
+        self._dispatch = IngressDispatch(
+            self._sock,
+            self._monitor,
+            self._sender,
+            inbox,
+            load,
+            Limits(vocab_size, max_prompt_tokens, max_pool_tokens),
+            RouteTable(max_inflight),
+            observer=observer,
+            on_drain=on_drain,
+            allow_drain_message=allow_drain_message,
+        )
         self.error: BaseException | None = None  # set when the I/O thread died
 
     # ── life cycle (caller's thread) ────────────────────────────────────────────────────────
@@ -249,25 +208,25 @@ class Ingress:
 
     def set_draining(self, draining: bool) -> None:
         """While draining, new ``prefill`` messages are rejected with ``draining``."""
-        self._draining = draining
+        self._dispatch.is_draining = draining
 
     @property
     def is_draining(self) -> bool:
-        return self._draining
+        return self._dispatch.is_draining
 
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> IngressStats:
-        c = self._counts
+        c = self._dispatch.counts
         return IngressStats(
             num_admitted=c["admitted"],
             num_rejected=c["rejected"],
             num_malformed=c["malformed"],
             num_unroutable=self._sender.num_unroutable,
             num_orphan_outcomes=c["orphan"],
-            num_inflight=len(self._routes),
+            num_inflight=self._dispatch.num_inflight,
             num_sent=self._sender.num_sent,
             num_routers_gone=c["routers_gone"],
             num_aborted_router_gone=c["aborted_router_gone"],
@@ -311,9 +270,9 @@ class Ingress:
                 retry = self._sender.has_parked
                 for ready, _ in poller.poll(_RETRY_POLL_MS if retry else _IDLE_POLL_MS):
                     if ready is self._sock:
-                        self._receive_batch()
+                        self._dispatch.receive_batch()
                     elif ready is self._monitor:
-                        self._read_monitor()
+                        self._dispatch.read_monitor()
                     else:
                         self._drain_wake_pipe()
                 # The pipe is read before the deque is taken, so that no wake-up is lost.
@@ -326,140 +285,6 @@ class Ingress:
         finally:
             self._teardown()
 
-    def _receive_batch(self) -> None:
-        recv = self._sock.recv_multipart
-        budget = _RECV_BATCH_BYTES
-        for _ in range(_RECV_BATCH):
-            try:
-                frames = recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity = frames[0].bytes
-            if identity not in self._connections and not self._is_connected(identity, frames):
-                self._counts["from_gone"] += 1
-                continue
-            self._handle(identity, frames)
-            budget -= sum(len(frame) for frame in frames)
-            if budget <= 0:
-                return  # the outbox gets its turn before more decoding
-
-    def _is_connected(self, identity: bytes, frames: list[zmq.Frame]) -> bool:
-        """A routing id seen first: file it under its connection, unless that has closed."""
-        self._read_monitor()  # every event before this message is known now
-        return self._connections.try_add(identity, frames[-1].get(zmq.SRCFD))
-
-    def _read_monitor(self) -> None:
-        while True:
-            try:
-                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            fd = event["value"]
-            if event["event"] == zmq.EVENT_ACCEPTED:
-                gone = self._connections.on_accepted(fd)
-            else:
-                gone = self._connections.on_disconnected(fd)
-            for identity in gone:
-                self._on_router_gone(identity)
-
-    def _on_router_gone(self, identity: bytes) -> None:
-        """Abort what the router left in flight; its parked replies can never be delivered."""
-        self._sender.forget(identity)
-        scoped_ids = self._routes.of_router(identity)
-        if not scoped_ids:
-            return
-        self._counts["routers_gone"] += 1
-        self._counts["aborted_router_gone"] += len(scoped_ids)
-        log.info(
-            "router %s disconnected with %d requests in flight: aborting them",
-            identity.hex(),
-            len(scoped_ids),
-        )
-        for scoped_id in scoped_ids:
-            self._forward_abort(AbortRequest(scoped_id, FinishReason.ROUTER_GONE))
-
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 2:
-            self._counts["malformed"] += 1
-            self._observer.on_malformed()
-            why = "expected exactly one frame"
-            self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
-            return
-        msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
-        if isinstance(msg, PrefillRequest):
-            self._admit(identity, msg)
-        elif isinstance(msg, AbortRequest):
-            scoped_id = self._routes.find(identity, msg.request_id)
-            if scoped_id is not None:  # only the sender's own ids
-                self._forward_abort(AbortRequest(scoped_id))
-        elif isinstance(msg, Reject):
-            if msg.code is RejectCode.MALFORMED:
-                self._counts["malformed"] += 1
-                self._observer.on_malformed()
-            self._reject(identity, msg)
-        elif isinstance(msg, Ping):
-            self._pong(identity, msg.nonce)
-        else:
-            self._drain(identity, msg)
-
-    def _drain(self, identity: bytes, msg: Drain) -> None:
-        if not self._allow_drain_message:
-            why = "the drain message is disabled (ingress.allow_drain_message); use SIGTERM"
-            nonce = UNSET if msg.nonce is None else msg.nonce
-            reject = Reject(code=RejectCode.FORBIDDEN, message=why, field="type", nonce=nonce)
-            self._reject(identity, reject)
-            return
-        log.info("drain asked by router %s", identity.hex())
-        self._draining = True
-        if self._on_drain is not None:
-            self._on_drain()
-        self._pong(identity, msg.nonce)
-
-    def _admit(self, identity: bytes, req: PrefillRequest) -> None:
-        if self._draining:
-            why = "the worker is draining; send it elsewhere"
-            reject: Reject | None = Reject(
-                code=RejectCode.DRAINING, message=why, request_id=req.request_id
-            )
-        else:
-            reject = self._routes.problem(identity, req)
-        if reject is None:
-            scoped_id = self._routes.add(identity, req)
-            try:
-                self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
-            except queue.Full:
-                self._routes.pop(scoped_id)
-                why = "the engine queue is full"
-                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=req.request_id)
-            else:
-                self._counts["admitted"] += 1
-                self._observer.on_request()
-                return
-        self._reject(identity, reject)
-
-    def _forward_abort(self, msg: AbortRequest) -> None:
-        try:
-            self._inbox.put_nowait(msg)
-        except queue.Full:
-            log.warning("engine queue full; abort of %r dropped", msg.request_id)
-
-    def _reject(self, identity: bytes, reject: Reject) -> None:
-        self._counts["rejected"] += 1
-        self._observer.on_reject(reject.code.value)
-        self._sender.send(identity, encode(reject))
-
-    def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
-        """The engine's load as the router reads it; draining is this ingress's own state."""
-        snap = self._load()
-        load = Load(
-            waiting=snap.num_bootstrapping + snap.num_waiting,
-            running=snap.num_prefilling + snap.num_transferring,
-            free_kv_pages=snap.num_free_pages,
-            draining=self._draining,
-        )
-        pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
-        self._sender.send(identity, encode(pong))
-
     def _drain_wake_pipe(self) -> None:
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
@@ -470,10 +295,4 @@ class Ingress:
         with self._outbox_lock:
             outcomes, self._outbox = self._outbox, collections.deque()
         for outcome in outcomes:
-            route = self._routes.pop(outcome.request_id)
-            if route is None:
-                self._counts["orphan"] += 1
-                log.warning("outcome for %r, which is not in flight", outcome.request_id)
-                continue
-            frame = encode_outcome(outcome, route.request_id)
-            self._sender.send(route.identity, frame)
+            self._dispatch.reply(outcome)

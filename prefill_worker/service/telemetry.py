@@ -1,7 +1,7 @@
 """Telemetry: engine and ingress events become metrics and log lines.
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
-implements ``router.ingress.IngressObserver`` (I/O thread); both only record.
+implements ``router.dispatch.IngressObserver`` (I/O thread); both only record.
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ class IngressEvents:
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self._metrics = metrics
-
-    def on_request(self) -> None:
-        return None
 
     def on_reject(self, code: str) -> None:
         self._metrics.on_reject(code)

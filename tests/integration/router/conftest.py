@@ -113,8 +113,11 @@ class Worker:
     endpoint: str
 
 
-def start_worker(**kwargs: object) -> Worker:
-    inbox: queue.Queue[PrefillRequest | AbortRequest] = queue.Queue()
+def start_worker(
+    inbox: queue.Queue[PrefillRequest | AbortRequest] | None = None, **kwargs: object
+) -> Worker:
+    """``inbox``: the engine's queue the ingress admits into (a test's own, to watch it)."""
+    inbox = queue.Queue() if inbox is None else inbox
     engine = FakeEngine(inbox)
     options: dict[str, object] = {
         "vocab_size": VOCAB,

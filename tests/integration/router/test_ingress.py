@@ -284,12 +284,8 @@ def test_curve_authorized_client_works_and_unauthorized_gets_nothing(tmp_path: P
 
 class RecordingObserver:
     def __init__(self) -> None:
-        self.requests = 0
         self.rejects: list[str] = []
         self.malformed = 0
-
-    def on_request(self) -> None:
-        self.requests += 1
 
     def on_reject(self, code: str) -> None:
         self.rejects.append(code)
@@ -301,7 +297,7 @@ class RecordingObserver:
         return None
 
 
-def test_observer_counts_requests_rejects_and_malformed_frames(zctx: Ctx) -> None:
+def test_observer_counts_rejects_and_malformed_frames(zctx: Ctx) -> None:
     seen = RecordingObserver()
     w = start_worker(observer=seen)
     try:
@@ -311,7 +307,7 @@ def test_observer_counts_requests_rejects_and_malformed_frames(zctx: Ctx) -> Non
         sock.send(b"\xc1not msgpack")
         sock.send(encode(Ping(nonce=5)))
         assert len(recv_msgs(sock, 4)) == 4
-        assert (seen.requests, seen.malformed) == (1, 1)
+        assert seen.malformed == 1
         assert sorted(seen.rejects) == ["empty_prompt", "malformed"]
         stats = w.ingress.stats()
         assert (stats.num_admitted, stats.num_rejected, stats.num_malformed) == (1, 2, 1)
@@ -377,29 +373,29 @@ def test_default_message_limit_fits_the_largest_prompt_and_little_more() -> None
         stop_worker(w)
 
 
-class FairnessObserver(RecordingObserver):
-    """On the first big frame admitted, releases the held small request; then notes, at each
-    later admission, how many replies the I/O thread had sent."""
+class FairnessInbox(queue.Queue[PrefillRequest | AbortRequest]):
+    """The engine's inbox, which the ingress's I/O thread puts each admitted prefill into. Once
+    ``worker`` is set: on the first prefill admitted, releases the held small request; then
+    notes, at each admission, how many replies the I/O thread had sent."""
 
     def __init__(self) -> None:
         super().__init__()
         self.worker: Worker | None = None
         self.sent_at_admission: list[int] = []
 
-    def on_request(self) -> None:
-        super().on_request()
-        if self.worker is None or self.requests == 1:
-            return  # the small request itself
-        if self.requests == 2:
-            assert self.worker.engine.release(limit=1) == 1
-        self.sent_at_admission.append(self.worker.ingress.stats().num_sent)
+    def put_nowait(self, item: PrefillRequest | AbortRequest) -> None:
+        if self.worker is not None and isinstance(item, PrefillRequest):
+            if not self.sent_at_admission:
+                assert self.worker.engine.release(limit=1) == 1
+            self.sent_at_admission.append(self.worker.ingress.stats().num_sent)
+        super().put_nowait(item)
 
 
 def test_a_reply_is_not_held_behind_many_big_frames(zctx: Ctx) -> None:
     tokens = 256 * 1024  # 1 MiB frames: one is a whole receive batch
-    seen = FairnessObserver()
+    seen = FairnessInbox()
     w = start_worker(
-        observer=seen,
+        seen,
         max_prompt_tokens=tokens,
         max_pool_tokens=tokens,
         max_message_bytes=2 * 1024 * 1024,

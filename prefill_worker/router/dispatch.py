@@ -1,0 +1,253 @@
+"""The ingress's message handling: from a frame read off the ROUTER socket to its reply frame.
+
+A turn reads a bounded batch of messages (``_RECV_BATCH`` messages or ``_RECV_BATCH_BYTES`` of
+frames, so that ready replies wait behind little decoding), files each routing id under its
+connection (the monitor says which have closed), and turns each decoded frame into exactly one
+of: a ``PrefillRequest`` for the engine's inbox (its id scoped by ``routes.RouteTable``), an
+abort of the sender's own request, a ``reject``, a ``pong``, or a ``drain``. An outcome from
+the engine is routed back to the router that asked, under the router's own id. The socket's
+life cycle, the thread and the outbox are ``ingress.py``'s; everything here runs on its I/O
+thread, except ``is_draining``, which any thread may set.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+import zmq.utils.monitor
+from msgspec import UNSET, UnsetType
+
+from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
+from prefill_worker.router.admission import Limits, decode_router
+from prefill_worker.router.connections import RouterConnections
+from prefill_worker.router.messages import (
+    Drain,
+    Load,
+    Ping,
+    Pong,
+    Reject,
+    RejectCode,
+    encode,
+    encode_outcome,
+)
+from prefill_worker.router.routes import RouteTable
+from prefill_worker.router.sender import RouterSender
+from prefill_worker.scheduler.inbox import EngineMessage
+from prefill_worker.scheduler.observer import LoadSnapshot
+
+log = logging.getLogger(__name__)
+
+_RECV_BATCH = 512  # messages taken per wake-up before the outbox gets a turn
+_RECV_BATCH_BYTES = 1 << 20  # ... or this many bytes of frames, whichever comes first
+
+
+class IngressObserver(Protocol):
+    """Counters the metrics implement; called from the I/O thread."""
+
+    def on_reject(self, code: str) -> None:
+        """A ``reject`` with this code was sent (``malformed`` included)."""
+
+    def on_malformed(self) -> None:
+        """A frame could not be read at all (not a one-frame msgpack map)."""
+
+    def on_unroutable(self) -> None:
+        """A reply was dropped: its router had gone."""
+
+
+class NullIngressObserver:
+    def on_reject(self, code: str) -> None:
+        return None
+
+    def on_malformed(self) -> None:
+        return None
+
+    def on_unroutable(self) -> None:
+        return None
+
+
+class IngressDispatch:
+    """Reads, admits, aborts, rejects and answers for one ingress; owns the ids in flight."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
+        sender: RouterSender,
+        inbox: queue.Queue[EngineMessage],
+        load: Callable[[], LoadSnapshot],
+        limits: Limits,
+        routes: RouteTable,
+        *,
+        observer: IngressObserver,
+        on_drain: Callable[[], None] | None,
+        allow_drain_message: bool,
+    ) -> None:
+        self._sock = sock
+        self._monitor = monitor
+        self._connections = RouterConnections()
+        self._inbox = inbox
+        self._load = load
+        self._sender = sender
+        self._limits = limits
+        self._routes = routes
+        self._observer = observer
+        self._on_drain = on_drain
+        self._allow_drain_message = allow_drain_message
+        self.is_draining = False
+        self.counts = collections.Counter[str]()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._routes)
+
+    def receive_batch(self) -> None:
+        """Handle what the socket holds, up to the batch bound."""
+        recv = self._sock.recv_multipart
+        budget = _RECV_BATCH_BYTES
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            if identity not in self._connections and not self._is_connected(identity, frames):
+                self.counts["from_gone"] += 1
+                continue
+            self._handle(identity, frames)
+            budget -= sum(len(frame) for frame in frames)
+            if budget <= 0:
+                return  # the outbox gets its turn before more decoding
+
+    def read_monitor(self) -> None:
+        """Take the monitor's connection events; abort what a closed connection left."""
+        while True:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = event["value"]
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                gone = self._connections.on_accepted(fd)
+            else:
+                gone = self._connections.on_disconnected(fd)
+            for identity in gone:
+                self._on_router_gone(identity)
+
+    def reply(self, outcome: Outcome) -> None:
+        """The final reply for one request, to the router that sent it, under its own id."""
+        route = self._routes.pop(outcome.request_id)
+        if route is None:
+            self.counts["orphan"] += 1
+            log.warning("outcome for %r, which is not in flight", outcome.request_id)
+            return
+        frame = encode_outcome(outcome, route.request_id)
+        self._sender.send(route.identity, frame)
+
+    def _is_connected(self, identity: bytes, frames: list[zmq.Frame]) -> bool:
+        """A routing id seen first: file it under its connection, unless that has closed."""
+        self.read_monitor()  # every event before this message is known now
+        return self._connections.try_add(identity, frames[-1].get(zmq.SRCFD))
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self.counts["malformed"] += 1
+            self._observer.on_malformed()
+            why = "expected exactly one frame"
+            self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
+            return
+        msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
+        if isinstance(msg, PrefillRequest):
+            self._admit(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            scoped_id = self._routes.find(identity, msg.request_id)
+            if scoped_id is not None:  # only the sender's own ids
+                self._forward_abort(AbortRequest(scoped_id))
+        elif isinstance(msg, Reject):
+            if msg.code is RejectCode.MALFORMED:
+                self.counts["malformed"] += 1
+                self._observer.on_malformed()
+            self._reject(identity, msg)
+        elif isinstance(msg, Ping):
+            self._pong(identity, msg.nonce)
+        else:
+            self._drain(identity, msg)
+
+    def _on_router_gone(self, identity: bytes) -> None:
+        """Abort what the router left in flight; its parked replies can never be delivered."""
+        self._sender.forget(identity)
+        scoped_ids = self._routes.of_router(identity)
+        if not scoped_ids:
+            return
+        self.counts["routers_gone"] += 1
+        self.counts["aborted_router_gone"] += len(scoped_ids)
+        log.info(
+            "router %s disconnected with %d requests in flight: aborting them",
+            identity.hex(),
+            len(scoped_ids),
+        )
+        for scoped_id in scoped_ids:
+            self._forward_abort(AbortRequest(scoped_id, FinishReason.ROUTER_GONE))
+
+    def _drain(self, identity: bytes, msg: Drain) -> None:
+        if not self._allow_drain_message:
+            why = "the drain message is disabled (ingress.allow_drain_message); use SIGTERM"
+            nonce = UNSET if msg.nonce is None else msg.nonce
+            reject = Reject(code=RejectCode.FORBIDDEN, message=why, field="type", nonce=nonce)
+            self._reject(identity, reject)
+            return
+        log.info("drain asked by router %s", identity.hex())
+        self.is_draining = True
+        if self._on_drain is not None:
+            self._on_drain()
+        self._pong(identity, msg.nonce)
+
+    def _admit(self, identity: bytes, req: PrefillRequest) -> None:
+        if self.is_draining:
+            why = "the worker is draining; send it elsewhere"
+            reject: Reject | None = Reject(
+                code=RejectCode.DRAINING, message=why, request_id=req.request_id
+            )
+        else:
+            reject = self._routes.problem(identity, req)
+        if reject is None:
+            scoped_id = self._routes.add(identity, req)
+            try:
+                self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
+            except queue.Full:
+                self._routes.pop(scoped_id)
+                why = "the engine queue is full"
+                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=req.request_id)
+            else:
+                self.counts["admitted"] += 1
+                return
+        self._reject(identity, reject)
+
+    def _forward_abort(self, msg: AbortRequest) -> None:
+        try:
+            self._inbox.put_nowait(msg)
+        except queue.Full:
+            log.warning("engine queue full; abort of %r dropped", msg.request_id)
+
+    def _reject(self, identity: bytes, reject: Reject) -> None:
+        self.counts["rejected"] += 1
+        self._observer.on_reject(reject.code.value)
+        self._sender.send(identity, encode(reject))
+
+    def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
+        """The engine's load as the router reads it; draining is this ingress's own state."""
+        snap = self._load()
+        load = Load(
+            waiting=snap.num_bootstrapping + snap.num_waiting,
+            running=snap.num_prefilling + snap.num_transferring,
+            free_kv_pages=snap.num_free_pages,
+            draining=self.is_draining,
+        )
+        pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
+        self._sender.send(identity, encode(pong))
