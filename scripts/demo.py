@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 from prefill_worker.router.client import RouterClient  # noqa: E402
 from prefill_worker.router.messages import Result  # noqa: E402
 from prefill_worker.service.config import load_config  # noqa: E402
-from prefill_worker.testing.decode_peer import DecodePeerClient, Generation  # noqa: E402
+from prefill_worker.testing.decode_peer import Generation  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, LaunchError, free_port  # noqa: E402
+from prefill_worker.testing.peer_control import DecodePeerClient  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",

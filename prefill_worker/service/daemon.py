@@ -1,6 +1,8 @@
 """Composition root: start-up → serve → drain → shutdown, signals, sd_notify, exit codes.
 
-The only module that sees the whole ``Config``. Threads::
+With ``service/startup.py`` (the steps that build each component), the only module that sees
+the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
+supervision, signals, drain, stop, fatal errors, closing. Threads::
 
     main     start-up steps; then supervises: signals, drain, watchdog, gauges
     engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
@@ -16,62 +18,44 @@ a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
-from prefill_worker.kv.aux import AuxPool
-from prefill_worker.kv.layout import KVRegions
-from prefill_worker.kv.pages import PagePool
-from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner, build
+from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
-from prefill_worker.router.ingress import CurveServerKeys, Ingress
-from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
-from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.http import AdminAccess, Health, HttpServer
+from prefill_worker.router.ingress import Ingress
+from prefill_worker.scheduler import Engine, Inbox
+from prefill_worker.service.config import Config
+from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.sdnotify import SdNotifier
-from prefill_worker.service.telemetry import EngineEvents, IngressEvents
-from prefill_worker.transfer.factory import ServingBackend, make_backend
-from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.service.startup import (
+    ModelBuilder,
+    StartupError,
+    load_model,
+    make_engine,
+    make_pools,
+    start_http,
+    start_ingress,
+    start_transfer,
+    startup_step,
+    write_ready_file,
+)
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
 EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
 _SUPERVISE_PERIOD_S = 0.25
-
-ModelBuilder = Callable[..., tuple[Runner, KVCache, ModelInfo]]
-"""The shape of ``prefill_worker.model.build`` (the checkpoint path, then its keywords): the
-daemon's one seam to the model, so tests can hold the load back or fail a forward."""
-
-
-class StartupError(Exception):
-    def __init__(self, step: str, message: str, exit_code: int) -> None:
-        super().__init__(f"start-up failed at step '{step}': {message}")
-        self.step, self.exit_code = step, exit_code
-
-
-@contextmanager
-def startup_step(name: str, config_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
-    """Turn any failure inside into a ``StartupError`` naming the step."""
-    log.info("start-up: %s", name)
-    try:
-        yield
-    except config_errors as exc:
-        raise StartupError(name, str(exc), EX_CONFIG) from exc
-    except Exception as exc:
-        raise StartupError(name, f"{type(exc).__name__}: {exc}", 1) from exc
 
 
 class Daemon:
@@ -114,44 +98,26 @@ class Daemon:
 
     def _start(self) -> None:
         cfg = self.config
-        with startup_step("http", (ValueError,)):
-            admin = AdminAccess.from_token_file(
-                cfg.metrics.admin_token_file, cfg.metrics.allow_unauthenticated_admin
-            )
-            http = HttpServer(
-                cfg.metrics.bind, self.health, self.registry, self.request_drain, admin
-            )
-            http.start()
-            self._closers.append(("http", http.stop))
-            log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
-        runner, kv_cache, info = self._load_model()
-        with startup_step("kv pools"):
-            pages = PagePool(kv_cache.layout.num_pages)
-            aux = AuxPool(cfg.cache.num_aux_rows)
-        transfer = self._start_transfer(kv_cache.regions(aux.base_addr, aux.num_rows))
-        with startup_step("engine"):
-            engine = Engine(
-                runner,
-                transfer,
-                pages,
-                aux,
-                sink=self._reply,
-                page_size=cfg.cache.page_size,
-                chunk_size=cfg.scheduler.chunk_size,
-                max_batch_tokens=cfg.scheduler.max_batch_tokens,
-                max_running_requests=cfg.scheduler.max_running_requests,
-                bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
-                transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
-                overlap=cfg.scheduler.overlap,
-                observer=EngineEvents(self.metrics, log),
-            )
-            self._engine = engine
-        self._start_ingress(
-            lambda: engine.load,
+        http = start_http(cfg, self.health, self.registry, self.request_drain)
+        self._closers.append(("http", http.stop))
+        log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
+        runner, kv_cache, info = load_model(cfg, self._build_model)
+        pages, aux = make_pools(cfg, kv_cache)
+        transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
+        self._closers.append(("transfer", transfer.close))
+        self.bootstrap_endpoint = transfer.bootstrap_endpoint
+        engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
+        self._engine = engine
+        limits = (
             info.vocab_size,
             min(cfg.scheduler.max_prompt_tokens, info.max_position),
             pages.num_pages * cfg.cache.page_size,
         )
+        self._ingress = start_ingress(
+            cfg, self.inbox, lambda: engine.load, limits, self.metrics, self.request_drain
+        )
+        # Closed before the engine's pools go: it flushes the last replies.
+        self._closers.append(("ingress", self._ingress.close))
         self._start_engine_thread(engine)
         self.metrics.info.info(
             {
@@ -186,91 +152,6 @@ class Daemon:
         where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
         self.notifier.ready(f"serving {cfg.model.path}: {where}")
         log.info("ready: %s", where)
-
-    def _load_model(self) -> tuple[Runner, KVCache, ModelInfo]:
-        cfg = self.config
-        with startup_step("model load", (CheckpointError, ValueError)):
-            started = time.monotonic()
-            runner, kv_cache, info = self._build_model(
-                cfg.model.path,
-                dtype=cfg.model.dtype,
-                device=cfg.model.device,
-                attention_backend=cfg.model.attention_backend,
-                page_size=cfg.cache.page_size,
-                num_pages=cfg.cache.num_pages,
-                memory_bytes=cfg.cache.memory_bytes,
-                memory_fraction=cfg.cache.memory_fraction,
-                num_threads=cfg.model.num_threads,
-            )
-            log.info(
-                "model %s (%s, %s, %s) loaded in %.1f s",
-                info.architecture,
-                info.dtype,
-                info.device,
-                info.attention_backend,
-                time.monotonic() - started,
-            )
-        return runner, kv_cache, info
-
-    def _start_transfer(self, regions: KVRegions) -> ServingBackend:
-        cfg = self.config.transfer
-        with startup_step("transfer", (ValueError,)):
-            curve = None
-            if cfg.curve_secret_key_file:
-                curve = CurveServerKeys.from_files(
-                    cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
-                )
-            backend = make_backend(
-                regions,
-                cfg.bootstrap_bind,
-                cfg.agent_name,
-                list(cfg.nixl_backends),
-                cfg.peer_timeout_s,
-                cfg.heartbeat_interval_s,
-                want_timeout_s=self.config.scheduler.bootstrap_timeout_s,
-                limits=BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes),
-                curve=curve,
-                ucx_net_devices=cfg.resolved_ucx_net_devices,
-                on_reject=self.metrics.on_bootstrap_reject,
-            )
-            self._closers.append(("transfer", backend.close))
-            self.bootstrap_endpoint = backend.bootstrap_endpoint
-        return backend
-
-    def _start_ingress(
-        self,
-        load: Callable[[], LoadSnapshot],
-        vocab_size: int,
-        max_prompt_tokens: int,
-        pool_tokens: int,
-    ) -> None:
-        cfg = self.config.ingress
-        with startup_step("ingress", (ValueError, OSError)):
-            curve = None
-            if cfg.curve_secret_key_file:
-                curve = CurveServerKeys.from_files(
-                    cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
-                )
-            ingress = Ingress(
-                cfg.bind,
-                self.inbox,
-                load,
-                vocab_size=vocab_size,
-                max_prompt_tokens=max_prompt_tokens,
-                max_pool_tokens=pool_tokens,
-                max_inflight=self.config.scheduler.max_queued_requests,
-                max_message_bytes=cfg.max_message_bytes,
-                heartbeat_interval_s=cfg.heartbeat_interval_s,
-                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                curve=curve,
-                observer=IngressEvents(self.metrics),
-                on_drain=self.request_drain,
-                allow_drain_message=cfg.allow_drain_message,
-            )
-            ingress.start()
-            self._ingress = ingress
-            # Closed before the engine's pools go: it flushes the last replies.
-            self._closers.append(("ingress", ingress.close))
 
     def _start_engine_thread(self, engine: Engine) -> None:
         def loop() -> None:
@@ -380,13 +261,6 @@ class Daemon:
             except Exception:
                 log.exception("closing %s failed", name)
         self.notifier.close()
-
-
-def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
-    """JSON, replaced atomically: a reader sees the old file or the whole new one."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
-    partial.replace(path)
 
 
 def run_daemon(config: Config, env: Mapping[str, str] | None = None) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.router.client import BlockingRouterClient, RouterClient
-from prefill_worker.testing.decode_peer import DecodePeerClient
+from prefill_worker.testing.peer_control import DecodePeerClient
 from tests.checkpoints import hf_model, prompt
 from tests.integration.e2e.conftest import start_peer_process
 

@@ -1,0 +1,195 @@
+"""Start-up steps: build each component from the config, and name the step that failed.
+
+Each ``start_*``/``load_*``/``make_*`` function is one step of the daemon's start-up: it runs
+inside ``startup_step``, so any failure becomes a ``StartupError`` that names the step and
+carries the exit code (78 for configuration problems, 1 otherwise). The daemon calls them in
+order and owns what they return; nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner
+from prefill_worker.request import Outcome
+from prefill_worker.router.ingress import CurveServerKeys, Ingress
+from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
+from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.http import AdminAccess, Health, HttpServer
+from prefill_worker.service.metrics import WorkerMetrics
+from prefill_worker.service.telemetry import EngineEvents, IngressEvents
+from prefill_worker.transfer.factory import ServingBackend, make_backend
+from prefill_worker.transfer.validate import BootstrapLimits
+
+# The daemon's logger: start-up lines keep the name they had before the steps moved here.
+log = logging.getLogger("prefill_worker.service.daemon")
+
+ModelBuilder = Callable[..., tuple[Runner, KVCache, ModelInfo]]
+"""The shape of ``prefill_worker.model.build`` (the checkpoint path, then its keywords): the
+daemon's one seam to the model, so tests can hold the load back or fail a forward."""
+
+
+class StartupError(Exception):
+    def __init__(self, step: str, message: str, exit_code: int) -> None:
+        super().__init__(f"start-up failed at step '{step}': {message}")
+        self.step, self.exit_code = step, exit_code
+
+
+@contextmanager
+def startup_step(name: str, config_errors: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Turn any failure inside into a ``StartupError`` naming the step."""
+    log.info("start-up: %s", name)
+    try:
+        yield
+    except config_errors as exc:
+        raise StartupError(name, str(exc), EX_CONFIG) from exc
+    except Exception as exc:
+        raise StartupError(name, f"{type(exc).__name__}: {exc}", 1) from exc
+
+
+def start_http(
+    config: Config, health: Health, registry: CollectorRegistry, on_drain: Callable[[], None]
+) -> HttpServer:
+    cfg = config.metrics
+    with startup_step("http", (ValueError,)):
+        admin = AdminAccess.from_token_file(cfg.admin_token_file, cfg.allow_unauthenticated_admin)
+        http = HttpServer(cfg.bind, health, registry, on_drain, admin)
+        http.start()
+    return http
+
+
+def load_model(config: Config, build_model: ModelBuilder) -> tuple[Runner, KVCache, ModelInfo]:
+    cfg = config
+    with startup_step("model load", (CheckpointError, ValueError)):
+        started = time.monotonic()
+        runner, kv_cache, info = build_model(
+            cfg.model.path,
+            dtype=cfg.model.dtype,
+            device=cfg.model.device,
+            attention_backend=cfg.model.attention_backend,
+            page_size=cfg.cache.page_size,
+            num_pages=cfg.cache.num_pages,
+            memory_bytes=cfg.cache.memory_bytes,
+            memory_fraction=cfg.cache.memory_fraction,
+            num_threads=cfg.model.num_threads,
+        )
+        log.info(
+            "model %s (%s, %s, %s) loaded in %.1f s",
+            info.architecture,
+            info.dtype,
+            info.device,
+            info.attention_backend,
+            time.monotonic() - started,
+        )
+    return runner, kv_cache, info
+
+
+def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
+    with startup_step("kv pools"):
+        return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
+
+
+def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -> ServingBackend:
+    cfg = config.transfer
+    with startup_step("transfer", (ValueError,)):
+        curve = None
+        if cfg.curve_secret_key_file:
+            curve = CurveServerKeys.from_files(
+                cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
+            )
+        return make_backend(
+            regions,
+            cfg.bootstrap_bind,
+            cfg.agent_name,
+            list(cfg.nixl_backends),
+            cfg.peer_timeout_s,
+            cfg.heartbeat_interval_s,
+            want_timeout_s=config.scheduler.bootstrap_timeout_s,
+            limits=BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes),
+            curve=curve,
+            ucx_net_devices=cfg.resolved_ucx_net_devices,
+            on_reject=metrics.on_bootstrap_reject,
+        )
+
+
+def make_engine(
+    config: Config,
+    runner: Runner,
+    transfer: ServingBackend,
+    pools: tuple[PagePool, AuxPool],
+    sink: Callable[[Outcome], None],
+    metrics: WorkerMetrics,
+) -> Engine:
+    cfg = config
+    pages, aux = pools
+    with startup_step("engine"):
+        return Engine(
+            runner,
+            transfer,
+            pages,
+            aux,
+            sink=sink,
+            page_size=cfg.cache.page_size,
+            chunk_size=cfg.scheduler.chunk_size,
+            max_batch_tokens=cfg.scheduler.max_batch_tokens,
+            max_running_requests=cfg.scheduler.max_running_requests,
+            bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
+            transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+            overlap=cfg.scheduler.overlap,
+            observer=EngineEvents(metrics, log),
+        )
+
+
+def start_ingress(
+    config: Config,
+    inbox: Inbox,
+    load: Callable[[], LoadSnapshot],
+    limits: tuple[int, int, int],
+    metrics: WorkerMetrics,
+    on_drain: Callable[[], None],
+) -> Ingress:
+    """``limits``: the vocabulary size, the longest prompt, the pool's size in tokens."""
+    cfg = config.ingress
+    vocab_size, max_prompt_tokens, pool_tokens = limits
+    with startup_step("ingress", (ValueError, OSError)):
+        curve = None
+        if cfg.curve_secret_key_file:
+            curve = CurveServerKeys.from_files(
+                cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
+            )
+        ingress = Ingress(
+            cfg.bind,
+            inbox,
+            load,
+            vocab_size=vocab_size,
+            max_prompt_tokens=max_prompt_tokens,
+            max_pool_tokens=pool_tokens,
+            max_inflight=config.scheduler.max_queued_requests,
+            max_message_bytes=cfg.max_message_bytes,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            curve=curve,
+            observer=IngressEvents(metrics),
+            on_drain=on_drain,
+            allow_drain_message=cfg.allow_drain_message,
+        )
+        ingress.start()
+    return ingress
+
+
+def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
+    """JSON, replaced atomically: a reader sees the old file or the whole new one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
+    partial.replace(path)

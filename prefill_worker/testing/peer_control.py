@@ -1,0 +1,189 @@
+"""The decode peer as a process: its ZMQ control socket (``serve``), that socket's asyncio
+client (``DecodePeerClient``, what a router would do) and the command line (``main``).
+
+``python -m prefill_worker.testing.decode_peer`` runs ``main``: load the model, register with
+the worker, send sd_notify READY=1, answer ``generate``/``ping`` until SIGTERM, exit 0. A test
+and demo tool, like the peer itself (``decode_peer.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from prefill_worker.testing.decode_peer import DecodePeer, Generation
+
+# The peer's logger: the process's lines keep the name they had before the split.
+log = logging.getLogger("prefill_worker.testing.decode_peer")
+_DESCRIPTION = (
+    "The reference decode peer: receives a prompt's KV from a worker, then decodes greedily."
+)
+
+
+def _generation_msg(gen: Generation) -> dict[str, Any]:
+    return {
+        "type": "generated",
+        "room": gen.room,
+        "is_ok": gen.is_ok,
+        "token_ids": list(gen.token_ids),
+        "error": gen.error,
+        "kv_wait_s": gen.kv_wait_s,
+        "decode_s": gen.decode_s,
+    }
+
+
+def serve(peer: DecodePeer, bind: str, stop: threading.Event) -> None:
+    """Answer ``generate`` {room, token_ids, max_new_tokens} and ``ping`` on a ROUTER socket
+    until ``stop`` is set; each ``generated`` reply goes to the identity that asked."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(bind)
+    askers: dict[int, bytes] = {}
+    try:
+        while not stop.is_set():
+            idle_ms = 0 if peer.is_decoding else 2
+            while sock.poll(idle_ms):
+                identity, frame = sock.recv_multipart()
+                reply = _on_control(peer, askers, identity, frame)
+                if reply is not None:
+                    sock.send_multipart([identity, msgpack.packb(reply)])
+                idle_ms = 0
+            for gen in peer.step():
+                sock.send_multipart([askers.pop(gen.room), msgpack.packb(_generation_msg(gen))])
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _on_control(
+    peer: DecodePeer, askers: dict[int, bytes], identity: bytes, frame: bytes
+) -> dict[str, Any] | None:
+    """One control message; the immediate reply, if any (``generated`` comes later)."""
+    try:
+        msg = msgpack.unpackb(frame)
+        if msg["type"] == "ping":
+            return {"type": "pong"}
+        room, token_ids, max_new_tokens = msg["room"], msg["token_ids"], msg["max_new_tokens"]
+        if msg["type"] != "generate" or room in askers or max_new_tokens < 1 or not token_ids:
+            raise ValueError(f"not a new valid generate: {msg['type']} room {room}")
+    except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
+        return {"type": "error", "message": str(exc)}
+    askers[room] = identity
+    peer.expect(room, token_ids, max_new_tokens)
+    return None
+
+
+class DecodePeerClient:
+    """Asyncio client of a decode-peer process's control socket (what a router would do);
+    create and use it inside one running event loop."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._waiting: dict[int, asyncio.Future[Generation]] = {}
+        self._pongs: list[asyncio.Future[None]] = []
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def generate(
+        self, room: int, token_ids: Sequence[int], max_new_tokens: int
+    ) -> Generation:
+        """Hand the peer a request; returns once it has finished decoding."""
+        future = self._expect()
+        self._waiting[room] = future
+        msg = {"type": "generate", "room": room, "token_ids": [int(t) for t in token_ids]}
+        await self._sock.send(msgpack.packb({**msg, "max_new_tokens": max_new_tokens}))
+        return await future
+
+    async def ping(self, timeout_s: float) -> None:
+        """Returns once the peer answers (it serves only after registering with the worker)."""
+        future: asyncio.Future[None] = self._expect()
+        self._pongs.append(future)
+        await self._sock.send(msgpack.packb({"type": "ping"}))
+        await asyncio.wait_for(future, timeout_s)
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._sock.close()
+        self._ctx.term()
+
+    def _expect(self) -> asyncio.Future[Any]:
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        return asyncio.get_running_loop().create_future()
+
+    async def _receive(self) -> None:
+        while True:
+            reply = msgpack.unpackb(await self._sock.recv())
+            if reply.get("type") == "pong":
+                for pong in self._pongs:
+                    if not pong.done():
+                        pong.set_result(None)
+                self._pongs.clear()
+            elif reply.get("type") == "generated" and reply["room"] in self._waiting:
+                fields = {k: v for k, v in reply.items() if k != "type"}
+                fields["token_ids"] = tuple(fields["token_ids"])
+                self._waiting.pop(reply["room"]).set_result(Generation(**fields))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decode-peer", description=_DESCRIPTION)
+    parser.add_argument("--model", required=True, help="checkpoint directory (as the worker's)")
+    parser.add_argument("--bootstrap", required=True, help="the worker's bootstrap address")
+    parser.add_argument("--bind", required=True, help="control socket, e.g. tcp://127.0.0.1:5600")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=1024)
+    parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="always decode max_new_tokens (tests)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
+    from prefill_worker.service.sdnotify import SdNotifier
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    log.info("loading %s", args.model)
+    peer = DecodePeer.load(
+        args.model,
+        args.bootstrap,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        num_threads=args.num_threads,
+        max_batch_size=args.max_batch_size,
+        **({"stop_token_ids": ()} if args.ignore_eos else {}),
+    )
+    log.info("registered with %s; serving on %s", args.bootstrap, args.bind)
+    SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")
+    try:
+        serve(peer, args.bind, stop)
+    finally:
+        peer.close()
+    log.info("stopped")
+    return 0
