@@ -93,7 +93,7 @@ class Engine:
         self._observer: EngineObserver = observer or NullObserver()
         self._clock = clock
         self._table = PageTable(pages, page_size)
-        self._queues = RequestQueues()
+        self._queues = RequestQueues(self._observer.on_transition)
         self._admission = Admission(
             self._queues,
             self._table,
