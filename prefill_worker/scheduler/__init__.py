@@ -32,8 +32,9 @@ passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is
 Modules: ``queues`` (requests per state), ``admission`` (token budget, running cap, page and
 aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one heap),
 ``forward`` (serial or executor-thread forwards), ``inbox`` (the queue with a wake-up fd),
-``observer`` (sink, observer, snapshot),
-``engine`` (the loop and the one finish path).
+``observer`` (sink, observer, snapshot), ``lifecycle`` (each request from submit to its one
+outcome: sender polling, deadline expiry, consuming forwards, the one finish path),
+``engine`` (the loop: take, step, wait, collect and launch forwards, publish the load).
 """
 
 from prefill_worker.scheduler.engine import Engine

@@ -1,7 +1,8 @@
 """What the engine tells the rest of the process: outcomes, step timings and its load.
 
 ``OutcomeSink`` takes the one final ``Outcome`` per request (ingress turns it into a
-``result``). ``EngineObserver`` is the metrics seam; ``NullObserver`` is the no-op default.
+``result``). ``EngineObserver`` is the metrics seam (outcomes, steps, load, and every state
+move of a live request); ``NullObserver`` is the no-op default.
 ``LoadSnapshot`` is immutable and swapped whole, so any thread may read the latest one (the
 ingress ``pong``, ``/readyz``) without a lock.
 """
@@ -73,6 +74,11 @@ class EngineObserver(Protocol):
         """After a turn that changed the load (queue sizes, pages, aux rows)."""
         ...
 
+    def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
+        """After each state move of a live request (an allowed edge; ``dst`` may be terminal).
+        Called once per move, so it must be cheap."""
+        ...
+
 
 class NullObserver:
     """Observes nothing."""
@@ -84,4 +90,7 @@ class NullObserver:
         return None
 
     def on_load(self, load: LoadSnapshot) -> None:
+        return None
+
+    def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         return None

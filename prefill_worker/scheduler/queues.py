@@ -1,7 +1,8 @@
 """Live requests by state: the bootstrap, waiting, prefilling and inflight queues.
 
 Every state move of a live request goes through ``RequestQueues.move``, which checks the edge
-(``Request.move_to``) and keeps the containers and per-state counts in step::
+(``Request.move_to``), keeps the containers and per-state counts in step, and then reports the
+move to ``on_move`` (the engine passes its observer's ``on_transition``)::
 
     live        request_id -> Request, every non-terminal request
     waiting     deque, FCFS order (entries that left WAITING are dropped lazily at the head)
@@ -14,16 +15,24 @@ Every state move of a live request goes through ``RequestQueues.move``, which ch
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from prefill_worker.request import Request, RequestState
 
 _WATCHED = (RequestState.BOOTSTRAPPING, RequestState.WAITING)
 
+OnMove = Callable[[str, RequestState, RequestState], None]  # (request_id, src, dst)
+
+
+def _ignore(request_id: str, src: RequestState, dst: RequestState) -> None:
+    return None
+
 
 class RequestQueues:
     """The engine thread's view of every live request; nothing else mutates it."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_move: OnMove = _ignore) -> None:
+        self._on_move = on_move
         self.live: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
@@ -63,6 +72,7 @@ class RequestQueues:
         else:
             assert state.is_terminal
             del self.live[req.request_id]
+        self._on_move(req.request_id, old, state)
 
     def counts(self) -> dict[RequestState, int]:
         """Live requests per live state."""

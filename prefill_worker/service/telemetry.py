@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from prefill_worker.request import Outcome
+from prefill_worker.request import Outcome, RequestState
 from prefill_worker.scheduler import LoadSnapshot
 from prefill_worker.service.logs import log_outcome
 from prefill_worker.service.metrics import WorkerMetrics
@@ -32,6 +32,9 @@ class EngineEvents:
         self._metrics.set_queue_sizes(load.queue_sizes())
         self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages)
         self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
+
+    def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
+        return None  # per-state metrics come from ``on_load``; the outcome carries the timings
 
 
 class IngressEvents:

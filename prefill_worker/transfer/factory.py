@@ -43,8 +43,8 @@ def make_backend(
     on_reject: Callable[[str], None] | None = None,
 ) -> ServingBackend:
     """The NIXL backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
-    address, port 0 allowed). The in-process test backend (``testing.loopback``) is not
-    selectable here: nothing in production config can pick a fake.
+    address, port 0 allowed). No fake is selectable here: nothing in production config can
+    pick one (the scheduler's tests fake the seam in ``tests/unit/scheduler/fakes.py``).
     ``limits`` bound what a decode peer may register and send; ``curve`` turns on CurveZMQ
     with an allow-list on the bootstrap socket; ``ucx_net_devices`` picks UCX's interfaces;
     ``on_reject(reason)`` counts each refused bootstrap message (engine thread).

@@ -15,7 +15,6 @@ from prefill_worker.request import (
     Outcome,
     OutcomeStatus,
     PrefillRequest,
-    Request,
     RequestState,
     SamplingParams,
 )
@@ -72,19 +71,32 @@ def unblock(rig: Rig) -> None:
         rig.abort("blocker")
 
 
+class Recorder:
+    """An ``EngineObserver`` that keeps everything it is told."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+        self.steps: list[tuple[float, int]] = []
+        self.loads: list[LoadSnapshot] = []
+        self.moves: list[tuple[str, str]] = []
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
+        self.steps.append((duration_s, num_batch_tokens))
+
+    def on_load(self, load: LoadSnapshot) -> None:
+        self.loads.append(load)
+
+    def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
+        self.moves.append((src.value, dst.value))
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_happy_path_walks_every_forward_edge(
-    overlap: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    moves: list[tuple[str, str]] = []
-    move_to = Request.move_to
-
-    def spy(req: Request, state: RequestState) -> None:
-        moves.append((req.state.value, state.value))
-        move_to(req, state)
-
-    monkeypatch.setattr(Request, "move_to", spy)
-    rig = make_rig(overlap=overlap, auto_want=False, polls_to_success=1)
+def test_happy_path_walks_every_forward_edge(overlap: bool) -> None:
+    recorder = Recorder()
+    rig = make_rig(overlap=overlap, auto_want=False, polls_to_success=1, observer=recorder)
     rig.prefill("a", 40)
     rig.clock.advance(1.0)
     rig.engine.step()
@@ -95,7 +107,7 @@ def test_happy_path_walks_every_forward_edge(
         rig.clock.advance(1.0)
         rig.engine.step()
         seen.append(state_of(rig))
-    assert moves == list(zip([*LIVE], [*LIVE[1:], "done"], strict=True))
+    assert recorder.moves == list(zip([*LIVE], [*LIVE[1:], "done"], strict=True))
     assert [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]] == [*LIVE[2:], None]
     out = rig.outcome("a")
     assert (out.status, out.reason, out.error) == (OutcomeStatus.OK, FinishReason.OK, None)
@@ -398,22 +410,6 @@ def test_a_runner_error_fails_everything_and_propagates() -> None:
     assert "device lost" in (rig.outcome("a").error or "")
     rig.engine.shutdown()
     rig.check_whole()
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.outcomes: list[Outcome] = []
-        self.steps: list[tuple[float, int]] = []
-        self.loads: list[LoadSnapshot] = []
-
-    def on_outcome(self, outcome: Outcome) -> None:
-        self.outcomes.append(outcome)
-
-    def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
-        self.steps.append((duration_s, num_batch_tokens))
-
-    def on_load(self, load: LoadSnapshot) -> None:
-        self.loads.append(load)
 
 
 def test_observer_sees_outcomes_steps_and_load_changes() -> None:

@@ -1,16 +1,14 @@
-"""The loopback backend and the page arithmetic every backend shares: the destination
-mapping (cached prefix skipped), want checks, and the sender state machine."""
+"""The page arithmetic every backend shares: the destination mapping (cached prefix skipped),
+region-major descriptor indices and tables, and want checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool, AuxRow
+from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
-from prefill_worker.testing.loopback import LoopbackBackend
 from prefill_worker.transfer import pagemap, wire
-from prefill_worker.transfer.base import KVPoll
 
 LAYOUT = KVLayout(3, 2, 4, "float32", 4, 16)  # page_bytes = 4 * 2 * 4 * 4 = 128
 
@@ -26,10 +24,6 @@ class Pool:
         base = int(self.kv.ctypes.data)
         starts = tuple(base + i * LAYOUT.region_bytes for i in range(6))
         self.regions = KVRegions(LAYOUT, starts[:3], starts[3:], "cpu", self.aux.base_addr, 4)
-
-    def page(self, region: int, page: int) -> np.ndarray:
-        start = region * LAYOUT.region_bytes + page * LAYOUT.page_bytes
-        return self.kv[start : start + LAYOUT.page_bytes]
 
 
 def test_map_pages_skips_the_cached_prefix() -> None:
@@ -80,60 +74,3 @@ def test_check_want_refuses_with_a_reason(want: wire.Want, why: str) -> None:
 
 def test_check_want_accepts_a_good_want() -> None:
     assert pagemap.check_want(wire.Want.of(1, (7,), 3, 8), 10, LAYOUT, Pool(0).regions) is None
-
-
-@pytest.mark.parametrize("want_first", [True, False])
-def test_loopback_copies_bytes_where_decode_asked(want_first: bool) -> None:
-    src, dst = Pool(1), Pool(2)
-    before = dst.kv.copy()
-    backend = LoopbackBackend(src.regions, dst.regions)
-    if want_first:
-        backend.want(5, [9, 3, 7], 2, 4)
-    sender = backend.create_sender(5, "r", 13)  # 4 pages, 1 cached
-    if not want_first:
-        assert sender.poll() is KVPoll.BOOTSTRAPPING
-        backend.want(5, [9, 3, 7], 2, 4)
-    assert sender.poll() is KVPoll.READY and sender.num_cached_tokens() == 4
-    sender.send_pages([0, 1], 0)
-    sender.send_pages([14, 15], 2)
-    row = src.aux.try_alloc()
-    assert row is not None
-    src.aux.write(row, AuxRow(42, -1.0, 13, 4))
-    sender.send_aux(row)
-    assert sender.poll() is KVPoll.TRANSFERRING
-    backend.poll()
-    assert sender.poll() is KVPoll.SUCCESS and backend.told[5] == ("ok", None)
-    assert backend.sent[5] == [(1, 9), (14, 3), (15, 7)]
-    expect = before.copy()
-    for region in range(6):
-        for s, d in backend.sent[5]:
-            start = region * LAYOUT.region_bytes + d * LAYOUT.page_bytes
-            expect[start : start + LAYOUT.page_bytes] = src.page(region, s)
-    assert np.array_equal(dst.kv, expect)
-    assert dst.aux.read(2) == AuxRow(42, -1.0, 13, 4)
-    sender.close()
-    assert not backend.senders
-
-
-def test_loopback_failures_reach_the_decode_side() -> None:
-    backend = LoopbackBackend(Pool(0).regions)
-    sender = backend.create_sender(1, "r", 8)
-    backend.want(1, [0], 0, 0)  # needs 2 pages
-    assert sender.poll() is KVPoll.FAILED and "needs 2" in (sender.failure_reason() or "")
-    assert backend.told[1][0] == "failed"
-    dup = backend.create_sender(1, "r2", 8)
-    assert dup.poll() is KVPoll.FAILED and "in use" in (dup.failure_reason() or "")
-    sender.close()
-    other = backend.create_sender(2, "r", 8)
-    backend.want(2, [0, 1], 0, 0)
-    backend.abort(2)
-    assert other.poll() is KVPoll.ABORTED and backend.told[2][0] == "aborted"
-    other.send_pages([0, 1], 0)  # ignored once terminal
-    assert 2 not in backend.sent
-    other.fail("late")
-    assert other.poll() is KVPoll.ABORTED
-    other.close()
-    assert not backend.senders
-    last = backend.create_sender(3, "r", 8)
-    last.close()
-    assert last.poll() is KVPoll.FAILED and backend.told[3][0] == "failed"

@@ -1,0 +1,243 @@
+"""Every live request from ``submit`` to its one ``Outcome``, on the engine thread.
+
+``RequestLifecycle`` owns the request queues, the deadline heap and the pages of ended
+requests that a running forward may still write. The engine's loop calls it each turn::
+
+    submit          a prefill (sender created, deadlines pushed) or an abort
+    poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
+    expire          deadlines that passed (bootstrap, transfer, per request)
+    consume         a collected forward: pages → sender.send_pages; last chunk → aux row
+                    → sender.send_aux, then TRANSFERRING
+
+Every request ends through ``finish``: sender failed (if need be) and closed, then pages and
+aux row freed (pages still read by a running forward are freed by ``release_deferred`` when it
+is collected), one ``Outcome`` counted, observed and handed to the sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+
+from prefill_worker.batch import BatchOutput, ChunkPlan, SampledToken
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.tables import PageTable, num_pages_for
+from prefill_worker.request import (
+    AbortRequest,
+    FinishReason,
+    Outcome,
+    Request,
+    RequestState,
+    end_state,
+)
+from prefill_worker.scheduler.admission import ScheduledBatch
+from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
+from prefill_worker.scheduler.inbox import EngineMessage
+from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
+from prefill_worker.scheduler.queues import RequestQueues
+from prefill_worker.transfer.base import KVPoll, TransferBackend
+
+log = logging.getLogger(__name__)
+
+_SENDER_END = {
+    KVPoll.FAILED: FinishReason.TRANSFER_FAILED,
+    KVPoll.ABORTED: FinishReason.ABORTED_BY_DECODE,
+    KVPoll.PEER_LOST: FinishReason.PEER_LOST,
+}
+_ABORT_ERRORS = {
+    FinishReason.ABORTED_BY_ROUTER: "aborted by the router",
+    FinishReason.ROUTER_GONE: "the router's connection closed",
+}
+
+
+class RequestLifecycle:
+    """The live requests and the one way out; engine thread only."""
+
+    def __init__(
+        self,
+        transfer: TransferBackend,
+        table: PageTable,
+        aux: AuxPool,
+        sink: OutcomeSink,
+        observer: EngineObserver,
+        clock: Callable[[], float],
+        *,
+        bootstrap_timeout_s: float,
+        transfer_timeout_s: float,
+        poll_budget: int,
+    ) -> None:
+        self._transfer, self._table, self._aux = transfer, table, aux
+        self._sink, self._observer, self._clock = sink, observer, clock
+        self.queues = RequestQueues(observer.on_transition)
+        self.deadlines = DeadlineHeap()
+        self.page_size = table.page_size
+        self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
+        self._poll_budget = poll_budget
+        self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
+        self.outcome_counts: Counter[FinishReason] = Counter()
+
+    def submit(self, message: EngineMessage) -> None:
+        """Take one message. Ids are unique among live requests and prompts are not empty: the
+        ingress owns both policies (it scopes router ids by connection, rejects duplicates and
+        empty prompts), so the engine trusts them."""
+        if isinstance(message, AbortRequest):
+            req = self.queues.live.get(message.request_id)
+            if req is not None:
+                error = _ABORT_ERRORS.get(message.reason, message.reason.value)
+                self.finish(req, message.reason, error)
+            return
+        assert message.request_id not in self.queues.live, f"{message.request_id!r} is live"
+        assert message.token_ids, f"{message.request_id!r} has an empty prompt"
+        num_tokens = len(message.token_ids)
+        sender = self._transfer.create_sender(
+            message.bootstrap_room,
+            message.request_id,
+            num_tokens,
+            allowed_peer=message.decode_peer,
+        )
+        req = Request(message, sender)
+        self.queues.add(req)
+        if not self._table.can_ever_fit(num_tokens):
+            need = num_pages_for(num_tokens, self.page_size)
+            self.finish(
+                req,
+                FinishReason.PROMPT_TOO_LONG,
+                f"{num_tokens} tokens need {need} KV pages; the pool has "
+                f"{self._table.pool.num_pages}",
+            )
+        else:
+            self.deadlines.push(
+                req.arrival_time + self.bootstrap_timeout_s, DeadlineKind.BOOTSTRAP, req
+            )
+            if req.deadline_s is not None:
+                self.deadlines.push(req.arrival_time + req.deadline_s, DeadlineKind.REQUEST, req)
+
+    def poll_senders(self) -> None:
+        for req in self.queues.next_watched(self._poll_budget):
+            self._check_sender(req)
+        head = self.queues.head_waiting()
+        if head is not None:
+            self._check_sender(head)  # admission next: catch an abort or failure first
+        for req in list(self.queues.prefilling.values()):
+            self._check_sender(req)
+        for req in list(self.queues.inflight.values()):
+            self._check_sender(req)
+
+    def _check_sender(self, req: Request) -> None:
+        assert req.sender is not None
+        if req.state.is_terminal:
+            return  # ended earlier in this turn
+        try:
+            status = req.sender.poll()
+        except AssertionError:
+            raise  # a broken invariant is shared state: the engine stops
+        except Exception as exc:  # this request's transfer: it fails, the engine goes on
+            log.exception("request %s: its sender failed", req.request_id)
+            return self.finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
+        if status is KVPoll.READY:
+            if req.state is RequestState.BOOTSTRAPPING:
+                req.num_cached_tokens = req.sender.num_cached_tokens()
+                req.ready_time = self._clock()
+                self.queues.move(req, RequestState.WAITING)
+        elif status is KVPoll.SUCCESS:
+            if req.state is RequestState.TRANSFERRING:
+                self.finish(req, FinishReason.OK, None)
+        elif status in _SENDER_END:
+            reason = req.sender.failure_reason() or f"sender {status.value}"
+            self.finish(req, _SENDER_END[status], reason)
+
+    def expire(self) -> None:
+        for kind, req in self.deadlines.pop_expired(self._clock()):
+            if kind is DeadlineKind.BOOTSTRAP and req.state is RequestState.BOOTSTRAPPING:
+                # No room in the text: it is logged, and rooms are capabilities.
+                error = f"no handshake from the decode peer within {self.bootstrap_timeout_s}s"
+                self.finish(req, FinishReason.BOOTSTRAP_TIMEOUT, error)
+            elif kind is DeadlineKind.TRANSFER and req.state is RequestState.TRANSFERRING:
+                error = f"KV transfer did not finish within {self.transfer_timeout_s}s"
+                self.finish(req, FinishReason.TRANSFER_TIMEOUT, error)
+            elif kind is DeadlineKind.REQUEST and not req.state.is_terminal:
+                error = f"request deadline of {req.deadline_s}s passed while {req.state.value}"
+                self.finish(req, FinishReason.DEADLINE_EXCEEDED, error)
+
+    def consume(self, batch: ScheduledBatch, output: BatchOutput) -> None:
+        sampled = {token.request_id: token for token in output.sampled}
+        for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
+            if req.state is not RequestState.PREFILLING:
+                continue  # ended while its chunk was computing
+            try:
+                self._consume_chunk(chunk, req, sampled.get(req.request_id))
+            except AssertionError:
+                raise  # a broken invariant is shared state: the engine stops
+            except Exception as exc:  # this request's own data: it fails, the engine goes on
+                log.exception("request %s failed in its chunk's post-processing", req.request_id)
+                if not req.state.is_terminal:
+                    self.finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
+
+    def _consume_chunk(self, chunk: ChunkPlan, req: Request, token: SampledToken | None) -> None:
+        assert req.sender is not None
+        req.num_computed_tokens = chunk.end
+        first, end = chunk.start // self.page_size, num_pages_for(chunk.end, self.page_size)
+        req.sender.send_pages(req.page_ids[first:end], first)
+        if chunk.sampling is None:
+            return
+        assert token is not None, f"no sampled token for {req.request_id!r}"
+        if token.error is not None:
+            self.finish(req, FinishReason.ENGINE_ERROR, f"sampling failed: {token.error}")
+        else:
+            self._end_prefill(req, token)
+
+    def _end_prefill(self, req: Request, token: SampledToken) -> None:
+        assert req.sender is not None and req.aux_row is not None
+        logprob = token.logprob if req.return_logprob else math.nan
+        row = AuxRow(token.token_id, logprob, req.num_prompt_tokens, req.num_cached_tokens)
+        self._aux.write(req.aux_row, row)
+        req.sender.send_aux(req.aux_row)
+        req.first_token_id = token.token_id
+        req.first_token_logprob = token.logprob if req.return_logprob else None
+        req.prefill_end_time = now = self._clock()
+        self.queues.move(req, RequestState.TRANSFERRING)
+        self.deadlines.push(now + self.transfer_timeout_s, DeadlineKind.TRANSFER, req)
+
+    def release_deferred(self) -> None:
+        """Free the pages of requests that ended while a forward read them (it was collected)."""
+        for page_ids in self._deferred:
+            self._table.pool.free(page_ids)
+        self._deferred.clear()
+
+    def fail_all(self, reason: FinishReason, error: str) -> None:
+        for req in list(self.queues.live.values()):
+            self.finish(req, reason, error)
+
+    # ---- the one way out ----------------------------------------------------------------
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None) -> None:
+        assert req.sender is not None
+        if reason not in (FinishReason.OK, FinishReason.ABORTED_BY_DECODE):
+            req.sender.fail(error or reason.value)
+        req.sender.close()  # only now may pages and the aux row be reused
+        req.finish_time = self._clock()
+        self.queues.move(req, end_state(reason))
+        if req.aux_row is not None:
+            self._aux.free(req.aux_row)
+            req.aux_row = None
+        if req.page_ids:
+            if req.is_in_forward:
+                self._deferred.append(self._table.detach(req.request_id))
+            else:
+                self._table.release(req.request_id)
+        transfer_bytes = req.sender.written_bytes()
+        self._emit(req.outcome(reason, error, req.finish_time, transfer_bytes))
+
+    def _emit(self, outcome: Outcome) -> None:
+        self.outcome_counts[outcome.reason] += 1
+        self._observer.on_outcome(outcome)
+        self._sink(outcome)
+
+    def check_integrity(self) -> None:
+        self.queues.check_integrity()
+        self._table.check_integrity(self._deferred)
+        self._aux.check_integrity()
+        held = sum(1 for r in self.queues.live.values() if r.aux_row is not None)
+        assert self._aux.num_rows - self._aux.num_free == held
