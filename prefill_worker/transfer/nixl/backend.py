@@ -2,7 +2,7 @@
 
 One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
 server, drives every transfer, does what senders recorded (statuses to send, closed senders
-to forget, handles to reap: ``nixl.sender.SenderEvent``; senders never call back), sends
+to forget, handles to reap: ``nixl.context.SenderEvent``; senders never call back), sends
 heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
 bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
 gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
@@ -40,17 +40,10 @@ from prefill_worker.transfer.nixl.agent import (
     prep_lists,
     register_regions,
 )
+from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
 from prefill_worker.transfer.nixl.protocol import UNKNOWN_PEER, BootstrapDesk
 from prefill_worker.transfer.nixl.reaper import HandleReaper
-from prefill_worker.transfer.nixl.sender import (
-    STUCK_RELEASE_S,
-    Closed,
-    NixlSender,
-    Peer,
-    SendContext,
-    Tell,
-    notif_tag,
-)
+from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S, NixlSender, notif_tag
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.validate import BootstrapLimits
 

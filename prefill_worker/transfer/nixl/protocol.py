@@ -23,7 +23,8 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, prep_lists
-from prefill_worker.transfer.nixl.sender import NixlSender, Peer
+from prefill_worker.transfer.nixl.context import Peer
+from prefill_worker.transfer.nixl.sender import NixlSender
 from prefill_worker.transfer.rooms import RoomBook
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
