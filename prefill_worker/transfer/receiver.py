@@ -17,17 +17,18 @@ ABORTED before reusing the pages: the worker acknowledges once no write targets 
 Recovery: when the worker says this connection is not registered (it dropped the peer, or
 the connection was replaced), the receiver registers again by itself and repeats the wants
 that were refused for it. A room still PENDING after ``room_timeout_s`` fails.
+
+This module is the socket, the registration and the room rules; the room vocabulary and
+record are ``decode_rooms``, a pool given as tensors is described by ``decode_pool``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import enum
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -36,36 +37,13 @@ from prefill_worker.curve import CurveClientKeys, apply_client
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.decode_rooms import RoomEntry, RoomState, RoomStatus
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
 from prefill_worker.transfer.nixl.sender import notif_tag
 
 
-class RoomState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True, slots=True)
-class RoomStatus:
-    state: RoomState
-    reason: str | None = None
-
-
 class RegistrationError(RuntimeError):
     """The worker refused this decode peer (the text says why) or never answered."""
-
-
-@dataclass(slots=True)
-class _Room:
-    status: RoomStatus
-    want: wire.Want
-    deadline: float  # PENDING past this fails
-    is_status_ok: bool = False  # the worker said `status ok`
-    is_landed: bool = False  # the aux row's NIXL notification arrived
-    is_resend_due: bool = False  # refused as unknown_peer: send again once registered
-    timed_out_reason: str | None = None  # past the deadline: aborted, failing once acked
 
 
 class KVReceiver:
@@ -101,7 +79,7 @@ class KVReceiver:
         if curve is not None:
             apply_client(self._sock, curve)
         self._sock.connect(bootstrap_addr)
-        self._rooms: dict[int, _Room] = {}
+        self._rooms: dict[int, RoomEntry] = {}
         self._tags: dict[bytes, int] = {}  # notif_tag(room) -> room
         self._registration: RoomStatus = RoomStatus(RoomState.PENDING)
         self._is_worker_lost = False
@@ -123,33 +101,11 @@ class KVReceiver:
         """From per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all on one
         device (CPU, or one CUDA device: the pool is registered as VRAM) and contiguous; the
         receiver allocates its aux rows in host memory (registered as DRAM on any device)."""
-        from prefill_worker.kv.aux import AuxPool
-        from prefill_worker.kv.layout import KVLayout
+        from prefill_worker.transfer.decode_pool import regions_from_tensors
 
-        k0 = k_caches[0]
-        device = _pool_device(k0.device)
-        for t in (*k_caches, *v_caches):
-            if t.device != k0.device or t.shape != k0.shape or t.dtype != k0.dtype:
-                raise ValueError(
-                    f"every K and V tensor must match the first ({tuple(k0.shape)}, {k0.dtype},"
-                    f" {k0.device}); one is {tuple(t.shape)}, {t.dtype}, {t.device}"
-                )
-            if not t.is_contiguous():
-                raise ValueError("K and V tensors must be contiguous: pages are byte ranges")
-        num_pages, page_size, num_kv_heads, head_dim = k0.shape
-        dtype = str(k0.dtype).removeprefix("torch.")
-        layout = KVLayout(len(k_caches), num_kv_heads, head_dim, dtype, page_size, num_pages)
-        aux = AuxPool(num_aux_rows)
-        regions = KVRegions(
-            layout,
-            tuple(int(t.data_ptr()) for t in k_caches),
-            tuple(int(t.data_ptr()) for t in v_caches),
-            device,
-            aux.base_addr,
-            num_aux_rows,
-        )
+        regions, owned = regions_from_tensors(k_caches, v_caches, num_aux_rows)
         receiver = cls(regions, bootstrap_addr, **kwargs)
-        receiver._owned = [aux, *k_caches, *v_caches]
+        receiver._owned = owned
         return receiver
 
     # -- registration -------------------------------------------------------------------
@@ -180,7 +136,7 @@ class KVReceiver:
             state = self._rooms[room].status.state.value
             raise ValueError(f"room {room} is already wanted ({state}); forget it first")
         want = wire.Want.of(room, [int(p) for p in page_ids], aux_slot, num_cached_tokens)
-        self._rooms[room] = _Room(
+        self._rooms[room] = RoomEntry(
             RoomStatus(RoomState.PENDING), want, self._clock() + self.room_timeout_s
         )
         self._tags[notif_tag(room)] = room
@@ -259,7 +215,7 @@ class KVReceiver:
         self._last_heard = self._clock()
         self._send(self._register_msg())
 
-    def _entry(self, room: int) -> _Room:
+    def _entry(self, room: int) -> RoomEntry:
         entry = self._rooms.get(room)
         if entry is None:
             raise KeyError(f"room {room} is not wanted by this receiver")
@@ -302,7 +258,7 @@ class KVReceiver:
             case wire.Status(room=room) if room in self._rooms:
                 self._on_status(room, msg)
 
-    def _time_out(self, room: int, entry: _Room) -> None:
+    def _time_out(self, room: int, entry: RoomEntry) -> None:
         """Abort the room and fail it once the worker acknowledges: until then a write may
         still target its pages (a lost worker fails it through liveness instead)."""
         if entry.timed_out_reason is None:
@@ -345,10 +301,4 @@ class KVReceiver:
                 self._end(room, RoomStatus(RoomState.FAILED, reason))
 
 
-def _pool_device(device: Any) -> str:
-    """A torch device as ``KVRegions.device`` names it: ``cpu`` or ``cuda:N``."""
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        return f"cuda:{device.index if device.index is not None else 0}"
-    raise ValueError(f"KV tensors on {device}: only CPU and CUDA pools can be registered")
+__all__ = ["KVReceiver", "RegistrationError", "RoomState", "RoomStatus"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.nixl.sender import Peer
+from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.validate import Refusal, RejectReason, duplicate_want
 
 

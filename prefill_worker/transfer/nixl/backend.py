@@ -2,7 +2,7 @@
 
 One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
 server, drives every transfer, does what senders recorded (statuses to send, closed senders
-to forget, handles to reap: ``nixl.sender.SenderEvent``; senders never call back), sends
+to forget, handles to reap: ``nixl.context.SenderEvent``; senders never call back), sends
 heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
 bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
 gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
@@ -16,10 +16,8 @@ write has landed, carrying a NIXL notification; when it lands the peer gets ``st
 A peer silent past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the
 request (the peer is told when reachable); handles are released, cancelling if need be.
 
-Fault isolation: every message is checked (``validate``) before work is done for it; one
-that still raises refuses its peer, is counted, and never leaves ``poll``. Rooms are
-capabilities: a room is bound once, to the first acceptable ``want``; when the router named
-the decode peer (``allowed_peer``) only that agent's ``want`` is acceptable.
+What each bootstrap message means is ``nixl.protocol``'s (``BootstrapDesk``); handles NIXL
+would not release are ``nixl.reaper``'s. This module owns the tables and drives the clock.
 """
 
 from __future__ import annotations
@@ -28,13 +26,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.base import KVPoll, KVSender
+from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl.agent import (
     NIXL_ERRORS,
@@ -43,42 +40,17 @@ from prefill_worker.transfer.nixl.agent import (
     prep_lists,
     register_regions,
 )
-from prefill_worker.transfer.nixl.sender import (
-    STUCK_RELEASE_S,
-    Closed,
-    NixlSender,
-    Peer,
-    SendContext,
-    Tell,
-    notif_tag,
-    release,
-)
+from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.protocol import UNKNOWN_PEER, BootstrapDesk
+from prefill_worker.transfer.nixl.reaper import HandleReaper
+from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S, NixlSender, notif_tag
 from prefill_worker.transfer.rooms import Gone, RoomBook
-from prefill_worker.transfer.validate import (
-    BootstrapLimits,
-    Refusal,
-    RejectReason,
-    check_register,
-    check_want_size,
-    duplicate_want,
-    foreign_room,
-)
+from prefill_worker.transfer.validate import BootstrapLimits
 
 log = logging.getLogger(__name__)
 
 _BUSY_POLL_S = 0.001  # NIXL has no fd: while writes are in flight the engine polls this often
 _MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
-UNKNOWN_PEER = "decode peer not registered"
-
-
-@dataclass(slots=True)
-class _Stuck:
-    """A write handle NIXL would not release when its sender closed."""
-
-    handle: Any
-    request_id: str
-    peer_identity: bytes | None
-    deadline: float
 
 
 class NixlBackend:
@@ -107,7 +79,6 @@ class NixlBackend:
         self.want_timeout_s = want_timeout_s
         self.clock = clock
         self.limits = limits or BootstrapLimits()
-        self._on_reject = on_reject or (lambda reason: None)
         # First: a taken port fails fast.
         self._server = BootstrapServer(bootstrap_bind, self.limits.max_message_bytes, curve)
         self.bootstrap_endpoint = self._server.endpoint
@@ -122,9 +93,23 @@ class NixlBackend:
         self._senders: dict[int, NixlSender] = {}  # room -> open sender
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
         self._ctx = SendContext(self.agent, self.local_lists, regions.layout, peer_timeout_s, clock)
-        self._stuck: list[_Stuck] = []
+        self._reaper = HandleReaper()
         self._next_heartbeat = clock()
-        self.reject_counts: dict[str, int] = {}
+        self._desk = BootstrapDesk(
+            self._server,
+            self.agent,
+            regions.layout,
+            self.limits,
+            (self._peers, self._senders, self._rooms),
+            self._drop_peer,
+            clock,
+            agent_name=agent_name,
+            heartbeat_interval_s=heartbeat_interval_s,
+            peer_timeout_s=peer_timeout_s,
+            want_timeout_s=want_timeout_s,
+            on_reject=on_reject or (lambda reason: None),
+        )
+        self.reject_counts = self._desk.reject_counts  # the same dict: counts as they happen
 
     # -- the TransferBackend seam -------------------------------------------------------
 
@@ -143,19 +128,17 @@ class NixlBackend:
         winner = next((c for c in claims if sender.accepts(c.peer.agent_name)), None)
         for claim in claims:
             if claim is not winner:
-                self._refuse_room(claim.peer.identity, room, self._why_not(sender, claim.peer))
+                why = self._desk.why_not(sender, claim.peer)
+                self._desk.refuse_room(claim.peer.identity, room, why)
         if winner is not None:
-            self._bind(sender, winner.peer, winner.want)
+            self._desk.bind(sender, winner.peer, winner.want)
         elif aborted_by is not None and sender.accepts(aborted_by):
             sender.abort_by_peer()  # its decode gave up before the request came: end now
         return sender
 
     def poll(self) -> None:
         for identity, msg in self._server.poll():
-            try:
-                self._dispatch(identity, msg)
-            except Exception as exc:  # one peer's message must never stop the engine
-                self._on_dispatch_error(identity, exc)
+            self._desk.dispatch(identity, msg)
         self._drain_events()  # statuses from the engine's fail()/close() since the last poll
         now = self.clock()
         self._expire(now)  # first: a silent peer, not its writes' deadline, is the cause
@@ -175,7 +158,7 @@ class NixlBackend:
         now = self.clock()
         if self._ctx.events:
             return now
-        if self._stuck or any(s.needs_progress for s in self._senders.values()):
+        if len(self._reaper) or any(s.needs_progress for s in self._senders.values()):
             return now + _BUSY_POLL_S
         silent_at = (p.last_seen + self.peer_timeout_s for p in self._peers.values())
         times = [self._next_heartbeat, *silent_at]
@@ -221,7 +204,7 @@ class NixlBackend:
         return any(p.agent_name == agent_name for p in self._peers.values())
 
     def num_inflight_transfers(self) -> int:
-        return sum(s.num_inflight for s in self._senders.values()) + len(self._stuck)
+        return sum(s.num_inflight for s in self._senders.values()) + len(self._reaper)
 
     def check_integrity(self) -> None:
         closing = {id(e.sender) for e in self._ctx.events if isinstance(e, Closed)}
@@ -254,7 +237,7 @@ class NixlBackend:
             del self._senders[sender.room]
         identity = None if sender.peer is None else sender.peer.identity
         deadline = self.clock() + min(STUCK_RELEASE_S, self.peer_timeout_s)
-        self._stuck += [_Stuck(h, sender.request_id, identity, deadline) for h in stuck]
+        self._reaper.add(stuck, sender.request_id, identity, deadline)
         if sender.peer is not None:
             sender.peer.rooms.discard(sender.room)
         elif sender.failure_reason() is not None and sender.room not in self._senders:
@@ -263,161 +246,12 @@ class NixlBackend:
             self._rooms.mark_gone(sender.room, gone)
 
     def _reap(self, now: float) -> None:
-        """Retry handles NIXL would not release; past their deadline, disconnecting the peer
-        (which ends its writes) is the last resort, as it is for a peer that goes silent."""
-        for stuck in list(self._stuck):
-            if release(stuck.handle, stuck.request_id):
-                self._stuck.remove(stuck)
-            elif now >= stuck.deadline:
-                self._stuck.remove(stuck)
-                peer = self._peers.get(stuck.peer_identity or b"")
-                if peer is not None:
-                    self._drop_peer(peer, "writes could not be cancelled")
-                if not release(stuck.handle, stuck.request_id):
-                    log.error("request %s: a write handle is leaked to NIXL", stuck.request_id)
+        self._reaper.reap(now, self._drop_stuck_peer)
 
-    # -- the bootstrap protocol ---------------------------------------------------------
-
-    def _dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
-        peer = self._peers.get(identity)
+    def _drop_stuck_peer(self, identity: bytes | None) -> None:
+        peer = self._peers.get(identity or b"")
         if peer is not None:
-            peer.last_seen = self.clock()
-        match msg:
-            case wire.WireError():
-                self._count(RejectReason.BAD_MESSAGE, f"bad message from a peer: {msg}")
-                self._server.send(identity, wire.Reject(str(msg)))
-            case wire.Register():
-                self._register(identity, msg)
-            case wire.Want() | wire.Abort() | wire.Heartbeat() if peer is None:
-                self._from_unknown(identity, msg)
-            case wire.Want() if peer is not None:
-                self._want(peer, msg)
-            case wire.Abort() if peer is not None:
-                self._abort(peer, msg.room)
-            case wire.Bye() if peer is not None:
-                self._drop_peer(peer, "decode peer left")
-
-    def _on_dispatch_error(self, identity: bytes, exc: Exception) -> None:
-        reason = f"internal error on a bootstrap message: {exc!r}"[:300]
-        self._count(RejectReason.INTERNAL_ERROR, reason, level=logging.ERROR)
-        peer = self._peers.get(identity)
-        if peer is not None:
-            self._drop_peer(peer, reason)
-        self._server.send(identity, wire.Reject(reason))
-
-    def _count(self, reason: RejectReason, message: str, level: int = logging.WARNING) -> None:
-        self.reject_counts[reason.value] = self.reject_counts.get(reason.value, 0) + 1
-        self._on_reject(reason.value)
-        log.log(level, "bootstrap: %s: %s", reason.value, message)
-
-    def _refuse(self, identity: bytes, refusal: Refusal) -> None:
-        self._count(refusal.reason, f"registration refused: {refusal.message}")
-        self._server.send(identity, self._registered(refusal.message))
-
-    def _refuse_room(self, identity: bytes, room: int, refusal: Refusal) -> None:
-        self._count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms stay private
-        status = wire.Status(room, "failed", refusal.message, refusal.reason.value)
-        self._server.send(identity, status)
-
-    def _registered(self, reason: str | None) -> wire.Registered:
-        return wire.Registered(
-            is_ok=reason is None,
-            reason=reason,
-            agent_name=self.agent_name,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            peer_timeout_s=self.peer_timeout_s,
-        )
-
-    def _register(self, identity: bytes, msg: wire.Register) -> None:
-        """Everything is checked before an existing peer is touched; NIXL keys remote agents
-        by name, so a peer under the same name is replaced only if it is this connection or
-        its connection is gone (a send to it fails)."""
-        refusal = check_register(msg, self.regions.layout, self.limits)
-        if refusal is not None:
-            return self._refuse(identity, refusal)
-        holder = next((p for p in self._peers.values() if p.agent_name == msg.agent_name), None)
-        if holder is not None and holder.identity != identity:
-            if self._server.send(holder.identity, wire.Heartbeat()):
-                why = f"agent name {msg.agent_name!r} is registered by another live connection"
-                return self._refuse(identity, Refusal(RejectReason.NAME_TAKEN, why))
-            self._drop_peer(holder, "decode peer reconnected")
-        if identity in self._peers:
-            self._drop_peer(self._peers[identity], "decode peer registered again")
-        try:
-            name = self.agent.add_remote_agent(wire.unframe_metadata(msg.metadata))
-            name = name.decode() if isinstance(name, bytes) else name
-        except NIXL_ERRORS as exc:
-            return self._refuse(
-                identity, Refusal(RejectReason.NIXL_REFUSED, f"NIXL refused: {exc}")
-            )
-        if name != msg.agent_name:
-            if all(p.agent_name != name for p in self._peers.values()):
-                self.agent.remove_remote_agent(name)
-            why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
-            return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why))
-        try:
-            lists = prep_lists(self.agent, name, msg.regions)
-        except NIXL_ERRORS as exc:
-            self.agent.remove_remote_agent(name)
-            why = f"NIXL cannot address the decode pool: {exc}"
-            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why))
-        self._peers[identity] = Peer(identity, name, msg.regions, lists, self.clock())
-        self._server.send(identity, self._registered(None))
-        log.info("bootstrap: decode peer %s registered", name)
-
-    def _from_unknown(self, identity: bytes, msg: wire.Want | wire.Abort | wire.Heartbeat) -> None:
-        """Nothing from an unregistered connection touches a room; it learns it is unknown."""
-        match msg:
-            case wire.Want(room=room):
-                self._refuse_room(identity, room, Refusal(RejectReason.UNKNOWN_PEER, UNKNOWN_PEER))
-            case wire.Abort(room=room):  # acknowledged, as unknown rooms are; nothing is done
-                self._server.send(identity, wire.Status(room, "aborted", "aborted by decode"))
-            case wire.Heartbeat():
-                self._server.send(identity, wire.UnknownPeer(UNKNOWN_PEER))
-
-    def _want(self, peer: Peer, want: wire.Want) -> None:
-        room, sender = want.room, self._senders.get(want.room)
-        refusal = check_want_size(want, self.regions.layout, peer.regions.layout)
-        if refusal is not None:
-            return self._refuse_room(peer.identity, room, refusal)
-        if sender is not None:
-            if sender.peer is not None or not sender.accepts(peer.agent_name):
-                return self._refuse_room(peer.identity, room, self._why_not(sender, peer))
-            return self._bind(sender, peer, want)
-        gone = self._rooms.gone(room)
-        if gone is not None:
-            if gone.allowed_peer not in (None, peer.agent_name):
-                return self._refuse_room(peer.identity, room, foreign_room(room))
-            self._rooms.forget_gone(room)
-            self._server.send(peer.identity, wire.Status(room, "failed", gone.reason))
-            return None
-        self._claim(peer, want)
-
-    def _claim(self, peer: Peer, want: wire.Want) -> None:
-        refusal = self._rooms.claim(peer, want, self.clock() + self.want_timeout_s)
-        if refusal is not None:
-            self._refuse_room(peer.identity, want.room, refusal)
-
-    @staticmethod
-    def _why_not(sender: NixlSender, peer: Peer) -> Refusal:
-        if not sender.accepts(peer.agent_name):
-            return foreign_room(sender.room)
-        return duplicate_want(sender.room)
-
-    def _bind(self, sender: NixlSender, peer: Peer, want: wire.Want) -> None:
-        sender.bind(peer, want)
-        if sender.poll() is KVPoll.READY:
-            peer.rooms.add(sender.room)
-
-    def _abort(self, peer: Peer, room: int) -> None:
-        """Only the owner's abort acts; any other is acknowledged and changes nothing."""
-        sender = self._senders.get(room)
-        if sender is not None and sender.peer is peer:
-            sender.abort_by_peer()
-            return
-        if self._rooms.drop(room, peer):  # its want was waiting: the request may still come
-            self._rooms.mark_aborted(room, peer.agent_name, self.clock() + self.want_timeout_s)
-        self._server.send(peer.identity, wire.Status(room, "aborted", "aborted by decode"))
+            self._drop_peer(peer, "writes could not be cancelled")
 
     # -- liveness -----------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """One request's push over NIXL: its writes in flight, its deadlines, and its state.
 
 ``NixlBackend`` owns the agent, the descriptor lists and the peers; a sender gets the shared
-ones in a ``SendContext`` and never calls back: what the backend must do (a status for the
-peer, forgetting a closed sender, reaping handles NIXL would not release) is appended to the
-context's ``events`` and done by the backend when it drains them, in order, on its next
-``poll()``. Order of a successful push::
+ones in a ``SendContext`` (``nixl.context``) and never calls back: what the backend must do
+(a status for the peer, forgetting a closed sender, reaping handles NIXL would not release)
+is appended to the context's ``events`` and done by the backend when it drains them, in
+order, on its next ``poll()``. Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages       (in flight, each with a deadline)
     send_aux         remembered; once no page write is in flight:
@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
-from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
+from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
@@ -46,60 +46,11 @@ def notif_tag(room: int) -> bytes:
     return b"pw1:room:%d" % room
 
 
-@dataclass(eq=False)
-class Peer:
-    """A registered decode peer: its agent, its pool, its prepared descriptor list."""
-
-    identity: bytes  # ZMQ routing id
-    agent_name: str
-    regions: KVRegions
-    lists: PreppedLists  # its pool's descriptor lists, prepared at registration
-    last_seen: float
-    rooms: set[int] = field(default_factory=set)  # open senders bound to this peer
-    unmatched: set[int] = field(default_factory=set)  # rooms it wants, no request yet
-    num_claimed_pages: int = 0  # pages those wants name (rooms.RoomBook keeps it)
-
-
 @dataclass(slots=True)
 class _Write:
     handle: Any  # nixl_xfer_handle
     deadline: float
     num_bytes: int  # what its descriptors cover
-
-
-@dataclass(frozen=True, slots=True)
-class Tell:
-    """A status for the decode peer at ``identity``; with ``confirm``, that sender waits to
-    hear whether it went out (``confirm_ok``)."""
-
-    identity: bytes
-    status: wire.Status
-    confirm: NixlSender | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Closed:
-    """The sender is closed: its room leaves the tables. ``stuck`` holds write handles NIXL
-    would not release, for the backend to reap (retry, then drop the peer)."""
-
-    sender: NixlSender
-    stuck: tuple[Any, ...] = ()
-
-
-SenderEvent = Tell | Closed
-
-
-@dataclass(frozen=True, slots=True)
-class SendContext:
-    """What all senders of one backend share. ``events`` is the backend's outbox: senders
-    append, the backend drains (``NixlBackend.poll``)."""
-
-    agent: Any  # nixl_agent
-    local_lists: PreppedLists
-    layout: KVLayout
-    peer_timeout_s: float
-    clock: Callable[[], float]
-    events: list[SenderEvent] = field(default_factory=list)
 
 
 class NixlSender:

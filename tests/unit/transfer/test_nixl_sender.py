@@ -10,7 +10,8 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
-from prefill_worker.transfer.nixl.sender import Closed, NixlSender, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.sender import NixlSender
 
 LAYOUT = KVLayout(2, 1, 8, "float32", 4, 16)  # page_bytes = 4 * 1 * 8 * 4 = 128
 

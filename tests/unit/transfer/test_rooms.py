@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.nixl.sender import Peer
+from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.validate import RejectReason
 
