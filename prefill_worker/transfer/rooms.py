@@ -37,6 +37,14 @@ class Gone:
     forget_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """A room its decode aborted before the room's request came."""
+
+    agent_name: str
+    forget_at: float
+
+
 class RoomBook:
     """Claims by room and rooms gone; no NIXL, no sockets."""
 
@@ -44,7 +52,7 @@ class RoomBook:
         self._max_per_room, self._max_per_peer = max_claims_per_room, max_claims_per_peer
         self._claims: dict[int, list[Claim]] = {}
         self._gone: dict[int, Gone] = {}
-        self._aborted: dict[int, Gone] = {}  # allowed_peer: the decode that aborted it
+        self._aborted: dict[int, Aborted] = {}
 
     def num_claims(self, room: int) -> int:
         return len(self._claims.get(room, ()))
@@ -98,20 +106,18 @@ class RoomBook:
         expired = [c for claims in self._claims.values() for c in claims if now >= c.deadline]
         for claim in expired:
             self.drop(claim.want.room, claim.peer)
-        for book in (self._gone, self._aborted):
-            for room, gone in list(book.items()):
-                if now >= gone.forget_at:
-                    del book[room]
+        self._gone = {r: g for r, g in self._gone.items() if now < g.forget_at}
+        self._aborted = {r: a for r, a in self._aborted.items() if now < a.forget_at}
         return expired
 
     def mark_aborted(self, room: int, agent_name: str, forget_at: float) -> None:
         """The decode withdrew its claim on the room: its request, if it comes, ends then."""
-        self._aborted[room] = Gone("aborted by decode", agent_name, forget_at)
+        self._aborted[room] = Aborted(agent_name, forget_at)
 
     def take_aborted(self, room: int) -> str | None:
         """The agent that aborted the room before its request came, if one did."""
         aborted = self._aborted.pop(room, None)
-        return None if aborted is None else aborted.allowed_peer
+        return None if aborted is None else aborted.agent_name
 
     def mark_gone(self, room: int, gone: Gone) -> None:
         self._gone[room] = gone

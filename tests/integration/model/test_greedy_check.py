@@ -59,11 +59,16 @@ def near_tie_checkpoint(original: Path, out: Path) -> tuple[int, int]:
     head[a] = (head[a] * 3).bfloat16().float()  # exactly representable in bf16; A leads clearly
     head[b] = head[a] * (1 + 2**-12)  # within half a bf16 ulp: rounds back to row A
     weights["lm_head.weight"] = head
+    save_with_weights(original, out, weights)
+    return a, b
+
+
+def save_with_weights(original: Path, out: Path, weights: dict[str, torch.Tensor]) -> None:
+    """``original``'s checkpoint at ``out``, with ``weights`` in place of its tensors."""
     out.mkdir()
     for name in ("config.json", "generation_config.json"):
         (out / name).write_bytes((original / name).read_bytes())
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return a, b
 
 
 def test_passes_when_bf16_flips_a_near_tie(original: Path, tmp_path: Path) -> None:
@@ -90,16 +95,13 @@ def test_fails_for_a_conversion_that_leaves_q_and_k_permuted(
     original: Path, tmp_path: Path
 ) -> None:
     broken = tmp_path / "broken"
-    broken.mkdir()
     weights = load_file(original / "model.safetensors")
     for name in list(weights):
         if name.endswith("q_proj.weight"):
             weights[name] = permute_rows(weights[name], COMMON["num_attention_heads"])
         if name.endswith("k_proj.weight"):
             weights[name] = permute_rows(weights[name], COMMON["num_key_value_heads"])
-    for name in ("config.json", "generation_config.json"):
-        (broken / name).write_bytes((original / name).read_bytes())
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    save_with_weights(original, broken, weights)
     reference = hf_logits(hf_model(original))  # the source, as the GGUF reader sees it
     candidates = greedy(broken, "float32")
     agreement = compare_greedy(reference, PROMPTS, candidates, TIE_TOLERANCE["float32"])
