@@ -79,6 +79,7 @@ def load_model(config: Config, build_model: ModelBuilder) -> tuple[Runner, KVCac
             device=cfg.model.device,
             attention_backend=cfg.model.attention_backend,
             page_size=cfg.cache.page_size,
+            pool_layout=cfg.cache.layout,
             num_pages=cfg.cache.num_pages,
             memory_bytes=cfg.cache.memory_bytes,
             memory_fraction=cfg.cache.memory_fraction,

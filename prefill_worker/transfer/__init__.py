@@ -1,7 +1,8 @@
 """KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK.
 
 Public for decode engines: ``KVReceiver`` (with ``RoomState``, ``RoomStatus``,
-``RegistrationError``); for the daemon: ``make_backend``. Exported lazily, so importing
+``RegistrationError``), ``num_want_pages`` (how many pages a ``want`` names); for the
+daemon: ``make_backend``. Exported lazily, so importing
 ``prefill_worker.transfer.base`` stays free of NIXL and ZMQ.
 """
 
@@ -16,6 +17,7 @@ _LAZY = {
     "RoomStatus": "prefill_worker.transfer.receiver",
     "RegistrationError": "prefill_worker.transfer.receiver",
     "make_backend": "prefill_worker.transfer.factory",
+    "num_want_pages": "prefill_worker.transfer.pagemap",
 }
 
 __all__ = sorted(_LAZY)

@@ -96,14 +96,17 @@ class KVReceiver:
         bootstrap_addr: str,
         *,
         num_aux_rows: int = 256,
+        pool_layout: str = "layer_major",
         **kwargs: Any,
     ) -> KVReceiver:
         """From per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all on one
-        device (CPU, or one CUDA device: the pool is registered as VRAM) and contiguous; the
-        receiver allocates its aux rows in host memory (registered as DRAM on any device)."""
+        device (CPU, or one CUDA device: the pool is registered as VRAM): contiguous for a
+        ``layer_major`` pool, the views ``pool[:, l, 0]``/``pool[:, l, 1]`` of one
+        ``[num_pages, L, 2, page_size, KV, D]`` tensor for ``page_major``. The receiver
+        allocates its aux rows in host memory (pinned on CUDA), registered as DRAM."""
         from prefill_worker.transfer.decode_pool import regions_from_tensors
 
-        regions, owned = regions_from_tensors(k_caches, v_caches, num_aux_rows)
+        regions, owned = regions_from_tensors(k_caches, v_caches, num_aux_rows, pool_layout)
         receiver = cls(regions, bootstrap_addr, **kwargs)
         receiver._owned = owned
         return receiver
@@ -156,8 +159,7 @@ class KVReceiver:
             self._send(wire.Abort(room))
 
     def read_aux(self, aux_slot: int) -> AuxRow:
-        if self.regions.device != "cpu":
-            raise ValueError(f"read_aux reads CPU aux rows; this pool is on {self.regions.device}")
+        """The aux row (first token, logprob) of a DONE room; host memory on any device."""
         if not 0 <= aux_slot < self.regions.num_aux_rows:
             raise ValueError(f"aux_slot {aux_slot} outside 0..{self.regions.num_aux_rows - 1}")
         raw = ctypes.string_at(self.regions.aux_base_addr + aux_slot * AUX_ROW_BYTES, AUX_ROW_BYTES)

@@ -90,9 +90,10 @@ class PreppedLists:
 
 
 def region_tables(regions: KVRegions) -> tuple[np.ndarray, np.ndarray]:
-    """([2L, 3] KV regions, [1, 3] aux rows) as (addr, len, dev): what is registered."""
+    """([num_regions, 3] KV regions, [1, 3] aux rows) as (addr, len, dev): what is
+    registered (2L regions layer-major, the one pool page-major)."""
     lay = regions.layout
-    addrs = [*regions.k_base_addrs, *regions.v_base_addrs]
+    addrs = regions.region_base_addrs
     dev = device_id(regions.device)
     kv = np.array([[a, lay.region_bytes, dev] for a in addrs], dtype=np.uint64)
     aux_bytes = regions.num_aux_rows * AUX_ROW_BYTES

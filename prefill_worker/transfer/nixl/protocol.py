@@ -109,6 +109,8 @@ class BootstrapDesk:
                 self._server.send(identity, wire.Reject(str(msg)))
             case wire.Register():
                 self._register(identity, msg)
+            case wire.Describe():  # no registration needed: a decode sizes its pool first
+                self._server.send(identity, self._described())
             case wire.Want() | wire.Abort() | wire.Heartbeat() if peer is None:
                 self._from_unknown(identity, msg)
             case wire.Want() if peer is not None:
@@ -216,6 +218,15 @@ class BootstrapDesk:
     def _refuse(self, identity: bytes, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration refused: {refusal.message}")
         self._server.send(identity, self._registered(refusal.message))
+
+    def _described(self) -> wire.Described:
+        return wire.Described(
+            agent_name=self._agent_name,
+            layout=wire.Layout.of(self._layout),
+            compat_hash=self._layout.compat_hash(),
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            peer_timeout_s=self._peer_timeout_s,
+        )
 
     def _registered(self, reason: str | None) -> wire.Registered:
         return wire.Registered(

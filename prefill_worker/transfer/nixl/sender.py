@@ -106,10 +106,10 @@ class NixlSender:
             return self.fail(str(exc))
         if len(src):
             start = time.perf_counter()
-            num_regions = 2 * layout.num_layers
+            num_regions = layout.num_regions  # 2L layer-major, 1 page-major
             local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
-            self._post(local, remote, b"", start, len(local) * layout.page_bytes)
+            self._post(local, remote, b"", start, len(local) * layout.region_page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
