@@ -2,9 +2,11 @@
 
 ``NixlBackend`` owns the agent, the descriptor lists and the peers; a sender gets the shared
 ones in a ``SendContext`` (``nixl.context``) and never calls back: what the backend must do
-(a status for the peer, forgetting a closed sender, reaping handles NIXL would not release)
-is appended to the context's ``events`` and done by the backend when it drains them, in
-order, on its next ``poll()``. Order of a successful push::
+(a status for the peer, forgetting a closed sender, reaping writes not yet released) is
+appended to the context's ``events`` and done by the backend when it drains them, in order,
+on its next ``poll()``. Writes go through the context's poster (``nixl.poster``: on the
+transfer thread, so ``send_pages`` never copies); the sender reads their states when the
+backend calls ``progress()``. Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages       (in flight, each with a deadline)
     send_aux         remembered; once no page write is in flight:
@@ -12,11 +14,14 @@ order, on its next ``poll()``. Order of a successful push::
     aux landed       Tell(`status ok`, confirm=sender); the backend sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
-Handles are released when their write is DONE; on failure or close they are released even if
-in flight (NIXL cancels). ``close()`` never waits: a handle NIXL refuses to release goes to the
-backend in ``Closed.stuck``, which retries on later polls and, past a deadline, disconnects the
-peer (that ends its writes). ``written_bytes`` counts what landed: the descriptors of each DONE
-write (pages × regions × page bytes, and the aux row).
+Writes are released when DONE; on failure or close they are released even if in flight
+(NIXL cancels). ``close()`` never waits: a write not yet settled (its release is under way on
+the transfer thread, or NIXL refused it) goes to the backend in ``Closed.stuck``, which
+retries on later polls and, past a deadline, disconnects the peer (that ends its writes). A
+status for the peer waits for the writes in flight or unsettled (``Tell.after``): once the
+decode hears ``failed`` or ``aborted`` it may reuse the pages. ``written_bytes`` counts what
+landed: the descriptors of each DONE write (pages × regions × region page bytes, and the aux
+row).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.poster import Write
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
@@ -48,9 +54,8 @@ def notif_tag(room: int) -> bytes:
 
 @dataclass(slots=True)
 class _Write:
-    handle: Any  # nixl_xfer_handle
+    write: Write
     deadline: float
-    num_bytes: int  # what its descriptors cover
 
 
 class NixlSender:
@@ -75,12 +80,13 @@ class NixlSender:
         self._reason: str | None = None
         self._want: wire.Want | None = None
         self._writes: list[_Write] = []
+        self._unsettled: list[Write] = []  # released, not yet settled (transfer thread)
         self._aux_row: int | None = None
         self._is_aux_posted = False
         self._is_ok_told = False  # `status ok` handed to the backend, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
         self._written_bytes = 0
-        self.prep_s = 0.0  # time spent building descriptor indices and transfer requests
+        self.prep_s = 0.0  # building descriptor indices and transfer requests (finished ones)
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -109,7 +115,8 @@ class NixlSender:
             num_regions = layout.num_regions  # 2L layer-major, 1 page-major
             local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
-            self._post(local, remote, b"", start, len(local) * layout.region_page_bytes)
+            self.prep_s += time.perf_counter() - start
+            self._post(local, remote, b"", len(local) * layout.region_page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -127,15 +134,16 @@ class NixlSender:
         return self._reason
 
     def close(self) -> None:
-        """Never waits: writes in flight are cancelled (released); a handle NIXL refuses to
-        release goes to the backend with the ``Closed`` event."""
+        """Never waits: writes in flight are cancelled (released); those not settled yet go
+        to the backend with the ``Closed`` event."""
         if self.is_closed:
             return
         self.fail("the request ended before its transfer")
-        stuck = self._release_all()
+        self._release_all()
         self._maybe_ack()
         self.is_closed = True
-        self._ctx.events.append(Closed(self, tuple(stuck)))
+        stuck = tuple(w for w in self._unsettled if not w.is_settled)
+        self._ctx.events.append(Closed(self, stuck))
 
     # -- driven by the backend ----------------------------------------------------------
 
@@ -181,8 +189,7 @@ class NixlSender:
             self._state, self._reason = KVPoll.PEER_LOST, reason
             self._tell("failed", reason)
         self._is_ack_due = False
-        if self._release_all():  # its peer is being dropped: nothing else would end them
-            log.error("request %s: write handles are leaked to NIXL", self.request_id)
+        self._release_all()  # its peer is being dropped: nothing else would end them
         self.peer = None
 
     def progress(self) -> None:
@@ -212,67 +219,61 @@ class NixlSender:
         if self.peer is None:
             return  # no peer yet: a `want` that comes later learns the reason (bind)
         status = wire.Status(self.room, code, reason)
-        self._ctx.events.append(Tell(self.peer.identity, status, self if confirm else None))
+        after = tuple(w.write for w in self._writes) + tuple(self._unsettled)
+        tell = Tell(self.peer.identity, status, self if confirm else None, after)
+        self._ctx.events.append(tell)
 
     def _post_aux(self, aux_row: int) -> None:
         assert self._want is not None and self.peer is not None
         self._is_aux_posted = True
         local_idx = np.array([aux_row], np.int32)
         remote_idx = np.array([self._want.dst_aux_slot], np.int32)
-        tag = notif_tag(self.room)
-        self._post(local_idx, remote_idx, tag, time.perf_counter(), AUX_ROW_BYTES, is_aux=True)
+        self._post(local_idx, remote_idx, notif_tag(self.room), AUX_ROW_BYTES, is_aux=True)
 
     def _post(
         self,
         local: np.ndarray,
         remote: np.ndarray,
         notif: bytes,
-        start: float,
         num_bytes: int,
         is_aux: bool = False,
     ) -> None:
+        """Queue the write (the poster prepares and posts it); its state comes later."""
         assert self.peer is not None
-        agent = self._ctx.agent
         ours, theirs = self._ctx.local_lists, self.peer.lists
         local_list, remote_list = (ours.aux, theirs.aux) if is_aux else (ours.kv, theirs.kv)
-        try:
-            handle = agent.make_prepped_xfer("WRITE", local_list, local, remote_list, remote, notif)
-        except NIXL_ERRORS as exc:
-            return self.fail(f"NIXL could not prepare the write: {exc}")
-        finally:
-            self.prep_s += time.perf_counter() - start
+        write = self._ctx.poster.post(local_list, local, remote_list, remote, notif, num_bytes)
         deadline = self._ctx.clock() + self._ctx.peer_timeout_s
-        self._writes.append(_Write(handle, deadline, num_bytes))
-        try:
-            state = agent.transfer(handle)
-        except NIXL_ERRORS as exc:
-            state = f"ERR ({exc})"
-        if state.startswith("ERR"):
-            self.fail(f"NIXL write failed to start: {state}")
+        self._writes.append(_Write(write, deadline))
 
     def _check_writes(self) -> None:
         now = self._ctx.clock()
-        for write in list(self._writes):
-            try:
-                state = self._ctx.agent.check_xfer_state(write.handle)
-            except NIXL_ERRORS as exc:
-                state = f"ERR ({exc})"
+        for entry in list(self._writes):
+            write = entry.write
+            state = write.state()
             if state == "DONE":
-                self._writes.remove(write)
+                self._writes.remove(entry)
                 self._written_bytes += write.num_bytes
-                write.handle.release()
+                self.prep_s += write.prep_s
+                self._settle(write)
             elif state != "PROC":
-                self._writes.remove(write)
-                release(write.handle, self.request_id)
+                self._writes.remove(entry)
+                self._settle(write)
                 self.fail(f"NIXL write failed: {state}")
-            elif now >= write.deadline:
+            elif now >= entry.deadline:
                 self.fail(f"write still in flight after {self._ctx.peer_timeout_s:g} s")
+        self._unsettled = [w for w in self._unsettled if not w.is_settled]
 
-    def _release_all(self) -> list[Any]:
-        """Release every handle (NIXL cancels writes in flight); those it refuses."""
-        stuck = [w.handle for w in self._writes if not release(w.handle, self.request_id)]
+    def _settle(self, write: Write) -> None:
+        write.release()  # finished: frees its handle (the transfer thread did already)
+        if not write.is_settled:
+            self._unsettled.append(write)
+
+    def _release_all(self) -> None:
+        """Release every write (NIXL cancels those in flight); unsettled ones are kept."""
+        for entry in self._writes:
+            self._settle(entry.write)
         self._writes.clear()
-        return stuck
 
     def _maybe_ack(self) -> None:
         if self._is_ack_due and not self._writes:
@@ -281,7 +282,7 @@ class NixlSender:
 
 
 def release(handle: Any, request_id: str) -> bool:
-    """Release a write handle; False (logged) when NIXL refuses."""
+    """Release a raw NIXL write handle; False (logged) when NIXL refuses."""
     try:
         handle.release()
     except NIXL_ERRORS as exc:

@@ -75,8 +75,10 @@ class Worker:
         return True
 
     def check_whole(self) -> None:
-        """No sender open, no write in flight, every page and aux row back, the pool untouched."""
+        """No sender open, no write in flight, every page and aux row back, the pool untouched.
+        (Releases run on the transfer thread: a write just released may take a poll to settle.)"""
         backend = self.backend
+        assert self.drive(lambda: backend.num_inflight_transfers() == 0)
         assert backend.num_open_senders == 0
         assert backend.num_inflight_transfers() == 0
         backend.check_integrity()
