@@ -10,11 +10,14 @@ copy between touched buffers right after each push, so both see the same machine
 both reported as the median over the repeats (the first push and copy are a warm-up). One
 JSON line per case::
 
-    {"name": "transfer", "pool_layout", "tokens", "layout", "gb_s", "memcpy_gb_s", "ratio",
-     "prep_ms", "engine_max_call_ms"}
+    {"name": "transfer", "pool_layout", "push", "tokens", "layout", "gb_s", "memcpy_gb_s",
+     "ratio", "prep_ms", "prep_cpu_ms", "engine_max_call_ms"}
 
-``layout`` is the page map (contiguous or scattered). ``prep_ms`` is the per-request time
-spent building descriptor indices and NIXL transfer requests (all chunks, wherever they run).
+``layout`` is the page map (contiguous or scattered); ``push`` where writes are posted
+(``thread``: the worker's transfer thread; ``inline``: on the engine thread, as before #17).
+``prep_ms`` is the per-request time spent building descriptor indices and NIXL transfer
+requests (all chunks, wherever they run); ``prep_cpu_ms`` the same in CPU time of the threads
+that did it (on a loaded machine wall time adds the waits for a core and for the GIL).
 ``engine_max_call_ms`` is the longest single call the engine thread made into the backend
 during the push (``send_pages``, ``send_aux``, ``poll``): what a push can stall the engine
 loop by. Goals: ratio >= 0.8 contiguous; page-major >= 0.8 scattered and prep_ms <= 0.2 at
@@ -28,6 +31,7 @@ on the 2-core development VM (THP-backed pools) it measured 0.5-0.75 of the cont
 for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one remote iovec.
 
     python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
+                                       [--push thread,inline]
 """
 
 from __future__ import annotations
@@ -141,9 +145,9 @@ class _Timed:
 
 def push_once(
     backend, conn: Connection, room: int, src: list[int], dst: list[int], chunk_pages: int
-) -> tuple[float, float, float]:
-    """(seconds from first chunk to status ok, prep seconds, longest engine-thread call) for
-    one request."""
+) -> tuple[float, tuple[float, float], float]:
+    """(seconds from first chunk to status ok, (prep seconds, prep CPU seconds), longest
+    engine-thread call) for one request."""
     from prefill_worker.transfer.base import KVPoll
 
     conn.send(("want", room, dst, 0, 0))
@@ -165,7 +169,7 @@ def push_once(
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
     conn.send(("wait", room))
     assert conn.recv() == "done"
-    prep_s = sender.prep_s
+    prep_s = (sender.prep_s, sender.prep_cpu_s)
     sender.close()
     return elapsed, prep_s, timed.max_s
 
@@ -175,12 +179,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens per chunk")
     parser.add_argument("--pool-layouts", default=",".join(POOL_LAYOUTS))
+    parser.add_argument(
+        "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
+    )
     args = parser.parse_args()
-    for pool_layout in args.pool_layouts.split(","):
-        run_layout(pool_layout, args.repeats, args.chunk_tokens // PAGE_SIZE)
+    for push in args.push.split(","):
+        for pool_layout in args.pool_layouts.split(","):
+            run_layout(pool_layout, push, args.repeats, args.chunk_tokens // PAGE_SIZE)
 
 
-def run_layout(pool_layout: str, repeats: int, chunk_pages: int) -> None:
+def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> None:
     """Every case for one pool layout, against a fresh worker and decode."""
     from prefill_worker.transfer import make_backend
 
@@ -191,7 +199,13 @@ def run_layout(pool_layout: str, repeats: int, chunk_pages: int) -> None:
     assert row == 0
     aux.write(row, AuxRow(1, 0.0, 8192, 0))
     backend = make_backend(
-        regions_over(lay, pool, aux), "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.2
+        regions_over(lay, pool, aux),
+        "tcp://127.0.0.1:0",
+        None,
+        ["UCX"],
+        30.0,
+        0.2,
+        push_thread=push == "thread",
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -230,12 +244,14 @@ def run_layout(pool_layout: str, repeats: int, chunk_pages: int) -> None:
                 line = {
                     "name": "transfer",
                     "pool_layout": pool_layout,
+                    "push": push,
                     "tokens": tokens,
                     "layout": kind,
                     "gb_s": round(gb_s, 3),
                     "memcpy_gb_s": round(ref, 3),
                     "ratio": round(gb_s / ref, 3),
-                    "prep_ms": round(statistics.median(preps[1:]) * 1e3, 3),
+                    "prep_ms": round(statistics.median(p[0] for p in preps[1:]) * 1e3, 3),
+                    "prep_cpu_ms": round(statistics.median(p[1] for p in preps[1:]) * 1e3, 3),
                     "engine_max_call_ms": round(max(calls[1:]) * 1e3, 3),
                 }
                 if scattered_copies:

@@ -70,11 +70,11 @@ def build(
     device: str = "cpu",
     attention_backend: str = "auto",
     page_size: int = 16,
-    pool_layout: str = LAYER_MAJOR,
     num_pages: int | None = None,
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     num_threads: int | None = None,
+    pool_layout: str = LAYER_MAJOR,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend.

@@ -105,7 +105,7 @@ def test_runner_with_flashinfer_matches_sdpa(tmp_path, pool_layout):
     results = {}
     for name in ("sdpa", "flashinfer"):
         runner, kv_cache, _ = build(
-            tmp_path, "bfloat16", "cuda", name, PAGE_SIZE, pool_layout, num_pages=32
+            tmp_path, "bfloat16", "cuda", name, PAGE_SIZE, num_pages=32, pool_layout=pool_layout
         )
         first = ChunkPlan("a", ids[:64], 0, 64, pages, None)
         runner.compute_logits(BatchPlan(0, (first,)))

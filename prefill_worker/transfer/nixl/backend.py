@@ -1,28 +1,23 @@
 """The production transfer backend: NIXL WRITEs from this worker's KV pool into decode pools.
 
-One agent per worker, NIXL's progress thread off, owned by the transfer thread
-(``nixl.push_thread``): every NIXL call runs there, so no copy ever runs on the engine thread
-(``poster_factory`` picks it; ``InlinePoster`` posts on the caller's thread instead).
-``poll()`` (engine loop) drains the bootstrap server, reads what the transfer thread
-finished, drives every sender, does what senders recorded (statuses to send once their
-writes settled, closed senders to forget, writes to reap: ``nixl.context.SenderEvent``;
-senders never call back), sends heartbeats and enforces deadlines. Between turns the engine
-sleeps in ``wait()``: on the bootstrap socket and the transfer thread's wake fd, until
-``next_poll_at()`` (the next heartbeat, peer timeout or want deadline; 1 ms while an inline
-poster has writes in flight, since NIXL gives no fd). The KV pool and aux rows are
-registered once; the local descriptor list is prepared once, and each decode peer's list
-once at registration (``pagemap`` explains the index layout; registering waits for the
-transfer thread to finish the write it is posting), so a chunk costs one
-``make_prepped_xfer`` with two index arrays, on the transfer thread.
+One agent per worker (NIXL's progress thread off), owned by the transfer thread
+(``nixl.push_thread``, or ``InlinePoster`` by ``poster_factory``): every NIXL call runs there,
+never a copy on the engine thread. ``poll()`` (engine loop) drains the bootstrap server,
+drives every sender (which reads what the transfer thread finished), does what senders
+recorded (``nixl.context.SenderEvent``: statuses, sent once their writes settled; closed
+senders; writes to reap), sends heartbeats, enforces deadlines. Between turns the engine
+sleeps in ``wait()`` on the bootstrap socket and the transfer thread's wake fd, until
+``next_poll_at()``. The pool and aux rows are registered and the local descriptor list
+prepared once, each decode peer's list once at registration (``pagemap``; registering
+waits for the write the transfer thread is posting), so a chunk is one ``make_prepped_xfer``.
 
-Per request: ``send_pages`` posts one WRITE of K and V of the chunk's pages (adjacent pages
-merge into single descriptors); ``send_aux`` asks for the aux row, posted once every page
-write has landed, carrying a NIXL notification; when it lands the peer gets ``status ok``.
-A peer silent past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the
-request (the peer is told when reachable); handles are released, cancelling if need be.
-
-What each bootstrap message means is ``nixl.protocol``'s (``BootstrapDesk``); handles NIXL
-would not release are ``nixl.reaper``'s. This module owns the tables and drives the clock.
+Per request: ``send_pages`` queues one WRITE of the chunk's pages (adjacent pages merge into
+single descriptors); ``send_aux`` asks for the aux row, posted once every page write has
+landed, with a NIXL notification; when it lands the peer gets ``status ok``. A peer silent
+past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the request (the
+peer is told when reachable, once the writes are released). What each bootstrap message
+means is ``nixl.protocol``'s; writes not yet settled are ``nixl.reaper``'s. This module
+owns the tables and drives the clock.
 """
 
 from __future__ import annotations
@@ -303,7 +298,7 @@ class NixlBackend:
         del self._peers[peer.identity]
         for sender in [s for s in self._senders.values() if s.peer is peer]:
             sender.lose_peer(reason)
-        self._drain_events()  # their `failed` goes out before anything else to this peer
+        self._drain_events()  # their `failed` goes out first (held while writes settle)
         for room in list(peer.unmatched):  # not an outcome: the SDK registers and asks again
             self._rooms.drop(room, peer)
             status = wire.Status(room, "failed", f"{UNKNOWN_PEER}: {reason}", "unknown_peer")

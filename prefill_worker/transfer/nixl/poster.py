@@ -39,6 +39,7 @@ class Write(Protocol):
 
     num_bytes: int
     prep_s: float  # building its transfer request (make_prepped_xfer), wherever that ran
+    prep_cpu_s: float  # the same in CPU time of the thread that ran it (no preemption)
 
     def state(self) -> str:
         """``PROC`` (queued or in flight), ``DONE``, or ``ERR (...)``; never blocks."""
@@ -108,7 +109,7 @@ def release_handle(handle: Any) -> bool:
 
 class _InlineWrite:
     def __init__(self, agent: Any, num_bytes: int) -> None:
-        self._agent, self.num_bytes, self.prep_s = agent, num_bytes, 0.0
+        self._agent, self.num_bytes, self.prep_s, self.prep_cpu_s = agent, num_bytes, 0.0, 0.0
         self.handle: Any = None
         self._error: str | None = None
         self._is_released = False
@@ -149,7 +150,7 @@ class InlinePoster:
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
     ) -> Write:
         write = _InlineWrite(self._agent, num_bytes)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             write.handle = make_prepped(self._agent, local, local_idx, remote, remote_idx, notif)
         except NIXL_ERRORS as exc:
@@ -157,6 +158,7 @@ class InlinePoster:
             return write
         finally:
             write.prep_s = time.perf_counter() - start
+            write.prep_cpu_s = time.thread_time() - start_cpu
         try:
             state = self._agent.transfer(write.handle)
         except NIXL_ERRORS as exc:

@@ -52,7 +52,7 @@ class _Ticket:
         self._owner = owner
         self.args = args  # (local list, local indices, remote list, remote indices, notif)
         self.num_bytes = num_bytes
-        self.prep_s = 0.0
+        self.prep_s = self.prep_cpu_s = 0.0
         self.handle: Any = None
         self.status = "PROC"  # what state() says: PROC, DONE, ERR (...)
         self.phase = _Phase.QUEUED
@@ -198,7 +198,7 @@ class PushThread:
             future.set_result(result)
 
     def _post(self, ticket: _Ticket) -> None:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             ticket.handle = make_prepped(self._agent, *ticket.args)
         except NIXL_ERRORS as exc:
@@ -207,6 +207,7 @@ class PushThread:
             return
         finally:
             ticket.prep_s = time.perf_counter() - start
+            ticket.prep_cpu_s = time.thread_time() - start_cpu
         try:
             state = self._agent.transfer(ticket.handle)  # over cma: the copy, here
         except NIXL_ERRORS as exc:

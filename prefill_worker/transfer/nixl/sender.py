@@ -87,6 +87,7 @@ class NixlSender:
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
         self._written_bytes = 0
         self.prep_s = 0.0  # building descriptor indices and transfer requests (finished ones)
+        self.prep_cpu_s = 0.0  # the same in CPU time of the threads that did it
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -111,11 +112,12 @@ class NixlSender:
         except ValueError as exc:
             return self.fail(str(exc))
         if len(src):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             num_regions = layout.num_regions  # 2L layer-major, 1 page-major
             local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
             self.prep_s += time.perf_counter() - start
+            self.prep_cpu_s += time.thread_time() - start_cpu
             self._post(local, remote, b"", len(local) * layout.region_page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
@@ -255,6 +257,7 @@ class NixlSender:
                 self._writes.remove(entry)
                 self._written_bytes += write.num_bytes
                 self.prep_s += write.prep_s
+                self.prep_cpu_s += write.prep_cpu_s
                 self._settle(write)
             elif state != "PROC":
                 self._writes.remove(entry)
