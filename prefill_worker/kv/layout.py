@@ -81,6 +81,20 @@ class KVLayout:
         """K and V of every layer and page."""
         return self.num_regions * self.region_bytes
 
+    def summary(self) -> dict[str, str | int]:
+        """What a decode needs to size a pool that can register: every field (``num_pages``
+        is this side's) and the hash (``/readyz`` publishes it as ``kv_layout``)."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "kind": self.kind,
+            "compat_hash": self.compat_hash(),
+        }
+
     def compat_hash(self) -> str:
         """Equal on both sides iff pages can be copied byte for byte (num_pages may differ).
         Layer-major keeps the key it had before page-major existed."""

@@ -79,6 +79,7 @@ class Daemon:
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
         self.bootstrap_endpoint = ""
+        self._kv_layout: dict[str, str | int] = {}
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class Daemon:
         runner, kv_cache, info = load_model(cfg, self._build_model)
         pages, aux = make_pools(cfg, kv_cache)
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
+        self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
         engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
@@ -141,11 +143,12 @@ class Daemon:
             "http": f"{http_host}:{http_port}",
             "pid": os.getpid(),
         }
-        self.health.endpoints = endpoints
+        published: dict[str, object] = {**endpoints, "kv_layout": self._kv_layout}
+        self.health.endpoints = published
         if cfg.daemon.ready_file:
             ready_file = Path(cfg.daemon.ready_file)
             with startup_step("ready file", (OSError,)):
-                write_ready_file(ready_file, endpoints)
+                write_ready_file(ready_file, published)
             self._closers.append(("ready file", lambda: ready_file.unlink(missing_ok=True)))
         self.health.is_ready = True
         self.metrics.ready.set(1)

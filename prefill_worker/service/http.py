@@ -43,7 +43,7 @@ class Health:
         self._last_turn_at: Callable[[], float] | None = None
         self.is_ready = False
         self.is_draining = False
-        self.endpoints: dict[str, str | int] = {}  # what the worker bound: `/readyz` shows it
+        self.endpoints: dict[str, object] = {}  # what the worker bound: `/readyz` shows it
 
     def watch(self, last_turn_at: Callable[[], float]) -> None:
         self._last_turn_at = last_turn_at

@@ -189,7 +189,7 @@ def start_ingress(
     return ingress
 
 
-def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
+def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     """JSON, replaced atomically: a reader sees the old file or the whole new one."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")

@@ -115,18 +115,24 @@ class DecodePeer:
         page_size: int = 16,
         num_pages: int = 1024,
         num_threads: int | None = None,
+        pool_layout: str | None = None,
         **kwargs: Any,
     ) -> DecodePeer:
         """Build the model (its own KV pool) and connect to the worker's bootstrap server.
-        ``stop_token_ids`` defaults to the checkpoint's EOS ids."""
+        ``stop_token_ids`` defaults to the checkpoint's EOS ids; ``pool_layout`` to the
+        worker's (asked with ``describe_worker``)."""
         from prefill_worker.model import build
+        from prefill_worker.transfer import describe_worker
 
+        if pool_layout is None:
+            pool_layout = describe_worker(bootstrap_addr, 60.0).kind
         runner, kv_cache, info = build(
             model_path,
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
             page_size=page_size,
+            pool_layout=pool_layout,
             num_pages=num_pages,
             num_threads=num_threads,
         )

@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("loading %s", args.model)
+    extra: dict[str, Any] = {"stop_token_ids": ()} if args.ignore_eos else {}
     peer = DecodePeer.load(
         args.model,
         args.bootstrap,
@@ -177,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_pages=args.num_pages,
         num_threads=args.num_threads,
         max_batch_size=args.max_batch_size,
-        **({"stop_token_ids": ()} if args.ignore_eos else {}),
+        **extra,
     )
     log.info("registered with %s; serving on %s", args.bootstrap, args.bind)
     SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")

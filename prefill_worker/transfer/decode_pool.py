@@ -3,7 +3,8 @@
 Checks that every K and V tensor matches the first and lies where the pool layout puts it
 (``kv.layout``: contiguous per layer for ``layer_major``; for ``page_major`` the per-layer
 views ``pool[:, l, 0]`` / ``pool[:, l, 1]`` of one ``[num_pages, L, 2, page_size, KV, D]``
-tensor), derives the layout from their shape, and allocates the aux rows in host memory:
+tensor; the kind is read from their page stride unless given), derives the layout from
+their shape, and allocates the aux rows in host memory:
 numpy for a CPU pool, pinned (page-locked) torch memory for a CUDA pool; either way
 registered as DRAM. Imports torch only for a CUDA pool's pinned rows.
 """
@@ -14,25 +15,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
-from prefill_worker.kv.layout import LAYER_MAJOR, POOL_LAYOUTS, KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, POOL_LAYOUTS, KVLayout, KVRegions
 
 
 def regions_from_tensors(
     k_caches: Sequence[Any],
     v_caches: Sequence[Any],
     num_aux_rows: int,
-    pool_layout: str = LAYER_MAJOR,
+    pool_layout: str | None = None,
 ) -> tuple[KVRegions, list[Any]]:
     """The regions of per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all
-    on one device; and the buffers the receiver must keep alive (aux rows first).
+    on one device; and the buffers the receiver must keep alive (aux rows first). Unset,
+    ``pool_layout`` is read from the tensors' page stride (one page: layer-major; every
+    layer's K and V: page-major).
 
     ``ValueError`` with the reason when the tensors cannot be one pool of ``pool_layout``."""
-    if pool_layout not in POOL_LAYOUTS:
-        raise ValueError(f"pool_layout {pool_layout!r} is not one of {', '.join(POOL_LAYOUTS)}")
     if not k_caches or len(k_caches) != len(v_caches):
         raise ValueError(
             f"one K and one V tensor per layer (got {len(k_caches)} and {len(v_caches)})"
         )
+    if pool_layout is None:
+        pool_layout = _inferred_layout(k_caches)
+    if pool_layout not in POOL_LAYOUTS:
+        raise ValueError(f"pool_layout {pool_layout!r} is not one of {', '.join(POOL_LAYOUTS)}")
     if num_aux_rows < 1:
         raise ValueError(f"num_aux_rows must be at least 1 (got {num_aux_rows})")
     layout = _layout(k_caches, v_caches, pool_layout)
@@ -77,6 +82,17 @@ def _layout(k_caches: Sequence[Any], v_caches: Sequence[Any], pool_layout: str) 
                 f"(pages {want[0] // page_elems} layer-pages apart); one has {strides}"
             )
     return layout
+
+
+def _inferred_layout(k_caches: Sequence[Any]) -> str:
+    """Page-major when the first K's pages are 2L layer-pages apart, else layer-major (which
+    ``_layout`` then checks)."""
+    k0 = k_caches[0]
+    if k0.dim() == 4 and k0.shape[0] > 1:
+        page_elems = k0.shape[1] * k0.shape[2] * k0.shape[3]
+        if k0.stride(0) == 2 * len(k_caches) * page_elems:
+            return PAGE_MAJOR
+    return LAYER_MAJOR
 
 
 def _aux_rows(num_aux_rows: int, device: str) -> tuple[int, Any]:
