@@ -57,6 +57,17 @@ system-deps:
 	       --no-install-recommends prometheus >/dev/null; } \
 	  || echo "prometheus not installed (needs root and apt): its tests will skip"; }
 
+# The pinned SGLang PD router (smg, "Shepherd Model Gateway": a Rust binary in a wheel) in its
+# own environment, for the HTTP API front's interop proof and `make run-sglang` (docs/sglang.md).
+SMG := smg==1.13.0
+SMG_DIR := .interop/smg
+.PHONY: smg
+smg: $(SMG_DIR)/.installed
+$(SMG_DIR)/.installed:
+	$(PYTHON) -m venv $(SMG_DIR)
+	$(SMG_DIR)/bin/pip install -q $(SMG)
+	@touch $@
+
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py

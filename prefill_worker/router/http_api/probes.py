@@ -1,12 +1,15 @@
 """The read-only routes a PD router probes, with SGLang's shapes: ``/health``,
-``/server_info``, ``/model_info``, ``/v1/models``, ``/loads``, ``/v1/loads``, ``/version``
-(and the older ``get_`` names).
+``/server_info``, ``/model_info``, ``/v1/models``, ``/loads``, ``/v1/loads`` (and the older
+``get_`` names).
 
-smg reads the model id from ``/v1/models`` ``data[].id`` (and ``served_model_name``), the
-parallel sizes and ``disaggregation_mode`` from ``/server_info``, and a load report per rank
-from ``/v1/loads`` (``loads[]``: running and waiting requests, token usage). Prefill and decode
-servers must announce the same model id, or the router will not pair them. The decode peer in
-``testing/`` builds its own answers from these functions too (``mode="decode"``).
+smg 1.13 tells the engine from ``/v1/models`` ``data[].owned_by`` (``"sglang"``), and takes a
+server that answers ``GET /version`` for vLLM, whose PD wire differs (no bootstrap room, so
+this worker could not serve it): like SGLang's own server, this one answers ``/version`` with
+404. It reads the model id from ``data[].id`` (and
+``served_model_name``), the parallel sizes and ``disaggregation_mode`` from ``/server_info``,
+and a load report per rank from ``/v1/loads`` (``loads[]``: running and waiting requests,
+token usage). Prefill and decode servers must announce the same model id, or the router will
+not pair them. The decode peer in ``testing/`` builds its answers from these functions too.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def models(model: ServedModel) -> dict[str, Any]:
         "id": model.served_model_name,
         "object": "model",
         "created": int(time.time()),
-        "owned_by": "prefill-worker",
+        "owned_by": "sglang",  # what smg recognises as SGLang's PD wire
         "root": model.served_model_name,
         "max_model_len": model.context_length,
     }
@@ -112,7 +115,3 @@ def loads(model: ServedModel, load: LoadSnapshot) -> dict[str, Any]:
         "dp_rank_count": 1,
         "loads": [rank],
     }
-
-
-def version(model: ServedModel) -> dict[str, Any]:
-    return {"version": model.version}

@@ -14,7 +14,10 @@ answer waits forever; a client that goes away aborts its requests. Threads::
 
 Status codes and bodies are ``answers.py``'s, probe bodies ``probes.py``'s. Readiness and
 draining are set by the daemon (``set_ready``, ``set_draining``): until ready, while draining,
-or while the engine loop is stalled, ``/health`` and new requests answer 503.
+or while the engine loop is stalled, ``/health`` and new requests answer 503. A request
+refused with 429 or 503 has its rooms withdrawn at once (``_release``), so the decode the
+router also sent it to fails them now rather than at its timeout, and the router's retry (a
+new room, maybe another prefill) is not held up behind that decode's answer.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class HttpApi:
         self._max_inflight, self._max_body_bytes = max_inflight, max_body_bytes
         self._is_live, self._metrics_text, self._on_reject = is_live, metrics_text, on_reject
         self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
+        self._released: set[str] = set()  # refused requests whose rooms were withdrawn
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -147,7 +151,6 @@ class HttpApi:
             "/model_info": lambda: probes.model_info(model),
             "/v1/models": lambda: probes.models(model),
             "/loads": lambda: probes.loads(model, self._load()),
-            "/version": lambda: probes.version(model),
         }
         infos["/v1/loads"] = infos["/get_load"] = infos["/loads"]
         infos["/get_server_info"] = infos["/server_info"]
@@ -185,15 +188,17 @@ class HttpApi:
         read: _Reader,
         answer: Callable[[Sequence[Outcome], list[Prompt], bool], Any],
     ) -> web.Response:
-        why = self._unavailable()
-        if why is not None:
-            return self._refuse(503, f"the worker is {why}; send it elsewhere", "draining")
         try:
             prompts, is_batch = read(await request.read())
             requests = self._admitter.admit(prompts, time.monotonic())
         except BadRequest as exc:
             return self._refuse(400, str(exc), exc.code)
+        why = self._unavailable()
+        if why is not None:
+            self._release(requests)
+            return self._refuse(503, f"the worker is {why}; send it elsewhere", "draining")
         if len(self._pending) + len(requests) > self._max_inflight:
+            self._release(requests)
             why = f"{len(self._pending)} requests in flight (most {self._max_inflight})"
             return self._refuse(429, why, "overloaded")
         outcomes = await self._submit(requests)
@@ -229,7 +234,19 @@ class HttpApi:
             raise
         return [future.result() for future in futures]
 
+    def _release(self, requests: list[PrefillRequest]) -> None:
+        """Refused here, so their decodes must not wait out a timeout for them: each room is
+        opened and withdrawn at once (the transfer side tells a decode that wants it, or that
+        wanted it already, that it failed), and the router's retry goes on without delay."""
+        for req in requests:
+            self._released.add(req.request_id)
+            self._inbox.put_nowait(req)
+            self._inbox.put_nowait(AbortRequest(req.request_id))
+
     def _resolve(self, outcome: Outcome) -> None:
+        if outcome.request_id in self._released:
+            self._released.discard(outcome.request_id)
+            return
         future = self._pending.pop(outcome.request_id, None)
         if future is None:
             log.warning("outcome for %r, which is not in flight here", outcome.request_id)

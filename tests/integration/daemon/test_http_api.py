@@ -201,7 +201,8 @@ def test_probes_answer_what_smg_reads(api_worker) -> None:
     for path in ("/loads?model=x", "/v1/loads?include=core,disagg,queues,memory"):
         status, loads = api.get(path)
         assert status == 200 and loads["loads"][0]["max_total_num_tokens"] == 256 * 4
-    assert api.get("/version")[1]["version"]
+    assert models["data"][0]["owned_by"] == "sglang"  # smg: SGLang's PD wire
+    assert api.get("/version")[0] == 404  # smg takes a server with /version for vLLM
     status, text = api.get("/metrics")
     assert status == 200 and "prefill_worker_requests_total" in text
 
@@ -210,15 +211,21 @@ def test_overloaded_is_429_and_nothing_hangs(worker_factory) -> None:
     """One prompt held at bootstrap (no decode ever wants it) fills a front of one: the next
     gets 429 at once; the held one ends by the bootstrap deadline with a 500 (retryable)."""
     port = free_port()
-    worker_factory(*api_settings(port, "http_api.max_inflight_requests=1"))
-    api = Api(port)
-    with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(api.post, "/generate", generate([1, 2, 3], 9001))
-        wait_until(lambda: api.get("/loads")[1]["loads"][0]["num_total_reqs"] == 1, 10, "held")
-        status, body = api.post("/generate", generate([4, 5], 9002))
-        assert status == 429 and body["error"]["code"] == "overloaded"
-        status, body = held.result(timeout=30)  # tiny-test: bootstrap_timeout_s 5
-    assert status == 500 and body["error"]["code"] == "bootstrap_timeout"
+    worker = worker_factory(*api_settings(port, "http_api.max_inflight_requests=1"))
+    api, decode = Api(port), Decode(worker.bootstrap)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(api.post, "/generate", generate([1, 2, 3], 9001))
+            wait_until(lambda: _num_live(api) == 1, 10, "the held request")
+            decode.want(9002, 2)  # the router sent the refused request to a decode too
+            status, body = api.post("/generate", generate([4, 5], 9002))
+            assert status == 429 and body["error"]["code"] == "overloaded"
+            # Its room is withdrawn: the decode learns it now, not at its own timeout.
+            assert decode.wait([9002], timeout_s=3)[9002].state.value == "failed"
+            status, body = held.result(timeout=30)  # tiny-test: bootstrap_timeout_s 5
+        assert status == 500 and body["error"]["code"] == "bootstrap_timeout"
+    finally:
+        decode.close()
 
 
 def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
