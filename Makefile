@@ -68,6 +68,11 @@ $(SMG_DIR)/.installed:
 	$(SMG_DIR)/bin/pip install -q $(SMG)
 	@touch $@
 
+# The HTTP front driven by the real smg (tests/smg also run in `make test` once smg is there).
+.PHONY: test-smg
+test-smg: smg
+	$(BIN)/pytest -q tests/smg
+
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
