@@ -79,12 +79,7 @@ def test_overloaded_prefill_429_is_retried_on_the_other(stack: Stack) -> None:
     other = stack.start_prefill()
     stack.start_decode()
     stack.start_router()
-    held = threading.Thread(
-        target=http,
-        args=(f"{busy.url}/generate", greedy([5, 6, 7], bootstrap_room=1)),
-        daemon=True,
-    )
-    held.start()
+    hold(f"{busy.url}/generate", greedy([5, 6, 7], bootstrap_room=1))
     wait_until(lambda: busy.metric("prefill_worker_queue_requests") == 1, 10, "A holds one")
     for n in (4, 6, 8, 10):
         status, body = stack.generate(greedy(prompt(n, seed=n)))
@@ -104,12 +99,7 @@ def test_draining_prefill_stops_getting_requests(stack: Stack) -> None:
     stack.start_decode()
     stack.start_router("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
     # Something in flight keeps the draining worker alive (a drain ends when it is idle).
-    held = threading.Thread(
-        target=http,
-        args=(f"{draining.url}/generate", greedy([5, 6, 7], bootstrap_room=2)),
-        daemon=True,
-    )
-    held.start()
+    hold(f"{draining.url}/generate", greedy([5, 6, 7], bootstrap_room=2))
     wait_until(lambda: draining.metric("prefill_worker_queue_requests") == 1, 10, "held")
     assert draining.worker.http("/drain", method="POST")[0] == 202
     wait_until(lambda: not _is_healthy(stack, draining.url), 15, "smg sees the drain")
