@@ -16,13 +16,16 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from prefill_worker import __version__
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner
 from prefill_worker.request import Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -186,6 +189,50 @@ def start_ingress(
         )
         ingress.start()
     return ingress
+
+
+def start_http_api(
+    config: Config,
+    inbox: Inbox,
+    engine: Engine,
+    served: tuple[ModelInfo, Limits],
+    metrics: WorkerMetrics,
+    is_live: Callable[[], bool],
+) -> HttpApi:
+    """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
+    the daemon calls ``set_ready``."""
+    cfg, (info, limits) = config.http_api, served
+    with startup_step("http api", (ValueError, OSError)):
+        codec = load_text_codec(config.model.path)
+        bootstrap_port = config.transfer.bootstrap_bind.rpartition(":")[2]
+        model = ServedModel(
+            served_model_name=cfg.served_model_name or config.model.path,
+            model_path=config.model.path,
+            architectures=(info.architecture,),
+            model_type=info.architecture.removesuffix("ForCausalLM").lower(),
+            context_length=limits.max_prompt_tokens,
+            page_size=config.cache.page_size,
+            max_total_tokens=limits.max_pool_tokens,
+            max_running_requests=config.scheduler.max_running_requests,
+            version=__version__,
+            bootstrap_port=int(bootstrap_port) if bootstrap_port.isdigit() else None,
+            has_tokenizer=codec is not None,
+        )
+        front = HttpApi(
+            cfg.bind,
+            inbox,
+            lambda: engine.load,
+            limits,
+            model,
+            codec,
+            max_inflight=cfg.max_inflight_requests,
+            max_body_bytes=cfg.max_body_bytes,
+            is_live=is_live,
+            metrics_text=lambda: generate_latest(metrics.registry),
+            on_reject=metrics.on_reject,
+        )
+        front.start()
+    return front
 
 
 def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
