@@ -30,6 +30,7 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.kv.cache_events import NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.ingress import Ingress
@@ -45,6 +46,7 @@ from prefill_worker.service.startup import (
     load_model,
     make_engine,
     make_pools,
+    make_prefix_cache,
     start_http,
     start_ingress,
     start_transfer,
@@ -106,7 +108,11 @@ class Daemon:
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
+        # KV events: no publisher yet, so the cache reports to nobody.
+        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        engine = make_engine(
+            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+        )
         self._engine = engine
         limits = (
             info.vocab_size,

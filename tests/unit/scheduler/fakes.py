@@ -1,9 +1,11 @@
 """Test seams for the scheduler: a clock, a KV-writing runner, and a scripted sender/backend.
 
 ``FakeRunner`` keeps a token per page slot, so a chunk that lands in the wrong pages (or pages
-reused too early) changes the first token: it is the sum of the prompt as read back from the
-request's pages, modulo ``TOKEN_MOD``. ``FakeSender`` records what the engine sent and checks
-the sender contract (nothing after close, pages still allocated when close runs).
+reused too early, or a prefix-cache hit on the wrong pages) changes the first token: it is the
+sum of the prompt as read back from the request's pages, modulo ``TOKEN_MOD``. Writing a page
+that is free or shared (refcount other than 1: cached, or another request's) is an error.
+``FakeSender`` records what the engine sent and checks the sender contract (nothing after
+close, pages still allocated when close runs).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
 from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.cache_events import CacheEventSink
+from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
@@ -75,8 +79,8 @@ class FakeRunner:
 
     def _slot_write(self, page_ids: Sequence[int], pos: int, token: int) -> None:
         page_id = page_ids[pos // self.page_size]
-        if self.pool.refcount(page_id) == 0:
-            self.errors.append(f"wrote free page {page_id}")
+        if self.pool.refcount(page_id) != 1:
+            self.errors.append(f"wrote page {page_id} with {self.pool.refcount(page_id)} owners")
         self.kv[page_id][pos % self.page_size] = token
 
     def _slot_read(self, page_ids: Sequence[int], pos: int) -> int | None:
@@ -259,8 +263,11 @@ class Rig:
         return found[0]
 
     def check_whole(self) -> None:
-        """Nothing live: every page and aux row is back, no contract was broken."""
+        """Nothing live: every page and aux row is back, no contract was broken. Every page
+        the prefix cache still holds is idle: resetting it empties it (and the pool)."""
         self.engine.check_integrity()
+        assert self.engine.load.num_free_pages == self.pool.num_pages
+        assert self.engine.reset_prefix_cache()
         assert self.pool.num_free == self.pool.num_pages
         assert self.aux.num_free == self.aux.num_rows
         assert not self.runner.errors
@@ -283,9 +290,15 @@ def make_rig(
     auto_want: bool = True,
     polls_to_success: int | None = 0,
     observer: EngineObserver | None = None,
+    prefix_cache: bool = False,
+    prefix_cache_max_pages: int | None = None,
+    cache_events: CacheEventSink | None = None,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
+    cache = None
+    if prefix_cache:
+        cache = PagePrefixCache(pool, page_size, prefix_cache_max_pages, cache_events)
     backend = FakeBackend(pool, aux, auto_want=auto_want, polls_to_success=polls_to_success)
     runner = FakeRunner(pool, page_size)
     outcomes: list = []
@@ -304,6 +317,7 @@ def make_rig(
         overlap=overlap,
         clock=clock,
         observer=observer,
+        prefix_cache=cache,
     )
     return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
 

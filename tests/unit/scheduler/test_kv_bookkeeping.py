@@ -93,9 +93,9 @@ def test_table_reserves_whole_prompts_and_releases_them() -> None:
     pool = PagePool(8)
     table = PageTable(pool, page_size=4)
     assert num_pages_for(9, 4) == 3 and table.can_ever_fit(32) and not table.can_ever_fit(33)
-    assert table.try_reserve("a", 9) == (0, 1, 2)
-    assert table.try_reserve("b", 24) is None  # 6 pages, 5 free: wait
-    assert table.try_reserve("b", 20) == (3, 4, 5, 6, 7)
+    assert table.try_reserve("a", range(9)) == (0, 1, 2)
+    assert table.try_reserve("b", range(24)) is None  # 6 pages, 5 free: wait
+    assert table.try_reserve("b", range(20)) == (3, 4, 5, 6, 7)
     table.check_integrity()
     table.release("a")
     assert "a" not in table and len(table) == 1 and pool.num_free == 3
@@ -103,7 +103,7 @@ def test_table_reserves_whole_prompts_and_releases_them() -> None:
     table.check_integrity([detached])
     with pytest.raises(AssertionError, match="leaked"):
         table.check_integrity()
-    pool.free(detached)
+    table.free_detached(detached)
     table.check_integrity()
 
 
