@@ -22,13 +22,15 @@ cache-aware routers): consecutive stored blocks of one prompt as one ``blocks_st
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from prefill_worker.kv.block_hash import block_hash, pack_block
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import PrefixHit
+
+BlockHasher = Callable[[int | None, bytes], int]  # (parent hash, packed tokens) -> hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +49,12 @@ class PagePrefixCache:
         page_size: int,
         max_pages: int | None = None,
         events: CacheEventSink | None = None,
+        hasher: BlockHasher = block_hash,
     ) -> None:
+        """``hasher`` is ``block_hash.block_hash``; tests give a weak one to force collisions."""
         assert page_size > 0 and (max_pages is None or max_pages >= 0)
         self._pool = pool
+        self._hash = hasher
         self.page_size = page_size
         self.max_pages = pool.num_pages if max_pages is None else min(max_pages, pool.num_pages)
         self._events: CacheEventSink = events or NullCacheEvents()
@@ -100,7 +105,7 @@ class PagePrefixCache:
         for index in range(len(chain), end):
             parent = grown[-1] if grown else None
             packed = pack_block(token_ids, index * self.page_size, self.page_size)
-            digest = block_hash(parent, packed)
+            digest = self._hash(parent, packed)
             known = self._blocks.get(digest)
             if known is not None and (known.parent != parent or known.tokens != packed):
                 break  # a 64-bit collision: this prompt's blocks stay out
@@ -148,7 +153,7 @@ class PagePrefixCache:
     # ---- internals --------------------------------------------------------------------
 
     def _find(self, parent: int | None, packed: bytes) -> tuple[int, _Block] | None:
-        digest = block_hash(parent, packed)
+        digest = self._hash(parent, packed)
         block = self._blocks.get(digest)
         if block is None or block.parent != parent or block.tokens != packed:
             return None
