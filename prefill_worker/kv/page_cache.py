@@ -110,13 +110,16 @@ class PagePrefixCache:
             if known is not None and (known.parent != parent or known.tokens != packed):
                 break  # a 64-bit collision: this prompt's blocks stay out
             if known is None:
-                if not self._has_room() or (parent is not None and parent not in self._blocks):
-                    break  # full of pages in use, or its parent (another page) was evicted
+                if len(self._blocks) >= self.max_pages:  # at the cap: evict one idle page
+                    run = self._report_stored(token_ids, grown, run)  # reported before it goes
+                    if self._evict(1) == 0:
+                        break  # every cached page is in use
+                if parent is not None and parent not in self._blocks:
+                    break  # its parent was another request's page, and it was evicted
                 self._insert(digest, _Block(page_ids[index], parent, packed))
                 run.append(digest)
             else:  # the same content is cached in another page: ours stays the request's
-                self._report_stored(token_ids, grown, run)
-                run = []
+                run = self._report_stored(token_ids, grown, run)
             grown.append(digest)
         self._report_stored(token_ids, grown, run)
         return tuple(grown)
@@ -159,11 +162,6 @@ class PagePrefixCache:
             return None
         return digest, block
 
-    def _has_room(self) -> bool:
-        if len(self._blocks) < self.max_pages:
-            return True
-        return self._evict(1) == 1
-
     def _insert(self, digest: int, block: _Block) -> None:
         assert block.page_id not in self._hash_of, f"page {block.page_id} is cached twice"
         self._pool.incref((block.page_id,))  # the cache's own reference
@@ -184,12 +182,16 @@ class PagePrefixCache:
             self._events.blocks_removed(hashes)
         return len(page_ids)
 
-    def _report_stored(self, token_ids: Sequence[int], chain: list[int], run: list[int]) -> None:
-        """``run`` is the tail of ``chain``: consecutive blocks stored in this call."""
+    def _report_stored(
+        self, token_ids: Sequence[int], chain: list[int], run: list[int]
+    ) -> list[int]:
+        """Report ``run``, the tail of ``chain``: consecutive blocks stored in this call. The
+        next run starts empty."""
         if not run:
-            return
+            return run
         first = len(chain) - len(run)
         parent = chain[first - 1] if first > 0 else None
         ps = self.page_size
         tokens = [int(t) for t in token_ids[first * ps : len(chain) * ps]]
         self._events.blocks_stored(tuple(run), parent, tokens, ps)
+        return []

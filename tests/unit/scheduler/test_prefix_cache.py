@@ -215,3 +215,25 @@ def test_tiny_caps(max_pages: int) -> None:
     assert cache.num_pages == max_pages
     table.release("a")
     table.check_integrity()
+
+
+def test_at_the_cap_a_stored_run_is_reported_before_its_parent_is_evicted() -> None:
+    """x follows a's cached blocks 0-1 (its own copies are duplicates), stores block 2, and
+    needs room for block 3: the idle block 1 goes. The consumer heard of block 2 while its
+    parent was still there (the recorder checks every parent is known)."""
+    table, cache, events = rig(max_pages=3)
+    p = list(range(8))
+    x = [*p, *range(40, 48)]
+    assert table.try_reserve("a", p) is not None and table.try_reserve("x", x) is not None
+    table.commit("a", 8)
+    table.release("a")  # blocks 0-1 idle, block 1 the oldest
+    table.commit("x", 16)
+    h = block_hashes(x, PS)
+    assert [e[:3] for e in events.events] == [
+        ("stored", (h[0], h[1]), None),
+        ("stored", (h[2],), h[1]),
+        ("removed", (h[1],)),
+        ("stored", (h[3],), h[2]),
+    ]
+    assert cache.num_pages == 3
+    table.check_integrity()
