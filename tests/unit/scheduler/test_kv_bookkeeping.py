@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool, AuxRow
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.tables import PageTable, num_pages_for
 
@@ -114,3 +114,14 @@ def test_aux_pool_rows_return() -> None:
     aux.free(rows[0])  # type: ignore[arg-type]
     aux.check_integrity()
     assert aux.num_free == 1
+
+
+def test_aux_rows_carry_the_computed_count_and_read_old_rows() -> None:
+    row = AuxRow(17, -0.5, 40, 8, num_computed_tokens=16)
+    packed = row.pack()
+    assert len(packed) == AUX_ROW_BYTES and AuxRow.unpack(packed) == row
+    assert row.num_prefix_hit_tokens == 24
+    assert packed[24:28] == (16).to_bytes(4, "little") and packed[28:] == bytes(4)
+    old = packed[:24] + bytes(8)  # a worker before the prefix cache left offset 24 zero
+    assert AuxRow.unpack(old).num_computed_tokens == 0
+    assert AuxRow.unpack(old).num_prefix_hit_tokens is None
