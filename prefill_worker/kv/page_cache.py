@@ -134,6 +134,8 @@ class PagePrefixCache:
         return True
 
     def reset(self) -> bool:
+        if not self._blocks:
+            return True
         if len(self._idle) == len(self._blocks):
             self._evict(len(self._idle), report=False)
             self._events.all_cleared()

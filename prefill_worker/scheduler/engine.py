@@ -176,7 +176,10 @@ class Engine:
             log.exception("forward failed during shutdown")
         self.fail_all(reason, f"the worker shut down ({reason.value})")
         self._forward.close()
-        self.reset_prefix_cache()  # nothing is in use any more: every cached page goes
+        try:
+            self.reset_prefix_cache()  # nothing is in use any more: every cached page goes
+        except Exception:  # after an engine error the cache may be what broke
+            log.exception("prefix cache reset failed during shutdown")
 
     def reset_prefix_cache(self) -> bool:
         """Evict every cached page no request uses; True when the cache is then empty."""
