@@ -30,6 +30,7 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.kv.cache_events import NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.admission import Limits
@@ -47,6 +48,7 @@ from prefill_worker.service.startup import (
     load_model,
     make_engine,
     make_pools,
+    make_prefix_cache,
     start_http,
     start_http_api,
     start_ingress,
@@ -110,7 +112,11 @@ class Daemon:
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
+        # KV events: no publisher yet, so the cache reports to nobody.
+        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        engine = make_engine(
+            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+        )
         self._engine = engine
         limits = (
             info.vocab_size,

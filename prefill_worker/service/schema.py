@@ -51,6 +51,17 @@ class CacheConfig(_Section):
     num_aux_rows: int = Field(
         256, ge=1, description="Metadata rows (first token, logprob) for requests in flight."
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV pages after their request and share them with later prompts "
+        "that start with the same tokens (docs/prefix-cache.md).",
+    )
+    prefix_cache_max_pages: int | None = Field(
+        None,
+        ge=0,
+        description="Most KV pages the prefix cache holds; unset: as many as the pool has (idle "
+        "cached pages are evicted, least recently used first, when requests need them).",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:

@@ -20,8 +20,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
 from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner
 from prefill_worker.request import Outcome
 from prefill_worker.router.admission import Limits
@@ -103,6 +106,15 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
 
 
+def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:
+    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``."""
+    cfg = config.cache
+    with startup_step("prefix cache"):
+        if not cfg.prefix_caching:
+            return NoPrefixCache(pages)
+        return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
+
+
 def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -> ServingBackend:
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
@@ -133,6 +145,7 @@ def make_engine(
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],
     metrics: WorkerMetrics,
+    prefix_cache: PrefixCache,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -151,6 +164,7 @@ def make_engine(
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
             overlap=cfg.scheduler.overlap,
             observer=EngineEvents(metrics, log),
+            prefix_cache=prefix_cache,
         )
 
 
