@@ -156,7 +156,9 @@ def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> 
     try:
         for event in events:
             apply(rig, event, ids)
-        for _ in range(400):
+        # Enough turns for the work: with one token per step every prompt token is a turn.
+        num_turns = 400 + sum(len(m.token_ids) for m in rig.messages.values())
+        for _ in range(num_turns):
             rig.clock.advance(0.5)
             busy = rig.engine.step()
             rig.engine.check_integrity()
