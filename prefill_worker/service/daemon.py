@@ -40,6 +40,7 @@ from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.service.startup import (
+    LoadReport,
     ModelBuilder,
     StartupError,
     load_model,
@@ -106,7 +107,9 @@ class Daemon:
         http = start_http(cfg, self.health, self.registry, self.request_drain)
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
-        runner, kv_cache, info = load_model(cfg, self._build_model)
+        runner, kv_cache, info = load_model(
+            cfg, self._build_model, LoadReport(self.notifier.status)
+        )
         pages, aux = make_pools(cfg, kv_cache)
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
