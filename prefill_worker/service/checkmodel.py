@@ -44,7 +44,7 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
 
 
 def _check_pool(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
-    dtype = config.model.dtype
+    dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = spec.torch_dtype if spec.torch_dtype in DTYPE_ITEMSIZE else "float32"
     cache = config.cache
