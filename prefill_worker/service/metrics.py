@@ -81,6 +81,21 @@ class WorkerMetrics:
             "Prompt tokens the decode peer already held (not sent)",
             registry=registry,
         )
+        self.prefix_cache_queries = Counter(
+            "prefill_worker_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (once per admitted request)",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "prefill_worker_prefix_cache_hits_total",
+            "Prompt tokens the prefix cache held (not computed)",
+            registry=registry,
+        )
+        self.prefix_cache_pages = Gauge(
+            "prefill_worker_prefix_cache_pages",
+            "KV pages held by the prefix cache (in use by requests or idle)",
+            registry=registry,
+        )
         self.prompt_length = Histogram(
             "prefill_worker_prompt_length_tokens",
             "Prompt length of ended requests",
@@ -165,6 +180,10 @@ class WorkerMetrics:
         elif outcome.reason.value.startswith(("transfer", "peer")):
             self.transfer_failures.labels(outcome.reason.value).inc()
 
+    def observe_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries.inc(num_query_tokens)
+        self.prefix_cache_hits.inc(num_hit_tokens)
+
     def observe_step(self, duration_s: float, batch_tokens: int) -> None:
         self.step_seconds.observe(duration_s)
         self.batch_tokens.observe(batch_tokens)
@@ -173,9 +192,10 @@ class WorkerMetrics:
         for state, count in sizes.items():
             self.queue.labels(state).set(count)
 
-    def set_kv_pages(self, used: int, total: int) -> None:
+    def set_kv_pages(self, used: int, total: int, cached: int = 0) -> None:
         self.kv_pages_used.set(used)
         self.kv_pages_total.set(total)
+        self.prefix_cache_pages.set(cached)
 
     def set_aux_rows(self, used: int, total: int) -> None:
         self.aux_rows_used.set(used)

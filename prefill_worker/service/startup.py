@@ -16,13 +16,19 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from prefill_worker import __version__
 from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -131,6 +137,15 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
 
 
+def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:
+    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``."""
+    cfg = config.cache
+    with startup_step("prefix cache"):
+        if not cfg.prefix_caching:
+            return NoPrefixCache(pages)
+        return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
+
+
 def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -> ServingBackend:
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
@@ -161,6 +176,7 @@ def make_engine(
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],
     metrics: WorkerMetrics,
+    prefix_cache: PrefixCache,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -179,6 +195,7 @@ def make_engine(
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
             overlap=cfg.scheduler.overlap,
             observer=EngineEvents(metrics, log),
+            prefix_cache=prefix_cache,
         )
 
 
@@ -217,6 +234,50 @@ def start_ingress(
         )
         ingress.start()
     return ingress
+
+
+def start_http_api(
+    config: Config,
+    inbox: Inbox,
+    engine: Engine,
+    served: tuple[ModelInfo, Limits],
+    metrics: WorkerMetrics,
+    is_live: Callable[[], bool],
+) -> HttpApi:
+    """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
+    the daemon calls ``set_ready``."""
+    cfg, (info, limits) = config.http_api, served
+    with startup_step("http api", (ValueError, OSError)):
+        codec = load_text_codec(config.model.path)
+        bootstrap_port = config.transfer.bootstrap_bind.rpartition(":")[2]
+        model = ServedModel(
+            served_model_name=cfg.served_model_name or config.model.path,
+            model_path=config.model.path,
+            architectures=(info.architecture,),
+            model_type=info.architecture.removesuffix("ForCausalLM").lower(),
+            context_length=limits.max_prompt_tokens,
+            page_size=config.cache.page_size,
+            max_total_tokens=limits.max_pool_tokens,
+            max_running_requests=config.scheduler.max_running_requests,
+            version=__version__,
+            bootstrap_port=int(bootstrap_port) if bootstrap_port.isdigit() else None,
+            has_tokenizer=codec is not None,
+        )
+        front = HttpApi(
+            cfg.bind,
+            inbox,
+            lambda: engine.load,
+            limits,
+            model,
+            codec,
+            max_inflight=cfg.max_inflight_requests,
+            max_body_bytes=cfg.max_body_bytes,
+            is_live=is_live,
+            metrics_text=lambda: generate_latest(metrics.registry),
+            on_reject=metrics.on_reject,
+        )
+        front.start()
+    return front
 
 
 def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
