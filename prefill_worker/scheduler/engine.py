@@ -35,6 +35,7 @@ from prefill_worker.scheduler.admission import Admission, ScheduledBatch
 from prefill_worker.scheduler.forward import make_forward
 from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.lifecycle import RequestLifecycle
+from prefill_worker.scheduler.liveness import ForwardClock, Progress
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -49,9 +50,9 @@ _MAX_WAIT_S = 0.05  # a wait never exceeds this: the stop flag is checked at lea
 
 
 class Engine:
-    """The scheduler and its loop. All methods but ``load`` and ``last_turn_at`` belong to the
-    engine thread. Draining is not its policy: the ingress stops admitting (the daemon decides
-    when), and ``shutdown`` fails what is left when the drain ends."""
+    """The scheduler and its loop. All methods but ``load``, ``last_turn_at`` and ``progress``
+    belong to the engine thread. Draining is not its policy: the ingress stops admitting (the
+    daemon decides when), and ``shutdown`` fails what is left when the drain ends."""
 
     def __init__(
         self,
@@ -100,7 +101,8 @@ class Engine:
             max_running_requests=max_running_requests,
             on_lookup=self._observer.on_prefix_lookup,
         )
-        self._forward = make_forward(runner, overlap)
+        self._forward_clock = ForwardClock(runner, clock)
+        self._forward = make_forward(self._forward_clock, overlap)
         self.page_size = page_size
         self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
         self._max_messages = max_messages_per_turn
@@ -115,6 +117,10 @@ class Engine:
     @property
     def load(self) -> LoadSnapshot:
         return self._load
+
+    def progress(self) -> Progress:
+        """The last turn and the forward in progress, for ``/livez`` (``scheduler.liveness``)."""
+        return self._forward_clock.progress(self.last_turn_at)
 
     @property
     def outcome_counts(self) -> Counter[FinishReason]:

@@ -43,6 +43,7 @@ from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.service.startup import (
+    LoadReport,
     ModelBuilder,
     StartupError,
     load_model,
@@ -71,13 +72,18 @@ class Daemon:
         self._build_model = build_model
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
-        self.health = Health(config.metrics.livez_stale_s)
+        self.health = Health(
+            config.metrics.livez_stale_s,
+            forward_floor_s=config.metrics.livez_forward_floor_s,
+            forward_margin=config.metrics.livez_forward_margin,
+        )
         self.notifier = SdNotifier.from_environ(env)
         self.inbox = Inbox()
         self._wake = threading.Event()
         self._stop_engine = threading.Event()
         self._drain_asked = threading.Event()
         self._num_signals = 0
+        self._was_live = True
         self._engine_error: BaseException | None = None
         self._closers: list[tuple[str, Callable[[], None]]] = []
         self._engine: Engine | None = None
@@ -107,7 +113,9 @@ class Daemon:
         http = start_http(cfg, self.health, self.registry, self.request_drain)
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
-        runner, kv_cache, info = load_model(cfg, self._build_model)
+        runner, kv_cache, info = load_model(
+            cfg, self._build_model, LoadReport(self.notifier.status)
+        )
         pages, aux = make_pools(cfg, kv_cache)
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
@@ -146,7 +154,7 @@ class Daemon:
             }
         )
         self.metrics.set_kv_pages(0, pages.num_pages)
-        self.health.watch(lambda: engine.last_turn_at)
+        self.health.watch(engine.progress)
         self._announce(http.port)
 
     def _announce(self, http_port: int) -> None:
@@ -229,8 +237,18 @@ class Daemon:
                 self._is_idle() or time.monotonic() >= drain_deadline
             ):
                 return self._stop(FinishReason.DRAINING, EX_OK)
-            if self.health.is_live():
-                self.notifier.watchdog()
+            self._watchdog()
+
+    def _watchdog(self) -> None:
+        """Ping systemd's watchdog while live (busy counts); log each change of verdict."""
+        verdict = self.health.liveness()
+        if verdict.is_live:
+            self.notifier.watchdog()
+        if verdict.is_live != self._was_live:
+            self._was_live = verdict.is_live
+            log.log(
+                logging.INFO if verdict.is_live else logging.ERROR, "liveness: %s", verdict.reason
+            )
 
     def _begin_drain(self) -> None:
         log.info("draining: new requests are rejected, in-flight ones may finish")

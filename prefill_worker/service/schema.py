@@ -169,7 +169,22 @@ class MetricsConfig(_Section):
 
     bind: str = Field("127.0.0.1:9400", description="host:port of /metrics /livez /readyz /drain.")
     livez_stale_s: float = Field(
-        5.0, gt=0, description="/livez fails when the engine loop has not turned for this long."
+        5.0,
+        gt=0,
+        description="/livez fails when the engine loop has not turned for this long and no "
+        "forward is running.",
+    )
+    livez_forward_floor_s: float = Field(
+        60.0,
+        gt=0,
+        description="A running forward counts as busy, not stuck, for at least this long (the "
+        "whole bound before the first forward has been timed).",
+    )
+    livez_forward_margin: float = Field(
+        4.0,
+        ge=1.0,
+        description="A running forward is stuck once it has run this many times its expected "
+        "time (its tokens × the measured seconds per token of recent forwards).",
     )
     admin_token_file: str | None = Field(
         None,

@@ -25,7 +25,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
-from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner
+from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
 from prefill_worker.router.admission import Limits
 from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
@@ -75,12 +75,43 @@ def start_http(
     return http
 
 
-def load_model(config: Config, build_model: ModelBuilder) -> tuple[Runner, KVCache, ModelInfo]:
+class LoadReport:
+    """Model-load progress as an operator sees it: a log line at every ``step_percent`` of the
+    bytes and the same words as systemd's STATUS (``systemctl status`` shows it)."""
+
+    def __init__(
+        self,
+        status: Callable[[str], None],
+        step_percent: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._status, self._step, self._clock = status, step_percent, clock
+        self._started = clock()
+        self._next_percent = 0
+
+    def __call__(self, num_read: int, total: int) -> None:
+        percent = 100 * num_read // total if total else 100
+        if percent < self._next_percent:
+            return
+        self._next_percent = (percent // self._step + 1) * self._step
+        elapsed_s = max(self._clock() - self._started, 1e-9)
+        text = (
+            f"loading model: {num_read / 2**30:.2f} of {total / 2**30:.2f} GiB ({percent}%, "
+            f"{num_read / 2**20 / elapsed_s:.0f} MiB/s)"
+        )
+        log.info("%s", text)
+        self._status(text)
+
+
+def load_model(
+    config: Config, build_model: ModelBuilder, on_progress: LoadProgress | None = None
+) -> tuple[Runner, KVCache, ModelInfo]:
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
         runner, kv_cache, info = build_model(
             cfg.model.path,
+            on_progress=on_progress,
             dtype=cfg.model.dtype,
             device=cfg.model.device,
             attention_backend=cfg.model.attention_backend,

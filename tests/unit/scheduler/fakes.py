@@ -17,7 +17,7 @@ import select
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
@@ -61,8 +61,11 @@ class FakeRunner:
         self.fail_with: Exception | None = None
         self.sample_errors: dict[str, str] = {}  # request_id -> its row's sampling error
         self.prompts: dict[str, Sequence[int]] = {}  # request_id -> prompt, when known
+        self.on_run: Callable[[BatchPlan], None] | None = None  # a test's hook (e.g. a clock)
 
     def run(self, plan: BatchPlan) -> BatchOutput:
+        if self.on_run is not None:
+            self.on_run(plan)
         self.started.set()
         if self.gate is not None:
             self.gate.wait(timeout=10)
