@@ -7,6 +7,7 @@ Everything is a child process on 127.0.0.1: ``Stack`` starts them and stops them
 from __future__ import annotations
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -25,8 +26,6 @@ from tests.polling import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 SMG = ROOT / ".interop" / "smg" / "bin" / "smg"
 MODEL_NAME = "tiny-llama"
-
-pytestmark = pytest.mark.skipif(not SMG.exists(), reason="smg is not installed: `make smg`")
 
 
 def http(url: str, body: object | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
@@ -138,6 +137,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def stack(tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+    if not SMG.exists():  # CI runs `make smg` first: there a missing router is a failure
+        message = "smg is not installed: `make smg`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
     started = Stack(tmp_path, checkpoint)
     yield started
     for child in started.children:
