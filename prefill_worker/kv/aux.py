@@ -8,7 +8,13 @@ transfer backend registers once. Row layout (``AUX_ROW_BYTES`` = 32)::
     offset 12  int32    num_prompt_tokens
     offset 16  int32    num_cached_tokens
     offset 20  uint32   flags                 (bit 0: row is valid)
-    offset 24  8 bytes  reserved (zero)
+    offset 24  int32    num_computed_tokens   (0: not reported, by a worker before the cache)
+    offset 28  4 bytes  reserved (zero)
+
+``num_cached_tokens`` is the prefix the decode peer held (not sent); ``num_computed_tokens``
+the prompt tokens this worker computed. The rest, ``num_prompt_tokens -
+num_computed_tokens``, came from the worker's prefix cache. A worker always computes at least
+the prompt's last token, so a reported count is >= 1.
 
 ``AuxPool`` owns the buffer and hands out row indices; it never blocks and returns None
 when full. Torch-free: numpy owns the memory so its address is stable.
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 AUX_ROW_BYTES = 32
-_ROW = struct.Struct("<qfiiI8x")
+_ROW = struct.Struct("<qfiiIi4x")
 FLAG_VALID = 1
 assert _ROW.size == AUX_ROW_BYTES
 
@@ -34,6 +40,14 @@ class AuxRow:
     num_prompt_tokens: int
     num_cached_tokens: int
     flags: int = FLAG_VALID
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prefix_hit_tokens(self) -> int | None:
+        """Prompt tokens that came from the worker's prefix cache; None when not reported."""
+        if self.num_computed_tokens <= 0:
+            return None
+        return self.num_prompt_tokens - self.num_computed_tokens
 
     def pack(self) -> bytes:
         return _ROW.pack(
@@ -42,6 +56,7 @@ class AuxRow:
             self.num_prompt_tokens,
             self.num_cached_tokens,
             self.flags,
+            self.num_computed_tokens,
         )
 
     @classmethod

@@ -2,63 +2,115 @@
 
 Page ``i`` of a request's ``page_ids`` holds prompt positions ``[i * page_size, (i + 1) *
 page_size)`` (the convention of ``prefill_worker.batch``). A request's pages are reserved
-whole before its prefill starts (no mid-prefill eviction) and released in one call.
+whole before its prefill starts (no mid-prefill eviction) and released in one call. With a
+prefix cache, the first pages may be a hit (shared, already computed)::
+
+    page_ids   [ hit 0 ][ hit 1 ][ new 2 ][ new 3 ][ new 4 ]
+                 cached, refcount >= 2    allocated for this request; each enters the cache
+                                          once ``commit`` says its K/V is complete
+
+Every page goes back through the cache's ``release``, so the cache sees pages go idle.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import MISS, NoPrefixCache, PrefixCache, PrefixHit
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class PageTable:
-    """request_id → its pages, in prompt order; reserves from and releases to one pool."""
+@dataclass(slots=True)
+class _Held:
+    page_ids: tuple[int, ...]
+    token_ids: Sequence[int]
+    chain: tuple[int, ...]  # block hashes of pages [0, len(chain)), all in the cache
+    is_storing: bool = True  # False once the chain broke: this prompt stores no more pages
 
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+
+class PageTable:
+    """request_id → its pages, in prompt order; reserves from and releases to one pool,
+    through one prefix cache (``NoPrefixCache`` when none is given)."""
+
+    def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None) -> None:
         assert page_size > 0
         self.pool = pool
         self.page_size = page_size
-        self._pages: dict[str, tuple[int, ...]] = {}
+        self.cache: PrefixCache = cache or NoPrefixCache(pool)
+        self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return len(self._held)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._pages
+        return request_id in self._held
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages a new request could get now: free ones and idle cached ones."""
+        return self.pool.num_free + self.cache.num_evictable
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """False when the prompt needs more pages than the whole pool has."""
         return num_pages_for(num_tokens, self.page_size) <= self.pool.num_pages
 
-    def try_reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
-        """Pages for ``num_tokens`` positions, or None when the pool is short right now."""
-        assert request_id not in self._pages, f"{request_id} already holds pages"
-        page_ids = self.pool.try_alloc(num_pages_for(num_tokens, self.page_size))
-        if page_ids is None:
+    def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The prompt's cached prefix; nothing is reserved yet."""
+        return self.cache.match(token_ids)
+
+    def try_reserve(
+        self, request_id: str, token_ids: Sequence[int], hit: PrefixHit = MISS
+    ) -> tuple[int, ...] | None:
+        """The hit's pages and new ones for the rest of the prompt, or None when the pool is
+        short even after evicting every idle cached page (then nothing changed)."""
+        assert request_id not in self._held, f"{request_id} already holds pages"
+        num_new = num_pages_for(len(token_ids), self.page_size) - len(hit.page_ids)
+        self.cache.acquire(hit.page_ids)  # first: the hit's own pages must not be evicted
+        if not self.cache.try_make_room(num_new):
+            self.cache.release(hit.page_ids)
             return None
-        self._pages[request_id] = tuple(page_ids)
-        return self._pages[request_id]
+        new_ids = self.pool.try_alloc(num_new)
+        assert new_ids is not None, "try_make_room promised the pages"
+        page_ids = hit.page_ids + tuple(new_ids)
+        self._held[request_id] = _Held(page_ids, token_ids, hit.block_hashes)
+        return page_ids
 
     def get(self, request_id: str) -> tuple[int, ...]:
-        return self._pages[request_id]
+        return self._held[request_id].page_ids
+
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        """The K/V of prompt positions ``[0, num_tokens)`` is complete: its full pages may
+        be shared from now on."""
+        held = self._held[request_id]
+        end = num_tokens // self.page_size
+        if not held.is_storing or end <= len(held.chain):
+            return
+        held.chain = self.cache.store(held.token_ids, held.page_ids, held.chain, end)
+        held.is_storing = len(held.chain) == end
 
     def release(self, request_id: str) -> None:
-        self.pool.free(self._pages.pop(request_id))
+        self.cache.release(self._held.pop(request_id).page_ids)
 
     def detach(self, request_id: str) -> tuple[int, ...]:
-        """Forget the request but keep its pages allocated; the caller frees them later."""
-        return self._pages.pop(request_id)
+        """Forget the request but keep its pages allocated; ``free_detached`` later."""
+        return self._held.pop(request_id).page_ids
+
+    def free_detached(self, page_ids: Sequence[int]) -> None:
+        self.cache.release(page_ids)
 
     def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
-        """Every page reference in the pool is one entry of this table (or of ``detached``)."""
-        held = Counter(page_id for page_ids in self._pages.values() for page_id in page_ids)
+        """Every page reference in the pool is one entry of this table (or of ``detached``),
+        or the cache's own."""
+        held = Counter(page_id for h in self._held.values() for page_id in h.page_ids)
         held.update(page_id for page_ids in detached for page_id in page_ids)
+        held.update(self.cache.cached_page_ids())
         for page_id in range(self.pool.num_pages):
             assert held[page_id] == self.pool.refcount(page_id), f"page {page_id} leaked"
         self.pool.check_integrity()
+        self.cache.check_integrity()

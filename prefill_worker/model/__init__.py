@@ -19,10 +19,18 @@ from prefill_worker.model.attention import create_backend, resolve_backend_name
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM
-from prefill_worker.model.loader import load_checkpoint
+from prefill_worker.model.loader import LoadProgress, load_checkpoint
 from prefill_worker.model.runner import Runner
 
-__all__ = ["CheckpointError", "KVCache", "ModelInfo", "Runner", "build", "resolve_device"]
+__all__ = [
+    "CheckpointError",
+    "KVCache",
+    "LoadProgress",
+    "ModelInfo",
+    "Runner",
+    "build",
+    "resolve_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +82,12 @@ def build(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     num_threads: int | None = None,
+    on_progress: LoadProgress | None = None,
     pool_layout: str = LAYER_MAJOR,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
-    pick the attention backend.
+    pick the attention backend. ``on_progress(bytes_read, bytes_total)`` follows the
+    weights as they load.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -86,7 +96,7 @@ def build(
     dev = resolve_device(device)
     backend_name = resolve_backend_name(attention_backend, dev)
     torch_dtype = resolve_dtype(dtype, read_spec(model_path))
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev)
+    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress)
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, page_size, 1, pool_layout

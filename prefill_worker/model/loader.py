@@ -4,13 +4,17 @@ Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json`
 checkpoints are read. Every expected tensor's presence and shape is checked before any is
 loaded; a missing tensor or a shape mismatch raises ``CheckpointError`` naming it. q/k/v
 are concatenated into one matrix and gate/up into another, so a layer runs four GEMMs.
+
+Loading reports progress through an optional ``on_progress(bytes_read, bytes_total)``
+callback, called after each tensor (bytes as stored in the checkpoint); how it is shown (log
+lines, systemd's STATUS) is the caller's business.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +28,13 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+LoadProgress = Callable[[int, int], None]
+"""``on_progress(bytes_read, bytes_total)``: checkpoint bytes read so far, and in all."""
+
+# Bytes per element of the safetensors dtypes a checkpoint may store.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
+_DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -88,17 +99,30 @@ class TensorSource(Protocol):
 
 
 class _Reader:
-    """Reads named tensors from their files, cast to one dtype and device."""
+    """Reads named tensors from their files, cast to one dtype and device; tells ``on_read``
+    (when set) the bytes of each, as stored."""
 
     def __init__(self, files: Mapping[str, Path], dtype: torch.dtype, device: torch.device):
         self.files, self.dtype, self.device = files, dtype, device
+        self.on_read: Callable[[int], None] | None = None
         self._open: dict[Path, object] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's size in its file (0 for a dtype this table does not know)."""
+        piece = self._handle(name).get_slice(name)
+        num_elements = 1
+        for size in piece.get_shape():
+            num_elements *= size
+        return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
+
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name).to(device=self.device, dtype=self.dtype)
+        stored = self._handle(name).get_tensor(name)
+        if self.on_read is not None:
+            self.on_read(stored.numel() * stored.element_size())
+        return stored.to(device=self.device, dtype=self.dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
@@ -123,16 +147,33 @@ def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
 
 
 def load_checkpoint(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_progress: LoadProgress | None = None,
 ) -> tuple[ModelSpec, ModelWeights]:
     """Read, check and fuse a checkpoint; raises ``CheckpointError`` on any problem."""
     root = Path(model_dir)
     spec = read_spec(root)
     reader = _Reader(tensor_files(root), dtype, device)
     check_tensors(spec, reader)
+    if on_progress is not None:
+        total = sum(reader.stored_bytes(name) for name in expected_shapes(spec))
+        reader.on_read = _counter(on_progress, total)
     weights = fuse_weights(spec, reader)
     log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
     return spec, weights
+
+
+def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
+    num_read = 0
+
+    def on_read(nbytes: int) -> None:
+        nonlocal num_read
+        num_read += nbytes
+        on_progress(num_read, total)
+
+    return on_read
 
 
 def fuse_weights(spec: ModelSpec, source: TensorSource) -> ModelWeights:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -55,6 +57,7 @@ _SCALAR_FIELDS = frozenset(
     }
 )
 _VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
+_NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
 _GREEDY = SamplingParams()
 _MALFORMED = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -105,6 +108,30 @@ def decode_router(
     if isinstance(msg, Abort):
         return AbortRequest(msg.request_id)
     return msg
+
+
+class PromptRefused(ValueError):
+    """A prompt that another ingress (the HTTP front) must refuse, with the reject code."""
+
+    def __init__(self, code: RejectCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def check_token_ids(token_ids: Sequence[int], limits: Limits) -> array:
+    """A prompt given as ints, checked exactly as a ``prefill`` frame's ``token_ids`` is (the
+    one owner of that policy for every ingress); raises ``PromptRefused``."""
+    try:
+        packed = array("i", token_ids)
+    except OverflowError:
+        why = f"token_ids hold a value outside [0, {limits.vocab_size})"
+        raise PromptRefused(RejectCode.TOKEN_OUT_OF_RANGE, why) from None
+    if _NEEDS_SWAP:
+        packed.byteswap()
+    try:
+        return _check_tokens(packed.tobytes(), limits)
+    except _Invalid as exc:
+        raise PromptRefused(exc.reject.code, exc.reject.message) from None
 
 
 def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:

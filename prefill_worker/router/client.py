@@ -102,8 +102,7 @@ class RouterClient:
         )
         frame = encode(msg)
         future: asyncio.Future[Result] = self._expect(self._results, rid)
-        await self._sock.send(frame)
-        return await self._wait(self._results, rid, future, timeout_s)
+        return await self._roundtrip(self._results, rid, future, frame, timeout_s)
 
     async def abort(self, request_id: str) -> None:
         """Ask the worker to drop a request; its ``prefill`` then ends with ``aborted``."""
@@ -135,8 +134,9 @@ class RouterClient:
     async def _load_query(self, kind: type[Ping] | type[Drain], timeout_s: float | None) -> Load:
         nonce = next(self._nonces)
         future = self._expect(self._pongs, nonce)
-        await self._sock.send(encode(kind(nonce=nonce)))
-        return await self._wait(self._pongs, nonce, future, timeout_s)
+        return await self._roundtrip(
+            self._pongs, nonce, future, encode(kind(nonce=nonce)), timeout_s
+        )
 
     def _expect(self, pending: dict[Any, asyncio.Future[_T]], key: Any) -> asyncio.Future[_T]:
         if key in pending:
@@ -147,18 +147,25 @@ class RouterClient:
         pending[key] = future
         return future
 
-    async def _wait(
+    async def _roundtrip(
         self,
         pending: dict[Any, asyncio.Future[_T]],
         key: Any,
         future: asyncio.Future[_T],
+        frame: bytes,
         timeout_s: float | None,
     ) -> _T:
+        """Send ``frame`` and wait for its answer, both within ``timeout_s``: a DEALER with no
+        live peer (a worker that refused our CURVE handshake, or is not up) blocks the send."""
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            return await asyncio.wait_for(self._send_then(frame, future), timeout_s)
         finally:
             if pending.get(key) is future:
                 del pending[key]
+
+    async def _send_then(self, frame: bytes, future: asyncio.Future[_T]) -> _T:
+        await self._sock.send(frame)
+        return await future
 
     async def _receive(self) -> None:
         while True:

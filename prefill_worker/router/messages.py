@@ -141,10 +141,14 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     reason: FinishReason
     first_token_id: int | None = None
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int  # the prefix the decode node already held (not sent)
     timings: Timings
     first_token_logprob: float | UnsetType | None = UNSET  # only when asked for
     error: str | UnsetType | None = UNSET
+    # Optional fields added to v1 with the prefix cache (workers before it leave them out):
+    # the prefix the worker's own cache held (not computed), and the tokens it computed.
+    num_prefix_hit_tokens: int | UnsetType = UNSET
+    num_computed_tokens: int | UnsetType = UNSET
 
 
 class Reject(_Message, tag="reject", frozen=True, kw_only=True):
@@ -215,6 +219,8 @@ def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
         first_token_id=outcome.first_token_id,
         num_prompt_tokens=outcome.num_prompt_tokens,
         num_cached_tokens=outcome.num_cached_tokens,
+        num_prefix_hit_tokens=outcome.num_prefix_hit_tokens,
+        num_computed_tokens=outcome.num_computed_tokens,
         timings=outcome.timings,
         first_token_logprob=UNSET if logprob is None else logprob,
         error=UNSET if outcome.error is None else outcome.error,

@@ -17,13 +17,16 @@ Torch-free. The daemon composes it like this (all on the engine thread except wh
         transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
         overlap=cfg.scheduler.overlap,
         observer=metrics_adapter,                # EngineObserver; NullObserver if omitted
-    )
+        prefix_cache=cache,                      # kv.prefix_cache.PrefixCache over `pages`;
+    )                                            #   omitted: NoPrefixCache (off)
     engine.run(stop_event, inbox)   # inbox: scheduler.Inbox, a queue.Queue the loop can sleep on
     ...                             # (or call engine.submit(msg) / engine.step() yourself)
     engine.shutdown()               # after run returns: fail what is left, stop the executor
 
-From other threads: ``engine.load`` (a ``LoadSnapshot``, for ``pong`` and gauges) and
-``engine.last_turn_at`` (``clock()`` at the end of the last turn, for ``/livez``). Draining is
+From other threads: ``engine.load`` (a ``LoadSnapshot``, for ``pong`` and gauges),
+``engine.last_turn_at`` (``clock()`` at the end of the last turn) and ``engine.progress()``
+(the last turn and the forward in progress, which ``liveness.LivenessRule`` judges for
+``/livez``: busy or stuck). Draining is
 the ingress's (it stops admitting) and the daemon's (it decides when). A drain ends by
 stopping the loop once ``engine.load.num_live == 0`` or the drain timeout
 passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is left.
@@ -32,14 +35,16 @@ passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is
 Modules: ``queues`` (requests per state), ``admission`` (token budget, running cap, page and
 aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one heap),
 ``forward`` (serial or executor-thread forwards), ``inbox`` (the queue with a wake-up fd),
-``observer`` (sink, observer, snapshot), ``lifecycle`` (each request from submit to its one
-outcome: sender polling, deadline expiry, consuming forwards, the one finish path),
+``observer`` (sink, observer, snapshot), ``liveness`` (forward timing; busy or stuck),
+``lifecycle`` (each request from submit to its one outcome: sender polling, deadline expiry,
+consuming forwards, the one finish path),
 ``engine`` (the loop: take, step, wait, collect and launch forwards, publish the load).
 """
 
 from prefill_worker.scheduler.engine import Engine
 from prefill_worker.scheduler.forward import ForwardStrategy, SerialForward, ThreadedForward
 from prefill_worker.scheduler.inbox import EngineMessage, Inbox
+from prefill_worker.scheduler.liveness import LivenessRule, Progress, Verdict
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -53,9 +58,12 @@ __all__ = [
     "EngineObserver",
     "ForwardStrategy",
     "Inbox",
+    "LivenessRule",
     "LoadSnapshot",
     "NullObserver",
     "OutcomeSink",
+    "Progress",
     "SerialForward",
     "ThreadedForward",
+    "Verdict",
 ]

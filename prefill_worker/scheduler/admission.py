@@ -4,6 +4,10 @@ Per batch, at most ``max_batch_tokens`` tokens and one chunk per request (``chun
 A waiting request starts only when all of its prompt's pages and an aux row are free (no
 mid-prefill eviction) and fewer than ``max_running_requests`` are prefilling. Strict FCFS:
 when the head of the queue has to wait, everyone behind it waits too.
+
+On admission the prompt is looked up in the prefix cache: the pages of its cached prefix are
+shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``). Idle cached
+pages are evicted only when the pages the request needs are not free otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from prefill_worker.kv.tables import PageTable
 from prefill_worker.request import Request, RequestState
 from prefill_worker.scheduler.chunking import chunk_end
 from prefill_worker.scheduler.queues import RequestQueues
+
+OnLookup = Callable[[int, int], None]  # (num_query_tokens, num_hit_tokens), once per admission
+
+
+def _ignore(num_query_tokens: int, num_hit_tokens: int) -> None:
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,7 @@ class Admission:
         chunk_size: int,
         max_batch_tokens: int,
         max_running_requests: int,
+        on_lookup: OnLookup = _ignore,
     ) -> None:
         if chunk_size < table.page_size or max_batch_tokens < table.page_size:
             raise ValueError(
@@ -49,6 +60,7 @@ class Admission:
         self.chunk_size = chunk_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
+        self._on_lookup = on_lookup
         self._num_batches = 0
 
     def next_batch(self) -> ScheduledBatch | None:
@@ -95,17 +107,21 @@ class Admission:
         req = self._queues.head_waiting()
         if req is None:
             return None
+        hit = self._table.lookup(req.token_ids)
         limit = min(self.chunk_size, budget)
-        if chunk_end(0, req.num_prompt_tokens, limit, self.page_size) is None:
-            return None
-        page_ids = self._table.try_reserve(req.request_id, req.num_prompt_tokens)
-        if page_ids is None:
+        if chunk_end(hit.num_tokens, req.num_prompt_tokens, limit, self.page_size) is None:
             return None
         aux_row = self._aux.try_alloc()
         if aux_row is None:
-            self._table.release(req.request_id)
+            return None
+        page_ids = self._table.try_reserve(req.request_id, req.token_ids, hit)
+        if page_ids is None:
+            self._aux.free(aux_row)
             return None
         self._queues.pop_waiting()
         req.page_ids, req.aux_row, req.prefill_start_time = page_ids, aux_row, self._clock()
+        req.num_prefix_hit_tokens = req.num_computed_tokens = hit.num_tokens
+        req.num_scheduled_tokens = hit.num_tokens
         self._queues.move(req, RequestState.PREFILLING)
+        self._on_lookup(hit.num_query_tokens, hit.num_tokens)
         return req

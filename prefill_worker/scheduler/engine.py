@@ -6,9 +6,11 @@ One turn (``step``), the same for serial and overlapped forwards (``forward.py``
     expire      deadlines that passed (bootstrap, transfer, per request)
     schedule    plan N+1: continue prefilling requests, then admit waiting ones FCFS
     collect     wait for forward N                       ┐ overlapped: all of this runs
-    launch      start forward N+1                        │ while forward N (then N+1)
-    consume     N's pages → sender.send_pages; last      │ computes on the executor thread
-                chunk → aux row → sender.send_aux        ┘
+    launch      start forward N+1; the cached pages of   │ while forward N (then N+1)
+                its new requests → sender.send_pages     │ computes on the executor thread
+    consume     N's pages → prefix cache and             │
+                sender.send_pages; last chunk → aux row  │
+                → sender.send_aux                        ┘
 
 The loop is here; what happens to each request (submit, sender polling, deadlines, consume,
 and the one finish path) is ``lifecycle.RequestLifecycle``.
@@ -26,12 +28,14 @@ from collections.abc import Callable
 from prefill_worker.batch import BatchOutput, ModelRunner
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import PrefixCache
 from prefill_worker.kv.tables import PageTable
 from prefill_worker.request import FinishReason
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
 from prefill_worker.scheduler.forward import make_forward
 from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.lifecycle import RequestLifecycle
+from prefill_worker.scheduler.liveness import ForwardClock, Progress
 from prefill_worker.scheduler.observer import (
     EngineObserver,
     LoadSnapshot,
@@ -46,9 +50,9 @@ _MAX_WAIT_S = 0.05  # a wait never exceeds this: the stop flag is checked at lea
 
 
 class Engine:
-    """The scheduler and its loop. All methods but ``load`` and ``last_turn_at`` belong to the
-    engine thread. Draining is not its policy: the ingress stops admitting (the daemon decides
-    when), and ``shutdown`` fails what is left when the drain ends."""
+    """The scheduler and its loop. All methods but ``load``, ``last_turn_at`` and ``progress``
+    belong to the engine thread. Draining is not its policy: the ingress stops admitting (the
+    daemon decides when), and ``shutdown`` fails what is left when the drain ends."""
 
     def __init__(
         self,
@@ -66,6 +70,7 @@ class Engine:
         transfer_timeout_s: float,
         overlap: bool,
         observer: EngineObserver | None = None,
+        prefix_cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_budget: int = 32,
         max_messages_per_turn: int = 256,
@@ -73,7 +78,7 @@ class Engine:
         self._transfer, self._aux = transfer, aux
         self._observer: EngineObserver = observer or NullObserver()
         self._clock = clock
-        self._table = PageTable(pages, page_size)
+        self._table = PageTable(pages, page_size, prefix_cache)  # no cache: NoPrefixCache
         self._life = RequestLifecycle(
             transfer,
             self._table,
@@ -94,8 +99,10 @@ class Engine:
             chunk_size=chunk_size,
             max_batch_tokens=max_batch_tokens,
             max_running_requests=max_running_requests,
+            on_lookup=self._observer.on_prefix_lookup,
         )
-        self._forward = make_forward(runner, overlap)
+        self._forward_clock = ForwardClock(runner, clock)
+        self._forward = make_forward(self._forward_clock, overlap)
         self.page_size = page_size
         self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
         self._max_messages = max_messages_per_turn
@@ -110,6 +117,10 @@ class Engine:
     @property
     def load(self) -> LoadSnapshot:
         return self._load
+
+    def progress(self) -> Progress:
+        """The last turn and the forward in progress, for ``/livez`` (``scheduler.liveness``)."""
+        return self._forward_clock.progress(self.last_turn_at)
 
     @property
     def outcome_counts(self) -> Counter[FinishReason]:
@@ -146,6 +157,7 @@ class Engine:
         done = self._collect()
         if batch is not None:
             self._launch(batch)
+            self._life.send_prefix_hits(batch)
         if done is not None:
             self._life.consume(*done)
         self._publish()
@@ -170,6 +182,16 @@ class Engine:
             log.exception("forward failed during shutdown")
         self.fail_all(reason, f"the worker shut down ({reason.value})")
         self._forward.close()
+        try:
+            self.reset_prefix_cache()  # nothing is in use any more: every cached page goes
+        except Exception:  # after an engine error the cache may be what broke
+            log.exception("prefix cache reset failed during shutdown")
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached page no request uses; True when the cache is then empty."""
+        is_empty = self._table.cache.reset()
+        self._publish()
+        return is_empty
 
     def check_integrity(self) -> None:
         self._life.check_integrity()
@@ -223,8 +245,9 @@ class Engine:
             num_waiting=queues.num_waiting,
             num_prefilling=len(queues.prefilling),
             num_transferring=len(queues.inflight),
-            num_free_pages=self._table.pool.num_free,
+            num_free_pages=self._table.num_available_pages,
             num_total_pages=self._table.pool.num_pages,
+            num_cached_pages=self._table.cache.num_pages,
             num_free_aux_rows=self._aux.num_free,
             num_total_aux_rows=self._aux.num_rows,
         )

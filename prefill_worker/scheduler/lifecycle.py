@@ -6,8 +6,10 @@ requests that a running forward may still write. The engine's loop calls it each
     submit          a prefill (sender created, deadlines pushed) or an abort
     poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
     expire          deadlines that passed (bootstrap, transfer, per request)
-    consume         a collected forward: pages → sender.send_pages; last chunk → aux row
-                    → sender.send_aux, then TRANSFERRING
+    send_prefix_hits  a launched batch's newly admitted requests: their cached pages →
+                    sender.send_pages (they travel while the rest is computed)
+    consume         a collected forward: pages → prefix cache (complete now) and
+                    sender.send_pages; last chunk → aux row → sender.send_aux, then TRANSFERRING
 
 Every request ends through ``finish``: sender failed (if need be) and closed, then pages and
 aux row freed (pages still read by a running forward are freed by ``release_deferred`` when it
@@ -161,23 +163,38 @@ class RequestLifecycle:
                 error = f"request deadline of {req.deadline_s}s passed while {req.state.value}"
                 self.finish(req, FinishReason.DEADLINE_EXCEEDED, error)
 
+    def send_prefix_hits(self, batch: ScheduledBatch) -> None:
+        """Push the cached pages of requests whose first computed chunk was just launched."""
+        for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
+            if chunk.start == req.num_prefix_hit_tokens > 0 and not req.state.is_terminal:
+                self._guarded(req, self._send_hit, req)
+
+    def _send_hit(self, req: Request) -> None:
+        assert req.sender is not None
+        req.sender.send_pages(req.page_ids[: req.num_prefix_hit_tokens // self.page_size], 0)
+
     def consume(self, batch: ScheduledBatch, output: BatchOutput) -> None:
         sampled = {token.request_id: token for token in output.sampled}
         for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
             if req.state is not RequestState.PREFILLING:
                 continue  # ended while its chunk was computing
-            try:
-                self._consume_chunk(chunk, req, sampled.get(req.request_id))
-            except AssertionError:
-                raise  # a broken invariant is shared state: the engine stops
-            except Exception as exc:  # this request's own data: it fails, the engine goes on
-                log.exception("request %s failed in its chunk's post-processing", req.request_id)
-                if not req.state.is_terminal:
-                    self.finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
+            self._guarded(req, self._consume_chunk, chunk, req, sampled.get(req.request_id))
+
+    def _guarded(self, req: Request, action: Callable[..., None], *args: object) -> None:
+        """``action(*args)`` for one request: if it raises, that request fails, not the engine."""
+        try:
+            action(*args)
+        except AssertionError:
+            raise  # a broken invariant is shared state: the engine stops
+        except Exception as exc:  # this request's own data: it fails, the engine goes on
+            log.exception("request %s failed while its batch was handled", req.request_id)
+            if not req.state.is_terminal:
+                self.finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
 
     def _consume_chunk(self, chunk: ChunkPlan, req: Request, token: SampledToken | None) -> None:
         assert req.sender is not None
         req.num_computed_tokens = chunk.end
+        self._table.commit(req.request_id, chunk.end)  # its full pages are complete: shareable
         first, end = chunk.start // self.page_size, num_pages_for(chunk.end, self.page_size)
         req.sender.send_pages(req.page_ids[first:end], first)
         if chunk.sampling is None:
@@ -191,7 +208,14 @@ class RequestLifecycle:
     def _end_prefill(self, req: Request, token: SampledToken) -> None:
         assert req.sender is not None and req.aux_row is not None
         logprob = token.logprob if req.return_logprob else math.nan
-        row = AuxRow(token.token_id, logprob, req.num_prompt_tokens, req.num_cached_tokens)
+        num_computed = req.num_computed_tokens - req.num_prefix_hit_tokens
+        row = AuxRow(
+            token.token_id,
+            logprob,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            num_computed_tokens=num_computed,
+        )
         self._aux.write(req.aux_row, row)
         req.sender.send_aux(req.aux_row)
         req.first_token_id = token.token_id
@@ -203,7 +227,7 @@ class RequestLifecycle:
     def release_deferred(self) -> None:
         """Free the pages of requests that ended while a forward read them (it was collected)."""
         for page_ids in self._deferred:
-            self._table.pool.free(page_ids)
+            self._table.free_detached(page_ids)
         self._deferred.clear()
 
     def fail_all(self, reason: FinishReason, error: str) -> None:

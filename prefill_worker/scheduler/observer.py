@@ -26,10 +26,11 @@ class LoadSnapshot:
     num_waiting: int = 0
     num_prefilling: int = 0
     num_transferring: int = 0
-    num_free_pages: int = 0
+    num_free_pages: int = 0  # free, or held only by the prefix cache (evicted on demand)
     num_total_pages: int = 0
     num_free_aux_rows: int = 0
     num_total_aux_rows: int = 0
+    num_cached_pages: int = 0  # held by the prefix cache (in use by requests or idle)
 
     @property
     def num_running(self) -> int:
@@ -79,6 +80,11 @@ class EngineObserver(Protocol):
         Called once per move, so it must be cheap."""
         ...
 
+    def on_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Once per admitted request: its prompt was looked up in the prefix cache
+        (``num_query_tokens`` is 0 when the cache is off) and ``num_hit_tokens`` were found."""
+        ...
+
 
 class NullObserver:
     """Observes nothing."""
@@ -93,4 +99,7 @@ class NullObserver:
         return None
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
+        return None
+
+    def on_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         return None

@@ -1,9 +1,13 @@
-"""Command line: ``prefill-worker serve | check-config | print-config | config-docs | version``.
+"""Command line: ``prefill-worker serve | check-config | print-config | drain | config-docs |
+version``.
 (The reference decode peer, a test and demo tool, runs as
 ``python -m prefill_worker.testing.decode_peer``.)
 
 The CLI parses arguments, resolves the configuration and hands it to the daemon; it owns no
 state. A bad configuration prints one line per problem to stderr and exits 78 (EX_CONFIG).
+``check-config`` also reads the checkpoint's config.json when ``model.path`` is here
+(``service/checkmodel.py``); ``drain`` asks a running worker to drain (``POST /drain``), as a
+Kubernetes preStop hook does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         ("serve", "run the worker until SIGTERM"),
         ("check-config", "validate a configuration and exit (0 valid, 78 invalid)"),
         ("print-config", "print the resolved configuration as YAML"),
+        ("drain", "ask the worker this configuration describes to drain (POST /drain)"),
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("config_path", nargs="?", help="YAML configuration file")
@@ -38,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
         cmd.add_argument("--log-format", choices=["text", "json"])
         cmd.add_argument("--ready-file", metavar="PATH", help="set daemon.ready_file")
+        if name == "check-config":
+            cmd.add_argument(
+                "--require-model",
+                action="store_true",
+                help="fail when model.path is absent (by default only a note: configurations "
+                "are often checked where the checkpoint is not)",
+            )
     sub.add_parser("config-docs", help="print docs/config.md, generated from the models")
     sub.add_parser("version", help="print the version")
     return parser
@@ -74,15 +86,58 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"config error: {line}", file=sys.stderr)
         return EX_CONFIG
     if args.command == "check-config":
-        print("config ok")
-        return 0
+        return _check(config, args.require_model)
+    if args.command == "drain":
+        return _drain(config)
     if args.command == "print-config":
         sys.stdout.write(dump_yaml(config))
         return 0
     return _serve(config)
 
 
+def _check(config: Config, require_model: bool) -> int:
+    from prefill_worker.service.checkmodel import check_model
+
+    check = check_model(config, require_model)
+    for line in check.problems:
+        print(f"config error: {line}", file=sys.stderr)
+    if check.problems:
+        return EX_CONFIG
+    print("config ok")
+    for line in check.notes:
+        print(f"  {line}")
+    return 0
+
+
+def _drain(config: Config) -> int:
+    """POST /drain to the worker on ``metrics.bind`` with the admin token; 0 once it drains.
+    The worker exits by itself when idle or at ``daemon.drain_timeout_s``."""
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    host, _, port = config.metrics.bind.rpartition(":")
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    request = urllib.request.Request(f"http://{host}:{port}/drain", method="POST")
+    if config.metrics.admin_token_file:
+        token = Path(config.metrics.admin_token_file).read_text().strip()
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            print(response.read().decode().strip())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"drain refused: {exc.code} {exc.read().decode().strip()}", file=sys.stderr)
+    except OSError as exc:
+        print(f"drain failed: {host}:{port}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _serve(config: Config) -> int:
     from prefill_worker.service.daemon import run_daemon
 
     return run_daemon(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

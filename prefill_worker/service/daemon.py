@@ -30,8 +30,11 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.kv.cache_events import NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import HttpApi, is_front_id
 from prefill_worker.router.ingress import Ingress
 from prefill_worker.scheduler import Engine, Inbox
 from prefill_worker.service.config import Config
@@ -40,12 +43,15 @@ from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.service.startup import (
+    LoadReport,
     ModelBuilder,
     StartupError,
     load_model,
     make_engine,
     make_pools,
+    make_prefix_cache,
     start_http,
+    start_http_api,
     start_ingress,
     start_transfer,
     startup_step,
@@ -66,18 +72,24 @@ class Daemon:
         self._build_model = build_model
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
-        self.health = Health(config.metrics.livez_stale_s)
+        self.health = Health(
+            config.metrics.livez_stale_s,
+            forward_floor_s=config.metrics.livez_forward_floor_s,
+            forward_margin=config.metrics.livez_forward_margin,
+        )
         self.notifier = SdNotifier.from_environ(env)
         self.inbox = Inbox()
         self._wake = threading.Event()
         self._stop_engine = threading.Event()
         self._drain_asked = threading.Event()
         self._num_signals = 0
+        self._was_live = True
         self._engine_error: BaseException | None = None
         self._closers: list[tuple[str, Callable[[], None]]] = []
         self._engine: Engine | None = None
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
+        self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
         self.bootstrap_endpoint = ""
         self._kv_layout: dict[str, str | int] = {}
 
@@ -102,13 +114,19 @@ class Daemon:
         http = start_http(cfg, self.health, self.registry, self.request_drain)
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
-        runner, kv_cache, info = load_model(cfg, self._build_model)
+        runner, kv_cache, info = load_model(
+            cfg, self._build_model, LoadReport(self.notifier.status)
+        )
         pages, aux = make_pools(cfg, kv_cache)
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        engine = make_engine(cfg, runner, transfer, (pages, aux), self._reply, self.metrics)
+        # KV events: no publisher yet, so the cache reports to nobody.
+        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        engine = make_engine(
+            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+        )
         self._engine = engine
         limits = (
             info.vocab_size,
@@ -120,6 +138,14 @@ class Daemon:
         )
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
+        if cfg.http_api.enabled:
+            served = (info, Limits(*limits))
+            front = start_http_api(
+                cfg, self.inbox, engine, served, self.metrics, self.health.is_live
+            )
+            self._http_api = front
+            self._closers.append(("http api", front.stop))
+            log.info("http api on %s:%d", cfg.http_api.bind.rpartition(":")[0], front.port)
         self._start_engine_thread(engine)
         self.metrics.info.info(
             {
@@ -130,7 +156,7 @@ class Daemon:
             }
         )
         self.metrics.set_kv_pages(0, pages.num_pages)
-        self.health.watch(lambda: engine.last_turn_at)
+        self.health.watch(engine.progress)
         self._announce(http.port)
 
     def _announce(self, http_port: int) -> None:
@@ -143,6 +169,9 @@ class Daemon:
             "http": f"{http_host}:{http_port}",
             "pid": os.getpid(),
         }
+        if self._http_api is not None:
+            api_host = cfg.http_api.bind.rpartition(":")[0] or "127.0.0.1"
+            endpoints["http_api"] = f"{api_host}:{self._http_api.port}"
         published: dict[str, object] = {**endpoints, "kv_layout": self._kv_layout}
         self.health.endpoints = published
         if cfg.daemon.ready_file:
@@ -151,6 +180,8 @@ class Daemon:
                 write_ready_file(ready_file, published)
             self._closers.append(("ready file", lambda: ready_file.unlink(missing_ok=True)))
         self.health.is_ready = True
+        if self._http_api is not None:
+            self._http_api.set_ready(True)
         self.metrics.ready.set(1)
         where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
         self.notifier.ready(f"serving {cfg.model.path}: {where}")
@@ -209,12 +240,24 @@ class Daemon:
                 self._is_idle() or time.monotonic() >= drain_deadline
             ):
                 return self._stop(FinishReason.DRAINING, EX_OK)
-            if self.health.is_live():
-                self.notifier.watchdog()
+            self._watchdog()
+
+    def _watchdog(self) -> None:
+        """Ping systemd's watchdog while live (busy counts); log each change of verdict."""
+        verdict = self.health.liveness()
+        if verdict.is_live:
+            self.notifier.watchdog()
+        if verdict.is_live != self._was_live:
+            self._was_live = verdict.is_live
+            log.log(
+                logging.INFO if verdict.is_live else logging.ERROR, "liveness: %s", verdict.reason
+            )
 
     def _begin_drain(self) -> None:
         log.info("draining: new requests are rejected, in-flight ones may finish")
         self.ingress.set_draining(True)
+        if self._http_api is not None:
+            self._http_api.set_draining(True)
         self.health.is_draining = True
         self.metrics.draining.set(1)
         self.notifier.stopping("draining")
@@ -253,7 +296,11 @@ class Daemon:
         return EX_SOFTWARE
 
     def _reply(self, outcome: Outcome) -> None:
-        self.ingress.send_outcome(outcome)
+        """Each outcome to the ingress its request came through (ids tell them apart)."""
+        if self._http_api is not None and is_front_id(outcome.request_id):
+            self._http_api.send_outcome(outcome)
+        else:
+            self.ingress.send_outcome(outcome)
 
     def _close(self) -> None:
         self.health.is_ready = False

@@ -26,6 +26,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from prefill_worker.scheduler.liveness import LivenessRule, Progress, Verdict
+
 log = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 2.0  # requests still in flight at stop get this long, then are cut
@@ -34,24 +36,36 @@ _STOP_TIMEOUT_S = 2.0  # requests still in flight at stop get this long, then ar
 class Health:
     """Liveness and readiness: set by the daemon, read by the HTTP thread.
 
-    Live while starting up; once ``watch`` names the engine's last-turn clock, live only while
-    the engine loop turned within ``livez_stale_s``."""
+    Live while starting up; once ``watch`` names the engine's progress, live by
+    ``scheduler.liveness.LivenessRule``: the loop turned within ``livez_stale_s``, or a forward
+    is running within its bound (``forward_margin`` × its tokens × the measured seconds per
+    token, at least ``forward_floor_s``). A forward past its bound is stuck."""
 
-    def __init__(self, livez_stale_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._stale_s = livez_stale_s
+    def __init__(
+        self,
+        livez_stale_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        forward_floor_s: float = 60.0,
+        forward_margin: float = 4.0,
+    ) -> None:
+        self._rule = LivenessRule(livez_stale_s, forward_floor_s, forward_margin)
         self._clock = clock
-        self._last_turn_at: Callable[[], float] | None = None
+        self._progress: Callable[[], Progress] | None = None
         self.is_ready = False
         self.is_draining = False
         self.endpoints: dict[str, object] = {}  # what the worker bound: `/readyz` shows it
 
-    def watch(self, last_turn_at: Callable[[], float]) -> None:
-        self._last_turn_at = last_turn_at
+    def watch(self, progress: Callable[[], Progress]) -> None:
+        self._progress = progress
+
+    def liveness(self) -> Verdict:
+        if self._progress is None:
+            return Verdict(True, "starting")
+        return self._rule.judge(self._progress(), self._clock())
 
     def is_live(self) -> bool:
-        if self._last_turn_at is None:
-            return True
-        return self._clock() - self._last_turn_at() <= self._stale_s
+        return self.liveness().is_live
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +171,9 @@ class HttpServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _livez(self, request: web.Request) -> web.Response:
-        if self._health.is_live():
-            return web.Response(text="live\n")
-        return web.Response(status=503, text="engine loop stalled\n")
+        """200 when live (busy counts), 503 when stuck; the body says which and why."""
+        verdict = self._health.liveness()
+        return web.Response(status=200 if verdict.is_live else 503, text=verdict.reason + "\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
         """``{"status": "ready" | "starting" | "draining", <the bound endpoints>}``."""

@@ -51,6 +51,7 @@ def log_outcome(logger: logging.Logger, outcome: Outcome) -> None:
         "reason": outcome.reason.value,
         "prompt_tokens": outcome.num_prompt_tokens,
         "cached_tokens": outcome.num_cached_tokens,
+        "prefix_hit_tokens": outcome.num_prefix_hit_tokens,
         "first_token_id": outcome.first_token_id,
         "queue_s": round(t.queue_s, 6),
         "bootstrap_s": round(t.bootstrap_s, 6),

@@ -13,8 +13,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from prefill_worker.request import Outcome, OutcomeStatus
 
-_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_STEP_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# Request latencies (TTFT, queue, bootstrap, prefill): vLLM's `time_to_first_token_seconds`
+# buckets, 1 ms to 43 min. Dense from 10 ms to 1 s (a GPU prefill), still resolving a minute
+# (a long CPU prefill or a queue under overload); and the same `le` values as vLLM's, so the
+# recording rules' `vllm:time_to_first_token_seconds` aggregates with vLLM's own series.
+LATENCY_BUCKETS_S = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+# KV push after the last chunk: sub-millisecond on RDMA for short prompts, seconds over TCP.
+# Holds every bucket of vLLM's `nixl_xfer_time_seconds`.
+TRANSFER_BUCKETS_S = (
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3),
+    *(0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+# One forward batch: ~1 ms (a few tokens on a GPU) to a minute (8k tokens of 8B on a CPU).
+STEP_BUCKETS_S = (
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
 _TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -64,6 +81,21 @@ class WorkerMetrics:
             "Prompt tokens the decode peer already held (not sent)",
             registry=registry,
         )
+        self.prefix_cache_queries = Counter(
+            "prefill_worker_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (once per admitted request)",
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "prefill_worker_prefix_cache_hits_total",
+            "Prompt tokens the prefix cache held (not computed)",
+            registry=registry,
+        )
+        self.prefix_cache_pages = Gauge(
+            "prefill_worker_prefix_cache_pages",
+            "KV pages held by the prefix cache (in use by requests or idle)",
+            registry=registry,
+        )
         self.prompt_length = Histogram(
             "prefill_worker_prompt_length_tokens",
             "Prompt length of ended requests",
@@ -73,14 +105,14 @@ class WorkerMetrics:
         self.ttft = Histogram(
             "prefill_worker_time_to_first_token_seconds",
             "Arrival to result of successful requests: first token and KV at the decode peer",
-            buckets=_SECONDS,
+            buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
         self.phase = {
             phase: Histogram(
                 f"prefill_worker_{phase}_seconds",
                 f"Time requests spent in the {phase} phase",
-                buckets=_SECONDS,
+                buckets=TRANSFER_BUCKETS_S if phase == "transfer" else LATENCY_BUCKETS_S,
                 registry=registry,
             )
             for phase in ("queue", "bootstrap", "prefill", "transfer")
@@ -117,7 +149,7 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "prefill_worker_step_duration_seconds",
             "Wall time of one forward batch",
-            buckets=_STEP_SECONDS,
+            buckets=STEP_BUCKETS_S,
             registry=registry,
         )
         self.batch_tokens = Histogram(
@@ -148,6 +180,10 @@ class WorkerMetrics:
         elif outcome.reason.value.startswith(("transfer", "peer")):
             self.transfer_failures.labels(outcome.reason.value).inc()
 
+    def observe_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries.inc(num_query_tokens)
+        self.prefix_cache_hits.inc(num_hit_tokens)
+
     def observe_step(self, duration_s: float, batch_tokens: int) -> None:
         self.step_seconds.observe(duration_s)
         self.batch_tokens.observe(batch_tokens)
@@ -156,9 +192,10 @@ class WorkerMetrics:
         for state, count in sizes.items():
             self.queue.labels(state).set(count)
 
-    def set_kv_pages(self, used: int, total: int) -> None:
+    def set_kv_pages(self, used: int, total: int, cached: int = 0) -> None:
         self.kv_pages_used.set(used)
         self.kv_pages_total.set(total)
+        self.prefix_cache_pages.set(cached)
 
     def set_aux_rows(self, used: int, total: int) -> None:
         self.aux_rows_used.set(used)

@@ -59,6 +59,17 @@ class CacheConfig(_Section):
             "per run of pages). Decode pools must use the same."
         ),
     )
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV pages after their request and share them with later prompts "
+        "that start with the same tokens (docs/prefix-cache.md).",
+    )
+    prefix_cache_max_pages: int | None = Field(
+        None,
+        ge=0,
+        description="Most KV pages the prefix cache holds; unset: as many as the pool has (idle "
+        "cached pages are evicted, least recently used first, when requests need them).",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:
@@ -166,7 +177,22 @@ class MetricsConfig(_Section):
 
     bind: str = Field("127.0.0.1:9400", description="host:port of /metrics /livez /readyz /drain.")
     livez_stale_s: float = Field(
-        5.0, gt=0, description="/livez fails when the engine loop has not turned for this long."
+        5.0,
+        gt=0,
+        description="/livez fails when the engine loop has not turned for this long and no "
+        "forward is running.",
+    )
+    livez_forward_floor_s: float = Field(
+        60.0,
+        gt=0,
+        description="A running forward counts as busy, not stuck, for at least this long (the "
+        "whole bound before the first forward has been timed).",
+    )
+    livez_forward_margin: float = Field(
+        4.0,
+        ge=1.0,
+        description="A running forward is stuck once it has run this many times its expected "
+        "time (its tokens × the measured seconds per token of recent forwards).",
     )
     admin_token_file: str | None = Field(
         None,
@@ -177,6 +203,27 @@ class MetricsConfig(_Section):
         False,
         description="Let anyone who reaches metrics.bind POST /drain without a token "
         "(local demos only).",
+    )
+
+
+class HttpApiConfig(_Section):
+    """The HTTP API front: what SGLang's PD routers (smg) send a prefill server (docs/sglang.md).
+    It runs beside the ZMQ ingress and feeds the same engine."""
+
+    enabled: bool = Field(False, description="Serve the HTTP API (the ZMQ ingress stays on too).")
+    bind: str = Field(
+        "127.0.0.1:30000", description="host:port of /generate, /v1/completions and the probes."
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="The model id announced on /v1/models and /server_info; the router pairs "
+        "prefill and decode servers by it. Unset: model.path.",
+    )
+    max_inflight_requests: int = Field(
+        4096, ge=1, description="Prompts in flight through this front before it answers 429."
+    )
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413."
     )
 
 
@@ -206,6 +253,7 @@ class Config(_Section):
     ingress: IngressConfig = IngressConfig()
     transfer: TransferConfig = TransferConfig()
     metrics: MetricsConfig = MetricsConfig()
+    http_api: HttpApiConfig = HttpApiConfig()
     daemon: DaemonConfig = DaemonConfig()
 
 

@@ -16,13 +16,19 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from prefill_worker import __version__
 from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.model import CheckpointError, KVCache, ModelInfo, Runner
+from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -69,12 +75,43 @@ def start_http(
     return http
 
 
-def load_model(config: Config, build_model: ModelBuilder) -> tuple[Runner, KVCache, ModelInfo]:
+class LoadReport:
+    """Model-load progress as an operator sees it: a log line at every ``step_percent`` of the
+    bytes and the same words as systemd's STATUS (``systemctl status`` shows it)."""
+
+    def __init__(
+        self,
+        status: Callable[[str], None],
+        step_percent: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._status, self._step, self._clock = status, step_percent, clock
+        self._started = clock()
+        self._next_percent = 0
+
+    def __call__(self, num_read: int, total: int) -> None:
+        percent = 100 * num_read // total if total else 100
+        if percent < self._next_percent:
+            return
+        self._next_percent = (percent // self._step + 1) * self._step
+        elapsed_s = max(self._clock() - self._started, 1e-9)
+        text = (
+            f"loading model: {num_read / 2**30:.2f} of {total / 2**30:.2f} GiB ({percent}%, "
+            f"{num_read / 2**20 / elapsed_s:.0f} MiB/s)"
+        )
+        log.info("%s", text)
+        self._status(text)
+
+
+def load_model(
+    config: Config, build_model: ModelBuilder, on_progress: LoadProgress | None = None
+) -> tuple[Runner, KVCache, ModelInfo]:
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
         runner, kv_cache, info = build_model(
             cfg.model.path,
+            on_progress=on_progress,
             dtype=cfg.model.dtype,
             device=cfg.model.device,
             attention_backend=cfg.model.attention_backend,
@@ -99,6 +136,15 @@ def load_model(config: Config, build_model: ModelBuilder) -> tuple[Runner, KVCac
 def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
     with startup_step("kv pools"):
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
+
+
+def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:
+    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``."""
+    cfg = config.cache
+    with startup_step("prefix cache"):
+        if not cfg.prefix_caching:
+            return NoPrefixCache(pages)
+        return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
 
 
 def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -> ServingBackend:
@@ -131,6 +177,7 @@ def make_engine(
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],
     metrics: WorkerMetrics,
+    prefix_cache: PrefixCache,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -149,6 +196,7 @@ def make_engine(
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
             overlap=cfg.scheduler.overlap,
             observer=EngineEvents(metrics, log),
+            prefix_cache=prefix_cache,
         )
 
 
@@ -187,6 +235,50 @@ def start_ingress(
         )
         ingress.start()
     return ingress
+
+
+def start_http_api(
+    config: Config,
+    inbox: Inbox,
+    engine: Engine,
+    served: tuple[ModelInfo, Limits],
+    metrics: WorkerMetrics,
+    is_live: Callable[[], bool],
+) -> HttpApi:
+    """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
+    the daemon calls ``set_ready``."""
+    cfg, (info, limits) = config.http_api, served
+    with startup_step("http api", (ValueError, OSError)):
+        codec = load_text_codec(config.model.path)
+        bootstrap_port = config.transfer.bootstrap_bind.rpartition(":")[2]
+        model = ServedModel(
+            served_model_name=cfg.served_model_name or config.model.path,
+            model_path=config.model.path,
+            architectures=(info.architecture,),
+            model_type=info.architecture.removesuffix("ForCausalLM").lower(),
+            context_length=limits.max_prompt_tokens,
+            page_size=config.cache.page_size,
+            max_total_tokens=limits.max_pool_tokens,
+            max_running_requests=config.scheduler.max_running_requests,
+            version=__version__,
+            bootstrap_port=int(bootstrap_port) if bootstrap_port.isdigit() else None,
+            has_tokenizer=codec is not None,
+        )
+        front = HttpApi(
+            cfg.bind,
+            inbox,
+            lambda: engine.load,
+            limits,
+            model,
+            codec,
+            max_inflight=cfg.max_inflight_requests,
+            max_body_bytes=cfg.max_body_bytes,
+            is_live=is_live,
+            metrics_text=lambda: generate_latest(metrics.registry),
+            on_reject=metrics.on_reject,
+        )
+        front.start()
+    return front
 
 
 def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:

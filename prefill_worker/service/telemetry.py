@@ -30,11 +30,14 @@ class EngineEvents:
 
     def on_load(self, load: LoadSnapshot) -> None:
         self._metrics.set_queue_sizes(load.queue_sizes())
-        self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages)
+        self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages, load.num_cached_pages)
         self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         return None  # per-state metrics come from ``on_load``; the outcome carries the timings
+
+    def on_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self._metrics.observe_prefix_lookup(num_query_tokens, num_hit_tokens)
 
 
 class IngressEvents:

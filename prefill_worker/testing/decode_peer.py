@@ -66,6 +66,7 @@ class _Sequence:
     room: int
     prompt_len: int
     max_new_tokens: int
+    receiver: KVReceiver
     page_ids: list[int] = field(default_factory=list)
     aux_slot: int = -1
     tokens: list[int] = field(default_factory=list)  # generated so far
@@ -80,7 +81,7 @@ class DecodePeer:
         self,
         runner: ModelRunner,
         kv_cache: KVPool,
-        bootstrap_addr: str,
+        bootstrap_addr: str | Sequence[str],
         *,
         num_aux_rows: int = 64,
         max_batch_size: int = 16,
@@ -96,8 +97,14 @@ class DecodePeer:
         self.pages = PagePool(kv_cache.layout.num_pages)
         self.aux = AuxPool(num_aux_rows)
         regions = kv_cache.regions(self.aux.base_addr, self.aux.num_rows)
-        self.receiver = KVReceiver(regions, bootstrap_addr, peer_timeout_s=peer_timeout_s)
-        self.receiver.wait_registered(registration_timeout_s)
+        addrs = [bootstrap_addr] if isinstance(bootstrap_addr, str) else list(bootstrap_addr)
+        # One receiver per worker, over the one pool: a router may pick any of them per request.
+        self.receivers = {
+            addr: KVReceiver(regions, addr, peer_timeout_s=peer_timeout_s) for addr in addrs
+        }
+        for receiver in self.receivers.values():
+            receiver.wait_registered(registration_timeout_s)
+        self.receiver = self.receivers[addrs[0]]
         self._queued: collections.deque[_Sequence] = collections.deque()  # waiting for space
         self._landing: dict[int, _Sequence] = {}  # room -> wanted, KV not landed yet
         self._decoding: dict[int, _Sequence] = {}  # room -> generating
@@ -107,7 +114,7 @@ class DecodePeer:
     def load(
         cls,
         model_path: str,
-        bootstrap_addr: str,
+        bootstrap_addr: str | Sequence[str],
         *,
         dtype: str = "auto",
         device: str = "cpu",
@@ -148,16 +155,23 @@ class DecodePeer:
     def is_idle(self) -> bool:
         return not (self._queued or self._landing or self._decoding)
 
-    def expect(self, room: int, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-        """Take a request: it is wanted from the worker as soon as pages and a row are free."""
+    def expect(
+        self, room: int, prompt_ids: Sequence[int], max_new_tokens: int, source: str | None = None
+    ) -> None:
+        """Take a request: it is wanted from the worker as soon as pages and a row are free.
+        ``source`` is that worker's bootstrap address (None: the first one given)."""
         assert max_new_tokens >= 1
-        seq = _Sequence(room, len(prompt_ids), max_new_tokens, expected_at=time.monotonic())
+        receiver = self.receiver if source is None else self.receivers[source]
+        seq = _Sequence(
+            room, len(prompt_ids), max_new_tokens, receiver, expected_at=time.monotonic()
+        )
         self._queued.append(seq)
         self._admit()
 
     def step(self) -> list[Generation]:
-        """Drive the receiver, start what landed, run one decode batch; what finished."""
-        self.receiver.progress()
+        """Drive the receivers, start what landed, run one decode batch; what finished."""
+        for receiver in self.receivers.values():
+            receiver.progress()
         finished = self._collect_landed()
         batch = list(self._decoding.values())[: self.max_batch_size]
         if batch:
@@ -189,7 +203,8 @@ class DecodePeer:
         """Say goodbye to the worker and release the receiver; idempotent."""
         if not self._is_closed:
             self._is_closed = True
-            self.receiver.close()
+            for receiver in self.receivers.values():
+                receiver.close()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -207,13 +222,13 @@ class DecodePeer:
             self._queued.popleft()
             seq.page_ids, seq.aux_slot = page_ids, slot
             num_prompt_pages = -(-seq.prompt_len // self.page_size)
-            self.receiver.want(seq.room, page_ids[:num_prompt_pages], slot, 0)
+            seq.receiver.want(seq.room, page_ids[:num_prompt_pages], slot, 0)
             self._landing[seq.room] = seq
 
     def _collect_landed(self) -> list[Generation]:
         finished = []
         for room, seq in list(self._landing.items()):
-            status = self.receiver.poll(room)
+            status = seq.receiver.poll(room)
             if status.state is RoomState.PENDING:
                 continue
             del self._landing[room]
@@ -221,7 +236,7 @@ class DecodePeer:
             if status.state is not RoomState.DONE:
                 finished.append(self._finish(seq, f"{status.state.value}: {status.reason}"))
                 continue
-            seq.tokens.append(self.receiver.read_aux(seq.aux_slot).first_token_id)
+            seq.tokens.append(seq.receiver.read_aux(seq.aux_slot).first_token_id)
             if self._is_complete(seq):
                 finished.append(self._finish(seq))
             else:
@@ -239,7 +254,7 @@ class DecodePeer:
         return len(seq.tokens) >= seq.max_new_tokens or seq.tokens[-1] in self.stop_token_ids
 
     def _finish(self, seq: _Sequence, error: str | None = None) -> Generation:
-        self.receiver.forget(seq.room)
+        seq.receiver.forget(seq.room)
         self.pages.free(seq.page_ids)
         self.aux.free(seq.aux_slot)
         now = time.monotonic()

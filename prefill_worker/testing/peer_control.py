@@ -142,8 +142,20 @@ class DecodePeerClient:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decode-peer", description=_DESCRIPTION)
     parser.add_argument("--model", required=True, help="checkpoint directory (as the worker's)")
-    parser.add_argument("--bootstrap", required=True, help="the worker's bootstrap address")
-    parser.add_argument("--bind", required=True, help="control socket, e.g. tcp://127.0.0.1:5600")
+    parser.add_argument(
+        "--bootstrap",
+        required=True,
+        action="append",
+        help="a worker's bootstrap address (repeat it for several workers)",
+    )
+    serving = parser.add_mutually_exclusive_group(required=True)
+    serving.add_argument("--bind", help="control socket, e.g. tcp://127.0.0.1:5600")
+    serving.add_argument(
+        "--http", help="serve SGLang's decode HTTP API here instead (host:port), for a PD router"
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model id the HTTP API announces (default: --model)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention-backend", default="auto")
@@ -155,6 +167,43 @@ def _parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="always decode max_new_tokens (tests)"
     )
     return parser
+
+
+def _serve_http(peer: DecodePeer, args: argparse.Namespace, stop: threading.Event) -> None:
+    """SGLang's decode HTTP API (``peer_http.py``) until ``stop``; READY=1 once it listens."""
+    from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.router.admission import Limits
+    from prefill_worker.router.http_api import ServedModel, load_text_codec
+    from prefill_worker.service.sdnotify import SdNotifier
+    from prefill_worker.testing.peer_http import PeerHttp, serve_http
+
+    spec, codec = read_spec(args.model), load_text_codec(args.model)
+    model = ServedModel(
+        served_model_name=args.served_model_name or args.model,
+        model_path=args.model,
+        architectures=(spec.architecture,),
+        model_type=spec.architecture.removesuffix("ForCausalLM").lower(),
+        context_length=spec.max_position,
+        page_size=args.page_size,
+        max_total_tokens=args.num_pages * args.page_size,
+        max_running_requests=args.max_batch_size,
+        version="decode-peer",
+        bootstrap_port=None,
+        has_tokenizer=codec is not None,
+        disaggregation_mode="decode",
+    )
+    by_port = {addr.rpartition(":")[2]: addr for addr in peer.receivers}
+    limits = Limits(spec.vocab_size, spec.max_position, args.num_pages * args.page_size)
+    stop_ids = tuple(peer.stop_token_ids)
+    front = PeerHttp(
+        args.http, model, codec, limits, stop_ids, lambda host, port: by_port.get(str(port))
+    )
+    port = front.start()
+    SdNotifier.from_environ(os.environ).ready(f"decode peer on http port {port}")
+    try:
+        serve_http(peer, front, stop)
+    finally:
+        front.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,10 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         **extra,
     )
-    log.info("registered with %s; serving on %s", args.bootstrap, args.bind)
-    SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")
+    where = args.bind or f"http://{args.http}"
+    log.info("registered with %s; serving on %s", ", ".join(args.bootstrap), where)
     try:
-        serve(peer, args.bind, stop)
+        if args.http:
+            _serve_http(peer, args, stop)
+        else:
+            SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")
+            serve(peer, args.bind, stop)
     finally:
         peer.close()
     log.info("stopped")

@@ -212,15 +212,19 @@ def test_a_second_request_on_a_room_in_use_fails_and_the_first_is_served(rig: Ri
     assert replies[second].status is OutcomeStatus.FAILED
     assert "bootstrap_room is already in use" in (replies[second].error or "")
     assert rig.decode.wait([room])[room].state is RoomState.DONE
-    for fresh, seed in ((fresh_a, 11), (fresh_b, 12)):  # each prompt alone, for reference
+    # Each prompt alone, for reference. The first one's repeat takes its full pages from the
+    # prefix cache and computes the last one on its own: equal within fp32 rounding, not bits.
+    for fresh, seed in ((fresh_a, 11), (fresh_b, 12)):
         rig.decode.want(fresh, 9)
         rid = prefill(rig, fresh, 9, seed=seed)
         assert rig.router.wait([rid])[rid].status is OutcomeStatus.OK
         assert rig.decode.wait([fresh])[fresh].state is RoomState.DONE
     for layer in range(NUM_LAYERS):
         got, a, b = (rig.decode.kv(r, 9, layer) for r in (room, fresh_a, fresh_b))
-        assert all((g == x).all() for g, x in zip(got, a, strict=True)), "not the first's KV"
-        assert not all((g == x).all() for g, x in zip(got, b, strict=True))
+        assert all(torch.allclose(g, x, atol=1e-5) for g, x in zip(got, a, strict=True)), (
+            "not the first's KV"
+        )
+        assert not all(torch.allclose(g, x, atol=1e-2) for g, x in zip(got, b, strict=True))
     for r in (room, fresh_a, fresh_b):
         rig.decode.release(r)
     check_healthy(rig)

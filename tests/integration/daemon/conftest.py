@@ -157,13 +157,14 @@ class Decode:
         self._next_slot = 0
         self.rooms: dict[int, tuple[list[int], int]] = {}
 
-    def want(self, room: int, num_tokens: int) -> None:
-        count = -(-num_tokens // PAGE_SIZE)
+    def want(self, room: int, num_tokens: int, num_cached_tokens: int = 0) -> None:
+        """Pages for prompt positions from ``num_cached_tokens`` on (a prefix held here)."""
+        count = -(-num_tokens // PAGE_SIZE) - num_cached_tokens // PAGE_SIZE
         pages = [self._next_page - 2 * i for i in range(count)]  # scattered
         self._next_page -= 2 * count
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         self.rooms[room] = (pages, slot)
-        self.receiver.want(room, pages, slot, 0)
+        self.receiver.want(room, pages, slot, num_cached_tokens)
 
     def wait(self, rooms: Sequence[int], timeout_s: float = 60.0) -> dict[int, RoomStatus]:
         def settled() -> bool:
@@ -174,7 +175,8 @@ class Decode:
         return {room: self.receiver.poll(room) for room in rooms}
 
     def kv(self, room: int, num_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the room's prompt as landed here: ``[num_tokens, KV, D]`` each."""
+        """K and V of the room's prompt as landed here: ``[num_tokens, KV, D]`` each (from
+        the first position the room wanted, when the decode held a prefix)."""
         pages, _ = self.rooms[room]
         k = torch.cat([self.k[layer][p] for p in pages])[:num_tokens]
         v = torch.cat([self.v[layer][p] for p in pages])[:num_tokens]

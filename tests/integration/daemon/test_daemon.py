@@ -106,7 +106,9 @@ def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
     assert worker.wait_exit(30) == 0
     notes = list(worker.notifications)
     kinds = [n.split("\n")[0] for n in notes]
-    assert kinds[0] == "READY=1"
+    loading = kinds[: kinds.index("READY=1")]  # model-load progress, with bytes and percent
+    assert loading and all(k.startswith("STATUS=loading model: ") for k in loading), loading
+    assert "GiB (100%" in loading[-1]
     assert "STOPPING=1" in kinds
     assert "WATCHDOG=1" in kinds[: kinds.index("STOPPING=1")], kinds
     assert kinds.index("READY=1") < kinds.index("STOPPING=1")

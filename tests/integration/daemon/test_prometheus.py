@@ -1,5 +1,7 @@
-"""A real scrape: `promtool check metrics` is clean on the live endpoint, and a real Prometheus
-server scraping the worker on 127.0.0.1 reports the number of requests sent."""
+"""A real scrape: `promtool check metrics` is clean on the live endpoint; the bytes counted are
+the bytes each request's pages and aux row hold; a real Prometheus server scraping the worker on
+127.0.0.1, with deploy/monitoring's recording rules, reports the number of requests sent and
+the same counts under vLLM's and SGLang's names."""
 
 from __future__ import annotations
 
@@ -15,12 +17,26 @@ from pathlib import Path
 
 import pytest
 
+from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.request import OutcomeStatus
+from prefill_worker.service.metrics import LATENCY_BUCKETS_S
 from tests.checkpoints import prompt
-from tests.integration.daemon.conftest import Decode, free_port, wait_until
+from tests.integration.daemon.conftest import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    PAGE_SIZE,
+    ROOT,
+    Decode,
+    free_port,
+    wait_until,
+)
 
 NUM_REQUESTS = 3
 REQUESTS_TOTAL = "prefill_worker_requests_total{"
+RECORDING_RULES = ROOT / "deploy" / "monitoring" / "recording-rules.yaml"
+# K and V of every layer, fp32 (configs/tiny-test.yaml), per page
+PAGE_BYTES = 2 * NUM_LAYERS * PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
 
 
 def need(tool: str) -> str:
@@ -49,12 +65,22 @@ def num_requests_total(metrics_text: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith(REQUESTS_TOTAL))
 
 
-def test_real_prometheus_scrapes_the_worker(shared_worker, router_factory, tmp_path: Path) -> None:
+def transfer_bytes(metrics_text: str) -> float:
+    name = "prefill_worker_transfer_bytes_total "
+    return next(
+        float(line.split()[-1]) for line in metrics_text.splitlines() if line.startswith(name)
+    )
+
+
+def test_real_prometheus_scrapes_the_worker(
+    shared_worker, router_factory, tmp_path: Path, checkpoint: Path
+) -> None:
     promtool, prometheus = need("promtool"), need("prometheus")
     worker = shared_worker
     decode = Decode(worker.bootstrap)
     router = router_factory(worker.ingress)
     prompts = {room: prompt(6 + room, seed=room) for room in range(1, NUM_REQUESTS + 1)}
+    bytes_before = transfer_bytes(worker.http("/metrics")[1])
     for room, ids in prompts.items():
         decode.want(room, len(ids))
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
@@ -66,6 +92,11 @@ def test_real_prometheus_scrapes_the_worker(shared_worker, router_factory, tmp_p
     assert status == 200
     num_requests = num_requests_total(text)  # the shared worker served other tests' too
     assert num_requests >= NUM_REQUESTS
+    # What landed: each prompt's pages (K and V of each layer) and its aux row.
+    expected = sum(
+        -(-len(ids) // PAGE_SIZE) * PAGE_BYTES + AUX_ROW_BYTES for ids in prompts.values()
+    )
+    assert transfer_bytes(text) - bytes_before == expected
     check = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True
     )
@@ -74,7 +105,8 @@ def test_real_prometheus_scrapes_the_worker(shared_worker, router_factory, tmp_p
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{RECORDING_RULES}']\n"
         "scrape_configs:\n"
         "  - job_name: prefill-worker\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{worker.http_port}']}}]\n"
@@ -93,6 +125,20 @@ def test_real_prometheus_scrapes_the_worker(shared_worker, router_factory, tmp_p
         expr = "sum(prefill_worker_requests_total)"
         wait_until(lambda: query(port, expr) == num_requests, 60, "prometheus to scrape")
         assert query(port, 'up{job="prefill-worker"}') == 1
+        ttft = "sum(prefill_worker_time_to_first_token_seconds_count)"
+        wait_until(
+            lambda: (
+                query(port, "sum(vllm:time_to_first_token_seconds_count)") == query(port, ttft)
+                and query(port, "sum(sglang:time_to_first_token_seconds_count)")
+                == query(port, ttft)
+            ),
+            60,
+            "the recording rules to see the scrape",
+        )
+        model = f'model_name="{checkpoint}"'
+        buckets = f"count(vllm:time_to_first_token_seconds_bucket{{{model}}})"
+        assert query(port, buckets) == len(LATENCY_BUCKETS_S) + 1  # and +Inf
+        assert query(port, "sum(sglang:token_usage >= 0)") is not None
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)

@@ -6,6 +6,7 @@ runners that fail or never return."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from prefill_worker.model import build
@@ -176,3 +177,80 @@ def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) 
         release.set()
         daemon.request_drain()
         thread.join(timeout=30)
+
+
+def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_factory) -> None:
+    """A forward held on an event: /livez is 200 ("busy") once the loop has been silent past
+    livez_stale_s, 503 ("stuck") once the forward passes its bound (here the floor, as no
+    forward was timed before), and 200 again when it ends; the request then succeeds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefill_worker.request import OutcomeStatus
+    from tests.checkpoints import prompt
+    from tests.integration.daemon.conftest import Decode
+
+    release, entered = threading.Event(), threading.Event()
+
+    class HeldRunner:
+        def __init__(self, runner) -> None:  # type: ignore[no-untyped-def]
+            self._runner = runner
+
+        def run(self, plan):  # type: ignore[no-untyped-def]
+            entered.set()
+            release.wait(120)
+            return self._runner.run(plan)
+
+    def held_build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        runner, kv_cache, info = build(*args, **kwargs)
+        return HeldRunner(runner), kv_cache, info
+
+    http_port, ingress_port, bootstrap_port = free_port(), free_port(), free_port()
+    daemon = tiny_daemon(
+        checkpoint,
+        http_port,
+        ingress_port,
+        bootstrap_port,
+        "metrics.livez_stale_s=0.3",
+        "metrics.livez_forward_floor_s=6",
+        # Peers' heartbeats are read between forwards: a held one must not outlast them.
+        "transfer.peer_timeout_s=60",
+        build_model=held_build,
+    )
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    try:
+        wait_until(lambda: daemon.health.is_ready, 60, "ready")
+        decode = Decode(f"tcp://127.0.0.1:{bootstrap_port}", peer_timeout_s=60)
+        decode.want(5, 12)
+        router = router_factory(f"tcp://127.0.0.1:{ingress_port}")
+        with ThreadPoolExecutor(1) as pool:
+            result = pool.submit(router.prefill, prompt(12, seed=5), 5, timeout_s=60.0)
+            assert entered.wait(30), "the forward never started"
+            held_at = time.monotonic()
+            wait_until(lambda: time.monotonic() - held_at > 1.0, 5, "the loop to go silent")
+            status, body = _livez(http_port)
+            assert (status, body[:5]) == (200, "busy:"), body
+            wait_until(lambda: _livez(http_port)[0] == 503, 30, "the forward to pass its bound")
+            assert "stuck: a forward of 12 tokens" in _livez(http_port)[1]
+            release.set()
+            decode.wait([5])
+            assert result.result(timeout=60).status is OutcomeStatus.OK
+        assert _livez(http_port) == (200, "live\n")
+        decode.close()
+    finally:
+        release.set()
+        daemon.request_drain()
+        thread.join(timeout=30)
+    assert codes == [0]
+
+
+def _livez(port: int) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()

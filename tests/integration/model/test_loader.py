@@ -110,3 +110,19 @@ def test_pool_sized_from_a_byte_budget(checkpoints):
 def test_flashinfer_is_refused_on_cpu(checkpoints):
     with pytest.raises(ValueError, match="flashinfer' needs a CUDA device"):
         build(checkpoints["llama"], "float32", attention_backend="flashinfer", num_pages=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # one file; sharded
+def test_load_progress_counts_every_stored_byte_once(checkpoints, family: str) -> None:
+    calls: list[tuple[int, int]] = []
+    build(checkpoints[family], "float32", num_pages=4, on_progress=lambda *c: calls.append(c))
+    path = checkpoints[family]
+    stored = sum(
+        t.numel() * t.element_size()
+        for f in sorted(path.glob("*.safetensors"))
+        for t in load_file(f).values()
+    )
+    totals = {total for _, total in calls}
+    assert totals == {stored}  # every tensor in the files is one the model reads
+    done = [num_read for num_read, _ in calls]
+    assert done == sorted(done) and done[-1] == stored and len(calls) > 10

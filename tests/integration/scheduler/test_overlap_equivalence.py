@@ -6,60 +6,22 @@ the next forward may already be running. Serial is also checked against Hugging 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefill_worker.batch import BatchOutput, BatchPlan, ModelRunner
+from prefill_worker.batch import BatchPlan
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.model import KVCache, build
+from prefill_worker.model import build
 from prefill_worker.request import FinishReason, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
 from tests.checkpoints import hf_model, make_checkpoint, prompt
-from tests.unit.scheduler.fakes import FakeBackend, FakeSender
+from tests.integration.scheduler.capture import CapturingBackend, RecordingRunner
 
 PAGE_SIZE = 4
 LENGTHS = (5, 13, 30, 9, 21, 17)  # several chunks each at chunk_size 8; mixed batches
-
-
-class CapturingSender(FakeSender):
-    """Copies K and V ``[layers, page_size, KV, D]`` of each page as it is handed over."""
-
-    kv_cache: KVCache
-    captured: dict[int, tuple[torch.Tensor, torch.Tensor]]
-
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        super().send_pages(page_ids, first_page)
-        for i, page_id in enumerate(page_ids):
-            k = torch.stack([layer[page_id] for layer in self.kv_cache.k]).clone()
-            v = torch.stack([layer[page_id] for layer in self.kv_cache.v]).clone()
-            self.captured[first_page + i] = (k, v)
-
-
-class RecordingRunner:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.plans: list[BatchPlan] = []
-
-    def run(self, plan: BatchPlan) -> BatchOutput:
-        self.plans.append(plan)
-        return self.runner.run(plan)
-
-
-class CapturingBackend(FakeBackend):
-    kv_cache: KVCache
-
-    def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
-    ) -> FakeSender:
-        sender = CapturingSender(self, room, request_id, num_prompt_tokens)
-        sender.kv_cache, sender.captured = self.kv_cache, {}
-        self.senders[request_id] = sender
-        self.all_senders.append(sender)
-        return sender
 
 
 @pytest.fixture(scope="module")

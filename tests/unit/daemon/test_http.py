@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
+from prefill_worker.scheduler.liveness import ForwardInProgress, Progress
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from tests.polling import wait_until
@@ -74,14 +75,30 @@ def test_readyz_follows_health(served) -> None:
 def test_livez_goes_stale(served) -> None:
     server, health, clock, _ = served
     clock.now += 60.0
-    assert get(server.port, "/livez")[0] == 200  # starting up: live before the engine runs
+    assert get(server.port, "/livez") == (200, "starting\n")  # live before the engine runs
     last_turn = [clock.now]
-    health.watch(lambda: last_turn[0])
-    assert get(server.port, "/livez")[0] == 200
+    health.watch(lambda: Progress(last_turn[0]))
+    assert get(server.port, "/livez") == (200, "live\n")
     clock.now += 6.0
-    assert get(server.port, "/livez") == (503, "engine loop stalled\n")
+    assert get(server.port, "/livez") == (
+        503,
+        "stuck: the engine loop has not turned for 6.0 s\n",
+    )
     last_turn[0] = clock.now
     assert get(server.port, "/livez")[0] == 200
+
+
+def test_livez_counts_a_forward_within_its_bound_as_busy(served) -> None:
+    server, health, clock, _ = served
+    started = clock.now
+    # 1000 tokens at 0.02 s each, 4× margin: an 80 s bound (the floor is 60 s).
+    health.watch(lambda: Progress(started, ForwardInProgress(started, 1000), 0.02))
+    clock.now += 30.0
+    status, body = get(server.port, "/livez")
+    assert status == 200 and body.startswith("busy: a forward of 1000 tokens has run 30.0 s")
+    clock.now += 51.0
+    status, body = get(server.port, "/livez")
+    assert status == 503 and "past its bound of 80.0 s" in body
 
 
 def test_drain_needs_post_and_the_token(served) -> None:

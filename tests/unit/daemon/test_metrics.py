@@ -32,7 +32,8 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
     metrics.observe_outcome(failed)
     metrics.observe_step(0.02, 128)
     metrics.set_queue_sizes({"waiting": 3, "prefilling": 1})
-    metrics.set_kv_pages(10, 100)
+    metrics.set_kv_pages(10, 100, 6)
+    metrics.observe_prefix_lookup(100, 64)
     metrics.on_reject("empty_prompt")
     return registry, metrics
 
@@ -54,6 +55,9 @@ def test_values() -> None:
     assert value(registry, "prefill_worker_time_to_first_token_seconds_sum") == pytest.approx(0.37)
     assert value(registry, "prefill_worker_queue_requests", state="waiting") == 3
     assert value(registry, "prefill_worker_kv_pages_capacity") == 100
+    assert value(registry, "prefill_worker_prefix_cache_pages") == 6
+    assert value(registry, "prefill_worker_prefix_cache_queries_total") == 100
+    assert value(registry, "prefill_worker_prefix_cache_hits_total") == 64
     assert value(registry, "prefill_worker_rejects_total", code="empty_prompt") == 1
 
 

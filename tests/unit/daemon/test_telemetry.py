@@ -32,8 +32,11 @@ def test_events_reach_metrics(caplog) -> None:
             num_total_pages=10,
             num_free_aux_rows=5,
             num_total_aux_rows=8,
+            num_cached_pages=4,
         )
     )
+    events.on_prefix_lookup(40, 24)
+    events.on_prefix_lookup(9, 0)
     IngressEvents(metrics).on_malformed()
     IngressEvents(metrics).on_unroutable()
     sample = registry.get_sample_value
@@ -41,6 +44,9 @@ def test_events_reach_metrics(caplog) -> None:
     assert sample("prefill_worker_batch_tokens_count") == 1
     assert sample("prefill_worker_queue_requests", {"state": "waiting"}) == 2
     assert sample("prefill_worker_kv_pages_used") == 3
+    assert sample("prefill_worker_prefix_cache_pages") == 4
+    assert sample("prefill_worker_prefix_cache_queries_total") == 49
+    assert sample("prefill_worker_prefix_cache_hits_total") == 24
     assert sample("prefill_worker_aux_rows_used") == 3
     assert sample("prefill_worker_aux_rows_capacity") == 8
     assert sample("prefill_worker_malformed_messages_total") == 1

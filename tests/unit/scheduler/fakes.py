@@ -1,9 +1,13 @@
 """Test seams for the scheduler: a clock, a KV-writing runner, and a scripted sender/backend.
 
 ``FakeRunner`` keeps a token per page slot, so a chunk that lands in the wrong pages (or pages
-reused too early) changes the first token: it is the sum of the prompt as read back from the
-request's pages, modulo ``TOKEN_MOD``. ``FakeSender`` records what the engine sent and checks
-the sender contract (nothing after close, pages still allocated when close runs).
+reused too early, or a prefix-cache hit on the wrong pages) changes the first token: it is the
+sum of the prompt as read back from the request's pages, modulo ``TOKEN_MOD``. Writing a page
+that is free or shared (refcount other than 1: cached, or another request's) is an error, and
+so is a chunk whose earlier positions do not read back as its prompt when it runs (a prefix
+hit on pages that were not complete yet).
+``FakeSender`` records what the engine sent and checks the sender contract (nothing after
+close, pages still allocated when close runs).
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import select
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
 from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.cache_events import CacheEventSink
+from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
@@ -54,8 +60,12 @@ class FakeRunner:
         self.started = threading.Event()
         self.fail_with: Exception | None = None
         self.sample_errors: dict[str, str] = {}  # request_id -> its row's sampling error
+        self.prompts: dict[str, Sequence[int]] = {}  # request_id -> prompt, when known
+        self.on_run: Callable[[BatchPlan], None] | None = None  # a test's hook (e.g. a clock)
 
     def run(self, plan: BatchPlan) -> BatchOutput:
+        if self.on_run is not None:
+            self.on_run(plan)
         self.started.set()
         if self.gate is not None:
             self.gate.wait(timeout=10)
@@ -64,6 +74,7 @@ class FakeRunner:
         self.plans.append(plan)
         sampled = []
         for chunk in plan.chunks:
+            self._check_prefix(chunk.request_id, chunk.page_ids, chunk.start)
             for offset, token in enumerate(chunk.token_ids):
                 self._slot_write(chunk.page_ids, chunk.start + offset, token)
             if chunk.sampling is not None:
@@ -73,10 +84,18 @@ class FakeRunner:
                 sampled.append(SampledToken(chunk.request_id, token_id, -0.5, error))
         return BatchOutput(plan.batch_id, tuple(sampled))
 
+    def _check_prefix(self, request_id: str, page_ids: Sequence[int], start: int) -> None:
+        prompt = self.prompts.get(request_id)
+        if prompt is None:
+            return
+        got = [self._slot_read(page_ids, pos) for pos in range(start)]
+        if got != list(prompt[:start]):
+            self.errors.append(f"{request_id}: positions [0, {start}) do not hold its prompt")
+
     def _slot_write(self, page_ids: Sequence[int], pos: int, token: int) -> None:
         page_id = page_ids[pos // self.page_size]
-        if self.pool.refcount(page_id) == 0:
-            self.errors.append(f"wrote free page {page_id}")
+        if self.pool.refcount(page_id) != 1:
+            self.errors.append(f"wrote page {page_id} with {self.pool.refcount(page_id)} owners")
         self.kv[page_id][pos % self.page_size] = token
 
     def _slot_read(self, page_ids: Sequence[int], pos: int) -> int | None:
@@ -233,6 +252,7 @@ class Rig:
         fields.update(kw)
         msg = PrefillRequest(**fields)
         self.messages[request_id] = msg
+        self.runner.prompts[request_id] = msg.token_ids
         self.engine.submit(msg)
         return msg
 
@@ -259,8 +279,11 @@ class Rig:
         return found[0]
 
     def check_whole(self) -> None:
-        """Nothing live: every page and aux row is back, no contract was broken."""
+        """Nothing live: every page and aux row is back, no contract was broken. Every page
+        the prefix cache still holds is idle: resetting it empties it (and the pool)."""
         self.engine.check_integrity()
+        assert self.engine.load.num_free_pages == self.pool.num_pages
+        assert self.engine.reset_prefix_cache()
         assert self.pool.num_free == self.pool.num_pages
         assert self.aux.num_free == self.aux.num_rows
         assert not self.runner.errors
@@ -283,9 +306,15 @@ def make_rig(
     auto_want: bool = True,
     polls_to_success: int | None = 0,
     observer: EngineObserver | None = None,
+    prefix_cache: bool = False,
+    prefix_cache_max_pages: int | None = None,
+    cache_events: CacheEventSink | None = None,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
+    cache = None
+    if prefix_cache:
+        cache = PagePrefixCache(pool, page_size, prefix_cache_max_pages, cache_events)
     backend = FakeBackend(pool, aux, auto_want=auto_want, polls_to_success=polls_to_success)
     runner = FakeRunner(pool, page_size)
     outcomes: list = []
@@ -304,9 +333,43 @@ def make_rig(
         overlap=overlap,
         clock=clock,
         observer=observer,
+        prefix_cache=cache,
     )
     return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
 
 
 def is_nan(value: float) -> bool:
     return math.isnan(value)
+
+
+class RecordingEvents:
+    """A ``CacheEventSink`` that keeps every event, and the set of blocks a consumer that
+    applied them would believe cached (``live``)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.live: dict[int, int | None] = {}  # block hash -> parent hash
+
+    def blocks_stored(
+        self,
+        block_hashes: Sequence[int],
+        parent_block_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        assert len(token_ids) == len(block_hashes) * block_size
+        assert parent_block_hash is None or parent_block_hash in self.live, "unknown parent"
+        self.events.append(("stored", tuple(block_hashes), parent_block_hash, tuple(token_ids)))
+        for block in block_hashes:
+            assert block not in self.live, f"block {block} stored twice"
+            self.live[block] = parent_block_hash
+            parent_block_hash = block
+
+    def blocks_removed(self, block_hashes: Sequence[int]) -> None:
+        self.events.append(("removed", tuple(block_hashes)))
+        for block in block_hashes:
+            del self.live[block]
+
+    def all_cleared(self) -> None:
+        self.events.append(("cleared",))
+        self.live.clear()

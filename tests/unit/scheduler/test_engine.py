@@ -79,6 +79,7 @@ class Recorder:
         self.steps: list[tuple[float, int]] = []
         self.loads: list[LoadSnapshot] = []
         self.moves: list[tuple[str, str]] = []
+        self.lookups: list[tuple[int, int]] = []
 
     def on_outcome(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -91,6 +92,9 @@ class Recorder:
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         self.moves.append((src.value, dst.value))
+
+    def on_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.lookups.append((num_query_tokens, num_hit_tokens))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -114,12 +118,15 @@ def test_happy_path_walks_every_forward_edge(overlap: bool) -> None:
     assert out.first_token_id == expected_token(rig.messages["a"].token_ids)
     assert out.first_token_logprob == -0.5 and out.num_cached_tokens == 8
     assert out.num_prompt_tokens == 40
+    assert out.num_computed_tokens == 40 and out.num_prefix_hit_tokens == 0
+    assert recorder.lookups == [(0, 0)]  # admitted once; the cache is off: nothing looked up
     t = out.timings
     assert t.bootstrap_s >= 1 and t.queue_s >= 0 and t.prefill_s >= 1 and t.transfer_s >= 1
     sender = rig.sender("a")
     assert sender.prompt_pages_sent() == list(range(10))
     assert sender.aux[0].first_token_id == out.first_token_id
     assert sender.aux[0].num_cached_tokens == 8 and sender.aux[0].num_prompt_tokens == 40
+    assert sender.aux[0].num_computed_tokens == 40
     assert sender.worker_failure is None
     rig.check_whole()
     assert rig.engine.outcome_counts[FinishReason.OK] == 1

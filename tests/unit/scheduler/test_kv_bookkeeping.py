@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool, AuxRow
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.tables import PageTable, num_pages_for
 
@@ -93,9 +93,9 @@ def test_table_reserves_whole_prompts_and_releases_them() -> None:
     pool = PagePool(8)
     table = PageTable(pool, page_size=4)
     assert num_pages_for(9, 4) == 3 and table.can_ever_fit(32) and not table.can_ever_fit(33)
-    assert table.try_reserve("a", 9) == (0, 1, 2)
-    assert table.try_reserve("b", 24) is None  # 6 pages, 5 free: wait
-    assert table.try_reserve("b", 20) == (3, 4, 5, 6, 7)
+    assert table.try_reserve("a", range(9)) == (0, 1, 2)
+    assert table.try_reserve("b", range(24)) is None  # 6 pages, 5 free: wait
+    assert table.try_reserve("b", range(20)) == (3, 4, 5, 6, 7)
     table.check_integrity()
     table.release("a")
     assert "a" not in table and len(table) == 1 and pool.num_free == 3
@@ -103,7 +103,7 @@ def test_table_reserves_whole_prompts_and_releases_them() -> None:
     table.check_integrity([detached])
     with pytest.raises(AssertionError, match="leaked"):
         table.check_integrity()
-    pool.free(detached)
+    table.free_detached(detached)
     table.check_integrity()
 
 
@@ -114,3 +114,14 @@ def test_aux_pool_rows_return() -> None:
     aux.free(rows[0])  # type: ignore[arg-type]
     aux.check_integrity()
     assert aux.num_free == 1
+
+
+def test_aux_rows_carry_the_computed_count_and_read_old_rows() -> None:
+    row = AuxRow(17, -0.5, 40, 8, num_computed_tokens=16)
+    packed = row.pack()
+    assert len(packed) == AUX_ROW_BYTES and AuxRow.unpack(packed) == row
+    assert row.num_prefix_hit_tokens == 24
+    assert packed[24:28] == (16).to_bytes(4, "little") and packed[28:] == bytes(4)
+    old = packed[:24] + bytes(8)  # a worker before the prefix cache left offset 24 zero
+    assert AuxRow.unpack(old).num_computed_tokens == 0
+    assert AuxRow.unpack(old).num_prefix_hit_tokens is None

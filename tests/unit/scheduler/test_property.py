@@ -1,8 +1,10 @@
-"""Random arrivals, prompt lengths, chunking, aborts, handshakes and transfer failures.
+"""Random arrivals, prompt lengths, chunking, aborts, handshakes and transfer failures, with
+the prefix cache on or off and prompts that often start like an earlier one.
 
 After every turn the engine's bookkeeping must be consistent; after every run: pools whole,
 exactly one outcome per request, non-final chunks page-aligned, and the pages sent for each
-successful prompt cover it exactly once, with the right first token.
+successful prompt cover it exactly once, with the right first token (read back from pages a
+hit may have shared), and computed plus cache-hit tokens make the prompt.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import event as note_event
 from hypothesis import strategies as st
 
 from prefill_worker.kv.tables import num_pages_for
@@ -22,15 +25,18 @@ ARRIVE = st.tuples(
     st.integers(1, 48),  # prompt tokens (some exceed small pools)
     st.sampled_from([True, True, True, False]),  # the decode side's `want` comes at once
     st.sampled_from([None, None, None, 2.0, 6.0]),  # deadline_s
+    st.one_of(st.none(), st.integers(0, 50), st.integers(0, 50)),  # starts like this earlier one
 )
+REPEAT = st.tuples(st.just("repeat"), st.integers(0, 50), st.integers(0, 9))  # + extra tokens
 EVENTS = st.one_of(
     ARRIVE,
     ARRIVE,
     ARRIVE,
+    REPEAT,
     st.tuples(st.just("want"), st.integers(0, 50), st.integers(0, 3)),  # cached pages
     st.tuples(st.sampled_from(["abort", "decode_abort", "break", "stall"]), st.integers(0, 50)),
     st.tuples(st.just("tick"), st.floats(0.0, 3.0)),
-    st.tuples(st.just("steps"), st.integers(1, 4)),
+    st.tuples(st.just("steps"), st.integers(1, 12)),
 )
 
 
@@ -46,6 +52,7 @@ def configs(draw: st.DrawFn) -> dict:
         num_aux_rows=draw(st.integers(1, 6)),
         max_running_requests=draw(st.integers(1, 4)),
         overlap=draw(st.booleans()),
+        prefix_cache=draw(st.sampled_from([True, True, False])),
         bootstrap_timeout_s=5.0,
         transfer_timeout_s=4.0,
         auto_want=False,
@@ -57,10 +64,22 @@ def apply(rig: Rig, event: tuple, ids: list[str]) -> None:
     kind = event[0]
     if kind == "arrive":
         request_id = f"r{len(ids)}"
+        fresh = [(7919 * len(ids) + 13 * i) % 50000 for i in range(event[1])]
+        if event[4] is not None and ids:
+            earlier = rig.messages[ids[event[4] % len(ids)]].token_ids
+            fresh[: len(earlier)] = earlier[: len(fresh)]
         ids.append(request_id)
-        rig.prefill(request_id, event[1], deadline_s=event[3])
+        rig.prefill(request_id, 0, token_ids=fresh, deadline_s=event[3])
         if event[2]:
             rig.sender(request_id).want()
+        return
+    if kind == "repeat" and ids:  # an earlier prompt again, maybe longer: a multi-turn chat
+        earlier = rig.messages[ids[event[1] % len(ids)]].token_ids
+        request_id = f"r{len(ids)}"
+        ids.append(request_id)
+        extra = [(104729 * len(ids) + i) % 50000 for i in range(event[2])]
+        rig.prefill(request_id, 0, token_ids=[*earlier, *extra])
+        rig.sender(request_id).want()
         return
     if kind == "tick":
         rig.clock.advance(event[1])
@@ -93,7 +112,8 @@ def check_plans(rig: Rig, config: dict) -> None:
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
         for chunk in plan.chunks:
             assert 0 < chunk.num_tokens <= config["chunk_size"]
-            assert chunk.start == progress.get(chunk.request_id, 0)
+            hit = rig.outcome(chunk.request_id).num_prefix_hit_tokens  # the first chunk's start
+            assert chunk.start == progress.get(chunk.request_id, hit)
             progress[chunk.request_id] = chunk.end
             is_final = chunk.end == len(rig.messages[chunk.request_id].token_ids)
             assert (chunk.sampling is not None) == is_final
@@ -118,6 +138,10 @@ def check_outcomes(rig: Rig, ids: list[str], config: dict) -> None:
         assert out.first_token_id == expected_token(msg.token_ids)
         assert [row.first_token_id for row in sender.aux] == [out.first_token_id]
         assert out.num_cached_tokens == sender.cached
+        assert out.num_computed_tokens + out.num_prefix_hit_tokens == len(msg.token_ids)
+        assert out.num_computed_tokens >= 1 and out.num_prefix_hit_tokens % rig.page_size == 0
+        if not config["prefix_cache"]:
+            assert out.num_prefix_hit_tokens == 0
 
 
 @settings(
@@ -132,7 +156,9 @@ def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> 
     try:
         for event in events:
             apply(rig, event, ids)
-        for _ in range(400):
+        # Enough turns for the work: with one token per step every prompt token is a turn.
+        num_turns = 400 + sum(len(m.token_ids) for m in rig.messages.values())
+        for _ in range(num_turns):
             rig.clock.advance(0.5)
             busy = rig.engine.step()
             rig.engine.check_integrity()
@@ -141,6 +167,7 @@ def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> 
         assert rig.engine.load.num_live == 0
     finally:
         rig.engine.shutdown()
+    note_event(f"prefix hits: {sum(o.num_prefix_hit_tokens > 0 for o in rig.outcomes) > 0}")
     rig.check_whole()
     check_plans(rig, config)
     check_outcomes(rig, ids, config)

@@ -1,0 +1,62 @@
+"""From the HTTP front's ``Prompt`` to the engine's ``PrefillRequest``, or a ``BadRequest``.
+
+Text is tokenized here; the prompt then goes through the same checks as a ZMQ ``prefill``
+frame (``router.admission.check_token_ids``: length, vocabulary, pool size), so both ingresses
+share one owner of what a valid prompt is. Ids are the front's own (``http:<n>``): a ZMQ
+ingress id is ``<hex>/<id>``, so the two never meet and the daemon routes each outcome back
+by prefix (``is_front_id``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from prefill_worker.request import PrefillRequest
+from prefill_worker.router.admission import Limits, PromptRefused, check_token_ids
+from prefill_worker.router.http_api.bodies import BadRequest, Prompt
+from prefill_worker.router.http_api.text import TextCodec
+
+ID_PREFIX = "http:"
+_MAX_ROOM = 2**63
+
+
+def is_front_id(request_id: str) -> bool:
+    """Whether an engine request id belongs to the HTTP front (else to the ZMQ ingress)."""
+    return request_id.startswith(ID_PREFIX)
+
+
+class Admitter:
+    """Numbers, tokenizes and checks prompts; used on the front's event loop only."""
+
+    def __init__(self, limits: Limits, codec: TextCodec | None) -> None:
+        self._limits = limits
+        self._codec = codec
+        self._serial = itertools.count()
+
+    def admit(self, prompts: list[Prompt], arrival_time: float) -> list[PrefillRequest]:
+        """Every prompt as a request, or ``BadRequest`` for the first that is not valid."""
+        return [self._one(i, prompt, arrival_time) for i, prompt in enumerate(prompts)]
+
+    def _one(self, index: int, prompt: Prompt, arrival_time: float) -> PrefillRequest:
+        where = f"prompt {index}: " if index else ""
+        if not 0 <= prompt.bootstrap_room < _MAX_ROOM:
+            raise BadRequest(f"{where}bootstrap_room must be in [0, 2**63)")
+        try:
+            tokens = check_token_ids(self._token_ids(prompt), self._limits)
+        except PromptRefused as exc:
+            raise BadRequest(f"{where}{exc}", exc.code.value) from None
+        return PrefillRequest(
+            f"{ID_PREFIX}{next(self._serial)}",
+            tokens,
+            prompt.sampling,
+            prompt.return_logprob,
+            prompt.bootstrap_room,
+            arrival_time,
+        )
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        if self._codec is None:
+            raise BadRequest("this worker's model has no tokenizer: send input_ids", "bad_field")
+        return self._codec.encode(prompt.text or "")

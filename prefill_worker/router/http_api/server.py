@@ -1,0 +1,285 @@
+"""The HTTP API front: SGLang's HTTP surface on aiohttp (uvloop underneath), beside the ZMQ
+ingress, entering the same engine inbox.
+
+A PD router (smg, sglang-router) POSTs each request here and to a decode server at once, with
+the bootstrap room the decode will name. A request becomes one ``PrefillRequest`` per prompt
+(``admit.py``), is put in the engine's inbox like a ZMQ ``prefill``, and is answered when its
+outcome comes back: on success the KV and first token have already landed in the decode's
+pages. The engine guarantees one outcome per request (bootstrap and transfer deadlines), so no
+answer waits forever; a client that goes away aborts its requests. Threads::
+
+    http-api thread (its own event loop)       engine thread
+      POST /generate ─ admit ─▶ inbox.put ──────▶ ... one Outcome per request
+                  await future ◀── call_soon_threadsafe ◀── send_outcome(outcome)
+
+Status codes and bodies are ``answers.py``'s, probe bodies ``probes.py``'s. Readiness and
+draining are set by the daemon (``set_ready``, ``set_draining``): until ready, while draining,
+or while the engine loop is stalled, ``/health`` and new requests answer 503. A request
+refused with 429 or 503 has its rooms withdrawn at once (``_release``), so the decode the
+router also sent it to fails them now rather than at its timeout, and the router's retry (a
+new room, maybe another prefill) is not held up behind that decode's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from prefill_worker.request import AbortRequest, Outcome, PrefillRequest
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import answers, probes
+from prefill_worker.router.http_api.admit import Admitter
+from prefill_worker.router.http_api.bodies import BadRequest, Prompt, read_completion, read_generate
+from prefill_worker.router.http_api.text import TextCodec
+from prefill_worker.scheduler.inbox import EngineMessage
+from prefill_worker.scheduler.observer import LoadSnapshot
+
+log = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 2.0
+_Reader = Callable[[bytes], tuple[list[Prompt], bool]]
+
+
+class HttpApi:
+    """Serves SGLang's API on ``host:port`` (port 0 picks one: ``port`` after ``start``)."""
+
+    def __init__(
+        self,
+        bind: str,
+        inbox: queue.Queue[EngineMessage],
+        load: Callable[[], LoadSnapshot],
+        limits: Limits,
+        model: probes.ServedModel,
+        codec: TextCodec | None,
+        *,
+        max_inflight: int,
+        max_body_bytes: int,
+        is_live: Callable[[], bool] = lambda: True,
+        metrics_text: Callable[[], bytes] | None = None,
+        on_reject: Callable[[str], None] = lambda code: None,
+    ) -> None:
+        host, _, port = bind.rpartition(":")
+        self._host, self._port = host or "127.0.0.1", int(port)
+        self._inbox, self._load, self._model, self._codec = inbox, load, model, codec
+        self._admitter = Admitter(limits, codec)
+        self._max_inflight, self._max_body_bytes = max_inflight, max_body_bytes
+        self._is_live, self._metrics_text, self._on_reject = is_live, metrics_text, on_reject
+        self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
+        self._released: set[str] = set()  # refused requests whose rooms were withdrawn
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self.is_ready = False
+        self.is_draining = False
+        self.port = 0
+
+    # ── life cycle (caller's thread) ────────────────────────────────────────────────────────
+
+    def start(self) -> int:
+        """Bind and serve on a daemon thread; returns the port (OSError if the bind fails)."""
+        loop = self._loop = _new_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="http-api", daemon=True)
+        self._thread.start()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
+        except BaseException:
+            self.stop()
+            raise
+        return self.port
+
+    def stop(self) -> None:
+        """Close the listener; requests in flight get a moment to be answered."""
+        loop, thread, self._loop = self._loop, self._thread, None
+        if loop is None or thread is None:
+            return
+        try:
+            if self._runner is not None:
+                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
+                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            if not thread.is_alive():
+                loop.close()
+
+    def set_ready(self, is_ready: bool) -> None:
+        self.is_ready = is_ready
+
+    def set_draining(self, is_draining: bool) -> None:
+        """While draining, /health and new requests answer 503: the router sends elsewhere."""
+        self.is_draining = is_draining
+
+    # ── engine side (any thread) ────────────────────────────────────────────────────────────
+
+    def send_outcome(self, outcome: Outcome) -> None:
+        """Hand one request's outcome to the request waiting for it. Never blocks."""
+        loop = self._loop
+        try:
+            if loop is None:
+                raise RuntimeError("stopped")
+            loop.call_soon_threadsafe(self._resolve, outcome)
+        except RuntimeError:
+            log.warning("HTTP API stopped; outcome for %r not sent", outcome.request_id)
+
+    # ── event-loop thread ───────────────────────────────────────────────────────────────────
+
+    async def _serve(self) -> int:
+        app = web.Application(client_max_size=self._max_body_bytes)
+        for path, handler in self._get_routes().items():
+            app.router.add_get(path, handler)
+        for path in ("/generate", "/v1/completions"):
+            app.router.add_route("POST", path, self._post_handler(path))
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=_STOP_TIMEOUT_S
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self._host, self._port).start()
+        return int(self._runner.addresses[0][1])
+
+    def _get_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
+        model = self._model
+        infos: dict[str, Callable[[], Any]] = {
+            "/server_info": lambda: probes.server_info(model),
+            "/model_info": lambda: probes.model_info(model),
+            "/v1/models": lambda: probes.models(model),
+            "/loads": lambda: probes.loads(model, self._load()),
+        }
+        infos["/v1/loads"] = infos["/get_load"] = infos["/loads"]
+        infos["/get_server_info"] = infos["/server_info"]
+        infos["/get_model_info"] = infos["/model_info"]
+        routes = {path: _json_route(make) for path, make in infos.items()}
+        routes["/health"] = routes["/health_generate"] = self._health
+        if self._metrics_text is not None:
+            routes["/metrics"] = self._metrics
+        return routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        why = self._unavailable()
+        return web.Response(status=503 if why else 200, text=f"{why or 'ok'}\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        assert self._metrics_text is not None
+        body = self._metrics_text()
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    def _unavailable(self) -> str | None:
+        if not self.is_ready:
+            return "starting"
+        if self.is_draining:
+            return "draining"
+        return None if self._is_live() else "engine loop stalled"
+
+    def _post_handler(self, path: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        if path == "/generate":
+            return lambda request: self._handle(request, read_generate, self._generated)
+        return lambda request: self._handle(request, _read_completion, self._completed)
+
+    async def _handle(
+        self,
+        request: web.Request,
+        read: _Reader,
+        answer: Callable[[Sequence[Outcome], list[Prompt], bool], Any],
+    ) -> web.Response:
+        try:
+            prompts, is_batch = read(await request.read())
+            requests = self._admitter.admit(prompts, time.monotonic())
+        except BadRequest as exc:
+            return self._refuse(400, str(exc), exc.code)
+        why = self._unavailable()
+        if why is not None:
+            self._release(requests)
+            return self._refuse(503, f"the worker is {why}; send it elsewhere", "draining")
+        if len(self._pending) + len(requests) > self._max_inflight:
+            self._release(requests)
+            why = f"{len(self._pending)} requests in flight (most {self._max_inflight})"
+            return self._refuse(429, why, "overloaded")
+        outcomes = await self._submit(requests)
+        status = answers.status_of(outcomes)
+        if status != 200:
+            return _json(answers.failure_body(outcomes), status)
+        return _json(answer(outcomes, prompts, is_batch))
+
+    def _generated(self, outcomes: Sequence[Outcome], prompts: list[Prompt], batch: bool) -> Any:
+        asked = [answers.Asked(p.return_logprob, p.rid) for p in prompts]
+        return answers.generate_body(outcomes, asked, self._codec, batch)
+
+    def _completed(self, outcomes: Sequence[Outcome], prompts: list[Prompt], batch: bool) -> Any:
+        asked = [answers.Asked(p.return_logprob) for p in prompts]
+        name = self._model.served_model_name
+        return answers.completion_body(outcomes, asked, self._codec, name)
+
+    async def _submit(self, requests: list[PrefillRequest]) -> list[Outcome]:
+        """Into the engine; the outcomes, in order. A client gone aborts what is left."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for req in requests:
+            future: asyncio.Future[Outcome] = loop.create_future()
+            self._pending[req.request_id] = future
+            futures.append(future)
+            self._inbox.put_nowait(req)
+        try:
+            await asyncio.wait(futures)  # never cancels the futures themselves
+        except asyncio.CancelledError:
+            for req, future in zip(requests, futures, strict=True):
+                if not future.done():
+                    self._inbox.put_nowait(AbortRequest(req.request_id))
+            raise
+        return [future.result() for future in futures]
+
+    def _release(self, requests: list[PrefillRequest]) -> None:
+        """Refused here, so their decodes must not wait out a timeout for them: each room is
+        opened and withdrawn at once (the transfer side tells a decode that wants it, or that
+        wanted it already, that it failed), and the router's retry goes on without delay."""
+        for req in requests:
+            self._released.add(req.request_id)
+            self._inbox.put_nowait(req)
+            self._inbox.put_nowait(AbortRequest(req.request_id))
+
+    def _resolve(self, outcome: Outcome) -> None:
+        if outcome.request_id in self._released:
+            self._released.discard(outcome.request_id)
+            return
+        future = self._pending.pop(outcome.request_id, None)
+        if future is None:
+            log.warning("outcome for %r, which is not in flight here", outcome.request_id)
+        elif not future.done():
+            future.set_result(outcome)
+
+    def _refuse(self, status: int, message: str, code: str) -> web.Response:
+        self._on_reject(code)
+        return _json(answers.error_body(status, message, code), status)
+
+
+def _read_completion(body: bytes) -> tuple[list[Prompt], bool]:
+    return read_completion(body), False
+
+
+def _json_route(make: Callable[[], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def route(request: web.Request) -> web.Response:
+        return _json(make())
+
+    return route
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body), status=status, content_type="application/json"
+    )
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed; using the default asyncio loop")
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop

@@ -1,0 +1,285 @@
+"""The HTTP API front (issue 16) of a real worker process, over real HTTP on 127.0.0.1: the
+KV lands at a real decode peer (``KVReceiver`` over NIXL) before the answer comes, both
+ingresses feed one engine, and every refusal carries the status a PD router acts on.
+
+One worker serves the tests that leave it serving (``api_worker``); the draining, overload and
+disconnect tests start their own."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoints import prompt
+from tests.integration.daemon.conftest import Decode, Worker, free_port, wait_until
+from tests.integration.daemon.test_daemon import hf_reference
+
+MODEL_NAME = "tiny-llama"
+
+
+def api_settings(port: int, *extra: str) -> tuple[str, ...]:
+    return (
+        "http_api.enabled=true",
+        f"http_api.bind=127.0.0.1:{port}",
+        f"http_api.served_model_name={MODEL_NAME}",
+        *extra,
+    )
+
+
+class Api:
+    """A plain HTTP client of the worker's HTTP API."""
+
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return self._send(urllib.request.Request(self.base + path))
+
+    def post(self, path: str, body: object, timeout_s: float = 60.0) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.base + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        return self._send(request, timeout_s)
+
+    def _send(self, request: urllib.request.Request, timeout_s: float = 10.0) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:
+            return status, raw.decode()
+
+
+@pytest.fixture(scope="module")
+def api_worker(
+    tmp_path_factory: pytest.TempPathFactory, checkpoint
+) -> Iterator[tuple[Worker, Api]]:  # type: ignore[no-untyped-def]
+    from tests.integration.daemon.conftest import start_worker
+
+    port = free_port()
+    worker = start_worker(tmp_path_factory.mktemp("api-worker"), checkpoint, *api_settings(port))
+    try:
+        worker.child.wait_ready(120)
+        yield worker, Api(port)
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()
+
+
+@pytest.fixture
+def decode(api_worker) -> Iterator[Decode]:  # type: ignore[no-untyped-def]
+    peer = Decode(api_worker[0].bootstrap)
+    yield peer
+    peer.close()
+
+
+def generate(ids: list[int] | list[list[int]], room: int | list[int], **extra: Any) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 1,
+        "bootstrap_room": room,
+        "model": MODEL_NAME,
+        "log_metrics": True,
+        **extra,
+    }
+
+
+def test_generate_answers_once_kv_and_first_token_landed(api_worker, decode, checkpoint) -> None:
+    _, api = api_worker
+    ids, room = prompt(23, seed=5), 3001
+    decode.want(room, len(ids))
+    body = generate(ids, room, return_logprob=True, rid="r1")
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(api.post, "/generate", body)
+        wait_until(lambda: _progressed(decode) and answer.done(), 30, "the answer")
+        status, body = answer.result()
+    assert status == 200, body
+    assert decode.receiver.poll(room).state.value == "done"
+    first_token, hf_kv = hf_reference(checkpoint, ids)
+    assert body["output_ids"] == [first_token]
+    meta = body["meta_info"]
+    assert meta["id"] == "r1"
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), 1)
+    assert meta["input_token_logprobs"] == []  # SGLang's default logprob_start_len
+    [[logprob, token, _]] = meta["output_token_logprobs"]
+    assert token == first_token and logprob <= 0
+    assert decode.receiver.read_aux(decode.rooms[room][1]).first_token_id == first_token
+    for layer, (k_ref, v_ref) in enumerate(hf_kv):
+        k, v = decode.kv(room, len(ids), layer)
+        torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=0)
+
+
+def test_batch_and_completions_and_zmq_at_once(api_worker, decode, router_factory) -> None:
+    """A /generate batch (list bootstrap fields), /v1/completions and a ZMQ prefill, all in
+    flight together in one engine: each gets the same first token as the others would."""
+    worker, api = api_worker
+    ids = [prompt(9, seed=1), prompt(30, seed=2)]
+    rooms = {"batch": [4001, 4002], "completion": 4003, "zmq": 4004}
+    for room, n in ((4001, 9), (4002, 30), (4003, 30), (4004, 30)):
+        decode.want(room, n)
+    router = router_factory(worker.ingress)
+    with ThreadPoolExecutor(3) as pool:
+        batch = pool.submit(api.post, "/generate", generate(ids, rooms["batch"]))
+        completion_body = {
+            "model": MODEL_NAME,
+            "prompt": ids[1],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": 1,
+            "bootstrap_room": rooms["completion"],
+        }
+        completion = pool.submit(api.post, "/v1/completions", completion_body)
+        zmq = pool.submit(router.prefill, ids[1], rooms["zmq"], return_logprob=True)
+        states = decode.wait([4001, 4002, 4003, 4004])
+        (batch_status, batch_body), (c_status, c_body) = batch.result(60), completion.result(60)
+        result = zmq.result(60)
+    assert batch_status == 200 and isinstance(batch_body, list) and len(batch_body) == 2
+    assert c_status == 200, c_body
+    assert batch_body[1]["output_ids"] == [result.first_token_id]
+    assert c_body["object"] == "text_completion" and c_body["model"] == MODEL_NAME
+    assert c_body["choices"][0]["logprobs"]["token_logprobs"] == [
+        pytest.approx(result.first_token_logprob, abs=1e-5)
+    ]
+    assert c_body["usage"]["prompt_tokens"] == 30
+    assert all(s.state.value == "done" for s in states.values())
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "malformed"),
+        (generate([1, 2, 3], 7) | {"bootstrap_room": None}, "missing_field"),
+        (generate([1, 2, 320], 7), "token_out_of_range"),
+        (generate([], 7), "empty_prompt"),
+        (generate(list(range(300)) * 2, 7), "prompt_too_long"),
+        (generate([1, 2], [7, 8]), "bad_field"),  # one prompt, two rooms
+        (generate([1, True], 7), "bad_field"),
+        ({"text": "hello", "bootstrap_room": 7}, "bad_field"),  # no tokenizer in this model
+        (generate([1, 2], 7, sampling_params={"temperature": -1}), "bad_sampling"),
+        (generate([1, 2], 7, sampling_params={"regex": "a+"}), "bad_sampling"),
+        (generate([1, 2], 7, return_logprob=True, logprob_start_len=0), "bad_field"),
+    ],
+)
+def test_bad_requests_get_400_naming_why(api_worker, body: Any, code: str) -> None:
+    _, api = api_worker
+    status, answer = api.post("/generate", body)
+    assert status == 400, answer
+    assert answer["error"]["code"] == code and answer["error"]["message"]
+
+
+def test_probes_answer_what_smg_reads(api_worker) -> None:
+    _, api = api_worker
+    assert api.get("/health")[0] == 200
+    status, models = api.get("/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL_NAME]
+    for path in ("/server_info", "/get_server_info"):
+        status, info = api.get(path)
+        assert status == 200 and info["disaggregation_mode"] == "prefill"
+        assert (info["tp_size"], info["dp_size"], info["page_size"]) == (1, 1, 4)
+        assert info["served_model_name"] == MODEL_NAME
+    for path in ("/model_info", "/get_model_info"):
+        status, info = api.get(path)
+        assert status == 200 and info["is_generation"] is True
+        assert info["architectures"] == ["LlamaForCausalLM"]
+    for path in ("/loads?model=x", "/v1/loads?include=core,disagg,queues,memory"):
+        status, loads = api.get(path)
+        assert status == 200 and loads["loads"][0]["max_total_num_tokens"] == 256 * 4
+    assert models["data"][0]["owned_by"] == "sglang"  # smg: SGLang's PD wire
+    assert api.get("/version")[0] == 404  # smg takes a server with /version for vLLM
+    status, text = api.get("/metrics")
+    assert status == 200 and "prefill_worker_requests_total" in text
+
+
+def test_overloaded_is_429_and_nothing_hangs(worker_factory) -> None:
+    """One prompt held at bootstrap (no decode ever wants it) fills a front of one: the next
+    gets 429 at once; the held one ends by the bootstrap deadline with a 500 (retryable)."""
+    port = free_port()
+    worker = worker_factory(*api_settings(port, "http_api.max_inflight_requests=1"))
+    api, decode = Api(port), Decode(worker.bootstrap)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(api.post, "/generate", generate([1, 2, 3], 9001))
+            wait_until(lambda: _num_live(api) == 1, 10, "the held request")
+            decode.want(9002, 2)  # the router sent the refused request to a decode too
+            status, body = api.post("/generate", generate([4, 5], 9002))
+            assert status == 429 and body["error"]["code"] == "overloaded"
+            # Its room is withdrawn: the decode learns it now, not at its own timeout.
+            assert decode.wait([9002], timeout_s=3)[9002].state.value == "failed"
+            status, body = held.result(timeout=30)  # tiny-test: bootstrap_timeout_s 5
+        assert status == 500 and body["error"]["code"] == "bootstrap_timeout"
+    finally:
+        decode.close()
+
+
+def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
+    port = free_port()
+    worker = worker_factory(
+        *api_settings(port, "metrics.allow_unauthenticated_admin=true", "daemon.drain_timeout_s=30")
+    )
+    api = Api(port)
+    decode = Decode(worker.bootstrap)
+    try:
+        ids = prompt(12, seed=9)
+        with ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(api.post, "/generate", generate(ids, 9101))
+            wait_until(lambda: api.get("/loads")[1]["loads"][0]["num_total_reqs"] == 1, 10, "in")
+            assert worker.http("/drain", method="POST")[0] == 202
+            wait_until(lambda: api.get("/health")[0] == 503, 10, "/health 503")
+            status, body = api.post("/generate", generate(ids, 9102))
+            assert status == 503 and body["error"]["code"] == "draining"
+            decode.want(9101, len(ids))  # the request in flight still finishes
+            decode.wait([9101])
+            assert inflight.result(timeout=30)[0] == 200
+        assert worker.wait_exit(30) == 0
+    finally:
+        decode.close()
+
+
+def test_client_gone_aborts_its_request(worker_factory) -> None:
+    port = free_port()
+    worker = worker_factory(*api_settings(port))
+    body = json.dumps(generate([1, 2, 3], 9201)).encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(head + body)
+        wait_until(lambda: _num_live(Api(port)) == 1, 10, "the request in the engine")
+    wait_until(lambda: _num_aborted(worker) == 1, 10, "the abort")
+    # /loads is the engine's load snapshot, published at the end of a turn: it may lag the
+    # outcome counter by one turn.
+    wait_until(lambda: _num_live(Api(port)) == 0, 10, "the load snapshot without it")
+
+
+def _progressed(decode: Decode) -> bool:
+    """Drive the decode peer one turn (heartbeats, status messages); always True."""
+    decode.receiver.progress()
+    return True
+
+
+def _num_live(api: Api) -> int:
+    return int(api.get("/loads")[1]["loads"][0]["num_total_reqs"])
+
+
+def _num_aborted(worker: Worker) -> float:
+    text = worker.http("/metrics")[1]
+    found = re.search(r'requests_total\{reason="aborted_by_router",status="aborted"\} (\S+)', text)
+    return float(found.group(1)) if found else 0.0

@@ -1,0 +1,148 @@
+"""The real SGLang PD router (smg, pinned by ``make smg``) in front of real worker processes
+(their HTTP API front) and the reference decode peer serving SGLang's decode HTTP API.
+
+Skipped when ``make smg`` has not installed the router (``.interop/smg``); CI installs it.
+Everything is a child process on 127.0.0.1: ``Stack`` starts them and stops them in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefill_worker.testing.launch import ChildProcess, free_port
+from tests.checkpoints import make_checkpoint
+from tests.integration.daemon.conftest import Worker, start_worker
+from tests.polling import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+SMG = ROOT / ".interop" / "smg" / "bin" / "smg"
+MODEL_NAME = "tiny-llama"
+
+
+def http(url: str, body: object | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+@dataclass
+class Prefill:
+    worker: Worker
+    api_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def bootstrap_port(self) -> int:
+        return int(self.worker.bootstrap.rpartition(":")[2])
+
+    def metric(self, pattern: str) -> float:
+        """The sum of the worker's /metrics samples whose line starts with ``pattern``."""
+        text = self.worker.http("/metrics")[1]
+        lines = [line for line in text.splitlines() if line.startswith(pattern)]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@dataclass
+class Stack:
+    tmp_path: Path
+    checkpoint: Path
+    prefills: list[Prefill] = field(default_factory=list)
+    children: list[ChildProcess] = field(default_factory=list)
+    decode_port: int = 0
+    router_port: int = 0
+
+    @property
+    def router(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    def start_prefill(self, *settings: str) -> Prefill:
+        port = free_port()
+        flags = (
+            "http_api.enabled=true",
+            f"http_api.bind=127.0.0.1:{port}",
+            f"http_api.served_model_name={MODEL_NAME}",
+            "metrics.allow_unauthenticated_admin=true",
+            *settings,
+        )
+        worker = start_worker(self.tmp_path, self.checkpoint, *flags)
+        self.children.append(worker.child)
+        worker.child.wait_ready(120)
+        self.prefills.append(Prefill(worker, port))
+        return self.prefills[-1]
+
+    def start_decode(self) -> None:
+        self.decode_port = free_port()
+        args = [sys.executable, "-m", "prefill_worker.testing.decode_peer"]
+        args += ["--model", str(self.checkpoint), "--http", f"127.0.0.1:{self.decode_port}"]
+        for prefill in self.prefills:
+            args += ["--bootstrap", prefill.worker.bootstrap]
+        args += ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--page-size", "4"]
+        args += ["--num-pages", "512", "--attention-backend", "sdpa", "--num-threads", "1"]
+        args += ["--ignore-eos"]
+        child = ChildProcess.start("decode-peer", args, self.tmp_path, cwd=ROOT)
+        self.children.insert(0, child)
+        child.wait_ready(120)
+
+    def start_router(self, *flags: str) -> None:
+        self.router_port = free_port()
+        args = [str(SMG), "launch", "--pd-disaggregation", "--host", "127.0.0.1"]
+        args += ["--port", str(self.router_port), "--prometheus-port", str(free_port())]
+        for prefill in self.prefills:
+            args += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+        args += ["--decode", f"http://127.0.0.1:{self.decode_port}"]
+        args += ["--policy", "round_robin", "--worker-startup-check-interval", "1"]
+        args += ["--retry-initial-backoff-ms", "10", "--log-level", "info", *flags]
+        child = ChildProcess.start("smg", args, self.tmp_path, cwd=ROOT)
+        self.children.insert(0, child)
+        wait_until(lambda: self.num_workers() == len(self.prefills) + 1, 60, "smg registration")
+
+    def num_workers(self) -> int:
+        try:
+            status, body = http(f"{self.router}/workers", timeout_s=2)
+        except OSError:
+            return 0
+        return len(body.get("workers", [])) if status == 200 else 0
+
+    def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        return http(f"{self.router}/generate", {"model": MODEL_NAME, **body})
+
+    def stop(self) -> dict[str, int]:
+        return {child.name: child.stop(30) for child in self.children}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("llama", tmp_path_factory.mktemp("smg-ckpt") / "llama")
+
+
+@pytest.fixture
+def stack(tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+    if not SMG.exists():  # CI runs `make smg` first: there a missing router is a failure
+        message = "smg is not installed: `make smg`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    started = Stack(tmp_path, checkpoint)
+    yield started
+    for child in started.children:
+        child.kill()

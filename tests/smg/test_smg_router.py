@@ -1,0 +1,128 @@
+"""Issue 16: the real SGLang PD router (smg 1.13.0) drives this worker end to end.
+
+smg registers the worker after its own start-up probes (health, /v1/models, /server_info,
+/model_info, loads, the bootstrap port), pairs it with the reference decode peer, and every
+request below goes client → smg → worker (HTTP API front) + decode peer, the KV over NIXL."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+from tests.checkpoints import hf_model, prompt
+from tests.polling import wait_until
+from tests.smg.conftest import Stack, http
+
+LENGTHS = (3, 16, 29, 47, 70)  # tiny-test: chunk_size 16, page_size 4
+NUM_NEW_TOKENS = 20
+
+
+@functools.cache
+def greedy_model(checkpoint):  # type: ignore[no-untyped-def]
+    model = hf_model(checkpoint)
+    model.generation_config.eos_token_id = None  # the decode peer runs with --ignore-eos
+    return model
+
+
+def hf_generate(checkpoint, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        out = greedy_model(checkpoint).generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NUM_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def greedy(ids: list[int], **extra: object) -> dict[str, object]:
+    params = {"temperature": 0, "max_new_tokens": NUM_NEW_TOKENS}
+    return {"input_ids": ids, "sampling_params": params, **extra}
+
+
+def test_through_smg_equals_transformers_generate(stack: Stack, checkpoint) -> None:
+    prefill = stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    for n in LENGTHS:
+        ids = prompt(n, seed=n)
+        status, body = stack.generate(greedy(ids))
+        assert status == 200, body
+        assert body["output_ids"] == hf_generate(checkpoint, ids), f"prompt of {n}"
+        assert body["meta_info"]["prompt_tokens"] == n
+    assert prefill.metric('prefill_worker_requests_total{reason="ok"') == len(LENGTHS)
+    assert all(code == 0 for code in stack.stop().values())
+
+
+def test_a_bad_request_reaches_the_client_without_retries(stack: Stack) -> None:
+    prefills = [stack.start_prefill(), stack.start_prefill()]
+    stack.start_decode()
+    stack.start_router()
+    status, body = stack.generate(greedy([1, 2, 320]))  # 320 is outside the vocabulary
+    assert status == 400, body
+    assert "outside" in body["error"]["message"]
+    refused = 'prefill_worker_rejects_total{code="token_out_of_range"}'
+    wait_until(lambda: sum(p.metric(refused) for p in prefills) >= 1, 5, "the refusal")
+    assert sum(p.metric(refused) for p in prefills) == 1  # one attempt: no retry
+
+
+def test_overloaded_prefill_429_is_retried_on_the_other(stack: Stack) -> None:
+    """Worker A holds its one allowed request (a room no decode ever claims); every request
+    the router sends A is refused with 429, its room withdrawn, and the retry lands on B."""
+    busy = stack.start_prefill(
+        "http_api.max_inflight_requests=1", "scheduler.bootstrap_timeout_s=120"
+    )
+    other = stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    hold(f"{busy.url}/generate", greedy([5, 6, 7], bootstrap_room=1))
+    wait_until(lambda: busy.metric("prefill_worker_queue_requests") == 1, 10, "A holds one")
+    for n in (4, 6, 8, 10):
+        status, body = stack.generate(greedy(prompt(n, seed=n)))
+        assert status == 200, body
+    assert busy.metric('prefill_worker_rejects_total{code="overloaded"}') >= 1
+    assert other.metric('prefill_worker_requests_total{reason="ok"') == 4
+    assert busy.metric('prefill_worker_requests_total{reason="ok"') == 0
+
+
+def test_draining_prefill_stops_getting_requests(stack: Stack) -> None:
+    """A draining worker answers /health 503; once smg's health check has seen it, every
+    request goes to the other worker (the drained one still finishes what it holds)."""
+    draining = stack.start_prefill(
+        "scheduler.bootstrap_timeout_s=120", "daemon.drain_timeout_s=120"
+    )
+    other = stack.start_prefill()
+    stack.start_decode()
+    stack.start_router("--health-check-interval-secs", "1", "--health-failure-threshold", "1")
+    # Something in flight keeps the draining worker alive (a drain ends when it is idle).
+    hold(f"{draining.url}/generate", greedy([5, 6, 7], bootstrap_room=2))
+    wait_until(lambda: draining.metric("prefill_worker_queue_requests") == 1, 10, "held")
+    assert draining.worker.http("/drain", method="POST")[0] == 202
+    wait_until(lambda: not _is_healthy(stack, draining.url), 15, "smg sees the drain")
+    sent_before = draining.metric("prefill_worker_rejects_total")
+    for n in (4, 6, 8, 10):
+        status, body = stack.generate(greedy(prompt(n, seed=n)))
+        assert status == 200, body
+    assert draining.metric("prefill_worker_rejects_total") == sent_before  # none sent there
+    assert other.metric('prefill_worker_requests_total{reason="ok"') == 4
+
+
+def hold(url: str, body: dict[str, object]) -> None:
+    """POST from a thread that nobody waits for (the worker is killed at the end of the test,
+    its connection with it)."""
+
+    def post() -> None:
+        with contextlib.suppress(OSError):
+            http(url, body, timeout_s=300)
+
+    threading.Thread(target=post, daemon=True).start()
+
+
+def _is_healthy(stack: Stack, url: str) -> bool:
+    _, body = http(f"{stack.router}/workers", timeout_s=2)
+    [worker] = [w for w in body["workers"] if w["url"] == url]
+    return bool(worker["is_healthy"])

@@ -1,0 +1,123 @@
+"""The HTTP front's reading of SGLang's request bodies and its answers' status codes, without
+a server (the server itself: tests/integration/daemon/test_http_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefill_worker.request import FinishReason, Outcome, SamplingParams
+from prefill_worker.router.admission import Limits
+from prefill_worker.router.http_api import answers
+from prefill_worker.router.http_api.admit import Admitter, is_front_id
+from prefill_worker.router.http_api.bodies import BadRequest, read_completion, read_generate
+
+LIMITS = Limits(vocab_size=100, max_prompt_tokens=50, max_pool_tokens=64)
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def test_one_prompt_with_the_routers_flags() -> None:
+    prompts, is_batch = read_generate(
+        body(
+            input_ids=[1, 2, 3],
+            sampling_params={"temperature": 0.5, "top_k": -1, "max_new_tokens": 9, "stop": ["x"]},
+            return_logprob=True,
+            bootstrap_host="10.0.0.1",
+            bootstrap_port=8998,
+            bootstrap_room=77,
+            model="m",
+            log_metrics=True,
+            return_bytes=False,
+        )
+    )
+    assert not is_batch
+    [p] = prompts
+    assert (p.token_ids, p.bootstrap_room, p.return_logprob) == ([1, 2, 3], 77, True)
+    assert p.sampling == SamplingParams(temperature=0.5, top_p=1.0, top_k=0, seed=None)
+
+
+def test_a_batch_takes_list_bootstrap_fields_and_per_prompt_sampling() -> None:
+    prompts, is_batch = read_generate(
+        body(
+            input_ids=[[1], [2, 3]],
+            bootstrap_room=[5, 6],
+            sampling_params=[{"temperature": 0}, {"temperature": 1, "sampling_seed": 3}],
+        )
+    )
+    assert is_batch
+    assert [p.bootstrap_room for p in prompts] == [5, 6]
+    assert prompts[1].sampling.seed == 3
+    texts, _ = read_generate(body(text=["a", "b"], bootstrap_room=[1, 2]))
+    assert [p.text for p in texts] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"input_ids": [1], "text": "a", "bootstrap_room": 1}, "missing_field"),
+        ({"input_ids": [1]}, "missing_field"),
+        ({"input_ids": [[1], [2]], "bootstrap_room": [1]}, "bad_field"),
+        ({"input_ids": [[1], 2], "bootstrap_room": [1, 2]}, "bad_field"),
+        ({"input_ids": [1.5], "bootstrap_room": 1}, "bad_field"),
+        ({"input_ids": [1], "bootstrap_room": "x"}, "bad_field"),
+        ({"input_ids": [1], "bootstrap_room": 1, "sampling_params": {"top_p": 0}}, "bad_sampling"),
+        ({"input_ids": [1], "bootstrap_room": 1, "sampling_params": {"n": 2}}, "bad_sampling"),
+        (
+            {"input_ids": [1], "bootstrap_room": 1, "sampling_params": {"min_p": 0.1}},
+            "bad_sampling",
+        ),
+        ({"input_ids": [1], "bootstrap_room": 1, "sampling_params": {"top_k": -2}}, "bad_sampling"),
+    ],
+)
+def test_what_cannot_be_served_as_asked_is_a_bad_request(fields: dict, code: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        read_generate(body(**fields))
+    assert refused.value.code == code
+
+
+def test_completions_prompt_forms() -> None:
+    [p] = read_completion(body(prompt="hi", bootstrap_room=3, temperature=0, logprobs=2))
+    assert (p.text, p.return_logprob, p.sampling.is_greedy) == ("hi", True, True)
+    ids = read_completion(body(prompt=[[1, 2], [3]], bootstrap_room=[3, 4]))
+    assert [p.token_ids for p in ids] == [[1, 2], [3]]
+    with pytest.raises(BadRequest):
+        read_completion(body(prompt="hi", bootstrap_room=3, echo=True))
+
+
+def test_admission_shares_the_ingress_prompt_rules() -> None:
+    admitter = Admitter(LIMITS, codec=None)
+    prompts, _ = read_generate(body(input_ids=[[1, 2], [3]], bootstrap_room=[8, 9]))
+    requests = admitter.admit(prompts, arrival_time=1.0)
+    assert [list(r.token_ids) for r in requests] == [[1, 2], [3]]
+    assert all(is_front_id(r.request_id) for r in requests)
+    assert len({r.request_id for r in requests}) == 2
+    for ids, code in (([100], "token_out_of_range"), ([1] * 51, "prompt_too_long")):
+        prompts, _ = read_generate(body(input_ids=ids, bootstrap_room=1))
+        with pytest.raises(BadRequest) as refused:
+            admitter.admit(prompts, 0.0)
+        assert refused.value.code == code
+    text, _ = read_generate(body(text="hello", bootstrap_room=1))
+    with pytest.raises(BadRequest, match="no tokenizer"):
+        admitter.admit(text, 0.0)
+    assert not is_front_id("0a1b/req-1")  # a ZMQ ingress id
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        (FinishReason.OK, 200),
+        (FinishReason.DRAINING, 503),
+        (FinishReason.PROMPT_TOO_LONG, 400),
+        (FinishReason.BOOTSTRAP_TIMEOUT, 500),
+        (FinishReason.PEER_LOST, 500),
+        (FinishReason.ENGINE_ERROR, 500),
+    ],
+)
+def test_outcome_status_is_what_the_router_acts_on(reason: FinishReason, status: int) -> None:
+    ok = Outcome("http:0", FinishReason.OK.status, FinishReason.OK, 3, first_token_id=5)
+    other = Outcome("http:1", reason.status, reason, 3)
+    assert answers.status_of([ok, other]) == status
