@@ -183,7 +183,8 @@ def run(pool_layout: str, push: str, num_requests: int) -> dict[str, object]:
             conn.send(("want", 1000 + i, dst, i % 16))
             assert conn.recv() == "wanted"
             ids = [(7 * i + 3 * t) % SHAPE["vocab_size"] for t in range(PROMPT)]
-            inbox.put(PrefillRequest(f"r{i}", ids, SamplingParams(), False, 1000 + i, 0.0))
+            arrival = time.monotonic()  # the engine's deadlines count from it
+            inbox.put(PrefillRequest(f"r{i}", ids, SamplingParams(), False, 1000 + i, arrival))
             deadline = time.monotonic() + 600
             while not outcomes and time.monotonic() < deadline:
                 time.sleep(0.05)  # the bench's own pacing, not synchronisation under test

@@ -127,12 +127,13 @@ class DecodePeer:
     ) -> DecodePeer:
         """Build the model (its own KV pool) and connect to the worker's bootstrap server.
         ``stop_token_ids`` defaults to the checkpoint's EOS ids; ``pool_layout`` to the
-        worker's (asked with ``describe_worker``)."""
+        (first) worker's, asked with ``describe_worker``."""
         from prefill_worker.model import build
         from prefill_worker.transfer import describe_worker
 
         if pool_layout is None:
-            pool_layout = describe_worker(bootstrap_addr, 60.0).kind
+            first = bootstrap_addr if isinstance(bootstrap_addr, str) else bootstrap_addr[0]
+            pool_layout = describe_worker(first, 60.0).kind
         runner, kv_cache, info = build(
             model_path,
             dtype=dtype,

@@ -10,6 +10,7 @@ With the copy on the engine thread (main before #17), no step would follow the h
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,7 +138,7 @@ def rig(pool_layout: str) -> Iterator[Rig]:
 
 
 def prefill(request_id: str, token_ids: list[int], room: int) -> PrefillRequest:
-    return PrefillRequest(request_id, token_ids, SamplingParams(), False, room, 0.0)
+    return PrefillRequest(request_id, token_ids, SamplingParams(), False, room, time.monotonic())
 
 
 def test_engine_steps_on_while_a_copy_is_held(rig: Rig) -> None:
@@ -161,10 +162,9 @@ def test_engine_steps_on_while_a_copy_is_held(rig: Rig) -> None:
     assert statuses == {"long": OutcomeStatus.OK, "short": OutcomeStatus.OK}
     assert rig.receiver.wait(1, 10.0).state is RoomState.DONE
     assert rig.receiver.wait(2, 10.0).state is RoomState.DONE
-    for layer in range(len(rig.decode_kv.k)):
-        for kv_of in ("k", "v"):
-            landed = getattr(rig.decode_kv, kv_of)[layer]
-            computed = getattr(rig.prefill_kv, kv_of)[layer]
+    pairs = [(rig.decode_kv.k, rig.prefill_kv.k), (rig.decode_kv.v, rig.prefill_kv.v)]
+    for decode_views, prefill_views in pairs:
+        for landed, computed in zip(decode_views, prefill_views, strict=True):
             for page in [*range(12), 40, 41]:  # each landed page is one the engine computed
                 assert landed[page].abs().sum() > 0
                 assert any(torch.equal(landed[page], computed[p]) for p in range(NUM_PAGES))
