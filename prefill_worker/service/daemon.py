@@ -30,7 +30,7 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
-from prefill_worker.kv.cache_events import NullCacheEvents
+from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.admission import Limits
@@ -53,6 +53,7 @@ from prefill_worker.service.startup import (
     start_http,
     start_http_api,
     start_ingress,
+    start_kv_events,
     start_transfer,
     startup_step,
     write_ready_file,
@@ -91,6 +92,10 @@ class Daemon:
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
         self.bootstrap_endpoint = ""
+        # Where the prefix cache reports its blocks: the KV-event publisher when
+        # kv_events.enabled, else a sink that drops them.
+        self.cache_events: CacheEventSink = NullCacheEvents()
+        self._kv_event_endpoints: dict[str, str] = {}
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -120,8 +125,8 @@ class Daemon:
         transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
         self._closers.append(("transfer", transfer.close))
         self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        # KV events: no publisher yet, so the cache reports to nobody.
-        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        self._start_kv_events()
+        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
             cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
         )
@@ -157,6 +162,17 @@ class Daemon:
         self.health.watch(engine.progress)
         self._announce(http.port)
 
+    def _start_kv_events(self) -> None:
+        publisher = start_kv_events(self.config, self.metrics)
+        if publisher is None:
+            return
+        # Closed after the engine's shutdown, so the cache's last events still go out.
+        self._closers.append(("kv events", publisher.close))
+        self.cache_events = publisher
+        self._kv_event_endpoints["kv_events"] = publisher.endpoint
+        if publisher.replay_endpoint is not None:
+            self._kv_event_endpoints["kv_events_replay"] = publisher.replay_endpoint
+
     def _announce(self, http_port: int) -> None:
         """Ready: say where everything is bound (port 0 picks any) to `/readyz`, systemd, a file."""
         cfg = self.config
@@ -165,6 +181,7 @@ class Daemon:
             "ingress": self.ingress.endpoint,
             "bootstrap": self.bootstrap_endpoint,
             "http": f"{http_host}:{http_port}",
+            **self._kv_event_endpoints,
             "pid": os.getpid(),
         }
         if self._http_api is not None:

@@ -219,6 +219,33 @@ class HttpApiConfig(_Section):
     )
 
 
+class KVEventsConfig(_Section):
+    """KV events for cache-aware routers: the prefix cache's stored and evicted blocks in vLLM's
+    `KVEventBatch` format on a ZMQ PUB socket, with a replay socket (docs/kv-events.md)."""
+
+    enabled: bool = Field(False, description="Publish KV events.")
+    publish_bind: str = Field(
+        "tcp://127.0.0.1:5559",
+        description="ZMQ PUB address subscribers (Dynamo's indexer, llm-d) connect to; always "
+        "bound. Port 0 picks one (`/readyz` shows it as `kv_events`).",
+    )
+    replay_bind: str | None = Field(
+        "tcp://127.0.0.1:5560",
+        description="ZMQ ROUTER address that resends held batches from a sequence number "
+        "(`kv_events_replay` in `/readyz`); unset: no replay.",
+    )
+    topic: str = Field("", description="The first frame of every message (vLLM's `topic`).")
+    num_replay_batches: int = Field(
+        10_000, ge=1, description="Batches held for replay (vLLM's `buffer_steps`)."
+    )
+    max_queued_events: int = Field(
+        100_000,
+        ge=1,
+        description="Events waiting for the publisher thread; past this they are dropped "
+        "(counted), and subscribers are told to clear once the queue drains.",
+    )
+
+
 class DaemonConfig(_Section):
     """Process lifecycle and logging."""
 
@@ -246,6 +273,7 @@ class Config(_Section):
     transfer: TransferConfig = TransferConfig()
     metrics: MetricsConfig = MetricsConfig()
     http_api: HttpApiConfig = HttpApiConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
     daemon: DaemonConfig = DaemonConfig()
 
 

@@ -25,6 +25,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
 from prefill_worker.router.admission import Limits
@@ -34,7 +35,7 @@ from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.telemetry import EngineEvents, IngressEvents
+from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.transfer.factory import ServingBackend, make_backend
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -167,6 +168,24 @@ def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -
             ucx_net_devices=cfg.resolved_ucx_net_devices,
             on_reject=metrics.on_bootstrap_reject,
         )
+
+
+def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
+    """The KV-event publisher, bound and publishing; None when ``kv_events.enabled`` is off."""
+    cfg = config.kv_events
+    if not cfg.enabled:
+        return None
+    with startup_step("kv events", (KVEventsError,)):
+        publisher = KVEventPublisher(
+            cfg.publish_bind,
+            cfg.replay_bind,
+            topic=cfg.topic,
+            max_queued_events=cfg.max_queued_events,
+            num_replay_batches=cfg.num_replay_batches,
+            observer=KVEventsTelemetry(metrics),
+        )
+        publisher.start()
+    return publisher
 
 
 def make_engine(
