@@ -119,6 +119,25 @@ docs:
 	$(BIN)/python -m prefill_worker.router.schemadoc docs/protocol.md
 	$(BIN)/python -m prefill_worker.transfer.schemadoc docs/protocol.md
 
+# KV events against a real consumer: Dynamo's standalone KV indexer in a venv of its own
+# (.interop/dynamo), every package pinned in tests/interop/dynamo-requirements.txt.
+DYNAMO_ENV := .interop/dynamo
+DYNAMO_REQUIREMENTS := tests/interop/dynamo-requirements.txt
+KV_EVENTS_INTEROP_TESTS := tests/interop/test_dynamo_indexer.py \
+  tests/interop/test_worker_feeds_dynamo_indexer.py
+
+.PHONY: kv-events-deps kv-events-interop
+kv-events-deps: $(DYNAMO_ENV)/.installed
+
+$(DYNAMO_ENV)/.installed: $(DYNAMO_REQUIREMENTS)
+	rm -rf $(DYNAMO_ENV)
+	$(PYTHON) -m venv $(DYNAMO_ENV)
+	$(DYNAMO_ENV)/bin/pip install -q --no-deps -r $(DYNAMO_REQUIREMENTS)
+	@touch $@
+
+kv-events-interop: $(VENV)/.installed kv-events-deps
+	$(BIN)/pytest -q -m interop $(KV_EVENTS_INTEROP_TESTS)
+
 bench:
 	@for b in bench/*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
 

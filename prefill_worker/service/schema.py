@@ -220,8 +220,7 @@ class HttpApiConfig(_Section):
 
 
 class KVEventsConfig(_Section):
-    """KV events for cache-aware routers: the prefix cache's stored and evicted blocks in vLLM's
-    `KVEventBatch` format on a ZMQ PUB socket, with a replay socket (docs/kv-events.md)."""
+    """Cached blocks told to cache-aware routers: vLLM's KV events on ZMQ (docs/kv-events.md)."""
 
     enabled: bool = Field(False, description="Publish KV events.")
     publish_bind: str = Field(
