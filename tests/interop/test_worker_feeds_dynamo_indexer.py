@@ -14,6 +14,7 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,15 +48,19 @@ class Serving:
         self.decode = Decode(worker.bootstrap)
         self.router = BlockingRouterClient(worker.ingress)
         self._rooms = itertools.count(1)
+        self._pool = ThreadPoolExecutor(1)
 
     def serve(self, token_ids: list[int]) -> None:
+        """The decode side is driven (``wait``) while the router waits for the result."""
         room = next(self._rooms)
         self.decode.want(room, len(token_ids))
-        result = self.router.prefill(token_ids, room)
-        assert result.status is OutcomeStatus.OK, (result, self.worker.log())
+        future = self._pool.submit(self.router.prefill, token_ids, room)
         self.decode.wait([room])
+        result = future.result(timeout=60)
+        assert result.status is OutcomeStatus.OK, (result, self.worker.log())
 
     def close(self) -> None:
+        self._pool.shutdown()
         self.router.close()
         self.decode.close()
 
@@ -88,7 +93,9 @@ def indexer(serving: Serving, tmp_path: Path) -> Iterator[DynamoIndexer]:
     status, ready = serving.worker.http("/readyz")
     assert status == 200, ready
     publish = json.loads(ready)["kv_events"]
-    started = DynamoIndexer.start(tmp_path / "indexer", PAGE_SIZE, {WORKER_ID: publish})
+    workdir = tmp_path / "indexer"
+    workdir.mkdir()
+    started = DynamoIndexer.start(workdir, PAGE_SIZE, {WORKER_ID: publish})
     try:
         for seed in range(1000, 1020):
             probe = prompt(2 * PAGE_SIZE + 1, seed=seed)
