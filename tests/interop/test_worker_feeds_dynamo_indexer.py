@@ -1,6 +1,7 @@
 """A running worker feeds Dynamo's standalone KV indexer (pinned, ``make kv-events-deps``):
 after prompts are served, the indexer reports the worker's overlap with a prompt sharing their
-prefix, exactly the full pages cached; after the pool's pressure evicted them, it reports none.
+prefix, exactly the full pages cached; after the pool's pressure evicted them, it reports none;
+once the worker has drained and exited, it holds nothing of it.
 
 The worker is ``prefill-worker serve`` on the tiny test config (page size 4) with KV events on
 and a 32-page pool, so that a few more prompts must evict the first; requests go through the
@@ -141,3 +142,7 @@ def test_indexer_follows_the_worker_cache(serving: Serving, indexer: DynamoIndex
     )
     latest = prompt(PROMPT_TOKENS, seed=8)
     assert indexer.overlap_blocks(latest) == {WORKER_ID: NUM_FULL_PAGES}
+
+    # A drained worker empties its cache on the way out, and says so before its socket closes.
+    assert serving.worker.child.stop() == 0, serving.worker.log()
+    wait_until(lambda: not indexer.indexed_block_hashes(), 30, "the worker's blocks cleared")
