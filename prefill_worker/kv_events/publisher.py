@@ -13,7 +13,9 @@ fails is still held for replay, so a subscriber that sees the gap can fetch it. 
 engine could not queue is lost for every subscriber; so that routers never keep believing in a
 block that may have left the cache since, once the queue has drained after such a drop the
 publisher sends ``AllBlocksCleared`` (routers then under-report hits until new blocks arrive;
-they never over-report). PUB and ROUTER sends never block: ZMQ drops at its high-water mark instead.
+they never over-report). PUB and ROUTER sends never block: ZMQ drops at its high-water mark
+instead. Batch 0 starts with ``AllBlocksCleared``: a subscriber still holding blocks of an
+earlier run of this worker (one that crashed, and so never said goodbye) forgets them.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class KVEventPublisher:
             self._publish([AllBlocksCleared()])
 
     def _publish(self, events: list[KVEvent]) -> None:
+        if self._next_seq == 0:  # a new run: what a subscriber kept of an earlier one is gone
+            events = [AllBlocksCleared(), *events]
         payload, events = self._encode(events)
         if payload is None:
             return

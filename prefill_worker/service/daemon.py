@@ -9,11 +9,12 @@ supervision, signals, drain, stop, fatal errors, closing. Threads::
     ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
     http     /metrics /livez /readyz /drain (aiohttp on uvloop)
     forward  (overlap mode) the executor thread running batch N
+    kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
-(NIXL agent and bootstrap server), engine, ingress; then ready. A failing step exits with a
-line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0 after
-a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
+(NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
+with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
+after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
 """
 
 from __future__ import annotations

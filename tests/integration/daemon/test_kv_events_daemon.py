@@ -71,7 +71,8 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
             sink.all_cleared()
         topic, seq, payload = sub.recv_multipart()
         _ts, events, rank = msgspec.msgpack.decode(payload)
-        assert (topic, len(seq), events, rank) == (b"", 8, [CLEARED], 0)
+        assert (topic, len(seq), rank) == (b"", 8, 0)
+        assert events and all(event == CLEARED for event in events)
         wait_until(
             lambda: (
                 "prefill_worker_kv_events_published_total 0.0"
@@ -90,7 +91,8 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
             assert dealer.poll(10_000), "no replay answer"
             replayed.append(dealer.recv_multipart())
         assert replayed[0][:3] == [b"", b"", seq_frame(0)]
-        assert msgspec.msgpack.decode(replayed[0][3])[1] == [CLEARED]
+        batch_0 = msgspec.msgpack.decode(replayed[0][3])[1]
+        assert len(batch_0) >= 2 and all(event == CLEARED for event in batch_0)  # opener, probes
     finally:
         ctx.destroy(linger=0)
         daemon.request_drain()

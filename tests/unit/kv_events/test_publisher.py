@@ -182,13 +182,27 @@ def test_replay_resends_held_batches_from_a_sequence_number(make) -> None:
 def test_a_bad_replay_request_fails_alone(make) -> None:
     recorder = Recorder()
     publisher = make(observer=recorder)
-    publisher.all_cleared()
-    wait_until(lambda: recorder.published == 1, what="one batch")
+    publisher.blocks_removed([4])
+    wait_until(lambda: recorder.published == 2, what="batch 0")
     client = ReplayClient(publisher.replay_endpoint)
     client.sock.send_multipart([b"", b"\x01\x02"])  # a 2-byte sequence number
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the bad request counted")
-    assert events_of(client.replay(0)) == [[AllBlocksCleared()]]
+    assert events_of(client.replay(0)) == [[AllBlocksCleared(), BlockRemoved([4], "GPU")]]
     assert recorder.replays == Counter(bad_request=1, served=1)
+    client.close()
+
+
+def test_batch_0_opens_with_all_blocks_cleared(make) -> None:
+    """A subscriber that kept blocks of this worker's previous run (it may have crashed) drops
+    them with the first batch of the new run."""
+    recorder = Recorder()
+    publisher = make(observer=recorder)
+    publisher.blocks_stored([8], None, [1, 2, 3, 4], 4)
+    wait_until(lambda: recorder.published == 2, what="batch 0")
+    client = ReplayClient(publisher.replay_endpoint)
+    assert events_of(client.replay(0)) == [
+        [AllBlocksCleared(), BlockStored([8], None, [1, 2, 3, 4], 4, None, "GPU", None)]
+    ]
     client.close()
 
 
@@ -202,12 +216,11 @@ def test_a_full_queue_drops_new_events_then_tells_subscribers_to_clear(make) -> 
         publisher.blocks_removed([block])
     assert recorder.dropped == Counter(queue_full=2)
     publisher.start()
-    wait_until(lambda: recorder.published == 4, what="the queued events and the clear")
+    wait_until(lambda: recorder.published == 5, what="the queued events and the clear")
     client = ReplayClient(publisher.replay_endpoint)
-    assert events_of(client.replay(0)) == [
-        [BlockRemoved([0], "GPU"), BlockRemoved([1], "GPU"), BlockRemoved([2], "GPU")],
-        [AllBlocksCleared()],
-    ]
+    first, drop_clear = events_of(client.replay(0))
+    assert first[1:] == [BlockRemoved([b], "GPU") for b in (0, 1, 2)]
+    assert drop_clear == [AllBlocksCleared()]
     client.close()
 
 
@@ -218,11 +231,15 @@ def test_an_event_that_cannot_be_encoded_is_dropped_alone(make) -> None:
     publisher.blocks_removed([2**64])  # outside 64 bits: a bug in the caller
     publisher.blocks_stored([3], None, [0, 1, 2, 3], 4)
     publisher.start()
-    wait_until(lambda: recorder.published == 2, what="the good events")
+    wait_until(lambda: recorder.published == 3, what="the good events")
     assert recorder.dropped == Counter(bad_event=1)
     client = ReplayClient(publisher.replay_endpoint)
     assert events_of(client.replay(0)) == [
-        [BlockRemoved([1], "GPU"), BlockStored([3], None, [0, 1, 2, 3], 4, None, "GPU", None)]
+        [
+            AllBlocksCleared(),
+            BlockRemoved([1], "GPU"),
+            BlockStored([3], None, [0, 1, 2, 3], 4, None, "GPU", None),
+        ]
     ]
     client.close()
 
@@ -277,7 +294,8 @@ def test_counters_reach_prometheus(make) -> None:
 
     publisher.blocks_stored([1, 2], None, list(range(8)), 4)
     publisher.blocks_removed([2])
-    wait_until(lambda: sample("prefill_worker_kv_events_published_total") == 2, what="published")
+    # the stored and removed events, and the AllBlocksCleared that opens batch 0
+    wait_until(lambda: sample("prefill_worker_kv_events_published_total") == 3, what="published")
     client = ReplayClient(publisher.replay_endpoint)
     client.replay(0)
     wait_until(
