@@ -94,7 +94,7 @@ class KVEventPublisher:
         self._num_overflows = 0  # engine thread writes
         self._num_overflows_cleared = 0  # publisher thread writes
         self._next_seq = 0
-        self._is_closed = False
+        self._is_accepting = True  # False once closed, or the thread died: events are dropped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = zmq.Context()
@@ -120,9 +120,9 @@ class KVEventPublisher:
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Publish what is queued, stop the thread, close the sockets; later events are dropped."""
-        if self._is_closed:
+        if self._stop.is_set():
             return
-        self._is_closed = True
+        self._is_accepting = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -167,7 +167,7 @@ class KVEventPublisher:
         self._enqueue(AllBlocksCleared())
 
     def _enqueue(self, event: KVEvent) -> None:
-        if self._is_closed:
+        if not self._is_accepting:
             self._observer.on_dropped("closed", 1)
         elif len(self._queue) >= self._max_queued_events:
             self._num_overflows += 1
@@ -178,6 +178,13 @@ class KVEventPublisher:
     # ── publisher thread ────────────────────────────────────────────────────────────────────
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not reach the engine: events stop, counted
+            log.exception("kv-events publisher stopped; later events are dropped as 'closed'")
+            self._is_accepting = False
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)

@@ -306,3 +306,22 @@ def test_counters_reach_prometheus(make) -> None:
     publisher.all_cleared()
     assert sample("prefill_worker_kv_events_dropped_total", reason="closed") == 1
     client.close()
+
+
+def test_a_dead_publisher_thread_never_reaches_the_engine(make) -> None:
+    """A bug in the publisher thread (here: its observer raising) stops publishing; the engine's
+    calls keep returning, and what they bring is counted as dropped."""
+
+    class Exploding(Recorder):
+        def on_published(self, num_events: int) -> None:
+            raise RuntimeError("bug")
+
+    recorder = Exploding()
+    publisher = make(observer=recorder)
+
+    def engine_call_dropped() -> bool:
+        publisher.blocks_removed([1])  # as the engine would: it returns, whatever happened
+        return recorder.dropped["closed"] > 0
+
+    wait_until(engine_call_dropped, what="events dropped once the thread died")
+    publisher.close()
