@@ -56,7 +56,7 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
     thread.start()
     ctx = zmq.Context()
     try:
-        wait_until(lambda: daemon.health.is_ready, 60, "ready")
+        wait_until(lambda: daemon.health.is_ready, 120, "ready")
         sink = daemon.cache_events
         assert isinstance(sink, KVEventPublisher)
         ready = json.loads(http_get(http_port, "/readyz"))
@@ -78,7 +78,7 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
                 "prefill_worker_kv_events_published_total 0.0"
                 not in http_get(http_port, "/metrics")
             ),
-            10,
+            30,
             "the published counter",
         )
 
@@ -96,7 +96,7 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
     finally:
         ctx.destroy(linger=0)
         daemon.request_drain()
-        thread.join(timeout=60)
+        thread.join(timeout=120)
     assert codes == [0]
     with zmq.Context() as probe_ctx:  # both sockets closed: their ports are free to bind
         for endpoint in (ready["kv_events"], ready["kv_events_replay"]):

@@ -188,6 +188,7 @@ def test_a_bad_replay_request_fails_alone(make) -> None:
     client.sock.send_multipart([b"", b"\x01\x02"])  # a 2-byte sequence number
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the bad request counted")
     assert events_of(client.replay(0)) == [[AllBlocksCleared(), BlockRemoved([4], "GPU")]]
+    wait_until(lambda: recorder.replays["served"] == 1, what="the good request counted")
     assert recorder.replays == Counter(bad_request=1, served=1)
     client.close()
 
