@@ -84,7 +84,7 @@ class Daemon:
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
-        self.bootstrap_endpoint = ""
+        self.transfer_endpoints: Mapping[str, str] = {}
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -109,13 +109,14 @@ class Daemon:
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
         runner, kv_cache, info = load_model(cfg, self._build_model)
         pages, aux = make_pools(cfg, kv_cache)
-        transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
-        self._closers.append(("transfer", transfer.close))
-        self.bootstrap_endpoint = transfer.bootstrap_endpoint
+        regions = kv_cache.regions(aux.base_addr, aux.num_rows)
+        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
+        self._closers.append(("transfer", transfer.backend.close))
+        self.transfer_endpoints = transfer.endpoints
         # KV events: no publisher yet, so the cache reports to nobody.
         prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
         engine = make_engine(
-            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
         )
         self._engine = engine
         limits = (
@@ -155,7 +156,7 @@ class Daemon:
         http_host = cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
         endpoints: dict[str, str | int] = {
             "ingress": self.ingress.endpoint,
-            "bootstrap": self.bootstrap_endpoint,
+            **self.transfer_endpoints,
             "http": f"{http_host}:{http_port}",
             "pid": os.getpid(),
         }
