@@ -36,7 +36,7 @@ _POLL_NAMES = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _publish(model_path: str) -> Any:
+def publish(model_path: str) -> Any:
     args = ServerArgs(
         model_path=model_path,
         disaggregation_mode="decode",
@@ -161,7 +161,7 @@ class Decodes:
     """The decodes of this process, by id."""
 
     def __init__(self, model_path: str) -> None:
-        self._server_args = _publish(model_path)
+        self._server_args = publish(model_path)
         self._decodes: dict[str, Decode] = {}
 
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
