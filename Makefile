@@ -68,18 +68,22 @@ $(SMG_DIR)/.installed:
 	$(SMG_DIR)/bin/pip install -q $(SMG)
 	@touch $@
 
-# The HTTP front driven by the real smg (tests/smg also run in `make test` once smg is there).
+# The HTTP front driven by the real smg: tests/smg's native-protocol stack runs in `make test`
+# once smg is there; its SGLang-protocol stack (SGLang's own decode-side code in the decode
+# peer) is marked interop and runs in `make interop`.
 .PHONY: test-smg
-test-smg: smg
+test-smg: smg .interop/deps/.installed .interop/sglang-0.5.23/.installed
 	$(BIN)/pytest -q tests/smg
 
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
 
-# The same, behind SGLang's PD router: smg, the worker's HTTP API front, the decode peer's
-# SGLang decode HTTP API (docs/http-api.md).
-run-sglang: setup smg
+# The same, behind SGLang's PD router: smg, the worker's HTTP API front and SGLang's PD
+# protocol, the decode peer's SGLang mode (SGLang 0.5.23's decode-side code receives the KV)
+# behind SGLang's decode HTTP API (docs/http-api.md). `scripts/demo_sglang.py --kv native`:
+# the same over the native protocol.
+run-sglang: setup smg .interop/deps/.installed .interop/sglang-0.5.23/.installed
 	$(BIN)/python scripts/demo_sglang.py
 
 lint:
@@ -118,8 +122,8 @@ $(INTEROP)/sglang-%/.installed: | $(VENV)/.installed
 	$(INTEROP_PIP) --target $(@D) sglang==$*
 	@touch $@
 
-interop: interop-deps
-	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop
+interop: interop-deps smg
+	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop tests/smg
 
 # The long runs (the 10,000-request soak): not in `make test` or CI.
 soak:

@@ -88,6 +88,10 @@ class Stack:
     router_port: int = 0
 
     @property
+    def decode_url(self) -> str:
+        return f"http://127.0.0.1:{self.decode_port}/generate"
+
+    @property
     def router(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
 
