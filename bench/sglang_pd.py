@@ -11,7 +11,11 @@ processes: one serving SGLang's decode HTTP API behind smg, one on its control s
              KV over the native protocol (our KVReceiver)
 
 ``--smg-kv native`` puts the smg path's KV on the native protocol too (the HTTP overhead
-alone, without the protocol difference).
+alone, without the protocol difference). On a machine with few cores, read the SGLang path's
+number with care: SGLang's decode creates its NIXL agent with a progress thread (NIXL's
+default), which polls UCX on a core of its own all the time (about 0.5-0.8 of a core on a
+2-core box), and so slows the worker sharing those cores; the native peer drives its agent from
+its own loop.
 
 A request's TTFT is from the client's send until the decode holds the first token (and the
 prompt's KV): ``max_new_tokens`` 1, so the decode answers as soon as the KV has landed. The
