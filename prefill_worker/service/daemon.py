@@ -92,7 +92,7 @@ class Daemon:
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
-        self.bootstrap_endpoint = ""
+        self.transfer_endpoints: Mapping[str, str] = {}
         # Where the prefix cache reports its blocks: the KV-event publisher when
         # kv_events.enabled, else a sink that drops them.
         self.cache_events: CacheEventSink = NullCacheEvents()
@@ -123,13 +123,14 @@ class Daemon:
             cfg, self._build_model, LoadReport(self.notifier.status)
         )
         pages, aux = make_pools(cfg, kv_cache)
-        transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
-        self._closers.append(("transfer", transfer.close))
-        self.bootstrap_endpoint = transfer.bootstrap_endpoint
+        regions = kv_cache.regions(aux.base_addr, aux.num_rows)
+        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
+        self._closers.append(("transfer", transfer.backend.close))
+        self.transfer_endpoints = transfer.endpoints
         self._start_kv_events()
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
-            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
         )
         self._engine = engine
         limits = (
@@ -180,7 +181,7 @@ class Daemon:
         http_host = cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
         endpoints: dict[str, str | int] = {
             "ingress": self.ingress.endpoint,
-            "bootstrap": self.bootstrap_endpoint,
+            **self.transfer_endpoints,
             "http": f"{http_host}:{http_port}",
             **self._kv_event_endpoints,
             "pid": os.getpid(),

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+_ANY_ADDRESS = ("", "0.0.0.0", "::")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -155,6 +157,59 @@ class TransferConfig(_Section):
         "interfaces UCX listens on and sends over. Unset: `lo` when bootstrap_bind is on "
         "127.0.0.1, else UCX's default (every interface).",
     )
+    protocol: Literal["native", "sglang", "both"] = Field(
+        "native",
+        description="Which decodes the worker serves: `native` (the bootstrap protocol of "
+        "docs/protocol.md, on bootstrap_bind), `sglang` (SGLang PD decode servers, "
+        "docs/sglang.md, on the sglang_* addresses), or `both` at once.",
+    )
+    sglang_bootstrap_bind: str = Field(
+        "127.0.0.1:8998",
+        description="host:port of SGLang's bootstrap routes (`/route`, `/health`): the port "
+        "given to the router as `--prefill URL PORT` (SGLang's default is 8998).",
+    )
+    sglang_rank_ip: str | None = Field(
+        None,
+        description="Address of the SGLang control socket, as `/route` tells decodes (it binds "
+        "there). Unset: the host of sglang_bootstrap_bind, which must then be a specific "
+        "address.",
+    )
+    sglang_rank_port: int = Field(
+        0, ge=0, le=65535, description="Port of the SGLang control socket; 0 picks a free one."
+    )
+    sglang_kv_cache_dtype: str = Field(
+        "auto",
+        description="What `/route` announces as `kv_cache_dtype`; SGLang decodes refuse a "
+        "prefill whose string differs from their `--kv-cache-dtype`.",
+    )
+    sglang_health_stale_s: float = Field(
+        30.0,
+        gt=0,
+        description="SGLang `/health` answers 503 once the engine loop has not turned for this "
+        "long (decodes fail their rooms after two missed health checks).",
+    )
+
+    @model_validator(mode="after")
+    def _sglang_rank_ip_known(self) -> TransferConfig:
+        if self.protocol != "native" and self.resolved_sglang_rank_ip in _ANY_ADDRESS:
+            raise ValueError(
+                "sglang_rank_ip: set the address decodes reach the control socket on "
+                f"(sglang_bootstrap_bind {self.sglang_bootstrap_bind} names no single address)"
+            )
+        return self
+
+    @property
+    def resolved_sglang_rank_ip(self) -> str:
+        if self.sglang_rank_ip is not None:
+            return self.sglang_rank_ip
+        return self.sglang_bootstrap_bind.rpartition(":")[0].strip("[]")
+
+    @property
+    def resolved_sglang_ucx_net_devices(self) -> str | None:
+        """As ``resolved_ucx_net_devices``, for the SGLang agent: `lo` on 127.0.0.1."""
+        if self.ucx_net_devices is not None:
+            return self.ucx_net_devices
+        return "lo" if self.resolved_sglang_rank_ip == "127.0.0.1" else None
 
     @property
     def resolved_ucx_net_devices(self) -> str | None:

@@ -1,0 +1,111 @@
+"""SGLang's bootstrap HTTP routes, on their own thread: how decodes find this worker.
+
+    GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1
+        -> the server info (``accept.server_info``: one rank, the page size, the KV dtype)
+    GET /route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0
+        -> {"rank_ip": ..., "rank_port": ...}: the control socket; any other rank -> 404
+    GET /health
+        -> 200 while the engine turns (the decode's heartbeat: two misses fail its rooms),
+           503 when it has not for ``stale_s`` (a stuck engine fails rooms fast)
+
+A parameter missing or not an integer is a 400, as SGLang's own server answers. ``PUT
+/route`` (how SGLang prefill ranks join their bootstrap server) is a 405: this worker is
+its only rank. It reads nothing but the answers it was built with and the health callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+_RANK_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+_STOP_TIMEOUT_S = 2.0
+
+
+class BootstrapHttp:
+    """Serves the routes on ``host:port`` (port 0 picks one: ``port`` after ``start``)."""
+
+    def __init__(
+        self,
+        bind: str,
+        server_info: dict[str, object],
+        rank_info: dict[str, object],
+        is_healthy: Callable[[], bool],
+    ) -> None:
+        host, _, port = bind.rpartition(":")
+        self._host, self._port = host or "127.0.0.1", int(port)
+        self._server_info = json.dumps(server_info)
+        self._rank_info = json.dumps(rank_info)
+        self._is_healthy = is_healthy
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as decodes and routers name it (``--prefill URL PORT``)."""
+        return f"{self._host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve on a daemon thread; raises OSError here when the bind fails."""
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="sglang-http", daemon=True)
+        self._thread.start()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        loop, thread, self._loop = self._loop, self._thread, None
+        if loop is None or thread is None:
+            return
+        try:
+            if self._runner is not None:
+                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
+                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            if not thread.is_alive():
+                loop.close()
+
+    async def _serve(self) -> int:
+        app = web.Application()
+        app.router.add_route("*", "/route", self._route)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_STOP_TIMEOUT_S)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self._host, self._port).start()
+        return int(self._runner.addresses[0][1])
+
+    async def _route(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return web.Response(status=405, text="this worker is its only prefill rank\n")
+        try:
+            ranks = [int(request.query[key]) for key in _RANK_KEYS]
+        except (KeyError, ValueError):
+            return web.Response(status=400, text="Missing inputs for bootstrap server.\n")
+        if ranks == [-1] * 4:
+            return _json(self._server_info)
+        if ranks == [0] * 4:
+            return _json(self._rank_info)
+        return web.Response(status=404, text=f"no prefill rank {ranks}: this worker is rank 0\n")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._is_healthy():
+            return web.Response(text="OK")
+        return web.Response(status=503, text="engine loop stalled\n")
+
+
+def _json(body: str) -> web.Response:
+    return web.Response(text=body, content_type="application/json")
