@@ -16,7 +16,7 @@ RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run run-sglang test soak lint format bench clean docs lock
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock interop-deps interop
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
@@ -108,7 +108,34 @@ format:
 	$(BIN)/ruff format .
 
 test: lint
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not interop"
+
+# SGLang's own decode-side code as the decode (docs/sglang.md). Each supported version goes
+# into a directory of its own, without its dependencies (torch, CUDA kernels): the decode runs
+# in a child process on this venv's python with PYTHONPATH = that directory, the few packages
+# its imports need (pinned, shared), and tests/interop/stubs (triton, torchvision).
+SGLANG_VERSIONS := 0.5.20 0.5.22 0.5.23
+INTEROP := .interop
+INTEROP_DEPS := nixl==1.5.1 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 dill==0.4.1 \
+  ipython==9.18.1 traitlets==5.16.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 \
+  compressed-tensors==0.20.1 loguru==0.7.3 openai==3.57.0 sniffio==1.3.1 \
+  partial-json-parser==0.2.1.1.post7 xgrammar==0.2.9
+INTEROP_PIP := $(BIN)/pip install -q --no-deps --no-compile --disable-pip-version-check
+
+interop-deps: $(INTEROP)/deps/.installed $(SGLANG_VERSIONS:%=$(INTEROP)/sglang-%/.installed)
+
+$(INTEROP)/deps/.installed: | $(VENV)/.installed
+	rm -rf $(@D)
+	$(INTEROP_PIP) --target $(@D) $(INTEROP_DEPS)
+	@touch $@
+
+$(INTEROP)/sglang-%/.installed: | $(VENV)/.installed
+	rm -rf $(@D)
+	$(INTEROP_PIP) --target $(@D) sglang==$*
+	@touch $@
+
+interop: interop-deps
+	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop
 
 # The long runs (the 10,000-request soak): not in `make test` or CI.
 soak:
@@ -142,4 +169,4 @@ bench:
 	@for b in bench/*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(INTEROP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -4,6 +4,7 @@ it: ask for a room, wait for SGLang's verdict, read what landed."""
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,12 @@ from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 
 _IDS = itertools.count()
 TERMINAL = ("Success", "Failed")
+
+
+def new_room() -> int:
+    """A random 63-bit room, as SGLang's routers pick them (never 0: the decode reads 0 as
+    "no metadata yet")."""
+    return secrets.randbits(63) or 1
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ class SglangBackend:
             else:
                 self._desk.refuse_room(peer.endpoint, room, self._desk.why_not(sender, peer))
         if winner is None and aborted_by is not None and sender.accepts(aborted_by):
-            sender.abort_by_peer(self._peers[aborted_by].endpoint, None)
+            sender.abort_by_peer(None, None)  # its ABORT was acknowledged when it came
         return sender
 
     def poll(self) -> None:

@@ -189,11 +189,14 @@ class SglangSender:
         if self._state is KVPoll.BOOTSTRAPPING:
             self._state = KVPoll.READY
 
-    def abort_by_peer(self, ack_to: frames.Endpoint, generation: int | None) -> None:
+    def abort_by_peer(self, ack_to: frames.Endpoint | None, generation: int | None) -> None:
+        """The decode aborted the room: ABORTED; ``ack_to`` gets ABORT_ACK once no write
+        targets its pages (None: it was answered when its ABORT came, before this request)."""
         if not self._state.is_terminal:
             self._state, self._reason = KVPoll.ABORTED, "aborted by decode"
-        self._ack = (ack_to, generation)
-        self._maybe_ack()
+        if ack_to is not None:
+            self._ack = (ack_to, generation)
+            self._maybe_ack()
 
     def lose_peer(self, reason: str) -> None:
         """The decode is forgotten (evicted, or the worker is closing): every write ends."""
