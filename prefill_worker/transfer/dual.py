@@ -81,7 +81,7 @@ class DualSender:
         return 0 if self._chosen is None else self._chosen.written_bytes()
 
     def close(self) -> None:
-        for sender in self._senders:
+        for sender in self._live():  # the others were closed when the room was taken
             sender.close()
 
     def _live(self) -> list[KVSender]:
