@@ -147,6 +147,9 @@ class Decode:
         return {}
 
     def abort(self, room: int) -> dict[str, Any]:
+        # Arm the drain-ack tracker as 0.5.20's scheduler does, here before the ABORT so that
+        # no ack can come first; from 0.5.22 the receiver arms it again, with a generation.
+        self.manager.register_deferred_abort_room(room)
         self.rooms[room][2].abort()
         return {}
 

@@ -12,17 +12,22 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.testing.launch import free_port
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import make_checkpoint
+from tests.integration.daemon.conftest import Worker, start_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
 VERSIONS = os.environ.get("PW_SGLANG_VERSIONS", "0.5.20 0.5.22 0.5.23").split()
 STUBS = Path(__file__).resolve().parent / "stubs"
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16  # tests/checkpoints.py, llama
 
 
 def sglang_path(version: str) -> list[Path]:
@@ -50,17 +55,66 @@ def sglang_version(request: pytest.FixtureRequest) -> str:
     return version
 
 
-def start_decode(version: str, checkpoint: Path, log_dir: Path) -> SglangDecodeProcess:
-    return SglangDecodeProcess(
-        sys.executable, sglang_path(version), checkpoint, log_dir / f"decode-{version}.log"
+def start_decode(version: str, checkpoint: Path, log_path: Path) -> SglangDecodeProcess:
+    """The child starts importing SGLang at once; its first ``call`` waits for it."""
+    return SglangDecodeProcess(sys.executable, sglang_path(version), checkpoint, log_path)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A worker speaking SGLang's protocol, and a decode pool that fits it."""
+
+    worker: Worker
+    sglang: str  # host:port of the bootstrap routes
+    layout: KVLayout
+
+    def ready(self) -> Served:
+        self.worker.child.wait_ready(120)
+        return self
+
+
+def launch(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protocol: str) -> Served:
+    """``prefill-worker serve`` on the tiny config, SGLang's protocol on; not waited for."""
+    sglang = f"127.0.0.1:{free_port()}"
+    worker = start_worker(
+        tmp_path,
+        checkpoint,
+        f"transfer.protocol={protocol}",
+        f"transfer.sglang_bootstrap_bind={sglang}",
+        f"model.dtype={dtype}",
+        f"cache.page_size={page_size}",
+        f"cache.num_pages={4096 // page_size}",
+        f"scheduler.chunk_size={2 * max(page_size, 16)}",  # prompts go in several chunks
     )
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 2048 // page_size)
+    return Served(worker, sglang, layout)
+
+
+@dataclass(frozen=True)
+class Version:
+    """What each version's tests use, all started at once (SGLang imports take seconds):
+    the decode process every test makes its decodes in, a second one that a test kills,
+    and a worker that a test kills."""
+
+    decode: SglangDecodeProcess
+    doomed_decode: SglangDecodeProcess
+    doomed_worker: Served
 
 
 @pytest.fixture(scope="session")
-def decode_process(
+def version(
     sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SglangDecodeProcess]:
-    """One child per version; each test makes its own decodes in it (``new``)."""
-    child = start_decode(sglang_version, checkpoint, tmp_path_factory.mktemp("decode"))
-    yield child
-    child.close()
+) -> Iterator[Version]:
+    tmp_path = tmp_path_factory.mktemp(f"sglang-{sglang_version}")
+    decode = start_decode(sglang_version, checkpoint, tmp_path / "decode.log")
+    doomed = start_decode(sglang_version, checkpoint, tmp_path / "doomed-decode.log")
+    worker = launch(tmp_path, checkpoint, 16, "float32", "sglang")
+    yield Version(decode, doomed, worker)
+    worker.worker.child.kill()
+    doomed.kill()
+    decode.close()
+
+
+@pytest.fixture
+def decode_process(version: Version) -> SglangDecodeProcess:
+    return version.decode

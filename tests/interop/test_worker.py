@@ -10,55 +10,25 @@ import re
 import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from prefill_worker.kv.layout import KVLayout
 from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.router.client import BlockingRouterClient
-from prefill_worker.testing.launch import free_port
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer.receiver import KVReceiver, RoomState
 from tests.checkpoints import hf_model, prompt
-from tests.integration.daemon.conftest import Worker, start_worker
-from tests.interop.conftest import start_decode
+from tests.integration.daemon.conftest import Worker
+from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, Served, Version, launch
 from tests.interop.decodes import Landed, SglangDecode, new_room
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16  # tests/checkpoints.py, llama
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # of the largest |K| or |V| of the prompt
-
-
-@dataclass(frozen=True)
-class Served:
-    """A worker speaking SGLang's protocol, and what it serves."""
-
-    worker: Worker
-    sglang: str  # host:port of the bootstrap routes
-    layout: KVLayout  # a decode pool that fits it
-
-
-def serve(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protocol: str) -> Served:
-    sglang = f"127.0.0.1:{free_port()}"
-    worker = start_worker(
-        tmp_path,
-        checkpoint,
-        f"transfer.protocol={protocol}",
-        f"transfer.sglang_bootstrap_bind={sglang}",
-        f"model.dtype={dtype}",
-        f"cache.page_size={page_size}",
-        f"cache.num_pages={4096 // page_size}",
-        f"scheduler.chunk_size={2 * max(page_size, 16)}",  # prompts go in several chunks
-    )
-    worker.child.wait_ready(120)
-    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 2048 // page_size)
-    return Served(worker, sglang, layout)
 
 
 @pytest.fixture(scope="session")
@@ -69,12 +39,16 @@ def served(
     serving both protocols."""
     tmp_path = tmp_path_factory.mktemp("served")
     workers = {
-        "p16-fp32": serve(tmp_path, checkpoint, 16, "float32", "sglang"),
-        "p1-bf16": serve(tmp_path, checkpoint, 1, "bfloat16", "both"),
+        "p16-fp32": launch(tmp_path, checkpoint, 16, "float32", "sglang"),
+        "p1-bf16": launch(tmp_path, checkpoint, 1, "bfloat16", "both"),
     }
-    yield workers
-    for one in workers.values():
-        assert one.worker.child.stop() == 0, one.worker.log()
+    try:
+        yield {name: one.ready() for name, one in workers.items()}
+        for one in workers.values():
+            assert one.worker.child.stop() == 0, one.worker.log()
+    finally:
+        for one in workers.values():
+            one.worker.child.kill()
 
 
 @pytest.fixture
@@ -211,9 +185,9 @@ def test_sglang_decode_aborts_a_room(
 
 
 def test_worker_dies_and_the_decode_fails_the_room_by_heartbeat(
-    decode_process: SglangDecodeProcess, checkpoint, tmp_path: Path
+    decode_process: SglangDecodeProcess, version: Version
 ) -> None:
-    one = serve(tmp_path, checkpoint, 16, "float32", "sglang")
+    one = version.doomed_worker.ready()
     decode = SglangDecode(decode_process, one.sglang, one.layout)
     room = new_room()
     decode.want(room, 40)  # bootstrapped and waiting for its KV
@@ -222,20 +196,14 @@ def test_worker_dies_and_the_decode_fails_the_room_by_heartbeat(
     one.worker.wait_exit(10)
     state, reason = decode.wait(room, timeout_s=30)
     assert state == "Failed" and "Lost connection with prefill" in str(reason), (state, reason)
-    one.worker.child.kill()
 
 
-def test_decode_dies_and_the_worker_pools_are_whole(
-    sglang_version: str, served, router, checkpoint, tmp_path: Path
-) -> None:
+def test_decode_dies_and_the_worker_pools_are_whole(version: Version, served, router) -> None:
     one = served["p16-fp32"]
-    doomed = start_decode(sglang_version, checkpoint, tmp_path)
-    try:
-        decode = SglangDecode(doomed, one.sglang, one.layout)
-        room = new_room()
-        decode.want(room, 300)  # registered and asked: the worker will push into a dead pool
-    finally:
-        doomed.kill()
+    decode = SglangDecode(version.doomed_decode, one.sglang, one.layout)
+    room = new_room()
+    decode.want(room, 300)  # registered and asked: the worker will push into a dead pool
+    version.doomed_decode.kill()
     result = router(one.worker).prefill(prompt(300, seed=5), room)
     assert result.status is OutcomeStatus.FAILED, result
     assert_pools_whole(one.worker)
