@@ -14,9 +14,9 @@ side, a chunk is one WRITE); the first token goes into the decode's metadata buf
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
 this engine has not turned for ``health_stale_s``) and fail their rooms when it does not
 answer. A decode that dies fails its rooms here by their write deadline (or a NIXL error),
-by the engine's transfer timeout, or, before any write, by the bootstrap timeout; its peer
-record stays (it may come back under the same name only with the same pool) until idle
-peers past ``MAX_PEERS`` are evicted, least recently seen first.
+by the engine's transfer timeout, or, before any write, by the bootstrap timeout. Its peer
+record stays until another agent registers from its control socket's address (it was
+restarted) or idle peers past ``MAX_PEERS`` are evicted, least recently seen first.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ class SglangBackend:
             regions.layout,
             self.limits,
             (self._peers, self._senders, self._rooms),
+            self._drop_peer,
             clock,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
@@ -187,7 +188,7 @@ class SglangBackend:
         for message in self._mailbox.take_all():
             self._desk.dispatch(message)
         self._drain_events()
-        for claim in self._rooms.pop_expired(now):
+        for claim in self._rooms.pop_expired(now):  # claims leave with their peer: it is here
             peer = self._peers[claim.peer.agent_name]
             reply = frames.kv_status(claim.want.room, False, "prefill request never arrived")
             self._replies.send(peer.endpoint, reply)

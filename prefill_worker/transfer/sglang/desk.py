@@ -60,6 +60,7 @@ class SglangDesk:
         layout: KVLayout,
         limits: BootstrapLimits,
         tables: tuple[dict[str, SglangPeer], dict[int, SglangSender], RoomBook],
+        drop_peer: Callable[[SglangPeer, str], None],
         clock: Callable[[], float],
         *,
         want_timeout_s: float,
@@ -68,6 +69,7 @@ class SglangDesk:
         self._agent, self._replies = agent, replies
         self._layout, self._limits = layout, limits
         self._peers, self._senders, self._rooms = tables
+        self._drop_peer = drop_peer
         self._clock = clock
         self._want_timeout_s = want_timeout_s
         self._on_reject = on_reject
@@ -116,6 +118,9 @@ class SglangDesk:
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
+        for old in [p for p in self._peers.values() if p.endpoint == reg.endpoint]:
+            # Its control socket now belongs to another agent: that decode restarted.
+            self._drop_peer(old, "decode re-registered under a new agent name")
         try:
             name = self._agent.add_remote_agent(reg.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
@@ -187,13 +192,15 @@ class SglangDesk:
             self.refuse_room(peer.endpoint, req.room, refusal)
 
     def _abort(self, notice: frames.AbortNotice) -> None:
-        """Only the owner's ABORT acts; every ABORT is acknowledged (after the room's writes)."""
+        """Only the owner's ABORT acts (an ABORT names its sender by its control socket);
+        every ABORT is acknowledged, after the room's writes."""
         room = notice.room
-        peer = next((p for p in self._peers.values() if p.endpoint == notice.endpoint), None)
         sender = self._senders.get(room)
-        if peer is not None and sender is not None and sender.peer is peer:
+        owner = None if sender is None or sender.peer is None else sender.peer.endpoint
+        if sender is not None and owner == notice.endpoint:
             sender.abort_by_peer(notice.endpoint, notice.generation)
             return
+        peer = next((p for p in self._peers.values() if p.endpoint == notice.endpoint), None)
         if peer is not None and self._rooms.drop(room, peer.peer):
             forget_at = self._clock() + self._want_timeout_s
             self._rooms.mark_aborted(room, peer.peer.agent_name, forget_at)
