@@ -18,7 +18,7 @@ import pytest
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
+from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangDecodeProcess
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.interop.decodes import SglangDecode
@@ -151,4 +151,27 @@ def test_every_byte_lands_where_the_decode_asked(
         assert landed.logprob_val[0] == np.float32(-0.25)
         assert landed.logprob_idx[0] == aux.first_token_id
         assert int(landed.bootstrap_room[0]) == room
+    worker.check_whole()
+
+
+def test_a_decode_the_worker_cannot_serve_learns_why(
+    decode_process: SglangDecodeProcess, worker_factory
+) -> None:
+    """A pool of another head size is refused at registration; SGLang's receiver fails the
+    room with the worker's reason. A page size that differs SGLang's decode refuses itself,
+    from ``/route``."""
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 16, WORKER_PAGES)
+    worker = worker_factory(layout)
+    narrow = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM // 2, "float32", 16, 48)
+    decode = SglangDecode(decode_process, worker.bootstrap, narrow)
+    room = int(np.random.default_rng(5).integers(1, 2**63))
+    decode.want(room, 40)
+    assert worker.drive(lambda: decode.state(room)[0] == "Failed")
+    reason = str(decode.state(room)[1])
+    assert "registration refused" in reason and "layout differ" in reason, reason
+    assert worker.backend.reject_counts == {"layout_mismatch": 1, "unknown_peer": 1}
+    other_page = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 4, 48)
+    mismatched = SglangDecode(decode_process, worker.bootstrap, other_page)
+    with pytest.raises(DecodeError, match="Page size mismatch"):
+        mismatched.want(room + 1, 40)
     worker.check_whole()
