@@ -2,8 +2,8 @@
 pushes into SGLang's own decode (``NixlKVReceiver`` over a real ``MHATokenToKVPool`` and
 ``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, prompts sent in chunks, with and
 without a decode-held prefix. Every prompt page lands in the decode page it asked for, nothing
-else in its pool moves, the metadata row holds the first token, the cached count, the logprob
-and the room, and SGLang's receiver says Success. Afterwards every page, aux row, sender and
+else in its pool moves, the metadata row holds the first token, the prefix-cache count, the
+logprob and the room, and SGLang's receiver says Success. Afterwards every page, aux row, sender and
 NIXL handle of the worker is back."""
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def push(
         sender.send_pages(src[first : first + chunk_pages], first)
     row = worker.aux.try_alloc()
     assert row is not None
-    aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens())
+    computed = num_tokens - 3 * (room % 2)  # some rooms: 3 tokens from the prefix cache
+    aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens(), 1, computed)
     worker.aux.write(row, aux)
     sender.send_aux(row)
     assert worker.drive(lambda: sender.poll().is_terminal)
@@ -147,7 +148,7 @@ def test_every_byte_lands_where_the_decode_asked(
                         want = worker.page(region, src[i])
                         assert np.array_equal(got, want), f"page {i} ({kind}{layer}, {dtype})"
         assert landed.output_ids[0] == aux.first_token_id
-        assert landed.cached_tokens[0] == num_held * page_size
+        assert landed.cached_tokens[0] == num_tokens - aux.num_computed_tokens
         assert landed.logprob_val[0] == np.float32(-0.25)
         assert landed.logprob_idx[0] == aux.first_token_id
         assert int(landed.bootstrap_room[0]) == room

@@ -125,7 +125,7 @@ def test_kv_and_first_token_land_where_the_decode_asked(
         assert landed.output_ids[0] == result.first_token_id
         assert landed.logprob_idx[0] == result.first_token_id
         assert landed.logprob_val[0] == pytest.approx(result.first_token_logprob, abs=1e-6)
-        assert landed.cached_tokens[0] == held
+        assert landed.cached_tokens[0] == (result.num_prefix_hit_tokens or 0)
         assert int(landed.bootstrap_room[0]) == room
         if one.layout.dtype == "float32":
             assert result.first_token_id == hf_kv(checkpoint, ids)[0]

@@ -7,7 +7,7 @@ DSA top-k, no speculative decoding: hidden states 16 x float32), identical in 0.
 
     buffer                      row            written here
     output_ids                  int32[16]      [0] first token
-    cached_tokens               int32[16]      [0] prompt tokens the decode already held
+    cached_tokens               int32[16]      [0] prompt tokens this worker's prefix cache held
     output_token_logprobs_val   float32[16]    [0] first token's logprob (when asked)
     output_token_logprobs_idx   int32[16]      [0] first token (when asked)
     output_top_logprobs_val     float32[128]   zeros (top logprobs are not computed)
@@ -76,7 +76,7 @@ class AuxStaging:
     def fill(self, row: int, aux: AuxRow, room: int) -> None:
         staged = np.zeros((), dtype=ROW_DTYPE)
         staged["output_ids"][0] = aux.first_token_id
-        staged["cached_tokens"][0] = aux.num_cached_tokens
+        staged["cached_tokens"][0] = aux.num_prefix_hit_tokens or 0  # SGLang: not computed
         if not math.isnan(aux.first_token_logprob):
             staged["output_token_logprobs_val"][0] = aux.first_token_logprob
             staged["output_token_logprobs_idx"][0] = aux.first_token_id

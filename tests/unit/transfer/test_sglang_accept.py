@@ -115,15 +115,16 @@ def test_the_metadata_row_is_sglangs() -> None:
     assert aux.ITEM_BYTES == (64, 64, 64, 64, 512, 512, 64, 128, 64, 64)
     assert aux.AUX_BUFFER_NAMES[0] == "output_ids" and aux.AUX_BUFFER_NAMES[-1] == "bootstrap_room"
     staging = aux.AuxStaging(4)
-    staging.fill(2, AuxRow(77, -1.5, 30, 16), room=2**62 + 5)
+    staging.fill(2, AuxRow(77, -1.5, 30, 16, num_computed_tokens=12), room=2**62 + 5)
     row = staging.rows[2]
     assert row["output_ids"][0] == 77 and not row["output_ids"][1:].any()
-    assert row["cached_tokens"][0] == 16
+    assert row["cached_tokens"][0] == 18  # not computed here: from the prefix cache
     assert row["output_token_logprobs_val"][0] == np.float32(-1.5)
     assert row["output_token_logprobs_idx"][0] == 77
     assert int(row["bootstrap_room"][0]) == 2**62 + 5
     assert not row["output_top_logprobs_val"].any() and not row["output_hidden_states"].any()
     staging.fill(2, AuxRow(9, math.nan, 30, 0), room=1)  # no logprob asked: zeros, all stale gone
+    assert staging.rows[2]["cached_tokens"][0] == 0  # no count reported
     assert staging.rows[2]["output_token_logprobs_val"][0] == 0
     assert staging.rows[2]["output_token_logprobs_idx"][0] == 0
     local = staging.local_descs(2)
