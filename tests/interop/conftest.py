@@ -92,12 +92,12 @@ def launch(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protoco
 
 @dataclass(frozen=True)
 class Version:
-    """What each version's tests use, all started at once (SGLang imports take seconds):
-    the decode process every test makes its decodes in, a second one that a test kills,
-    and a worker that a test kills."""
+    """What each version's tests use, started at once (an SGLang import takes seconds): the
+    decode process every test makes its decodes in (the version's last test kills it:
+    ``test_worker.py::test_decode_dies_and_the_worker_pools_are_whole``), and a worker that a
+    test kills."""
 
     decode: SglangDecodeProcess
-    doomed_decode: SglangDecodeProcess
     doomed_worker: Served
 
 
@@ -107,14 +107,14 @@ def version(
 ) -> Iterator[Version]:
     tmp_path = tmp_path_factory.mktemp(f"sglang-{sglang_version}")
     decode = start_decode(sglang_version, checkpoint, tmp_path / "decode.log")
-    doomed = start_decode(sglang_version, checkpoint, tmp_path / "doomed-decode.log")
     worker = launch(tmp_path, checkpoint, 16, "float32", "sglang")
-    yield Version(decode, doomed, worker)
+    yield Version(decode, worker)
     worker.worker.child.kill()
-    doomed.kill()
     decode.close()
 
 
 @pytest.fixture
 def decode_process(version: Version) -> SglangDecodeProcess:
+    if version.decode.popen.poll() is not None:
+        pytest.fail("the version's decode process is gone: the test that kills it runs last")
     return version.decode

@@ -198,15 +198,19 @@ def test_worker_dies_and_the_decode_fails_the_room_by_heartbeat(
     assert state == "Failed" and "Lost connection with prefill" in str(reason), (state, reason)
 
 
-def test_decode_dies_and_the_worker_pools_are_whole(version: Version, served, router) -> None:
+def test_decode_dies_and_the_worker_pools_are_whole(
+    decode_process: SglangDecodeProcess, served, router
+) -> None:
+    """Last for each version: it kills the version's decode process, with every decode it
+    made registered with the workers."""
     one = served["p16-fp32"]
-    decode = SglangDecode(version.doomed_decode, one.sglang, one.layout)
+    decode = SglangDecode(decode_process, one.sglang, one.layout)
     room = new_room()
     decode.want(room, 300)  # registered and asked: the worker will push into a dead pool
-    version.doomed_decode.kill()
+    decode_process.kill()
     result = router(one.worker).prefill(prompt(300, seed=5), room)
     assert result.status is OutcomeStatus.FAILED, result
-    assert_pools_whole(one.worker)
+    assert_pools_whole(one.worker)  # and the next version's tests use these workers
 
 
 METRIC = re.compile(r"^(prefill_worker_(?:kv_pages|aux_rows)_used) (\S+)$", re.M)
