@@ -141,7 +141,12 @@ def test_indexer_follows_the_worker_cache(serving: Serving, indexer: DynamoIndex
         "the first prompt's pages evicted",
     )
     latest = prompt(PROMPT_TOKENS, seed=8)
-    assert indexer.overlap_blocks(latest) == {WORKER_ID: NUM_FULL_PAGES}
+    # The indexer applies batches as they arrive: the last prompt's pages may still be coming.
+    wait_until(
+        lambda: indexer.overlap_blocks(latest) == {WORKER_ID: NUM_FULL_PAGES},
+        30,
+        "the last prompt's cached pages",
+    )
 
     # A drained worker empties its cache on the way out, and says so before its socket closes.
     assert serving.worker.child.stop() == 0, serving.worker.log()
