@@ -125,15 +125,16 @@ INTEROP_DEPS := nixl==1.5.1 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 dil
   compressed-tensors==0.20.1 loguru==0.7.3 openai==3.57.0 sniffio==1.3.1 \
   partial-json-parser==0.2.1.1.post7 xgrammar==0.2.9
 INTEROP_PIP := $(BIN)/pip install -q --no-deps --no-compile --disable-pip-version-check
+# (Only the venv's pip is needed here: the venv itself is `make setup`'s, and CI runs it first.)
 
 interop-deps: $(INTEROP)/deps/.installed $(SGLANG_VERSIONS:%=$(INTEROP)/sglang-%/.installed)
 
-$(INTEROP)/deps/.installed: | $(VENV)/.installed
+$(INTEROP)/deps/.installed: | $(BIN)/python
 	rm -rf $(@D)
 	$(INTEROP_PIP) --target $(@D) $(INTEROP_DEPS)
 	@touch $@
 
-$(INTEROP)/sglang-%/.installed: | $(VENV)/.installed
+$(INTEROP)/sglang-%/.installed: | $(BIN)/python
 	rm -rf $(@D)
 	$(INTEROP_PIP) --target $(@D) sglang==$*
 	@touch $@
