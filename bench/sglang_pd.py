@@ -140,13 +140,16 @@ async def measure(
     loop = asyncio.get_running_loop()
     try:
         await decode.ping(timeout_s=30)
-        for ids in prompts[:2]:  # warm-up, both paths
-            await loop.run_in_executor(None, smg_ttft, router, ids)
-            await native_ttft(client, decode, ids)
+        # Each path gets prompts of its own: the worker's prefix cache would serve the second
+        # path's copy of a prompt from the first one's pages.
+        pairs = list(zip(prompts[0::2], prompts[1::2], strict=True))
+        for smg_ids, native_ids in pairs[:2]:  # warm-up, both paths
+            await loop.run_in_executor(None, smg_ttft, router, smg_ids)
+            await native_ttft(client, decode, native_ids)
         via_smg, native = [], []
-        for ids in prompts[2:]:
-            via_smg.append(await loop.run_in_executor(None, smg_ttft, router, ids))
-            native.append(await native_ttft(client, decode, ids))
+        for smg_ids, native_ids in pairs[2:]:
+            via_smg.append(await loop.run_in_executor(None, smg_ttft, router, smg_ids))
+            native.append(await native_ttft(client, decode, native_ids))
         return via_smg, native
     finally:
         client.close()
@@ -176,7 +179,7 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [
         [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]
-        for _ in range(args.num_requests + 2)
+        for _ in range(2 * (args.num_requests + 2))
     ]
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
         procs, router, ingress, control = start_all(Path(tmp), args.smg_kv)
