@@ -139,7 +139,7 @@ $(INTEROP)/sglang-%/.installed: | $(BIN)/python
 	$(INTEROP_PIP) --target $(@D) sglang==$*
 	@touch $@
 
-interop: interop-deps smg
+interop: interop-deps smg kv-events-deps
 	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop tests/smg
 
 # The long runs (the 10,000-request soak): not in `make test` or CI.
