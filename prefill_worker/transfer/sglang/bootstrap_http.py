@@ -15,18 +15,17 @@ its only rank. It reads nothing but the answers it was built with and the health
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import threading
 from collections.abc import Callable
 
 from aiohttp import web
 
+from prefill_worker.aio_site import ThreadedSite
+
 log = logging.getLogger(__name__)
 
 _RANK_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
-_STOP_TIMEOUT_S = 2.0
 
 
 class BootstrapHttp:
@@ -44,9 +43,7 @@ class BootstrapHttp:
         self._server_info = json.dumps(server_info)
         self._rank_info = json.dumps(rank_info)
         self._is_healthy = is_healthy
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._site = ThreadedSite("sglang-http")
         self.port = 0
 
     @property
@@ -56,37 +53,16 @@ class BootstrapHttp:
 
     def start(self) -> None:
         """Bind and serve on a daemon thread; raises OSError here when the bind fails."""
-        loop = self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="sglang-http", daemon=True)
-        self._thread.start()
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
-        except BaseException:
-            self.stop()
-            raise
+        self.port = self._site.start(self._app(), self._host, self._port)
 
     def stop(self) -> None:
-        loop, thread, self._loop = self._loop, self._thread, None
-        if loop is None or thread is None:
-            return
-        try:
-            if self._runner is not None:
-                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
-                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
-                loop.close()
+        self._site.stop()
 
-    async def _serve(self) -> int:
+    def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("*", "/route", self._route)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_STOP_TIMEOUT_S)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self._host, self._port).start()
-        return int(self._runner.addresses[0][1])
+        return app
 
     async def _route(self, request: web.Request) -> web.Response:
         if request.method != "GET":
