@@ -16,7 +16,7 @@ RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run run-sglang test soak lint format bench clean docs lock
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock interop-deps interop
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
@@ -84,18 +84,22 @@ $(SMG_DIR)/.installed:
 	$(SMG_DIR)/bin/pip install -q $(SMG)
 	@touch $@
 
-# The HTTP front driven by the real smg (tests/smg also run in `make test` once smg is there).
+# The HTTP front driven by the real smg: tests/smg's native-protocol stack runs in `make test`
+# once smg is there; its SGLang-protocol stack (SGLang's own decode-side code in the decode
+# peer) is marked interop and runs in `make interop`.
 .PHONY: test-smg
-test-smg: smg
+test-smg: smg .interop/deps/.installed .interop/sglang-0.5.23/.installed
 	$(BIN)/pytest -q tests/smg
 
 # The demo: the worker on configs/default.yaml, the reference decode peer, a few chat prompts.
 run: setup
 	$(BIN)/python scripts/demo.py
 
-# The same, behind SGLang's PD router: smg, the worker's HTTP API front, the decode peer's
-# SGLang decode HTTP API (docs/http-api.md).
-run-sglang: setup smg
+# The same, behind SGLang's PD router: smg, the worker's HTTP API front and SGLang's PD
+# protocol, the decode peer's SGLang mode (SGLang 0.5.23's decode-side code receives the KV)
+# behind SGLang's decode HTTP API (docs/http-api.md). `scripts/demo_sglang.py --kv native`:
+# the same over the native protocol.
+run-sglang: setup smg .interop/deps/.installed .interop/sglang-0.5.23/.installed
 	$(BIN)/python scripts/demo_sglang.py
 
 lint:
@@ -108,7 +112,35 @@ format:
 	$(BIN)/ruff format .
 
 test: lint
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not interop"
+
+# SGLang's own decode-side code as the decode (docs/sglang.md). Each supported version goes
+# into a directory of its own, without its dependencies (torch, CUDA kernels): the decode runs
+# in a child process on this venv's python with PYTHONPATH = that directory, the few packages
+# its imports need (pinned, shared), and tests/interop/stubs (triton, torchvision).
+SGLANG_VERSIONS := 0.5.20 0.5.22 0.5.23
+INTEROP := .interop
+INTEROP_DEPS := nixl==1.5.1 orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 dill==0.4.1 \
+  ipython==9.18.1 traitlets==5.16.1 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3 \
+  compressed-tensors==0.20.1 loguru==0.7.3 openai==3.57.0 sniffio==1.3.1 \
+  partial-json-parser==0.2.1.1.post7 xgrammar==0.2.9
+INTEROP_PIP := $(BIN)/pip install -q --no-deps --no-compile --disable-pip-version-check
+# (Only the venv's pip is needed here: the venv itself is `make setup`'s, and CI runs it first.)
+
+interop-deps: $(INTEROP)/deps/.installed $(SGLANG_VERSIONS:%=$(INTEROP)/sglang-%/.installed)
+
+$(INTEROP)/deps/.installed: | $(BIN)/python
+	rm -rf $(@D)
+	$(INTEROP_PIP) --target $(@D) $(INTEROP_DEPS)
+	@touch $@
+
+$(INTEROP)/sglang-%/.installed: | $(BIN)/python
+	rm -rf $(@D)
+	$(INTEROP_PIP) --target $(@D) sglang==$*
+	@touch $@
+
+interop: interop-deps smg kv-events-deps
+	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop tests/smg
 
 # The long runs (the 10,000-request soak): not in `make test` or CI.
 soak:
@@ -119,8 +151,27 @@ docs:
 	$(BIN)/python -m prefill_worker.router.schemadoc docs/protocol.md
 	$(BIN)/python -m prefill_worker.transfer.schemadoc docs/protocol.md
 
+# KV events against a real consumer: Dynamo's standalone KV indexer in a venv of its own
+# (.interop/dynamo), every package pinned in tests/interop/dynamo-requirements.txt.
+DYNAMO_ENV := .interop/dynamo
+DYNAMO_REQUIREMENTS := tests/interop/dynamo-requirements.txt
+KV_EVENTS_INTEROP_TESTS := tests/interop/test_dynamo_indexer.py \
+  tests/interop/test_worker_feeds_dynamo_indexer.py
+
+.PHONY: kv-events-deps kv-events-interop
+kv-events-deps: $(DYNAMO_ENV)/.installed
+
+$(DYNAMO_ENV)/.installed: $(DYNAMO_REQUIREMENTS)
+	rm -rf $(DYNAMO_ENV)
+	$(PYTHON) -m venv $(DYNAMO_ENV)
+	$(DYNAMO_ENV)/bin/pip install -q --no-deps -r $(DYNAMO_REQUIREMENTS)
+	@touch $@
+
+kv-events-interop: kv-events-deps
+	$(BIN)/pytest -q -m interop $(KV_EVENTS_INTEROP_TESTS)
+
 bench:
 	@for b in bench/*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(INTEROP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,11 +1,14 @@
 """`make run-sglang`: the worker behind SGLang's real PD router (smg), as a user sees it.
 
-Starts the worker (``configs/default.yaml``, SmolLM2-135M-Instruct, with its HTTP API front),
-the reference decode peer serving SGLang's decode HTTP API, and smg in PD mode in front of
-both; sends a few chat prompts to smg's ``/generate`` as text, and prints each answer with its
-timings. Then stops the three with SIGTERM and checks they exit 0.
+Starts the worker (``configs/default.yaml``, SmolLM2-135M-Instruct, with its HTTP API front
+and SGLang's PD protocol, ``transfer.protocol=sglang``), the reference decode peer in its
+SGLang mode (SGLang's own decode-side transfer code receives the KV; SGLang 0.5.23 from
+`make interop-deps`) serving SGLang's decode HTTP API, and smg in PD mode in front of both,
+given the worker's SGLang bootstrap port as an SGLang prefill's; sends a few chat prompts to
+smg's ``/generate`` as text, and prints each answer with its timings. Then stops the three
+with SIGTERM and checks they exit 0. ``--kv native``: the same over the native protocol.
 
-    python scripts/demo_sglang.py [--max-new-tokens 48]
+    python scripts/demo_sglang.py [--max-new-tokens 48] [--kv native]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from demo import PROMPTS, _missing, _wait_ready, _worker_args  # noqa: E402
 
 from prefill_worker.service.config import load_config  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, LaunchError, free_port  # noqa: E402
+from prefill_worker.testing.sglang_env import InteropMissing, sglang_env  # noqa: E402
 from tests.polling import wait_until  # noqa: E402
 
 SMG = ROOT / ".interop" / "smg" / "bin" / "smg"
@@ -52,6 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--kv", choices=("sglang", "native"), default="sglang")
     args = parser.parse_args()
     config = load_config(ROOT / args.config)
     model = ROOT / config.model.path
@@ -60,15 +65,26 @@ def main() -> int:
     if not SMG.exists():
         print(f"{SMG} is missing: run `make smg`", file=sys.stderr)
         return 1
+    try:
+        peer_env = sglang_env(ROOT) if args.kv == "sglang" else None
+    except InteropMissing as exc:
+        print(f"{exc} (or --kv native)", file=sys.stderr)
+        return 1
+    sglang_bootstrap = f"127.0.0.1:{free_port()}"
     ingress, bootstrap = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     metrics, api, decode, router_port = (free_port() for _ in range(4))
     router = f"http://127.0.0.1:{router_port}"
+    how = "SGLang's PD protocol" if peer_env else "the native protocol"
     print(f"== prefill-worker behind smg: {config.model.path} ({config.model.dtype}, CPU)")
+    print(f"== the KV goes over {how}")
     with tempfile.TemporaryDirectory(prefix="prefill-sglang-") as tmp:
         worker_args = _worker_args(args.config, ingress, bootstrap, f"127.0.0.1:{metrics}")
         worker_args += ["--set", "http_api.enabled=true"]
         worker_args += ["--set", f"http_api.bind=127.0.0.1:{api}"]
         worker_args += ["--set", f"http_api.served_model_name={MODEL_NAME}"]
+        if peer_env is not None:
+            worker_args += ["--set", "transfer.protocol=sglang"]
+            worker_args += ["--set", f"transfer.sglang_bootstrap_bind={sglang_bootstrap}"]
         procs: list[ChildProcess] = []
         try:
             print("== starting the worker (loading the model)")
@@ -76,16 +92,20 @@ def main() -> int:
             _wait_ready(procs[0])
             print("== starting the decode peer (SGLang's decode HTTP API, same model)")
             peer_args = [sys.executable, "-m", "prefill_worker.testing.decode_peer"]
-            peer_args += ["--model", str(model), "--bootstrap", bootstrap]
+            peer_args += ["--model", str(model)]
+            peer_args += ["--bootstrap", sglang_bootstrap if peer_env else bootstrap]
+            peer_args += ["--sglang"] if peer_env else []
             peer_args += ["--http", f"127.0.0.1:{decode}", "--served-model-name", MODEL_NAME]
             peer_args += ["--dtype", config.model.dtype, "--page-size", str(config.cache.page_size)]
             peer_args += ["--attention-backend", "sdpa", "--num-threads", "1"]
-            procs.insert(0, ChildProcess.start("decode-peer", peer_args, Path(tmp), cwd=ROOT))
+            peer = ChildProcess.start("decode-peer", peer_args, Path(tmp), cwd=ROOT, env=peer_env)
+            procs.insert(0, peer)
             _wait_ready(procs[0])
             print(f"== starting smg (PD mode, round robin) on {router}")
             smg_args = [str(SMG), "launch", "--pd-disaggregation", "--host", "127.0.0.1"]
             smg_args += ["--port", str(router_port), "--prometheus-port", str(free_port())]
-            smg_args += ["--prefill", f"http://127.0.0.1:{api}", bootstrap.rpartition(":")[2]]
+            smg_bootstrap = sglang_bootstrap if peer_env else bootstrap
+            smg_args += ["--prefill", f"http://127.0.0.1:{api}", smg_bootstrap.rpartition(":")[2]]
             smg_args += ["--decode", f"http://127.0.0.1:{decode}", "--policy", "round_robin"]
             smg_args += ["--worker-startup-check-interval", "1", "--log-level", "warn"]
             procs.insert(0, ChildProcess.start("smg", smg_args, Path(tmp), cwd=ROOT))

@@ -110,7 +110,10 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, -math.inf)  # ties with the k-th stay
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        # Ranked by the logits, not the probabilities: logits a hair apart can round to equal
+        # probabilities, and the token kept first must be a most likely one.
+        order = torch.sort(scaled, descending=True, stable=True).indices
+        sorted_probs = probs[order]
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ranked above
         drop = before >= p.top_p
         drop[0] = False  # the most likely token always stays, whatever rounding says

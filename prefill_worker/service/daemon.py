@@ -9,11 +9,12 @@ supervision, signals, drain, stop, fatal errors, closing. Threads::
     ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
     http     /metrics /livez /readyz /drain (aiohttp on uvloop)
     forward  (overlap mode) the executor thread running batch N
+    kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
-(NIXL agent and bootstrap server), engine, ingress; then ready. A failing step exits with a
-line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0 after
-a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
+(NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
+with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
+after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
-from prefill_worker.kv.cache_events import NullCacheEvents
+from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.router.admission import Limits
@@ -53,6 +54,7 @@ from prefill_worker.service.startup import (
     start_http,
     start_http_api,
     start_ingress,
+    start_kv_events,
     start_transfer,
     startup_step,
     write_ready_file,
@@ -90,8 +92,12 @@ class Daemon:
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
-        self.bootstrap_endpoint = ""
         self._kv_layout: dict[str, str | int] = {}
+        self.transfer_endpoints: Mapping[str, str] = {}
+        # Where the prefix cache reports its blocks: the KV-event publisher when
+        # kv_events.enabled, else a sink that drops them.
+        self.cache_events: CacheEventSink = NullCacheEvents()
+        self._kv_event_endpoints: dict[str, str] = {}
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -118,14 +124,15 @@ class Daemon:
             cfg, self._build_model, LoadReport(self.notifier.status)
         )
         pages, aux = make_pools(cfg, kv_cache)
-        transfer = start_transfer(cfg, kv_cache.regions(aux.base_addr, aux.num_rows), self.metrics)
+        regions = kv_cache.regions(aux.base_addr, aux.num_rows)
+        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
-        self._closers.append(("transfer", transfer.close))
-        self.bootstrap_endpoint = transfer.bootstrap_endpoint
-        # KV events: no publisher yet, so the cache reports to nobody.
-        prefix_cache = make_prefix_cache(cfg, pages, NullCacheEvents())
+        self._closers.append(("transfer", transfer.backend.close))
+        self.transfer_endpoints = transfer.endpoints
+        self._start_kv_events()
+        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
-            cfg, runner, transfer, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
         )
         self._engine = engine
         limits = (
@@ -159,14 +166,26 @@ class Daemon:
         self.health.watch(engine.progress)
         self._announce(http.port)
 
+    def _start_kv_events(self) -> None:
+        publisher = start_kv_events(self.config, self.metrics)
+        if publisher is None:
+            return
+        # Closed after the engine's shutdown, so the cache's last events still go out.
+        self._closers.append(("kv events", publisher.close))
+        self.cache_events = publisher
+        self._kv_event_endpoints["kv_events"] = publisher.endpoint
+        if publisher.replay_endpoint is not None:
+            self._kv_event_endpoints["kv_events_replay"] = publisher.replay_endpoint
+
     def _announce(self, http_port: int) -> None:
         """Ready: say where everything is bound (port 0 picks any) to `/readyz`, systemd, a file."""
         cfg = self.config
         http_host = cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
         endpoints: dict[str, str | int] = {
             "ingress": self.ingress.endpoint,
-            "bootstrap": self.bootstrap_endpoint,
+            **self.transfer_endpoints,
             "http": f"{http_host}:{http_port}",
+            **self._kv_event_endpoints,
             "pid": os.getpid(),
         }
         if self._http_api is not None:

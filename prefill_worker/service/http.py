@@ -11,11 +11,9 @@ anyone (local demos). The read-only routes stay open for probes and Prometheus.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,11 +24,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from prefill_worker.aio_site import ThreadedSite
 from prefill_worker.scheduler.liveness import LivenessRule, Progress, Verdict
 
 log = logging.getLogger(__name__)
-
-_STOP_TIMEOUT_S = 2.0  # requests still in flight at stop get this long, then are cut
 
 
 class Health:
@@ -121,50 +118,24 @@ class HttpServer:
         self._registry = registry
         self._on_drain = on_drain
         self._admin = admin
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._site = ThreadedSite("http")
         self.port = 0
 
     def start(self) -> None:
         """Bind and serve on a daemon thread; raises OSError here if the bind fails."""
-        loop = self._loop = _new_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="http", daemon=True)
-        self._thread.start()
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
-        except BaseException:
-            self.stop()
-            raise
+        self.port = self._site.start(self._app(), self._host, self._port, logger=_ServerLog())
 
     def stop(self) -> None:
         """Close the listener and every connection (in-flight requests get a moment)."""
-        loop, thread, self._loop = self._loop, self._thread, None
-        if loop is None or thread is None:
-            return
-        try:
-            if self._runner is not None:
-                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
-                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
-                loop.close()
+        self._site.stop()
 
-    async def _serve(self) -> int:
+    def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_post("/drain", self._drain)
-        self._runner = web.AppRunner(
-            app, access_log=None, logger=_ServerLog(), shutdown_timeout=_STOP_TIMEOUT_S
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        return int(self._runner.addresses[0][1])
+        return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self._registry)
@@ -205,13 +176,3 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
             self.debug(f"{msg}: %r", *args, exc_info)
         else:
             super().exception(msg, *args, exc_info=exc_info, **kw)
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        log.warning("uvloop is not installed; using the default asyncio loop")
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop

@@ -158,6 +158,23 @@ class WorkerMetrics:
             buckets=_TOKENS,
             registry=registry,
         )
+        self.kv_events_published = Counter(
+            "prefill_worker_kv_events_published_total",
+            "KV events (block stored, removed, all cleared) sent on the kv-events PUB socket",
+            registry=registry,
+        )
+        self.kv_events_dropped = Counter(
+            "prefill_worker_kv_events_dropped_total",
+            "KV events never sent, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.kv_event_replays = Counter(
+            "prefill_worker_kv_event_replays_total",
+            "Replay requests on the kv-events replay socket, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
         self.ready = Gauge("prefill_worker_ready", "1 when serving, else 0", registry=registry)
         self.draining = Gauge("prefill_worker_draining", "1 while draining", registry=registry)
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+_ANY_ADDRESS = ("", "0.0.0.0", "::")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -163,6 +165,59 @@ class TransferConfig(_Section):
         "interfaces UCX listens on and sends over. Unset: `lo` when bootstrap_bind is on "
         "127.0.0.1, else UCX's default (every interface).",
     )
+    protocol: Literal["native", "sglang", "both"] = Field(
+        "native",
+        description="Which decodes the worker serves: `native` (the bootstrap protocol of "
+        "docs/protocol.md, on bootstrap_bind), `sglang` (SGLang PD decode servers, "
+        "docs/sglang.md, on the sglang_* addresses), or `both` at once.",
+    )
+    sglang_bootstrap_bind: str = Field(
+        "127.0.0.1:8998",
+        description="host:port of SGLang's bootstrap routes (`/route`, `/health`): the port "
+        "given to the router as `--prefill URL PORT` (SGLang's default is 8998).",
+    )
+    sglang_rank_ip: str | None = Field(
+        None,
+        description="Address of the SGLang control socket, as `/route` tells decodes (it binds "
+        "there). Unset: the host of sglang_bootstrap_bind, which must then be a specific "
+        "address.",
+    )
+    sglang_rank_port: int = Field(
+        0, ge=0, le=65535, description="Port of the SGLang control socket; 0 picks a free one."
+    )
+    sglang_kv_cache_dtype: str = Field(
+        "auto",
+        description="What `/route` announces as `kv_cache_dtype`; SGLang decodes refuse a "
+        "prefill whose string differs from their `--kv-cache-dtype`.",
+    )
+    sglang_health_stale_s: float = Field(
+        30.0,
+        gt=0,
+        description="SGLang `/health` answers 503 once the engine loop has not turned for this "
+        "long (decodes fail their rooms after two missed health checks).",
+    )
+
+    @model_validator(mode="after")
+    def _sglang_rank_ip_known(self) -> TransferConfig:
+        if self.protocol != "native" and self.resolved_sglang_rank_ip in _ANY_ADDRESS:
+            raise ValueError(
+                "sglang_rank_ip: set the address decodes reach the control socket on "
+                f"(sglang_bootstrap_bind {self.sglang_bootstrap_bind} names no single address)"
+            )
+        return self
+
+    @property
+    def resolved_sglang_rank_ip(self) -> str:
+        if self.sglang_rank_ip is not None:
+            return self.sglang_rank_ip
+        return self.sglang_bootstrap_bind.rpartition(":")[0].strip("[]")
+
+    @property
+    def resolved_sglang_ucx_net_devices(self) -> str | None:
+        """As ``resolved_ucx_net_devices``, for the SGLang agent: `lo` on 127.0.0.1."""
+        if self.ucx_net_devices is not None:
+            return self.ucx_net_devices
+        return "lo" if self.resolved_sglang_rank_ip == "127.0.0.1" else None
 
     @property
     def resolved_ucx_net_devices(self) -> str | None:
@@ -227,6 +282,32 @@ class HttpApiConfig(_Section):
     )
 
 
+class KVEventsConfig(_Section):
+    """Cached blocks told to cache-aware routers: vLLM's KV events on ZMQ (docs/kv-events.md)."""
+
+    enabled: bool = Field(False, description="Publish KV events.")
+    publish_bind: str = Field(
+        "tcp://127.0.0.1:5559",
+        description="ZMQ PUB address subscribers (Dynamo's indexer, llm-d) connect to; always "
+        "bound. Port 0 picks one (`/readyz` shows it as `kv_events`).",
+    )
+    replay_bind: str | None = Field(
+        "tcp://127.0.0.1:5560",
+        description="ZMQ ROUTER address that resends held batches from a sequence number "
+        "(`kv_events_replay` in `/readyz`); unset: no replay.",
+    )
+    topic: str = Field("", description="The first frame of every message (vLLM's `topic`).")
+    num_replay_batches: int = Field(
+        10_000, ge=1, description="Batches held for replay (vLLM's `buffer_steps`)."
+    )
+    max_queued_events: int = Field(
+        100_000,
+        ge=1,
+        description="Events waiting for the publisher thread; past this they are dropped "
+        "(counted), and subscribers are told to clear once the queue drains.",
+    )
+
+
 class DaemonConfig(_Section):
     """Process lifecycle and logging."""
 
@@ -254,6 +335,7 @@ class Config(_Section):
     transfer: TransferConfig = TransferConfig()
     metrics: MetricsConfig = MetricsConfig()
     http_api: HttpApiConfig = HttpApiConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
     daemon: DaemonConfig = DaemonConfig()
 
 

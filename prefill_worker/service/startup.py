@@ -25,6 +25,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
 from prefill_worker.router.admission import Limits
@@ -34,8 +35,15 @@ from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.telemetry import EngineEvents, IngressEvents
-from prefill_worker.transfer.factory import ServingBackend, make_backend
+from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.transfer.factory import (
+    ServingBackend,
+    SglangBootstrap,
+    Transfer,
+    make_backend,
+    make_sglang_backend,
+    serve_protocols,
+)
 from prefill_worker.transfer.validate import BootstrapLimits
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -147,27 +155,86 @@ def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -
         return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
 
 
-def start_transfer(config: Config, regions: KVRegions, metrics: WorkerMetrics) -> ServingBackend:
+def start_transfer(
+    config: Config, regions: KVRegions, metrics: WorkerMetrics, wake: Callable[[], None]
+) -> Transfer:
+    """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
+    thread calls it when a message arrives)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
-        curve = None
-        if cfg.curve_secret_key_file:
-            curve = CurveServerKeys.from_files(
-                cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
-            )
-        return make_backend(
-            regions,
-            cfg.bootstrap_bind,
-            cfg.agent_name,
-            list(cfg.nixl_backends),
-            cfg.peer_timeout_s,
-            cfg.heartbeat_interval_s,
-            want_timeout_s=config.scheduler.bootstrap_timeout_s,
-            limits=BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes),
-            curve=curve,
-            ucx_net_devices=cfg.resolved_ucx_net_devices,
-            on_reject=metrics.on_bootstrap_reject,
+        limits = BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes)
+        want_timeout_s = config.scheduler.bootstrap_timeout_s
+        native = _native_backend(config, regions, metrics, limits)
+        try:
+            sglang = None
+            if cfg.protocol != "native":
+                sglang = make_sglang_backend(
+                    regions,
+                    SglangBootstrap(
+                        cfg.sglang_bootstrap_bind,
+                        cfg.resolved_sglang_rank_ip,
+                        cfg.sglang_rank_port,
+                        cfg.sglang_kv_cache_dtype,
+                        cfg.sglang_health_stale_s,
+                    ),
+                    None if cfg.agent_name is None else f"{cfg.agent_name}-sglang",
+                    list(cfg.nixl_backends),
+                    cfg.peer_timeout_s,
+                    want_timeout_s,
+                    limits=limits,
+                    ucx_net_devices=cfg.resolved_sglang_ucx_net_devices,
+                    on_reject=metrics.on_bootstrap_reject,
+                    wake=wake,
+                )
+        except BaseException:
+            if native is not None:
+                native.close()
+            raise
+        return serve_protocols(native, sglang)
+
+
+def _native_backend(
+    config: Config, regions: KVRegions, metrics: WorkerMetrics, limits: BootstrapLimits
+) -> ServingBackend | None:
+    cfg = config.transfer
+    if cfg.protocol == "sglang":
+        return None
+    curve = None
+    if cfg.curve_secret_key_file:
+        curve = CurveServerKeys.from_files(
+            cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
         )
+    return make_backend(
+        regions,
+        cfg.bootstrap_bind,
+        cfg.agent_name,
+        list(cfg.nixl_backends),
+        cfg.peer_timeout_s,
+        cfg.heartbeat_interval_s,
+        want_timeout_s=config.scheduler.bootstrap_timeout_s,
+        limits=limits,
+        curve=curve,
+        ucx_net_devices=cfg.resolved_ucx_net_devices,
+        on_reject=metrics.on_bootstrap_reject,
+    )
+
+
+def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
+    """The KV-event publisher, bound and publishing; None when ``kv_events.enabled`` is off."""
+    cfg = config.kv_events
+    if not cfg.enabled:
+        return None
+    with startup_step("kv events", (KVEventsError,)):
+        publisher = KVEventPublisher(
+            cfg.publish_bind,
+            cfg.replay_bind,
+            topic=cfg.topic,
+            max_queued_events=cfg.max_queued_events,
+            num_replay_batches=cfg.num_replay_batches,
+            observer=KVEventsTelemetry(metrics),
+        )
+        publisher.start()
+    return publisher
 
 
 def make_engine(

@@ -2,6 +2,7 @@
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
 implements ``router.dispatch.IngressObserver`` (I/O thread); both only record.
+``KVEventsTelemetry`` implements ``kv_events.KVEventsObserver`` (counters only).
 """
 
 from __future__ import annotations
@@ -54,3 +55,19 @@ class IngressEvents:
 
     def on_unroutable(self) -> None:
         self._metrics.unroutable.inc()
+
+
+class KVEventsTelemetry:
+    """The KV-event publisher's observer (engine and kv-events threads): its counters."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def on_published(self, num_events: int) -> None:
+        self._metrics.kv_events_published.inc(num_events)
+
+    def on_dropped(self, reason: str, num_events: int) -> None:
+        self._metrics.kv_events_dropped.labels(reason).inc(num_events)
+
+    def on_replay(self, outcome: str) -> None:
+        self._metrics.kv_event_replays.labels(outcome).inc()

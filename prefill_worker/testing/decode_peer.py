@@ -25,15 +25,16 @@ import collections
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefill_worker.batch import BatchPlan, ChunkPlan, ModelRunner
-from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import SamplingParams
+from prefill_worker.transfer.decode_rooms import RoomStatus
 from prefill_worker.transfer.receiver import KVReceiver, RoomState
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,26 @@ class KVPool(Protocol):
     def layout(self) -> KVLayout: ...
 
     def regions(self, aux_base_addr: int, num_aux_rows: int) -> KVRegions: ...
+
+
+class KVSource(Protocol):
+    """Where a room's KV and first token come from: one prefill worker, as the decode SDK's
+    ``KVReceiver`` serves it (native protocol), or SGLang's decode-side transfer code
+    (``sglang_peer.SglangSource``, SGLang's protocol)."""
+
+    def want(
+        self, room: int, page_ids: Sequence[int], aux_slot: int, num_cached_tokens: int
+    ) -> None: ...
+
+    def progress(self) -> None: ...
+
+    def poll(self, room: int) -> RoomStatus: ...
+
+    def read_aux(self, aux_slot: int) -> AuxRow: ...
+
+    def forget(self, room: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +87,7 @@ class _Sequence:
     room: int
     prompt_len: int
     max_new_tokens: int
-    receiver: KVReceiver
+    receiver: KVSource
     page_ids: list[int] = field(default_factory=list)
     aux_slot: int = -1
     tokens: list[int] = field(default_factory=list)  # generated so far
@@ -75,7 +96,11 @@ class _Sequence:
 
 
 class DecodePeer:
-    """A KV pool, a ``KVReceiver`` over it, a page allocator and a greedy decode loop."""
+    """A KV pool, a ``KVReceiver`` over it, a page allocator and a greedy decode loop.
+
+    ``connect`` (bootstrap address -> ``KVSource``) replaces the native receivers: then a
+    request may name any prefill (``expect(..., source)``), connected on first use, as an
+    SGLang decode bootstraps each room from the prefill the router named."""
 
     def __init__(
         self,
@@ -88,6 +113,7 @@ class DecodePeer:
         stop_token_ids: Sequence[int] = (),
         peer_timeout_s: float = 10.0,
         registration_timeout_s: float = 60.0,
+        connect: Callable[[str], KVSource] | None = None,
     ) -> None:
         self.runner = runner
         self.kv_cache = kv_cache  # keeps the registered pool alive as long as the receiver
@@ -99,12 +125,16 @@ class DecodePeer:
         regions = kv_cache.regions(self.aux.base_addr, self.aux.num_rows)
         addrs = [bootstrap_addr] if isinstance(bootstrap_addr, str) else list(bootstrap_addr)
         # One receiver per worker, over the one pool: a router may pick any of them per request.
-        self.receivers = {
-            addr: KVReceiver(regions, addr, peer_timeout_s=peer_timeout_s) for addr in addrs
-        }
-        for receiver in self.receivers.values():
-            receiver.wait_registered(registration_timeout_s)
-        self.receiver = self.receivers[addrs[0]]
+        self.receivers: dict[str, KVSource] = {}
+        if connect is None:
+            for addr in addrs:
+                receiver = KVReceiver(regions, addr, peer_timeout_s=peer_timeout_s)
+                receiver.wait_registered(registration_timeout_s)
+                self.receivers[addr] = receiver
+        else:
+            self.receivers = {addr: connect(addr) for addr in addrs}
+        self._connect = connect
+        self.receiver = self.receivers[addrs[0]] if addrs else None
         self._queued: collections.deque[_Sequence] = collections.deque()  # waiting for space
         self._landing: dict[int, _Sequence] = {}  # room -> wanted, KV not landed yet
         self._decoding: dict[int, _Sequence] = {}  # room -> generating
@@ -123,14 +153,20 @@ class DecodePeer:
         num_pages: int = 1024,
         num_threads: int | None = None,
         pool_layout: str | None = None,
+        connect_over: Callable[[Any], Callable[[str], KVSource]] | None = None,
         **kwargs: Any,
     ) -> DecodePeer:
         """Build the model (its own KV pool) and connect to the worker's bootstrap server.
-        ``stop_token_ids`` defaults to the checkpoint's EOS ids; ``pool_layout`` to the
-        (first) worker's, asked with ``describe_worker``."""
+        ``stop_token_ids`` defaults to the checkpoint's EOS ids. ``pool_layout`` defaults to
+        the (first) worker's, asked with ``describe_worker``; layer-major when the KV comes
+        over SGLang's protocol (``connect_over``), whose decodes keep per-layer buffers.
+        ``connect_over(kv_cache)``, if given, makes the ``connect`` of the KV sources that
+        fill that pool."""
         from prefill_worker.model import build
         from prefill_worker.transfer import describe_worker
 
+        if pool_layout is None and connect_over is not None:
+            pool_layout = "layer_major"
         if pool_layout is None:
             first = bootstrap_addr if isinstance(bootstrap_addr, str) else bootstrap_addr[0]
             pool_layout = describe_worker(first, 60.0).kind
@@ -145,6 +181,8 @@ class DecodePeer:
             num_threads=num_threads,
         )
         kwargs.setdefault("stop_token_ids", info.eos_token_ids)
+        if connect_over is not None:
+            kwargs["connect"] = connect_over(kv_cache)
         return cls(runner, kv_cache, bootstrap_addr, **kwargs)
 
     @property
@@ -162,7 +200,10 @@ class DecodePeer:
         """Take a request: it is wanted from the worker as soon as pages and a row are free.
         ``source`` is that worker's bootstrap address (None: the first one given)."""
         assert max_new_tokens >= 1
+        if source is not None and source not in self.receivers and self._connect is not None:
+            self.receivers[source] = self._connect(source)
         receiver = self.receiver if source is None else self.receivers[source]
+        assert receiver is not None, "no prefill named and none given at start"
         seq = _Sequence(
             room, len(prompt_ids), max_new_tokens, receiver, expected_at=time.monotonic()
         )

@@ -14,17 +14,18 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from prefill_worker.testing.decode_peer import DecodePeer, Generation
+from prefill_worker.testing.decode_peer import DecodePeer, Generation, KVSource
 
 # The peer's logger: the process's lines keep the name they had before the split.
 log = logging.getLogger("prefill_worker.testing.decode_peer")
+_NUM_AUX_ROWS = 64  # DecodePeer's default: one SGLang metadata row per aux slot
 _DESCRIPTION = (
     "The reference decode peer: receives a prompt's KV from a worker, then decodes greedily."
 )
@@ -144,9 +145,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="checkpoint directory (as the worker's)")
     parser.add_argument(
         "--bootstrap",
-        required=True,
         action="append",
+        default=[],
         help="a worker's bootstrap address (repeat it for several workers)",
+    )
+    parser.add_argument(
+        "--sglang",
+        action="store_true",
+        help="receive the KV over SGLang's PD protocol with SGLang's own decode-side code "
+        "(with --http; run it where a pinned SGLang imports: testing/sglang_env.py); each "
+        "request's bootstrap_host/port names its prefill (SGLang bootstrap port)",
     )
     serving = parser.add_mutually_exclusive_group(required=True)
     serving.add_argument("--bind", help="control socket, e.g. tcp://127.0.0.1:5600")
@@ -195,9 +203,11 @@ def _serve_http(peer: DecodePeer, args: argparse.Namespace, stop: threading.Even
     by_port = {addr.rpartition(":")[2]: addr for addr in peer.receivers}
     limits = Limits(spec.vocab_size, spec.max_position, args.num_pages * args.page_size)
     stop_ids = tuple(peer.stop_token_ids)
-    front = PeerHttp(
-        args.http, model, codec, limits, stop_ids, lambda host, port: by_port.get(str(port))
-    )
+
+    def source(host: str, port: int) -> str | None:
+        return f"{host}:{port}" if args.sglang else by_port.get(str(port))
+
+    front = PeerHttp(args.http, model, codec, limits, stop_ids, source)
     port = front.start()
     SdNotifier.from_environ(os.environ).ready(f"decode peer on http port {port}")
     try:
@@ -206,11 +216,27 @@ def _serve_http(peer: DecodePeer, args: argparse.Namespace, stop: threading.Even
         front.stop()
 
 
+def _sglang_sources(model_path: str) -> Callable[[Any], Callable[[str], KVSource]]:
+    """SGLang's decode-side code receives the KV (imports SGLang: the interop environment)."""
+
+    def connect_over(kv_cache: Any) -> Callable[[str], KVSource]:
+        from prefill_worker.testing.sglang_peer import SglangRank
+
+        return SglangRank(kv_cache, model_path, _NUM_AUX_ROWS).connect
+
+    return connect_over
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
     from prefill_worker.service.sdnotify import SdNotifier
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.sglang and not args.http:
+        parser.error("--sglang serves SGLang's decode HTTP API: give --http")
+    if not (args.sglang or args.bootstrap):
+        parser.error("give --bootstrap (or --sglang: each request names its prefill)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -227,10 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_pages=args.num_pages,
         num_threads=args.num_threads,
         max_batch_size=args.max_batch_size,
+        connect_over=_sglang_sources(args.model) if args.sglang else None,
         **extra,
     )
     where = args.bind or f"http://{args.http}"
-    log.info("registered with %s; serving on %s", ", ".join(args.bootstrap), where)
+    how = "SGLang's protocol" if args.sglang else "the native protocol"
+    log.info("KV over %s from %s; serving on %s", how, ", ".join(args.bootstrap) or "any", where)
     try:
         if args.http:
             _serve_http(peer, args, stop)

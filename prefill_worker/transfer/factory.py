@@ -1,14 +1,18 @@
-"""Picks the transfer backend at start-up, for the daemon (the only caller that sees config)."""
+"""Picks the transfer backends at start-up, for the daemon (the only caller that sees config):
+the native bootstrap protocol (``make_backend``), SGLang's (``make_sglang_backend``), or both
+(``serve_protocols``)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
+from prefill_worker.transfer.dual import DualBackend, NamedBackend
 from prefill_worker.transfer.validate import BootstrapLimits
 
 
@@ -22,6 +26,8 @@ class ServingBackend(Protocol):
     ) -> KVSender: ...
 
     def poll(self) -> None: ...
+
+    def next_poll_at(self) -> float: ...
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None: ...
 
@@ -72,3 +78,69 @@ def make_backend(
         on_reject=on_reject,
         poster_factory=PushThread if push_thread else InlinePoster,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SglangBootstrap:
+    """Where SGLang decodes reach this worker (``transfer.protocol`` sglang or both)."""
+
+    http_bind: str  # host:port of /route and /health: the router's `--prefill URL PORT`
+    rank_ip: str  # the control socket's address, as /route names it (an address decodes reach)
+    rank_port: int  # 0: any free port
+    kv_cache_dtype: str  # what /route announces; must equal the decodes' --kv-cache-dtype
+    health_stale_s: float  # /health fails once the engine has not turned for this long
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """The backend the engine drives, and what it bound (for ``/readyz`` and the ready file)."""
+
+    backend: ServingBackend
+    endpoints: Mapping[str, str]
+
+
+def make_sglang_backend(
+    regions: KVRegions,
+    sglang: SglangBootstrap,
+    agent_name: str | None,
+    nixl_backends: list[str],
+    write_timeout_s: float,
+    want_timeout_s: float,
+    *,
+    limits: BootstrapLimits | None = None,
+    ucx_net_devices: str | None = None,
+    on_reject: Callable[[str], None] | None = None,
+    wake: Callable[[], None] | None = None,
+) -> NamedBackend:
+    """This worker as an SGLang prefill (``transfer/sglang``): the bootstrap routes and the
+    control socket bound, a NIXL agent of its own. ``wake`` is called from the control
+    thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere)."""
+    from prefill_worker.transfer.sglang.backend import SglangBackend
+
+    return SglangBackend(
+        regions,
+        sglang.http_bind,
+        sglang.rank_ip,
+        sglang.rank_port,
+        sglang.kv_cache_dtype,
+        agent_name or f"prefill-sglang-{uuid.uuid4().hex[:12]}",
+        nixl_backends,
+        write_timeout_s,
+        want_timeout_s,
+        health_stale_s=sglang.health_stale_s,
+        limits=limits,
+        ucx_net_devices=ucx_net_devices,
+        on_reject=on_reject,
+        wake=wake,
+    )
+
+
+def serve_protocols(native: ServingBackend | None, sglang: NamedBackend | None) -> Transfer:
+    """The backend for the protocols asked for: one of them, or both behind ``DualBackend``."""
+    if native is not None and sglang is not None:
+        dual = DualBackend(native, sglang)
+        return Transfer(dual, dual.endpoints)
+    if native is not None:
+        return Transfer(native, {"bootstrap": native.bootstrap_endpoint})
+    assert sglang is not None, "at least one protocol is served"
+    return Transfer(sglang, sglang.endpoints)

@@ -52,6 +52,7 @@ class RejectReason(enum.Enum):
     FOREIGN_ROOM = "foreign_room"  # the router reserved the room for another decode peer
     TOO_MANY_WANTS = "too_many_wants"  # unmatched wants per peer past the bound
     INTERNAL_ERROR = "internal_error"  # a message raised anyway: its peer is dropped
+    UNSUPPORTED = "unsupported"  # an SGLang decode feature this worker does not serve
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,15 @@
 """The real SGLang PD router (smg, pinned by ``make smg``) in front of real worker processes
 (their HTTP API front) and the reference decode peer serving SGLang's decode HTTP API.
 
+Every test runs on two stacks (the ``stack`` fixture's ``protocol``):
+
+- ``sglang``: the drop-in. The workers speak SGLang's PD protocol (``transfer.protocol=
+  sglang``), smg is given their SGLang bootstrap ports, and the decode peer receives the KV
+  with SGLang's own decode-side code (``decode_peer --sglang``, in the pinned SGLang 0.5.23
+  environment of ``make interop-deps``). Marked ``interop``: ``make interop`` runs them;
+  skipped, saying so, when that environment is missing.
+- ``native``: the same through our own bootstrap protocol (``make test``).
+
 Skipped when ``make smg`` has not installed the router (``.interop/smg``); CI installs it.
 Everything is a child process on 127.0.0.1: ``Stack`` starts them and stops them in order."""
 
@@ -19,6 +28,7 @@ from typing import Any
 import pytest
 
 from prefill_worker.testing.launch import ChildProcess, free_port
+from prefill_worker.testing.sglang_env import InteropMissing, sglang_env
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import Worker, start_worker
 from tests.polling import wait_until
@@ -46,6 +56,7 @@ def http(url: str, body: object | None = None, timeout_s: float = 60.0) -> tuple
 class Prefill:
     worker: Worker
     api_port: int
+    sglang_port: int | None  # SGLang's bootstrap port, when it speaks SGLang's protocol
 
     @property
     def url(self) -> str:
@@ -53,6 +64,9 @@ class Prefill:
 
     @property
     def bootstrap_port(self) -> int:
+        """What the router passes on to the decode as ``bootstrap_port``."""
+        if self.sglang_port is not None:
+            return self.sglang_port
         return int(self.worker.bootstrap.rpartition(":")[2])
 
     def metric(self, pattern: str) -> float:
@@ -66,10 +80,15 @@ class Prefill:
 class Stack:
     tmp_path: Path
     checkpoint: Path
+    protocol: str  # "sglang" or "native"
     prefills: list[Prefill] = field(default_factory=list)
     children: list[ChildProcess] = field(default_factory=list)
     decode_port: int = 0
     router_port: int = 0
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://127.0.0.1:{self.decode_port}/generate"
 
     @property
     def router(self) -> str:
@@ -77,6 +96,7 @@ class Stack:
 
     def start_prefill(self, *settings: str) -> Prefill:
         port = free_port()
+        sglang_port = free_port() if self.protocol == "sglang" else None
         flags = (
             "http_api.enabled=true",
             f"http_api.bind=127.0.0.1:{port}",
@@ -84,22 +104,32 @@ class Stack:
             "metrics.allow_unauthenticated_admin=true",
             *settings,
         )
+        if sglang_port is not None:
+            flags += (
+                "transfer.protocol=sglang",
+                f"transfer.sglang_bootstrap_bind=127.0.0.1:{sglang_port}",
+            )
         worker = start_worker(self.tmp_path, self.checkpoint, *flags)
         self.children.append(worker.child)
         worker.child.wait_ready(120)
-        self.prefills.append(Prefill(worker, port))
+        self.prefills.append(Prefill(worker, port, sglang_port))
         return self.prefills[-1]
 
     def start_decode(self) -> None:
         self.decode_port = free_port()
         args = [sys.executable, "-m", "prefill_worker.testing.decode_peer"]
         args += ["--model", str(self.checkpoint), "--http", f"127.0.0.1:{self.decode_port}"]
+        env = None
+        if self.protocol == "sglang":
+            env = sglang_env(ROOT)  # the stack fixture skipped if it is missing
+            args += ["--sglang"]
         for prefill in self.prefills:
-            args += ["--bootstrap", prefill.worker.bootstrap]
+            where = f"127.0.0.1:{prefill.sglang_port}" if prefill.sglang_port else None
+            args += ["--bootstrap", where or prefill.worker.bootstrap]
         args += ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--page-size", "4"]
         args += ["--num-pages", "512", "--attention-backend", "sdpa", "--num-threads", "1"]
         args += ["--ignore-eos"]
-        child = ChildProcess.start("decode-peer", args, self.tmp_path, cwd=ROOT)
+        child = ChildProcess.start("decode-peer", args, self.tmp_path, cwd=ROOT, env=env)
         self.children.insert(0, child)
         child.wait_ready(120)
 
@@ -135,14 +165,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("llama", tmp_path_factory.mktemp("smg-ckpt") / "llama")
 
 
-@pytest.fixture
-def stack(tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
     if not SMG.exists():  # CI runs `make smg` first: there a missing router is a failure
         message = "smg is not installed: `make smg`"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    started = Stack(tmp_path, checkpoint)
+    protocol: str = request.param
+    if protocol == "sglang":
+        try:
+            sglang_env(ROOT)
+        except InteropMissing as exc:
+            pytest.skip(f"the SGLang-mode decode peer needs it: {exc}")
+    started = Stack(tmp_path, checkpoint, protocol)
     yield started
     for child in started.children:
         child.kill()

@@ -126,3 +126,30 @@ def _is_healthy(stack: Stack, url: str) -> bool:
     _, body = http(f"{stack.router}/workers", timeout_s=2)
     [worker] = [w for w in body["workers"] if w["url"] == url]
     return bool(worker["is_healthy"])
+
+
+def test_a_refused_room_fails_at_the_decode_at_once(stack: Stack) -> None:
+    """The router sends a request to prefill and decode at once; when the prefill refuses it
+    (429 here), the decode that wants its room must hear that it failed now, not at its own
+    timeout (the worker's bootstrap timeout is 120 s here), so that the router's retry is not
+    held up behind it. Sent as the router does: both at once, so either may come first."""
+    busy = stack.start_prefill(
+        "http_api.max_inflight_requests=1", "scheduler.bootstrap_timeout_s=120"
+    )
+    stack.start_decode()
+    hold(f"{busy.url}/generate", greedy([5, 6, 7], bootstrap_room=1))
+    wait_until(lambda: busy.metric("prefill_worker_queue_requests") == 1, 10, "A holds one")
+    where = {"bootstrap_host": "127.0.0.1", "bootstrap_port": busy.bootstrap_port}
+    for room in (11, 12, 13):
+        body = greedy(prompt(6, seed=room), bootstrap_room=room, **where)
+        answers: list[tuple[int, object]] = []
+        asker = threading.Thread(target=_post_into, args=(stack.decode_url, body, answers))
+        asker.start()
+        assert http(f"{busy.url}/generate", body)[0] == 429
+        asker.join(40)
+        [(status, answer)] = answers  # the decode answered within 30 s, not after 120
+        assert status == 500, answer
+
+
+def _post_into(url: str, body: dict[str, object], answers: list[tuple[int, object]]) -> None:
+    answers.append(http(url, body, timeout_s=30))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from prefill_worker.aio_site import ThreadedSite
 from prefill_worker.request import AbortRequest, Outcome, PrefillRequest
 from prefill_worker.router.admission import Limits
 from prefill_worker.router.http_api import answers, probes
@@ -44,7 +44,6 @@ from prefill_worker.scheduler.observer import LoadSnapshot
 
 log = logging.getLogger(__name__)
 
-_STOP_TIMEOUT_S = 2.0
 _Reader = Callable[[bytes], tuple[list[Prompt], bool]]
 
 
@@ -74,9 +73,7 @@ class HttpApi:
         self._is_live, self._metrics_text, self._on_reject = is_live, metrics_text, on_reject
         self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
         self._released: set[str] = set()  # refused requests whose rooms were withdrawn
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._site = ThreadedSite("http-api")
         self.is_ready = False
         self.is_draining = False
         self.port = 0
@@ -85,30 +82,12 @@ class HttpApi:
 
     def start(self) -> int:
         """Bind and serve on a daemon thread; returns the port (OSError if the bind fails)."""
-        loop = self._loop = _new_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="http-api", daemon=True)
-        self._thread.start()
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result()
-        except BaseException:
-            self.stop()
-            raise
+        self.port = self._site.start(self._app(), self._host, self._port, handler_cancellation=True)
         return self.port
 
     def stop(self) -> None:
         """Close the listener; requests in flight get a moment to be answered."""
-        loop, thread, self._loop = self._loop, self._thread, None
-        if loop is None or thread is None:
-            return
-        try:
-            if self._runner is not None:
-                cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), loop)
-                cleanup.result(timeout=_STOP_TIMEOUT_S + 1.0)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            if not thread.is_alive():
-                loop.close()
+        self._site.stop()
 
     def set_ready(self, is_ready: bool) -> None:
         self.is_ready = is_ready
@@ -121,7 +100,7 @@ class HttpApi:
 
     def send_outcome(self, outcome: Outcome) -> None:
         """Hand one request's outcome to the request waiting for it. Never blocks."""
-        loop = self._loop
+        loop = self._site.loop
         try:
             if loop is None:
                 raise RuntimeError("stopped")
@@ -131,18 +110,13 @@ class HttpApi:
 
     # ── event-loop thread ───────────────────────────────────────────────────────────────────
 
-    async def _serve(self) -> int:
+    def _app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes)
         for path, handler in self._get_routes().items():
             app.router.add_get(path, handler)
         for path in ("/generate", "/v1/completions"):
             app.router.add_route("POST", path, self._post_handler(path))
-        self._runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=_STOP_TIMEOUT_S
-        )
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self._host, self._port).start()
-        return int(self._runner.addresses[0][1])
+        return app
 
     def _get_routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         model = self._model
@@ -273,13 +247,3 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(
         body=msgspec.json.encode(body), status=status, content_type="application/json"
     )
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        log.warning("uvloop is not installed; using the default asyncio loop")
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop

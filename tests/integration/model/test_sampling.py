@@ -166,3 +166,10 @@ def test_plus_inf_logits_share_the_mass() -> None:
         sample(logits, [SamplingParams(temperature=1.0, seed=s)]).token_ids[0] for s in range(50)
     }
     assert drawn == {3, 8}
+
+
+def test_top_p_keeps_a_most_likely_token_when_probabilities_round_equal() -> None:
+    x = torch.zeros(8)
+    x[5] = 1e-45  # above the others, yet every softmax probability rounds to 1/8
+    probs = filtered_probs(x, SamplingParams(temperature=1.0, top_p=1e-300, seed=1))
+    assert float(probs[5]) == 1.0

@@ -1,0 +1,257 @@
+"""The KV-event publisher: the prefix cache's ``CacheEventSink`` on a ZMQ PUB socket.
+
+Threads::
+
+    engine     blocks_stored / blocks_removed / all_cleared: make the event, queue it, return
+               (never blocks; a full queue drops the event and counts it)
+    kv-events  every ``batch_interval_s``: the queued events become one KVEventBatch (vLLM's
+               wire, ``wire.py``), sent on PUB as [topic, seq, payload] and kept for replay;
+               replay requests on the ROUTER socket are answered in between (``replay.py``)
+
+Sequence numbers count batches that were encoded, from 0, with no holes: a batch whose send
+fails is still held for replay, so a subscriber that sees the gap can fetch it. An event the
+engine could not queue is lost for every subscriber; so that routers never keep believing in a
+block that may have left the cache since, once the queue has drained after such a drop the
+publisher sends ``AllBlocksCleared`` (routers then under-report hits until new blocks arrive;
+they never over-report). PUB and ROUTER sends never block: ZMQ drops at its high-water mark
+instead. Batch 0 starts with ``AllBlocksCleared``: a subscriber still holding blocks of an
+earlier run of this worker (one that crashed, and so never said goodbye) forgets them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import zmq
+
+from prefill_worker.kv_events.replay import ReplayBuffer, ReplayOutcome, answer
+from prefill_worker.kv_events.wire import (
+    AllBlocksCleared,
+    KVEvent,
+    block_removed,
+    block_stored,
+    encode_batch,
+    seq_frame,
+)
+
+log = logging.getLogger("prefill_worker.kv_events")
+
+DropReason = Literal["queue_full", "closed", "bad_event", "send_failed"]
+_MAX_BATCH_EVENTS = 1024  # a long prompt's stored event is ~its token ids: keep batches small
+_MAX_REPLAYS_PER_TURN = 16  # replay is served between batches, never starving them
+
+
+class KVEventsError(RuntimeError):
+    """A socket could not be bound; the text names the address."""
+
+
+class KVEventsObserver(Protocol):
+    """Counters for the publisher; called on the engine thread and the publisher thread."""
+
+    def on_published(self, num_events: int) -> None: ...
+
+    def on_dropped(self, reason: DropReason, num_events: int) -> None: ...
+
+    def on_replay(self, outcome: ReplayOutcome) -> None: ...
+
+
+class NullKVEventsObserver:
+    def on_published(self, num_events: int) -> None:
+        return None
+
+    def on_dropped(self, reason: DropReason, num_events: int) -> None:
+        return None
+
+    def on_replay(self, outcome: ReplayOutcome) -> None:
+        return None
+
+
+class KVEventPublisher:
+    """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes."""
+
+    def __init__(
+        self,
+        publish_bind: str,
+        replay_bind: str | None,
+        *,
+        topic: str = "",
+        max_queued_events: int = 100_000,
+        num_replay_batches: int = 10_000,
+        batch_interval_s: float = 0.01,
+        observer: KVEventsObserver | None = None,
+    ) -> None:
+        self._binds = (publish_bind, replay_bind)
+        self._topic = topic.encode()
+        self._max_queued_events = max_queued_events
+        self._replay_buffer = ReplayBuffer(num_replay_batches)
+        self._batch_interval_s = batch_interval_s
+        self._observer = observer or NullKVEventsObserver()
+        self._queue: collections.deque[KVEvent] = collections.deque()
+        self._num_overflows = 0  # engine thread writes
+        self._num_overflows_cleared = 0  # publisher thread writes
+        self._next_seq = 0
+        self._is_accepting = True  # False once closed, or the thread died: events are dropped
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = self._ctx.socket(zmq.ROUTER) if replay_bind is not None else None
+        self.endpoint = ""
+        self.replay_endpoint: str | None = None
+
+    # ── life cycle (caller's thread) ────────────────────────────────────────────────────────
+
+    def start(self) -> None:
+        """Bind both sockets (port 0: any free port, see ``endpoint``) and start publishing."""
+        assert self._thread is None, "start() once"
+        publish_bind, replay_bind = self._binds
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        self.endpoint = self._bind(self._pub, publish_bind)
+        if self._replay is not None and replay_bind is not None:
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = self._bind(self._replay, replay_bind)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Publish what is queued, stop the thread, close the sockets; later events are dropped."""
+        if self._stop.is_set():
+            return
+        self._is_accepting = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("kv-events thread did not stop in %.1f s; leaving it", timeout_s)
+                return
+        self._close_sockets()
+
+    def _bind(self, sock: zmq.Socket[bytes], bind: str) -> str:
+        try:
+            sock.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._close_sockets()
+            raise KVEventsError(f"cannot bind kv-events socket at {bind}: {exc}") from exc
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_sockets(self) -> None:
+        if self._ctx.closed:
+            return
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+        self._ctx.term()
+
+    # ── CacheEventSink (engine thread; never blocks) ────────────────────────────────────────
+
+    def blocks_stored(
+        self,
+        block_hashes: Sequence[int],
+        parent_block_hash: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        self._enqueue(
+            block_stored(list(block_hashes), parent_block_hash, list(token_ids), block_size)
+        )
+
+    def blocks_removed(self, block_hashes: Sequence[int]) -> None:
+        self._enqueue(block_removed(list(block_hashes)))
+
+    def all_cleared(self) -> None:
+        self._enqueue(AllBlocksCleared())
+
+    def _enqueue(self, event: KVEvent) -> None:
+        if not self._is_accepting:
+            self._observer.on_dropped("closed", 1)
+        elif len(self._queue) >= self._max_queued_events:
+            self._num_overflows += 1
+            self._observer.on_dropped("queue_full", 1)
+        else:
+            self._queue.append(event)
+
+    # ── publisher thread ────────────────────────────────────────────────────────────────────
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not reach the engine: events stop, counted
+            log.exception("kv-events publisher stopped; later events are dropped as 'closed'")
+            self._is_accepting = False
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while True:
+            is_stopping = self._stop.is_set()
+            self._publish_queued()
+            if is_stopping:
+                return
+            if self._replay is None:
+                self._stop.wait(self._batch_interval_s)
+            elif poller.poll(round(self._batch_interval_s * 1000)):
+                self._serve_replays()
+
+    def _publish_queued(self) -> None:
+        while self._queue:
+            num_events = min(len(self._queue), _MAX_BATCH_EVENTS)
+            self._publish([self._queue.popleft() for _ in range(num_events)])
+        if self._num_overflows != self._num_overflows_cleared:
+            self._num_overflows_cleared = self._num_overflows
+            log.warning("kv-events queue was full: events dropped; telling subscribers to clear")
+            self._publish([AllBlocksCleared()])
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        if self._next_seq == 0:  # a new run: what a subscriber kept of an earlier one is gone
+            events = [AllBlocksCleared(), *events]
+        payload, events = self._encode(events)
+        if payload is None:
+            return
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._replay_buffer.append(seq, payload)
+        try:
+            self._pub.send_multipart([self._topic, seq_frame(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("kv-events batch %d not sent (kept for replay): %s", seq, exc)
+            self._observer.on_dropped("send_failed", len(events))
+            return
+        self._observer.on_published(len(events))
+
+    def _encode(self, events: list[KVEvent]) -> tuple[bytes | None, list[KVEvent]]:
+        """The batch's payload; events that cannot be encoded are dropped alone and counted."""
+        try:
+            return encode_batch(events), events
+        except (TypeError, ValueError, OverflowError):
+            good = [event for event in events if _can_encode(event)]
+            log.warning("kv-events: %d malformed events dropped", len(events) - len(good))
+            self._observer.on_dropped("bad_event", len(events) - len(good))
+            return (encode_batch(good) if good else None), good
+
+    def _serve_replays(self) -> None:
+        assert self._replay is not None
+        for _ in range(_MAX_REPLAYS_PER_TURN):
+            try:
+                request = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reply = answer(request, self._replay_buffer, self._topic)
+            try:
+                for message in reply.messages:
+                    self._replay.send_multipart(message, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the requester's queue is full: it fails alone
+                log.warning("kv-events replay answer cut short: %s", exc)
+            self._observer.on_replay(reply.outcome)
+
+
+def _can_encode(event: KVEvent) -> bool:
+    try:
+        encode_batch([event])
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True

@@ -1,0 +1,186 @@
+"""The child side of ``sglang_decode``: SGLang's decode-side classes, built as an SGLang
+decode server builds them, on the CPU. Imported only in the interop environment.
+
+Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
+V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), ``MetadataBuffers`` with
+SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
+``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads).
+Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_metadata``.
+
+Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
+context, the parallel ranks that a launcher would set overridden to 0, and 0.5.20's
+DP-attention globals set to one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt import runtime_context
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
+from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers
+from sglang.srt.layers import dp_attention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.server_args import ServerArgs
+
+from prefill_worker.testing.sglang_decode import FILL_BYTE
+
+_HELD: list[Any] = []
+_POLL_NAMES = {
+    int(getattr(KVPoll, name)): name
+    for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def publish(model_path: str) -> Any:
+    args = ServerArgs(
+        model_path=model_path,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="nixl",
+        device="cpu",
+    )
+    runtime_context.publish(args, role="test")
+    ranks = runtime_context.get_parallel().override(attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0)
+    ranks.__enter__()  # for the life of the process, as a launcher's ranks are
+    _HELD.append(ranks)  # a collected context manager would restore the old ranks
+    if getattr(dp_attention, "_ATTN_DP_SIZE", 0) is None:  # 0.5.20 keeps them in globals
+        dp_attention._ATTN_DP_SIZE, dp_attention._ATTN_DP_RANK = 1, 0
+    return args
+
+
+class Decode:
+    """One SGLang decode rank: its pools, its manager, its rooms."""
+
+    def __init__(self, spec: dict[str, Any], server_args: Any) -> None:
+        self.bootstrap = spec["bootstrap"]
+        self.page_size = spec["page_size"]
+        dtype = _DTYPES[spec["dtype"]]
+        num_tokens = (spec["num_pages"] - 1) * self.page_size  # SGLang adds the padding page
+        self.pool = MHATokenToKVPool(
+            num_tokens,
+            self.page_size,
+            dtype,
+            spec["num_kv_heads"],
+            spec["head_dim"],
+            spec["num_layers"],
+            "cpu",
+            False,
+        )
+        for buf in [*self.pool.k_buffer, *self.pool.v_buffer]:
+            buf.view(torch.uint8).fill_(FILL_BYTE)
+        self.meta = MetadataBuffers(
+            spec["num_aux_rows"],
+            hidden_size=16,
+            hidden_states_dtype=torch.float32,
+            max_sampling_mask_tokens=16,
+        )
+        self.manager = NixlKVManager(self._kv_args(), DisaggregationMode.DECODE, server_args, False)
+        # Descending, every other page: a scattered map, and page order bugs show.
+        self._free_pages = list(range(spec["num_pages"] - 1, 0, -2))
+        self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
+        self._next_aux = 0
+        self.rooms: dict[int, tuple[list[int], int, Any]] = {}
+
+    def _kv_args(self) -> Any:
+        args = KVArgs()
+        args.engine_rank, args.pp_rank, args.system_dp_rank = 0, 0, 0
+        args.kv_cache_dtype_str, args.kv_layout = "auto", None
+        ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
+        args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
+        args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
+        args.kv_layer_ids, args.num_draft_entries = [], 0
+        args.page_size = self.page_size
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
+        for name in (
+            "state_types",
+            "state_data_ptrs",
+            "state_data_lens",
+            "state_item_lens",
+            "state_dim_per_tensor",
+            "state_slice_outer_counts",
+            "state_layer_ids",
+            "state_conv_shard_groups",
+        ):
+            setattr(args, name, [])
+        args.is_hybrid_mla_backend, args.swa_kv_cache_layout = False, None
+        args.mla_compression_ratios, args.ib_device, args.gpu_id = None, None, 0
+        return args
+
+    def want(self, room: int, num_tokens: int, prefix_len: int) -> dict[str, Any]:
+        num_pages = -(-num_tokens // self.page_size)
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        aux_index, self._next_aux = self._next_aux, self._next_aux + 1
+        if not self.manager.try_ensure_parallel_info(self.bootstrap):
+            raise RuntimeError(f"no prefill server info from {self.bootstrap}")
+        receiver = NixlKVReceiver(self.manager, self.bootstrap, room)
+        receiver.init(0)
+        sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
+        receiver.send_metadata(sent, aux_index, None, prefix_len)
+        self.rooms[room] = (pages, aux_index, receiver)
+        return {"pages": pages, "aux_index": aux_index}
+
+    def poll(self, room: int) -> dict[str, Any]:
+        state = int(self.rooms[room][2].poll())
+        reason = None
+        if state == KVPoll.Failed:
+            with self.manager.failure_lock:
+                reason = self.manager.failure_records.get(room)
+        return {"state": _POLL_NAMES.get(state, str(state)), "reason": reason}
+
+    def dump(self, room: int, path: str) -> dict[str, Any]:
+        pages, aux_index, _ = self.rooms[room]
+        arrays: dict[str, np.ndarray] = {}
+        for kind, buffers in (("k", self.pool.k_buffer), ("v", self.pool.v_buffer)):
+            for layer, buf in enumerate(buffers):
+                by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
+                arrays[f"{kind}{layer}"] = by_page.contiguous().view(torch.uint8).numpy()
+        row = self.meta.get_buf(aux_index)
+        names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
+        for name, value in zip(names, row[:4], strict=True):
+            arrays[name] = value.numpy()
+        arrays["bootstrap_room"] = row[-1].numpy()
+        np.savez(path, **arrays)  # type: ignore[arg-type]
+        return {}
+
+    def abort(self, room: int) -> dict[str, Any]:
+        # Arm the drain-ack tracker as 0.5.20's scheduler does, here before the ABORT so that
+        # no ack can come first; from 0.5.22 the receiver arms it again, with a generation.
+        self.manager.register_deferred_abort_room(room)
+        self.rooms[room][2].abort()
+        return {}
+
+    def acked(self, room: int) -> dict[str, Any]:
+        return {"acked": bool(self.manager.is_abort_release_safe(room, 1))}
+
+
+class Decodes:
+    """The decodes of this process, by id."""
+
+    def __init__(self, model_path: str) -> None:
+        self._server_args = publish(model_path)
+        self._decodes: dict[str, Decode] = {}
+
+    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+        command = dict(command)
+        op = command.pop("op")
+        if op == "quit":
+            return {}
+        if op == "new":
+            self._decodes[command.pop("id")] = Decode(command, self._server_args)
+            return {}
+        decode = self._decodes[command.pop("id")]
+        if op == "want":
+            return decode.want(command["room"], command["num_tokens"], command["prefix_len"])
+        if op == "poll":
+            return decode.poll(command["room"])
+        if op == "dump":
+            return decode.dump(command["room"], command["path"])
+        if op == "abort":
+            return decode.abort(command["room"])
+        if op == "acked":
+            return decode.acked(command["room"])
+        raise ValueError(f"unknown op {op!r}")

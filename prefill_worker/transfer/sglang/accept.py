@@ -1,0 +1,190 @@
+"""What this worker accepts from SGLang decodes, decided before NIXL sees anything: the
+``/route`` answer it gives, the registrations it takes (as a decode pool, ``KVRegions``)
+and the transfer requests it serves. Every refusal names the mismatch with its numbers.
+
+A registration is refused when the decode's pool cannot take this worker's pages byte for
+byte or asks for a feature the worker does not serve:
+
+    attention TP > 1 (or DCP)   its heads are sliced across ranks; this worker is one rank
+                                that holds every KV head and does not slice them
+    KV item bytes differ        page size, KV heads, head_dim or dtype size differ
+    regions != 2 x layers       another model, or an MLA / hybrid pool
+    state or staging buffers    hybrid (Mamba, SWA, DSA) models, heterogeneous-TP staging
+    metadata buffers != 10      SGLang's sampling mask, KV checksum or DSA top-k buffers
+                                are on; this worker fills the default ten
+
+Torch-, ZMQ- and NIXL-free.
+"""
+
+from __future__ import annotations
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.sglang.aux import AUX_BUFFER_NAMES, NUM_AUX_BUFFERS
+from prefill_worker.transfer.sglang.frames import (
+    Registration,
+    TransferRequest,
+    check_nixl_metadata,
+)
+from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
+
+_ADDRESS_SPACE = 2**64
+_MEM_KINDS = {"DRAM", "VRAM"}
+# SGLang's decode reads aux rows by index from its own buffers; their row count is not sent.
+# NIXL checks every aux write against what the decode registered, so the bound here is only
+# what an int32 index can say.
+AUX_ROWS_BOUND = 2**31 - 1
+
+
+def server_info(page_size: int, kv_cache_dtype: str) -> dict[str, object]:
+    """``GET /route`` with every rank -1: exactly the keys every decode in 0.5.20-0.5.23
+    accepts (it builds a dataclass from them; an unknown key is fatal on older decodes)."""
+    return {
+        "attn_tp_size": 1,
+        "attn_cp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "page_size": page_size,
+        "kv_cache_dtype": kv_cache_dtype,
+        "follow_bootstrap_room": True,
+    }
+
+
+def check_registration(
+    reg: Registration, ours: KVLayout, limits: BootstrapLimits
+) -> Refusal | None:
+    """Why this decode rank cannot be a peer, or None."""
+    return (
+        _check_parallel(reg)
+        or _check_features(reg)
+        or _check_layout(reg, ours)
+        or _check_memory(reg, limits)
+        or _check_aux(reg)
+        or _check_metadata(reg, limits)
+    )
+
+
+def check_request(req: TransferRequest) -> Refusal | None:
+    """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s)."""
+    if req.required_dst_info_num != 1 or req.is_dummy:
+        why = (
+            f"the room needs {req.required_dst_info_num} decode ranks"
+            f"{' (this one a dummy)' if req.is_dummy else ''}; this worker serves one "
+            "decode rank per room (decode attention TP 1)"
+        )
+        return Refusal(RejectReason.UNSUPPORTED, why)
+    if req.has_state:
+        why = "the request names state slots (a hybrid model); this worker sends KV only"
+        return Refusal(RejectReason.UNSUPPORTED, why)
+    return None
+
+
+def peer_regions(reg: Registration, ours: KVLayout) -> KVRegions:
+    """The decode pool of an accepted registration, as this worker's page arithmetic sees it:
+    ``num_slots`` pages per region (page 0 is SGLang's padding page, never named)."""
+    n = ours.num_layers
+    layout = KVLayout(
+        n, ours.num_kv_heads, ours.head_dim, ours.dtype, ours.page_size, reg.num_slots
+    )
+    device = "cpu" if _mem_kind(reg) == "DRAM" else f"cuda:{reg.gpu_id}"
+    return KVRegions(
+        layout,
+        reg.kv_ptrs[:n],
+        reg.kv_ptrs[n:],
+        device,
+        reg.aux_ptrs[0],
+        AUX_ROWS_BOUND,
+    )
+
+
+def _mem_kind(reg: Registration) -> str:
+    return reg.mem_kinds[0] if reg.mem_kinds else "VRAM"  # SGLang's default when absent
+
+
+def _unsupported(why: str) -> Refusal:
+    return Refusal(RejectReason.UNSUPPORTED, why)
+
+
+def _check_parallel(reg: Registration) -> Refusal | None:
+    if reg.tp_size != 1:
+        return _unsupported(
+            f"decode attention TP size {reg.tp_size}: its KV heads are sliced across "
+            "ranks, and this worker (one rank holding every KV head) does not slice heads; "
+            "run decodes with attention TP 1 (--tp 1, or DP attention)"
+        )
+    if reg.dcp_size != 1:
+        return _unsupported(f"decode context parallel size {reg.dcp_size} (DCP) is not served")
+    return None
+
+
+def _check_features(reg: Registration) -> Refusal | None:
+    if reg.has_state:
+        return _unsupported("the decode registered state buffers (a hybrid model)")
+    if reg.has_staging:
+        return _unsupported("the decode registered a staging buffer (heterogeneous TP)")
+    natural = tuple(range(len(reg.kv_ptrs) // 2)) * 2
+    if reg.kv_layer_ids and reg.kv_layer_ids != natural:
+        return _unsupported("the decode's KV regions are not one K and one V per layer")
+    return None
+
+
+def _check_layout(reg: Registration, ours: KVLayout) -> Refusal | None:
+    num_regions = 2 * ours.num_layers
+    if len(reg.kv_ptrs) != num_regions:
+        return Refusal(
+            RejectReason.LAYOUT_MISMATCH,
+            f"decode registered {len(reg.kv_ptrs)} KV regions; this worker's model has "
+            f"{ours.num_layers} layers ({num_regions} regions: K and V of each)",
+        )
+    lens = {reg.kv_item_len, *reg.kv_item_lens}
+    if lens != {ours.page_bytes} or len(reg.kv_item_lens) not in (0, num_regions):
+        return Refusal(
+            RejectReason.LAYOUT_MISMATCH,
+            f"decode KV page is {sorted(lens)} bytes per region; this worker's is "
+            f"{ours.page_bytes} (page_size {ours.page_size} x {ours.num_kv_heads} KV heads x "
+            f"head_dim {ours.head_dim} x {ours.itemsize} bytes of {ours.dtype}): the page "
+            "size, KV dtype or head layout differ",
+        )
+    return None
+
+
+def _check_memory(reg: Registration, limits: BootstrapLimits) -> Refusal | None:
+    kinds = set(reg.mem_kinds)
+    if reg.mem_kinds and (len(kinds) != 1 or not kinds <= _MEM_KINDS):
+        return Refusal(
+            RejectReason.BAD_DEVICE,
+            f"KV memory kinds {sorted(kinds)[:4]}: one of DRAM or VRAM for every region",
+        )
+    if reg.mem_kinds and len(reg.mem_kinds) != len(reg.kv_ptrs):
+        return Refusal(RejectReason.BAD_DEVICE, "one KV memory kind per region is needed")
+    if not 1 <= reg.num_slots <= limits.max_peer_pages:
+        return Refusal(
+            RejectReason.TOO_LARGE,
+            f"decode pool of {reg.num_slots} pages; this worker takes 1 to "
+            f"{limits.max_peer_pages} (transfer.max_peer_pages)",
+        )
+    region_bytes = reg.num_slots * reg.kv_item_len
+    for i, addr in enumerate(reg.kv_ptrs):
+        if addr <= 0 or addr + region_bytes > _ADDRESS_SPACE:
+            return Refusal(
+                RejectReason.BAD_ADDRESS,
+                f"KV region {i} [{addr}, {addr} + {region_bytes}) is outside the address space",
+            )
+    return None
+
+
+def _check_aux(reg: Registration) -> Refusal | None:
+    if len(reg.aux_ptrs) != NUM_AUX_BUFFERS:
+        return _unsupported(
+            f"decode registered {len(reg.aux_ptrs)} metadata buffers; this worker fills "
+            f"SGLang's default {NUM_AUX_BUFFERS} ({', '.join(AUX_BUFFER_NAMES)}): turn off "
+            "SGLANG_ENABLE_DISAGG_SAMPLING_MASK and --disaggregation-enable-kv-checksum "
+            "(DSA models are not served)"
+        )
+    if not all(0 < addr < _ADDRESS_SPACE for addr in reg.aux_ptrs):
+        return Refusal(RejectReason.BAD_ADDRESS, "a metadata buffer address is 0")
+    return None
+
+
+def _check_metadata(reg: Registration, limits: BootstrapLimits) -> Refusal | None:
+    why = check_nixl_metadata(reg.agent_metadata, reg.agent_name, limits.max_message_bytes)
+    return None if why is None else Refusal(RejectReason.BAD_METADATA, why)

@@ -1,0 +1,87 @@
+"""SGLang's bootstrap HTTP routes, on their own thread: how decodes find this worker.
+
+    GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1
+        -> the server info (``accept.server_info``: one rank, the page size, the KV dtype)
+    GET /route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0
+        -> {"rank_ip": ..., "rank_port": ...}: the control socket; any other rank -> 404
+    GET /health
+        -> 200 while the engine turns (the decode's heartbeat: two misses fail its rooms),
+           503 when it has not for ``stale_s`` (a stuck engine fails rooms fast)
+
+A parameter missing or not an integer is a 400, as SGLang's own server answers. ``PUT
+/route`` (how SGLang prefill ranks join their bootstrap server) is a 405: this worker is
+its only rank. It reads nothing but the answers it was built with and the health callback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+
+from prefill_worker.aio_site import ThreadedSite
+
+log = logging.getLogger(__name__)
+
+_RANK_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+class BootstrapHttp:
+    """Serves the routes on ``host:port`` (port 0 picks one: ``port`` after ``start``)."""
+
+    def __init__(
+        self,
+        bind: str,
+        server_info: dict[str, object],
+        rank_info: dict[str, object],
+        is_healthy: Callable[[], bool],
+    ) -> None:
+        host, _, port = bind.rpartition(":")
+        self._host, self._port = host or "127.0.0.1", int(port)
+        self._server_info = json.dumps(server_info)
+        self._rank_info = json.dumps(rank_info)
+        self._is_healthy = is_healthy
+        self._site = ThreadedSite("sglang-http")
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as decodes and routers name it (``--prefill URL PORT``)."""
+        return f"{self._host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve on a daemon thread; raises OSError here when the bind fails."""
+        self.port = self._site.start(self._app(), self._host, self._port)
+
+    def stop(self) -> None:
+        self._site.stop()
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/route", self._route)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _route(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return web.Response(status=405, text="this worker is its only prefill rank\n")
+        try:
+            ranks = [int(request.query[key]) for key in _RANK_KEYS]
+        except (KeyError, ValueError):
+            return web.Response(status=400, text="Missing inputs for bootstrap server.\n")
+        if ranks == [-1] * 4:
+            return _json(self._server_info)
+        if ranks == [0] * 4:
+            return _json(self._rank_info)
+        return web.Response(status=404, text=f"no prefill rank {ranks}: this worker is rank 0\n")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._is_healthy():
+            return web.Response(text="OK")
+        return web.Response(status=503, text="engine loop stalled\n")
+
+
+def _json(body: str) -> web.Response:
+    return web.Response(text=body, content_type="application/json")

@@ -1,0 +1,212 @@
+"""What each SGLang control message does, mapped onto the engine's vocabulary: a
+registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the
+prefix the decode holds), an ABORT is the peer's abort of a room.
+
+``SglangDesk`` shares the backend's tables (peers by agent name, senders by room, the
+``RoomBook`` of requests that came before their room's prefill) and does no transfer work.
+Everything is checked before NIXL sees it (``sglang.accept``): a registration's metadata,
+layout and features; a request's peer, flags and size before its pages are looked at.
+Refusals are counted (``on_reject(reason)``) and, where the decode can hear, answered with
+``KV_STATUS failed`` and the reason. SGLang has no answer to a registration, so a refused
+decode learns why on its first request: the reasons are kept per agent name (bounded).
+
+Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
+name, or return address for ABORT) and nothing proves it; a room acts only for the peer that
+claimed it, as on the native protocol, and rooms stay secret (never logged at INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
+from prefill_worker.transfer.nixl.context import Peer
+from prefill_worker.transfer.pagemap import kv_descriptor_table, mem_type
+from prefill_worker.transfer.rooms import RoomBook
+from prefill_worker.transfer.sglang import aux, frames
+from prefill_worker.transfer.sglang.accept import check_registration, check_request, peer_regions
+from prefill_worker.transfer.sglang.control import ReplySockets
+from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
+from prefill_worker.transfer.validate import (
+    BootstrapLimits,
+    Refusal,
+    RejectReason,
+    check_want_size,
+    duplicate_want,
+    foreign_room,
+)
+
+log = logging.getLogger(__name__)
+
+NOT_REGISTERED = "decode not registered with this prefill worker"
+_MAX_REFUSED = 1024  # refusal reasons remembered, by agent name
+
+
+class SglangDesk:
+    """Answers SGLang control messages against the tables it shares with the backend."""
+
+    def __init__(
+        self,
+        agent: Any,  # nixl_agent
+        replies: ReplySockets,
+        layout: KVLayout,
+        limits: BootstrapLimits,
+        tables: tuple[dict[str, SglangPeer], dict[int, SglangSender], RoomBook],
+        drop_peer: Callable[[SglangPeer, str], None],
+        clock: Callable[[], float],
+        *,
+        want_timeout_s: float,
+        on_reject: Callable[[str], None],
+    ) -> None:
+        self._agent, self._replies = agent, replies
+        self._layout, self._limits = layout, limits
+        self._peers, self._senders, self._rooms = tables
+        self._drop_peer = drop_peer
+        self._clock = clock
+        self._want_timeout_s = want_timeout_s
+        self._on_reject = on_reject
+        self._refused: OrderedDict[str, str] = OrderedDict()
+        self.reject_counts: dict[str, int] = {}
+
+    def dispatch(self, message: frames.Message | frames.FrameError) -> None:
+        """Answer one message; one that raises is counted and never escapes."""
+        try:
+            match message:
+                case frames.FrameError():
+                    self._count(RejectReason.BAD_MESSAGE, f"unreadable control frame: {message}")
+                case frames.Registration():
+                    self._register(message)
+                case frames.TransferRequest():
+                    self._request(message)
+                case frames.AbortNotice():
+                    self._abort(message)
+        except Exception as exc:  # one decode's message must never stop the engine
+            self._count(RejectReason.INTERNAL_ERROR, f"on a control message: {exc!r}"[:300])
+
+    def refuse_room(self, endpoint: frames.Endpoint, room: int, refusal: Refusal) -> None:
+        self._count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms stay private
+        self._replies.send(endpoint, frames.kv_status(room, False, refusal.message))
+
+    @staticmethod
+    def why_not(sender: SglangSender, peer: SglangPeer) -> Refusal:
+        if not sender.accepts(peer.peer.agent_name):
+            return foreign_room(sender.room)
+        return duplicate_want(sender.room)
+
+    def bind(self, sender: SglangSender, peer: SglangPeer, want: wire.Want) -> None:
+        sender.bind(peer, want)
+        if sender.poll() is KVPoll.READY:
+            peer.peer.rooms.add(sender.room)
+
+    # -- registration -------------------------------------------------------------------
+
+    def _register(self, reg: frames.Registration) -> None:
+        refusal = check_registration(reg, self._layout, self._limits)
+        if refusal is not None:
+            return self._refuse(reg.agent_name, refusal)
+        held = self._peers.get(reg.agent_name)
+        if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
+            if held.peer.regions != peer_regions(reg, self._layout):
+                why = f"agent {reg.agent_name!r} is registered with another pool"
+                self._count(RejectReason.NAME_TAKEN, why)
+            return None
+        for old in [p for p in self._peers.values() if p.endpoint == reg.endpoint]:
+            # Its control socket now belongs to another agent: that decode restarted.
+            self._drop_peer(old, "decode re-registered under a new agent name")
+        try:
+            name = self._agent.add_remote_agent(reg.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+        except NIXL_ERRORS as exc:
+            return self._refuse(reg.agent_name, Refusal(RejectReason.NIXL_REFUSED, f"{exc}"))
+        if name != reg.agent_name:
+            self._agent.remove_remote_agent(name)
+            why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
+            return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
+        regions = peer_regions(reg, self._layout)
+        try:
+            lists = self._prep(name, regions, reg.aux_ptrs)
+        except NIXL_ERRORS as exc:
+            self._agent.remove_remote_agent(name)
+            why = f"NIXL cannot address the decode's buffers: {exc}"
+            return self._refuse(name, Refusal(RejectReason.NIXL_REFUSED, why))
+        peer = Peer(name.encode(), name, regions, lists, self._clock())
+        self._peers[name] = SglangPeer(peer, reg.aux_ptrs, reg.endpoint)
+        self._refused.pop(name, None)
+        log.info("sglang: decode %s registered (%d pages)", name, regions.layout.num_pages)
+
+    def _prep(self, name: str, regions: KVRegions, aux_ptrs: tuple[int, ...]) -> PreppedLists:
+        """The decode pool's descriptor list, once; and row 0 of each metadata buffer, which
+        NIXL checks against what the decode registered (rows are written per request)."""
+        table = kv_descriptor_table(regions)
+        kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
+        try:
+            first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
+            return PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, "DRAM"))
+        except BaseException:
+            kv.release()
+            raise
+
+    def _refuse(self, agent_name: str, refusal: Refusal) -> None:
+        self._count(refusal.reason, f"registration of {agent_name} refused: {refusal.message}")
+        self._refused[agent_name] = f"registration refused: {refusal.message}"
+        self._refused.move_to_end(agent_name)
+        while len(self._refused) > _MAX_REFUSED:
+            self._refused.popitem(last=False)
+
+    # -- requests and aborts ------------------------------------------------------------
+
+    def _request(self, req: frames.TransferRequest) -> None:
+        peer = self._peers.get(req.agent_name)
+        if peer is None:
+            why = self._refused.get(req.agent_name, NOT_REGISTERED)
+            return self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+        peer.peer.last_seen = self._clock()
+        want = req.want()
+        refusal = check_request(req) or check_want_size(
+            want, self._layout, peer.peer.regions.layout
+        )
+        if refusal is not None:
+            return self.refuse_room(peer.endpoint, req.room, refusal)
+        sender = self._senders.get(req.room)
+        if sender is not None:
+            if sender.peer is not None or not sender.accepts(req.agent_name):
+                return self.refuse_room(peer.endpoint, req.room, self.why_not(sender, peer))
+            return self.bind(sender, peer, want)
+        gone = self._rooms.gone(req.room)
+        if gone is not None:
+            if gone.allowed_peer not in (None, req.agent_name):
+                return self.refuse_room(peer.endpoint, req.room, foreign_room(req.room))
+            self._rooms.forget_gone(req.room)
+            self._replies.send(peer.endpoint, frames.kv_status(req.room, False, gone.reason))
+            return None
+        refusal = self._rooms.claim(peer.peer, want, self._clock() + self._want_timeout_s)
+        if refusal is not None:
+            self.refuse_room(peer.endpoint, req.room, refusal)
+
+    def _abort(self, notice: frames.AbortNotice) -> None:
+        """Only the owner's ABORT acts (an ABORT names its sender by its control socket);
+        every ABORT is acknowledged, after the room's writes."""
+        room = notice.room
+        sender = self._senders.get(room)
+        owner = None if sender is None or sender.peer is None else sender.peer.endpoint
+        if sender is not None and owner == notice.endpoint:
+            sender.abort_by_peer(notice.endpoint, notice.generation)
+            return
+        peer = next((p for p in self._peers.values() if p.endpoint == notice.endpoint), None)
+        if peer is not None and self._rooms.drop(room, peer.peer):
+            forget_at = self._clock() + self._want_timeout_s
+            self._rooms.mark_aborted(room, peer.peer.agent_name, forget_at)
+        self._replies.send(notice.endpoint, frames.abort_ack(room, notice.generation))
+
+    def _count(self, reason: RejectReason, message: str, level: int = logging.WARNING) -> None:
+        self.reject_counts[reason.value] = self.reject_counts.get(reason.value, 0) + 1
+        self._on_reject(reason.value)
+        log.log(level, "sglang: %s: %s", reason.value, message)

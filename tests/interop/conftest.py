@@ -1,0 +1,120 @@
+"""Interop with SGLang's own decode-side code: each pinned SGLang version (``make interop-deps``
+installs them under ``.interop/``) runs as the decode in a child process
+(``prefill_worker.testing.sglang_decode``), against this worker's SGLang protocol.
+
+Every test module here is marked ``interop`` and runs once per version (``PW_SGLANG_VERSIONS``,
+default the supported range); a version that is not installed skips with the command that
+installs it. ``make test`` leaves them out; ``make interop`` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.testing.launch import free_port
+from prefill_worker.testing.sglang_decode import SglangDecodeProcess
+from tests.checkpoints import make_checkpoint
+from tests.integration.daemon.conftest import Worker, start_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
+VERSIONS = os.environ.get("PW_SGLANG_VERSIONS", "0.5.20 0.5.22 0.5.23").split()
+STUBS = Path(__file__).resolve().parent / "stubs"
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16  # tests/checkpoints.py, llama
+
+
+def sglang_path(version: str) -> list[Path]:
+    """PYTHONPATH of the decode child for one version; skips the test when not installed."""
+    target = INTEROP_DIR / f"sglang-{version}"
+    deps = INTEROP_DIR / "deps"
+    missing = [p for p in (target, deps) if not (p / ".installed").exists()]
+    if missing:
+        pytest.skip(
+            f"SGLang {version} interop environment missing ({', '.join(map(str, missing))}): "
+            "run `make interop-deps`"
+        )
+    return [ROOT, target, deps, STUBS]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("llama", tmp_path_factory.mktemp("interop-ckpt") / "llama")
+
+
+@pytest.fixture(scope="session", params=VERSIONS)
+def sglang_version(request: pytest.FixtureRequest) -> str:
+    version: str = request.param
+    sglang_path(version)  # skip early, before anything starts
+    return version
+
+
+def start_decode(version: str, checkpoint: Path, log_path: Path) -> SglangDecodeProcess:
+    """The child starts importing SGLang at once; its first ``call`` waits for it."""
+    return SglangDecodeProcess(sys.executable, sglang_path(version), checkpoint, log_path)
+
+
+@dataclass(frozen=True)
+class Served:
+    """A worker speaking SGLang's protocol, and a decode pool that fits it."""
+
+    worker: Worker
+    sglang: str  # host:port of the bootstrap routes
+    layout: KVLayout
+
+    def ready(self) -> Served:
+        self.worker.child.wait_ready(120)
+        return self
+
+
+def launch(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protocol: str) -> Served:
+    """``prefill-worker serve`` on the tiny config, SGLang's protocol on; not waited for."""
+    sglang = f"127.0.0.1:{free_port()}"
+    worker = start_worker(
+        tmp_path,
+        checkpoint,
+        f"transfer.protocol={protocol}",
+        f"transfer.sglang_bootstrap_bind={sglang}",
+        f"model.dtype={dtype}",
+        f"cache.page_size={page_size}",
+        f"cache.num_pages={4096 // page_size}",
+        f"scheduler.chunk_size={2 * max(page_size, 16)}",  # prompts go in several chunks
+    )
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 2048 // page_size)
+    return Served(worker, sglang, layout)
+
+
+@dataclass(frozen=True)
+class Version:
+    """What each version's tests use, started at once (an SGLang import takes seconds): the
+    decode process every test makes its decodes in (the version's last test kills it:
+    ``test_worker.py::test_decode_dies_and_the_worker_pools_are_whole``), and a worker that a
+    test kills."""
+
+    decode: SglangDecodeProcess
+    doomed_worker: Served
+
+
+@pytest.fixture(scope="session")
+def version(
+    sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Version]:
+    tmp_path = tmp_path_factory.mktemp(f"sglang-{sglang_version}")
+    decode = start_decode(sglang_version, checkpoint, tmp_path / "decode.log")
+    worker = launch(tmp_path, checkpoint, 16, "float32", "sglang")
+    yield Version(decode, worker)
+    worker.worker.child.kill()
+    decode.close()
+
+
+@pytest.fixture
+def decode_process(version: Version) -> SglangDecodeProcess:
+    if version.decode.popen.poll() is not None:
+        pytest.fail("the version's decode process is gone: the test that kills it runs last")
+    return version.decode

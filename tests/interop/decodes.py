@@ -1,0 +1,120 @@
+"""One SGLang decode (a manager and its pools, inside a decode child process) as a test sees
+it: ask for a room, wait for SGLang's verdict, read what landed."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.testing.sglang_decode import SglangDecodeProcess
+
+_IDS = itertools.count()
+TERMINAL = ("Success", "Failed")
+
+
+def new_room() -> int:
+    """A random 63-bit room, as SGLang's routers pick them (never 0: the decode reads 0 as
+    "no metadata yet")."""
+    return secrets.randbits(63) or 1
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A room's pages as the decode holds them, raw bytes per layer: ``k[l]`` is
+    ``[num_prompt_pages, page_bytes]`` uint8; and row ``aux_index`` of its metadata buffers."""
+
+    pages: list[int]
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    output_ids: np.ndarray
+    cached_tokens: np.ndarray
+    logprob_val: np.ndarray
+    logprob_idx: np.ndarray
+    bootstrap_room: np.ndarray
+
+
+class SglangDecode:
+    def __init__(
+        self,
+        process: SglangDecodeProcess,
+        bootstrap: str,
+        layout: KVLayout,
+        num_aux_rows: int = 16,
+    ) -> None:
+        self.process, self.layout = process, layout
+        self.id = f"decode-{next(_IDS)}"
+        self.rooms: dict[int, tuple[list[int], int]] = {}
+        process.call(
+            "new",
+            id=self.id,
+            bootstrap=bootstrap,
+            page_size=layout.page_size,
+            dtype=layout.dtype,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            num_pages=layout.num_pages,
+            num_aux_rows=num_aux_rows,
+        )
+
+    def want(self, room: int, num_tokens: int, prefix_len: int = 0) -> tuple[list[int], int]:
+        """Bootstrap the room and send its transfer request: (all its pages, aux index)."""
+        reply = self.process.call(
+            "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len
+        )
+        self.rooms[room] = (reply["pages"], reply["aux_index"])
+        return self.rooms[room]
+
+    def state(self, room: int) -> tuple[str, str | None]:
+        reply = self.process.call("poll", id=self.id, room=room)
+        return reply["state"], reply["reason"]
+
+    def wait(self, room: int, timeout_s: float = 60.0) -> tuple[str, str | None]:
+        """Poll SGLang's receiver until it concludes (Success or Failed) or the time is up."""
+        deadline = time.monotonic() + timeout_s
+        state = self.state(room)
+        while state[0] not in TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.01)
+            state = self.state(room)
+        return state
+
+    def abort(self, room: int) -> None:
+        self.process.call("abort", id=self.id, room=room)
+
+    def acked(self, room: int) -> bool:
+        return bool(self.process.call("acked", id=self.id, room=room)["acked"])
+
+    def landed(self, room: int, tmp_path: Path) -> Landed:
+        path = tmp_path / f"{self.id}-{room}.npz"
+        self.process.call("dump", id=self.id, room=room, path=str(path))
+        data = np.load(path)
+        n = self.layout.num_layers
+        pages = self.rooms[room][0]
+
+        def by_page(a: np.ndarray) -> np.ndarray:
+            return a.reshape(len(pages), -1)
+
+        return Landed(
+            pages,
+            [by_page(data[f"k{i}"]) for i in range(n)],
+            [by_page(data[f"v{i}"]) for i in range(n)],
+            data["output_ids"],
+            data["cached_tokens"],
+            data["logprob_val"],
+            data["logprob_idx"],
+            data["bootstrap_room"],
+        )
+
+
+def wait_until_state(decode: SglangDecode, room: int, state: str, timeout_s: float) -> float:
+    """Seconds until the room reaches ``state`` (AssertionError past ``timeout_s``)."""
+    start = time.monotonic()
+    found = decode.wait(room, timeout_s)
+    assert found[0] == state, found
+    return time.monotonic() - start

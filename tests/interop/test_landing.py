@@ -1,0 +1,178 @@
+"""Byte for byte: this worker's SGLang backend (in this process, over a pool of random bytes)
+pushes into SGLang's own decode (``NixlKVReceiver`` over a real ``MHATokenToKVPool`` and
+``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, prompts sent in chunks, with and
+without a decode-held prefix. Every prompt page lands in the decode page it asked for, nothing
+else in its pool moves, the metadata row holds the first token, the prefix-cache count, the
+logprob and the room, and SGLang's receiver says Success. Afterwards every page, aux row, sender and
+NIXL handle of the worker is back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangDecodeProcess
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.sglang.backend import SglangBackend
+from tests.interop.decodes import SglangDecode
+
+pytestmark = pytest.mark.interop
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16
+WORKER_PAGES = 64
+
+
+class InProcessWorker:
+    """An ``SglangBackend`` over a random pool and an ``AuxPool``, driven by the test."""
+
+    def __init__(self, layout: KVLayout, num_aux_rows: int = 8) -> None:
+        self.layout = layout
+        num_bytes = 2 * layout.num_layers * layout.region_bytes
+        self.pool = np.random.default_rng(3).integers(0, 256, num_bytes, dtype=np.uint8)
+        self.aux = AuxPool(num_aux_rows)
+        self.pages = PagePool(layout.num_pages)
+        base = int(self.pool.ctypes.data)
+        starts = [base + i * layout.region_bytes for i in range(2 * layout.num_layers)]
+        n = layout.num_layers
+        regions = KVRegions(
+            layout, tuple(starts[:n]), tuple(starts[n:]), "cpu", self.aux.base_addr, num_aux_rows
+        )
+        self.backend = SglangBackend(
+            regions, "127.0.0.1:0", "127.0.0.1", 0, "auto", "prefill-interop", ["UCX"], 5.0, 5.0
+        )
+
+    @property
+    def bootstrap(self) -> str:
+        return self.backend.bootstrap_endpoint
+
+    def page(self, region: int, page: int) -> np.ndarray:
+        lay = self.layout
+        start = region * lay.region_bytes + page * lay.page_bytes
+        return self.pool[start : start + lay.page_bytes]
+
+    def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                return False
+            self.backend.poll()
+            self.backend.wait(0.002)
+        return True
+
+    def check_whole(self) -> None:
+        backend = self.backend
+        assert backend.num_open_senders == 0
+        assert backend.num_inflight_transfers() == 0
+        backend.check_integrity()
+        assert self.aux.num_free == self.aux.num_rows
+        assert self.pages.num_free == self.pages.num_pages
+
+
+@pytest.fixture
+def worker_factory() -> Iterator[Callable[[KVLayout], InProcessWorker]]:
+    made: list[InProcessWorker] = []
+
+    def factory(layout: KVLayout) -> InProcessWorker:
+        made.append(InProcessWorker(layout))
+        return made[-1]
+
+    yield factory
+    for worker in made:
+        worker.backend.close()
+
+
+def push(
+    worker: InProcessWorker, room: int, num_tokens: int, chunk_pages: int
+) -> tuple[AuxRow, list[int]]:
+    """The engine's part for one request: chunks of pages, then the aux row; until SUCCESS.
+    Returns the aux row and the worker pages that held the prompt."""
+    lay = worker.layout
+    sender = worker.backend.create_sender(room, f"req-{room}", num_tokens)
+    assert worker.drive(lambda: sender.poll() is not KVPoll.BOOTSTRAPPING)
+    assert sender.poll() is KVPoll.READY, sender.failure_reason()
+    src = worker.pages.try_alloc(-(-num_tokens // lay.page_size))
+    assert src is not None
+    for first in range(0, len(src), chunk_pages):
+        sender.send_pages(src[first : first + chunk_pages], first)
+    row = worker.aux.try_alloc()
+    assert row is not None
+    computed = num_tokens - 3 * (room % 2)  # some rooms: 3 tokens from the prefix cache
+    aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens(), 1, computed)
+    worker.aux.write(row, aux)
+    sender.send_aux(row)
+    assert worker.drive(lambda: sender.poll().is_terminal)
+    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    sender.close()
+    worker.drive(lambda: worker.backend.num_open_senders == 0)
+    worker.aux.free(row)
+    worker.pages.free(src)
+    return aux, src
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_byte_lands_where_the_decode_asked(
+    decode_process: SglangDecodeProcess, worker_factory, tmp_path: Path, dtype: str, page_size: int
+) -> None:
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, WORKER_PAGES)
+    worker = worker_factory(layout)
+    decode_layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 48)
+    decode = SglangDecode(decode_process, worker.bootstrap, decode_layout)
+    cases = [  # (prompt pages, pages the decode holds, pages per chunk)
+        (5, 0, 2),
+        (7, 3, 3),  # a decode-held prefix: its pages must not be written
+        (3, 0, 3),  # one chunk
+    ]
+    rng = np.random.default_rng(11)
+    for num_pages, num_held, chunk_pages in cases:
+        room = int(rng.integers(1, 2**63))
+        num_tokens = num_pages * page_size - (page_size // 2)  # a partial last page
+        decode.want(room, num_tokens, num_held * page_size)
+        aux, src = push(worker, room, num_tokens, chunk_pages)
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+        for layer in range(NUM_LAYERS):
+            for i in range(num_pages):
+                for kind, got in (("k", landed.k[layer][i]), ("v", landed.v[layer][i])):
+                    region = layer if kind == "k" else NUM_LAYERS + layer
+                    if i < num_held:
+                        assert (got == FILL_BYTE).all(), f"held page {i} written ({kind}{layer})"
+                    else:
+                        want = worker.page(region, src[i])
+                        assert np.array_equal(got, want), f"page {i} ({kind}{layer}, {dtype})"
+        assert landed.output_ids[0] == aux.first_token_id
+        assert landed.cached_tokens[0] == num_tokens - aux.num_computed_tokens
+        assert landed.logprob_val[0] == np.float32(-0.25)
+        assert landed.logprob_idx[0] == aux.first_token_id
+        assert int(landed.bootstrap_room[0]) == room
+    worker.check_whole()
+
+
+def test_a_decode_the_worker_cannot_serve_learns_why(
+    decode_process: SglangDecodeProcess, worker_factory
+) -> None:
+    """A pool of another head size is refused at registration; SGLang's receiver fails the
+    room with the worker's reason. A page size that differs SGLang's decode refuses itself,
+    from ``/route``."""
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 16, WORKER_PAGES)
+    worker = worker_factory(layout)
+    narrow = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM // 2, "float32", 16, 48)
+    decode = SglangDecode(decode_process, worker.bootstrap, narrow)
+    room = int(np.random.default_rng(5).integers(1, 2**63))
+    decode.want(room, 40)
+    assert worker.drive(lambda: decode.state(room)[0] == "Failed")
+    reason = str(decode.state(room)[1])
+    assert "registration refused" in reason and "layout differ" in reason, reason
+    assert worker.backend.reject_counts == {"layout_mismatch": 1, "unknown_peer": 1}
+    other_page = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 4, 48)
+    mismatched = SglangDecode(decode_process, worker.bootstrap, other_page)
+    with pytest.raises(DecodeError, match="Page size mismatch"):
+        mismatched.want(room + 1, 40)
+    worker.check_whole()

@@ -1,0 +1,35 @@
+"""``transfer.protocol`` and the SGLang addresses: the control socket's address is known
+before start-up, or the configuration is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_worker.service.config import ConfigError, load_config
+
+
+def test_sglang_defaults_to_the_bootstrap_host() -> None:
+    config = load_config(None, env={}, overrides=["transfer.protocol=sglang"])
+    transfer = config.transfer
+    assert transfer.protocol == "sglang"
+    assert transfer.sglang_bootstrap_bind == "127.0.0.1:8998"
+    assert transfer.resolved_sglang_rank_ip == "127.0.0.1"
+    assert transfer.resolved_sglang_ucx_net_devices == "lo"
+    assert transfer.sglang_kv_cache_dtype == "auto"
+
+
+def test_a_wildcard_bind_needs_the_control_address() -> None:
+    flags = ["transfer.protocol=both", "transfer.sglang_bootstrap_bind=0.0.0.0:8998"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=flags)
+    assert "sglang_rank_ip" in "\n".join(info.value.problems)
+    config = load_config(None, env={}, overrides=[*flags, "transfer.sglang_rank_ip=10.0.0.7"])
+    assert config.transfer.resolved_sglang_rank_ip == "10.0.0.7"
+    assert config.transfer.resolved_sglang_ucx_net_devices is None
+    native = load_config(None, env={}, overrides=flags[1:])  # native only: not needed
+    assert native.transfer.protocol == "native"
+
+
+def test_an_unknown_protocol_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        load_config(None, env={}, overrides=["transfer.protocol=mooncake"])

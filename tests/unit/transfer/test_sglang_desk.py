@@ -1,0 +1,140 @@
+"""What each SGLang control message does to the tables, with a stand-in NIXL agent: a
+registration becomes a peer (once), a restarted decode replaces its old record, a request is
+a want that waits for its room or binds it, an ABORT acts only for the room's owner."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.transfer.rooms import RoomBook
+from prefill_worker.transfer.sglang.desk import SglangDesk
+from prefill_worker.transfer.sglang.frames import (
+    AbortNotice,
+    Endpoint,
+    Registration,
+    TransferRequest,
+    parse,
+)
+from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
+from prefill_worker.transfer.validate import BootstrapLimits
+
+CAPTURED = json.loads((Path(__file__).parent / "sglang_frames.json").read_text())
+LAYOUT = KVLayout(2, 2, 16, "float32", 4, 64)
+
+
+class FakeList:
+    def release(self) -> None:
+        return None
+
+
+class FakeAgent:
+    """What the desk asks of NIXL: remote agents by the name their metadata carries."""
+
+    def __init__(self) -> None:
+        self.remote: list[str] = []
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        name = metadata[24 : 24 + int.from_bytes(metadata[16:24], "little")].decode()
+        self.remote.append(name)
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.remote.remove(name)
+
+    def prep_xfer_dlist(self, name: str, table: Any, mem_type: str) -> FakeList:
+        return FakeList()
+
+
+class FakeReplies:
+    def __init__(self) -> None:
+        self.sent: list[tuple[Endpoint, list[bytes]]] = []
+
+    def send(self, endpoint: Endpoint, frames: list[bytes]) -> bool:
+        self.sent.append((endpoint, frames))
+        return True
+
+
+def frames_of(kind: str) -> list[bytes]:
+    return [base64.b64decode(f) for f in CAPTURED["0.5.23"][kind]]
+
+
+def registration(name: str | None = None) -> Registration:
+    frames = frames_of("registration")
+    if name is not None:  # the same decode under another agent name (a restart)
+        metadata, head = frames[5], b"nixlSerDes|Agent"
+        rest = metadata[24 + int.from_bytes(metadata[16:24], "little") :]  # from its "|"
+        frames[4] = name.encode()
+        frames[5] = head + len(name).to_bytes(8, "little") + name.encode() + rest
+    reg = parse(frames)
+    assert isinstance(reg, Registration)
+    return reg
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.agent, self.replies = FakeAgent(), FakeReplies()
+        self.peers: dict[str, SglangPeer] = {}
+        self.senders: dict[int, SglangSender] = {}
+        self.rooms = RoomBook(4, 64)
+        self.dropped: list[tuple[str, str]] = []
+        self.desk = SglangDesk(
+            self.agent,
+            self.replies,  # type: ignore[arg-type]
+            LAYOUT,
+            BootstrapLimits(),
+            (self.peers, self.senders, self.rooms),
+            self.drop_peer,
+            time.monotonic,
+            want_timeout_s=5.0,
+            on_reject=lambda reason: None,
+        )
+
+    def drop_peer(self, peer: SglangPeer, reason: str) -> None:
+        self.dropped.append((peer.peer.agent_name, reason))
+        del self.peers[peer.peer.agent_name]
+        for room in list(peer.peer.unmatched):
+            self.rooms.drop(room, peer.peer)
+
+
+def test_a_registration_is_one_peer() -> None:
+    rig = Rig()
+    reg = registration()
+    rig.desk.dispatch(reg)
+    rig.desk.dispatch(reg)  # SGLang registers once; a repeat changes nothing
+    assert list(rig.peers) == [reg.agent_name] == rig.agent.remote
+    assert rig.peers[reg.agent_name].endpoint == reg.endpoint
+
+
+def test_a_restarted_decode_replaces_its_old_record() -> None:
+    rig = Rig()
+    rig.desk.dispatch(registration())
+    old = next(iter(rig.peers))
+    request = parse(frames_of("request"))
+    assert isinstance(request, TransferRequest)
+    rig.desk.dispatch(request)  # waits for its room's request
+    assert rig.rooms.num_claims(1234) == 1
+    rig.desk.dispatch(registration("restarted-decode"))
+    assert rig.dropped == [(old, "decode re-registered under a new agent name")]
+    assert list(rig.peers) == ["restarted-decode"] and rig.rooms.num_claims(1234) == 0
+
+
+def test_an_abort_acts_only_for_the_rooms_owner() -> None:
+    rig = Rig()
+    reg = registration()
+    rig.desk.dispatch(reg)
+    request = parse(frames_of("request"))
+    assert isinstance(request, TransferRequest)
+    rig.desk.dispatch(request)
+    stranger = AbortNotice(1234, Endpoint("127.0.0.1", 1), generation=3)
+    rig.desk.dispatch(stranger)
+    assert rig.rooms.num_claims(1234) == 1  # untouched, but acknowledged
+    assert rig.replies.sent[-1] == (stranger.endpoint, [b"ABORT_ACK", b"1234", b"0", b"3"])
+    rig.desk.dispatch(dataclasses.replace(stranger, endpoint=reg.endpoint))
+    assert rig.rooms.num_claims(1234) == 0
+    assert rig.rooms.take_aborted(1234) == reg.agent_name  # its request will end at once
