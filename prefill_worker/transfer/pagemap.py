@@ -110,6 +110,20 @@ def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
     return np.stack([addrs, lens, dev], axis=1)
 
 
+def layer_view_table(regions: KVRegions) -> np.ndarray:
+    """The [2L * num_pages, 3] table of the pool seen per layer, whatever its layout: index
+    r * num_pages + p is page p of K of layer r (r < L) or of V of layer r - L, ``page_bytes``
+    long. It is ``kv_descriptor_table`` for a layer-major pool; for a page-major one it is
+    what a peer with per-layer buffers (an SGLang decode) is written from."""
+    lay = regions.layout
+    bases = np.asarray(regions.k_base_addrs + regions.v_base_addrs, dtype=np.uint64)
+    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_stride_bytes)
+    addrs = (bases[:, None] + pages[None, :]).ravel()
+    lens = np.full(addrs.size, lay.page_bytes, np.uint64)
+    dev = np.full(addrs.size, device_id(regions.device), np.uint64)
+    return np.stack([addrs, lens, dev], axis=1)
+
+
 def aux_descriptor_table(regions: KVRegions) -> np.ndarray:
     """The [num_aux_rows, 3] (addr, len, 0) table of the aux rows, in host memory."""
     rows = np.arange(regions.num_aux_rows, dtype=np.uint64)

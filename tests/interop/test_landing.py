@@ -1,6 +1,7 @@
 """Byte for byte: this worker's SGLang backend (in this process, over a pool of random bytes)
 pushes into SGLang's own decode (``NixlKVReceiver`` over a real ``MHATokenToKVPool`` and
-``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, prompts sent in chunks, with and
+``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, a layer-major and a page-major
+worker pool (SGLang's is layer-major either way), prompts sent in chunks, with and
 without a decode-held prefix. Every prompt page lands in the decode page it asked for, nothing
 else in its pool moves, the metadata row holds the first token, the prefix-cache count, the
 logprob and the room, and SGLang's receiver says Success. Afterwards every page, aux row, sender and
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangDecodeProcess
 from prefill_worker.transfer.base import KVPoll
@@ -34,13 +35,13 @@ class InProcessWorker:
 
     def __init__(self, layout: KVLayout, num_aux_rows: int = 8) -> None:
         self.layout = layout
-        num_bytes = 2 * layout.num_layers * layout.region_bytes
-        self.pool = np.random.default_rng(3).integers(0, 256, num_bytes, dtype=np.uint8)
+        self.pool = np.random.default_rng(3).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
         self.aux = AuxPool(num_aux_rows)
         self.pages = PagePool(layout.num_pages)
         base = int(self.pool.ctypes.data)
-        starts = [base + i * layout.region_bytes for i in range(2 * layout.num_layers)]
         n = layout.num_layers
+        # Where K (region l) and V (region n + l) of layer l start: page p is a page stride on.
+        starts = [base + self._offset(region, 0) for region in range(2 * n)]
         regions = KVRegions(
             layout, tuple(starts[:n]), tuple(starts[n:]), "cpu", self.aux.base_addr, num_aux_rows
         )
@@ -52,10 +53,18 @@ class InProcessWorker:
     def bootstrap(self) -> str:
         return self.backend.bootstrap_endpoint
 
+    def _offset(self, region: int, page: int) -> int:
+        """Byte offset of page ``page`` of layer-region ``region`` (K of layer r < L, V of
+        layer r - L) in the pool, in either layout."""
+        lay, n = self.layout, self.layout.num_layers
+        if lay.kind == LAYER_MAJOR:
+            return region * lay.num_pages * lay.page_bytes + page * lay.page_bytes
+        slot = 2 * region if region < n else 2 * (region - n) + 1  # K0 V0 K1 V1 ... per page
+        return page * lay.page_stride_bytes + slot * lay.page_bytes
+
     def page(self, region: int, page: int) -> np.ndarray:
-        lay = self.layout
-        start = region * lay.region_bytes + page * lay.page_bytes
-        return self.pool[start : start + lay.page_bytes]
+        start = self._offset(region, page)
+        return self.pool[start : start + self.layout.page_bytes]
 
     def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -116,12 +125,26 @@ def push(
     return aux, src
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "kind"),
+    [
+        ("float32", 1, LAYER_MAJOR),
+        ("float32", 16, LAYER_MAJOR),
+        ("bfloat16", 1, LAYER_MAJOR),
+        ("bfloat16", 16, LAYER_MAJOR),
+        ("float32", 1, PAGE_MAJOR),
+        ("bfloat16", 16, PAGE_MAJOR),
+    ],
+)
 def test_every_byte_lands_where_the_decode_asked(
-    decode_process: SglangDecodeProcess, worker_factory, tmp_path: Path, dtype: str, page_size: int
+    decode_process: SglangDecodeProcess,
+    worker_factory,
+    tmp_path: Path,
+    dtype: str,
+    page_size: int,
+    kind: str,
 ) -> None:
-    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, WORKER_PAGES)
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, WORKER_PAGES, kind)
     worker = worker_factory(layout)
     decode_layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 48)
     decode = SglangDecode(decode_process, worker.bootstrap, decode_layout)

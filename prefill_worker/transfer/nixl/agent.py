@@ -6,6 +6,7 @@ Importing this module imports NIXL; keep it out of the core (``transfer.base`` n
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from prefill_worker.transfer.pagemap import (
     kv_descriptor_table,
     mem_type,
 )
+
+log = logging.getLogger(__name__)
 
 NIXL_ERRORS: tuple[type[Exception], ...] = (
     _nixl_bindings.nixlBackendError,
@@ -126,3 +129,13 @@ def prep_lists(agent: nixl_agent, agent_name: str, regions: KVRegions) -> Preppe
         kv.release()
         raise
     return PreppedLists(kv, aux)
+
+
+def forget_agent(agent: nixl_agent, name: str, lists: PreppedLists) -> None:
+    """Release a decode peer's prepared lists and remove its agent (errors logged: the peer
+    is gone either way)."""
+    lists.release()
+    try:
+        agent.remove_remote_agent(name)
+    except NIXL_ERRORS as exc:
+        log.warning("removing agent %s: %s", name, exc)

@@ -34,8 +34,8 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl.agent import (
-    NIXL_ERRORS,
     deregister_regions,
+    forget_agent,
     make_agent,
     prep_lists,
     register_regions,
@@ -105,7 +105,7 @@ class NixlBackend:
             poster=self._poster,
         )
         self._reaper = HandleReaper()
-        self._held = HeldTells(peer_timeout_s)
+        self._held: HeldTells[Tell] = HeldTells(peer_timeout_s)
         self._next_heartbeat = clock()
         self._desk = BootstrapDesk(
             self._server,
@@ -305,15 +305,7 @@ class NixlBackend:
             self._server.send(peer.identity, status)
         peer.rooms.clear()
         # On the transfer thread, after the releases of its writes queued above.
-        self._poster.run_later(_forget_agent, self.agent, peer)
-
-
-def _forget_agent(agent: Any, peer: Peer) -> None:
-    peer.lists.release()
-    try:
-        agent.remove_remote_agent(peer.agent_name)
-    except NIXL_ERRORS as exc:
-        log.warning("bootstrap: removing agent %s: %s", peer.agent_name, exc)
+        self._poster.run_later(forget_agent, self.agent, peer.agent_name, peer.lists)
 
 
 __all__ = ["NixlBackend", "notif_tag"]

@@ -34,6 +34,9 @@ from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 log = logging.getLogger(__name__)
 
 
+Prepare = Callable[[Any], Any]  # agent -> an unposted transfer handle
+
+
 class Write(Protocol):
     """One posted write of KV pages or an aux row."""
 
@@ -75,7 +78,14 @@ class WritePoster(Protocol):
 
     def post(
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
-    ) -> Write: ...
+    ) -> Write:
+        """A WRITE between two prepared lists (``make_prepped_xfer``)."""
+        ...
+
+    def post_with(self, prepare: Prepare, num_bytes: int) -> Write:
+        """A WRITE whose handle ``prepare(agent)`` makes where the agent lives (one made of
+        descriptors built per write, say); NIXL errors it raises fail the write."""
+        ...
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` where the agent lives; waits for it, raises what it raised."""
@@ -90,8 +100,9 @@ class WritePoster(Protocol):
     def close(self) -> None: ...
 
 
-def make_prepped(agent: Any, local: Any, lidx: Any, remote: Any, ridx: Any, notif: bytes) -> Any:
-    return agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx, notif)
+def prepped(local: Any, lidx: Any, remote: Any, ridx: Any, notif: bytes) -> Prepare:
+    """What ``post`` prepares: a WRITE between two prepared descriptor lists."""
+    return lambda agent: agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx, notif)
 
 
 def release_handle(handle: Any) -> bool:
@@ -149,10 +160,13 @@ class InlinePoster:
     def post(
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
     ) -> Write:
+        return self.post_with(prepped(local, local_idx, remote, remote_idx, notif), num_bytes)
+
+    def post_with(self, prepare: Prepare, num_bytes: int) -> Write:
         write = _InlineWrite(self._agent, num_bytes)
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
-            write.handle = make_prepped(self._agent, local, local_idx, remote, remote_idx, notif)
+            write.handle = prepare(self._agent)
         except NIXL_ERRORS as exc:
             write.fail(f"ERR (NIXL could not prepare the write: {exc})")
             return write

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
-from prefill_worker.transfer.nixl.poster import make_prepped, release_handle
+from prefill_worker.transfer.nixl.poster import Prepare, prepped, release_handle
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ _SETTLED = (_Phase.FINISHED, _Phase.RELEASED)
 class _Ticket:
     """A ``poster.Write`` whose NIXL calls all run on the transfer thread."""
 
-    def __init__(self, owner: PushThread, args: tuple[Any, ...], num_bytes: int) -> None:
+    def __init__(self, owner: PushThread, prepare: Prepare, num_bytes: int) -> None:
         self._owner = owner
-        self.args = args  # (local list, local indices, remote list, remote indices, notif)
+        self.prepare = prepare  # agent -> handle, called on the transfer thread
         self.num_bytes = num_bytes
         self.prep_s = self.prep_cpu_s = 0.0
         self.handle: Any = None
@@ -78,8 +78,11 @@ class PushThread:
 
     needs_polling = False
 
-    def __init__(self, agent: Any, name: str = "nixl-push") -> None:
+    def __init__(
+        self, agent: Any, name: str = "nixl-push", on_change: Callable[[], None] | None = None
+    ) -> None:
         self._agent = agent
+        self._on_change = on_change  # also told when a write changes state (any thread's wake)
         self._cv = threading.Condition()
         self._posts: collections.deque[_Ticket] = collections.deque()
         self._control: collections.deque[Control] = collections.deque()
@@ -100,7 +103,10 @@ class PushThread:
     def post(
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
     ) -> _Ticket:
-        ticket = _Ticket(self, (local, local_idx, remote, remote_idx, notif), num_bytes)
+        return self.post_with(prepped(local, local_idx, remote, remote_idx, notif), num_bytes)
+
+    def post_with(self, prepare: Prepare, num_bytes: int) -> _Ticket:
+        ticket = _Ticket(self, prepare, num_bytes)
         with self._cv:
             if self._is_stopping:
                 ticket.status = "ERR (the transfer thread has stopped)"
@@ -200,7 +206,7 @@ class PushThread:
     def _post(self, ticket: _Ticket) -> None:
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
-            ticket.handle = make_prepped(self._agent, *ticket.args)
+            ticket.handle = ticket.prepare(self._agent)
         except NIXL_ERRORS as exc:
             ticket.status = f"ERR (NIXL could not prepare the write: {exc})"
             ticket.phase = _Phase.FINISHED
@@ -264,3 +270,5 @@ class PushThread:
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"w")
+        if self._on_change is not None:
+            self._on_change()

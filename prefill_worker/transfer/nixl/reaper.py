@@ -8,9 +8,10 @@ settled; one NIXL still refuses past its deadline has its peer disconnected (whi
 writes), the last resort, as for a peer that goes silent. A release that is only slow (the
 transfer thread is finishing a copy) is waited for.
 
-``HeldTells`` keeps a ``Tell`` whose ``after`` writes are not settled (a ``failed`` while the
-room's last chunk is still being copied, say) and lets it out, in order, once they are, or
-past a deadline (NIXL refusing to release a write must not silence a peer forever).
+``HeldTells`` keeps a message for a decode (a native ``Tell``, an SGLang ``Reply``) whose
+``after`` writes are not settled (a ``failed`` while the room's last chunk is still being
+copied, say) and lets it out, in order, once they are, or past a deadline (NIXL refusing to
+release a write must not silence a peer forever).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from prefill_worker.transfer.nixl.context import Tell
 from prefill_worker.transfer.nixl.poster import Write
 
 log = logging.getLogger(__name__)
@@ -63,22 +64,31 @@ class HandleReaper:
                 log.error("request %s: NIXL refused to release a write", stuck.request_id)
 
 
-class HeldTells:
-    """Statuses waiting for their writes to settle, in the order they were told."""
+class _AfterWrites(Protocol):
+    @property
+    def after(self) -> tuple[Write, ...]: ...
+
+
+T = TypeVar("T", bound=_AfterWrites)
+
+
+class HeldTells(Generic[T]):
+    """Messages waiting for their writes to settle, in the order they were told."""
 
     def __init__(self, max_hold_s: float) -> None:
         self._max_hold_s = max_hold_s
-        self._held: list[tuple[Tell, float]] = []  # (tell, send anyway at)
+        self._held: list[tuple[T, float]] = []  # (message, send anyway at)
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, tell: Tell, now: float) -> None:
+    def hold(self, tell: T, now: float) -> None:
         self._held.append((tell, now + self._max_hold_s))
 
-    def take_ready(self, now: float) -> list[Tell]:
-        """The held tells that may go out now: settled, or held too long (logged)."""
-        ready, kept = [], []
+    def take_ready(self, now: float) -> list[T]:
+        """The held messages that may go out now: settled, or held too long (logged)."""
+        ready: list[T] = []
+        kept: list[tuple[T, float]] = []
         for tell, until in self._held:
             if all(w.is_settled for w in tell.after):
                 ready.append(tell)

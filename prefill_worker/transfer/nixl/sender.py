@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
-from prefill_worker.transfer.nixl.poster import Write
+from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
@@ -50,12 +49,6 @@ STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, 
 def notif_tag(room: int) -> bytes:
     """The NIXL notification that marks a room's aux row as landed on the decode side."""
     return b"pw1:room:%d" % room
-
-
-@dataclass(slots=True)
-class _Write:
-    write: Write
-    deadline: float
 
 
 class NixlSender:
@@ -79,15 +72,13 @@ class NixlSender:
         self._state = KVPoll.BOOTSTRAPPING
         self._reason: str | None = None
         self._want: wire.Want | None = None
-        self._writes: list[_Write] = []
-        self._unsettled: list[Write] = []  # released, not yet settled (transfer thread)
+        self._writes = WriteSet(ctx.peer_timeout_s)
         self._aux_row: int | None = None
         self._is_aux_posted = False
         self._is_ok_told = False  # `status ok` handed to the backend, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
-        self._written_bytes = 0
-        self.prep_s = 0.0  # building descriptor indices and transfer requests (finished ones)
-        self.prep_cpu_s = 0.0  # the same in CPU time of the threads that did it
+        self._index_s = 0.0  # building descriptor indices (engine thread)
+        self._index_cpu_s = 0.0
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -98,7 +89,17 @@ class NixlSender:
         return 0 if self._want is None else self._want.num_cached_tokens
 
     def written_bytes(self) -> int:
-        return self._written_bytes
+        return self._writes.written_bytes
+
+    @property
+    def prep_s(self) -> float:
+        """Building descriptor indices and transfer requests (the finished ones)."""
+        return self._index_s + self._writes.prep_s
+
+    @property
+    def prep_cpu_s(self) -> float:
+        """The same in CPU time of the threads that did it."""
+        return self._index_cpu_s + self._writes.prep_cpu_s
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         if self._state.is_terminal:
@@ -116,8 +117,8 @@ class NixlSender:
             num_regions = layout.num_regions  # 2L layer-major, 1 page-major
             local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
-            self.prep_s += time.perf_counter() - start
-            self.prep_cpu_s += time.thread_time() - start_cpu
+            self._index_s += time.perf_counter() - start
+            self._index_cpu_s += time.thread_time() - start_cpu
             self._post(local, remote, b"", len(local) * layout.region_page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
@@ -141,11 +142,10 @@ class NixlSender:
         if self.is_closed:
             return
         self.fail("the request ended before its transfer")
-        self._release_all()
+        self._writes.release_all()
         self._maybe_ack()
         self.is_closed = True
-        stuck = tuple(w for w in self._unsettled if not w.is_settled)
-        self._ctx.events.append(Closed(self, stuck))
+        self._ctx.events.append(Closed(self, self._writes.unsettled()))
 
     # -- driven by the backend ----------------------------------------------------------
 
@@ -191,11 +191,13 @@ class NixlSender:
             self._state, self._reason = KVPoll.PEER_LOST, reason
             self._tell("failed", reason)
         self._is_ack_due = False
-        self._release_all()  # its peer is being dropped: nothing else would end them
+        self._writes.release_all()  # its peer is being dropped: nothing else would end them
         self.peer = None
 
     def progress(self) -> None:
-        self._check_writes()
+        why = self._writes.check(self._ctx.clock())
+        if why is not None:
+            self.fail(why)
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         if is_aux_due and not self._writes and not self._is_ok_told:
             assert self._aux_row is not None
@@ -221,8 +223,7 @@ class NixlSender:
         if self.peer is None:
             return  # no peer yet: a `want` that comes later learns the reason (bind)
         status = wire.Status(self.room, code, reason)
-        after = tuple(w.write for w in self._writes) + tuple(self._unsettled)
-        tell = Tell(self.peer.identity, status, self if confirm else None, after)
+        tell = Tell(self.peer.identity, status, self if confirm else None, self._writes.pending())
         self._ctx.events.append(tell)
 
     def _post_aux(self, aux_row: int) -> None:
@@ -245,38 +246,7 @@ class NixlSender:
         ours, theirs = self._ctx.local_lists, self.peer.lists
         local_list, remote_list = (ours.aux, theirs.aux) if is_aux else (ours.kv, theirs.kv)
         write = self._ctx.poster.post(local_list, local, remote_list, remote, notif, num_bytes)
-        deadline = self._ctx.clock() + self._ctx.peer_timeout_s
-        self._writes.append(_Write(write, deadline))
-
-    def _check_writes(self) -> None:
-        now = self._ctx.clock()
-        for entry in list(self._writes):
-            write = entry.write
-            state = write.state()
-            if state == "DONE":
-                self._writes.remove(entry)
-                self._written_bytes += write.num_bytes
-                self.prep_s += write.prep_s
-                self.prep_cpu_s += write.prep_cpu_s
-                self._settle(write)
-            elif state != "PROC":
-                self._writes.remove(entry)
-                self._settle(write)
-                self.fail(f"NIXL write failed: {state}")
-            elif now >= entry.deadline:
-                self.fail(f"write still in flight after {self._ctx.peer_timeout_s:g} s")
-        self._unsettled = [w for w in self._unsettled if not w.is_settled]
-
-    def _settle(self, write: Write) -> None:
-        write.release()  # finished: frees its handle (the transfer thread did already)
-        if not write.is_settled:
-            self._unsettled.append(write)
-
-    def _release_all(self) -> None:
-        """Release every write (NIXL cancels those in flight); unsettled ones are kept."""
-        for entry in self._writes:
-            self._settle(entry.write)
-        self._writes.clear()
+        self._writes.add(write, self._ctx.clock())
 
     def _maybe_ack(self) -> None:
         if self._is_ack_due and not self._writes:
