@@ -159,3 +159,34 @@ def test_close_releases_writes_in_flight_and_refuses_new_ones() -> None:
     late = post(thread, "late")
     assert late.state().startswith("ERR") and late.is_settled
     assert thread.run(lambda: 7) == 7  # after close the caller owns the agent again
+
+
+def test_post_with_builds_the_handle_on_the_thread_and_tells_on_change() -> None:
+    agent = Agent()
+    changes = threading.Event()
+    thread = PushThread(agent, name="test-push", on_change=changes.set)
+    try:
+        built_on: list[str] = []
+
+        def prepare(owner: Agent) -> Handle:
+            built_on.append(threading.current_thread().name)
+            owner.handles["aux"] = Handle("aux")
+            return owner.handles["aux"]
+
+        write = thread.post_with(prepare, 64)
+        wait_until(lambda: "aux" in agent.posted, 5.0, "the post")
+        assert built_on == ["test-push"] and write.num_bytes == 64
+        changes.clear()
+        agent.handles["aux"].state = "DONE"
+        wait_until(lambda: write.state() == "DONE", 5.0, "DONE")
+        assert changes.wait(5.0), "on_change was not called"
+
+        def refuse(owner: Agent) -> Handle:
+            raise NIXL_ERRORS[0]("no such descriptor")
+
+        bad = thread.post_with(refuse, 64)
+        wait_until(lambda: bad.state() != "PROC", 5.0, "the failure")
+        assert "could not prepare the write: no such descriptor" in bad.state()
+        assert bad.is_settled
+    finally:
+        thread.close()
