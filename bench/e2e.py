@@ -19,7 +19,11 @@ during prefill, so it is an effective rate). Writes one JSON line per configurat
 then a summary, to stdout and ``bench/results/e2e.json``; plots ``bench/results/e2e.png``;
 rewrites the table in README.md between its e2e markers.
 
-    python bench/e2e.py [--quick]
+Before the summary come the engine-loop stall lines (``bench/engine_stall.py``, issue 17): per
+pool layout, the longest time one engine turn spent inside the transfer backend while
+2048-token prompts were pushed (writes posted by the transfer thread; goal < 5 ms).
+
+    python bench/e2e.py [--quick] [--stall-only]
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+import engine_stall  # noqa: E402
+
 from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan  # noqa: E402
 from prefill_worker.kv.layout import KVLayout  # noqa: E402
 from prefill_worker.model import Runner, build  # noqa: E402
@@ -50,6 +57,7 @@ from prefill_worker.request import OutcomeStatus, SamplingParams, Timings  # noq
 from prefill_worker.router.client import RouterClient  # noqa: E402
 from prefill_worker.testing.decode_peer import DecodePeer  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, free_port  # noqa: E402
+from prefill_worker.transfer import describe_worker  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHAPE = dict(
@@ -153,6 +161,7 @@ def decode_peer(bootstrap: str) -> DecodePeer:
         "float32",
         PAGE_SIZE,
         NUM_PAGES,
+        describe_worker(bootstrap, 60.0).kind,  # the worker's pool layout
     )
     kv_cache = KVCache(layout, torch.device("cpu"))
     return DecodePeer(_NoRunner(), kv_cache, bootstrap, num_aux_rows=1024, stop_token_ids=())
@@ -308,7 +317,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--stall-only", action="store_true", help="only the engine-loop stall")
     args = parser.parse_args()
+    stall_lines = engine_stall.lines(3 if args.quick else 6)
+    if args.stall_only:
+        for line in stall_lines:
+            print(json.dumps(line), flush=True)
+        return 0
     duration_s, min_n, max_n = (4.0, 8, 30) if args.quick else (12.0, 20, 120)
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp_name:
         tmp = Path(tmp_name)
@@ -328,6 +343,7 @@ def main() -> int:
     for name, by_rate in runs.items():
         overlap, chunk = name.startswith("overlap=on"), int(name.rsplit("=", 1)[1])
         lines += [point_line(overlap, chunk, rate, samples) for rate, samples in by_rate.items()]
+    lines += stall_lines
     lines.append(summary(runs, probes, rates, capacity_req_s))
     RESULTS.mkdir(parents=True, exist_ok=True)
     with (RESULTS / "e2e.json").open("w") as out:

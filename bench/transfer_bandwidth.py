@@ -1,24 +1,37 @@
 """KV push bandwidth over real NIXL to a decode process, against an in-process memcpy.
 
 A Llama-3-8B-shaped KV pool (32 layers, 8 KV heads, head_dim 128, bf16, page size 16: 32 KiB
-per page and region) for 1k and 8k tokens, pushed in chunks (2048 tokens by default) to a
-KVReceiver in a spawned process, with contiguous and fully scattered page maps (no two
-consecutive pages adjacent on either side). The reference is a memcpy of the same number of
-bytes in this process, in the same run: one copy between touched buffers right after each
-push, so both see the same machine load, and both reported as the median over the repeats
-(the first push and copy are a warm-up). One JSON line per case::
+per page of one layer's K or V) in both pool layouts (``kv.layout``: layer-major, where a
+page is 64 descriptors of 32 KiB; page-major, where it is one of 2 MiB), for 1k and 8k
+tokens, pushed in chunks (2048 tokens by default) to a KVReceiver in a spawned process, with
+contiguous and fully scattered page maps (no two consecutive pages adjacent on either side).
+The reference is a memcpy of the same number of bytes in this process, in the same run: one
+copy between touched buffers right after each push, so both see the same machine load, and
+both reported as the median over the repeats (the first push and copy are a warm-up). One
+JSON line per case::
 
-    {"name": "transfer", "tokens", "layout", "gb_s", "memcpy_gb_s", "ratio", "prep_ms"}
+    {"name": "transfer", "pool_layout", "push", "tokens", "layout", "gb_s", "memcpy_gb_s",
+     "ratio", "prep_ms", "prep_cpu_ms", "engine_max_call_ms"}
 
+``layout`` is the page map (contiguous or scattered); ``push`` where writes are posted
+(``thread``: the worker's transfer thread; ``inline``: on the engine thread, as before #17).
 ``prep_ms`` is the per-request time spent building descriptor indices and NIXL transfer
-requests (all chunks). Goals: ratio >= 0.8 contiguous, >= 0.5 scattered, prep_ms <= 1.
+requests (all chunks, wherever they run); ``prep_cpu_ms`` the same in CPU time of the threads
+that did it (on a loaded machine wall time adds the waits for a core and for the GIL).
+``engine_max_call_ms`` is the longest single call the engine thread made into the backend
+during the push (``send_pages``, ``send_aux``, ``poll``): what a push can stall the engine
+loop by. Goals: ratio >= 0.8 contiguous; page-major >= 0.8 scattered and prep_ms <= 0.2 at
+8k (layer-major: >= 0.5 and <= 1).
 
 Scattered lines add ``scattered_memcpy_gb_s`` and ``scattered_ratio``: the same pages as each
-push copied in this process page by page (one 32 KiB memmove each; Python's per-call overhead,
-well under a microsecond, is included). That is what the memory system gives for 32 KiB
-pieces at random places, the ceiling for any transport; on the 2-core development VM
-(THP-backed pools) it measured 0.5-0.75 of the contiguous memcpy. With UCX over cma every
-scattered page is one process_vm_writev of one remote iovec, so a push gets at most that.
+push copied in this process piece by piece (one memmove per descriptor: 32 KiB layer-major,
+2 MiB page-major; Python's per-call overhead, well under a microsecond, is included). That is
+what the memory system gives for such pieces at random places, the ceiling for any transport;
+on the 2-core development VM (THP-backed pools) it measured 0.5-0.75 of the contiguous memcpy
+for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one remote iovec.
+
+    python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
+                                       [--push thread,inline]
 """
 
 from __future__ import annotations
@@ -34,30 +47,35 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, POOL_LAYOUTS, KVLayout, KVRegions
 
 PAGE_SIZE = 16
 NUM_LOCAL_PAGES = 8192 // PAGE_SIZE
 NUM_DECODE_PAGES = NUM_LOCAL_PAGES + NUM_LOCAL_PAGES // 4
 
 
-def layout(num_pages: int) -> KVLayout:
-    return KVLayout(32, 8, 128, "bfloat16", PAGE_SIZE, num_pages)
+def layout(num_pages: int, pool_layout: str) -> KVLayout:
+    return KVLayout(32, 8, 128, "bfloat16", PAGE_SIZE, num_pages, pool_layout)
 
 
 def regions_over(lay: KVLayout, buf: np.ndarray, aux: AuxPool) -> KVRegions:
-    """K of each layer, then V of each layer, back to back in ``buf``."""
+    """The pool at the start of ``buf``: K of each layer, then V of each layer (layer-major),
+    or page after page of every layer's K and V (page-major)."""
     base = int(buf.ctypes.data)
-    starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
-    k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
+    if lay.kind == LAYER_MAJOR:
+        starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
+        k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
+    else:
+        k = tuple(base + 2 * i * lay.page_bytes for i in range(lay.num_layers))
+        v = tuple(a + lay.page_bytes for a in k)
     return KVRegions(lay, k, v, "cpu", aux.base_addr, aux.num_rows)
 
 
-def decode_main(conn: Connection, addr: str) -> None:
+def decode_main(conn: Connection, addr: str, pool_layout: str) -> None:
     from prefill_worker.transfer import KVReceiver, RoomState
 
-    lay = layout(NUM_DECODE_PAGES)
-    pool = np.ones(2 * lay.num_layers * lay.region_bytes, np.uint8)  # touched: no page faults
+    lay = layout(NUM_DECODE_PAGES, pool_layout)
+    pool = np.ones(lay.pool_bytes, np.uint8)  # touched: no page faults
     aux = AuxPool(16)
     receiver = KVReceiver(regions_over(lay, pool, aux), addr, heartbeat_interval_s=0.2)
     receiver.wait_registered(30.0)
@@ -97,24 +115,39 @@ def memcpy_s(src: np.ndarray, dst: np.ndarray, nbytes: int) -> float:
 def scattered_memcpy_s(
     lay: KVLayout, src: np.ndarray, dst: np.ndarray, src_pages: list[int], dst_pages: list[int]
 ) -> float:
-    """Seconds to copy K and V of ``src_pages`` of every layer to ``dst_pages``, page by page."""
-    regions = np.arange(2 * lay.num_layers, dtype=np.int64)[:, None]
-    region_page_bytes = 2 * lay.num_layers * lay.page_bytes  # a pool holds 2L regions
-    src_pool_pages, dst_pool_pages = src.size // region_page_bytes, dst.size // region_page_bytes
-    s = src.ctypes.data + (regions * src_pool_pages + np.asarray(src_pages)) * lay.page_bytes
-    d = dst.ctypes.data + (regions * dst_pool_pages + np.asarray(dst_pages)) * lay.page_bytes
+    """Seconds to copy K and V of ``src_pages`` of every layer to ``dst_pages``, one memmove
+    per descriptor the layout makes (a layer's page, or a whole page)."""
+    regions = np.arange(lay.num_regions, dtype=np.int64)[:, None]
+    pool_page_bytes = 2 * lay.num_layers * lay.page_bytes  # every region's share of a page
+    src_pool_pages, dst_pool_pages = src.size // pool_page_bytes, dst.size // pool_page_bytes
+    unit = lay.region_page_bytes
+    s = src.ctypes.data + (regions * src_pool_pages + np.asarray(src_pages)) * unit
+    d = dst.ctypes.data + (regions * dst_pool_pages + np.asarray(dst_pages)) * unit
     pairs = list(zip(s.ravel().tolist(), d.ravel().tolist(), strict=True))
-    page_bytes, memmove = lay.page_bytes, ctypes.memmove
+    page_bytes, memmove = unit, ctypes.memmove
     start = time.perf_counter()
     for src_addr, dst_addr in pairs:
         memmove(dst_addr, src_addr, page_bytes)
     return time.perf_counter() - start
 
 
+class _Timed:
+    """The longest single call made through ``call``."""
+
+    def __init__(self) -> None:
+        self.max_s = 0.0
+
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        fn(*args)
+        self.max_s = max(self.max_s, time.perf_counter() - start)
+
+
 def push_once(
     backend, conn: Connection, room: int, src: list[int], dst: list[int], chunk_pages: int
-) -> tuple[float, float]:
-    """(seconds from first chunk to status ok, prep seconds) for one request."""
+) -> tuple[float, tuple[float, float], float]:
+    """(seconds from first chunk to status ok, (prep seconds, prep CPU seconds), longest
+    engine-thread call) for one request."""
     from prefill_worker.transfer.base import KVPoll
 
     conn.send(("want", room, dst, 0, 0))
@@ -123,43 +156,61 @@ def push_once(
     while sender.poll() is not KVPoll.READY:
         backend.poll()
         assert not sender.poll().is_terminal, sender.failure_reason()
+    timed = _Timed()
     start = time.perf_counter()
     for first in range(0, len(src), chunk_pages):
-        sender.send_pages(src[first : first + chunk_pages], first)
-        backend.poll()
-    sender.send_aux(0)
+        timed.call(sender.send_pages, src[first : first + chunk_pages], first)
+        timed.call(backend.poll)
+    timed.call(sender.send_aux, 0)
     while not sender.poll().is_terminal:
-        backend.poll()
+        backend.wait(0.01)  # as the engine does when a turn found nothing to do
+        timed.call(backend.poll)
     elapsed = time.perf_counter() - start
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
     conn.send(("wait", room))
     assert conn.recv() == "done"
-    prep_s = sender.prep_s
+    prep_s = (sender.prep_s, sender.prep_cpu_s)
     sender.close()
-    return elapsed, prep_s
+    return elapsed, prep_s, timed.max_s
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens per chunk")
+    parser.add_argument("--pool-layouts", default=",".join(POOL_LAYOUTS))
+    parser.add_argument(
+        "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
+    )
     args = parser.parse_args()
+    for push in args.push.split(","):
+        for pool_layout in args.pool_layouts.split(","):
+            run_layout(pool_layout, push, args.repeats, args.chunk_tokens // PAGE_SIZE)
+
+
+def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> None:
+    """Every case for one pool layout, against a fresh worker and decode."""
     from prefill_worker.transfer import make_backend
 
-    lay = layout(NUM_LOCAL_PAGES)
-    pool = np.random.default_rng(0).integers(
-        0, 256, 2 * lay.num_layers * lay.region_bytes, np.uint8
-    )
+    lay = layout(NUM_LOCAL_PAGES, pool_layout)
+    pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
     aux = AuxPool(16)
     row = aux.try_alloc()
     assert row == 0
     aux.write(row, AuxRow(1, 0.0, 8192, 0))
     backend = make_backend(
-        regions_over(lay, pool, aux), "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.2
+        regions_over(lay, pool, aux),
+        "tcp://127.0.0.1:0",
+        None,
+        ["UCX"],
+        30.0,
+        0.2,
+        push_thread=push == "thread",
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_main, args=(child, backend.bootstrap_endpoint), daemon=True)
+    args = (child, backend.bootstrap_endpoint, pool_layout)
+    proc = ctx.Process(target=decode_main, args=args, daemon=True)
     proc.start()
     while not conn.poll(0.001):
         backend.poll()
@@ -173,19 +224,18 @@ def main() -> None:
             n = tokens // PAGE_SIZE
             nbytes = n * lay.page_bytes * 2 * lay.num_layers
             for kind in ("contiguous", "scattered"):
-                times, preps, copies, scattered_copies = [], [], [], []
-                for _ in range(args.repeats + 1):  # the first is a warm-up
+                times, preps, calls, copies, scattered_copies = [], [], [], [], []
+                for _ in range(repeats + 1):  # the first is a warm-up
                     if kind == "contiguous":
                         src, dst = list(range(n)), list(range(7, 7 + n))
                     else:
                         src = scattered(rng, NUM_LOCAL_PAGES, n)
                         dst = scattered(rng, NUM_DECODE_PAGES, n)
                     room += 1
-                    elapsed, prep_s = push_once(
-                        backend, conn, room, src, dst, args.chunk_tokens // PAGE_SIZE
-                    )
+                    elapsed, prep_s, call_s = push_once(backend, conn, room, src, dst, chunk_pages)
                     times.append(elapsed)
                     preps.append(prep_s)
+                    calls.append(call_s)
                     copies.append(memcpy_s(pool, copy_dst, nbytes))
                     if kind == "scattered":
                         scattered_copies.append(scattered_memcpy_s(lay, pool, copy_dst, src, dst))
@@ -193,12 +243,16 @@ def main() -> None:
                 ref = nbytes / statistics.median(copies[1:]) / 1e9
                 line = {
                     "name": "transfer",
+                    "pool_layout": pool_layout,
+                    "push": push,
                     "tokens": tokens,
                     "layout": kind,
                     "gb_s": round(gb_s, 3),
                     "memcpy_gb_s": round(ref, 3),
                     "ratio": round(gb_s / ref, 3),
-                    "prep_ms": round(statistics.median(preps[1:]) * 1e3, 3),
+                    "prep_ms": round(statistics.median(p[0] for p in preps[1:]) * 1e3, 3),
+                    "prep_cpu_ms": round(statistics.median(p[1] for p in preps[1:]) * 1e3, 3),
+                    "engine_max_call_ms": round(max(calls[1:]) * 1e3, 3),
                 }
                 if scattered_copies:
                     scattered_ref = nbytes / statistics.median(scattered_copies[1:]) / 1e9

@@ -1,11 +1,22 @@
 """The KV pool's memory layout, as both sides of a transfer must agree on it (DESIGN §5).
 
-Per layer ``l``, K and V are each one region of ``num_pages`` pages::
+Two kinds of pool, ``kind``; a page of one layer's K (or V) is ``page_bytes`` =
+``page_size × num_kv_heads × head_dim × itemsize`` bytes in both::
 
-    k_base_addrs[l] ─▶ [ page 0 | page 1 | ... | page num_pages-1 ]
-                          └─ page_size × num_kv_heads × head_dim × itemsize bytes
+    layer_major  [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
+                 k_base_addrs[l] ─▶ [ page 0 | page 1 | ... ]   one region per layer and K/V
+                 page p of layer l's K at k_base_addrs[l] + p * page_bytes
 
-Page ``p`` of layer ``l`` starts at ``k_base_addrs[l] + p * page_bytes`` (same for V).
+    page_major   [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
+                 base ─▶ [ page 0: K0 V0 K1 V1 ... | page 1: K0 V0 ... | ... ]   one region
+                 k_base_addrs[l] = base + 2l * page_bytes, v_base_addrs[l] = + page_bytes;
+                 page p of layer l's K at k_base_addrs[l] + p * 2L * page_bytes
+
+Either way page ``p`` of layer ``l`` is at ``k_base_addrs[l] + p * page_stride_bytes``, so a
+per-layer K or V view is ``[num_pages, page_size, kv_heads, head_dim]`` with the page stride
+as its first stride. A transfer describes the pool as ``num_regions`` regions of
+``num_pages`` runs of ``region_page_bytes`` each (``region_base_addrs``): 2L regions of one
+layer's page, or one region of whole pages (every layer's K and V in one descriptor).
 Torch-free: the runner fills in the addresses of the tensors it allocated.
 """
 
@@ -15,6 +26,9 @@ import hashlib
 from dataclasses import dataclass
 
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+LAYER_MAJOR = "layer_major"
+PAGE_MAJOR = "page_major"
+POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +41,13 @@ class KVLayout:
     dtype: str  # a key of DTYPE_ITEMSIZE
     page_size: int
     num_pages: int
+    kind: str = LAYER_MAJOR  # one of POOL_LAYOUTS
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOL_LAYOUTS:
+            raise ValueError(f"pool layout {self.kind!r} is not one of {', '.join(POOL_LAYOUTS)}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_ITEMSIZE)}")
 
     @property
     def itemsize(self) -> int:
@@ -34,21 +55,61 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
+        """One page of one layer's K (or V)."""
         return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def num_regions(self) -> int:
+        """Descriptor regions: 2L (layer-major) or 1 (page-major)."""
+        return 2 * self.num_layers if self.kind == LAYER_MAJOR else 1
+
+    @property
+    def region_page_bytes(self) -> int:
+        """One page of one region: also the stride between pages of a per-layer view."""
+        return self.page_bytes * (2 * self.num_layers) // self.num_regions
+
+    @property
+    def page_stride_bytes(self) -> int:
+        return self.region_page_bytes
+
+    @property
     def region_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.region_page_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """K and V of every layer and page."""
+        return self.num_regions * self.region_bytes
+
+    def summary(self) -> dict[str, str | int]:
+        """What a decode needs to size a pool that can register: every field (``num_pages``
+        is this side's) and the hash (``/readyz`` publishes it as ``kv_layout``)."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "kind": self.kind,
+            "compat_hash": self.compat_hash(),
+        }
 
     def compat_hash(self) -> str:
-        """Equal on both sides iff pages can be copied byte for byte (num_pages may differ)."""
+        """Equal on both sides iff pages can be copied byte for byte (num_pages may differ).
+        Layer-major keeps the key it had before page-major existed."""
         key = f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.page_size}"
+        if self.kind != LAYER_MAJOR:
+            key += f"/{self.kind}"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
 class KVRegions:
-    """Where one side's pool lives: per-layer base addresses of K and V, and the aux rows."""
+    """Where one side's pool lives: per-layer base addresses of K and V, and the aux rows.
+
+    Raises ``ValueError`` (with the numbers) when the addresses do not fit the layout: one per
+    layer; page-major, each layer's K and V where the layout puts them (module docstring)."""
 
     layout: KVLayout
     k_base_addrs: tuple[int, ...]  # len == layout.num_layers
@@ -58,5 +119,37 @@ class KVRegions:
     num_aux_rows: int
 
     def __post_init__(self) -> None:
-        assert len(self.k_base_addrs) == self.layout.num_layers
-        assert len(self.v_base_addrs) == self.layout.num_layers
+        why = addresses_error(self.layout, self.k_base_addrs, self.v_base_addrs)
+        if why is not None:
+            raise ValueError(why)
+
+    @property
+    def region_base_addrs(self) -> tuple[int, ...]:
+        """Where each descriptor region starts: K of every layer then V (layer-major), or
+        the pool (page-major)."""
+        if self.layout.kind == LAYER_MAJOR:
+            return self.k_base_addrs + self.v_base_addrs
+        return self.k_base_addrs[:1]
+
+
+def addresses_error(
+    layout: KVLayout, k_base_addrs: tuple[int, ...], v_base_addrs: tuple[int, ...]
+) -> str | None:
+    """Why these per-layer addresses cannot describe a pool of this layout, or None."""
+    n = layout.num_layers
+    if len(k_base_addrs) != n or len(v_base_addrs) != n:
+        return (
+            f"k_base_addrs/v_base_addrs: one address per layer needed ({n} layers, got "
+            f"{len(k_base_addrs)} and {len(v_base_addrs)})"
+        )
+    if layout.kind == PAGE_MAJOR:
+        base, page = k_base_addrs[0], layout.page_bytes
+        want_k = tuple(base + 2 * i * page for i in range(n))
+        want_v = tuple(a + page for a in want_k)
+        if k_base_addrs != want_k or v_base_addrs != want_v:
+            return (
+                "k_base_addrs/v_base_addrs: a page_major pool puts layer l's K at "
+                f"k_base_addrs[0] + 2l * page_bytes and its V page_bytes ({page}) later; "
+                "these addresses do not"
+            )
+    return None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout
 from prefill_worker.model.attention import create_backend, resolve_backend_name
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
@@ -83,9 +83,11 @@ def build(
     memory_fraction: float | None = None,
     num_threads: int | None = None,
     on_progress: LoadProgress | None = None,
+    pool_layout: str = LAYER_MAJOR,
 ) -> tuple[Runner, KVCache, ModelInfo]:
-    """Load the checkpoint, allocate the KV pool, pick the attention backend.
-    ``on_progress(bytes_read, bytes_total)`` follows the weights as they load.
+    """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
+    pick the attention backend. ``on_progress(bytes_read, bytes_total)`` follows the
+    weights as they load.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -95,13 +97,19 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     torch_dtype = resolve_dtype(dtype, read_spec(model_path))
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress)
+    dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPE_NAMES[torch_dtype], page_size, 1
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, page_size, 1, pool_layout
     )
     pages = pool_num_pages(one_page, dev, num_pages, memory_bytes, memory_fraction)
     kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
-    pool_bytes = 2 * spec.num_layers * kv_cache.layout.region_bytes
-    log.info("KV pool: %d pages of %d tokens, %d bytes", pages, page_size, pool_bytes)
+    log.info(
+        "KV pool (%s): %d pages of %d tokens, %d bytes",
+        pool_layout,
+        pages,
+        page_size,
+        kv_cache.layout.pool_bytes,
+    )
     runner = Runner(CausalLM(spec, weights), kv_cache, create_backend(backend_name, dev))
     return runner, kv_cache, _info(spec, one_page.dtype, kv_cache.device_name, backend_name)
 

@@ -1,19 +1,23 @@
 """The KV pool tensors (DESIGN §5) and their addresses for the transfer engine.
 
-One allocation holds every layer's K and V::
+One allocation holds every layer's K and V, in the pool layout ``layout.kind`` names
+(``kv.layout`` draws both)::
 
-    storage [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
-    k[l] = storage[l, 0]   ─▶ page p of layer l at k_base_addrs[l] + p * page_bytes
-    v[l] = storage[l, 1]
+    layer_major  storage [num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+                 k[l] = storage[l, 0], v[l] = storage[l, 1]        contiguous
+    page_major   storage [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+                 k[l] = storage[:, l, 0], v[l] = storage[:, l, 1]  strided views
 
-Each ``k[l]``/``v[l]`` is contiguous, so a page is one run of ``page_bytes`` bytes.
+Every ``k[l]``/``v[l]`` is a ``[num_pages, page_size, KV, D]`` view of the storage (never a
+copy): page p of layer l at ``k_base_addrs[l] + p * page_stride_bytes``, one page itself
+contiguous. Writers and attention index them by (page, offset), which works for any page stride.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -51,14 +55,20 @@ class KVCache:
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
-        shape = (layout.num_layers, 2, layout.num_pages, layout.page_size)
-        self._storage = torch.zeros(  # [L, 2, P, page_size, KV, D]
-            (*shape, layout.num_kv_heads, layout.head_dim),
-            dtype=TORCH_DTYPES[layout.dtype],
-            device=device,
-        )
-        self.k: tuple[torch.Tensor, ...] = tuple(self._storage[:, 0])  # each [P, ps, KV, D]
-        self.v: tuple[torch.Tensor, ...] = tuple(self._storage[:, 1])
+        page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
+        dtype = TORCH_DTYPES[layout.dtype]
+        if layout.kind == LAYER_MAJOR:
+            self._storage = torch.zeros(  # [L, 2, P, page_size, KV, D]
+                (layout.num_layers, 2, layout.num_pages, *page), dtype=dtype, device=device
+            )
+            per_layer = self._storage  # [L, 2, P, page_size, KV, D]
+        else:
+            self._storage = torch.zeros(  # [P, L, 2, page_size, KV, D]
+                (layout.num_pages, layout.num_layers, 2, *page), dtype=dtype, device=device
+            )
+            per_layer = self._storage.permute(1, 2, 0, 3, 4, 5)  # [L, 2, P, ...], a view
+        self.k: tuple[torch.Tensor, ...] = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
+        self.v: tuple[torch.Tensor, ...] = tuple(per_layer[:, 1])
 
     @property
     def k_base_addrs(self) -> tuple[int, ...]:
@@ -86,9 +96,11 @@ class KVCache:
         )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k/v [T, KV, D]`` at flat rows ``slots [T]`` (``page * page_size + offset``)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        """Store ``k/v [T, KV, D]`` at flat rows ``slots [T]`` (``page * page_size + offset``).
+        Indexed by (page, offset), so the strided page-major views need no copy."""
+        index = (slots // self.layout.page_size, slots % self.layout.page_size)
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
 
     def read_page(self, layer: int, page_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one page, ``[page_size, KV, D]`` each (views)."""

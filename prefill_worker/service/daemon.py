@@ -92,6 +92,7 @@ class Daemon:
         self._engine_thread: threading.Thread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
+        self._kv_layout: dict[str, str | int] = {}
         self.transfer_endpoints: Mapping[str, str] = {}
         # Where the prefix cache reports its blocks: the KV-event publisher when
         # kv_events.enabled, else a sink that drops them.
@@ -125,6 +126,7 @@ class Daemon:
         pages, aux = make_pools(cfg, kv_cache)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
+        self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
         self.transfer_endpoints = transfer.endpoints
         self._start_kv_events()
@@ -189,11 +191,12 @@ class Daemon:
         if self._http_api is not None:
             api_host = cfg.http_api.bind.rpartition(":")[0] or "127.0.0.1"
             endpoints["http_api"] = f"{api_host}:{self._http_api.port}"
-        self.health.endpoints = endpoints
+        published: dict[str, object] = {**endpoints, "kv_layout": self._kv_layout}
+        self.health.endpoints = published
         if cfg.daemon.ready_file:
             ready_file = Path(cfg.daemon.ready_file)
             with startup_step("ready file", (OSError,)):
-                write_ready_file(ready_file, endpoints)
+                write_ready_file(ready_file, published)
             self._closers.append(("ready file", lambda: ready_file.unlink(missing_ok=True)))
         self.health.is_ready = True
         if self._http_api is not None:

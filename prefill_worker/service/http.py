@@ -51,7 +51,7 @@ class Health:
         self._progress: Callable[[], Progress] | None = None
         self.is_ready = False
         self.is_draining = False
-        self.endpoints: dict[str, str | int] = {}  # what the worker bound: `/readyz` shows it
+        self.endpoints: dict[str, object] = {}  # what the worker bound: `/readyz` shows it
 
     def watch(self, progress: Callable[[], Progress]) -> None:
         self._progress = progress

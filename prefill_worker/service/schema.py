@@ -53,6 +53,14 @@ class CacheConfig(_Section):
     num_aux_rows: int = Field(
         256, ge=1, description="Metadata rows (first token, logprob) for requests in flight."
     )
+    layout: Literal["layer_major", "page_major"] = Field(
+        "layer_major",
+        description=(
+            "KV pool layout: `layer_major` (each layer's K and V its own region) or "
+            "`page_major` (every layer's K and V of a page together: one transfer descriptor "
+            "per run of pages). Decode pools must use the same."
+        ),
+    )
     prefix_caching: bool = Field(
         True,
         description="Keep full KV pages after their request and share them with later prompts "

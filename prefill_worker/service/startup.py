@@ -124,6 +124,7 @@ def load_model(
             device=cfg.model.device,
             attention_backend=cfg.model.attention_backend,
             page_size=cfg.cache.page_size,
+            pool_layout=cfg.cache.layout,
             num_pages=cfg.cache.num_pages,
             memory_bytes=cfg.cache.memory_bytes,
             memory_fraction=cfg.cache.memory_fraction,
@@ -347,7 +348,7 @@ def start_http_api(
     return front
 
 
-def write_ready_file(path: Path, endpoints: Mapping[str, str | int]) -> None:
+def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     """JSON, replaced atomically: a reader sees the old file or the whole new one."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")

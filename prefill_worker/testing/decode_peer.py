@@ -152,20 +152,31 @@ class DecodePeer:
         page_size: int = 16,
         num_pages: int = 1024,
         num_threads: int | None = None,
+        pool_layout: str | None = None,
         connect_over: Callable[[Any], Callable[[str], KVSource]] | None = None,
         **kwargs: Any,
     ) -> DecodePeer:
         """Build the model (its own KV pool) and connect to the worker's bootstrap server.
-        ``stop_token_ids`` defaults to the checkpoint's EOS ids. ``connect_over(kv_cache)``,
-        if given, makes the ``connect`` of the KV sources that fill that pool."""
+        ``stop_token_ids`` defaults to the checkpoint's EOS ids. ``pool_layout`` defaults to
+        the (first) worker's, asked with ``describe_worker``; layer-major when the KV comes
+        over SGLang's protocol (``connect_over``), whose decodes keep per-layer buffers.
+        ``connect_over(kv_cache)``, if given, makes the ``connect`` of the KV sources that
+        fill that pool."""
         from prefill_worker.model import build
+        from prefill_worker.transfer import describe_worker
 
+        if pool_layout is None and connect_over is not None:
+            pool_layout = "layer_major"
+        if pool_layout is None:
+            first = bootstrap_addr if isinstance(bootstrap_addr, str) else bootstrap_addr[0]
+            pool_layout = describe_worker(first, 60.0).kind
         runner, kv_cache, info = build(
             model_path,
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,
             page_size=page_size,
+            pool_layout=pool_layout,
             num_pages=num_pages,
             num_threads=num_threads,
         )

@@ -242,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     log.info("loading %s", args.model)
+    extra: dict[str, Any] = {"stop_token_ids": ()} if args.ignore_eos else {}
     peer = DecodePeer.load(
         args.model,
         args.bootstrap,
@@ -253,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_threads=args.num_threads,
         max_batch_size=args.max_batch_size,
         connect_over=_sglang_sources(args.model) if args.sglang else None,
-        **({"stop_token_ids": ()} if args.ignore_eos else {}),
+        **extra,
     )
     where = args.bind or f"http://{args.http}"
     how = "SGLang's protocol" if args.sglang else "the native protocol"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout
 from prefill_worker.model import Runner
 from prefill_worker.model.attention import create_backend
 from prefill_worker.model.hf_config import ModelSpec, spec_from_dict
@@ -64,12 +64,20 @@ def random_runner(
     page_size: int,
     num_pages: int,
     seed: int = 0,
+    pool_layout: str = LAYER_MAJOR,
 ) -> tuple[Runner, ModelSpec]:
-    """A ``Runner`` over a KV pool of ``num_pages`` pages for a model shaped as ``config``."""
+    """A ``Runner`` over a KV pool of ``num_pages`` pages (in ``pool_layout``) for a model
+    shaped as ``config``."""
     spec = spec_from_dict(config)
     weights = fuse_weights(spec, RandomTensors(spec, dtype, device, seed))
     layout = KVLayout(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPE_NAMES[dtype], page_size, 1
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        DTYPE_NAMES[dtype],
+        page_size,
+        1,
+        pool_layout,
     )
     kv_cache = KVCache(dataclasses.replace(layout, num_pages=num_pages), device)
     runner = Runner(CausalLM(spec, weights), kv_cache, create_backend(attention_backend, device))

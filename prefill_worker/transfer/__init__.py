@@ -1,8 +1,9 @@
 """KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK.
 
 Public for decode engines: ``KVReceiver`` (with ``RoomState``, ``RoomStatus``,
-``RegistrationError``); for the daemon: ``make_backend``. Exported lazily, so importing
-``prefill_worker.transfer.base`` stays free of NIXL and ZMQ.
+``RegistrationError``), ``describe_worker`` (the worker's pool layout, before registering),
+``num_want_pages`` (how many pages a ``want`` names); for the daemon: ``make_backend``.
+Exported lazily, so importing ``prefill_worker.transfer.base`` stays free of NIXL and ZMQ.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ _LAZY = {
     "RoomState": "prefill_worker.transfer.receiver",
     "RoomStatus": "prefill_worker.transfer.receiver",
     "RegistrationError": "prefill_worker.transfer.receiver",
+    "describe_worker": "prefill_worker.transfer.describe",
     "make_backend": "prefill_worker.transfer.factory",
+    "num_want_pages": "prefill_worker.transfer.pagemap",
 }
 
 __all__ = sorted(_LAZY)

@@ -17,6 +17,7 @@ client cannot take over does not already give; CURVE (optional) authenticates th
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -76,13 +77,17 @@ class BootstrapServer:
                 out.append((frames[0], exc))
         return out
 
-    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
-        """Block until a message can be read, ``wake_fd`` is readable, or ``timeout_s`` passes.
-        zmq's poller, not select: the socket's own fd is edge-triggered."""
+    def wait(
+        self, timeout_s: float, wake_fd: int | None = None, more_fds: Sequence[int] = ()
+    ) -> None:
+        """Block until a message can be read, ``wake_fd`` or one of ``more_fds`` is readable,
+        or ``timeout_s`` passes. zmq's poller, not select: the socket's own fd is
+        edge-triggered."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        if wake_fd is not None:
-            poller.register(wake_fd, zmq.POLLIN)
+        for fd in (wake_fd, *more_fds):
+            if fd is not None:
+                poller.register(fd, zmq.POLLIN)
         poller.poll(max(0, int(timeout_s * 1000)) or 1)
 
     def send(self, identity: bytes, msg: wire.Message) -> bool:

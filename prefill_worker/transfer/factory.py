@@ -47,17 +47,22 @@ def make_backend(
     curve: CurveServerKeys | None = None,
     ucx_net_devices: str | None = None,
     on_reject: Callable[[str], None] | None = None,
+    push_thread: bool = True,
 ) -> ServingBackend:
     """The NIXL backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
     address, port 0 allowed). No fake is selectable here: nothing in production config can
     pick one (the scheduler's tests fake the seam in ``tests/unit/scheduler/fakes.py``).
     ``limits`` bound what a decode peer may register and send; ``curve`` turns on CurveZMQ
     with an allow-list on the bootstrap socket; ``ucx_net_devices`` picks UCX's interfaces;
-    ``on_reject(reason)`` counts each refused bootstrap message (engine thread).
+    ``on_reject(reason)`` counts each refused bootstrap message (engine thread);
+    ``push_thread`` False posts writes on the engine thread (what the benchmarks compare the
+    transfer thread with; nothing in production config selects it).
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
     from prefill_worker.transfer.nixl.backend import NixlBackend
+    from prefill_worker.transfer.nixl.poster import InlinePoster
+    from prefill_worker.transfer.nixl.push_thread import PushThread
 
     return NixlBackend(
         regions,
@@ -71,6 +76,7 @@ def make_backend(
         curve=curve,
         ucx_net_devices=ucx_net_devices,
         on_reject=on_reject,
+        poster_factory=PushThread if push_thread else InlinePoster,
     )
 
 

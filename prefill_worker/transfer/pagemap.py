@@ -2,14 +2,17 @@
 decode peer's pages, and turning pages into descriptor indices.
 
 Each side prepares two descriptor lists once (local, and per decode peer): the KV pool in
-its own memory (``DRAM`` on the CPU, ``VRAM`` on a GPU), region-major::
+its own memory (``DRAM`` on the CPU, ``VRAM`` on a GPU), region-major over the layout's
+regions (``kv.layout``)::
 
-    KV list   index r * num_pages + p    page p of region r; regions 0..L-1 are K of layers
-                                         0..L-1, regions L..2L-1 are V of layers 0..L-1
+    KV list   index r * num_pages + p    page p of region r, region_page_bytes long
+              layer_major: 2L regions    K of layers 0..L-1, then V of layers 0..L-1
+              page_major:  1 region      the whole page: every layer's K and V
     aux list  index row                  aux row `row`, always host memory (DRAM)
 
 so a run of adjacent pages is a run of adjacent indices, which NIXL merges into one
-descriptor when both sides are adjacent in memory. The aux rows are a list of their own
+descriptor when both sides are adjacent in memory. A page-major chunk of n pages is n
+indices (2L·n layer-major), each 2L times longer. The aux rows are a list of their own
 because one NIXL list holds one memory type, and they live in host memory on every device.
 """
 
@@ -26,6 +29,21 @@ from prefill_worker.transfer.wire import Want
 
 def num_prompt_pages(num_prompt_tokens: int, page_size: int) -> int:
     return -(-num_prompt_tokens // page_size)
+
+
+def num_want_pages(num_prompt_tokens: int, num_cached_tokens: int, page_size: int) -> int:
+    """How many ``dst_page_ids`` a ``want`` names: the prompt's pages after the cached prefix
+    (``num_cached_tokens`` is a multiple of ``page_size``; ``ValueError`` otherwise)."""
+    if num_prompt_tokens < 1 or page_size < 1:
+        raise ValueError(
+            f"num_prompt_tokens ({num_prompt_tokens}) and page_size ({page_size}) must be >= 1"
+        )
+    if not 0 <= num_cached_tokens <= num_prompt_tokens or num_cached_tokens % page_size:
+        raise ValueError(
+            f"num_cached_tokens {num_cached_tokens} must be a multiple of {page_size} "
+            f"in [0, {num_prompt_tokens}]"
+        )
+    return num_prompt_pages(num_prompt_tokens, page_size) - num_cached_tokens // page_size
 
 
 def check_want(
@@ -82,10 +100,24 @@ AUX_MEM_TYPE = "DRAM"  # aux rows live in host memory on every device, both side
 
 
 def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
-    """The [2L * num_pages, 3] (addr, len, dev) table of the KV pool, indexed as above."""
+    """The [num_regions * num_pages, 3] (addr, len, dev) table of the KV pool, as above."""
+    lay = regions.layout
+    bases = np.asarray(regions.region_base_addrs, dtype=np.uint64)
+    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.region_page_bytes)
+    addrs = (bases[:, None] + pages[None, :]).ravel()
+    lens = np.full(addrs.size, lay.region_page_bytes, np.uint64)
+    dev = np.full(addrs.size, device_id(regions.device), np.uint64)
+    return np.stack([addrs, lens, dev], axis=1)
+
+
+def layer_view_table(regions: KVRegions) -> np.ndarray:
+    """The [2L * num_pages, 3] table of the pool seen per layer, whatever its layout: index
+    r * num_pages + p is page p of K of layer r (r < L) or of V of layer r - L, ``page_bytes``
+    long. It is ``kv_descriptor_table`` for a layer-major pool; for a page-major one it is
+    what a peer with per-layer buffers (an SGLang decode) is written from."""
     lay = regions.layout
     bases = np.asarray(regions.k_base_addrs + regions.v_base_addrs, dtype=np.uint64)
-    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_bytes)
+    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_stride_bytes)
     addrs = (bases[:, None] + pages[None, :]).ravel()
     lens = np.full(addrs.size, lay.page_bytes, np.uint64)
     dev = np.full(addrs.size, device_id(regions.device), np.uint64)

@@ -8,9 +8,10 @@ ids are looked at. Each refusal carries a ``RejectReason`` (the label of
 Limits, and why:
 
     max_peer_pages     decode pool pages (and aux rows) one peer may register; the
-                       descriptor list prepared at registration holds 2 * layers * pages
-                       entries, built on the engine thread, so this bounds that stall
-                       and its memory (default 2**20: ~0.25 s and ~50 MB at 2 layers)
+                       descriptor list prepared at registration holds regions * pages
+                       entries (2 * layers * pages layer-major, pages page-major), built
+                       on the engine thread, so this bounds that stall and its memory
+                       (default 2**20: ~0.25 s and ~50 MB at 2 layers layer-major)
     2**31 - 1          descriptor indices are int32 (what NIXL takes)
     2**64              a region [base, base + pages * page_bytes) must fit the address space
 """
@@ -100,6 +101,13 @@ def _check_name(name: str) -> Refusal | None:
 
 def _check_layout(msg: wire.Register, ours: KVLayout) -> Refusal | None:
     theirs = msg.regions.layout
+    if theirs.kind != ours.kind:
+        return Refusal(
+            RejectReason.LAYOUT_MISMATCH,
+            f"KV layout mismatch: the decode pool is {theirs.kind}, this worker's is "
+            f"{ours.kind}; allocate the decode pool {ours.kind} (or run the worker with "
+            f"cache.layout: {theirs.kind})",
+        )
     shape = (theirs.num_layers, theirs.num_kv_heads, theirs.head_dim, theirs.dtype)
     if (
         shape != (ours.num_layers, ours.num_kv_heads, ours.head_dim, ours.dtype)
@@ -120,7 +128,7 @@ def _check_sizes(regions: KVRegions, limits: BootstrapLimits) -> Refusal | None:
             f"decode pool of {lay.num_pages} pages and {regions.num_aux_rows} aux rows; "
             f"this worker takes at most {bound} of each (transfer.max_peer_pages)",
         )
-    num_descriptors = 2 * lay.num_layers * lay.num_pages + regions.num_aux_rows
+    num_descriptors = lay.num_regions * lay.num_pages + regions.num_aux_rows
     if num_descriptors > _MAX_DESCRIPTORS:
         return Refusal(
             RejectReason.TOO_LARGE,
@@ -136,8 +144,7 @@ def _check_device(device: str) -> Refusal | None:
 
 
 def _check_addresses(regions: KVRegions) -> Refusal | None:
-    spans = [(a, regions.layout.region_bytes) for a in regions.k_base_addrs]
-    spans += [(a, regions.layout.region_bytes) for a in regions.v_base_addrs]
+    spans = [(a, regions.layout.region_bytes) for a in regions.region_base_addrs]
     spans.append((regions.aux_base_addr, regions.num_aux_rows * AUX_ROW_BYTES))
     for i, (addr, size) in enumerate(spans):
         if addr <= 0 or addr + size > _ADDRESS_SPACE:

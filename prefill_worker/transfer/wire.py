@@ -7,9 +7,10 @@ little-endian int32 bytes. Unknown extra fields are ignored; an unknown type, a 
 a wrong type raises ``WireError`` naming the field path (``Expected `int`, got `str` - at
 `$.room```). Vocabulary and sizes that depend on this worker are checked in ``validate.py``.
 
-Decode → worker: ``register``, ``want``, ``abort``, ``heartbeat``, ``bye``.
+Decode → worker: ``register``, ``want``, ``abort``, ``heartbeat``, ``bye``, ``describe``.
 Worker → decode: ``registered``, ``status``, ``heartbeat``, ``reject`` (an undecodable message),
-``unknown_peer`` (a message from a connection that is not registered; the SDK registers again).
+``unknown_peer`` (a message from a connection that is not registered; the SDK registers again),
+``described`` (the worker's pool layout, the answer to ``describe``).
 
 NIXL agent metadata travels inside ``register`` framed, because a corrupt blob can crash
 ``add_remote_agent``; the frame is checked before NIXL ever sees the bytes::
@@ -33,7 +34,13 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
-from prefill_worker.kv.layout import DTYPE_ITEMSIZE, KVLayout, KVRegions
+from prefill_worker.kv.layout import (
+    DTYPE_ITEMSIZE,
+    POOL_LAYOUTS,
+    KVLayout,
+    KVRegions,
+    addresses_error,
+)
 
 WIRE_VERSION = 1
 _FRAME_HEAD = struct.Struct("<4sB3sQ32s")
@@ -42,8 +49,10 @@ _FRAME_VERSION = 1
 
 StatusCode = Literal["ok", "failed", "aborted"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+PoolLayout = Literal["layer_major", "page_major"]
 Positive = Annotated[int, Meta(ge=1)]
 assert set(get_args(Dtype)) == set(DTYPE_ITEMSIZE)
+assert get_args(PoolLayout) == POOL_LAYOUTS
 
 
 class WireError(ValueError):
@@ -80,8 +89,10 @@ class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
     v: Literal[1] = 1
 
 
-class Layout(Struct, frozen=True):
-    """``register.layout``: the decode pool's shape (a ``KVLayout``)."""
+class Layout(Struct, frozen=True, omit_defaults=True):
+    """A KV pool's shape (a ``KVLayout``): the decode's in ``register``, the worker's in
+    ``described``. ``kind`` is left out when ``layer_major`` (v1's bytes, and what a peer
+    that predates page-major means)."""
 
     num_layers: Positive
     num_kv_heads: Positive
@@ -89,12 +100,19 @@ class Layout(Struct, frozen=True):
     dtype: Dtype
     page_size: Positive
     num_pages: Positive
+    kind: PoolLayout = "layer_major"
 
     @classmethod
     def of(cls, lay: KVLayout) -> Layout:
-        dtype = cast(Dtype, lay.dtype)
+        dtype, kind = cast(Dtype, lay.dtype), cast(PoolLayout, lay.kind)
         return cls(
-            lay.num_layers, lay.num_kv_heads, lay.head_dim, dtype, lay.page_size, lay.num_pages
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            dtype,
+            lay.page_size,
+            lay.num_pages,
+            kind,
         )
 
     def to_kv(self) -> KVLayout:
@@ -105,6 +123,7 @@ class Layout(Struct, frozen=True):
             self.dtype,
             self.page_size,
             self.num_pages,
+            self.kind,
         )
 
 
@@ -125,12 +144,9 @@ class Register(_Message, frozen=True, tag="register"):
     compat_hash: str
 
     def __post_init__(self) -> None:
-        n = self.layout.num_layers
-        if len(self.k_base_addrs) != n or len(self.v_base_addrs) != n:
-            raise ValueError(
-                f"k_base_addrs/v_base_addrs: one address per layer needed ({n} layers, got "
-                f"{len(self.k_base_addrs)} and {len(self.v_base_addrs)}) - at `$.k_base_addrs`"
-            )
+        why = addresses_error(self.layout.to_kv(), self.k_base_addrs, self.v_base_addrs)
+        if why is not None:
+            raise ValueError(f"{why} - at `$.k_base_addrs`")
 
     @classmethod
     def of(cls, agent_name: str, metadata: bytes, regions: KVRegions, compat_hash: str) -> Register:
@@ -208,6 +224,22 @@ class Bye(_Message, frozen=True, tag="bye"):
     """Decode → worker: the decode node leaves; its open requests fail."""
 
 
+class Describe(_Message, frozen=True, tag="describe"):
+    """Decode → worker, from any connection (no registration needed): what does your pool
+    look like? Answered by ``described``, so a decode can size its pool before ``register``."""
+
+
+class Described(_Message, frozen=True, tag="described", kw_only=True):
+    """Worker → decode, the answer to ``describe``: the worker's pool layout (its own
+    ``num_pages``; a decode's may differ) and the ``compat_hash`` a ``register`` must carry."""
+
+    agent_name: str  # the worker's
+    layout: Layout
+    compat_hash: str
+    peer_timeout_s: float
+    heartbeat_interval_s: float
+
+
 class Registered(_Message, frozen=True, tag="registered", kw_only=True):
     """Worker → decode, the answer to ``register``: ``ok``, or the refusal's ``reason``."""
 
@@ -243,7 +275,19 @@ class UnknownPeer(_Message, frozen=True, tag="unknown_peer"):
     reason: str
 
 
-Message = Register | Want | Abort | Heartbeat | Bye | Registered | Status | Reject | UnknownPeer
+Message = (
+    Register
+    | Want
+    | Abort
+    | Heartbeat
+    | Bye
+    | Describe
+    | Registered
+    | Status
+    | Reject
+    | UnknownPeer
+    | Described
+)
 
 _DECODER = msgspec.msgpack.Decoder(Message)
 _ENCODER = msgspec.msgpack.Encoder()

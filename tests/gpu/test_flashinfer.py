@@ -57,7 +57,36 @@ def test_flashinfer_matches_sdpa(dtype, dim):
     torch.testing.assert_close(outputs["flashinfer"], outputs["sdpa"], atol=2e-2, rtol=2e-2)
 
 
-def test_runner_with_flashinfer_matches_sdpa(tmp_path):
+def test_flashinfer_reads_page_major_views_in_place():
+    """A page-major pool's per-layer views are strided (pages 2L layer-pages apart): both
+    backends read them as they are and agree with a contiguous copy of the same layer."""
+    device, dtype, dim, num_layers = torch.device("cuda"), torch.bfloat16, 64, 3
+    gen = torch.Generator(device=device).manual_seed(1)
+    batch, slots = _batch([(0, 100), (128, 200), (40, 41)])
+    shape = (NUM_PAGES, num_layers, 2, PAGE_SIZE, KV_HEADS, dim)
+    pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    k_pool, v_pool = pool[:, 1, 0], pool[:, 1, 1]  # layer 1: strided views, no copy
+    assert not k_pool.is_contiguous() and k_pool.stride() == v_pool.stride()
+    q = torch.randn(batch.num_tokens, HEADS, dim, generator=gen, device=device, dtype=dtype)
+    slots = slots.to(device)
+    rows = (slots // PAGE_SIZE, slots % PAGE_SIZE)
+    k, v = k_pool[rows], v_pool[rows]
+    outputs = {}
+    for name, pools in [
+        ("flashinfer", (k_pool, v_pool)),
+        ("sdpa", (k_pool, v_pool)),
+        ("contiguous", (k_pool.contiguous(), v_pool.contiguous())),
+    ]:
+        backend = create_backend("sdpa" if name == "contiguous" else name, device)
+        backend.plan(batch)
+        outputs[name] = torch.empty_like(q)
+        backend.attend(q, k, v, *pools, outputs[name])
+    torch.testing.assert_close(outputs["sdpa"], outputs["contiguous"], atol=0, rtol=0)
+    torch.testing.assert_close(outputs["flashinfer"], outputs["sdpa"], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("pool_layout", ["layer_major", "page_major"])
+def test_runner_with_flashinfer_matches_sdpa(tmp_path, pool_layout):
     """The whole model on CUDA: chunked prefill with each backend, same logits and pages."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -75,7 +104,9 @@ def test_runner_with_flashinfer_matches_sdpa(tmp_path):
     pages = list(range(30, 0, -3))
     results = {}
     for name in ("sdpa", "flashinfer"):
-        runner, kv_cache, _ = build(tmp_path, "bfloat16", "cuda", name, PAGE_SIZE, num_pages=32)
+        runner, kv_cache, _ = build(
+            tmp_path, "bfloat16", "cuda", name, PAGE_SIZE, num_pages=32, pool_layout=pool_layout
+        )
         first = ChunkPlan("a", ids[:64], 0, 64, pages, None)
         runner.compute_logits(BatchPlan(0, (first,)))
         last = ChunkPlan("a", ids[64:], 64, 150, pages, SamplingParams())

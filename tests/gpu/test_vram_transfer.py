@@ -7,6 +7,7 @@ so the GPU variant is known to be a working test before a GPU ever runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
@@ -19,23 +20,41 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.base import KVPoll
 
 LAYOUT = KVLayout(2, 2, 64, "bfloat16", 16, 32)
-SHAPE = (LAYOUT.num_pages, LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+PAGE = (LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 SRC_PAGES, DST_PAGES, NUM_TOKENS, ROOM, AUX_SLOT = [5, 9, 20], [30, 2, 17], 40, 77, 1
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = [
     pytest.param("cpu", id="dram"),
     pytest.param("cuda", id="vram", marks=[pytest.mark.gpu, CUDA]),
 ]
+POOL_LAYOUTS = pytest.mark.parametrize("pool_layout", ["layer_major", "page_major"])
 
 
-def decode_process(conn: Connection, device: str, bootstrap: str) -> None:
-    """The decode: KVReceiver.from_tensors over zeroed pools on ``device``; sends back the
-    room's state, its aux row and the bytes that landed in its pages."""
+def pool_views(
+    pool_layout: str, device: str, gen: torch.Generator | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V views ``[P, page_size, KV, D]`` of one pool tensor in the layout:
+    ``[L, 2, P, ...]`` (layer-major) or ``[P, L, 2, ...]`` (page-major, strided views)."""
+    num_layers, num_pages = LAYOUT.num_layers, LAYOUT.num_pages
+    major = (
+        (num_layers, 2, num_pages) if pool_layout == "layer_major" else (num_pages, num_layers, 2)
+    )
+    pool = torch.zeros((*major, *PAGE), dtype=torch.bfloat16)
+    if gen is not None:
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    pool = pool.to(device)
+    if pool_layout == "layer_major":
+        return list(pool[:, 0]), list(pool[:, 1])
+    return [pool[:, i, 0] for i in range(num_layers)], [pool[:, i, 1] for i in range(num_layers)]
+
+
+def decode_process(conn: Connection, device: str, bootstrap: str, pool_layout: str) -> None:
+    """The decode: KVReceiver.from_tensors over a zeroed pool on ``device``; sends back the
+    room's state, its aux row (pinned host memory on CUDA) and the bytes that landed."""
     from prefill_worker.transfer.receiver import KVReceiver, RoomState
 
-    k = [torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    v = [torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    receiver = KVReceiver.from_tensors(k, v, bootstrap, num_aux_rows=4)
+    k, v = pool_views(pool_layout, device)
+    receiver = KVReceiver.from_tensors(k, v, bootstrap, num_aux_rows=4, pool_layout=pool_layout)
     receiver.wait_registered(30)
     receiver.want(ROOM, DST_PAGES, AUX_SLOT, 0)
     conn.send("wanted")
@@ -49,18 +68,17 @@ def decode_process(conn: Connection, device: str, bootstrap: str) -> None:
     receiver.close()
 
 
+@POOL_LAYOUTS
 @pytest.mark.parametrize("device", DEVICES)
-def test_kv_and_aux_land_byte_for_byte_between_processes(device: str) -> None:
+def test_kv_and_aux_land_byte_for_byte_between_processes(device: str, pool_layout: str) -> None:
     from prefill_worker.transfer import make_backend
 
     dev = torch.device(device)
-    gen = torch.Generator().manual_seed(3)
-    k = [torch.randn(SHAPE, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2)]
-    v = [torch.randn(SHAPE, generator=gen).to(torch.bfloat16).to(dev) for _ in range(2)]
+    k, v = pool_views(pool_layout, device, torch.Generator().manual_seed(3))
     aux = AuxPool(4)
     name = "cpu" if dev.type == "cpu" else f"cuda:{torch.cuda.current_device()}"
     regions = KVRegions(
-        LAYOUT,
+        dataclasses.replace(LAYOUT, kind=pool_layout),
         tuple(t.data_ptr() for t in k),
         tuple(t.data_ptr() for t in v),
         name,
@@ -70,7 +88,9 @@ def test_kv_and_aux_land_byte_for_byte_between_processes(device: str) -> None:
     backend = make_backend(regions, "tcp://127.0.0.1:0", None, ["UCX"], 10.0, 0.1, 10.0)
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
-        target=decode_process, args=(child, device, backend.bootstrap_endpoint), daemon=True
+        target=decode_process,
+        args=(child, device, backend.bootstrap_endpoint, pool_layout),
+        daemon=True,
     )
     proc.start()
     try:

@@ -73,8 +73,16 @@ class Served:
         return self
 
 
-def launch(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protocol: str) -> Served:
-    """``prefill-worker serve`` on the tiny config, SGLang's protocol on; not waited for."""
+def launch(
+    tmp_path: Path,
+    checkpoint: Path,
+    page_size: int,
+    dtype: str,
+    protocol: str,
+    pool_layout: str = "layer_major",
+) -> Served:
+    """``prefill-worker serve`` on the tiny config, SGLang's protocol on; not waited for.
+    ``pool_layout`` is the worker's (``cache.layout``); SGLang decodes are layer-major."""
     sglang = f"127.0.0.1:{free_port()}"
     worker = start_worker(
         tmp_path,
@@ -83,6 +91,7 @@ def launch(tmp_path: Path, checkpoint: Path, page_size: int, dtype: str, protoco
         f"transfer.sglang_bootstrap_bind={sglang}",
         f"model.dtype={dtype}",
         f"cache.page_size={page_size}",
+        f"cache.layout={pool_layout}",
         f"cache.num_pages={4096 // page_size}",
         f"scheduler.chunk_size={2 * max(page_size, 16)}",  # prompts go in several chunks
     )

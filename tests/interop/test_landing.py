@@ -1,6 +1,7 @@
 """Byte for byte: this worker's SGLang backend (in this process, over a pool of random bytes)
 pushes into SGLang's own decode (``NixlKVReceiver`` over a real ``MHATokenToKVPool`` and
-``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, prompts sent in chunks, with and
+``MetadataBuffers``), for page sizes 1 and 16, fp32 and bf16, a layer-major and a page-major
+worker pool (SGLang's is layer-major either way), prompts sent in chunks, with and
 without a decode-held prefix. Every prompt page lands in the decode page it asked for, nothing
 else in its pool moves, the metadata row holds the first token, the prefix-cache count, the
 logprob and the room, and SGLang's receiver says Success. Afterwards every page, aux row, sender and
@@ -8,18 +9,22 @@ NIXL handle of the worker is back."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangDecodeProcess
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.interop.decodes import SglangDecode
 
@@ -32,30 +37,53 @@ WORKER_PAGES = 64
 class InProcessWorker:
     """An ``SglangBackend`` over a random pool and an ``AuxPool``, driven by the test."""
 
-    def __init__(self, layout: KVLayout, num_aux_rows: int = 8) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_aux_rows: int = 8,
+        poster_factory: Callable[[Any], WritePoster] | None = None,
+        write_timeout_s: float = 5.0,
+    ) -> None:
         self.layout = layout
-        num_bytes = 2 * layout.num_layers * layout.region_bytes
-        self.pool = np.random.default_rng(3).integers(0, 256, num_bytes, dtype=np.uint8)
+        self.pool = np.random.default_rng(3).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
         self.aux = AuxPool(num_aux_rows)
         self.pages = PagePool(layout.num_pages)
         base = int(self.pool.ctypes.data)
-        starts = [base + i * layout.region_bytes for i in range(2 * layout.num_layers)]
         n = layout.num_layers
+        # Where K (region l) and V (region n + l) of layer l start: page p is a page stride on.
+        starts = [base + self._offset(region, 0) for region in range(2 * n)]
         regions = KVRegions(
             layout, tuple(starts[:n]), tuple(starts[n:]), "cpu", self.aux.base_addr, num_aux_rows
         )
         self.backend = SglangBackend(
-            regions, "127.0.0.1:0", "127.0.0.1", 0, "auto", "prefill-interop", ["UCX"], 5.0, 5.0
+            regions,
+            "127.0.0.1:0",
+            "127.0.0.1",
+            0,
+            "auto",
+            "prefill-interop",
+            ["UCX"],
+            write_timeout_s,
+            5.0,
+            poster_factory=poster_factory,
         )
 
     @property
     def bootstrap(self) -> str:
         return self.backend.bootstrap_endpoint
 
+    def _offset(self, region: int, page: int) -> int:
+        """Byte offset of page ``page`` of layer-region ``region`` (K of layer r < L, V of
+        layer r - L) in the pool, in either layout."""
+        lay, n = self.layout, self.layout.num_layers
+        if lay.kind == LAYER_MAJOR:
+            return region * lay.num_pages * lay.page_bytes + page * lay.page_bytes
+        slot = 2 * region if region < n else 2 * (region - n) + 1  # K0 V0 K1 V1 ... per page
+        return page * lay.page_stride_bytes + slot * lay.page_bytes
+
     def page(self, region: int, page: int) -> np.ndarray:
-        lay = self.layout
-        start = region * lay.region_bytes + page * lay.page_bytes
-        return self.pool[start : start + lay.page_bytes]
+        start = self._offset(region, page)
+        return self.pool[start : start + self.layout.page_bytes]
 
     def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -76,11 +104,11 @@ class InProcessWorker:
 
 
 @pytest.fixture
-def worker_factory() -> Iterator[Callable[[KVLayout], InProcessWorker]]:
+def worker_factory() -> Iterator[Callable[..., InProcessWorker]]:
     made: list[InProcessWorker] = []
 
-    def factory(layout: KVLayout) -> InProcessWorker:
-        made.append(InProcessWorker(layout))
+    def factory(layout: KVLayout, **kwargs: Any) -> InProcessWorker:
+        made.append(InProcessWorker(layout, **kwargs))
         return made[-1]
 
     yield factory
@@ -116,12 +144,26 @@ def push(
     return aux, src
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "kind"),
+    [
+        ("float32", 1, LAYER_MAJOR),
+        ("float32", 16, LAYER_MAJOR),
+        ("bfloat16", 1, LAYER_MAJOR),
+        ("bfloat16", 16, LAYER_MAJOR),
+        ("float32", 1, PAGE_MAJOR),
+        ("bfloat16", 16, PAGE_MAJOR),
+    ],
+)
 def test_every_byte_lands_where_the_decode_asked(
-    decode_process: SglangDecodeProcess, worker_factory, tmp_path: Path, dtype: str, page_size: int
+    decode_process: SglangDecodeProcess,
+    worker_factory,
+    tmp_path: Path,
+    dtype: str,
+    page_size: int,
+    kind: str,
 ) -> None:
-    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, WORKER_PAGES)
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, WORKER_PAGES, kind)
     worker = worker_factory(layout)
     decode_layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 48)
     decode = SglangDecode(decode_process, worker.bootstrap, decode_layout)
@@ -175,4 +217,68 @@ def test_a_decode_the_worker_cannot_serve_learns_why(
     mismatched = SglangDecode(decode_process, worker.bootstrap, other_page)
     with pytest.raises(DecodeError, match="Page size mismatch"):
         mismatched.want(room + 1, 40)
+    worker.check_whole()
+
+
+class GatedAgent:
+    """The real agent, except that ``transfer()`` (the copy, on the transfer thread) waits
+    for ``gate``."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def make_prepped_xfer(self, *args: Any) -> Any:
+        return self._agent.make_prepped_xfer(*args)
+
+    def transfer(self, handle: Any) -> str:
+        self.entered.set()
+        self.gate.wait(60)  # bounded: a broken test must not hang the suite
+        return str(self._agent.transfer(handle))
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return str(self._agent.check_xfer_state(handle))
+
+
+def test_a_failure_reaches_the_decode_only_once_no_write_can_land(
+    decode_process: SglangDecodeProcess, worker_factory
+) -> None:
+    """A request fails while its first chunk's copy is held on the transfer thread: the
+    decode must not hear KV_STATUS failed (it would reuse the pages) until the copy is over.
+    A second room failed later, with no write, is heard first (replies to one decode go out
+    in order, so this is the proof that the first was held); then the copy goes, and so does
+    the first room's failure. The pools are whole afterwards."""
+    gated: list[GatedAgent] = []
+
+    def poster(agent: Any) -> PushThread:
+        gated.append(GatedAgent(agent))
+        return PushThread(gated[-1], "nixl-push-gated")
+
+    layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 16, WORKER_PAGES)
+    worker = worker_factory(layout, poster_factory=poster, write_timeout_s=60.0)
+    decode_layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", 16, 48)
+    decode = SglangDecode(decode_process, worker.bootstrap, decode_layout)
+    held_room, free_room = (int(r) for r in np.random.default_rng(8).integers(1, 2**63, 2))
+    decode.want(held_room, 40)
+    decode.want(free_room, 40)
+    held = worker.backend.create_sender(held_room, "held", 40)
+    free = worker.backend.create_sender(free_room, "free", 40)
+    assert worker.drive(lambda: held.poll() is KVPoll.READY and free.poll() is KVPoll.READY)
+    src = worker.pages.try_alloc(3)
+    assert src is not None
+    held.send_pages(src, 0)
+    assert gated[0].entered.wait(30), "the copy never started"
+    held.fail("the engine gave up on it")
+    held.close()
+    worker.backend.poll()  # the failure is held: a write is in flight
+    free.fail("the second one fails too")
+    free.close()
+    assert worker.drive(lambda: decode.state(free_room)[0] == "Failed")
+    assert decode.state(held_room)[0] != "Failed", "failed went out while a copy was held"
+    gated[0].gate.set()
+    assert worker.drive(lambda: decode.state(held_room)[0] == "Failed")
+    assert "the engine gave up on it" in str(decode.state(held_room)[1])
+    worker.pages.free(src)
+    assert worker.drive(lambda: worker.backend.num_inflight_transfers() == 0)
     worker.check_whole()

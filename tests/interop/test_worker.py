@@ -35,11 +35,11 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # of the largest |K| or |V| of 
 def served(
     checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Served]]:
-    """Two workers for every version: page size 16 in fp32 (SGLang only), page size 1 in bf16
-    serving both protocols."""
+    """Two workers for every version: page size 16 in fp32 with a page-major pool (SGLang
+    only), page size 1 in bf16, layer-major, serving both protocols."""
     tmp_path = tmp_path_factory.mktemp("served")
     workers = {
-        "p16-fp32": launch(tmp_path, checkpoint, 16, "float32", "sglang"),
+        "p16-fp32-pm": launch(tmp_path, checkpoint, 16, "float32", "sglang", "page_major"),
         "p1-bf16": launch(tmp_path, checkpoint, 1, "bfloat16", "both"),
     }
     try:
@@ -95,7 +95,7 @@ def check_landed(landed: Landed, served: Served, checkpoint: Path, ids: list[int
             torch.testing.assert_close(got[held:], ref[held:], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["p16-fp32", "p1-bf16"])
+@pytest.mark.parametrize("name", ["p16-fp32-pm", "p1-bf16"])
 def test_kv_and_first_token_land_where_the_decode_asked(
     decode_process: SglangDecodeProcess, served, router, checkpoint, tmp_path: Path, name: str
 ) -> None:
@@ -172,7 +172,7 @@ def test_native_decodes_are_served_beside_sglang_ones(
 def test_sglang_decode_aborts_a_room(
     decode_process: SglangDecodeProcess, served, router, checkpoint
 ) -> None:
-    one = served["p16-fp32"]
+    one = served["p16-fp32-pm"]
     decode = SglangDecode(decode_process, one.sglang, one.layout)
     room = new_room()
     decode.want(room, 40)
@@ -203,7 +203,7 @@ def test_decode_dies_and_the_worker_pools_are_whole(
 ) -> None:
     """Last for each version: it kills the version's decode process, with every decode it
     made registered with the workers."""
-    one = served["p16-fp32"]
+    one = served["p16-fp32-pm"]
     decode = SglangDecode(decode_process, one.sglang, one.layout)
     room = new_room()
     decode.want(room, 300)  # registered and asked: the worker will push into a dead pool

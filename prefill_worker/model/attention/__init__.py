@@ -44,11 +44,12 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
         k: torch.Tensor,  # [T, num_kv_heads, head_dim], this batch's fresh keys
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_pool: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], k written
-        v_pool: torch.Tensor,
+        k_pool: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], k written;
+        v_pool: torch.Tensor,  # views whose page stride may span every layer (page-major)
         out: torch.Tensor,  # [T, num_heads, head_dim], written
     ) -> None:
-        """Causal attention of every chunk over its prompt prefix, into ``out``."""
+        """Causal attention of every chunk over its prompt prefix, into ``out``. The pools
+        are read in place (index them, never ``view`` or copy them whole)."""
 
 
 BackendFactory = Callable[[torch.device], AttentionBackend]

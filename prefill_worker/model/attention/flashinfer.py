@@ -2,8 +2,11 @@
 
 The pool's per-layer tensors ``[num_pages, page_size, num_kv_heads, head_dim]`` are
 flashinfer's ``NHD`` paged layout as they are, so the kernel reads K/V straight from the
-pages (the layer wrote this batch's K/V there first). One wrapper is planned once per batch
-(CSR page tables, below) and run once per layer. Imported only when chosen, on CUDA::
+pages (the layer wrote this batch's K/V there first). In a page-major pool they are strided
+views (pages 2L layer-pages apart): flashinfer reads a paged cache through its tensor's
+strides (one set for K and V, which a layer's K and V views share), so nothing is copied.
+One wrapper is planned once per batch (CSR page tables, below) and run once per layer.
+Imported only when chosen, on CUDA::
 
     qo_indptr        [0, n0, n0+n1, ...]          query rows of each chunk
     kv_indptr        [0, p0, p0+p1, ...]          pages of each chunk, pi = ceil(end_i / ps)

@@ -2,7 +2,8 @@
 
 A chunk that starts at position 0 attends straight over its fresh q/k/v (no page gather,
 plain causal mask). A chunk with earlier positions gathers keys and values ``[0, end)`` from
-its pages and uses a bottom-right-aligned causal mask: query ``i`` (position ``start + i``)
+its pages by (page, offset), which reads the per-layer pool views of either pool layout in
+place, and uses a bottom-right-aligned causal mask: query ``i`` (position ``start + i``)
 sees keys ``j <= start + i``.
 """
 
@@ -20,7 +21,7 @@ from prefill_worker.model.attention import AttentionBatch, ChunkSpan
 class _Planned:
     q_start: int
     q_end: int
-    kv_slots: torch.Tensor | None  # [end] rows of the flat pool; None: fresh chunk
+    kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # [end] pages, [end] offsets; None: fresh
     mask: torch.Tensor | None  # [num_tokens, end] bool, True = may attend
 
 
@@ -36,11 +37,11 @@ class SdpaBackend:
         if span.start == 0:
             return _Planned(span.q_start, span.q_end, None, None)
         positions = torch.arange(span.end)
-        pages = torch.tensor(span.page_ids, dtype=torch.int64)
-        slots = pages[positions // page_size] * page_size + positions % page_size  # [end]
+        pages = torch.tensor(span.page_ids, dtype=torch.int64)[positions // page_size]  # [end]
+        rows = (pages.to(self.device), (positions % page_size).to(self.device))
         query_pos = torch.arange(span.start, span.end)[:, None]
         mask = positions[None, :] <= query_pos  # [n, end]
-        return _Planned(span.q_start, span.q_end, slots.to(self.device), mask.to(self.device))
+        return _Planned(span.q_start, span.q_end, rows, mask.to(self.device))
 
     def attend(
         self,
@@ -51,14 +52,12 @@ class SdpaBackend:
         v_pool: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        k_flat = k_pool.view(-1, *k_pool.shape[2:])  # [num_pages * page_size, KV, D]
-        v_flat = v_pool.view(-1, *v_pool.shape[2:])
         for p in self._planned:
             qs = q[p.q_start : p.q_end]
-            if p.kv_slots is None:
+            if p.kv_rows is None:
                 ks, vs = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
             else:
-                ks, vs = k_flat[p.kv_slots], v_flat[p.kv_slots]
+                ks, vs = k_pool[p.kv_rows], v_pool[p.kv_rows]  # [end, KV, D] each
             out[p.q_start : p.q_end] = _sdpa(qs, ks, vs, p.mask)
 
 

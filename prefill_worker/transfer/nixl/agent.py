@@ -6,6 +6,7 @@ Importing this module imports NIXL; keep it out of the core (``transfer.base`` n
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from prefill_worker.transfer.pagemap import (
     kv_descriptor_table,
     mem_type,
 )
+
+log = logging.getLogger(__name__)
 
 NIXL_ERRORS: tuple[type[Exception], ...] = (
     _nixl_bindings.nixlBackendError,
@@ -90,9 +93,10 @@ class PreppedLists:
 
 
 def region_tables(regions: KVRegions) -> tuple[np.ndarray, np.ndarray]:
-    """([2L, 3] KV regions, [1, 3] aux rows) as (addr, len, dev): what is registered."""
+    """([num_regions, 3] KV regions, [1, 3] aux rows) as (addr, len, dev): what is
+    registered (2L regions layer-major, the one pool page-major)."""
     lay = regions.layout
-    addrs = [*regions.k_base_addrs, *regions.v_base_addrs]
+    addrs = regions.region_base_addrs
     dev = device_id(regions.device)
     kv = np.array([[a, lay.region_bytes, dev] for a in addrs], dtype=np.uint64)
     aux_bytes = regions.num_aux_rows * AUX_ROW_BYTES
@@ -125,3 +129,13 @@ def prep_lists(agent: nixl_agent, agent_name: str, regions: KVRegions) -> Preppe
         kv.release()
         raise
     return PreppedLists(kv, aux)
+
+
+def forget_agent(agent: nixl_agent, name: str, lists: PreppedLists) -> None:
+    """Release a decode peer's prepared lists and remove its agent (errors logged: the peer
+    is gone either way)."""
+    lists.release()
+    try:
+        agent.remove_remote_agent(name)
+    except NIXL_ERRORS as exc:
+        log.warning("removing agent %s: %s", name, exc)

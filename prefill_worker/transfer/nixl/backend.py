@@ -1,23 +1,23 @@
 """The production transfer backend: NIXL WRITEs from this worker's KV pool into decode pools.
 
-One agent per worker, progress thread off: ``poll()`` (engine loop) drains the bootstrap
-server, drives every transfer, does what senders recorded (statuses to send, closed senders
-to forget, handles to reap: ``nixl.context.SenderEvent``; senders never call back), sends
-heartbeats and enforces deadlines. Between turns the engine sleeps in ``wait()``: on the
-bootstrap socket, until ``next_poll_at()`` (1 ms while NIXL writes are in flight, since NIXL
-gives no fd; else the next heartbeat, peer timeout or want deadline). The KV pool and aux
-rows are registered once; the local descriptor list is prepared once, and each decode
-peer's list once at registration (``pagemap`` explains the index layout), so a chunk costs
-one ``make_prepped_xfer`` with two index arrays.
+One agent per worker (NIXL's progress thread off), owned by the transfer thread
+(``nixl.push_thread``, or ``InlinePoster`` by ``poster_factory``): every NIXL call runs there,
+never a copy on the engine thread. ``poll()`` (engine loop) drains the bootstrap server,
+drives every sender (which reads what the transfer thread finished), does what senders
+recorded (``nixl.context.SenderEvent``: statuses, sent once their writes settled; closed
+senders; writes to reap), sends heartbeats, enforces deadlines. Between turns the engine
+sleeps in ``wait()`` on the bootstrap socket and the transfer thread's wake fd, until
+``next_poll_at()``. The pool and aux rows are registered and the local descriptor list
+prepared once, each decode peer's list once at registration (``pagemap``; registering
+waits for the write the transfer thread is posting), so a chunk is one ``make_prepped_xfer``.
 
-Per request: ``send_pages`` posts one WRITE of K and V of the chunk's pages (adjacent pages
-merge into single descriptors); ``send_aux`` asks for the aux row, posted once every page
-write has landed, carrying a NIXL notification; when it lands the peer gets ``status ok``.
-A peer silent past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the
-request (the peer is told when reachable); handles are released, cancelling if need be.
-
-What each bootstrap message means is ``nixl.protocol``'s (``BootstrapDesk``); handles NIXL
-would not release are ``nixl.reaper``'s. This module owns the tables and drives the clock.
+Per request: ``send_pages`` queues one WRITE of the chunk's pages (adjacent pages merge into
+single descriptors); ``send_aux`` asks for the aux row, posted once every page write has
+landed, with a NIXL notification; when it lands the peer gets ``status ok``. A peer silent
+past ``peer_timeout_s``, a write in flight past it, or a NIXL error fails the request (the
+peer is told when reachable, once the writes are released). What each bootstrap message
+means is ``nixl.protocol``'s; writes not yet settled are ``nixl.reaper``'s. This module
+owns the tables and drives the clock.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl.agent import (
-    NIXL_ERRORS,
     deregister_regions,
+    forget_agent,
     make_agent,
     prep_lists,
     register_regions,
 )
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.protocol import UNKNOWN_PEER, BootstrapDesk
-from prefill_worker.transfer.nixl.reaper import HandleReaper
+from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
 from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S, NixlSender, notif_tag
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.validate import BootstrapLimits
@@ -71,6 +73,7 @@ class NixlBackend:
         curve: CurveServerKeys | None = None,
         ucx_net_devices: str | None = None,
         on_reject: Callable[[str], None] | None = None,
+        poster_factory: Callable[[Any], WritePoster] = PushThread,
     ) -> None:
         self.regions = regions
         self.agent_name = agent_name
@@ -89,11 +92,20 @@ class NixlBackend:
         except BaseException:
             self._server.close()
             raise
+        self._poster = poster_factory(self.agent)  # owns the agent from here to close()
         self._peers: dict[bytes, Peer] = {}  # routing id -> peer
         self._senders: dict[int, NixlSender] = {}  # room -> open sender
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
-        self._ctx = SendContext(self.agent, self.local_lists, regions.layout, peer_timeout_s, clock)
+        self._ctx = SendContext(
+            self.agent,
+            self.local_lists,
+            regions.layout,
+            peer_timeout_s,
+            clock,
+            poster=self._poster,
+        )
         self._reaper = HandleReaper()
+        self._held: HeldTells[Tell] = HeldTells(peer_timeout_s)
         self._next_heartbeat = clock()
         self._desk = BootstrapDesk(
             self._server,
@@ -108,6 +120,7 @@ class NixlBackend:
             peer_timeout_s=peer_timeout_s,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
+            run_on_agent=self._poster.run,
         )
         self.reject_counts = self._desk.reject_counts  # the same dict: counts as they happen
 
@@ -137,6 +150,7 @@ class NixlBackend:
         return sender
 
     def poll(self) -> None:
+        self._poster.clear_wake()  # before reading write states: a later change wakes wait()
         for identity, msg in self._server.poll():
             self._desk.dispatch(identity, msg)
         self._drain_events()  # statuses from the engine's fail()/close() since the last poll
@@ -146,6 +160,8 @@ class NixlBackend:
             sender.progress()
         self._drain_events()
         self._reap(now)
+        for tell in self._held.take_ready(now):
+            self._tell(tell)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.heartbeat_interval_s
             for identity in list(self._peers):
@@ -158,7 +174,10 @@ class NixlBackend:
         now = self.clock()
         if self._ctx.events:
             return now
-        if len(self._reaper) or any(s.needs_progress for s in self._senders.values()):
+        is_waiting = len(self._reaper) or len(self._held)
+        if self._poster.needs_polling and (
+            is_waiting or any(s.needs_progress for s in self._senders.values())
+        ):
             return now + _BUSY_POLL_S
         silent_at = (p.last_seen + self.peer_timeout_s for p in self._peers.values())
         times = [self._next_heartbeat, *silent_at]
@@ -172,7 +191,8 @@ class NixlBackend:
         comes, or ``timeout_s`` passes."""
         timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
         if timeout_s > 0:
-            self._server.wait(timeout_s, wake_fd)
+            poster_fd = self._poster.wake_fd
+            self._server.wait(timeout_s, wake_fd, () if poster_fd is None else (poster_fd,))
 
     def close(self) -> None:
         for sender in list(self._senders.values()):
@@ -181,7 +201,10 @@ class NixlBackend:
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "prefill worker shutting down")
         self._drain_events()
+        self._poster.close()  # releases what is left; the agent is this thread's again
         self._reap(math.inf)
+        for tell in self._held.take_ready(math.inf):
+            self._tell(tell)
         self.local_lists.release()
         deregister_regions(self.agent, self._reg)
         self._server.close()
@@ -220,16 +243,22 @@ class NixlBackend:
     # -- what senders asked for --------------------------------------------------------
 
     def _drain_events(self) -> None:
-        """Do what senders recorded, in order (a status, then forgetting, say)."""
+        """Do what senders recorded, in order (a status, then forgetting, say); a status
+        whose writes have not settled is held (``HeldTells``)."""
         events = self._ctx.events
         while events:
             match events.pop(0):
-                case Tell(identity, status, confirm):
-                    is_delivered = self._server.send(identity, status)
-                    if confirm is not None:
-                        confirm.confirm_ok(is_delivered)
+                case Tell(after=after) as tell if not all(w.is_settled for w in after):
+                    self._held.hold(tell, self.clock())
+                case Tell() as tell:
+                    self._tell(tell)
                 case Closed(sender, stuck):
                     self._forget(sender, stuck)
+
+    def _tell(self, tell: Tell) -> None:
+        is_delivered = self._server.send(tell.identity, tell.status)
+        if tell.confirm is not None:
+            tell.confirm.confirm_ok(is_delivered)
 
     def _forget(self, sender: NixlSender, stuck: tuple[Any, ...]) -> None:
         """A closed sender leaves the tables; a late `want` for its room learns why."""
@@ -269,17 +298,14 @@ class NixlBackend:
         del self._peers[peer.identity]
         for sender in [s for s in self._senders.values() if s.peer is peer]:
             sender.lose_peer(reason)
-        self._drain_events()  # their `failed` goes out before anything else to this peer
+        self._drain_events()  # their `failed` goes out first (held while writes settle)
         for room in list(peer.unmatched):  # not an outcome: the SDK registers and asks again
             self._rooms.drop(room, peer)
             status = wire.Status(room, "failed", f"{UNKNOWN_PEER}: {reason}", "unknown_peer")
             self._server.send(peer.identity, status)
         peer.rooms.clear()
-        peer.lists.release()
-        try:
-            self.agent.remove_remote_agent(peer.agent_name)
-        except NIXL_ERRORS as exc:
-            log.warning("bootstrap: removing agent %s: %s", peer.agent_name, exc)
+        # On the transfer thread, after the releases of its writes queued above.
+        self._poster.run_later(forget_agent, self.agent, peer.agent_name, peer.lists)
 
 
 __all__ = ["NixlBackend", "notif_tag"]

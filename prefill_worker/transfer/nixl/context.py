@@ -2,8 +2,10 @@
 the events senders leave in it for the backend.
 
 A sender never calls back: what the backend must do (a status for a peer, forgetting a closed
-sender, reaping handles NIXL would not release) is appended to ``SendContext.events`` and done
-by the backend, in order, when it drains them on its next ``poll()``.
+sender, reaping writes not yet released) is appended to ``SendContext.events`` and done by the
+backend, in order, when it drains them on its next ``poll()``. Senders post their writes
+through ``SendContext.poster`` (``nixl.poster``): the transfer thread, or inline on the
+caller's thread when none is given.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.agent import PreppedLists
+from prefill_worker.transfer.nixl.poster import InlinePoster, Write, WritePoster
 
 if TYPE_CHECKING:
     from prefill_worker.transfer.nixl.sender import NixlSender
@@ -37,17 +40,21 @@ class Peer:
 @dataclass(frozen=True, slots=True)
 class Tell:
     """A status for the decode peer at ``identity``; with ``confirm``, that sender waits to
-    hear whether it went out (``confirm_ok``)."""
+    hear whether it went out (``confirm_ok``). It goes out once every write in ``after`` is
+    settled: a decode told ``failed`` or ``aborted`` may reuse the room's pages at once, so no
+    byte may land in them after the status."""
 
     identity: bytes
     status: wire.Status
     confirm: NixlSender | None = None
+    after: tuple[Write, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """The sender is closed: its room leaves the tables. ``stuck`` holds write handles NIXL
-    would not release, for the backend to reap (retry, then drop the peer)."""
+    """The sender is closed: its room leaves the tables. ``stuck`` holds its writes that are
+    released but not yet settled (``poster.Write``), for the backend to reap (retry, then,
+    when NIXL keeps refusing, drop the peer)."""
 
     sender: NixlSender
     stuck: tuple[Any, ...] = ()
@@ -59,7 +66,8 @@ SenderEvent = Tell | Closed
 @dataclass(frozen=True, slots=True)
 class SendContext:
     """What all senders of one backend share. ``events`` is the backend's outbox: senders
-    append, the backend drains (``NixlBackend.poll``)."""
+    append, the backend drains (``NixlBackend.poll``). ``poster`` posts their writes (unset:
+    inline over ``agent``)."""
 
     agent: Any  # nixl_agent
     local_lists: PreppedLists
@@ -67,3 +75,8 @@ class SendContext:
     peer_timeout_s: float
     clock: Callable[[], float]
     events: list[SenderEvent] = field(default_factory=list)
+    poster: WritePoster = None  # type: ignore[assignment]  # set below when not given
+
+    def __post_init__(self) -> None:
+        if self.poster is None:
+            object.__setattr__(self, "poster", InlinePoster(self.agent))

@@ -59,6 +59,7 @@ class BootstrapDesk:
         peer_timeout_s: float,
         want_timeout_s: float,
         on_reject: Callable[[str], None],
+        run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._server = server
         self._agent = agent
@@ -72,6 +73,7 @@ class BootstrapDesk:
         self._peer_timeout_s = peer_timeout_s
         self._want_timeout_s = want_timeout_s
         self._on_reject = on_reject
+        self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
         self.reject_counts: dict[str, int] = {}
 
     def dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
@@ -109,6 +111,8 @@ class BootstrapDesk:
                 self._server.send(identity, wire.Reject(str(msg)))
             case wire.Register():
                 self._register(identity, msg)
+            case wire.Describe():  # no registration needed: a decode sizes its pool first
+                self._server.send(identity, self._described())
             case wire.Want() | wire.Abort() | wire.Heartbeat() if peer is None:
                 self._from_unknown(identity, msg)
             case wire.Want() if peer is not None:
@@ -142,7 +146,7 @@ class BootstrapDesk:
         if identity in self._peers:
             self._drop_peer(self._peers[identity], "decode peer registered again")
         try:
-            name = self._agent.add_remote_agent(wire.unframe_metadata(msg.metadata))
+            name = self._run(self._agent.add_remote_agent, wire.unframe_metadata(msg.metadata))
             name = name.decode() if isinstance(name, bytes) else name
         except NIXL_ERRORS as exc:
             return self._refuse(
@@ -150,13 +154,13 @@ class BootstrapDesk:
             )
         if name != msg.agent_name:
             if all(p.agent_name != name for p in self._peers.values()):
-                self._agent.remove_remote_agent(name)
+                self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
             return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why))
         try:
-            lists = prep_lists(self._agent, name, msg.regions)
+            lists = self._run(prep_lists, self._agent, name, msg.regions)
         except NIXL_ERRORS as exc:
-            self._agent.remove_remote_agent(name)
+            self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why))
         self._peers[identity] = Peer(identity, name, msg.regions, lists, self._clock())
@@ -216,6 +220,15 @@ class BootstrapDesk:
     def _refuse(self, identity: bytes, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration refused: {refusal.message}")
         self._server.send(identity, self._registered(refusal.message))
+
+    def _described(self) -> wire.Described:
+        return wire.Described(
+            agent_name=self._agent_name,
+            layout=wire.Layout.of(self._layout),
+            compat_hash=self._layout.compat_hash(),
+            heartbeat_interval_s=self._heartbeat_interval_s,
+            peer_timeout_s=self._peer_timeout_s,
+        )
 
     def _registered(self, reason: str | None) -> wire.Registered:
         return wire.Registered(

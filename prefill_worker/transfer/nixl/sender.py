@@ -2,9 +2,11 @@
 
 ``NixlBackend`` owns the agent, the descriptor lists and the peers; a sender gets the shared
 ones in a ``SendContext`` (``nixl.context``) and never calls back: what the backend must do
-(a status for the peer, forgetting a closed sender, reaping handles NIXL would not release)
-is appended to the context's ``events`` and done by the backend when it drains them, in
-order, on its next ``poll()``. Order of a successful push::
+(a status for the peer, forgetting a closed sender, reaping writes not yet released) is
+appended to the context's ``events`` and done by the backend when it drains them, in order,
+on its next ``poll()``. Writes go through the context's poster (``nixl.poster``: on the
+transfer thread, so ``send_pages`` never copies); the sender reads their states when the
+backend calls ``progress()``. Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages       (in flight, each with a deadline)
     send_aux         remembered; once no page write is in flight:
@@ -12,11 +14,14 @@ order, on its next ``poll()``. Order of a successful push::
     aux landed       Tell(`status ok`, confirm=sender); the backend sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
-Handles are released when their write is DONE; on failure or close they are released even if
-in flight (NIXL cancels). ``close()`` never waits: a handle NIXL refuses to release goes to the
-backend in ``Closed.stuck``, which retries on later polls and, past a deadline, disconnects the
-peer (that ends its writes). ``written_bytes`` counts what landed: the descriptors of each DONE
-write (pages × regions × page bytes, and the aux row).
+Writes are released when DONE; on failure or close they are released even if in flight
+(NIXL cancels). ``close()`` never waits: a write not yet settled (its release is under way on
+the transfer thread, or NIXL refused it) goes to the backend in ``Closed.stuck``, which
+retries on later polls and, past a deadline, disconnects the peer (that ends its writes). A
+status for the peer waits for the writes in flight or unsettled (``Tell.after``): once the
+decode hears ``failed`` or ``aborted`` it may reuse the pages. ``written_bytes`` counts what
+landed: the descriptors of each DONE write (pages × regions × region page bytes, and the aux
+row).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
+from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 
 log = logging.getLogger(__name__)
@@ -44,13 +49,6 @@ STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, 
 def notif_tag(room: int) -> bytes:
     """The NIXL notification that marks a room's aux row as landed on the decode side."""
     return b"pw1:room:%d" % room
-
-
-@dataclass(slots=True)
-class _Write:
-    handle: Any  # nixl_xfer_handle
-    deadline: float
-    num_bytes: int  # what its descriptors cover
 
 
 class NixlSender:
@@ -74,13 +72,13 @@ class NixlSender:
         self._state = KVPoll.BOOTSTRAPPING
         self._reason: str | None = None
         self._want: wire.Want | None = None
-        self._writes: list[_Write] = []
+        self._writes = WriteSet(ctx.peer_timeout_s)
         self._aux_row: int | None = None
         self._is_aux_posted = False
         self._is_ok_told = False  # `status ok` handed to the backend, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
-        self._written_bytes = 0
-        self.prep_s = 0.0  # time spent building descriptor indices and transfer requests
+        self._index_s = 0.0  # building descriptor indices (engine thread)
+        self._index_cpu_s = 0.0
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -91,7 +89,17 @@ class NixlSender:
         return 0 if self._want is None else self._want.num_cached_tokens
 
     def written_bytes(self) -> int:
-        return self._written_bytes
+        return self._writes.written_bytes
+
+    @property
+    def prep_s(self) -> float:
+        """Building descriptor indices and transfer requests (the finished ones)."""
+        return self._index_s + self._writes.prep_s
+
+    @property
+    def prep_cpu_s(self) -> float:
+        """The same in CPU time of the threads that did it."""
+        return self._index_cpu_s + self._writes.prep_cpu_s
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         if self._state.is_terminal:
@@ -105,11 +113,13 @@ class NixlSender:
         except ValueError as exc:
             return self.fail(str(exc))
         if len(src):
-            start = time.perf_counter()
-            num_regions = 2 * layout.num_layers
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            num_regions = layout.num_regions  # 2L layer-major, 1 page-major
             local = region_indices(src, num_regions, layout.num_pages)
             remote = region_indices(dst, num_regions, self.peer.regions.layout.num_pages)
-            self._post(local, remote, b"", start, len(local) * layout.page_bytes)
+            self._index_s += time.perf_counter() - start
+            self._index_cpu_s += time.thread_time() - start_cpu
+            self._post(local, remote, b"", len(local) * layout.region_page_bytes)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -127,15 +137,15 @@ class NixlSender:
         return self._reason
 
     def close(self) -> None:
-        """Never waits: writes in flight are cancelled (released); a handle NIXL refuses to
-        release goes to the backend with the ``Closed`` event."""
+        """Never waits: writes in flight are cancelled (released); those not settled yet go
+        to the backend with the ``Closed`` event."""
         if self.is_closed:
             return
         self.fail("the request ended before its transfer")
-        stuck = self._release_all()
+        self._writes.release_all()
         self._maybe_ack()
         self.is_closed = True
-        self._ctx.events.append(Closed(self, tuple(stuck)))
+        self._ctx.events.append(Closed(self, self._writes.unsettled()))
 
     # -- driven by the backend ----------------------------------------------------------
 
@@ -181,12 +191,13 @@ class NixlSender:
             self._state, self._reason = KVPoll.PEER_LOST, reason
             self._tell("failed", reason)
         self._is_ack_due = False
-        if self._release_all():  # its peer is being dropped: nothing else would end them
-            log.error("request %s: write handles are leaked to NIXL", self.request_id)
+        self._writes.release_all()  # its peer is being dropped: nothing else would end them
         self.peer = None
 
     def progress(self) -> None:
-        self._check_writes()
+        why = self._writes.check(self._ctx.clock())
+        if why is not None:
+            self.fail(why)
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         if is_aux_due and not self._writes and not self._is_ok_told:
             assert self._aux_row is not None
@@ -212,67 +223,30 @@ class NixlSender:
         if self.peer is None:
             return  # no peer yet: a `want` that comes later learns the reason (bind)
         status = wire.Status(self.room, code, reason)
-        self._ctx.events.append(Tell(self.peer.identity, status, self if confirm else None))
+        tell = Tell(self.peer.identity, status, self if confirm else None, self._writes.pending())
+        self._ctx.events.append(tell)
 
     def _post_aux(self, aux_row: int) -> None:
         assert self._want is not None and self.peer is not None
         self._is_aux_posted = True
         local_idx = np.array([aux_row], np.int32)
         remote_idx = np.array([self._want.dst_aux_slot], np.int32)
-        tag = notif_tag(self.room)
-        self._post(local_idx, remote_idx, tag, time.perf_counter(), AUX_ROW_BYTES, is_aux=True)
+        self._post(local_idx, remote_idx, notif_tag(self.room), AUX_ROW_BYTES, is_aux=True)
 
     def _post(
         self,
         local: np.ndarray,
         remote: np.ndarray,
         notif: bytes,
-        start: float,
         num_bytes: int,
         is_aux: bool = False,
     ) -> None:
+        """Queue the write (the poster prepares and posts it); its state comes later."""
         assert self.peer is not None
-        agent = self._ctx.agent
         ours, theirs = self._ctx.local_lists, self.peer.lists
         local_list, remote_list = (ours.aux, theirs.aux) if is_aux else (ours.kv, theirs.kv)
-        try:
-            handle = agent.make_prepped_xfer("WRITE", local_list, local, remote_list, remote, notif)
-        except NIXL_ERRORS as exc:
-            return self.fail(f"NIXL could not prepare the write: {exc}")
-        finally:
-            self.prep_s += time.perf_counter() - start
-        deadline = self._ctx.clock() + self._ctx.peer_timeout_s
-        self._writes.append(_Write(handle, deadline, num_bytes))
-        try:
-            state = agent.transfer(handle)
-        except NIXL_ERRORS as exc:
-            state = f"ERR ({exc})"
-        if state.startswith("ERR"):
-            self.fail(f"NIXL write failed to start: {state}")
-
-    def _check_writes(self) -> None:
-        now = self._ctx.clock()
-        for write in list(self._writes):
-            try:
-                state = self._ctx.agent.check_xfer_state(write.handle)
-            except NIXL_ERRORS as exc:
-                state = f"ERR ({exc})"
-            if state == "DONE":
-                self._writes.remove(write)
-                self._written_bytes += write.num_bytes
-                write.handle.release()
-            elif state != "PROC":
-                self._writes.remove(write)
-                release(write.handle, self.request_id)
-                self.fail(f"NIXL write failed: {state}")
-            elif now >= write.deadline:
-                self.fail(f"write still in flight after {self._ctx.peer_timeout_s:g} s")
-
-    def _release_all(self) -> list[Any]:
-        """Release every handle (NIXL cancels writes in flight); those it refuses."""
-        stuck = [w.handle for w in self._writes if not release(w.handle, self.request_id)]
-        self._writes.clear()
-        return stuck
+        write = self._ctx.poster.post(local_list, local, remote_list, remote, notif, num_bytes)
+        self._writes.add(write, self._ctx.clock())
 
     def _maybe_ack(self) -> None:
         if self._is_ack_due and not self._writes:
@@ -281,7 +255,7 @@ class NixlSender:
 
 
 def release(handle: Any, request_id: str) -> bool:
-    """Release a write handle; False (logged) when NIXL refuses."""
+    """Release a raw NIXL write handle; False (logged) when NIXL refuses."""
     try:
         handle.release()
     except NIXL_ERRORS as exc:

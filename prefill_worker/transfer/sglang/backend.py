@@ -2,13 +2,17 @@
 
 Threads: the bootstrap HTTP routes (``bootstrap_http``: ``/route``, ``/health``) and the
 PULL control socket (``control``: frames parsed there) run on their own threads and hand
-what arrives to the engine through a ``Mailbox``. Everything else is the engine thread's:
-``poll()`` gives each message to the ``SglangDesk`` (registrations, requests, aborts), does
-what senders recorded (replies, closed senders), expires requests whose prefill never came,
-drives every sender's NIXL writes and reaps handles NIXL would not release. Between turns
-the engine sleeps in ``wait()`` on the mailbox's pipe (1 ms steps while writes are in
-flight: NIXL gives no fd). KV pages go out as in ``nixl.backend`` (one prepared list per
-side, a chunk is one WRITE); the first token goes into the decode's metadata buffers
+what arrives to the engine through a ``Mailbox``. The NIXL agent is owned by this backend's
+transfer thread (``nixl.push_thread``): every NIXL call (registering a decode, posting,
+progressing and releasing writes) runs there, so no copy runs on the engine thread.
+Everything else is the engine thread's: ``poll()`` gives each message to the ``SglangDesk``
+(registrations, requests, aborts), does what senders recorded (replies, held until their
+writes settle; closed senders), expires requests whose prefill never came, reads what the
+transfer thread finished and reaps writes not yet settled. Between turns the engine sleeps
+in ``wait()`` on the mailbox's pipe and the transfer thread's wake fd (both also call
+``wake``, for an engine sleeping elsewhere). KV pages go out as in ``nixl.backend`` (one
+prepared list per side, a chunk is one WRITE; our list is per layer whatever the pool's
+layout, as SGLang's pools are); the first token goes into the decode's metadata buffers
 (``sglang.aux``).
 
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
@@ -33,14 +37,16 @@ import numpy as np
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import (
-    NIXL_ERRORS,
     deregister_regions,
+    forget_agent,
     make_agent,
-    prep_lists,
     register_regions,
 )
-from prefill_worker.transfer.nixl.reaper import HandleReaper
+from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
 from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S
+from prefill_worker.transfer.pagemap import layer_view_table, mem_type
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import server_info
@@ -85,8 +91,10 @@ class SglangBackend:
         ucx_net_devices: str | None = None,
         on_reject: Callable[[str], None] | None = None,
         wake: Callable[[], None] | None = None,
+        poster_factory: Callable[[Any], WritePoster] | None = None,
     ) -> None:
         self.clock, self.want_timeout_s = clock, want_timeout_s
+        self._write_timeout_s = write_timeout_s
         self.limits = limits or BootstrapLimits()
         self._last_poll_at = clock()
         self._health_stale_s = health_stale_s
@@ -98,12 +106,17 @@ class SglangBackend:
         except BaseException:
             self._close_all()
             raise
+        if poster_factory is None:
+            self._poster: WritePoster = PushThread(self.agent, "nixl-push-sglang", wake)
+        else:
+            self._poster = poster_factory(self.agent)
+        # From here the transfer thread owns the agent; close() stops it before the closers.
         self._peers: dict[str, SglangPeer] = {}
         self._senders: dict[int, SglangSender] = {}
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
         self._ctx = SglangContext(
-            self.agent,
-            self._local_lists.kv,
+            self._poster,
+            self._local_kv,
             self._staging,
             aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows),
             regions.layout,
@@ -111,6 +124,7 @@ class SglangBackend:
             clock,
         )
         self._reaper = HandleReaper()
+        self._held: HeldTells[Reply] = HeldTells(write_timeout_s)
         self._desk = SglangDesk(
             self.agent,
             self._replies,
@@ -121,6 +135,7 @@ class SglangBackend:
             clock,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
+            run_on_agent=self._poster.run,
         )
         self.reject_counts = self._desk.reject_counts
         self._control.start()
@@ -156,8 +171,11 @@ class SglangBackend:
         table = np.array([[self._staging.base_addr, self._staging.num_bytes, 0]], np.uint64)
         staging_reg = self.agent.register_memory(table, "DRAM")
         self._closers.append(lambda: self.agent.deregister_memory(staging_reg))
-        self._local_lists = prep_lists(self.agent, "NIXL_INIT_AGENT", regions)
-        self._closers.append(self._local_lists.release)
+        table = layer_view_table(regions)  # SGLang decodes keep per-layer buffers
+        self._local_kv = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", table, mem_type(regions.device)
+        )
+        self._closers.append(self._local_kv.release)
 
     # -- the TransferBackend seam -------------------------------------------------------
 
@@ -184,26 +202,34 @@ class SglangBackend:
         return sender
 
     def poll(self) -> None:
+        self._poster.clear_wake()  # before reading write states: a later change wakes wait()
         now = self._last_poll_at = self.clock()
         for message in self._mailbox.take_all():
             self._desk.dispatch(message)
         self._drain_events()
         for claim in self._rooms.pop_expired(now):  # claims leave with their peer: it is here
             peer = self._peers[claim.peer.agent_name]
-            reply = frames.kv_status(claim.want.room, False, "prefill request never arrived")
-            self._replies.send(peer.endpoint, reply)
+            status = frames.kv_status(claim.want.room, False, "prefill request never arrived")
+            self._replies.send(peer.endpoint, status)
         for sender in list(self._senders.values()):
             sender.progress()
         self._drain_events()
         self._reaper.reap(now, self._drop_stuck_peer)
+        for held in self._held.take_ready(now):
+            self._send(held)
         self._evict_idle_peers()
 
     def next_poll_at(self) -> float:
         now = self.clock()
         if self._ctx.events:
             return now
-        if len(self._reaper) or any(s.needs_progress for s in self._senders.values()):
+        is_waiting = len(self._reaper) or len(self._held)
+        if self._poster.needs_polling and (
+            is_waiting or any(s.needs_progress for s in self._senders.values())
+        ):
             return now + _BUSY_POLL_S
+        if is_waiting:  # the transfer thread wakes us when a write settles; this bounds it
+            return now + _IDLE_POLL_S / 10
         claims_at = self._rooms.next_deadline()
         return min(now + _IDLE_POLL_S, math.inf if claims_at is None else claims_at)
 
@@ -211,7 +237,8 @@ class SglangBackend:
         timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
         if timeout_s > 0:
             fds = [self._mailbox.fileno(), *([] if wake_fd is None else [wake_fd])]
-            select.select(fds, [], [], timeout_s)
+            poster_fd = self._poster.wake_fd
+            select.select([*fds, *([] if poster_fd is None else [poster_fd])], [], [], timeout_s)
 
     def close(self) -> None:
         for sender in list(self._senders.values()):
@@ -220,7 +247,10 @@ class SglangBackend:
         for peer in list(self._peers.values()):
             self._drop_peer(peer, "prefill worker shutting down")
         self._drain_events()
+        self._poster.close()  # releases what is left; the agent is this thread's again
         self._reaper.reap(math.inf, self._drop_stuck_peer)
+        for reply in self._held.take_ready(math.inf):
+            self._send(reply)
         self._close_all()
 
     # -- for tests and metrics ----------------------------------------------------------
@@ -258,18 +288,24 @@ class SglangBackend:
         events = self._ctx.events
         while events:
             match events.pop(0):
-                case Reply(endpoint, message, confirm):
-                    is_sent = self._replies.send(endpoint, message)
-                    if confirm is not None:
-                        confirm.confirm_ok(is_sent)
+                case Reply(after=after) as reply if not all(w.is_settled for w in after):
+                    self._held.hold(reply, self.clock())
+                case Reply() as reply:
+                    self._send(reply)
                 case Closed(sender, stuck):
                     self._forget(sender, stuck)
+
+    def _send(self, reply: Reply) -> None:
+        is_sent = self._replies.send(reply.endpoint, reply.frames)
+        if reply.confirm is not None:
+            reply.confirm.confirm_ok(is_sent)
 
     def _forget(self, sender: SglangSender, stuck: tuple[Any, ...]) -> None:
         if self._senders.get(sender.room) is sender:
             del self._senders[sender.room]
         identity = None if sender.peer is None else sender.peer.peer.identity
-        self._reaper.add(stuck, sender.request_id, identity, self.clock() + STUCK_RELEASE_S)
+        deadline = self.clock() + min(STUCK_RELEASE_S, self._write_timeout_s)
+        self._reaper.add(stuck, sender.request_id, identity, deadline)
         if sender.peer is not None:
             sender.peer.peer.rooms.discard(sender.room)
         elif sender.failure_reason() is not None and sender.room not in self._senders:
@@ -302,11 +338,8 @@ class SglangBackend:
             self._rooms.drop(room, peer.peer)
             self._replies.send(peer.endpoint, frames.kv_status(room, False, reason))
         peer.peer.rooms.clear()
-        peer.peer.lists.release()
-        try:
-            self.agent.remove_remote_agent(name)
-        except NIXL_ERRORS as exc:
-            log.warning("sglang: removing agent %s: %s", name, exc)
+        # On the transfer thread, after the releases of its writes queued above.
+        self._poster.run_later(forget_agent, self.agent, peer.peer.agent_name, peer.peer.lists)
 
     def _close_all(self) -> None:
         for close in reversed(self._closers):

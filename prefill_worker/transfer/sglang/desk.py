@@ -65,8 +65,10 @@ class SglangDesk:
         *,
         want_timeout_s: float,
         on_reject: Callable[[str], None],
+        run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._agent, self._replies = agent, replies
+        self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
         self._layout, self._limits = layout, limits
         self._peers, self._senders, self._rooms = tables
         self._drop_peer = drop_peer
@@ -122,19 +124,19 @@ class SglangDesk:
             # Its control socket now belongs to another agent: that decode restarted.
             self._drop_peer(old, "decode re-registered under a new agent name")
         try:
-            name = self._agent.add_remote_agent(reg.agent_metadata)
+            name = self._run(self._agent.add_remote_agent, reg.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
         except NIXL_ERRORS as exc:
             return self._refuse(reg.agent_name, Refusal(RejectReason.NIXL_REFUSED, f"{exc}"))
         if name != reg.agent_name:
-            self._agent.remove_remote_agent(name)
+            self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
         regions = peer_regions(reg, self._layout)
         try:
-            lists = self._prep(name, regions, reg.aux_ptrs)
+            lists = self._run(self._prep, name, regions, reg.aux_ptrs)
         except NIXL_ERRORS as exc:
-            self._agent.remove_remote_agent(name)
+            self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
             return self._refuse(name, Refusal(RejectReason.NIXL_REFUSED, why))
         peer = Peer(name.encode(), name, regions, lists, self._clock())
@@ -144,7 +146,8 @@ class SglangDesk:
 
     def _prep(self, name: str, regions: KVRegions, aux_ptrs: tuple[int, ...]) -> PreppedLists:
         """The decode pool's descriptor list, once; and row 0 of each metadata buffer, which
-        NIXL checks against what the decode registered (rows are written per request)."""
+        NIXL checks against what the decode registered (rows are written per request).
+        Runs where the agent lives."""
         table = kv_descriptor_table(regions)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         try:

@@ -14,8 +14,11 @@ appended to the context's ``events`` and done by the backend, in order, on its n
 A failure is ``KV_STATUS failed`` with the reason; a decode's ABORT ends the room ABORTED
 and is answered with ``ABORT_ACK`` once no write targets its pages. No NIXL notification is
 sent: SGLang decodes complete a room on KV_STATUS (older ones also read notifications, but
-only in their own tag format). Handles: as ``nixl.sender`` (released when DONE, cancelled
-on failure or close, those NIXL will not release go to the backend in ``Closed.stuck``).
+only in their own tag format). Writes are posted through the backend's transfer thread
+(``SglangContext.poster``) and tracked as ``nixl.sender``'s are (``nixl.writes``): released
+when DONE, cancelled on failure or close, those not settled yet go to the backend in
+``Closed.stuck``; every reply waits (``Reply.after``) until no byte of the room's writes can
+land any more, since a decode told ``failed`` or ``ABORT_ACK`` reuses the pages at once.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from typing import Any
 from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.context import Peer
-from prefill_worker.transfer.nixl.sender import release
+from prefill_worker.transfer.nixl.poster import Write, WritePoster
+from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
 from prefill_worker.transfer.sglang import aux, frames
 
@@ -49,11 +52,13 @@ class SglangPeer:
 @dataclass(frozen=True, slots=True)
 class Reply:
     """Frames for the decode at ``endpoint``; with ``confirm``, that sender waits to hear
-    whether they were queued (``confirm_ok``)."""
+    whether they were queued (``confirm_ok``). They go out once every write in ``after`` is
+    settled."""
 
     endpoint: frames.Endpoint
     frames: list[bytes]
     confirm: SglangSender | None = None
+    after: tuple[Write, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,21 +71,14 @@ class Closed:
 class SglangContext:
     """What every sender of one backend shares; ``events`` is the backend's outbox."""
 
-    agent: Any  # nixl_agent
-    local_kv: Any  # our pool's prepared descriptor list (``pagemap`` layout)
+    poster: WritePoster  # where the agent lives (the backend's transfer thread)
+    local_kv: Any  # our pool's prepared descriptor list, per layer (``pagemap.layer_view``)
     staging: aux.AuxStaging
     aux_rows: aux.AuxRowsView
     layout: KVLayout
     write_timeout_s: float
     clock: Callable[[], float]
     events: list[Reply | Closed] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Write:
-    handle: Any
-    deadline: float
-    num_bytes: int
 
 
 class SglangSender:
@@ -103,11 +101,10 @@ class SglangSender:
         self._state = KVPoll.BOOTSTRAPPING
         self._reason: str | None = None
         self._want: wire.Want | None = None
-        self._writes: list[_Write] = []
+        self._writes = WriteSet(ctx.write_timeout_s)
         self._aux_row: int | None = None
         self._is_aux_posted = self._is_ok_told = False
         self._ack: tuple[frames.Endpoint, int | None] | None = None  # ABORT_ACK due
-        self._written_bytes = 0
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -118,7 +115,7 @@ class SglangSender:
         return 0 if self._want is None else self._want.num_cached_tokens
 
     def written_bytes(self) -> int:
-        return self._written_bytes
+        return self._writes.written_bytes
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         if self._state.is_terminal:
@@ -155,10 +152,10 @@ class SglangSender:
         if self.is_closed:
             return
         self.fail("the request ended before its transfer")
-        stuck = self._release_all()
+        self._writes.release_all()
         self._maybe_ack()
         self.is_closed = True
-        self._ctx.events.append(Closed(self, tuple(stuck)))
+        self._ctx.events.append(Closed(self, self._writes.unsettled()))
 
     # -- driven by the backend ----------------------------------------------------------
 
@@ -203,12 +200,14 @@ class SglangSender:
         if not self._state.is_terminal:
             self._state, self._reason = KVPoll.PEER_LOST, reason
             self._tell(frames.kv_status(self.room, False, reason))
-        self._release_all()
+        self._writes.release_all()
         self._ack = None
         self.peer = None
 
     def progress(self) -> None:
-        self._check_writes()
+        why = self._writes.check(self._ctx.clock())
+        if why is not None:
+            self.fail(why)
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         if is_aux_due and not self._writes and not self._is_ok_told:
             if not self._is_aux_posted:
@@ -229,69 +228,38 @@ class SglangSender:
 
     def _tell(self, message: list[bytes], confirm: bool = False) -> None:
         if self.peer is not None:  # no request frame yet: a later one learns the reason
-            reply = Reply(self.peer.endpoint, message, self if confirm else None)
+            confirming = self if confirm else None
+            reply = Reply(self.peer.endpoint, message, confirming, self._writes.pending())
             self._ctx.events.append(reply)
 
     def _post_kv(self, local: Any, remote: Any, num_bytes: int) -> None:
         assert self.peer is not None
-        agent, lists = self._ctx.agent, self.peer.peer.lists
-        try:
-            handle = agent.make_prepped_xfer("WRITE", self._ctx.local_kv, local, lists.kv, remote)
-        except NIXL_ERRORS as exc:
-            return self.fail(f"NIXL could not prepare the write: {exc}")
-        self._start(handle, num_bytes)
+        ctx, remote_list = self._ctx, self.peer.peer.lists.kv
+        write = ctx.poster.post(ctx.local_kv, local, remote_list, remote, b"", num_bytes)
+        self._writes.add(write, self._ctx.clock())
 
     def _post_aux(self) -> None:
+        """Stage the row in SGLang's format (here: the engine owns the aux rows), then one
+        WRITE of it into ``aux_index`` of each metadata buffer, built where the agent lives."""
         assert self.peer is not None and self._want is not None and self._aux_row is not None
         self._is_aux_posted = True
         staging, row = self._ctx.staging, self._aux_row
         staging.fill(row, self._ctx.aux_rows.read(row), self.room)
-        agent = self._ctx.agent
-        try:
-            local = agent.get_xfer_descs(staging.local_descs(row), _AUX_MEM_TYPE)
-            remote_descs = aux.remote_descs(self.peer.aux_ptrs, self._want.dst_aux_slot)
-            remote = agent.get_xfer_descs(remote_descs, _AUX_MEM_TYPE)
-            handle = agent.initialize_xfer("WRITE", local, remote, self.peer.peer.agent_name)
-        except NIXL_ERRORS as exc:
-            why = f"NIXL refused the metadata write (aux_index {self._want.dst_aux_slot}): {exc}"
-            return self.fail(why)
-        self._start(handle, aux.ROW_DTYPE.itemsize)
+        local = staging.local_descs(row)
+        remote = aux.remote_descs(self.peer.aux_ptrs, self._want.dst_aux_slot)
+        name = self.peer.peer.agent_name
 
-    def _start(self, handle: Any, num_bytes: int) -> None:
-        deadline = self._ctx.clock() + self._ctx.write_timeout_s
-        self._writes.append(_Write(handle, deadline, num_bytes))
-        try:
-            state = self._ctx.agent.transfer(handle)
-        except NIXL_ERRORS as exc:
-            state = f"ERR ({exc})"
-        if state.startswith("ERR"):
-            self.fail(f"NIXL write failed to start: {state}")
+        def prepare(agent: Any) -> Any:
+            local_descs = agent.get_xfer_descs(local, _AUX_MEM_TYPE)
+            remote_descs = agent.get_xfer_descs(remote, _AUX_MEM_TYPE)
+            return agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
 
-    def _check_writes(self) -> None:
-        now = self._ctx.clock()
-        for write in list(self._writes):
-            try:
-                state = self._ctx.agent.check_xfer_state(write.handle)
-            except NIXL_ERRORS as exc:
-                state = f"ERR ({exc})"
-            if state == "DONE":
-                self._writes.remove(write)
-                self._written_bytes += write.num_bytes
-                release(write.handle, self.request_id)
-            elif state != "PROC":
-                self._writes.remove(write)
-                release(write.handle, self.request_id)
-                self.fail(f"NIXL write failed: {state}")
-            elif now >= write.deadline:
-                self.fail(f"write still in flight after {self._ctx.write_timeout_s:g} s")
-
-    def _release_all(self) -> list[Any]:
-        stuck = [w.handle for w in self._writes if not release(w.handle, self.request_id)]
-        self._writes.clear()
-        return stuck
+        write = self._ctx.poster.post_with(prepare, aux.ROW_DTYPE.itemsize)
+        self._writes.add(write, self._ctx.clock())
 
     def _maybe_ack(self) -> None:
         if self._ack is not None and not self._writes:
             endpoint, generation = self._ack
             self._ack = None
-            self._ctx.events.append(Reply(endpoint, frames.abort_ack(self.room, generation)))
+            message = frames.abort_ack(self.room, generation)
+            self._ctx.events.append(Reply(endpoint, message, None, self._writes.pending()))

@@ -21,6 +21,7 @@ import torch
 
 from prefill_worker.router.client import BlockingRouterClient
 from prefill_worker.testing.launch import ChildProcess, free_port
+from prefill_worker.transfer import describe_worker
 from prefill_worker.transfer.receiver import KVReceiver, RoomState, RoomStatus
 from tests.checkpoints import make_checkpoint
 from tests.polling import wait_until
@@ -143,12 +144,11 @@ def worker_factory(tmp_path: Path, checkpoint: Path) -> Iterator[Callable[..., W
 
 
 class Decode:
-    """A decode peer: its own KV pool (zeros), a KVReceiver, and a page allocator."""
+    """A decode peer: its own KV pool (zeros, in the worker's pool layout), a KVReceiver, and
+    a page allocator."""
 
     def __init__(self, bootstrap: str, peer_timeout_s: float = 10.0) -> None:
-        shape = (DECODE_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.k = [torch.zeros(shape) for _ in range(NUM_LAYERS)]
-        self.v = [torch.zeros(shape) for _ in range(NUM_LAYERS)]
+        self.k, self.v = decode_pool(describe_worker(bootstrap, 30.0).kind)
         self.receiver = KVReceiver.from_tensors(
             self.k, self.v, bootstrap, num_aux_rows=64, peer_timeout_s=peer_timeout_s
         )
@@ -184,6 +184,16 @@ class Decode:
 
     def close(self) -> None:
         self.receiver.close()
+
+
+def decode_pool(pool_layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V ``[DECODE_PAGES, PAGE_SIZE, KV, D]`` views of one pool tensor."""
+    page = (PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if pool_layout == "layer_major":
+        pool = torch.zeros((NUM_LAYERS, 2, DECODE_PAGES, *page))
+        return list(pool[:, 0]), list(pool[:, 1])
+    pool = torch.zeros((DECODE_PAGES, NUM_LAYERS, 2, *page))
+    return [pool[:, i, 0] for i in range(NUM_LAYERS)], [pool[:, i, 1] for i in range(NUM_LAYERS)]
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import torch
 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.router.client import RequestRejected
+from prefill_worker.transfer import describe_worker
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, wait_until
 
@@ -176,6 +177,10 @@ def test_port_zero_config_publishes_its_endpoints(shared_worker, router_factory)
     assert all(str(endpoints[k]) in ready for k in ("ingress", "bootstrap", "http")), ready
     with urllib.request.urlopen(f"http://{endpoints['http']}/readyz", timeout=5) as response:
         assert json.loads(response.read()) == {"status": "ready", **endpoints}
+    # The pool layout, for a decode to size its pool by: in /readyz and from `describe`.
+    layout = describe_worker(endpoints["bootstrap"], 10.0)
+    assert endpoints["kv_layout"] == layout.summary()
+    assert layout.kind in ("layer_major", "page_major") and layout.page_size >= 1
     decode = Decode(endpoints["bootstrap"])
     decode.want(7, 9)
     router = router_factory(endpoints["ingress"])

@@ -36,8 +36,15 @@ def hf_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-untyp
     return out.logits[0].float(), kv
 
 
-def ours(path: Path, dtype: str = "float32"):  # type: ignore[no-untyped-def]
-    return build(path, dtype=dtype, device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major"):  # type: ignore[no-untyped-def]
+    return build(
+        path,
+        dtype=dtype,
+        device="cpu",
+        page_size=PAGE_SIZE,
+        pool_layout=pool_layout,
+        num_pages=NUM_PAGES,
+    )
 
 
 def scattered_pages(first: int, count: int) -> list[int]:

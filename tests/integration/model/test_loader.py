@@ -71,9 +71,11 @@ def test_quantized_checkpoint_is_refused(checkpoints, tmp_path):
         ours(path)
 
 
-def test_kv_pool_layout_and_addresses(checkpoints):
-    _, kv_cache, info = ours(checkpoints["qwen3"])
+@pytest.mark.parametrize("pool_layout", ["layer_major", "page_major"])
+def test_kv_pool_layout_and_addresses(checkpoints, pool_layout):
+    _, kv_cache, info = ours(checkpoints["qwen3"], pool_layout=pool_layout)
     layout = kv_cache.layout
+    assert layout.kind == pool_layout
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 32)
     assert layout.dtype == "float32" and info.dtype == "float32"
     assert kv_cache.k[0].shape == (layout.num_pages, layout.page_size, 2, 32)
@@ -82,9 +84,15 @@ def test_kv_pool_layout_and_addresses(checkpoints):
     for layer in range(layout.num_layers):
         for page in (0, 1, layout.num_pages - 1):
             k, v = kv_cache.read_page(layer, page)
-            assert k.data_ptr() == regions.k_base_addrs[layer] + page * layout.page_bytes
-            assert v.data_ptr() == regions.v_base_addrs[layer] + page * layout.page_bytes
+            assert k.data_ptr() == regions.k_base_addrs[layer] + page * layout.page_stride_bytes
+            assert v.data_ptr() == regions.v_base_addrs[layer] + page * layout.page_stride_bytes
+            assert k.is_contiguous() and v.is_contiguous()  # a page is one byte range
     assert len(set(regions.k_base_addrs + regions.v_base_addrs)) == 2 * layout.num_layers
+    stride = layout.page_stride_bytes // layout.itemsize
+    assert all(t.stride(0) == stride for t in kv_cache.k + kv_cache.v)  # views, never copies
+    if pool_layout == "page_major":  # every layer's K and V of a page are one byte range
+        assert regions.region_base_addrs == (regions.k_base_addrs[0],)
+        assert stride == 2 * layout.num_layers * layout.page_size * 2 * 32
 
 
 def test_pool_sized_from_a_byte_budget(checkpoints):

@@ -23,6 +23,7 @@ from tests.integration.model.conftest import (
 )
 
 TOL = 1e-4
+POOL_LAYOUTS = pytest.mark.parametrize("pool_layout", ["layer_major", "page_major"])
 
 
 def num_pages(length: int) -> int:
@@ -36,11 +37,12 @@ def assert_kv_matches(kv_cache, pages, hf_kv, length):  # type: ignore[no-untype
         torch.testing.assert_close(v, hf_v[:length], atol=TOL, rtol=0)
 
 
+@POOL_LAYOUTS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_prompt(checkpoints, family):
+def test_one_prompt(checkpoints, family, pool_layout):
     ids = prompt(45, seed=1)
     hf_logits, hf_kv = hf_forward(hf_model(checkpoints[family]), ids)
-    runner, kv_cache, info = ours(checkpoints[family])
+    runner, kv_cache, info = ours(checkpoints[family], pool_layout=pool_layout)
     pages = scattered_pages(0, num_pages(len(ids)))
     logits = runner.compute_logits(plan(chunk("a", ids, 0, len(ids), pages, last=True)))
     assert logits.shape == (1, info.vocab_size)
@@ -63,11 +65,12 @@ def test_batch_of_different_lengths(checkpoints, family, monkeypatch):
         assert_kv_matches(kv_cache, pages[i], hf_kv, len(ids))
 
 
+@POOL_LAYOUTS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_over_300_tokens(checkpoints, family):
+def test_chunked_prefill_over_300_tokens(checkpoints, family, pool_layout):
     ids = prompt(300, seed=3)
     hf_logits, hf_kv = hf_forward(hf_model(checkpoints[family]), ids)
-    runner, kv_cache, _ = ours(checkpoints[family])
+    runner, kv_cache, _ = ours(checkpoints[family], pool_layout=pool_layout)
     pages = scattered_pages(0, num_pages(len(ids)))
     other = prompt(20, seed=4)  # a second request shares the last batch
     other_pages = scattered_pages(1, num_pages(len(other)))
@@ -81,12 +84,13 @@ def test_chunked_prefill_over_300_tokens(checkpoints, family):
     assert_kv_matches(kv_cache, pages, hf_kv, len(ids))
 
 
+@POOL_LAYOUTS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cached_prefix_of_128_tokens(checkpoints, family):
+def test_cached_prefix_of_128_tokens(checkpoints, family, pool_layout):
     """The first 128 positions' K/V come from HF itself, written into the pages directly."""
     ids = prompt(170, seed=5)
     hf_logits, hf_kv = hf_forward(hf_model(checkpoints[family]), ids)
-    runner, kv_cache, _ = ours(checkpoints[family])
+    runner, kv_cache, _ = ours(checkpoints[family], pool_layout=pool_layout)
     pages = scattered_pages(0, num_pages(len(ids)))
     for layer, (hf_k, hf_v) in enumerate(hf_kv):
         for i in range(128 // PAGE_SIZE):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from prefill_worker.kv.aux import AuxPool
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout
 from prefill_worker.kv.pages import PagePool
 from tests.integration.transfer.peers import PoolSpec, decode_main, regions_over
 
@@ -25,8 +25,14 @@ PEER_TIMEOUT_S = 1.5
 WANT_TIMEOUT_S = 1.0
 
 
-def small_spec(dtype: str, head_dim: int = 8, num_pages: int = 24) -> PoolSpec:
-    return PoolSpec(KVLayout(2, 2, head_dim, dtype, 4, num_pages), num_aux_rows=8)
+def small_spec(dtype: str, pool_layout: str, head_dim: int = 8, num_pages: int = 24) -> PoolSpec:
+    return PoolSpec(KVLayout(2, 2, head_dim, dtype, 4, num_pages, pool_layout), num_aux_rows=8)
+
+
+@pytest.fixture(scope="module", params=POOL_LAYOUTS, autouse=True)
+def pool_layout(request: pytest.FixtureRequest) -> str:
+    """Every transfer test runs once per pool layout (``kv.layout``)."""
+    return str(request.param)
 
 
 class Worker:
@@ -69,8 +75,10 @@ class Worker:
         return True
 
     def check_whole(self) -> None:
-        """No sender open, no write in flight, every page and aux row back, the pool untouched."""
+        """No sender open, no write in flight, every page and aux row back, the pool untouched.
+        (Releases run on the transfer thread: a write just released may take a poll to settle.)"""
         backend = self.backend
+        assert self.drive(lambda: backend.num_inflight_transfers() == 0)
         assert backend.num_open_senders == 0
         assert backend.num_inflight_transfers() == 0
         backend.check_integrity()
@@ -129,12 +137,12 @@ class Decode:
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, Worker]]:
+def workers(pool_layout: str) -> Iterator[dict[str, Worker]]:
     made: dict[str, Worker] = {}
 
     class Lazy(dict[str, Worker]):
         def __missing__(self, dtype: str) -> Worker:
-            made[dtype] = self[dtype] = Worker(small_spec(dtype))
+            made[dtype] = self[dtype] = Worker(small_spec(dtype, pool_layout))
             return made[dtype]
 
     yield Lazy()

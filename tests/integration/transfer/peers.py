@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,19 +22,32 @@ class PoolSpec:
 
     @property
     def nbytes(self) -> int:
-        lay = self.layout
-        return 2 * lay.num_layers * lay.region_bytes + self.num_aux_rows * AUX_ROW_BYTES
+        return self.layout.pool_bytes + self.num_aux_rows * AUX_ROW_BYTES
 
 
 def regions_over(spec: PoolSpec, buf: np.ndarray, aux_addr: int | None = None) -> KVRegions:
-    """KV regions laid out back to back in ``buf``: K of each layer, V of each layer, then the
-    aux rows (unless they live at ``aux_addr``)."""
+    """The pool at the start of ``buf`` in its layout (``kv.layout``): layer-major, K of each
+    layer then V of each layer; page-major, page after page of every layer's K and V. Then
+    the aux rows (unless they live at ``aux_addr``)."""
     lay = spec.layout
     base = int(buf.ctypes.data)
-    starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
-    aux = base + 2 * lay.num_layers * lay.region_bytes if aux_addr is None else aux_addr
-    k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
+    aux = base + lay.pool_bytes if aux_addr is None else aux_addr
+    k = tuple(base + layer_page_offset(lay, layer, 0, 0) for layer in range(lay.num_layers))
+    v = tuple(base + layer_page_offset(lay, layer, 1, 0) for layer in range(lay.num_layers))
     return KVRegions(lay, k, v, "cpu", aux, spec.num_aux_rows)
+
+
+def layer_page_offset(lay: KVLayout, layer: int, kv: int, page: int) -> int:
+    """Byte offset in a pool of page ``page`` of layer ``layer``'s K (``kv`` 0) or V (1)."""
+    if lay.kind == LAYER_MAJOR:
+        return (kv * lay.num_layers + layer) * lay.region_bytes + page * lay.page_bytes
+    return page * lay.region_page_bytes + (2 * layer + kv) * lay.page_bytes
+
+
+def layer_page(buf: np.ndarray, lay: KVLayout, layer: int, kv: int, page: int) -> np.ndarray:
+    """The bytes of one layer's K or V page in a pool at the start of ``buf``."""
+    start = layer_page_offset(lay, layer, kv, page)
+    return buf[start : start + lay.page_bytes]
 
 
 def decode_main(

@@ -123,7 +123,7 @@ def finish(worker: Worker, decode, sender, room: int, dst: list[int]) -> None:
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
     assert decode.call("wait", room, 5.0) == ("done", None)
     lay = worker.spec.layout
-    kv_bytes = 2 * lay.num_layers * lay.region_bytes
+    kv_bytes = lay.pool_bytes
     want = expected_pool(worker, before, list(zip(pages, dst, strict=True)))
     assert np.array_equal(decode.pool[:kv_bytes], want[:kv_bytes])
     sender.close()
@@ -142,12 +142,21 @@ def num_pages(count: int):
     return lambda regions: {"layout": dataclasses.replace(regions.layout, num_pages=count)}
 
 
+def negative_base(regions):  # type: ignore[no-untyped-def]
+    """Every address moved so that the first region starts at -4096 (the layout kept)."""
+    shift = regions.k_base_addrs[0] + 4096
+    return {
+        "k_base_addrs": tuple(a - shift for a in regions.k_base_addrs),
+        "v_base_addrs": tuple(a - shift for a in regions.v_base_addrs),
+    }
+
+
 @pytest.mark.parametrize(
     ("change", "reason", "words"),
     [
         (num_pages(2**40), "too_large", "1099511627776 pages"),
         (num_pages(2**22), "too_large", "4194304 pages"),
-        (lambda _: {"k_base_addrs": (-4096, 4096)}, "bad_address", "region 0 [-4096"),
+        (negative_base, "bad_address", "region 0 [-4096"),
         (lambda _: {"device": "cuda:x"}, "bad_device", "'cuda:x'"),
     ],
     ids=["2**40 pages", "2**22 pages", "negative address", "cuda:x"],
@@ -367,7 +376,9 @@ def test_a_pending_room_times_out_in_the_sdk(workers, decodes) -> None:
 # ── 4. CurveZMQ ──────────────────────────────────────────────────────────────────────────────
 
 
-def test_curve_lets_only_an_allow_listed_decode_register(decodes, tmp_path: Path) -> None:
+def test_curve_lets_only_an_allow_listed_decode_register(
+    decodes, tmp_path: Path, pool_layout: str
+) -> None:
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     keys.mkdir()
     allowed.mkdir()
@@ -376,7 +387,8 @@ def test_curve_lets_only_an_allow_listed_decode_register(decodes, tmp_path: Path
     _, stranger_secret = zmq.auth.create_certificates(str(keys), "stranger")
     (allowed / "decode.key").write_bytes(Path(decode_public).read_bytes())
     worker = Worker(
-        small_spec("bfloat16"), curve=CurveServerKeys.from_files(server_secret, str(allowed))
+        small_spec("bfloat16", pool_layout),
+        curve=CurveServerKeys.from_files(server_secret, str(allowed)),
     )
     try:
         good = CurveClientKeys.from_files(decode_secret, server_public)
@@ -424,11 +436,11 @@ def _address(raw: bytes) -> str:
     return str(ipaddress.ip_address(b"".join(words)))
 
 
-def test_ucx_listens_on_loopback_only_when_told(decodes) -> None:
+def test_ucx_listens_on_loopback_only_when_told(decodes, pool_layout: str) -> None:
     from tests.integration.transfer.conftest import CTX
     from tests.integration.transfer.peers import prefill_main
 
-    spec = small_spec("bfloat16")
+    spec = small_spec("bfloat16", pool_layout)
     found = {}
     for devices in ("lo", None):
         conn, child = CTX.Pipe()
@@ -457,7 +469,7 @@ def test_ucx_listens_on_loopback_only_when_told(decodes) -> None:
 # ── 1. the safety net ────────────────────────────────────────────────────────────────────────
 
 
-def test_a_message_that_raises_anyway_never_leaves_poll(decodes) -> None:
+def test_a_message_that_raises_anyway_never_leaves_poll(decodes, pool_layout: str) -> None:
     """Whatever a message makes raise (here the reject counter itself, once) refuses its
     sender, is counted as internal_error, and the worker serves on."""
     seen: list[str] = []
@@ -467,7 +479,7 @@ def test_a_message_that_raises_anyway_never_leaves_poll(decodes) -> None:
         if len(seen) == 1:
             raise RuntimeError("counter broke")
 
-    worker = Worker(small_spec("bfloat16"), on_reject=flaky_counter)
+    worker = Worker(small_spec("bfloat16", pool_layout), on_reject=flaky_counter)
     stranger = RawPeer(worker)
     try:
         reply = stranger.ask(wire.Want.of(216, range(8), 0, 0))

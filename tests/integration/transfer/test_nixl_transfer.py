@@ -19,22 +19,19 @@ from tests.integration.transfer.conftest import (
     Worker,
     small_spec,
 )
+from tests.integration.transfer.peers import layer_page
 
 SLACK_S = 1.5
 
 
-def page_view(pool: np.ndarray, spec_layout, region: int, page: int) -> np.ndarray:
-    start = region * spec_layout.region_bytes + page * spec_layout.page_bytes
-    return pool[start : start + spec_layout.page_bytes]
-
-
 def expected_pool(worker: Worker, before: np.ndarray, moves: list[tuple[int, int]]) -> np.ndarray:
-    """The decode pool after copying local page s to decode page d in every region."""
+    """The decode pool after copying local page s to decode page d, K and V of every layer."""
     lay = worker.spec.layout
     out = before.copy()
-    for region in range(2 * lay.num_layers):
-        for s, d in moves:
-            page_view(out, lay, region, d)[:] = page_view(worker.pool, lay, region, s)
+    for layer in range(lay.num_layers):
+        for kv in (0, 1):
+            for s, d in moves:
+                layer_page(out, lay, layer, kv, d)[:] = layer_page(worker.pool, lay, layer, kv, s)
     return out
 
 
@@ -101,7 +98,7 @@ def test_every_byte_lands_where_decode_asked(workers, decodes, dtype: str) -> No
         room = int(rng.integers(1, 2**63))
         aux = push(worker, decode, room, num_tokens, cached, dst, src, 4, slot, want_first)
         moves = list(zip(src[cached // lay.page_size :], dst, strict=True))
-        kv_bytes = 2 * lay.num_layers * lay.region_bytes
+        kv_bytes = lay.pool_bytes
         want_pool = expected_pool(worker, before, moves)
         assert np.array_equal(decode.pool[:kv_bytes], want_pool[:kv_bytes]), (dtype, i)
         aux_at = kv_bytes + slot * AUX_ROW_BYTES
@@ -257,14 +254,27 @@ def test_corrupt_metadata_is_refused_and_worker_serves_on(workers, decodes, mang
     worker.check_whole()
 
 
-def test_layout_mismatch_is_refused_with_reason(workers, decodes) -> None:
+def test_layout_mismatch_is_refused_with_reason(workers, decodes, pool_layout) -> None:
     worker = workers["bfloat16"]
-    decode = decodes(worker, small_spec("bfloat16", head_dim=16))
+    decode = decodes(worker, small_spec("bfloat16", pool_layout, head_dim=16))
     reason = decode.call("registered", 10.0)
     assert reason and "layout mismatch" in reason
     assert decode.call("want", 106, list(range(8)), 0, 0) == "ok"
     state, why = decode.call("wait", 106, 1.0)
     assert state == "failed" and "layout mismatch" in why
+    worker.check_whole()
+
+
+def test_the_other_pool_layout_is_refused_naming_both(workers, decodes, pool_layout) -> None:
+    worker = workers["bfloat16"]
+    other = "page_major" if pool_layout == "layer_major" else "layer_major"
+    decode = decodes(worker, small_spec("bfloat16", other))
+    reason = decode.call("registered", 10.0)
+    assert reason == (
+        f"KV layout mismatch: the decode pool is {other}, this worker's is {pool_layout}; "
+        f"allocate the decode pool {pool_layout} (or run the worker with cache.layout: {other})"
+    )
+    assert worker.backend.reject_counts.get("layout_mismatch", 0) >= 1
     worker.check_whole()
 
 
@@ -283,12 +293,12 @@ def test_abort_from_decode(workers, decodes) -> None:
     worker.check_whole()
 
 
-def test_prefill_killed_decode_sees_failed(tmp_path) -> None:
+def test_prefill_killed_decode_sees_failed(tmp_path, pool_layout) -> None:
     from prefill_worker.transfer import KVReceiver, RoomState
     from tests.integration.transfer.conftest import CTX
     from tests.integration.transfer.peers import prefill_main, regions_over
 
-    spec = small_spec("bfloat16")
+    spec = small_spec("bfloat16", pool_layout)
     conn, child = CTX.Pipe()
     proc = CTX.Process(target=prefill_main, args=(child, spec, PEER_TIMEOUT_S), daemon=True)
     proc.start()
@@ -321,7 +331,7 @@ def test_prefill_killed_decode_sees_failed(tmp_path) -> None:
         proc.join(5)
 
 
-def test_receiver_from_tensors_in_process(workers) -> None:
+def test_receiver_from_tensors_in_process(workers, pool_layout) -> None:
     """The SDK over torch tensors, both agents in one process: pages and the aux row land."""
     import torch
 
@@ -329,11 +339,21 @@ def test_receiver_from_tensors_in_process(workers) -> None:
 
     worker = workers["bfloat16"]
     lay = worker.spec.layout
-    shape = (lay.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-    ks = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(lay.num_layers)]
-    vs = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(lay.num_layers)]
+    page = (lay.page_size, lay.num_kv_heads, lay.head_dim)
+    if pool_layout == "layer_major":
+        pool = torch.zeros((lay.num_layers, 2, lay.num_pages, *page), dtype=torch.bfloat16)
+        ks, vs = list(pool[:, 0]), list(pool[:, 1])
+    else:
+        pool = torch.zeros((lay.num_pages, lay.num_layers, 2, *page), dtype=torch.bfloat16)
+        ks = [pool[:, layer, 0] for layer in range(lay.num_layers)]
+        vs = [pool[:, layer, 1] for layer in range(lay.num_layers)]
     receiver = KVReceiver.from_tensors(
-        ks, vs, worker.backend.bootstrap_endpoint, num_aux_rows=4, peer_timeout_s=PEER_TIMEOUT_S
+        ks,
+        vs,
+        worker.backend.bootstrap_endpoint,
+        num_aux_rows=4,
+        pool_layout=pool_layout,
+        peer_timeout_s=PEER_TIMEOUT_S,
     )
     assert worker.drive(lambda: receiver.is_registered)
     receiver.want(109, [5, 2], 3, 0)
@@ -349,10 +369,10 @@ def test_receiver_from_tensors_in_process(workers) -> None:
     assert receiver.poll(109).state is RoomState.DONE
     assert receiver.read_aux(3) == AuxRow(77, -0.25, 8, 0)
     for layer in range(lay.num_layers):
-        for tensors, region in ((ks, layer), (vs, lay.num_layers + layer)):
-            got = tensors[layer].view(torch.uint8).numpy().reshape(lay.num_pages, -1)
-            assert np.array_equal(got[5], page_view(worker.pool, lay, region, pages[0]))
-            assert np.array_equal(got[2], page_view(worker.pool, lay, region, pages[1]))
+        for kv, tensors in enumerate((ks, vs)):
+            got = tensors[layer].contiguous().view(torch.uint8).numpy().reshape(lay.num_pages, -1)
+            assert np.array_equal(got[5], layer_page(worker.pool, lay, layer, kv, pages[0]))
+            assert np.array_equal(got[2], layer_page(worker.pool, lay, layer, kv, pages[1]))
             assert not got[[0, 1, 3, 4]].any()
     receiver.forget(109)
     sender.close()

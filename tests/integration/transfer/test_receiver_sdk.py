@@ -61,8 +61,8 @@ class ScriptedWorker:
 
 
 @pytest.fixture
-def rig() -> Iterator[tuple[ScriptedWorker, KVReceiver]]:
-    spec = small_spec("bfloat16")
+def rig(pool_layout: str) -> Iterator[tuple[ScriptedWorker, KVReceiver]]:
+    spec = small_spec("bfloat16", pool_layout)
     pool = np.zeros(spec.nbytes, np.uint8)
     worker = ScriptedWorker()
     receiver = KVReceiver(

@@ -106,5 +106,25 @@ def test_a_handle_nixl_will_not_release_goes_to_the_backend() -> None:
     sender, ctx = bound_sender(agent)
     sender.send_pages([0, 1], 0)
     sender.close()
-    closed = ctx.events[-1]
-    assert isinstance(closed, Closed) and closed.stuck == (agent.handles[0],)
+    tell, closed = ctx.events
+    assert isinstance(closed, Closed) and len(closed.stuck) == 1
+    [stuck] = closed.stuck
+    assert stuck.is_refused and not stuck.is_settled
+    # the `failed` status waits for that write: the decode may reuse the pages once told
+    assert isinstance(tell, Tell) and tell.after == (stuck,)
+    agent.handles[0].refuse_release = False
+    stuck.release()  # what the backend's reaper retries
+    assert stuck.is_settled and agent.handles[0].is_released
+
+
+def test_a_failure_status_waits_for_the_writes_in_flight() -> None:
+    agent = Agent()
+    sender, ctx = bound_sender(agent)
+    sender.send_pages([0, 1], 0)
+    sender.fail("transfer deadline")
+    [tell] = ctx.events
+    assert isinstance(tell, Tell) and tell.status.status == "failed"
+    [write] = tell.after
+    assert not write.is_settled  # still copying: the backend holds the status
+    sender.close()
+    assert write.is_settled and agent.handles[0].is_released

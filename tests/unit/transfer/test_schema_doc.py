@@ -23,8 +23,8 @@ def test_schema_names_every_message_by_its_type_tag() -> None:
     assert schema["discriminator"]["propertyName"] == "type"
     tags = set(schema["discriminator"]["mapping"])
     assert tags == {
-        "register", "want", "abort", "heartbeat", "bye",
-        "registered", "status", "reject", "unknown_peer",
+        "register", "want", "abort", "heartbeat", "bye", "describe",
+        "registered", "status", "reject", "unknown_peer", "described",
     }  # fmt: skip
     want = schema["$defs"]["Want"]
     assert set(want["required"]) == {"type", "room", "dst_page_ids", "dst_aux_slot"} | {
