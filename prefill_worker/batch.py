@@ -8,6 +8,16 @@ tensors. A chunk covers prompt positions ``[start, end)`` of one request; the KV
     positions  0 ........ start ========= end ....... len(prompt)
     pages      [p0][p1][p2][p3][p4]            (page_ids covers at least [0, end))
                          ^ this chunk's K/V is written here
+
+Prompt logprobs: position ``p`` of a prompt gives the logprob of token ``p + 1``, so the logits
+of a chunk's last position score the first token of the *next* chunk, which the plan therefore
+carries (``logprob_token_ids``)::
+
+    prompt     t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9          chunks [0, 4) [4, 8) [8, 10)
+    start 2          ^ positions 2..8 score t3..t9 (position 9 samples the first token)
+    chunk [0, 4):  logprob_from 2, logprob_token_ids (t3, t4)
+    chunk [4, 8):  logprob_from 4, logprob_token_ids (t5, t6, t7, t8)
+    chunk [8, 10): logprob_from 8, logprob_token_ids (t9,)
 """
 
 from __future__ import annotations
@@ -27,6 +37,10 @@ class ChunkPlan:
     end: int
     page_ids: Sequence[int]  # the request's pages; at least ceil(end / page_size) of them
     sampling: SamplingParams | None  # set iff this chunk ends the prompt: sample token `end`
+    # Positions [logprob_from, logprob_from + len(logprob_token_ids)) (within [start, end)) each
+    # give the logprob of the prompt token after them, logprob_token_ids[i] for the i-th.
+    logprob_from: int = 0
+    logprob_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -52,9 +66,16 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    request_id: str
+    logprobs: tuple[float, ...]  # one per logprob_token_ids entry of the request's chunk
+
+
+@dataclass(frozen=True, slots=True)
 class BatchOutput:
     batch_id: int
     sampled: tuple[SampledToken, ...]  # one per chunk with sampling set, in plan order
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per chunk with logprob_token_ids
 
 
 class ModelRunner(Protocol):

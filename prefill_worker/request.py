@@ -151,6 +151,9 @@ class Outcome:
     transfer_bytes: int = 0  # what the sender's writes that landed covered (KV runs, aux row)
     num_prefix_hit_tokens: int = 0  # the prefix this worker's cache held (not computed)
     num_computed_tokens: int = 0  # prompt tokens this worker computed for the request
+    # Prompt logprobs, only when asked and ok: the logprob of each prompt token at positions
+    # [prompt_logprob_start + 1, num_prompt_tokens), given the tokens before it.
+    prompt_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +163,10 @@ class PrefillRequest:
     ``request_id`` is unique among the worker's requests in flight: the ingress scopes the
     router's own id by its connection (and maps it back in the reply), so two routers may use
     the same id. ``decode_peer`` names the decode agent allowed to claim the room, if the
-    router said."""
+    router said. ``prompt_logprob_start`` asks for prompt logprobs (with ``return_logprob``):
+    those of the tokens after that position (SGLang's ``logprob_start_len``, whose token at
+    the start itself has none); None asks for none. The ingress checked it is in
+    ``[0, len(token_ids)]``."""
 
     request_id: str
     token_ids: Sequence[int]  # in practice array("i"), decoded from packed int32
@@ -170,6 +176,7 @@ class PrefillRequest:
     arrival_time: float  # time.monotonic() when ingress received it
     deadline_s: float | None = None  # whole-request budget from arrival; None: phase timeouts only
     decode_peer: str | None = None  # the only decode agent that may claim the room; None: any
+    prompt_logprob_start: int | None = None  # with return_logprob: prompt logprobs from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +209,10 @@ class Request:
     ``num_scheduled_tokens`` runs ahead of it while a chunk is in a forward batch;
     ``is_in_forward`` says a launched batch may still write its pages. Phase timestamps are
     ``time.monotonic()`` values, None until the phase is reached.
+
+    ``prompt_logprob_start`` is set only when the request asked for prompt logprobs (the
+    engine's rule: they are computed and reported only when asked); ``prompt_logprobs`` then
+    collects them chunk by chunk, else it stays None.
     """
 
     __slots__ = (
@@ -220,6 +231,8 @@ class Request:
         "page_ids",
         "prefill_end_time",
         "prefill_start_time",
+        "prompt_logprob_start",
+        "prompt_logprobs",
         "ready_time",
         "request_id",
         "return_logprob",
@@ -239,6 +252,9 @@ class Request:
         self.arrival_time = message.arrival_time
         self.deadline_s = message.deadline_s
         self.decode_peer = message.decode_peer
+        start = message.prompt_logprob_start if message.return_logprob else None
+        self.prompt_logprob_start = start
+        self.prompt_logprobs: list[float] | None = None if start is None else []
         self.sender = sender
         self.state = RequestState.BOOTSTRAPPING
         self.num_computed_tokens = 0
@@ -261,6 +277,20 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """How many prompt logprobs the request asked for: positions ``[start, n - 1)`` each
+        give the next token's (position ``n - 1`` gives the first token)."""
+        if self.prompt_logprob_start is None:
+            return 0
+        return max(0, self.num_prompt_tokens - 1 - self.prompt_logprob_start)
+
+    @property
+    def max_prefix_hit_tokens(self) -> int | None:
+        """The longest prefix the cache may supply: the positions whose logits give prompt
+        logprobs must be computed (SGLang limits its prefix match the same way)."""
+        return self.prompt_logprob_start
 
     def move_to(self, state: RequestState) -> None:
         """The only way a request changes state; raises ``IllegalTransition`` off the table."""
@@ -305,7 +335,12 @@ class Request:
             num_computed_tokens=self.num_computed_tokens - self.num_prefix_hit_tokens,
             first_token_id=self.first_token_id if is_ok else None,
             first_token_logprob=self.first_token_logprob if is_ok else None,
+            prompt_logprobs=_frozen(self.prompt_logprobs) if is_ok else None,
             error=error,
             timings=self.timings(now),
             transfer_bytes=transfer_bytes,
         )
+
+
+def _frozen(values: list[float] | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(values)

@@ -70,12 +70,15 @@ class PagePrefixCache:
     def num_evictable(self) -> int:
         return len(self._idle)
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], max_hit_tokens: int | None = None) -> PrefixHit:
         ps = self.page_size
         page_ids: list[int] = []
         hashes: list[int] = []
         parent = None
-        for start in range(0, len(token_ids) - 1 - ps + 1, ps):  # the last token: computed
+        limit = len(token_ids) - 1  # the last token: computed
+        if max_hit_tokens is not None:
+            limit = min(limit, max_hit_tokens)
+        for start in range(0, limit - ps + 1, ps):
             packed = pack_block(token_ids, start, ps)
             found = self._find(parent, packed)
             if found is None:

@@ -50,9 +50,10 @@ class PrefixCache(Protocol):
         """Idle pages: held by the cache alone, so admission may evict them."""
         ...
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
-        """The longest cached prefix of whole pages, leaving at least the last token. Pure:
-        nothing is reserved until ``acquire``."""
+    def match(self, token_ids: Sequence[int], max_hit_tokens: int | None = None) -> PrefixHit:
+        """The longest cached prefix of whole pages, leaving at least the last token, and no
+        longer than ``max_hit_tokens`` when given. Pure: nothing is reserved until
+        ``acquire``."""
         ...
 
     def acquire(self, page_ids: Sequence[int]) -> None:
@@ -104,7 +105,7 @@ class NoPrefixCache:
     def num_evictable(self) -> int:
         return 0
 
-    def match(self, token_ids: Sequence[int]) -> PrefixHit:
+    def match(self, token_ids: Sequence[int], max_hit_tokens: int | None = None) -> PrefixHit:
         return MISS
 
     def acquire(self, page_ids: Sequence[int]) -> None:

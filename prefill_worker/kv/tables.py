@@ -60,9 +60,10 @@ class PageTable:
         """False when the prompt needs more pages than the whole pool has."""
         return num_pages_for(num_tokens, self.page_size) <= self.pool.num_pages
 
-    def lookup(self, token_ids: Sequence[int]) -> PrefixHit:
-        """The prompt's cached prefix; nothing is reserved yet."""
-        return self.cache.match(token_ids)
+    def lookup(self, token_ids: Sequence[int], max_hit_tokens: int | None = None) -> PrefixHit:
+        """The prompt's cached prefix (at most ``max_hit_tokens`` tokens, rounded down to
+        whole pages); nothing is reserved yet."""
+        return self.cache.match(token_ids, max_hit_tokens)
 
     def try_reserve(
         self, request_id: str, token_ids: Sequence[int], hit: PrefixHit = MISS

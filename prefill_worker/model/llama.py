@@ -9,11 +9,16 @@ attention, and only the rows that need logits go through the final norm and LM h
                 (qwen3: q/k RMSNorm per head), RoPE, write K/V to pages, attention
                 x += attn @ Wo ;  x += silu(g) * u @ Wdown,  [g|u] = norm(x) @ Wgu
     logits = norm(x[rows]) @ Wlm                     [R, vocab]
+
+Prompt logprobs (only when a chunk asks) read the same final hidden states at their own rows
+and keep one float per row: ``log_softmax(norm(x[row]) @ Wlm)[next token]``, computed over
+blocks of rows so that at most ``[block, vocab]`` logits exist at once, whatever the prompt.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +61,13 @@ class ForwardInputs:
     positions: torch.Tensor  # [T] int64, position of each token in its prompt
     slots: torch.Tensor  # [T] int64, flat pool row: page_id * page_size + offset
     logits_rows: torch.Tensor  # [R] int64, rows of the tokens whose logits are wanted
+    logprob_rows: torch.Tensor | None = None  # [L] int64, rows scoring the next prompt token
+    logprob_token_ids: torch.Tensor | None = None  # [L] int64, the token each of them scores
+
+
+class ForwardOutput(NamedTuple):
+    logits: torch.Tensor  # [R, vocab], of ``logits_rows``
+    token_logprobs: torch.Tensor | None  # [L] float32, of ``logprob_rows``; None if none asked
 
 
 class CausalLM:
@@ -69,6 +81,7 @@ class CausalLM:
     """
 
     block_tokens = 2048
+    logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
         self.spec = spec
@@ -80,8 +93,9 @@ class CausalLM:
 
     def forward(
         self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
-    ) -> torch.Tensor:
-        """Write every token's K/V into its pages; return logits ``[R, vocab]``."""
+    ) -> ForwardOutput:
+        """Write every token's K/V into its pages; return the logits ``[R, vocab]`` and the
+        prompt logprobs ``[L]``."""
         spec, num_tokens = self.spec, inputs.input_ids.shape[0]
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
@@ -102,8 +116,27 @@ class CausalLM:
             attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
-        last = rms_norm(x[inputs.logits_rows], self.weights.norm, spec.rms_norm_eps)
-        return F.linear(last, self.weights.lm_head)  # [R, vocab]
+        token_logprobs = None
+        if inputs.logprob_rows is not None and inputs.logprob_token_ids is not None:
+            token_logprobs = self.token_logprobs(x, inputs.logprob_rows, inputs.logprob_token_ids)
+        return ForwardOutput(self._logits(x[inputs.logits_rows]), token_logprobs)
+
+    def token_logprobs(
+        self, x: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``log_softmax(logits of x[rows])[token_ids]``: ``[L]`` float32, block by block."""
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)  # [L]
+        block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
+        for r in range(0, rows.shape[0], block):
+            logits = self._logits(x[rows[r : r + block]]).float()  # [B, vocab]
+            picked = logits.gather(1, token_ids[r : r + block, None])[:, 0]  # [B]
+            out[r : r + block] = picked - torch.logsumexp(logits, dim=-1)
+        return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [R, hidden]`` (final residual rows) -> logits ``[R, vocab]``."""
+        last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(last, self.weights.lm_head)
 
     def _qkv(
         self,

@@ -3,20 +3,29 @@
 Chunks are packed back to back without padding (``[T]`` tokens in plan order). Each token's
 pool row is ``page_ids[pos // page_size] * page_size + pos % page_size``; the attention
 backend is planned once per batch. Logits are computed only for the last token of chunks
-whose ``sampling`` is set, i.e. the chunks that end their prompt.
+whose ``sampling`` is set, i.e. the chunks that end their prompt, and prompt logprobs only for
+the positions a chunk names (``logprob_from``, ``logprob_token_ids``): a batch where no chunk
+asks builds nothing for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan, SampledToken
+from prefill_worker.batch import (
+    BatchOutput,
+    BatchPlan,
+    ChunkPlan,
+    PromptLogprobs,
+    SampledToken,
+)
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
 from prefill_worker.model.kv_cache import KVCache
-from prefill_worker.model.llama import CausalLM, ForwardInputs
+from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
 from prefill_worker.model.sampling import sample
 
 
@@ -34,21 +43,27 @@ class Runner:
         """Blocking: on return the pages hold the K/V (the transfer reads them next)."""
         if not plan.chunks:
             return BatchOutput(plan.batch_id, ())
-        logits = self.compute_logits(plan)  # [R, vocab]
+        out = self.forward(plan)
+        prompt_logprobs = _split_logprobs(plan, out.token_logprobs)
         wanted = [c for c in plan.chunks if c.sampling is not None]
         if not wanted:
             self._synchronize()
-            return BatchOutput(plan.batch_id, ())
+            return BatchOutput(plan.batch_id, (), prompt_logprobs)
         with torch.inference_mode():
-            samples = sample(logits, [c.sampling for c in wanted if c.sampling is not None])
+            samples = sample(out.logits, [c.sampling for c in wanted if c.sampling is not None])
         sampled = tuple(
             SampledToken(c.request_id, t, lp, error)
             for c, t, lp, error in zip(wanted, *samples, strict=True)
         )
-        return BatchOutput(plan.batch_id, sampled)
+        return BatchOutput(plan.batch_id, sampled, prompt_logprobs)
 
     def compute_logits(self, plan: BatchPlan) -> torch.Tensor:
         """Run the forward (K/V into pages); logits ``[R, vocab]`` of the sampled chunks."""
+        return self.forward(plan).logits
+
+    def forward(self, plan: BatchPlan) -> ForwardOutput:
+        """Run the forward (K/V into pages): the sampled chunks' logits and the prompt
+        logprobs the chunks asked for."""
         with torch.inference_mode():
             inputs, batch = self.pack(plan)
             self.attention.plan(batch)
@@ -77,7 +92,33 @@ class Runner:
             slots=_to(np.concatenate(slots), device),
             logits_rows=_to(np.asarray(rows, dtype=np.int64), device),
         )
+        if any(chunk.logprob_token_ids for chunk in plan.chunks):
+            logprob_rows, logprob_ids = self._logprob_rows(plan, spans)
+            inputs = dataclasses.replace(
+                inputs,
+                logprob_rows=_to(logprob_rows, device),
+                logprob_token_ids=_to(logprob_ids, device),
+            )
         return inputs, AttentionBatch(tuple(spans), self.page_size, offset)
+
+    def _logprob_rows(
+        self, plan: BatchPlan, spans: list[ChunkSpan]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The packed rows of the positions that score a prompt token, and those tokens."""
+        rows, ids = [], []
+        for chunk, span in zip(plan.chunks, spans, strict=True):
+            count = len(chunk.logprob_token_ids)
+            if not count:
+                continue
+            if not chunk.start <= chunk.logprob_from <= chunk.end - count:
+                raise ValueError(f"chunk of {chunk.request_id}: bad prompt-logprob positions")
+            first = span.q_start + chunk.logprob_from - chunk.start
+            rows.append(np.arange(first, first + count, dtype=np.int64))
+            ids.append(np.asarray(chunk.logprob_token_ids, dtype=np.int64))
+        all_ids = np.concatenate(ids)
+        if all_ids.min() < 0 or all_ids.max() >= self.model.spec.vocab_size:
+            raise ValueError(f"batch {plan.batch_id}: a token id is outside the vocabulary")
+        return np.concatenate(rows), all_ids
 
     def _span(self, chunk: ChunkPlan, offset: int) -> ChunkSpan:
         num_pages = -(-chunk.end // self.page_size)
@@ -87,6 +128,20 @@ class Runner:
             raise ValueError(f"chunk of {chunk.request_id}: {num_pages} pages needed")
         page_ids = tuple(int(p) for p in chunk.page_ids[:num_pages])
         return ChunkSpan(offset, offset + chunk.num_tokens, chunk.start, chunk.end, page_ids)
+
+
+def _split_logprobs(plan: BatchPlan, values: torch.Tensor | None) -> tuple[PromptLogprobs, ...]:
+    """``values [L]`` (packed in plan order) as one ``PromptLogprobs`` per asking chunk."""
+    if values is None:
+        return ()
+    flat: list[float] = values.tolist()
+    out, at = [], 0
+    for chunk in plan.chunks:
+        count = len(chunk.logprob_token_ids)
+        if count:
+            out.append(PromptLogprobs(chunk.request_id, tuple(flat[at : at + count])))
+            at += count
+    return tuple(out)
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

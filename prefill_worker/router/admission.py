@@ -53,6 +53,7 @@ _SCALAR_FIELDS = frozenset(
         "return_logprob",
         "deadline_s",
         "decode_peer",
+        "logprob_start_len",
         "nonce",
     }
 )
@@ -132,6 +133,19 @@ def check_token_ids(token_ids: Sequence[int], limits: Limits) -> array:
         return _check_tokens(packed.tobytes(), limits)
     except _Invalid as exc:
         raise PromptRefused(exc.reject.code, exc.reject.message) from None
+
+
+def check_logprob_start(start: int | None, num_tokens: int) -> int | None:
+    """SGLang's ``logprob_start_len`` for a prompt of ``num_tokens``: the position whose
+    following tokens get prompt logprobs, or None (absent or -1: none). Beyond the prompt is
+    refused, as SGLang refuses it; the one owner of that rule for every ingress. Raises
+    ``PromptRefused``."""
+    if start is None or start == -1:
+        return None
+    if not 0 <= start <= num_tokens:
+        why = f"logprob_start_len must be -1 or in [0, {num_tokens}] (the prompt's length)"
+        raise PromptRefused(RejectCode.BAD_FIELD, f"{why}, got {start}")
+    return start
 
 
 def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
@@ -235,6 +249,11 @@ def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> Prefill
         raise _Invalid(RejectCode.BAD_FIELD, "deadline_s", "deadline_s must be > 0")
     peer = msg.decode_peer if isinstance(msg.decode_peer, str) else None
     sampling = _check_sampling(msg.sampling)
+    start = msg.logprob_start_len if isinstance(msg.logprob_start_len, int) else None
+    try:
+        logprob_start = check_logprob_start(start, len(tokens))
+    except PromptRefused as exc:
+        raise _Invalid(exc.code, "logprob_start_len", str(exc)) from None
     return PrefillRequest(
         msg.request_id,
         tokens,
@@ -244,6 +263,7 @@ def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> Prefill
         arrival_time,
         deadline,
         peer,
+        logprob_start,
     )
 
 

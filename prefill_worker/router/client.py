@@ -92,13 +92,22 @@ class RouterClient:
         request_id: str | None = None,
         timeout_s: float | None = None,
         decode_peer: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> Result:
         """Send one ``prefill`` and wait for its ``result``; a ``reject`` raises
         ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``). ``decode_peer``
-        names the only decode agent that may claim the room."""
+        names the only decode agent that may claim the room. With ``return_logprob``,
+        ``logprob_start_len`` asks for prompt logprobs (``unpack_logprobs`` reads them)."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
         msg = prefill_message(
-            rid, token_ids, bootstrap_room, sampling, return_logprob, deadline_s, decode_peer
+            rid,
+            token_ids,
+            bootstrap_room,
+            sampling,
+            return_logprob,
+            deadline_s,
+            decode_peer,
+            logprob_start_len,
         )
         frame = encode(msg)
         future: asyncio.Future[Result] = self._expect(self._results, rid)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import sys
 from array import array
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -89,6 +90,9 @@ class Prefill(_Message, tag="prefill", frozen=True, kw_only=True):
     return_logprob: bool = False
     deadline_s: float | UnsetType | None = UNSET  # whole-request budget, from arrival
     decode_peer: PeerName | UnsetType | None = UNSET  # the only decode agent that may claim
+    # Optional, added to v1 with prompt logprobs. With return_logprob: the logprobs of the
+    # prompt tokens after this position (SGLang's logprob_start_len); absent, nil or -1: none.
+    logprob_start_len: int | UnsetType | None = UNSET
 
 
 class Abort(_Message, tag="abort", frozen=True, kw_only=True):
@@ -114,6 +118,7 @@ def prefill_message(
     return_logprob: bool = False,
     deadline_s: float | None = None,
     decode_peer: str | None = None,
+    logprob_start_len: int | None = None,
 ) -> Prefill:
     """A ``prefill`` from the request vocabulary; ``token_ids`` as ``pack_tokens`` takes them."""
     seed = UNSET if sampling.seed is None else sampling.seed
@@ -127,6 +132,7 @@ def prefill_message(
         return_logprob=return_logprob,
         deadline_s=UNSET if deadline_s is None else deadline_s,
         decode_peer=UNSET if decode_peer is None else decode_peer,
+        logprob_start_len=UNSET if logprob_start_len is None else logprob_start_len,
     )
 
 
@@ -149,6 +155,9 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     # the prefix the worker's own cache held (not computed), and the tokens it computed.
     num_prefix_hit_tokens: int | UnsetType = UNSET
     num_computed_tokens: int | UnsetType = UNSET
+    # Optional, added to v1 with prompt logprobs; only when asked (logprob_start_len) and ok:
+    # packed little-endian float32, the logprobs of prompt tokens [logprob_start_len + 1, n).
+    prompt_logprobs: bytes | UnsetType = UNSET
 
 
 class Reject(_Message, tag="reject", frozen=True, kw_only=True):
@@ -192,6 +201,23 @@ def pack_tokens(token_ids: Any) -> bytes:
     return packed.tobytes()
 
 
+def pack_logprobs(logprobs: Sequence[float]) -> bytes:
+    """Logprobs as little-endian float32 (what ``result.prompt_logprobs`` carries)."""
+    packed = array("f", logprobs)
+    if _NEEDS_SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_logprobs(data: bytes) -> array:
+    """``result.prompt_logprobs`` as ``array("f")``."""
+    values = array("f")
+    values.frombytes(data)
+    if _NEEDS_SWAP:
+        values.byteswap()
+    return values
+
+
 def unpack_tokens(data: bytes) -> array:
     tokens = array("i")
     tokens.frombytes(data)
@@ -209,9 +235,10 @@ _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 
 def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
     """The ``result`` for an engine outcome. The engine owns the logprob rule: the outcome
-    carries one only when the request asked (``return_logprob``), and then it is sent.
+    carries logprobs only when the request asked (``return_logprob``, ``logprob_start_len``),
+    and then they are sent.
     ``request_id`` replaces the outcome's (the ingress's scoped id) with the router's own."""
-    logprob = outcome.first_token_logprob
+    logprob, prompt = outcome.first_token_logprob, outcome.prompt_logprobs
     result = Result(
         request_id=outcome.request_id if request_id is None else request_id,
         status=outcome.status,
@@ -223,6 +250,7 @@ def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
         num_computed_tokens=outcome.num_computed_tokens,
         timings=outcome.timings,
         first_token_logprob=UNSET if logprob is None else logprob,
+        prompt_logprobs=UNSET if prompt is None else pack_logprobs(prompt),
         error=UNSET if outcome.error is None else outcome.error,
     )
     return _encoder.encode(result)

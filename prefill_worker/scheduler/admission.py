@@ -7,11 +7,14 @@ when the head of the queue has to wait, everyone behind it waits too.
 
 On admission the prompt is looked up in the prefix cache: the pages of its cached prefix are
 shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``). Idle cached
-pages are evicted only when the pages the request needs are not free otherwise.
+pages are evicted only when the pages the request needs are not free otherwise. A request
+asking for prompt logprobs takes no more of a hit than its logprob start (those positions'
+logits are needed), and each of its chunks names the prompt tokens its positions score.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +22,7 @@ from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.tables import PageTable
 from prefill_worker.request import Request, RequestState
-from prefill_worker.scheduler.chunking import chunk_end
+from prefill_worker.scheduler.chunking import chunk_end, logprob_positions
 from prefill_worker.scheduler.queues import RequestQueues
 
 OnLookup = Callable[[int, int], None]  # (num_query_tokens, num_hit_tokens), once per admission
@@ -100,14 +103,19 @@ class Admission:
         req.num_scheduled_tokens = end
         sampling = req.sampling if end == num_tokens else None
         tokens = req.token_ids[start:end]
-        return ChunkPlan(req.request_id, tokens, start, end, req.page_ids, sampling)
+        chunk = ChunkPlan(req.request_id, tokens, start, end, req.page_ids, sampling)
+        scored = logprob_positions(req.prompt_logprob_start, start, end, num_tokens)
+        if not scored:
+            return chunk
+        targets = req.token_ids[scored.start + 1 : scored.stop + 1]
+        return dataclasses.replace(chunk, logprob_from=scored.start, logprob_token_ids=targets)
 
     def _try_admit(self, budget: int) -> Request | None:
         """The head of the waiting queue, moved to PREFILLING with its pages and aux row."""
         req = self._queues.head_waiting()
         if req is None:
             return None
-        hit = self._table.lookup(req.token_ids)
+        hit = self._table.lookup(req.token_ids, req.max_prefix_hit_tokens)
         limit = min(self.chunk_size, budget)
         if chunk_end(hit.num_tokens, req.num_prompt_tokens, limit, self.page_size) is None:
             return None

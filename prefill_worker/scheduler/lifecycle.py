@@ -81,9 +81,10 @@ class RequestLifecycle:
         self.outcome_counts: Counter[FinishReason] = Counter()
 
     def submit(self, message: EngineMessage) -> None:
-        """Take one message. Ids are unique among live requests and prompts are not empty: the
-        ingress owns both policies (it scopes router ids by connection, rejects duplicates and
-        empty prompts), so the engine trusts them."""
+        """Take one message. Ids are unique among live requests, prompts are not empty and a
+        prompt-logprob start is within the prompt: the ingress owns these policies (it scopes
+        router ids by connection, rejects duplicates, empty prompts and starts beyond the
+        prompt), so the engine trusts them."""
         if isinstance(message, AbortRequest):
             req = self.queues.live.get(message.request_id)
             if req is not None:
@@ -93,6 +94,8 @@ class RequestLifecycle:
         assert message.request_id not in self.queues.live, f"{message.request_id!r} is live"
         assert message.token_ids, f"{message.request_id!r} has an empty prompt"
         num_tokens = len(message.token_ids)
+        start = message.prompt_logprob_start
+        assert start is None or 0 <= start <= num_tokens, f"{message.request_id!r}: {start}"
         sender = self._transfer.create_sender(
             message.bootstrap_room,
             message.request_id,
@@ -175,9 +178,14 @@ class RequestLifecycle:
 
     def consume(self, batch: ScheduledBatch, output: BatchOutput) -> None:
         sampled = {token.request_id: token for token in output.sampled}
+        scored = {lp.request_id: lp.logprobs for lp in output.prompt_logprobs}
         for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
             if req.state is not RequestState.PREFILLING:
                 continue  # ended while its chunk was computing
+            if req.prompt_logprobs is not None:
+                logprobs = scored.get(req.request_id, ())
+                assert len(logprobs) == len(chunk.logprob_token_ids), req.request_id
+                req.prompt_logprobs.extend(logprobs)  # chunks are consumed in prompt order
             self._guarded(req, self._consume_chunk, chunk, req, sampled.get(req.request_id))
 
     def _guarded(self, req: Request, action: Callable[..., None], *args: object) -> None:
@@ -207,6 +215,8 @@ class RequestLifecycle:
 
     def _end_prefill(self, req: Request, token: SampledToken) -> None:
         assert req.sender is not None and req.aux_row is not None
+        num_scored = 0 if req.prompt_logprobs is None else len(req.prompt_logprobs)
+        assert num_scored == req.num_prompt_logprobs, f"{req.request_id}: {num_scored} logprobs"
         logprob = token.logprob if req.return_logprob else math.nan
         num_computed = req.num_computed_tokens - req.num_prefix_hit_tokens
         row = AuxRow(

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import threading
 
+import pytest
 import torch
 
 from tests.checkpoints import hf_model, prompt
@@ -153,3 +154,25 @@ def test_a_refused_room_fails_at_the_decode_at_once(stack: Stack) -> None:
 
 def _post_into(url: str, body: dict[str, object], answers: list[tuple[int, object]]) -> None:
     answers.append(http(url, body, timeout_s=30))
+
+
+def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
+    """smg prepends the prefill's ``input_token_logprobs`` to the decode's (empty): the client
+    gets SGLang's prompt logprobs from ``logprob_start_len``, equal to transformers'."""
+    stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    ids = prompt(29, seed=290)  # tiny-test: chunk 16, the scored range crosses it
+    with torch.no_grad():
+        logits = greedy_model(checkpoint)(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for start in (0, 11, 29):
+        body = greedy(ids, return_logprob=True, logprob_start_len=start)
+        status, answer = stack.generate(body)
+        assert status == 200, answer
+        assert answer["output_ids"] == hf_generate(checkpoint, ids)
+        entries = answer["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == ids[start:]
+        assert all(e[0] is None for e in entries[:1])  # SGLang: the start token has none
+        ref = [float(logprobs[p, ids[p + 1]]) for p in range(start, len(ids) - 1)]
+        assert [e[0] for e in entries[1:]] == pytest.approx(ref, abs=1e-4), start

@@ -1,10 +1,11 @@
 """From the HTTP front's ``Prompt`` to the engine's ``PrefillRequest``, or a ``BadRequest``.
 
 Text is tokenized here; the prompt then goes through the same checks as a ZMQ ``prefill``
-frame (``router.admission.check_token_ids``: length, vocabulary, pool size), so both ingresses
-share one owner of what a valid prompt is. Ids are the front's own (``http:<n>``): a ZMQ
-ingress id is ``<hex>/<id>``, so the two never meet and the daemon routes each outcome back
-by prefix (``is_front_id``).
+frame (``router.admission.check_token_ids``: length, vocabulary, pool size;
+``check_logprob_start``: where prompt logprobs may start), so both ingresses share one owner
+of what a valid prompt is. Ids are the front's own (``http:<n>``): a ZMQ ingress id is
+``<hex>/<id>``, so the two never meet and the daemon routes each outcome back by prefix
+(``is_front_id``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 import itertools
 
 from prefill_worker.request import PrefillRequest
-from prefill_worker.router.admission import Limits, PromptRefused, check_token_ids
+from prefill_worker.router.admission import (
+    Limits,
+    PromptRefused,
+    check_logprob_start,
+    check_token_ids,
+)
 from prefill_worker.router.http_api.bodies import BadRequest, Prompt
 from prefill_worker.router.http_api.text import TextCodec
 
@@ -41,8 +47,12 @@ class Admitter:
         where = f"prompt {index}: " if index else ""
         if not 0 <= prompt.bootstrap_room < _MAX_ROOM:
             raise BadRequest(f"{where}bootstrap_room must be in [0, 2**63)")
+        if prompt.return_text_in_logprobs and prompt.return_logprob and self._codec is None:
+            why = "return_text_in_logprobs needs a tokenizer; this worker's model has none"
+            raise BadRequest(why, "bad_field")
         try:
             tokens = check_token_ids(self._token_ids(prompt), self._limits)
+            start = check_logprob_start(prompt.logprob_start_len, len(tokens))
         except PromptRefused as exc:
             raise BadRequest(f"{where}{exc}", exc.code.value) from None
         return PrefillRequest(
@@ -52,6 +62,7 @@ class Admitter:
             prompt.return_logprob,
             prompt.bootstrap_room,
             arrival_time,
+            prompt_logprob_start=start,
         )
 
     def _token_ids(self, prompt: Prompt) -> list[int]:

@@ -2,7 +2,11 @@
 ``/v1/completions`` bodies, refusals as JSON errors, each with the status a PD router reads.
 
 The router ends a prefill's part on any 2xx and reads the body only for
-``meta_info.input_token_logprobs`` (prepended to the decode's when logprobs were asked).
+``meta_info.input_token_logprobs`` (prepended to the decode's when logprobs were asked). Those
+are SGLang's prompt logprobs from ``logprob_start_len``: one ``[logprob, token_id, text]``
+entry per prompt token from there on, the first one's logprob ``None`` (SGLang scores token
+``i`` at position ``i - 1`` and starts at position ``logprob_start_len``), ``text`` None
+unless ``return_text_in_logprobs``.
 Status codes are what decides the router's next step::
 
     200  the KV and the first token are in the decode's pages
@@ -35,10 +39,14 @@ _FAILED = 500
 
 @dataclass(frozen=True, slots=True)
 class Asked:
-    """What the client asked of one prompt that shapes its answer."""
+    """What the client asked of one prompt that shapes its answer. ``scored_ids`` are the
+    prompt's tokens from ``logprob_start_len`` on (empty when it asked for no prompt
+    logprobs): the tokens of ``input_token_logprobs``."""
 
     return_logprob: bool
     rid: str | None = None
+    return_text_in_logprobs: bool = False
+    scored_ids: Sequence[int] = ()
 
 
 def error_body(status: int, message: str, code: str) -> dict[str, Any]:
@@ -83,9 +91,28 @@ def _generated(outcome: Outcome, asked: Asked, codec: TextCodec | None) -> dict[
         "e2e_latency": t.queue_s + t.bootstrap_s + t.prefill_s + t.transfer_s,
     }
     if asked.return_logprob:
-        meta["input_token_logprobs"] = []  # SGLang's default logprob_start_len: none
-        meta["output_token_logprobs"] = [[outcome.first_token_logprob, token, None]]
+        texts = codec if asked.return_text_in_logprobs else None
+        meta["input_token_logprobs"] = _input_logprobs(outcome, asked.scored_ids, texts)
+        meta["output_token_logprobs"] = _entries([outcome.first_token_logprob], [token], texts)
     return {"text": _text(codec, token), "output_ids": [token], "meta_info": meta}
+
+
+def _input_logprobs(
+    outcome: Outcome, scored_ids: Sequence[int], texts: TextCodec | None
+) -> list[list[Any]]:
+    """SGLang's ``input_token_logprobs``: tokens ``[start, n)``, the first without a logprob
+    (``[]`` when the request asked for none, or from the prompt's end)."""
+    if not scored_ids:
+        return []
+    return _entries([None, *(outcome.prompt_logprobs or ())], scored_ids, texts)
+
+
+def _entries(
+    logprobs: Sequence[float | None], token_ids: Sequence[int], texts: TextCodec | None
+) -> list[list[Any]]:
+    """``[logprob, token_id, text]`` per token; ``text`` is None without a codec."""
+    words = [texts.decode([t]) for t in token_ids] if texts else [None] * len(token_ids)
+    return [[lp, int(t), w] for lp, t, w in zip(logprobs, token_ids, words, strict=True)]
 
 
 def completion_body(

@@ -81,7 +81,9 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One prompt of a request: ids, or text for the tokenizer."""
+    """One prompt of a request: ids, or text for the tokenizer. ``logprob_start_len`` is
+    SGLang's, as sent (None when absent, or when ``return_logprob`` is off, which makes SGLang
+    ignore it); ``admit.py`` checks it against the prompt's length."""
 
     token_ids: list[int] | None
     text: str | None
@@ -89,6 +91,8 @@ class Prompt:
     return_logprob: bool
     bootstrap_room: int
     rid: str | None = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool = False
 
 
 _generate = msgspec.json.Decoder(GenerateBody)
@@ -110,9 +114,6 @@ def read_generate(body: bytes) -> tuple[list[Prompt], bool]:
     rids = _per_prompt("rid", req.rid, n) or [None] * n
     if req.top_logprobs_num not in (None, 0) and any(logprob):
         raise BadRequest("top_logprobs_num is not supported by this prefill worker")
-    for start in starts:
-        if start not in (None, -1):
-            raise BadRequest("logprob_start_len >= 0 (prompt logprobs) is not supported yet")
     prompts = [
         Prompt(
             item if isinstance(item, list) else None,
@@ -121,6 +122,8 @@ def read_generate(body: bytes) -> tuple[list[Prompt], bool]:
             logprob[i],
             rooms[i],
             rids[i],
+            starts[i] if logprob[i] else None,
+            req.return_text_in_logprobs,
         )
         for i, item in enumerate(items)
     ]

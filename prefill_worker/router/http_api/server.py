@@ -160,7 +160,7 @@ class HttpApi:
         self,
         request: web.Request,
         read: _Reader,
-        answer: Callable[[Sequence[Outcome], list[Prompt], bool], Any],
+        answer: Callable[[Sequence[Outcome], list[answers.Asked], bool], Any],
     ) -> web.Response:
         try:
             prompts, is_batch = read(await request.read())
@@ -179,14 +179,17 @@ class HttpApi:
         status = answers.status_of(outcomes)
         if status != 200:
             return _json(answers.failure_body(outcomes), status)
-        return _json(answer(outcomes, prompts, is_batch))
+        asked = [_asked(p, r) for p, r in zip(prompts, requests, strict=True)]
+        return _json(answer(outcomes, asked, is_batch))
 
-    def _generated(self, outcomes: Sequence[Outcome], prompts: list[Prompt], batch: bool) -> Any:
-        asked = [answers.Asked(p.return_logprob, p.rid) for p in prompts]
+    def _generated(
+        self, outcomes: Sequence[Outcome], asked: list[answers.Asked], batch: bool
+    ) -> Any:
         return answers.generate_body(outcomes, asked, self._codec, batch)
 
-    def _completed(self, outcomes: Sequence[Outcome], prompts: list[Prompt], batch: bool) -> Any:
-        asked = [answers.Asked(p.return_logprob) for p in prompts]
+    def _completed(
+        self, outcomes: Sequence[Outcome], asked: list[answers.Asked], batch: bool
+    ) -> Any:
         name = self._model.served_model_name
         return answers.completion_body(outcomes, asked, self._codec, name)
 
@@ -230,6 +233,12 @@ class HttpApi:
     def _refuse(self, status: int, message: str, code: str) -> web.Response:
         self._on_reject(code)
         return _json(answers.error_body(status, message, code), status)
+
+
+def _asked(prompt: Prompt, request: PrefillRequest) -> answers.Asked:
+    start = request.prompt_logprob_start if request.return_logprob else None
+    scored = () if start is None else request.token_ids[start:]
+    return answers.Asked(prompt.return_logprob, prompt.rid, prompt.return_text_in_logprobs, scored)
 
 
 def _read_completion(body: bytes) -> tuple[list[Prompt], bool]:

@@ -14,12 +14,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.checkpoints import prompt
+from prefill_worker.router.messages import unpack_logprobs
+from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, free_port, wait_until
 from tests.integration.daemon.test_daemon import hf_reference
 
@@ -161,6 +163,46 @@ def test_batch_and_completions_and_zmq_at_once(api_worker, decode, router_factor
     assert all(s.state.value == "done" for s in states.values())
 
 
+def test_prompt_logprobs_equal_transformers(api_worker, decode, router_factory, checkpoint) -> None:
+    """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` for a batch (chunk 16: the
+    scored ranges cross chunk boundaries), then the same prompt over ZMQ, where the prefix
+    cache the batch filled is capped at the start; both against transformers."""
+    worker, api = api_worker
+    ids = [prompt(40, seed=51), prompt(40, seed=52), prompt(9, seed=53)]
+    starts, rooms = [0, 21, 9], [5001, 5002, 5003]
+    for room, prompt_ids in zip(rooms, ids, strict=True):
+        decode.want(room, len(prompt_ids))
+    body = generate(ids, rooms, return_logprob=True, logprob_start_len=starts)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(api.post, "/generate", body)
+        decode.wait(rooms)
+        status, answers = answer.result(60)
+    assert status == 200, answers
+    for prompt_ids, start, got in zip(ids, starts, answers, strict=True):
+        entries = got["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt_ids[start:]  # [] from the prompt's end
+        assert all(e[0] is None for e in entries[:1]) and all(e[2] is None for e in entries)
+        values = [e[0] for e in entries[1:]]
+        assert values == pytest.approx(hf_prompt_logprobs(checkpoint, prompt_ids, start), abs=1e-4)
+    decode.want(5004, 40)
+    router = router_factory(worker.ingress)
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(router.prefill, ids[1], 5004, return_logprob=True, logprob_start_len=21)
+        decode.wait([5004])
+        result = sent.result(60)
+    assert isinstance(result.prompt_logprobs, bytes) and result.num_prefix_hit_tokens == 20
+    values = list(unpack_logprobs(result.prompt_logprobs))
+    assert values == pytest.approx(hf_prompt_logprobs(checkpoint, ids[1], 21), abs=1e-4)
+
+
+def hf_prompt_logprobs(checkpoint: Path, ids: list[int], start: int) -> list[float]:
+    """transformers' logprob of each prompt token after ``start`` (fp32)."""
+    with torch.no_grad():
+        logits = hf_model(checkpoint)(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[p, ids[p + 1]]) for p in range(start, len(ids) - 1)]
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [
@@ -174,7 +216,8 @@ def test_batch_and_completions_and_zmq_at_once(api_worker, decode, router_factor
         ({"text": "hello", "bootstrap_room": 7}, "bad_field"),  # no tokenizer in this model
         (generate([1, 2], 7, sampling_params={"temperature": -1}), "bad_sampling"),
         (generate([1, 2], 7, sampling_params={"regex": "a+"}), "bad_sampling"),
-        (generate([1, 2], 7, return_logprob=True, logprob_start_len=0), "bad_field"),
+        (generate([1, 2], 7, return_logprob=True, logprob_start_len=3), "bad_field"),
+        (generate([1, 2], 7, return_logprob=True, logprob_start_len=-2), "bad_field"),
     ],
 )
 def test_bad_requests_get_400_naming_why(api_worker, body: Any, code: str) -> None:

@@ -3,6 +3,7 @@ a server (the server itself: tests/integration/daemon/test_http_api.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -121,3 +122,68 @@ def test_outcome_status_is_what_the_router_acts_on(reason: FinishReason, status:
     ok = Outcome("http:0", FinishReason.OK.status, FinishReason.OK, 3, first_token_id=5)
     other = Outcome("http:1", reason.status, reason, 3)
     assert answers.status_of([ok, other]) == status
+
+
+class Letters:
+    """A ``TextCodec`` for answers: token t is the letter ``chr(97 + t % 26)``."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+
+def meta_of(outcome: Outcome, asked: answers.Asked, codec: Letters | None = None) -> dict:
+    answer = answers.generate_body([outcome], [asked], codec, batch=False)
+    assert isinstance(answer, dict)
+    return answer["meta_info"]
+
+
+def test_prompt_logprobs_are_read_checked_and_answered_as_sglang_does() -> None:
+    prompts, _ = read_generate(
+        body(
+            input_ids=[[1, 2, 3, 4], [5, 6], [7, 8]],
+            bootstrap_room=[1, 2, 3],
+            return_logprob=[True, True, False],
+            logprob_start_len=[1, 2, 0],  # the third is ignored without return_logprob
+        )
+    )
+    assert [p.logprob_start_len for p in prompts] == [1, 2, None]
+    requests = Admitter(LIMITS, codec=None).admit(prompts, 0.0)
+    assert [r.prompt_logprob_start for r in requests] == [1, 2, None]
+    outcome = Outcome(
+        "http:0",
+        FinishReason.OK.status,
+        FinishReason.OK,
+        4,
+        first_token_id=9,
+        first_token_logprob=-0.5,
+        prompt_logprobs=(-1.25, -2.5),
+    )
+    asked = answers.Asked(True, "r", scored_ids=(2, 3, 4))
+    meta = meta_of(outcome, asked)
+    assert meta["input_token_logprobs"] == [[None, 2, None], [-1.25, 3, None], [-2.5, 4, None]]
+    assert meta["output_token_logprobs"] == [[-0.5, 9, None]]
+    texts = answers.Asked(True, "r", return_text_in_logprobs=True, scored_ids=(2, 3, 4))
+    meta = meta_of(outcome, texts, Letters())
+    assert [e[2] for e in meta["input_token_logprobs"]] == ["c", "d", "e"]
+    assert meta["output_token_logprobs"] == [[-0.5, 9, "j"]]
+    at_end = dataclasses.replace(outcome, prompt_logprobs=())  # logprob_start_len == length
+    meta = meta_of(at_end, answers.Asked(True))
+    assert meta["input_token_logprobs"] == []
+
+
+@pytest.mark.parametrize("start", [-2, 3])
+def test_prompt_logprobs_beyond_the_prompt_are_a_bad_request(start: int) -> None:
+    prompts, _ = read_generate(
+        body(input_ids=[1, 2], bootstrap_room=1, return_logprob=True, logprob_start_len=start)
+    )
+    with pytest.raises(BadRequest, match="logprob_start_len") as refused:
+        Admitter(LIMITS, codec=None).admit(prompts, 0.0)
+    assert refused.value.code == "bad_field"
+    texts, _ = read_generate(
+        body(input_ids=[1], bootstrap_room=1, return_logprob=True, return_text_in_logprobs=True)
+    )
+    with pytest.raises(BadRequest, match="tokenizer"):
+        Admitter(LIMITS, codec=None).admit(texts, 0.0)

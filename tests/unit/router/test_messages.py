@@ -37,8 +37,10 @@ from prefill_worker.router.messages import (
     decode_worker,
     encode,
     encode_outcome,
+    pack_logprobs,
     pack_tokens,
     prefill_message,
+    unpack_logprobs,
     unpack_tokens,
 )
 
@@ -94,6 +96,7 @@ def as_request(msg: Prefill, arrival_time: float) -> PrefillRequest:
         arrival_time,
         msg.deadline_s if isinstance(msg.deadline_s, float) else None,
         msg.decode_peer if isinstance(msg.decode_peer, str) else None,
+        msg.logprob_start_len if isinstance(msg.logprob_start_len, int) else None,
     )
 
 
@@ -104,6 +107,7 @@ def as_request(msg: Prefill, arrival_time: float) -> PrefillRequest:
         prefill_message("b" * 256, range(48), 2**63 - 1, SamplingParams(1.5, 0.5, 3, 9)),
         prefill_message("c", [1], 5, SamplingParams(), True, 0.25),
         prefill_message("d", [1], 6, decode_peer="decode-agent-1"),
+        prefill_message("e", [1, 2, 3], 7, return_logprob=True, logprob_start_len=1),
         Abort(request_id="r-9"),
         Ping(),
         Ping(nonce=17),
@@ -132,6 +136,17 @@ def test_router_messages_round_trip(msg: Any) -> None:
             first_token_id=7,
             first_token_logprob=-0.25,
             timings=Timings(1, 2, 3, 4),
+        ),
+        Result(
+            request_id="r",
+            status=OutcomeStatus.OK,
+            reason=FinishReason.OK,
+            num_prompt_tokens=4,
+            num_cached_tokens=0,
+            first_token_id=7,
+            first_token_logprob=-0.25,
+            prompt_logprobs=pack_logprobs([-1.5, -0.125]),
+            timings=Timings(),
         ),
         Result(
             request_id="r",
@@ -255,6 +270,10 @@ def test_missing_field(field: str) -> None:
         ({"decode_peer": ""}, "decode_peer"),
         ({"decode_peer": 7}, "decode_peer"),
         ({"decode_peer": "d" * 257}, "decode_peer"),
+        ({"logprob_start_len": "0"}, "logprob_start_len"),
+        ({"logprob_start_len": True}, "logprob_start_len"),
+        ({"logprob_start_len": -2}, "logprob_start_len"),
+        ({"logprob_start_len": 4}, "logprob_start_len"),  # beyond the 3-token prompt
     ],
 )
 def test_bad_field(changes: dict[str, Any], field: str) -> None:
@@ -354,6 +373,24 @@ def test_the_decode_peer_is_carried() -> None:
     req = decode_map(prefill_map(decode_peer="decode-agent-3"))
     assert isinstance(req, PrefillRequest) and req.decode_peer == "decode-agent-3"
     assert decode_map(prefill_map(decode_peer=None)).decode_peer is None
+
+
+def test_prompt_logprobs_are_asked_by_position_and_come_back_packed() -> None:
+    for start, want in ((0, 0), (2, 2), (3, 3), (-1, None), (None, None), (_DROP, None)):
+        req = decode_map(prefill_map(logprob_start_len=start))
+        assert isinstance(req, PrefillRequest) and req.prompt_logprob_start == want, start
+    outcome = Outcome("r", OutcomeStatus.OK, FinishReason.OK, 4, prompt_logprobs=(-1.5, -0.75))
+    result = decode_worker(encode_outcome(outcome))
+    assert isinstance(result, Result) and isinstance(result.prompt_logprobs, bytes)
+    assert list(unpack_logprobs(result.prompt_logprobs)) == [-1.5, -0.75]
+    assert pack_logprobs([-0.5]) == b"\x00\x00\x00\xbf"  # little-endian float32
+    not_asked = decode_worker(encode_outcome(dataclasses.replace(outcome, prompt_logprobs=None)))
+    assert isinstance(not_asked, Result) and not_asked.prompt_logprobs is UNSET
+    assert "prompt_logprobs" not in msgpack.unpackb(encode_outcome(not_asked_outcome()))
+
+
+def not_asked_outcome() -> Outcome:
+    return Outcome("r", OutcomeStatus.OK, FinishReason.OK, 4)
 
 
 def test_the_result_carries_the_routers_own_id() -> None:

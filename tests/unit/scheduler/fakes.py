@@ -6,6 +6,8 @@ sum of the prompt as read back from the request's pages, modulo ``TOKEN_MOD``. W
 that is free or shared (refcount other than 1: cached, or another request's) is an error, and
 so is a chunk whose earlier positions do not read back as its prompt when it runs (a prefix
 hit on pages that were not complete yet).
+Prompt logprobs are ``fake_logprob(position, token)`` for each position a chunk names, after
+checking that the scored token is the prompt's next one (when the prompt is known).
 ``FakeSender`` records what the engine sent and checks the sender contract (nothing after
 close, pages still allocated when close runs).
 """
@@ -20,7 +22,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
+from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan, PromptLogprobs, SampledToken
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.page_cache import PagePrefixCache
@@ -48,6 +50,11 @@ def expected_token(token_ids: Sequence[int]) -> int:
     return sum(token_ids) % TOKEN_MOD
 
 
+def fake_logprob(position: int, token_id: int) -> float:
+    """What ``FakeRunner`` reports for position ``position`` scoring ``token_id``."""
+    return -(position * 1000 + token_id) / 1e6
+
+
 class FakeRunner:
     """Writes each chunk's tokens into its pages; the last chunk reads the prompt back."""
 
@@ -72,17 +79,31 @@ class FakeRunner:
         if self.fail_with is not None:
             raise self.fail_with
         self.plans.append(plan)
-        sampled = []
+        sampled, scored = [], []
         for chunk in plan.chunks:
             self._check_prefix(chunk.request_id, chunk.page_ids, chunk.start)
             for offset, token in enumerate(chunk.token_ids):
                 self._slot_write(chunk.page_ids, chunk.start + offset, token)
+            if chunk.logprob_token_ids:
+                scored.append(self._score(chunk))
             if chunk.sampling is not None:
                 prompt = [self._slot_read(chunk.page_ids, pos) for pos in range(chunk.end)]
                 token_id = sum(t or 0 for t in prompt) % TOKEN_MOD
                 error = self.sample_errors.get(chunk.request_id)
                 sampled.append(SampledToken(chunk.request_id, token_id, -0.5, error))
-        return BatchOutput(plan.batch_id, tuple(sampled))
+        return BatchOutput(plan.batch_id, tuple(sampled), tuple(scored))
+
+    def _score(self, chunk: ChunkPlan) -> PromptLogprobs:
+        first, targets = chunk.logprob_from, chunk.logprob_token_ids
+        if not chunk.start <= first <= chunk.end - len(targets):
+            self.errors.append(f"{chunk.request_id}: scored positions outside its chunk")
+        prompt = self.prompts.get(chunk.request_id)
+        if prompt is not None and list(targets) != list(
+            prompt[first + 1 : first + 1 + len(targets)]
+        ):
+            self.errors.append(f"{chunk.request_id}: scored tokens are not the next ones")
+        values = (fake_logprob(first + i, t) for i, t in enumerate(targets))
+        return PromptLogprobs(chunk.request_id, tuple(values))
 
     def _check_prefix(self, request_id: str, page_ids: Sequence[int], start: int) -> None:
         prompt = self.prompts.get(request_id)

@@ -69,6 +69,12 @@ def test_a_hit_is_the_longest_cached_prefix_of_whole_pages_minus_the_last_token(
     hit = table.lookup(a)
     assert hit.page_ids == table.get("a")[:3] and hit.num_query_tokens == 14
     assert hit.block_hashes == tuple(block_hashes(a, PS))
+    # A cap (prompt logprobs from a position): whole pages up to it, the query still whole.
+    for cap, num_hit in ((0, 0), (3, 0), (4, 4), (9, 8), (12, 12), (13, 12), (100, 12)):
+        capped = table.lookup(a, max_hit_tokens=cap)
+        assert (capped.num_tokens, capped.num_query_tokens) == (num_hit, 14), cap
+        assert capped.page_ids == hit.page_ids[: num_hit // PS]
+        assert capped.block_hashes == hit.block_hashes[: num_hit // PS]
 
 
 def test_shared_pages_are_counted_and_go_idle_only_when_nobody_uses_them() -> None:

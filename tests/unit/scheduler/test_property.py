@@ -4,7 +4,8 @@ the prefix cache on or off and prompts that often start like an earlier one.
 After every turn the engine's bookkeeping must be consistent; after every run: pools whole,
 exactly one outcome per request, non-final chunks page-aligned, and the pages sent for each
 successful prompt cover it exactly once, with the right first token (read back from pages a
-hit may have shared), and computed plus cache-hit tokens make the prompt.
+hit may have shared), and computed plus cache-hit tokens make the prompt. Prompts asking for
+prompt logprobs get one per token after their start, from a hit no longer than the start.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from prefill_worker.kv.tables import num_pages_for
 from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.transfer.base import KVPoll
-from tests.unit.scheduler.fakes import Rig, expected_token, make_rig
+from tests.unit.scheduler.fakes import Rig, expected_token, fake_logprob, make_rig
 
 ARRIVE = st.tuples(
     st.just("arrive"),
@@ -26,8 +27,14 @@ ARRIVE = st.tuples(
     st.sampled_from([True, True, True, False]),  # the decode side's `want` comes at once
     st.sampled_from([None, None, None, 2.0, 6.0]),  # deadline_s
     st.one_of(st.none(), st.integers(0, 50), st.integers(0, 50)),  # starts like this earlier one
+    st.one_of(st.none(), st.none(), st.integers(0, 50)),  # prompt logprobs from (clipped to n)
 )
-REPEAT = st.tuples(st.just("repeat"), st.integers(0, 50), st.integers(0, 9))  # + extra tokens
+REPEAT = st.tuples(  # + extra tokens, and prompt logprobs from (clipped to n)
+    st.just("repeat"),
+    st.integers(0, 50),
+    st.integers(0, 9),
+    st.one_of(st.none(), st.integers(0, 60)),
+)
 EVENTS = st.one_of(
     ARRIVE,
     ARRIVE,
@@ -69,7 +76,8 @@ def apply(rig: Rig, event: tuple, ids: list[str]) -> None:
             earlier = rig.messages[ids[event[4] % len(ids)]].token_ids
             fresh[: len(earlier)] = earlier[: len(fresh)]
         ids.append(request_id)
-        rig.prefill(request_id, 0, token_ids=fresh, deadline_s=event[3])
+        start = None if event[5] is None else min(event[5], len(fresh))
+        rig.prefill(request_id, 0, token_ids=fresh, deadline_s=event[3], prompt_logprob_start=start)
         if event[2]:
             rig.sender(request_id).want()
         return
@@ -77,8 +85,9 @@ def apply(rig: Rig, event: tuple, ids: list[str]) -> None:
         earlier = rig.messages[ids[event[1] % len(ids)]].token_ids
         request_id = f"r{len(ids)}"
         ids.append(request_id)
-        extra = [(104729 * len(ids) + i) % 50000 for i in range(event[2])]
-        rig.prefill(request_id, 0, token_ids=[*earlier, *extra])
+        tokens = [*earlier, *[(104729 * len(ids) + i) % 50000 for i in range(event[2])]]
+        start = None if event[3] is None else min(event[3], len(tokens))
+        rig.prefill(request_id, 0, token_ids=tokens, prompt_logprob_start=start)
         rig.sender(request_id).want()
         return
     if kind == "tick":
@@ -142,6 +151,13 @@ def check_outcomes(rig: Rig, ids: list[str], config: dict) -> None:
         assert out.num_computed_tokens >= 1 and out.num_prefix_hit_tokens % rig.page_size == 0
         if not config["prefix_cache"]:
             assert out.num_prefix_hit_tokens == 0
+        start, tokens = msg.prompt_logprob_start, list(msg.token_ids)
+        if start is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.num_prefix_hit_tokens <= start  # those positions' logits were computed
+        scored = tuple(fake_logprob(p, tokens[p + 1]) for p in range(start, len(tokens) - 1))
+        assert out.prompt_logprobs == scored
 
 
 @settings(
@@ -168,6 +184,7 @@ def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> 
     finally:
         rig.engine.shutdown()
     note_event(f"prefix hits: {sum(o.num_prefix_hit_tokens > 0 for o in rig.outcomes) > 0}")
+    note_event(f"prompt logprobs: {any(o.prompt_logprobs for o in rig.outcomes)}")
     rig.check_whole()
     check_plans(rig, config)
     check_outcomes(rig, ids, config)
