@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,11 +22,49 @@ from pathlib import Path
 _SERIAL = itertools.count()
 
 
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_NUM_CANDIDATE_PORTS = 8000  # ports just below the ephemeral range that free_port draws from
+_given: set[int] = set()  # ports this process handed out (never twice)
+_given_lock = threading.Lock()
+_rng = random.Random()  # seeded from the OS: parallel test processes draw differently
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local port of outgoing connections (Linux's default when
+    it cannot be read)."""
+    try:
+        low, high = (int(x) for x in _EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, for a child to bind."""
+    """A TCP port on 127.0.0.1, free now, for a child to bind later.
+
+    Drawn at random from the ports just below the kernel's ephemeral range, never from it:
+    between this check and the child's bind, any outgoing connection on the machine may take
+    an ephemeral port (a port from ``bind(0)`` lost that race under load), but none of these.
+    Never the same port twice in one process."""
+    low, _ = ephemeral_range()
+    first = max(1024, low - _NUM_CANDIDATE_PORTS)
+    for _ in range(200):
+        port = _rng.randrange(first, low)
+        with _given_lock:
+            if port in _given or not _is_free(port):
+                continue
+            _given.add(port)
+        return port
+    raise OSError(f"no free TCP port in {first}..{low - 1} after 200 tries")
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LaunchError(RuntimeError):
