@@ -211,19 +211,20 @@ def pack_logprobs(logprobs: Sequence[float]) -> bytes:
 
 def unpack_logprobs(data: bytes) -> array:
     """``result.prompt_logprobs`` as ``array("f")``."""
-    values = array("f")
+    return _unpack("f", data)
+
+
+def unpack_tokens(data: bytes) -> array:
+    return _unpack("i", data)
+
+
+def _unpack(typecode: str, data: bytes) -> array:
+    """Little-endian values of ``typecode`` (int32 or float32) as an array."""
+    values = array(typecode)
     values.frombytes(data)
     if _NEEDS_SWAP:
         values.byteswap()
     return values
-
-
-def unpack_tokens(data: bytes) -> array:
-    tokens = array("i")
-    tokens.frombytes(data)
-    if _NEEDS_SWAP:
-        tokens.byteswap()
-    return tokens
 
 
 # ── encoding and decoding ────────────────────────────────────────────────────────────────────

@@ -101,13 +101,7 @@ AUX_MEM_TYPE = "DRAM"  # aux rows live in host memory on every device, both side
 
 def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
     """The [num_regions * num_pages, 3] (addr, len, dev) table of the KV pool, as above."""
-    lay = regions.layout
-    bases = np.asarray(regions.region_base_addrs, dtype=np.uint64)
-    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.region_page_bytes)
-    addrs = (bases[:, None] + pages[None, :]).ravel()
-    lens = np.full(addrs.size, lay.region_page_bytes, np.uint64)
-    dev = np.full(addrs.size, device_id(regions.device), np.uint64)
-    return np.stack([addrs, lens, dev], axis=1)
+    return _page_runs(regions, regions.region_base_addrs, regions.layout.region_page_bytes)
 
 
 def layer_view_table(regions: KVRegions) -> np.ndarray:
@@ -115,11 +109,17 @@ def layer_view_table(regions: KVRegions) -> np.ndarray:
     r * num_pages + p is page p of K of layer r (r < L) or of V of layer r - L, ``page_bytes``
     long. It is ``kv_descriptor_table`` for a layer-major pool; for a page-major one it is
     what a peer with per-layer buffers (an SGLang decode) is written from."""
+    bases = regions.k_base_addrs + regions.v_base_addrs
+    return _page_runs(regions, bases, regions.layout.page_bytes)
+
+
+def _page_runs(regions: KVRegions, bases: tuple[int, ...], num_bytes: int) -> np.ndarray:
+    """(addr, len, dev): ``num_bytes`` at every page of every base, base-major; a page is
+    ``page_stride_bytes`` after the one before it, in either layout."""
     lay = regions.layout
-    bases = np.asarray(regions.k_base_addrs + regions.v_base_addrs, dtype=np.uint64)
     pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_stride_bytes)
-    addrs = (bases[:, None] + pages[None, :]).ravel()
-    lens = np.full(addrs.size, lay.page_bytes, np.uint64)
+    addrs = (np.asarray(bases, dtype=np.uint64)[:, None] + pages[None, :]).ravel()
+    lens = np.full(addrs.size, num_bytes, np.uint64)
     dev = np.full(addrs.size, device_id(regions.device), np.uint64)
     return np.stack([addrs, lens, dev], axis=1)
 
