@@ -57,6 +57,7 @@ from prefill_worker.service.startup import (
     start_kv_events,
     start_transfer,
     startup_step,
+    warm_up_model,
     write_ready_file,
 )
 
@@ -124,6 +125,8 @@ class Daemon:
             cfg, self._build_model, LoadReport(self.notifier.status)
         )
         pages, aux = make_pools(cfg, kv_cache)
+        self.notifier.status("warming up")
+        warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it

@@ -175,6 +175,11 @@ class WorkerMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.warmup_seconds = Gauge(
+            "prefill_worker_warmup_seconds",
+            "Wall time of the warm-up forward at start-up",
+            registry=registry,
+        )
         self.ready = Gauge("prefill_worker_ready", "1 when serving, else 0", registry=registry)
         self.draining = Gauge("prefill_worker_draining", "1 while draining", registry=registry)
 

@@ -99,6 +99,13 @@ class SchedulerConfig(_Section):
     overlap: bool = Field(
         True, description="Run forward N while the CPU schedules N+1 (CUDA stream or thread)."
     )
+    warmup_tokens: int = Field(
+        256,
+        ge=0,
+        description="Tokens of the dummy prompt run once before the worker is ready, in chunks "
+        "of at most chunk_size (first-use kernel compiles and allocations happen then, not on "
+        "a request); 0: none.",
+    )
 
 
 class IngressConfig(_Section):

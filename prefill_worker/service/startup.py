@@ -32,6 +32,7 @@ from prefill_worker.router.admission import Limits
 from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
 from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
+from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
@@ -144,6 +145,21 @@ def load_model(
 def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
     with startup_step("kv pools"):
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
+
+
+def warm_up_model(
+    config: Config, runner: Runner, pages: PagePool, vocab_size: int, metrics: WorkerMetrics
+) -> None:
+    """The warm-up forward (``scheduler.warmup_tokens``; 0: none) before readiness."""
+    cfg = config.scheduler
+    if cfg.warmup_tokens == 0:
+        return
+    with startup_step("warm-up"):
+        done = warm_up(
+            runner, pages, config.cache.page_size, cfg.warmup_tokens, vocab_size, cfg.chunk_size
+        )
+    metrics.warmup_seconds.set(done.duration_s)
+    log.info("warm-up: %d tokens in %.2f s", done.num_tokens, done.duration_s)
 
 
 def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:

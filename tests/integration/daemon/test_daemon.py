@@ -189,3 +189,15 @@ def test_port_zero_config_publishes_its_endpoints(shared_worker, router_factory)
         assert decode.wait([7])[7].state.value == "done"
         assert future.result(timeout=60).status is OutcomeStatus.OK
     decode.close()
+
+
+def test_the_worker_warms_up_before_it_is_ready(shared_worker) -> None:
+    """The warm-up forward runs before readiness: its STATUS comes before READY=1, the log
+    and /metrics say how long it took."""
+    notes = shared_worker.child.notifications
+    warming = next(i for i, n in enumerate(notes) if n.startswith("STATUS=warming up"))
+    assert warming < next(i for i, n in enumerate(notes) if n.startswith("READY=1"))
+    assert re.search(r"warm-up: \d+ tokens in [\d.]+ s", shared_worker.log())
+    status, text = shared_worker.http("/metrics")
+    found = re.search(r"^prefill_worker_warmup_seconds (\S+)$", text, re.M)
+    assert status == 200 and found and float(found.group(1)) > 0

@@ -1,0 +1,69 @@
+"""The warm-up forward: a dummy prompt in chunks of at most ``chunk_tokens`` (at least two,
+so one attends to earlier pages), only the last sampling; every page back in the pool, after
+a runner failure too (``tests/integration/scheduler/test_warmup_runner.py``: a real runner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.scheduler.warmup import WarmUpError, warm_up
+
+
+class Recorder:
+    """A ``ModelRunner`` that records plans; ``fail_at`` raises, ``bad_sample`` cannot sample."""
+
+    def __init__(self, fail_at: int | None = None, bad_sample: bool = False) -> None:
+        self.plans: list[BatchPlan] = []
+        self.fail_at, self.bad_sample = fail_at, bad_sample
+
+    def run(self, plan: BatchPlan) -> BatchOutput:
+        self.plans.append(plan)
+        if self.fail_at == len(self.plans) - 1:
+            raise RuntimeError("CUDA error: out of memory")
+        sampled = tuple(
+            SampledToken(c.request_id, 1, -0.5, "nan logits" if self.bad_sample else None)
+            for c in plan.chunks
+            if c.sampling is not None
+        )
+        return BatchOutput(plan.batch_id, sampled)
+
+
+def test_the_prompt_goes_in_chunks_and_only_the_last_samples() -> None:
+    pages, runner = PagePool(32), Recorder()
+    done = warm_up(runner, pages, page_size=4, num_tokens=50, vocab_size=100, chunk_tokens=16)
+    chunks = [plan.chunks[0] for plan in runner.plans]
+    assert [(c.start, c.end) for c in chunks] == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    assert [c.sampling is not None for c in chunks] == [False, False, False, True]
+    assert all(len(c.page_ids) == 13 and c.page_ids == chunks[0].page_ids for c in chunks)
+    assert all(0 <= t < 100 for c in chunks for t in c.token_ids)
+    assert done.num_tokens == 50 and done.duration_s >= 0
+    assert pages.num_free == pages.num_pages
+
+
+def test_a_short_prompt_still_has_two_chunks_and_a_long_one_fits_the_pool() -> None:
+    pages, runner = PagePool(2), Recorder()
+    warm_up(runner, pages, page_size=4, num_tokens=6, vocab_size=10, chunk_tokens=512)
+    assert [(p.chunks[0].start, p.chunks[0].end) for p in runner.plans] == [(0, 3), (3, 6)]
+    runner = Recorder()
+    done = warm_up(runner, pages, page_size=4, num_tokens=1000, vocab_size=10, chunk_tokens=512)
+    assert done.num_tokens == 8 and runner.plans[-1].chunks[0].end == 8
+    assert pages.num_free == pages.num_pages
+
+
+@pytest.mark.parametrize("runner", [Recorder(fail_at=1), Recorder(bad_sample=True)])
+def test_a_failure_is_a_warm_up_error_and_the_pages_come_back(runner: Recorder) -> None:
+    pages = PagePool(16)
+    with pytest.raises(WarmUpError, match=r"out of memory|nan logits"):
+        warm_up(runner, pages, page_size=4, num_tokens=40, vocab_size=100, chunk_tokens=16)
+    assert pages.num_free == pages.num_pages
+
+
+def test_a_pool_already_in_use_is_refused() -> None:
+    pages = PagePool(4)
+    held = pages.try_alloc(3)
+    assert held is not None
+    with pytest.raises(WarmUpError, match="not empty"):
+        warm_up(Recorder(), pages, page_size=4, num_tokens=16, vocab_size=100, chunk_tokens=8)
+    assert pages.num_free == 1
