@@ -221,9 +221,10 @@ class Engine:
             self._transfer.wait(timeout_s, inbox.fileno())
 
     def _collect(self) -> tuple[ScheduledBatch, BatchOutput] | None:
-        batch, self._running = self._running, None
-        if batch is None:
+        if self._running is None:
             return None
+        self._turn_transfers_until_done()
+        batch, self._running = self._running, None
         try:
             output = self._forward.collect()
         finally:
@@ -231,6 +232,19 @@ class Engine:
                 req.is_in_forward = False
             self._life.release_deferred()
         return batch, output
+
+    def _turn_transfers_until_done(self) -> None:
+        """While the forward runs, the transfer backend keeps turning: heartbeats, handshakes,
+        writes that landed, aux rows and statuses go on (a long forward must not make this
+        worker look silent to its decode peers, nor hold back a finished request's status).
+        Only the backend: requests, pages and the batch planned next wait for the forward,
+        as senders never call back into the engine."""
+        done_fd = self._forward.done_fd
+        if done_fd is None or self._is_closed:  # shutting down: just collect
+            return
+        while not self._forward.is_done():
+            self._transfer.wait(_MAX_WAIT_S, done_fd)
+            self._transfer.poll()
 
     def _launch(self, batch: ScheduledBatch) -> None:
         for req in batch.requests:
