@@ -29,6 +29,7 @@ from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
 from prefill_worker.transfer.nixl.backend import NixlBackend
+from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until
 
 PAGE_SIZE, CHUNK, NUM_PAGES = 16, 32, 32  # a batch holds one 20-token prompt (budget 20)
@@ -95,22 +96,12 @@ def rig(pool_layout: str) -> Iterator[Rig]:
         pool_layout=pool_layout,
         peer_timeout_s=DECODE_PEER_TIMEOUT_S, heartbeat_interval_s=0.1, io_thread=True,
     )  # fmt: skip
-    inbox, stop = Inbox(), threading.Event()
-    thread = threading.Thread(target=engine.run, args=(stop, inbox), daemon=True)
-    thread.start()
-    try:
-        receiver.wait_registered(10.0)
-        yield Rig(gated, receiver, backend, inbox, outcomes)
-    finally:
-        gated.gate.set()
-        stop.set()
-        inbox.wake()
-        thread.join(30)
-        engine.shutdown()
-        receiver.close()
-        backend.close()
-        pages.check_integrity()
-        aux.check_integrity()
+    with engine_thread(engine, (pages, aux), receiver.close, backend.close) as inbox:
+        try:
+            receiver.wait_registered(10.0)
+            yield Rig(gated, receiver, backend, inbox, outcomes)
+        finally:
+            gated.gate.set()  # a held forward or copy must not hold up the stop
 
 
 def prefill(request_id: str, num_tokens: int, room: int) -> PrefillRequest:

@@ -29,6 +29,7 @@ from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
 from prefill_worker.transfer.nixl.backend import NixlBackend
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until
 
 PAGE_SIZE, CHUNK, NUM_PAGES = 16, 32, 64
@@ -119,22 +120,12 @@ def rig(pool_layout: str) -> Iterator[Rig]:
         decode_kv.k, decode_kv.v, backend.bootstrap_endpoint,
         num_aux_rows=4, pool_layout=pool_layout, io_thread=True,
     )  # fmt: skip
-    inbox, stop = Inbox(), threading.Event()
-    thread = threading.Thread(target=engine.run, args=(stop, inbox), daemon=True)
-    thread.start()
-    try:
-        receiver.wait_registered(10.0)
-        yield Rig(engine, gated[0], receiver, inbox, steps, runner.kv_cache, decode_kv)
-    finally:
-        gated[0].gate.set()
-        stop.set()
-        inbox.wake()
-        thread.join(30)
-        engine.shutdown()
-        receiver.close()
-        backend.close()
-        pages.check_integrity()
-        aux.check_integrity()
+    with engine_thread(engine, (pages, aux), receiver.close, backend.close) as inbox:
+        try:
+            receiver.wait_registered(10.0)
+            yield Rig(engine, gated[0], receiver, inbox, steps, runner.kv_cache, decode_kv)
+        finally:
+            gated[0].gate.set()  # a held forward or copy must not hold up the stop
 
 
 def prefill(request_id: str, token_ids: list[int], room: int) -> PrefillRequest:
