@@ -236,15 +236,16 @@ class Engine:
     def _turn_transfers_until_done(self) -> None:
         """While the forward runs, the transfer backend keeps turning: heartbeats, handshakes,
         writes that landed, aux rows and statuses go on (a long forward must not make this
-        worker look silent to its decode peers, nor hold back a finished request's status).
-        Only the backend: requests, pages and the batch planned next wait for the forward,
-        as senders never call back into the engine."""
+        worker look silent to its decode peers, nor hold back a finished push), and requests
+        whose push ended are answered. Nothing else moves: requests in a batch, their pages
+        and the batch planned next wait for the forward (senders never call back)."""
         done_fd = self._forward.done_fd
         if done_fd is None or self._is_closed:  # shutting down: just collect
             return
         while not self._forward.is_done():
             self._transfer.wait(_MAX_WAIT_S, done_fd)
             self._transfer.poll()
+            self._life.poll_transferring()
 
     def _launch(self, batch: ScheduledBatch) -> None:
         for req in batch.requests:

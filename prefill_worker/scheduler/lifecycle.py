@@ -130,6 +130,12 @@ class RequestLifecycle:
         for req in list(self.queues.inflight.values()):
             self._check_sender(req)
 
+    def poll_transferring(self) -> None:
+        """Only the requests whose prefill is over (TRANSFERRING): no batch holds them, so
+        they may end while a forward runs (``Engine`` calls this then)."""
+        for req in list(self.queues.inflight.values()):
+            self._check_sender(req)
+
     def _check_sender(self, req: Request) -> None:
         assert req.sender is not None
         if req.state.is_terminal:

@@ -5,9 +5,10 @@ A real engine (overlapped forwards) over a real NIXL backend sending heartbeats 
 and a decode (``KVReceiver``, its own I/O thread) that fails a worker silent for 1 s. The
 forward of a second request is held (``GatedRunner``) for three times that; meanwhile a
 first request, already computed, finishes its push (its aux row and status go out during
-the held forward), and the decode keeps hearing the worker: the second room is still
-pending, not failed. Released, it ends DONE. Before this, the engine waited for a forward
-without polling, and the decode failed the room as "prefill worker silent"."""
+the held forward, and its outcome is sent), and the decode keeps hearing the worker: the
+second room is still pending, not failed. Released, it ends DONE. Before this, the engine
+waited for a forward without polling, and the decode failed the room as "prefill worker
+silent"."""
 
 from __future__ import annotations
 
@@ -116,8 +117,10 @@ def test_the_decode_keeps_hearing_the_worker_through_a_long_forward(rig: Rig) ->
     rig.inbox.put(prefill("slow", 20, 2))
     assert rig.runner.entered.wait(30), "the held forward never started"
     held_at = time.monotonic()
-    # The first request's push ends while the second's forward is held.
+    # The first request's push ends while the second's forward is held, and it is answered.
     wait_until(lambda: rig.receiver.poll(1).state is RoomState.DONE, 30.0, "room 1 done")
+    wait_until(lambda: len(rig.outcomes) == 1, 30.0, "the first request's outcome")
+    assert rig.outcomes[0].request_id == "fast" and rig.outcomes[0].status is OutcomeStatus.OK
     # Three decode timeouts pass with the forward held: what is under test is the silence
     # the decode would see, so the condition is the time itself.
     wait_until(
