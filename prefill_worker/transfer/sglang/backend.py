@@ -32,27 +32,20 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
-from prefill_worker.transfer.nixl.agent import (
-    deregister_regions,
-    forget_agent,
-    make_agent,
-    register_regions,
-)
+from prefill_worker.transfer.nixl.agent import forget_agent
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
 from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S
-from prefill_worker.transfer.pagemap import layer_view_table, mem_type
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
+from prefill_worker.transfer.sglang.local import LocalSide
 from prefill_worker.transfer.sglang.sender import (
     Closed,
     Reply,
@@ -102,10 +95,12 @@ class SglangBackend:
         self._closers: list[Callable[[], None]] = [self._mailbox.close]
         try:
             self._start_io(regions, http_bind, rank_ip, rank_port, kv_cache_dtype)
-            self._start_agent(regions, agent_name, nixl_backends, ucx_net_devices)
+            local = LocalSide(regions, agent_name, nixl_backends, ucx_net_devices)
         except BaseException:
             self._close_all()
             raise
+        self._closers.append(local.close)
+        self.agent = local.agent
         if poster_factory is None:
             self._poster: WritePoster = PushThread(self.agent, "nixl-push-sglang", wake)
         else:
@@ -116,8 +111,8 @@ class SglangBackend:
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
         self._ctx = SglangContext(
             self._poster,
-            self._local_kv,
-            self._staging,
+            local.kv_list,
+            local.staging,
             aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows),
             regions.layout,
             write_timeout_s,
@@ -160,22 +155,6 @@ class SglangBackend:
             "sglang_bootstrap": self._http.address,
             "sglang_control": self._control.endpoint.address,
         }
-
-    def _start_agent(
-        self, regions: KVRegions, name: str, backends: list[str], net_devices: str | None
-    ) -> None:
-        self.agent = make_agent(name, backends, net_devices)
-        self._reg = register_regions(self.agent, regions)
-        self._closers.append(lambda: deregister_regions(self.agent, self._reg))
-        self._staging = aux.AuxStaging(regions.num_aux_rows)
-        table = np.array([[self._staging.base_addr, self._staging.num_bytes, 0]], np.uint64)
-        staging_reg = self.agent.register_memory(table, "DRAM")
-        self._closers.append(lambda: self.agent.deregister_memory(staging_reg))
-        table = layer_view_table(regions)  # SGLang decodes keep per-layer buffers
-        self._local_kv = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", table, mem_type(regions.device)
-        )
-        self._closers.append(self._local_kv.release)
 
     # -- the TransferBackend seam -------------------------------------------------------
 

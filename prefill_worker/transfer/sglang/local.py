@@ -1,0 +1,52 @@
+"""This worker's side of SGLang transfers: its NIXL agent with the KV pool and the aux staging
+rows registered, and the pool's descriptor list per layer (SGLang decodes keep per-layer
+buffers, so a page-major pool is described per layer too); ``close`` releases them in
+reverse. Imports NIXL."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
+from prefill_worker.transfer.pagemap import layer_view_table, mem_type
+from prefill_worker.transfer.sglang.aux import AuxStaging
+
+log = logging.getLogger(__name__)
+
+
+class LocalSide:
+    """Opened in full or not at all (what was opened is closed when a step fails)."""
+
+    def __init__(
+        self, regions: KVRegions, name: str, backends: list[str], net_devices: str | None
+    ) -> None:
+        self._closers: list[Callable[[], None]] = []
+        self.agent: Any = make_agent(name, backends, net_devices)  # nixl_agent
+        try:
+            reg = register_regions(self.agent, regions)
+            self._closers.append(lambda: deregister_regions(self.agent, reg))
+            self.staging = AuxStaging(regions.num_aux_rows)
+            table = np.array([[self.staging.base_addr, self.staging.num_bytes, 0]], np.uint64)
+            staging_reg = self.agent.register_memory(table, "DRAM")
+            self._closers.append(lambda: self.agent.deregister_memory(staging_reg))
+            self.kv_list: Any = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", layer_view_table(regions), mem_type(regions.device)
+            )
+            self._closers.append(self.kv_list.release)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release in reverse; call it once no other thread uses the agent."""
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception:
+                log.exception("sglang: releasing the local side failed")
+        self._closers.clear()
