@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.tables import PageTable
-from prefill_worker.request import Request, RequestState
+from prefill_worker.request import RequestState
 from prefill_worker.scheduler.chunking import chunk_end, logprob_positions
 from prefill_worker.scheduler.queues import RequestQueues
+from prefill_worker.scheduler.tracked import Request
 
 OnLookup = Callable[[int, int], None]  # (num_query_tokens, num_hit_tokens), once per admission
 

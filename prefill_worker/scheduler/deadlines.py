@@ -10,7 +10,7 @@ import enum
 import heapq
 import itertools
 
-from prefill_worker.request import Request
+from prefill_worker.scheduler.tracked import Request
 
 
 class DeadlineKind(enum.Enum):

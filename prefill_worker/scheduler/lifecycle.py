@@ -30,7 +30,6 @@ from prefill_worker.request import (
     AbortRequest,
     FinishReason,
     Outcome,
-    Request,
     RequestState,
     end_state,
 )
@@ -39,6 +38,7 @@ from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
 from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
 from prefill_worker.scheduler.queues import RequestQueues
+from prefill_worker.scheduler.tracked import Request
 from prefill_worker.transfer.base import KVPoll, TransferBackend
 
 log = logging.getLogger(__name__)

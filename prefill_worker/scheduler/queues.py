@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from prefill_worker.request import Request, RequestState
+from prefill_worker.request import RequestState
+from prefill_worker.scheduler.tracked import Request
 
 _WATCHED = (RequestState.BOOTSTRAPPING, RequestState.WAITING)
 

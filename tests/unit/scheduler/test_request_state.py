@@ -12,12 +12,12 @@ from prefill_worker.request import (
     IllegalTransition,
     OutcomeStatus,
     PrefillRequest,
-    Request,
     RequestState,
     SamplingParams,
     end_state,
 )
 from prefill_worker.scheduler.chunking import chunk_end
+from prefill_worker.scheduler.tracked import Request
 
 S = RequestState
 
