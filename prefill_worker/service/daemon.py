@@ -128,7 +128,7 @@ class Daemon:
         self.notifier.status("warming up")
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
-        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake)
+        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake, self.health.is_live)
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
         self.transfer_endpoints = transfer.endpoints

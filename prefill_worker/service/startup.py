@@ -172,10 +172,15 @@ def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -
 
 
 def start_transfer(
-    config: Config, regions: KVRegions, metrics: WorkerMetrics, wake: Callable[[], None]
+    config: Config,
+    regions: KVRegions,
+    metrics: WorkerMetrics,
+    wake: Callable[[], None],
+    is_live: Callable[[], bool],
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
-    thread calls it when a message arrives)."""
+    thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
+    (SGLang's ``/health`` fails with it)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         limits = BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes)
@@ -201,6 +206,7 @@ def start_transfer(
                     ucx_net_devices=cfg.resolved_sglang_ucx_net_devices,
                     on_reject=metrics.on_bootstrap_reject,
                     wake=wake,
+                    is_engine_live=is_live,
                 )
         except BaseException:
             if native is not None:

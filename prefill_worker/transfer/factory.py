@@ -111,6 +111,7 @@ def make_sglang_backend(
     ucx_net_devices: str | None = None,
     on_reject: Callable[[str], None] | None = None,
     wake: Callable[[], None] | None = None,
+    is_engine_live: Callable[[], bool] = lambda: True,
 ) -> NamedBackend:
     """This worker as an SGLang prefill (``transfer/sglang``): the bootstrap routes and the
     control socket bound, a NIXL agent of its own. ``wake`` is called from the control
@@ -128,6 +129,7 @@ def make_sglang_backend(
         write_timeout_s,
         want_timeout_s,
         health_stale_s=sglang.health_stale_s,
+        is_engine_live=is_engine_live,
         limits=limits,
         ucx_net_devices=ucx_net_devices,
         on_reject=on_reject,

@@ -16,7 +16,8 @@ layout, as SGLang's pools are); the first token goes into the decode's metadata 
 (``sglang.aux``).
 
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
-this engine has not turned for ``health_stale_s``) and fail their rooms when it does not
+this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
+liveness rule) and fail their rooms when it does not
 answer. A decode that dies fails its rooms here by their write deadline (or a NIXL error),
 by the engine's transfer timeout, or, before any write, by the bootstrap timeout. Its peer
 record stays until another agent registers from its control socket's address (it was
@@ -80,6 +81,7 @@ class SglangBackend:
         clock: Callable[[], float] = time.monotonic,
         *,
         health_stale_s: float = 30.0,
+        is_engine_live: Callable[[], bool] = lambda: True,
         limits: BootstrapLimits | None = None,
         ucx_net_devices: str | None = None,
         on_reject: Callable[[str], None] | None = None,
@@ -91,6 +93,7 @@ class SglangBackend:
         self.limits = limits or BootstrapLimits()
         self._last_poll_at = clock()
         self._health_stale_s = health_stale_s
+        self._is_engine_live = is_engine_live  # the daemon's liveness verdict (HTTP thread)
         self._mailbox = Mailbox(wake)
         self._closers: list[Callable[[], None]] = [self._mailbox.close]
         try:
@@ -260,8 +263,11 @@ class SglangBackend:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _is_healthy(self) -> bool:  # the HTTP thread: one float read
-        return self.clock() - self._last_poll_at <= self._health_stale_s
+    def _is_healthy(self) -> bool:  # the HTTP thread
+        """Polled lately, and the engine live: this backend also turns while a forward runs,
+        so a stuck forward shows only in the engine's liveness."""
+        is_fresh = self.clock() - self._last_poll_at <= self._health_stale_s
+        return is_fresh and self._is_engine_live()
 
     def _drain_events(self) -> None:
         events = self._ctx.events

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,11 +64,17 @@ class FakeDecode:
 @pytest.fixture
 def backend() -> Iterator[SglangBackend]:
     pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
+    backend = make_backend(pool)
+    yield backend
+    backend.close()
+
+
+def make_backend(pool: np.ndarray, **kwargs: Any) -> SglangBackend:
     aux = AuxPool(4)
     base = int(pool.ctypes.data)
     starts = [base + i * LAYOUT.region_bytes for i in range(4)]
     regions = KVRegions(LAYOUT, tuple(starts[:2]), tuple(starts[2:]), "cpu", aux.base_addr, 4)
-    backend = SglangBackend(
+    return SglangBackend(
         regions,
         "127.0.0.1:0",
         "127.0.0.1",
@@ -79,9 +86,8 @@ def backend() -> Iterator[SglangBackend]:
         1.0,
         health_stale_s=0.5,
         ucx_net_devices="lo",
+        **kwargs,
     )
-    yield backend
-    backend.close()
 
 
 @pytest.fixture
@@ -130,6 +136,25 @@ def test_health_fails_while_the_engine_does_not_turn(backend: SglangBackend) -> 
     wait_until(lambda: get(backend, "/health")[0] == 503, 5, "/health to fail")
     backend.poll()
     assert get(backend, "/health")[0] == 200
+
+
+def test_health_fails_while_the_engine_is_stuck_in_a_forward() -> None:
+    """The backend turns during forwards too, so a fresh poll is not enough: a forward
+    stuck by the daemon's liveness rule fails ``/health`` (SGLang decodes then fail their
+    rooms)."""
+    pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
+    verdicts = [True]
+    backend = make_backend(pool, is_engine_live=lambda: verdicts[-1])
+    try:
+        backend.poll()
+        assert get(backend, "/health")[0] == 200
+        verdicts.append(False)
+        backend.poll()
+        assert get(backend, "/health")[0] == 503
+        verdicts.append(True)
+        assert get(backend, "/health")[0] == 200
+    finally:
+        backend.close()
 
 
 def test_what_a_decode_should_not_send_is_refused_and_counted(
