@@ -185,7 +185,7 @@ def start_transfer(
     with startup_step("transfer", (ValueError,)):
         limits = BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes)
         want_timeout_s = config.scheduler.bootstrap_timeout_s
-        native = _native_backend(config, regions, metrics, limits)
+        native = _native_backend(config, regions, metrics, limits, is_live)
         try:
             sglang = None
             if cfg.protocol != "native":
@@ -216,7 +216,11 @@ def start_transfer(
 
 
 def _native_backend(
-    config: Config, regions: KVRegions, metrics: WorkerMetrics, limits: BootstrapLimits
+    config: Config,
+    regions: KVRegions,
+    metrics: WorkerMetrics,
+    limits: BootstrapLimits,
+    is_live: Callable[[], bool],
 ) -> ServingBackend | None:
     cfg = config.transfer
     if cfg.protocol == "sglang":
@@ -238,6 +242,7 @@ def _native_backend(
         curve=curve,
         ucx_net_devices=cfg.resolved_ucx_net_devices,
         on_reject=metrics.on_bootstrap_reject,
+        is_engine_live=is_live,
     )
 
 

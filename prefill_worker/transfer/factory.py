@@ -48,6 +48,7 @@ def make_backend(
     ucx_net_devices: str | None = None,
     on_reject: Callable[[str], None] | None = None,
     push_thread: bool = True,
+    is_engine_live: Callable[[], bool] = lambda: True,
 ) -> ServingBackend:
     """The NIXL backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
     address, port 0 allowed). No fake is selectable here: nothing in production config can
@@ -56,7 +57,8 @@ def make_backend(
     with an allow-list on the bootstrap socket; ``ucx_net_devices`` picks UCX's interfaces;
     ``on_reject(reason)`` counts each refused bootstrap message (engine thread);
     ``push_thread`` False posts writes on the engine thread (what the benchmarks compare the
-    transfer thread with; nothing in production config selects it).
+    transfer thread with; nothing in production config selects it); heartbeats to decode
+    peers stop while ``is_engine_live`` (the daemon's liveness verdict) says it is stuck.
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
@@ -77,6 +79,7 @@ def make_backend(
         ucx_net_devices=ucx_net_devices,
         on_reject=on_reject,
         poster_factory=PushThread if push_thread else InlinePoster,
+        is_engine_live=is_engine_live,
     )
 
 

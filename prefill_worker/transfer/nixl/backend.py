@@ -74,6 +74,7 @@ class NixlBackend:
         ucx_net_devices: str | None = None,
         on_reject: Callable[[str], None] | None = None,
         poster_factory: Callable[[Any], WritePoster] = PushThread,
+        is_engine_live: Callable[[], bool] = lambda: True,
     ) -> None:
         self.regions = regions
         self.agent_name = agent_name
@@ -81,6 +82,9 @@ class NixlBackend:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.want_timeout_s = want_timeout_s
         self.clock = clock
+        # Heartbeats say the engine is alive: they stop while the daemon's liveness rule
+        # finds it stuck (this backend also turns during forwards), so decodes give up.
+        self._is_engine_live = is_engine_live
         self.limits = limits or BootstrapLimits()
         # First: a taken port fails fast.
         self._server = BootstrapServer(bootstrap_bind, self.limits.max_message_bytes, curve)
@@ -162,7 +166,7 @@ class NixlBackend:
         self._reap(now)
         for tell in self._held.take_ready(now):
             self._tell(tell)
-        if now >= self._next_heartbeat:
+        if now >= self._next_heartbeat and self._is_engine_live():
             self._next_heartbeat = now + self.heartbeat_interval_s
             for identity in list(self._peers):
                 self._server.send(identity, wire.Heartbeat())

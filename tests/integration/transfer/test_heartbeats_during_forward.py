@@ -136,3 +136,48 @@ def test_the_decode_keeps_hearing_the_worker_through_a_long_forward(rig: Rig) ->
         "fast": OutcomeStatus.OK,
         "slow": OutcomeStatus.OK,
     }
+
+
+def test_a_stuck_engine_stops_the_heartbeats(pool_layout: str) -> None:
+    """Heartbeats say the engine is alive, not only the backend: while the daemon's liveness
+    verdict says stuck, none go out, and the decode fails its pending room as the worker
+    gone silent; while live, the same room stays pending through the same wait."""
+    runner = tiny_runner(16, pool_layout)
+    aux = AuxPool(4)
+    verdicts = [True]
+    backend = NixlBackend(
+        runner.kv_cache.regions(aux.base_addr, aux.num_rows),
+        "tcp://127.0.0.1:0",
+        "stuck-prefill",
+        ["UCX"],
+        10.0,
+        0.1,
+        30.0,  # a want waits this long for its request: longer than the test
+        is_engine_live=lambda: verdicts[-1],
+    )
+    decode_kv = tiny_runner(NUM_PAGES, pool_layout).kv_cache
+    receiver = KVReceiver.from_tensors(
+        decode_kv.k, decode_kv.v, backend.bootstrap_endpoint, num_aux_rows=4,
+        pool_layout=pool_layout,
+        peer_timeout_s=DECODE_PEER_TIMEOUT_S, heartbeat_interval_s=0.1, io_thread=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: backend.poll() or receiver.is_registered, 10.0, "registration")
+        receiver.want(5, [0, 1], 0, 0)
+        since = time.monotonic()
+
+        def waited(seconds: float) -> bool:
+            backend.poll()
+            backend.wait(0.05)
+            return time.monotonic() - since > seconds
+
+        wait_until(lambda: waited(3 * DECODE_PEER_TIMEOUT_S), 30.0, "three decode timeouts")
+        assert receiver.poll(5).state is RoomState.PENDING  # heartbeats kept it
+        verdicts.append(False)  # the engine is stuck from here
+        wait_until(
+            lambda: waited(0) and receiver.poll(5).state is RoomState.FAILED, 30.0, "room failed"
+        )
+        assert "silent" in str(receiver.poll(5).reason)
+    finally:
+        receiver.close()
+        backend.close()
