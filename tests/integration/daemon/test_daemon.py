@@ -106,7 +106,9 @@ def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
     assert worker.wait_exit(30) == 0
     notes = list(worker.notifications)
     kinds = [n.split("\n")[0] for n in notes]
-    loading = kinds[: kinds.index("READY=1")]  # model-load progress, with bytes and percent
+    before_ready = kinds[: kinds.index("READY=1")]
+    assert before_ready[-1] == "STATUS=warming up"  # the warm-up forward, after the load
+    loading = before_ready[:-1]  # model-load progress, with bytes and percent
     assert loading and all(k.startswith("STATUS=loading model: ") for k in loading), loading
     assert "GiB (100%" in loading[-1]
     assert "STOPPING=1" in kinds

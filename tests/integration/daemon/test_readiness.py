@@ -14,6 +14,10 @@ from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon, ModelBuilder
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
 
+# For runners that break, hang or hold on a forward: a warm-up forward would meet it first
+# and stop (or hold) start-up.
+NO_WARM_UP = "scheduler.warmup_tokens=0"
+
 
 def tiny_daemon(
     checkpoint: Path,
@@ -112,7 +116,12 @@ def test_fatal_engine_error_fails_in_flight_and_exits_70(checkpoint: Path, route
     ingress = f"tcp://127.0.0.1:{ingress_port}"
     bootstrap = f"tcp://127.0.0.1:{bootstrap_port}"
     daemon = tiny_daemon(
-        checkpoint, free_port(), ingress_port, bootstrap_port, build_model=broken_build
+        checkpoint,
+        free_port(),
+        ingress_port,
+        bootstrap_port,
+        NO_WARM_UP,
+        build_model=broken_build,
     )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
@@ -152,7 +161,7 @@ def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) 
 
     ingress_port, bootstrap_port = free_port(), free_port()
     daemon = tiny_daemon(
-        checkpoint, free_port(), ingress_port, bootstrap_port, build_model=stuck_build
+        checkpoint, free_port(), ingress_port, bootstrap_port, NO_WARM_UP, build_model=stuck_build
     )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
@@ -212,7 +221,8 @@ def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_fa
         bootstrap_port,
         "metrics.livez_stale_s=0.3",
         "metrics.livez_forward_floor_s=6",
-        # Peers' heartbeats are read between forwards: a held one must not outlast them.
+        NO_WARM_UP,
+        # While the forward is stuck the worker sends no heartbeats: the decode waits longer.
         "transfer.peer_timeout_s=60",
         build_model=held_build,
     )
