@@ -127,8 +127,7 @@ class RequestLifecycle:
             self._check_sender(head)  # admission next: catch an abort or failure first
         for req in list(self.queues.prefilling.values()):
             self._check_sender(req)
-        for req in list(self.queues.inflight.values()):
-            self._check_sender(req)
+        self.poll_transferring()
 
     def poll_transferring(self) -> None:
         """Only the requests whose prefill is over (TRANSFERRING): no batch holds them, so

@@ -26,22 +26,17 @@ row).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
 from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
-
-log = logging.getLogger(__name__)
 
 STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, then its peer goes
 
@@ -252,13 +247,3 @@ class NixlSender:
         if self._is_ack_due and not self._writes:
             self._is_ack_due = False
             self._tell("aborted", "aborted by decode")
-
-
-def release(handle: Any, request_id: str) -> bool:
-    """Release a raw NIXL write handle; False (logged) when NIXL refuses."""
-    try:
-        handle.release()
-    except NIXL_ERRORS as exc:
-        log.warning("request %s: releasing a write in flight: %s", request_id, exc)
-        return False
-    return True

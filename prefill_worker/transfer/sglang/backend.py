@@ -46,7 +46,7 @@ from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
-from prefill_worker.transfer.sglang.local import LocalSide
+from prefill_worker.transfer.sglang.local import LocalSide, close_all
 from prefill_worker.transfer.sglang.sender import (
     Closed,
     Reply,
@@ -218,9 +218,8 @@ class SglangBackend:
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
         if timeout_s > 0:
-            fds = [self._mailbox.fileno(), *([] if wake_fd is None else [wake_fd])]
-            poster_fd = self._poster.wake_fd
-            select.select([*fds, *([] if poster_fd is None else [poster_fd])], [], [], timeout_s)
+            fds = (self._mailbox.fileno(), wake_fd, self._poster.wake_fd)
+            select.select([fd for fd in fds if fd is not None], [], [], timeout_s)
 
     def close(self) -> None:
         for sender in list(self._senders.values()):
@@ -327,9 +326,4 @@ class SglangBackend:
         self._poster.run_later(forget_agent, self.agent, peer.peer.agent_name, peer.peer.lists)
 
     def _close_all(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:
-                log.exception("sglang backend: closing failed")
-        self._closers.clear()
+        close_all(self._closers, "the backend")

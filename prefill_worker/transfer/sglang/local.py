@@ -44,9 +44,15 @@ class LocalSide:
 
     def close(self) -> None:
         """Release in reverse; call it once no other thread uses the agent."""
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:
-                log.exception("sglang: releasing the local side failed")
-        self._closers.clear()
+        close_all(self._closers, "the local side")
+
+
+def close_all(closers: list[Callable[[], None]], what: str) -> None:
+    """Call ``closers`` last first, each once, logging (not raising) a failure, and empty the
+    list: what the SGLang backend opened in order is released in reverse."""
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:
+            log.exception("sglang: closing %s failed", what)
+    closers.clear()

@@ -71,6 +71,15 @@ def tiny_runner(num_pages: int, pool_layout: str) -> Runner:
     return random_runner(MODEL, torch.float32, cpu, "sdpa", PAGE_SIZE, num_pages, 0, pool_layout)[0]
 
 
+def impatient_decode(bootstrap: str, pool_layout: str) -> KVReceiver:
+    """A decode (its own I/O thread) that fails a worker silent for ``DECODE_PEER_TIMEOUT_S``."""
+    decode_kv = tiny_runner(NUM_PAGES, pool_layout).kv_cache
+    return KVReceiver.from_tensors(
+        decode_kv.k, decode_kv.v, bootstrap, num_aux_rows=4, pool_layout=pool_layout,
+        peer_timeout_s=DECODE_PEER_TIMEOUT_S, heartbeat_interval_s=0.1, io_thread=True,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def rig(pool_layout: str) -> Iterator[Rig]:
     runner = tiny_runner(64, pool_layout)
@@ -91,12 +100,7 @@ def rig(pool_layout: str) -> Iterator[Rig]:
         page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=20, max_running_requests=4,
         bootstrap_timeout_s=30.0, transfer_timeout_s=60.0, overlap=True,
     )  # fmt: skip
-    decode_kv = tiny_runner(NUM_PAGES, pool_layout).kv_cache
-    receiver = KVReceiver.from_tensors(
-        decode_kv.k, decode_kv.v, backend.bootstrap_endpoint, num_aux_rows=4,
-        pool_layout=pool_layout,
-        peer_timeout_s=DECODE_PEER_TIMEOUT_S, heartbeat_interval_s=0.1, io_thread=True,
-    )  # fmt: skip
+    receiver = impatient_decode(backend.bootstrap_endpoint, pool_layout)
     with engine_thread(engine, (pages, aux), receiver.close, backend.close) as inbox:
         try:
             receiver.wait_registered(10.0)
@@ -155,12 +159,7 @@ def test_a_stuck_engine_stops_the_heartbeats(pool_layout: str) -> None:
         30.0,  # a want waits this long for its request: longer than the test
         is_engine_live=lambda: verdicts[-1],
     )
-    decode_kv = tiny_runner(NUM_PAGES, pool_layout).kv_cache
-    receiver = KVReceiver.from_tensors(
-        decode_kv.k, decode_kv.v, backend.bootstrap_endpoint, num_aux_rows=4,
-        pool_layout=pool_layout,
-        peer_timeout_s=DECODE_PEER_TIMEOUT_S, heartbeat_interval_s=0.1, io_thread=True,
-    )  # fmt: skip
+    receiver = impatient_decode(backend.bootstrap_endpoint, pool_layout)
     try:
         wait_until(lambda: backend.poll() or receiver.is_registered, 10.0, "registration")
         receiver.want(5, [0, 1], 0, 0)
