@@ -29,7 +29,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.context import Peer
-from prefill_worker.transfer.pagemap import kv_descriptor_table, mem_type
+from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.rooms import RoomBook
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import check_registration, check_request, peer_regions
@@ -152,7 +152,7 @@ class SglangDesk:
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
-            return PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, "DRAM"))
+            return PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
         except BaseException:
             kv.release()
             raise

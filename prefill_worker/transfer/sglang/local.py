@@ -13,7 +13,7 @@ import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
-from prefill_worker.transfer.pagemap import layer_view_table, mem_type
+from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, layer_view_table, mem_type
 from prefill_worker.transfer.sglang.aux import AuxStaging
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class LocalSide:
             self._closers.append(lambda: deregister_regions(self.agent, reg))
             self.staging = AuxStaging(regions.num_aux_rows)
             table = np.array([[self.staging.base_addr, self.staging.num_bytes, 0]], np.uint64)
-            staging_reg = self.agent.register_memory(table, "DRAM")
+            staging_reg = self.agent.register_memory(table, AUX_MEM_TYPE)
             self._closers.append(lambda: self.agent.deregister_memory(staging_reg))
             self.kv_list: Any = self.agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", layer_view_table(regions), mem_type(regions.device)

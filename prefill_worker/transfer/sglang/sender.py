@@ -33,10 +33,8 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.nixl.poster import Write, WritePoster
 from prefill_worker.transfer.nixl.writes import WriteSet
-from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
+from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, check_want, map_pages, region_indices
 from prefill_worker.transfer.sglang import aux, frames
-
-_AUX_MEM_TYPE = "DRAM"  # metadata buffers live in host memory on both sides
 
 
 @dataclass(eq=False)
@@ -250,8 +248,8 @@ class SglangSender:
         name = self.peer.peer.agent_name
 
         def prepare(agent: Any) -> Any:
-            local_descs = agent.get_xfer_descs(local, _AUX_MEM_TYPE)
-            remote_descs = agent.get_xfer_descs(remote, _AUX_MEM_TYPE)
+            local_descs = agent.get_xfer_descs(local, AUX_MEM_TYPE)
+            remote_descs = agent.get_xfer_descs(remote, AUX_MEM_TYPE)
             return agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
 
         write = self._ctx.poster.post_with(prepare, aux.ROW_DTYPE.itemsize)
