@@ -125,8 +125,7 @@ class Daemon:
             cfg, self._build_model, LoadReport(self.notifier.status)
         )
         pages, aux = make_pools(cfg, kv_cache)
-        self.notifier.status("warming up")
-        warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics)
+        warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake, self.health.is_live)
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it

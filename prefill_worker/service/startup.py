@@ -148,12 +148,19 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
 
 
 def warm_up_model(
-    config: Config, runner: Runner, pages: PagePool, vocab_size: int, metrics: WorkerMetrics
+    config: Config,
+    runner: Runner,
+    pages: PagePool,
+    vocab_size: int,
+    metrics: WorkerMetrics,
+    status: Callable[[str], None],
 ) -> None:
-    """The warm-up forward (``scheduler.warmup_tokens``; 0: none) before readiness."""
+    """The warm-up forward (``scheduler.warmup_tokens``; 0: none) before readiness;
+    ``status`` (sd_notify's STATUS) says it is under way."""
     cfg = config.scheduler
     if cfg.warmup_tokens == 0:
         return
+    status("warming up")
     with startup_step("warm-up"):
         done = warm_up(
             runner, pages, config.cache.page_size, cfg.warmup_tokens, vocab_size, cfg.chunk_size
