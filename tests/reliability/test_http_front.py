@@ -274,6 +274,7 @@ def test_a_big_text_is_refused_before_it_is_tokenized(
     rig.decode.want(room, 12)
     status, answer = api.post("/generate", generate(text="hello world!", room=room))
     assert status == 200 and answer["meta_info"]["prompt_tokens"] == 12, answer
+    assert rig.decode.wait([room])[room].state.value == "done"
     rig.decode.release(room)
     assert rig.worker.proc.pid == pid
     check_healthy(rig)
