@@ -328,3 +328,24 @@ def test_routes_that_take_no_body_parse_none(front: Callable[..., tuple[Rig, Fro
     assert grown_mib < 64, f"RSS grew {grown_mib:.0f} MiB"
     assert rig.worker.http("/livez")[0] == 200
     check_healthy(rig)
+
+
+def test_a_body_over_the_size_limit_is_a_counted_413(
+    front: Callable[..., tuple[Rig, Front]],
+) -> None:
+    """With and without a ``Content-Length`` (chunked). Before: aiohttp's own 413, uncounted."""
+    rig, api = front("http_api.max_body_bytes=1048576")
+    big = json.dumps(generate([1] * 400_000)).encode()  # 2.4 MB
+    sized = api.post("/generate", big)
+    chunked = api._send(
+        urllib.request.Request(
+            api.base + "/generate",
+            iter([big[:1000], big[1000:]]),
+            headers={"Content-Type": "application/json"},
+        ),
+        60,
+    )
+    for status, answer in (sized, chunked):
+        assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert rejects(rig, "too_large") == 2
+    check_healthy(rig)
