@@ -19,12 +19,13 @@ refused with 429 or 503 has its rooms withdrawn at once (``_release``), so the d
 router also sent it to fails them now rather than at its timeout, and the router's retry (a
 new room, maybe another prefill) is not held up behind that decode's answer.
 
-Hostile bodies fail alone (docs/http-api.md, Limits): a body over ``max_body_bytes`` is a 413
-before it is read; its shape and size are bounded before it is decoded (``bodies.py``); a batch
-of more prompts than ``max_inflight`` is a 429 before any prompt is tokenized or enters the
-engine, and its rooms are not withdrawn (nor any beyond ``max_inflight`` refused prompts at a
-time). Bodies over ``_INLINE_BYTES`` (one at a time) and texts are read and tokenized on the
-front's executor thread, so the event loop keeps serving other clients meanwhile.
+Hostile bodies fail alone (docs/http-api.md, "Hostile bodies"): a body over
+``max_body_bytes`` is a 413 before it is read; its shape and size are bounded before it is
+decoded (``bodies.py``); a batch of more prompts than ``max_inflight`` is a 429 before any
+prompt is tokenized or enters the engine, and its rooms are not withdrawn (nor any beyond
+``max_inflight`` refused prompts at a time). Bodies over ``_INLINE_BYTES`` (one at a time) and
+texts are read and tokenized on the front's executor thread, so the event loop keeps serving
+other clients meanwhile.
 """
 
 from __future__ import annotations
@@ -197,31 +198,24 @@ class HttpApi:
 
     async def _prepare(self, request: web.Request, read: _Reader) -> _Admitted:
         """The body read, its prompts and their engine requests (``BadRequest`` if not valid).
-        Small bodies of ids stay on the event loop; texts and big bodies go to the executor."""
+        Small bodies of ids stay on the event loop; texts and big bodies go to the executor,
+        big bodies one at a time (their prompts' ids refer to the body until admitted)."""
         arrival_time = time.monotonic()
         size = request.content_length
         if size is not None and size > self._max_body_bytes:
-            raise BadRequest(
-                f"a body of {size} bytes; at most {self._max_body_bytes}", "too_large", 413
-            )
+            why = f"a body of {size} bytes; at most {self._max_body_bytes}"
+            raise BadRequest(why, "too_large", 413)
         if size is not None and size <= _INLINE_BYTES:
             prompts, is_batch = read(await self._read(request), self._max_inflight)
             if all(p.text is None for p in prompts):
                 return prompts, is_batch, self._admitter.admit(prompts, arrival_time)
-            return (
-                prompts,
-                is_batch,
-                await self._off_loop(self._admitter.admit, prompts, arrival_time),
-            )
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+            return prompts, is_batch, requests
         async with self._big_bodies:
             body = await self._read(request)
             prompts, is_batch = await self._off_loop(read, body, self._max_inflight)
-            del body  # the prompts hold what is needed; the body may be tens of megabytes
-            return (
-                prompts,
-                is_batch,
-                await self._off_loop(self._admitter.admit, prompts, arrival_time),
-            )
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+            return prompts, is_batch, requests
 
     async def _read(self, request: web.Request) -> bytes:
         try:
