@@ -480,10 +480,10 @@ def test_the_outcome_carries_the_bytes_its_sender_wrote() -> None:
     rig.check_whole()
 
 
-def test_aborted_requests_leave_the_watch_ring_at_once() -> None:
+def test_aborted_requests_do_not_hold_up_the_watch_ring() -> None:
     """10,000 requests aborted while bootstrapping, then one whose decode wants it at once:
-    the next turn polls it. Before, the dead entries stayed in the ring and took the poll
-    budget (32 a turn) until skipped, so a new request waited ~300 turns (an HTTP batch of
+    the next turn polls it. Before, the dead entries in the ring took the poll budget (32 a
+    turn) until skipped, so a new request waited ~300 turns (an HTTP batch of
     100,000 aborted prompts made ZMQ requests fail ``bootstrap_timeout`` for ~20 s)."""
     rig = make_rig(auto_want=False, bootstrap_timeout_s=60.0)
     for i in range(10_000):
