@@ -9,26 +9,38 @@ apply (``min_p``, ``logit_bias``, grammars, ``n > 1``, ``min_new_tokens``) is a 
 never silently dropped. Options that only concern later tokens (``max_new_tokens``, ``stop``,
 penalties on generated tokens) are the decode's and are ignored here. Nothing here knows
 tokenizers or the model's limits: that is ``admit.py``.
+
+Hostile bodies cost little: the body's depth and number of values are checked on its bytes
+before decoding (``shape.py``); a batch of more prompts than the front may hold is refused
+(429) before any of its prompts is read or tokenized; token ids stay JSON text
+(``msgspec.Raw``) until ``admit.py`` has checked their size against the longest prompt, so no
+list is built that cannot be served.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from prefill_worker.request import SamplingParams
+from prefill_worker.router.http_api.shape import ShapeRefused, check_shape
 
 IntOrList = int | list[int] | None
+_FIRST_ITEM = re.compile(rb"\[\s*+(.)", re.DOTALL)  # the first byte of a list's first item
+_ABSENT = (b"", b"null")
 
 
 class BadRequest(ValueError):
-    """The request cannot be served as asked: answered with HTTP 400, naming the field."""
+    """The request cannot be served as asked: answered with HTTP ``status`` (400 unless said),
+    naming the field."""
 
-    def __init__(self, message: str, code: str = "bad_field") -> None:
+    def __init__(self, message: str, code: str = "bad_field", status: int = 400) -> None:
         super().__init__(message)
-        self.code = code  # a reject code (router/messages.py RejectCode values), for metrics
+        self.code = code  # a reject code (RejectCode values, or "too_large"), for metrics
+        self.status = status
 
 
 class SglSampling(msgspec.Struct, forbid_unknown_fields=False):
@@ -52,7 +64,7 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=False):
     """``POST /generate``: ``text`` or ``input_ids``, one prompt or a batch."""
 
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None  # ints, or lists of ints (checked by _as_batch)
+    input_ids: msgspec.Raw = msgspec.Raw()  # ids, or lists of ids: read by _items, then admit
     sampling_params: SglSampling | list[SglSampling] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: IntOrList = None
@@ -65,7 +77,7 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=False):
 class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
     """``POST /v1/completions`` (OpenAI's, with SGLang's ``top_k``)."""
 
-    prompt: str | list[Any]  # text, texts, ids, or lists of ids (checked by _as_batch)
+    prompt: msgspec.Raw  # text, texts, ids, or lists of ids (read by _items)
     model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -81,11 +93,12 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One prompt of a request: ids, or text for the tokenizer. ``logprob_start_len`` is
+    """One prompt of a request: ids (still JSON: ``admit.py`` bounds, decodes and checks
+    them), or text for the tokenizer. ``logprob_start_len`` is
     SGLang's, as sent (None when absent, or when ``return_logprob`` is off, which makes SGLang
     ignore it); ``admit.py`` checks it against the prompt's length."""
 
-    token_ids: list[int] | None
+    token_ids: msgspec.Raw | None
     text: str | None
     sampling: SamplingParams
     return_logprob: bool
@@ -99,13 +112,21 @@ _generate = msgspec.json.Decoder(GenerateBody)
 _completion = msgspec.json.Decoder(CompletionBody)
 
 
-def read_generate(body: bytes) -> tuple[list[Prompt], bool]:
-    """The prompts, and whether they came as a batch (the answer is then a list)."""
-    req = _decode(_generate, body)
-    if (req.text is None) == (req.input_ids is None):
+def read_generate(body: bytes, max_prompts: int) -> tuple[list[Prompt], bool]:
+    """The prompts, and whether they came as a batch (the answer is then a list). A batch of
+    more than ``max_prompts`` is refused (429) before its prompts are read."""
+    req = _decode(_generate, body, max_prompts)
+    ids = None if bytes(req.input_ids) in _ABSENT else req.input_ids
+    if (req.text is None) == (ids is None):
         raise BadRequest("give exactly one of text and input_ids", "missing_field")
-    value = req.input_ids if req.input_ids is not None else req.text or ""
-    items = _as_batch(value)
+    if ids is not None:
+        items, batch = _items(ids, max_prompts)
+        if any(isinstance(item, str) for item in items):
+            raise BadRequest("input_ids must be integer token ids (text goes in text)")
+    else:
+        batch = isinstance(req.text, list)
+        items = list(req.text) if isinstance(req.text, list) else [req.text or ""]
+        _check_count(len(items), max_prompts)
     n = len(items)
     rooms = _per_prompt("bootstrap_room", req.bootstrap_room, n, required=True)
     params = _per_prompt("sampling_params", req.sampling_params, n) or [None] * n
@@ -116,7 +137,7 @@ def read_generate(body: bytes) -> tuple[list[Prompt], bool]:
         raise BadRequest("top_logprobs_num is not supported by this prefill worker")
     prompts = [
         Prompt(
-            item if isinstance(item, list) else None,
+            None if isinstance(item, str) else item,
             item if isinstance(item, str) else None,
             _sampling(params[i] or SglSampling()),
             logprob[i],
@@ -127,21 +148,16 @@ def read_generate(body: bytes) -> tuple[list[Prompt], bool]:
         )
         for i, item in enumerate(items)
     ]
-    return prompts, is_batch(value)
+    return prompts, batch
 
 
-def is_batch(value: str | list[Any]) -> bool:
-    """A list of texts or of id lists (one prompt is a text or a list of ids)."""
-    return isinstance(value, list) and bool(value) and isinstance(value[0], (list, str))
-
-
-def read_completion(body: bytes) -> list[Prompt]:
-    req = _decode(_completion, body)
+def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
+    req = _decode(_completion, body, max_prompts)
     if req.echo:
         raise BadRequest("echo is not supported by this prefill worker")
     if req.n != 1:
         raise BadRequest("n > 1 is not supported by this prefill worker", "bad_sampling")
-    items = _as_batch(req.prompt)
+    items, _ = _items(req.prompt, max_prompts)
     rooms = _per_prompt("bootstrap_room", req.bootstrap_room, len(items), required=True)
     sampling = _sampling(
         SglSampling(req.temperature, req.top_p, req.top_k, req.min_p, req.seed, 1, 0)
@@ -150,7 +166,7 @@ def read_completion(body: bytes) -> list[Prompt]:
         raise BadRequest("logit_bias is not supported by this prefill worker", "bad_sampling")
     return [
         Prompt(
-            item if isinstance(item, list) else None,
+            None if isinstance(item, str) else item,
             item if isinstance(item, str) else None,
             sampling,
             req.logprobs is not None,
@@ -160,31 +176,54 @@ def read_completion(body: bytes) -> list[Prompt]:
     ]
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def max_values(max_prompts: int) -> int:
+    """Strings, arrays and objects a body of ``max_prompts`` prompts may hold: a few per
+    prompt (its ids or text, sampling options, rid, stop strings) and some to spare."""
+    return 8 * max_prompts + 1024
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes, max_prompts: int) -> Any:
     try:
+        check_shape(body, max_values(max_prompts))
         return decoder.decode(body)
+    except ShapeRefused as exc:
+        raise BadRequest(str(exc), exc.code, exc.status) from None
     except msgspec.ValidationError as exc:
         raise BadRequest(f"bad request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the body is not JSON: {exc}", "malformed") from None
 
 
-def _as_batch(value: str | list[Any]) -> list[str | list[int]]:
-    """One prompt (a string, a list of ids) as a batch of one; a batch (of strings, or of
-    lists of ids) as it is. JSON booleans are not token ids."""
-    if isinstance(value, str):
-        return [value]
-    if not is_batch(value):
-        return [_ids(value)]
-    if all(isinstance(item, str) for item in value):
-        return list(value)
-    return [_ids(item) for item in value]
-
-
-def _ids(value: object) -> list[int]:
-    if not isinstance(value, list) or not all(type(t) is int for t in value):
+def _items(value: msgspec.Raw, max_prompts: int) -> tuple[list[str | msgspec.Raw], bool]:
+    """The prompts of a ``prompt`` or ``input_ids`` field, and whether it is a batch: texts
+    decoded, id lists still JSON. One prompt is a text or a list of ids; a batch is a list of
+    texts or of id lists. Only the outer list is decoded, after its length is checked."""
+    if bytes(memoryview(value)[:1]) == b'"':
+        return [_part(str, value)], False
+    first = _FIRST_ITEM.match(value)  # type: ignore[call-overload]
+    if first is None:
         raise BadRequest("a prompt must be text, or a list of integer token ids")
-    return value
+    if first.group(1) not in (b'"', b"["):
+        return [value], False  # one list of ids (or an empty list, refused by admit)
+    kind = list[str] if first.group(1) == b'"' else list[msgspec.Raw]
+    items: list[str | msgspec.Raw] = list(_part(kind, value))  # as many as check_shape let by
+    _check_count(len(items), max_prompts)
+    return items, True
+
+
+def _check_count(num_prompts: int, max_prompts: int) -> None:
+    if num_prompts > max_prompts:
+        why = f"a batch of {num_prompts} prompts; this front holds at most {max_prompts}"
+        raise BadRequest(why, "overloaded", status=429)
+    if not num_prompts:
+        raise BadRequest("an empty batch", "empty_prompt")
+
+
+def _part(kind: Any, value: msgspec.Raw) -> Any:
+    try:
+        return msgspec.json.decode(value, type=kind)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"a prompt must be text, or a list of integer token ids: {exc}") from None
 
 
 def _per_prompt(name: str, value: Any, n: int, required: bool = False) -> list[Any]:

@@ -18,15 +18,25 @@ or while the engine loop is stalled, ``/health`` and new requests answer 503. A 
 refused with 429 or 503 has its rooms withdrawn at once (``_release``), so the decode the
 router also sent it to fails them now rather than at its timeout, and the router's retry (a
 new room, maybe another prefill) is not held up behind that decode's answer.
+
+Hostile bodies fail alone (docs/http-api.md, "Hostile bodies"): a body over
+``max_body_bytes`` is a 413 before it is read; its shape and size are bounded before it is
+decoded (``bodies.py``); a batch of more prompts than ``max_inflight`` is a 429 before any
+prompt is tokenized or enters the engine, and its rooms are not withdrawn (nor any beyond
+``max_inflight`` refused prompts at a time). Bodies over ``_INLINE_BYTES`` (one at a time) and
+texts are read and tokenized on the front's executor thread, so the event loop keeps serving
+other clients meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -44,7 +54,9 @@ from prefill_worker.scheduler.observer import LoadSnapshot
 
 log = logging.getLogger(__name__)
 
-_Reader = Callable[[bytes], tuple[list[Prompt], bool]]
+_Reader = Callable[[bytes, int], tuple[list[Prompt], bool]]
+_Admitted = tuple[list[Prompt], bool, list[PrefillRequest]]
+_INLINE_BYTES = 64 * 1024  # bodies up to this size are read on the event loop
 
 
 class HttpApi:
@@ -74,6 +86,8 @@ class HttpApi:
         self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
         self._released: set[str] = set()  # refused requests whose rooms were withdrawn
         self._site = ThreadedSite("http-api")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="http-api-admit")
+        self._big_bodies = asyncio.Semaphore(1)  # one big body read and parsed at a time
         self.is_ready = False
         self.is_draining = False
         self.port = 0
@@ -88,6 +102,7 @@ class HttpApi:
     def stop(self) -> None:
         """Close the listener; requests in flight get a moment to be answered."""
         self._site.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def set_ready(self, is_ready: bool) -> None:
         self.is_ready = is_ready
@@ -163,10 +178,9 @@ class HttpApi:
         answer: Callable[[Sequence[Outcome], list[answers.Asked], bool], Any],
     ) -> web.Response:
         try:
-            prompts, is_batch = read(await request.read())
-            requests = self._admitter.admit(prompts, time.monotonic())
+            prompts, is_batch, requests = await self._prepare(request, read)
         except BadRequest as exc:
-            return self._refuse(400, str(exc), exc.code)
+            return self._refuse(exc.status, str(exc), exc.code)
         why = self._unavailable()
         if why is not None:
             self._release(requests)
@@ -181,6 +195,38 @@ class HttpApi:
             return _json(answers.failure_body(outcomes), status)
         asked = [_asked(p, r) for p, r in zip(prompts, requests, strict=True)]
         return _json(answer(outcomes, asked, is_batch))
+
+    async def _prepare(self, request: web.Request, read: _Reader) -> _Admitted:
+        """The body read, its prompts and their engine requests (``BadRequest`` if not valid).
+        Small bodies of ids stay on the event loop; texts and big bodies go to the executor,
+        big bodies one at a time (their prompts' ids refer to the body until admitted)."""
+        arrival_time = time.monotonic()
+        size = request.content_length
+        if size is not None and size > self._max_body_bytes:
+            why = f"a body of {size} bytes; at most {self._max_body_bytes}"
+            raise BadRequest(why, "too_large", 413)
+        if size is not None and size <= _INLINE_BYTES:
+            prompts, is_batch = read(await self._read(request), self._max_inflight)
+            if all(p.text is None for p in prompts):
+                return prompts, is_batch, self._admitter.admit(prompts, arrival_time)
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+            return prompts, is_batch, requests
+        async with self._big_bodies:
+            body = await self._read(request)
+            prompts, is_batch = await self._off_loop(read, body, self._max_inflight)
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+            return prompts, is_batch, requests
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            why = f"the body is over {self._max_body_bytes} bytes"
+            raise BadRequest(why, "too_large", 413) from None
+
+    async def _off_loop(self, work: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(work, *args))
 
     def _generated(
         self, outcomes: Sequence[Outcome], asked: list[answers.Asked], batch: bool
@@ -214,7 +260,12 @@ class HttpApi:
     def _release(self, requests: list[PrefillRequest]) -> None:
         """Refused here, so their decodes must not wait out a timeout for them: each room is
         opened and withdrawn at once (the transfer side tells a decode that wants it, or that
-        wanted it already, that it failed), and the router's retry goes on without delay."""
+        wanted it already, that it failed), and the router's retry goes on without delay. At
+        most ``max_inflight`` refused requests are withdrawn at a time: beyond that, as for a
+        batch larger than ``max_inflight``, the decodes wait out their own timeouts rather than
+        a flood of refusals entering the engine."""
+        if len(self._released) + len(requests) > self._max_inflight:
+            return
         for req in requests:
             self._released.add(req.request_id)
             self._inbox.put_nowait(req)
@@ -241,8 +292,8 @@ def _asked(prompt: Prompt, request: PrefillRequest) -> answers.Asked:
     return answers.Asked(prompt.return_logprob, prompt.rid, prompt.return_text_in_logprobs, scored)
 
 
-def _read_completion(body: bytes) -> tuple[list[Prompt], bool]:
-    return read_completion(body), False
+def _read_completion(body: bytes, max_prompts: int) -> tuple[list[Prompt], bool]:
+    return read_completion(body, max_prompts), False
 
 
 def _json_route(make: Callable[[], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:

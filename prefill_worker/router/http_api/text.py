@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class TextCodec(Protocol):
+    max_token_bytes: int  # the longest token's text, in UTF-8 bytes: bounds a text's tokens
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -28,9 +30,15 @@ class HfTokenizer:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(str(path))
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        # Byte-level vocabularies spell a byte as one or two characters: an upper bound.
+        self.max_token_bytes = max((len(token.encode()) for token in vocab), default=1)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        """``encode_batch`` of one: unlike ``encode`` it releases the GIL while it works, so
+        the worker's other threads (the ZMQ ingress, the engine) run meanwhile."""
+        [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=True)
+        return list(encoding.ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))

@@ -6,15 +6,30 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import msgspec
 import pytest
 
 from prefill_worker.request import FinishReason, Outcome, SamplingParams
 from prefill_worker.router.admission import Limits
-from prefill_worker.router.http_api import answers
+from prefill_worker.router.http_api import answers, bodies
 from prefill_worker.router.http_api.admit import Admitter, is_front_id
-from prefill_worker.router.http_api.bodies import BadRequest, read_completion, read_generate
+from prefill_worker.router.http_api.bodies import BadRequest, Prompt
 
 LIMITS = Limits(vocab_size=100, max_prompt_tokens=50, max_pool_tokens=64)
+MAX_PROMPTS = 16
+
+
+def read_generate(raw: bytes) -> tuple[list[Prompt], bool]:
+    return bodies.read_generate(raw, MAX_PROMPTS)
+
+
+def read_completion(raw: bytes) -> list[Prompt]:
+    return bodies.read_completion(raw, MAX_PROMPTS)
+
+
+def ids_of(prompt: Prompt) -> list[int]:
+    assert prompt.token_ids is not None
+    return msgspec.json.decode(prompt.token_ids)
 
 
 def body(**fields: object) -> bytes:
@@ -37,7 +52,7 @@ def test_one_prompt_with_the_routers_flags() -> None:
     )
     assert not is_batch
     [p] = prompts
-    assert (p.token_ids, p.bootstrap_room, p.return_logprob) == ([1, 2, 3], 77, True)
+    assert (ids_of(p), p.bootstrap_room, p.return_logprob) == ([1, 2, 3], 77, True)
     assert p.sampling == SamplingParams(temperature=0.5, top_p=1.0, top_k=0, seed=None)
 
 
@@ -76,15 +91,81 @@ def test_a_batch_takes_list_bootstrap_fields_and_per_prompt_sampling() -> None:
 )
 def test_what_cannot_be_served_as_asked_is_a_bad_request(fields: dict, code: str) -> None:
     with pytest.raises(BadRequest) as refused:
-        read_generate(body(**fields))
-    assert refused.value.code == code
+        prompts, _ = read_generate(body(**fields))
+        Admitter(LIMITS, codec=None).admit(prompts, 0.0)
+    assert (refused.value.code, refused.value.status) == (code, 400)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [["hello"], [1, "hello"], [[1], ["hello"]], [True], [[1], 2], "hello", {"a": 1}, [[[1]]]],
+)
+def test_token_ids_must_be_integers(ids: object) -> None:
+    """``input_ids: ["hello"]`` was once read as a batch of texts and served."""
+    with pytest.raises(BadRequest, match="integer token ids") as refused:
+        prompts, _ = read_generate(body(input_ids=ids, bootstrap_room=1))
+        Admitter(LIMITS, codec=Letters()).admit(prompts, 0.0)
+    assert (refused.value.code, refused.value.status) == ("bad_field", 400)
+
+
+@pytest.mark.parametrize("depth", [33, 1000])  # deeper ones hold too many values: 413
+@pytest.mark.parametrize("where", ["unknown", "input_ids", "sampling"])
+def test_deep_nesting_is_malformed_before_it_is_decoded(depth: int, where: str) -> None:
+    nested = b"[" * depth + b"]" * depth
+    fields = {
+        "unknown": b'{"input_ids": [1], "bootstrap_room": 1, "extra": %s}',
+        "input_ids": b'{"input_ids": %s, "bootstrap_room": 1}',
+        "sampling": b'{"input_ids": [1], "bootstrap_room": 1, "sampling_params": {"x": %s}}',
+    }[where]
+    for read in (read_generate, read_completion):
+        raw = (
+            fields % nested
+            if read is read_generate
+            else fields.replace(b"input_ids", b"prompt") % nested
+        )
+        with pytest.raises(BadRequest, match="nested deeper than 32") as refused:
+            read(raw)
+        assert (refused.value.code, refused.value.status) == ("malformed", 400)
+
+
+def test_brackets_and_quotes_inside_strings_are_text() -> None:
+    text = '[[[[{{{{\\"' * 40  # 40 × 8 brackets, escaped quotes and backslashes
+    [p] = read_completion(body(prompt=text, bootstrap_room=1, user=["]]]" * 50]))
+    assert p.text == text
+    deep_enough = {"a": [[[[[[[[[[1]]]]]]]]]]}  # 11 levels, within the bound
+    read_generate(body(input_ids=[1], bootstrap_room=1, extra=deep_enough))
+
+
+def test_a_batch_over_the_cap_is_429_and_too_many_values_413() -> None:
+    over = [[1]] * (MAX_PROMPTS + 1)
+    for raw in (body(input_ids=over, bootstrap_room=1), body(text=["a"] * 17, bootstrap_room=1)):
+        with pytest.raises(BadRequest, match="a batch of 17 prompts") as refused:
+            read_generate(raw)
+        assert (refused.value.code, refused.value.status) == ("overloaded", 429)
+    flood = body(input_ids=[1], bootstrap_room=1, extra=[[]] * bodies.max_values(MAX_PROMPTS))
+    with pytest.raises(BadRequest, match="strings, arrays and objects") as refused:
+        read_generate(flood)
+    assert (refused.value.code, refused.value.status) == ("too_large", 413)
+    with pytest.raises(BadRequest, match="empty batch"):
+        read_generate(body(text=[], bootstrap_room=1))
+
+
+def test_ids_and_text_are_bounded_by_size_before_they_are_built() -> None:
+    admitter = Admitter(LIMITS, codec=Letters())
+    for fields in ({"input_ids": [1] * 600}, {"text": "a" * 501}):  # JSON: 1,800 B; 501 B
+        prompts, _ = read_generate(body(bootstrap_room=1, **fields))
+        with pytest.raises(BadRequest, match="bytes") as refused:
+            admitter.admit(prompts, 0.0)
+        assert refused.value.code == "prompt_too_long"
+    fits, _ = read_generate(body(text="a" * 50, bootstrap_room=1))  # 50 bytes, 50 tokens
+    assert len(admitter.admit(fits, 0.0)[0].token_ids) == 50
 
 
 def test_completions_prompt_forms() -> None:
     [p] = read_completion(body(prompt="hi", bootstrap_room=3, temperature=0, logprobs=2))
     assert (p.text, p.return_logprob, p.sampling.is_greedy) == ("hi", True, True)
     ids = read_completion(body(prompt=[[1, 2], [3]], bootstrap_room=[3, 4]))
-    assert [p.token_ids for p in ids] == [[1, 2], [3]]
+    assert [ids_of(p) for p in ids] == [[1, 2], [3]]
     with pytest.raises(BadRequest):
         read_completion(body(prompt="hi", bootstrap_room=3, echo=True))
 
@@ -126,6 +207,8 @@ def test_outcome_status_is_what_the_router_acts_on(reason: FinishReason, status:
 
 class Letters:
     """A ``TextCodec`` for answers: token t is the letter ``chr(97 + t % 26)``."""
+
+    max_token_bytes = 10  # a text of more than 10 × max_prompt_tokens bytes cannot fit
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 97 for c in text]

@@ -478,3 +478,23 @@ def test_the_outcome_carries_the_bytes_its_sender_wrote() -> None:
     assert rig.outcome("a").reason is FinishReason.OK
     assert rig.outcome("a").transfer_bytes == rig.sender("a").written_bytes() == 3 + 1
     rig.check_whole()
+
+
+def test_aborted_requests_do_not_hold_up_the_watch_ring() -> None:
+    """10,000 requests aborted while bootstrapping, then one whose decode wants it at once:
+    the next turn polls it. Before, the dead entries in the ring took the poll budget (32 a
+    turn) until skipped, so a new request waited ~300 turns (an HTTP batch of
+    100,000 aborted prompts made ZMQ requests fail ``bootstrap_timeout`` for ~20 s)."""
+    rig = make_rig(auto_want=False, bootstrap_timeout_s=60.0)
+    for i in range(10_000):
+        rig.prefill(f"dead{i}", 8)
+    rig.engine.step()
+    for i in range(10_000):
+        rig.abort(f"dead{i}")
+    rig.prefill("live", 8)
+    rig.sender("live").want()
+    rig.engine.step()
+    assert state_of(rig) in ("waiting", "prefilling"), rig.engine.load
+    rig.steps(50)
+    assert [o.request_id for o in rig.outcomes[-1:]] == ["live"]
+    rig.check_whole()
