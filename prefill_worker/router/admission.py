@@ -5,11 +5,12 @@ shapes, with msgspec errors naming the field path; this module maps those to rej
 adds what depends on the worker: prompt length against the model and the KV pool, token ids
 against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
 
-Safety caps: the frame's map, and any array or map in ``token_ids``, ``sampling`` or an unknown
-key, hold at most ``_MAX_ITEMS`` items (``malformed``; checked on the headers, before anything
-is built). A container where a scalar belongs is a type error (``bad_field``) found on its
-header; deeper ones are skipped by msgspec without building objects. Frames over the size
-limit never get here (ZMQ drops them).
+Safety caps, checked on the bytes before anything is built (``malformed``): the frame's map
+and every array or map in it hold at most ``_MAX_ITEMS`` items, nest at most
+``msgpack_shape.MAX_DEPTH`` deep (the frame's map counted) and hold ``_MAX_TOTAL_ITEMS`` items
+per field in all. Within those, a container where a scalar belongs is a type error
+(``bad_field``). Frames over the size limit never
+get here (ZMQ drops them).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ import msgspec
 import numpy as np
 from msgspec import UNSET
 
+from prefill_worker.msgpack_shape import (
+    MAX_DEPTH,
+    Shape,
+    ShapeError,
+    check,
+    is_container,
+    num_items,
+)
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
 from prefill_worker.router.messages import (
     MAX_REQUEST_ID_CHARS,
@@ -41,29 +50,29 @@ from prefill_worker.router.messages import (
 )
 
 _MAX_ITEMS = 64  # per map or array
+_MAX_TOTAL_ITEMS = 1024  # in one field's containers together; v1 frames hold a few
+_FIELD_SHAPE = Shape(MAX_DEPTH - 1, _MAX_ITEMS, _MAX_TOTAL_ITEMS)  # inside the frame's map
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
 _TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
-# Values the cap is checked on: a container in any other known field is a type error anyway.
-_SCALAR_FIELDS = frozenset(
-    {
-        "v",
-        "type",
-        "request_id",
-        "bootstrap_room",
-        "return_logprob",
-        "deadline_s",
-        "decode_peer",
-        "logprob_start_len",
-        "nonce",
-    }
-)
 _VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
 _GREEDY = SamplingParams()
-_MALFORMED = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
+_MALFORMED = (
+    f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items,"
+    f" nested at most {MAX_DEPTH} deep)"
+)
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
 
+
+class _Container:
+    """Stands for a header field's array or map in a reject's text (it is not decoded)."""
+
+    def __repr__(self) -> str:
+        return "an array or map"
+
+
+_CONTAINER = _Container()
 _raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 
@@ -149,31 +158,25 @@ def check_logprob_start(start: int | None, num_tokens: int) -> int | None:
 
 
 def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
-    """The top-level map with its values still encoded, or None when malformed or too big."""
-    if _num_items(frame) > _MAX_ITEMS:
+    """The top-level map with its values still encoded, or None when malformed or too big.
+
+    msgspec skips over each value to find the next key without building it; a value nested
+    past the interpreter's recursion limit makes that skip raise ``RecursionError``, and
+    nothing has been built then either."""
+    if num_items(frame) > _MAX_ITEMS:
         return None
     try:
         raws = _raw_map.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
-    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
-        if _num_items(memoryview(raws[key])) > _MAX_ITEMS:
-            return None
+    for value in raws.values():
+        raw = memoryview(value)
+        if is_container(raw):
+            try:
+                check(raw, _FIELD_SHAPE)
+            except ShapeError:
+                return None
     return raws
-
-
-def _num_items(buf: bytes | memoryview) -> int:
-    """Items in the msgpack array or map that ``buf`` starts with (0: not a container)."""
-    if not buf:
-        return 0
-    head = buf[0]
-    if 0x80 <= head <= 0x9F:  # fixmap, fixarray
-        return head & 0x0F
-    if head in (0xDC, 0xDE) and len(buf) >= 3:  # array 16, map 16
-        return int.from_bytes(buf[1:3], "big")
-    if head in (0xDD, 0xDF) and len(buf) >= 5:  # array 32, map 32
-        return int.from_bytes(buf[1:5], "big")
-    return 0
 
 
 def _check_header(raws: dict[str, msgspec.Raw]) -> str:
@@ -198,6 +201,10 @@ def _check_header(raws: dict[str, msgspec.Raw]) -> str:
 
 
 def _decode_raw(raw: msgspec.Raw) -> object:
+    """A header field's value for the reject's text: scalars only (a container is never
+    built here, however deep)."""
+    if is_container(memoryview(raw)):
+        return _CONTAINER
     try:
         return msgspec.msgpack.decode(raw)
     except msgspec.DecodeError:
@@ -209,7 +216,7 @@ def _decode_typed(frame: bytes | memoryview) -> RouterMessage:
         return _router_decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise _field_error(str(exc)) from None
-    except msgspec.DecodeError:  # a value deeper down is not valid msgpack
+    except (msgspec.DecodeError, RecursionError):  # a value deeper down is not valid msgpack
         raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
 
 
