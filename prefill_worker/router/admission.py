@@ -5,12 +5,13 @@ shapes, with msgspec errors naming the field path; this module maps those to rej
 adds what depends on the worker: prompt length against the model and the KV pool, token ids
 against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
 
-Safety caps, checked on the bytes before anything is built (``malformed``): the frame's map
-and every array or map in it hold at most ``_MAX_ITEMS`` items, nest at most
-``msgpack_shape.MAX_DEPTH`` deep (the frame's map counted) and hold ``_MAX_TOTAL_ITEMS`` items
-per field in all. Within those, a container where a scalar belongs is a type error
-(``bad_field``). Frames over the size limit never
-get here (ZMQ drops them).
+Safety caps, checked on the bytes before anything is built (``malformed``): the frame's map,
+and every array or map in ``token_ids``, ``sampling`` or an unknown key, hold at most
+``_MAX_ITEMS`` items, nest at most ``msgpack_shape.MAX_DEPTH`` deep (the frame's map counted)
+and hold ``_MAX_TOTAL_ITEMS`` items per field in all. A container where a scalar belongs is a
+type error (``bad_field``) found on its header, never descended into; one nested past the
+interpreter's recursion limit stops msgspec's skip over it (``malformed``). Frames over the
+size limit never get here (ZMQ drops them).
 """
 
 from __future__ import annotations
@@ -52,8 +53,26 @@ from prefill_worker.router.messages import (
 _MAX_ITEMS = 64  # per map or array
 _MAX_TOTAL_ITEMS = 1024  # in one field's containers together; v1 frames hold a few
 _FIELD_SHAPE = Shape(MAX_DEPTH - 1, _MAX_ITEMS, _MAX_TOTAL_ITEMS)  # inside the frame's map
+_good_shapes: set[bytes] = set()  # field values that passed the check (I/O thread only)
+_GOOD_SHAPES_SIZE = 4096
+_GOOD_SHAPE_MAX_BYTES = 256
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
 _TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
+# Fields whose value msgspec refuses on its header when it is a container (a type error, never
+# descended into); every other value's shape is checked on its bytes.
+_SCALAR_FIELDS = frozenset(
+    {
+        "v",
+        "type",
+        "request_id",
+        "bootstrap_room",
+        "return_logprob",
+        "deadline_s",
+        "decode_peer",
+        "logprob_start_len",
+        "nonce",
+    }
+)
 _VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
 _GREEDY = SamplingParams()
@@ -95,11 +114,13 @@ class _Invalid(Exception):
 
 
 def decode_router(
-    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0
+    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0, id_prefix: str = ""
 ) -> PrefillRequest | AbortRequest | Ping | Drain | Reject:
     """A router frame as what the engine consumes, or the ``Reject`` that answers it.
 
-    A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``. The cost is
+    A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``, whose id is the
+    router's with ``id_prefix`` before it (the ingress scopes ids by connection, and builds
+    the request once rather than copying it with another id). The cost is
     linear in the frame's size and small: ``token_ids`` is copied once and range-checked by
     numpy."""
     raws = _header_map(frame)
@@ -112,7 +133,7 @@ def decode_router(
     try:
         msg = _decode_typed(frame)
         if isinstance(msg, Prefill):
-            return _admit_prefill(msg, limits, arrival_time)
+            return _admit_prefill(msg, limits, arrival_time, id_prefix)
     except _Invalid as exc:
         return _with_request_id(exc.reject, raws) if type_ == "prefill" else exc.reject
     if isinstance(msg, Abort):
@@ -169,14 +190,26 @@ def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
         raws = _raw_map.decode(frame)
     except (msgspec.DecodeError, RecursionError):
         return None
-    for value in raws.values():
-        raw = memoryview(value)
-        if is_container(raw):
+    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
+        raw = memoryview(raws[key])
+        if not is_container(raw):
+            continue
+        value = bytes(raw)
+        if value not in _good_shapes:
             try:
-                check(raw, _FIELD_SHAPE)
+                check(value, _FIELD_SHAPE)
             except ShapeError:
                 return None
+            _remember_good_shape(value)
     return raws
+
+
+def _remember_good_shape(value: bytes) -> None:
+    """Routers repeat a few ``sampling`` maps: each is scanned once, then found here."""
+    if len(_good_shapes) >= _GOOD_SHAPES_SIZE:
+        _good_shapes.clear()
+    if len(value) <= _GOOD_SHAPE_MAX_BYTES:
+        _good_shapes.add(value)
 
 
 def _check_header(raws: dict[str, msgspec.Raw]) -> str:
@@ -247,7 +280,9 @@ def _with_request_id(reject: Reject, raws: dict[str, msgspec.Raw]) -> Reject:
     return msgspec.structs.replace(reject, request_id=request_id)
 
 
-def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> PrefillRequest:
+def _admit_prefill(
+    msg: Prefill, limits: Limits, arrival_time: float, id_prefix: str
+) -> PrefillRequest:
     tokens = _check_tokens(msg.token_ids, limits)
     deadline = msg.deadline_s
     if deadline is None or deadline is UNSET:
@@ -262,7 +297,7 @@ def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> Prefill
     except PromptRefused as exc:
         raise _Invalid(exc.code, "logprob_start_len", str(exc)) from None
     return PrefillRequest(
-        msg.request_id,
+        id_prefix + msg.request_id,
         tokens,
         sampling,
         msg.return_logprob,
