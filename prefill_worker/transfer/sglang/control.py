@@ -73,6 +73,12 @@ class ControlSocket:
         self._close_sockets()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # the daemon's thread watch sees the thread stop: not live
+            log.exception("sglang control socket thread stopped")
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._stop_recv, zmq.POLLIN)
