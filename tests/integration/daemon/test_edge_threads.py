@@ -161,14 +161,29 @@ def test_the_daemon_is_not_live_once_its_ingress_thread_stops(checkpoint: Path) 
     import threading
 
     http_port = free_port()
-    daemon = tiny_daemon(checkpoint, http_port, free_port(), free_port())
+    every_edge = (
+        "transfer.protocol=both",
+        f"transfer.sglang_bootstrap_bind=127.0.0.1:{free_port()}",
+        "http_api.enabled=true",
+        f"http_api.bind=127.0.0.1:{free_port()}",
+        "kv_events.enabled=true",
+        "kv_events.publish_bind=tcp://127.0.0.1:0",
+        "kv_events.replay_bind=tcp://127.0.0.1:0",
+    )
+    daemon = tiny_daemon(checkpoint, http_port, free_port(), free_port(), *every_edge)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(daemon.run()))
     thread.start()
     try:
         wait_until(lambda: _get(http_port, "/readyz")[0] == 200, 60, "ready")
-        assert "ingress/ingress-io" in daemon.threads.watched()
-        assert "http/http" in daemon.threads.watched()
+        assert sorted(daemon.threads.watched()) == [
+            "http api/http-api",
+            "http/http",
+            "ingress/ingress-io",
+            "kv events/kv-events",
+            "transfer/sglang-control",
+            "transfer/sglang-http",
+        ]
         assert _get(http_port, "/livez")[0] == 200
         daemon.ingress.close()  # its I/O thread stops, as if its loop had raised
         wait_until(lambda: not daemon.ingress.is_alive, 5, "ingress thread gone")
