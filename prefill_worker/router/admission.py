@@ -5,13 +5,9 @@ shapes, with msgspec errors naming the field path; this module maps those to rej
 adds what depends on the worker: prompt length against the model and the KV pool, token ids
 against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
 
-Safety caps, checked on the bytes before anything is built (``malformed``): the frame's map,
-and every array or map in ``token_ids``, ``sampling`` or an unknown key, hold at most
-``_MAX_ITEMS`` items, nest at most ``msgpack_shape.MAX_DEPTH`` deep (the frame's map counted)
-and hold ``_MAX_TOTAL_ITEMS`` items per field in all. A container where a scalar belongs is a
-type error (``bad_field``) found on its header, never descended into; one nested past the
-interpreter's recursion limit stops msgspec's skip over it (``malformed``). Frames over the
-size limit never get here (ZMQ drops them).
+The frame's shape (item and depth caps) and its header (``v`` before ``type``) are read first,
+without decoding its values, by ``header.py``. Frames over the size limit never get here (ZMQ
+drops them).
 """
 
 from __future__ import annotations
@@ -27,18 +23,10 @@ import msgspec
 import numpy as np
 from msgspec import UNSET
 
-from prefill_worker.msgpack_shape import (
-    MAX_DEPTH,
-    Shape,
-    ShapeError,
-    check,
-    is_container,
-    num_items,
-)
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.router.header import MALFORMED, message_type, read_header
 from prefill_worker.router.messages import (
     MAX_REQUEST_ID_CHARS,
-    PROTOCOL_VERSION,
     Abort,
     Drain,
     Ping,
@@ -50,49 +38,11 @@ from prefill_worker.router.messages import (
     unpack_tokens,
 )
 
-_MAX_ITEMS = 64  # per map or array
-_MAX_TOTAL_ITEMS = 1024  # in one field's containers together; v1 frames hold a few
-_FIELD_SHAPE = Shape(MAX_DEPTH - 1, _MAX_ITEMS, _MAX_TOTAL_ITEMS)  # inside the frame's map
-_good_shapes: set[bytes] = set()  # field values that passed the check (I/O thread only)
-_GOOD_SHAPES_SIZE = 4096
-_GOOD_SHAPE_MAX_BYTES = 256
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
-_TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
-# Fields whose value msgspec refuses on its header when it is a container (a type error, never
-# descended into); every other value's shape is checked on its bytes.
-_SCALAR_FIELDS = frozenset(
-    {
-        "v",
-        "type",
-        "request_id",
-        "bootstrap_room",
-        "return_logprob",
-        "deadline_s",
-        "decode_peer",
-        "logprob_start_len",
-        "nonce",
-    }
-)
-_VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
 _GREEDY = SamplingParams()
-_MALFORMED = (
-    f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items,"
-    f" nested at most {MAX_DEPTH} deep)"
-)
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
-
-
-class _Container:
-    """Stands for a header field's array or map in a reject's text (it is not decoded)."""
-
-    def __repr__(self) -> str:
-        return "an array or map"
-
-
-_CONTAINER = _Container()
-_raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 
 
@@ -120,16 +70,14 @@ def decode_router(
 
     A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``, whose id is the
     router's with ``id_prefix`` before it (the ingress scopes ids by connection, and builds
-    the request once rather than copying it with another id). The cost is
-    linear in the frame's size and small: ``token_ids`` is copied once and range-checked by
-    numpy."""
-    raws = _header_map(frame)
+    the request once rather than copying it with another id). The cost is linear in the
+    frame's size and small: ``token_ids`` is copied once and range-checked by numpy."""
+    raws = read_header(frame)
     if raws is None:
-        return Reject(code=RejectCode.MALFORMED, message=_MALFORMED)
-    try:
-        type_ = _check_header(raws)
-    except _Invalid as exc:
-        return exc.reject
+        return Reject(code=RejectCode.MALFORMED, message=MALFORMED)
+    type_ = message_type(raws)
+    if isinstance(type_, Reject):
+        return type_
     try:
         msg = _decode_typed(frame)
         if isinstance(msg, Prefill):
@@ -178,79 +126,13 @@ def check_logprob_start(start: int | None, num_tokens: int) -> int | None:
     return start
 
 
-def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
-    """The top-level map with its values still encoded, or None when malformed or too big.
-
-    msgspec skips over each value to find the next key without building it; a value nested
-    past the interpreter's recursion limit makes that skip raise ``RecursionError``, and
-    nothing has been built then either."""
-    if num_items(frame) > _MAX_ITEMS:
-        return None
-    try:
-        raws = _raw_map.decode(frame)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
-        raw = memoryview(raws[key])
-        if not is_container(raw):
-            continue
-        value = bytes(raw)
-        if value not in _good_shapes:
-            try:
-                check(value, _FIELD_SHAPE)
-            except ShapeError:
-                return None
-            _remember_good_shape(value)
-    return raws
-
-
-def _remember_good_shape(value: bytes) -> None:
-    """Routers repeat a few ``sampling`` maps: each is scanned once, then found here."""
-    if len(_good_shapes) >= _GOOD_SHAPES_SIZE:
-        _good_shapes.clear()
-    if len(value) <= _GOOD_SHAPE_MAX_BYTES:
-        _good_shapes.add(value)
-
-
-def _check_header(raws: dict[str, msgspec.Raw]) -> str:
-    """``v`` before ``type``, so that a frame from another version is told so."""
-    version = raws.get("v")
-    if version is None:
-        raise _Invalid(RejectCode.MISSING_FIELD, "v", "v is required")
-    if bytes(version) != _VERSION:
-        got = _decode_raw(version)
-        why = f"v must be {PROTOCOL_VERSION}, got {got!r:.40}"
-        raise _Invalid(RejectCode.BAD_VERSION, "v", why)
-    raw_type = raws.get("type")
-    if raw_type is None:
-        raise _Invalid(RejectCode.MISSING_FIELD, "type", "type is required")
-    type_ = _TAGS.get(bytes(raw_type))
-    if type_ is not None:
-        return type_
-    got = _decode_raw(raw_type)
-    if type(got) is not str:
-        raise _Invalid(RejectCode.BAD_FIELD, "type", "type must be a string")
-    raise _Invalid(RejectCode.UNKNOWN_TYPE, "type", f"unknown message type {got!r:.40}")
-
-
-def _decode_raw(raw: msgspec.Raw) -> object:
-    """A header field's value for the reject's text: scalars only (a container is never
-    built here, however deep)."""
-    if is_container(memoryview(raw)):
-        return _CONTAINER
-    try:
-        return msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
-
-
 def _decode_typed(frame: bytes | memoryview) -> RouterMessage:
     try:
         return _router_decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise _field_error(str(exc)) from None
     except (msgspec.DecodeError, RecursionError):  # a value deeper down is not valid msgpack
-        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
+        raise _Invalid(RejectCode.MALFORMED, None, MALFORMED) from None
 
 
 def _field_error(text: str) -> _Invalid:
