@@ -21,9 +21,20 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-# The long-lived I/O threads of the worker, by the names their components give them.
+# The long-lived I/O threads of the worker, by the names their components give them; with
+# them the threads that own the NIXL agents and post every KV write (a dead one would leave
+# every transfer waiting while the engine turns).
 EDGE_THREADS = frozenset(
-    {"ingress-io", "http", "http-api", "sglang-http", "sglang-control", "kv-events"}
+    {
+        "ingress-io",
+        "http",
+        "http-api",
+        "sglang-http",
+        "sglang-control",
+        "kv-events",
+        "nixl-push",
+        "nixl-push-sglang",
+    }
 )
 
 

@@ -1,8 +1,9 @@
-"""No edge thread dies silently: each one's work is killed by an exception injected through the
-component's public parameters (an observer or callback that raises, the event loop a site
-serves on), and the daemon's thread watch turns the stopped thread into ``/livez`` and
-``/readyz`` 503. The last test runs the whole daemon: its stopped ingress thread is not live
-and not ready at once (before: both kept answering 200 while no router got a reply)."""
+"""No edge thread dies silently: each one's work (and the NIXL transfer thread's) is killed by
+an exception injected through the component's public parameters (an observer or callback that
+raises, the event loop a site serves on), and the daemon's thread watch turns the stopped
+thread into ``/livez`` and ``/readyz`` 503. The last test runs the whole daemon: its stopped
+ingress thread is not live and not ready at once (before: both kept answering 200 while no
+router got a reply)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from prefill_worker.router.ingress import Ingress
 from prefill_worker.scheduler.observer import LoadSnapshot
 from prefill_worker.service.http import Health
 from prefill_worker.service.threads import ThreadWatch
+from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.sglang.control import ControlSocket
 from tests.integration.daemon.conftest import free_port, wait_until
 from tests.integration.daemon.test_readiness import tiny_daemon
@@ -123,6 +125,18 @@ def test_a_killed_sglang_control_thread_is_not_live() -> None:
         control.close()
 
 
+def test_a_killed_transfer_thread_is_not_live() -> None:
+    """The thread that owns a NIXL agent (every call and write goes through it) dies when the
+    callback it tells of changes raises; no agent is needed for a control call."""
+    threads: list[PushThread] = []
+    _, health = _watched(
+        "transfer", lambda: threads.append(PushThread(None, "nixl-push", on_change=_raise))
+    )
+    threads[0].run_later(lambda: None)
+    _assert_stops(health, "transfer/nixl-push")
+    threads[0].close()
+
+
 @pytest.fixture
 def sites() -> Iterator[list[ThreadedSite]]:
     started: list[ThreadedSite] = []
@@ -181,6 +195,8 @@ def test_the_daemon_is_not_live_once_its_ingress_thread_stops(checkpoint: Path) 
             "http/http",
             "ingress/ingress-io",
             "kv events/kv-events",
+            "transfer/nixl-push",
+            "transfer/nixl-push-sglang",
             "transfer/sglang-control",
             "transfer/sglang-http",
         ]
