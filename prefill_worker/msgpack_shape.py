@@ -80,9 +80,9 @@ def check(buf: bytes | memoryview, shape: Shape) -> None:
     The common case costs one C call: a small value in which no byte but the first could be a
     container's head nests nothing, and only that head is checked."""
     if len(buf) <= _QUICK_BYTES and len(bytes(buf).translate(None, _NOT_CONTAINER_HEADS)) <= 1:
-        if not is_container(buf):
-            return
-        _check_container(1, num_items(buf), num_items(buf), shape)
+        count = num_items(buf)
+        if is_container(buf):
+            _check_container(1, count, count, shape)
         return
     _scan(buf, shape)
 
