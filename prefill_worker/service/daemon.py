@@ -12,8 +12,9 @@ supervision, signals, drain, stop, fatal errors, closing. Threads::
     kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
 
 Every thread above but main, engine and forward is an edge thread, supervised with the NIXL
-transfer threads by ``service/threads.py``: one that stops makes ``/livez`` and ``/readyz`` answer 503 (and stops the
-systemd watchdog) within one supervision period, ``_SUPERVISE_PERIOD_S``.
+transfer threads by ``service/threads.py``: one that stops makes ``/livez`` and ``/readyz``
+answer 503 at once, and stops the systemd watchdog within one supervision period
+(``_SUPERVISE_PERIOD_S``).
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
