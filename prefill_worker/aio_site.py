@@ -32,7 +32,7 @@ class ThreadedSite:
         """Serve ``app`` at host:port (0 picks one); returns the bound port."""
         loop = self.loop = _new_loop()
         self._thread = threading.Thread(
-            target=loop.run_forever, name=self._thread_name, daemon=True
+            target=self._run_forever, args=(loop,), name=self._thread_name, daemon=True
         )
         self._thread.start()
         try:
@@ -43,9 +43,18 @@ class ThreadedSite:
             self.stop()
             raise
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
+        """Close the listener and the loop; a loop whose thread has already stopped (see
+        ``_run_forever``) is closed without waiting on it."""
         loop, thread, self.loop = self.loop, self._thread, None
         if loop is None or thread is None:
+            return
+        if not thread.is_alive():
+            loop.close()
             return
         try:
             if self._runner is not None:
@@ -56,6 +65,15 @@ class ThreadedSite:
             thread.join(timeout=5)
             if not thread.is_alive():
                 loop.close()
+
+    def _run_forever(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The thread's work. A handler's ``Exception`` is aiohttp's to answer (500); only a
+        ``BaseException`` stops the loop, and then the thread: logged here, and the daemon's
+        thread watch makes the worker not live."""
+        try:
+            loop.run_forever()
+        except BaseException:
+            log.exception("the %s event loop stopped", self._thread_name)
 
     async def _serve(
         self, app: web.Application, host: str, port: int, runner_options: dict[str, Any]

@@ -37,12 +37,15 @@ from prefill_worker.kv_events.wire import (
     encode_batch,
     seq_frame,
 )
+from prefill_worker.zmq_parts import recv_parts
 
 log = logging.getLogger("prefill_worker.kv_events")
 
 DropReason = Literal["queue_full", "closed", "bad_event", "send_failed"]
 _MAX_BATCH_EVENTS = 1024  # a long prompt's stored event is ~its token ids: keep batches small
 _MAX_REPLAYS_PER_TURN = 16  # replay is served between batches, never starving them
+_REPLAY_PARTS = 3  # [routing id, b"", 8-byte seq]: more parts are read and dropped
+_MAX_REPLAY_PART_BYTES = 1024  # a request's parts are tiny; ZMQ drops a larger one unread
 
 
 class KVEventsError(RuntimeError):
@@ -114,6 +117,7 @@ class KVEventPublisher:
         self.endpoint = self._bind(self._pub, publish_bind)
         if self._replay is not None and replay_bind is not None:
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLAY_PART_BYTES)
             self.replay_endpoint = self._bind(self._replay, replay_bind)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -237,9 +241,11 @@ class KVEventPublisher:
         assert self._replay is not None
         for _ in range(_MAX_REPLAYS_PER_TURN):
             try:
-                request = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+                request, num_parts = recv_parts(self._replay, _REPLAY_PARTS)
             except zmq.Again:
                 return
+            if num_parts != _REPLAY_PARTS:
+                request = request[:1]  # refused below as bad_request, whatever it held
             reply = answer(request, self._replay_buffer, self._topic)
             try:
                 for message in reply.messages:

@@ -5,11 +5,9 @@ shapes, with msgspec errors naming the field path; this module maps those to rej
 adds what depends on the worker: prompt length against the model and the KV pool, token ids
 against the vocabulary, sampling and deadline ranges. Never raises: every frame is answered.
 
-Safety caps: the frame's map, and any array or map in ``token_ids``, ``sampling`` or an unknown
-key, hold at most ``_MAX_ITEMS`` items (``malformed``; checked on the headers, before anything
-is built). A container where a scalar belongs is a type error (``bad_field``) found on its
-header; deeper ones are skipped by msgspec without building objects. Frames over the size
-limit never get here (ZMQ drops them).
+The frame's shape (item and depth caps) and its header (``v`` before ``type``) are read first,
+without decoding its values, by ``header.py``. Frames over the size limit never get here (ZMQ
+drops them).
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.router.header import MALFORMED, message_type, read_header
 from prefill_worker.router.messages import (
     MAX_REQUEST_ID_CHARS,
-    PROTOCOL_VERSION,
     Abort,
     Drain,
     Ping,
@@ -40,31 +38,11 @@ from prefill_worker.router.messages import (
     unpack_tokens,
 )
 
-_MAX_ITEMS = 64  # per map or array
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
-_TAGS = {msgspec.msgpack.encode(t): t for t in ("prefill", "abort", "ping", "drain")}
-# Values the cap is checked on: a container in any other known field is a type error anyway.
-_SCALAR_FIELDS = frozenset(
-    {
-        "v",
-        "type",
-        "request_id",
-        "bootstrap_room",
-        "return_logprob",
-        "deadline_s",
-        "decode_peer",
-        "logprob_start_len",
-        "nonce",
-    }
-)
-_VERSION = msgspec.msgpack.encode(PROTOCOL_VERSION)
 _NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
 _GREEDY = SamplingParams()
-_MALFORMED = f"frame is not a msgpack map (maps and arrays of at most {_MAX_ITEMS} items)"
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
-
-_raw_map = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 
 
@@ -86,24 +64,24 @@ class _Invalid(Exception):
 
 
 def decode_router(
-    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0
+    frame: bytes | memoryview, limits: Limits, arrival_time: float = 0.0, id_prefix: str = ""
 ) -> PrefillRequest | AbortRequest | Ping | Drain | Reject:
     """A router frame as what the engine consumes, or the ``Reject`` that answers it.
 
-    A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``. The cost is
-    linear in the frame's size and small: ``token_ids`` is copied once and range-checked by
-    numpy."""
-    raws = _header_map(frame)
+    A valid ``prefill`` becomes a ``PrefillRequest`` stamped ``arrival_time``, whose id is the
+    router's with ``id_prefix`` before it (the ingress scopes ids by connection, and builds
+    the request once rather than copying it with another id). The cost is linear in the
+    frame's size and small: ``token_ids`` is copied once and range-checked by numpy."""
+    raws = read_header(frame)
     if raws is None:
-        return Reject(code=RejectCode.MALFORMED, message=_MALFORMED)
-    try:
-        type_ = _check_header(raws)
-    except _Invalid as exc:
-        return exc.reject
+        return Reject(code=RejectCode.MALFORMED, message=MALFORMED)
+    type_ = message_type(raws)
+    if isinstance(type_, Reject):
+        return type_
     try:
         msg = _decode_typed(frame)
         if isinstance(msg, Prefill):
-            return _admit_prefill(msg, limits, arrival_time)
+            return _admit_prefill(msg, limits, arrival_time, id_prefix)
     except _Invalid as exc:
         return _with_request_id(exc.reject, raws) if type_ == "prefill" else exc.reject
     if isinstance(msg, Abort):
@@ -148,69 +126,13 @@ def check_logprob_start(start: int | None, num_tokens: int) -> int | None:
     return start
 
 
-def _header_map(frame: bytes | memoryview) -> dict[str, msgspec.Raw] | None:
-    """The top-level map with its values still encoded, or None when malformed or too big."""
-    if _num_items(frame) > _MAX_ITEMS:
-        return None
-    try:
-        raws = _raw_map.decode(frame)
-    except msgspec.DecodeError:
-        return None
-    for key in raws.keys() - _SCALAR_FIELDS:  # token_ids, sampling, unknown keys
-        if _num_items(memoryview(raws[key])) > _MAX_ITEMS:
-            return None
-    return raws
-
-
-def _num_items(buf: bytes | memoryview) -> int:
-    """Items in the msgpack array or map that ``buf`` starts with (0: not a container)."""
-    if not buf:
-        return 0
-    head = buf[0]
-    if 0x80 <= head <= 0x9F:  # fixmap, fixarray
-        return head & 0x0F
-    if head in (0xDC, 0xDE) and len(buf) >= 3:  # array 16, map 16
-        return int.from_bytes(buf[1:3], "big")
-    if head in (0xDD, 0xDF) and len(buf) >= 5:  # array 32, map 32
-        return int.from_bytes(buf[1:5], "big")
-    return 0
-
-
-def _check_header(raws: dict[str, msgspec.Raw]) -> str:
-    """``v`` before ``type``, so that a frame from another version is told so."""
-    version = raws.get("v")
-    if version is None:
-        raise _Invalid(RejectCode.MISSING_FIELD, "v", "v is required")
-    if bytes(version) != _VERSION:
-        got = _decode_raw(version)
-        why = f"v must be {PROTOCOL_VERSION}, got {got!r:.40}"
-        raise _Invalid(RejectCode.BAD_VERSION, "v", why)
-    raw_type = raws.get("type")
-    if raw_type is None:
-        raise _Invalid(RejectCode.MISSING_FIELD, "type", "type is required")
-    type_ = _TAGS.get(bytes(raw_type))
-    if type_ is not None:
-        return type_
-    got = _decode_raw(raw_type)
-    if type(got) is not str:
-        raise _Invalid(RejectCode.BAD_FIELD, "type", "type must be a string")
-    raise _Invalid(RejectCode.UNKNOWN_TYPE, "type", f"unknown message type {got!r:.40}")
-
-
-def _decode_raw(raw: msgspec.Raw) -> object:
-    try:
-        return msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
-
-
 def _decode_typed(frame: bytes | memoryview) -> RouterMessage:
     try:
         return _router_decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise _field_error(str(exc)) from None
-    except msgspec.DecodeError:  # a value deeper down is not valid msgpack
-        raise _Invalid(RejectCode.MALFORMED, None, _MALFORMED) from None
+    except (msgspec.DecodeError, RecursionError):  # a value deeper down is not valid msgpack
+        raise _Invalid(RejectCode.MALFORMED, None, MALFORMED) from None
 
 
 def _field_error(text: str) -> _Invalid:
@@ -240,7 +162,9 @@ def _with_request_id(reject: Reject, raws: dict[str, msgspec.Raw]) -> Reject:
     return msgspec.structs.replace(reject, request_id=request_id)
 
 
-def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> PrefillRequest:
+def _admit_prefill(
+    msg: Prefill, limits: Limits, arrival_time: float, id_prefix: str
+) -> PrefillRequest:
     tokens = _check_tokens(msg.token_ids, limits)
     deadline = msg.deadline_s
     if deadline is None or deadline is UNSET:
@@ -255,7 +179,7 @@ def _admit_prefill(msg: Prefill, limits: Limits, arrival_time: float) -> Prefill
     except PromptRefused as exc:
         raise _Invalid(exc.code, "logprob_start_len", str(exc)) from None
     return PrefillRequest(
-        msg.request_id,
+        id_prefix + msg.request_id,
         tokens,
         sampling,
         msg.return_logprob,

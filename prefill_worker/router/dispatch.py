@@ -13,7 +13,6 @@ thread, except ``is_draining``, which any thread may set.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import time
@@ -37,7 +36,7 @@ from prefill_worker.router.messages import (
     encode,
     encode_outcome,
 )
-from prefill_worker.router.routes import RouteTable
+from prefill_worker.router.routes import RouteTable, scope
 from prefill_worker.router.sender import RouterSender
 from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import LoadSnapshot
@@ -46,6 +45,9 @@ log = logging.getLogger(__name__)
 
 _RECV_BATCH = 512  # messages taken per wake-up before the outbox gets a turn
 _RECV_BATCH_BYTES = 1 << 20  # ... or this many bytes of frames, whichever comes first
+# Plain ints: pyzmq's enum flags cost ~1 us per operation, its ``rcvmore`` attribute ~3 us.
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 
 
 class IngressObserver(Protocol):
@@ -92,6 +94,7 @@ class IngressDispatch:
         self._sock = sock
         self._monitor = monitor
         self._connections = RouterConnections()
+        self._scopes: dict[bytes, str] = {}  # live routing id → its id prefix (routes.scope)
         self._inbox = inbox
         self._load = load
         self._sender = sender
@@ -108,20 +111,37 @@ class IngressDispatch:
         return len(self._routes)
 
     def receive_batch(self) -> None:
-        """Handle what the socket holds, up to the batch bound."""
-        recv = self._sock.recv_multipart
+        """Handle what the socket holds, up to the batch bound.
+
+        Parts are taken one by one as bytes: a zero-copy ``zmq.Frame`` per part costs more
+        than copying a small frame, so only a routing id seen first is read as a ``Frame``
+        (its connection's fd). Parts past the second are read and dropped as they come (a
+        message of a million parts builds no list)."""
+        recv = self._sock.recv
         budget = _RECV_BATCH_BYTES
         for _ in range(_RECV_BATCH):
             try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+                identity = recv(_NOBLOCK)
             except zmq.Again:
                 return
-            identity = frames[0].bytes
-            if identity not in self._connections and not self._is_connected(identity, frames):
-                self.counts["from_gone"] += 1
-                continue
-            self._handle(identity, frames)
-            budget -= sum(len(frame) for frame in frames)
+            prefix = self._scopes.get(identity)
+            if prefix is None:
+                body_frame = recv(_NOBLOCK, copy=False)
+                body = body_frame.bytes
+                if not self._is_connected(identity, body_frame):
+                    self.counts["from_gone"] += 1
+                    self._discard_more()
+                    continue
+                prefix = scope(identity)
+                self._scopes[identity] = prefix
+            else:
+                body = recv(_NOBLOCK)
+            if self._sock.get(_RCVMORE):
+                self._discard_more()
+                self._refuse_frames(identity)
+            else:
+                self._handle(identity, body, prefix)
+            budget -= len(body)
             if budget <= 0:
                 return  # the outbox gets its turn before more decoding
 
@@ -150,21 +170,26 @@ class IngressDispatch:
         frame = encode_outcome(outcome, route.request_id)
         self._sender.send(route.identity, frame)
 
-    def _is_connected(self, identity: bytes, frames: list[zmq.Frame]) -> bool:
+    def _is_connected(self, identity: bytes, frame: zmq.Frame) -> bool:
         """A routing id seen first: file it under its connection, unless that has closed."""
         self.read_monitor()  # every event before this message is known now
-        return self._connections.try_add(identity, frames[-1].get(zmq.SRCFD))
+        return self._connections.try_add(identity, frame.get(zmq.SRCFD))
 
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 2:
-            self.counts["malformed"] += 1
-            self._observer.on_malformed()
-            why = "expected exactly one frame"
-            self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
-            return
-        msg = decode_router(frames[1].buffer, self._limits, time.monotonic())
+    def _discard_more(self) -> None:
+        """The rest of a multipart message; its parts have all arrived with the first."""
+        while self._sock.get(_RCVMORE):
+            self._sock.recv(_NOBLOCK, copy=False)
+
+    def _refuse_frames(self, identity: bytes) -> None:
+        self.counts["malformed"] += 1
+        self._observer.on_malformed()
+        why = "expected exactly one frame"
+        self._reject(identity, Reject(code=RejectCode.MALFORMED, message=why))
+
+    def _handle(self, identity: bytes, body: bytes, prefix: str) -> None:
+        msg = decode_router(body, self._limits, time.monotonic(), prefix)
         if isinstance(msg, PrefillRequest):
-            self._admit(identity, msg)
+            self._admit(identity, msg, prefix)
         elif isinstance(msg, AbortRequest):
             scoped_id = self._routes.find(identity, msg.request_id)
             if scoped_id is not None:  # only the sender's own ids
@@ -181,6 +206,7 @@ class IngressDispatch:
 
     def _on_router_gone(self, identity: bytes) -> None:
         """Abort what the router left in flight; its parked replies can never be delivered."""
+        self._scopes.pop(identity, None)
         self._sender.forget(identity)
         scoped_ids = self._routes.of_router(identity)
         if not scoped_ids:
@@ -208,22 +234,25 @@ class IngressDispatch:
             self._on_drain()
         self._pong(identity, msg.nonce)
 
-    def _admit(self, identity: bytes, req: PrefillRequest) -> None:
+    def _admit(self, identity: bytes, req: PrefillRequest, prefix: str) -> None:
+        """``req`` carries its scoped id already (``prefix`` and the router's own)."""
+        scoped_id = req.request_id
+        request_id = scoped_id[len(prefix) :]
         if self.is_draining:
             why = "the worker is draining; send it elsewhere"
             reject: Reject | None = Reject(
-                code=RejectCode.DRAINING, message=why, request_id=req.request_id
+                code=RejectCode.DRAINING, message=why, request_id=request_id
             )
         else:
-            reject = self._routes.problem(identity, req)
+            reject = self._routes.problem(scoped_id, request_id)
         if reject is None:
-            scoped_id = self._routes.add(identity, req)
+            self._routes.add(identity, scoped_id, request_id)
             try:
-                self._inbox.put_nowait(dataclasses.replace(req, request_id=scoped_id))
+                self._inbox.put_nowait(req)
             except queue.Full:
                 self._routes.pop(scoped_id)
                 why = "the engine queue is full"
-                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=req.request_id)
+                reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=request_id)
             else:
                 self.counts["admitted"] += 1
                 return

@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, UnsetType
 
+from prefill_worker import msgpack_shape
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, SamplingParams, Timings
 
 PROTOCOL_VERSION = 1
@@ -232,6 +233,7 @@ def _unpack(typecode: str, data: bytes) -> array:
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode  # one message as one frame
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_WORKER_SHAPE = msgpack_shape.Shape(max_items=4096, max_total_items=4096)
 
 
 def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
@@ -258,10 +260,12 @@ def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
 
 
 def decode_worker(frame: bytes) -> WorkerMessage:
-    """A worker frame as a message; raises ``ProtocolError`` when it breaks the contract."""
+    """A worker frame as a message; raises ``ProtocolError`` when it breaks the contract
+    (nesting and item counts checked on the bytes first, as every peer decoder does)."""
     try:
+        msgpack_shape.check(frame, _WORKER_SHAPE)
         msg = _worker_decoder.decode(frame)
-    except msgspec.DecodeError as exc:  # ValidationError included
+    except (msgspec.DecodeError, msgpack_shape.ShapeError, RecursionError) as exc:
         raise ProtocolError(str(exc)) from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(f"v must be {PROTOCOL_VERSION}, got {msg.v}")

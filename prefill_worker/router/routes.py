@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefill_worker.request import PrefillRequest
 from prefill_worker.router.messages import Reject, RejectCode
 
 
@@ -32,24 +31,22 @@ class RouteTable:
     def __len__(self) -> int:
         return len(self._routes)
 
-    def problem(self, identity: bytes, req: PrefillRequest) -> Reject | None:
-        """Why this router's ``prefill`` cannot be taken now, or None."""
-        rid = req.request_id
-        if scoped(identity, rid) in self._routes:
-            why = f"request_id {rid!r} is already in flight on this connection"
+    def problem(self, scoped_id: str, request_id: str) -> Reject | None:
+        """Why a router's ``prefill`` (its own id, and the id ``scope`` made of it) cannot be
+        taken now, or None."""
+        if scoped_id in self._routes:
+            why = f"request_id {request_id!r} is already in flight on this connection"
             code = RejectCode.DUPLICATE_REQUEST_ID
-            return Reject(code=code, message=why, request_id=rid, field="request_id")
+            return Reject(code=code, message=why, request_id=request_id, field="request_id")
         if len(self._routes) >= self._max_inflight:
             why = f"{self._max_inflight} requests already in flight"
-            return Reject(code=RejectCode.OVERLOADED, message=why, request_id=rid)
+            return Reject(code=RejectCode.OVERLOADED, message=why, request_id=request_id)
         return None
 
-    def add(self, identity: bytes, req: PrefillRequest) -> str:
-        """File a request that ``problem`` allowed; returns its scoped id."""
-        scoped_id = scoped(identity, req.request_id)
-        self._routes[scoped_id] = Route(identity, req.request_id)
+    def add(self, identity: bytes, scoped_id: str, request_id: str) -> None:
+        """File a request that ``problem`` allowed."""
+        self._routes[scoped_id] = Route(identity, request_id)
         self._by_router.setdefault(identity, set()).add(scoped_id)
-        return scoped_id
 
     def pop(self, scoped_id: str) -> Route | None:
         """The request's route, forgotten; None when it is not in flight."""
@@ -70,6 +67,12 @@ class RouteTable:
         return list(self._by_router.get(identity, ()))
 
 
+def scope(identity: bytes) -> str:
+    """What goes before a router's request id to make it worker-wide: hex has no '/', so the
+    pair is recoverable. The ingress computes it once per routing id."""
+    return f"{identity.hex()}/"
+
+
 def scoped(identity: bytes, request_id: str) -> str:
-    """The worker-wide id of a router's request: hex has no '/', so the pair is recoverable."""
-    return f"{identity.hex()}/{request_id}"
+    """The worker-wide id of a router's request."""
+    return scope(identity) + request_id

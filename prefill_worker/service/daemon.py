@@ -11,6 +11,11 @@ supervision, signals, drain, stop, fatal errors, closing. Threads::
     forward  (overlap mode) the executor thread running batch N
     kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
 
+Every thread above but main, engine and forward is an edge thread, supervised with the NIXL
+transfer threads by ``service/threads.py``: one that stops makes ``/livez`` and ``/readyz``
+answer 503 at once, and stops the systemd watchdog within one supervision period
+(``_SUPERVISE_PERIOD_S``).
+
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
 with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
@@ -60,6 +65,7 @@ from prefill_worker.service.startup import (
     warm_up_model,
     write_ready_file,
 )
+from prefill_worker.service.threads import ThreadWatch
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -81,6 +87,8 @@ class Daemon:
             forward_margin=config.metrics.livez_forward_margin,
         )
         self.notifier = SdNotifier.from_environ(env)
+        self.threads = ThreadWatch()
+        self.health.watch_threads(self.threads.stopped)
         self.inbox = Inbox()
         self._wake = threading.Event()
         self._stop_engine = threading.Event()
@@ -118,7 +126,9 @@ class Daemon:
 
     def _start(self) -> None:
         cfg = self.config
-        http = start_http(cfg, self.health, self.registry, self.request_drain)
+        watch = self.threads.step
+        with watch("http"):
+            http = start_http(cfg, self.health, self.registry, self.request_drain)
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
         runner, kv_cache, info = load_model(
@@ -127,11 +137,15 @@ class Daemon:
         pages, aux = make_pools(cfg, kv_cache)
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
-        transfer = start_transfer(cfg, regions, self.metrics, self.inbox.wake, self.health.is_live)
+        with watch("transfer"):
+            transfer = start_transfer(
+                cfg, regions, self.metrics, self.inbox.wake, self.health.is_live
+            )
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
         self.transfer_endpoints = transfer.endpoints
-        self._start_kv_events()
+        with watch("kv events"):
+            self._start_kv_events()
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
             cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
@@ -142,16 +156,18 @@ class Daemon:
             min(cfg.scheduler.max_prompt_tokens, info.max_position),
             pages.num_pages * cfg.cache.page_size,
         )
-        self._ingress = start_ingress(
-            cfg, self.inbox, lambda: engine.load, limits, self.metrics, self.request_drain
-        )
+        with watch("ingress"):
+            self._ingress = start_ingress(
+                cfg, self.inbox, lambda: engine.load, limits, self.metrics, self.request_drain
+            )
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
         if cfg.http_api.enabled:
             served = (info, Limits(*limits))
-            front = start_http_api(
-                cfg, self.inbox, engine, served, self.metrics, self.health.is_live
-            )
+            with watch("http api"):
+                front = start_http_api(
+                    cfg, self.inbox, engine, served, self.metrics, self.health.is_live
+                )
             self._http_api = front
             self._closers.append(("http api", front.stop))
             log.info("http api on %s:%d", cfg.http_api.bind.rpartition(":")[0], front.port)
@@ -166,6 +182,7 @@ class Daemon:
         )
         self.metrics.set_kv_pages(0, pages.num_pages)
         self.health.watch(engine.progress)
+        log.info("edge threads supervised: %s", ", ".join(self.threads.watched()))
         self._announce(http.port)
 
     def _start_kv_events(self) -> None:

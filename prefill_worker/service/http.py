@@ -36,7 +36,9 @@ class Health:
     Live while starting up; once ``watch`` names the engine's progress, live by
     ``scheduler.liveness.LivenessRule``: the loop turned within ``livez_stale_s``, or a forward
     is running within its bound (``forward_margin`` × its tokens × the measured seconds per
-    token, at least ``forward_floor_s``). A forward past its bound is stuck."""
+    token, at least ``forward_floor_s``). A forward past its bound is stuck. An edge thread
+    that stopped (``watch_threads``: ``service.threads.ThreadWatch.stopped``) makes the worker
+    neither live nor ready, whatever the engine does."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class Health:
         self._rule = LivenessRule(livez_stale_s, forward_floor_s, forward_margin)
         self._clock = clock
         self._progress: Callable[[], Progress] | None = None
+        self._stopped_threads: Callable[[], list[str]] = list
         self.is_ready = False
         self.is_draining = False
         self.endpoints: dict[str, object] = {}  # what the worker bound: `/readyz` shows it
@@ -56,7 +59,16 @@ class Health:
     def watch(self, progress: Callable[[], Progress]) -> None:
         self._progress = progress
 
+    def watch_threads(self, stopped: Callable[[], list[str]]) -> None:
+        self._stopped_threads = stopped
+
+    def stopped_threads(self) -> list[str]:
+        return self._stopped_threads()
+
     def liveness(self) -> Verdict:
+        stopped = self._stopped_threads()
+        if stopped:
+            return Verdict(False, f"stuck: edge thread stopped: {', '.join(stopped)}")
         if self._progress is None:
             return Verdict(True, "starting")
         return self._rule.judge(self._progress(), self._clock())
@@ -147,10 +159,15 @@ class HttpServer:
         return web.Response(status=200 if verdict.is_live else 503, text=verdict.reason + "\n")
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        """``{"status": "ready" | "starting" | "draining", <the bound endpoints>}``."""
+        """``{"status": "ready" | "starting" | "draining" | "failed", <the bound endpoints>}``;
+        ``failed`` (an edge thread stopped) names the threads under ``"stopped"``."""
         health = self._health
+        stopped = health.stopped_threads()
         status = "draining" if health.is_draining else "ready" if health.is_ready else "starting"
-        body = json.dumps({"status": status, **health.endpoints}).encode() + b"\n"
+        extra: dict[str, object] = {}
+        if stopped:
+            status, extra = "failed", {"stopped": stopped}
+        body = json.dumps({"status": status, **extra, **health.endpoints}).encode() + b"\n"
         code = 200 if status == "ready" else 503
         return web.Response(status=code, body=body, content_type="application/json")
 

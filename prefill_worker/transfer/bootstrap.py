@@ -25,6 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from prefill_worker.curve import CurveServerKeys, start_server
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.validate import DEFAULT_MAX_MESSAGE_BYTES
+from prefill_worker.zmq_parts import recv_parts
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +65,11 @@ class BootstrapServer:
         out: list[tuple[bytes, wire.Message | wire.WireError]] = []
         for _ in range(max_messages):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames, num_frames = recv_parts(self._sock, 2)
             except zmq.Again:
                 break
-            if len(frames) != 2:
-                error = wire.WireError(f"a message is one frame, this one has {len(frames) - 1}")
+            if num_frames != 2:
+                error = wire.WireError(f"a message is one frame, this one has {num_frames - 1}")
                 out.append((frames[0], error))
                 continue
             try:

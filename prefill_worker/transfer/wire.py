@@ -34,6 +34,7 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from prefill_worker import msgpack_shape
 from prefill_worker.kv.layout import (
     DTYPE_ITEMSIZE,
     POOL_LAYOUTS,
@@ -290,6 +291,9 @@ Message = (
 )
 
 _DECODER = msgspec.msgpack.Decoder(Message)
+# A register holds two addresses per layer and a few fields: thousands of items at most. The
+# scan runs on the engine thread, so its work per frame is bounded by the total.
+_SHAPE = msgpack_shape.Shape(max_items=2048, max_total_items=4096)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -302,12 +306,18 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes) -> Message:
-    """One message from one frame, or ``WireError`` naming what is wrong and where."""
+    """One message from one frame, or ``WireError`` naming what is wrong and where. Nesting
+    and item counts are checked on the bytes first (``msgpack_shape``): a deep value in an
+    ignored key is refused, never descended into."""
+    try:
+        msgpack_shape.check(frame, _SHAPE)
+    except msgpack_shape.ShapeError as exc:
+        raise WireError(f"not a bootstrap message: {exc}") from None
     try:
         return _DECODER.decode(frame)
     except msgspec.ValidationError as exc:
         raise WireError(str(exc)) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise WireError(f"not a msgpack message: {exc}") from None
 
 

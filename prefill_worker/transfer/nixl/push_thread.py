@@ -166,6 +166,12 @@ class PushThread:
     # -- the transfer thread -------------------------------------------------------------
 
     def _main(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # the daemon's thread watch sees the thread stop: not live
+            log.exception("the NIXL transfer thread %s stopped", threading.current_thread().name)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not (self._is_stopping or self._control or self._posts or self._inflight):

@@ -23,7 +23,14 @@ from collections.abc import Callable
 
 import zmq
 
-from prefill_worker.transfer.sglang.frames import Endpoint, FrameError, Message, parse
+from prefill_worker.transfer.sglang.frames import (
+    MAX_FRAMES,
+    Endpoint,
+    FrameError,
+    Message,
+    parse,
+)
+from prefill_worker.zmq_parts import recv_parts
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,12 @@ class ControlSocket:
         self._close_sockets()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # the daemon's thread watch sees the thread stop: not live
+            log.exception("sglang control socket thread stopped")
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._stop_recv, zmq.POLLIN)
@@ -82,13 +95,15 @@ class ControlSocket:
                 return
             while True:
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    frames, num_frames = recv_parts(self._sock, MAX_FRAMES + 1)
                 except zmq.Again:
                     break
-                self._deliver(frames)
+                self._deliver(frames, num_frames)
 
-    def _deliver(self, frames: list[bytes]) -> None:
+    def _deliver(self, frames: list[bytes], num_frames: int) -> None:
         try:
+            if num_frames > MAX_FRAMES:
+                raise FrameError(f"a message of {num_frames} frames (at most {MAX_FRAMES})")
             message: Message | FrameError = parse(frames)
         except FrameError as exc:
             message = exc

@@ -41,6 +41,7 @@ KV_STATUS_TAG = b"KV_STATUS"
 KV_SUCCESS, KV_FAILED = 4, 0  # SGLang's KVPoll.Success and KVPoll.Failed
 PREFILL_RANK = 0  # one rank: attention TP, CP and PP are all 1 here
 NUM_REGISTRATION_FRAMES = (24, 25)  # 0.5.20-0.5.22, 0.5.23
+MAX_FRAMES = max(NUM_REGISTRATION_FRAMES)  # the longest message: more parts are never read
 NUM_REQUEST_FRAMES = 11
 MAX_ROOM = 2**63  # rooms are 63-bit on both protocols
 

@@ -193,6 +193,20 @@ def test_a_bad_replay_request_fails_alone(make) -> None:
     client.close()
 
 
+def test_a_replay_request_of_many_parts_fails_alone(make) -> None:
+    """A request of 100,000 parts is refused by its count (its parts are dropped as read)."""
+    recorder = Recorder()
+    publisher = make(observer=recorder)
+    publisher.blocks_removed([4])
+    wait_until(lambda: recorder.published == 2, what="batch 0")
+    client = ReplayClient(publisher.replay_endpoint)
+    client.sock.send_multipart([b""] * 100_000 + [bytes(8)])
+    wait_until(lambda: recorder.replays["bad_request"] == 1, what="the long request counted")
+    assert events_of(client.replay(0)) == [[AllBlocksCleared(), BlockRemoved([4], "GPU")]]
+    assert recorder.replays == Counter(bad_request=1, served=1)
+    client.close()
+
+
 def test_batch_0_opens_with_all_blocks_cleared(make) -> None:
     """A subscriber that kept blocks of this worker's previous run (it may have crashed) drops
     them with the first batch of the new run."""

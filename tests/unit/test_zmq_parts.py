@@ -1,0 +1,27 @@
+"""``recv_parts`` keeps the first parts of a message of any length and counts the rest."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from prefill_worker.zmq_parts import recv_parts
+
+
+def test_a_message_of_many_parts_keeps_only_the_first() -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://parts")
+    push.connect("inproc://parts")
+    try:
+        push.send_multipart([b"a", b"b", *([b""] * 100_000)])
+        push.send_multipart([b"next"])
+        assert pull.poll(5000)
+        assert recv_parts(pull, 2) == ([b"a", b"b"], 100_002)
+        assert recv_parts(pull, 2) == ([b"next"], 1)
+        with pytest.raises(zmq.Again):
+            recv_parts(pull, 2)
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
