@@ -28,6 +28,7 @@ from prefill_worker.transfer.validate import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
+MAX_REGISTERS_PER_TURN = 4  # a register costs a few ms of NIXL work (pagemap: strided lists)
 _ZMTP_HEARTBEAT_MS = 1000
 _ZMTP_TIMEOUT_MS = 5000
 
@@ -59,10 +60,17 @@ class BootstrapServer:
             raise OSError(f"bootstrap server cannot bind {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def poll(self, max_messages: int = 256) -> list[tuple[bytes, wire.Message | wire.WireError]]:
-        """Messages that have arrived, decoded; never blocks."""
+    def poll(
+        self, max_messages: int = 256, max_registers: int = MAX_REGISTERS_PER_TURN
+    ) -> list[tuple[bytes, wire.Message | wire.WireError]]:
+        """Messages that have arrived, decoded; never blocks. Reading stops after
+        ``max_registers`` registers (each loads NIXL metadata, the one costly message): the
+        rest wait in the socket for the engine's next turn, which comes at once."""
         out: list[tuple[bytes, wire.Message | wire.WireError]] = []
+        num_registers = 0
         for _ in range(max_messages):
+            if num_registers >= max_registers:
+                break
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -75,6 +83,7 @@ class BootstrapServer:
                 out.append((frames[0], wire.decode(frames[1])))
             except wire.WireError as exc:
                 out.append((frames[0], exc))
+            num_registers += isinstance(out[-1][1], wire.Register)
         return out
 
     def wait(

@@ -8,10 +8,9 @@ ids are looked at. Each refusal carries a ``RejectReason`` (the label of
 Limits, and why:
 
     max_peer_pages     decode pool pages (and aux rows) one peer may register; the
-                       descriptor list prepared at registration holds regions * pages
-                       entries (2 * layers * pages layer-major, pages page-major), built
-                       on the engine thread, so this bounds that stall and its memory
-                       (default 2**20: ~0.25 s and ~50 MB at 2 layers layer-major)
+                       descriptor lists prepared at registration are strided (one row
+                       per region, ``pagemap``), so their cost does not grow with it;
+                       it bounds what a want may name and the descriptor index space
     2**31 - 1          descriptor indices are int32 (what NIXL takes)
     2**64              a region [base, base + pages * page_bytes) must fit the address space
 """
