@@ -52,6 +52,10 @@ class RejectReason(enum.Enum):
     TOO_MANY_WANTS = "too_many_wants"  # unmatched wants per peer past the bound
     INTERNAL_ERROR = "internal_error"  # a message raised anyway: its peer is dropped
     UNSUPPORTED = "unsupported"  # an SGLang decode feature this worker does not serve
+    SPOOFED_ADDRESS = "spoofed_address"  # an SGLang frame's ip is not its connection's
+    NETWORK_NOT_ALLOWED = "network_not_allowed"  # outside transfer.sglang_allowed_networks
+    ADDRESS_TAKEN = "address_taken"  # a live SGLang decode is registered at that ip:port
+    FOREIGN_AGENT = "foreign_agent"  # a request names an agent registered at another ip:port
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,10 @@ parsed on its own thread), and the PUSH sockets the worker answers on (engine th
 
 ``ControlSocket`` binds at start-up (a taken port fails fast), then its thread reads each
 message, parses it (``frames.parse``: a bad one becomes the ``FrameError`` it raised) and
-hands it to ``on_message``, which queues it for the engine and wakes it. Nothing here
-decides what a message means. ZMQ drops a message over ``max_message_bytes`` (and its
+hands it to ``on_message`` with the address of the connection it came from (ZMQ's
+``Peer-Address`` of a TCP message: the one thing about a frame's sender that the sender does
+not write), which queues it for the engine and wakes it. Nothing here decides what a message
+means. ZMQ drops a message over ``max_message_bytes`` (and its
 connection) before it is read. ``Mailbox`` is the hand-over: the thread puts, the engine
 takes everything at once and can sleep on its file descriptor.
 
@@ -20,6 +22,7 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -30,6 +33,14 @@ log = logging.getLogger(__name__)
 _SEND_HWM = 1024  # replies queued per decode before sends fail
 
 
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A parsed control message and the IP address of the connection it came in on."""
+
+    message: Message | FrameError
+    source_ip: str
+
+
 class ControlSocket:
     """The PULL socket at ``host:port`` (port 0 picks one) and its reader thread."""
 
@@ -38,7 +49,7 @@ class ControlSocket:
         host: str,
         port: int,
         max_message_bytes: int,
-        on_message: Callable[[Message | FrameError], None],
+        on_message: Callable[[Received], None],
     ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -82,17 +93,18 @@ class ControlSocket:
                 return
             while True:
                 try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._deliver(frames)
 
-    def _deliver(self, frames: list[bytes]) -> None:
+    def _deliver(self, frames: list[zmq.Frame]) -> None:
+        source_ip = str(frames[0].get("Peer-Address"))  # the socket is TCP only
         try:
-            message: Message | FrameError = parse(frames)
+            message: Message | FrameError = parse([f.bytes for f in frames])
         except FrameError as exc:
             message = exc
-        self._on_message(message)
+        self._on_message(Received(message, source_ip))
 
     def _close_sockets(self) -> None:
         for sock in (self._sock, self._stop_send, self._stop_recv):
@@ -148,7 +160,7 @@ class Mailbox:
     both protocols, it sleeps on the native socket and its inbox)."""
 
     def __init__(self, wake: Callable[[], None] | None = None) -> None:
-        self._items: deque[Message | FrameError] = deque()
+        self._items: deque[Received] = deque()
         self._lock = threading.Lock()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
@@ -156,7 +168,7 @@ class Mailbox:
         self._is_signalled = False
         self._wake = wake or (lambda: None)
 
-    def put(self, item: Message | FrameError) -> None:
+    def put(self, item: Received) -> None:
         with self._lock:
             self._items.append(item)
             if not self._is_signalled:
@@ -164,7 +176,7 @@ class Mailbox:
                 os.write(self._write_fd, b"\0")
         self._wake()
 
-    def take_all(self) -> list[Message | FrameError]:
+    def take_all(self) -> list[Received]:
         with self._lock:
             if self._is_signalled:
                 self._is_signalled = False
