@@ -59,6 +59,7 @@ from prefill_worker.transfer.validate import BootstrapLimits
 log = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
+MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
 _BUSY_POLL_S = 0.001
 _IDLE_POLL_S = 1.0
 _MAX_CLAIMS_PER_ROOM = 4
@@ -188,7 +189,7 @@ class SglangBackend:
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()
         now = self._last_poll_at = self.clock()
-        for received in self._mailbox.take_all():
+        for received in self._mailbox.take(MAX_REGISTRATIONS_PER_TURN):
             self._desk.dispatch(received.message, received.source_ip)
         self._drain_events()
         for claim in self._rooms.pop_expired(now):  # claims leave with their peer: it is here
@@ -205,7 +206,7 @@ class SglangBackend:
 
     def next_poll_at(self) -> float:
         now = self.clock()
-        if self._ctx.events:
+        if self._ctx.events or self._mailbox.has_items:
             return now
         is_waiting = len(self._reaper) or len(self._held)
         if self._poster.needs_polling and (

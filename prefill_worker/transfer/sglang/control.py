@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import zmq
 
-from prefill_worker.transfer.sglang.frames import Endpoint, FrameError, Message, parse
+from prefill_worker.transfer.sglang.frames import (
+    Endpoint,
+    FrameError,
+    Message,
+    Registration,
+    parse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +182,24 @@ class Mailbox:
                 os.write(self._write_fd, b"\0")
         self._wake()
 
-    def take_all(self) -> list[Received]:
+    def take(self, max_registrations: int) -> list[Received]:
+        """What has arrived, up to and including the ``max_registrations``-th registration
+        (each costs NIXL work on the engine's turn); the rest stay, and the pipe stays
+        readable while anything does."""
+        items: list[Received] = []
         with self._lock:
-            if self._is_signalled:
+            num_registrations = 0
+            while self._items and num_registrations < max_registrations:
+                items.append(self._items.popleft())
+                num_registrations += isinstance(items[-1].message, Registration)
+            if self._is_signalled and not self._items:
                 self._is_signalled = False
                 os.read(self._read_fd, 64)
-            items, self._items = list(self._items), deque()
         return items
+
+    @property
+    def has_items(self) -> bool:
+        return bool(self._items)
 
     def fileno(self) -> int:
         return self._read_fd
