@@ -163,10 +163,19 @@ class ReplySockets:
 class Mailbox:
     """What the control thread hands the engine: a deque, a pipe that is readable while it
     holds something, and an optional ``wake`` for an engine that sleeps elsewhere (serving
-    both protocols, it sleeps on the native socket and its inbox)."""
+    both protocols, it sleeps on the native socket and its inbox).
 
-    def __init__(self, wake: Callable[[], None] | None = None) -> None:
+    Registrations are the one costly message (each loads NIXL metadata on the engine's
+    turn): a turn takes at most a few (``take``), and other senders' messages are not held
+    behind those left waiting; past ``max_waiting_registrations`` waiting, a new one is
+    dropped here and handed over as a ``FrameError`` saying so (counted ``bad_message``)."""
+
+    def __init__(
+        self, wake: Callable[[], None] | None = None, max_waiting_registrations: int = 64
+    ) -> None:
         self._items: deque[Received] = deque()
+        self._num_registrations = 0  # of those in _items
+        self._max_registrations = max_waiting_registrations
         self._lock = threading.Lock()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
@@ -176,6 +185,12 @@ class Mailbox:
 
     def put(self, item: Received) -> None:
         with self._lock:
+            if isinstance(item.message, Registration):
+                if self._num_registrations >= self._max_registrations:
+                    why = f"registration dropped: {self._num_registrations} are waiting"
+                    item = Received(FrameError(why), item.source_ip)
+                else:
+                    self._num_registrations += 1
             self._items.append(item)
             if not self._is_signalled:
                 self._is_signalled = True
@@ -183,19 +198,29 @@ class Mailbox:
         self._wake()
 
     def take(self, max_registrations: int) -> list[Received]:
-        """What has arrived, up to and including the ``max_registrations``-th registration
-        (each costs NIXL work on the engine's turn); the rest stay, and the pipe stays
-        readable while anything does."""
-        items: list[Received] = []
+        """What has arrived, but at most ``max_registrations`` registrations; those left
+        wait, and so does whatever came after them from the same ``ip:port`` (a decode's
+        request never overtakes its registration). The pipe stays readable while anything
+        waits."""
+        taken: list[Received] = []
         with self._lock:
-            num_registrations = 0
-            while self._items and num_registrations < max_registrations:
-                items.append(self._items.popleft())
-                num_registrations += isinstance(items[-1].message, Registration)
+            left: deque[Received] = deque()
+            held: set[Endpoint] = set()
+            for item in self._items:
+                endpoint = None if isinstance(item.message, FrameError) else item.message.endpoint
+                is_registration = isinstance(item.message, Registration)
+                if endpoint in held or (is_registration and max_registrations <= 0):
+                    left.append(item)
+                    held.add(endpoint)  # type: ignore[arg-type]  # a FrameError is never held
+                    continue
+                taken.append(item)
+                max_registrations -= is_registration
+                self._num_registrations -= is_registration
+            self._items = left
             if self._is_signalled and not self._items:
                 self._is_signalled = False
                 os.read(self._read_fd, 64)
-        return items
+        return taken
 
     @property
     def has_items(self) -> bool:
