@@ -29,6 +29,7 @@ from prefill_worker.transfer.validate import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 MAX_REGISTERS_PER_TURN = 4  # a register costs a few ms of NIXL work (pagemap: strided lists)
+_RCVHWM = 32  # a decode's wants and heartbeats are read every turn; a flood waits in TCP
 _ZMTP_HEARTBEAT_MS = 1000
 _ZMTP_TIMEOUT_MS = 5000
 
@@ -49,6 +50,9 @@ class BootstrapServer:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # see the module docstring
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # Messages queued per connection before ZMQ stops reading it (TCP pushes back on the
+        # sender): what one peer can make the worker hold is RCVHWM x max_message_bytes.
+        self._sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_TIMEOUT_MS)
         try:

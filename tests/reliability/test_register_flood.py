@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
+import zmq
+
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.receiver import RoomState
@@ -69,3 +72,39 @@ def serve_during(rig: Rig, rooms: list[int]) -> dict[str, Reply]:
         rig.decode.want(room, 9)
     rids = [rig.router.send_prefill(prompt(9, seed=room % 1000), room) for room in rooms]
     return rig.router.wait(rids, timeout_s=120.0)
+
+
+NUM_BIG_REGISTERS = 400
+BIG_METADATA_REGIONS = 40_000  # registered by the attacker's agent: 1.7 MB of NIXL metadata
+
+
+def test_a_connection_flooding_big_registers_holds_bounded_memory(rig_factory) -> None:
+    """One connection sends 400 registers of 1.7 MB faster than the engine reads them (at
+    most 4 a turn); before, ZMQ queued them all in the worker (+750 MB). Now ZMQ stops reading
+    that connection at its receive high-water mark, and the decode is served throughout."""
+    rig: Rig = rig_factory()
+    peer = RawPeer(rig.worker.bootstrap)
+    try:
+        buf = np.zeros(BIG_METADATA_REGIONS * 64, np.uint8)
+        base = int(buf.ctypes.data)
+        table = [[base + i * 64, 64, 0] for i in range(BIG_METADATA_REGIONS)]
+        peer.agent.register_memory(np.array(table, dtype=np.uint64), "DRAM")
+        register = at_limit_register(peer)
+        peer.sock.setsockopt(zmq.SNDHWM, 0)
+        watch = Watch(rig.worker)
+        room = rig.next_room()
+        rig.decode.want(room, 9)
+        for _ in range(NUM_BIG_REGISTERS):
+            peer.send(register)
+        rid = rig.router.send_prefill(prompt(9, seed=7), room)
+        assert rig.router.wait([rid], timeout_s=60.0)[rid].status is OutcomeStatus.OK
+        replies = [peer.reply(timeout_s=60.0) for _ in range(NUM_BIG_REGISTERS)]
+        watch.stop()
+        assert all(isinstance(r, wire.Registered) and not r.is_ok for r in replies)
+        assert rig.decode.wait([room])[room].state is RoomState.DONE
+        rig.decode.release(room)
+        print(f"\n{NUM_BIG_REGISTERS} registers of 1.7 MB on one connection: {watch.summary()}")
+        assert watch.rss_growth_mib < 512, watch.summary()
+    finally:
+        peer.close()
+    check_healthy(rig)
