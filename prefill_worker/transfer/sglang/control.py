@@ -8,7 +8,7 @@ hands it to ``on_message`` with the address of the connection it came from (ZMQ'
 not write), which queues it for the engine and wakes it. Nothing here decides what a message
 means. ZMQ drops a message over ``max_message_bytes`` (and its
 connection) before it is read. ``Mailbox`` is the hand-over: the thread puts, the engine
-takes everything at once and can sleep on its file descriptor.
+takes a turn's worth (at most a few registrations) and can sleep on its file descriptor.
 
 ``ReplySockets`` keeps one PUSH socket per decode endpoint (as SGLang does, at most
 ``max_sockets``, least recently used closed first). Sends never block: a decode that is
@@ -211,7 +211,8 @@ class Mailbox:
                 is_registration = isinstance(item.message, Registration)
                 if endpoint in held or (is_registration and max_registrations <= 0):
                     left.append(item)
-                    held.add(endpoint)  # type: ignore[arg-type]  # a FrameError is never held
+                    if endpoint is not None:
+                        held.add(endpoint)
                     continue
                 taken.append(item)
                 max_registrations -= is_registration
