@@ -20,7 +20,20 @@ def recv_parts(sock: zmq.Socket[bytes], max_parts: int) -> tuple[list[bytes], in
     """The next message's first ``max_parts`` parts, and how many it has; never blocks
     (``zmq.Again`` when none has arrived). A message's parts arrive together, so reading the
     rest never waits."""
-    parts = [sock.recv(_NOBLOCK)]
+    return _read_rest(sock, [sock.recv(_NOBLOCK)], max_parts)
+
+
+def recv_parts_with_source(sock: zmq.Socket[bytes], max_parts: int) -> tuple[list[bytes], int, str]:
+    """``recv_parts``, and the address the message came from (ZMQ's ``Peer-Address`` property
+    of its first part; TCP sockets only)."""
+    first = sock.recv(_NOBLOCK, copy=False)
+    parts, num_parts = _read_rest(sock, [first.bytes], max_parts)
+    return parts, num_parts, str(first.get("Peer-Address"))
+
+
+def _read_rest(
+    sock: zmq.Socket[bytes], parts: list[bytes], max_parts: int
+) -> tuple[list[bytes], int]:
     num_parts = 1
     while sock.get(_RCVMORE):
         part = sock.recv(_NOBLOCK)

@@ -4,9 +4,10 @@ descriptions ``docs/config.md`` is rendered from. Reading files and env is ``con
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _ANY_ADDRESS = ("", "0.0.0.0", "::")
 
@@ -152,7 +153,7 @@ class TransferConfig(_Section):
         2**20,
         ge=1,
         description="Most decode pool pages (and aux rows) one peer may register; larger "
-        "registrations are refused (the descriptor list is built on the engine thread).",
+        "registrations are refused (bounds what a want may name and the descriptor indices).",
     )
     max_message_bytes: int = Field(
         4 * 1024 * 1024,
@@ -203,6 +204,23 @@ class TransferConfig(_Section):
         description="SGLang `/health` answers 503 once the engine loop has not turned for this "
         "long (decodes fail their rooms after two missed health checks).",
     )
+
+    sglang_allowed_networks: list[str] = Field(
+        [],
+        description="Networks (CIDR, e.g. `10.0.0.0/16`) SGLang decodes may connect from; a "
+        "control frame from elsewhere is dropped and counted (`network_not_allowed`). Empty: "
+        "any network. Every frame's ip must also be its connection's address (docs/sglang.md).",
+    )
+
+    @field_validator("sglang_allowed_networks")
+    @classmethod
+    def _networks_parse(cls, networks: list[str]) -> list[str]:
+        for network in networks:
+            try:
+                ipaddress.ip_network(network)
+            except ValueError as exc:
+                raise ValueError(f"sglang_allowed_networks: {exc}") from None
+        return networks
 
     @model_validator(mode="after")
     def _sglang_rank_ip_known(self) -> TransferConfig:

@@ -110,6 +110,11 @@ class Decode:
         args.mla_compression_ratios, args.ib_device, args.gpu_id = None, None, 0
         return args
 
+    def identity(self) -> dict[str, Any]:
+        """What its frames name it by: agent name and control socket (its ``ip:port``)."""
+        manager = self.manager
+        return {"agent_name": manager.agent.name, "ip": manager.local_ip, "port": manager.rank_port}
+
     def want(self, room: int, num_tokens: int, prefix_len: int) -> dict[str, Any]:
         num_pages = -(-num_tokens // self.page_size)
         pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
@@ -170,8 +175,8 @@ class Decodes:
         if op == "quit":
             return {}
         if op == "new":
-            self._decodes[command.pop("id")] = Decode(command, self._server_args)
-            return {}
+            decode = self._decodes[command.pop("id")] = Decode(command, self._server_args)
+            return decode.identity()
         decode = self._decodes[command.pop("id")]
         if op == "want":
             return decode.want(command["room"], command["num_tokens"], command["prefix_len"])

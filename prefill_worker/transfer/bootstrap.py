@@ -29,6 +29,8 @@ from prefill_worker.zmq_parts import recv_parts
 
 log = logging.getLogger(__name__)
 
+MAX_REGISTERS_PER_TURN = 4  # a register costs a few ms of NIXL work (pagemap: strided lists)
+_RCVHWM = 32  # a decode's wants and heartbeats are read every turn; a flood waits in TCP
 _ZMTP_HEARTBEAT_MS = 1000
 _ZMTP_TIMEOUT_MS = 5000
 
@@ -49,6 +51,9 @@ class BootstrapServer:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # see the module docstring
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # Messages queued per connection before ZMQ stops reading it (TCP pushes back on the
+        # sender): what one peer can make the worker hold is RCVHWM x max_message_bytes.
+        self._sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_TIMEOUT_MS)
         try:
@@ -60,10 +65,17 @@ class BootstrapServer:
             raise OSError(f"bootstrap server cannot bind {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def poll(self, max_messages: int = 256) -> list[tuple[bytes, wire.Message | wire.WireError]]:
-        """Messages that have arrived, decoded; never blocks."""
+    def poll(
+        self, max_messages: int = 256, max_registers: int = MAX_REGISTERS_PER_TURN
+    ) -> list[tuple[bytes, wire.Message | wire.WireError]]:
+        """Messages that have arrived, decoded; never blocks. Reading stops after
+        ``max_registers`` registers (each loads NIXL metadata, the one costly message): the
+        rest wait in the socket for the engine's next turn, which comes at once."""
         out: list[tuple[bytes, wire.Message | wire.WireError]] = []
+        num_registers = 0
         for _ in range(max_messages):
+            if num_registers >= max_registers:
+                break
             try:
                 frames, num_frames = recv_parts(self._sock, 2)
             except zmq.Again:
@@ -76,6 +88,7 @@ class BootstrapServer:
                 out.append((frames[0], wire.decode(frames[1])))
             except wire.WireError as exc:
                 out.append((frames[0], exc))
+            num_registers += isinstance(out[-1][1], wire.Register)
         return out
 
     def wait(

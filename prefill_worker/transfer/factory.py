@@ -4,6 +4,7 @@ the native bootstrap protocol (``make_backend``), SGLang's (``make_sglang_backen
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class SglangBootstrap:
     rank_port: int  # 0: any free port
     kv_cache_dtype: str  # what /route announces; must equal the decodes' --kv-cache-dtype
     health_stale_s: float  # /health fails once the engine has not turned for this long
+    allowed_networks: tuple[str, ...] = ()  # decodes' source networks (CIDR); empty: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,7 @@ def make_sglang_backend(
         ucx_net_devices=ucx_net_devices,
         on_reject=on_reject,
         wake=wake,
+        allowed_networks=[ipaddress.ip_network(n) for n in sglang.allowed_networks],
     )
 
 

@@ -14,6 +14,12 @@ so a run of adjacent pages is a run of adjacent indices, which NIXL merges into 
 descriptor when both sides are adjacent in memory. A page-major chunk of n pages is n
 indices (2L·n layer-major), each 2L times longer. The aux rows are a list of their own
 because one NIXL list holds one memory type, and they live in host memory on every device.
+
+The tables are given to NIXL strided: one row per region, ``(addr, len, dev, stride,
+count)`` standing for ``count`` descriptors ``stride`` bytes apart, indexed as above. So
+preparing a peer's lists costs the same for 64 pages as for ``transfer.max_peer_pages``
+(expanded, 2**20 pages of 4 regions were a 96 MB table and ~1 s of NIXL building 4M
+descriptors on every ``register``, refused or not).
 """
 
 from __future__ import annotations
@@ -97,15 +103,16 @@ def region_indices(pages: np.ndarray, num_regions: int, num_pages: int) -> np.nd
 
 
 AUX_MEM_TYPE = "DRAM"  # aux rows live in host memory on every device, both sides
+STRIDED_COLUMNS = ("addr", "len", "dev", "stride", "count")  # a row of NIXL's strided list
 
 
 def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
-    """The [num_regions * num_pages, 3] (addr, len, dev) table of the KV pool, as above."""
+    """The KV pool's list, as above: [num_regions, 5] strided rows (``STRIDED_COLUMNS``)."""
     return _page_runs(regions, regions.region_base_addrs, regions.layout.region_page_bytes)
 
 
 def layer_view_table(regions: KVRegions) -> np.ndarray:
-    """The [2L * num_pages, 3] table of the pool seen per layer, whatever its layout: index
+    """The pool seen per layer, whatever its layout: [2L, 5] strided rows, so index
     r * num_pages + p is page p of K of layer r (r < L) or of V of layer r - L, ``page_bytes``
     long. It is ``kv_descriptor_table`` for a layer-major pool; for a page-major one it is
     what a peer with per-layer buffers (an SGLang decode) is written from."""
@@ -114,22 +121,21 @@ def layer_view_table(regions: KVRegions) -> np.ndarray:
 
 
 def _page_runs(regions: KVRegions, bases: tuple[int, ...], num_bytes: int) -> np.ndarray:
-    """(addr, len, dev): ``num_bytes`` at every page of every base, base-major; a page is
-    ``page_stride_bytes`` after the one before it, in either layout."""
+    """One strided row per base: ``num_bytes`` at every page, a page ``page_stride_bytes``
+    after the one before it, in either layout."""
     lay = regions.layout
-    pages = np.arange(lay.num_pages, dtype=np.uint64) * np.uint64(lay.page_stride_bytes)
-    addrs = (np.asarray(bases, dtype=np.uint64)[:, None] + pages[None, :]).ravel()
-    lens = np.full(addrs.size, num_bytes, np.uint64)
-    dev = np.full(addrs.size, device_id(regions.device), np.uint64)
-    return np.stack([addrs, lens, dev], axis=1)
+    rows = [
+        [base, num_bytes, device_id(regions.device), lay.page_stride_bytes, lay.num_pages]
+        for base in bases
+    ]
+    return np.array(rows, dtype=np.uint64).reshape(len(bases), len(STRIDED_COLUMNS))
 
 
 def aux_descriptor_table(regions: KVRegions) -> np.ndarray:
-    """The [num_aux_rows, 3] (addr, len, 0) table of the aux rows, in host memory."""
-    rows = np.arange(regions.num_aux_rows, dtype=np.uint64)
-    addrs = np.uint64(regions.aux_base_addr) + rows * np.uint64(AUX_ROW_BYTES)
-    lens = np.full(addrs.size, AUX_ROW_BYTES, np.uint64)
-    return np.stack([addrs, lens, np.zeros(addrs.size, np.uint64)], axis=1)
+    """The aux rows' list: one strided row, ``num_aux_rows`` rows of ``AUX_ROW_BYTES`` in
+    host memory."""
+    row = [regions.aux_base_addr, AUX_ROW_BYTES, 0, AUX_ROW_BYTES, regions.num_aux_rows]
+    return np.array([row], dtype=np.uint64)
 
 
 def device_id(device: str) -> int:

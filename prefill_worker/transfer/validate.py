@@ -8,10 +8,9 @@ ids are looked at. Each refusal carries a ``RejectReason`` (the label of
 Limits, and why:
 
     max_peer_pages     decode pool pages (and aux rows) one peer may register; the
-                       descriptor list prepared at registration holds regions * pages
-                       entries (2 * layers * pages layer-major, pages page-major), built
-                       on the engine thread, so this bounds that stall and its memory
-                       (default 2**20: ~0.25 s and ~50 MB at 2 layers layer-major)
+                       descriptor lists prepared at registration are strided (one row
+                       per region, ``pagemap``), so their cost does not grow with it;
+                       it bounds what a want may name and the descriptor index space
     2**31 - 1          descriptor indices are int32 (what NIXL takes)
     2**64              a region [base, base + pages * page_bytes) must fit the address space
 """
@@ -53,6 +52,10 @@ class RejectReason(enum.Enum):
     TOO_MANY_WANTS = "too_many_wants"  # unmatched wants per peer past the bound
     INTERNAL_ERROR = "internal_error"  # a message raised anyway: its peer is dropped
     UNSUPPORTED = "unsupported"  # an SGLang decode feature this worker does not serve
+    SPOOFED_ADDRESS = "spoofed_address"  # an SGLang frame's ip is not its connection's
+    NETWORK_NOT_ALLOWED = "network_not_allowed"  # outside transfer.sglang_allowed_networks
+    ADDRESS_TAKEN = "address_taken"  # a live SGLang decode is registered at that ip:port
+    FOREIGN_AGENT = "foreign_agent"  # a request names an agent registered at another ip:port
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ class SglangDecode:
         self.process, self.layout = process, layout
         self.id = f"decode-{next(_IDS)}"
         self.rooms: dict[int, tuple[list[int], int]] = {}
-        process.call(
+        identity = process.call(
             "new",
             id=self.id,
             bootstrap=bootstrap,
@@ -62,6 +62,9 @@ class SglangDecode:
             num_pages=layout.num_pages,
             num_aux_rows=num_aux_rows,
         )
+        self.agent_name: str = identity["agent_name"]  # what its frames name it by
+        self.ip: str = identity["ip"]
+        self.port: int = identity["port"]
 
     def want(self, room: int, num_tokens: int, prefix_len: int = 0) -> tuple[list[int], int]:
         """Bootstrap the room and send its transfer request: (all its pages, aux index)."""

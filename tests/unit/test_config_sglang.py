@@ -33,3 +33,15 @@ def test_a_wildcard_bind_needs_the_control_address() -> None:
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ConfigError):
         load_config(None, env={}, overrides=["transfer.protocol=mooncake"])
+
+
+def test_allowed_networks_are_cidr_blocks() -> None:
+    assert load_config(None, env={}, overrides=[]).transfer.sglang_allowed_networks == []
+    good = ['transfer.sglang_allowed_networks=["10.0.0.0/16", "fd00::/8"]']
+    assert load_config(None, env={}, overrides=good).transfer.sglang_allowed_networks == [
+        "10.0.0.0/16",
+        "fd00::/8",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=['transfer.sglang_allowed_networks=["10.0.0.1/8"]'])
+    assert "sglang_allowed_networks" in "\n".join(info.value.problems)

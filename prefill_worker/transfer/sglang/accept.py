@@ -18,9 +18,13 @@ Torch-, ZMQ- and NIXL-free.
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Sequence
+
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.sglang.aux import AUX_BUFFER_NAMES, NUM_AUX_BUFFERS
 from prefill_worker.transfer.sglang.frames import (
+    Endpoint,
     Registration,
     TransferRequest,
     check_nixl_metadata,
@@ -61,6 +65,37 @@ def check_registration(
         or _check_aux(reg)
         or _check_metadata(reg, limits)
     )
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def check_source(
+    claimed: Endpoint, source_ip: str, allowed: Sequence[Network] = ()
+) -> Refusal | None:
+    """Why a frame that names ``claimed`` as its sender cannot have come from ``source_ip``
+    (its connection's address), or None. SGLang's frames carry no proof of who sent them:
+    the connection's address is the one thing the sender does not write. ``allowed`` empty:
+    any network."""
+    source = _address(source_ip)
+    if source is None or source != _address(claimed.host):
+        why = f"the frame names {claimed.host} but came from {source_ip}"
+        return Refusal(RejectReason.SPOOFED_ADDRESS, why)
+    if allowed and not any(source in net for net in allowed):
+        why = f"{source_ip} is outside transfer.sglang_allowed_networks"
+        return Refusal(RejectReason.NETWORK_NOT_ALLOWED, why)
+    return None
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address, an IPv4-mapped IPv6 one as IPv4; None when ``text`` is none."""
+    try:
+        address = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def check_request(req: TransferRequest) -> Refusal | None:

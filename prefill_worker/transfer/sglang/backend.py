@@ -30,7 +30,7 @@ import logging
 import math
 import select
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefill_worker.kv.layout import KVRegions
@@ -42,7 +42,7 @@ from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
 from prefill_worker.transfer.nixl.sender import STUCK_RELEASE_S
 from prefill_worker.transfer.rooms import Gone, RoomBook
 from prefill_worker.transfer.sglang import aux, frames
-from prefill_worker.transfer.sglang.accept import server_info
+from prefill_worker.transfer.sglang.accept import Network, server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
@@ -59,6 +59,7 @@ from prefill_worker.transfer.validate import BootstrapLimits
 log = logging.getLogger(__name__)
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
+MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
 _BUSY_POLL_S = 0.001
 _IDLE_POLL_S = 1.0
 _MAX_CLAIMS_PER_ROOM = 4
@@ -87,6 +88,7 @@ class SglangBackend:
         on_reject: Callable[[str], None] | None = None,
         wake: Callable[[], None] | None = None,
         poster_factory: Callable[[Any], WritePoster] | None = None,
+        allowed_networks: Sequence[Network] = (),
     ) -> None:
         self.clock, self.want_timeout_s = clock, want_timeout_s
         self._write_timeout_s = write_timeout_s
@@ -134,6 +136,7 @@ class SglangBackend:
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
             run_on_agent=self._poster.run,
+            allowed_networks=allowed_networks,
         )
         self.reject_counts = self._desk.reject_counts
         self._control.start()
@@ -186,8 +189,8 @@ class SglangBackend:
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()
         now = self._last_poll_at = self.clock()
-        for message in self._mailbox.take_all():
-            self._desk.dispatch(message)
+        for received in self._mailbox.take(MAX_REGISTRATIONS_PER_TURN):
+            self._desk.dispatch(received.message, received.source_ip)
         self._drain_events()
         for claim in self._rooms.pop_expired(now):  # claims leave with their peer: it is here
             peer = self._peers[claim.peer.agent_name]
@@ -203,7 +206,7 @@ class SglangBackend:
 
     def next_poll_at(self) -> float:
         now = self.clock()
-        if self._ctx.events:
+        if self._ctx.events or self._mailbox.has_items:
             return now
         is_waiting = len(self._reaper) or len(self._held)
         if self._poster.needs_polling and (

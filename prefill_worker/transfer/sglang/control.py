@@ -3,10 +3,12 @@ parsed on its own thread), and the PUSH sockets the worker answers on (engine th
 
 ``ControlSocket`` binds at start-up (a taken port fails fast), then its thread reads each
 message, parses it (``frames.parse``: a bad one becomes the ``FrameError`` it raised) and
-hands it to ``on_message``, which queues it for the engine and wakes it. Nothing here
-decides what a message means. ZMQ drops a message over ``max_message_bytes`` (and its
+hands it to ``on_message`` with the address of the connection it came from (ZMQ's
+``Peer-Address`` of a TCP message: the one thing about a frame's sender that the sender does
+not write), which queues it for the engine and wakes it. Nothing here decides what a message
+means. ZMQ drops a message over ``max_message_bytes`` (and its
 connection) before it is read. ``Mailbox`` is the hand-over: the thread puts, the engine
-takes everything at once and can sleep on its file descriptor.
+takes a turn's worth (at most a few registrations) and can sleep on its file descriptor.
 
 ``ReplySockets`` keeps one PUSH socket per decode endpoint (as SGLang does, at most
 ``max_sockets``, least recently used closed first). Sends never block: a decode that is
@@ -20,6 +22,7 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -28,13 +31,22 @@ from prefill_worker.transfer.sglang.frames import (
     Endpoint,
     FrameError,
     Message,
+    Registration,
     parse,
 )
-from prefill_worker.zmq_parts import recv_parts
+from prefill_worker.zmq_parts import recv_parts_with_source
 
 log = logging.getLogger(__name__)
 
 _SEND_HWM = 1024  # replies queued per decode before sends fail
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A parsed control message and the IP address of the connection it came in on."""
+
+    message: Message | FrameError
+    source_ip: str
 
 
 class ControlSocket:
@@ -45,7 +57,7 @@ class ControlSocket:
         host: str,
         port: int,
         max_message_bytes: int,
-        on_message: Callable[[Message | FrameError], None],
+        on_message: Callable[[Received], None],
     ) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -95,19 +107,19 @@ class ControlSocket:
                 return
             while True:
                 try:
-                    frames, num_frames = recv_parts(self._sock, MAX_FRAMES + 1)
+                    received = recv_parts_with_source(self._sock, MAX_FRAMES + 1)
                 except zmq.Again:
                     break
-                self._deliver(frames, num_frames)
+                self._deliver(*received)
 
-    def _deliver(self, frames: list[bytes], num_frames: int) -> None:
+    def _deliver(self, frames: list[bytes], num_frames: int, source_ip: str) -> None:
         try:
             if num_frames > MAX_FRAMES:
                 raise FrameError(f"a message of {num_frames} frames (at most {MAX_FRAMES})")
             message: Message | FrameError = parse(frames)
         except FrameError as exc:
             message = exc
-        self._on_message(message)
+        self._on_message(Received(message, source_ip))
 
     def _close_sockets(self) -> None:
         for sock in (self._sock, self._stop_send, self._stop_recv):
@@ -160,10 +172,19 @@ class ReplySockets:
 class Mailbox:
     """What the control thread hands the engine: a deque, a pipe that is readable while it
     holds something, and an optional ``wake`` for an engine that sleeps elsewhere (serving
-    both protocols, it sleeps on the native socket and its inbox)."""
+    both protocols, it sleeps on the native socket and its inbox).
 
-    def __init__(self, wake: Callable[[], None] | None = None) -> None:
-        self._items: deque[Message | FrameError] = deque()
+    Registrations are the one costly message (each loads NIXL metadata on the engine's
+    turn): a turn takes at most a few (``take``), and other senders' messages are not held
+    behind those left waiting; past ``max_waiting_registrations`` waiting, a new one is
+    dropped here and handed over as a ``FrameError`` saying so (counted ``bad_message``)."""
+
+    def __init__(
+        self, wake: Callable[[], None] | None = None, max_waiting_registrations: int = 64
+    ) -> None:
+        self._items: deque[Received] = deque()
+        self._num_registrations = 0  # of those in _items
+        self._max_registrations = max_waiting_registrations
         self._lock = threading.Lock()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
@@ -171,21 +192,49 @@ class Mailbox:
         self._is_signalled = False
         self._wake = wake or (lambda: None)
 
-    def put(self, item: Message | FrameError) -> None:
+    def put(self, item: Received) -> None:
         with self._lock:
+            if isinstance(item.message, Registration):
+                if self._num_registrations >= self._max_registrations:
+                    why = f"registration dropped: {self._num_registrations} are waiting"
+                    item = Received(FrameError(why), item.source_ip)
+                else:
+                    self._num_registrations += 1
             self._items.append(item)
             if not self._is_signalled:
                 self._is_signalled = True
                 os.write(self._write_fd, b"\0")
         self._wake()
 
-    def take_all(self) -> list[Message | FrameError]:
+    def take(self, max_registrations: int) -> list[Received]:
+        """What has arrived, but at most ``max_registrations`` registrations; those left
+        wait, and so does whatever came after them from the same ``ip:port`` (a decode's
+        request never overtakes its registration). The pipe stays readable while anything
+        waits."""
+        taken: list[Received] = []
         with self._lock:
-            if self._is_signalled:
+            left: deque[Received] = deque()
+            held: set[Endpoint] = set()
+            for item in self._items:
+                endpoint = None if isinstance(item.message, FrameError) else item.message.endpoint
+                is_registration = isinstance(item.message, Registration)
+                if endpoint in held or (is_registration and max_registrations <= 0):
+                    left.append(item)
+                    if endpoint is not None:
+                        held.add(endpoint)
+                    continue
+                taken.append(item)
+                max_registrations -= is_registration
+                self._num_registrations -= is_registration
+            self._items = left
+            if self._is_signalled and not self._items:
                 self._is_signalled = False
                 os.read(self._read_fd, 64)
-            items, self._items = list(self._items), deque()
-        return items
+        return taken
+
+    @property
+    def has_items(self) -> bool:
+        return bool(self._items)
 
     def fileno(self) -> int:
         return self._read_fd

@@ -11,15 +11,20 @@ Refusals are counted (``on_reject(reason)``) and, where the decode can hear, ans
 decode learns why on its first request: the reasons are kept per agent name (bounded).
 
 Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
-name, or return address for ABORT) and nothing proves it; a room acts only for the peer that
-claimed it, as on the native protocol, and rooms stay secret (never logged at INFO).
+name and its ``ip:port``) and nothing in it proves that. What the worker can check, it does
+(docs/sglang.md, "Identity"): the ip a frame names must be the address of the connection it
+came on, and in ``transfer.sglang_allowed_networks`` when set (else the frame is dropped and
+counted: no reply goes to an address the sender may not own); a live registration keeps its
+``ip:port`` against any other agent; a request may name only the agent registered at its own
+``ip:port``. A room acts only for the peer that claimed it, as on the native protocol, and
+rooms stay secret (never logged at INFO).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +37,13 @@ from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.rooms import RoomBook
 from prefill_worker.transfer.sglang import aux, frames
-from prefill_worker.transfer.sglang.accept import check_registration, check_request, peer_regions
+from prefill_worker.transfer.sglang.accept import (
+    Network,
+    check_registration,
+    check_request,
+    check_source,
+    peer_regions,
+)
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import (
@@ -66,8 +77,10 @@ class SglangDesk:
         want_timeout_s: float,
         on_reject: Callable[[str], None],
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
+        allowed_networks: Sequence[Network] = (),
     ) -> None:
         self._agent, self._replies = agent, replies
+        self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
         self._layout, self._limits = layout, limits
         self._peers, self._senders, self._rooms = tables
@@ -78,9 +91,12 @@ class SglangDesk:
         self._refused: OrderedDict[str, str] = OrderedDict()
         self.reject_counts: dict[str, int] = {}
 
-    def dispatch(self, message: frames.Message | frames.FrameError) -> None:
-        """Answer one message; one that raises is counted and never escapes."""
+    def dispatch(self, message: frames.Message | frames.FrameError, source_ip: str) -> None:
+        """Answer one message that came on a connection from ``source_ip``; one that raises
+        is counted and never escapes."""
         try:
+            if not isinstance(message, frames.FrameError) and not self._is_from(message, source_ip):
+                return
             match message:
                 case frames.FrameError():
                     self._count(RejectReason.BAD_MESSAGE, f"unreadable control frame: {message}")
@@ -108,6 +124,12 @@ class SglangDesk:
         if sender.poll() is KVPoll.READY:
             peer.peer.rooms.add(sender.room)
 
+    def _is_from(self, message: frames.Message, source_ip: str) -> bool:
+        refusal = check_source(message.endpoint, source_ip, self._allowed_networks)
+        if refusal is not None:
+            self._count(refusal.reason, f"{type(message).__name__} dropped: {refusal.message}")
+        return refusal is None
+
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
@@ -120,9 +142,9 @@ class SglangDesk:
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
-        for old in [p for p in self._peers.values() if p.endpoint == reg.endpoint]:
-            # Its control socket now belongs to another agent: that decode restarted.
-            self._drop_peer(old, "decode re-registered under a new agent name")
+        refusal = self._take_address(reg)
+        if refusal is not None:
+            return self._refuse(reg.agent_name, refusal)
         try:
             name = self._run(self._agent.add_remote_agent, reg.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
@@ -143,6 +165,21 @@ class SglangDesk:
         self._peers[name] = SglangPeer(peer, reg.aux_ptrs, reg.endpoint)
         self._refused.pop(name, None)
         log.info("sglang: decode %s registered (%d pages)", name, regions.layout.num_pages)
+
+    def _take_address(self, reg: frames.Registration) -> Refusal | None:
+        """A live decode keeps its ``ip:port``: another agent registering there is refused.
+        A holder with no room, no waiting request and nothing heard for ``want_timeout_s``
+        is taken for a decode that restarted on the same port, and dropped."""
+        for old in [p for p in self._peers.values() if p.endpoint == reg.endpoint]:
+            if old.peer.rooms or old.peer.unmatched or not self._is_idle(old):
+                where = f"{reg.endpoint.host}:{reg.endpoint.port}"
+                why = f"{where} is registered by live agent {old.peer.agent_name!r}"
+                return Refusal(RejectReason.ADDRESS_TAKEN, why)
+            self._drop_peer(old, "decode re-registered under a new agent name")
+        return None
+
+    def _is_idle(self, peer: SglangPeer) -> bool:
+        return self._clock() - peer.peer.last_seen >= self._want_timeout_s
 
     def _prep(self, name: str, regions: KVRegions, aux_ptrs: tuple[int, ...]) -> PreppedLists:
         """The decode pool's descriptor list, once; and row 0 of each metadata buffer, which
@@ -171,6 +208,11 @@ class SglangDesk:
         if peer is None:
             why = self._refused.get(req.agent_name, NOT_REGISTERED)
             return self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+        if peer.endpoint != req.endpoint:  # its own agent only: the one at its ip:port
+            why = f"agent {req.agent_name!r} is registered from another address"
+            return self.refuse_room(
+                req.endpoint, req.room, Refusal(RejectReason.FOREIGN_AGENT, why)
+            )
         peer.peer.last_seen = self._clock()
         want = req.want()
         refusal = check_request(req) or check_want_size(

@@ -12,8 +12,9 @@ import zmq
 import zmq.auth
 
 from prefill_worker.curve import CurveClientKeys, CurveServerKeys, apply_client
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.bootstrap import BootstrapServer
+from prefill_worker.transfer.bootstrap import MAX_REGISTERS_PER_TURN, BootstrapServer
 from tests.polling import wait_until
 
 
@@ -115,5 +116,30 @@ def test_curve_admits_only_allow_listed_keys(ctx, tmp_path: Path) -> None:
         good.send(wire.encode(wire.Abort(3)))
         got = receive(server, 1) + collect_for(server, 0.3)
         assert [m for _, m in got] == [wire.Abort(3)]
+    finally:
+        server.close()
+
+
+def test_one_turn_reads_a_bounded_number_of_registers(ctx) -> None:
+    """The rest wait in the socket: the engine's turn stays short, its next one sees them."""
+    server = BootstrapServer("tcp://127.0.0.1:0")
+    try:
+        sock = dealer(ctx, server.endpoint)
+        regions = KVRegions(KVLayout(1, 1, 4, "float32", 4, 8), (4096,), (8192,), "cpu", 1 << 20, 4)
+        register = wire.encode(wire.Register.of("flood", wire.frame_metadata(b"md"), regions, "h"))
+        for _ in range(2 * MAX_REGISTERS_PER_TURN + 1):
+            sock.send(register)
+        sock.send(wire.encode(wire.Heartbeat()))
+        turns: list[list[type]] = []
+
+        def turn() -> bool:
+            got = server.poll()
+            if got:
+                turns.append([type(m) for _, m in got])
+            return sum(map(len, turns)) >= 2 * MAX_REGISTERS_PER_TURN + 2
+
+        wait_until(turn, 5.0, "every message")
+        assert all(t.count(wire.Register) <= MAX_REGISTERS_PER_TURN for t in turns), turns
+        assert len(turns) >= 3 and turns[-1][-1] is wire.Heartbeat
     finally:
         server.close()

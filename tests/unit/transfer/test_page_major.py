@@ -17,6 +17,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import num_want_pages, pagemap, wire
 from prefill_worker.transfer.nixl.agent import region_tables
 from prefill_worker.transfer.validate import BootstrapLimits, RejectReason, check_register
+from tests.unit.transfer.test_pagemap import expand
 
 LAYER = KVLayout(3, 2, 4, "float32", 4, 16)  # page_bytes = 4 * 2 * 4 * 4 = 128
 PAGE = dataclasses.replace(LAYER, kind="page_major")
@@ -37,7 +38,7 @@ def test_a_page_major_page_is_every_layer_and_one_region() -> None:
 
 
 def test_the_descriptor_table_has_one_entry_per_page() -> None:
-    table = pagemap.kv_descriptor_table(page_major_regions())
+    table = expand(pagemap.kv_descriptor_table(page_major_regions()))
     assert table.shape == (16, 3)
     assert table[5].tolist() == [BASE + 5 * 6 * 128, 6 * 128, 0]
     indices = pagemap.region_indices(np.array([3, 9]), PAGE.num_regions, PAGE.num_pages)

@@ -3,12 +3,15 @@ region-major descriptor indices and tables, and want checks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import pagemap, wire
+from prefill_worker.transfer.validate import DEFAULT_MAX_PEER_PAGES
 
 LAYOUT = KVLayout(3, 2, 4, "float32", 4, 16)  # page_bytes = 4 * 2 * 4 * 4 = 128
 
@@ -47,14 +50,33 @@ def test_region_indices_are_region_major() -> None:
 
 def test_descriptor_tables_match_the_layout() -> None:
     pool = Pool(0)
-    kv = pagemap.kv_descriptor_table(pool.regions)
+    kv = expand(pagemap.kv_descriptor_table(pool.regions))
+    assert pagemap.kv_descriptor_table(pool.regions).shape == (6, 5)  # strided: one per region
     assert kv.shape == (6 * 16, 3)
     i = pagemap.region_indices(np.array([5]), 6, 16)[4]  # V of layer 1, page 5
     assert kv[i, 0] == pool.regions.v_base_addrs[1] + 5 * LAYOUT.page_bytes
     assert kv[i, 1] == LAYOUT.page_bytes
-    aux = pagemap.aux_descriptor_table(pool.regions)
+    aux = expand(pagemap.aux_descriptor_table(pool.regions))
     assert aux.shape == (4, 3)
     assert aux[3].tolist() == [pool.aux.base_addr + 3 * AUX_ROW_BYTES, AUX_ROW_BYTES, 0]
+
+
+def test_a_table_at_the_page_limit_stays_one_row_per_region() -> None:
+    """What NIXL is given at registration does not grow with the peer's page count."""
+    big = dataclasses.replace(LAYOUT, num_pages=DEFAULT_MAX_PEER_PAGES)
+    regions = dataclasses.replace(Pool(0).regions, layout=big, num_aux_rows=2**20)
+    assert pagemap.kv_descriptor_table(regions).nbytes == 6 * 5 * 8
+    assert pagemap.aux_descriptor_table(regions).nbytes == 5 * 8
+
+
+def expand(strided: np.ndarray) -> np.ndarray:
+    """The (addr, len, dev) descriptors a strided table stands for, in NIXL's index order."""
+    rows = [
+        [addr + i * stride, length, dev]
+        for addr, length, dev, stride, count in strided.tolist()
+        for i in range(count)
+    ]
+    return np.array(rows, dtype=np.uint64)
 
 
 @pytest.mark.parametrize(

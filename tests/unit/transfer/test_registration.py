@@ -46,8 +46,9 @@ def test_descriptor_lists_split_the_same_way() -> None:
     prep_lists(agent, "peer", REGIONS)  # type: ignore[arg-type]
     (_, kv, kv_mem), (_, aux, aux_mem) = agent.prepped
     assert (kv_mem, aux_mem) == ("VRAM", "DRAM")
-    assert kv.shape == (2 * 2 * 16, 3) and set(kv[:, 2].tolist()) == {1}
-    assert aux.shape == (5, 3) and set(aux[:, 2].tolist()) == {0}
+    assert kv.shape == (2 * 2, 5) and set(kv[:, 2].tolist()) == {1}  # strided: 16 pages a row
+    assert set(kv[:, 4].tolist()) == {16}
+    assert aux.tolist() == [[9 << 20, AUX_ROW_BYTES, 0, AUX_ROW_BYTES, 5]]
 
 
 def test_a_cpu_pool_is_dram_throughout() -> None:

@@ -1,13 +1,15 @@
 """What each SGLang control message does to the tables, with a stand-in NIXL agent: a
-registration becomes a peer (once), a restarted decode replaces its old record, a request is
-a want that waits for its room or binds it, an ABORT acts only for the room's owner."""
+registration becomes a peer (once), a restarted decode replaces its old record once that is
+idle (a live one keeps its address), a request is a want that waits for its room or binds it
+and may name only its own agent, an ABORT acts only for the room's owner, and a frame whose
+ip is not its connection's is dropped."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import ipaddress
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.frames import (
     AbortNotice,
     Endpoint,
+    Message,
     Registration,
     TransferRequest,
     parse,
@@ -77,12 +80,14 @@ def registration(name: str | None = None) -> Registration:
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, allowed_networks: tuple[str, ...] = ()) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.peers: dict[str, SglangPeer] = {}
         self.senders: dict[int, SglangSender] = {}
         self.rooms = RoomBook(4, 64)
         self.dropped: list[tuple[str, str]] = []
+        self.rejects: list[str] = []
+        self.now = 0.0
         self.desk = SglangDesk(
             self.agent,
             self.replies,  # type: ignore[arg-type]
@@ -90,10 +95,15 @@ class Rig:
             BootstrapLimits(),
             (self.peers, self.senders, self.rooms),
             self.drop_peer,
-            time.monotonic,
+            lambda: self.now,
             want_timeout_s=5.0,
-            on_reject=lambda reason: None,
+            on_reject=self.rejects.append,
+            allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
         )
+
+    def send(self, message: Message, source_ip: str | None = None) -> None:
+        """As the control socket hands it over: from the ip it names unless told otherwise."""
+        self.desk.dispatch(message, source_ip or message.endpoint.host)
 
     def drop_peer(self, peer: SglangPeer, reason: str) -> None:
         self.dropped.append((peer.peer.agent_name, reason))
@@ -105,36 +115,76 @@ class Rig:
 def test_a_registration_is_one_peer() -> None:
     rig = Rig()
     reg = registration()
-    rig.desk.dispatch(reg)
-    rig.desk.dispatch(reg)  # SGLang registers once; a repeat changes nothing
+    rig.send(reg)
+    rig.send(reg)  # SGLang registers once; a repeat changes nothing
     assert list(rig.peers) == [reg.agent_name] == rig.agent.remote
     assert rig.peers[reg.agent_name].endpoint == reg.endpoint
 
 
-def test_a_restarted_decode_replaces_its_old_record() -> None:
+def test_a_live_decode_keeps_its_address_and_an_idle_one_is_replaced() -> None:
     rig = Rig()
-    rig.desk.dispatch(registration())
+    rig.send(registration())
     old = next(iter(rig.peers))
     request = parse(frames_of("request"))
     assert isinstance(request, TransferRequest)
-    rig.desk.dispatch(request)  # waits for its room's request
-    assert rig.rooms.num_claims(1234) == 1
-    rig.desk.dispatch(registration("restarted-decode"))
+    rig.send(request)  # waits for its room's request
+    rig.now += 60.0  # silent for long, but it has a request waiting: live
+    rig.send(registration("impostor"))
+    assert list(rig.peers) == [old] and rig.rooms.num_claims(1234) == 1
+    assert rig.rejects[-1] == "address_taken" and not rig.dropped
+    rig.rooms.drop(1234, rig.peers[old].peer)
+    rig.now += 1.0  # nothing waiting, but heard from within want_timeout_s: live
+    rig.peers[old].peer.last_seen = rig.now
+    rig.send(registration("impostor"))
+    assert list(rig.peers) == [old] and rig.rejects[-1] == "address_taken"
+    rig.now += 5.0  # idle: a decode restarted on the same port takes it
+    rig.send(registration("restarted-decode"))
     assert rig.dropped == [(old, "decode re-registered under a new agent name")]
-    assert list(rig.peers) == ["restarted-decode"] and rig.rooms.num_claims(1234) == 0
+    assert list(rig.peers) == ["restarted-decode"]
+
+
+def test_a_request_may_name_only_its_own_agent() -> None:
+    rig = Rig()
+    reg = registration()
+    rig.send(reg)
+    request = parse(frames_of("request"))
+    assert isinstance(request, TransferRequest)
+    elsewhere = Endpoint(reg.endpoint.host, reg.endpoint.port + 1)
+    rig.send(dataclasses.replace(request, endpoint=elsewhere))
+    assert rig.rooms.num_claims(request.room) == 0 and rig.rejects == ["foreign_agent"]
+    assert rig.replies.sent[-1][0] == elsewhere  # the refusal goes to the sender itself
+
+
+def test_a_frame_whose_ip_is_not_its_connections_is_dropped() -> None:
+    rig = Rig()
+    reg = registration()
+    rig.send(reg, source_ip="10.9.9.9")
+    rig.send(dataclasses.replace(reg, endpoint=Endpoint("decode.example", 1)), "10.9.9.9")
+    assert not rig.peers and rig.rejects == ["spoofed_address"] * 2 and not rig.replies.sent
+    rig.send(reg, source_ip=f"::ffff:{reg.endpoint.host}")  # IPv4 over an IPv6 socket
+    assert list(rig.peers) == [reg.agent_name]
+
+
+def test_the_allow_list_admits_only_its_networks() -> None:
+    reg = registration()
+    for networks, is_admitted in (("10.0.0.0/8",), False), ((f"{reg.endpoint.host}/32",), True):
+        rig = Rig(networks)
+        rig.send(reg)
+        assert bool(rig.peers) is is_admitted, networks
+        assert rig.rejects == ([] if is_admitted else ["network_not_allowed"])
 
 
 def test_an_abort_acts_only_for_the_rooms_owner() -> None:
     rig = Rig()
     reg = registration()
-    rig.desk.dispatch(reg)
+    rig.send(reg)
     request = parse(frames_of("request"))
     assert isinstance(request, TransferRequest)
-    rig.desk.dispatch(request)
+    rig.send(request)
     stranger = AbortNotice(1234, Endpoint("127.0.0.1", 1), generation=3)
-    rig.desk.dispatch(stranger)
+    rig.send(stranger)
     assert rig.rooms.num_claims(1234) == 1  # untouched, but acknowledged
     assert rig.replies.sent[-1] == (stranger.endpoint, [b"ABORT_ACK", b"1234", b"0", b"3"])
-    rig.desk.dispatch(dataclasses.replace(stranger, endpoint=reg.endpoint))
+    rig.send(dataclasses.replace(stranger, endpoint=reg.endpoint))
     assert rig.rooms.num_claims(1234) == 0
     assert rig.rooms.take_aborted(1234) == reg.agent_name  # its request will end at once

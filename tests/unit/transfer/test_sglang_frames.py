@@ -127,3 +127,12 @@ def test_a_captured_frame_changed_parses_or_raises_frame_error(index: int, junk:
             message[index] = junk
         with contextlib.suppress(FrameError):
             parse(message)
+
+
+@pytest.mark.parametrize("host", [b"decode-7.invalid", b"localhost", b"10.0.0.1.nip.io"])
+def test_a_host_name_is_refused_never_resolved(host: bytes) -> None:
+    """Resolving a name can block for seconds; decodes send their IP address."""
+    with pytest.raises(FrameError, match="is not an IP address"):
+        parse([frames.ABORT_TAG, b"7", host, b"9000", b"1"])
+    abort = parse([frames.ABORT_TAG, b"7", b"::1", b"9000", b"1"])
+    assert isinstance(abort, AbortNotice) and abort.endpoint.host == "::1"
