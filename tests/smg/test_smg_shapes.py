@@ -7,7 +7,9 @@ that changes it is noticed (and the doc is then changed with it):
 - a batch of ``input_ids`` with ``return_logprob`` is served, but smg drops the prefill's
   ``input_token_logprobs`` (a single prompt gets them: ``test_smg_router.py``);
 - ``stream: true`` with a decode that answers plain JSON (the reference decode peer) loses
-  them too."""
+  them too;
+- ``meta_info`` comes from the decode's answer: ``cached_tokens`` is the prefix-cache hit the
+  prefill wrote in the aux (SGLang: metadata) row, as SGLang's decode reports it."""
 
 from __future__ import annotations
 
@@ -55,6 +57,14 @@ def test_what_smg_forwards_of_the_generate_shapes(stack: Stack) -> None:
     assert streamed["meta_info"]["input_token_logprobs"] == []  # dropped as well
     status, single = stack.generate(body(ids, **logprobs))
     assert status == 200 and len(single["meta_info"]["input_token_logprobs"]) == 13, single
+
+    first = prompt(23, seed=232)  # 5 full pages (page size 4) enter the prefill's cache
+    cached = []
+    for shape in (first, first[:20] + prompt(9, seed=233)):
+        status, answer = stack.generate(body(shape))
+        assert status == 200, answer
+        cached.append(answer["meta_info"]["cached_tokens"])
+    assert cached == [0, 20]
 
 
 def _num_requests(prefill: Prefill) -> float:
