@@ -90,7 +90,8 @@ class NullKVEventsObserver:
 
 
 class KVEventPublisher:
-    """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes."""
+    """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes.
+    ``first_seq`` is the sequence number of the run's first batch."""
 
     def __init__(
         self,
