@@ -156,7 +156,7 @@ docs:
 DYNAMO_ENV := .interop/dynamo
 DYNAMO_REQUIREMENTS := tests/interop/dynamo-requirements.txt
 KV_EVENTS_INTEROP_TESTS := tests/interop/test_dynamo_indexer.py \
-  tests/interop/test_worker_feeds_dynamo_indexer.py
+  tests/interop/test_worker_feeds_dynamo_indexer.py tests/interop/test_kv_events_restart.py
 
 .PHONY: kv-events-deps kv-events-interop
 kv-events-deps: $(DYNAMO_ENV)/.installed

@@ -8,14 +8,25 @@ Threads::
                wire, ``wire.py``), sent on PUB as [topic, seq, payload] and kept for replay;
                replay requests on the ROUTER socket are answered in between (``replay.py``)
 
-Sequence numbers count batches that were encoded, from 0, with no holes: a batch whose send
-fails is still held for replay, so a subscriber that sees the gap can fetch it. An event the
-engine could not queue is lost for every subscriber; so that routers never keep believing in a
-block that may have left the cache since, once the queue has drained after such a drop the
-publisher sends ``AllBlocksCleared`` (routers then under-report hits until new blocks arrive;
-they never over-report). PUB and ROUTER sends never block: ZMQ drops at its high-water mark
-instead. Batch 0 starts with ``AllBlocksCleared``: a subscriber still holding blocks of an
-earlier run of this worker (one that crashed, and so never said goodbye) forgets them.
+Sequence numbers count batches that were encoded, with no holes, from the run's start time in
+microseconds since the Unix epoch (``first_seq_now``): so they keep increasing across restarts
+of the worker (a run publishes far fewer than one batch per microsecond), and a subscriber that
+ignores every batch at or below the last it applied (Dynamo's indexer does) takes a new run's
+batches at once. A batch whose send fails is still held for replay, so a subscriber that sees
+the gap can fetch it. An event the engine could not queue is lost for every subscriber; so that
+routers never keep believing in a block that may have left the cache since, once the queue has
+drained after such a drop the publisher sends ``AllBlocksCleared`` (routers then under-report
+hits until new blocks arrive; they never over-report). PUB and ROUTER sends never block: ZMQ
+drops at its high-water mark instead.
+
+A new run starts empty, but a subscriber may still hold blocks of an earlier run of this worker
+(one that crashed, and so never said goodbye). So the run's first batch is ``AllBlocksCleared``
+alone, sent at once, and every batch begins with one until the run has published its first
+``BlockStored``. A publisher with nothing to send for ``idle_interval_s`` sends a batch anyway:
+``AllBlocksCleared`` alone until the run has stored a block, an empty batch after. So a
+subscriber that reconnects to a restarted worker hears from it within that interval: it forgets
+the old run's blocks if the new run has stored none yet, and otherwise sees the gap in the
+sequence numbers and fetches what it missed from the replay socket.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -31,6 +43,7 @@ import zmq
 from prefill_worker.kv_events.replay import ReplayBuffer, ReplayOutcome, answer
 from prefill_worker.kv_events.wire import (
     AllBlocksCleared,
+    BlockStored,
     KVEvent,
     block_removed,
     block_stored,
@@ -46,6 +59,12 @@ _MAX_BATCH_EVENTS = 1024  # a long prompt's stored event is ~its token ids: keep
 _MAX_REPLAYS_PER_TURN = 16  # replay is served between batches, never starving them
 _REPLAY_PARTS = 3  # [routing id, b"", 8-byte seq]: more parts are read and dropped
 _MAX_REPLAY_PART_BYTES = 1024  # a request's parts are tiny; ZMQ drops a larger one unread
+
+
+def first_seq_now() -> int:
+    """A new run's first sequence number: the time in microseconds since the Unix epoch
+    (about 2**50.6 in 2026: far inside u64, and below 2**53 for JSON readers until 2255)."""
+    return time.time_ns() // 1000
 
 
 class KVEventsError(RuntimeError):
@@ -74,7 +93,8 @@ class NullKVEventsObserver:
 
 
 class KVEventPublisher:
-    """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes."""
+    """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes.
+    ``first_seq`` is the sequence number of the run's first batch."""
 
     def __init__(
         self,
@@ -85,8 +105,11 @@ class KVEventPublisher:
         max_queued_events: int = 100_000,
         num_replay_batches: int = 10_000,
         batch_interval_s: float = 0.01,
+        idle_interval_s: float = 1.0,
+        first_seq: int | None = None,
         observer: KVEventsObserver | None = None,
     ) -> None:
+        """``first_seq``: None takes ``first_seq_now()``."""
         self._binds = (publish_bind, replay_bind)
         self._topic = topic.encode()
         self._max_queued_events = max_queued_events
@@ -96,7 +119,11 @@ class KVEventPublisher:
         self._queue: collections.deque[KVEvent] = collections.deque()
         self._num_overflows = 0  # engine thread writes
         self._num_overflows_cleared = 0  # publisher thread writes
-        self._next_seq = 0
+        self._next_seq = first_seq_now() if first_seq is None else first_seq
+        self.first_seq = self._next_seq
+        self._idle_interval_s = idle_interval_s
+        self._next_idle_at = 0.0  # time.monotonic(): an idle publisher's next batch
+        self._has_stored = False  # publisher thread
         self._is_accepting = True  # False once closed, or the thread died: events are dropped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,9 +219,12 @@ class KVEventPublisher:
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        self._publish([])  # the run's first batch: AllBlocksCleared alone
         while True:
             is_stopping = self._stop.is_set()
             self._publish_queued()
+            if time.monotonic() >= self._next_idle_at:
+                self._publish([])  # a subscriber that reconnected since learns where we are
             if is_stopping:
                 return
             if self._replay is None:
@@ -212,11 +242,13 @@ class KVEventPublisher:
             self._publish([AllBlocksCleared()])
 
     def _publish(self, events: list[KVEvent]) -> None:
-        if self._next_seq == 0:  # a new run: what a subscriber kept of an earlier one is gone
-            events = [AllBlocksCleared(), *events]
+        if not self._has_stored and not (events and isinstance(events[0], AllBlocksCleared)):
+            events = [AllBlocksCleared(), *events]  # what a subscriber kept of an earlier run
+        self._next_idle_at = time.monotonic() + self._idle_interval_s
         payload, events = self._encode(events)
         if payload is None:
             return
+        self._has_stored = self._has_stored or any(isinstance(e, BlockStored) for e in events)
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self._replay_buffer.append(seq, payload)
         try:

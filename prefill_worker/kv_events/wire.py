@@ -6,7 +6,8 @@ options are the contract, so they follow vLLM 0.31.0 exactly (the version Dynamo
 One ZMQ message on the PUB socket::
 
     frame 0  topic        utf-8 bytes (config ``kv_events.topic``, "" by default)
-    frame 1  sequence     8 bytes, unsigned big-endian, +1 per batch, from 0
+    frame 1  sequence     8 bytes, unsigned big-endian, +1 per batch, from the run's start
+                          time in microseconds (``publisher.first_seq_now``)
     frame 2  payload      msgpack KVEventBatch
 
     KVEventBatch  array  [ts (float seconds, Unix time), [event, ...], data_parallel_rank]

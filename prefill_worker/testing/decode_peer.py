@@ -80,6 +80,7 @@ class Generation:
     error: str | None = None
     kv_wait_s: float = 0.0  # expect() until the KV and first token had landed
     decode_s: float = 0.0  # from then until the last token
+    num_cached_tokens: int = 0  # prompt tokens the prefill's prefix cache supplied (its aux row)
 
 
 @dataclass(slots=True)
@@ -93,6 +94,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far
     expected_at: float = 0.0
     landed_at: float = 0.0
+    num_cached_tokens: int = 0
 
 
 class DecodePeer:
@@ -278,7 +280,12 @@ class DecodePeer:
             if status.state is not RoomState.DONE:
                 finished.append(self._finish(seq, f"{status.state.value}: {status.reason}"))
                 continue
-            seq.tokens.append(seq.receiver.read_aux(seq.aux_slot).first_token_id)
+            row = seq.receiver.read_aux(seq.aux_slot)
+            seq.tokens.append(row.first_token_id)
+            # A native row reports the prefix-cache hit through num_computed_tokens; SGLang's
+            # row carries it as its cached_tokens (num_cached_tokens here), as SGLang reports.
+            hit = row.num_prefix_hit_tokens
+            seq.num_cached_tokens = row.num_cached_tokens if hit is None else hit
             if self._is_complete(seq):
                 finished.append(self._finish(seq))
             else:
@@ -307,6 +314,7 @@ class DecodePeer:
             error,
             kv_wait_s=seq.landed_at - seq.expected_at,
             decode_s=now - seq.landed_at,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
 

@@ -173,7 +173,7 @@ class PeerHttp:
             "finish_reason": finish,
             "prompt_tokens": num_prompt,
             "completion_tokens": len(tokens),
-            "cached_tokens": 0,
+            "cached_tokens": gen.num_cached_tokens,
             "e2e_latency": time.monotonic() - started,
             "kv_wait_s": gen.kv_wait_s,
             "decode_s": gen.decode_s,

@@ -10,6 +10,8 @@
     GET  /dump    → {"default:default": {"block_size": B, "events": [{"worker_id": ID,
                      "event": {"data": {"stored": {"blocks": [{"block_hash": H, ...}]}}}}]}}
     GET  /workers → [{"instance_id": ID, "listeners": {"0": {"status": "active"}}, ...}]
+    POST /register {"instance_id": ID, "endpoint": PUB, "replay_endpoint": ROUTER,
+                    "model_name": "default", "block_size": B}     (instead of --workers)
 
 It computes its own hash of each block's token ids (so a query needs only tokens) and links
 blocks through the published ``block_hashes`` / ``parent_block_hash`` chain.
@@ -79,6 +81,25 @@ class DynamoIndexer:
         wait_until(lambda: indexer._listening(set(workers)), 60, "the indexer's listeners")
         return indexer
 
+    @classmethod
+    def start_registered(
+        cls, workdir: Path, block_size: int, worker_id: int, endpoint: str, replay_endpoint: str
+    ) -> DynamoIndexer:
+        """Started with no worker, then one registered over HTTP with its replay socket: on a
+        gap in the sequence numbers (a late join, a restarted worker) it fetches the batches
+        it missed."""
+        python = dynamo_python()
+        port = free_port()
+        args = [str(python), "-m", "dynamo.indexer", "--block-size", str(block_size)]
+        args += ["--port", str(port), "--threads", "1"]
+        indexer = cls(ChildProcess.start("dynamo-indexer", args, workdir), port, block_size)
+        wait_until(indexer._is_serving, 60, "the indexer's HTTP server")
+        registration = {"instance_id": worker_id, "endpoint": endpoint}
+        registration |= {"replay_endpoint": replay_endpoint, "model_name": MODEL_NAME}
+        indexer._call("/register", {**registration, "block_size": block_size})
+        wait_until(lambda: indexer._listening({worker_id}), 60, "the indexer's listener")
+        return indexer
+
     def overlap_blocks(self, token_ids: list[int]) -> dict[int, int]:
         """``{worker_id: blocks}`` the indexer says each worker holds of this prompt's prefix."""
         answer = self._call("/query", {"token_ids": token_ids, "model_name": MODEL_NAME})
@@ -101,6 +122,15 @@ class DynamoIndexer:
 
     def close(self) -> None:
         self.child.kill()
+
+    def _is_serving(self) -> bool:
+        if self.child.popen.poll() is not None:
+            raise AssertionError(f"the indexer exited:\n{self.child.log_tail()}")
+        try:
+            self._call("/workers")
+        except (urllib.error.URLError, ConnectionError):
+            return False
+        return True
 
     def _listening(self, worker_ids: set[int]) -> bool:
         if self.child.popen.poll() is not None:

@@ -22,6 +22,7 @@ import pytest
 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.router.client import BlockingRouterClient
+from prefill_worker.router.messages import Result
 from tests.checkpoints import make_checkpoint, prompt
 from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker, free_port, start_worker
 from tests.interop.dynamo import DynamoIndexer, dynamo_python
@@ -51,7 +52,7 @@ class Serving:
         self._rooms = itertools.count(1)
         self._pool = ThreadPoolExecutor(1)
 
-    def serve(self, token_ids: list[int]) -> None:
+    def serve(self, token_ids: list[int]) -> Result:
         """The decode side is driven (``wait``) while the router waits for the result."""
         room = next(self._rooms)
         self.decode.want(room, len(token_ids))
@@ -59,6 +60,7 @@ class Serving:
         self.decode.wait([room])
         result = future.result(timeout=60)
         assert result.status is OutcomeStatus.OK, (result, self.worker.log())
+        return result
 
     def close(self) -> None:
         self._pool.shutdown()

@@ -87,7 +87,9 @@ def _generated(outcome: Outcome, asked: Asked, codec: TextCodec | None) -> dict[
         "finish_reason": {"type": "length", "length": 0},
         "prompt_tokens": outcome.num_prompt_tokens,
         "completion_tokens": 1,
-        "cached_tokens": outcome.num_cached_tokens,
+        # SGLang's prefill (and its decode, off the metadata row) report the prefix cache's
+        # hit here; the prefix a native decode held is not SGLang's notion
+        "cached_tokens": outcome.num_prefix_hit_tokens,
         "e2e_latency": t.queue_s + t.bootstrap_s + t.prefill_s + t.transfer_s,
     }
     if asked.return_logprob:

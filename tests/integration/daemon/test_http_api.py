@@ -128,6 +128,25 @@ def test_generate_answers_once_kv_and_first_token_landed(api_worker, decode, che
         torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=0)
 
 
+def test_cached_tokens_is_the_prefix_cache_hit_as_sglang_reports_it(api_worker, decode) -> None:
+    """SGLang's prefill reports in ``meta_info.cached_tokens`` the prompt tokens its prefix cache
+    supplied (its decode reports the same, read off the metadata row); not the prefix the
+    decode held, which an SGLang decode never has."""
+    _, api = api_worker
+    first = prompt(23, seed=231)  # 5 full pages (page size 4) enter the cache
+    sharing = first[:20] + prompt(9, seed=232)
+    answers = []
+    for room, ids in ((3101, first), (3102, sharing)):
+        decode.want(room, len(ids))
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(api.post, "/generate", generate(ids, room))
+            wait_until(lambda answer=answer: _progressed(decode) and answer.done(), 30, "answer")
+            status, body = answer.result()
+        assert status == 200, body
+        answers.append(body["meta_info"]["cached_tokens"])
+    assert answers == [0, 20]
+
+
 def test_batch_and_completions_and_zmq_at_once(api_worker, decode, router_factory) -> None:
     """A /generate batch (list bootstrap fields), /v1/completions and a ZMQ prefill, all in
     flight together in one engine: each gets the same first token as the others would."""

@@ -117,6 +117,8 @@ def make() -> Iterator[Callable[..., KVEventPublisher]]:
     made: list[KVEventPublisher] = []
 
     def factory(start: bool = True, **kwargs: object) -> KVEventPublisher:
+        """No idle batches unless a test asks: its batches are then only those it causes."""
+        kwargs.setdefault("idle_interval_s", 3600.0)
         publisher = KVEventPublisher(LOCAL, LOCAL, **kwargs)  # type: ignore[arg-type]
         made.append(publisher)
         if start:
@@ -144,19 +146,20 @@ def test_events_arrive_in_order_as_vllm_frames(make) -> None:
     publisher.all_cleared()
     received: list[object] = []
     expected_seq = marker_seq + 1
-    while len(received) < 4:
+    while len(received) < 5:
         topic, seq, batch = sub.recv()
         assert (topic, seq, batch.data_parallel_rank) == (b"kv@worker-1", expected_seq, 0)
         assert abs(batch.ts - time.time()) < 60
         received += batch.events
         expected_seq += 1
     assert received == [
+        AllBlocksCleared(),  # the run's first BlockStored comes after one
         BlockStored([11, 22], None, list(range(8)), 4, None, "GPU", None),
         BlockStored([33], 22, [8, 9, 10, 11], 4, None, "GPU", None),
         BlockRemoved([33], "GPU"),
         AllBlocksCleared(),
     ]
-    wait_until(lambda: recorder.published >= 4, what="published count")
+    wait_until(lambda: recorder.published >= 5, what="published count")
     assert not recorder.dropped
     sub.close()
 
@@ -183,11 +186,14 @@ def test_a_bad_replay_request_fails_alone(make) -> None:
     recorder = Recorder()
     publisher = make(observer=recorder)
     publisher.blocks_removed([4])
-    wait_until(lambda: recorder.published == 2, what="batch 0")
+    wait_until(lambda: recorder.published == 3, what="the run's first two batches")
     client = ReplayClient(publisher.replay_endpoint)
     client.sock.send_multipart([b"", b"\x01\x02"])  # a 2-byte sequence number
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the bad request counted")
-    assert events_of(client.replay(0)) == [[AllBlocksCleared(), BlockRemoved([4], "GPU")]]
+    assert events_of(client.replay(publisher.first_seq)) == [
+        [AllBlocksCleared()],
+        [AllBlocksCleared(), BlockRemoved([4], "GPU")],
+    ]
     wait_until(lambda: recorder.replays["served"] == 1, what="the good request counted")
     assert recorder.replays == Counter(bad_request=1, served=1)
     client.close()
@@ -197,28 +203,80 @@ def test_a_replay_request_of_many_parts_fails_alone(make) -> None:
     """A request of 100,000 parts is refused by its count (its parts are dropped as read)."""
     recorder = Recorder()
     publisher = make(observer=recorder)
-    publisher.blocks_removed([4])
-    wait_until(lambda: recorder.published == 2, what="batch 0")
+    wait_until(lambda: recorder.published == 1, what="the start's clear")
     client = ReplayClient(publisher.replay_endpoint)
     client.sock.send_multipart([b""] * 100_000 + [bytes(8)])
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the long request counted")
-    assert events_of(client.replay(0)) == [[AllBlocksCleared(), BlockRemoved([4], "GPU")]]
+    assert events_of(client.replay(publisher.first_seq)) == [[AllBlocksCleared()]]
     assert recorder.replays == Counter(bad_request=1, served=1)
     client.close()
 
 
-def test_batch_0_opens_with_all_blocks_cleared(make) -> None:
-    """A subscriber that kept blocks of this worker's previous run (it may have crashed) drops
-    them with the first batch of the new run."""
+def test_a_new_run_clears_subscribers_until_it_stores_a_block(make) -> None:
+    """A subscriber may still hold blocks of this worker's previous run (it may have crashed):
+    the run's first batch is AllBlocksCleared alone, sent at start, and every batch opens with
+    one until the run's first BlockStored has gone out; none after."""
     recorder = Recorder()
     publisher = make(observer=recorder)
+    wait_until(lambda: recorder.published == 1, what="the start's clear")
+    publisher.blocks_removed([7])
+    wait_until(lambda: recorder.published == 3, what="a removal before any store")
     publisher.blocks_stored([8], None, [1, 2, 3, 4], 4)
-    wait_until(lambda: recorder.published == 2, what="batch 0")
+    wait_until(lambda: recorder.published == 5, what="the first store")
+    publisher.blocks_removed([8])
+    wait_until(lambda: recorder.published == 6, what="a removal after it")
     client = ReplayClient(publisher.replay_endpoint)
-    assert events_of(client.replay(0)) == [
-        [AllBlocksCleared(), BlockStored([8], None, [1, 2, 3, 4], 4, None, "GPU", None)]
+    assert events_of(client.replay(publisher.first_seq)) == [
+        [AllBlocksCleared()],
+        [AllBlocksCleared(), BlockRemoved([7], "GPU")],
+        [AllBlocksCleared(), BlockStored([8], None, [1, 2, 3, 4], 4, None, "GPU", None)],
+        [BlockRemoved([8], "GPU")],
     ]
     client.close()
+
+
+def test_an_idle_publisher_still_sends_a_batch_every_interval(make) -> None:
+    """A subscriber that reconnects to a restarted worker hears from it within
+    ``idle_interval_s`` without any request: AllBlocksCleared alone while the run has stored
+    nothing (it forgets the old run's blocks), an empty batch once it has (a clear would
+    erase what subscribers rightly hold; the sequence number shows them any gap)."""
+    publisher = make(idle_interval_s=0.02)
+    sub = Subscriber(publisher.endpoint)
+    _, seq, batch = sub.recv()  # nobody asked: an idle batch
+    assert batch.events == [AllBlocksCleared()]
+    _, next_seq, batch = sub.recv()
+    assert (next_seq, batch.events) == (seq + 1, [AllBlocksCleared()])
+    publisher.blocks_stored([8], None, [1, 2, 3, 4], 4)
+    while not any(isinstance(e, BlockStored) for e in sub.recv()[2].events):
+        pass
+    for _ in range(3):
+        assert sub.recv()[2].events == []
+    sub.close()
+
+
+def test_sequence_numbers_keep_rising_across_runs(make) -> None:
+    """A run's first sequence number is its start time in microseconds, so a restarted
+    worker's batches follow the previous run's, as consumers that ignore old numbers need
+    (Dynamo's indexer drops every batch at or below the last it applied)."""
+    before_us = time.time_ns() // 1000
+    first = make()
+    for block in range(50):
+        first.blocks_removed([block])
+    sub = Subscriber(first.endpoint)
+    last_seq = sub.sync(first)
+    endpoint = first.endpoint
+    first.close()
+    second = KVEventPublisher(endpoint, None, idle_interval_s=3600.0)
+    second.start()
+    try:
+        assert before_us <= first.first_seq < second.first_seq <= time.time_ns() // 1000
+        assert second.first_seq > last_seq
+        sub2 = Subscriber(endpoint)
+        assert sub2.sync(second) > last_seq
+        sub2.close()
+    finally:
+        second.close()
+    sub.close()
 
 
 def test_a_full_queue_drops_new_events_then_tells_subscribers_to_clear(make) -> None:
@@ -231,10 +289,11 @@ def test_a_full_queue_drops_new_events_then_tells_subscribers_to_clear(make) -> 
         publisher.blocks_removed([block])
     assert recorder.dropped == Counter(queue_full=2)
     publisher.start()
-    wait_until(lambda: recorder.published == 5, what="the queued events and the clear")
+    wait_until(lambda: recorder.published == 6, what="the queued events and the clear")
     client = ReplayClient(publisher.replay_endpoint)
-    first, drop_clear = events_of(client.replay(0))
-    assert first[1:] == [BlockRemoved([b], "GPU") for b in (0, 1, 2)]
+    start_clear, first, drop_clear = events_of(client.replay(publisher.first_seq))
+    assert start_clear == [AllBlocksCleared()]
+    assert first == [AllBlocksCleared(), *(BlockRemoved([b], "GPU") for b in (0, 1, 2))]
     assert drop_clear == [AllBlocksCleared()]
     client.close()
 
@@ -246,15 +305,16 @@ def test_an_event_that_cannot_be_encoded_is_dropped_alone(make) -> None:
     publisher.blocks_removed([2**64])  # outside 64 bits: a bug in the caller
     publisher.blocks_stored([3], None, [0, 1, 2, 3], 4)
     publisher.start()
-    wait_until(lambda: recorder.published == 3, what="the good events")
+    wait_until(lambda: recorder.published == 4, what="the good events")
     assert recorder.dropped == Counter(bad_event=1)
     client = ReplayClient(publisher.replay_endpoint)
-    assert events_of(client.replay(0)) == [
+    assert events_of(client.replay(publisher.first_seq)) == [
+        [AllBlocksCleared()],
         [
             AllBlocksCleared(),
             BlockRemoved([1], "GPU"),
             BlockStored([3], None, [0, 1, 2, 3], 4, None, "GPU", None),
-        ]
+        ],
     ]
     client.close()
 
@@ -268,11 +328,12 @@ def test_close_sends_what_is_queued_and_drops_what_comes_after(make) -> None:
     publisher.all_cleared()
     publisher.close()
     events: list[object] = []
-    while len(events) < 2:
+    while len(events) < 3:
         _, seq, batch = sub.recv()
         assert seq > marker_seq
         events += batch.events
-    assert events == [BlockRemoved([5], "GPU"), AllBlocksCleared()]
+    # nothing was stored in this run, so the batch opens with a clear
+    assert events == [AllBlocksCleared(), BlockRemoved([5], "GPU"), AllBlocksCleared()]
     assert not recorder.dropped
     num_published = recorder.published
     publisher.blocks_removed([6])
@@ -309,10 +370,10 @@ def test_counters_reach_prometheus(make) -> None:
 
     publisher.blocks_stored([1, 2], None, list(range(8)), 4)
     publisher.blocks_removed([2])
-    # the stored and removed events, and the AllBlocksCleared that opens batch 0
-    wait_until(lambda: sample("prefill_worker_kv_events_published_total") == 3, what="published")
+    # the stored and removed events, the start's AllBlocksCleared and the one before the store
+    wait_until(lambda: sample("prefill_worker_kv_events_published_total") == 4, what="published")
     client = ReplayClient(publisher.replay_endpoint)
-    client.replay(0)
+    client.replay(publisher.first_seq)
     wait_until(
         lambda: sample("prefill_worker_kv_event_replays_total", outcome="served") == 1,
         what="replay counted",
