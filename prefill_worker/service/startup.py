@@ -204,6 +204,7 @@ def start_transfer(
                         cfg.sglang_rank_port,
                         cfg.sglang_kv_cache_dtype,
                         cfg.sglang_health_stale_s,
+                        cfg.sglang_rejoin_s,
                     ),
                     None if cfg.agent_name is None else f"{cfg.agent_name}-sglang",
                     list(cfg.nixl_backends),

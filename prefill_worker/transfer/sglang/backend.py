@@ -15,6 +15,14 @@ prepared list per side, a chunk is one WRITE; our list is per layer whatever the
 layout, as SGLang's pools are); the first token goes into the decode's metadata buffers
 (``sglang.aux``).
 
+Restarts: an SGLang decode keeps a prefill's registration and control address until it misses
+``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) heartbeats in a row, 5 s apart by
+default; a worker back sooner would find every decode that knew its previous run still sending
+to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health`` and ``/route``
+answer 503: each such decode misses its heartbeats, drops the old registration (failing its
+rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new decode's first
+``/route`` waits it out too (SGLang retries it for 15 s).
+
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
 this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
 liveness rule) and fail their rooms when it does not
@@ -81,6 +89,7 @@ class SglangBackend:
         clock: Callable[[], float] = time.monotonic,
         *,
         health_stale_s: float = 30.0,
+        rejoin_s: float = 0.0,
         is_engine_live: Callable[[], bool] = lambda: True,
         limits: BootstrapLimits | None = None,
         ucx_net_devices: str | None = None,
@@ -93,6 +102,7 @@ class SglangBackend:
         self.limits = limits or BootstrapLimits()
         self._last_poll_at = clock()
         self._health_stale_s = health_stale_s
+        self._opens_at = clock() + rejoin_s  # built just before the engine starts serving
         self._is_engine_live = is_engine_live  # the daemon's liveness verdict (HTTP thread)
         self._mailbox = Mailbox(wake)
         self._closers: list[Callable[[], None]] = [self._mailbox.close]
@@ -148,7 +158,7 @@ class SglangBackend:
         self._closers.append(self._control.close)
         rank = {"rank_ip": rank_ip, "rank_port": self._control.endpoint.port}
         info = server_info(regions.layout.page_size, dtype)
-        self._http = BootstrapHttp(http_bind, info, rank, self._is_healthy)
+        self._http = BootstrapHttp(http_bind, info, rank, self._is_healthy, self._is_open)
         self._http.start()
         self._closers.append(self._http.stop)
         self._replies = ReplySockets()
@@ -267,6 +277,9 @@ class SglangBackend:
         so a stuck forward shows only in the engine's liveness."""
         is_fresh = self.clock() - self._last_poll_at <= self._health_stale_s
         return is_fresh and self._is_engine_live()
+
+    def _is_open(self) -> bool:  # the HTTP thread
+        return self.clock() >= self._opens_at
 
     def _drain_events(self) -> None:
         events = self._ctx.events
