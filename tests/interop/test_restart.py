@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import signal
 import time
-from contextlib import closing
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest

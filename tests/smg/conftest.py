@@ -105,9 +105,11 @@ class Stack:
             *settings,
         )
         if sglang_port is not None:
-            flags += (
+            flags = (
                 "transfer.protocol=sglang",
                 f"transfer.sglang_bootstrap_bind=127.0.0.1:{sglang_port}",
+                "transfer.sglang_rejoin_s=0",  # no restart here (bench/restart.py has them)
+                *flags,
             )
         worker = start_worker(self.tmp_path, self.checkpoint, *flags)
         self.children.append(worker.child)

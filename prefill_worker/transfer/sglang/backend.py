@@ -18,10 +18,10 @@ layout, as SGLang's pools are); the first token goes into the decode's metadata 
 Restarts: an SGLang decode keeps a prefill's registration and control address until it misses
 ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) heartbeats in a row, 5 s apart by
 default; a worker back sooner would find every decode that knew its previous run still sending
-to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health`` and ``/route``
-answer 503: each such decode misses its heartbeats, drops the old registration (failing its
-rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new decode's first
-``/route`` waits it out too (SGLang retries it for 15 s).
+to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health``
+and ``/route`` answer 503: each such decode misses its heartbeats, drops the old registration
+(failing its rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new
+decode's first ``/route`` waits it out too (SGLang retries it for 15 s).
 
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
 this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
