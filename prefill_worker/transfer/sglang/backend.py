@@ -55,6 +55,7 @@ from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import (
     Closed,
     Reply,
@@ -122,6 +123,7 @@ class SglangBackend:
         self._peers: dict[str, SglangPeer] = {}
         self._senders: dict[int, SglangSender] = {}
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
+        self._refused_rooms = RefusedRooms(want_timeout_s)
         self._ctx = SglangContext(
             self._poster,
             local.kv_list,
@@ -143,6 +145,7 @@ class SglangBackend:
             clock,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
+            refused_rooms=self._refused_rooms,
             run_on_agent=self._poster.run,
         )
         self.reject_counts = self._desk.reject_counts
@@ -191,6 +194,9 @@ class SglangBackend:
                 self._desk.refuse_room(peer.endpoint, room, self._desk.why_not(sender, peer))
         if winner is None and aborted_by is not None and sender.accepts(aborted_by):
             sender.abort_by_peer(None, None)  # its ABORT was acknowledged when it came
+        refused = self._refused_rooms.take(room, self.clock())
+        if winner is None and refused is not None and sender.accepts(refused.agent_name):
+            sender.fail(refused.reason)  # its decode was told when its request came
         return sender
 
     def poll(self) -> None:

@@ -8,7 +8,9 @@ Everything is checked before NIXL sees it (``sglang.accept``): a registration's 
 layout and features; a request's peer, flags and size before its pages are looked at.
 Refusals are counted (``on_reject(reason)``) and, where the decode can hear, answered with
 ``KV_STATUS failed`` and the reason. SGLang has no answer to a registration, so a refused
-decode learns why on its first request: the reasons are kept per agent name (bounded).
+decode learns why on its first request: the reasons are kept per agent name (bounded). That
+request also fails the room's own request here, now if it came first, else when it comes
+(``refusals``): a refused decode never makes a router wait out the bootstrap timeout.
 
 Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
 name, or return address for ABORT) and nothing proves it; a room acts only for the peer that
@@ -34,6 +36,7 @@ from prefill_worker.transfer.rooms import RoomBook
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import check_registration, check_request, peer_regions
 from prefill_worker.transfer.sglang.control import ReplySockets
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
@@ -65,6 +68,7 @@ class SglangDesk:
         *,
         want_timeout_s: float,
         on_reject: Callable[[str], None],
+        refused_rooms: RefusedRooms,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._agent, self._replies = agent, replies
@@ -76,6 +80,7 @@ class SglangDesk:
         self._want_timeout_s = want_timeout_s
         self._on_reject = on_reject
         self._refused: OrderedDict[str, str] = OrderedDict()
+        self._refused_rooms = refused_rooms
         self.reject_counts: dict[str, int] = {}
 
     def dispatch(self, message: frames.Message | frames.FrameError) -> None:
@@ -170,6 +175,7 @@ class SglangDesk:
         peer = self._peers.get(req.agent_name)
         if peer is None:
             why = self._refused.get(req.agent_name, NOT_REGISTERED)
+            self._fail_waiting_room(req.room, req.agent_name, why)
             return self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
         peer.peer.last_seen = self._clock()
         want = req.want()
@@ -193,6 +199,15 @@ class SglangDesk:
         refusal = self._rooms.claim(peer.peer, want, self._clock() + self._want_timeout_s)
         if refusal is not None:
             self.refuse_room(peer.endpoint, req.room, refusal)
+
+    def _fail_waiting_room(self, room: int, agent_name: str, why: str) -> None:
+        """The room's request fails with the decode's refusal: now if it waits unbound for
+        this decode, else when it comes."""
+        sender = self._senders.get(room)
+        if sender is None:
+            self._refused_rooms.add(room, agent_name, why, self._clock())
+        elif sender.peer is None and sender.accepts(agent_name):
+            sender.fail(why)
 
     def _abort(self, notice: frames.AbortNotice) -> None:
         """Only the owner's ABORT acts (an ABORT names its sender by its control socket);

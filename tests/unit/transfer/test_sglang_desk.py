@@ -21,6 +21,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -93,6 +94,7 @@ class Rig:
             time.monotonic,
             want_timeout_s=5.0,
             on_reject=lambda reason: None,
+            refused_rooms=RefusedRooms(5.0),
         )
 
     def drop_peer(self, peer: SglangPeer, reason: str) -> None:
