@@ -70,12 +70,14 @@ class SglangRank:
 
 
 class SglangSource:
-    """``decode_peer.KVSource`` for one prefill worker, through SGLang's receiver."""
+    """``decode_peer.KVSource`` for one prefill worker, through SGLang's receiver. The
+    prefill's server info is SGLang's to cache (``try_ensure_parallel_info``, asked per room
+    as SGLang's decode scheduler does): its heartbeat drops it when the prefill goes away or
+    restarts, and the next room fetches it again and registers afresh."""
 
     def __init__(self, rank: SglangRank, bootstrap_addr: str) -> None:
         self._rank, self.bootstrap_addr = rank, bootstrap_addr
         self._rooms: dict[int, _Room] = {}
-        self._has_info = False
         self._info()  # the prefill's /route, now if it answers (else on the first room)
 
     def want(
@@ -129,10 +131,8 @@ class SglangSource:
         return None  # the manager's threads end with the process
 
     def _info(self) -> bool:
-        if not self._has_info:
-            manager = self._rank.decode.manager
-            try:
-                self._has_info = bool(manager.try_ensure_parallel_info(self.bootstrap_addr))
-            except Exception:  # not up yet, or not a prefill: the room that needs it fails
-                self._has_info = False
-        return self._has_info
+        manager = self._rank.decode.manager
+        try:  # at once when SGLang holds it
+            return bool(manager.try_ensure_parallel_info(self.bootstrap_addr))
+        except Exception:  # not up yet, or not a prefill: the room that needs it fails
+            return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import threading
 
 import pytest
@@ -176,3 +177,30 @@ def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
         assert all(e[0] is None for e in entries[:1])  # SGLang: the start token has none
         ref = [float(logprobs[p, ids[p + 1]]) for p in range(start, len(ids) - 1)]
         assert [e[0] for e in entries[1:]] == pytest.approx(ref, abs=1e-4), start
+
+
+def sse_events(raw: str) -> list[object]:
+    """``data:`` payloads of a server-sent event stream, ``[DONE]`` as the string."""
+    payloads = [
+        line[len("data:") :].strip() for line in raw.splitlines() if line.startswith("data:")
+    ]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) -> None:
+    """``stream: true``: smg streams the decode's events (the SGLang-mode peer answers in SSE,
+    as an SGLang decode does); the last event holds the whole greedy answer."""
+    stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    ids = prompt(29, seed=291)
+    status, raw = stack.generate(greedy(ids, stream=True))
+    assert status == 200, raw
+    events = sse_events(raw if isinstance(raw, str) else json.dumps(raw))
+    assert events[-1] == "[DONE]", raw
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert len(chunks) == NUM_NEW_TOKENS, raw
+    assert chunks[-1]["output_ids"] == hf_generate(checkpoint, ids)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert all(code == 0 for code in stack.stop().values())
