@@ -260,6 +260,7 @@ def _take(peer: DecodePeer, waiting: dict[int, Callable[[Generation], None]], jo
         return
     waiting[job.room] = job.done
     peer.expect(job.room, job.token_ids, job.max_new_tokens, job.source)
+    log.info("request taken: %d in flight", len(waiting))
 
 
 def _listed(value: Any, n: int) -> list[Any]:

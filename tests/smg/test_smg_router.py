@@ -204,3 +204,21 @@ def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) 
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert all(code == 0 for code in stack.stop().values())
+
+
+def test_the_decode_peer_exits_0_on_sigterm_with_a_request_open(stack: Stack) -> None:
+    """SIGTERM while a request waits for its KV: the request gets a 503, the peer exits 0
+    (it once raised TimeoutError from its HTTP face's shutdown, waiting on that request)."""
+    prefill = stack.start_prefill("scheduler.bootstrap_timeout_s=60")  # the room waits
+    stack.start_decode()
+    peer = stack.children[0]
+    where = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port}
+    body = greedy(prompt(8, seed=80), bootstrap_room=4242, **where)
+    answers: list[tuple[int, object]] = []
+    url = f"http://127.0.0.1:{stack.decode_port}/generate"
+    thread = threading.Thread(target=_post_into, args=(url, body, answers))
+    thread.start()
+    wait_until(lambda: "1 in flight" in peer.log_tail(), 30, "the peer to take the request")
+    assert peer.stop(30) == 0, peer.log_tail()
+    thread.join(30)
+    assert answers and answers[0][0] == 503, answers
