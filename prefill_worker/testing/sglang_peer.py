@@ -16,6 +16,7 @@ first token is read from SGLang's metadata row; the peer then decodes with our m
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +31,20 @@ from prefill_worker.testing.sglang_child import Decode, publish
 from prefill_worker.transfer.decode_rooms import RoomState, RoomStatus
 
 _PENDING = RoomStatus(RoomState.PENDING)
+# SGLang's decode scheduler asks for a prefill's info once a second, 15 times, before it fails
+# the requests waiting for it (``disaggregation/decode.py``, 0.5.20-0.5.23).
+_INFO_RETRY_S, _INFO_TRIES = 1.0, 15
 
 
 @dataclass(slots=True)
 class _Room:
     page_ids: list[int]  # the prompt's pages
-    receiver: Any  # NixlKVReceiver, None when it could not be made
+    receiver: Any  # NixlKVReceiver; None until the prefill's info is known (or on failure)
     status: RoomStatus
+    aux_slot: int = 0
+    num_cached_tokens: int = 0
+    num_info_tries: int = 0
+    next_try_at: float = 0.0
 
 
 class SglangRank:
@@ -84,26 +92,40 @@ class SglangSource:
         self, room: int, page_ids: list[int] | Any, aux_slot: int, num_cached_tokens: int
     ) -> None:
         pages = [int(p) for p in page_ids]
-        try:
-            if not self._info():
-                raise RuntimeError(f"no prefill server info from {self.bootstrap_addr}")
-            receiver = NixlKVReceiver(self._rank.decode.manager, self.bootstrap_addr, room)
-            receiver.init(0)
-            skip = num_cached_tokens // self._rank.decode.page_size
-            receiver.send_metadata(
-                np.asarray(pages[skip:], dtype=np.int32), aux_slot, None, num_cached_tokens
-            )
-        except Exception as exc:  # one room's failure ends that room only
-            self._rooms[room] = _Room(pages, None, RoomStatus(RoomState.FAILED, repr(exc)))
-            return
-        self._rooms[room] = _Room(pages, receiver, _PENDING)
+        entry = _Room(pages, None, _PENDING, aux_slot, num_cached_tokens)
+        self._rooms[room] = entry
+        self._try_start(room, entry)
 
     def progress(self) -> None:
-        return None  # SGLang's manager runs its own threads
+        """Rooms still waiting for the prefill's info ask again (the transfers themselves run
+        on SGLang's manager's threads)."""
+        now = time.monotonic()
+        for room, entry in self._rooms.items():
+            if entry.receiver is None and entry.status is _PENDING and now >= entry.next_try_at:
+                self._try_start(room, entry)
+
+    def _try_start(self, room: int, entry: _Room) -> None:
+        entry.num_info_tries += 1
+        entry.next_try_at = time.monotonic() + _INFO_RETRY_S
+        if not self._info():
+            if entry.num_info_tries >= _INFO_TRIES:
+                why = f"no prefill server info from {self.bootstrap_addr} after {_INFO_TRIES} tries"
+                entry.status = RoomStatus(RoomState.FAILED, why)
+            return
+        try:
+            receiver = NixlKVReceiver(self._rank.decode.manager, self.bootstrap_addr, room)
+            receiver.init(0)
+            skip = entry.num_cached_tokens // self._rank.decode.page_size
+            pages = np.asarray(entry.page_ids[skip:], dtype=np.int32)
+            receiver.send_metadata(pages, entry.aux_slot, None, entry.num_cached_tokens)
+        except Exception as exc:  # one room's failure ends that room only
+            entry.status = RoomStatus(RoomState.FAILED, repr(exc))
+            return
+        entry.receiver = receiver
 
     def poll(self, room: int) -> RoomStatus:
         entry = self._rooms[room]
-        if entry.status.state is RoomState.PENDING:
+        if entry.status.state is RoomState.PENDING and entry.receiver is not None:
             state = entry.receiver.poll()
             if state == KVPoll.Success:
                 self._rank.land(entry.page_ids)
