@@ -7,8 +7,9 @@ Imported only in a process where a pinned SGLang is importable (``sglang_env``);
 One SGLang decode rank per peer, built by part 1's harness (``sglang_child.Decode``): SGLang's
 ``NixlKVManager`` in decode mode over the real ``MHATokenToKVPool`` and ``MetadataBuffers``
 on the CPU, with the geometry of the peer's own KV pool. Per room (``SglangSource.want``),
-exactly as an SGLang decode server does: a ``NixlKVReceiver`` for the prefill the router named
-(its ``bootstrap_host:port``), ``init``, ``send_metadata(pages, aux_index)``, then ``poll``
+exactly as an SGLang decode server does: once SGLang knows the prefill the router named (its
+``bootstrap_host:port``; asked once a second, 15 tries, as SGLang's decode scheduler does), a
+``NixlKVReceiver`` for it, ``init``, ``send_metadata(pages, aux_index)``, then ``poll``
 until SGLang says Success or Failed. On Success the prompt's pages are copied from SGLang's
 pool into the peer's (same page ids; the two layouts are byte-identical per page) and the
 first token is read from SGLang's metadata row; the peer then decodes with our model code.
