@@ -94,7 +94,7 @@ def serve(worker: Worker) -> float:
 
 
 def start_peer(
-    workdir: Path, checkpoint: Path, protocol: str, ports: Ports, worker: Worker
+    workdir: Path, checkpoint: Path, protocol: str, ports: Ports
 ) -> tuple[ChildProcess, int]:
     port = free_port()
     args = [sys.executable, "-m", "prefill_worker.testing.decode_peer"]
@@ -104,7 +104,7 @@ def start_peer(
         env = {**sglang_env(ROOT), **SGLANG_DEFAULT_HEARTBEAT}
         args += ["--sglang", "--bootstrap", f"127.0.0.1:{ports.sglang}"]
     else:
-        args += ["--bootstrap", worker.bootstrap]
+        args += ["--bootstrap", f"tcp://127.0.0.1:{ports.native}"]
     args += ["--served-model-name", NAME, "--dtype", "float32", "--page-size", "4"]
     args += ["--num-pages", "512", "--attention-backend", "sdpa", "--num-threads", "1"]
     args += ["--ignore-eos"]
@@ -160,7 +160,7 @@ def run_protocol(protocol: str, args: argparse.Namespace, tmp: Path, checkpoint:
     children: list[ChildProcess] = [worker.child]
     try:
         serve(worker)
-        peer, decode_port = start_peer(tmp, checkpoint, protocol, ports, worker)
+        peer, decode_port = start_peer(tmp, checkpoint, protocol, ports)
         smg, router = start_smg(tmp, protocol, ports, decode_port)
         children += [peer, smg]
         if first_ok(router, time.monotonic(), 120)[0] is None:
