@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--signals", nargs="+", default=["KILL", "TERM"])
     parser.add_argument("--downs", nargs="+", type=float, default=[0.0, 5.0, 15.0])
     parser.add_argument("--rank-port", choices=["random", "fixed"], default="random")
-    parser.add_argument("--rejoin-s", type=float, default=12.0)
+    parser.add_argument("--rejoin-s", type=float, default=15.0)
     parser.add_argument("--after", type=int, default=10)
     parser.add_argument("--give-up-s", type=float, default=120.0)
     args = parser.parse_args()

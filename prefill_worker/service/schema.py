@@ -204,7 +204,7 @@ class TransferConfig(_Section):
         "long (decodes fail their rooms after two missed health checks).",
     )
     sglang_rejoin_s: float = Field(
-        12.0,
+        15.0,
         ge=0,
         description="For this long after the engine starts, SGLang `/health` and `/route` "
         "answer 503, so that every decode that knew a previous run of this worker misses its "

@@ -2,7 +2,7 @@
 on the same bootstrap port within a few seconds, too soon for SGLang's decode to miss two
 heartbeats (its defaults: every 5 s, two misses). SGLang's own decode code, which knew the
 previous run, serves again on its own within the documented bound: the rejoin window
-(``transfer.sglang_rejoin_s``, 12 s by default) after the new run is ready, plus a request.
+(``transfer.sglang_rejoin_s``, 15 s by default) after the new run is ready, plus a request.
 
 Representative cases, each about half a minute: SIGKILL with a random control port on every
 version, SIGTERM with a fixed one on the newest (every version with ``PW_RESTART_ALL=1``);
@@ -36,7 +36,7 @@ SGLANG_DEFAULT_HEARTBEAT = {  # what an SGLang decode server runs with unless to
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "5",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
 }
-REJOIN_S = 12.0  # transfer.sglang_rejoin_s's default
+REJOIN_S = 15.0  # transfer.sglang_rejoin_s's default
 BOUND_S = REJOIN_S + 8.0  # the documented bound (docs/sglang.md, Restarts), with CI's slack
 ALL_CASES = os.environ.get("PW_RESTART_ALL") == "1"
 

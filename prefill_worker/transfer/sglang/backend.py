@@ -19,9 +19,10 @@ Restarts: an SGLang decode keeps a prefill's registration and control address un
 ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) heartbeats in a row, 5 s apart by
 default; a worker back sooner would find every decode that knew its previous run still sending
 to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health``
-and ``/route`` answer 503: each such decode misses its heartbeats, drops the old registration
-(failing its rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new
-decode's first ``/route`` waits it out too (SGLang retries it for 15 s).
+and ``/route`` answer 503 and a transfer request from a decode this run does not know goes
+unanswered: each such decode misses its heartbeats, drops the old registration (failing its
+rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new decode's
+first ``/route`` waits it out too (SGLang retries it for 15 s).
 
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
 this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
@@ -146,6 +147,7 @@ class SglangBackend:
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
             refused_rooms=self._refused_rooms,
+            is_rejoining=lambda: not self._is_open(),
             run_on_agent=self._poster.run,
         )
         self.reject_counts = self._desk.reject_counts

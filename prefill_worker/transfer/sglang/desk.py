@@ -69,6 +69,7 @@ class SglangDesk:
         want_timeout_s: float,
         on_reject: Callable[[str], None],
         refused_rooms: RefusedRooms,
+        is_rejoining: Callable[[], bool] = lambda: False,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._agent, self._replies = agent, replies
@@ -81,6 +82,7 @@ class SglangDesk:
         self._on_reject = on_reject
         self._refused: OrderedDict[str, str] = OrderedDict()
         self._refused_rooms = refused_rooms
+        self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self.reject_counts: dict[str, int] = {}
 
     def dispatch(self, message: frames.Message | frames.FrameError) -> None:
@@ -174,9 +176,7 @@ class SglangDesk:
     def _request(self, req: frames.TransferRequest) -> None:
         peer = self._peers.get(req.agent_name)
         if peer is None:
-            why = self._refused.get(req.agent_name, NOT_REGISTERED)
-            self._fail_waiting_room(req.room, req.agent_name, why)
-            return self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+            return self._request_from_unknown(req)
         peer.peer.last_seen = self._clock()
         want = req.want()
         refusal = check_request(req) or check_want_size(
@@ -199,6 +199,19 @@ class SglangDesk:
         refusal = self._rooms.claim(peer.peer, want, self._clock() + self._want_timeout_s)
         if refusal is not None:
             self.refuse_room(peer.endpoint, req.room, refusal)
+
+    def _request_from_unknown(self, req: frames.TransferRequest) -> None:
+        """A decode this run does not know: refused, or one that knew the previous run. In the
+        rejoin window the latter gets no answer: its heartbeat is about to drop that run and
+        fail the room ("Lost connection"), and its router retries once it has registered
+        afresh; a failure now would only send the router's retries into the same wall (smg
+        opens its circuit breaker after ten)."""
+        why = self._refused.get(req.agent_name)
+        if why is None and self._is_rejoining():
+            return self._count(RejectReason.UNKNOWN_PEER, "during the rejoin window", logging.DEBUG)
+        why = why or NOT_REGISTERED
+        self._fail_waiting_room(req.room, req.agent_name, why)
+        self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
 
     def _fail_waiting_room(self, room: int, agent_name: str, why: str) -> None:
         """The room's request fails with the decode's refusal: now if it waits unbound for
