@@ -78,7 +78,7 @@ def registration(name: str | None = None) -> Registration:
 
 
 class Rig:
-    def __init__(self) -> None:
+    def __init__(self, is_rejoining: bool = False) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.peers: dict[str, SglangPeer] = {}
         self.senders: dict[int, SglangSender] = {}
@@ -95,6 +95,7 @@ class Rig:
             want_timeout_s=5.0,
             on_reject=lambda reason: None,
             refused_rooms=RefusedRooms(5.0),
+            is_rejoining=lambda: is_rejoining,
         )
 
     def drop_peer(self, peer: SglangPeer, reason: str) -> None:
@@ -140,3 +141,19 @@ def test_an_abort_acts_only_for_the_rooms_owner() -> None:
     rig.desk.dispatch(dataclasses.replace(stranger, endpoint=reg.endpoint))
     assert rig.rooms.num_claims(1234) == 0
     assert rig.rooms.take_aborted(1234) == reg.agent_name  # its request will end at once
+
+
+def test_an_unknown_decode_hears_nothing_in_the_rejoin_window() -> None:
+    """A decode that knew the previous run: no ``KV_STATUS failed`` while the window is open
+    (its heartbeat drops that run); after the window it is told it is not registered."""
+    request = parse(frames_of("request"))
+    assert isinstance(request, TransferRequest)
+    rejoining = Rig(is_rejoining=True)
+    rejoining.desk.dispatch(request)
+    assert rejoining.replies.sent == [] and rejoining.rooms.num_claims(request.room) == 0
+    assert rejoining.desk.reject_counts == {"unknown_peer": 1}
+    after = Rig()
+    after.desk.dispatch(request)
+    assert [frames[:3] for _, frames in after.replies.sent] == [
+        [b"KV_STATUS", str(request.room).encode(), b"0"]
+    ]
