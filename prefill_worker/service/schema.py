@@ -204,6 +204,15 @@ class TransferConfig(_Section):
         description="SGLang `/health` answers 503 once the engine loop has not turned for this "
         "long (decodes fail their rooms after two missed health checks).",
     )
+    sglang_rejoin_s: float = Field(
+        15.0,
+        ge=0,
+        description="For this long after the engine starts, SGLang `/health` and `/route` "
+        "answer 503, so that every decode that knew a previous run of this worker misses its "
+        "heartbeats, drops that run's registration and registers afresh (docs/sglang.md, "
+        "Restarts). Keep it above the decodes' SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL x "
+        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE (5 s x 2 by default); 0 turns it off.",
+    )
 
     sglang_allowed_networks: list[str] = Field(
         [],

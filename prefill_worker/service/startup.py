@@ -205,6 +205,7 @@ def start_transfer(
                         cfg.sglang_kv_cache_dtype,
                         cfg.sglang_health_stale_s,
                         tuple(cfg.sglang_allowed_networks),
+                        cfg.sglang_rejoin_s,
                     ),
                     None if cfg.agent_name is None else f"{cfg.agent_name}-sglang",
                     list(cfg.nixl_backends),

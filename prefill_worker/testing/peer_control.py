@@ -268,4 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         peer.close()
     log.info("stopped")
+    if args.sglang:  # SGLang's manager has no close: its threads and NIXL agent must not
+        logging.shutdown()  # hold the exit (as in testing/sglang_decode.py)
+        os._exit(0)
     return 0

@@ -5,7 +5,9 @@ answer is the greedy continuation's text. A test and demo tool, NOT a decode ser
 
 Threads: the HTTP face (aiohttp, its own loop) only reads requests and queues jobs; the peer's
 own thread (``serve_http``) owns the ``DecodePeer``: it takes jobs, steps the peer, and hands
-each finished generation back to the request waiting for it. Like an SGLang decode, a request
+each finished generation back to the request waiting for it; when it stops, every request
+still waiting gets a 503 (so the face's shutdown never waits on one). ``stream: true`` answers
+in server-sent events, as an SGLang decode does (``peer_sse``). Like an SGLang decode, a request
 the model cannot take (a token outside the vocabulary, an empty prompt) is a 400, and a KV
 transfer that fails is a 500 (which the router retries, with a new room).
 """
@@ -29,10 +31,13 @@ from prefill_worker.router.admission import Limits, PromptRefused, check_token_i
 from prefill_worker.router.http_api import probes
 from prefill_worker.router.http_api.text import TextCodec
 from prefill_worker.scheduler.observer import LoadSnapshot
+from prefill_worker.testing import peer_sse
 from prefill_worker.testing.decode_peer import DecodePeer, Generation
 
 log = logging.getLogger("prefill_worker.testing.decode_peer")
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+_STOPPING = "decode peer stopping"
+_SHUTDOWN_S = 5.0  # the face's shutdown: requests still open after it are cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,7 @@ class PeerHttp:
         self._sources = sources  # (bootstrap host, port) -> a receiver's address, or None
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.num_requests = 0
+        self.is_stopping = False  # set by the peer thread as it stops: new jobs get a 503
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
 
@@ -75,8 +81,14 @@ class PeerHttp:
         return asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result()
 
     def stop(self) -> None:
+        """Close the listener and the connections; bounded, and never raises for a slow one
+        (every waiting request was answered by ``serve_http`` as it stopped)."""
         if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(5)
+            done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            try:
+                done.result(_SHUTDOWN_S + 1)
+            except TimeoutError:
+                log.warning("decode peer: HTTP shutdown took over %.0f s; cut", _SHUTDOWN_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _serve(self) -> int:
@@ -94,12 +106,12 @@ class PeerHttp:
             app.router.add_get(path, _json_route(make))
         app.router.add_post("/generate", lambda r: self._handle(r, is_completion=False))
         app.router.add_post("/v1/completions", lambda r: self._handle(r, is_completion=True))
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, self._host, self._port).start()
         return int(self._runner.addresses[0][1])
 
-    async def _handle(self, request: web.Request, is_completion: bool) -> web.Response:
+    async def _handle(self, request: web.Request, is_completion: bool) -> web.StreamResponse:
         self.num_requests += 1
         started = time.monotonic()
         try:
@@ -109,14 +121,22 @@ class PeerHttp:
             return _error(400, str(exc))
         gens = await asyncio.gather(*(self._run(job) for job in jobs))
         failed = [g for g in gens if not g.is_ok]
+        if any(g.error == _STOPPING for g in failed):
+            return _error(503, _STOPPING)
         if failed:
             return _error(500, f"KV transfer failed: {failed[0].error}")
+        is_stream = bool(body.get("stream"))
         if is_completion:
+            if is_stream:
+                return await peer_sse.send_events(request, self._completion_events(gens))
             return _json(self._completion(gens))
         items = [
             self._generated(g, len(j.token_ids), started) for g, j in zip(gens, jobs, strict=True)
         ]
         is_batch = isinstance(body.get("bootstrap_room"), list)
+        if is_stream:
+            events = peer_sse.generate_events(items, self._text, is_batch)
+            return await peer_sse.send_events(request, events)
         return _json(items if is_batch else items[0])
 
     def _jobs(self, body: dict[str, Any], is_completion: bool) -> list[_Job]:
@@ -153,6 +173,8 @@ class PeerHttp:
             raise _Refused(str(exc)) from None
 
     async def _run(self, job: _Job) -> Generation:
+        if self.is_stopping:
+            return Generation(job.room, False, (), _STOPPING)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Generation] = loop.create_future()
 
@@ -189,6 +211,14 @@ class PeerHttp:
         name = self._model.served_model_name
         return {"object": "text_completion", "model": name, "choices": choices}
 
+    def _completion_events(self, gens: Sequence[Generation]) -> Any:
+        texts = [
+            [self._text(list(g.token_ids[:k])) for k in range(1, len(g.token_ids) + 1)]
+            for g in gens
+        ]
+        name = self._model.served_model_name
+        return peer_sse.completion_events(texts, name, f"cmpl-{uuid.uuid4().hex}")
+
     def _text(self, tokens: list[int]) -> str:
         if self._codec is None:
             return ""
@@ -213,6 +243,15 @@ def serve_http(peer: DecodePeer, front: PeerHttp, stop: threading.Event) -> None
                 job = None
         for gen in peer.step():
             waiting.pop(gen.room)(gen)
+    front.is_stopping = True
+    for room, done in waiting.items():
+        done(Generation(room, False, (), _STOPPING))
+    while True:  # and those queued but not yet taken
+        try:
+            job = front.jobs.get_nowait()
+        except queue.Empty:
+            return
+        job.done(Generation(job.room, False, (), _STOPPING))
 
 
 def _take(peer: DecodePeer, waiting: dict[int, Callable[[Generation], None]], job: _Job) -> None:
@@ -221,6 +260,7 @@ def _take(peer: DecodePeer, waiting: dict[int, Callable[[Generation], None]], jo
         return
     waiting[job.room] = job.done
     peer.expect(job.room, job.token_ids, job.max_new_tokens, job.source)
+    log.info("request taken: %d in flight", len(waiting))
 
 
 def _listed(value: Any, n: int) -> list[Any]:

@@ -82,7 +82,7 @@ class Decode:
         # Descending, every other page: a scattered map, and page order bugs show.
         self._free_pages = list(range(spec["num_pages"] - 1, 0, -2))
         self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
-        self._next_aux = 0
+        self._next_aux, self._num_aux_rows = 0, spec["num_aux_rows"]
         self.rooms: dict[int, tuple[list[int], int, Any]] = {}
 
     def _kv_args(self) -> Any:
@@ -116,11 +116,12 @@ class Decode:
         return {"agent_name": manager.agent.name, "ip": manager.local_ip, "port": manager.rank_port}
 
     def want(self, room: int, num_tokens: int, prefix_len: int) -> dict[str, Any]:
-        num_pages = -(-num_tokens // self.page_size)
-        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
-        aux_index, self._next_aux = self._next_aux, self._next_aux + 1
         if not self.manager.try_ensure_parallel_info(self.bootstrap):
             raise RuntimeError(f"no prefill server info from {self.bootstrap}")
+        num_pages = -(-num_tokens // self.page_size)
+        pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
+        aux_index = self._next_aux % self._num_aux_rows  # rows are reused in turn
+        self._next_aux += 1
         receiver = NixlKVReceiver(self.manager, self.bootstrap, room)
         receiver.init(0)
         sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
@@ -149,6 +150,13 @@ class Decode:
             arrays[name] = value.numpy()
         arrays["bootstrap_room"] = row[-1].numpy()
         np.savez(path, **arrays)  # type: ignore[arg-type]
+        return {}
+
+    def free(self, room: int) -> dict[str, Any]:
+        """A concluded room's pages go back (a test sending many rooms)."""
+        pages, _, receiver = self.rooms.pop(room)
+        self._free_pages += pages
+        receiver.clear()
         return {}
 
     def abort(self, room: int) -> dict[str, Any]:
@@ -186,6 +194,8 @@ class Decodes:
             return decode.dump(command["room"], command["path"])
         if op == "abort":
             return decode.abort(command["room"])
+        if op == "free":
+            return decode.free(command["room"])
         if op == "acked":
             return decode.acked(command["room"])
         raise ValueError(f"unknown op {op!r}")

@@ -23,6 +23,7 @@ Commands (every reply has ``ok``; a failure has ``error``)::
     poll     id, room                   -> state (SGLang's KVPoll name), reason when Failed
     dump     id, room, path             the room's pages (bytes per layer, K and V) and its
                                         aux row fields, as .npz at path
+    free     id, room                   a concluded room's pages back to the pool
     abort    id, room                   receiver.abort() (ABORT to the prefill)
     acked    id, room                   -> acked: the prefill's ABORT_ACK arrived
     quit
@@ -67,8 +68,10 @@ class SglangDecodeProcess:
         model_path: Path,
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, str] | None = None,
     ) -> None:
-        child_env = {**(os.environ if env is None else env), **INTEROP_ENV}
+        """``overrides`` go over ``INTEROP_ENV`` (SGLang's default heartbeat, say)."""
+        child_env = {**(os.environ if env is None else env), **INTEROP_ENV, **(overrides or {})}
         child_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
         self.log_path = log_path
         with log_path.open("wb") as log:

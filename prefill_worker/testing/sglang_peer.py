@@ -7,8 +7,9 @@ Imported only in a process where a pinned SGLang is importable (``sglang_env``);
 One SGLang decode rank per peer, built by part 1's harness (``sglang_child.Decode``): SGLang's
 ``NixlKVManager`` in decode mode over the real ``MHATokenToKVPool`` and ``MetadataBuffers``
 on the CPU, with the geometry of the peer's own KV pool. Per room (``SglangSource.want``),
-exactly as an SGLang decode server does: a ``NixlKVReceiver`` for the prefill the router named
-(its ``bootstrap_host:port``), ``init``, ``send_metadata(pages, aux_index)``, then ``poll``
+exactly as an SGLang decode server does: once SGLang knows the prefill the router named (its
+``bootstrap_host:port``; asked once a second, 15 tries, as SGLang's decode scheduler does), a
+``NixlKVReceiver`` for it, ``init``, ``send_metadata(pages, aux_index)``, then ``poll``
 until SGLang says Success or Failed. On Success the prompt's pages are copied from SGLang's
 pool into the peer's (same page ids; the two layouts are byte-identical per page) and the
 first token is read from SGLang's metadata row; the peer then decodes with our model code.
@@ -16,6 +17,7 @@ first token is read from SGLang's metadata row; the peer then decodes with our m
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +32,20 @@ from prefill_worker.testing.sglang_child import Decode, publish
 from prefill_worker.transfer.decode_rooms import RoomState, RoomStatus
 
 _PENDING = RoomStatus(RoomState.PENDING)
+# SGLang's decode scheduler asks for a prefill's info once a second, 15 times, before it fails
+# the requests waiting for it (``disaggregation/decode.py``, 0.5.20-0.5.23).
+_INFO_RETRY_S, _INFO_TRIES = 1.0, 15
 
 
 @dataclass(slots=True)
 class _Room:
     page_ids: list[int]  # the prompt's pages
-    receiver: Any  # NixlKVReceiver, None when it could not be made
+    receiver: Any  # NixlKVReceiver; None until the prefill's info is known (or on failure)
     status: RoomStatus
+    aux_slot: int = 0
+    num_cached_tokens: int = 0
+    num_info_tries: int = 0
+    next_try_at: float = 0.0
 
 
 class SglangRank:
@@ -70,38 +79,54 @@ class SglangRank:
 
 
 class SglangSource:
-    """``decode_peer.KVSource`` for one prefill worker, through SGLang's receiver."""
+    """``decode_peer.KVSource`` for one prefill worker, through SGLang's receiver. The
+    prefill's server info is SGLang's to cache (``try_ensure_parallel_info``, asked per room
+    as SGLang's decode scheduler does): its heartbeat drops it when the prefill goes away or
+    restarts, and the next room fetches it again and registers afresh."""
 
     def __init__(self, rank: SglangRank, bootstrap_addr: str) -> None:
         self._rank, self.bootstrap_addr = rank, bootstrap_addr
         self._rooms: dict[int, _Room] = {}
-        self._has_info = False
         self._info()  # the prefill's /route, now if it answers (else on the first room)
 
     def want(
         self, room: int, page_ids: list[int] | Any, aux_slot: int, num_cached_tokens: int
     ) -> None:
         pages = [int(p) for p in page_ids]
-        try:
-            if not self._info():
-                raise RuntimeError(f"no prefill server info from {self.bootstrap_addr}")
-            receiver = NixlKVReceiver(self._rank.decode.manager, self.bootstrap_addr, room)
-            receiver.init(0)
-            skip = num_cached_tokens // self._rank.decode.page_size
-            receiver.send_metadata(
-                np.asarray(pages[skip:], dtype=np.int32), aux_slot, None, num_cached_tokens
-            )
-        except Exception as exc:  # one room's failure ends that room only
-            self._rooms[room] = _Room(pages, None, RoomStatus(RoomState.FAILED, repr(exc)))
-            return
-        self._rooms[room] = _Room(pages, receiver, _PENDING)
+        entry = _Room(pages, None, _PENDING, aux_slot, num_cached_tokens)
+        self._rooms[room] = entry
+        self._try_start(room, entry)
 
     def progress(self) -> None:
-        return None  # SGLang's manager runs its own threads
+        """Rooms still waiting for the prefill's info ask again (the transfers themselves run
+        on SGLang's manager's threads)."""
+        now = time.monotonic()
+        for room, entry in self._rooms.items():
+            if entry.receiver is None and entry.status is _PENDING and now >= entry.next_try_at:
+                self._try_start(room, entry)
+
+    def _try_start(self, room: int, entry: _Room) -> None:
+        entry.num_info_tries += 1
+        entry.next_try_at = time.monotonic() + _INFO_RETRY_S
+        if not self._info():
+            if entry.num_info_tries >= _INFO_TRIES:
+                why = f"no prefill server info from {self.bootstrap_addr} after {_INFO_TRIES} tries"
+                entry.status = RoomStatus(RoomState.FAILED, why)
+            return
+        try:
+            receiver = NixlKVReceiver(self._rank.decode.manager, self.bootstrap_addr, room)
+            receiver.init(0)
+            skip = entry.num_cached_tokens // self._rank.decode.page_size
+            pages = np.asarray(entry.page_ids[skip:], dtype=np.int32)
+            receiver.send_metadata(pages, entry.aux_slot, None, entry.num_cached_tokens)
+        except Exception as exc:  # one room's failure ends that room only
+            entry.status = RoomStatus(RoomState.FAILED, repr(exc))
+            return
+        entry.receiver = receiver
 
     def poll(self, room: int) -> RoomStatus:
         entry = self._rooms[room]
-        if entry.status.state is RoomState.PENDING:
+        if entry.status.state is RoomState.PENDING and entry.receiver is not None:
             state = entry.receiver.poll()
             if state == KVPoll.Success:
                 self._rank.land(entry.page_ids)
@@ -129,10 +154,8 @@ class SglangSource:
         return None  # the manager's threads end with the process
 
     def _info(self) -> bool:
-        if not self._has_info:
-            manager = self._rank.decode.manager
-            try:
-                self._has_info = bool(manager.try_ensure_parallel_info(self.bootstrap_addr))
-            except Exception:  # not up yet, or not a prefill: the room that needs it fails
-                self._has_info = False
-        return self._has_info
+        manager = self._rank.decode.manager
+        try:  # at once when SGLang holds it
+            return bool(manager.try_ensure_parallel_info(self.bootstrap_addr))
+        except Exception:  # not up yet, or not a prefill: the room that needs it fails
+            return False

@@ -94,6 +94,7 @@ class SglangBootstrap:
     kv_cache_dtype: str  # what /route announces; must equal the decodes' --kv-cache-dtype
     health_stale_s: float  # /health fails once the engine has not turned for this long
     allowed_networks: tuple[str, ...] = ()  # decodes' source networks (CIDR); empty: any
+    rejoin_s: float = 0.0  # /health and /route answer 503 this long after the first turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,7 @@ def make_sglang_backend(
         write_timeout_s,
         want_timeout_s,
         health_stale_s=sglang.health_stale_s,
+        rejoin_s=sglang.rejoin_s,
         is_engine_live=is_engine_live,
         limits=limits,
         ucx_net_devices=ucx_net_devices,

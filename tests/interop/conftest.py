@@ -55,9 +55,12 @@ def sglang_version(request: pytest.FixtureRequest) -> str:
     return version
 
 
-def start_decode(version: str, checkpoint: Path, log_path: Path) -> SglangDecodeProcess:
+def start_decode(
+    version: str, checkpoint: Path, log_path: Path, overrides: dict[str, str] | None = None
+) -> SglangDecodeProcess:
     """The child starts importing SGLang at once; its first ``call`` waits for it."""
-    return SglangDecodeProcess(sys.executable, sglang_path(version), checkpoint, log_path)
+    path = sglang_path(version)
+    return SglangDecodeProcess(sys.executable, path, checkpoint, log_path, overrides=overrides)
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,15 @@ def launch(
     dtype: str,
     protocol: str,
     pool_layout: str = "layer_major",
+    *settings: str,
+    sglang: str | None = None,
+    module: str = "prefill_worker",
 ) -> Served:
     """``prefill-worker serve`` on the tiny config, SGLang's protocol on; not waited for.
-    ``pool_layout`` is the worker's (``cache.layout``); SGLang decodes are layer-major."""
-    sglang = f"127.0.0.1:{free_port()}"
+    ``pool_layout`` is the worker's (``cache.layout``); SGLang decodes are layer-major.
+    ``sglang``: the bootstrap routes' host:port (default a free one). The rejoin window is
+    off (``sglang_rejoin_s=0``) unless ``settings`` say otherwise: only restarts need it."""
+    sglang = sglang or f"127.0.0.1:{free_port()}"
     worker = start_worker(
         tmp_path,
         checkpoint,
@@ -94,6 +102,9 @@ def launch(
         f"cache.layout={pool_layout}",
         f"cache.num_pages={4096 // page_size}",
         f"scheduler.chunk_size={2 * max(page_size, 16)}",  # prompts go in several chunks
+        "transfer.sglang_rejoin_s=0",
+        *settings,
+        module=module,
     )
     layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 2048 // page_size)
     return Served(worker, sglang, layout)

@@ -87,6 +87,11 @@ class SglangDecode:
             state = self.state(room)
         return state
 
+    def free(self, room: int) -> None:
+        """Once SGLang concluded the room: its pages back to the decode's pool."""
+        self.process.call("free", id=self.id, room=room)
+        del self.rooms[room]
+
     def abort(self, room: int) -> None:
         self.process.call("abort", id=self.id, room=room)
 

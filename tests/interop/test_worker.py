@@ -6,8 +6,10 @@ heartbeat); the decode dies (the worker fails the request and its pools are whol
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -182,6 +184,33 @@ def test_sglang_decode_aborts_a_room(
     assert (result.status, result.reason) == (OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_DECODE)
     assert decode.state(room)[0] == "Failed"  # SGLang's own verdict for an aborted room
     assert_pools_whole(one.worker)
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "router-first"])
+def test_a_refused_decode_fails_the_routers_request_at_once(
+    decode_process: SglangDecodeProcess, served, router, decode_first: bool
+) -> None:
+    """A bf16 decode against an fp32 worker: its registration is refused, and the request for
+    its room fails with that reason at once, not after the bootstrap timeout (5 s here)."""
+    one = served["p16-fp32-pm"]
+    bf16 = dataclasses.replace(one.layout, dtype="bfloat16")
+    decode = SglangDecode(decode_process, one.sglang, bf16)
+    client, room, ids = router(one.worker), new_room(), prompt(40, seed=6)
+    with ThreadPoolExecutor(1) as pool:
+        if decode_first:
+            decode.want(room, len(ids))
+            assert decode.wait(room, 10)[0] == "Failed"  # the worker has heard it
+        start = time.monotonic()
+        future = pool.submit(client.prefill, ids, room)
+        if not decode_first:
+            decode.want(room, len(ids))
+        result = future.result(timeout=30)
+        elapsed_s = time.monotonic() - start
+    assert result.status is OutcomeStatus.FAILED, result
+    assert "registration refused" in str(result.error), result
+    assert elapsed_s < 2.5, f"{elapsed_s:.1f} s: the request waited for its bootstrap timeout"
+    state, reason = decode.wait(room, 10)
+    assert state == "Failed" and "registration refused" in str(reason), (state, reason)
 
 
 def test_worker_dies_and_the_decode_fails_the_room_by_heartbeat(

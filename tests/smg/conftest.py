@@ -15,9 +15,12 @@ Everything is a child process on 127.0.0.1: ``Stack`` starts them and stops them
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ import pytest
 
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.testing.sglang_env import InteropMissing, sglang_env
+from prefill_worker.testing.spare import WAITING
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import Worker, start_worker
 from tests.polling import wait_until
@@ -36,6 +40,7 @@ from tests.polling import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 SMG = ROOT / ".interop" / "smg" / "bin" / "smg"
 MODEL_NAME = "tiny-llama"
+SPARE = "prefill_worker.testing.spare"  # a warm spare of the worker (restarts)
 
 
 def http(url: str, body: object | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
@@ -97,23 +102,44 @@ class Stack:
     def start_prefill(self, *settings: str) -> Prefill:
         port = free_port()
         sglang_port = free_port() if self.protocol == "sglang" else None
-        flags = (
+        worker = start_worker(
+            self.tmp_path, self.checkpoint, *self._flags(port, sglang_port, *settings)
+        )
+        self.children.append(worker.child)
+        worker.child.wait_ready(120)
+        self.prefills.append(Prefill(worker, port, sglang_port))
+        return self.prefills[-1]
+
+    def restart_prefill(self, prefill: Prefill, sig: signal.Signals, *settings: str) -> float:
+        """Signal the prefill, and start it again on the same ports from a warm spare (its
+        imports done beforehand, so it is back within seconds); when the new run is ready."""
+        flags = self._flags(prefill.api_port, prefill.sglang_port, *settings)
+        flags += (f"transfer.bootstrap_bind={prefill.worker.bootstrap}",)
+        spare = start_worker(self.tmp_path, self.checkpoint, *flags, module=SPARE)
+        self.children.append(spare.child)
+        wait_until(lambda: WAITING in spare.child.log_tail(), 120, "the spare's imports")
+        prefill.worker.proc.send_signal(sig)
+        prefill.worker.wait_exit(30)
+        self.children.remove(prefill.worker.child)
+        spare.proc.send_signal(signal.SIGUSR1)
+        spare.child.wait_ready(120)
+        prefill.worker = dataclasses.replace(spare, bootstrap=prefill.worker.bootstrap)
+        return time.monotonic()
+
+    def _flags(self, port: int, sglang_port: int | None, *settings: str) -> tuple[str, ...]:
+        flags: tuple[str, ...] = (
             "http_api.enabled=true",
             f"http_api.bind=127.0.0.1:{port}",
             f"http_api.served_model_name={MODEL_NAME}",
             "metrics.allow_unauthenticated_admin=true",
-            *settings,
         )
         if sglang_port is not None:
             flags += (
                 "transfer.protocol=sglang",
                 f"transfer.sglang_bootstrap_bind=127.0.0.1:{sglang_port}",
+                "transfer.sglang_rejoin_s=0",  # no restart in most tests
             )
-        worker = start_worker(self.tmp_path, self.checkpoint, *flags)
-        self.children.append(worker.child)
-        worker.child.wait_ready(120)
-        self.prefills.append(Prefill(worker, port, sglang_port))
-        return self.prefills[-1]
+        return flags + settings
 
     def start_decode(self) -> None:
         self.decode_port = free_port()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -176,3 +179,64 @@ def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
         assert all(e[0] is None for e in entries[:1])  # SGLang: the start token has none
         ref = [float(logprobs[p, ids[p + 1]]) for p in range(start, len(ids) - 1)]
         assert [e[0] for e in entries[1:]] == pytest.approx(ref, abs=1e-4), start
+
+
+def sse_events(raw: str) -> list[object]:
+    """``data:`` payloads of a server-sent event stream, ``[DONE]`` as the string."""
+    payloads = [
+        line[len("data:") :].strip() for line in raw.splitlines() if line.startswith("data:")
+    ]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
+def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) -> None:
+    """``stream: true``: smg streams the decode's events (the SGLang-mode peer answers in SSE,
+    as an SGLang decode does); the last event holds the whole greedy answer."""
+    stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    ids = prompt(29, seed=291)
+    status, raw = stack.generate(greedy(ids, stream=True))
+    assert status == 200, raw
+    events = sse_events(raw if isinstance(raw, str) else json.dumps(raw))
+    assert events[-1] == "[DONE]", raw
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert len(chunks) == NUM_NEW_TOKENS, raw
+    assert chunks[-1]["output_ids"] == hf_generate(checkpoint, ids)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert all(code == 0 for code in stack.stop().values())
+
+
+def test_the_decode_peer_exits_0_on_sigterm_with_a_request_open(stack: Stack) -> None:
+    """SIGTERM while a request waits for its KV: the request gets a 503, the peer exits 0
+    (it once raised TimeoutError from its HTTP face's shutdown, waiting on that request)."""
+    prefill = stack.start_prefill("scheduler.bootstrap_timeout_s=60")  # the room waits
+    stack.start_decode()
+    peer = stack.children[0]
+    where = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port}
+    body = greedy(prompt(8, seed=80), bootstrap_room=4242, **where)
+    answers: list[tuple[int, object]] = []
+    url = f"http://127.0.0.1:{stack.decode_port}/generate"
+    thread = threading.Thread(target=_post_into, args=(url, body, answers))
+    thread.start()
+    wait_until(lambda: "1 in flight" in peer.log_tail(), 30, "the peer to take the request")
+    assert peer.stop(30) == 0, peer.log_tail()
+    thread.join(30)
+    assert answers and answers[0][0] == 503, answers
+
+
+def test_a_restarted_prefill_serves_through_smg_again(stack: Stack) -> None:
+    """The worker is SIGKILLed and back on its ports within seconds: the decode peer (SGLang's
+    decode code, its heartbeat every 2 s here; or the native SDK) serves again on its own,
+    within the rejoin window (5 s here) and a request, and every request after that succeeds.
+    SIGTERM and the downtimes: tests/interop/test_restart.py and bench/restart.py."""
+    prefill = stack.start_prefill()
+    stack.start_decode()
+    stack.start_router()
+    assert stack.generate(greedy(prompt(12, seed=1)))[0] == 200
+    ready_at = stack.restart_prefill(prefill, signal.SIGKILL, "transfer.sglang_rejoin_s=5")
+    wait_until(lambda: stack.generate(greedy(prompt(12, seed=2)))[0] == 200, 15, "a success")
+    assert time.monotonic() - ready_at < 15
+    assert all(stack.generate(greedy(prompt(12, seed=s)))[0] == 200 for s in range(3, 8))
+    assert all(code == 0 for code in stack.stop().values())

@@ -15,6 +15,15 @@ prepared list per side, a chunk is one WRITE; our list is per layer whatever the
 layout, as SGLang's pools are); the first token goes into the decode's metadata buffers
 (``sglang.aux``).
 
+Restarts: an SGLang decode keeps a prefill's registration and control address until it misses
+``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) heartbeats in a row, 5 s apart by
+default; a worker back sooner would find every decode that knew its previous run still sending
+to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health``
+and ``/route`` answer 503 and a transfer request from a decode this run does not know goes
+unanswered: each such decode misses its heartbeats, drops the old registration (failing its
+rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new decode's
+first ``/route`` waits it out too (SGLang retries it for 15 s).
+
 Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
 this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
 liveness rule) and fail their rooms when it does not
@@ -47,6 +56,7 @@ from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import (
     Closed,
     Reply,
@@ -82,6 +92,7 @@ class SglangBackend:
         clock: Callable[[], float] = time.monotonic,
         *,
         health_stale_s: float = 30.0,
+        rejoin_s: float = 0.0,
         is_engine_live: Callable[[], bool] = lambda: True,
         limits: BootstrapLimits | None = None,
         ucx_net_devices: str | None = None,
@@ -95,6 +106,7 @@ class SglangBackend:
         self.limits = limits or BootstrapLimits()
         self._last_poll_at = clock()
         self._health_stale_s = health_stale_s
+        self._opens_at = clock() + rejoin_s  # built just before the engine starts serving
         self._is_engine_live = is_engine_live  # the daemon's liveness verdict (HTTP thread)
         self._mailbox = Mailbox(wake)
         self._closers: list[Callable[[], None]] = [self._mailbox.close]
@@ -114,6 +126,7 @@ class SglangBackend:
         self._peers: dict[str, SglangPeer] = {}
         self._senders: dict[int, SglangSender] = {}
         self._rooms = RoomBook(_MAX_CLAIMS_PER_ROOM, self.limits.max_unmatched_wants)
+        self._refused_rooms = RefusedRooms(want_timeout_s)
         self._ctx = SglangContext(
             self._poster,
             local.kv_list,
@@ -135,6 +148,8 @@ class SglangBackend:
             clock,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
+            refused_rooms=self._refused_rooms,
+            is_rejoining=lambda: not self._is_open(),
             run_on_agent=self._poster.run,
             allowed_networks=allowed_networks,
         )
@@ -151,7 +166,7 @@ class SglangBackend:
         self._closers.append(self._control.close)
         rank = {"rank_ip": rank_ip, "rank_port": self._control.endpoint.port}
         info = server_info(regions.layout.page_size, dtype)
-        self._http = BootstrapHttp(http_bind, info, rank, self._is_healthy)
+        self._http = BootstrapHttp(http_bind, info, rank, self._is_healthy, self._is_open)
         self._http.start()
         self._closers.append(self._http.stop)
         self._replies = ReplySockets()
@@ -184,6 +199,9 @@ class SglangBackend:
                 self._desk.refuse_room(peer.endpoint, room, self._desk.why_not(sender, peer))
         if winner is None and aborted_by is not None and sender.accepts(aborted_by):
             sender.abort_by_peer(None, None)  # its ABORT was acknowledged when it came
+        refused = self._refused_rooms.take(room, self.clock())
+        if winner is None and refused is not None and sender.accepts(refused.agent_name):
+            sender.fail(refused.reason)  # its decode was told when its request came
         return sender
 
     def poll(self) -> None:
@@ -270,6 +288,9 @@ class SglangBackend:
         so a stuck forward shows only in the engine's liveness."""
         is_fresh = self.clock() - self._last_poll_at <= self._health_stale_s
         return is_fresh and self._is_engine_live()
+
+    def _is_open(self) -> bool:  # the HTTP thread
+        return self.clock() >= self._opens_at
 
     def _drain_events(self) -> None:
         events = self._ctx.events

@@ -8,6 +8,9 @@
         -> 200 while the engine turns (the decode's heartbeat: two misses fail its rooms),
            503 when it has not for ``stale_s`` (a stuck engine fails rooms fast)
 
+Both routes answer 503 while ``is_open()`` says no: the rejoin window after start
+(``backend``), in which decodes that knew a previous run of this worker drop it.
+
 A parameter missing or not an integer is a 400, as SGLang's own server answers. ``PUT
 /route`` (how SGLang prefill ranks join their bootstrap server) is a 405: this worker is
 its only rank. It reads nothing but the answers it was built with and the health callback.
@@ -37,12 +40,14 @@ class BootstrapHttp:
         server_info: dict[str, object],
         rank_info: dict[str, object],
         is_healthy: Callable[[], bool],
+        is_open: Callable[[], bool] = lambda: True,
     ) -> None:
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
         self._server_info = json.dumps(server_info)
         self._rank_info = json.dumps(rank_info)
         self._is_healthy = is_healthy
+        self._is_open = is_open
         self._site = ThreadedSite("sglang-http")
         self.port = 0
 
@@ -71,6 +76,8 @@ class BootstrapHttp:
             ranks = [int(request.query[key]) for key in _RANK_KEYS]
         except (KeyError, ValueError):
             return web.Response(status=400, text="Missing inputs for bootstrap server.\n")
+        if not self._is_open():
+            return web.Response(status=503, text="prefill worker starting: not open yet\n")
         if ranks == [-1] * 4:
             return _json(self._server_info)
         if ranks == [0] * 4:
@@ -78,6 +85,8 @@ class BootstrapHttp:
         return web.Response(status=404, text=f"no prefill rank {ranks}: this worker is rank 0\n")
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self._is_open():
+            return web.Response(status=503, text="prefill worker starting: not open yet\n")
         if self._is_healthy():
             return web.Response(text="OK")
         return web.Response(status=503, text="engine loop stalled\n")

@@ -8,7 +8,9 @@ Everything is checked before NIXL sees it (``sglang.accept``): a registration's 
 layout and features; a request's peer, flags and size before its pages are looked at.
 Refusals are counted (``on_reject(reason)``) and, where the decode can hear, answered with
 ``KV_STATUS failed`` and the reason. SGLang has no answer to a registration, so a refused
-decode learns why on its first request: the reasons are kept per agent name (bounded).
+decode learns why on its first request: the reasons are kept per agent name (bounded). That
+request also fails the room's own request here, now if it came first, else when it comes
+(``refusals``): a refused decode never makes a router wait out the bootstrap timeout.
 
 Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
 name and its ``ip:port``) and nothing in it proves that. What the worker can check, it does
@@ -45,6 +47,7 @@ from prefill_worker.transfer.sglang.accept import (
     peer_regions,
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
@@ -76,6 +79,8 @@ class SglangDesk:
         *,
         want_timeout_s: float,
         on_reject: Callable[[str], None],
+        refused_rooms: RefusedRooms,
+        is_rejoining: Callable[[], bool] = lambda: False,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
     ) -> None:
@@ -89,6 +94,8 @@ class SglangDesk:
         self._want_timeout_s = want_timeout_s
         self._on_reject = on_reject
         self._refused: OrderedDict[str, str] = OrderedDict()
+        self._refused_rooms = refused_rooms
+        self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self.reject_counts: dict[str, int] = {}
 
     def dispatch(self, message: frames.Message | frames.FrameError, source_ip: str) -> None:
@@ -206,8 +213,7 @@ class SglangDesk:
     def _request(self, req: frames.TransferRequest) -> None:
         peer = self._peers.get(req.agent_name)
         if peer is None:
-            why = self._refused.get(req.agent_name, NOT_REGISTERED)
-            return self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+            return self._request_from_unknown(req)
         if peer.endpoint != req.endpoint:  # its own agent only: the one at its ip:port
             why = f"agent {req.agent_name!r} is registered from another address"
             return self.refuse_room(
@@ -235,6 +241,28 @@ class SglangDesk:
         refusal = self._rooms.claim(peer.peer, want, self._clock() + self._want_timeout_s)
         if refusal is not None:
             self.refuse_room(peer.endpoint, req.room, refusal)
+
+    def _request_from_unknown(self, req: frames.TransferRequest) -> None:
+        """A decode this run does not know: refused, or one that knew the previous run. In the
+        rejoin window the latter gets no answer: its heartbeat is about to drop that run and
+        fail the room ("Lost connection"), and its router retries once it has registered
+        afresh; a failure now would only send the router's retries into the same wall (smg
+        opens its circuit breaker after ten)."""
+        why = self._refused.get(req.agent_name)
+        if why is None and self._is_rejoining():
+            return self._count(RejectReason.UNKNOWN_PEER, "during the rejoin window", logging.DEBUG)
+        why = why or NOT_REGISTERED
+        self._fail_waiting_room(req.room, req.agent_name, why)
+        self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+
+    def _fail_waiting_room(self, room: int, agent_name: str, why: str) -> None:
+        """The room's request fails with the decode's refusal: now if it waits unbound for
+        this decode, else when it comes."""
+        sender = self._senders.get(room)
+        if sender is None:
+            self._refused_rooms.add(room, agent_name, why, self._clock())
+        elif sender.peer is None and sender.accepts(agent_name):
+            sender.fail(why)
 
     def _abort(self, notice: frames.AbortNotice) -> None:
         """Only the owner's ABORT acts (an ABORT names its sender by its control socket);

@@ -77,8 +77,14 @@ class Worker:
 
 
 def start_worker(
-    tmp_path: Path, checkpoint: Path, *settings: str, env: dict[str, str] | None = None
+    tmp_path: Path,
+    checkpoint: Path,
+    *settings: str,
+    env: dict[str, str] | None = None,
+    module: str = "prefill_worker",
 ) -> Worker:
+    """``module``: ``prefill_worker.testing.spare`` starts a warm spare (it serves once sent
+    SIGUSR1)."""
     ingress = f"tcp://127.0.0.1:{free_port()}"
     bootstrap = f"tcp://127.0.0.1:{free_port()}"
     http_port = free_port()
@@ -89,7 +95,7 @@ def start_worker(
         f"metrics.bind=127.0.0.1:{http_port}",
         *settings,
     ]
-    args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
+    args = [sys.executable, "-m", module, "serve", "configs/tiny-test.yaml"]
     for flag in flags:
         args += ["--set", flag]
     child = ChildProcess.start(

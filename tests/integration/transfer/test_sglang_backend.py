@@ -188,3 +188,23 @@ def test_what_a_decode_should_not_send_is_refused_and_counted(
     assert decode.reply(backend) == [b"ABORT_ACK", b"1234", b"0", b"1"]
     backend.check_integrity()
     assert backend.num_open_senders == 0 and backend.num_inflight_transfers() == 0
+
+
+def test_both_routes_answer_503_through_the_rejoin_window() -> None:
+    """After a restart SGLang decodes must miss their heartbeats: /health and /route say 503
+    for ``rejoin_s`` after start, then answer as usual."""
+    pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
+    now = [100.0]
+    backend = make_backend(pool, clock=lambda: now[0], rejoin_s=12.0)
+    ranks = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    try:
+        backend.poll()
+        now[0] += 11.9
+        assert get(backend, "/health")[0] == 503
+        assert get(backend, ranks)[0] == 503
+        now[0] += 0.1
+        backend.poll()
+        assert get(backend, "/health") == (200, "OK")
+        assert get(backend, ranks)[0] == 200
+    finally:
+        backend.close()

@@ -24,6 +24,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.sglang.refusals import RefusedRooms
 from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -80,7 +81,7 @@ def registration(name: str | None = None) -> Registration:
 
 
 class Rig:
-    def __init__(self, allowed_networks: tuple[str, ...] = ()) -> None:
+    def __init__(self, allowed_networks: tuple[str, ...] = (), is_rejoining: bool = False) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.peers: dict[str, SglangPeer] = {}
         self.senders: dict[int, SglangSender] = {}
@@ -99,6 +100,8 @@ class Rig:
             want_timeout_s=5.0,
             on_reject=self.rejects.append,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
+            refused_rooms=RefusedRooms(5.0),
+            is_rejoining=lambda: is_rejoining,
         )
 
     def send(self, message: Message, source_ip: str | None = None) -> None:
@@ -188,3 +191,19 @@ def test_an_abort_acts_only_for_the_rooms_owner() -> None:
     rig.send(dataclasses.replace(stranger, endpoint=reg.endpoint))
     assert rig.rooms.num_claims(1234) == 0
     assert rig.rooms.take_aborted(1234) == reg.agent_name  # its request will end at once
+
+
+def test_an_unknown_decode_hears_nothing_in_the_rejoin_window() -> None:
+    """A decode that knew the previous run: no ``KV_STATUS failed`` while the window is open
+    (its heartbeat drops that run); after the window it is told it is not registered."""
+    request = parse(frames_of("request"))
+    assert isinstance(request, TransferRequest)
+    rejoining = Rig(is_rejoining=True)
+    rejoining.send(request)
+    assert rejoining.replies.sent == [] and rejoining.rooms.num_claims(request.room) == 0
+    assert rejoining.desk.reject_counts == {"unknown_peer": 1}
+    after = Rig()
+    after.send(request)
+    assert [frames[:3] for _, frames in after.replies.sent] == [
+        [b"KV_STATUS", str(request.room).encode(), b"0"]
+    ]
