@@ -43,6 +43,14 @@ MODEL_NAME = "tiny-llama"
 SPARE = "prefill_worker.testing.spare"  # a warm spare of the worker (restarts)
 
 
+def sse_events(raw: str) -> list[object]:
+    """``data:`` payloads of a server-sent event stream, ``[DONE]`` as the string."""
+    payloads = [
+        line[len("data:") :].strip() for line in raw.splitlines() if line.startswith("data:")
+    ]
+    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+
+
 def http(url: str, body: object | None = None, timeout_s: float = 60.0) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})

@@ -18,7 +18,7 @@ import torch
 
 from tests.checkpoints import hf_model, prompt
 from tests.polling import wait_until
-from tests.smg.conftest import Stack, http
+from tests.smg.conftest import Stack, http, sse_events
 
 LENGTHS = (3, 16, 29, 47, 70)  # tiny-test: chunk_size 16, page_size 4
 NUM_NEW_TOKENS = 20
@@ -179,14 +179,6 @@ def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
         assert all(e[0] is None for e in entries[:1])  # SGLang: the start token has none
         ref = [float(logprobs[p, ids[p + 1]]) for p in range(start, len(ids) - 1)]
         assert [e[0] for e in entries[1:]] == pytest.approx(ref, abs=1e-4), start
-
-
-def sse_events(raw: str) -> list[object]:
-    """``data:`` payloads of a server-sent event stream, ``[DONE]`` as the string."""
-    payloads = [
-        line[len("data:") :].strip() for line in raw.splitlines() if line.startswith("data:")
-    ]
-    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
 
 def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) -> None:

@@ -6,8 +6,8 @@ that changes it is noticed (and the doc is then changed with it):
   refused by smg itself with 422, before any server sees them;
 - a batch of ``input_ids`` with ``return_logprob`` is served, but smg drops the prefill's
   ``input_token_logprobs`` (a single prompt gets them: ``test_smg_router.py``);
-- ``stream: true`` with a decode that answers plain JSON (the reference decode peer) loses
-  them too;
+- ``stream: true`` (the decode answers in SSE, as an SGLang decode does) gets them merged
+  into every chunk;
 - ``meta_info`` comes from the decode's answer: ``cached_tokens`` is the prefix-cache hit the
   prefill wrote in the aux (SGLang: metadata) row, as SGLang's decode reports it."""
 
@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from tests.checkpoints import prompt
-from tests.smg.conftest import MODEL_NAME, Prefill, Stack, http
+from tests.smg.conftest import MODEL_NAME, Prefill, Stack, http, sse_events
 
 NUM_NEW_TOKENS = 3
 
@@ -54,9 +54,16 @@ def test_what_smg_forwards_of_the_generate_shapes(stack: Stack) -> None:
 
     status, streamed = stack.generate(body(ids, stream=True, **logprobs))
     assert status == 200, streamed
-    assert streamed["meta_info"]["input_token_logprobs"] == []  # dropped as well
     status, single = stack.generate(body(ids, **logprobs))
     assert status == 200 and len(single["meta_info"]["input_token_logprobs"]) == 13, single
+    # An SSE stream (as an SGLang decode answers) gets them merged into every chunk.
+    chunks = [e for e in sse_events(streamed) if isinstance(e, dict)]
+    assert len(chunks) == NUM_NEW_TOKENS, streamed
+    for chunk in chunks:
+        assert (
+            chunk["meta_info"]["input_token_logprobs"]
+            == (single["meta_info"]["input_token_logprobs"])
+        )
 
     first = prompt(23, seed=232)  # 5 full pages (page size 4) enter the prefill's cache
     cached = []
