@@ -163,6 +163,8 @@ class RequestLifecycle:
             if kind is DeadlineKind.BOOTSTRAP and req.state is RequestState.BOOTSTRAPPING:
                 # No room in the text: it is logged, and rooms are capabilities.
                 error = f"no handshake from the decode peer within {self.bootstrap_timeout_s}s"
+                hint = None if req.sender is None else req.sender.why_no_handshake()
+                error = error if hint is None else f"{error}; {hint}"
                 self.finish(req, FinishReason.BOOTSTRAP_TIMEOUT, error)
             elif kind is DeadlineKind.TRANSFER and req.state is RequestState.TRANSFERRING:
                 error = f"KV transfer did not finish within {self.transfer_timeout_s}s"

@@ -68,6 +68,11 @@ class KVSender(Protocol):
 
     def failure_reason(self) -> str | None: ...
 
+    def why_no_handshake(self) -> str | None:
+        """While BOOTSTRAPPING: a likely reason no decode has claimed the room yet (say,
+        registrations refused lately), for the bootstrap timeout's error; None when unknown."""
+        ...
+
     def written_bytes(self) -> int:
         """Bytes of the writes that have landed so far (KV page runs and the aux row)."""
         ...

@@ -77,6 +77,9 @@ class DualSender:
             return self._chosen.failure_reason()
         return next((r for s in self._senders if (r := s.failure_reason()) is not None), None)
 
+    def why_no_handshake(self) -> str | None:
+        return next((r for s in self._senders if (r := s.why_no_handshake()) is not None), None)
+
     def written_bytes(self) -> int:
         return 0 if self._chosen is None else self._chosen.written_bytes()
 

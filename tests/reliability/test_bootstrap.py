@@ -310,6 +310,36 @@ def test_a_receiver_under_a_live_name_is_refused_with_the_reason(rig: Rig) -> No
     check_healthy(rig)
 
 
+def test_a_refused_decode_fails_its_named_rooms_at_once_and_names_itself_in_timeouts(
+    rig_factory,
+) -> None:
+    """A decode whose registration is refused (a bf16 pool for an fp32 worker) never asks for
+    its rooms. Rooms the router named for it fail at once with the refusal, whether they came
+    before or after it (before: each waited out the bootstrap timeout and said only "no
+    handshake"); a room nobody names still times out, and its error names the refusal."""
+    rig = rig_factory("scheduler.bootstrap_timeout_s=6")
+    bf16 = RawPeer(rig.worker.bootstrap)
+    start = time.monotonic()
+    early = prefill(rig, rig.next_room(), 9, seed=1, decode_peer=bf16.name)
+    unnamed = prefill(rig, rig.next_room(), 9, seed=2)
+    wrong = dataclasses.replace(LAYOUT, dtype="bfloat16")
+    reply, _ = bf16.ask(bf16.register_msg(layout=wrong))
+    assert isinstance(reply, wire.Registered) and not reply.is_ok
+    late = prefill(rig, rig.next_room(), 9, seed=3, decode_peer=bf16.name)
+    answers = rig.router.wait([early, late], timeout_s=10.0)
+    assert time.monotonic() - start < 3.0, answers  # well under the 6 s bootstrap timeout
+    for rid in (early, late):
+        answer = answers[rid]
+        assert isinstance(answer, Result) and answer.status is OutcomeStatus.FAILED
+        assert f"registration refused: {reply.reason}" == answer.error, answer
+    timed_out = rig.router.wait([unnamed], timeout_s=15.0)[unnamed]
+    assert isinstance(timed_out, Result) and isinstance(timed_out.error, str)
+    assert timed_out.error.startswith("no handshake from the decode peer within 6.0s; ")
+    assert f"registrations refused lately: {bf16.name!r} ({reply.reason})" in timed_out.error
+    bf16.close()
+    check_healthy(rig)
+
+
 # ── the UCX listener ─────────────────────────────────────────────────────────────────────────
 
 

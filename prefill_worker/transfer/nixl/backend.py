@@ -124,6 +124,7 @@ class NixlBackend:
             peer_timeout_s=peer_timeout_s,
             want_timeout_s=want_timeout_s,
             on_reject=on_reject or (lambda reason: None),
+            refused=self._ctx.refused,
             run_on_agent=self._poster.run,
         )
         self.reject_counts = self._desk.reject_counts  # the same dict: counts as they happen
@@ -151,7 +152,14 @@ class NixlBackend:
             self._desk.bind(sender, winner.peer, winner.want)
         elif aborted_by is not None and sender.accepts(aborted_by):
             sender.abort_by_peer()  # its decode gave up before the request came: end now
+        elif (refused := self._refusal_of(allowed_peer)) is not None:
+            sender.fail(f"registration refused: {refused}")  # its decode will never ask
         return sender
+
+    def _refusal_of(self, agent_name: str | None) -> str | None:
+        if agent_name is None:
+            return None
+        return self._ctx.refused.reason_for(agent_name, self.clock())
 
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()

@@ -18,6 +18,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.agent import PreppedLists
 from prefill_worker.transfer.nixl.poster import InlinePoster, Write, WritePoster
+from prefill_worker.transfer.refused_names import RefusedNames
 
 if TYPE_CHECKING:
     from prefill_worker.transfer.nixl.sender import NixlSender
@@ -63,6 +64,9 @@ class Closed:
 SenderEvent = Tell | Closed
 
 
+REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
+
+
 @dataclass(frozen=True, slots=True)
 class SendContext:
     """What all senders of one backend share. ``events`` is the backend's outbox: senders
@@ -75,6 +79,8 @@ class SendContext:
     peer_timeout_s: float
     clock: Callable[[], float]
     events: list[SenderEvent] = field(default_factory=list)
+    # Registrations refused lately (``transfer/refused_names.py``): the desk adds, senders read.
+    refused: RefusedNames = field(default_factory=lambda: RefusedNames(REFUSED_KEEP_S))
     poster: WritePoster = None  # type: ignore[assignment]  # set below when not given
 
     def __post_init__(self) -> None:

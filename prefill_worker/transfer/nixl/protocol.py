@@ -25,6 +25,7 @@ from prefill_worker.transfer.bootstrap import BootstrapServer
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, prep_lists
 from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.nixl.sender import NixlSender
+from prefill_worker.transfer.refused_names import RefusedNames
 from prefill_worker.transfer.rooms import RoomBook
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
@@ -59,9 +60,11 @@ class BootstrapDesk:
         peer_timeout_s: float,
         want_timeout_s: float,
         on_reject: Callable[[str], None],
+        refused: RefusedNames,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._server = server
+        self._refused = refused
         self._agent = agent
         self._layout = layout
         self._limits = limits
@@ -136,12 +139,12 @@ class BootstrapDesk:
         its connection is gone (a send to it fails)."""
         refusal = check_register(msg, self._layout, self._limits)
         if refusal is not None:
-            return self._refuse(identity, refusal)
+            return self._refuse(identity, refusal, msg.agent_name)
         holder = next((p for p in self._peers.values() if p.agent_name == msg.agent_name), None)
         if holder is not None and holder.identity != identity:
             if self._server.send(holder.identity, wire.Heartbeat()):
                 why = f"agent name {msg.agent_name!r} is registered by another live connection"
-                return self._refuse(identity, Refusal(RejectReason.NAME_TAKEN, why))
+                return self._refuse(identity, Refusal(RejectReason.NAME_TAKEN, why), None)
             self._drop_peer(holder, "decode peer reconnected")
         if identity in self._peers:
             self._drop_peer(self._peers[identity], "decode peer registered again")
@@ -149,21 +152,21 @@ class BootstrapDesk:
             name = self._run(self._agent.add_remote_agent, wire.unframe_metadata(msg.metadata))
             name = name.decode() if isinstance(name, bytes) else name
         except NIXL_ERRORS as exc:
-            return self._refuse(
-                identity, Refusal(RejectReason.NIXL_REFUSED, f"NIXL refused: {exc}")
-            )
+            why = f"NIXL refused: {exc}"
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
         if name != msg.agent_name:
             if all(p.agent_name != name for p in self._peers.values()):
                 self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
-            return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why))
+            return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why), msg.agent_name)
         try:
             lists = self._run(prep_lists, self._agent, name, msg.regions)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
-            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why))
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
         self._peers[identity] = Peer(identity, name, msg.regions, lists, self._clock())
+        self._refused.clear(name)
         self._server.send(identity, self._registered(None))
         log.info("bootstrap: decode peer %s registered", name)
 
@@ -217,9 +220,18 @@ class BootstrapDesk:
         self._on_reject(reason.value)
         log.log(level, "bootstrap: %s: %s", reason.value, message)
 
-    def _refuse(self, identity: bytes, refusal: Refusal) -> None:
+    def _refuse(self, identity: bytes, refusal: Refusal, agent_name: str | None) -> None:
+        """Refuse a registration. Unless it claimed a name a live peer holds (``agent_name``
+        None), rooms the router named for that agent fail with it now and for a while
+        (``transfer/refused_names.py``): that decode will never ask for them."""
         self._count(refusal.reason, f"registration refused: {refusal.message}")
         self._server.send(identity, self._registered(refusal.message))
+        if agent_name is None or any(p.agent_name == agent_name for p in self._peers.values()):
+            return
+        self._refused.add(agent_name, refusal.message, self._clock())
+        for sender in self._senders.values():
+            if sender.peer is None and sender.allowed_peer == agent_name:
+                sender.fail(f"registration refused: {refusal.message}")
 
     def _described(self) -> wire.Described:
         return wire.Described(

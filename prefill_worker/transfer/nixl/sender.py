@@ -131,6 +131,9 @@ class NixlSender:
     def failure_reason(self) -> str | None:
         return self._reason
 
+    def why_no_handshake(self) -> str | None:
+        return self._ctx.refused.summary(self._ctx.clock())
+
     def close(self) -> None:
         """Never waits: writes in flight are cancelled (released); those not settled yet go
         to the backend with the ``Closed`` event."""

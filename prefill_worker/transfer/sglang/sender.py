@@ -146,6 +146,9 @@ class SglangSender:
     def failure_reason(self) -> str | None:
         return self._reason
 
+    def why_no_handshake(self) -> str | None:
+        return None  # a refused SGLang decode still sends its request: the room fails at once
+
     def close(self) -> None:
         if self.is_closed:
             return

@@ -178,6 +178,9 @@ class FakeSender:
     def failure_reason(self) -> str | None:
         return self.decode_failure or self.worker_failure
 
+    def why_no_handshake(self) -> str | None:
+        return None
+
     def written_bytes(self) -> int:
         """One byte per page sent, and one for the aux row: enough to see it counted."""
         return len(self.prompt_pages_sent()) + len(self.aux)
