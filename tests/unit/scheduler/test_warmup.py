@@ -52,9 +52,9 @@ def test_a_short_prompt_still_has_two_chunks_and_a_long_one_fits_the_pool() -> N
     assert pages.num_free == pages.num_pages
 
 
-@pytest.mark.parametrize("runner", [Recorder(fail_at=1), Recorder(bad_sample=True)])
-def test_a_failure_is_a_warm_up_error_and_the_pages_come_back(runner: Recorder) -> None:
-    pages = PagePool(16)
+@pytest.mark.parametrize("options", [{"fail_at": 1}, {"bad_sample": True}])
+def test_a_failure_is_a_warm_up_error_and_the_pages_come_back(options: dict) -> None:
+    pages, runner = PagePool(16), Recorder(**options)  # fresh per run: it counts its plans
     with pytest.raises(WarmUpError, match=r"out of memory|nan logits"):
         warm_up(runner, pages, page_size=4, num_tokens=40, vocab_size=100, chunk_tokens=16)
     assert pages.num_free == pages.num_pages
