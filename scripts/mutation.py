@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +38,23 @@ WORK = ROOT / ".mutation"
 EQUIVALENTS = ROOT / "tests" / "mutation-equivalents.txt"
 
 _SCHEDULER = ["tests/unit/scheduler"]
-_KV = ["tests/unit/scheduler", "tests/unit/kv_events"]
-_ROUTER = ["tests/unit/router/test_messages.py", "tests/unit/router/test_v1_frames.py"]
+_S = "tests/unit/scheduler/"
+_POOL = [_S + "test_kv_bookkeeping.py", _S + "test_page_pool_model.py"]
+_CACHE = [
+    _S + "test_prefix_cache.py",
+    _S + "test_prefix_cache_machine.py",
+    _S + "test_prefix_cache_model.py",
+    _S + "test_engine_prefix_cache.py",
+]
+_EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py"]
+_ROUTER = [
+    "tests/unit/router/test_messages.py",
+    "tests/unit/router/test_v1_frames.py",
+    "tests/unit/router/test_admission_bounds.py",
+]
 _BOOTSTRAP = [
     "tests/unit/transfer/test_validate.py",
+    "tests/unit/transfer/test_validate_bounds.py",
     "tests/unit/transfer/test_wire.py",
     "tests/unit/transfer/test_wire_v1_frames.py",
     "tests/unit/transfer/test_page_major.py",
@@ -46,13 +62,13 @@ _BOOTSTRAP = [
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {
-    "prefill_worker/kv/page_cache.py": _KV,
-    "prefill_worker/kv/prefix_cache.py": _KV,
-    "prefill_worker/kv/pages.py": _KV,
-    "prefill_worker/kv/tables.py": _KV,
-    "prefill_worker/kv/block_hash.py": _KV,
-    "prefill_worker/kv/aux.py": _KV,
-    "prefill_worker/kv/cache_events.py": _KV,
+    "prefill_worker/kv/page_cache.py": _CACHE,
+    "prefill_worker/kv/prefix_cache.py": [*_CACHE, _S + "test_engine.py"],
+    "prefill_worker/kv/pages.py": _POOL,
+    "prefill_worker/kv/tables.py": [*_POOL, *_CACHE],
+    "prefill_worker/kv/block_hash.py": _EVENTS,
+    "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
+    "prefill_worker/kv/cache_events.py": _EVENTS,
     "prefill_worker/kv/layout.py": ["tests/unit/transfer/test_pagemap.py", *_BOOTSTRAP],
     "prefill_worker/scheduler/admission.py": _SCHEDULER,
     "prefill_worker/scheduler/chunking.py": _SCHEDULER,
@@ -76,6 +92,9 @@ MODULES: dict[str, list[str]] = {
 # docs/ and configs/).
 _LINKED = ("prefill_worker", "tests", "docs", "configs")
 
+_MIN_MODULE_S = 60  # a module is not started with less time left than this
+_EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree: every file changed
+
 # mutmut's verdicts, by its exit-code names: these count as killed (a test noticed).
 _KILLED = ("killed", "timeout", "segfault", "caught by type check")
 
@@ -83,20 +102,25 @@ _KILLED = ("killed", "timeout", "segfault", "caught by type check")
 def main() -> int:
     args = _parse()
     modules = args.modules or list(MODULES)
-    if args.changed_since:
-        modules = [m for m in modules if m in _changed(args.changed_since)]
     unknown = [m for m in modules if m not in MODULES]
     if unknown:
         sys.exit(f"not a core module: {', '.join(unknown)} (see MODULES in {__file__})")
+    if args.changed_since:
+        base = _base(args.changed_since)
+        modules = [m for m in modules if m in _changed(base)]
+        print(f"mutation: core modules changed since {base[:12]}: {len(modules)}", flush=True)
     equivalents = load_equivalents(EQUIVALENTS)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     failed = []
     for module in modules:
-        report = run_module(module, equivalents, fresh=args.fresh, max_children=args.jobs)
+        left_s = None if deadline is None else deadline - time.monotonic()
+        if left_s is not None and left_s < _MIN_MODULE_S:
+            print(json.dumps({"module": module, "skipped": "time budget spent"}), flush=True)
+            continue
+        report = run_module(module, equivalents, args.fresh, args.jobs, left_s)
         print(json.dumps(report, ensure_ascii=False), flush=True)
-        if report["score"] < args.goal:
+        if report.get("score", 1.0) < args.goal:
             failed.append(module)
-    if not modules:
-        print("mutation: no core module changed", flush=True)
     for module in failed:
         print(f"mutation: {module} scores below {args.goal:.0%}", file=sys.stderr)
     return 1 if failed else 0
@@ -105,22 +129,44 @@ def main() -> int:
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", help="core modules (default: all of MODULES)")
-    parser.add_argument("--changed-since", metavar="REF", help="only modules changed since REF")
+    parser.add_argument(
+        "--changed-since",
+        metavar="REF",
+        help="only modules changed since REF; 'auto': the merge base with origin/main when "
+        "HEAD is ahead of it, else HEAD~1 (the last commit: a merge commit's whole branch)",
+    )
     parser.add_argument("--fresh", action="store_true", help="forget earlier verdicts")
     parser.add_argument("--goal", type=float, default=0.9, help="lowest passing score")
     parser.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="stop after this many seconds: an unfinished module reports what it has and "
+        "is not judged; modules not started are listed as skipped",
+    )
     return parser.parse_args()
 
 
-def _changed(ref: str) -> set[str]:
-    out = subprocess.run(
-        ["git", "diff", "--name-only", ref, "--", "prefill_worker"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return set(out.stdout.split())
+def _base(ref: str) -> str:
+    if ref != "auto":
+        return _git("rev-parse", ref)
+    head = _git("rev-parse", "HEAD")
+    merge_base = _git("merge-base", "HEAD", "origin/main", check=False)
+    if merge_base and merge_base != head:
+        return merge_base
+    return _git("rev-parse", "HEAD~1", check=False) or _EMPTY_TREE
+
+
+def _changed(base: str) -> set[str]:
+    """Files under prefill_worker/ that differ between ``base`` and the working tree."""
+    return set(_git("diff", "--name-only", base, "--", "prefill_worker").split())
+
+
+def _git(*args: str, check: bool = True) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0 and check:
+        sys.exit(f"mutation: git {' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def load_equivalents(path: Path) -> dict[str, str]:
@@ -134,16 +180,24 @@ def load_equivalents(path: Path) -> dict[str, str]:
     return equivalents
 
 
-def run_module(module: str, equivalents: dict[str, str], fresh: bool, max_children: int) -> dict:
+def run_module(
+    module: str, equivalents: dict[str, str], fresh: bool, jobs: int, left_s: float | None
+) -> dict:
     work = _prepare(module, fresh)
     had_verdicts = (work / "mutants" / (module + ".meta")).exists()
-    _mutmut(work, "run", f"--max-children={max_children}")
+    deadline = None if left_s is None else time.monotonic() + left_s
+    is_complete = _mutmut_run(work, jobs, deadline)
     verdicts = _verdicts(work)
     survivors = [name for name, verdict in verdicts.items() if verdict not in _KILLED]
-    if had_verdicts and survivors:  # kept verdicts: a test added since may kill these now
-        _mutmut(work, "run", f"--max-children={max_children}", *survivors)
+    if is_complete and had_verdicts and survivors:  # a test added since may kill these now
+        is_complete = _mutmut_run(work, jobs, deadline, *survivors)
         verdicts = _verdicts(work)
-    return summarize(module, verdicts, equivalents)
+    report = summarize(module, verdicts, equivalents)
+    if not is_complete:  # out of time: what was tested is shown, the module is not judged
+        untested = sum(1 for verdict in verdicts.values() if verdict == "not checked")
+        report = {"module": module, "incomplete": f"{untested} mutants not tested", **report}
+        report.pop("score")
+    return report
 
 
 def summarize(module: str, verdicts: dict[str, str], equivalents: dict[str, str]) -> dict:
@@ -200,8 +254,32 @@ def _toml_section(path: Path, header: str) -> str:
     return "".join(lines[start:end])
 
 
+def _mutmut_run(work: Path, jobs: int, deadline: float | None, *names: str) -> bool:
+    """``mutmut run``; False when ``deadline`` came first (mutmut and its children are
+    stopped, and the verdicts it reached are kept)."""
+    timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
+    with subprocess.Popen(  # its own session: a timeout stops the forked children too
+        [sys.executable, "-m", "mutmut", "run", f"--max-children={jobs}", *names],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return False
+    if proc.returncode != 0:
+        sys.stderr.write(out[-6000:])
+        raise SystemExit(f"mutation: `mutmut run` failed in {work} ({proc.returncode})")
+    return True
+
+
 def _mutmut(work: Path, *args: str) -> str:
-    result = subprocess.run(  # mutmut puts its mutated copy first on the tests' sys.path
+    result = subprocess.run(
         [sys.executable, "-m", "mutmut", *args],
         cwd=work,
         capture_output=True,
