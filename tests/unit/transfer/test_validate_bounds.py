@@ -78,3 +78,18 @@ def test_room_refusals_name_their_room() -> None:
     assert duplicate.message == "duplicate want for 7"
     assert foreign.reason is RejectReason.FOREIGN_ROOM
     assert foreign.message == "room 9 is reserved by the router for another decode peer"
+
+
+def test_a_metadata_frame_with_a_bad_header_or_checksum_is_refused_saying_which() -> None:
+    good = register().metadata
+    bad_magic = b"X" + good[1:]
+    bad_pad = good[:5] + b"\x01" + good[6:]
+    corrupt = good[:-1] + bytes([good[-1] ^ 1])
+    for frame, message in [
+        (bad_magic, "metadata frame has a bad magic or version"),
+        (bad_pad, "metadata frame has a bad magic or version"),
+        (corrupt, "metadata frame checksum mismatch"),
+    ]:
+        refusal = check_register(register(metadata=frame), OURS, BootstrapLimits())
+        assert refusal is not None and refusal.reason is RejectReason.BAD_METADATA
+        assert refusal.message == message
