@@ -51,6 +51,8 @@ _ROUTER = [
     "tests/unit/router/test_messages.py",
     "tests/unit/router/test_v1_frames.py",
     "tests/unit/router/test_admission_bounds.py",
+    "tests/unit/router/test_codec_edges.py",
+    "tests/unit/router/test_protocol_doc.py",
 ]
 _BOOTSTRAP = [
     "tests/unit/transfer/test_validate.py",
