@@ -5,6 +5,7 @@ any fits); no-space is None and changes nothing; counts and runs always agree.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,3 +89,13 @@ def test_the_pool_matches_its_set_model(num_pages: int, ops: list[tuple[str, int
         assert pool.num_used == num_pages - pool.num_free
         assert pool.num_free_runs == len(free_runs(owners, num_pages))
         pool.check_integrity()
+
+
+def test_a_pool_needs_a_page_and_a_free_page_cannot_be_shared() -> None:
+    with pytest.raises(AssertionError):
+        PagePool(0)
+    pool = PagePool(2)
+    pool.try_alloc(1)
+    with pytest.raises(AssertionError, match="page 1 is free"):
+        pool.incref([1])
+    assert pool.refcount(1) == 0
