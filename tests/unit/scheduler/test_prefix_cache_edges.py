@@ -9,6 +9,7 @@ import pytest
 from prefill_worker.kv.block_hash import block_hashes
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import MISS, NoPrefixCache
 from tests.unit.scheduler.fakes import RecordingEvents
 
 PS = 2
@@ -78,3 +79,19 @@ def test_resetting_an_idle_cache_is_one_clear_and_a_busy_one_says_nothing() -> N
     assert cache.reset()
     assert events.events == [("cleared",)]
     assert pool.num_free == pool.num_pages
+
+
+def test_with_the_cache_off_nothing_is_shared_or_kept() -> None:
+    pool = PagePool(4)
+    off = NoPrefixCache(pool)
+    pages = pool.try_alloc(3)
+    assert pages is not None
+    assert off.match([1, 2, 3, 4, 5]) == MISS and MISS.num_query_tokens == 0
+    assert off.store([1, 2, 3, 4, 5], pages, (), 2) == ()
+    assert (off.num_pages, off.num_evictable, tuple(off.cached_page_ids())) == (0, 0, ())
+    assert off.try_make_room(1) and not off.try_make_room(2)  # exactly the free pages
+    with pytest.raises(AssertionError):
+        off.acquire(pages[:1])
+    off.release(pages)
+    assert pool.num_free == 4 and off.reset()
+    off.check_integrity()
