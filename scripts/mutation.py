@@ -39,7 +39,7 @@ EQUIVALENTS = ROOT / "tests" / "mutation-equivalents.txt"
 
 _SCHEDULER = ["tests/unit/scheduler"]
 _S = "tests/unit/scheduler/"
-_POOL = [_S + "test_kv_bookkeeping.py", _S + "test_page_pool_model.py"]
+_POOL = [_S + "test_kv_bookkeeping.py", _S + "test_page_pool_model.py", _S + "test_aux_rows.py"]
 _CACHE = [
     _S + "test_prefix_cache.py",
     _S + "test_prefix_cache_machine.py",
