@@ -197,19 +197,19 @@ def run_module(
         verdicts = _verdicts(work)
     report = summarize(module, verdicts, equivalents)
     if not is_complete:  # out of time: what was tested is shown, the module is not judged
-        untested = sum(1 for verdict in verdicts.values() if verdict == "not checked")
-        report = {"module": module, "incomplete": f"{untested} mutants not tested", **report}
-        report.pop("score")
+        report["partial_score"] = report.pop("score")
+        report["incomplete"] = "time budget spent"
     return report
 
 
 def summarize(module: str, verdicts: dict[str, str], equivalents: dict[str, str]) -> dict:
     killed = [name for name, verdict in verdicts.items() if verdict in _KILLED]
-    alive = [name for name in verdicts if name not in killed]
+    untested = [name for name, verdict in verdicts.items() if verdict == "not checked"]
+    alive = [name for name in verdicts if name not in killed and name not in untested]
     equivalent = [name for name in alive if name in equivalents]
     generated = len(verdicts)
-    tested = generated - len(equivalent)
-    return {
+    tested = generated - len(untested) - len(equivalent)
+    report = {
         "module": module,
         "generated": generated,
         "killed": len(killed),
@@ -218,6 +218,9 @@ def summarize(module: str, verdicts: dict[str, str], equivalents: dict[str, str]
         "score": round(len(killed) / tested, 4) if tested else 1.0,
         "survivors": sorted(set(alive) - set(equivalent)),
     }
+    if untested:
+        report["untested"] = len(untested)
+    return report
 
 
 def _prepare(module: str, fresh: bool) -> Path:
