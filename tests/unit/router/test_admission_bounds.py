@@ -4,6 +4,7 @@ testing, `make mutation`)."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgpack
@@ -174,7 +175,9 @@ def test_a_string_that_is_not_utf8_is_malformed(key: str) -> None:
 
 
 def test_a_prompt_without_a_seed_samples_without_one() -> None:
-    got = decode(prefill_map(sampling={"temperature": 0.5}))
+    # a temperature never sent before: admission caches checked sampling settings by value
+    temperature = 0.5 + random.random() / 4
+    got = decode(prefill_map(sampling={"temperature": temperature}))
     assert isinstance(got, PrefillRequest) and got.sampling.seed is None
 
 
