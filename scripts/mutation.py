@@ -47,7 +47,7 @@ _CACHE = [
     _S + "test_prefix_cache_edges.py",
     _S + "test_engine_prefix_cache.py",
 ]
-_EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py"]
+_EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
 _ROUTER = [
     "tests/unit/router/test_messages.py",
     "tests/unit/router/test_v1_frames.py",

@@ -95,3 +95,8 @@ def test_with_the_cache_off_nothing_is_shared_or_kept() -> None:
     off.release(pages)
     assert pool.num_free == 4 and off.reset()
     off.check_integrity()
+
+
+@pytest.mark.parametrize(("length", "num_hashes"), [(1, 0), (2, 1), (3, 1), (4, 2), (7, 3)])
+def test_only_full_blocks_have_hashes(length: int, num_hashes: int) -> None:
+    assert len(block_hashes(list(range(length)), PS)) == num_hashes
