@@ -23,9 +23,9 @@ def test_rows_go_lowest_first_come_back_zeroed_and_run_out_as_none() -> None:
 
 def test_a_row_not_held_cannot_be_written_or_freed_and_a_pool_needs_a_row() -> None:
     pool = AuxPool(1)
-    with pytest.raises(AssertionError, match="aux row 0 is not allocated"):
+    with pytest.raises(AssertionError, match=r"^aux row 0 is not allocated$"):
         pool.write(0, AuxRow(1, 0.0, 1, 0))
-    with pytest.raises(AssertionError, match="aux row 0 is not allocated"):
+    with pytest.raises(AssertionError, match=r"^aux row 0 is not allocated$"):
         pool.free(0)
     with pytest.raises(AssertionError):
         AuxPool(0)

@@ -96,6 +96,6 @@ def test_a_pool_needs_a_page_and_a_free_page_cannot_be_shared() -> None:
         PagePool(0)
     pool = PagePool(2)
     pool.try_alloc(1)
-    with pytest.raises(AssertionError, match="page 1 is free"):
+    with pytest.raises(AssertionError, match=r"^page 1 is free$"):
         pool.incref([1])
     assert pool.refcount(1) == 0

@@ -90,7 +90,7 @@ def test_with_the_cache_off_nothing_is_shared_or_kept() -> None:
     assert off.store([1, 2, 3, 4, 5], pages, (), 2) == ()
     assert (off.num_pages, off.num_evictable, tuple(off.cached_page_ids())) == (0, 0, ())
     assert off.try_make_room(1) and not off.try_make_room(2)  # exactly the free pages
-    with pytest.raises(AssertionError, match="nothing is cached"):
+    with pytest.raises(AssertionError, match=r"^nothing is cached$"):
         off.acquire(pages[:1])
     off.release(pages)
     assert pool.num_free == 4 and off.reset()
