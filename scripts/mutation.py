@@ -192,6 +192,8 @@ def run_module(
     deadline = None if left_s is None else time.monotonic() + left_s
     is_complete = _mutmut_run(work, jobs, deadline)
     verdicts = _verdicts(work)
+    if is_complete:  # mutmut stopped early when no test reached any mutant: none was killed
+        verdicts = {name: v.replace("not checked", "no tests") for name, v in verdicts.items()}
     survivors = [name for name, verdict in verdicts.items() if verdict not in _KILLED]
     if is_complete and had_verdicts and survivors:  # a test added since may kill these now
         is_complete = _mutmut_run(work, jobs, deadline, *survivors)
