@@ -72,7 +72,11 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/kv/block_hash.py": _EVENTS,
     "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
     "prefill_worker/kv/cache_events.py": _EVENTS,
-    "prefill_worker/kv/layout.py": ["tests/unit/transfer/test_pagemap.py", *_BOOTSTRAP],
+    "prefill_worker/kv/layout.py": [
+        "tests/unit/transfer/test_pagemap.py",
+        "tests/unit/transfer/test_layout_edges.py",
+        *_BOOTSTRAP,
+    ],
     "prefill_worker/scheduler/admission.py": _SCHEDULER,
     "prefill_worker/scheduler/chunking.py": _SCHEDULER,
     "prefill_worker/scheduler/deadlines.py": _SCHEDULER,
