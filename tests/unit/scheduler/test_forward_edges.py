@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from prefill_worker.batch import BatchOutput, BatchPlan
-from prefill_worker.scheduler.forward import SerialForward, ThreadedForward
+from prefill_worker.scheduler.forward import SerialForward, ThreadedForward, make_forward
 
 PLAN = BatchPlan(3, ())
 
@@ -73,3 +73,10 @@ def test_the_threaded_strategy_signals_a_finished_plan_until_collected() -> None
         assert runner.threads[0].startswith("forward")
     finally:
         forward.close()
+
+
+def test_overlap_picks_the_threaded_strategy() -> None:
+    runner = NamingRunner()
+    threaded, serial = make_forward(runner, True), make_forward(runner, False)
+    assert isinstance(threaded, ThreadedForward) and isinstance(serial, SerialForward)
+    threaded.close()
