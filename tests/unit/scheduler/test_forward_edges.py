@@ -11,6 +11,7 @@ import pytest
 
 from prefill_worker.batch import BatchOutput, BatchPlan
 from prefill_worker.scheduler.forward import SerialForward, ThreadedForward, make_forward
+from tests.polling import wait_until
 
 PLAN = BatchPlan(3, ())
 
@@ -67,7 +68,7 @@ def test_the_threaded_strategy_signals_a_finished_plan_until_collected() -> None
         assert not forward.is_done() and not is_readable(forward.done_fd)
         runner.release.set()
         assert select.select([forward.done_fd], [], [], 10)[0]
-        assert forward.is_done()
+        wait_until(forward.is_done, what="the future done (it settles just after the byte)")
         assert forward.collect() == BatchOutput(3, ())
         assert forward.is_done() and not is_readable(forward.done_fd)
         assert runner.threads[0].startswith("forward")
