@@ -16,7 +16,8 @@ RUNTIME_LOCK := deploy/container/requirements.lock
 MODEL_DIR := models/smollm2-135m
 TINY_DIR := models/tiny-test
 
-.PHONY: setup run run-sglang test soak lint format bench clean docs lock interop-deps interop
+.PHONY: setup run run-sglang test soak lint format bench clean docs lock interop-deps interop \
+  mutation mutation-changed
 
 setup: $(VENV)/.installed $(MODEL_DIR)/prepared.json $(TINY_DIR)/config.json system-deps ops-tools
 
@@ -114,6 +115,20 @@ format:
 test: lint
 	$(BIN)/pytest -q -m "not slow and not interop"
 
+# Mutation testing of the core (docs/testing.md): mutmut, one module at a time with that
+# module's own unit tests, verdicts kept in .mutation/ between runs; per-module JSON scores,
+# fails below 90%. `make mutation MUTATION_ARGS=prefill_worker/kv/pages.py` for one module.
+MUTATION_ARGS ?=
+mutation:
+	nice -n 10 $(BIN)/python scripts/mutation.py $(MUTATION_ARGS)
+
+# CI's share: the core modules the change touched (the merge base with origin/main when HEAD
+# is ahead of it, else the last commit), within MUTATION_BUDGET_S seconds.
+MUTATION_BUDGET_S ?= 300
+mutation-changed:
+	nice -n 10 $(BIN)/python scripts/mutation.py --changed-since auto \
+	  --budget-s $(MUTATION_BUDGET_S) $(MUTATION_ARGS)
+
 # SGLang's own decode-side code as the decode (docs/sglang.md). Each supported version goes
 # into a directory of its own, without its dependencies (torch, CUDA kernels): the decode runs
 # in a child process on this venv's python with PYTHONPATH = that directory, the few packages
@@ -174,4 +189,4 @@ bench:
 	@for b in bench/*.py; do echo "# $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(INTEROP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(INTEROP) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .mutation

@@ -4,6 +4,8 @@ a runner failure too (``tests/integration/scheduler/test_warmup_runner.py``: a r
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
@@ -52,9 +54,9 @@ def test_a_short_prompt_still_has_two_chunks_and_a_long_one_fits_the_pool() -> N
     assert pages.num_free == pages.num_pages
 
 
-@pytest.mark.parametrize("runner", [Recorder(fail_at=1), Recorder(bad_sample=True)])
-def test_a_failure_is_a_warm_up_error_and_the_pages_come_back(runner: Recorder) -> None:
-    pages = PagePool(16)
+@pytest.mark.parametrize("options", [{"fail_at": 1}, {"bad_sample": True}])
+def test_a_failure_is_a_warm_up_error_and_the_pages_come_back(options: dict) -> None:
+    pages, runner = PagePool(16), Recorder(**options)  # fresh per run: it counts its plans
     with pytest.raises(WarmUpError, match=r"out of memory|nan logits"):
         warm_up(runner, pages, page_size=4, num_tokens=40, vocab_size=100, chunk_tokens=16)
     assert pages.num_free == pages.num_pages
@@ -67,3 +69,29 @@ def test_a_pool_already_in_use_is_refused() -> None:
     with pytest.raises(WarmUpError, match="not empty"):
         warm_up(Recorder(), pages, page_size=4, num_tokens=16, vocab_size=100, chunk_tokens=8)
     assert pages.num_free == 1
+
+
+def test_one_token_is_enough_and_a_chunk_limit_of_1_gives_one_chunk_per_token() -> None:
+    pages, runner = PagePool(4), Recorder()
+    before = time.monotonic()
+    done = warm_up(runner, pages, page_size=4, num_tokens=1, vocab_size=10, chunk_tokens=8)
+    assert 0 <= done.duration_s <= time.monotonic() - before
+    assert done.num_tokens == 1 and len(runner.plans) == 1
+    runner = Recorder()
+    warm_up(runner, pages, page_size=4, num_tokens=3, vocab_size=10, chunk_tokens=1)
+    assert [p.batch_id for p in runner.plans] == [0, 1, 2]
+    chunks = [p.chunks[0] for p in runner.plans]
+    assert [(c.start, c.end) for c in chunks] == [(0, 1), (1, 2), (2, 3)]
+    assert len({c.request_id for c in chunks}) == 1 and isinstance(chunks[0].request_id, str)
+    assert all(type(t) is int and 0 <= t < 10 for c in chunks for t in c.token_ids)
+
+
+def test_no_token_or_a_busy_pool_is_refused_in_words() -> None:
+    with pytest.raises(ValueError) as empty:
+        warm_up(Recorder(), PagePool(4), page_size=4, num_tokens=0, vocab_size=10, chunk_tokens=8)
+    assert str(empty.value) == "a warm-up needs at least one token and one page"
+    pages = PagePool(4)
+    pages.try_alloc(1)
+    with pytest.raises(WarmUpError) as busy:
+        warm_up(Recorder(), pages, page_size=4, num_tokens=16, vocab_size=10, chunk_tokens=8)
+    assert str(busy.value) == "the KV pool is not empty before the warm-up"

@@ -1,0 +1,55 @@
+"""Batch building's edges, through ``Admission`` itself: plans are numbered 1, 2, 3, ...; a
+chunk never starts at or past its prompt's end; a request is added to the queues once (found
+unpinned by mutation testing, `make mutation`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.tables import PageTable
+from prefill_worker.request import PrefillRequest, RequestState, SamplingParams
+from prefill_worker.scheduler.admission import Admission
+from prefill_worker.scheduler.chunking import chunk_end
+from prefill_worker.scheduler.queues import RequestQueues
+from prefill_worker.scheduler.tracked import Request
+
+
+def request(request_id: str, num_tokens: int) -> Request:
+    prompt = PrefillRequest(request_id, [1] * num_tokens, SamplingParams(), False, 0, 0.0)
+    return Request(prompt, None)
+
+
+def test_plans_are_numbered_from_1_one_apart() -> None:
+    queues = RequestQueues()
+    admission = Admission(
+        queues,
+        PageTable(PagePool(16), 4),
+        AuxPool(4),
+        lambda: 0.0,
+        chunk_size=4,
+        max_batch_tokens=4,
+        max_running_requests=4,
+    )
+    req = request("a", 12)
+    queues.add(req)
+    queues.move(req, RequestState.WAITING)
+    ids = []
+    while (batch := admission.next_batch()) is not None:
+        ids.append(batch.plan.batch_id)
+    assert ids == [1, 2, 3]
+
+
+def test_a_chunk_starts_on_a_page_inside_its_prompt() -> None:
+    with pytest.raises(AssertionError):
+        chunk_end(8, 8, 4, 4)  # the prompt is done
+    with pytest.raises(AssertionError):
+        chunk_end(2, 8, 4, 4)  # not on a page boundary
+
+
+def test_a_request_is_added_once() -> None:
+    queues = RequestQueues()
+    queues.add(request("a", 4))
+    with pytest.raises(AssertionError):
+        queues.add(request("a", 4))

@@ -1,0 +1,53 @@
+"""KV layouts: what ``/readyz`` publishes, hashes that tell page-major shapes apart, and the
+words of a refused layout (found unpinned by mutation testing, `make mutation`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from prefill_worker.kv.layout import PAGE_MAJOR, KVLayout, KVRegions
+
+OURS = KVLayout(2, 2, 8, "bfloat16", 4, 24)
+
+
+def test_the_summary_names_every_field_and_the_hash() -> None:
+    assert OURS.summary() == {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "dtype": "bfloat16",
+        "page_size": 4,
+        "num_pages": 24,
+        "kind": "layer_major",
+        "compat_hash": OURS.compat_hash(),
+    }
+
+
+def test_page_major_layouts_of_different_shapes_hash_apart() -> None:
+    a = dataclasses.replace(OURS, kind=PAGE_MAJOR)
+    b = dataclasses.replace(a, head_dim=16)
+    assert len({OURS.compat_hash(), a.compat_hash(), b.compat_hash()}) == 3
+    assert a.compat_hash() == dataclasses.replace(a, num_pages=7).compat_hash()
+
+
+def test_an_unknown_kind_or_dtype_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError) as kind:
+        dataclasses.replace(OURS, kind="ring")
+    assert str(kind.value) == "pool layout 'ring' is not one of layer_major, page_major"
+    with pytest.raises(ValueError) as dtype:
+        dataclasses.replace(OURS, dtype="int8")
+    assert str(dtype.value) == "dtype 'int8' is not one of float32, bfloat16, float16"
+
+
+def test_page_major_addresses_that_do_not_interleave_are_refused() -> None:
+    layout = dataclasses.replace(OURS, kind=PAGE_MAJOR)
+    page = layout.page_bytes
+    with pytest.raises(ValueError) as refused:
+        KVRegions(layout, (4096, 4096 + page), (4096 + page, 4096 + 3 * page), "cpu", 0, 0)
+    assert str(refused.value) == (
+        "k_base_addrs/v_base_addrs: a page_major pool puts layer l's K at "
+        f"k_base_addrs[0] + 2l * page_bytes and its V page_bytes ({page}) later; "
+        "these addresses do not"
+    )
