@@ -59,7 +59,8 @@ def test_through_smg_equals_transformers_generate(stack: Stack, checkpoint) -> N
         assert body["output_ids"] == hf_generate(checkpoint, ids), f"prompt of {n}"
         assert body["meta_info"]["prompt_tokens"] == n
     assert prefill.metric('prefill_worker_requests_total{reason="ok"') == len(LENGTHS)
-    assert all(code == 0 for code in stack.stop().values())
+    codes = stack.stop()
+    assert all(code == 0 for code in codes.values()), codes
 
 
 def test_a_bad_request_reaches_the_client_without_retries(stack: Stack) -> None:
@@ -197,7 +198,8 @@ def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) 
     assert chunks[-1]["output_ids"] == hf_generate(checkpoint, ids)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-    assert all(code == 0 for code in stack.stop().values())
+    codes = stack.stop()
+    assert all(code == 0 for code in codes.values()), codes
 
 
 def test_the_decode_peer_exits_0_on_sigterm_with_a_request_open(stack: Stack) -> None:
@@ -231,4 +233,5 @@ def test_a_restarted_prefill_serves_through_smg_again(stack: Stack) -> None:
     wait_until(lambda: stack.generate(greedy(prompt(12, seed=2)))[0] == 200, 15, "a success")
     assert time.monotonic() - ready_at < 15
     assert all(stack.generate(greedy(prompt(12, seed=s)))[0] == 200 for s in range(3, 8))
-    assert all(code == 0 for code in stack.stop().values())
+    codes = stack.stop()
+    assert all(code == 0 for code in codes.values()), codes
