@@ -48,6 +48,7 @@ _CACHE = [
     _S + "test_engine_prefix_cache.py",
 ]
 _EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
+_NESTED = "tests/unit/test_nested_decoders.py"
 _ROUTER = [
     "tests/unit/router/test_messages.py",
     "tests/unit/router/test_v1_frames.py",
@@ -92,7 +93,15 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/router/admission.py": _ROUTER,
     "prefill_worker/router/messages.py": _ROUTER,
     "prefill_worker/transfer/validate.py": _BOOTSTRAP,
-    "prefill_worker/transfer/wire.py": [*_BOOTSTRAP, "tests/unit/transfer/test_schema_doc.py"],
+    "prefill_worker/transfer/wire.py": [
+        *_BOOTSTRAP,
+        "tests/unit/transfer/test_schema_doc.py",
+        _NESTED,
+    ],
+    # The peer-input bounds every decoder above relies on (issue #24).
+    "prefill_worker/router/header.py": [*_ROUTER, _NESTED],
+    "prefill_worker/msgpack_shape.py": ["tests/unit/test_msgpack_shape.py", _NESTED],
+    "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read
