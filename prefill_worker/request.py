@@ -1,7 +1,7 @@
 """Request vocabulary shared by ingress, scheduler and daemon: sampling, states, outcomes
 (the engine's own record of a request is ``scheduler.tracked.Request``).
 
-Torch-free. The life cycle (DESIGN §3)::
+Torch-free. The life cycle (docs/architecture.md)::
 
     BOOTSTRAPPING ──▶ WAITING ──▶ PREFILLING ──▶ TRANSFERRING ──▶ DONE
           │              │             │               │
@@ -124,7 +124,7 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class Timings:
-    """Seconds spent in each phase of one request (DESIGN §4 ``result.timings``)."""
+    """Seconds spent in each phase of one request (``result.timings``, docs/protocol.md part 1)."""
 
     queue_s: float = 0.0
     bootstrap_s: float = 0.0

@@ -1,4 +1,5 @@
-"""The KV pool's memory layout, as both sides of a transfer must agree on it (DESIGN §5).
+"""The KV pool's memory layout, as both sides of a transfer must agree on it
+(docs/protocol.md, part 2).
 
 Two kinds of pool, ``kind``; a page of one layer's K (or V) is ``page_bytes`` =
 ``page_size × num_kv_heads × head_dim × itemsize`` bytes in both::

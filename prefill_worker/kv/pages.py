@@ -2,8 +2,8 @@
 
 Torch-free: pages are plain ints; the device tensors live in the model runner. Free pages are
 kept as maximal runs of adjacent ids, because a transfer coalesces adjacent pages into one
-descriptor (DESIGN §5): ``try_alloc(n)`` takes the smallest run that holds ``n`` pages whole
-(best fit), and only when none does, stitches the largest runs together::
+descriptor (docs/protocol.md, part 2): ``try_alloc(n)`` takes the smallest run that holds
+``n`` pages whole (best fit), and only when none does, stitches the largest runs together::
 
     page id   0   1   2   3   4   5   6   7   8   9
     refcount  1   1   0   0   0   2   0   0   1   0

@@ -1,4 +1,4 @@
-"""The KV pool tensors (DESIGN §5) and their addresses for the transfer engine.
+"""The KV pool tensors (docs/protocol.md, part 2) and their addresses for the transfer engine.
 
 One allocation holds every layer's K and V, in the pool layout ``layout.kind`` names
 (``kv.layout`` draws both)::

@@ -3,7 +3,7 @@
 This module owns the socket and its life cycle: the context, the ROUTER options, CURVE, the
 connection monitor, the I/O thread and its poll loop, and the outbox the engine fills. What a
 message means and where a reply goes is ``dispatch.IngressDispatch``'s; routers connect DEALER
-sockets (DESIGN §4, docs/protocol.md) and ``admission.decode_router`` decides what a frame is.
+sockets (docs/protocol.md, part 1) and ``admission.decode_router`` decides what a frame is.
 The I/O thread owns the socket and everything below; the engine loop owns everything else::
 
     routers ─▶ ROUTER ─▶ dispatch ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)

@@ -1,4 +1,4 @@
-"""Router ⇄ worker wire protocol v1 (DESIGN §4): the messages as msgspec Structs.
+"""Router ⇄ worker wire protocol v1 (docs/protocol.md, part 1): the messages as msgspec Structs.
 
 Torch- and ZMQ-free. Every message is one ZMQ frame holding a msgpack map with ``"type"`` (the
 union's tag) and ``"v": 1``. Token ids travel as packed little-endian int32 bytes and decode

@@ -1,4 +1,4 @@
-"""The worker's Prometheus metric set (DESIGN §6), on an injected registry.
+"""The worker's Prometheus metric set (docs/metrics.md), on an injected registry.
 
 Names are ``prefill_worker_*`` in base units, counters end in ``_total``, and no label carries a
 request id. ``WorkerMetrics`` is a plain recorder: the daemon forwards engine, ingress and

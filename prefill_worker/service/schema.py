@@ -36,7 +36,7 @@ class ModelConfig(_Section):
 
 
 class CacheConfig(_Section):
-    """The paged KV pool (DESIGN §5 layout) and the aux rows."""
+    """The paged KV pool (layout: docs/protocol.md, part 2) and the aux rows."""
 
     page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
     num_pages: int | None = Field(
@@ -110,7 +110,7 @@ class SchedulerConfig(_Section):
 
 
 class IngressConfig(_Section):
-    """The ZMQ ROUTER socket routers send requests to (DESIGN §4)."""
+    """The ZMQ ROUTER socket routers send requests to (docs/protocol.md, part 1)."""
 
     bind: str = Field("tcp://127.0.0.1:5557", description="ZMQ ROUTER address routers connect to.")
     max_message_bytes: int | None = Field(
@@ -135,7 +135,7 @@ class IngressConfig(_Section):
 
 
 class TransferConfig(_Section):
-    """KV push to decode peers: the bootstrap server and NIXL (DESIGN §5)."""
+    """KV push to decode peers: the bootstrap server and NIXL (docs/protocol.md, part 2)."""
 
     backend: Literal["nixl"] = Field(
         "nixl", description="The transfer backend: `nixl` (test fakes are not selectable)."

@@ -1,4 +1,5 @@
-"""The bootstrap protocol between a decode node and a worker (DESIGN §5): messages and codec.
+"""The bootstrap protocol between a decode node and a worker (docs/protocol.md, part 2):
+messages and codec.
 
 Every message is one ZMQ frame: a msgpack map with ``"v": 1`` and ``"type"``. Never pickle.
 Each message is one msgspec Struct below, tagged by ``type``; the Structs are the schema
