@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -227,6 +228,28 @@ def _sglang_sources(model_path: str) -> Callable[[Any], Callable[[str], KVSource
     return connect_over
 
 
+_STOP_GRACE_S = 10.0  # a stop that takes longer is a hang: its threads are dumped, exit 0
+
+
+def _stop_within(stop: threading.Event, grace_s: float) -> None:
+    """Ask the serve loop to stop; if the process is still here ``grace_s`` later (a thread
+    of SGLang's or a close that hangs: seen once in CI, not found), dump every thread's stack
+    to the log and exit 0 anyway, so a test's SIGTERM always ends it."""
+    if stop.is_set():
+        return
+    stop.set()
+
+    def force() -> None:
+        log.error("stop took over %.0f s; threads follow, then exit", grace_s)
+        faulthandler.dump_traceback(all_threads=True)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(grace_s, force)
+    timer.daemon = True  # a clean exit does not wait for it
+    timer.start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
     from prefill_worker.service.sdnotify import SdNotifier
@@ -240,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda *_: _stop_within(stop, _STOP_GRACE_S))
     log.info("loading %s", args.model)
     extra: dict[str, Any] = {"stop_token_ids": ()} if args.ignore_eos else {}
     peer = DecodePeer.load(
