@@ -34,8 +34,8 @@ from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import SamplingParams
-from prefill_worker.transfer.decode_rooms import RoomStatus
-from prefill_worker.transfer.receiver import KVReceiver, RoomState
+from prefill_worker.transfer.decode.receiver import KVReceiver
+from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus
 
 log = logging.getLogger(__name__)
 _GREEDY = SamplingParams()

@@ -51,7 +51,7 @@ def pool_views(
 def decode_process(conn: Connection, device: str, bootstrap: str, pool_layout: str) -> None:
     """The decode: KVReceiver.from_tensors over a zeroed pool on ``device``; sends back the
     room's state, its aux row (pinned host memory on CUDA) and the bytes that landed."""
-    from prefill_worker.transfer.receiver import KVReceiver, RoomState
+    from prefill_worker.transfer import KVReceiver, RoomState
 
     k, v = pool_views(pool_layout, device)
     receiver = KVReceiver.from_tensors(k, v, bootstrap, num_aux_rows=4, pool_layout=pool_layout)

@@ -29,7 +29,7 @@ from prefill_worker.router.messages import (
     prefill_message,
 )
 from prefill_worker.testing.launch import ChildProcess
-from prefill_worker.transfer.receiver import RoomState, RoomStatus
+from prefill_worker.transfer import RoomState, RoomStatus
 from tests.checkpoints import COMMON, prompt
 from tests.integration.daemon.conftest import DECODE_PAGES, PAGE_SIZE, Decode, Worker
 from tests.polling import wait_until

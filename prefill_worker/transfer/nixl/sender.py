@@ -37,13 +37,9 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.context import Closed, Peer, SendContext, Tell
 from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
+from prefill_worker.transfer.wire import notif_tag
 
 STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, then its peer goes
-
-
-def notif_tag(room: int) -> bytes:
-    """The NIXL notification that marks a room's aux row as landed on the decode side."""
-    return b"pw1:room:%d" % room
 
 
 class NixlSender:

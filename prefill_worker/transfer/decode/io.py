@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from prefill_worker.transfer.decode_rooms import RoomStatus
+from prefill_worker.transfer.decode.rooms import RoomStatus
 
 log = logging.getLogger(__name__)
 

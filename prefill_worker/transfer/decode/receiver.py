@@ -1,7 +1,7 @@
-"""The decode SDK: ``KVReceiver``, what a decode engine embeds to receive KV from a worker.
+"""``KVReceiver``: what a decode engine embeds to receive KV from a worker.
 
 It registers the decode's KV pool and aux rows with its own NIXL agent (progress thread off),
-connects a DEALER to the worker's bootstrap server and ``register``s. Then per request::
+connects to the worker's bootstrap server and ``register``s. Then per request::
 
     want(room, page_ids, aux_slot, num_cached_tokens)
     poll(room)  ->  PENDING | DONE | FAILED(reason) | ABORTED     (never blocks)
@@ -9,25 +9,10 @@ connects a DEALER to the worker's bootstrap server and ``register``s. Then per r
     read_aux(aux_slot)                                           (once DONE)
     forget(room)
 
-DONE needs both the worker's ``status ok`` and the NIXL notification that follows the aux
-row's write, so every byte has landed. ``progress()`` drains the worker's messages and the
-notifications, sends heartbeats and fails every pending room when the worker is silent past
-``peer_timeout_s``. Something must call it at least every ``heartbeat_interval_s``: ``poll``
-and ``wait`` do, or the receiver's own I/O thread (``io_thread=True``), or the engine's.
-Every method is safe to call from any thread (one lock; the engine thread may call ``want``
-and ``poll`` while an I/O thread calls ``progress``). After ``abort(room)`` wait for ABORTED
-before reusing the pages: the worker acknowledges once no write targets them.
-
-Recovery: when the worker says this connection is not registered (it dropped the peer, or
-the connection was replaced), the receiver registers again by itself and repeats the wants
-that were refused for it. A room still PENDING after ``room_timeout_s`` fails.
-
-Caller errors raise with the room or number in the text: ``ValueError`` (a room wanted
-twice, forgetting a pending room, an aux slot or page outside the pool), ``KeyError`` (a room
-never wanted), ``TimeoutError`` (``wait`` past its timeout). This module is the public
-surface, the NIXL agent and the locking; the conversation with the worker (socket,
-registration, liveness) is ``decode_link``, rooms are ``decode_rooms``, a pool given as
-tensors is ``decode_pool``, the I/O thread and waiting are ``decode_io``.
+DONE needs both the worker's ``status ok`` and the NIXL notification after the aux row, so
+every byte has landed. Threads, recovery and caller errors: docs/protocol.md, "Write a decode
+integration". This module is the public surface, the NIXL agent and the lock; the worker
+conversation is ``link``, rooms are ``rooms``, tensors are ``pool``, waiting is ``io``.
 """
 
 from __future__ import annotations
@@ -43,11 +28,10 @@ from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.decode_io import IOThread, Waiters
-from prefill_worker.transfer.decode_link import WorkerLink
-from prefill_worker.transfer.decode_rooms import RoomState, RoomStatus, RoomTable
+from prefill_worker.transfer.decode.io import IOThread, Waiters
+from prefill_worker.transfer.decode.link import WorkerLink
+from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus, RoomTable
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
-from prefill_worker.transfer.nixl.sender import notif_tag
 
 
 class RegistrationError(RuntimeError):
@@ -115,7 +99,7 @@ class KVReceiver:
         ``pool_layout`` is read from their page stride). The receiver allocates its aux rows
         in host memory (pinned on CUDA), registered as DRAM. ``ValueError`` with the reason
         when the tensors are not one such pool."""
-        from prefill_worker.transfer.decode_pool import regions_from_tensors
+        from prefill_worker.transfer.decode.pool import regions_from_tensors
 
         regions, owned = regions_from_tensors(k_caches, v_caches, num_aux_rows, pool_layout)
         receiver = cls(regions, bootstrap_addr, **kwargs)
@@ -160,7 +144,7 @@ class KVReceiver:
                 state = self._rooms.entry(room).status.state.value
                 raise ValueError(f"room {room} is already wanted ({state}); forget it first")
             want = wire.Want.of(room, ids, aux_slot, num_cached_tokens)
-            self._rooms.add(room, want, self._clock() + self.room_timeout_s, notif_tag(room))
+            self._rooms.add(room, want, self._clock() + self.room_timeout_s, wire.notif_tag(room))
             self._link.send_want(room, want)
         if self._io is not None:
             self._io.kick()  # a room is pending: its progress polls NIXL often now
@@ -210,7 +194,7 @@ class KVReceiver:
         with self._lock:
             if self._rooms.entry(room).status.state is RoomState.PENDING:
                 raise ValueError(f"room {room} is pending: abort it and wait for ABORTED first")
-            self._rooms.forget(room, notif_tag(room))
+            self._rooms.forget(room, wire.notif_tag(room))
 
     def progress(self) -> None:
         """Drain the worker's messages and NIXL notifications, heartbeat, check liveness."""

@@ -2,7 +2,7 @@
 the table of them that decides when a room ends.
 
 ``RoomState`` and ``RoomStatus`` are the SDK's public vocabulary (``KVReceiver.poll`` returns a
-``RoomStatus``; import them from ``transfer.receiver``). ``RoomTable`` holds the receiver's
+``RoomStatus``; import them from ``prefill_worker.transfer``). ``RoomTable`` holds the receiver's
 rooms: what each asked for, what the worker and NIXL have said so far, and who waits for it.
 A room ends once (DONE needs both the worker's ``status ok`` and the NIXL notification after
 the aux row); ``on_end`` is called then, so waiters wake. Not thread-safe by itself: the
@@ -47,7 +47,7 @@ class RoomTable:
 
     def __init__(self, on_end: Callable[[int, RoomStatus], None]) -> None:
         self._rooms: dict[int, RoomEntry] = {}
-        self._tags: dict[bytes, int] = {}  # notif_tag(room) -> room
+        self._tags: dict[bytes, int] = {}  # wire.notif_tag(room) -> room
         self._on_end = on_end
 
     def __contains__(self, room: int) -> bool:

@@ -16,7 +16,7 @@ import zmq
 
 from prefill_worker.curve import CurveClientKeys, apply_client
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.decode_rooms import RoomState, RoomStatus, RoomTable
+from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus, RoomTable
 
 
 class WorkerLink:
