@@ -45,7 +45,7 @@ from prefill_worker.kv.aux import AuxPool  # noqa: E402
 from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout  # noqa: E402
 from prefill_worker.kv.pages import PagePool  # noqa: E402
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams  # noqa: E402
-from prefill_worker.scheduler import Engine  # noqa: E402
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits  # noqa: E402
 from prefill_worker.scheduler.inbox import Inbox  # noqa: E402
 from prefill_worker.testing.random_model import random_runner  # noqa: E402
 
@@ -169,10 +169,20 @@ def run(pool_layout: str, push: str, num_requests: int) -> dict[str, object]:
     backend = TimedBackend(inner)
     outcomes: list[Outcome] = []
     engine = Engine(
-        runner, backend, pages, aux, outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=CHUNK, max_running_requests=8,
-        bootstrap_timeout_s=120.0, transfer_timeout_s=120.0, overlap=True,
-    )  # fmt: skip
+        runner,
+        backend,
+        EngineKV(pages, aux),
+        outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=CHUNK,
+            max_running_requests=8,
+            bootstrap_timeout_s=120.0,
+            transfer_timeout_s=120.0,
+        ),
+        overlap=True,
+    )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     per_request, total = PROMPT // PAGE_SIZE, num_requests + 1  # the first is a warm-up

@@ -2,23 +2,28 @@
 
 Torch-free. The daemon composes it like this (all on the engine thread except where noted)::
 
-    pages = PagePool(num_pages)                  # prefill_worker.kv.pages
-    aux = AuxPool(cfg.cache.num_aux_rows)        # prefill_worker.kv.aux
-    engine = Engine(
-        runner,                                  # batch.ModelRunner (model/)
-        transfer,                                # transfer.base.TransferBackend
-        pages, aux,
-        sink=reply,                              # Callable[[Outcome], None]: → ingress
+    kv = EngineKV(
+        PagePool(num_pages),                     # prefill_worker.kv.pages
+        AuxPool(cfg.cache.num_aux_rows),         # prefill_worker.kv.aux
+        prefix_cache=cache,                      # kv.prefix_cache.PrefixCache over the pages;
+    )                                            #   omitted: NoPrefixCache (off)
+    limits = EngineLimits(
         page_size=cfg.cache.page_size,
         chunk_size=cfg.scheduler.chunk_size,
         max_batch_tokens=cfg.scheduler.max_batch_tokens,
         max_running_requests=cfg.scheduler.max_running_requests,
         bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
         transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+    )
+    engine = Engine(
+        runner,                                  # batch.ModelRunner (model/)
+        transfer,                                # transfer.base.TransferBackend
+        kv,
+        reply,                                   # Callable[[Outcome], None]: → ingress
+        limits,
         overlap=cfg.scheduler.overlap,
         observer=metrics_adapter,                # EngineObserver; NullObserver if omitted
-        prefix_cache=cache,                      # kv.prefix_cache.PrefixCache over `pages`;
-    )                                            #   omitted: NoPrefixCache (off)
+    )
     engine.run(stop_event, inbox)   # inbox: scheduler.Inbox, a queue.Queue the loop can sleep on
     ...                             # (or call engine.submit(msg) / engine.step() yourself)
     engine.shutdown()               # after run returns: fail what is left, stop the executor
@@ -34,7 +39,8 @@ passed; ``shutdown(FinishReason.DRAINING)`` (or ``fail_all``) then fails what is
 
 Modules: ``queues`` (requests per state), ``admission`` (token budget, running cap, page and
 aux reservation), ``chunking`` (page-aligned chunk ends), ``deadlines`` (one heap),
-``forward`` (serial or executor-thread forwards), ``inbox`` (the queue with a wake-up fd),
+``forward`` (serial or executor-thread forwards), ``options`` (the records an ``Engine`` is
+built from), ``inbox`` (the queue with a wake-up fd),
 ``observer`` (sink, observer, snapshot), ``liveness`` (forward timing; busy or stuck),
 ``lifecycle`` (each request from submit to its one outcome: sender polling, deadline expiry,
 consuming forwards, the one finish path),
@@ -51,9 +57,12 @@ from prefill_worker.scheduler.observer import (
     NullObserver,
     OutcomeSink,
 )
+from prefill_worker.scheduler.options import EngineKV, EngineLimits
 
 __all__ = [
     "Engine",
+    "EngineKV",
+    "EngineLimits",
     "EngineMessage",
     "EngineObserver",
     "ForwardStrategy",

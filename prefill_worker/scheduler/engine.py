@@ -26,9 +26,6 @@ from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ModelRunner
-from prefill_worker.kv.aux import AuxPool
-from prefill_worker.kv.pages import PagePool
-from prefill_worker.kv.prefix_cache import PrefixCache
 from prefill_worker.kv.tables import PageTable
 from prefill_worker.request import FinishReason
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
@@ -42,6 +39,7 @@ from prefill_worker.scheduler.observer import (
     NullObserver,
     OutcomeSink,
 )
+from prefill_worker.scheduler.options import EngineKV, EngineLimits
 from prefill_worker.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -58,54 +56,36 @@ class Engine:
         self,
         runner: ModelRunner,
         transfer: TransferBackend,
-        pages: PagePool,
-        aux: AuxPool,
+        kv: EngineKV,
         sink: OutcomeSink,
+        limits: EngineLimits,
         *,
-        page_size: int,
-        chunk_size: int,
-        max_batch_tokens: int,
-        max_running_requests: int,
-        bootstrap_timeout_s: float,
-        transfer_timeout_s: float,
         overlap: bool,
         observer: EngineObserver | None = None,
-        prefix_cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
-        poll_budget: int = 32,
-        max_messages_per_turn: int = 256,
     ) -> None:
-        self._transfer, self._aux = transfer, aux
+        self._transfer, self._aux = transfer, kv.aux
         self._observer: EngineObserver = observer or NullObserver()
         self._clock = clock
-        self._table = PageTable(pages, page_size, prefix_cache)  # no cache: NoPrefixCache
+        self.limits = limits
+        # no prefix cache: the table uses NoPrefixCache
+        self._table = PageTable(kv.pages, limits.page_size, kv.prefix_cache)
         self._life = RequestLifecycle(
-            transfer,
-            self._table,
-            aux,
-            sink,
-            self._observer,
-            clock,
-            bootstrap_timeout_s=bootstrap_timeout_s,
-            transfer_timeout_s=transfer_timeout_s,
-            poll_budget=poll_budget,
+            transfer, self._table, kv.aux, sink, self._observer, clock, limits
         )
         self._queues = self._life.queues
         self._admission = Admission(
             self._queues,
             self._table,
-            aux,
+            kv.aux,
             clock,
-            chunk_size=chunk_size,
-            max_batch_tokens=max_batch_tokens,
-            max_running_requests=max_running_requests,
+            chunk_size=limits.chunk_size,
+            max_batch_tokens=limits.max_batch_tokens,
+            max_running_requests=limits.max_running_requests,
             on_lookup=self._observer.on_prefix_lookup,
         )
         self._forward_clock = ForwardClock(runner, clock)
         self._forward = make_forward(self._forward_clock, overlap)
-        self.page_size = page_size
-        self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
-        self._max_messages = max_messages_per_turn
         self._running: ScheduledBatch | None = None
         self._is_closed = False
         self.last_turn_at = clock()  # for /livez: read from any thread
@@ -200,7 +180,7 @@ class Engine:
 
     def _take(self, inbox: Inbox) -> None:
         inbox.clear_wake()  # before draining: a later put wakes the next wait
-        for _ in range(self._max_messages):
+        for _ in range(self.limits.max_messages_per_turn):
             try:
                 message = inbox.get_nowait()
             except queue.Empty:

@@ -37,6 +37,7 @@ from prefill_worker.scheduler.admission import ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
 from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
+from prefill_worker.scheduler.options import EngineLimits
 from prefill_worker.scheduler.queues import RequestQueues
 from prefill_worker.scheduler.tracked import Request
 from prefill_worker.transfer.base import KVPoll, TransferBackend
@@ -65,18 +66,16 @@ class RequestLifecycle:
         sink: OutcomeSink,
         observer: EngineObserver,
         clock: Callable[[], float],
-        *,
-        bootstrap_timeout_s: float,
-        transfer_timeout_s: float,
-        poll_budget: int,
+        limits: EngineLimits,
     ) -> None:
         self._transfer, self._table, self._aux = transfer, table, aux
         self._sink, self._observer, self._clock = sink, observer, clock
         self.queues = RequestQueues(observer.on_transition)
         self.deadlines = DeadlineHeap()
         self.page_size = table.page_size
-        self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
-        self._poll_budget = poll_budget
+        self.bootstrap_timeout_s = limits.bootstrap_timeout_s
+        self.transfer_timeout_s = limits.transfer_timeout_s
+        self._poll_budget = limits.poll_budget
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
         self.outcome_counts: Counter[FinishReason] = Counter()
 

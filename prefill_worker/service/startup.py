@@ -31,7 +31,7 @@ from prefill_worker.request import Outcome
 from prefill_worker.router.admission import Limits
 from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
 from prefill_worker.router.ingress import CurveServerKeys, Ingress
-from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits, Inbox, LoadSnapshot
 from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
@@ -285,21 +285,22 @@ def make_engine(
     cfg = config
     pages, aux = pools
     with startup_step("engine"):
-        return Engine(
-            runner,
-            transfer,
-            pages,
-            aux,
-            sink=sink,
+        limits = EngineLimits(
             page_size=cfg.cache.page_size,
             chunk_size=cfg.scheduler.chunk_size,
             max_batch_tokens=cfg.scheduler.max_batch_tokens,
             max_running_requests=cfg.scheduler.max_running_requests,
             bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+        )
+        return Engine(
+            runner,
+            transfer,
+            EngineKV(pages, aux, prefix_cache),
+            sink,
+            limits,
             overlap=cfg.scheduler.overlap,
             observer=EngineEvents(metrics, log),
-            prefix_cache=prefix_cache,
         )
 
 

@@ -25,7 +25,7 @@ from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import Runner
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
@@ -96,10 +96,20 @@ def rig(pool_layout: str) -> Iterator[Rig]:
     )
     outcomes: list[Outcome] = []
     engine = Engine(
-        gated, backend, pages, aux, outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=20, max_running_requests=4,
-        bootstrap_timeout_s=30.0, transfer_timeout_s=60.0, overlap=True,
-    )  # fmt: skip
+        gated,
+        backend,
+        EngineKV(pages, aux),
+        outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=20,
+            max_running_requests=4,
+            bootstrap_timeout_s=30.0,
+            transfer_timeout_s=60.0,
+        ),
+        overlap=True,
+    )
     receiver = impatient_decode(backend.bootstrap_endpoint, pool_layout)
     with engine_thread(engine, (pages, aux), receiver.close, backend.close) as inbox:
         try:

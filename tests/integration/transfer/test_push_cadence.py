@@ -22,7 +22,7 @@ from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import KVCache, Runner
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.scheduler.observer import NullObserver
 from prefill_worker.testing.random_model import random_runner
@@ -111,10 +111,21 @@ def rig(pool_layout: str) -> Iterator[Rig]:
     )
     steps = Steps()
     engine = Engine(
-        runner, backend, pages, aux, steps.outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=CHUNK, max_running_requests=4,
-        bootstrap_timeout_s=30.0, transfer_timeout_s=60.0, overlap=True, observer=steps,
-    )  # fmt: skip
+        runner,
+        backend,
+        EngineKV(pages, aux),
+        steps.outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=CHUNK,
+            max_running_requests=4,
+            bootstrap_timeout_s=30.0,
+            transfer_timeout_s=60.0,
+        ),
+        overlap=True,
+        observer=steps,
+    )
     decode_kv = tiny_runner(pool_layout).kv_cache
     receiver = KVReceiver.from_tensors(
         decode_kv.k, decode_kv.v, backend.bootstrap_endpoint,
