@@ -105,7 +105,7 @@ class _Reader:
     def __init__(self, files: Mapping[str, Path], dtype: torch.dtype, device: torch.device):
         self.files, self.dtype, self.device = files, dtype, device
         self.on_read: Callable[[int], None] | None = None
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, safe_open] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
@@ -127,7 +127,7 @@ class _Reader:
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
-    def _handle(self, name: str):  # type: ignore[no-untyped-def]
+    def _handle(self, name: str) -> safe_open:
         path = self.files[name]
         if path not in self._open:
             if not path.exists():
