@@ -17,8 +17,8 @@ CORE_MODULES = (
     "prefill_worker.service.configdoc",
     "prefill_worker.request",
     "prefill_worker.batch",
-    "prefill_worker.router.messages",
-    "prefill_worker.router.admission",
+    "prefill_worker.ingress.messages",
+    "prefill_worker.ingress.validate",
     "prefill_worker.transfer.base",
 )
 
