@@ -41,12 +41,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prefill_worker.inbox import Inbox  # noqa: E402
 from prefill_worker.kv.aux import AuxPool  # noqa: E402
 from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout  # noqa: E402
 from prefill_worker.kv.pages import PagePool  # noqa: E402
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams  # noqa: E402
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits  # noqa: E402
-from prefill_worker.scheduler.inbox import Inbox  # noqa: E402
 from prefill_worker.testing.random_model import random_runner  # noqa: E402
 
 SHAPE = dict(

@@ -49,12 +49,12 @@ _CACHE = [
 ]
 _EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
 _NESTED = "tests/unit/test_nested_decoders.py"
-_ROUTER = [
-    "tests/unit/router/test_messages.py",
-    "tests/unit/router/test_v1_frames.py",
-    "tests/unit/router/test_admission_bounds.py",
-    "tests/unit/router/test_codec_edges.py",
-    "tests/unit/router/test_protocol_doc.py",
+_INGRESS = [
+    "tests/unit/ingress/test_messages.py",
+    "tests/unit/ingress/test_v1_frames.py",
+    "tests/unit/ingress/test_validate_bounds.py",
+    "tests/unit/ingress/test_codec_edges.py",
+    "tests/unit/ingress/test_protocol_doc.py",
 ]
 _BOOTSTRAP = [
     "tests/unit/transfer/test_validate.py",
@@ -83,15 +83,16 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/scheduler/deadlines.py": _SCHEDULER,
     "prefill_worker/scheduler/queues.py": _SCHEDULER,
     "prefill_worker/scheduler/tracked.py": _SCHEDULER,
-    "prefill_worker/scheduler/inbox.py": _SCHEDULER,
     "prefill_worker/scheduler/forward.py": _SCHEDULER,
     "prefill_worker/scheduler/engine.py": _SCHEDULER,
     "prefill_worker/scheduler/lifecycle.py": _SCHEDULER,
     "prefill_worker/scheduler/liveness.py": _SCHEDULER,
     "prefill_worker/scheduler/observer.py": _SCHEDULER,
+    "prefill_worker/inbox.py": [*_SCHEDULER, "tests/unit/test_inbox_wake.py"],
+    "prefill_worker/load.py": [*_SCHEDULER, "tests/unit/daemon/test_telemetry.py"],
     "prefill_worker/scheduler/warmup.py": _SCHEDULER,
-    "prefill_worker/router/admission.py": _ROUTER,
-    "prefill_worker/router/messages.py": _ROUTER,
+    "prefill_worker/ingress/validate.py": _INGRESS,
+    "prefill_worker/ingress/messages.py": _INGRESS,
     "prefill_worker/transfer/validate.py": _BOOTSTRAP,
     "prefill_worker/transfer/wire.py": [
         *_BOOTSTRAP,
@@ -99,7 +100,7 @@ MODULES: dict[str, list[str]] = {
         _NESTED,
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
-    "prefill_worker/router/header.py": [*_ROUTER, _NESTED],
+    "prefill_worker/ingress/header.py": [*_INGRESS, _NESTED],
     "prefill_worker/msgpack_shape.py": ["tests/unit/test_msgpack_shape.py", _NESTED],
     "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
 }

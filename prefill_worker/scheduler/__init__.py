@@ -47,16 +47,12 @@ consuming forwards, the one finish path),
 ``engine`` (the loop: take, step, wait, collect and launch forwards, publish the load).
 """
 
+from prefill_worker.inbox import EngineMessage, Inbox
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.scheduler.engine import Engine
 from prefill_worker.scheduler.forward import ForwardStrategy, SerialForward, ThreadedForward
-from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.liveness import LivenessRule, Progress, Verdict
-from prefill_worker.scheduler.observer import (
-    EngineObserver,
-    LoadSnapshot,
-    NullObserver,
-    OutcomeSink,
-)
+from prefill_worker.scheduler.observer import EngineObserver, NullObserver, OutcomeSink
 from prefill_worker.scheduler.options import EngineKV, EngineLimits
 
 __all__ = [

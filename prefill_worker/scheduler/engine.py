@@ -26,19 +26,15 @@ from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ModelRunner
+from prefill_worker.inbox import EngineMessage, Inbox
 from prefill_worker.kv.tables import PageTable
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import FinishReason
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
 from prefill_worker.scheduler.forward import make_forward
-from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.lifecycle import RequestLifecycle
 from prefill_worker.scheduler.liveness import ForwardClock, Progress
-from prefill_worker.scheduler.observer import (
-    EngineObserver,
-    LoadSnapshot,
-    NullObserver,
-    OutcomeSink,
-)
+from prefill_worker.scheduler.observer import EngineObserver, NullObserver, OutcomeSink
 from prefill_worker.scheduler.options import EngineKV, EngineLimits
 from prefill_worker.transfer.base import TransferBackend
 

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ChunkPlan, SampledToken
+from prefill_worker.inbox import EngineMessage
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.tables import PageTable, num_pages_for
 from prefill_worker.request import (
@@ -35,7 +36,6 @@ from prefill_worker.request import (
 )
 from prefill_worker.scheduler.admission import ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
-from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
 from prefill_worker.scheduler.options import EngineLimits
 from prefill_worker.scheduler.queues import RequestQueues

@@ -36,13 +36,14 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.inbox import Inbox
+from prefill_worker.ingress.http import HttpApi, is_front_id
+from prefill_worker.ingress.validate import Limits
+from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
-from prefill_worker.router.admission import Limits
-from prefill_worker.router.http_api import HttpApi, is_front_id
-from prefill_worker.router.ingress import Ingress
-from prefill_worker.scheduler import Engine, Inbox
+from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import Config
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging

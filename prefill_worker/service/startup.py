@@ -19,6 +19,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
+from prefill_worker.inbox import Inbox
+from prefill_worker.ingress.http import HttpApi, ServedModel, load_text_codec
+from prefill_worker.ingress.validate import Limits
+from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.layout import KVRegions
@@ -26,12 +30,10 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
+from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
-from prefill_worker.router.admission import Limits
-from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
-from prefill_worker.router.ingress import CurveServerKeys, Ingress
-from prefill_worker.scheduler import Engine, EngineKV, EngineLimits, Inbox, LoadSnapshot
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
@@ -307,7 +309,7 @@ def make_engine(
 def start_ingress(
     config: Config,
     inbox: Inbox,
-    load: Callable[[], LoadSnapshot],
+    load: LoadSource,
     limits: tuple[int, int, int],
     metrics: WorkerMetrics,
     on_drain: Callable[[], None],

@@ -1,7 +1,7 @@
 """Telemetry: engine and ingress events become metrics and log lines.
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
-implements ``router.dispatch.IngressObserver`` (I/O thread); both only record.
+implements ``ingress.dispatch.IngressObserver`` (I/O thread); both only record.
 ``KVEventsTelemetry`` implements ``kv_events.KVEventsObserver`` (counters only).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
-from prefill_worker.scheduler import LoadSnapshot
 from prefill_worker.service.logs import log_outcome
 from prefill_worker.service.metrics import WorkerMetrics
 

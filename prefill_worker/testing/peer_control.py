@@ -180,9 +180,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve_http(peer: DecodePeer, args: argparse.Namespace, stop: threading.Event) -> None:
     """SGLang's decode HTTP API (``peer_http.py``) until ``stop``; READY=1 once it listens."""
+    from prefill_worker.ingress.http import ServedModel, load_text_codec
+    from prefill_worker.ingress.validate import Limits
     from prefill_worker.model.hf_config import read_spec
-    from prefill_worker.router.admission import Limits
-    from prefill_worker.router.http_api import ServedModel, load_text_codec
     from prefill_worker.service.sdnotify import SdNotifier
     from prefill_worker.testing.peer_http import PeerHttp, serve_http
 

@@ -27,10 +27,10 @@ from typing import Any
 
 from aiohttp import web
 
-from prefill_worker.router.admission import Limits, PromptRefused, check_token_ids
-from prefill_worker.router.http_api import probes
-from prefill_worker.router.http_api.text import TextCodec
-from prefill_worker.scheduler.observer import LoadSnapshot
+from prefill_worker.ingress.http import probes
+from prefill_worker.ingress.http.text import TextCodec
+from prefill_worker.ingress.validate import Limits, PromptRefused, check_token_ids
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.testing import peer_sse
 from prefill_worker.testing.decode_peer import DecodePeer, Generation
 

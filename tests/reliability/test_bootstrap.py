@@ -20,10 +20,10 @@ import zmq
 import zmq.auth
 
 from prefill_worker.curve import CurveClientKeys
+from prefill_worker.ingress.messages import Result, encode, prefill_message
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.messages import Result, encode, prefill_message
 from prefill_worker.transfer import KVReceiver, RegistrationError, RoomState, wire
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
 from tests.checkpoints import prompt

@@ -19,9 +19,9 @@ import zmq
 from aiohttp import web
 
 from prefill_worker.aio_site import ThreadedSite
+from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv_events.publisher import KVEventPublisher
-from prefill_worker.router.ingress import Ingress
-from prefill_worker.scheduler.observer import LoadSnapshot
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.service.http import Health
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.transfer.nixl.push_thread import PushThread

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from prefill_worker.batch import BatchOutput, BatchPlan
+from prefill_worker.inbox import Inbox
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import Runner
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
-from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
 from prefill_worker.transfer.nixl.backend import NixlBackend
