@@ -16,7 +16,7 @@ so a layer costs two all-reduces of ``[T, hidden]``. The residual stream, hence 
 identical on every rank. Embedding and LM head are replicated, not vocab-parallel: a prefill
 computes logits for one row per finished prompt, so the head's FLOPs are negligible and a
 sharded head would add a collective per batch for nothing but memory; the price is
-``2 * vocab * hidden`` elements per rank (1 GiB at Llama-3-8B's shape in bf16), which
+``2 * vocab * hidden`` elements per rank (2.1 GB at Llama-3-8B's shape in bf16), which
 ``docs/parallelism.md`` weighs.
 
 KV heads (``kv_head_range``, THE rule both the model and the transfer side slice by):
