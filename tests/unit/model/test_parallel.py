@@ -48,7 +48,8 @@ def test_kv_heads_that_do_not_divide_are_refused(num_kv_heads, size):
 
 def test_query_heads_fall_in_the_group_of_the_ranks_kv_head():
     """Rank r's query heads h all use KV head h // (H / KV), which rank r holds."""
-    for num_heads, num_kv_heads, size in [(32, 8, 4), (32, 8, 16), (4, 1, 2), (28, 4, 4), (64, 8, 16)]:
+    shapes = [(32, 8, 4), (32, 8, 16), (4, 1, 2), (28, 4, 4), (64, 8, 16)]  # H, KV, TP
+    for num_heads, num_kv_heads, size in shapes:
         for rank in range(size):
             tp = TPGroup(rank, size)
             group = num_heads // num_kv_heads
