@@ -46,9 +46,13 @@ FAMILIES = tuple(CONFIGS)
 SEEDS = {family: i for i, family in enumerate(FAMILIES)}
 
 
-def make_checkpoint(family: str, path: Path, sharded: bool = False) -> Path:
+def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides: object) -> Path:
+    """``overrides`` replace config fields (e.g. ``num_key_value_heads=1``)."""
     torch.manual_seed(SEEDS[family])
-    model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):

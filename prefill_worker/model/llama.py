@@ -10,6 +10,10 @@ attention, and only the rows that need logits go through the final norm and LM h
                 x += attn @ Wo ;  x += silu(g) * u @ Wdown,  [g|u] = norm(x) @ Wgu
     logits = norm(x[rows]) @ Wlm                     [R, vocab]
 
+Under tensor parallelism (``model.parallel``) the weights are this rank's slices: the same
+code runs over the rank's heads and intermediate range, and the o and down projections sum
+their partial products over the ranks (one all-reduce each); at TP 1 none runs.
+
 Prompt logprobs (only when a chunk asks) read the same final hidden states at their own rows
 and keep one float per row: ``log_softmax(norm(x[row]) @ Wlm)[next token]``, computed over
 blocks of rows so that at most ``[block, vocab]`` logits exist at once, whatever the prompt.
@@ -27,10 +31,14 @@ from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.sharding import local_dims
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LayerWeights:
+    """One layer's weights; under TP, this rank's slices (H, KV, I: the rank's counts)."""
+
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) * D]
@@ -83,28 +91,30 @@ class CausalLM:
     block_tokens = 2048
     logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, tp: TPGroup = SINGLE) -> None:
         self.spec = spec
         self.weights = weights
+        self.tp = tp
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
-        self._q_dim = spec.num_heads * spec.head_dim
-        self._kv_dim = spec.num_kv_heads * spec.head_dim
+        self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
+        self._q_dim = self.local.num_heads * spec.head_dim
+        self._kv_dim = self.local.num_kv_heads * spec.head_dim
 
     def forward(
         self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
     ) -> ForwardOutput:
         """Write every token's K/V into its pages; return the logits ``[R, vocab]`` and the
         prompt logprobs ``[L]``."""
-        spec, num_tokens = self.spec, inputs.input_ids.shape[0]
+        spec, local, num_tokens = self.spec, self.local, inputs.input_ids.shape[0]
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
         # Reused by every layer: [T, heads, D] each.
-        q = x.new_empty(num_tokens, spec.num_heads, spec.head_dim)
-        k = x.new_empty(num_tokens, spec.num_kv_heads, spec.head_dim)
+        q = x.new_empty(num_tokens, local.num_heads, spec.head_dim)
+        k = x.new_empty(num_tokens, local.num_kv_heads, spec.head_dim)
         v = torch.empty_like(k)
         attn = torch.empty_like(q)
-        gate_up = x.new_empty(min(num_tokens, self.block_tokens), 2 * spec.intermediate_size)
+        gate_up = x.new_empty(min(num_tokens, self.block_tokens), 2 * local.intermediate_size)
         blocks = [
             slice(r, min(r + self.block_tokens, num_tokens))
             for r in range(0, num_tokens, self.block_tokens)
@@ -163,11 +173,11 @@ class CausalLM:
         self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, buffer: torch.Tensor
     ) -> None:
         """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the MLP."""
-        x.add_(F.linear(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias))
+        x.add_(row_parallel(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias, self.tp))
         h = rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
         if layer.gate_up_bias is None:
             torch.mm(h, layer.gate_up.t(), out=gate_up)
         else:
             torch.addmm(layer.gate_up_bias, h, layer.gate_up.t(), out=gate_up)
-        x.add_(F.linear(silu_and_mul_(gate_up), layer.down, layer.down_bias))
+        x.add_(row_parallel(silu_and_mul_(gate_up), layer.down, layer.down_bias, self.tp))
