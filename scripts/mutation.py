@@ -100,7 +100,11 @@ MODULES: dict[str, list[str]] = {
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
     "prefill_worker/router/header.py": [*_ROUTER, _NESTED],
-    "prefill_worker/msgpack_shape.py": ["tests/unit/test_msgpack_shape.py", _NESTED],
+    "prefill_worker/msgpack_shape.py": [
+        "tests/unit/test_msgpack_shape.py",
+        "tests/unit/test_msgpack_table.py",
+        _NESTED,
+    ],
     "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
 }
 
