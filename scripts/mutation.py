@@ -99,7 +99,7 @@ MODULES: dict[str, list[str]] = {
         _NESTED,
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
-    "prefill_worker/router/header.py": [*_ROUTER, _NESTED],
+    "prefill_worker/router/header.py": [*_ROUTER, _NESTED, "tests/unit/router/test_header_pins.py"],
     "prefill_worker/msgpack_shape.py": [
         "tests/unit/test_msgpack_shape.py",
         "tests/unit/test_msgpack_table.py",

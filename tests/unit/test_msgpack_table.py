@@ -12,6 +12,9 @@ ASCII) as the array's second item, and lets the frame through.
 The table is built when the module is imported, so each test imports a fresh copy of the module
 (``_fresh``): a test process that imported it earlier holds the table it built then (mutmut
 forks its mutants from such a process, and only a fresh import sees a mutant of the table).
+
+Then the edges the table's users meet: counts that need every byte of their width, counts cut
+off, a value followed by more bytes, and the quick path's one-container-byte rule.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import msgspec
 import pytest
 
 import prefill_worker.msgpack_shape as imported
+from prefill_worker.msgpack_shape import Shape, ShapeError, check, num_items
 
 _DEEP = 3  # the nest after the sample: arrays within arrays, this many levels
 _EXT_TYPE = 5
@@ -202,6 +206,7 @@ def test_a_lone_value_is_judged_by_its_head_for_every_head() -> None:
     for head in _HEADS:
         value, sample = _decoded(head), _sample(head)
         count = len(value) if isinstance(value, (list, dict)) else None
+        shape.check(sample, shape.Shape(max_depth=1))  # a lone container is 1 deep
         try:
             shape.check(sample, shape.Shape(max_depth=0))
             refused = False
@@ -223,3 +228,43 @@ def test_a_fresh_table_is_the_imported_one() -> None:
         sample = _sample(head)
         assert shape.is_container(sample) == imported.is_container(sample), hex(head)
         assert shape.num_items(sample) == imported.num_items(sample), hex(head)
+
+
+# ---- the edges around the table -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "count"),
+    [
+        (b"\xdc\x01\x02", 0x0102),
+        (b"\xde\x01\x02", 0x0102),
+        (b"\xdd\x01\x02\x03\x04", 0x01020304),
+        (b"\xdf\x01\x02\x03\x04", 0x01020304),
+    ],
+)
+def test_a_count_is_read_from_every_byte_of_its_width_big_endian(header: bytes, count: int) -> None:
+    assert num_items(header) == count
+    assert num_items(header + b"\xc0") == count  # what follows the count is not read
+    with pytest.raises(ShapeError, match=f"of {count} items"):
+        check(header, Shape(max_items=count - 1))
+
+
+@pytest.mark.parametrize("cut", [b"\xdc\x01", b"\xde\x7f", b"\xdd\x01\x02\x03", b"\xdf\xff"])
+def test_a_count_cut_off_reads_as_no_items(cut: bytes) -> None:
+    assert num_items(cut) == 0
+    check(cut, Shape(max_items=0))  # nothing to refuse: the decoder refuses the frame
+
+
+def test_only_the_value_the_bytes_start_with_is_judged() -> None:
+    after = _nest(_DEEP)  # deeper than allowed, but after the value
+    for head in _HEADS:
+        check(_sample(head) + after, Shape(max_depth=1))
+
+
+def test_two_container_bytes_are_scanned_not_judged_by_the_head() -> None:
+    check(b"\x91\x90", Shape(max_depth=2))
+    with pytest.raises(ShapeError, match="deeper than 1"):
+        check(b"\x91\x90", Shape(max_depth=1))
+    with pytest.raises(ShapeError, match="more than 2 items"):
+        check(b"\x91\x92\x01\x02", Shape(max_total_items=2))
+    check(b"\x91\x92\x01\x02", Shape(max_total_items=3))

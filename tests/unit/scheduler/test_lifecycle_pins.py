@@ -142,3 +142,32 @@ def test_a_prompt_logprob_start_beyond_the_prompt_is_refused_before_anything_is_
     rig.run_until_idle()
     assert rig.outcome("b").reason is FinishReason.OK
     rig.check_whole()
+
+
+def test_a_bootstrap_timeout_carries_the_sender_hint_on_why_no_handshake_came() -> None:
+    rig = make_rig(auto_want=False, bootstrap_timeout_s=5.0)
+    rig.prefill("a", 8)
+    rig.prefill("b", 8)
+    hint = "no decode peer connected to this worker"
+    rig.sender("a").why_no_handshake = lambda: hint  # type: ignore[method-assign]
+    rig.clock.advance(5.0)
+    rig.steps(1)
+    within = "no handshake from the decode peer within 5.0s"
+    assert rig.outcome("a").error == f"{within}; {hint}"
+    assert rig.outcome("b").error == within  # no hint: the text alone
+    rig.check_whole()
+
+
+def test_a_one_token_prefix_hit_is_pushed_too() -> None:
+    # Pages of one token: a prompt that shares only its first token with a cached one hits
+    # one page, and that page is pushed before the rest is computed.
+    rig = make_rig(page_size=1, chunk_size=4, prefix_cache=True)
+    first = rig.prefill("a", 4)
+    rig.run_until_idle()
+    rig.prefill("b", 4, token_ids=[first.token_ids[0], 7, 8, 9])
+    rig.steps(1)  # b's forward launched: its cached page goes at once
+    assert rig.sender("b").sent[0] == ((rig.sender("a").sent[0][0][0],), 0)
+    rig.run_until_idle()
+    assert rig.outcome("b").reason is FinishReason.OK
+    assert sorted(rig.sender("b").prompt_pages_sent()) == [0, 1, 2, 3]
+    rig.check_whole()
