@@ -100,8 +100,16 @@ MODULES: dict[str, list[str]] = {
         _NESTED,
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
-    "prefill_worker/ingress/header.py": [*_INGRESS, _NESTED],
-    "prefill_worker/msgpack_shape.py": ["tests/unit/test_msgpack_shape.py", _NESTED],
+    "prefill_worker/ingress/header.py": [
+        *_INGRESS,
+        _NESTED,
+        "tests/unit/ingress/test_header_pins.py",
+    ],
+    "prefill_worker/msgpack_shape.py": [
+        "tests/unit/test_msgpack_shape.py",
+        "tests/unit/test_msgpack_table.py",
+        _NESTED,
+    ],
     "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
 }
 
