@@ -25,7 +25,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
 
 LAYOUT = KVLayout(2, 2, 16, "float32", 16, 64)
 

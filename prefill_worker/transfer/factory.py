@@ -63,7 +63,7 @@ def make_backend(
 
     Raises ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
     ``RuntimeError``) when no agent can be made."""
-    from prefill_worker.transfer.nixl.backend import NixlBackend
+    from prefill_worker.transfer.native.backend import NixlBackend
     from prefill_worker.transfer.nixl.poster import InlinePoster
     from prefill_worker.transfer.nixl.push_thread import PushThread
 

@@ -325,3 +325,8 @@ def decode(frame: bytes) -> Message:
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of every bootstrap message (bytes fields are msgpack ``bin``)."""
     return msgspec.json.schema(Message)
+
+
+def notif_tag(room: int) -> bytes:
+    """The NIXL notification that marks a room's aux row as landed on the decode side."""
+    return b"pw1:room:%d" % room

@@ -27,7 +27,7 @@ from prefill_worker.scheduler.inbox import Inbox
 from prefill_worker.scheduler.observer import NullObserver
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until

@@ -1,0 +1,186 @@
+"""The native transfer backend: this worker's bootstrap server, its NIXL agent, and the
+push hub that drives every sender.
+
+One agent per worker (NIXL's progress thread off), owned by the transfer thread
+(``nixl.push_thread``, or ``InlinePoster`` by ``poster_factory``): every NIXL call runs
+there, never a copy on the engine thread. ``poll()`` (engine loop) hands each bootstrap
+message to the desk, expires silent peers, turns the hub and sends heartbeats. Between turns
+the engine sleeps in ``wait()`` on the bootstrap socket and the transfer thread's wake fd,
+until ``next_poll_at()``. The pool and aux rows are registered and the local descriptor list
+prepared once, each decode peer's once at registration, so a chunk is one prepared WRITE.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefill_worker.curve import CurveServerKeys
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVSender
+from prefill_worker.transfer.native.bootstrap import BootstrapServer
+from prefill_worker.transfer.native.desk import BootstrapDesk
+from prefill_worker.transfer.native.dialect import NativeDialect
+from prefill_worker.transfer.nixl.agent import (
+    deregister_regions,
+    make_agent,
+    prep_lists,
+    register_regions,
+)
+from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.push.dialect import PageLists, PushContext
+from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.push.refusals import ExpiringTable, RejectCounter
+from prefill_worker.transfer.validate import BootstrapLimits
+
+REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
+_MAX_REFUSED_NAMES = 8
+
+
+class NixlBackend:
+    """Serves the native bootstrap protocol and drives all its transfers."""
+
+    def __init__(
+        self,
+        regions: KVRegions,
+        bootstrap_bind: str,
+        agent_name: str,
+        nixl_backends: list[str],
+        peer_timeout_s: float,
+        heartbeat_interval_s: float,
+        want_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        limits: BootstrapLimits | None = None,
+        curve: CurveServerKeys | None = None,
+        ucx_net_devices: str | None = None,
+        on_reject: Callable[[str], None] | None = None,
+        poster_factory: Callable[[Any], WritePoster] = PushThread,
+        is_engine_live: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.regions, self.agent_name = regions, agent_name
+        self.peer_timeout_s = peer_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.clock = clock
+        # Heartbeats say the engine is alive: they stop while the daemon's liveness rule
+        # finds it stuck (this backend also turns during forwards), so decodes give up.
+        self._is_engine_live = is_engine_live
+        self.limits = limits or BootstrapLimits()
+        # First: a taken port fails fast.
+        self._server = BootstrapServer(bootstrap_bind, self.limits.max_message_bytes, curve)
+        self.bootstrap_endpoint = self._server.endpoint
+        self.endpoints = {"bootstrap": self.bootstrap_endpoint}
+        try:
+            self.agent = make_agent(agent_name, nixl_backends, ucx_net_devices)
+            self._reg = register_regions(self.agent, regions)
+            self.local_lists = prep_lists(self.agent, "NIXL_INIT_AGENT", regions)
+        except BaseException:
+            self._server.close()
+            raise
+        self._poster = poster_factory(self.agent)  # owns the agent from here to close()
+        refused: ExpiringTable[str, str] = ExpiringTable(REFUSED_KEEP_S, _MAX_REFUSED_NAMES)
+        dialect = NativeDialect(self._server, self._poster, self.local_lists.aux, refused, clock)
+        layout = regions.layout
+        pages = PageLists(self.local_lists.kv, layout.num_regions, layout.region_page_bytes)
+        ctx = PushContext(self._poster, pages, layout, dialect, peer_timeout_s, clock)
+        counter = RejectCounter("bootstrap", on_reject)
+        self._hub: PushHub[Peer] = PushHub(
+            ctx, self.agent, counter, want_timeout_s, self.limits.max_unmatched_wants
+        )
+        described = wire.Described(
+            agent_name=agent_name,
+            layout=wire.Layout.of(layout),
+            compat_hash=layout.compat_hash(),
+            heartbeat_interval_s=heartbeat_interval_s,
+            peer_timeout_s=peer_timeout_s,
+        )
+        self._desk = BootstrapDesk(
+            self._hub,
+            self._server,
+            self.agent,
+            layout,
+            self.limits,
+            described,
+            refused,
+            self._poster.run,
+        )
+        self.reject_counts = counter.counts  # the same dict: counts as they happen
+        self._next_heartbeat = clock()
+
+    # -- the TransferBackend seam -------------------------------------------------------
+
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        return self._hub.create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, self._desk.refusal_of
+        )
+
+    def poll(self) -> None:
+        self._poster.clear_wake()  # before reading write states: a later change wakes wait()
+        for identity, msg in self._server.poll():
+            self._desk.dispatch(identity, msg)
+        self._hub.drain()  # statuses from the engine's fail()/close() since the last poll
+        now = self.clock()
+        self._expire(now)  # first: a silent peer, not its writes' deadline, is the cause
+        self._hub.turn(now)
+        if now >= self._next_heartbeat and self._is_engine_live():
+            self._next_heartbeat = now + self.heartbeat_interval_s
+            for identity in list(self._hub.peers):
+                self._server.send(identity, wire.Heartbeat())
+
+    def next_poll_at(self) -> float:
+        """The earliest time (this backend's clock) ``poll`` has work that no message starts:
+        the hub's, else the next heartbeat or peer timeout."""
+        now = self.clock()
+        times = [self._next_heartbeat]
+        times += (p.last_seen + self.peer_timeout_s for p in self._hub.peers.values())
+        hub_at = self._hub.next_poll_at(now)
+        return min(times if hub_at is None else [*times, hub_at])
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        """Block until a bootstrap message arrives, ``wake_fd`` is readable, ``next_poll_at``
+        comes, or ``timeout_s`` passes."""
+        timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
+        if timeout_s > 0:
+            poster_fd = self._poster.wake_fd
+            self._server.wait(timeout_s, wake_fd, () if poster_fd is None else (poster_fd,))
+
+    def close(self) -> None:
+        self._hub.close()
+        self.local_lists.release()
+        deregister_regions(self.agent, self._reg)
+        self._server.close()
+
+    # -- for tests and metrics ----------------------------------------------------------
+
+    @property
+    def num_open_senders(self) -> int:
+        return self._hub.num_open_senders
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._hub.peers)
+
+    def num_claims(self, room: int) -> int:
+        """Wants waiting for the room's request."""
+        return self._hub.rooms.num_claims(room)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return self._hub.has_peer(agent_name)
+
+    def num_inflight_transfers(self) -> int:
+        return self._hub.num_inflight_transfers()
+
+    def check_integrity(self) -> None:
+        self._hub.check_integrity()
+
+    def _expire(self, now: float) -> None:
+        for peer in list(self._hub.peers.values()):
+            if now - peer.last_seen > self.peer_timeout_s:
+                why = f"decode peer silent for over {self.peer_timeout_s:g} s"
+                self._hub.drop_peer(peer, why)
