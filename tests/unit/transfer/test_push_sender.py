@@ -304,6 +304,7 @@ def test_an_abort_after_the_claim_is_acknowledged_once_no_write_flies(rig: Rig) 
     sender.send_pages([0, 1], 0)
     rig.hub.abort(rig.peer, 7, generation=3)
     assert sender.poll() is KVPoll.ABORTED and sender.needs_progress
+    assert not rig.ctx.events  # the sender waits for its write before it acknowledges
     rig.hub.turn(rig.now)
     assert rig.heard.said == []  # a write still targets the room's pages
     rig.land(0)
