@@ -25,7 +25,7 @@ cached ones and maps the rest onto ``dst_page_ids``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 
@@ -84,7 +84,18 @@ class KVSender(Protocol):
 
 
 class TransferBackend(Protocol):
-    """Makes senders and drives all their progress from the engine loop."""
+    """Makes senders and drives all their progress from the engine loop; says where decode
+    peers reach it."""
+
+    @property
+    def bootstrap_endpoint(self) -> str:
+        """Where decode peers bootstrap (the address actually bound: port 0 allowed)."""
+        ...
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Every address it bound, by name (``/readyz`` and the ready file show them)."""
+        ...
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
@@ -95,6 +106,10 @@ class TransferBackend(Protocol):
 
     def poll(self) -> None:
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
+        ...
+
+    def next_poll_at(self) -> float:
+        """The earliest time (the backend's clock) ``poll`` has work no message starts."""
         ...
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:

@@ -12,11 +12,10 @@ prepared once, each decode peer's once at registration, so a chunk is one prepar
 
 from __future__ import annotations
 
-import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from prefill_worker.curve import CurveServerKeys
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVSender
@@ -29,13 +28,13 @@ from prefill_worker.transfer.nixl.agent import (
     prep_lists,
     register_regions,
 )
-from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
 from prefill_worker.transfer.push.dialect import PageLists, PushContext
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.push.refusals import ExpiringTable, RejectCounter
-from prefill_worker.transfer.validate import BootstrapLimits
 
 REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
 _MAX_REFUSED_NAMES = 8
@@ -45,58 +44,46 @@ class NixlBackend:
     """Serves the native bootstrap protocol and drives all its transfers."""
 
     def __init__(
-        self,
-        regions: KVRegions,
-        bootstrap_bind: str,
-        agent_name: str,
-        nixl_backends: list[str],
-        peer_timeout_s: float,
-        heartbeat_interval_s: float,
-        want_timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        limits: BootstrapLimits | None = None,
-        curve: CurveServerKeys | None = None,
-        ucx_net_devices: str | None = None,
-        on_reject: Callable[[str], None] | None = None,
-        poster_factory: Callable[[Any], WritePoster] = PushThread,
-        is_engine_live: Callable[[], bool] = lambda: True,
+        self, regions: KVRegions, options: NativeOptions, hooks: Hooks = DEFAULT_HOOKS
     ) -> None:
-        self.regions, self.agent_name = regions, agent_name
-        self.peer_timeout_s = peer_timeout_s
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.clock = clock
+        self.regions, self.options = regions, options
+        self.agent_name = options.nixl.agent_name or f"prefill-{uuid.uuid4().hex[:12]}"
+        self.peer_timeout_s = options.peer_timeout_s
+        self.clock = clock = hooks.clock
         # Heartbeats say the engine is alive: they stop while the daemon's liveness rule
         # finds it stuck (this backend also turns during forwards), so decodes give up.
-        self._is_engine_live = is_engine_live
-        self.limits = limits or BootstrapLimits()
+        self._is_engine_live = hooks.is_engine_live
+        self.limits = options.limits
         # First: a taken port fails fast.
-        self._server = BootstrapServer(bootstrap_bind, self.limits.max_message_bytes, curve)
+        self._server = BootstrapServer(
+            options.bootstrap_bind, self.limits.max_message_bytes, options.curve
+        )
         self.bootstrap_endpoint = self._server.endpoint
         self.endpoints = {"bootstrap": self.bootstrap_endpoint}
         try:
-            self.agent = make_agent(agent_name, nixl_backends, ucx_net_devices)
+            nixl = options.nixl
+            self.agent = make_agent(self.agent_name, list(nixl.backends), nixl.ucx_net_devices)
             self._reg = register_regions(self.agent, regions)
             self.local_lists = prep_lists(self.agent, "NIXL_INIT_AGENT", regions)
         except BaseException:
             self._server.close()
             raise
-        self._poster = poster_factory(self.agent)  # owns the agent from here to close()
+        self._poster = _poster_factory(options, hooks)(self.agent)  # owns it until close()
         refused: ExpiringTable[str, str] = ExpiringTable(REFUSED_KEEP_S, _MAX_REFUSED_NAMES)
         dialect = NativeDialect(self._server, self._poster, self.local_lists.aux, refused, clock)
         layout = regions.layout
         pages = PageLists(self.local_lists.kv, layout.num_regions, layout.region_page_bytes)
-        ctx = PushContext(self._poster, pages, layout, dialect, peer_timeout_s, clock)
-        counter = RejectCounter("bootstrap", on_reject)
+        ctx = PushContext(self._poster, pages, layout, dialect, options.peer_timeout_s, clock)
+        counter = RejectCounter("bootstrap", hooks.on_reject)
         self._hub: PushHub[Peer] = PushHub(
-            ctx, self.agent, counter, want_timeout_s, self.limits.max_unmatched_wants
+            ctx, self.agent, counter, options.want_timeout_s, self.limits.max_unmatched_wants
         )
         described = wire.Described(
-            agent_name=agent_name,
+            agent_name=self.agent_name,
             layout=wire.Layout.of(layout),
             compat_hash=layout.compat_hash(),
-            heartbeat_interval_s=heartbeat_interval_s,
-            peer_timeout_s=peer_timeout_s,
+            heartbeat_interval_s=options.heartbeat_interval_s,
+            peer_timeout_s=options.peer_timeout_s,
         )
         self._desk = BootstrapDesk(
             self._hub,
@@ -129,7 +116,7 @@ class NixlBackend:
         self._expire(now)  # first: a silent peer, not its writes' deadline, is the cause
         self._hub.turn(now)
         if now >= self._next_heartbeat and self._is_engine_live():
-            self._next_heartbeat = now + self.heartbeat_interval_s
+            self._next_heartbeat = now + self.options.heartbeat_interval_s
             for identity in list(self._hub.peers):
                 self._server.send(identity, wire.Heartbeat())
 
@@ -184,3 +171,9 @@ class NixlBackend:
             if now - peer.last_seen > self.peer_timeout_s:
                 why = f"decode peer silent for over {self.peer_timeout_s:g} s"
                 self._hub.drop_peer(peer, why)
+
+
+def _poster_factory(options: NativeOptions, hooks: Hooks) -> Callable[[Any], WritePoster]:
+    if hooks.poster_factory is not None:
+        return hooks.poster_factory
+    return PushThread if options.push_thread else InlinePoster

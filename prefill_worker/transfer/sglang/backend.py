@@ -35,27 +35,27 @@ restarted) or idle peers past ``MAX_PEERS`` are evicted, least recently seen fir
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import select
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import uuid
+from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists, PushContext
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import RejectCounter
 from prefill_worker.transfer.sglang import aux
-from prefill_worker.transfer.sglang.accept import Network, server_info
+from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
-from prefill_worker.transfer.validate import BootstrapLimits
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
 MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
@@ -66,57 +66,39 @@ class SglangBackend:
     """Serves SGLang's bootstrap routes and control socket; the hub drives the transfers."""
 
     def __init__(
-        self,
-        regions: KVRegions,
-        http_bind: str,
-        rank_ip: str,
-        rank_port: int,
-        kv_cache_dtype: str,
-        agent_name: str,
-        nixl_backends: list[str],
-        write_timeout_s: float,
-        want_timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        health_stale_s: float = 30.0,
-        rejoin_s: float = 0.0,
-        is_engine_live: Callable[[], bool] = lambda: True,
-        limits: BootstrapLimits | None = None,
-        ucx_net_devices: str | None = None,
-        on_reject: Callable[[str], None] | None = None,
-        wake: Callable[[], None] | None = None,
-        poster_factory: Callable[[Any], WritePoster] | None = None,
-        allowed_networks: Sequence[Network] = (),
+        self, regions: KVRegions, options: SglangOptions, hooks: Hooks = DEFAULT_HOOKS
     ) -> None:
-        self.clock = clock
-        self.limits = limits or BootstrapLimits()
+        self.clock = clock = hooks.clock
+        self.limits = options.limits
         self._last_poll_at = clock()
-        self._health_stale_s = health_stale_s
-        self._opens_at = clock() + rejoin_s  # built just before the engine starts serving
-        self._is_engine_live = is_engine_live  # the daemon's liveness verdict (HTTP thread)
-        self._mailbox = Mailbox(wake)
+        self._health_stale_s = options.health_stale_s
+        self._opens_at = clock() + options.rejoin_s  # built just before the engine serves
+        self._is_engine_live = hooks.is_engine_live  # the daemon's liveness verdict (HTTP thread)
+        self._mailbox = Mailbox(hooks.wake)
         self._closers: list[Callable[[], None]] = [self._mailbox.close]
+        nixl = options.nixl
+        agent_name = nixl.agent_name or f"prefill-sglang-{uuid.uuid4().hex[:12]}"
         try:
-            self._start_io(regions, http_bind, rank_ip, rank_port, kv_cache_dtype)
-            local = LocalSide(regions, agent_name, nixl_backends, ucx_net_devices)
+            self._start_io(regions, options)
+            local = LocalSide(regions, agent_name, list(nixl.backends), nixl.ucx_net_devices)
         except BaseException:
             self._close_all()
             raise
         self._closers.append(local.close)
         self.agent = local.agent
-        if poster_factory is None:
-            self._poster: WritePoster = PushThread(self.agent, "nixl-push-sglang", wake)
+        if hooks.poster_factory is None:
+            self._poster: WritePoster = PushThread(self.agent, "nixl-push-sglang", hooks.wake)
         else:
-            self._poster = poster_factory(self.agent)
+            self._poster = hooks.poster_factory(self.agent)
         # From here the transfer thread owns the agent; close() stops it before the closers.
         rows = aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows)
         dialect = SglangDialect(self._replies, self._poster, local.staging, rows)
         layout = regions.layout
         pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes)
-        ctx = PushContext(self._poster, pages, layout, dialect, write_timeout_s, clock)
-        counter = RejectCounter("sglang", on_reject)
+        ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
+        counter = RejectCounter("sglang", hooks.on_reject)
         self._hub: PushHub[SglangPeer] = PushHub(
-            ctx, self.agent, counter, want_timeout_s, self.limits.max_unmatched_wants
+            ctx, self.agent, counter, options.want_timeout_s, self.limits.max_unmatched_wants
         )
         self._desk = SglangDesk(
             self._hub,
@@ -126,22 +108,21 @@ class SglangBackend:
             self.limits,
             lambda: not self._is_open(),
             self._poster.run,
-            allowed_networks,
+            [ipaddress.ip_network(n) for n in options.allowed_networks],
         )
         self.reject_counts = counter.counts
         self._control.start()
 
-    def _start_io(
-        self, regions: KVRegions, http_bind: str, rank_ip: str, rank_port: int, dtype: str
-    ) -> None:
+    def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
         """Sockets first: a taken port fails start-up before NIXL is touched."""
         self._control = ControlSocket(
-            rank_ip, rank_port, self.limits.max_message_bytes, self._mailbox.put
+            options.rank_ip, options.rank_port, self.limits.max_message_bytes, self._mailbox.put
         )
         self._closers.append(self._control.close)
-        rank = {"rank_ip": rank_ip, "rank_port": self._control.endpoint.port}
-        info = server_info(regions.layout.page_size, dtype)
-        self._http = BootstrapHttp(http_bind, info, rank, self._is_healthy, self._is_open)
+        rank = {"rank_ip": options.rank_ip, "rank_port": self._control.endpoint.port}
+        info = server_info(regions.layout.page_size, options.kv_cache_dtype)
+        http = BootstrapHttp(options.http_bind, info, rank, self._is_healthy, self._is_open)
+        self._http = http
         self._http.start()
         self._closers.append(self._http.stop)
         self._replies = ReplySockets()
