@@ -34,7 +34,7 @@ from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
 from prefill_worker.transfer.push.dialect import PageLists, PushContext
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
-from prefill_worker.transfer.push.refusals import ExpiringTable, RejectCounter
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
 
 REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
 _MAX_REFUSED_NAMES = 8
@@ -69,14 +69,22 @@ class NixlBackend:
             self._server.close()
             raise
         self._poster = _poster_factory(options, hooks)(self.agent)  # owns it until close()
-        refused: ExpiringTable[str, str] = ExpiringTable(REFUSED_KEEP_S, _MAX_REFUSED_NAMES)
-        dialect = NativeDialect(self._server, self._poster, self.local_lists.aux, refused, clock)
+        refusals = Refusals(
+            ExpiringTable(REFUSED_KEEP_S, _MAX_REFUSED_NAMES), ExpiringTable(0.0, 1)
+        )  # no room is refused here: a native decode never asks before it registers
+        aux_list = self.local_lists.aux
+        dialect = NativeDialect(self._server, self._poster, aux_list, refusals.names, clock)
         layout = regions.layout
         pages = PageLists(self.local_lists.kv, layout.num_regions, layout.region_page_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.peer_timeout_s, clock)
         counter = RejectCounter("bootstrap", hooks.on_reject)
         self._hub: PushHub[Peer] = PushHub(
-            ctx, self.agent, counter, options.want_timeout_s, self.limits.max_unmatched_wants
+            ctx,
+            self.agent,
+            counter,
+            refusals,
+            options.want_timeout_s,
+            self.limits.max_unmatched_wants,
         )
         described = wire.Described(
             agent_name=self.agent_name,
@@ -92,7 +100,6 @@ class NixlBackend:
             layout,
             self.limits,
             described,
-            refused,
             self._poster.run,
         )
         self.reject_counts = counter.counts  # the same dict: counts as they happen
@@ -103,9 +110,7 @@ class NixlBackend:
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> KVSender:
-        return self._hub.create_sender(
-            room, request_id, num_prompt_tokens, allowed_peer, self._desk.refusal_of
-        )
+        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
 
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()

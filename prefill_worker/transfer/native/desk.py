@@ -20,8 +20,6 @@ from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, prep_lists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
-from prefill_worker.transfer.push.refusals import ExpiringTable
-from prefill_worker.transfer.push.sender import PushSender
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
     Refusal,
@@ -44,12 +42,12 @@ class BootstrapDesk:
         layout: KVLayout,
         limits: BootstrapLimits,
         described: wire.Described,  # this worker, as `describe` and `registered` name it
-        refused: ExpiringTable[str, str],  # registrations refused lately, by agent name
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
     ) -> None:
         self._hub, self._server, self._agent = hub, server, agent
         self._layout, self._limits = layout, limits
-        self._described, self._refused = described, refused
+        self._described = described
+        self._refused = hub.refusals.names  # registrations refused lately, by agent name
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
 
     def dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
@@ -58,13 +56,6 @@ class BootstrapDesk:
             self._dispatch(identity, msg)
         except Exception as exc:  # one peer's message must never stop the engine
             self._on_dispatch_error(identity, exc)
-
-    def refusal_of(self, sender: PushSender[Peer]) -> str | None:
-        """Why the sender's named decode will never claim it: its registration was refused."""
-        if sender.allowed_peer is None:
-            return None
-        refused = self._refused.get(sender.allowed_peer, self._hub.clock())
-        return None if refused is None else f"registration refused: {refused}"
 
     # -- messages -----------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import Any, Generic
 
 from prefill_worker.transfer import wire
@@ -20,7 +19,7 @@ from prefill_worker.transfer.nixl.poster import Write
 from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
 from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Closed, PushContext, Tell
 from prefill_worker.transfer.push.peer import P
-from prefill_worker.transfer.push.refusals import RejectCounter
+from prefill_worker.transfer.push.refusals import Refusals, RejectCounter
 from prefill_worker.transfer.push.rooms import Gone, RoomBook
 from prefill_worker.transfer.push.sender import STUCK_RELEASE_S, PushSender
 from prefill_worker.transfer.validate import Refusal, duplicate_want, foreign_room
@@ -31,8 +30,6 @@ BUSY_POLL_S = 0.001  # NIXL has no fd: while writes are in flight the engine pol
 _WAITING_POLL_S = 0.1  # the transfer thread wakes us when a write settles; this bounds it
 _MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
 
-RefusalOf = Callable[[PushSender[P]], str | None]
-
 
 class PushHub(Generic[P]):
     """Peers by identity, senders by room, claims; drives every sender from the engine loop."""
@@ -42,10 +39,12 @@ class PushHub(Generic[P]):
         ctx: PushContext[P],
         agent: Any,  # nixl_agent, owned by ctx.poster
         counter: RejectCounter,
+        refusals: Refusals,
         want_timeout_s: float,
         max_unmatched_wants: int,
     ) -> None:
         self.ctx, self._agent, self.counter = ctx, agent, counter
+        self.refusals = refusals
         self.want_timeout_s = want_timeout_s
         self.peers: dict[bytes, P] = {}
         self.senders: dict[int, PushSender[P]] = {}
@@ -61,11 +60,10 @@ class PushHub(Generic[P]):
         room: int,
         request_id: str,
         num_prompt_tokens: int,
-        allowed_peer: str | None,
-        refusal_of: RefusalOf[P],
+        allowed_peer: str | None = None,
     ) -> PushSender[P]:
         """A sender for the room, bound to the first acceptable claim waiting for it; ended
-        at once when its decode aborted it or was refused (``refusal_of``) before it came."""
+        at once when its decode aborted it or was refused before it came."""
         self.drain()  # a sender closed since the last turn gives its room back
         sender = PushSender(self.ctx, room, request_id, num_prompt_tokens, allowed_peer)
         if room in self.senders:  # the request holding the room goes on untouched
@@ -83,9 +81,19 @@ class PushHub(Generic[P]):
                 self.refuse_room(claim.peer, room, self.why_not(sender, claim.peer))
         if winner is None and aborted_by is not None and sender.accepts(aborted_by):
             sender.abort_by_peer(is_ack_due=False)  # acknowledged when its abort came
-        elif winner is None and (why := refusal_of(sender)) is not None:
+        elif winner is None and (why := self._refusal_of(sender)) is not None:
             sender.fail(why)  # its decode was refused: it will never claim the room
         return sender
+
+    def _refusal_of(self, sender: PushSender[P]) -> str | None:
+        now = self.clock()
+        refused = self.refusals.rooms.take(sender.room, now)
+        if refused is not None and sender.accepts(refused.agent_name):
+            return refused.reason
+        if sender.allowed_peer is None:
+            return None
+        why = self.refusals.names.get(sender.allowed_peer, now)
+        return None if why is None else f"registration refused: {why}"
 
     def want(self, peer: P, want: wire.Want) -> None:
         """A peer's `want` its desk accepted: binds the room's sender, or waits for it."""

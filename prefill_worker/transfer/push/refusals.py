@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from prefill_worker.transfer.validate import RejectReason
@@ -56,6 +57,21 @@ class ExpiringTable(Generic[K, V]):
     def live(self, now: float) -> list[tuple[K, V]]:
         """The live entries, newest first."""
         return [(k, v) for k, (v, until) in reversed(self._items.items()) if now < until]
+
+
+@dataclass(frozen=True, slots=True)
+class RefusedRoom:
+    agent_name: str  # the decode that asked for the room
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refusals:
+    """What a room's request hears when it comes: its named decode's registration was
+    refused (``names``, native), or its decode asked for it and was refused (``rooms``)."""
+
+    names: ExpiringTable[str, str]
+    rooms: ExpiringTable[int, RefusedRoom]
 
 
 def summary(refused: ExpiringTable[str, str], now: float) -> str | None:

@@ -48,7 +48,7 @@ from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists, PushContext
 from prefill_worker.transfer.push.hub import PushHub
-from prefill_worker.transfer.push.refusals import RejectCounter
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
@@ -60,6 +60,7 @@ from prefill_worker.transfer.sglang.local import LocalSide, close_all
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
 MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
 _IDLE_POLL_S = 1.0
+_MAX_REFUSED_ROOMS = 1024  # a frame costs an unregistered sender nothing: capped
 
 
 class SglangBackend:
@@ -97,8 +98,17 @@ class SglangBackend:
         pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
         counter = RejectCounter("sglang", hooks.on_reject)
+        # Names are never refused for a room here: an SGLang decode asks, and hears why.
+        refusals = Refusals(
+            ExpiringTable(0.0, 1), ExpiringTable(options.want_timeout_s, _MAX_REFUSED_ROOMS)
+        )
         self._hub: PushHub[SglangPeer] = PushHub(
-            ctx, self.agent, counter, options.want_timeout_s, self.limits.max_unmatched_wants
+            ctx,
+            self.agent,
+            counter,
+            refusals,
+            options.want_timeout_s,
+            self.limits.max_unmatched_wants,
         )
         self._desk = SglangDesk(
             self._hub,
@@ -138,9 +148,7 @@ class SglangBackend:
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> KVSender:
-        return self._hub.create_sender(
-            room, request_id, num_prompt_tokens, allowed_peer, self._desk.refusal_of
-        )
+        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
 
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()

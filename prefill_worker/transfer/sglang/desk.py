@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,8 +35,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
-from prefill_worker.transfer.push.refusals import ExpiringTable
-from prefill_worker.transfer.push.sender import PushSender
+from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import (
     Network,
@@ -51,13 +49,6 @@ from prefill_worker.transfer.sglang.dialect import SglangPeer
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RefusedRoom:
-    agent_name: str  # the decode that asked for it
-    reason: str
-
 
 NOT_REGISTERED = "decode not registered with this prefill worker"
 _MAX_REFUSED = 1024  # refusal reasons remembered, by agent name
@@ -84,9 +75,7 @@ class SglangDesk:
         # Why registrations were refused, by agent name: a decode hears it on each request.
         self._refused: ExpiringTable[str, str] = ExpiringTable(math.inf, _MAX_REFUSED)
         # Rooms such a decode asked for before their request came: that request fails at once.
-        self._refused_rooms: ExpiringTable[int, RefusedRoom] = ExpiringTable(
-            hub.want_timeout_s, _MAX_REFUSED
-        )
+        self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
 
     def dispatch(self, message: frames.Message | frames.FrameError, source_ip: str) -> None:
@@ -106,11 +95,6 @@ class SglangDesk:
                     self._abort(message)
         except Exception as exc:  # one decode's message must never stop the engine
             self._count(RejectReason.INTERNAL_ERROR, f"on a control message: {exc!r}"[:300])
-
-    def refusal_of(self, sender: PushSender[SglangPeer]) -> str | None:
-        """Why the sender's decode will never claim it: it was refused before the request."""
-        refused = self._refused_rooms.take(sender.room, self._hub.clock())
-        return refused.reason if refused and sender.accepts(refused.agent_name) else None
 
     def _refuse_unknown(self, endpoint: frames.Endpoint, room: int, refusal: Refusal) -> None:
         """Refuse a request from an address no registered peer holds."""

@@ -22,7 +22,12 @@ from prefill_worker.transfer.nixl.poster import InlinePoster
 from prefill_worker.transfer.push.dialect import Closed, PageLists, PushContext, Tell
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
-from prefill_worker.transfer.push.refusals import ExpiringTable, RejectCounter
+from prefill_worker.transfer.push.refusals import (
+    ExpiringTable,
+    Refusals,
+    RefusedRoom,
+    RejectCounter,
+)
 from prefill_worker.transfer.push.sender import PushSender
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
@@ -107,13 +112,13 @@ class Rig:
 
     def __init__(self, dialect_name: str) -> None:
         self.agent, self.heard, self.now = Agent(), Heard(), 100.0
+        self.refusals = Refusals(ExpiringTable(60.0, 8), ExpiringTable(5.0, 8))
         poster = InlinePoster(self.agent)
         lists = PreppedLists(FakeList(), FakeList())
         self.peer: Peer
         if dialect_name == "native":
             server = Sink(self.heard.native)
-            refused: ExpiringTable[str, str] = ExpiringTable(60.0, 8)
-            dialect: Any = NativeDialect(server, poster, "aux", refused, self.clock)  # type: ignore[arg-type]
+            dialect: Any = NativeDialect(server, poster, "aux", self.refusals.names, self.clock)  # type: ignore[arg-type]
             self.peer = Peer(b"decode-1", "decode-1", REGIONS, lists, self.now)
             self.aux_bytes = AUX_ROW_BYTES
         else:
@@ -138,14 +143,16 @@ class Rig:
         pages = PageLists("kv", LAYOUT.num_regions, LAYOUT.region_page_bytes)
         ctx: PushContext[Any] = PushContext(poster, pages, LAYOUT, dialect, 5.0, self.clock)
         self.ctx = ctx
-        self.hub: PushHub[Any] = PushHub(ctx, self.agent, RejectCounter("test"), 5.0, 64)
+        self.hub: PushHub[Any] = PushHub(
+            ctx, self.agent, RejectCounter("test"), self.refusals, 5.0, 64
+        )
         self.hub.peers[self.peer.identity] = self.peer
 
     def clock(self) -> float:
         return self.now
 
     def bound_sender(self, room: int = 7) -> PushSender[Any]:
-        sender = self.hub.create_sender(room, f"req-{room}", 16, None, lambda s: None)
+        sender = self.hub.create_sender(room, f"req-{room}", 16)
         self.hub.want(self.peer, wire.Want.of(room, [3, 4, 5, 6], 2, 0))
         assert sender.poll() is KVPoll.READY and not self.ctx.events
         return sender
@@ -291,7 +298,7 @@ def test_a_failure_is_held_until_its_writes_settle(rig: Rig) -> None:
 
 
 def test_a_failure_before_the_want_is_told_when_it_comes(rig: Rig) -> None:
-    sender = rig.hub.create_sender(7, "req-7", 16, None, lambda s: None)
+    sender = rig.hub.create_sender(7, "req-7", 16)
     sender.fail("the engine gave up")
     rig.hub.drain()
     rig.hub.want(rig.peer, wire.Want.of(7, [3, 4, 5, 6], 2, 0))
@@ -319,7 +326,7 @@ def test_an_abort_before_the_request_ends_it_when_it_comes(rig: Rig) -> None:
     rig.hub.want(rig.peer, wire.Want.of(7, [3, 4, 5, 6], 2, 0))
     rig.hub.abort(rig.peer, 7)
     assert rig.heard.said == [(7, "aborted", "aborted by decode", None)]
-    sender = rig.hub.create_sender(7, "req-7", 16, None, lambda s: None)
+    sender = rig.hub.create_sender(7, "req-7", 16)
     assert sender.poll() is KVPoll.ABORTED
     rig.hub.drain()
     assert len(rig.heard.said) == 1  # acknowledged once, when it came
@@ -347,7 +354,24 @@ def test_losing_the_peer_cancels_its_writes_and_fails_the_request(rig: Rig) -> N
     rig.hub.check_integrity()
 
 
-def test_a_refusal_ends_a_room_that_no_decode_claimed(rig: Rig) -> None:
-    sender = rig.hub.create_sender(7, "req-7", 16, None, lambda s: "registration refused: dtype")
-    assert sender.poll() is KVPoll.FAILED
-    assert sender.failure_reason() == "registration refused: dtype"
+def test_a_refused_decode_ends_the_room_it_asked_for_when_its_request_comes(rig: Rig) -> None:
+    rig.refusals.rooms.add(7, RefusedRoom("decode-9", "decode not registered"), rig.now)
+    other = rig.hub.create_sender(7, "req-7", 16, allowed_peer="decode-1")  # not that decode's
+    assert other.poll() is KVPoll.BOOTSTRAPPING
+    other.close()
+    rig.hub.drain()
+    rig.refusals.rooms.add(8, RefusedRoom("decode-9", "decode not registered"), rig.now)
+    sender = rig.hub.create_sender(8, "req-8", 16)
+    assert sender.poll() is KVPoll.FAILED and sender.failure_reason() == "decode not registered"
+
+
+def test_a_room_named_for_a_refused_registration_fails_at_once(rig: Rig) -> None:
+    rig.refusals.names.add("decode-9", "dtype bfloat16, not float32", rig.now)
+    sender = rig.hub.create_sender(7, "req-7", 16, allowed_peer="decode-9")
+    assert sender.failure_reason() == "registration refused: dtype bfloat16, not float32"
+    waiting = rig.hub.create_sender(8, "req-8", 16)  # no decode named: it waits, and says why
+    assert waiting.poll() is KVPoll.BOOTSTRAPPING
+    if isinstance(rig.peer, SglangPeer):
+        assert waiting.why_no_handshake() is None  # a refused SGLang decode still asks
+    else:
+        assert "'decode-9' (dtype bfloat16, not float32)" in (waiting.why_no_handshake() or "")

@@ -17,7 +17,7 @@ from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer.nixl.poster import InlinePoster
 from prefill_worker.transfer.push.dialect import PageLists, PushContext
 from prefill_worker.transfer.push.hub import PushHub
-from prefill_worker.transfer.push.refusals import RejectCounter
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.frames import (
@@ -86,7 +86,9 @@ class RecordingHub(PushHub[SglangPeer]):
     def __init__(self, ctx: PushContext[SglangPeer], agent: FakeAgent) -> None:
         self.rejects: list[str] = []
         self.dropped: list[tuple[str, str]] = []
-        super().__init__(ctx, agent, RejectCounter("sglang", self.rejects.append), 5.0, 64)
+        counter = RejectCounter("sglang", self.rejects.append)
+        refusals = Refusals(ExpiringTable(0.0, 1), ExpiringTable(5.0, 1024))
+        super().__init__(ctx, agent, counter, refusals, 5.0, 64)
 
     def drop_peer(self, peer: SglangPeer, reason: str) -> None:
         self.dropped.append((peer.agent_name, reason))
