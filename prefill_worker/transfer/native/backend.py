@@ -18,7 +18,6 @@ from typing import Any
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.desk import BootstrapDesk
 from prefill_worker.transfer.native.dialect import NativeDialect
@@ -31,16 +30,17 @@ from prefill_worker.transfer.nixl.agent import (
 from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
-from prefill_worker.transfer.push.dialect import PageLists, PushContext
-from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.dialect import PageLists
+from prefill_worker.transfer.push.hub import HubBackend, PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.sender import PushContext
 
 REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
 _MAX_REFUSED_NAMES = 8
 
 
-class NixlBackend:
+class NixlBackend(HubBackend[Peer]):
     """Serves the native bootstrap protocol and drives all its transfers."""
 
     def __init__(
@@ -105,12 +105,7 @@ class NixlBackend:
         self.reject_counts = counter.counts  # the same dict: counts as they happen
         self._next_heartbeat = clock()
 
-    # -- the TransferBackend seam -------------------------------------------------------
-
-    def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
-    ) -> KVSender:
-        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+    # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()
@@ -147,29 +142,6 @@ class NixlBackend:
         self.local_lists.release()
         deregister_regions(self.agent, self._reg)
         self._server.close()
-
-    # -- for tests and metrics ----------------------------------------------------------
-
-    @property
-    def num_open_senders(self) -> int:
-        return self._hub.num_open_senders
-
-    @property
-    def num_peers(self) -> int:
-        return len(self._hub.peers)
-
-    def num_claims(self, room: int) -> int:
-        """Wants waiting for the room's request."""
-        return self._hub.rooms.num_claims(room)
-
-    def has_peer(self, agent_name: str) -> bool:
-        return self._hub.has_peer(agent_name)
-
-    def num_inflight_transfers(self) -> int:
-        return self._hub.num_inflight_transfers()
-
-    def check_integrity(self) -> None:
-        self._hub.check_integrity()
 
     def _expire(self, now: float) -> None:
         for peer in list(self._hub.peers.values()):

@@ -13,15 +13,21 @@ import math
 from typing import Any, Generic
 
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.base import KVPoll, KVSender
 from prefill_worker.transfer.nixl.agent import forget_agent
 from prefill_worker.transfer.nixl.poster import Write
 from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
-from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Closed, PushContext, Tell
+from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE
 from prefill_worker.transfer.push.peer import P
 from prefill_worker.transfer.push.refusals import Refusals, RejectCounter
 from prefill_worker.transfer.push.rooms import Gone, RoomBook
-from prefill_worker.transfer.push.sender import STUCK_RELEASE_S, PushSender
+from prefill_worker.transfer.push.sender import (
+    STUCK_RELEASE_S,
+    Closed,
+    PushContext,
+    PushSender,
+    Tell,
+)
 from prefill_worker.transfer.validate import Refusal, duplicate_want, foreign_room
 
 log = logging.getLogger(__name__)
@@ -256,3 +262,36 @@ class PushHub(Generic[P]):
             forget_at = self.clock() + self.want_timeout_s
             gone = Gone(sender.failure_reason() or "", sender.allowed_peer, forget_at)
             self.rooms.mark_gone(sender.room, gone)
+
+
+class HubBackend(Generic[P]):
+    """What a backend driven by a hub answers alike: new senders, and what tests and metrics
+    read. A protocol's backend adds its sockets, threads and desk."""
+
+    _hub: PushHub[P]
+
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+
+    @property
+    def num_open_senders(self) -> int:
+        return self._hub.num_open_senders
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._hub.peers)
+
+    def num_claims(self, room: int) -> int:
+        """Wants waiting for the room's request."""
+        return self._hub.rooms.num_claims(room)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return self._hub.has_peer(agent_name)
+
+    def num_inflight_transfers(self) -> int:
+        return self._hub.num_inflight_transfers()
+
+    def check_integrity(self) -> None:
+        self._hub.check_integrity()

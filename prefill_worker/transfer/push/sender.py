@@ -7,7 +7,9 @@ Order of a successful push::
     aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
-Writes go through the context's poster (``nixl.poster``) and are tracked in a ``WriteSet``:
+A sender never calls back: what its hub must do (a ``Tell``, its ``Closed``) is appended to
+the shared ``PushContext.events`` and done, in order, on the hub's next turn. Writes go
+through the context's poster (``nixl.poster``) and are tracked in a ``WriteSet``:
 released when DONE, cancelled on failure or close. ``close()`` never waits: writes not yet
 settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``) until no byte
 of the room's writes can land: a decode told ``failed`` or ``aborted`` reuses its pages at
@@ -17,18 +19,60 @@ once. A decode's abort ends the room ABORTED, acknowledged once no write is in f
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Generic
 
 import numpy as np
 
+from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.poster import Write, WritePoster
 from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
-from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Closed, P, PushContext, Tell
+from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Dialect, PageLists
+from prefill_worker.transfer.push.peer import P
 
 STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, then its peer goes
+
+
+@dataclass(frozen=True, slots=True)
+class Tell(Generic[P]):
+    """A status for ``peer``; with ``confirm``, that sender waits to hear whether it went out
+    (``confirm_ok``). It goes out once every write in ``after`` is settled: a decode told
+    ``failed`` or ``aborted`` may reuse the room's pages at once, so no byte may land in them
+    after the status."""
+
+    peer: P
+    status: wire.Status
+    confirm: PushSender[P] | None = None
+    after: tuple[Write, ...] = ()
+    generation: int | None = None  # what the abort carried, for its acknowledgement
+
+
+@dataclass(frozen=True, slots=True)
+class Closed(Generic[P]):
+    """The sender is closed: its room leaves the tables. ``stuck`` holds its writes released
+    but not yet settled, for the hub's reaper (retry, then, when NIXL keeps refusing, drop
+    the peer)."""
+
+    sender: PushSender[P]
+    stuck: tuple[Write, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PushContext(Generic[P]):
+    """What all senders of one hub share. ``events`` is the hub's outbox: senders append,
+    the hub drains."""
+
+    poster: WritePoster  # where the agent lives (the transfer thread, or inline)
+    pages: PageLists
+    layout: KVLayout
+    dialect: Dialect[P]
+    write_timeout_s: float  # a write in flight this long fails its request
+    clock: Callable[[], float]
+    events: list[Tell[P] | Closed[P]] = field(default_factory=list)
 
 
 class PushSender(Generic[P]):

@@ -1,36 +1,16 @@
 """The transfer backend SGLang decode servers talk to: this worker as an SGLang prefill.
 
-Threads: the bootstrap HTTP routes (``bootstrap_http``: ``/route``, ``/health``) and the
-PULL control socket (``control``: frames parsed there) run on their own threads and hand
-what arrives to the engine through a ``Mailbox``. The NIXL agent is owned by this backend's
-transfer thread (``nixl.push_thread``): every NIXL call (registering a decode, posting,
-progressing and releasing writes) runs there, so no copy runs on the engine thread.
-Everything else is the engine thread's: ``poll()`` gives each message to the ``SglangDesk``
-(registrations, requests, aborts), does what senders recorded (replies, held until their
-writes settle; closed senders), expires requests whose prefill never came, reads what the
-transfer thread finished and reaps writes not yet settled. Between turns the engine sleeps
-in ``wait()`` on the mailbox's pipe and the transfer thread's wake fd (both also call
-``wake``, for an engine sleeping elsewhere). KV pages go out as in ``nixl.backend`` (one
-prepared list per side, a chunk is one WRITE; our list is per layer whatever the pool's
-layout, as SGLang's pools are); the first token goes into the decode's metadata buffers
-(``sglang.aux``).
+Threads: the bootstrap HTTP routes (``bootstrap_http``: ``/route``, ``/health``) and the PULL
+control socket (``control``) run on their own threads and hand what arrives to the engine
+through a ``Mailbox``; the NIXL agent is owned by this backend's transfer thread. ``poll()``
+(engine thread) gives each message to the ``SglangDesk``, turns the hub and evicts idle
+peers past ``MAX_PEERS``; between turns the engine sleeps in ``wait()`` on the mailbox's pipe
+and the transfer thread's wake fd (both also call ``wake``, for an engine sleeping elsewhere).
+Our pool is described per layer whatever its layout, as SGLang's pools are.
 
-Restarts: an SGLang decode keeps a prefill's registration and control address until it misses
-``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) heartbeats in a row, 5 s apart by
-default; a worker back sooner would find every decode that knew its previous run still sending
-to that run. So for ``rejoin_s`` after it starts (just before the engine serves), ``/health``
-and ``/route`` answer 503 and a transfer request from a decode this run does not know goes
-unanswered: each such decode misses its heartbeats, drops the old registration (failing its
-rooms waiting on it), and fetches ``/route`` afresh once the window ends; a new decode's
-first ``/route`` waits it out too (SGLang retries it for 15 s).
-
-Decode liveness: SGLang decodes send no heartbeat; they poll ``/health`` (which fails when
-this engine has not turned for ``health_stale_s`` or is stuck in a forward by the daemon's
-liveness rule) and fail their rooms when it does not
-answer. A decode that dies fails its rooms here by their write deadline (or a NIXL error),
-by the engine's transfer timeout, or, before any write, by the bootstrap timeout. Its peer
-record stays until another agent registers from its control socket's address (it was
-restarted) or idle peers past ``MAX_PEERS`` are evicted, least recently seen first.
+Restarts (the rejoin window, ``rejoin_s``) and decode liveness (``/health``, which fails once
+this engine has not turned for ``health_stale_s`` or is stuck in a forward) are described in
+docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -42,13 +22,13 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
-from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
-from prefill_worker.transfer.push.dialect import PageLists, PushContext
-from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.dialect import PageLists
+from prefill_worker.transfer.push.hub import HubBackend, PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
@@ -63,7 +43,7 @@ _IDLE_POLL_S = 1.0
 _MAX_REFUSED_ROOMS = 1024  # a frame costs an unregistered sender nothing: capped
 
 
-class SglangBackend:
+class SglangBackend(HubBackend[SglangPeer]):
     """Serves SGLang's bootstrap routes and control socket; the hub drives the transfers."""
 
     def __init__(
@@ -143,12 +123,7 @@ class SglangBackend:
             "sglang_control": self._control.endpoint.address,
         }
 
-    # -- the TransferBackend seam -------------------------------------------------------
-
-    def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
-    ) -> KVSender:
-        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+    # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 
     def poll(self) -> None:
         self._poster.clear_wake()  # before reading write states: a later change wakes wait()
@@ -175,25 +150,6 @@ class SglangBackend:
     def close(self) -> None:
         self._hub.close()
         self._close_all()
-
-    # -- for tests and metrics ----------------------------------------------------------
-
-    @property
-    def num_peers(self) -> int:
-        return len(self._hub.peers)
-
-    def has_peer(self, agent_name: str) -> bool:
-        return self._hub.has_peer(agent_name)
-
-    @property
-    def num_open_senders(self) -> int:
-        return self._hub.num_open_senders
-
-    def num_inflight_transfers(self) -> int:
-        return self._hub.num_inflight_transfers()
-
-    def check_integrity(self) -> None:
-        self._hub.check_integrity()
 
     # -- internals ----------------------------------------------------------------------
 

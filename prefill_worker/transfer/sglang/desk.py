@@ -1,25 +1,17 @@
 """What each SGLang control message does, mapped onto the engine's vocabulary: a
-registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the
-prefix the decode holds), an ABORT is the peer's abort of a room.
+registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the prefix
+the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
-``SglangDesk`` shares the backend's tables (peers by agent name, senders by room, the
-``RoomBook`` of requests that came before their room's prefill) and does no transfer work.
-Everything is checked before NIXL sees it (``sglang.accept``): a registration's metadata,
-layout and features; a request's peer, flags and size before its pages are looked at.
-Refusals are counted (``on_reject(reason)``) and, where the decode can hear, answered with
-``KV_STATUS failed`` and the reason. SGLang has no answer to a registration, so a refused
-decode learns why on its first request: the reasons are kept per agent name (bounded). That
-request also fails the room's own request here, now if it came first, else when it comes
-(``refusals``): a refused decode never makes a router wait out the bootstrap timeout.
+Everything is checked before NIXL sees it (``sglang.accept``). SGLang has no answer to a
+registration, so a refused decode learns why on its first request (reasons kept per agent
+name, bounded); that request also fails the room's own request, now or when it comes.
 
-Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
-name and its ``ip:port``) and nothing in it proves that. What the worker can check, it does
-(docs/sglang.md, "Identity"): the ip a frame names must be the address of the connection it
-came on, and in ``transfer.sglang_allowed_networks`` when set (else the frame is dropped and
-counted: no reply goes to an address the sender may not own); a live registration keeps its
-``ip:port`` against any other agent; a request may name only the agent registered at its own
-``ip:port``. A room acts only for the peer that claimed it, as on the native protocol, and
-rooms stay secret (never logged at INFO).
+Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
+proves that. The ip a frame names must be its connection's, and in
+``transfer.sglang_allowed_networks`` when set (else the frame is dropped and counted); a live
+registration keeps its ``ip:port`` against any other agent; a request may name only the agent
+registered at its own ``ip:port`` (docs/sglang.md, "Identity"). Rooms stay secret (never
+logged at INFO).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.native.dialect import NativeDialect
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.poster import InlinePoster
-from prefill_worker.transfer.push.dialect import Closed, PageLists, PushContext, Tell
+from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.push.refusals import (
@@ -28,7 +28,7 @@ from prefill_worker.transfer.push.refusals import (
     RefusedRoom,
     RejectCounter,
 )
-from prefill_worker.transfer.push.sender import PushSender
+from prefill_worker.transfer.push.sender import Closed, PushContext, PushSender, Tell
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 

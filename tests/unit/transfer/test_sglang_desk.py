@@ -15,9 +15,10 @@ from typing import Any
 
 from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer.nixl.poster import InlinePoster
-from prefill_worker.transfer.push.dialect import PageLists, PushContext
+from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.frames import (
