@@ -85,6 +85,13 @@ def unframe_metadata(frame: bytes) -> bytes:
     return payload
 
 
+def notif_tag(room: int) -> bytes:
+    """The NIXL notification that marks a room's aux row as landed on the decode side: the
+    worker sends it with the aux row's write, the decode SDK waits for it (so both compute it
+    here)."""
+    return b"pw1:room:%d" % room
+
+
 class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
     """Every message carries the protocol version; a frame without ``v`` is read as v1."""
 
@@ -325,8 +332,3 @@ def decode(frame: bytes) -> Message:
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of every bootstrap message (bytes fields are msgpack ``bin``)."""
     return msgspec.json.schema(Message)
-
-
-def notif_tag(room: int) -> bytes:
-    """The NIXL notification that marks a room's aux row as landed on the decode side."""
-    return b"pw1:room:%d" % room
