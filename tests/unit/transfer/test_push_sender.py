@@ -375,3 +375,13 @@ def test_a_room_named_for_a_refused_registration_fails_at_once(rig: Rig) -> None
         assert waiting.why_no_handshake() is None  # a refused SGLang decode still asks
     else:
         assert "'decode-9' (dtype bfloat16, not float32)" in (waiting.why_no_handshake() or "")
+
+
+def test_a_dropped_peer_hears_about_the_rooms_it_still_wanted(rig: Rig) -> None:
+    rig.hub.want(rig.peer, wire.Want.of(9, [3, 4], 2, 0))  # no request yet: a claim
+    rig.hub.drop_peer(rig.peer, "decode peer left")
+    [(room, code, reason, _)] = rig.heard.said
+    assert (room, code) == (9, "failed") and reason is not None and "decode peer left" in reason
+    assert rig.hub.rooms.num_claims(9) == 0
+    sender = rig.hub.create_sender(9, "req-9", 16)  # the request finds no claim: it waits
+    assert sender.poll() is KVPoll.BOOTSTRAPPING
