@@ -25,7 +25,8 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
+from prefill_worker.transfer.options import NativeOptions, NixlOptions
 
 LAYOUT = KVLayout(2, 2, 16, "float32", 16, 64)
 
@@ -59,7 +60,8 @@ def measure(num_live: int, seconds: float) -> dict:
     starts = [base + i * LAYOUT.region_bytes for i in range(2 * LAYOUT.num_layers)]
     regions = KVRegions(LAYOUT, tuple(starts[:2]), tuple(starts[2:]), "cpu", aux.base_addr, 8)
     assert aux.num_rows * AUX_ROW_BYTES > 0
-    backend = NixlBackend(regions, "tcp://127.0.0.1:0", "bench-idle", ["UCX"], 30.0, 1.0, 30.0)
+    options = NativeOptions("tcp://127.0.0.1:0", 30.0, 1.0, 30.0, NixlOptions("bench-idle"))
+    backend = NixlBackend(regions, options)
     turns = Turns(backend)
     limits = EngineLimits(
         page_size=LAYOUT.page_size,

@@ -157,15 +157,15 @@ def decode_main(conn: Connection, addr: str, layout: KVLayout, num_pages: int) -
 
 def run(pool_layout: str, push: str, num_requests: int) -> dict[str, object]:
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions
 
     runner, _ = random_runner(
         SHAPE, torch.float32, torch.device("cpu"), "sdpa", PAGE_SIZE, NUM_PAGES, 0, pool_layout
     )
     pages, aux = PagePool(NUM_PAGES), AuxPool(16)
     regions = runner.kv_cache.regions(aux.base_addr, aux.num_rows)
-    inner = make_backend(
-        regions, "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.5, push_thread=push == "thread"
-    )
+    options = NativeOptions("tcp://127.0.0.1:0", 30.0, 0.5, push_thread=push == "thread")
+    inner = make_backend(regions, options)
     backend = TimedBackend(inner)
     outcomes: list[Outcome] = []
     engine = Engine(

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import prefill_worker
 from tests import import_graph
 
@@ -22,8 +20,6 @@ GRAPH = import_graph.build(Path(prefill_worker.__file__).parent, PACKAGE)
 # cycle. Empty this at merge: an entry that is no longer a cycle (or names a module that is
 # gone) fails the test, so it cannot outlive its fix.
 KNOWN_CYCLES = (
-    # the transfer rewrite (one push engine): nixl/context.py <-> nixl/sender.py
-    frozenset({"prefill_worker.transfer.nixl.context", "prefill_worker.transfer.nixl.sender"}),
     # the testing-tools branch: decode_peer.py <-> peer_control.py <-> peer_http.py
     frozenset(
         {
@@ -70,7 +66,6 @@ def test_the_ingress_imports_nothing_of_the_scheduler() -> None:
     _check_rules(INGRESS_RULES)
 
 
-@pytest.mark.xfail(strict=True, reason="until the transfer layout of issue #26 lands")
 def test_the_transfer_layers() -> None:
     _check_rules(TRANSFER_RULES)
 

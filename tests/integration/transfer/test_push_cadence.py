@@ -27,8 +27,9 @@ from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.observer import NullObserver
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until
 
@@ -101,13 +102,8 @@ def rig(pool_layout: str) -> Iterator[Rig]:
 
     backend = NixlBackend(
         runner.kv_cache.regions(aux.base_addr, aux.num_rows),
-        "tcp://127.0.0.1:0",
-        "cadence-prefill",
-        ["UCX"],
-        10.0,
-        0.1,
-        10.0,
-        poster_factory=poster,
+        NativeOptions("tcp://127.0.0.1:0", 10.0, 0.1, 10.0, NixlOptions("cadence-prefill")),
+        Hooks(poster_factory=poster),
     )
     steps = Steps()
     engine = Engine(

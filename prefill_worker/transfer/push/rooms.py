@@ -13,17 +13,18 @@ registration. Each claim is in two indexes, the room's list and its peer's ``unm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic
 
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.nixl.context import Peer
+from prefill_worker.transfer.push.peer import P
 from prefill_worker.transfer.validate import Refusal, RejectReason, duplicate_want
 
 
 @dataclass(slots=True)
-class Claim:
+class Claim(Generic[P]):
     """A `want` that came before its room's request."""
 
-    peer: Peer
+    peer: P
     want: wire.Want
     deadline: float
 
@@ -45,19 +46,19 @@ class Aborted:
     forget_at: float
 
 
-class RoomBook:
+class RoomBook(Generic[P]):
     """Claims by room and rooms gone; no NIXL, no sockets."""
 
     def __init__(self, max_claims_per_room: int, max_claims_per_peer: int) -> None:
         self._max_per_room, self._max_per_peer = max_claims_per_room, max_claims_per_peer
-        self._claims: dict[int, list[Claim]] = {}
+        self._claims: dict[int, list[Claim[P]]] = {}
         self._gone: dict[int, Gone] = {}
         self._aborted: dict[int, Aborted] = {}
 
     def num_claims(self, room: int) -> int:
         return len(self._claims.get(room, ()))
 
-    def claim(self, peer: Peer, want: wire.Want, deadline: float) -> Refusal | None:
+    def claim(self, peer: P, want: wire.Want, deadline: float) -> Refusal | None:
         """Remember the want until its request comes, or say why not."""
         claims = self._claims.get(want.room, [])
         if any(c.peer is peer for c in claims) or len(claims) >= self._max_per_room:
@@ -77,7 +78,7 @@ class RoomBook:
         peer.num_claimed_pages = num_pages
         return None
 
-    def take(self, room: int) -> list[Claim]:
+    def take(self, room: int) -> list[Claim[P]]:
         """Every claim on the room, in arrival order; the room's request has come."""
         claims = self._claims.pop(room, [])
         for claim in claims:
@@ -86,7 +87,7 @@ class RoomBook:
         self._gone.pop(room, None)
         return claims
 
-    def drop(self, room: int, peer: Peer) -> bool:
+    def drop(self, room: int, peer: P) -> bool:
         """Forget the peer's claim on the room; True if it had one."""
         claims = self._claims.get(room, [])
         kept = [c for c in claims if c.peer is not peer]
@@ -102,8 +103,9 @@ class RoomBook:
         """When the first waiting `want` expires, if any waits."""
         return min((c.deadline for cs in self._claims.values() for c in cs), default=None)
 
-    def pop_expired(self, now: float) -> list[Claim]:
-        expired = [c for claims in self._claims.values() for c in claims if now >= c.deadline]
+    def pop_expired(self, now: float) -> list[Claim[P]]:
+        claims = [c for cs in self._claims.values() for c in cs]
+        expired = [c for c in claims if now >= c.deadline]
         for claim in expired:
             self.drop(claim.want.room, claim.peer)
         self._gone = {r: g for r, g in self._gone.items() if now < g.forget_at}
@@ -128,7 +130,7 @@ class RoomBook:
     def forget_gone(self, room: int) -> None:
         self._gone.pop(room, None)
 
-    def check_integrity(self, peers: list[Peer]) -> None:
+    def check_integrity(self, peers: list[P]) -> None:
         for room, claims in self._claims.items():
             assert claims and all(room in c.peer.unmatched for c in claims)
         for peer in peers:
