@@ -125,12 +125,18 @@ class PeerHttp:
         }
         for path, make in infos.items():
             app.router.add_get(path, _json_route(make))
-        app.router.add_post("/generate", lambda r: self._handle(r, is_completion=False))
-        app.router.add_post("/v1/completions", lambda r: self._handle(r, is_completion=True))
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/v1/completions", self._complete)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, self._host, self._port).start()
         return int(self._runner.addresses[0][1])
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, is_completion=False)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, is_completion=True)
 
     async def _handle(self, request: web.Request, is_completion: bool) -> web.StreamResponse:
         self.num_requests += 1
