@@ -4,7 +4,7 @@ client (``DecodePeerClient``, what a router would do) and the command line (``ma
 ``python -m prefill_worker.testing.decode_peer`` runs ``main``: load the model, register with
 the worker, send sd_notify READY=1, answer ``generate``/``ping`` until SIGTERM, exit 0 (1, with
 every thread's stack in the log, if the stop takes over 10 s). A test and demo tool, like the
-peer itself (``decode_peer.py``).
+peer itself (``decode_peer``).
 """
 
 from __future__ import annotations
