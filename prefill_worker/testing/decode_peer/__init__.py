@@ -13,8 +13,9 @@ Per request (the router chose ``room`` and sent the worker a ``prefill`` with it
 
 It builds the same model code as the worker (``prefill_worker.model.build``) over its own KV
 pool. In-process use: ``DecodePeer.load(...)`` then ``generate(...)`` or ``expect``/``step``.
-As a process (``python -m prefill_worker.testing.decode_peer``; the control socket, its client
-and the command line are in ``peer_control.py``) it serves ``generate`` requests on a small ZMQ
+As a process (``python -m prefill_worker.testing.decode_peer`` runs this package's
+``__main__``; the control socket, its client and the command line are in ``peer_control.py``,
+which imports this module, never the other way) it serves ``generate`` requests on a small ZMQ
 control socket (``DecodePeerClient``), sends sd_notify READY=1 once registered with the worker,
 and exits 0 on SIGTERM.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -316,10 +316,3 @@ class DecodePeer:
             decode_s=now - seq.landed_at,
             num_cached_tokens=seq.num_cached_tokens,
         )
-
-
-if __name__ == "__main__":
-    # ``python -m prefill_worker.testing.decode_peer`` runs the process (peer_control.py).
-    from prefill_worker.testing.peer_control import main
-
-    sys.exit(main())
