@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from prefill_worker.router.admission import Limits
+from prefill_worker.ingress.validate import Limits
 from prefill_worker.testing.peer_http import PeerHttp
 from tests.polling import wait_until
 from tests.smg.conftest import http

@@ -16,22 +16,6 @@ from tests import import_graph
 PACKAGE = "prefill_worker"
 GRAPH = import_graph.build(Path(prefill_worker.__file__).parent, PACKAGE)
 
-# Cycles that other branches of issue #26 are removing; each entry is the set of modules of one
-# cycle. Empty this at merge: an entry that is no longer a cycle (or names a module that is
-# gone) fails the test, so it cannot outlive its fix.
-KNOWN_CYCLES = (
-    # the testing-tools branch: decode_peer.py <-> peer_control.py <-> peer_http.py
-    frozenset(
-        {
-            "prefill_worker.testing.decode_peer",
-            "prefill_worker.testing.peer_control",
-            "prefill_worker.testing.peer_http",
-        }
-    ),
-    # the testing-tools branch: sglang_decode.py <-> sglang_child.py
-    frozenset({"prefill_worker.testing.sglang_child", "prefill_worker.testing.sglang_decode"}),
-)
-
 # (importer, what it must never reach, directly or through other modules): packages, each
 # standing for itself and its submodules.
 INGRESS_RULES = (("prefill_worker.ingress", "prefill_worker.scheduler"),)
@@ -46,20 +30,10 @@ TRANSFER_RULES = (
 )
 
 
-def test_no_import_cycle_but_the_known_ones() -> None:
+def test_no_import_cycle() -> None:
     components = import_graph.components_with_cycles(GRAPH)
-    unknown = [c for c in components if not any(c <= known for known in KNOWN_CYCLES)]
-    shown = [" -> ".join(import_graph.cycles({m: GRAPH[m] & c for m in c})[0]) for c in unknown]
-    assert not unknown, "import cycles:\n" + "\n".join(shown)
-
-
-def test_every_known_cycle_is_still_one() -> None:
-    components = import_graph.components_with_cycles(GRAPH)
-    for known in KNOWN_CYCLES:
-        _assert_exist(known)
-        assert any(known <= c for c in components), (
-            f"{sorted(known)} is no longer a cycle: remove it from KNOWN_CYCLES"
-        )
+    shown = [" -> ".join(import_graph.cycles({m: GRAPH[m] & c for m in c})[0]) for c in components]
+    assert not components, "import cycles:\n" + "\n".join(shown)
 
 
 def test_the_ingress_imports_nothing_of_the_scheduler() -> None:
