@@ -20,6 +20,7 @@ from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.moe import create_moe_backend
 from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.model.runner import Runner
 
@@ -87,9 +88,10 @@ def build(
     on_progress: LoadProgress | None = None,
     pool_layout: str = LAYER_MAJOR,
     tp: TPGroup = SINGLE,
+    moe_backend: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
-    pick the attention backend. ``on_progress(bytes_read, bytes_total)`` follows the
+    pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``). ``on_progress(bytes_read, bytes_total)`` follows the
     weights as they load. Under tensor parallelism (``tp``, a rank of its group) the rank
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model.
@@ -104,7 +106,7 @@ def build(
     torch_dtype = resolve_dtype(dtype, declared)
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
-    model = CausalLM(spec, weights, tp)
+    model = CausalLM(spec, weights, tp, create_moe_backend(moe_backend, dev))
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         spec.num_layers,

@@ -8,6 +8,7 @@ attention, and only the rows that need logits go through the final norm and LM h
     per layer:  qkv = norm(x) @ Wqkv                 [T, (H + 2 KV) D]
                 (qwen3: q/k RMSNorm per head), RoPE, write K/V to pages, attention
                 x += attn @ Wo ;  x += silu(g) * u @ Wdown,  [g|u] = norm(x) @ Wgu
+                (a sparse layer of a MoE family: x += moe.block's routed experts instead)
     logits = norm(x[rows]) @ Wlm                     [R, vocab]
 
 Under tensor parallelism (``model.parallel``) the weights are this rank's slices: the same
@@ -31,6 +32,8 @@ from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
+from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
+from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
 from prefill_worker.model.sharding import local_dims
 
@@ -47,6 +50,11 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [D] (qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
+    mlp: DenseMLP | MoEWeights  # MoEWeights: a sparse layer of a MoE family
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DenseMLP:
     gate_up: torch.Tensor  # [2 I, hidden], gate rows first
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, I]
@@ -91,7 +99,13 @@ class CausalLM:
     block_tokens = 2048
     logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        tp: TPGroup = SINGLE,
+        experts: ExpertsBackend | None = None,
+    ) -> None:
         self.spec = spec
         self.weights = weights
         self.tp = tp
@@ -100,6 +114,7 @@ class CausalLM:
         self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
         self._q_dim = self.local.num_heads * spec.head_dim
         self._kv_dim = self.local.num_kv_heads * spec.head_dim
+        self.experts = experts or create_moe_backend("auto", weights.embed.device)
 
     def forward(
         self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
@@ -175,9 +190,14 @@ class CausalLM:
         """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the MLP."""
         x.add_(row_parallel(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias, self.tp))
         h = rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
+        mlp = layer.mlp
+        if isinstance(mlp, MoEWeights):
+            assert self.spec.moe is not None  # the loader builds MoEWeights only then
+            x.add_(moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp))
+            return
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
-        if layer.gate_up_bias is None:
-            torch.mm(h, layer.gate_up.t(), out=gate_up)
+        if mlp.gate_up_bias is None:
+            torch.mm(h, mlp.gate_up.t(), out=gate_up)
         else:
-            torch.addmm(layer.gate_up_bias, h, layer.gate_up.t(), out=gate_up)
-        x.add_(row_parallel(silu_and_mul_(gate_up), layer.down, layer.down_bias, self.tp))
+            torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
+        x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
