@@ -160,7 +160,7 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         n_group = int(raw.get("n_group") or 1)
         if num_experts % n_group:
             raise ValueError(f"{num_experts} experts do not split into {n_group} groups")
-        scoring = raw.get("scoring_func", "sigmoid")
+        scoring = raw.get("scoring_func") or "sigmoid"
         if scoring != "sigmoid":
             raise ValueError(f"scoring_func {scoring!r} is not supported (only sigmoid)")
         return MoESpec(
@@ -173,7 +173,7 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
             topk_group=int(raw.get("topk_group") or 1),
             routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
             num_shared_experts=int(raw.get("n_shared_experts") or 0),
-            has_score_bias=raw.get("topk_method", "noaux_tc") == "noaux_tc",
+            has_score_bias=(raw.get("topk_method") or "noaux_tc") == "noaux_tc",
         )
     dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
     step = int(raw.get("decoder_sparse_step") or 1)

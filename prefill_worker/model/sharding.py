@@ -111,10 +111,14 @@ def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
 
 def split_of(family: str, name: str) -> Split:
     """How ``family`` splits the tensor HF calls ``name``; ``KeyError`` if it does not say."""
+    return split_in(FAMILY_SPLITS[family], name, family)
+
+
+def split_in(table: Mapping[str, Split], name: str, owner: str = "table") -> Split:
+    """``table``'s split of the tensor ``name``; ``KeyError`` if the table does not say."""
     pattern = _NUMBER.sub("*", name)
-    table = FAMILY_SPLITS[family]
     if pattern not in table:
-        raise KeyError(f"family {family!r} declares no split for tensor {name}")
+        raise KeyError(f"family {owner!r} declares no split for tensor {name}")
     return table[pattern]
 
 
