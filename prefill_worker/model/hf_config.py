@@ -177,9 +177,7 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         )
     dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
     step = int(raw.get("decoder_sparse_step") or 1)
-    sparse = frozenset(
-        i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0
-    )
+    sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
     return MoESpec(**common, sparse_layers=sparse)  # type: ignore[arg-type]
 
 

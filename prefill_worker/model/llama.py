@@ -22,6 +22,7 @@ blocks of rows so that at most ``[block, vocab]`` logits exist at once, whatever
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -107,14 +108,14 @@ class CausalLM:
         experts: ExpertsBackend | None = None,
     ) -> None:
         self.spec = spec
-        self.weights = weights
         self.tp = tp
         self.dtype = weights.embed.dtype
+        self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
+        self.weights = _prepared(weights, self.experts)
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
         self._q_dim = self.local.num_heads * spec.head_dim
         self._kv_dim = self.local.num_kv_heads * spec.head_dim
-        self.experts = experts or create_moe_backend("auto", weights.embed.device)
 
     def forward(
         self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
@@ -201,3 +202,14 @@ class CausalLM:
         else:
             torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
         x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
+
+
+def _prepared(weights: ModelWeights, experts: ExpertsBackend) -> ModelWeights:
+    """``weights`` with every sparse layer's experts in ``experts``' layout."""
+    layers = tuple(
+        dataclasses.replace(layer, mlp=experts.prepare(layer.mlp))
+        if isinstance(layer.mlp, MoEWeights)
+        else layer
+        for layer in weights.layers
+    )
+    return dataclasses.replace(weights, layers=layers)

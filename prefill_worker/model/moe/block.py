@@ -69,7 +69,9 @@ def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoE
     shared_gate_up = shared_down = None
     if spec.num_shared_experts:
         shared = mlp + "shared_experts."
-        shared_gate_up = torch.cat([get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")])
+        shared_gate_up = torch.cat(
+            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
+        )
         shared_down = get(shared + "down_proj.weight")
     score_bias = get(mlp + "gate.e_score_correction_bias").float() if spec.has_score_bias else None
     return MoEWeights(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from prefill_worker.model.layers import silu_and_mul_
+from prefill_worker.model.moe.block import MoEWeights
 
 
 class TorchGroupedExperts:
@@ -20,6 +21,9 @@ class TorchGroupedExperts:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def prepare(self, weights: MoEWeights) -> MoEWeights:
+        return weights  # the loader's gate-first stacks, as they are
 
     def experts(
         self,
@@ -30,7 +34,7 @@ class TorchGroupedExperts:
         down: torch.Tensor,  # [E, hidden, I]
     ) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``: ``[T, hidden]``."""
-        num_tokens, top_k = ids.shape
+        top_k = ids.shape[1]
         flat = ids.reshape(-1)  # [T k]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // top_k  # [T k], the token of each sorted assignment

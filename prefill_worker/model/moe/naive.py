@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from prefill_worker.model.layers import silu_and_mul_
+from prefill_worker.model.moe.block import MoEWeights
 
 
 class NaiveExperts:
@@ -18,6 +19,9 @@ class NaiveExperts:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def prepare(self, weights: MoEWeights) -> MoEWeights:
+        return weights  # the loader's gate-first stacks, as they are
 
     def experts(
         self,

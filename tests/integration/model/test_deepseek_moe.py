@@ -21,7 +21,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from prefill_worker.model.hf_config import moe_spec
 from prefill_worker.model.moe import create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_mlp, moe_shapes
-from prefill_worker.model.parallel import TPGroup, even_range
+from prefill_worker.model.parallel import SINGLE, TPGroup, even_range
 from prefill_worker.model.sharding import DEEPSEEK_MOE, split_in
 
 TOL = 1e-5
@@ -56,7 +56,7 @@ def hf(checkpoint):  # type: ignore[no-untyped-def]
     return DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def reader(path: Path, tp: TPGroup = TPGroup()):  # type: ignore[no-untyped-def]
+def reader(path: Path, tp: TPGroup = SINGLE):  # type: ignore[no-untyped-def]
     """``get(name)``: rank ``tp.rank``'s slice of the tensor, by the DeepSeek MoE table."""
     handle = safe_open(path / "model.safetensors", framework="pt")
 
@@ -95,7 +95,8 @@ def test_config_reads_as_deepseek_routing(checkpoint):
 def test_the_checkpoint_holds_per_expert_tensors_as_shipped(checkpoint):
     spec = spec_of(checkpoint)
     with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
-        stored = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        names = f.keys()
+        stored = {k: tuple(f.get_slice(k).get_shape()) for k in names}
     for layer in sorted(spec.sparse_layers):
         for name, shape in moe_shapes(spec, 64, f"model.layers.{layer}.mlp.").items():
             assert stored[name] == shape
@@ -126,7 +127,9 @@ def test_ignoring_the_correction_bias_fails(checkpoint, hf):
     """Guards the comparison: experts chosen without ``e_score_correction_bias`` differ."""
     spec, h = spec_of(checkpoint), hidden_states()
     weights = fuse_moe(spec, reader(checkpoint), "model.layers.1.mlp.")
-    unbiased = MoEWeights(**{f: getattr(weights, f) for f in MoEWeights.__slots__} | {"score_bias": None})
+    unbiased = MoEWeights(
+        **{f: getattr(weights, f) for f in MoEWeights.__slots__} | {"score_bias": None}
+    )
     out = moe_mlp(h, unbiased, spec, create_moe_backend("torch", CPU))
     assert (out - hf_block(hf, 1, h)).abs().max() > 100 * TOL
 
@@ -138,5 +141,3 @@ def test_group_limit_matters(checkpoint, hf):
     flat = type(spec)(**{f: getattr(spec, f) for f in spec.__slots__} | {"topk_group": 4})
     out = moe_mlp(h, weights, flat, create_moe_backend("torch", CPU))
     assert (out - hf_block(hf, 1, h)).abs().max() > 100 * TOL
-
-

@@ -1,8 +1,8 @@
 """Qwen3-MoE through our runner against transformers on the same random checkpoint.
 
 Layers 0 and 2 are sparse (8 experts, top 2, normalised), layer 1 dense
-(``mlp_only_layers``); q/k weights x20 and a router whose top-2 weights both matter, so a routing, fusion or
-attention bug moves logits by far more than the tolerance.
+(``mlp_only_layers``); q/k weights x20 and a router whose top-2 weights both matter, so a
+routing, fusion or attention bug moves logits by far more than the tolerance.
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ def test_a_rank_holds_its_heads_and_its_intermediate_slice(checkpoints, family, 
         assert torch.equal(mine.qkv, torch.cat(want))
         assert torch.equal(mine.o, rows(full.o, heads, rank, 2, dim=1))
         gate, up = full.mlp.gate_up.split([inter, inter])
-        assert torch.equal(mine.mlp.gate_up, torch.cat([rows(gate, 2, rank, 2), rows(up, 2, rank, 2)]))
+        assert torch.equal(
+            mine.mlp.gate_up, torch.cat([rows(gate, 2, rank, 2), rows(up, 2, rank, 2)])
+        )
         assert torch.equal(mine.mlp.down, rows(full.mlp.down, 2, rank, 2, dim=1))
         assert torch.equal(mine.input_norm, full.input_norm)
         if spec.has_qkv_bias:
