@@ -11,9 +11,9 @@ tensor) and the fused q/k/v and gate/up matrices are built from the slices::
 
 Tensor names are HF's with every numeric path part (layer, expert) written ``*``. A family
 lists every tensor it loads, replicated ones included: a name missing from its table is an
-error, never a silent replication. The mixture-of-experts families extend this by their own
-tables (``mlp.experts.*.gate_proj.weight``: ``COLUMN``; an MLA latent projection:
-``REPLICATED``); the loader does not change.
+error, never a silent replication. Mixture-of-experts families add ``MOE_EXPERTS`` (each
+expert split like a dense MLP, the router replicated) and DeepSeek's ``DEEPSEEK_MOE`` (plus
+its score bias and shared experts); the loader does not change.
 """
 
 from __future__ import annotations
