@@ -95,6 +95,8 @@ class CausalLM:
     buffer per forward. On a CPU, fresh tensors over glibc's mmap threshold (32 MiB) cost
     more in page faults than the op itself; blocks bound the other temporaries. The block
     is large because each op is also an OpenMP barrier, which is slow on shared cores.
+    A sparse layer's experts run over all ``T`` tokens at once (each expert's weights read
+    once per forward; the gather by expert is ``[T k, hidden]``).
     """
 
     block_tokens = 2048
@@ -140,6 +142,11 @@ class CausalLM:
                 self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
             kv_cache.write(index, inputs.slots, k, v)
             attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
+            if isinstance(layer.mlp, MoEWeights):  # every expert's weights read once
+                for rows in blocks:
+                    self._output(layer, x[rows], attn[rows])
+                self._moe(layer.mlp, layer.post_norm, x)
+                continue
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
         token_logprobs = None
@@ -185,17 +192,24 @@ class CausalLM:
         self.rotary.apply_into(q, cos, sin, q_out)
         self.rotary.apply_into(k, cos, sin, k_out)
 
+    def _output(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> None:
+        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``."""
+        x.add_(row_parallel(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias, self.tp))
+
+    def _moe(self, mlp: MoEWeights, post_norm: torch.Tensor, x: torch.Tensor) -> None:
+        """``x [T, hidden]`` += a sparse layer's MLP, over all the forward's tokens at once."""
+        assert self.spec.moe is not None  # the loader builds MoEWeights only then
+        h = rms_norm(x, post_norm, self.spec.rms_norm_eps)
+        x.add_(moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp))
+
     def _output_and_mlp(
         self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, buffer: torch.Tensor
     ) -> None:
-        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the MLP."""
-        x.add_(row_parallel(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias, self.tp))
+        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the dense MLP."""
+        self._output(layer, x, attn)
         h = rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
         mlp = layer.mlp
-        if isinstance(mlp, MoEWeights):
-            assert self.spec.moe is not None  # the loader builds MoEWeights only then
-            x.add_(moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp))
-            return
+        assert isinstance(mlp, DenseMLP)
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
         if mlp.gate_up_bias is None:
             torch.mm(h, mlp.gate_up.t(), out=gate_up)
