@@ -124,3 +124,19 @@ def test_a_wrong_routing_fails_the_comparison(checkpoint, model):
     pages = scattered_pages(0, num_pages(len(ids)))
     logits = runner.compute_logits(plan(chunk("a", ids, 0, len(ids), pages, last=True)))
     assert (logits[0] - hf_logits[-1]).abs().max() > 100 * TOL
+
+
+def test_cached_prefix_of_128_tokens(checkpoint, model):
+    """The first 128 positions' K/V come from HF itself, written into the pages directly."""
+    ids = prompt(170, seed=5)
+    hf_logits, hf_kv = hf_forward(model, ids)
+    runner, kv_cache, _ = ours(checkpoint)
+    pages = scattered_pages(0, num_pages(len(ids)))
+    for layer, (hf_k, hf_v) in enumerate(hf_kv):
+        for i in range(128 // PAGE_SIZE):
+            rows = slice(i * PAGE_SIZE, (i + 1) * PAGE_SIZE)
+            kv_cache.k[layer][pages[i]].copy_(hf_k[rows])
+            kv_cache.v[layer][pages[i]].copy_(hf_v[rows])
+    logits = runner.compute_logits(plan(chunk("p", ids, 128, 170, pages, last=True)))
+    torch.testing.assert_close(logits[0], hf_logits[-1], atol=TOL, rtol=0)
+    assert_kv_matches(kv_cache, pages, hf_kv, len(ids))
