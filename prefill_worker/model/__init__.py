@@ -20,6 +20,7 @@ from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.moe import create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.model.runner import Runner
 
@@ -87,10 +88,12 @@ def build(
     on_progress: LoadProgress | None = None,
     pool_layout: str = LAYER_MAJOR,
     tp: TPGroup = SINGLE,
+    moe_backend: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
-    pick the attention backend. ``on_progress(bytes_read, bytes_total)`` follows the
-    weights as they load. Under tensor parallelism (``tp``, a rank of its group) the rank
+    pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
+    ``model.moe``'s registry). ``on_progress(bytes_read, bytes_total)`` follows the weights
+    as they load. Under tensor parallelism (``tp``, a rank of its group) the rank
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model.
 
@@ -102,9 +105,10 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
+    resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # a bad choice fails before loading
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
-    model = CausalLM(spec, weights, tp)
+    model = CausalLM(spec, weights, tp, create_moe_backend(moe_backend, dev, torch_dtype))
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         spec.num_layers,

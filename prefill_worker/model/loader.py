@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
-from prefill_worker.model.llama import LayerWeights, ModelWeights
+from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
+from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -63,16 +64,23 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, hidden),
             p + "self_attn.v_proj.weight": (kv_out, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_out),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
+        if spec.moe is not None and spec.is_sparse(i):
+            shapes |= moe_shapes(spec.moe, hidden, p + "mlp.")
+            mlp_bias = False
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+            mlp_bias = spec.has_mlp_bias
         if spec.has_qkv_bias:
             for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 shapes[f"{p}self_attn.{name}_proj.bias"] = (size,)
         if spec.has_o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        if spec.has_mlp_bias:
+        if mlp_bias:
             shapes |= {p + f"mlp.{n}_proj.bias": (inter,) for n in ("gate", "up")}
             shapes[p + "mlp.down_proj.bias"] = (hidden,)
         if spec.has_qk_norm:
@@ -215,9 +223,6 @@ def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
     qkv_bias = None
     if spec.has_qkv_bias:
         qkv_bias = torch.cat([r.get(f"{attn}{n}_proj.bias") for n in "qkv"])
-    gate_up_bias = None
-    if spec.has_mlp_bias:
-        gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])
     return LayerWeights(
         input_norm=r.get(p + "input_layernorm.weight"),
         qkv=torch.cat([r.get(f"{attn}{n}_proj.weight") for n in "qkv"]),
@@ -227,6 +232,17 @@ def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
         q_norm=r.maybe(attn + "q_norm.weight", spec.has_qk_norm),
         k_norm=r.maybe(attn + "k_norm.weight", spec.has_qk_norm),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
+        mlp=_mlp(spec, r, index, mlp),
+    )
+
+
+def _mlp(spec: ModelSpec, r: TensorSource, index: int, mlp: str) -> DenseMLP | MoEWeights:
+    if spec.moe is not None and spec.is_sparse(index):
+        return fuse_moe(spec.moe, r.get, mlp)
+    gate_up_bias = None
+    if spec.has_mlp_bias:
+        gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])
+    return DenseMLP(
         gate_up=torch.cat([r.get(mlp + "gate_proj.weight"), r.get(mlp + "up_proj.weight")]),
         gate_up_bias=gate_up_bias,
         down=r.get(mlp + "down_proj.weight"),

@@ -110,6 +110,14 @@ def row_parallel(
     return out if bias is None else out.add_(bias)
 
 
+def all_reduce_(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``partial`` summed over the ranks, in place (a MoE block's one collective: the routed
+    and shared experts' partial sums, added first). At TP 1 ``partial`` itself."""
+    if not tp.is_single:
+        torch.distributed.all_reduce(partial, group=tp.group)
+    return partial
+
+
 def gather_kv_heads(per_rank: Sequence[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
     """The full ``[..., KV, D]`` from each rank's ``[..., local KV, D]`` (rank order), by
     ``kv_head_range``; replicas of a head must agree exactly. For tests and tools."""

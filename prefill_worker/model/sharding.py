@@ -11,9 +11,9 @@ tensor) and the fused q/k/v and gate/up matrices are built from the slices::
 
 Tensor names are HF's with every numeric path part (layer, expert) written ``*``. A family
 lists every tensor it loads, replicated ones included: a name missing from its table is an
-error, never a silent replication. The mixture-of-experts families extend this by their own
-tables (``mlp.experts.*.gate_proj.weight``: ``COLUMN``; an MLA latent projection:
-``REPLICATED``); the loader does not change.
+error, never a silent replication. Mixture-of-experts families add ``MOE_EXPERTS`` (each
+expert split like a dense MLP, the router replicated) and DeepSeek's ``DEEPSEEK_MOE`` (plus
+its score bias and shared experts); the loader does not change.
 """
 
 from __future__ import annotations
@@ -64,10 +64,27 @@ DENSE: Mapping[str, Split] = {
     _LAYER + "mlp.down_proj.weight": ROW,
     _LAYER + "mlp.down_proj.bias": REPLICATED,  # added once, after the all-reduce
 }
+# A sparse layer's MLP: every expert split like a dense MLP (its gate/up rows, its down
+# columns: the per-expert intermediate dimension), the router replicated (every rank routes
+# every token the same way); DeepSeek's shared experts like a dense MLP.
+MOE_EXPERTS: Mapping[str, Split] = {
+    _LAYER + "mlp.gate.weight": REPLICATED,
+    _LAYER + "mlp.experts.*.gate_proj.weight": COLUMN,
+    _LAYER + "mlp.experts.*.up_proj.weight": COLUMN,
+    _LAYER + "mlp.experts.*.down_proj.weight": ROW,
+}
+DEEPSEEK_MOE: Mapping[str, Split] = {
+    **MOE_EXPERTS,
+    _LAYER + "mlp.gate.e_score_correction_bias": REPLICATED,
+    _LAYER + "mlp.shared_experts.gate_proj.weight": COLUMN,
+    _LAYER + "mlp.shared_experts.up_proj.weight": COLUMN,
+    _LAYER + "mlp.shared_experts.down_proj.weight": ROW,
+}  # the DeepSeek-V3 family's table adds its MLA attention's entries to this
 FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "llama": DENSE,
     "qwen2": DENSE,
     "qwen3": DENSE,
+    "qwen3_moe": {**DENSE, **MOE_EXPERTS},
 }
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -79,10 +96,12 @@ class LocalDims:
 
     num_heads: int
     num_kv_heads: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP
 
 
 def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
+    if spec.moe is not None:
+        even_range(spec.moe.intermediate_size, tp)  # each expert must split too
     return LocalDims(
         num_heads=len(q_head_range(spec.num_heads, tp)),
         num_kv_heads=len(kv_head_range(spec.num_kv_heads, tp)),
@@ -92,10 +111,14 @@ def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
 
 def split_of(family: str, name: str) -> Split:
     """How ``family`` splits the tensor HF calls ``name``; ``KeyError`` if it does not say."""
+    return split_in(FAMILY_SPLITS[family], name, family)
+
+
+def split_in(table: Mapping[str, Split], name: str, owner: str = "table") -> Split:
+    """``table``'s split of the tensor ``name``; ``KeyError`` if the table does not say."""
     pattern = _NUMBER.sub("*", name)
-    table = FAMILY_SPLITS[family]
     if pattern not in table:
-        raise KeyError(f"family {family!r} declares no split for tensor {name}")
+        raise KeyError(f"family {owner!r} declares no split for tensor {name}")
     return table[pattern]
 
 

@@ -36,9 +36,11 @@ def test_a_rank_holds_its_heads_and_its_intermediate_slice(checkpoints, family, 
         want = [rows(q, heads, rank, 2), rows(k, kv_heads, rank, 2), rows(v, kv_heads, rank, 2)]
         assert torch.equal(mine.qkv, torch.cat(want))
         assert torch.equal(mine.o, rows(full.o, heads, rank, 2, dim=1))
-        gate, up = full.gate_up.split([inter, inter])
-        assert torch.equal(mine.gate_up, torch.cat([rows(gate, 2, rank, 2), rows(up, 2, rank, 2)]))
-        assert torch.equal(mine.down, rows(full.down, 2, rank, 2, dim=1))
+        gate, up = full.mlp.gate_up.split([inter, inter])
+        assert torch.equal(
+            mine.mlp.gate_up, torch.cat([rows(gate, 2, rank, 2), rows(up, 2, rank, 2)])
+        )
+        assert torch.equal(mine.mlp.down, rows(full.mlp.down, 2, rank, 2, dim=1))
         assert torch.equal(mine.input_norm, full.input_norm)
         if spec.has_qkv_bias:
             assert full.qkv_bias is not None and mine.qkv_bias is not None

@@ -3,7 +3,9 @@
 Each rank loads its slices of the checkpoint and keeps its KV heads; the last token's fp32
 logits on every rank, and every layer's K/V reassembled across the ranks by the head rule
 (``parallel.gather_kv_heads``), must equal transformers' within 1e-4. The models cover the
-three families and both KV-head regimes: heads split over the ranks (2 KV heads at TP 2) and
+three dense families, Qwen3-MoE (experts split per expert, one all-reduce after the
+routed experts; 2 layers, layer 0 sparse, so layer 1's K is within the dense tolerance) and
+both KV-head regimes: heads split over the ranks (2 KV heads at TP 2) and
 replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled x20, so a RoPE, mask or
 head-slicing bug moves logits by far more than the tolerance. One group runs every case, so
 the processes start once per TP size.
@@ -25,9 +27,12 @@ TOL = 1e-4
 # case: (family, num_key_value_heads)
 CASES = {
     2: {"llama": ("llama", 2), "qwen2": ("qwen2", 2), "qwen3": ("qwen3", 2),
-        "llama_kv1": ("llama", 1), "qwen3_kv1": ("qwen3", 1)},
+        "llama_kv1": ("llama", 1), "qwen3_kv1": ("qwen3", 1), "qwen3_moe": ("qwen3_moe", 2)},
     4: {"qwen2": ("qwen2", 2), "qwen3_kv1": ("qwen3", 1)},
 }  # fmt: skip
+OVERRIDES: dict[str, dict[str, object]] = {
+    "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
+}
 LONG, SHORT = prompt(45, seed=1), prompt(20, seed=2)
 ALL = [(size, name) for size, cases in CASES.items() for name in cases]
 
@@ -38,7 +43,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     names = {name: case for cases in CASES.values() for name, case in cases.items()}
     return {
         name: make_checkpoint(family, root / name, sharded=family == "qwen2",
-                              num_key_value_heads=kv)
+                              num_key_value_heads=kv, **OVERRIDES.get(name, {}))
         for name, (family, kv) in names.items()
     }  # fmt: skip
 

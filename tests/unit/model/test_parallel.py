@@ -64,8 +64,12 @@ def test_a_rank_outside_its_group_is_refused():
 
 def full_spec(family: str):  # type: ignore[no-untyped-def]
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    arch["qwen3_moe"] = "Qwen3MoeForCausalLM"
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     return spec_from_dict(
         {
+            **(moe if family == "qwen3_moe" else {}),
+            "mlp_only_layers": [1],
             "architectures": [arch[family]],
             "hidden_size": 64,
             "intermediate_size": 128,
@@ -84,6 +88,15 @@ def full_spec(family: str):  # type: ignore[no-untyped-def]
 def test_every_tensor_a_family_loads_has_a_split(family):
     for name in expected_shapes(full_spec(family)):
         split_of(family, name)  # raises KeyError when the table is silent
+
+
+def test_expert_weights_split_per_expert_and_the_router_is_replicated():
+    spec, tp = full_spec("qwen3_moe"), TPGroup(1, 2)  # moe_intermediate_size 16
+    expert = "model.layers.0.mlp.experts.3."
+    assert shard_slice(spec, expert + "gate_proj.weight", (16, 64), tp) == slice(8, 16)
+    assert local_shape(spec, expert + "up_proj.weight", (16, 64), tp) == (8, 64)
+    assert local_shape(spec, expert + "down_proj.weight", (64, 16), tp) == (64, 8)
+    assert split_of("qwen3_moe", "model.layers.0.mlp.gate.weight") == REPLICATED
 
 
 def test_a_tensor_the_table_does_not_name_is_an_error():
