@@ -13,29 +13,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from prefill_worker.model.moe.block import MoEWeights
+from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
 
-
-class ExpertsBackend(Protocol):
-    name: str
-
-    def prepare(self, weights: MoEWeights) -> MoEWeights:
-        """The layer's weights in the layout ``experts`` wants (called once per layer)."""
-        ...
-
-    def experts(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        weights: torch.Tensor,  # [T, k], x's dtype
-        ids: torch.Tensor,  # [T, k] int64
-        gate_up: torch.Tensor,  # [E, 2I, hidden], gate rows first
-        down: torch.Tensor,  # [E, hidden, I]
-    ) -> torch.Tensor: ...
+__all__ = [
+    "MOE_BACKENDS",
+    "ExpertsBackend",
+    "MoEWeights",
+    "create_moe_backend",
+    "resolve_moe_backend_name",
+]
 
 
 def _torch(device: torch.device) -> ExpertsBackend:

@@ -18,28 +18,15 @@ collective as a dense MLP's down projection)::
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.hf_config import MoESpec
 from prefill_worker.model.layers import silu_and_mul_
-from prefill_worker.model.moe import ExpertsBackend
+from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
 from prefill_worker.model.moe.routing import route
 from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class MoEWeights:
-    """One sparse layer's MLP; under TP, this rank's intermediate slice of each expert."""
-
-    router: torch.Tensor  # [E, hidden]
-    score_bias: torch.Tensor | None  # [E] fp32 (DeepSeek-V3's e_score_correction_bias)
-    gate_up: torch.Tensor  # [E, 2I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
-    shared_gate_up: torch.Tensor | None  # [2 I_s, hidden] (DeepSeek's shared experts)
-    shared_down: torch.Tensor | None  # [hidden, I_s]
 
 
 def moe_mlp(

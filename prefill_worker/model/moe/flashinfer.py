@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from prefill_worker.model.moe.block import MoEWeights
+from prefill_worker.model.moe.base import MoEWeights
 
 
 class FlashInferExperts:

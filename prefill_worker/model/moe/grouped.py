@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from prefill_worker.model.layers import silu_and_mul_
-from prefill_worker.model.moe.block import MoEWeights
+from prefill_worker.model.moe.base import MoEWeights
 
 
 class TorchGroupedExperts:
