@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
@@ -28,7 +29,7 @@ from prefill_worker.transfer import wire
 DEFAULT_MAX_PEER_PAGES = 2**20
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _MAX_DESCRIPTORS = 2**31 - 1
-_ADDRESS_SPACE = 2**64
+ADDRESS_SPACE = 2**64
 _MAX_AGENT_NAME = 255
 _DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 
@@ -149,11 +150,16 @@ def _check_device(device: str) -> Refusal | None:
 def _check_addresses(regions: KVRegions) -> Refusal | None:
     spans = [(a, regions.layout.region_bytes) for a in regions.region_base_addrs]
     spans.append((regions.aux_base_addr, regions.num_aux_rows * AUX_ROW_BYTES))
+    return outside_address_space("region", spans)
+
+
+def outside_address_space(what: str, spans: Sequence[tuple[int, int]]) -> Refusal | None:
+    """The first of a peer's (address, size) spans that does not fit the address space."""
     for i, (addr, size) in enumerate(spans):
-        if addr <= 0 or addr + size > _ADDRESS_SPACE:
+        if addr <= 0 or addr + size > ADDRESS_SPACE:
             return Refusal(
                 RejectReason.BAD_ADDRESS,
-                f"region {i} [{addr}, {addr} + {size}) is outside the 64-bit address space",
+                f"{what} {i} [{addr}, {addr} + {size}) is outside the 64-bit address space",
             )
     return None
 
