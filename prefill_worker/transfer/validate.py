@@ -1,16 +1,15 @@
 """What the bootstrap server accepts from a decode peer, decided before any work is done.
 
-A ``register`` is checked here in full (layout, sizes, addresses, device) before NIXL sees
-its metadata or a descriptor table is built; a ``want`` is checked for size before its page
-ids are looked at. Each refusal carries a ``RejectReason`` (the label of
+A ``register`` is checked in full (layout, sizes, addresses, device) before NIXL sees its
+metadata or a descriptor table is built; a ``want`` is checked for size before its page ids
+are looked at. Each refusal carries a ``RejectReason`` (the label of
 ``prefill_worker_bootstrap_rejects_total``) and a message with the numbers. Torch-free.
 
 Limits, and why:
 
-    max_peer_pages     decode pool pages (and aux rows) one peer may register; the
-                       descriptor lists prepared at registration are strided (one row
-                       per region, ``pagemap``), so their cost does not grow with it;
-                       it bounds what a want may name and the descriptor index space
+    max_peer_pages     decode pool pages (and aux rows) one peer may register; the strided
+                       descriptor lists (``pagemap``) cost the same at any size; it bounds
+                       what a want may name and the descriptor index space
     2**31 - 1          descriptor indices are int32 (what NIXL takes)
     2**64              a region [base, base + pages * page_bytes) must fit the address space
 """

@@ -1,17 +1,7 @@
 """What this worker accepts from SGLang decodes, decided before NIXL sees anything: the
 ``/route`` answer it gives, the registrations it takes (as a decode pool, ``KVRegions``)
-and the transfer requests it serves. Every refusal names the mismatch with its numbers.
-
-A registration is refused when the decode's pool cannot take this worker's pages byte for
-byte or asks for a feature the worker does not serve:
-
-    attention TP > 1 (or DCP)   its heads are sliced across ranks; this worker is one rank
-                                that holds every KV head and does not slice them
-    KV item bytes differ        page size, KV heads, head_dim or dtype size differ
-    regions != 2 x layers       another model, or an MLA / hybrid pool
-    state or staging buffers    hybrid (Mamba, SWA, DSA) models, heterogeneous-TP staging
-    metadata buffers != 10      SGLang's sampling mask, KV checksum or DSA top-k buffers
-                                are on; this worker fills the default ten
+and the transfer requests it serves. Every refusal names the mismatch with its numbers; what
+is refused and why is tabled in docs/sglang.md ("What is refused, and why").
 
 Torch-, ZMQ- and NIXL-free.
 """
