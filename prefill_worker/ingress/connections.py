@@ -9,10 +9,10 @@ a time and is reused after a close; one connection has one routing id::
     messages:        (7, id A) (7, id A) ...                              (7, id B) ...
     table:     7 → ?   7 → A                       A gone             7 → ?   7 → B
 
-The ingress reads the monitor before it files an unseen routing id (libzmq never drops a
-monitor event), so a new id belongs to the current connection on its fd, unless that
-connection already has another id or the fd has none: then it came from an earlier connection,
-gone by now. Pure bookkeeping, no ZMQ.
+The ingress reads the monitor every turn (libzmq blocks its I/O thread rather than drop an
+event) and before it files an unseen routing id, so a new id belongs to the current connection
+on its fd, unless that connection already has another id or the fd has none: then it came from
+an earlier connection, gone by now. Pure bookkeeping, no ZMQ.
 """
 
 from __future__ import annotations
