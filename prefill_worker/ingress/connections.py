@@ -1,21 +1,18 @@
 """Which router (ZMQ routing id) is on which TCP connection, so that a disconnect names it.
 
-libzmq's ``ROUTER_NOTIFY`` would say so directly, but it is a draft API that the pyzmq wheels
-do not build. What the stable API gives: the socket monitor reports ``ACCEPTED(fd)`` and
-``DISCONNECTED(fd)`` in order, and every received message carries its connection's fd
-(``SRCFD``). An fd is one connection at a time and is reused after a close; one connection
-has one routing id::
+libzmq's ``ROUTER_NOTIFY`` would say so, but it is a draft API the pyzmq wheels do not build.
+The stable API gives: the socket monitor reports ``ACCEPTED(fd)`` and ``DISCONNECTED(fd)`` in
+order, and every message carries its connection's fd (``SRCFD``). An fd is one connection at
+a time and is reused after a close; one connection has one routing id::
 
     monitor:   ACCEPTED(7) ....................... DISCONNECTED(7)  ACCEPTED(7) ...
     messages:        (7, id A) (7, id A) ...                              (7, id B) ...
     table:     7 → ?   7 → A                       A gone             7 → ?   7 → B
 
-The ingress reads the monitor before it files a routing id it has not seen, so every event
-that happened before that message arrived is known. Then a new id belongs to the current
-connection on its fd, unless that connection already has another id or the fd has none: the
-message came from an earlier connection that is gone by now. No event is ever missed: libzmq
-blocks its I/O thread rather than drop a monitor event (so the ingress reads them every turn).
-Pure bookkeeping, no ZMQ.
+The ingress reads the monitor every turn (libzmq blocks its I/O thread rather than drop an
+event) and before it files an unseen routing id, so a new id belongs to the current connection
+on its fd, unless that connection already has another id or the fd has none: then it came from
+an earlier connection, gone by now. Pure bookkeeping, no ZMQ.
 """
 
 from __future__ import annotations

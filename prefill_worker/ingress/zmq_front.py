@@ -2,25 +2,18 @@
 
 This module owns the socket and its life cycle: the context, the ROUTER options, CURVE, the
 connection monitor, the I/O thread and its poll loop, and the outbox the engine fills. What a
-message means and where a reply goes is ``dispatch.IngressDispatch``'s; routers connect DEALER
-sockets (docs/protocol.md, part 1) and ``validate.decode_router`` decides what a frame is.
-The I/O thread owns the socket and everything below; the engine loop owns everything else::
+message means and where a reply goes is ``dispatch.IngressDispatch``'s (the wire and its
+guarantees: docs/protocol.md, part 1). The I/O thread owns the socket and everything below::
 
     routers ─▶ ROUTER ─▶ dispatch ─▶ (reject now) | inbox.put(PrefillRequest | AbortRequest)
                   ▲  └─ monitor: DISCONNECTED ─▶ AbortRequest(ROUTER_GONE) for its requests
                   │                                                      │ engine loop
                   └── dispatch.reply ◀── outbox (deque) + wake pipe ◀── send_outcome(outcome)
 
-Invariants: every ``prefill`` gets exactly one ``result`` or ``reject``. Request ids are
-scoped by router connection (``routes.RouteTable``: the engine sees ids unique in the worker,
-the reply carries the router's own id again). An ``abort`` is never answered. A router
-whose connection closes has its requests aborted (``router_gone``); a reply the router cannot
-take any more (EHOSTUNREACH under ROUTER_MANDATORY) is counted and dropped.
-
-Fairness: one turn of the I/O thread reads a bounded batch (``dispatch.receive_batch``: at
-most 512 messages or 1 MiB of frames), then sends every reply that is ready, so a reply waits
-behind a bounded amount of decoding. Nothing here touches engine state; ``load`` and the
-observer are called from the I/O thread and must be thread-safe.
+Fairness: one turn reads a bounded batch (``dispatch.receive_batch``), then sends every reply
+that is ready. A reply a router cannot take any more (EHOSTUNREACH under ROUTER_MANDATORY) is
+counted and dropped. Nothing here touches engine state; ``load`` and the observer are called
+from the I/O thread and must be thread-safe.
 """
 
 from __future__ import annotations

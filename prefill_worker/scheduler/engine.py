@@ -12,8 +12,7 @@ One turn (``step``), the same for serial and overlapped forwards (``forward.py``
                 sender.send_pages; last chunk → aux row  │
                 → sender.send_aux                        ┘
 
-The loop is here; what happens to each request (submit, sender polling, deadlines, consume,
-and the one finish path) is ``lifecycle.RequestLifecycle``.
+What happens to each request is ``lifecycle.RequestLifecycle``.
 """
 
 from __future__ import annotations

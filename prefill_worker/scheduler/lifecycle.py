@@ -6,14 +6,13 @@ requests that a running forward may still write. The engine's loop calls it each
     submit          a prefill (sender created, deadlines pushed) or an abort
     poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
     expire          deadlines that passed (bootstrap, transfer, per request)
-    send_prefix_hits  a launched batch's newly admitted requests: their cached pages →
-                    sender.send_pages (they travel while the rest is computed)
-    consume         a collected forward: pages → prefix cache (complete now) and
-                    sender.send_pages; last chunk → aux row → sender.send_aux, then TRANSFERRING
+    send_prefix_hits  a launched batch's new requests: their cached pages → send_pages
+    consume         a collected forward: pages → prefix cache and send_pages;
+                    last chunk → aux row → send_aux, then TRANSFERRING
 
-Every request ends through ``finish``: sender failed (if need be) and closed, then pages and
-aux row freed (pages still read by a running forward are freed by ``release_deferred`` when it
-is collected), one ``Outcome`` counted, observed and handed to the sink.
+Every request ends through ``finish``: sender failed (if need be) and closed, pages and aux
+row freed (those a running forward still writes by ``release_deferred`` when it is
+collected), one ``Outcome`` counted, observed and handed to the sink.
 """
 
 from __future__ import annotations

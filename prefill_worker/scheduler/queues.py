@@ -8,12 +8,9 @@ move to ``on_move`` (the engine passes its observer's ``on_transition``)::
     waiting     deque, FCFS order (entries that left WAITING are dropped lazily at the head)
     prefilling  request_id -> Request, admission order
     inflight    request_id -> Request (TRANSFERRING: KV pushed, waiting for the sender)
-    watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn,
-                so a turn costs O(poll budget), not O(queued). Entries that left those states
-                are dropped as the ring reaches them and never count against the budget: each
-                is dropped once, and a live request is never held back behind dead ones (an
-                HTTP batch of 100,000 aborted prompts once delayed the next request ~20 s,
-                skipped 32 a turn)
+    watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn
+                (O(poll budget) a turn); entries that left those states are dropped as the
+                ring reaches them, each once, and never count against the budget
 """
 
 from __future__ import annotations

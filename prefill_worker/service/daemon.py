@@ -2,19 +2,8 @@
 
 With ``service/startup.py`` (the steps that build each component), the only module that sees
 the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
-supervision, signals, drain, stop, fatal errors, closing. Threads::
-
-    main     start-up steps; then supervises: signals, drain, watchdog, gauges
-    engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
-    ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
-    http     /metrics /livez /readyz /drain (aiohttp on uvloop)
-    forward  (overlap mode) the executor thread running batch N
-    kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
-
-Every thread above but main, engine and forward is an edge thread, supervised with the NIXL
-transfer threads by ``service/threads.py``: one that stops makes ``/livez`` and ``/readyz``
-answer 503 at once, and stops the systemd watchdog within one supervision period
-(``_SUPERVISE_PERIOD_S``).
+supervision, signals, drain, stop, fatal errors, closing. Which thread owns what is drawn in
+docs/architecture.md ("Threads"); the edge threads are supervised by ``service/threads.py``.
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits

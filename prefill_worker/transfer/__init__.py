@@ -1,5 +1,5 @@
-"""KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK
-(``decode/``).
+"""KV transfer to decode nodes: the backend seam (``base``), the push engine (``push/``), the
+two protocols over NIXL (``native/``, ``sglang/``) and the decode SDK (``decode/``).
 
 Public for decode engines: ``KVReceiver`` (with ``RoomState``, ``RoomStatus``,
 ``RegistrationError``), ``describe_worker`` (the worker's pool layout, before registering),

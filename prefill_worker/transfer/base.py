@@ -12,8 +12,7 @@ Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a
     close()                  release handles, cancelling writes in flight; never waits
 
 Pages and the aux row may be freed only after ``close()`` has returned. The engine sleeps
-between turns in ``TransferBackend.wait`` (never in a sender): a backend wakes it for
-messages on its own sockets and for the progress it must poll for.
+between turns in ``TransferBackend.wait``, never in a sender.
 """
 
 from __future__ import annotations

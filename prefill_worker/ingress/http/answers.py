@@ -2,20 +2,11 @@
 ``/v1/completions`` bodies, refusals as JSON errors, each with the status a PD router reads.
 
 The router ends a prefill's part on any 2xx and reads the body only for
-``meta_info.input_token_logprobs`` (prepended to the decode's when logprobs were asked). Those
-are SGLang's prompt logprobs from ``logprob_start_len``: one ``[logprob, token_id, text]``
-entry per prompt token from there on, the first one's logprob ``None`` (SGLang scores token
-``i`` at position ``i - 1`` and starts at position ``logprob_start_len``), ``text`` None
-unless ``return_text_in_logprobs``.
-Status codes are what decides the router's next step::
-
-    200  the KV and the first token are in the decode's pages
-    400  the request itself is wrong: the router passes it to the client, no retry
-    429  this worker holds its maximum of requests: the router retries, elsewhere if it can
-    503  starting or draining: retried elsewhere; /health says the same, so the router stops
-         sending here
-    500  this attempt failed (the decode never came, the push failed, ...): retried with a
-         new room, as SGLang's prefill answers a failed transfer
+``meta_info.input_token_logprobs`` (prepended to the decode's): SGLang's prompt logprobs,
+one ``[logprob, token_id, text]`` entry per prompt token from ``logprob_start_len`` on
+(docs/http-api.md, "Logprobs"). The status codes and what the router does with each are
+tabled in docs/http-api.md ("Status codes"): 200 the KV and first token are in the decode's
+pages, 400 no retry, 429 and 503 retried elsewhere, 500 retried with a new room.
 """
 
 from __future__ import annotations

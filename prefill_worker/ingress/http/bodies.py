@@ -2,19 +2,13 @@
 Structs, and their reading into one ``Prompt`` per prompt of the request.
 
 The router forwards the client's body and adds ``bootstrap_host``, ``bootstrap_port`` and
-``bootstrap_room`` (lists, one per prompt, for a batch) and flags such as ``model`` or
-``log_metrics``; unknown keys are ignored, as SGLang's own server does with the router's flags.
-Reading is strict about what changes the first token: a sampling option this worker does not
-apply (``min_p``, ``logit_bias``, grammars, ``n > 1``, ``min_new_tokens``) is a ``BadRequest``,
-never silently dropped. Options that only concern later tokens (``max_new_tokens``, ``stop``,
-penalties on generated tokens) are the decode's and are ignored here. Nothing here knows
-tokenizers or the model's limits: that is ``prompts.py``.
-
-Hostile bodies cost little: the body's depth and number of values are checked on its bytes
-before decoding (``shape.py``); a batch of more prompts than the front may hold is refused
-(429) before any of its prompts is read or tokenized; token ids stay JSON text
-(``msgspec.Raw``) until ``prompts.py`` has checked their size against the longest prompt, so no
-list is built that cannot be served.
+``bootstrap_room`` (lists, one per prompt, for a batch) and flags such as ``model``; unknown
+keys are ignored, as SGLang's own server does. Reading is strict about what changes the first
+token: a sampling option this worker does not apply (``min_p``, ``logit_bias``, grammars,
+``n > 1``, ``min_new_tokens``) is a ``BadRequest``, never silently dropped; options that only
+concern later tokens are the decode's and are ignored here. Nothing here knows tokenizers or
+the model's limits: that is ``prompts.py``. Token ids stay JSON text (``msgspec.Raw``) until
+``prompts.py`` has checked their size (what a hostile body may cost: docs/http-api.md).
 """
 
 from __future__ import annotations

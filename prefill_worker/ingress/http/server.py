@@ -1,31 +1,19 @@
 """The HTTP API front: SGLang's HTTP surface on aiohttp (uvloop underneath), beside the ZMQ
-ingress, entering the same engine inbox.
+ingress, entering the same engine inbox (docs/http-api.md).
 
-A PD router (smg, sglang-router) POSTs each request here and to a decode server at once, with
-the bootstrap room the decode will name. A request becomes one ``PrefillRequest`` per prompt
-(``prompts.py``), is put in the engine's inbox like a ZMQ ``prefill``, and is answered when its
-outcome comes back: on success the KV and first token have already landed in the decode's
-pages. The engine guarantees one outcome per request (bootstrap and transfer deadlines), so no
-answer waits forever; a client that goes away aborts its requests. Threads::
+A PD router POSTs each request here and to a decode server at once, with the bootstrap room
+the decode will name. A request becomes one ``PrefillRequest`` per prompt (``prompts.py``),
+is put in the engine's inbox like a ZMQ ``prefill``, and is answered when its outcome comes
+back; the engine guarantees one outcome per request, so no answer waits forever, and a client
+that goes away aborts its requests. Threads::
 
     http-api thread (its own event loop)       engine thread
       POST /generate ─ admit ─▶ inbox.put ──────▶ ... one Outcome per request
                   await future ◀── call_soon_threadsafe ◀── send_outcome(outcome)
 
-Status codes and bodies are ``answers.py``'s, probe bodies ``probes.py``'s. Readiness and
-draining are set by the daemon (``set_ready``, ``set_draining``): until ready, while draining,
-or while the engine loop is stalled, ``/health`` and new requests answer 503. A request
-refused with 429 or 503 has its rooms withdrawn at once (``_release``), so the decode the
-router also sent it to fails them now rather than at its timeout, and the router's retry (a
-new room, maybe another prefill) is not held up behind that decode's answer.
-
-Hostile bodies fail alone (docs/http-api.md, "Hostile bodies"): a body over
-``max_body_bytes`` is a 413 before it is read; its shape and size are bounded before it is
-decoded (``bodies.py``); a batch of more prompts than ``max_inflight`` is a 429 before any
-prompt is tokenized or enters the engine, and its rooms are not withdrawn (nor any beyond
-``max_inflight`` refused prompts at a time). Bodies over ``_INLINE_BYTES`` (one at a time) and
-texts are read and tokenized on the front's executor thread, so the event loop keeps serving
-other clients meanwhile.
+Status codes and bodies are ``answers.py``'s, probes ``probes.py``'s; readiness and draining
+are set by the daemon (``set_ready``, ``set_draining``). Bodies over ``_INLINE_BYTES`` and texts
+are read and tokenized on the front's executor thread, so the event loop keeps serving.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ connects to the worker's bootstrap server and ``register``s. Then per request::
     read_aux(aux_slot)                                           (once DONE)
     forget(room)
 
-DONE needs both the worker's ``status ok`` and the NIXL notification after the aux row, so
-every byte has landed. Threads, recovery and caller errors: docs/protocol.md, "Write a decode
-integration". This module is the public surface, the NIXL agent and the lock; the worker
-conversation is ``link``, rooms are ``rooms``, tensors are ``pool``, waiting is ``io``.
+DONE needs both the worker's ``status ok`` and the NIXL notification after the aux row.
+Threads, recovery and caller errors: docs/protocol.md, "Write a decode integration". This
+module holds the public surface, the agent and the lock; the worker conversation is ``link``,
+rooms ``rooms``, tensors ``pool``, waiting ``io``.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
 from prefill_worker.transfer.push.dialect import PageLists
-from prefill_worker.transfer.push.hub import HubBackend, PushHub
+from prefill_worker.transfer.push.hub import HubBackend
 from prefill_worker.transfer.push.peer import Peer
-from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals
 from prefill_worker.transfer.push.sender import PushContext
 
 REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
@@ -77,15 +77,7 @@ class NixlBackend(HubBackend[Peer]):
         layout = regions.layout
         pages = PageLists(self.local_lists.kv, layout.num_regions, layout.region_page_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.peer_timeout_s, clock)
-        counter = RejectCounter("bootstrap", hooks.on_reject)
-        self._hub: PushHub[Peer] = PushHub(
-            ctx,
-            self.agent,
-            counter,
-            refusals,
-            options.want_timeout_s,
-            self.limits.max_unmatched_wants,
-        )
+        self._start_hub(ctx, self.agent, refusals, "bootstrap", options, hooks)
         described = wire.Described(
             agent_name=self.agent_name,
             layout=wire.Layout.of(layout),
@@ -102,7 +94,6 @@ class NixlBackend(HubBackend[Peer]):
             described,
             self._poster.run,
         )
-        self.reject_counts = counter.counts  # the same dict: counts as they happen
         self._next_heartbeat = clock()
 
     # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------

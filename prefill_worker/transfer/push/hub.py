@@ -17,6 +17,7 @@ from prefill_worker.transfer.base import KVPoll, KVSender
 from prefill_worker.transfer.nixl.agent import forget_agent
 from prefill_worker.transfer.nixl.poster import Write
 from prefill_worker.transfer.nixl.reaper import HandleReaper, HeldTells
+from prefill_worker.transfer.options import Hooks, NativeOptions, SglangOptions
 from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE
 from prefill_worker.transfer.push.peer import P
 from prefill_worker.transfer.push.refusals import Refusals, RejectCounter
@@ -269,6 +270,29 @@ class HubBackend(Generic[P]):
     read. A protocol's backend adds its sockets, threads and desk."""
 
     _hub: PushHub[P]
+
+    def _start_hub(
+        self,
+        ctx: PushContext[P],
+        agent: Any,
+        refusals: Refusals,
+        kind: str,
+        options: NativeOptions | SglangOptions,
+        hooks: Hooks,
+    ) -> PushHub[P]:
+        """The hub, its refusals counted under ``kind`` (``reject_counts``) and told to
+        ``hooks.on_reject``."""
+        counter = RejectCounter(kind, hooks.on_reject)
+        limits = options.limits
+        self._hub = PushHub(
+            ctx, agent, counter, refusals, options.want_timeout_s, limits.max_unmatched_wants
+        )
+        return self._hub
+
+    @property
+    def reject_counts(self) -> dict[str, int]:
+        """Refused messages by reason, as they happen."""
+        return self._hub.counter.counts
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None

@@ -8,12 +8,11 @@ Order of a successful push::
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
 A sender never calls back: what its hub must do (a ``Tell``, its ``Closed``) is appended to
-the shared ``PushContext.events`` and done, in order, on the hub's next turn. Writes go
-through the context's poster (``nixl.poster``) and are tracked in a ``WriteSet``:
-released when DONE, cancelled on failure or close. ``close()`` never waits: writes not yet
-settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``) until no byte
-of the room's writes can land: a decode told ``failed`` or ``aborted`` reuses its pages at
-once. A decode's abort ends the room ABORTED, acknowledged once no write is in flight.
+``PushContext.events`` and done in order on the hub's next turn. ``close()`` never waits:
+writes not yet settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``)
+until no byte of the room's writes can land: a decode told ``failed`` or ``aborted`` reuses
+its pages at once. A decode's abort ends the room ABORTED, acknowledged once no write is in
+flight.
 """
 
 from __future__ import annotations

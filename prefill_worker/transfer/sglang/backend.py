@@ -26,8 +26,8 @@ from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists
-from prefill_worker.transfer.push.hub import HubBackend, PushHub
-from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.hub import HubBackend
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals
 from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import server_info
@@ -77,19 +77,11 @@ class SglangBackend(HubBackend[SglangPeer]):
         layout = regions.layout
         pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
-        counter = RejectCounter("sglang", hooks.on_reject)
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
         refusals = Refusals(
             ExpiringTable(0.0, 1), ExpiringTable(options.want_timeout_s, _MAX_REFUSED_ROOMS)
         )
-        self._hub: PushHub[SglangPeer] = PushHub(
-            ctx,
-            self.agent,
-            counter,
-            refusals,
-            options.want_timeout_s,
-            self.limits.max_unmatched_wants,
-        )
+        self._start_hub(ctx, self.agent, refusals, "sglang", options, hooks)
         self._desk = SglangDesk(
             self._hub,
             self.agent,
@@ -100,7 +92,6 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
         )
-        self.reject_counts = counter.counts
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
