@@ -190,3 +190,10 @@ def test_prefix_hits_are_not_running_tokens() -> None:
     assert costs.running_tokens == 24 - 16
     assert rig.outcome("first").num_computed_tokens == 24
     assert costs.queued_tokens == 0
+
+
+def test_the_default_window_is_the_last_64_requests() -> None:
+    estimator = CostEstimator()
+    for seconds in [100.0] * 33 + [1.0] * 32:
+        estimator.on_outcome(_outcome(seconds, seconds))
+    assert estimator.signals(0, [], None).handshake_s == pytest.approx(50.5)
