@@ -80,6 +80,7 @@ MODULES: dict[str, list[str]] = {
     ],
     "prefill_worker/scheduler/admission.py": _SCHEDULER,
     "prefill_worker/scheduler/chunking.py": _SCHEDULER,
+    "prefill_worker/scheduler/costs.py": [_S + "test_costs.py"],
     "prefill_worker/scheduler/deadlines.py": _SCHEDULER,
     "prefill_worker/scheduler/queues.py": _SCHEDULER,
     "prefill_worker/scheduler/tracked.py": _SCHEDULER,

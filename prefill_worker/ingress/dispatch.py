@@ -38,7 +38,7 @@ from prefill_worker.ingress.messages import (
 from prefill_worker.ingress.replies import RouterSender
 from prefill_worker.ingress.routes import RouteTable, scope
 from prefill_worker.ingress.validate import Limits, decode_router
-from prefill_worker.load import LoadSource
+from prefill_worker.load import TTFT_SLO_REJECT, LoadSource, ttft_slo_refusal
 from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,8 @@ class IngressDispatch:
             )
         else:
             reject = self._routes.problem(scoped_id, request_id)
+        if reject is None and self._is_over_slo(identity, req, request_id):
+            return
         if reject is None:
             self._routes.add(identity, scoped_id, request_id)
             try:
@@ -258,25 +260,45 @@ class IngressDispatch:
                 return
         self._reject(identity, reject)
 
+    def _is_over_slo(self, identity: bytes, req: PrefillRequest, request_id: str) -> bool:
+        """Refused ``overloaded`` (counted as ``ttft_slo``): its predicted TTFT exceeds
+        ``admission.ttft_slo_s``."""
+        if self._limits.ttft_slo_s is None:
+            return False
+        why = ttft_slo_refusal(self._load().costs, len(req.token_ids), self._limits.ttft_slo_s)
+        if why is None:
+            return False
+        reject = Reject(code=RejectCode.OVERLOADED, message=why, request_id=request_id)
+        self._reject(identity, reject, TTFT_SLO_REJECT)
+        return True
+
     def _forward_abort(self, msg: AbortRequest) -> None:
         try:
             self._inbox.put_nowait(msg)
         except queue.Full:
             log.warning("engine queue full; abort of %r dropped", msg.request_id)
 
-    def _reject(self, identity: bytes, reject: Reject) -> None:
+    def _reject(self, identity: bytes, reject: Reject, counted_as: str | None = None) -> None:
+        """``counted_as``: the rejects counter's ``code`` label, when not the wire code."""
         self.counts["rejected"] += 1
-        self._observer.on_reject(reject.code.value)
+        self._observer.on_reject(counted_as or reject.code.value)
         self._sender.send(identity, encode(reject))
 
     def _pong(self, identity: bytes, nonce: int | UnsetType | None) -> None:
         """The engine's load as the router reads it; draining is this ingress's own state."""
         snap = self._load()
+        costs = snap.costs
         load = Load(
             waiting=snap.num_bootstrapping + snap.num_waiting,
             running=snap.num_prefilling + snap.num_transferring,
             free_kv_pages=snap.num_free_pages,
             draining=self.is_draining,
+            queued_tokens=costs.queued_tokens,
+            running_tokens=costs.running_tokens,
+            prefill_rate_tps=costs.prefill_rate_tps,
+            backlog_s=costs.backlog_s,
+            handshake_s=costs.handshake_s,
+            transfer_s=costs.transfer_s,
         )
         pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
         self._sender.send(identity, encode(pong))

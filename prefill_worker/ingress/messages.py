@@ -176,6 +176,13 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     running: int
     free_kv_pages: int
     draining: bool
+    # The cost signals (docs/protocol.md): added in the same version, absent from older pongs.
+    queued_tokens: int | UnsetType = UNSET
+    running_tokens: int | UnsetType = UNSET
+    prefill_rate_tps: float | UnsetType | None = UNSET  # None: no forward measured yet
+    backlog_s: float | UnsetType | None = UNSET  # None: work queued, but no rate yet
+    handshake_s: float | UnsetType = UNSET
+    transfer_s: float | UnsetType = UNSET
 
 
 class Pong(_Message, tag="pong", frozen=True, kw_only=True):

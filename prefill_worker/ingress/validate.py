@@ -48,11 +48,13 @@ _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What a prompt must satisfy; ``max_pool_tokens`` is the whole KV pool in tokens."""
+    """What a prompt must satisfy; ``max_pool_tokens`` is the whole KV pool in tokens.
+    ``ttft_slo_s`` is read by the fronts' admission, not by the decoding here."""
 
     vocab_size: int
     max_prompt_tokens: int
     max_pool_tokens: int
+    ttft_slo_s: float | None = None  # admission.ttft_slo_s: None admits whatever it predicts
 
 
 class _Invalid(Exception):

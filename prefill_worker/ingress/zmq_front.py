@@ -92,6 +92,7 @@ class Ingress:
         observer: IngressObserver | None = None,
         on_drain: Callable[[], None] | None = None,
         allow_drain_message: bool = False,
+        ttft_slo_s: float | None = None,
     ) -> None:
         """``max_message_bytes`` None: ``default_max_message_bytes(max_prompt_tokens)``. The
         ``drain`` message calls ``on_drain`` only with ``allow_drain_message``; otherwise it
@@ -135,7 +136,7 @@ class Ingress:
             self._sender,
             inbox,
             load,
-            Limits(vocab_size, max_prompt_tokens, max_pool_tokens),
+            Limits(vocab_size, max_prompt_tokens, max_pool_tokens, ttft_slo_s),
             RouteTable(max_inflight),
             observer=observer,
             on_drain=on_drain,

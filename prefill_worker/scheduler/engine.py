@@ -28,8 +28,9 @@ from prefill_worker.batch import BatchOutput, ModelRunner
 from prefill_worker.inbox import EngineMessage, Inbox
 from prefill_worker.kv.tables import PageTable
 from prefill_worker.load import LoadSnapshot
-from prefill_worker.request import FinishReason
+from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
+from prefill_worker.scheduler.costs import CostEstimator
 from prefill_worker.scheduler.forward import make_forward
 from prefill_worker.scheduler.lifecycle import RequestLifecycle
 from prefill_worker.scheduler.liveness import ForwardClock, Progress
@@ -65,8 +66,10 @@ class Engine:
         self.limits = limits
         # no prefix cache: the table uses NoPrefixCache
         self._table = PageTable(kv.pages, limits.page_size, kv.prefix_cache)
+        self._costs = CostEstimator()
+        self._sink = sink
         self._life = RequestLifecycle(
-            transfer, self._table, kv.aux, sink, self._observer, clock, limits
+            transfer, self._table, kv.aux, self._on_outcome, self._observer, clock, limits
         )
         self._queues = self._life.queues
         self._admission = Admission(
@@ -228,8 +231,16 @@ class Engine:
         self._running = batch
         self._forward.launch(batch.plan)
 
+    def _on_outcome(self, outcome: Outcome) -> None:
+        self._costs.on_outcome(outcome)
+        self._sink(outcome)
+
     def _publish(self) -> None:
         queues = self._queues
+        seconds_per_token = self._forward_clock.progress(0.0).seconds_per_token
+        costs = self._costs.signals(
+            queues.num_queued_tokens, queues.prefilling.values(), seconds_per_token
+        )
         load = LoadSnapshot(
             num_bootstrapping=queues.num_bootstrapping,
             num_waiting=queues.num_waiting,
@@ -240,6 +251,7 @@ class Engine:
             num_cached_pages=self._table.cache.num_pages,
             num_free_aux_rows=self._aux.num_free,
             num_total_aux_rows=self._aux.num_rows,
+            costs=costs,
         )
         self.last_turn_at = self._clock()
         if load != self._load:

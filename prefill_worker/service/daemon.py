@@ -153,7 +153,7 @@ class Daemon:
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
         if cfg.http_api.enabled:
-            served = (info, Limits(*limits))
+            served = (info, Limits(*limits, ttft_slo_s=cfg.admission.ttft_slo_s))
             with watch("http api"):
                 front = start_http_api(
                     cfg, self.inbox, engine, served, self.metrics, self.health.is_live

@@ -330,6 +330,7 @@ def start_ingress(
             observer=IngressEvents(metrics),
             on_drain=on_drain,
             allow_drain_message=cfg.allow_drain_message,
+            ttft_slo_s=config.admission.ttft_slo_s,
         )
         ingress.start()
     return ingress

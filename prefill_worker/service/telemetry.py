@@ -33,6 +33,7 @@ class EngineEvents:
         self._metrics.set_queue_sizes(load.queue_sizes())
         self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages, load.num_cached_pages)
         self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
+        self._metrics.set_costs(load.costs)
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         return None  # per-state metrics come from ``on_load``; the outcome carries the timings

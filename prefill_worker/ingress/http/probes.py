@@ -8,7 +8,8 @@ this worker could not serve it): like SGLang's own server, this one answers ``/v
 404. It reads the model id from ``data[].id`` (and
 ``served_model_name``), the parallel sizes and ``disaggregation_mode`` from ``/server_info``,
 and a load report per rank from ``/v1/loads`` (``loads[]``: running and waiting requests,
-token usage). Prefill and decode servers must announce the same model id, or the router will
+token usage; the fields it does not know it ignores, so the cost signals ride beside them,
+``cost_signals``). Prefill and decode servers must announce the same model id, or the router will
 not pair them. The decode peer in ``testing/`` builds its answers from these functions too.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from prefill_worker.load import LoadSnapshot
+from prefill_worker.load import CostSignals, LoadSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,18 @@ def models(model: ServedModel) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
+def cost_signals(costs: CostSignals) -> dict[str, Any]:
+    """This worker's cost signals (docs/http-api.md): None where no rate is measured yet."""
+    return {
+        "queued_tokens": costs.queued_tokens,
+        "running_tokens": costs.running_tokens,
+        "prefill_rate_tokens_per_s": costs.prefill_rate_tps,
+        "backlog_s": costs.backlog_s,
+        "handshake_s": costs.handshake_s,
+        "transfer_s": costs.transfer_s,
+    }
+
+
 def loads(model: ServedModel, load: LoadSnapshot) -> dict[str, Any]:
     """One rank's load, as SGLang's ``/v1/loads`` and smg's ``SchedulerLoadSnapshot``."""
     used_tokens = load.num_used_pages * model.page_size
@@ -108,6 +121,7 @@ def loads(model: ServedModel, load: LoadSnapshot) -> dict[str, Any]:
         "cache_hit_rate": 0.0,
         "utilization": 0.0,
         "max_running_requests": model.max_running_requests,
+        **cost_signals(load.costs),
     }
     return {
         "timestamp": datetime.now(timezone.utc).isoformat(),

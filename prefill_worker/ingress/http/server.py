@@ -37,7 +37,7 @@ from prefill_worker.ingress.http.bodies import BadRequest, Prompt, read_completi
 from prefill_worker.ingress.http.prompts import Admitter
 from prefill_worker.ingress.http.text import TextCodec
 from prefill_worker.ingress.validate import Limits
-from prefill_worker.load import LoadSource
+from prefill_worker.load import TTFT_SLO_REJECT, LoadSource, ttft_slo_refusal
 from prefill_worker.request import AbortRequest, Outcome, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class HttpApi:
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
         self._inbox, self._load, self._model, self._codec = inbox, load, model, codec
-        self._admitter = Admitter(limits, codec)
+        self._admitter, self._limits = Admitter(limits, codec), limits
         self._max_inflight, self._max_body_bytes = max_inflight, max_body_bytes
         self._is_live, self._metrics_text, self._on_reject = is_live, metrics_text, on_reject
         self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
@@ -177,6 +177,10 @@ class HttpApi:
             self._release(requests)
             why = f"{len(self._pending)} requests in flight (most {self._max_inflight})"
             return self._refuse(429, why, "overloaded")
+        why = self._over_slo(requests)
+        if why is not None:
+            self._release(requests)
+            return self._refuse(429, why, "overloaded", counted_as=TTFT_SLO_REJECT)
         outcomes = await self._submit(requests)
         status = answers.status_of(outcomes)
         if status != 200:
@@ -269,8 +273,18 @@ class HttpApi:
         elif not future.done():
             future.set_result(outcome)
 
-    def _refuse(self, status: int, message: str, code: str) -> web.Response:
-        self._on_reject(code)
+    def _over_slo(self, requests: list[PrefillRequest]) -> str | None:
+        """Why the batch is refused under ``admission.ttft_slo_s`` (its longest prompt's
+        predicted TTFT exceeds it), or None."""
+        if self._limits.ttft_slo_s is None or not requests:
+            return None
+        num_tokens = max(len(r.token_ids) for r in requests)
+        return ttft_slo_refusal(self._load().costs, num_tokens, self._limits.ttft_slo_s)
+
+    def _refuse(
+        self, status: int, message: str, code: str, counted_as: str | None = None
+    ) -> web.Response:
+        self._on_reject(counted_as or code)
         return _json(answers.error_body(status, message, code), status)
 
 

@@ -13,7 +13,7 @@ import zmq
 
 from prefill_worker.ingress.messages import Load, WorkerMessage, decode_worker
 from prefill_worker.ingress.zmq_front import Ingress
-from prefill_worker.load import LoadSnapshot
+from prefill_worker.load import CostSignals, LoadSnapshot
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -27,10 +27,27 @@ __all__ = ["wait_until"]  # re-exported for the ingress tests
 
 VOCAB = 1000
 # The engine's snapshot the fake engine reports, and the pong a router reads for it.
+COSTS = CostSignals(120, 30, prefill_rate_tps=1000.0, handshake_s=0.01, transfer_s=0.002)
 SNAPSHOT = LoadSnapshot(
-    num_bootstrapping=1, num_waiting=2, num_prefilling=1, num_transferring=1, num_free_pages=100
+    num_bootstrapping=1,
+    num_waiting=2,
+    num_prefilling=1,
+    num_transferring=1,
+    num_free_pages=100,
+    costs=COSTS,
 )
-LOAD = Load(waiting=3, running=2, free_kv_pages=100, draining=False)
+LOAD = Load(
+    waiting=3,
+    running=2,
+    free_kv_pages=100,
+    draining=False,
+    queued_tokens=120,
+    running_tokens=30,
+    prefill_rate_tps=1000.0,
+    backlog_s=0.15,
+    handshake_s=0.01,
+    transfer_s=0.002,
+)
 
 
 class FakeEngine:
