@@ -29,7 +29,8 @@ def want(room: int, num_pages: int) -> wire.Want:
 
 
 def test_a_peer_may_park_exactly_its_pool_and_too_many_rooms_is_typed() -> None:
-    book, a = RoomBook(4, 1), peer("a", num_pages=10)
+    book: RoomBook[Peer] = RoomBook(4, 1)
+    a = peer("a", num_pages=10)
     assert book.claim(a, want(1, 10), 5.0) is None  # the whole pool, not one page more
     refusal = book.claim(a, want(2, 0), 5.0)
     assert refusal is not None and refusal.reason is RejectReason.TOO_MANY_WANTS
@@ -37,7 +38,8 @@ def test_a_peer_may_park_exactly_its_pool_and_too_many_rooms_is_typed() -> None:
 
 
 def test_dropping_one_peers_claim_keeps_the_others_and_its_other_pages() -> None:
-    book, a, b = RoomBook(4, 100), peer("a"), peer("b")
+    book: RoomBook[Peer] = RoomBook(4, 100)
+    a, b = peer("a"), peer("b")
     assert book.claim(a, want(1, 2), 5.0) is None and book.claim(b, want(1, 1), 5.0) is None
     assert book.claim(a, want(2, 3), 5.0) is None
     assert book.drop(1, a)
@@ -47,7 +49,8 @@ def test_dropping_one_peers_claim_keeps_the_others_and_its_other_pages() -> None
 
 
 def test_the_first_deadline_and_a_claim_expires_at_it() -> None:
-    book, a = RoomBook(4, 100), peer("a")
+    book: RoomBook[Peer] = RoomBook(4, 100)
+    a = peer("a")
     assert book.next_deadline() is None
     book.claim(a, want(1, 1), 3.0)
     book.claim(a, want(2, 1), 1.0)
@@ -82,7 +85,8 @@ def test_an_aborted_room_is_taken_once_until_its_time() -> None:
 
 
 def test_integrity_fails_when_a_claims_room_is_missing_from_its_peer() -> None:
-    book, a = RoomBook(4, 100), peer("a")
+    book: RoomBook[Peer] = RoomBook(4, 100)
+    a = peer("a")
     book.claim(a, want(1, 1), 5.0)
     a.unmatched.discard(1)
     with pytest.raises(AssertionError):

@@ -145,7 +145,10 @@ def test_a_refused_request_says_exactly_why() -> None:
     tail = "; this worker serves one decode rank per room (decode attention TP 1)"
     cases = {
         "ranks": (request(required_dst_info_num=2), "the room needs 2 decode ranks" + tail),
-        "dummy": (request(is_dummy=True), "the room needs 1 decode ranks (this one a dummy)" + tail),
+        "dummy": (
+            request(is_dummy=True),
+            "the room needs 1 decode ranks (this one a dummy)" + tail,
+        ),
         "state": (
             request(has_state=True),
             "the request names state slots (a hybrid model); this worker sends KV only",
