@@ -122,7 +122,12 @@ MODULES: dict[str, list[str]] = {
     ],
     "prefill_worker/transfer/push/rooms.py": [_T + "test_rooms.py", _T + "test_push_pins.py"],
     "prefill_worker/transfer/push/sender.py": [_SENDER, _T + "test_push_sender_pins.py"],
-    "prefill_worker/transfer/push/hub.py": [_SENDER, _T + "test_push_sender_pins.py"],
+    "prefill_worker/transfer/push/hub.py": [
+        _SENDER,
+        _T + "test_push_sender_pins.py",
+        _T + "test_sglang_desk.py",
+        _T + "test_push_hub_pins.py",
+    ],
     "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
     "prefill_worker/transfer/sglang/accept.py": [
         _T + "test_sglang_accept.py",
