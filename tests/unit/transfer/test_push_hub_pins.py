@@ -13,6 +13,8 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.push.hub import BUSY_POLL_S, HubBackend, PushHub
 from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.push.refusals import RefusedRoom
+from prefill_worker.transfer.sglang.dialect import SglangPeer
 from tests.unit.transfer.test_push_sender import Rig
 
 WANT_TIMEOUT_S = 5.0  # the rig's
@@ -54,6 +56,9 @@ def test_a_second_request_for_a_room_in_use_fails_alone(rig: Rig) -> None:
     assert second.poll() is KVPoll.FAILED
     assert second.failure_reason() == "its bootstrap_room is already in use by another request"
     assert first.poll() is KVPoll.READY and rig.hub.senders[7] is first
+    second.close()
+    rig.hub.drain()  # the room is the first request's: no late want hears the second's end
+    assert rig.hub.rooms.gone(7) is None and rig.hub.senders[7] is first
     rig.hub.check_integrity()
 
 
@@ -79,12 +84,20 @@ def test_wants_for_a_bound_or_a_foreign_room_are_refused_with_their_code(
             ),
         ),
     ]
-    assert [r.levelno for r in caplog.records] == [logging.DEBUG] * 2  # rooms are private
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [  # rooms are private
+        (logging.DEBUG, "test: duplicate_want: duplicate want for 7"),
+        (
+            logging.DEBUG,
+            "test: foreign_room: room 8 is reserved by the router for another decode peer",
+        ),
+    ]
     assert rig.hub.counter.counts == {"duplicate_want": 1, "foreign_room": 1}
     assert sender.peer is rig.peer and named.peer is None
     assert named.poll() is KVPoll.BOOTSTRAPPING
     rig.hub.want(rig.peer, want(8))  # the named decode's own want binds
     assert named.poll() is KVPoll.READY and rig.peer.rooms == {7, 8}
+    rig.hub.want(rig.peer, want(8))  # its own decode again: a duplicate, not a foreign room
+    assert sent[-1][1].code == "duplicate_want"
     rig.hub.check_integrity()
 
 
@@ -97,7 +110,7 @@ def test_a_gone_room_tells_its_decodes_late_want_once_until_forgotten(rig: Rig) 
     rig.hub.drain()
     sent = spy(rig)
     rig.hub.want(other, want(7))  # not the decode the router named
-    assert sent[-1][1].code == "foreign_room"
+    assert sent[-1][1].reason == "room 7 is reserved by the router for another decode peer"
     rig.hub.want(rig.peer, want(7))
     assert sent[-1] == ("decode-1", wire.Status(7, "failed", "the engine gave up"))
     rig.hub.want(rig.peer, want(7))  # told once: this one waits for a request
@@ -163,6 +176,21 @@ def test_an_abort_of_a_waiting_want_is_remembered_for_the_want_timeout(rig: Rig)
     assert rig.hub.create_sender(8, "req-8", 16).poll() is KVPoll.BOOTSTRAPPING
 
 
+def test_an_aborted_or_refused_room_ends_only_the_request_naming_that_decode(rig: Rig) -> None:
+    for room in (7, 8):
+        rig.hub.want(rig.peer, want(room))
+        rig.hub.abort(rig.peer, room, generation=4)
+    generation = 4 if isinstance(rig.peer, SglangPeer) else None  # SGLang echoes it
+    assert [g for *_, g in rig.heard.said] == [generation] * 2
+    assert rig.hub.create_sender(7, "r7", 16, allowed_peer="decode-1").poll() is KVPoll.ABORTED
+    assert rig.hub.create_sender(8, "r8", 16, allowed_peer="decode-2").poll() is (
+        KVPoll.BOOTSTRAPPING
+    )
+    rig.refusals.rooms.add(9, RefusedRoom("decode-1", "no such pool"), rig.now)
+    refused = rig.hub.create_sender(9, "r9", 16, allowed_peer="decode-1")
+    assert refused.failure_reason() == "no such pool"
+
+
 def test_closing_the_hub_ends_every_sender_and_peer(rig: Rig) -> None:
     sender = rig.bound_sender()
     rig.hub.want(rig.peer, want(9))
@@ -171,7 +199,43 @@ def test_closing_the_hub_ends_every_sender_and_peer(rig: Rig) -> None:
     assert not rig.hub.peers and not rig.hub.senders and rig.agent.forgotten == ["decode-1"]
     assert [(room, code) for room, code, *_ in rig.heard.said] == [(7, "failed"), (9, "failed")]
     assert rig.heard.said[0][2] == "the request ended before its transfer"
-    assert "prefill worker shutting down" in (rig.heard.said[1][2] or "")
+    assert (rig.heard.said[1][2] or "").endswith("prefill worker shutting down")
+
+
+def test_closing_the_hub_tells_what_waited_on_writes_nixl_would_not_release(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig.agent.refuse_release = True
+    sender = rig.bound_sender()
+    sender.send_pages([0], 0)
+    sender.fail("boom")
+    rig.hub.drain()  # held: its write may still land
+    assert rig.heard.said == []
+    with caplog.at_level(logging.ERROR, logger="prefill_worker.transfer.nixl.reaper"):
+        rig.hub.close()
+    assert rig.heard.said[0] == (7, "failed", "boom", None)
+    assert "request req-7: NIXL refused to release a write" in [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+def test_a_closing_sender_is_in_the_tables_until_drained(rig: Rig) -> None:
+    sender = rig.bound_sender()
+    sender.close()
+    rig.hub.check_integrity()  # closed, its Closed not yet done: consistent
+    rig.hub.drain()
+    assert not rig.hub.senders
+    rig.hub.check_integrity()
+
+
+def test_statuses_held_on_writes_are_polled_soon_without_busy_polling(rig: Rig) -> None:
+    rig.ctx.poster.needs_polling = False  # type: ignore[misc]  # a transfer thread wakes us
+    sender = rig.bound_sender()
+    sender.send_pages([0], 0)
+    sender.fail("boom")
+    rig.hub.drain()  # the status is held on its write
+    at = rig.hub.next_poll_at(rig.now)
+    assert at is not None and rig.now < at <= rig.now + 1.0
 
 
 def test_a_stuck_peer_is_dropped_only_when_known(rig: Rig) -> None:
@@ -181,6 +245,22 @@ def test_a_stuck_peer_is_dropped_only_when_known(rig: Rig) -> None:
     assert rig.hub.peers and sender.poll() is KVPoll.READY
     rig.hub.drop_stuck_peer(rig.peer.identity)
     assert not rig.hub.peers and sender.failure_reason() == "writes could not be cancelled"
+
+
+def test_no_identity_drops_no_peer_whatever_its_name(rig: Rig) -> None:
+    odd = other_peer(rig, "XXXX")
+    rig.hub.drop_stuck_peer(None)
+    assert rig.hub.peers[b"XXXX"] is odd
+
+
+def test_dropping_a_peer_is_logged_with_its_protocol_and_reason(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="prefill_worker.transfer.push.hub"):
+        rig.hub.drop_peer(rig.peer, "decode peer left")
+    assert [r.getMessage() for r in caplog.records] == [
+        "test: dropping decode peer decode-1: decode peer left"
+    ]
 
 
 def test_integrity_fails_on_tables_that_disagree(rig: Rig) -> None:
@@ -199,7 +279,7 @@ def test_integrity_fails_on_tables_that_disagree(rig: Rig) -> None:
 def test_integrity_fails_on_two_peers_of_one_name(rig: Rig) -> None:
     twin = dataclasses.replace(rig.peer, identity=b"twin", rooms=set(), unmatched=set())
     rig.hub.peers[b"twin"] = twin
-    with pytest.raises(AssertionError, match="one peer per agent name"):
+    with pytest.raises(AssertionError, match=r"^one peer per agent name$"):
         rig.hub.check_integrity()
 
 
