@@ -135,7 +135,7 @@ MODULES: dict[str, list[str]] = {
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [_T + "test_sglang_desk.py", _SENDER],
-    "prefill_worker/transfer/native/desk.py": [_SENDER, _T + "test_bootstrap_server.py"],
+    "prefill_worker/transfer/native/desk.py": [_T + "test_native_desk.py"],
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read
