@@ -70,7 +70,7 @@ class Desk:
         self.server, self.agent = Server(), Agent()
         self.desk = BootstrapDesk(
             self.hub,
-            self.server,
+            self.server,  # type: ignore[arg-type]
             self.agent,
             LAYOUT,
             BootstrapLimits(),
