@@ -4,6 +4,7 @@ an unregistered connection touches no room, and a message that raises refuses on
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -44,6 +45,7 @@ class Agent:
 
     def __init__(self) -> None:
         self.added: list[str] = []
+        self.prepped: list[str] = []
         self.removed: list[str] = []
         self.refuse_add = self.refuse_prep = False
 
@@ -56,6 +58,7 @@ class Agent:
     def prep_xfer_dlist(self, name: str, table: Any, mem_type: str) -> FakeList:
         if self.refuse_prep:
             raise NIXL_ERRORS[0]("no such memory")
+        self.prepped.append(name)
         return FakeList()
 
     def remove_remote_agent(self, name: str) -> None:
@@ -179,10 +182,10 @@ def test_an_unregistered_connection_touches_no_room(d: Desk) -> None:
     d.desk.dispatch(b"c1", wire.Abort(7))
     d.desk.dispatch(b"c1", wire.Heartbeat())
     unknown = "decode peer not registered"
-    assert [m for _, m in d.server.sent] == [
-        wire.Status(7, "failed", unknown, "unknown_peer"),
-        wire.Status(7, "aborted", "aborted by decode"),
-        wire.UnknownPeer(unknown),
+    assert d.server.sent == [
+        (b"c1", wire.Status(7, "failed", unknown, "unknown_peer")),
+        (b"c1", wire.Status(7, "aborted", "aborted by decode")),
+        (b"c1", wire.UnknownPeer(unknown)),
     ]
     assert sender.poll() is KVPoll.BOOTSTRAPPING and d.hub.counter.counts == {"unknown_peer": 1}
 
@@ -216,3 +219,100 @@ def test_a_message_that_raises_refuses_only_its_peer(d: Desk) -> None:
     assert list(d.hub.peers) == [b"c2"] and d.hub.counter.counts == {"internal_error": 1}
     d.desk.dispatch(b"c3", wire.Register.of("x", b"", REGIONS, "h"))  # no peer: answered
     assert d.server.sent[-1][0] == b"c3"
+
+
+def bound(d: Desk, identity: bytes, room: int = 7) -> Any:
+    sender = d.hub.create_sender(room, f"req-{room}", 16)
+    d.desk.dispatch(identity, wire.Want.of(room, [3, 4, 5, 6], 2, 0))
+    assert sender.poll() is KVPoll.READY
+    return sender
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [("bye", "decode peer left"), ("again", "decode peer registered again")],
+)
+def test_a_peer_dropped_fails_its_rooms_with_why(d: Desk, how: str, reason: str) -> None:
+    d.register(b"c1")
+    sender = bound(d, b"c1")
+    if how == "bye":
+        d.desk.dispatch(b"c1", wire.Bye())
+    else:
+        d.register(b"c1")
+    assert sender.failure_reason() == reason
+
+
+def test_a_reconnected_name_fails_the_old_connections_rooms(d: Desk) -> None:
+    d.register(b"c1")
+    sender = bound(d, b"c1")
+    d.server.dead.add(b"c1")
+    d.register(b"c2")
+    assert sender.failure_reason() == "decode peer reconnected"
+    assert d.server.sent[-1] == (b"c2", registered(None))
+
+
+def test_a_message_that_raises_fails_its_peers_rooms_with_the_error(d: Desk) -> None:
+    d.register(b"c1")
+    sender = bound(d, b"c1")
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    d.hub.abort = boom  # type: ignore[method-assign,assignment]
+    d.desk.dispatch(b"c1", wire.Abort(7))
+    assert sender.failure_reason() == "internal error on a bootstrap message: RuntimeError('boom')"
+
+
+@pytest.mark.parametrize("failure", ["add", "prep", "metadata"])
+def test_every_nixl_refusal_is_remembered_by_name_while_other_peers_live(
+    d: Desk, failure: str
+) -> None:
+    d.register(b"c2", name="decode-2")
+    d.agent.refuse_add, d.agent.refuse_prep = failure == "add", failure == "prep"
+    frame = wire.frame_metadata(b"impostor" if failure == "metadata" else b"decode-1")
+    answer = d.register(b"c1", metadata=frame)
+    assert d.server.sent[-1] == (b"c1", answer) and not answer.is_ok
+    assert d.hub.refusals.names.get("decode-1", d.rig.now) == answer.reason
+
+
+def test_an_agent_name_nixl_gives_as_text_is_taken_too(d: Desk) -> None:
+    d.agent.add_remote_agent = lambda metadata: metadata.decode()  # type: ignore[method-assign,assignment,return-value]
+    assert d.register(b"c1") == registered(None)
+    assert d.hub.peers[b"c1"].agent_name == "decode-1" and d.agent.prepped == ["decode-1"] * 2
+
+
+def test_each_outcome_is_logged_at_its_level(d: Desk, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        d.register(b"c1")
+        d.register(b"c2", compat_hash="0" * 16)
+        d.desk.dispatch(b"c3", wire.Heartbeat())
+        d.desk.dispatch(b"c3", wire.Want.of(7, [3], 2, 0))
+        d.desk.dispatch(b"c3", wire.WireError("garbled"))
+    said = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name.startswith("prefill_worker.transfer")
+    ]
+    refused = d.server.sent[1][1].reason
+    assert said == [
+        (logging.INFO, "bootstrap: decode peer decode-1 registered"),
+        (logging.WARNING, f"test: layout_mismatch: registration refused: {refused}"),
+        (logging.DEBUG, "test: unknown_peer: decode peer not registered"),
+        (logging.WARNING, "test: bad_message: bad message from a peer: garbled"),
+    ]
+    assert [identity for identity, _ in d.server.sent] == [b"c1", b"c2", b"c3", b"c3", b"c3"]
+
+
+def test_an_error_is_logged_as_one(d: Desk, caplog: pytest.LogCaptureFixture) -> None:
+    def boom(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    d.register(b"c1")
+    d.hub.want = boom  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.DEBUG, logger="prefill_worker.transfer.push.refusals"):
+        d.desk.dispatch(b"c1", wire.Want.of(7, [3, 4, 5, 6], 2, 0))
+    [record] = caplog.records
+    assert (record.levelno, record.getMessage()) == (
+        logging.ERROR,
+        "test: internal_error: internal error on a bootstrap message: RuntimeError('boom')",
+    )
