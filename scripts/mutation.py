@@ -134,7 +134,10 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_accept_pins.py",
         *_FRAMES,
     ],
-    "prefill_worker/transfer/sglang/desk.py": [_T + "test_sglang_desk.py", _SENDER],
+    "prefill_worker/transfer/sglang/desk.py": [
+        _T + "test_sglang_desk.py",
+        _T + "test_sglang_desk_pins.py",
+    ],
     "prefill_worker/transfer/native/desk.py": [_T + "test_native_desk.py"],
 }
 
