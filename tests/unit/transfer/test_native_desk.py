@@ -130,8 +130,11 @@ def test_a_name_a_live_connection_holds_is_refused_without_blaming_the_name(d: D
     answer = d.register(b"c2")
     assert answer == registered("agent name 'decode-1' is registered by another live connection")
     assert d.server.sent[-2] == (b"c1", wire.Heartbeat())  # the holder was asked
+    assert d.server.sent[-1][0] == b"c2"
     assert d.hub.counter.counts == {"name_taken": 1} and list(d.hub.peers) == [b"c1"]
-    assert d.hub.refusals.names.get("decode-1", d.rig.now) is None
+    assert len(d.hub.refusals.names) == 0  # no name blamed
+    d.register(b"c1", compat_hash="0" * 16)  # the live holder's bad repeat blames no name
+    assert len(d.hub.refusals.names) == 0
     assert waiting.poll() is KVPoll.BOOTSTRAPPING
 
 
