@@ -213,3 +213,94 @@ def test_a_message_that_raises_is_counted_and_goes_no_further(
     assert said(caplog) == [
         (logging.WARNING, "sglang: internal_error: on a control message: RuntimeError('boom')")
     ]
+
+
+def test_in_the_rejoin_window_the_count_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(is_rejoining=True)
+    with caplog.at_level(logging.DEBUG):
+        rig.send(request())
+    assert said(caplog) == [(logging.DEBUG, "sglang: unknown_peer: during the rejoin window")]
+
+
+def test_a_registration_prepares_the_pool_and_row_0_of_each_metadata_buffer() -> None:
+    rig, reg = Rig(), registration()
+    calls: list[tuple[str, object, str]] = []
+    prep = rig.agent.prep_xfer_dlist
+
+    def recording(name: str, table: object, mem_type: str) -> object:
+        calls.append((name, table, mem_type))
+        return prep(name, table, mem_type)
+
+    rig.agent.prep_xfer_dlist = recording  # type: ignore[method-assign,assignment]
+    rig.now = 2.0
+    rig.send(reg)
+    [(kv_name, kv_table, kv_mem), (aux_name, rows, aux_mem)] = calls
+    assert (kv_name, kv_mem, aux_name, aux_mem) == (reg.agent_name, "DRAM", reg.agent_name, "DRAM")
+    assert len(kv_table) == 4  # type: ignore[arg-type]  # K and V of 2 layers, 17 pages each
+    assert [int(r[0]) for r in rows] == list(reg.aux_ptrs)  # type: ignore[attr-defined]
+    assert rows.dtype.name == "uint64"  # type: ignore[attr-defined]
+    peer = rig.hub.peers[reg.agent_name.encode()]
+    assert (peer.last_seen, peer.aux_ptrs) == (2.0, reg.aux_ptrs)
+    assert rig.hub.counter.counts == {}
+    rig.send(reg)  # the same pool again: not counted
+    assert rig.hub.counter.counts == {}
+
+
+def test_the_owners_abort_is_acknowledged_with_its_generation() -> None:
+    rig = Rig()
+    rig.send(registration())
+    rig.send(request())  # a want waiting for its request
+    notice = parse(frames_of("abort"))
+    assert isinstance(notice, AbortNotice) and notice.generation is not None
+    rig.send(notice)
+    assert rig.replies.sent[-1] == (notice.endpoint, frames.abort_ack(1234, notice.generation))
+    assert rig.hub.rooms.num_claims(1234) == 0
+
+
+def test_a_room_named_for_the_refused_decode_fails_with_its_reason() -> None:
+    rig = Rig()
+    reg = registration()
+    rig.send(dataclasses.replace(reg, tp_size=2))
+    named = rig.hub.create_sender(1234, "req", 16, allowed_peer=reg.agent_name)
+    rig.send(request())
+    assert (named.failure_reason() or "").startswith("registration refused: decode attention")
+
+
+def test_an_address_a_live_decode_holds_is_refused_with_both_named() -> None:
+    rig = Rig()
+    first = registration()
+    rig.send(first)
+    rig.send(request())  # a waiting want: the holder is live
+    second = registration("decode-b")
+    rig.send(second)
+    rig.send(request(agent_name="decode-b"))
+    where = f"{first.endpoint.host}:{first.endpoint.port}"
+    assert rig.replies.sent[-1][1][4].decode() == (
+        f"registration refused: {where} is registered by live agent {first.agent_name!r}"
+    )
+
+
+def test_a_registration_clears_its_agents_earlier_refusal() -> None:
+    rig, reg = Rig(), registration()
+    rig.send(dataclasses.replace(reg, tp_size=2))
+    rig.send(reg)
+    rig.hub.drop_peer(rig.hub.peers[reg.agent_name.encode()], "gone")
+    rig.send(request())
+    assert rig.replies.sent[-1][1][4].decode() == NOT_REGISTERED
+
+
+def test_the_count_of_an_error_is_cut_at_300_characters(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig()
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("x" * 400)
+
+    rig.hub.want = boom  # type: ignore[method-assign,assignment]
+    rig.send(registration())
+    with caplog.at_level(logging.DEBUG):
+        rig.send(request())
+    [(_, message)] = said(caplog)
+    assert (
+        message
+        == "sglang: internal_error: " + f"on a control message: {RuntimeError('x' * 400)!r}"[:300]
+    )
