@@ -63,6 +63,9 @@ _BOOTSTRAP = [
     "tests/unit/transfer/test_wire_v1_frames.py",
     "tests/unit/transfer/test_page_major.py",
 ]
+_T = "tests/unit/transfer/"
+_SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
+_FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {
@@ -112,6 +115,31 @@ MODULES: dict[str, list[str]] = {
         _NESTED,
     ],
     "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
+    # The push engine and its dialects' frame parsing (issues #26, #31).
+    "prefill_worker/transfer/push/refusals.py": [
+        _T + "test_refusals.py",
+        _T + "test_push_pins.py",
+        _SENDER,
+    ],
+    "prefill_worker/transfer/push/rooms.py": [_T + "test_rooms.py", _T + "test_push_pins.py"],
+    "prefill_worker/transfer/push/sender.py": [_SENDER, _T + "test_push_sender_pins.py"],
+    "prefill_worker/transfer/push/hub.py": [
+        _SENDER,
+        _T + "test_push_sender_pins.py",
+        _T + "test_sglang_desk.py",
+        _T + "test_push_hub_pins.py",
+    ],
+    "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
+    "prefill_worker/transfer/sglang/accept.py": [
+        _T + "test_sglang_accept.py",
+        _T + "test_sglang_accept_pins.py",
+        *_FRAMES,
+    ],
+    "prefill_worker/transfer/sglang/desk.py": [
+        _T + "test_sglang_desk.py",
+        _T + "test_sglang_desk_pins.py",
+    ],
+    "prefill_worker/transfer/native/desk.py": [_T + "test_native_desk.py"],
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read
