@@ -128,6 +128,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_sglang_desk.py",
         _T + "test_push_hub_pins.py",
+        _T + "test_hub_backend.py",
     ],
     "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
     "prefill_worker/transfer/sglang/accept.py": [
