@@ -47,3 +47,5 @@ def test_the_hub_gets_the_backends_options_and_counts_under_its_kind(
     assert hub.rooms.num_claims(103) == 0
     assert backend.reject_counts == {"too_many_wants": 1} and backend.told == ["too_many_wants"]
     assert f"{kind}: too_many_wants" in caplog.text
+    hub.drop_peer(rig.peer, "gone")  # its agent is forgotten on the backend's own agent
+    assert rig.agent.forgotten == [rig.peer.agent_name]
