@@ -163,7 +163,7 @@ soak:
 
 docs:
 	$(BIN)/prefill-worker config-docs > docs/config.md
-	$(BIN)/python -m prefill_worker.router.schemadoc docs/protocol.md
+	$(BIN)/python -m prefill_worker.ingress.schemadoc docs/protocol.md
 	$(BIN)/python -m prefill_worker.transfer.schemadoc docs/protocol.md
 
 # KV events against a real consumer: Dynamo's standalone KV indexer in a venv of its own

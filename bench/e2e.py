@@ -50,11 +50,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import engine_stall  # noqa: E402
 
 from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan  # noqa: E402
+from prefill_worker.ingress.client import RouterClient  # noqa: E402
 from prefill_worker.kv.layout import KVLayout  # noqa: E402
 from prefill_worker.model import Runner, build  # noqa: E402
 from prefill_worker.model.kv_cache import KVCache  # noqa: E402
 from prefill_worker.request import OutcomeStatus, SamplingParams, Timings  # noqa: E402
-from prefill_worker.router.client import RouterClient  # noqa: E402
 from prefill_worker.testing.decode_peer import DecodePeer  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, free_port  # noqa: E402
 from prefill_worker.transfer import describe_worker  # noqa: E402

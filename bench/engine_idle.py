@@ -24,8 +24,9 @@ from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
+from prefill_worker.transfer.native.backend import NixlBackend
+from prefill_worker.transfer.options import NativeOptions, NixlOptions
 
 LAYOUT = KVLayout(2, 2, 16, "float32", 16, 64)
 
@@ -59,20 +60,23 @@ def measure(num_live: int, seconds: float) -> dict:
     starts = [base + i * LAYOUT.region_bytes for i in range(2 * LAYOUT.num_layers)]
     regions = KVRegions(LAYOUT, tuple(starts[:2]), tuple(starts[2:]), "cpu", aux.base_addr, 8)
     assert aux.num_rows * AUX_ROW_BYTES > 0
-    backend = NixlBackend(regions, "tcp://127.0.0.1:0", "bench-idle", ["UCX"], 30.0, 1.0, 30.0)
+    options = NativeOptions("tcp://127.0.0.1:0", 30.0, 1.0, 30.0, NixlOptions("bench-idle"))
+    backend = NixlBackend(regions, options)
     turns = Turns(backend)
-    engine = Engine(
-        NotRun(),
-        turns,  # type: ignore[arg-type]
-        PagePool(LAYOUT.num_pages),
-        aux,
-        lambda outcome: None,
+    limits = EngineLimits(
         page_size=LAYOUT.page_size,
         chunk_size=64,
         max_batch_tokens=256,
         max_running_requests=8,
         bootstrap_timeout_s=3600.0,
         transfer_timeout_s=3600.0,
+    )
+    engine = Engine(
+        NotRun(),
+        turns,  # type: ignore[arg-type]
+        EngineKV(PagePool(LAYOUT.num_pages), aux),
+        lambda outcome: None,
+        limits,
         overlap=False,
     )
     for i in range(num_live):

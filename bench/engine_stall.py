@@ -41,12 +41,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from prefill_worker.inbox import Inbox  # noqa: E402
 from prefill_worker.kv.aux import AuxPool  # noqa: E402
 from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout  # noqa: E402
 from prefill_worker.kv.pages import PagePool  # noqa: E402
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams  # noqa: E402
-from prefill_worker.scheduler import Engine  # noqa: E402
-from prefill_worker.scheduler.inbox import Inbox  # noqa: E402
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits  # noqa: E402
 from prefill_worker.testing.random_model import random_runner  # noqa: E402
 
 SHAPE = dict(
@@ -157,22 +157,32 @@ def decode_main(conn: Connection, addr: str, layout: KVLayout, num_pages: int) -
 
 def run(pool_layout: str, push: str, num_requests: int) -> dict[str, object]:
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions
 
     runner, _ = random_runner(
         SHAPE, torch.float32, torch.device("cpu"), "sdpa", PAGE_SIZE, NUM_PAGES, 0, pool_layout
     )
     pages, aux = PagePool(NUM_PAGES), AuxPool(16)
     regions = runner.kv_cache.regions(aux.base_addr, aux.num_rows)
-    inner = make_backend(
-        regions, "tcp://127.0.0.1:0", None, ["UCX"], 30.0, 0.5, push_thread=push == "thread"
-    )
+    options = NativeOptions("tcp://127.0.0.1:0", 30.0, 0.5, push_thread=push == "thread")
+    inner = make_backend(regions, options)
     backend = TimedBackend(inner)
     outcomes: list[Outcome] = []
     engine = Engine(
-        runner, backend, pages, aux, outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=CHUNK, max_running_requests=8,
-        bootstrap_timeout_s=120.0, transfer_timeout_s=120.0, overlap=True,
-    )  # fmt: skip
+        runner,
+        backend,
+        EngineKV(pages, aux),
+        outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=CHUNK,
+            max_running_requests=8,
+            bootstrap_timeout_s=120.0,
+            transfer_timeout_s=120.0,
+        ),
+        overlap=True,
+    )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     per_request, total = PROMPT // PAGE_SIZE, num_requests + 1  # the first is a warm-up

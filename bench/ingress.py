@@ -24,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefill_worker.ingress.messages import encode, prefill_message
+from prefill_worker.ingress.validate import Limits, decode_router
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -32,9 +35,6 @@ from prefill_worker.request import (
     PrefillRequest,
     SamplingParams,
 )
-from prefill_worker.router.admission import Limits, decode_router
-from prefill_worker.router.messages import encode, prefill_message
-from prefill_worker.scheduler import LoadSnapshot
 
 VOCAB = 151_936
 
@@ -66,7 +66,7 @@ def _immediate_engine(inbox: queue.Queue[PrefillRequest | AbortRequest], ingress
 
 
 def bench_rate(num_requests: int, window: int) -> dict[str, object]:
-    from prefill_worker.router.ingress import Ingress
+    from prefill_worker.ingress.zmq_front import Ingress
 
     inbox: queue.Queue[PrefillRequest | AbortRequest] = queue.Queue()
     ingress = Ingress(

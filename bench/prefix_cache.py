@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from prefill_worker.batch import BatchOutput, BatchPlan  # noqa: E402
+from prefill_worker.ingress.client import RouterClient  # noqa: E402
 from prefill_worker.kv.layout import KVLayout  # noqa: E402
 from prefill_worker.model.kv_cache import KVCache  # noqa: E402
 from prefill_worker.request import OutcomeStatus  # noqa: E402
-from prefill_worker.router.client import RouterClient  # noqa: E402
 from prefill_worker.testing.decode_peer import DecodePeer  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, free_port  # noqa: E402
 

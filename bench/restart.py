@@ -4,7 +4,7 @@ One stack per protocol, as tests/smg builds it: the worker (``prefill-worker ser
 configs/tiny-test.yaml, a tiny random Llama, its HTTP API front behind smg), the reference
 decode peer behind smg (``--sglang``: SGLang 0.5.23's own decode-side code with SGLang's
 default heartbeat, every 5 s, two misses; ``native``: the native decode SDK,
-``transfer/receiver.py``), and smg 1.13 with its defaults. For each signal (SIGKILL, SIGTERM)
+``transfer/decode/``), and smg 1.13 with its defaults. For each signal (SIGKILL, SIGTERM)
 and downtime (0, 5, 15 s) the worker is signalled, and a warm spare of it (imported in
 advance: ``testing/spare.py``) starts on the same ports the downtime after it exited. From
 the moment it is ready a client sends greedy requests through smg, one at a time, until one

@@ -27,7 +27,7 @@ from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.transfer.base import KVPoll
 
 PAGE_SIZE = 16
@@ -108,15 +108,16 @@ def make_engine(runner: NoopRunner, backend: NoopBackend, overlap: bool) -> Engi
     return Engine(
         runner,
         backend,
-        PagePool(1024),
-        AuxPool(256),
+        EngineKV(PagePool(1024), AuxPool(256)),
         lambda outcome: None,
-        page_size=PAGE_SIZE,
-        chunk_size=512,
-        max_batch_tokens=2048,
-        max_running_requests=64,
-        bootstrap_timeout_s=3600.0,
-        transfer_timeout_s=3600.0,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=512,
+            max_batch_tokens=2048,
+            max_running_requests=64,
+            bootstrap_timeout_s=3600.0,
+            transfer_timeout_s=3600.0,
+        ),
         overlap=overlap,
     )
 

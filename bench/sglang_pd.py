@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefill_worker.router.client import RouterClient  # noqa: E402
+from prefill_worker.ingress.client import RouterClient  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, free_port  # noqa: E402
 from prefill_worker.testing.peer_control import DecodePeerClient  # noqa: E402
 from prefill_worker.testing.sglang_env import InteropMissing, sglang_env  # noqa: E402

@@ -191,6 +191,7 @@ def main() -> None:
 def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> None:
     """Every case for one pool layout, against a fresh worker and decode."""
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions
 
     lay = layout(NUM_LOCAL_PAGES, pool_layout)
     pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
@@ -200,12 +201,7 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> N
     aux.write(row, AuxRow(1, 0.0, 8192, 0))
     backend = make_backend(
         regions_over(lay, pool, aux),
-        "tcp://127.0.0.1:0",
-        None,
-        ["UCX"],
-        30.0,
-        0.2,
-        push_thread=push == "thread",
+        NativeOptions("tcp://127.0.0.1:0", 30.0, 0.2, push_thread=push == "thread"),
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

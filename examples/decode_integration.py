@@ -27,8 +27,8 @@ import sys
 
 import torch
 
+from prefill_worker.ingress import BlockingRouterClient
 from prefill_worker.kv.layout import KVLayout
-from prefill_worker.router.client import BlockingRouterClient
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker, num_want_pages
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,17 +1,11 @@
 """The one typed message from scheduler to model runner, and the runner's answer.
 
 Torch-free: the scheduler builds ``BatchPlan`` from plain ints; the runner turns it into
-tensors. A chunk covers prompt positions ``[start, end)`` of one request; the KV of positions
-``[0, start)`` is already in that request's pages. Page ``i`` of ``page_ids`` holds positions
-``[i * page_size, (i + 1) * page_size)``::
+tensors. A chunk covers prompt positions ``[start, end)``; the KV of ``[0, start)`` is already
+in the request's pages, page ``i`` holding positions ``[i * page_size, (i + 1) * page_size)``.
 
-    positions  0 ........ start ========= end ....... len(prompt)
-    pages      [p0][p1][p2][p3][p4]            (page_ids covers at least [0, end))
-                         ^ this chunk's K/V is written here
-
-Prompt logprobs: position ``p`` of a prompt gives the logprob of token ``p + 1``, so the logits
-of a chunk's last position score the first token of the *next* chunk, which the plan therefore
-carries (``logprob_token_ids``)::
+Prompt logprobs: position ``p`` gives the logprob of token ``p + 1``, so a chunk's last
+position scores the first token of the *next* chunk, which the plan therefore carries::
 
     prompt     t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9          chunks [0, 4) [4, 8) [8, 10)
     start 2          ^ positions 2..8 score t3..t9 (position 9 samples the first token)

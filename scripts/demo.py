@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefill_worker.router.client import RouterClient  # noqa: E402
-from prefill_worker.router.messages import Result  # noqa: E402
+from prefill_worker.ingress import RouterClient  # noqa: E402
+from prefill_worker.ingress.messages import Result  # noqa: E402
 from prefill_worker.service.config import load_config  # noqa: E402
 from prefill_worker.testing.decode_peer import Generation  # noqa: E402
 from prefill_worker.testing.launch import ChildProcess, LaunchError, free_port  # noqa: E402

@@ -49,12 +49,12 @@ _CACHE = [
 ]
 _EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
 _NESTED = "tests/unit/test_nested_decoders.py"
-_ROUTER = [
-    "tests/unit/router/test_messages.py",
-    "tests/unit/router/test_v1_frames.py",
-    "tests/unit/router/test_admission_bounds.py",
-    "tests/unit/router/test_codec_edges.py",
-    "tests/unit/router/test_protocol_doc.py",
+_INGRESS = [
+    "tests/unit/ingress/test_messages.py",
+    "tests/unit/ingress/test_v1_frames.py",
+    "tests/unit/ingress/test_validate_bounds.py",
+    "tests/unit/ingress/test_codec_edges.py",
+    "tests/unit/ingress/test_protocol_doc.py",
 ]
 _BOOTSTRAP = [
     "tests/unit/transfer/test_validate.py",
@@ -63,6 +63,9 @@ _BOOTSTRAP = [
     "tests/unit/transfer/test_wire_v1_frames.py",
     "tests/unit/transfer/test_page_major.py",
 ]
+_T = "tests/unit/transfer/"
+_SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
+_FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {
@@ -80,18 +83,20 @@ MODULES: dict[str, list[str]] = {
     ],
     "prefill_worker/scheduler/admission.py": _SCHEDULER,
     "prefill_worker/scheduler/chunking.py": _SCHEDULER,
+    "prefill_worker/scheduler/costs.py": [_S + "test_costs.py"],
     "prefill_worker/scheduler/deadlines.py": _SCHEDULER,
     "prefill_worker/scheduler/queues.py": _SCHEDULER,
     "prefill_worker/scheduler/tracked.py": _SCHEDULER,
-    "prefill_worker/scheduler/inbox.py": _SCHEDULER,
     "prefill_worker/scheduler/forward.py": _SCHEDULER,
     "prefill_worker/scheduler/engine.py": _SCHEDULER,
     "prefill_worker/scheduler/lifecycle.py": _SCHEDULER,
     "prefill_worker/scheduler/liveness.py": _SCHEDULER,
     "prefill_worker/scheduler/observer.py": _SCHEDULER,
+    "prefill_worker/inbox.py": [*_SCHEDULER, "tests/unit/test_inbox_wake.py"],
+    "prefill_worker/load.py": [*_SCHEDULER, "tests/unit/daemon/test_telemetry.py"],
     "prefill_worker/scheduler/warmup.py": _SCHEDULER,
-    "prefill_worker/router/admission.py": _ROUTER,
-    "prefill_worker/router/messages.py": _ROUTER,
+    "prefill_worker/ingress/validate.py": _INGRESS,
+    "prefill_worker/ingress/messages.py": _INGRESS,
     "prefill_worker/transfer/validate.py": _BOOTSTRAP,
     "prefill_worker/transfer/wire.py": [
         *_BOOTSTRAP,
@@ -99,9 +104,43 @@ MODULES: dict[str, list[str]] = {
         _NESTED,
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
-    "prefill_worker/router/header.py": [*_ROUTER, _NESTED],
-    "prefill_worker/msgpack_shape.py": ["tests/unit/test_msgpack_shape.py", _NESTED],
+    "prefill_worker/ingress/header.py": [
+        *_INGRESS,
+        _NESTED,
+        "tests/unit/ingress/test_header_pins.py",
+    ],
+    "prefill_worker/msgpack_shape.py": [
+        "tests/unit/test_msgpack_shape.py",
+        "tests/unit/test_msgpack_table.py",
+        _NESTED,
+    ],
     "prefill_worker/zmq_parts.py": ["tests/unit/test_zmq_parts.py"],
+    # The push engine and its dialects' frame parsing (issues #26, #31).
+    "prefill_worker/transfer/push/refusals.py": [
+        _T + "test_refusals.py",
+        _T + "test_push_pins.py",
+        _SENDER,
+    ],
+    "prefill_worker/transfer/push/rooms.py": [_T + "test_rooms.py", _T + "test_push_pins.py"],
+    "prefill_worker/transfer/push/sender.py": [_SENDER, _T + "test_push_sender_pins.py"],
+    "prefill_worker/transfer/push/hub.py": [
+        _SENDER,
+        _T + "test_push_sender_pins.py",
+        _T + "test_sglang_desk.py",
+        _T + "test_push_hub_pins.py",
+        _T + "test_hub_backend.py",
+    ],
+    "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
+    "prefill_worker/transfer/sglang/accept.py": [
+        _T + "test_sglang_accept.py",
+        _T + "test_sglang_accept_pins.py",
+        *_FRAMES,
+    ],
+    "prefill_worker/transfer/sglang/desk.py": [
+        _T + "test_sglang_desk.py",
+        _T + "test_sglang_desk_pins.py",
+    ],
+    "prefill_worker/transfer/native/desk.py": [_T + "test_native_desk.py"],
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read

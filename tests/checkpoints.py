@@ -16,6 +16,7 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 COMMON = dict(
@@ -42,19 +43,32 @@ CONFIGS: dict[str, Callable[[], object]] = {
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False, rope_theta=1e6),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True),
 }
-FAMILIES = tuple(CONFIGS)
-SEEDS = {family: i for i, family in enumerate(FAMILIES)}
+FAMILIES = tuple(CONFIGS)  # the dense ones; the MoE families below are tested on their own
+# Qwen3-MoE: 8 experts, top 2, layer 1 dense (mlp_only_layers), 0 and 2 sparse.
+MOE_COMMON = dict(COMMON, num_hidden_layers=3, moe_intermediate_size=32, num_experts=8)
+CONFIGS["qwen3_moe"] = lambda: Qwen3MoeConfig(
+    **MOE_COMMON, head_dim=32, num_experts_per_tok=2, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+)  # fmt: skip
+MOE_FAMILIES = ("qwen3_moe",)
+SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
 
-def make_checkpoint(family: str, path: Path, sharded: bool = False) -> Path:
+def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides: object) -> Path:
+    """``overrides`` replace config fields (e.g. ``num_key_value_heads=1``)."""
     torch.manual_seed(SEEDS[family])
-    model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(20.0)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(torch.rand_like(param) * 4 + 2)
+            if name.endswith("mlp.gate.weight"):  # a router: spread, no near-ties
+                param.normal_(0.0, 0.15)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "5GB")

@@ -1,20 +1,10 @@
 """Aux rows: per-request metadata pushed after the last KV chunk (first token and logprob).
 
-One fixed-size little-endian row per request in flight, in one contiguous buffer that the
-transfer backend registers once. Row layout (``AUX_ROW_BYTES`` = 32)::
-
-    offset  0  int64    first_token_id
-    offset  8  float32  first_token_logprob   (NaN when not asked for)
-    offset 12  int32    num_prompt_tokens
-    offset 16  int32    num_cached_tokens
-    offset 20  uint32   flags                 (bit 0: row is valid)
-    offset 24  int32    num_computed_tokens   (0: not reported, by a worker before the cache)
-    offset 28  4 bytes  reserved (zero)
-
-``num_cached_tokens`` is the prefix the decode peer held (not sent); ``num_computed_tokens``
-the prompt tokens this worker computed. The rest, ``num_prompt_tokens -
-num_computed_tokens``, came from the worker's prefix cache. A worker always computes at least
-the prompt's last token, so a reported count is >= 1.
+One fixed-size little-endian row per request in flight (``AUX_ROW_BYTES`` = 32: first token
+id, its logprob, prompt, cached and computed token counts, flags), in one contiguous buffer
+that the transfer backend registers once. The row's byte layout, what each field means and how
+a decode reads it are in docs/protocol.md ("Layout and compatibility"); ``_ROW`` packs
+``AuxRow``'s fields in that order.
 
 ``AuxPool`` owns the buffer and hands out row indices; it never blocks and returns None
 when full. Torch-free: numpy owns the memory so its address is stable.

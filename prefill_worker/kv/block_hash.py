@@ -8,15 +8,9 @@ blocks::
     hash     h0           h1            h2            (partial: no hash)
              h0 = H(ROOT, block 0)   h1 = H(h0, block 1)   h2 = H(h1, block 2)
 
-``H(parent, block)`` is BLAKE2b with an 8-byte digest, personalised ``prefill-worker.1``,
-over ``b"\\x00"`` (no parent) or ``b"\\x01"`` + the parent as 8 little-endian bytes, followed
-by the block's token ids as little-endian int32. The digest read as a little-endian unsigned
-integer is the hash. It does not depend on the process (no Python ``hash()``, no seed), so a
-worker's hashes are the same across restarts and machines, as KV-event consumers expect.
-
-64 bits are too few to trust against a crafted collision (a birthday search costs ~2**32
-hashes), so the cache keeps each block's packed tokens and its parent hash and compares both
-on every hit: a collision costs a miss, never a wrong page.
+``H`` (BLAKE2b, 8-byte digest, personalised), why it does not depend on the process, and why
+the cache still compares tokens on every hit (64 bits do not resist a crafted collision) are
+in docs/prefix-cache.md ("The hash", "Collisions").
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
-"""The KV pool's memory layout, as both sides of a transfer must agree on it
-(docs/protocol.md, part 2).
+"""The KV pool's memory layout, as both sides of a transfer must agree on it.
 
 Two kinds of pool, ``kind``; a page of one layer's K (or V) is ``page_bytes`` =
 ``page_size × num_kv_heads × head_dim × itemsize`` bytes in both::
 
     layer_major  [num_layers, 2, num_pages, page_size, kv_heads, head_dim]
-                 k_base_addrs[l] ─▶ [ page 0 | page 1 | ... ]   one region per layer and K/V
-                 page p of layer l's K at k_base_addrs[l] + p * page_bytes
-
     page_major   [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
-                 base ─▶ [ page 0: K0 V0 K1 V1 ... | page 1: K0 V0 ... | ... ]   one region
-                 k_base_addrs[l] = base + 2l * page_bytes, v_base_addrs[l] = + page_bytes;
-                 page p of layer l's K at k_base_addrs[l] + p * 2L * page_bytes
 
 Either way page ``p`` of layer ``l`` is at ``k_base_addrs[l] + p * page_stride_bytes``, so a
-per-layer K or V view is ``[num_pages, page_size, kv_heads, head_dim]`` with the page stride
-as its first stride. A transfer describes the pool as ``num_regions`` regions of
-``num_pages`` runs of ``region_page_bytes`` each (``region_base_addrs``): 2L regions of one
-layer's page, or one region of whole pages (every layer's K and V in one descriptor).
+per-layer K or V view is ``[num_pages, page_size, kv_heads, head_dim]``. A transfer describes
+the pool as ``num_regions`` regions of ``num_pages`` runs of ``region_page_bytes`` each: 2L
+regions of one layer's page, or one region of whole pages. The region map of each kind and
+the compatibility rule (``compat_hash``) are in docs/protocol.md ("Layout and compatibility").
 Torch-free: the runner fills in the addresses of the tensors it allocated.
 """
 
@@ -110,7 +103,8 @@ class KVRegions:
     """Where one side's pool lives: per-layer base addresses of K and V, and the aux rows.
 
     Raises ``ValueError`` (with the numbers) when the addresses do not fit the layout: one per
-    layer; page-major, each layer's K and V where the layout puts them (module docstring)."""
+    layer; page-major, each layer's K and V where the layout puts them (``k_base_addrs[l] =
+    base + 2l * page_bytes``, docs/protocol.md)."""
 
     layout: KVLayout
     k_base_addrs: tuple[int, ...]  # len == layout.num_layers

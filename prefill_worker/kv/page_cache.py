@@ -8,15 +8,11 @@ Torch-free. One entry per distinct block (``block_hash.py``), keyed by its chain
 
     page refcount = requests using it + 1 (the cache)   refcount 1 <=> the page is idle
 
-A lookup walks the prompt's chain from its first block and stops at the first miss; every
-step compares the stored tokens and parent, so a hash collision is a miss. A page enters the
-cache only after its K/V is complete (``store``, called when the chunk that fills it has been
-computed), so no request can hit a page that another one is still writing. Eviction takes
-idle pages only, oldest first, and only when admission (or the ``max_pages`` cap) needs them;
-a request's pages go idle last page first, so a prompt's tail leaves before its head.
-
-Every page stored and evicted is reported to a ``CacheEventSink`` (KV events for
-cache-aware routers): consecutive stored blocks of one prompt as one ``blocks_stored``.
+A lookup stops at the first miss, and a hash collision is a miss. A page enters the cache only
+once its K/V is complete (``store``), so no request hits a page another one is still writing.
+Eviction takes idle pages only, oldest first, only when needed. What a request sees, and why
+a chain and not a tree: docs/prefix-cache.md. Every page stored and evicted is reported to a
+``CacheEventSink`` (KV events: docs/kv-events.md).
 """
 
 from __future__ import annotations

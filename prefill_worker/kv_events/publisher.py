@@ -8,25 +8,11 @@ Threads::
                wire, ``wire.py``), sent on PUB as [topic, seq, payload] and kept for replay;
                replay requests on the ROUTER socket are answered in between (``replay.py``)
 
-Sequence numbers count batches that were encoded, with no holes, from the run's start time in
-microseconds since the Unix epoch (``first_seq_now``): so they keep increasing across restarts
-of the worker (a run publishes far fewer than one batch per microsecond), and a subscriber that
-ignores every batch at or below the last it applied (Dynamo's indexer does) takes a new run's
-batches at once. A batch whose send fails is still held for replay, so a subscriber that sees
-the gap can fetch it. An event the engine could not queue is lost for every subscriber; so that
-routers never keep believing in a block that may have left the cache since, once the queue has
-drained after such a drop the publisher sends ``AllBlocksCleared`` (routers then under-report
-hits until new blocks arrive; they never over-report). PUB and ROUTER sends never block: ZMQ
-drops at its high-water mark instead.
-
-A new run starts empty, but a subscriber may still hold blocks of an earlier run of this worker
-(one that crashed, and so never said goodbye). So the run's first batch is ``AllBlocksCleared``
-alone, sent at once, and every batch begins with one until the run has published its first
-``BlockStored``. A publisher with nothing to send for ``idle_interval_s`` sends a batch anyway:
-``AllBlocksCleared`` alone until the run has stored a block, an empty batch after. So a
-subscriber that reconnects to a restarted worker hears from it within that interval: it forgets
-the old run's blocks if the new run has stored none yet, and otherwise sees the gap in the
-sequence numbers and fetches what it missed from the replay socket.
+What a subscriber may rely on is in docs/kv-events.md ("Delivery and failure", "Restarts"):
+sequence numbers from the run's start time in microseconds (``first_seq_now``), with no
+holes; a failed send still held for replay; ``AllBlocksCleared`` after a dropped event, as the
+run's first batch and at the head of every batch until its first ``BlockStored``; a batch at
+least every ``idle_interval_s``. PUB and ROUTER sends never block.
 """
 
 from __future__ import annotations

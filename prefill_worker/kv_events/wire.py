@@ -3,21 +3,11 @@
 This is the format cache-aware routers already ingest (Dynamo's KV router and standalone
 indexer, llm-d's KV cache manager); field names, their order, the tags and the encoding
 options are the contract, so they follow vLLM 0.31.0 exactly (the version Dynamo 1.6.1 pins).
-One ZMQ message on the PUB socket::
-
-    frame 0  topic        utf-8 bytes (config ``kv_events.topic``, "" by default)
-    frame 1  sequence     8 bytes, unsigned big-endian, +1 per batch, from the run's start
-                          time in microseconds (``publisher.first_seq_now``)
-    frame 2  payload      msgpack KVEventBatch
-
-    KVEventBatch  array  [ts (float seconds, Unix time), [event, ...], data_parallel_rank]
-    event         map    {"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared", ...}
-
-The batch is array-like (``array_like=True``); events are tagged maps (``tag=True``,
-``omit_defaults=True``: a field with a default is left out while it holds the default; fields
-without one, such as ``lora_id``, ``medium``, ``lora_name``, are always written). Block hashes
-are unsigned 64-bit ints (vLLM's ``ExternalBlockHash`` allows ints or bytes; int is what
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` publishes and what every consumer reads).
+The frames of one PUB message and each event's fields are tabled in docs/kv-events.md ("Wire
+format"). The batch is array-like; events are tagged maps with ``omit_defaults`` (fields
+without a default, such as ``lora_id``, ``medium``, ``lora_name``, are always written). Block
+hashes are unsigned 64-bit ints (what ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` publishes and
+what every consumer reads).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.moe import create_moe_backend, resolve_moe_backend_name
+from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.model.runner import Runner
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "LoadProgress",
     "ModelInfo",
     "Runner",
+    "TPGroup",
     "build",
     "resolve_device",
 ]
@@ -84,10 +87,15 @@ def build(
     num_threads: int | None = None,
     on_progress: LoadProgress | None = None,
     pool_layout: str = LAYER_MAJOR,
+    tp: TPGroup = SINGLE,
+    moe_backend: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
-    pick the attention backend. ``on_progress(bytes_read, bytes_total)`` follows the
-    weights as they load.
+    pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
+    ``model.moe``'s registry). ``on_progress(bytes_read, bytes_total)`` follows the weights
+    as they load. Under tensor parallelism (``tp``, a rank of its group) the rank
+    loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
+    ``ModelInfo`` describes the whole model.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -95,11 +103,21 @@ def build(
         torch.set_num_threads(num_threads)
     dev = resolve_device(device)
     backend_name = resolve_backend_name(attention_backend, dev)
-    torch_dtype = resolve_dtype(dtype, read_spec(model_path))
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress)
+    declared = read_spec(model_path)
+    torch_dtype = resolve_dtype(dtype, declared)
+    resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # a bad choice fails before loading
+    check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
+    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
+    model = CausalLM(spec, weights, tp, create_moe_backend(moe_backend, dev, torch_dtype))
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype_name, page_size, 1, pool_layout
+        spec.num_layers,
+        model.local.num_kv_heads,
+        spec.head_dim,
+        dtype_name,
+        page_size,
+        1,
+        pool_layout,
     )
     pages = pool_num_pages(one_page, dev, num_pages, memory_bytes, memory_fraction)
     kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
@@ -110,7 +128,7 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = Runner(CausalLM(spec, weights), kv_cache, create_backend(backend_name, dev))
+    runner = Runner(model, kv_cache, create_backend(backend_name, dev))
     return runner, kv_cache, _info(spec, one_page.dtype, kv_cache.device_name, backend_name)
 
 

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -35,6 +36,30 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture-of-experts MLP: which layers are sparse and how tokens are routed.
+
+    ``scoring`` is ``softmax`` (Qwen3-MoE: softmax over all experts, top-k) or ``sigmoid``
+    (DeepSeek-V3: sigmoid scores, the top-k chosen on ``score + e_score_correction_bias``
+    within the ``topk_group`` best of ``n_group`` expert groups, weighted by the plain
+    score). ``norm_topk_prob`` renormalises the k weights to sum 1; the weights are then
+    multiplied by ``routed_scaling_factor``. ``num_shared_experts`` (DeepSeek) adds a dense
+    MLP of ``num_shared_experts * intermediate_size`` beside the routed ones."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    sparse_layers: frozenset[int]  # the others run the dense MLP of ModelSpec
+    norm_topk_prob: bool
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    has_score_bias: bool = False  # e_score_correction_bias (sigmoid scoring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +85,10 @@ class ModelSpec:
     has_qk_norm: bool
     torch_dtype: str | None  # the checkpoint's own dtype name, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
+    moe: MoESpec | None = None  # None: every layer is dense
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:
@@ -103,10 +132,53 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         has_qkv_bias=True if family == "qwen2" else has_bias,
         has_o_bias=False if family == "qwen2" else has_bias,
         has_mlp_bias=bool(raw.get("mlp_bias", False)),
-        has_qk_norm=family == "qwen3",
+        has_qk_norm=family in ("qwen3", "qwen3_moe"),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_eos(raw.get("eos_token_id")),
+        moe=moe_spec(raw) if family == "qwen3_moe" else None,
     )
+
+
+def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
+    """The MoE part of a Qwen3-MoE or DeepSeek-V2/V3 config (``model_type`` tells which)."""
+    num_layers = int(_need(raw, "num_hidden_layers"))
+    num_experts = int(
+        raw.get("num_experts") or raw.get("n_routed_experts") or _need(raw, "num_local_experts")
+    )
+    top_k = int(_need(raw, "num_experts_per_tok"))
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} is not in [1, {num_experts}]")
+    common = dict(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(_need(raw, "moe_intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+    )
+    if str(raw.get("model_type", "")).startswith("deepseek"):
+        first_dense = int(raw.get("first_k_dense_replace") or 0)
+        freq = int(raw.get("moe_layer_freq") or 1)
+        n_group = int(raw.get("n_group") or 1)
+        if num_experts % n_group:
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups")
+        scoring = raw.get("scoring_func") or "sigmoid"
+        if scoring != "sigmoid":
+            raise ValueError(f"scoring_func {scoring!r} is not supported (only sigmoid)")
+        return MoESpec(
+            **common,  # type: ignore[arg-type]
+            sparse_layers=frozenset(
+                i for i in range(num_layers) if i >= first_dense and i % freq == 0
+            ),
+            scoring="sigmoid",
+            n_group=n_group,
+            topk_group=int(raw.get("topk_group") or 1),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+            num_shared_experts=int(raw.get("n_shared_experts") or 0),
+            has_score_bias=(raw.get("topk_method") or "noaux_tc") == "noaux_tc",
+        )
+    dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    step = int(raw.get("decoder_sparse_step") or 1)
+    sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    return MoESpec(**common, sparse_layers=sparse)  # type: ignore[arg-type]
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:

@@ -11,6 +11,9 @@ One allocation holds every layer's K and V, in the pool layout ``layout.kind`` n
 Every ``k[l]``/``v[l]`` is a ``[num_pages, page_size, KV, D]`` view of the storage (never a
 copy): page p of layer l at ``k_base_addrs[l] + p * page_stride_bytes``, one page itself
 contiguous. Writers and attention index them by (page, offset), which works for any page stride.
+
+Under tensor parallelism each rank owns its own pool, and ``num_kv_heads`` (KV above) is the
+rank's local count: the heads ``model.parallel.kv_head_range`` gives it, in order.
 """
 
 from __future__ import annotations

@@ -8,7 +8,12 @@ attention, and only the rows that need logits go through the final norm and LM h
     per layer:  qkv = norm(x) @ Wqkv                 [T, (H + 2 KV) D]
                 (qwen3: q/k RMSNorm per head), RoPE, write K/V to pages, attention
                 x += attn @ Wo ;  x += silu(g) * u @ Wdown,  [g|u] = norm(x) @ Wgu
+                (a sparse layer of a MoE family: x += moe.block's routed experts instead)
     logits = norm(x[rows]) @ Wlm                     [R, vocab]
+
+Under tensor parallelism (``model.parallel``) the weights are this rank's slices: the same
+code runs over the rank's heads and intermediate range, and the o and down projections sum
+their partial products over the ranks (one all-reduce each); at TP 1 none runs.
 
 Prompt logprobs (only when a chunk asks) read the same final hidden states at their own rows
 and keep one float per row: ``log_softmax(norm(x[row]) @ Wlm)[next token]``, computed over
@@ -17,6 +22,7 @@ blocks of rows so that at most ``[block, vocab]`` logits exist at once, whatever
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,10 +33,16 @@ from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
+from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
+from prefill_worker.model.moe.block import MoEWeights, moe_mlp
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.sharding import local_dims
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LayerWeights:
+    """One layer's weights; under TP, this rank's slices (H, KV, I: the rank's counts)."""
+
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) * D]
@@ -39,6 +51,11 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [D] (qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
+    mlp: DenseMLP | MoEWeights  # MoEWeights: a sparse layer of a MoE family
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DenseMLP:
     gate_up: torch.Tensor  # [2 I, hidden], gate rows first
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, I]
@@ -78,33 +95,44 @@ class CausalLM:
     buffer per forward. On a CPU, fresh tensors over glibc's mmap threshold (32 MiB) cost
     more in page faults than the op itself; blocks bound the other temporaries. The block
     is large because each op is also an OpenMP barrier, which is slow on shared cores.
+    A sparse layer's experts run over all ``T`` tokens at once (each expert's weights read
+    once per forward; the gather by expert is ``[T k, hidden]``).
     """
 
     block_tokens = 2048
     logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        tp: TPGroup = SINGLE,
+        experts: ExpertsBackend | None = None,
+    ) -> None:
         self.spec = spec
-        self.weights = weights
+        self.tp = tp
         self.dtype = weights.embed.dtype
+        self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
+        self.weights = _prepared(weights, self.experts)
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
-        self._q_dim = spec.num_heads * spec.head_dim
-        self._kv_dim = spec.num_kv_heads * spec.head_dim
+        self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
+        self._q_dim = self.local.num_heads * spec.head_dim
+        self._kv_dim = self.local.num_kv_heads * spec.head_dim
 
     def forward(
         self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
     ) -> ForwardOutput:
         """Write every token's K/V into its pages; return the logits ``[R, vocab]`` and the
         prompt logprobs ``[L]``."""
-        spec, num_tokens = self.spec, inputs.input_ids.shape[0]
+        spec, local, num_tokens = self.spec, self.local, inputs.input_ids.shape[0]
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
         # Reused by every layer: [T, heads, D] each.
-        q = x.new_empty(num_tokens, spec.num_heads, spec.head_dim)
-        k = x.new_empty(num_tokens, spec.num_kv_heads, spec.head_dim)
+        q = x.new_empty(num_tokens, local.num_heads, spec.head_dim)
+        k = x.new_empty(num_tokens, local.num_kv_heads, spec.head_dim)
         v = torch.empty_like(k)
         attn = torch.empty_like(q)
-        gate_up = x.new_empty(min(num_tokens, self.block_tokens), 2 * spec.intermediate_size)
+        gate_up = x.new_empty(min(num_tokens, self.block_tokens), 2 * local.intermediate_size)
         blocks = [
             slice(r, min(r + self.block_tokens, num_tokens))
             for r in range(0, num_tokens, self.block_tokens)
@@ -114,6 +142,11 @@ class CausalLM:
                 self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
             kv_cache.write(index, inputs.slots, k, v)
             attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
+            if isinstance(layer.mlp, MoEWeights):  # every expert's weights read once
+                for rows in blocks:
+                    self._output(layer, x[rows], attn[rows])
+                self._moe(layer.mlp, layer.post_norm, x)
+                continue
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
         token_logprobs = None
@@ -159,15 +192,38 @@ class CausalLM:
         self.rotary.apply_into(q, cos, sin, q_out)
         self.rotary.apply_into(k, cos, sin, k_out)
 
+    def _output(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> None:
+        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``."""
+        x.add_(row_parallel(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias, self.tp))
+
+    def _moe(self, mlp: MoEWeights, post_norm: torch.Tensor, x: torch.Tensor) -> None:
+        """``x [T, hidden]`` += a sparse layer's MLP, over all the forward's tokens at once."""
+        assert self.spec.moe is not None  # the loader builds MoEWeights only then
+        h = rms_norm(x, post_norm, self.spec.rms_norm_eps)
+        x.add_(moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp))
+
     def _output_and_mlp(
         self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, buffer: torch.Tensor
     ) -> None:
-        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the MLP."""
-        x.add_(F.linear(attn.reshape(x.shape[0], self._q_dim), layer.o, layer.o_bias))
+        """``x [B, hidden]`` += o-projection of ``attn [B, H, D]``, then += the dense MLP."""
+        self._output(layer, x, attn)
         h = rms_norm(x, layer.post_norm, self.spec.rms_norm_eps)
+        mlp = layer.mlp
+        assert isinstance(mlp, DenseMLP)
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
-        if layer.gate_up_bias is None:
-            torch.mm(h, layer.gate_up.t(), out=gate_up)
+        if mlp.gate_up_bias is None:
+            torch.mm(h, mlp.gate_up.t(), out=gate_up)
         else:
-            torch.addmm(layer.gate_up_bias, h, layer.gate_up.t(), out=gate_up)
-        x.add_(F.linear(silu_and_mul_(gate_up), layer.down, layer.down_bias))
+            torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
+        x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
+
+
+def _prepared(weights: ModelWeights, experts: ExpertsBackend) -> ModelWeights:
+    """``weights`` with every sparse layer's experts in ``experts``' layout."""
+    layers = tuple(
+        dataclasses.replace(layer, mlp=experts.prepare(layer.mlp))
+        if isinstance(layer.mlp, MoEWeights)
+        else layer
+        for layer in weights.layers
+    )
+    return dataclasses.replace(weights, layers=layers)

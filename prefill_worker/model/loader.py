@@ -5,6 +5,11 @@ checkpoints are read. Every expected tensor's presence and shape is checked befo
 loaded; a missing tensor or a shape mismatch raises ``CheckpointError`` naming it. q/k/v
 are concatenated into one matrix and gate/up into another, so a layer runs four GEMMs.
 
+With tensor parallelism (``parallel.TPGroup`` of size > 1) each rank reads only its slice of
+each tensor, as its family's table in ``model.sharding`` declares, straight from the file
+(safetensors reads a row or column range without the rest); the fused matrices are built
+from the slices. Shapes are checked whole, against config.json, before any slice is read.
+
 Loading reports progress through an optional ``on_progress(bytes_read, bytes_total)``
 callback, called after each tensor (bytes as stored in the checkpoint); how it is shown (log
 lines, systemd's STATUS) is the caller's business.
@@ -22,7 +27,10 @@ import torch
 from safetensors import safe_open
 
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
-from prefill_worker.model.llama import LayerWeights, ModelWeights
+from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
+from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
+from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +64,23 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, hidden),
             p + "self_attn.v_proj.weight": (kv_out, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_out),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
+        if spec.moe is not None and spec.is_sparse(i):
+            shapes |= moe_shapes(spec.moe, hidden, p + "mlp.")
+            mlp_bias = False
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+            mlp_bias = spec.has_mlp_bias
         if spec.has_qkv_bias:
             for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 shapes[f"{p}self_attn.{name}_proj.bias"] = (size,)
         if spec.has_o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        if spec.has_mlp_bias:
+        if mlp_bias:
             shapes |= {p + f"mlp.{n}_proj.bias": (inter,) for n in ("gate", "up")}
             shapes[p + "mlp.down_proj.bias"] = (hidden,)
         if spec.has_qk_norm:
@@ -99,27 +114,35 @@ class TensorSource(Protocol):
 
 
 class _Reader:
-    """Reads named tensors from their files, cast to one dtype and device; tells ``on_read``
-    (when set) the bytes of each, as stored."""
+    """Reads named tensors (this rank's slice of each) from their files, cast to one dtype
+    and device; tells ``on_read`` (when set) the bytes of each, as stored."""
 
-    def __init__(self, files: Mapping[str, Path], dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        files: Mapping[str, Path],
+        dtype: torch.dtype,
+        device: torch.device,
+        spec: ModelSpec,
+        tp: TPGroup = SINGLE,
+    ):
         self.files, self.dtype, self.device = files, dtype, device
+        self.spec, self.tp = spec, tp
         self.on_read: Callable[[int], None] | None = None
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, safe_open] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def stored_bytes(self, name: str) -> int:
-        """The tensor's size in its file (0 for a dtype this table does not know)."""
+        """The size in its file of what this rank reads (0 for a dtype the table lacks)."""
         piece = self._handle(name).get_slice(name)
         num_elements = 1
-        for size in piece.get_shape():
+        for size in local_shape(self.spec, name, tuple(piece.get_shape()), self.tp):
             num_elements *= size
         return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
 
     def get(self, name: str) -> torch.Tensor:
-        stored = self._handle(name).get_tensor(name)
+        stored = self._read(name)
         if self.on_read is not None:
             self.on_read(stored.numel() * stored.element_size())
         return stored.to(device=self.device, dtype=self.dtype)
@@ -127,7 +150,15 @@ class _Reader:
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
-    def _handle(self, name: str):  # type: ignore[no-untyped-def]
+    def _read(self, name: str) -> torch.Tensor:
+        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        if dim is None:
+            return self._handle(name).get_tensor(name)
+        piece = self._handle(name).get_slice(name)
+        cut = shard_slice(self.spec, name, tuple(piece.get_shape()), self.tp)
+        return piece[cut] if dim == 0 else piece[:, cut]
+
+    def _handle(self, name: str) -> safe_open:
         path = self.files[name]
         if path not in self._open:
             if not path.exists():
@@ -151,11 +182,13 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: torch.device,
     on_progress: LoadProgress | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[ModelSpec, ModelWeights]:
-    """Read, check and fuse a checkpoint; raises ``CheckpointError`` on any problem."""
+    """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
+    ``CheckpointError`` on any problem."""
     root = Path(model_dir)
     spec = read_spec(root)
-    reader = _Reader(tensor_files(root), dtype, device)
+    reader = _Reader(tensor_files(root), dtype, device, spec, tp)
     check_tensors(spec, reader)
     if on_progress is not None:
         total = sum(reader.stored_bytes(name) for name in expected_shapes(spec))
@@ -190,9 +223,6 @@ def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
     qkv_bias = None
     if spec.has_qkv_bias:
         qkv_bias = torch.cat([r.get(f"{attn}{n}_proj.bias") for n in "qkv"])
-    gate_up_bias = None
-    if spec.has_mlp_bias:
-        gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])
     return LayerWeights(
         input_norm=r.get(p + "input_layernorm.weight"),
         qkv=torch.cat([r.get(f"{attn}{n}_proj.weight") for n in "qkv"]),
@@ -202,6 +232,17 @@ def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
         q_norm=r.maybe(attn + "q_norm.weight", spec.has_qk_norm),
         k_norm=r.maybe(attn + "k_norm.weight", spec.has_qk_norm),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
+        mlp=_mlp(spec, r, index, mlp),
+    )
+
+
+def _mlp(spec: ModelSpec, r: TensorSource, index: int, mlp: str) -> DenseMLP | MoEWeights:
+    if spec.moe is not None and spec.is_sparse(index):
+        return fuse_moe(spec.moe, r.get, mlp)
+    gate_up_bias = None
+    if spec.has_mlp_bias:
+        gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])
+    return DenseMLP(
         gate_up=torch.cat([r.get(mlp + "gate_proj.weight"), r.get(mlp + "up_proj.weight")]),
         gate_up_bias=gate_up_bias,
         down=r.get(mlp + "down_proj.weight"),

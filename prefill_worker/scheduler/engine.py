@@ -12,8 +12,7 @@ One turn (``step``), the same for serial and overlapped forwards (``forward.py``
                 sender.send_pages; last chunk → aux row  │
                 → sender.send_aux                        ┘
 
-The loop is here; what happens to each request (submit, sender polling, deadlines, consume,
-and the one finish path) is ``lifecycle.RequestLifecycle``.
+What happens to each request is ``lifecycle.RequestLifecycle``.
 """
 
 from __future__ import annotations
@@ -26,22 +25,17 @@ from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ModelRunner
-from prefill_worker.kv.aux import AuxPool
-from prefill_worker.kv.pages import PagePool
-from prefill_worker.kv.prefix_cache import PrefixCache
+from prefill_worker.inbox import EngineMessage, Inbox
 from prefill_worker.kv.tables import PageTable
-from prefill_worker.request import FinishReason
+from prefill_worker.load import LoadSnapshot
+from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler.admission import Admission, ScheduledBatch
+from prefill_worker.scheduler.costs import CostEstimator
 from prefill_worker.scheduler.forward import make_forward
-from prefill_worker.scheduler.inbox import EngineMessage, Inbox
 from prefill_worker.scheduler.lifecycle import RequestLifecycle
 from prefill_worker.scheduler.liveness import ForwardClock, Progress
-from prefill_worker.scheduler.observer import (
-    EngineObserver,
-    LoadSnapshot,
-    NullObserver,
-    OutcomeSink,
-)
+from prefill_worker.scheduler.observer import EngineObserver, NullObserver, OutcomeSink
+from prefill_worker.scheduler.options import EngineKV, EngineLimits
 from prefill_worker.transfer.base import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -58,54 +52,38 @@ class Engine:
         self,
         runner: ModelRunner,
         transfer: TransferBackend,
-        pages: PagePool,
-        aux: AuxPool,
+        kv: EngineKV,
         sink: OutcomeSink,
+        limits: EngineLimits,
         *,
-        page_size: int,
-        chunk_size: int,
-        max_batch_tokens: int,
-        max_running_requests: int,
-        bootstrap_timeout_s: float,
-        transfer_timeout_s: float,
         overlap: bool,
         observer: EngineObserver | None = None,
-        prefix_cache: PrefixCache | None = None,
         clock: Callable[[], float] = time.monotonic,
-        poll_budget: int = 32,
-        max_messages_per_turn: int = 256,
     ) -> None:
-        self._transfer, self._aux = transfer, aux
+        self._transfer, self._aux = transfer, kv.aux
         self._observer: EngineObserver = observer or NullObserver()
         self._clock = clock
-        self._table = PageTable(pages, page_size, prefix_cache)  # no cache: NoPrefixCache
+        self.limits = limits
+        # no prefix cache: the table uses NoPrefixCache
+        self._table = PageTable(kv.pages, limits.page_size, kv.prefix_cache)
+        self._costs = CostEstimator()
+        self._sink = sink
         self._life = RequestLifecycle(
-            transfer,
-            self._table,
-            aux,
-            sink,
-            self._observer,
-            clock,
-            bootstrap_timeout_s=bootstrap_timeout_s,
-            transfer_timeout_s=transfer_timeout_s,
-            poll_budget=poll_budget,
+            transfer, self._table, kv.aux, self._on_outcome, self._observer, clock, limits
         )
         self._queues = self._life.queues
         self._admission = Admission(
             self._queues,
             self._table,
-            aux,
+            kv.aux,
             clock,
-            chunk_size=chunk_size,
-            max_batch_tokens=max_batch_tokens,
-            max_running_requests=max_running_requests,
+            chunk_size=limits.chunk_size,
+            max_batch_tokens=limits.max_batch_tokens,
+            max_running_requests=limits.max_running_requests,
             on_lookup=self._observer.on_prefix_lookup,
         )
         self._forward_clock = ForwardClock(runner, clock)
         self._forward = make_forward(self._forward_clock, overlap)
-        self.page_size = page_size
-        self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
-        self._max_messages = max_messages_per_turn
         self._running: ScheduledBatch | None = None
         self._is_closed = False
         self.last_turn_at = clock()  # for /livez: read from any thread
@@ -200,7 +178,7 @@ class Engine:
 
     def _take(self, inbox: Inbox) -> None:
         inbox.clear_wake()  # before draining: a later put wakes the next wait
-        for _ in range(self._max_messages):
+        for _ in range(self.limits.max_messages_per_turn):
             try:
                 message = inbox.get_nowait()
             except queue.Empty:
@@ -253,8 +231,16 @@ class Engine:
         self._running = batch
         self._forward.launch(batch.plan)
 
+    def _on_outcome(self, outcome: Outcome) -> None:
+        self._costs.on_outcome(outcome)
+        self._sink(outcome)
+
     def _publish(self) -> None:
         queues = self._queues
+        seconds_per_token = self._forward_clock.progress(0.0).seconds_per_token
+        costs = self._costs.signals(
+            queues.num_queued_tokens, queues.prefilling.values(), seconds_per_token
+        )
         load = LoadSnapshot(
             num_bootstrapping=queues.num_bootstrapping,
             num_waiting=queues.num_waiting,
@@ -265,6 +251,7 @@ class Engine:
             num_cached_pages=self._table.cache.num_pages,
             num_free_aux_rows=self._aux.num_free,
             num_total_aux_rows=self._aux.num_rows,
+            costs=costs,
         )
         self.last_turn_at = self._clock()
         if load != self._load:

@@ -6,14 +6,13 @@ requests that a running forward may still write. The engine's loop calls it each
     submit          a prefill (sender created, deadlines pushed) or an abort
     poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
     expire          deadlines that passed (bootstrap, transfer, per request)
-    send_prefix_hits  a launched batch's newly admitted requests: their cached pages →
-                    sender.send_pages (they travel while the rest is computed)
-    consume         a collected forward: pages → prefix cache (complete now) and
-                    sender.send_pages; last chunk → aux row → sender.send_aux, then TRANSFERRING
+    send_prefix_hits  a launched batch's new requests: their cached pages → send_pages
+    consume         a collected forward: pages → prefix cache and send_pages;
+                    last chunk → aux row → send_aux, then TRANSFERRING
 
-Every request ends through ``finish``: sender failed (if need be) and closed, then pages and
-aux row freed (pages still read by a running forward are freed by ``release_deferred`` when it
-is collected), one ``Outcome`` counted, observed and handed to the sink.
+Every request ends through ``finish``: sender failed (if need be) and closed, pages and aux
+row freed (those a running forward still writes by ``release_deferred`` when it is
+collected), one ``Outcome`` counted, observed and handed to the sink.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ChunkPlan, SampledToken
+from prefill_worker.inbox import EngineMessage
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.tables import PageTable, num_pages_for
 from prefill_worker.request import (
@@ -35,8 +35,8 @@ from prefill_worker.request import (
 )
 from prefill_worker.scheduler.admission import ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
-from prefill_worker.scheduler.inbox import EngineMessage
 from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
+from prefill_worker.scheduler.options import EngineLimits
 from prefill_worker.scheduler.queues import RequestQueues
 from prefill_worker.scheduler.tracked import Request
 from prefill_worker.transfer.base import KVPoll, TransferBackend
@@ -65,18 +65,16 @@ class RequestLifecycle:
         sink: OutcomeSink,
         observer: EngineObserver,
         clock: Callable[[], float],
-        *,
-        bootstrap_timeout_s: float,
-        transfer_timeout_s: float,
-        poll_budget: int,
+        limits: EngineLimits,
     ) -> None:
         self._transfer, self._table, self._aux = transfer, table, aux
         self._sink, self._observer, self._clock = sink, observer, clock
         self.queues = RequestQueues(observer.on_transition)
         self.deadlines = DeadlineHeap()
         self.page_size = table.page_size
-        self.bootstrap_timeout_s, self.transfer_timeout_s = bootstrap_timeout_s, transfer_timeout_s
-        self._poll_budget = poll_budget
+        self.bootstrap_timeout_s = limits.bootstrap_timeout_s
+        self.transfer_timeout_s = limits.transfer_timeout_s
+        self._poll_budget = limits.poll_budget
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
         self.outcome_counts: Counter[FinishReason] = Counter()
 

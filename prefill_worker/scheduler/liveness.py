@@ -1,11 +1,9 @@
 """Busy or stuck: the engine's progress, and the rule ``/livez`` and the watchdog judge it by.
 
-The engine loop turns many times a second while idle, but not during a forward: a serial
-forward runs on the engine thread, an overlapped one is waited for once per turn. A forward
-of 8192 tokens takes a fraction of a second on a GPU and minutes on a CPU, so a fixed
-staleness bound either restarts a busy worker in a loop or keeps a hung one "healthy".
-``ForwardClock`` wraps the model runner: it records the forward in progress (when it began,
-how many tokens) and measures seconds per token over recent forwards. ``LivenessRule`` says::
+The loop does not turn during a forward, and a forward of 8192 tokens takes a fraction of a
+second on a GPU and minutes on a CPU, so a fixed staleness bound either restarts a busy worker
+or keeps a hung one "healthy". ``ForwardClock`` wraps the model runner: it records the forward
+in progress and measures seconds per token over recent forwards. ``LivenessRule`` says::
 
     live    the loop turned within loop_stale_s
             or a forward is running and younger than its bound
@@ -14,9 +12,8 @@ how many tokens) and measures seconds per token over recent forwards. ``Liveness
 
     bound = max(floor_s, margin × num_tokens × seconds_per_token)
 
-``seconds_per_token`` is the total time of the last ``window`` forwards over their total
-tokens (a fixed per-forward cost makes small forwards look slow: the bound errs long, never
-short); before the first forward finishes there is none, and the bound is the floor.
+``seconds_per_token`` is total time over total tokens of the last ``window`` forwards (the
+bound errs long, never short); before the first forward finishes the bound is the floor.
 """
 
 from __future__ import annotations

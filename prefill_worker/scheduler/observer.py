@@ -2,62 +2,19 @@
 
 ``OutcomeSink`` takes the one final ``Outcome`` per request (ingress turns it into a
 ``result``). ``EngineObserver`` is the metrics seam (outcomes, steps, load, and every state
-move of a live request); ``NullObserver`` is the no-op default.
-``LoadSnapshot`` is immutable and swapped whole, so any thread may read the latest one (the
-ingress ``pong``, ``/readyz``) without a lock.
+move of a live request); ``NullObserver`` is the no-op default. The load itself
+(``LoadSnapshot``) is shared vocabulary, in ``prefill_worker.load``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
 
 OutcomeSink = Callable[[Outcome], None]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """Requests per live state and KV pages, as of the end of one engine turn."""
-
-    num_bootstrapping: int = 0
-    num_waiting: int = 0
-    num_prefilling: int = 0
-    num_transferring: int = 0
-    num_free_pages: int = 0  # free, or held only by the prefix cache (evicted on demand)
-    num_total_pages: int = 0
-    num_free_aux_rows: int = 0
-    num_total_aux_rows: int = 0
-    num_cached_pages: int = 0  # held by the prefix cache (in use by requests or idle)
-
-    @property
-    def num_running(self) -> int:
-        return self.num_prefilling
-
-    @property
-    def num_live(self) -> int:
-        return (
-            self.num_bootstrapping + self.num_waiting + self.num_prefilling + self.num_transferring
-        )
-
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_total_pages - self.num_free_pages
-
-    @property
-    def num_used_aux_rows(self) -> int:
-        return self.num_total_aux_rows - self.num_free_aux_rows
-
-    def queue_sizes(self) -> dict[str, int]:
-        """Live requests keyed by ``RequestState.value`` (the metrics ``state`` label)."""
-        return {
-            RequestState.BOOTSTRAPPING.value: self.num_bootstrapping,
-            RequestState.WAITING.value: self.num_waiting,
-            RequestState.PREFILLING.value: self.num_prefilling,
-            RequestState.TRANSFERRING.value: self.num_transferring,
-        }
 
 
 class EngineObserver(Protocol):

@@ -8,12 +8,9 @@ move to ``on_move`` (the engine passes its observer's ``on_transition``)::
     waiting     deque, FCFS order (entries that left WAITING are dropped lazily at the head)
     prefilling  request_id -> Request, admission order
     inflight    request_id -> Request (TRANSFERRING: KV pushed, waiting for the sender)
-    watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn,
-                so a turn costs O(poll budget), not O(queued). Entries that left those states
-                are dropped as the ring reaches them and never count against the budget: each
-                is dropped once, and a live request is never held back behind dead ones (an
-                HTTP batch of 100,000 aborted prompts once delayed the next request ~20 s,
-                skipped 32 a turn)
+    watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn
+                (O(poll budget) a turn); entries that left those states are dropped as the
+                ring reaches them, each once, and never count against the budget
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ class RequestQueues:
         self._watch: deque[Request] = deque()
         self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
         self.num_waiting = 0
+        self.num_queued_tokens = 0  # prompt tokens of BOOTSTRAPPING and WAITING requests
 
     def __len__(self) -> int:
         return len(self.live)
@@ -54,11 +52,14 @@ class RequestQueues:
         assert req.state is RequestState.BOOTSTRAPPING and req.request_id not in self.live
         self.live[req.request_id] = req
         self.num_bootstrapping += 1
+        self.num_queued_tokens += req.num_prompt_tokens
         self._watch.append(req)
 
     def move(self, req: Request, state: RequestState) -> None:
         old = req.state
         req.move_to(state)
+        if old in _WATCHED and state not in _WATCHED:
+            self.num_queued_tokens -= req.num_prompt_tokens
         if old is RequestState.BOOTSTRAPPING:
             self.num_bootstrapping -= 1
         elif old is RequestState.WAITING:
@@ -119,5 +120,7 @@ class RequestQueues:
         assert all(r.state is RequestState.TRANSFERRING for r in self.inflight.values())
         waiting = [r for r in self.waiting if r.state is RequestState.WAITING]
         assert len(waiting) == self.num_waiting == len(set(map(id, waiting)))
+        queued = sum(r.num_prompt_tokens for r in self.live.values() if r.state in _WATCHED)
+        assert queued == self.num_queued_tokens, (queued, self.num_queued_tokens)
         watched = {id(r) for r in self._watch if r.state in _WATCHED}
         assert all(id(r) in watched for r in self.live.values() if r.state in _WATCHED)

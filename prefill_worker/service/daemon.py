@@ -2,19 +2,8 @@
 
 With ``service/startup.py`` (the steps that build each component), the only module that sees
 the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
-supervision, signals, drain, stop, fatal errors, closing. Threads::
-
-    main     start-up steps; then supervises: signals, drain, watchdog, gauges
-    engine   Engine.run: scheduler, runner, transfer polling (owns all request state)
-    ingress  ZMQ ROUTER I/O → engine inbox; outcomes back through send_outcome
-    http     /metrics /livez /readyz /drain (aiohttp on uvloop)
-    forward  (overlap mode) the executor thread running batch N
-    kv-events  (kv_events.enabled) batches the prefix cache's block events onto ZMQ PUB
-
-Every thread above but main, engine and forward is an edge thread, supervised with the NIXL
-transfer threads by ``service/threads.py``: one that stops makes ``/livez`` and ``/readyz``
-answer 503 at once, and stops the systemd watchdog within one supervision period
-(``_SUPERVISE_PERIOD_S``).
+supervision, signals, drain, stop, fatal errors, closing. Which thread owns what is drawn in
+docs/architecture.md ("Threads"); the edge threads are supervised by ``service/threads.py``.
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
@@ -36,13 +25,14 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.inbox import Inbox
+from prefill_worker.ingress.http import HttpApi, is_front_id
+from prefill_worker.ingress.validate import Limits
+from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome
-from prefill_worker.router.admission import Limits
-from prefill_worker.router.http_api import HttpApi, is_front_id
-from prefill_worker.router.ingress import Ingress
-from prefill_worker.scheduler import Engine, Inbox
+from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import Config
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
@@ -163,7 +153,7 @@ class Daemon:
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
         if cfg.http_api.enabled:
-            served = (info, Limits(*limits))
+            served = (info, Limits(*limits, ttft_slo_s=cfg.admission.ttft_slo_s))
             with watch("http api"):
                 front = start_http_api(
                     cfg, self.inbox, engine, served, self.metrics, self.health.is_live

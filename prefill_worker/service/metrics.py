@@ -7,10 +7,12 @@ transfer events to it; nothing here knows those components.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from prefill_worker.load import CostSignals
 from prefill_worker.request import Outcome, OutcomeStatus
 
 # Request latencies (TTFT, queue, bootstrap, prefill): vLLM's `time_to_first_token_seconds`
@@ -32,6 +34,8 @@ STEP_BUCKETS_S = (
     *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
     *(1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+# The prompt lengths whose predicted TTFT is a gauge (``prompt_tokens`` label).
+PREDICTED_TTFT_TOKENS = (256, 1024, 4096)
 _TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -180,8 +184,49 @@ class WorkerMetrics:
             "Wall time of the warm-up forward at start-up",
             registry=registry,
         )
+        self._add_cost_gauges(registry)
         self.ready = Gauge("prefill_worker_ready", "1 when serving, else 0", registry=registry)
         self.draining = Gauge("prefill_worker_draining", "1 while draining", registry=registry)
+
+    def _add_cost_gauges(self, registry: CollectorRegistry) -> None:
+        self.queued_tokens = Gauge(
+            "prefill_worker_queued_tokens",
+            "Prompt tokens of requests not yet admitted (whole prompts: hits unknown yet)",
+            registry=registry,
+        )
+        self.running_tokens = Gauge(
+            "prefill_worker_running_tokens",
+            "Tokens the prefilling requests have yet to compute (prefix hits excluded)",
+            registry=registry,
+        )
+        self.prefill_rate = Gauge(
+            "prefill_worker_prefill_rate_tokens_per_second",
+            "Tokens computed per second over the recent forwards (0 before the first)",
+            registry=registry,
+        )
+        self.backlog_seconds = Gauge(
+            "prefill_worker_backlog_seconds",
+            "Queued and running tokens over the prefill rate (NaN: work, but no rate yet)",
+            registry=registry,
+        )
+        self.predicted_ttft = Gauge(
+            "prefill_worker_predicted_ttft_seconds",
+            "Predicted TTFT of a new request of prompt_tokens uncached tokens (NaN: no rate)",
+            ["prompt_tokens"],
+            registry=registry,
+        )
+        self.set_costs(CostSignals())
+
+    def set_costs(self, costs: CostSignals) -> None:
+        self.queued_tokens.set(costs.queued_tokens)
+        self.running_tokens.set(costs.running_tokens)
+        self.prefill_rate.set(costs.prefill_rate_tps or 0.0)
+        backlog_s = costs.backlog_s
+        self.backlog_seconds.set(math.nan if backlog_s is None else backlog_s)
+        for num_tokens in PREDICTED_TTFT_TOKENS:
+            predicted_s = costs.predicted_ttft_s(num_tokens)
+            gauge = self.predicted_ttft.labels(str(num_tokens))
+            gauge.set(math.nan if predicted_s is None else predicted_s)
 
     def observe_outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.status.value, outcome.reason.value).inc()

@@ -109,6 +109,17 @@ class SchedulerConfig(_Section):
     )
 
 
+class AdmissionConfig(_Section):
+    """Admission on the fronts, before a request enters the engine."""
+
+    ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="Refuse a request whose predicted TTFT (docs/metrics.md) exceeds this "
+        "many seconds: 429 on the HTTP API, `overloaded` on the ZMQ ingress. Unset: off.",
+    )
+
+
 class IngressConfig(_Section):
     """The ZMQ ROUTER socket routers send requests to (docs/protocol.md, part 1)."""
 
@@ -365,6 +376,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     ingress: IngressConfig = IngressConfig()
     transfer: TransferConfig = TransferConfig()
     metrics: MetricsConfig = MetricsConfig()

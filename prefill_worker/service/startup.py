@@ -19,6 +19,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
+from prefill_worker.inbox import Inbox
+from prefill_worker.ingress.http import HttpApi, ServedModel, load_text_codec
+from prefill_worker.ingress.validate import Limits
+from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.layout import KVRegions
@@ -26,25 +30,23 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
+from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.request import Outcome
-from prefill_worker.router.admission import Limits
-from prefill_worker.router.http_api import HttpApi, ServedModel, load_text_codec
-from prefill_worker.router.ingress import CurveServerKeys, Ingress
-from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
-    ServingBackend,
-    SglangBootstrap,
     Transfer,
     make_backend,
     make_sglang_backend,
     serve_protocols,
 )
+from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions, SglangOptions
 from prefill_worker.transfer.validate import BootstrapLimits
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -190,33 +192,12 @@ def start_transfer(
     (SGLang's ``/health`` fails with it)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
-        limits = BootstrapLimits(cfg.max_peer_pages, cfg.max_message_bytes)
-        want_timeout_s = config.scheduler.bootstrap_timeout_s
-        native = _native_backend(config, regions, metrics, limits, is_live)
+        hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
+        native = _native_backend(config, regions, hooks)
         try:
             sglang = None
             if cfg.protocol != "native":
-                sglang = make_sglang_backend(
-                    regions,
-                    SglangBootstrap(
-                        cfg.sglang_bootstrap_bind,
-                        cfg.resolved_sglang_rank_ip,
-                        cfg.sglang_rank_port,
-                        cfg.sglang_kv_cache_dtype,
-                        cfg.sglang_health_stale_s,
-                        tuple(cfg.sglang_allowed_networks),
-                        cfg.sglang_rejoin_s,
-                    ),
-                    None if cfg.agent_name is None else f"{cfg.agent_name}-sglang",
-                    list(cfg.nixl_backends),
-                    cfg.peer_timeout_s,
-                    want_timeout_s,
-                    limits=limits,
-                    ucx_net_devices=cfg.resolved_sglang_ucx_net_devices,
-                    on_reject=metrics.on_bootstrap_reject,
-                    wake=wake,
-                    is_engine_live=is_live,
-                )
+                sglang = make_sglang_backend(regions, _sglang_options(config), hooks)
         except BaseException:
             if native is not None:
                 native.close()
@@ -224,13 +205,30 @@ def start_transfer(
         return serve_protocols(native, sglang)
 
 
-def _native_backend(
-    config: Config,
-    regions: KVRegions,
-    metrics: WorkerMetrics,
-    limits: BootstrapLimits,
-    is_live: Callable[[], bool],
-) -> ServingBackend | None:
+def _limits(config: Config) -> BootstrapLimits:
+    return BootstrapLimits(config.transfer.max_peer_pages, config.transfer.max_message_bytes)
+
+
+def _sglang_options(config: Config) -> SglangOptions:
+    cfg = config.transfer
+    agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
+    nixl = NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_sglang_ucx_net_devices)
+    return SglangOptions(
+        cfg.sglang_bootstrap_bind,
+        cfg.resolved_sglang_rank_ip,
+        cfg.sglang_rank_port,
+        cfg.sglang_kv_cache_dtype,
+        write_timeout_s=cfg.peer_timeout_s,
+        want_timeout_s=config.scheduler.bootstrap_timeout_s,
+        health_stale_s=cfg.sglang_health_stale_s,
+        allowed_networks=tuple(cfg.sglang_allowed_networks),
+        rejoin_s=cfg.sglang_rejoin_s,
+        nixl=nixl,
+        limits=_limits(config),
+    )
+
+
+def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend | None:
     cfg = config.transfer
     if cfg.protocol == "sglang":
         return None
@@ -239,20 +237,16 @@ def _native_backend(
         curve = CurveServerKeys.from_files(
             cfg.curve_secret_key_file, cfg.curve_authorized_keys_dir or ""
         )
-    return make_backend(
-        regions,
+    options = NativeOptions(
         cfg.bootstrap_bind,
-        cfg.agent_name,
-        list(cfg.nixl_backends),
         cfg.peer_timeout_s,
         cfg.heartbeat_interval_s,
         want_timeout_s=config.scheduler.bootstrap_timeout_s,
-        limits=limits,
+        nixl=NixlOptions(cfg.agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        limits=_limits(config),
         curve=curve,
-        ucx_net_devices=cfg.resolved_ucx_net_devices,
-        on_reject=metrics.on_bootstrap_reject,
-        is_engine_live=is_live,
     )
+    return make_backend(regions, options, hooks)
 
 
 def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
@@ -276,7 +270,7 @@ def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher 
 def make_engine(
     config: Config,
     runner: Runner,
-    transfer: ServingBackend,
+    transfer: TransferBackend,
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],
     metrics: WorkerMetrics,
@@ -285,28 +279,29 @@ def make_engine(
     cfg = config
     pages, aux = pools
     with startup_step("engine"):
-        return Engine(
-            runner,
-            transfer,
-            pages,
-            aux,
-            sink=sink,
+        limits = EngineLimits(
             page_size=cfg.cache.page_size,
             chunk_size=cfg.scheduler.chunk_size,
             max_batch_tokens=cfg.scheduler.max_batch_tokens,
             max_running_requests=cfg.scheduler.max_running_requests,
             bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+        )
+        return Engine(
+            runner,
+            transfer,
+            EngineKV(pages, aux, prefix_cache),
+            sink,
+            limits,
             overlap=cfg.scheduler.overlap,
             observer=EngineEvents(metrics, log),
-            prefix_cache=prefix_cache,
         )
 
 
 def start_ingress(
     config: Config,
     inbox: Inbox,
-    load: Callable[[], LoadSnapshot],
+    load: LoadSource,
     limits: tuple[int, int, int],
     metrics: WorkerMetrics,
     on_drain: Callable[[], None],
@@ -335,6 +330,7 @@ def start_ingress(
             observer=IngressEvents(metrics),
             on_drain=on_drain,
             allow_drain_message=cfg.allow_drain_message,
+            ttft_slo_s=config.admission.ttft_slo_s,
         )
         ingress.start()
     return ingress

@@ -1,7 +1,7 @@
 """Telemetry: engine and ingress events become metrics and log lines.
 
 ``EngineEvents`` implements ``scheduler.EngineObserver`` (engine thread) and ``IngressEvents``
-implements ``router.dispatch.IngressObserver`` (I/O thread); both only record.
+implements ``ingress.dispatch.IngressObserver`` (I/O thread); both only record.
 ``KVEventsTelemetry`` implements ``kv_events.KVEventsObserver`` (counters only).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
-from prefill_worker.scheduler import LoadSnapshot
 from prefill_worker.service.logs import log_outcome
 from prefill_worker.service.metrics import WorkerMetrics
 
@@ -33,6 +33,7 @@ class EngineEvents:
         self._metrics.set_queue_sizes(load.queue_sizes())
         self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages, load.num_cached_pages)
         self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
+        self._metrics.set_costs(load.costs)
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         return None  # per-state metrics come from ``on_load``; the outcome carries the timings

@@ -1,18 +1,14 @@
 """The supervision of the worker's edge threads: which have stopped.
 
 An edge thread (the router ingress's I/O, the HTTP servers, SGLang's control socket, the
-KV-event publisher) serves peers the engine never sees; if one stops while the engine turns,
-the engine's liveness says nothing of it, and a worker whose ingress is dead would answer
-``/livez`` 200 forever. So the daemon runs each start-up step that starts such a thread inside
-``ThreadWatch.step``, which records the threads of ``EDGE_THREADS`` that appear meanwhile, and
-``stopped`` names those no longer alive. ``Health`` turns any of them into ``/livez`` 503 and
-``/readyz`` 503, and the systemd watchdog stops, so the supervisor restarts the worker; the
-daemon checks every supervision period and logs the thread's name once.
-
-Generic on purpose: no component needs a hook for it, and a thread that ends for any reason
-(an exception its loop did not catch, a return) is found the same way. Threads are matched by
-name and by appearing during the step, so another worker's threads in the same process (tests)
-are not mistaken for this one's.
+KV-event publisher, the NIXL transfer threads) serves peers the engine never sees; if one
+stops while the engine turns, the engine's liveness says nothing of it. So the daemon runs
+each start-up step that starts such a thread inside ``ThreadWatch.step``, which records the
+threads of ``EDGE_THREADS`` that appear meanwhile, and ``stopped`` names those no longer alive.
+``Health`` turns any of them into ``/livez`` and ``/readyz`` 503 and the systemd watchdog
+stops (docs/architecture.md, "One owner per policy"). Threads are matched by name and by
+appearing during the step, so another worker's threads in the same process (tests) are not
+mistaken for this one's, and a thread that ends for any reason is found the same way.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 client (``DecodePeerClient``, what a router would do) and the command line (``main``).
 
 ``python -m prefill_worker.testing.decode_peer`` runs ``main``: load the model, register with
-the worker, send sd_notify READY=1, answer ``generate``/``ping`` until SIGTERM, exit 0. A test
-and demo tool, like the peer itself (``decode_peer.py``).
+the worker, send sd_notify READY=1, answer ``generate``/``ping`` until SIGTERM, exit 0 (1, with
+every thread's stack in the log, if the stop takes over 10 s). A test and demo tool, like the
+peer itself (``decode_peer``).
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve_http(peer: DecodePeer, args: argparse.Namespace, stop: threading.Event) -> None:
     """SGLang's decode HTTP API (``peer_http.py``) until ``stop``; READY=1 once it listens."""
+    from prefill_worker.ingress.http import ServedModel, load_text_codec
+    from prefill_worker.ingress.validate import Limits
     from prefill_worker.model.hf_config import read_spec
-    from prefill_worker.router.admission import Limits
-    from prefill_worker.router.http_api import ServedModel, load_text_codec
     from prefill_worker.service.sdnotify import SdNotifier
     from prefill_worker.testing.peer_http import PeerHttp, serve_http
 
@@ -228,30 +229,42 @@ def _sglang_sources(model_path: str) -> Callable[[Any], Callable[[str], KVSource
     return connect_over
 
 
-_STOP_GRACE_S = 10.0  # a stop that takes longer is a hang: its threads are dumped, exit 0
+_STOP_GRACE_S = 10.0  # a stop that takes longer is a hang (the test's SIGKILL comes at 30 s)
 
 
-def _stop_within(stop: threading.Event, grace_s: float) -> None:
-    """Ask the serve loop to stop; if the process is still here ``grace_s`` later (a thread
-    of SGLang's or a close that hangs: seen once in CI, not found), dump every thread's stack
-    to the log and exit 0 anyway, so a test's SIGTERM always ends it."""
-    if stop.is_set():
-        return
-    stop.set()
+class _Stopping:
+    """What SIGTERM and SIGINT do. The handler only sets ``event`` (the serve loop ends at
+    its next turn) and, once the peer serves, arms faulthandler's watchdog: a stop still
+    running ``grace_s`` later is a hang, so every thread's stack goes to the log and the
+    process exits 1, a failure its test sees with where it hung, not a SIGKILL's bare -9. The
+    stop crosses code the peer cannot bound (SGLang's threads, aiohttp's shutdown, the
+    interpreter's exit); the watchdog is a C thread, so it fires even if one holds the GIL."""
 
-    def force() -> None:
-        log.error("stop took over %.0f s; threads follow, then exit", grace_s)
-        faulthandler.dump_traceback(all_threads=True)
-        logging.shutdown()
-        os._exit(0)
+    def __init__(self, grace_s: float) -> None:
+        self.event = threading.Event()
+        self._grace_s = grace_s
+        self._is_serving = False
 
-    timer = threading.Timer(grace_s, force)
-    timer.daemon = True  # a clean exit does not wait for it
-    timer.start()
+    def on_signal(self, signum: int, frame: object) -> None:
+        if not self.event.is_set():
+            self.event.set()
+            if self._is_serving:
+                self._arm()
+
+    def serving(self) -> None:
+        """The load is done: from now on a stop has ``grace_s`` (a signal during the load,
+        which nothing interrupts, gets its grace from here)."""
+        self._is_serving = True
+        if self.event.is_set():
+            self._arm()
+
+    def _arm(self) -> None:
+        faulthandler.dump_traceback_later(self._grace_s, exit=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye)."""
+    """Run until SIGTERM/SIGINT; exit 0 after closing the receiver (it says goodbye), or 1
+    with every thread's stack in the log if the stop hangs (``_Stopping``)."""
     from prefill_worker.service.sdnotify import SdNotifier
 
     parser = _parser()
@@ -261,9 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.sglang or args.bootstrap):
         parser.error("give --bootstrap (or --sglang: each request names its prefill)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s decode-peer %(message)s")
-    stop = threading.Event()
+    stopping = _Stopping(_STOP_GRACE_S)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: _stop_within(stop, _STOP_GRACE_S))
+        signal.signal(signum, stopping.on_signal)
     log.info("loading %s", args.model)
     extra: dict[str, Any] = {"stop_token_ids": ()} if args.ignore_eos else {}
     peer = DecodePeer.load(
@@ -282,12 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = args.bind or f"http://{args.http}"
     how = "SGLang's protocol" if args.sglang else "the native protocol"
     log.info("KV over %s from %s; serving on %s", how, ", ".join(args.bootstrap) or "any", where)
+    stopping.serving()
     try:
         if args.http:
-            _serve_http(peer, args, stop)
+            _serve_http(peer, args, stopping.event)
         else:
             SdNotifier.from_environ(os.environ).ready(f"decode peer of {args.bootstrap}")
-            serve(peer, args.bind, stop)
+            serve(peer, args.bind, stopping.event)
     finally:
         peer.close()
     log.info("stopped")

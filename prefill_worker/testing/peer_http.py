@@ -5,8 +5,10 @@ answer is the greedy continuation's text. A test and demo tool, NOT a decode ser
 
 Threads: the HTTP face (aiohttp, its own loop) only reads requests and queues jobs; the peer's
 own thread (``serve_http``) owns the ``DecodePeer``: it takes jobs, steps the peer, and hands
-each finished generation back to the request waiting for it; when it stops, every request
-still waiting gets a 503 (so the face's shutdown never waits on one). ``stream: true`` answers
+each finished generation back to the request waiting for it. On stop, every request gets
+a 503: those the peer thread holds as it leaves its loop, then (``PeerHttp.stop``, on the
+face's own loop, so none is queued after it) those still queued; so the face's shutdown never
+waits on one. ``stream: true`` answers
 in server-sent events, as an SGLang decode does (``peer_sse``). Like an SGLang decode, a request
 the model cannot take (a token outside the vocabulary, an empty prompt) is a 400, and a KV
 transfer that fails is a 500 (which the router retries, with a new room).
@@ -21,16 +23,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from prefill_worker.router.admission import Limits, PromptRefused, check_token_ids
-from prefill_worker.router.http_api import probes
-from prefill_worker.router.http_api.text import TextCodec
-from prefill_worker.scheduler.observer import LoadSnapshot
+from prefill_worker.ingress.http import probes
+from prefill_worker.ingress.http.text import TextCodec
+from prefill_worker.ingress.validate import Limits, PromptRefused, check_token_ids
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.testing import peer_sse
 from prefill_worker.testing.decode_peer import DecodePeer, Generation
 
@@ -70,9 +72,13 @@ class PeerHttp:
         self._model, self._codec, self._limits = model, codec, limits
         self._stop_ids = frozenset(stop_token_ids)
         self._sources = sources  # (bootstrap host, port) -> a receiver's address, or None
-        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        # A Queue, not a SimpleQueue: the peer thread (the main thread, where signal handlers
+        # run) waits on it with a timeout, and CPython 3.11's SimpleQueue.get(timeout=...),
+        # interrupted by a signal whose handler outlasts that timeout, then waits for the next
+        # put with none: the peer's SIGTERM hang. Queue's timed wait recomputes its deadline.
+        self.jobs: queue.Queue[_Job] = queue.Queue()
         self.num_requests = 0
-        self.is_stopping = False  # set by the peer thread as it stops: new jobs get a 503
+        self.is_stopping = False  # set on the face's loop as it stops: new jobs get a 503
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
 
@@ -81,15 +87,30 @@ class PeerHttp:
         return asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result()
 
     def stop(self) -> None:
-        """Close the listener and the connections; bounded, and never raises for a slow one
-        (every waiting request was answered by ``serve_http`` as it stopped)."""
+        """After ``serve_http`` has returned: refuse what is still queued (503), close the
+        listener and the connections; bounded, and never raises for a slow one."""
+        self._on_loop(self._refuse_queued(), "refusing the queued requests")
         if self._runner is not None:
-            done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-            try:
-                done.result(_SHUTDOWN_S + 1)
-            except TimeoutError:
-                log.warning("decode peer: HTTP shutdown took over %.0f s; cut", _SHUTDOWN_S)
+            self._on_loop(self._runner.cleanup(), "HTTP shutdown")
         self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _on_loop(self, step: Coroutine[Any, Any, None], what: str) -> None:
+        done = asyncio.run_coroutine_threadsafe(step, self._loop)
+        try:
+            done.result(_SHUTDOWN_S + 1)
+        except TimeoutError:
+            log.warning("decode peer: %s took over %.0f s; cut", what, _SHUTDOWN_S + 1)
+
+    async def _refuse_queued(self) -> None:
+        """On the face's loop, where ``_run`` checks ``is_stopping`` and queues in one step:
+        no job is queued after this."""
+        self.is_stopping = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.done(Generation(job.room, False, (), _STOPPING))
 
     async def _serve(self) -> int:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -104,12 +125,18 @@ class PeerHttp:
         }
         for path, make in infos.items():
             app.router.add_get(path, _json_route(make))
-        app.router.add_post("/generate", lambda r: self._handle(r, is_completion=False))
-        app.router.add_post("/v1/completions", lambda r: self._handle(r, is_completion=True))
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/v1/completions", self._complete)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, self._host, self._port).start()
         return int(self._runner.addresses[0][1])
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, is_completion=False)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, is_completion=True)
 
     async def _handle(self, request: web.Request, is_completion: bool) -> web.StreamResponse:
         self.num_requests += 1
@@ -226,7 +253,8 @@ class PeerHttp:
 
 
 def serve_http(peer: DecodePeer, front: PeerHttp, stop: threading.Event) -> None:
-    """The peer's thread: take jobs, step, hand each generation back, until ``stop``."""
+    """The peer's thread: take jobs, step, hand each generation back, until ``stop``; then
+    the requests it holds get a 503 (``PeerHttp.stop`` refuses those still queued)."""
     waiting: dict[int, Callable[[Generation], None]] = {}
     while not stop.is_set():
         try:  # nothing to compute: wait a little for a job instead of spinning
@@ -243,15 +271,8 @@ def serve_http(peer: DecodePeer, front: PeerHttp, stop: threading.Event) -> None
                 job = None
         for gen in peer.step():
             waiting.pop(gen.room)(gen)
-    front.is_stopping = True
     for room, done in waiting.items():
         done(Generation(room, False, (), _STOPPING))
-    while True:  # and those queued but not yet taken
-        try:
-            job = front.jobs.get_nowait()
-        except queue.Empty:
-            return
-        job.done(Generation(job.room, False, (), _STOPPING))
 
 
 def _take(peer: DecodePeer, waiting: dict[int, Callable[[Generation], None]], job: _Job) -> None:

@@ -1,10 +1,13 @@
 """The child side of ``sglang_decode``: SGLang's decode-side classes, built as an SGLang
-decode server builds them, on the CPU. Imported only in the interop environment.
+decode server builds them, on the CPU. Imported only in the interop environment, by
+``sglang_decode``'s child entry and ``sglang_peer``; it imports neither (the fill byte of a
+harness decode comes in as an argument).
 
 Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
 V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), ``MetadataBuffers`` with
 SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
-``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads).
+``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads); the
+harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
 Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_metadata``.
 
 Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
@@ -25,8 +28,6 @@ from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers
 from sglang.srt.layers import dp_attention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.server_args import ServerArgs
-
-from prefill_worker.testing.sglang_decode import FILL_BYTE
 
 _HELD: list[Any] = []
 _POLL_NAMES = {
@@ -70,8 +71,6 @@ class Decode:
             "cpu",
             False,
         )
-        for buf in [*self.pool.k_buffer, *self.pool.v_buffer]:
-            buf.view(torch.uint8).fill_(FILL_BYTE)
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
             hidden_size=16,
@@ -84,6 +83,11 @@ class Decode:
         self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
         self._next_aux, self._num_aux_rows = 0, spec["num_aux_rows"]
         self.rooms: dict[int, tuple[list[int], int, Any]] = {}
+
+    def fill(self, byte: int) -> None:
+        """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
+        for buf in [*self.pool.k_buffer, *self.pool.v_buffer]:
+            buf.view(torch.uint8).fill_(byte)
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -171,10 +175,11 @@ class Decode:
 
 
 class Decodes:
-    """The decodes of this process, by id."""
+    """The decodes of this process, by id; each new one's KV pool filled with ``fill_byte``."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, fill_byte: int) -> None:
         self._server_args = publish(model_path)
+        self._fill_byte = fill_byte
         self._decodes: dict[str, Decode] = {}
 
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +189,7 @@ class Decodes:
             return {}
         if op == "new":
             decode = self._decodes[command.pop("id")] = Decode(command, self._server_args)
+            decode.fill(self._fill_byte)
             return decode.identity()
         decode = self._decodes[command.pop("id")]
         if op == "want":

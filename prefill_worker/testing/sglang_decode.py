@@ -123,7 +123,7 @@ def main(model_path: str) -> None:  # pragma: no cover - runs in the interop env
     os.dup2(2, 1)
     from prefill_worker.testing.sglang_child import Decodes
 
-    decodes = Decodes(model_path)
+    decodes = Decodes(model_path, FILL_BYTE)
     for line in sys.stdin:
         command = json.loads(line)
         try:

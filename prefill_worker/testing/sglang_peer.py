@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
 from prefill_worker.kv.aux import AuxRow
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.testing.sglang_child import Decode, publish
-from prefill_worker.transfer.decode_rooms import RoomState, RoomStatus
+from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus
 
 _PENDING = RoomStatus(RoomState.PENDING)
 # SGLang's decode scheduler asks for a prefill's info once a second, 15 times, before it fails

@@ -1,4 +1,5 @@
-"""KV transfer: the sender seam, the NIXL backend, the bootstrap server and the decode SDK.
+"""KV transfer to decode nodes: the backend seam (``base``), the push engine (``push/``), the
+two protocols over NIXL (``native/``, ``sglang/``) and the decode SDK (``decode/``).
 
 Public for decode engines: ``KVReceiver`` (with ``RoomState``, ``RoomStatus``,
 ``RegistrationError``), ``describe_worker`` (the worker's pool layout, before registering),
@@ -12,10 +13,10 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "KVReceiver": "prefill_worker.transfer.receiver",
-    "RoomState": "prefill_worker.transfer.receiver",
-    "RoomStatus": "prefill_worker.transfer.receiver",
-    "RegistrationError": "prefill_worker.transfer.receiver",
+    "KVReceiver": "prefill_worker.transfer.decode.receiver",
+    "RoomState": "prefill_worker.transfer.decode.receiver",
+    "RoomStatus": "prefill_worker.transfer.decode.receiver",
+    "RegistrationError": "prefill_worker.transfer.decode.receiver",
     "describe_worker": "prefill_worker.transfer.describe",
     "make_backend": "prefill_worker.transfer.factory",
     "num_want_pages": "prefill_worker.transfer.pagemap",

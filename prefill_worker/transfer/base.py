@@ -12,20 +12,13 @@ Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a
     close()                  release handles, cancelling writes in flight; never waits
 
 Pages and the aux row may be freed only after ``close()`` has returned. The engine sleeps
-between turns in ``TransferBackend.wait`` (never in a sender): a backend wakes it for
-messages on its own sockets and for the progress it must poll for.
-
-Destination mapping: the decode side's ``want`` gives ``num_cached_tokens`` (a multiple of
-the page size, the prefix it already holds) and ``dst_page_ids`` for prompt pages
-``num_cached_tokens // page_size`` onward. ``send_pages(page_ids, first_page)`` names local
-pages holding prompt pages ``[first_page, first_page + len(page_ids))``; the sender skips the
-cached ones and maps the rest onto ``dst_page_ids``.
+between turns in ``TransferBackend.wait``, never in a sender.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 
@@ -55,7 +48,12 @@ class KVSender(Protocol):
         ...
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        """Start writing local pages holding prompt pages [first_page, first_page+len)."""
+        """Start writing local pages holding prompt pages [first_page, first_page+len).
+
+        The decode's ``want`` gives ``num_cached_tokens`` (a multiple of the page size, the
+        prefix it already holds) and ``dst_page_ids`` for prompt pages from
+        ``num_cached_tokens // page_size`` on: the sender skips the cached pages and maps the
+        rest onto ``dst_page_ids``."""
         ...
 
     def send_aux(self, aux_row: int) -> None:
@@ -84,7 +82,18 @@ class KVSender(Protocol):
 
 
 class TransferBackend(Protocol):
-    """Makes senders and drives all their progress from the engine loop."""
+    """Makes senders and drives all their progress from the engine loop; says where decode
+    peers reach it."""
+
+    @property
+    def bootstrap_endpoint(self) -> str:
+        """Where decode peers bootstrap (the address actually bound: port 0 allowed)."""
+        ...
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Every address it bound, by name (``/readyz`` and the ready file show them)."""
+        ...
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
@@ -95,6 +104,10 @@ class TransferBackend(Protocol):
 
     def poll(self) -> None:
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
+        ...
+
+    def next_poll_at(self) -> float:
+        """The earliest time (the backend's clock) ``poll`` has work no message starts."""
         ...
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:

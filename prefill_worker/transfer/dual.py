@@ -14,35 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
-from prefill_worker.transfer.base import KVPoll, KVSender
+from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
 
 _UNBOUND = (KVPoll.BOOTSTRAPPING,)
-
-
-class PollingBackend(Protocol):
-    """A transfer backend that says when it next has time-driven work."""
-
-    bootstrap_endpoint: str
-
-    def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
-    ) -> KVSender: ...
-
-    def poll(self) -> None: ...
-
-    def next_poll_at(self) -> float: ...
-
-    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NamedBackend(PollingBackend, Protocol):
-    """A backend that names its endpoints (``/readyz`` shows them)."""
-
-    endpoints: Mapping[str, str]
 
 
 class DualSender:
@@ -107,16 +82,13 @@ class DualBackend:
 
     def __init__(
         self,
-        native: PollingBackend,
-        sglang: NamedBackend,
+        native: TransferBackend,
+        sglang: TransferBackend,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._native, self._sglang, self._clock = native, sglang, clock
         self.bootstrap_endpoint = native.bootstrap_endpoint
-        self.endpoints: Mapping[str, str] = {
-            "bootstrap": native.bootstrap_endpoint,
-            **sglang.endpoints,
-        }
+        self.endpoints: Mapping[str, str] = {**native.endpoints, **sglang.endpoints}
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None

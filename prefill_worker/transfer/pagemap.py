@@ -1,25 +1,18 @@
 """Page arithmetic shared by every backend: checking a ``want``, mapping local pages to the
 decode peer's pages, and turning pages into descriptor indices.
 
-Each side prepares two descriptor lists once (local, and per decode peer): the KV pool in
-its own memory (``DRAM`` on the CPU, ``VRAM`` on a GPU), region-major over the layout's
-regions (``kv.layout``)::
+Each side prepares two descriptor lists once (local, and per decode peer), region-major over
+the layout's regions (``kv.layout``), given to NIXL strided: one row per region, so preparing
+a peer's lists costs the same at any pool size (docs/protocol.md, ``transfer.max_peer_pages``)::
 
     KV list   index r * num_pages + p    page p of region r, region_page_bytes long
               layer_major: 2L regions    K of layers 0..L-1, then V of layers 0..L-1
               page_major:  1 region      the whole page: every layer's K and V
     aux list  index row                  aux row `row`, always host memory (DRAM)
 
-so a run of adjacent pages is a run of adjacent indices, which NIXL merges into one
-descriptor when both sides are adjacent in memory. A page-major chunk of n pages is n
-indices (2L·n layer-major), each 2L times longer. The aux rows are a list of their own
-because one NIXL list holds one memory type, and they live in host memory on every device.
-
-The tables are given to NIXL strided: one row per region, ``(addr, len, dev, stride,
-count)`` standing for ``count`` descriptors ``stride`` bytes apart, indexed as above. So
-preparing a peer's lists costs the same for 64 pages as for ``transfer.max_peer_pages``
-(expanded, 2**20 pages of 4 regions were a 96 MB table and ~1 s of NIXL building 4M
-descriptors on every ``register``, refused or not).
+A run of adjacent pages is a run of adjacent indices, which NIXL merges into one descriptor
+when both sides are adjacent in memory. The aux rows are a list of their own because one NIXL
+list holds one memory type.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """What the bootstrap server accepts from a decode peer, decided before any work is done.
 
-A ``register`` is checked here in full (layout, sizes, addresses, device) before NIXL sees
-its metadata or a descriptor table is built; a ``want`` is checked for size before its page
-ids are looked at. Each refusal carries a ``RejectReason`` (the label of
+A ``register`` is checked in full (layout, sizes, addresses, device) before NIXL sees its
+metadata or a descriptor table is built; a ``want`` is checked for size before its page ids
+are looked at. Each refusal carries a ``RejectReason`` (the label of
 ``prefill_worker_bootstrap_rejects_total``) and a message with the numbers. Torch-free.
 
 Limits, and why:
 
-    max_peer_pages     decode pool pages (and aux rows) one peer may register; the
-                       descriptor lists prepared at registration are strided (one row
-                       per region, ``pagemap``), so their cost does not grow with it;
-                       it bounds what a want may name and the descriptor index space
+    max_peer_pages     decode pool pages (and aux rows) one peer may register; the strided
+                       descriptor lists (``pagemap``) cost the same at any size; it bounds
+                       what a want may name and the descriptor index space
     2**31 - 1          descriptor indices are int32 (what NIXL takes)
     2**64              a region [base, base + pages * page_bytes) must fit the address space
 """
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
@@ -28,7 +28,7 @@ from prefill_worker.transfer import wire
 DEFAULT_MAX_PEER_PAGES = 2**20
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _MAX_DESCRIPTORS = 2**31 - 1
-_ADDRESS_SPACE = 2**64
+ADDRESS_SPACE = 2**64
 _MAX_AGENT_NAME = 255
 _DEVICE = re.compile(r"cpu|cuda:[0-9]{1,4}")
 
@@ -149,11 +149,16 @@ def _check_device(device: str) -> Refusal | None:
 def _check_addresses(regions: KVRegions) -> Refusal | None:
     spans = [(a, regions.layout.region_bytes) for a in regions.region_base_addrs]
     spans.append((regions.aux_base_addr, regions.num_aux_rows * AUX_ROW_BYTES))
+    return outside_address_space("region", spans)
+
+
+def outside_address_space(what: str, spans: Sequence[tuple[int, int]]) -> Refusal | None:
+    """The first of a peer's (address, size) spans that does not fit the address space."""
     for i, (addr, size) in enumerate(spans):
-        if addr <= 0 or addr + size > _ADDRESS_SPACE:
+        if addr <= 0 or addr + size > ADDRESS_SPACE:
             return Refusal(
                 RejectReason.BAD_ADDRESS,
-                f"region {i} [{addr}, {addr} + {size}) is outside the 64-bit address space",
+                f"{what} {i} [{addr}, {addr} + {size}) is outside the 64-bit address space",
             )
     return None
 

@@ -1,27 +1,16 @@
-"""The bootstrap protocol between a decode node and a worker (docs/protocol.md, part 2):
-messages and codec.
+"""The bootstrap protocol between a decode node and a worker: messages and codec. The messages,
+their fields and the metadata frame are specified in docs/protocol.md, part 2.
 
 Every message is one ZMQ frame: a msgpack map with ``"v": 1`` and ``"type"``. Never pickle.
 Each message is one msgspec Struct below, tagged by ``type``; the Structs are the schema
-(``docs/protocol.md`` embeds the JSON Schema made from them). Page ids travel as packed
-little-endian int32 bytes. Unknown extra fields are ignored; an unknown type, a missing field or
-a wrong type raises ``WireError`` naming the field path (``Expected `int`, got `str` - at
-`$.room```). Vocabulary and sizes that depend on this worker are checked in ``validate.py``.
+(protocol.md embeds the JSON Schema made from them). Page ids travel as packed little-endian
+int32 bytes. Unknown extra fields are ignored; an unknown type, a missing field or a wrong
+type raises ``WireError`` naming the field path. Vocabulary and sizes that depend on this
+worker are checked in ``validate.py``.
 
-Decode → worker: ``register``, ``want``, ``abort``, ``heartbeat``, ``bye``, ``describe``.
-Worker → decode: ``registered``, ``status``, ``heartbeat``, ``reject`` (an undecodable message),
-``unknown_peer`` (a message from a connection that is not registered; the SDK registers again),
-``described`` (the worker's pool layout, the answer to ``describe``).
-
-NIXL agent metadata travels inside ``register`` framed, because a corrupt blob can crash
-``add_remote_agent``; the frame is checked before NIXL ever sees the bytes::
-
-    offset  0  4 bytes   magic b"PWMD"
-    offset  4  uint8     frame version (1)
-    offset  5  3 bytes   zero
-    offset  8  uint64    payload length
-    offset 16  32 bytes  sha256(payload)
-    offset 48  payload
+NIXL agent metadata travels inside ``register`` framed (``frame_metadata``: magic, version,
+length, sha256), because a corrupt blob can crash ``add_remote_agent``; the frame is checked
+before NIXL ever sees the bytes.
 """
 
 from __future__ import annotations
@@ -83,6 +72,13 @@ def unframe_metadata(frame: bytes) -> bytes:
     if hashlib.sha256(payload).digest() != digest:
         raise WireError("metadata frame checksum mismatch")
     return payload
+
+
+def notif_tag(room: int) -> bytes:
+    """The NIXL notification that marks a room's aux row as landed on the decode side: the
+    worker sends it with the aux row's write, the decode SDK waits for it (so both compute it
+    here)."""
+    return b"pw1:room:%d" % room
 
 
 class _Message(Struct, frozen=True, tag_field="type", kw_only=True):

@@ -51,7 +51,7 @@ def pool_views(
 def decode_process(conn: Connection, device: str, bootstrap: str, pool_layout: str) -> None:
     """The decode: KVReceiver.from_tensors over a zeroed pool on ``device``; sends back the
     room's state, its aux row (pinned host memory on CUDA) and the bytes that landed."""
-    from prefill_worker.transfer.receiver import KVReceiver, RoomState
+    from prefill_worker.transfer import KVReceiver, RoomState
 
     k, v = pool_views(pool_layout, device)
     receiver = KVReceiver.from_tensors(k, v, bootstrap, num_aux_rows=4, pool_layout=pool_layout)
@@ -72,6 +72,7 @@ def decode_process(conn: Connection, device: str, bootstrap: str, pool_layout: s
 @pytest.mark.parametrize("device", DEVICES)
 def test_kv_and_aux_land_byte_for_byte_between_processes(device: str, pool_layout: str) -> None:
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions
 
     dev = torch.device(device)
     k, v = pool_views(pool_layout, device, torch.Generator().manual_seed(3))
@@ -85,7 +86,7 @@ def test_kv_and_aux_land_byte_for_byte_between_processes(device: str, pool_layou
         aux.base_addr,
         4,
     )
-    backend = make_backend(regions, "tcp://127.0.0.1:0", None, ["UCX"], 10.0, 0.1, 10.0)
+    backend = make_backend(regions, NativeOptions("tcp://127.0.0.1:0", 10.0, 0.1, 10.0))
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
         target=decode_process,

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.client import BlockingRouterClient
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from prefill_worker.transfer.nixl.agent import make_agent
 from tests.checkpoints import prompt

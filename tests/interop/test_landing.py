@@ -25,6 +25,7 @@ from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangD
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.interop.decodes import SglangDecode
 
@@ -57,15 +58,16 @@ class InProcessWorker:
         )
         self.backend = SglangBackend(
             regions,
-            "127.0.0.1:0",
-            "127.0.0.1",
-            0,
-            "auto",
-            "prefill-interop",
-            ["UCX"],
-            write_timeout_s,
-            5.0,
-            poster_factory=poster_factory,
+            SglangOptions(
+                "127.0.0.1:0",
+                "127.0.0.1",
+                0,
+                "auto",
+                write_timeout_s,
+                5.0,
+                nixl=NixlOptions("prefill-interop"),
+            ),
+            Hooks(poster_factory=poster_factory),
         )
 
     @property

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.client import BlockingRouterClient
 from prefill_worker.testing.launch import free_port
 from prefill_worker.testing.sglang_decode import DecodeError, SglangDecodeProcess
 from prefill_worker.testing.spare import WAITING

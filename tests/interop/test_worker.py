@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import FinishReason, OutcomeStatus
-from prefill_worker.router.client import BlockingRouterClient
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
-from prefill_worker.transfer.receiver import KVReceiver, RoomState
+from prefill_worker.transfer import KVReceiver, RoomState
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Worker
 from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, Served, Version, launch

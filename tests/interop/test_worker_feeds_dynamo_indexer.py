@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.ingress.messages import Result
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.client import BlockingRouterClient
-from prefill_worker.router.messages import Result
 from tests.checkpoints import make_checkpoint, prompt
 from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker, free_port, start_worker
 from tests.interop.dynamo import DynamoIndexer, dynamo_python

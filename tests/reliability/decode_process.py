@@ -13,7 +13,7 @@ import sys
 import threading
 
 from prefill_worker.service.sdnotify import SdNotifier
-from prefill_worker.transfer.receiver import RoomState
+from prefill_worker.transfer import RoomState
 from tests.reliability.harness import LiveDecode
 
 

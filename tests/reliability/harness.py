@@ -15,8 +15,7 @@ from typing import Any
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefill_worker.request import OutcomeStatus, SamplingParams
-from prefill_worker.router.messages import (
+from prefill_worker.ingress.messages import (
     Abort,
     Load,
     Ping,
@@ -28,8 +27,9 @@ from prefill_worker.router.messages import (
     encode,
     prefill_message,
 )
+from prefill_worker.request import OutcomeStatus, SamplingParams
 from prefill_worker.testing.launch import ChildProcess
-from prefill_worker.transfer.receiver import RoomState, RoomStatus
+from prefill_worker.transfer import RoomState, RoomStatus
 from tests.checkpoints import COMMON, prompt
 from tests.integration.daemon.conftest import DECODE_PAGES, PAGE_SIZE, Decode, Worker
 from tests.polling import wait_until

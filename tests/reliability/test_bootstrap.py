@@ -20,13 +20,12 @@ import zmq
 import zmq.auth
 
 from prefill_worker.curve import CurveClientKeys
+from prefill_worker.ingress.messages import Result, encode, prefill_message
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.messages import Result, encode, prefill_message
-from prefill_worker.transfer import wire
+from prefill_worker.transfer import KVReceiver, RegistrationError, RoomState, wire
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
-from prefill_worker.transfer.receiver import KVReceiver, RegistrationError, RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE
 from tests.integration.transfer.test_bootstrap_guard import listening

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from prefill_worker.ingress.messages import Reject, Result
 from prefill_worker.request import OutcomeStatus, SamplingParams
-from prefill_worker.router.messages import Reject, Result
 from prefill_worker.testing.launch import ChildProcess
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import ROOT

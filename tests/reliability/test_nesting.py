@@ -17,8 +17,8 @@ import time
 import msgspec
 import zmq
 
+from prefill_worker.ingress.messages import Reject, RejectCode, Result, encode, prefill_message
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.messages import Reject, RejectCode, Result, encode, prefill_message
 from prefill_worker.transfer import wire
 from tests.checkpoints import prompt
 from tests.reliability.conftest import ProcStats, Rig, check_healthy

@@ -15,8 +15,7 @@ import numpy as np
 import zmq
 
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.transfer import wire
-from prefill_worker.transfer.receiver import RoomState
+from prefill_worker.transfer import RoomState, wire
 from prefill_worker.transfer.validate import DEFAULT_MAX_PEER_PAGES
 from tests.checkpoints import prompt
 from tests.reliability.conftest import Reply, Rig, check_healthy

@@ -12,8 +12,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.messages import (
+from prefill_worker.ingress.messages import (
     Drain,
     Reject,
     RejectCode,
@@ -21,6 +20,7 @@ from prefill_worker.router.messages import (
     encode,
     prefill_message,
 )
+from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import prompt
 from tests.polling import wait_until
 from tests.reliability.harness import VOCAB_SIZE, Rig, check_healthy

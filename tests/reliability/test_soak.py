@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from prefill_worker.ingress.messages import Reject, RejectCode, Result
 from prefill_worker.request import FinishReason, OutcomeStatus, SamplingParams
-from prefill_worker.router.messages import Reject, RejectCode, Result
-from prefill_worker.transfer.receiver import RoomState
+from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.reliability.conftest import VOCAB_SIZE, ProcStats, Reply, Rig, check_healthy
 

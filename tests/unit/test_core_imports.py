@@ -1,5 +1,7 @@
-"""The core (config, request, batch, protocol, scheduler, KV bookkeeping, transfer seam) must
-import with torch, ZMQ and NIXL absent, so the state machine stays testable in milliseconds."""
+"""The core (config, the shared vocabulary, the scheduler, KV bookkeeping, the router wire, the
+transfer seam) must import with torch, ZMQ and NIXL absent, so the state machine stays testable
+in milliseconds. A module named here that does not exist fails the test: a rename must not
+quietly stop the check."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ CORE_MODULES = (
     "prefill_worker.service.configdoc",
     "prefill_worker.request",
     "prefill_worker.batch",
-    "prefill_worker.router.messages",
-    "prefill_worker.router.admission",
+    "prefill_worker.inbox",
+    "prefill_worker.load",
+    "prefill_worker.ingress.messages",
+    "prefill_worker.ingress.validate",
     "prefill_worker.transfer.base",
 )
 
@@ -42,9 +46,7 @@ print("ok", len({modules!r}))
 
 def core_modules() -> list[str]:
     root = Path(prefill_worker.__file__).parent
-    found = [
-        m for m in CORE_MODULES if (root / (m.split(".", 1)[1].replace(".", "/") + ".py")).exists()
-    ]
+    found = list(CORE_MODULES)
     for package in CORE_PACKAGES:
         found.append(f"prefill_worker.{package}")
         for info in pkgutil.walk_packages([str(root / package)], f"prefill_worker.{package}."):
@@ -52,9 +54,19 @@ def core_modules() -> list[str]:
     return found
 
 
+def _exists(module: str) -> bool:
+    path = Path(prefill_worker.__file__).parent.joinpath(*module.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_every_core_module_named_exists() -> None:
+    named = [*CORE_MODULES, *(f"prefill_worker.{p}" for p in CORE_PACKAGES)]
+    missing = [m for m in named if not _exists(m)]
+    assert not missing, f"core modules named here do not exist: {missing}"
+
+
 def test_core_imports_without_torch_zmq_nixl() -> None:
     modules = core_modules()
-    assert "prefill_worker.service.config" in modules and "prefill_worker.request" in modules
     code = _BLOCKER.format(blocked=BLOCKED, modules=modules)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -7,9 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from prefill_worker.msgpack_shape import MAX_DEPTH
-from prefill_worker.router.admission import Limits, decode_router
-from prefill_worker.router.messages import (
+from prefill_worker.ingress.messages import (
     Ping,
     ProtocolError,
     Reject,
@@ -17,6 +15,8 @@ from prefill_worker.router.messages import (
     decode_worker,
     encode,
 )
+from prefill_worker.ingress.validate import Limits, decode_router
+from prefill_worker.msgpack_shape import MAX_DEPTH
 from prefill_worker.transfer import wire
 
 LIMITS = Limits(vocab_size=1000, max_prompt_tokens=64, max_pool_tokens=64)

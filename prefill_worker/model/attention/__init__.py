@@ -2,57 +2,34 @@
 
 A backend is planned once per batch (``plan``) and then called once per layer (``attend``)
 after the layer's fresh K/V were written into the pool. Backends are imported only when
-chosen, so flashinfer (CUDA only) is never imported on a CPU host.
+chosen, so flashinfer (CUDA only) is never imported on a CPU host. The batch and the
+backend Protocol are in ``base.py`` (re-exported here), which the backends import.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from prefill_worker.model.attention.base import (
+    AttentionBackend,
+    AttentionBatch,
+    BackendFactory,
+    ChunkSpan,
+)
 
-@dataclass(frozen=True, slots=True)
-class ChunkSpan:
-    """One chunk in the packed batch: rows ``[q_start, q_end)`` are prompt positions
-    ``[start, end)``; the K/V of ``[0, end)`` lives in ``page_ids`` once written."""
-
-    q_start: int
-    q_end: int
-    start: int
-    end: int
-    page_ids: tuple[int, ...]  # exactly ceil(end / page_size) pages
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionBatch:
-    spans: tuple[ChunkSpan, ...]
-    page_size: int
-    num_tokens: int
-
-
-class AttentionBackend(Protocol):
-    def plan(self, batch: AttentionBatch) -> None:
-        """Prepare per-batch metadata; called once before the first layer."""
-
-    def attend(
-        self,
-        q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim], this batch's fresh keys
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_pool: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], k written;
-        v_pool: torch.Tensor,  # views whose page stride may span every layer (page-major)
-        out: torch.Tensor,  # [T, num_heads, head_dim], written
-    ) -> None:
-        """Causal attention of every chunk over its prompt prefix, into ``out``. The pools
-        are read in place (index them, never ``view`` or copy them whole)."""
-
-
-BackendFactory = Callable[[torch.device], AttentionBackend]
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionBatch",
+    "BackendFactory",
+    "ChunkSpan",
+    "create_backend",
+    "has_flashinfer",
+    "resolve_backend_name",
+]
 
 
 def _sdpa(device: torch.device) -> AttentionBackend:

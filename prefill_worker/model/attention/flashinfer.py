@@ -22,7 +22,7 @@ from __future__ import annotations
 import flashinfer
 import torch
 
-from prefill_worker.model.attention import AttentionBatch
+from prefill_worker.model.attention.base import AttentionBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 

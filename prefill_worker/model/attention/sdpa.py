@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.attention import AttentionBatch, ChunkSpan
+from prefill_worker.model.attention.base import AttentionBatch, ChunkSpan
 
 
 @dataclass(frozen=True, slots=True)

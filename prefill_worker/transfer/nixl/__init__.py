@@ -1,8 +1,4 @@
-"""The NIXL side of transfer: the agent and its registrations (``agent``), one request's push
-(``sender``), what a backend and its senders share (``context``), the backend that owns peers
-and drives every sender (``backend``), what each bootstrap message does (``protocol``), and
-the write handles NIXL would not release (``reaper``).
-
-Imports NIXL (lazily, in ``agent``) and ZMQ (the bootstrap server): the scheduler never
-imports this package; ``transfer.factory`` does, at start-up.
+"""NIXL plumbing both protocols use: the agent and its registrations (``agent``), posting
+writes where the agent lives (``poster``, ``push_thread``), one sender's writes (``writes``)
+and writes or statuses waiting for writes to settle (``reaper``). Imports NIXL lazily.
 """

@@ -1,25 +1,19 @@
 """Where NIXL writes are posted and progressed: on the transfer thread, or inline.
 
-Over UCX's cma transport (one host, CPU memory) ``postXferReq`` copies the bytes before it
-returns, with NIXL's progress thread on or off (``bench/push_stall.py``: 40-120 ms for a
-256 MiB chunk either way), so a write posted from the engine thread stalls the engine loop
-for the whole copy. ``PushThread`` owns the NIXL agent instead: every NIXL call of the
-prefill side runs on it, the engine only queues work and reads results::
+Over UCX's cma transport ``postXferReq`` copies the bytes before it returns, so a write
+posted from the engine thread would stall the loop for the whole copy (docs/architecture.md,
+"Threads"). ``PushThread`` (``nixl.push_thread``) owns the NIXL agent instead::
 
     engine thread                           transfer thread (owns the agent)
       post(...)  ─▶ queue ─────────────────▶ make_prepped_xfer, transfer (the copy)
       release(w) ─▶ control queue ─────────▶ release (cancels), before any queued post
       run(fn)    ─▶ control queue, waits ──▶ fn(): add_remote_agent, prep lists, ...
       run_later(fn) ─▶ control queue ──────▶ fn(): remove_remote_agent, ...
-      poll: reads each write's state  ◀──── state set, wake fd written (check_xfer_state
-                                             polled every 1 ms while writes are in flight)
+      poll: reads each write's state  ◀──── state set, wake fd written
 
-``PushThread`` is in ``nixl.push_thread``. ``InlinePoster`` does the same calls on the
-caller's thread (the unit tests' scripted agent, and the comparison in the benchmark).
-Either way a write is a ``Write``: its ``state()`` (``PROC``, ``DONE``, ``ERR (...)``),
-``release()`` (idempotent, never blocks; a refused release is retried by calling it again)
-and ``is_settled``: true once none of its bytes can land any more (it finished, or was
-released), which is when a failure may be told.
+``InlinePoster`` makes the same calls on the caller's thread (unit tests, the benchmark).
+A ``Write`` is settled once none of its bytes can land any more: only then may a failure be
+told.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """What waits for writes to settle: writes a closed sender released (retried, then given up),
 and statuses that may go out only once their room's writes can no longer land.
 
-A closed sender hands its unsettled writes to the backend (``Closed.stuck``): their release
+A closed sender hands its unsettled writes to its hub (``Closed.stuck``): their release
 is under way on the transfer thread, or NIXL refused it. Each gets a deadline. ``reap``
 retries every one on each poll (``Write.release`` is idempotent) and forgets it once
 settled; one NIXL still refuses past its deadline has its peer disconnected (which ends its
 writes), the last resort, as for a peer that goes silent. A release that is only slow (the
 transfer thread is finishing a copy) is waited for.
 
-``HeldTells`` keeps a message for a decode (a native ``Tell``, an SGLang ``Reply``) whose
+``HeldTells`` keeps a status for a decode (``push.dialect.Tell``) whose
 ``after`` writes are not settled (a ``failed`` while the room's last chunk is still being
 copied, say) and lets it out, in order, once they are, or past a deadline (NIXL refusing to
 release a write must not silence a peer forever).

@@ -1,6 +1,5 @@
 """One sender's writes (``poster.Write``): those in flight, each with its deadline, and those
-released but not yet settled. Both senders (``nixl.sender`` for native peers,
-``sglang.sender`` for SGLang decodes) keep theirs here, so the bookkeeping is written once::
+released but not yet settled::
 
     add ─▶ in flight ──check: DONE──▶ counted (bytes, preparation time), released
                      ──check: ERR───▶ released, the reason returned

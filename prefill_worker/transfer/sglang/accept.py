@@ -1,17 +1,7 @@
 """What this worker accepts from SGLang decodes, decided before NIXL sees anything: the
 ``/route`` answer it gives, the registrations it takes (as a decode pool, ``KVRegions``)
-and the transfer requests it serves. Every refusal names the mismatch with its numbers.
-
-A registration is refused when the decode's pool cannot take this worker's pages byte for
-byte or asks for a feature the worker does not serve:
-
-    attention TP > 1 (or DCP)   its heads are sliced across ranks; this worker is one rank
-                                that holds every KV head and does not slice them
-    KV item bytes differ        page size, KV heads, head_dim or dtype size differ
-    regions != 2 x layers       another model, or an MLA / hybrid pool
-    state or staging buffers    hybrid (Mamba, SWA, DSA) models, heterogeneous-TP staging
-    metadata buffers != 10      SGLang's sampling mask, KV checksum or DSA top-k buffers
-                                are on; this worker fills the default ten
+and the transfer requests it serves. Every refusal names the mismatch with its numbers; what
+is refused and why is tabled in docs/sglang.md ("What is refused, and why").
 
 Torch-, ZMQ- and NIXL-free.
 """
@@ -29,9 +19,14 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     check_nixl_metadata,
 )
-from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
+from prefill_worker.transfer.validate import (
+    ADDRESS_SPACE,
+    BootstrapLimits,
+    Refusal,
+    RejectReason,
+    outside_address_space,
+)
 
-_ADDRESS_SPACE = 2**64
 _MEM_KINDS = {"DRAM", "VRAM"}
 # SGLang's decode reads aux rows by index from its own buffers; their row count is not sent.
 # NIXL checks every aux write against what the decode registered, so the bound here is only
@@ -198,13 +193,7 @@ def _check_memory(reg: Registration, limits: BootstrapLimits) -> Refusal | None:
             f"{limits.max_peer_pages} (transfer.max_peer_pages)",
         )
     region_bytes = reg.num_slots * reg.kv_item_len
-    for i, addr in enumerate(reg.kv_ptrs):
-        if addr <= 0 or addr + region_bytes > _ADDRESS_SPACE:
-            return Refusal(
-                RejectReason.BAD_ADDRESS,
-                f"KV region {i} [{addr}, {addr} + {region_bytes}) is outside the address space",
-            )
-    return None
+    return outside_address_space("KV region", [(addr, region_bytes) for addr in reg.kv_ptrs])
 
 
 def _check_aux(reg: Registration) -> Refusal | None:
@@ -215,7 +204,7 @@ def _check_aux(reg: Registration) -> Refusal | None:
             "SGLANG_ENABLE_DISAGG_SAMPLING_MASK and --disaggregation-enable-kv-checksum "
             "(DSA models are not served)"
         )
-    if not all(0 < addr < _ADDRESS_SPACE for addr in reg.aux_ptrs):
+    if not all(0 < addr < ADDRESS_SPACE for addr in reg.aux_ptrs):
         return Refusal(RejectReason.BAD_ADDRESS, "a metadata buffer address is 0")
     return None
 

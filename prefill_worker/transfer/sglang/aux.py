@@ -1,9 +1,8 @@
-"""SGLang's per-request metadata ("aux") buffers, mirrored: what this worker writes into a
-decode's ``MetadataBuffers`` row ``aux_index`` after the last KV page.
+"""SGLang's per-request metadata ("aux") buffers, mirrored: what this worker writes into row
+``aux_index`` of a decode's ``MetadataBuffers`` after the last KV page (docs/sglang.md).
 
-A decode registers its buffers' base addresses only; the row sizes are mirrored here from
-SGLang's ``MetadataBuffers`` with its default flags (no sampling mask, no KV checksum, no
-DSA top-k, no speculative decoding: hidden states 16 x float32), identical in 0.5.20-0.5.23::
+A decode registers its buffers' base addresses only; the row sizes are SGLang's defaults (no
+sampling mask, KV checksum, DSA top-k or speculative decoding), identical in 0.5.20-0.5.23::
 
     buffer                      row            written here
     output_ids                  int32[16]      [0] first token
@@ -17,10 +16,8 @@ DSA top-k, no speculative decoding: hidden states 16 x float32), identical in 0.
     output_hidden_states        float32[16]    zeros (EAGLE only)
     bootstrap_room              uint64[8]      [0] the room (the decode checks it)
 
-Every buffer is written in full, so no value of a slot's previous request survives. The
-worker keeps one staging row in this format per aux row of its own (``AuxStaging``, host
-memory registered with NIXL) and fills it from the engine's ``AuxRow`` when the request's
-last chunk is done. Torch-free.
+Every buffer is written in full. One staging row per aux row of the worker's own
+(``AuxStaging``, NIXL-registered host memory) is filled from the engine's ``AuxRow``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""SGLang's bootstrap HTTP routes, on their own thread: how decodes find this worker.
-
-    GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1
-        -> the server info (``accept.server_info``: one rank, the page size, the KV dtype)
-    GET /route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0
-        -> {"rank_ip": ..., "rank_port": ...}: the control socket; any other rank -> 404
-    GET /health
-        -> 200 while the engine turns (the decode's heartbeat: two misses fail its rooms),
-           503 when it has not for ``stale_s`` (a stuck engine fails rooms fast)
-
-Both routes answer 503 while ``is_open()`` says no: the rejoin window after start
-(``backend``), in which decodes that knew a previous run of this worker drop it.
-
-A parameter missing or not an integer is a 400, as SGLang's own server answers. ``PUT
-/route`` (how SGLang prefill ranks join their bootstrap server) is a 405: this worker is
-its only rank. It reads nothing but the answers it was built with and the health callback.
+"""SGLang's bootstrap HTTP routes (``GET /route``, ``GET /health``) on their own thread: how
+decodes find this worker. What each answers, and when, is tabled in docs/sglang.md ("What the
+worker speaks"): the server info (``accept.server_info``) for rank -1, the control socket's
+address for rank 0, a 404 for any other rank, a 400 for a bad parameter, a 405 for ``PUT``;
+``/health`` 503 once the engine has not turned for ``stale_s``. Both routes answer 503 while
+``is_open()`` says no (the rejoin window, ``backend``). It reads nothing but the answers it
+was built with and the health callback.
 """
 
 from __future__ import annotations

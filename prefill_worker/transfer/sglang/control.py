@@ -1,18 +1,16 @@
 """The SGLang control plane's sockets: the PULL socket decodes push their frames to (read and
 parsed on its own thread), and the PUSH sockets the worker answers on (engine thread).
 
-``ControlSocket`` binds at start-up (a taken port fails fast), then its thread reads each
-message, parses it (``frames.parse``: a bad one becomes the ``FrameError`` it raised) and
-hands it to ``on_message`` with the address of the connection it came from (ZMQ's
-``Peer-Address`` of a TCP message: the one thing about a frame's sender that the sender does
-not write), which queues it for the engine and wakes it. Nothing here decides what a message
-means. ZMQ drops a message over ``max_message_bytes`` (and its
-connection) before it is read. ``Mailbox`` is the hand-over: the thread puts, the engine
-takes a turn's worth (at most a few registrations) and can sleep on its file descriptor.
+``ControlSocket`` binds at start-up (a taken port fails fast), then its thread parses each
+message (``frames.parse``; a bad one becomes its ``FrameError``) and hands it to
+``on_message`` with the connection's ``Peer-Address`` (the one thing about a frame's sender
+that the sender does not write). Nothing here decides what a message means; ZMQ drops a
+message over ``max_message_bytes`` before it is read. ``Mailbox`` is the hand-over: the
+thread puts, the engine takes a turn's worth and can sleep on its file descriptor.
 
 ``ReplySockets`` keeps one PUSH socket per decode endpoint (as SGLang does, at most
-``max_sockets``, least recently used closed first). Sends never block: a decode that is
-gone or not reading makes ``send`` return False once its queue is full.
+``max_sockets``, least recently used closed first). Sends never block: a decode that is gone
+or not reading makes ``send`` return False once its queue is full.
 """
 
 from __future__ import annotations

@@ -1,43 +1,33 @@
 """What each SGLang control message does, mapped onto the engine's vocabulary: a
-registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the
-prefix the decode holds), an ABORT is the peer's abort of a room.
+registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the prefix
+the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
-``SglangDesk`` shares the backend's tables (peers by agent name, senders by room, the
-``RoomBook`` of requests that came before their room's prefill) and does no transfer work.
-Everything is checked before NIXL sees it (``sglang.accept``): a registration's metadata,
-layout and features; a request's peer, flags and size before its pages are looked at.
-Refusals are counted (``on_reject(reason)``) and, where the decode can hear, answered with
-``KV_STATUS failed`` and the reason. SGLang has no answer to a registration, so a refused
-decode learns why on its first request: the reasons are kept per agent name (bounded). That
-request also fails the room's own request here, now if it came first, else when it comes
-(``refusals``): a refused decode never makes a router wait out the bootstrap timeout.
+Everything is checked before NIXL sees it (``sglang.accept``). SGLang has no answer to a
+registration, so a refused decode learns why on its first request (reasons kept per agent
+name, bounded); that request also fails the room's own request, now or when it comes.
 
-Identity: SGLang's control socket is a PULL socket, so a frame names its sender (agent
-name and its ``ip:port``) and nothing in it proves that. What the worker can check, it does
-(docs/sglang.md, "Identity"): the ip a frame names must be the address of the connection it
-came on, and in ``transfer.sglang_allowed_networks`` when set (else the frame is dropped and
-counted: no reply goes to an address the sender may not own); a live registration keeps its
-``ip:port`` against any other agent; a request may name only the agent registered at its own
-``ip:port``. A room acts only for the peer that claimed it, as on the native protocol, and
-rooms stay secret (never logged at INFO).
+Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
+proves that. The ip a frame names must be its connection's, and in
+``transfer.sglang_allowed_networks`` when set (else the frame is dropped and counted); a live
+registration keeps its ``ip:port`` against any other agent; a request may name only the agent
+registered at its own ``ip:port`` (docs/sglang.md, "Identity"). Rooms stay secret (never
+logged at INFO).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
-from prefill_worker.transfer import wire
-from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
-from prefill_worker.transfer.nixl.context import Peer
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
-from prefill_worker.transfer.rooms import RoomBook
+from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
 from prefill_worker.transfer.sglang import aux, frames
 from prefill_worker.transfer.sglang.accept import (
     Network,
@@ -47,16 +37,8 @@ from prefill_worker.transfer.sglang.accept import (
     peer_regions,
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
-from prefill_worker.transfer.sglang.refusals import RefusedRooms
-from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
-from prefill_worker.transfer.validate import (
-    BootstrapLimits,
-    Refusal,
-    RejectReason,
-    check_want_size,
-    duplicate_want,
-    foreign_room,
-)
+from prefill_worker.transfer.sglang.dialect import SglangPeer
+from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
 
@@ -65,38 +47,28 @@ _MAX_REFUSED = 1024  # refusal reasons remembered, by agent name
 
 
 class SglangDesk:
-    """Answers SGLang control messages against the tables it shares with the backend."""
+    """Answers SGLang control messages; the tables are the hub's."""
 
     def __init__(
         self,
+        hub: PushHub[SglangPeer],
         agent: Any,  # nixl_agent
         replies: ReplySockets,
         layout: KVLayout,
         limits: BootstrapLimits,
-        tables: tuple[dict[str, SglangPeer], dict[int, SglangSender], RoomBook],
-        drop_peer: Callable[[SglangPeer, str], None],
-        clock: Callable[[], float],
-        *,
-        want_timeout_s: float,
-        on_reject: Callable[[str], None],
-        refused_rooms: RefusedRooms,
         is_rejoining: Callable[[], bool] = lambda: False,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
     ) -> None:
-        self._agent, self._replies = agent, replies
+        self._hub, self._agent, self._replies = hub, agent, replies
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
         self._layout, self._limits = layout, limits
-        self._peers, self._senders, self._rooms = tables
-        self._drop_peer = drop_peer
-        self._clock = clock
-        self._want_timeout_s = want_timeout_s
-        self._on_reject = on_reject
-        self._refused: OrderedDict[str, str] = OrderedDict()
-        self._refused_rooms = refused_rooms
+        # Why registrations were refused, by agent name: a decode hears it on each request.
+        self._refused: ExpiringTable[str, str] = ExpiringTable(math.inf, _MAX_REFUSED)
+        # Rooms such a decode asked for before their request came: that request fails at once.
+        self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
-        self.reject_counts: dict[str, int] = {}
 
     def dispatch(self, message: frames.Message | frames.FrameError, source_ip: str) -> None:
         """Answer one message that came on a connection from ``source_ip``; one that raises
@@ -116,20 +88,10 @@ class SglangDesk:
         except Exception as exc:  # one decode's message must never stop the engine
             self._count(RejectReason.INTERNAL_ERROR, f"on a control message: {exc!r}"[:300])
 
-    def refuse_room(self, endpoint: frames.Endpoint, room: int, refusal: Refusal) -> None:
+    def _refuse_unknown(self, endpoint: frames.Endpoint, room: int, refusal: Refusal) -> None:
+        """Refuse a request from an address no registered peer holds."""
         self._count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms stay private
         self._replies.send(endpoint, frames.kv_status(room, False, refusal.message))
-
-    @staticmethod
-    def why_not(sender: SglangSender, peer: SglangPeer) -> Refusal:
-        if not sender.accepts(peer.peer.agent_name):
-            return foreign_room(sender.room)
-        return duplicate_want(sender.room)
-
-    def bind(self, sender: SglangSender, peer: SglangPeer, want: wire.Want) -> None:
-        sender.bind(peer, want)
-        if sender.poll() is KVPoll.READY:
-            peer.peer.rooms.add(sender.room)
 
     def _is_from(self, message: frames.Message, source_ip: str) -> bool:
         refusal = check_source(message.endpoint, source_ip, self._allowed_networks)
@@ -143,9 +105,9 @@ class SglangDesk:
         refusal = check_registration(reg, self._layout, self._limits)
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
-        held = self._peers.get(reg.agent_name)
+        held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
-            if held.peer.regions != peer_regions(reg, self._layout):
+            if held.regions != peer_regions(reg, self._layout):
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
@@ -168,25 +130,28 @@ class SglangDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
             return self._refuse(name, Refusal(RejectReason.NIXL_REFUSED, why))
-        peer = Peer(name.encode(), name, regions, lists, self._clock())
-        self._peers[name] = SglangPeer(peer, reg.aux_ptrs, reg.endpoint)
-        self._refused.pop(name, None)
+        now, identity = self._hub.clock(), name.encode()
+        peer = SglangPeer(
+            identity, name, regions, lists, now, aux_ptrs=reg.aux_ptrs, endpoint=reg.endpoint
+        )
+        self._hub.peers[identity] = peer
+        self._refused.clear(name)
         log.info("sglang: decode %s registered (%d pages)", name, regions.layout.num_pages)
 
     def _take_address(self, reg: frames.Registration) -> Refusal | None:
         """A live decode keeps its ``ip:port``: another agent registering there is refused.
         A holder with no room, no waiting request and nothing heard for ``want_timeout_s``
         is taken for a decode that restarted on the same port, and dropped."""
-        for old in [p for p in self._peers.values() if p.endpoint == reg.endpoint]:
-            if old.peer.rooms or old.peer.unmatched or not self._is_idle(old):
+        for old in [p for p in self._hub.peers.values() if p.endpoint == reg.endpoint]:
+            if old.rooms or old.unmatched or not self._is_idle(old):
                 where = f"{reg.endpoint.host}:{reg.endpoint.port}"
-                why = f"{where} is registered by live agent {old.peer.agent_name!r}"
+                why = f"{where} is registered by live agent {old.agent_name!r}"
                 return Refusal(RejectReason.ADDRESS_TAKEN, why)
-            self._drop_peer(old, "decode re-registered under a new agent name")
+            self._hub.drop_peer(old, "decode re-registered under a new agent name")
         return None
 
     def _is_idle(self, peer: SglangPeer) -> bool:
-        return self._clock() - peer.peer.last_seen >= self._want_timeout_s
+        return self._hub.clock() - peer.last_seen >= self._hub.want_timeout_s
 
     def _prep(self, name: str, regions: KVRegions, aux_ptrs: tuple[int, ...]) -> PreppedLists:
         """The decode pool's descriptor list, once; and row 0 of each metadata buffer, which
@@ -203,44 +168,25 @@ class SglangDesk:
 
     def _refuse(self, agent_name: str, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration of {agent_name} refused: {refusal.message}")
-        self._refused[agent_name] = f"registration refused: {refusal.message}"
-        self._refused.move_to_end(agent_name)
-        while len(self._refused) > _MAX_REFUSED:
-            self._refused.popitem(last=False)
+        why = f"registration refused: {refusal.message}"
+        self._refused.add(agent_name, why, self._hub.clock())
 
     # -- requests and aborts ------------------------------------------------------------
 
     def _request(self, req: frames.TransferRequest) -> None:
-        peer = self._peers.get(req.agent_name)
+        peer = self._hub.peers.get(req.agent_name.encode())
         if peer is None:
             return self._request_from_unknown(req)
         if peer.endpoint != req.endpoint:  # its own agent only: the one at its ip:port
             why = f"agent {req.agent_name!r} is registered from another address"
-            return self.refuse_room(
-                req.endpoint, req.room, Refusal(RejectReason.FOREIGN_AGENT, why)
-            )
-        peer.peer.last_seen = self._clock()
+            foreign = Refusal(RejectReason.FOREIGN_AGENT, why)
+            return self._refuse_unknown(req.endpoint, req.room, foreign)
+        peer.last_seen = self._hub.clock()
         want = req.want()
-        refusal = check_request(req) or check_want_size(
-            want, self._layout, peer.peer.regions.layout
-        )
+        refusal = check_request(req) or check_want_size(want, self._layout, peer.regions.layout)
         if refusal is not None:
-            return self.refuse_room(peer.endpoint, req.room, refusal)
-        sender = self._senders.get(req.room)
-        if sender is not None:
-            if sender.peer is not None or not sender.accepts(req.agent_name):
-                return self.refuse_room(peer.endpoint, req.room, self.why_not(sender, peer))
-            return self.bind(sender, peer, want)
-        gone = self._rooms.gone(req.room)
-        if gone is not None:
-            if gone.allowed_peer not in (None, req.agent_name):
-                return self.refuse_room(peer.endpoint, req.room, foreign_room(req.room))
-            self._rooms.forget_gone(req.room)
-            self._replies.send(peer.endpoint, frames.kv_status(req.room, False, gone.reason))
-            return None
-        refusal = self._rooms.claim(peer.peer, want, self._clock() + self._want_timeout_s)
-        if refusal is not None:
-            self.refuse_room(peer.endpoint, req.room, refusal)
+            return self._hub.refuse_room(peer, req.room, refusal)
+        self._hub.want(peer, want)
 
     def _request_from_unknown(self, req: frames.TransferRequest) -> None:
         """A decode this run does not know: refused, or one that knew the previous run. In the
@@ -248,38 +194,30 @@ class SglangDesk:
         fail the room ("Lost connection"), and its router retries once it has registered
         afresh; a failure now would only send the router's retries into the same wall (smg
         opens its circuit breaker after ten)."""
-        why = self._refused.get(req.agent_name)
+        why = self._refused.get(req.agent_name, self._hub.clock())
         if why is None and self._is_rejoining():
             return self._count(RejectReason.UNKNOWN_PEER, "during the rejoin window", logging.DEBUG)
         why = why or NOT_REGISTERED
         self._fail_waiting_room(req.room, req.agent_name, why)
-        self.refuse_room(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
+        self._refuse_unknown(req.endpoint, req.room, Refusal(RejectReason.UNKNOWN_PEER, why))
 
     def _fail_waiting_room(self, room: int, agent_name: str, why: str) -> None:
         """The room's request fails with the decode's refusal: now if it waits unbound for
         this decode, else when it comes."""
-        sender = self._senders.get(room)
+        sender = self._hub.senders.get(room)
         if sender is None:
-            self._refused_rooms.add(room, agent_name, why, self._clock())
+            self._refused_rooms.add(room, RefusedRoom(agent_name, why), self._hub.clock())
         elif sender.peer is None and sender.accepts(agent_name):
             sender.fail(why)
 
     def _abort(self, notice: frames.AbortNotice) -> None:
-        """Only the owner's ABORT acts (an ABORT names its sender by its control socket);
-        every ABORT is acknowledged, after the room's writes."""
-        room = notice.room
-        sender = self._senders.get(room)
-        owner = None if sender is None or sender.peer is None else sender.peer.endpoint
-        if sender is not None and owner == notice.endpoint:
-            sender.abort_by_peer(notice.endpoint, notice.generation)
-            return
-        peer = next((p for p in self._peers.values() if p.endpoint == notice.endpoint), None)
-        if peer is not None and self._rooms.drop(room, peer.peer):
-            forget_at = self._clock() + self._want_timeout_s
-            self._rooms.mark_aborted(room, peer.peer.agent_name, forget_at)
-        self._replies.send(notice.endpoint, frames.abort_ack(room, notice.generation))
+        """An ABORT names its sender by its control socket: only the owner's acts; every ABORT
+        is acknowledged (the owner's after the room's writes)."""
+        peers = self._hub.peers.values()
+        peer = next((p for p in peers if p.endpoint == notice.endpoint), None)
+        if peer is not None:
+            return self._hub.abort(peer, notice.room, notice.generation)
+        self._replies.send(notice.endpoint, frames.abort_ack(notice.room, notice.generation))
 
     def _count(self, reason: RejectReason, message: str, level: int = logging.WARNING) -> None:
-        self.reject_counts[reason.value] = self.reject_counts.get(reason.value, 0) + 1
-        self._on_reject(reason.value)
-        log.log(level, "sglang: %s: %s", reason.value, message)
+        self._hub.counter.count(reason, message, level)

@@ -1,10 +1,9 @@
 """SGLang's PD control frames (decode → prefill on the PULL socket, and the replies), parsed
 into typed messages or refused with a ``FrameError`` naming the frame at fault.
 
-Read from SGLang's own decode code (``srt/disaggregation/nixl/conn.py`` and
-``common/conn.py``, 0.5.20-0.5.23). Integers travel as ASCII decimal; pointer lists as
-packed unsigned 64-bit, page ids as packed int32, both in the host's byte order (x86 and
-ARM hosts are little-endian, which is what this module reads). Frame 0 is a tag::
+Read from SGLang's own decode code (``srt/disaggregation/nixl/conn.py`` and ``common/conn.py``,
+0.5.20-0.5.23). Integers travel as ASCII decimal; pointer lists as packed unsigned 64-bit (Q),
+page ids as packed int32, both little-endian (the host's order on x86 and ARM). Frame 0 is a tag::
 
     registration  [b"NixlMsgGuard", b"None", ip, port, agent_name, agent_metadata,
                    kv_ptrs (Q: K of every layer, then V), aux_ptrs (Q), state_ptrs, gpu_id,
@@ -15,14 +14,10 @@ ARM hosts are little-endian, which is what this module reads). Frame 0 is a tag:
     request       [b"NixlMsgGuard", room, ip, port, agent_name, page_ids (int32), aux_index,
                    required_dst_info_num, state_indices, decode_prefix_len, is_dummy]
     abort         [b"ABORT", room, ip, port(, generation)]
+    replies       [b"KV_STATUS", room, b"4" (success) | b"0" (failed), prefill_rank, reason]
+                  [b"ABORT_ACK", room, prefill_rank(, generation)]   to the ``ip:port`` named
 
-Replies (prefill → decode, to the ``ip:port`` a frame names)::
-
-    [b"KV_STATUS", room, b"4" (success) | b"0" (failed), prefill_rank, reason]
-    [b"ABORT_ACK", room, prefill_rank(, generation)]
-
-Torch-, ZMQ- and NIXL-free. What the worker accepts beyond well-formed frames (layouts,
-sizes, versions of features) is ``sglang.accept``'s.
+Torch-, ZMQ- and NIXL-free; what the worker accepts beyond well-formed frames is ``accept``'s.
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefill_worker.router.client import BlockingRouterClient
+from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.testing.launch import ChildProcess, free_port
-from prefill_worker.transfer import describe_worker
-from prefill_worker.transfer.receiver import KVReceiver, RoomState, RoomStatus
+from prefill_worker.transfer import KVReceiver, RoomState, RoomStatus, describe_worker
 from tests.checkpoints import make_checkpoint
 from tests.polling import wait_until
 

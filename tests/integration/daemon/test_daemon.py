@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from prefill_worker.ingress.client import RequestRejected
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.client import RequestRejected
 from prefill_worker.transfer import describe_worker
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, wait_until

@@ -19,9 +19,9 @@ import zmq
 from aiohttp import web
 
 from prefill_worker.aio_site import ThreadedSite
+from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv_events.publisher import KVEventPublisher
-from prefill_worker.router.ingress import Ingress
-from prefill_worker.scheduler.observer import LoadSnapshot
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.service.http import Health
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.transfer.nixl.push_thread import PushThread
@@ -89,7 +89,14 @@ def test_a_killed_ingress_thread_is_not_live() -> None:
 
 
 class _RaisingKVEventsObserver:
-    on_published = _raise
+    """Raises on a publish once armed: the publisher's first batch goes out as its thread
+    starts, before the watch could see a thread that died at once."""
+
+    armed = False
+
+    def on_published(self, *args: object) -> None:
+        if self.armed:
+            _raise()
 
     def on_dropped(self, reason: str, num_events: int) -> None:
         return None
@@ -99,11 +106,11 @@ class _RaisingKVEventsObserver:
 
 
 def test_a_killed_kv_events_thread_is_not_live() -> None:
-    publisher = KVEventPublisher(
-        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", observer=_RaisingKVEventsObserver()
-    )
-    _, health = _watched("kv events", publisher.start)
+    observer = _RaisingKVEventsObserver()
+    publisher = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", observer=observer)
     try:
+        _, health = _watched("kv events", publisher.start)
+        observer.armed = True
         publisher.all_cleared()
         _assert_stops(health, "kv events/kv-events")
     finally:

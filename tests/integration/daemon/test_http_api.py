@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefill_worker.router.messages import unpack_logprobs
+from prefill_worker.ingress.messages import unpack_logprobs
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, free_port, wait_until
 from tests.integration.daemon.test_daemon import hf_reference

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from prefill_worker.router.client import BlockingRouterClient
-from prefill_worker.router.messages import Result
-from prefill_worker.transfer.receiver import RoomState
+from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.ingress.messages import Result
+from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker
 from tests.integration.daemon.test_daemon import hf_reference

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from prefill_worker.ingress.client import BlockingRouterClient, RouterClient
 from prefill_worker.request import OutcomeStatus
-from prefill_worker.router.client import BlockingRouterClient, RouterClient
 from prefill_worker.testing.peer_control import DecodePeerClient
 from tests.checkpoints import hf_model, prompt
 from tests.integration.e2e.conftest import start_peer_process

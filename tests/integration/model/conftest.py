@@ -10,6 +10,7 @@ import torch
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import build
+from prefill_worker.model.parallel import SINGLE
 from prefill_worker.request import SamplingParams
 from tests.checkpoints import FAMILIES, hf_model, make_checkpoint, prompt
 
@@ -36,7 +37,7 @@ def hf_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-untyp
     return out.logits[0].float(), kv
 
 
-def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major"):  # type: ignore[no-untyped-def]
+def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major", tp=SINGLE):  # type: ignore[no-untyped-def]
     return build(
         path,
         dtype=dtype,
@@ -44,6 +45,7 @@ def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major"): 
         page_size=PAGE_SIZE,
         pool_layout=pool_layout,
         num_pages=NUM_PAGES,
+        tp=tp,
     )
 
 

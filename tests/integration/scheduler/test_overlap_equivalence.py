@@ -16,7 +16,7 @@ from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.scheduler.capture import CapturingBackend, RecordingRunner
 
@@ -41,15 +41,16 @@ def serve(checkpoint: Path, overlap: bool) -> tuple[dict, CapturingBackend, list
     engine = Engine(
         recording,
         backend,
-        pool,
-        aux,
+        EngineKV(pool, aux),
         outcomes.append,
-        page_size=PAGE_SIZE,
-        chunk_size=8,
-        max_batch_tokens=16,
-        max_running_requests=3,
-        bootstrap_timeout_s=60.0,
-        transfer_timeout_s=60.0,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=8,
+            max_batch_tokens=16,
+            max_running_requests=3,
+            bootstrap_timeout_s=60.0,
+            transfer_timeout_s=60.0,
+        ),
         overlap=overlap,
     )
     for i, length in enumerate(LENGTHS):

@@ -17,7 +17,7 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.scheduler.capture import CapturingBackend
 
@@ -63,17 +63,17 @@ def serve(checkpoint: Path, prefix_cache: bool, overlap: bool):  # type: ignore[
     engine = Engine(
         runner,
         backend,
-        pool,
-        aux,
+        EngineKV(pool, aux, PagePrefixCache(pool, PAGE_SIZE) if prefix_cache else None),
         outcomes.append,
-        page_size=PAGE_SIZE,
-        chunk_size=8,
-        max_batch_tokens=16,
-        max_running_requests=3,
-        bootstrap_timeout_s=60.0,
-        transfer_timeout_s=60.0,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=8,
+            max_batch_tokens=16,
+            max_running_requests=3,
+            bootstrap_timeout_s=60.0,
+            transfer_timeout_s=60.0,
+        ),
         overlap=overlap,
-        prefix_cache=PagePrefixCache(pool, PAGE_SIZE) if prefix_cache else None,
     )
     for name in ("cold", "partial", "whole_aligned", "whole_ragged"):
         submit(engine, name)

@@ -18,7 +18,7 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import build
 from prefill_worker.request import FinishReason, Outcome, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.scheduler.capture import RecordingRunner
 from tests.unit.scheduler.fakes import FakeBackend
@@ -65,17 +65,17 @@ class Served:
         self.engine = Engine(
             self.runner,
             self.backend,
-            self.pool,
-            self.aux,
+            EngineKV(self.pool, self.aux, PagePrefixCache(self.pool, PAGE_SIZE)),
             lambda o: self.outcomes.__setitem__(o.request_id, o),
-            page_size=PAGE_SIZE,
-            chunk_size=8,
-            max_batch_tokens=24,
-            max_running_requests=3,
-            bootstrap_timeout_s=60.0,
-            transfer_timeout_s=60.0,
+            EngineLimits(
+                page_size=PAGE_SIZE,
+                chunk_size=8,
+                max_batch_tokens=24,
+                max_running_requests=3,
+                bootstrap_timeout_s=60.0,
+                transfer_timeout_s=60.0,
+            ),
             overlap=overlap,
-            prefix_cache=PagePrefixCache(self.pool, PAGE_SIZE),
         )
 
     def submit(self, name: str, ids: list[int], start: int | None, asks: bool = True) -> None:

@@ -41,6 +41,7 @@ class Worker:
     def __init__(self, spec: PoolSpec, **options: Any) -> None:
         """``options``: make_backend's keywords (limits, curve, ucx_net_devices, on_reject)."""
         from prefill_worker.transfer import make_backend
+        from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 
         self.spec = spec
         self.pool = np.random.default_rng(1).integers(0, 256, spec.nbytes, dtype=np.uint8)
@@ -48,16 +49,11 @@ class Worker:
         self.aux = AuxPool(spec.num_aux_rows)
         self.pages = PagePool(spec.layout.num_pages)
         self.regions = regions_over(spec, self.pool, self.aux.base_addr)
-        self.backend = make_backend(
-            self.regions,
-            "tcp://127.0.0.1:0",
-            None,
-            ["UCX"],
-            PEER_TIMEOUT_S,
-            0.1,
-            WANT_TIMEOUT_S,
-            **options,
-        )
+        hooks = Hooks(on_reject=options.pop("on_reject", None))
+        nixl = NixlOptions(ucx_net_devices=options.pop("ucx_net_devices", None))
+        bind = "tcp://127.0.0.1:0"
+        native = NativeOptions(bind, PEER_TIMEOUT_S, 0.1, WANT_TIMEOUT_S, nixl, **options)
+        self.backend = make_backend(self.regions, native, hooks)
 
     def alloc(self, num_pages: int) -> list[int]:
         pages = self.pages.try_alloc(num_pages)

@@ -8,10 +8,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from prefill_worker.inbox import Inbox
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.scheduler import Engine
-from prefill_worker.scheduler.inbox import Inbox
 
 
 @contextmanager

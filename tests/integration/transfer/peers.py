@@ -107,18 +107,12 @@ def prefill_main(
     conn: Connection, spec: PoolSpec, timeout_s: float, ucx_net_devices: str | None = None
 ) -> None:
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions, NixlOptions
 
     buf = np.zeros(spec.nbytes, np.uint8)
-    backend = make_backend(
-        regions_over(spec, buf),
-        "tcp://127.0.0.1:0",
-        None,
-        ["UCX"],
-        timeout_s,
-        0.1,
-        5.0,
-        ucx_net_devices=ucx_net_devices,
-    )
+    nixl = NixlOptions(ucx_net_devices=ucx_net_devices)
+    options = NativeOptions("tcp://127.0.0.1:0", timeout_s, 0.1, 5.0, nixl)
+    backend = make_backend(regions_over(spec, buf), options)
     conn.send(backend.bootstrap_endpoint)
     while True:
         backend.poll()

@@ -21,15 +21,16 @@ import pytest
 import torch
 
 from prefill_worker.batch import BatchOutput, BatchPlan
+from prefill_worker.inbox import Inbox
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import Runner
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
-from prefill_worker.scheduler.inbox import Inbox
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
+from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until
 
@@ -87,19 +88,30 @@ def rig(pool_layout: str) -> Iterator[Rig]:
     pages, aux = PagePool(NUM_PAGES), AuxPool(8)
     backend = NixlBackend(
         runner.kv_cache.regions(aux.base_addr, aux.num_rows),
-        "tcp://127.0.0.1:0",
-        "heartbeat-prefill",
-        ["UCX"],
-        10.0,  # peer_timeout_s: the worker waits long for its decodes
-        0.1,  # heartbeat_interval_s
-        10.0,
+        NativeOptions(
+            "tcp://127.0.0.1:0",
+            10.0,  # peer_timeout_s: the worker waits long for its decodes
+            0.1,  # heartbeat_interval_s
+            10.0,
+            NixlOptions("heartbeat-prefill"),
+        ),
     )
     outcomes: list[Outcome] = []
     engine = Engine(
-        gated, backend, pages, aux, outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=20, max_running_requests=4,
-        bootstrap_timeout_s=30.0, transfer_timeout_s=60.0, overlap=True,
-    )  # fmt: skip
+        gated,
+        backend,
+        EngineKV(pages, aux),
+        outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=20,
+            max_running_requests=4,
+            bootstrap_timeout_s=30.0,
+            transfer_timeout_s=60.0,
+        ),
+        overlap=True,
+    )
     receiver = impatient_decode(backend.bootstrap_endpoint, pool_layout)
     with engine_thread(engine, (pages, aux), receiver.close, backend.close) as inbox:
         try:
@@ -151,13 +163,14 @@ def test_a_stuck_engine_stops_the_heartbeats(pool_layout: str) -> None:
     verdicts = [True]
     backend = NixlBackend(
         runner.kv_cache.regions(aux.base_addr, aux.num_rows),
-        "tcp://127.0.0.1:0",
-        "stuck-prefill",
-        ["UCX"],
-        10.0,
-        0.1,
-        30.0,  # a want waits this long for its request: longer than the test
-        is_engine_live=lambda: verdicts[-1],
+        NativeOptions(
+            "tcp://127.0.0.1:0",
+            10.0,
+            0.1,
+            30.0,  # a want waits this long for its request: longer than the test
+            NixlOptions("stuck-prefill"),
+        ),
+        Hooks(is_engine_live=lambda: verdicts[-1]),
     )
     receiver = impatient_decode(backend.bootstrap_endpoint, pool_layout)
     try:

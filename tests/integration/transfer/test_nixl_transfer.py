@@ -385,7 +385,8 @@ def test_receiver_from_tensors_in_process(workers, pool_layout) -> None:
 
 def test_taken_bootstrap_address_is_an_os_error(workers) -> None:
     from prefill_worker.transfer import make_backend
+    from prefill_worker.transfer.options import NativeOptions
 
     worker = workers["bfloat16"]
     with pytest.raises(OSError, match="cannot bind"):
-        make_backend(worker.regions, worker.backend.bootstrap_endpoint, None, ["UCX"], 1.0, 0.1)
+        make_backend(worker.regions, NativeOptions(worker.backend.bootstrap_endpoint, 1.0, 0.1))

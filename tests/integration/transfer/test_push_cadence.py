@@ -18,17 +18,18 @@ from typing import Any
 import pytest
 import torch
 
+from prefill_worker.inbox import Inbox
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.model import KVCache, Runner
 from prefill_worker.request import Outcome, OutcomeStatus, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
-from prefill_worker.scheduler.inbox import Inbox
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.observer import NullObserver
 from prefill_worker.testing.random_model import random_runner
 from prefill_worker.transfer import KVReceiver, RoomState
-from prefill_worker.transfer.nixl.backend import NixlBackend
+from prefill_worker.transfer.native.backend import NixlBackend
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 from tests.integration.transfer.engine_thread import engine_thread
 from tests.polling import wait_until
 
@@ -101,20 +102,26 @@ def rig(pool_layout: str) -> Iterator[Rig]:
 
     backend = NixlBackend(
         runner.kv_cache.regions(aux.base_addr, aux.num_rows),
-        "tcp://127.0.0.1:0",
-        "cadence-prefill",
-        ["UCX"],
-        10.0,
-        0.1,
-        10.0,
-        poster_factory=poster,
+        NativeOptions("tcp://127.0.0.1:0", 10.0, 0.1, 10.0, NixlOptions("cadence-prefill")),
+        Hooks(poster_factory=poster),
     )
     steps = Steps()
     engine = Engine(
-        runner, backend, pages, aux, steps.outcomes.append,
-        page_size=PAGE_SIZE, chunk_size=CHUNK, max_batch_tokens=CHUNK, max_running_requests=4,
-        bootstrap_timeout_s=30.0, transfer_timeout_s=60.0, overlap=True, observer=steps,
-    )  # fmt: skip
+        runner,
+        backend,
+        EngineKV(pages, aux),
+        steps.outcomes.append,
+        EngineLimits(
+            page_size=PAGE_SIZE,
+            chunk_size=CHUNK,
+            max_batch_tokens=CHUNK,
+            max_running_requests=4,
+            bootstrap_timeout_s=30.0,
+            transfer_timeout_s=60.0,
+        ),
+        overlap=True,
+        observer=steps,
+    )
     decode_kv = tiny_runner(pool_layout).kv_cache
     receiver = KVReceiver.from_tensors(
         decode_kv.k, decode_kv.v, backend.bootstrap_endpoint,

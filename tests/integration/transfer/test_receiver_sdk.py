@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from prefill_worker.transfer import wire
-from prefill_worker.transfer.receiver import KVReceiver, RoomState
+from prefill_worker.transfer import KVReceiver, RoomState, wire
 from tests.integration.transfer.conftest import small_spec
 from tests.integration.transfer.peers import regions_over
 from tests.polling import wait_until

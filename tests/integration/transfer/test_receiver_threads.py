@@ -22,7 +22,7 @@ import zmq
 
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker, wire
 from prefill_worker.transfer.nixl.agent import nixl_agent, nixl_agent_config
-from prefill_worker.transfer.nixl.sender import notif_tag
+from prefill_worker.transfer.wire import notif_tag
 from tests.integration.transfer.conftest import Worker, small_spec
 from tests.integration.transfer.peers import regions_over
 from tests.polling import wait_until

@@ -22,6 +22,7 @@ import zmq
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.polling import wait_until
 
@@ -74,20 +75,12 @@ def make_backend(pool: np.ndarray, **kwargs: Any) -> SglangBackend:
     base = int(pool.ctypes.data)
     starts = [base + i * LAYOUT.region_bytes for i in range(4)]
     regions = KVRegions(LAYOUT, tuple(starts[:2]), tuple(starts[2:]), "cpu", aux.base_addr, 4)
-    return SglangBackend(
-        regions,
-        "127.0.0.1:0",
-        "127.0.0.1",
-        0,
-        "auto",
-        "prefill-test",
-        ["UCX"],
-        2.0,
-        1.0,
-        health_stale_s=0.5,
-        ucx_net_devices="lo",
-        **kwargs,
+    hooks = Hooks(**{k: kwargs.pop(k) for k in ("clock", "is_engine_live") if k in kwargs})
+    nixl = NixlOptions("prefill-test", ucx_net_devices="lo")
+    options = SglangOptions(
+        "127.0.0.1:0", "127.0.0.1", 0, "auto", 2.0, 1.0, health_stale_s=0.5, nixl=nixl, **kwargs
     )
+    return SglangBackend(regions, options, hooks)
 
 
 @pytest.fixture

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from prefill_worker.load import TTFT_SLO_REJECT, CostSignals
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
 from prefill_worker.service.metrics import WorkerMetrics
 
@@ -35,6 +37,8 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
     metrics.set_kv_pages(10, 100, 6)
     metrics.observe_prefix_lookup(100, 64)
     metrics.on_reject("empty_prompt")
+    metrics.on_reject(TTFT_SLO_REJECT)
+    metrics.set_costs(CostSignals(300, 100, 200.0, handshake_s=0.5, transfer_s=0.25))
     return registry, metrics
 
 
@@ -59,6 +63,29 @@ def test_values() -> None:
     assert value(registry, "prefill_worker_prefix_cache_queries_total") == 100
     assert value(registry, "prefill_worker_prefix_cache_hits_total") == 64
     assert value(registry, "prefill_worker_rejects_total", code="empty_prompt") == 1
+    assert value(registry, "prefill_worker_rejects_total", code="ttft_slo") == 1
+
+
+def test_cost_signals() -> None:
+    registry, _ = filled()
+    assert value(registry, "prefill_worker_queued_tokens") == 300
+    assert value(registry, "prefill_worker_running_tokens") == 100
+    assert value(registry, "prefill_worker_prefill_rate_tokens_per_second") == 200.0
+    assert value(registry, "prefill_worker_backlog_seconds") == pytest.approx(2.0)
+    predicted = value(registry, "prefill_worker_predicted_ttft_seconds", prompt_tokens="1024")
+    assert predicted == pytest.approx(2.0 + 1024 / 200.0 + 0.25)
+
+
+def test_cost_signals_of_a_cold_worker() -> None:
+    """Before the first forward: idle is no backlog; work without a rate is NaN (unknown)."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    assert value(registry, "prefill_worker_backlog_seconds") == 0.0
+    assert value(registry, "prefill_worker_prefill_rate_tokens_per_second") == 0.0
+    predicted = value(registry, "prefill_worker_predicted_ttft_seconds", prompt_tokens="256")
+    assert math.isnan(predicted)
+    metrics.set_costs(CostSignals(queued_tokens=10))
+    assert math.isnan(value(registry, "prefill_worker_backlog_seconds"))
 
 
 def test_names_follow_the_house_rules() -> None:

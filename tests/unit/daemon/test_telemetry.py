@@ -7,8 +7,8 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus
-from prefill_worker.scheduler import LoadSnapshot
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents
 

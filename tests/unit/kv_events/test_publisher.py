@@ -208,6 +208,7 @@ def test_a_replay_request_of_many_parts_fails_alone(make) -> None:
     client.sock.send_multipart([b""] * 100_000 + [bytes(8)])
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the long request counted")
     assert events_of(client.replay(publisher.first_seq)) == [[AllBlocksCleared()]]
+    wait_until(lambda: recorder.replays["served"] == 1, what="the good request counted")
     assert recorder.replays == Counter(bad_request=1, served=1)
     client.close()
 

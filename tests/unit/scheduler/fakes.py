@@ -28,7 +28,7 @@ from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
-from prefill_worker.scheduler import Engine
+from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.observer import EngineObserver
 from prefill_worker.transfer.base import KVPoll
 
@@ -345,19 +345,19 @@ def make_rig(
     engine = Engine(
         runner,
         backend,
-        pool,
-        aux,
+        EngineKV(pool, aux, cache),
         outcomes.append,
-        page_size=page_size,
-        chunk_size=chunk_size,
-        max_batch_tokens=max_batch_tokens,
-        max_running_requests=max_running_requests,
-        bootstrap_timeout_s=bootstrap_timeout_s,
-        transfer_timeout_s=transfer_timeout_s,
+        EngineLimits(
+            page_size=page_size,
+            chunk_size=chunk_size,
+            max_batch_tokens=max_batch_tokens,
+            max_running_requests=max_running_requests,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+            transfer_timeout_s=transfer_timeout_s,
+        ),
         overlap=overlap,
         clock=clock,
         observer=observer,
-        prefix_cache=cache,
     )
     return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
 

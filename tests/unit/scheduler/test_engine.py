@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
+from prefill_worker.inbox import Inbox
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -18,7 +20,7 @@ from prefill_worker.request import (
     RequestState,
     SamplingParams,
 )
-from prefill_worker.scheduler import Engine, Inbox, LoadSnapshot
+from prefill_worker.scheduler import Engine
 from prefill_worker.transfer.base import KVPoll
 from tests.unit.scheduler.fakes import Rig, expected_token, make_rig
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
+from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import FinishReason, OutcomeStatus, RequestState
-from prefill_worker.scheduler import LoadSnapshot
 from tests.unit.scheduler.fakes import RecordingEvents, Rig, expected_token, make_rig
 
 PS = 4

@@ -14,7 +14,7 @@ import zmq.auth
 from prefill_worker.curve import CurveClientKeys, CurveServerKeys, apply_client
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.bootstrap import MAX_REGISTERS_PER_TURN, BootstrapServer
+from prefill_worker.transfer.native.bootstrap import MAX_REGISTERS_PER_TURN, BootstrapServer
 from tests.polling import wait_until
 
 

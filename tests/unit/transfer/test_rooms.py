@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.nixl.context import Peer
-from prefill_worker.transfer.rooms import Gone, RoomBook
+from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.push.rooms import Gone, RoomBook
 from prefill_worker.transfer.validate import RejectReason
 
 LAYOUT = KVLayout(1, 1, 8, "float32", 4, 10)

@@ -61,7 +61,7 @@ def test_the_captured_decode_is_accepted_as_sglang_laid_it_out() -> None:
         ({"mem_kinds": ("DRAM", "VRAM", "DRAM", "DRAM")}, RejectReason.BAD_DEVICE, "kinds"),
         ({"mem_kinds": ("HBM",) * 4}, RejectReason.BAD_DEVICE, "DRAM or VRAM"),
         ({"num_slots": 2**21}, RejectReason.TOO_LARGE, "max_peer_pages"),
-        ({"kv_ptrs": (0, 1, 2, 3)}, RejectReason.BAD_ADDRESS, "region 0"),
+        ({"kv_ptrs": (0, 1, 2, 3)}, RejectReason.BAD_ADDRESS, "KV region 0 [0, 0 + "),
         ({"kv_ptrs": (2**64 - 10, 1, 2, 3)}, RejectReason.BAD_ADDRESS, "address space"),
         ({"aux_ptrs": (1,) * 13}, RejectReason.UNSUPPORTED, "13 metadata buffers"),
         ({"aux_ptrs": (0,) * 10}, RejectReason.BAD_ADDRESS, "metadata buffer"),

@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from prefill_worker.kv.layout import KVLayout
-from prefill_worker.transfer.rooms import RoomBook
+from prefill_worker.transfer.nixl.poster import InlinePoster
+from prefill_worker.transfer.push.dialect import PageLists
+from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
+from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang.desk import SglangDesk
+from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.frames import (
     AbortNotice,
     Endpoint,
@@ -24,8 +29,6 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
-from prefill_worker.transfer.sglang.refusals import RefusedRooms
-from prefill_worker.transfer.sglang.sender import SglangPeer, SglangSender
 from prefill_worker.transfer.validate import BootstrapLimits
 
 CAPTURED = json.loads((Path(__file__).parent / "sglang_frames.json").read_text())
@@ -80,39 +83,49 @@ def registration(name: str | None = None) -> Registration:
     return reg
 
 
+class RecordingHub(PushHub[SglangPeer]):
+    def __init__(self, ctx: PushContext[SglangPeer], agent: FakeAgent) -> None:
+        self.rejects: list[str] = []
+        self.dropped: list[tuple[str, str]] = []
+        counter = RejectCounter("sglang", self.rejects.append)
+        refusals = Refusals(ExpiringTable(0.0, 1), ExpiringTable(5.0, 1024))
+        super().__init__(ctx, agent, counter, refusals, 5.0, 64)
+
+    def drop_peer(self, peer: SglangPeer, reason: str) -> None:
+        self.dropped.append((peer.agent_name, reason))
+        super().drop_peer(peer, reason)
+
+
 class Rig:
+    """The desk over a real hub; NIXL and the reply sockets stand-ins."""
+
     def __init__(self, allowed_networks: tuple[str, ...] = (), is_rejoining: bool = False) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
-        self.peers: dict[str, SglangPeer] = {}
-        self.senders: dict[int, SglangSender] = {}
-        self.rooms = RoomBook(4, 64)
-        self.dropped: list[tuple[str, str]] = []
-        self.rejects: list[str] = []
         self.now = 0.0
+        poster = InlinePoster(self.agent)
+        dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
+        pages = PageLists(None, 2 * LAYOUT.num_layers, LAYOUT.page_bytes)
+        ctx = PushContext(poster, pages, LAYOUT, dialect, 5.0, lambda: self.now)
+        self.hub = RecordingHub(ctx, self.agent)
+        self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
+        self.rooms = self.hub.rooms
         self.desk = SglangDesk(
+            self.hub,
             self.agent,
             self.replies,  # type: ignore[arg-type]
             LAYOUT,
             BootstrapLimits(),
-            (self.peers, self.senders, self.rooms),
-            self.drop_peer,
-            lambda: self.now,
-            want_timeout_s=5.0,
-            on_reject=self.rejects.append,
-            allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
-            refused_rooms=RefusedRooms(5.0),
             is_rejoining=lambda: is_rejoining,
+            allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
         )
+
+    @property
+    def peers(self) -> dict[str, SglangPeer]:
+        return {identity.decode(): peer for identity, peer in self.hub.peers.items()}
 
     def send(self, message: Message, source_ip: str | None = None) -> None:
         """As the control socket hands it over: from the ip it names unless told otherwise."""
         self.desk.dispatch(message, source_ip or message.endpoint.host)
-
-    def drop_peer(self, peer: SglangPeer, reason: str) -> None:
-        self.dropped.append((peer.peer.agent_name, reason))
-        del self.peers[peer.peer.agent_name]
-        for room in list(peer.peer.unmatched):
-            self.rooms.drop(room, peer.peer)
 
 
 def test_a_registration_is_one_peer() -> None:
@@ -135,9 +148,9 @@ def test_a_live_decode_keeps_its_address_and_an_idle_one_is_replaced() -> None:
     rig.send(registration("impostor"))
     assert list(rig.peers) == [old] and rig.rooms.num_claims(1234) == 1
     assert rig.rejects[-1] == "address_taken" and not rig.dropped
-    rig.rooms.drop(1234, rig.peers[old].peer)
+    rig.rooms.drop(1234, rig.peers[old])
     rig.now += 1.0  # nothing waiting, but heard from within want_timeout_s: live
-    rig.peers[old].peer.last_seen = rig.now
+    rig.peers[old].last_seen = rig.now
     rig.send(registration("impostor"))
     assert list(rig.peers) == [old] and rig.rejects[-1] == "address_taken"
     rig.now += 5.0  # idle: a decode restarted on the same port takes it
@@ -201,7 +214,7 @@ def test_an_unknown_decode_hears_nothing_in_the_rejoin_window() -> None:
     rejoining = Rig(is_rejoining=True)
     rejoining.send(request)
     assert rejoining.replies.sent == [] and rejoining.rooms.num_claims(request.room) == 0
-    assert rejoining.desk.reject_counts == {"unknown_peer": 1}
+    assert rejoining.hub.counter.counts == {"unknown_peer": 1}
     after = Rig()
     after.send(request)
     assert [frames[:3] for _, frames in after.replies.sent] == [

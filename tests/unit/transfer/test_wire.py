@@ -193,3 +193,11 @@ def test_any_bytes_decode_or_raise_wire_error(frame: bytes) -> None:
 def test_any_map_decodes_or_raises_wire_error(body: dict[object, object]) -> None:
     with contextlib.suppress(wire.WireError):
         wire.decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_notif_tag_is_the_v1_bytes_for_every_room() -> None:
+    """The worker sends this tag with a room's aux row and the decode SDK waits for it: both
+    sides of v1 must compute the same bytes, and no two rooms may share one."""
+    assert wire.notif_tag(0) == b"pw1:room:0"
+    assert wire.notif_tag(2**63 - 1) == b"pw1:room:9223372036854775807"
+    assert len({wire.notif_tag(room) for room in (1, 10, 11, 101, 110)}) == 5

@@ -1,0 +1,116 @@
+"""The worker's load, as the engine publishes it and the ingress, the HTTP front and the
+metrics read it.
+
+``LoadSnapshot`` is immutable and swapped whole at the end of an engine turn, so any thread
+may read the latest one (the ingress ``pong``, ``/readyz``, the HTTP front's ``/v1/loads``)
+without a lock.
+``LoadSource`` is how a reader is handed it: a callable returning the latest snapshot
+(``Engine.load`` in the daemon, a constant in tests). Shared vocabulary: the ingress reads it
+without importing the scheduler.
+
+The cost signals (``CostSignals``) are the scheduler's numbers (``scheduler.costs``); the
+one formula built on them, the predicted TTFT of a new request, is here so that every reader
+(metrics, ``/v1/loads``, ``pong``, the SLO admission of both fronts) applies the same one:
+
+    predicted_ttft_s(n) = max(handshake_s, backlog_s) + n / prefill_rate_tps + transfer_s
+
+A new request's handshake runs while the backlog ahead of it drains, hence the max; then its
+own ``n`` uncached tokens, then the push of its last chunk and its answer. None while no
+forward has been measured yet (a cold worker: nothing to predict from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefill_worker.request import RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class CostSignals:
+    """What the queued and running work costs, in tokens and seconds (``scheduler.costs``)."""
+
+    queued_tokens: int = 0  # prompt tokens of BOOTSTRAPPING and WAITING requests
+    running_tokens: int = 0  # tokens PREFILLING requests have yet to compute (hits excluded)
+    prefill_rate_tps: float | None = None  # tokens/s over recent forwards; None: none yet
+    handshake_s: float = 0.0  # median bootstrap wait of recent requests that succeeded
+    transfer_s: float = 0.0  # median last-chunk-to-answer time of the same requests
+
+    @property
+    def backlog_s(self) -> float | None:
+        """Seconds to compute what is queued and running; 0 when idle, None when unknown."""
+        work = self.queued_tokens + self.running_tokens
+        if work == 0:
+            return 0.0
+        if self.prefill_rate_tps is None:
+            return None
+        return work / self.prefill_rate_tps
+
+    def predicted_ttft_s(self, num_tokens: int) -> float | None:
+        """The TTFT a new request of ``num_tokens`` uncached tokens would see (module doc)."""
+        backlog_s = self.backlog_s
+        if backlog_s is None or self.prefill_rate_tps is None:
+            return None
+        own_s = num_tokens / self.prefill_rate_tps
+        return max(self.handshake_s, backlog_s) + own_s + self.transfer_s
+
+
+TTFT_SLO_REJECT = "ttft_slo"  # the rejects counter's label value for an SLO refusal
+
+
+def ttft_slo_refusal(costs: CostSignals, num_tokens: int, slo_s: float | None) -> str | None:
+    """Why a request of ``num_tokens`` is refused under ``admission.ttft_slo_s``, or None.
+    No SLO, or no prediction yet (a cold worker): admitted."""
+    if slo_s is None:
+        return None
+    predicted_s = costs.predicted_ttft_s(num_tokens)
+    if predicted_s is None or predicted_s <= slo_s:
+        return None
+    return f"predicted TTFT {predicted_s:.3f} s exceeds the SLO of {slo_s:.3f} s"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """Requests per live state and KV pages, as of the end of one engine turn."""
+
+    num_bootstrapping: int = 0
+    num_waiting: int = 0
+    num_prefilling: int = 0
+    num_transferring: int = 0
+    num_free_pages: int = 0  # free, or held only by the prefix cache (evicted on demand)
+    num_total_pages: int = 0
+    num_free_aux_rows: int = 0
+    num_total_aux_rows: int = 0
+    num_cached_pages: int = 0  # held by the prefix cache (in use by requests or idle)
+    costs: CostSignals = CostSignals()
+
+    @property
+    def num_running(self) -> int:
+        return self.num_prefilling
+
+    @property
+    def num_live(self) -> int:
+        return (
+            self.num_bootstrapping + self.num_waiting + self.num_prefilling + self.num_transferring
+        )
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_total_pages - self.num_free_pages
+
+    @property
+    def num_used_aux_rows(self) -> int:
+        return self.num_total_aux_rows - self.num_free_aux_rows
+
+    def queue_sizes(self) -> dict[str, int]:
+        """Live requests keyed by ``RequestState.value`` (the metrics ``state`` label)."""
+        return {
+            RequestState.BOOTSTRAPPING.value: self.num_bootstrapping,
+            RequestState.WAITING.value: self.num_waiting,
+            RequestState.PREFILLING.value: self.num_prefilling,
+            RequestState.TRANSFERRING.value: self.num_transferring,
+        }
+
+
+LoadSource = Callable[[], LoadSnapshot]  # returns the latest snapshot; any thread may call it

@@ -1,0 +1,51 @@
+"""What an attention backend is: the batch it is planned for and the ``AttentionBackend``
+Protocol. The backends (``sdpa.py``, ``flashinfer.py``) and the registry in ``__init__.py``
+import it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """One chunk in the packed batch: rows ``[q_start, q_end)`` are prompt positions
+    ``[start, end)``; the K/V of ``[0, end)`` lives in ``page_ids`` once written."""
+
+    q_start: int
+    q_end: int
+    start: int
+    end: int
+    page_ids: tuple[int, ...]  # exactly ceil(end / page_size) pages
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBatch:
+    spans: tuple[ChunkSpan, ...]
+    page_size: int
+    num_tokens: int
+
+
+class AttentionBackend(Protocol):
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare per-batch metadata; called once before the first layer."""
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim], RoPE applied
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], this batch's fresh keys
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_pool: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], k written;
+        v_pool: torch.Tensor,  # views whose page stride may span every layer (page-major)
+        out: torch.Tensor,  # [T, num_heads, head_dim], written
+    ) -> None:
+        """Causal attention of every chunk over its prompt prefix, into ``out``. The pools
+        are read in place (index them, never ``view`` or copy them whole)."""
+
+
+BackendFactory = Callable[[torch.device], AttentionBackend]

@@ -1,0 +1,78 @@
+"""Mixture-of-experts compute behind a lazy registry, as attention's: ``torch`` (tokens
+grouped by expert; any device), ``flashinfer`` (its fused CUTLASS MoE; CUDA, bf16/fp16),
+``naive`` (every expert over every token: the benchmark's baseline) and ``auto``
+(``flashinfer`` on CUDA when importable and the dtype is half precision, else ``torch``).
+
+A backend computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` from the stacked expert
+weights, which its ``prepare`` may reorder once at start-up; routing (``routing.py``), the
+shared experts and the TP all-reduce (``block.py``) are the same for every backend.
+Backends are imported only when chosen, so flashinfer is never imported on a CPU host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
+
+__all__ = [
+    "MOE_BACKENDS",
+    "ExpertsBackend",
+    "MoEWeights",
+    "create_moe_backend",
+    "resolve_moe_backend_name",
+]
+
+
+def _torch(device: torch.device) -> ExpertsBackend:
+    from prefill_worker.model.moe.grouped import TorchGroupedExperts
+
+    return TorchGroupedExperts(device)
+
+
+def _flashinfer(device: torch.device) -> ExpertsBackend:
+    from prefill_worker.model.moe.flashinfer import FlashInferExperts
+
+    return FlashInferExperts(device)
+
+
+def _naive(device: torch.device) -> ExpertsBackend:
+    from prefill_worker.model.moe.naive import NaiveExperts
+
+    return NaiveExperts(device)
+
+
+MOE_BACKENDS: dict[str, Callable[[torch.device], ExpertsBackend]] = {
+    "torch": _torch,
+    "flashinfer": _flashinfer,
+    "naive": _naive,
+}
+HALF = (torch.bfloat16, torch.float16)
+
+
+def has_flashinfer_moe() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_moe_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> ``flashinfer`` on CUDA in bf16/fp16 when importable, else ``torch``;
+    checks an explicit choice against the device and dtype (``ValueError``)."""
+    if name == "auto":
+        usable = device.type == "cuda" and dtype in HALF and has_flashinfer_moe()
+        return "flashinfer" if usable else "torch"
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r} (known: auto, {', '.join(MOE_BACKENDS)})")
+    if name == "flashinfer" and (device.type != "cuda" or dtype not in HALF):
+        raise ValueError("MoE backend 'flashinfer' needs a CUDA device and bf16/fp16 weights")
+    if name == "flashinfer" and not has_flashinfer_moe():
+        raise ValueError("MoE backend 'flashinfer' is not installed (pip install .[cuda])")
+    return name
+
+
+def create_moe_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32
+) -> ExpertsBackend:
+    return MOE_BACKENDS[resolve_moe_backend_name(name, device, dtype)](device)

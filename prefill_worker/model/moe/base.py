@@ -1,0 +1,38 @@
+"""What an MoE experts backend is (``ExpertsBackend``) and the weights it computes with
+(``MoEWeights``): the registry (``__init__``), the block and every backend import these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MoEWeights:
+    """One sparse layer's MLP; under TP, this rank's intermediate slice of each expert."""
+
+    router: torch.Tensor  # [E, hidden]
+    score_bias: torch.Tensor | None  # [E] fp32 (DeepSeek-V3's e_score_correction_bias)
+    gate_up: torch.Tensor  # [E, 2I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor | None  # [2 I_s, hidden] (DeepSeek's shared experts)
+    shared_down: torch.Tensor | None  # [hidden, I_s]
+
+
+class ExpertsBackend(Protocol):
+    name: str
+
+    def prepare(self, weights: MoEWeights) -> MoEWeights:
+        """The layer's weights in the layout ``experts`` wants (called once per layer)."""
+        ...
+
+    def experts(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weights: torch.Tensor,  # [T, k], x's dtype
+        ids: torch.Tensor,  # [T, k] int64
+        gate_up: torch.Tensor,  # [E, 2I, hidden], gate rows first
+        down: torch.Tensor,  # [E, hidden, I]
+    ) -> torch.Tensor: ...

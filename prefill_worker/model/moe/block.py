@@ -1,0 +1,88 @@
+"""A sparse MoE MLP block: its fused weights, how they load, and its forward.
+
+Weights load from HF's per-expert tensors (``mlp.experts.{e}.gate_proj/up_proj/down_proj``)
+and are stacked once: ``gate_up [E, 2I, hidden]`` (each expert's gate rows, then its up
+rows) and ``down [E, hidden, I]``. DeepSeek's shared experts are a dense MLP
+(``mlp.shared_experts.*``) fused like the dense layers' (``[2 I_s, hidden]``, ``[hidden, I_s]``).
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate dimension
+(gate/up rows, down columns) and the whole router; the routed experts' partial sum and the
+shared experts' partial sum are added, then summed over the ranks by ONE all-reduce (the same
+collective as a dense MLP's down projection)::
+
+    weights, ids = route(h)                        [T, k] each, same on every rank
+    out = experts(h, weights, ids) + shared(h)     [T, hidden], this rank's partial sum
+    all_reduce(out)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.hf_config import MoESpec
+from prefill_worker.model.layers import silu_and_mul_
+from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
+from prefill_worker.model.moe.routing import route
+from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_
+
+
+def moe_mlp(
+    h: torch.Tensor,
+    weights: MoEWeights,
+    spec: MoESpec,
+    backend: ExpertsBackend,
+    tp: TPGroup = SINGLE,
+) -> torch.Tensor:
+    """``h [T, hidden]`` (the post-attention-normed residual) -> the block's output."""
+    topk_weights, ids = route(h, weights.router, weights.score_bias, spec)
+    out = backend.experts(h, topk_weights, ids, weights.gate_up, weights.down)
+    if weights.shared_gate_up is not None and weights.shared_down is not None:
+        shared = silu_and_mul_(F.linear(h, weights.shared_gate_up))
+        out.add_(F.linear(shared, weights.shared_down))
+    return all_reduce_(out, tp)
+
+
+def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoEWeights:
+    """Stack the per-expert tensors under ``mlp`` (e.g. ``model.layers.3.mlp.``), as
+    ``get(name)`` reads them (this rank's slice of each), into ``MoEWeights``."""
+    experts = [f"{mlp}experts.{e}." for e in range(spec.num_experts)]
+    gate_up = torch.stack(
+        [torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]) for e in experts]
+    )
+    down = torch.stack([get(e + "down_proj.weight") for e in experts])
+    shared_gate_up = shared_down = None
+    if spec.num_shared_experts:
+        shared = mlp + "shared_experts."
+        shared_gate_up = torch.cat(
+            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
+        )
+        shared_down = get(shared + "down_proj.weight")
+    score_bias = get(mlp + "gate.e_score_correction_bias").float() if spec.has_score_bias else None
+    return MoEWeights(
+        router=get(mlp + "gate.weight"),
+        score_bias=score_bias,
+        gate_up=gate_up,
+        down=down,
+        shared_gate_up=shared_gate_up,
+        shared_down=shared_down,
+    )
+
+
+def moe_shapes(spec: MoESpec, hidden: int, mlp: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor a sparse layer's MLP (under ``mlp``) must hold, with its shape."""
+    inter, num_experts = spec.intermediate_size, spec.num_experts
+    shapes: dict[str, tuple[int, ...]] = {mlp + "gate.weight": (num_experts, hidden)}
+    for e in range(num_experts):
+        p = f"{mlp}experts.{e}."
+        shapes |= {p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden)}
+        shapes[p + "down_proj.weight"] = (hidden, inter)
+    if spec.num_shared_experts:
+        p, shared = mlp + "shared_experts.", inter * spec.num_shared_experts
+        shapes |= {p + "gate_proj.weight": (shared, hidden), p + "up_proj.weight": (shared, hidden)}
+        shapes[p + "down_proj.weight"] = (hidden, shared)
+    if spec.has_score_bias:
+        shapes[mlp + "gate.e_score_correction_bias"] = (num_experts,)
+    return shapes

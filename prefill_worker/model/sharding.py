@@ -1,0 +1,149 @@
+"""How each checkpoint tensor splits over tensor-parallel ranks: a table each family declares.
+
+A ``Split`` names the dimension cut (None: replicated) and the unit it is cut in, so the
+loader reads rank r's rows or columns straight from the safetensors file (never the whole
+tensor) and the fused q/k/v and gate/up matrices are built from the slices::
+
+    unit      count of units            rank r's units              rows per unit
+    q_heads   num_heads                 parallel.q_head_range       head_dim
+    kv_heads  num_kv_heads              parallel.kv_head_range      head_dim
+    even      the dimension's length    parallel.even_range         1
+
+Tensor names are HF's with every numeric path part (layer, expert) written ``*``. A family
+lists every tensor it loads, replicated ones included: a name missing from its table is an
+error, never a silent replication. Mixture-of-experts families add ``MOE_EXPERTS`` (each
+expert split like a dense MLP, the router replicated) and DeepSeek's ``DEEPSEEK_MOE`` (plus
+its score bias and shared experts); the loader does not change.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.parallel import TPGroup, even_range, kv_head_range, q_head_range
+
+Q_HEADS, KV_HEADS, EVEN = "q_heads", "kv_heads", "even"
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    dim: int | None  # the dimension cut; None: every rank holds the whole tensor
+    unit: str = EVEN  # Q_HEADS | KV_HEADS | EVEN
+
+
+REPLICATED = Split(None)
+COLUMN = Split(0, EVEN)  # output rows: gate/up
+ROW = Split(1, EVEN)  # input columns: down
+Q_COLUMN, KV_COLUMN = Split(0, Q_HEADS), Split(0, KV_HEADS)  # q, k/v output rows (by head)
+Q_ROW = Split(1, Q_HEADS)  # o: input columns, by query head
+
+_LAYER = "model.layers.*."
+DENSE: Mapping[str, Split] = {
+    "model.embed_tokens.weight": REPLICATED,
+    "model.norm.weight": REPLICATED,
+    "lm_head.weight": REPLICATED,
+    _LAYER + "input_layernorm.weight": REPLICATED,
+    _LAYER + "post_attention_layernorm.weight": REPLICATED,
+    _LAYER + "self_attn.q_proj.weight": Q_COLUMN,
+    _LAYER + "self_attn.q_proj.bias": Q_COLUMN,
+    _LAYER + "self_attn.k_proj.weight": KV_COLUMN,
+    _LAYER + "self_attn.k_proj.bias": KV_COLUMN,
+    _LAYER + "self_attn.v_proj.weight": KV_COLUMN,
+    _LAYER + "self_attn.v_proj.bias": KV_COLUMN,
+    _LAYER + "self_attn.o_proj.weight": Q_ROW,
+    _LAYER + "self_attn.o_proj.bias": REPLICATED,  # added once, after the all-reduce
+    _LAYER + "self_attn.q_norm.weight": REPLICATED,  # per head: [head_dim]
+    _LAYER + "self_attn.k_norm.weight": REPLICATED,
+    _LAYER + "mlp.gate_proj.weight": COLUMN,
+    _LAYER + "mlp.gate_proj.bias": COLUMN,
+    _LAYER + "mlp.up_proj.weight": COLUMN,
+    _LAYER + "mlp.up_proj.bias": COLUMN,
+    _LAYER + "mlp.down_proj.weight": ROW,
+    _LAYER + "mlp.down_proj.bias": REPLICATED,  # added once, after the all-reduce
+}
+# A sparse layer's MLP: every expert split like a dense MLP (its gate/up rows, its down
+# columns: the per-expert intermediate dimension), the router replicated (every rank routes
+# every token the same way); DeepSeek's shared experts like a dense MLP.
+MOE_EXPERTS: Mapping[str, Split] = {
+    _LAYER + "mlp.gate.weight": REPLICATED,
+    _LAYER + "mlp.experts.*.gate_proj.weight": COLUMN,
+    _LAYER + "mlp.experts.*.up_proj.weight": COLUMN,
+    _LAYER + "mlp.experts.*.down_proj.weight": ROW,
+}
+DEEPSEEK_MOE: Mapping[str, Split] = {
+    **MOE_EXPERTS,
+    _LAYER + "mlp.gate.e_score_correction_bias": REPLICATED,
+    _LAYER + "mlp.shared_experts.gate_proj.weight": COLUMN,
+    _LAYER + "mlp.shared_experts.up_proj.weight": COLUMN,
+    _LAYER + "mlp.shared_experts.down_proj.weight": ROW,
+}  # the DeepSeek-V3 family's table adds its MLA attention's entries to this
+FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
+    "llama": DENSE,
+    "qwen2": DENSE,
+    "qwen3": DENSE,
+    "qwen3_moe": {**DENSE, **MOE_EXPERTS},
+}
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalDims:
+    """The sizes one rank computes with."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int  # of the dense MLP
+
+
+def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
+    if spec.moe is not None:
+        even_range(spec.moe.intermediate_size, tp)  # each expert must split too
+    return LocalDims(
+        num_heads=len(q_head_range(spec.num_heads, tp)),
+        num_kv_heads=len(kv_head_range(spec.num_kv_heads, tp)),
+        intermediate_size=len(even_range(spec.intermediate_size, tp)),
+    )
+
+
+def split_of(family: str, name: str) -> Split:
+    """How ``family`` splits the tensor HF calls ``name``; ``KeyError`` if it does not say."""
+    return split_in(FAMILY_SPLITS[family], name, family)
+
+
+def split_in(table: Mapping[str, Split], name: str, owner: str = "table") -> Split:
+    """``table``'s split of the tensor ``name``; ``KeyError`` if the table does not say."""
+    pattern = _NUMBER.sub("*", name)
+    if pattern not in table:
+        raise KeyError(f"family {owner!r} declares no split for tensor {name}")
+    return table[pattern]
+
+
+def shard_slice(spec: ModelSpec, name: str, shape: tuple[int, ...], tp: TPGroup) -> slice:
+    """The range of ``shape[split.dim]`` rank ``tp.rank`` holds (``slice(None)``: all)."""
+    split = split_of(spec.family, name)
+    if split.dim is None:
+        return slice(None)
+    length = shape[split.dim]
+    if split.unit == EVEN:
+        owned = even_range(length, tp)
+        return slice(owned.start, owned.stop)
+    count = spec.num_heads if split.unit == Q_HEADS else spec.num_kv_heads
+    rule = q_head_range if split.unit == Q_HEADS else kv_head_range
+    owned = rule(count, tp)
+    per_unit = length // count
+    return slice(owned.start * per_unit, owned.stop * per_unit)
+
+
+def local_shape(spec: ModelSpec, name: str, shape: tuple[int, ...], tp: TPGroup) -> tuple[int, ...]:
+    """``shape`` as rank ``tp.rank`` holds it."""
+    if tp.is_single:
+        return shape
+    split = split_of(spec.family, name)
+    if split.dim is None:
+        return shape
+    cut = shard_slice(spec, name, shape, tp)
+    return tuple(cut.stop - cut.start if d == split.dim else n for d, n in enumerate(shape))

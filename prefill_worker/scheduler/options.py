@@ -1,0 +1,38 @@
+"""What an ``Engine`` is built from, besides its runner, backend and sink: two records.
+
+``EngineLimits`` holds the sizes, budgets and timeouts (the config's ``cache.page_size`` and
+``scheduler`` section); ``EngineKV`` the KV bookkeeping the engine owns (page pool, aux rows,
+and the prefix cache over that pool, if any).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Sizes, per-turn budgets and deadlines of one engine."""
+
+    page_size: int  # tokens per KV page
+    chunk_size: int  # most prompt tokens of one request in one forward
+    max_batch_tokens: int  # most tokens in one forward
+    max_running_requests: int  # most requests prefilling at once
+    bootstrap_timeout_s: float  # from arrival to the decode peer's handshake
+    transfer_timeout_s: float  # from the last chunk's forward to every KV byte landed
+    poll_budget: int = 32  # bootstrap/waiting senders polled per turn
+    max_messages_per_turn: int = 256  # inbox messages taken per turn
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKV:
+    """The page pool and aux rows the engine allocates from; ``prefix_cache`` is over
+    ``pages`` (None: no prefix cache)."""
+
+    pages: PagePool
+    aux: AuxPool
+    prefix_cache: PrefixCache | None = None

@@ -1,0 +1,171 @@
+"""The worker's side of the native bootstrap protocol: what each register, want, abort and
+bye does.
+
+``BootstrapDesk`` admits decode peers (``register``: checked, then added to NIXL under their
+agent name, their pool's descriptor list prepared once) and hands wants and aborts to the
+hub, which owns the tables. Every message is checked (``validate``) before work is done for
+it; one that still raises refuses its peer, is counted, and never leaves ``dispatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.native.bootstrap import BootstrapServer
+from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, prep_lists
+from prefill_worker.transfer.push.hub import PushHub
+from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.validate import (
+    BootstrapLimits,
+    Refusal,
+    RejectReason,
+    check_register,
+    check_want_size,
+)
+
+log = logging.getLogger(__name__)
+
+
+class BootstrapDesk:
+    """Answers bootstrap messages; the tables are the hub's."""
+
+    def __init__(
+        self,
+        hub: PushHub[Peer],
+        server: BootstrapServer,
+        agent: Any,  # nixl_agent
+        layout: KVLayout,
+        limits: BootstrapLimits,
+        described: wire.Described,  # this worker, as `describe` and `registered` name it
+        run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
+    ) -> None:
+        self._hub, self._server, self._agent = hub, server, agent
+        self._layout, self._limits = layout, limits
+        self._described = described
+        self._refused = hub.refusals.names  # registrations refused lately, by agent name
+        self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
+
+    def dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
+        """Answer one message; one that raises refuses its peer and never escapes."""
+        try:
+            self._dispatch(identity, msg)
+        except Exception as exc:  # one peer's message must never stop the engine
+            self._on_dispatch_error(identity, exc)
+
+    # -- messages -----------------------------------------------------------------------
+
+    def _dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
+        peer = self._hub.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = self._hub.clock()
+        match msg:
+            case wire.WireError():
+                self._count(RejectReason.BAD_MESSAGE, f"bad message from a peer: {msg}")
+                self._server.send(identity, wire.Reject(str(msg)))
+            case wire.Register():
+                self._register(identity, msg)
+            case wire.Describe():  # no registration needed: a decode sizes its pool first
+                self._server.send(identity, self._described)
+            case wire.Want() | wire.Abort() | wire.Heartbeat() if peer is None:
+                self._from_unknown(identity, msg)
+            case wire.Want() if peer is not None:
+                refusal = check_want_size(msg, self._layout, peer.regions.layout)
+                if refusal is not None:
+                    return self._hub.refuse_room(peer, msg.room, refusal)
+                self._hub.want(peer, msg)
+            case wire.Abort() if peer is not None:
+                self._hub.abort(peer, msg.room)
+            case wire.Bye() if peer is not None:
+                self._hub.drop_peer(peer, "decode peer left")
+
+    def _on_dispatch_error(self, identity: bytes, exc: Exception) -> None:
+        reason = f"internal error on a bootstrap message: {exc!r}"[:300]
+        self._count(RejectReason.INTERNAL_ERROR, reason, level=logging.ERROR)
+        peer = self._hub.peers.get(identity)
+        if peer is not None:
+            self._hub.drop_peer(peer, reason)
+        self._server.send(identity, wire.Reject(reason))
+
+    def _register(self, identity: bytes, msg: wire.Register) -> None:
+        """Everything is checked before an existing peer is touched; NIXL keys remote agents
+        by name, so a peer under the same name is replaced only if it is this connection or
+        its connection is gone (a send to it fails)."""
+        refusal = check_register(msg, self._layout, self._limits)
+        if refusal is not None:
+            return self._refuse(identity, refusal, msg.agent_name)
+        peers = self._hub.peers
+        holder = next((p for p in peers.values() if p.agent_name == msg.agent_name), None)
+        if holder is not None and holder.identity != identity:
+            if self._server.send(holder.identity, wire.Heartbeat()):
+                why = f"agent name {msg.agent_name!r} is registered by another live connection"
+                return self._refuse(identity, Refusal(RejectReason.NAME_TAKEN, why), None)
+            self._hub.drop_peer(holder, "decode peer reconnected")
+        if identity in peers:
+            self._hub.drop_peer(peers[identity], "decode peer registered again")
+        try:
+            name = self._run(self._agent.add_remote_agent, wire.unframe_metadata(msg.metadata))
+            name = name.decode() if isinstance(name, bytes) else name
+        except NIXL_ERRORS as exc:
+            why = f"NIXL refused: {exc}"
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
+        if name != msg.agent_name:
+            if all(p.agent_name != name for p in peers.values()):
+                self._run(self._agent.remove_remote_agent, name)
+            why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
+            return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why), msg.agent_name)
+        try:
+            lists = self._run(prep_lists, self._agent, name, msg.regions)
+        except NIXL_ERRORS as exc:
+            self._run(self._agent.remove_remote_agent, name)
+            why = f"NIXL cannot address the decode pool: {exc}"
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
+        peers[identity] = Peer(identity, name, msg.regions, lists, self._hub.clock())
+        self._refused.clear(name)
+        self._server.send(identity, self._registered(None))
+        log.info("bootstrap: decode peer %s registered", name)
+
+    def _from_unknown(self, identity: bytes, msg: wire.Want | wire.Abort | wire.Heartbeat) -> None:
+        """Nothing from an unregistered connection touches a room; it learns it is unknown."""
+        match msg:
+            case wire.Want(room=room):
+                self._count(RejectReason.UNKNOWN_PEER, UNKNOWN_PEER, level=logging.DEBUG)
+                status = wire.Status(room, "failed", UNKNOWN_PEER, RejectReason.UNKNOWN_PEER.value)
+                self._server.send(identity, status)
+            case wire.Abort(room=room):  # acknowledged, as unknown rooms are; nothing is done
+                self._server.send(identity, wire.Status(room, "aborted", "aborted by decode"))
+            case wire.Heartbeat():
+                self._server.send(identity, wire.UnknownPeer(UNKNOWN_PEER))
+
+    # -- refusals -----------------------------------------------------------------------
+
+    def _count(self, reason: RejectReason, message: str, level: int = logging.WARNING) -> None:
+        self._hub.counter.count(reason, message, level)
+
+    def _refuse(self, identity: bytes, refusal: Refusal, agent_name: str | None) -> None:
+        """Refuse a registration. Unless it claimed a name a live peer holds (``agent_name``
+        None), rooms the router named for that agent fail with it now and for a while: that
+        decode will never ask for them (``push.refusals``)."""
+        self._count(refusal.reason, f"registration refused: {refusal.message}")
+        self._server.send(identity, self._registered(refusal.message))
+        peers = self._hub.peers.values()
+        if agent_name is None or any(p.agent_name == agent_name for p in peers):
+            return
+        self._refused.add(agent_name, refusal.message, self._hub.clock())
+        for sender in self._hub.senders.values():
+            if sender.peer is None and sender.allowed_peer == agent_name:
+                sender.fail(f"registration refused: {refusal.message}")
+
+    def _registered(self, reason: str | None) -> wire.Registered:
+        described = self._described
+        return wire.Registered(
+            is_ok=reason is None,
+            reason=reason,
+            agent_name=described.agent_name,
+            heartbeat_interval_s=described.heartbeat_interval_s,
+            peer_timeout_s=described.peer_timeout_s,
+        )

@@ -1,0 +1,75 @@
+"""What a transfer backend is built from, as records: where it listens and how long it waits
+(``NativeOptions``, ``SglangOptions``, both with ``NixlOptions`` for their agent) and the
+calls it makes into the rest of the worker (``Hooks``). Torch-, ZMQ- and NIXL-free; only
+``service`` (start-up) sees the config these are filled from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prefill_worker.transfer.validate import BootstrapLimits
+
+if TYPE_CHECKING:
+    from prefill_worker.curve import CurveServerKeys
+    from prefill_worker.transfer.nixl.poster import WritePoster
+
+
+@dataclass(frozen=True, slots=True)
+class NixlOptions:
+    """This worker's NIXL agent for one protocol."""
+
+    agent_name: str | None = None  # None: a generated one
+    backends: tuple[str, ...] = ("UCX",)
+    ucx_net_devices: str | None = None  # UCX's interfaces; None: UCX picks
+
+
+@dataclass(frozen=True, slots=True)
+class NativeOptions:
+    """The native bootstrap protocol: its socket, its peers' clocks, what they may ask."""
+
+    bootstrap_bind: str  # a ZMQ endpoint; port 0 allowed (``bootstrap_endpoint`` says which)
+    peer_timeout_s: float  # a peer silent, or a write in flight, this long fails its requests
+    heartbeat_interval_s: float
+    want_timeout_s: float = 30.0  # a `want` waits this long for its request
+    nixl: NixlOptions = field(default_factory=NixlOptions)
+    limits: BootstrapLimits = field(default_factory=BootstrapLimits)
+    curve: CurveServerKeys | None = None  # CurveZMQ with an allow-list on the bootstrap socket
+    push_thread: bool = True  # False: writes posted on the engine thread (benchmarks only)
+
+
+@dataclass(frozen=True, slots=True)
+class SglangOptions:
+    """Where SGLang decodes reach this worker (``transfer.protocol`` sglang or both)."""
+
+    http_bind: str  # host:port of /route and /health: the router's `--prefill URL PORT`
+    rank_ip: str  # the control socket's address, as /route names it (an address decodes reach)
+    rank_port: int  # 0: any free port
+    kv_cache_dtype: str  # what /route announces; must equal the decodes' --kv-cache-dtype
+    write_timeout_s: float  # a write in flight this long fails its request
+    want_timeout_s: float  # a transfer request waits this long for its prefill
+    health_stale_s: float = 30.0  # /health fails once the engine has not turned for this long
+    allowed_networks: tuple[str, ...] = ()  # decodes' source networks (CIDR); empty: any
+    rejoin_s: float = 0.0  # /health and /route answer 503 this long after the first turn
+    nixl: NixlOptions = field(default_factory=NixlOptions)
+    limits: BootstrapLimits = field(default_factory=BootstrapLimits)
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a backend calls: its clock; ``on_reject(reason)`` per refused message (engine
+    thread); ``is_engine_live``, the daemon's liveness verdict (heartbeats and /health stop
+    while it says stuck); ``wake``, the engine's inbox (SGLang's control thread); and where
+    writes are posted (unset: the backend's transfer thread)."""
+
+    clock: Callable[[], float] = time.monotonic
+    on_reject: Callable[[str], None] | None = None
+    is_engine_live: Callable[[], bool] = lambda: True
+    wake: Callable[[], None] | None = None
+    poster_factory: Callable[[Any], WritePoster] | None = None
+
+
+DEFAULT_HOOKS = Hooks()

@@ -1,0 +1,27 @@
+"""A registered decode peer, as the push engine and the room tables see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.nixl.agent import PreppedLists
+
+
+@dataclass(eq=False)
+class Peer:
+    """A decode peer: its agent, its pool, its prepared descriptor lists. A protocol may
+    extend it with what its dialect needs (where replies go, its metadata buffers)."""
+
+    identity: bytes  # the hub's key: native, the ZMQ routing id; SGLang, the agent name
+    agent_name: str
+    regions: KVRegions
+    lists: PreppedLists  # its pool's descriptor lists, prepared at registration
+    last_seen: float
+    rooms: set[int] = field(default_factory=set)  # open senders bound to this peer
+    unmatched: set[int] = field(default_factory=set)  # rooms it wants, no request yet
+    num_claimed_pages: int = 0  # pages those wants name (rooms.RoomBook keeps it)
+
+
+P = TypeVar("P", bound=Peer)  # a protocol's peer record

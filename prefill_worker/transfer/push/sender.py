@@ -1,0 +1,273 @@
+"""One request's push into a decode peer: its writes in flight, its deadlines, its state.
+
+Order of a successful push::
+
+    send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named
+    send_aux         remembered; once no page write is in flight: the dialect's aux WRITE
+    aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
+                     ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
+
+A sender never calls back: what its hub must do (a ``Tell``, its ``Closed``) is appended to
+``PushContext.events`` and done in order on the hub's next turn. ``close()`` never waits:
+writes not yet settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``)
+until no byte of the room's writes can land: a decode told ``failed`` or ``aborted`` reuses
+its pages at once. A decode's abort ends the room ABORTED, acknowledged once no write is in
+flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVLayout
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.poster import Write, WritePoster
+from prefill_worker.transfer.nixl.writes import WriteSet
+from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
+from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Dialect, PageLists
+from prefill_worker.transfer.push.peer import P
+
+STUCK_RELEASE_S = 0.5  # a handle NIXL refuses to release is retried this long, then its peer goes
+
+
+@dataclass(frozen=True, slots=True)
+class Tell(Generic[P]):
+    """A status for ``peer``; with ``confirm``, that sender waits to hear whether it went out
+    (``confirm_ok``). It goes out once every write in ``after`` is settled: a decode told
+    ``failed`` or ``aborted`` may reuse the room's pages at once, so no byte may land in them
+    after the status."""
+
+    peer: P
+    status: wire.Status
+    confirm: PushSender[P] | None = None
+    after: tuple[Write, ...] = ()
+    generation: int | None = None  # what the abort carried, for its acknowledgement
+
+
+@dataclass(frozen=True, slots=True)
+class Closed(Generic[P]):
+    """The sender is closed: its room leaves the tables. ``stuck`` holds its writes released
+    but not yet settled, for the hub's reaper (retry, then, when NIXL keeps refusing, drop
+    the peer)."""
+
+    sender: PushSender[P]
+    stuck: tuple[Write, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PushContext(Generic[P]):
+    """What all senders of one hub share. ``events`` is the hub's outbox: senders append,
+    the hub drains."""
+
+    poster: WritePoster  # where the agent lives (the transfer thread, or inline)
+    pages: PageLists
+    layout: KVLayout
+    dialect: Dialect[P]
+    write_timeout_s: float  # a write in flight this long fails its request
+    clock: Callable[[], float]
+    events: list[Tell[P] | Closed[P]] = field(default_factory=list)
+
+
+class PushSender(Generic[P]):
+    """KVSender; all progress happens in ``progress()``, called by the hub."""
+
+    def __init__(
+        self,
+        ctx: PushContext[P],
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self.room, self.request_id = room, request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.allowed_peer = allowed_peer  # the only decode agent that may claim the room
+        self.peer: P | None = None
+        self.is_closed = False
+        self._state = KVPoll.BOOTSTRAPPING
+        self._reason: str | None = None
+        self._want: wire.Want | None = None
+        self._writes = WriteSet(ctx.write_timeout_s)
+        self._aux_row: int | None = None
+        self._is_aux_posted = False
+        self._is_ok_told = False  # `ok` handed to the hub, waiting for confirm_ok
+        self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
+        self._ack_generation: int | None = None
+        self._index_s = 0.0  # building descriptor indices (engine thread)
+        self._index_cpu_s = 0.0
+
+    # -- KVSender -----------------------------------------------------------------------
+
+    def poll(self) -> KVPoll:
+        return self._state
+
+    def num_cached_tokens(self) -> int:
+        return 0 if self._want is None else self._want.num_cached_tokens
+
+    def written_bytes(self) -> int:
+        """What landed: the descriptors of each DONE write (page runs and the aux row)."""
+        return self._writes.written_bytes
+
+    @property
+    def prep_s(self) -> float:
+        """Building descriptor indices and transfer requests (the finished ones)."""
+        return self._index_s + self._writes.prep_s
+
+    @property
+    def prep_cpu_s(self) -> float:
+        """The same in CPU time of the threads that did it."""
+        return self._index_cpu_s + self._writes.prep_cpu_s
+
+    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        if self._state.is_terminal:
+            return
+        assert self._want is not None and self.peer is not None, "send_pages before READY"
+        self._state = KVPoll.TRANSFERRING
+        num_cached_pages = self._want.num_cached_tokens // self._ctx.layout.page_size
+        try:
+            src, dst = map_pages(page_ids, first_page, num_cached_pages, self._want.dst_page_ids)
+        except ValueError as exc:
+            return self.fail(str(exc))
+        if len(src):
+            self._post_pages(src, dst)
+
+    def send_aux(self, aux_row: int) -> None:
+        if not self._state.is_terminal:
+            assert self._want is not None, "send_aux before READY"
+            self._state, self._aux_row = KVPoll.TRANSFERRING, aux_row
+
+    def fail(self, reason: str) -> None:
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.FAILED, reason
+            self._tell("failed", reason)
+
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    def why_no_handshake(self) -> str | None:
+        return self._ctx.dialect.why_no_handshake()
+
+    def close(self) -> None:
+        """Never waits: writes in flight are cancelled (released); those not settled yet go
+        to the hub with the ``Closed`` event."""
+        if self.is_closed:
+            return
+        self.fail("the request ended before its transfer")
+        self._writes.release_all()
+        self._maybe_ack()
+        self.is_closed = True
+        self._ctx.events.append(Closed(self, self._writes.unsettled()))
+
+    # -- driven by the hub --------------------------------------------------------------
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._writes)
+
+    @property
+    def needs_progress(self) -> bool:
+        """True while ``progress()`` has something to watch: writes in flight, an aux row
+        to post, an acknowledgement due. NIXL gives no fd to wait on, so this means polling."""
+        is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
+        return bool(self._writes) or (is_aux_due and not self._is_ok_told) or self._is_ack_due
+
+    def accepts(self, agent_name: str) -> bool:
+        """May this decode agent claim the room (the router may have named one)?"""
+        return self.allowed_peer is None or self.allowed_peer == agent_name
+
+    def bind(self, peer: P, want: wire.Want) -> None:
+        """The peer's `want` for this room (its desk checked what the protocol asks beyond
+        pages): READY, or FAILED with the reason. Statuses go to this peer from now on."""
+        self.peer = peer
+        if self._state.is_terminal:  # failed before the want came: tell the peer now
+            self._tell("failed", self._reason)
+            return
+        reason = check_want(want, self.num_prompt_tokens, self._ctx.layout, peer.regions)
+        if reason is not None:
+            return self.fail(reason)
+        self._want = want
+        if self._state is KVPoll.BOOTSTRAPPING:
+            self._state = KVPoll.READY
+
+    def abort_by_peer(self, generation: int | None = None, *, is_ack_due: bool = True) -> None:
+        """The peer aborted the room: ABORTED; acknowledged once no write targets its pages
+        (not when the abort came before the request: it was acknowledged then)."""
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.ABORTED, ABORTED_BY_DECODE
+        if is_ack_due:
+            self._is_ack_due, self._ack_generation = True, generation
+            self._maybe_ack()
+
+    def lose_peer(self, reason: str) -> None:
+        """The peer is gone (silent, left, evicted, or the worker is closing): PEER_LOST,
+        every write cancelled. The peer is told too, in case it can still hear."""
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.PEER_LOST, reason
+            self._tell("failed", reason)
+        self._is_ack_due = False
+        self._writes.release_all()  # its peer is being dropped: nothing else would end them
+        self.peer = None
+
+    def progress(self) -> None:
+        why = self._writes.check(self._ctx.clock())
+        if why is not None:
+            self.fail(why)
+        is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
+        if is_aux_due and not self._writes and not self._is_ok_told:
+            if not self._is_aux_posted:
+                self._post_aux()
+            else:
+                self._is_ok_told = True
+                self._tell("ok", None, confirm=True)
+        self._maybe_ack()
+
+    def confirm_ok(self, is_delivered: bool) -> None:
+        """The hub's answer to the `ok` Tell: SUCCESS, or FAILED if it could not be sent."""
+        if self._state is not KVPoll.TRANSFERRING:
+            return
+        if is_delivered:
+            self._state = KVPoll.SUCCESS
+        else:
+            self.fail(self._ctx.dialect.unreachable)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _tell(self, code: wire.StatusCode, reason: str | None, confirm: bool = False) -> None:
+        if self.peer is None:
+            return  # no peer yet: a `want` that comes later learns the reason (bind)
+        status = wire.Status(self.room, code, reason)
+        confirming = self if confirm else None
+        generation = self._ack_generation if code == "aborted" else None
+        tell = Tell(self.peer, status, confirming, self._writes.pending(), generation)
+        self._ctx.events.append(tell)
+
+    def _post_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        assert self.peer is not None
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        pages = self._ctx.pages
+        local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
+        remote = region_indices(dst, pages.num_regions, self.peer.regions.layout.num_pages)
+        self._index_s += time.perf_counter() - start
+        self._index_cpu_s += time.thread_time() - start_cpu
+        num_bytes = len(local) * pages.region_bytes
+        remote_list = self.peer.lists.kv
+        write = self._ctx.poster.post(pages.local, local, remote_list, remote, b"", num_bytes)
+        self._writes.add(write, self._ctx.clock())
+
+    def _post_aux(self) -> None:
+        assert self.peer is not None and self._want is not None and self._aux_row is not None
+        self._is_aux_posted = True
+        write = self._ctx.dialect.post_aux(self.peer, self._want, self.room, self._aux_row)
+        self._writes.add(write, self._ctx.clock())
+
+    def _maybe_ack(self) -> None:
+        if self._is_ack_due and not self._writes:
+            self._is_ack_due = False
+            self._tell("aborted", ABORTED_BY_DECODE)

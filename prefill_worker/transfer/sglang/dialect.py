@@ -1,0 +1,68 @@
+"""How SGLang's protocol says things to a decode rank: replies go to the control socket it
+registered (``KV_STATUS`` success or failed with the reason; an abort's acknowledgement is
+``ABORT_ACK``, echoing the abort's generation), and the aux row is staged in SGLang's format
+(``sglang.aux``: the engine owns the aux rows) and written with one WRITE into row
+``aux_index`` of each of the decode's metadata buffers. No NIXL notification is sent:
+SGLang decodes complete a room on ``KV_STATUS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.nixl.poster import Write, WritePoster
+from prefill_worker.transfer.pagemap import AUX_MEM_TYPE
+from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.sglang import aux, frames
+from prefill_worker.transfer.sglang.control import ReplySockets
+
+
+@dataclass(eq=False, kw_only=True)
+class SglangPeer(Peer):
+    """A registered SGLang decode rank (``identity`` is its agent name, encoded)."""
+
+    aux_ptrs: tuple[int, ...]  # its metadata buffers
+    endpoint: frames.Endpoint  # its control socket, as registered
+
+
+class SglangDialect:
+    unreachable = "decode control socket unreachable for KV_STATUS"
+
+    def __init__(
+        self,
+        replies: ReplySockets,
+        poster: WritePoster,
+        staging: aux.AuxStaging,
+        aux_rows: aux.AuxRowsView,
+    ) -> None:
+        self._replies, self._poster = replies, poster
+        self._staging, self._aux_rows = staging, aux_rows
+
+    def send(self, peer: SglangPeer, status: wire.Status, generation: int | None = None) -> bool:
+        if status.status == "aborted":
+            message = frames.abort_ack(status.room, generation)
+        else:
+            message = frames.kv_status(status.room, status.status == "ok", status.reason)
+        return self._replies.send(peer.endpoint, message)
+
+    def dropped(self, room: int, reason: str) -> wire.Status:
+        return wire.Status(room, "failed", reason)
+
+    def post_aux(self, peer: SglangPeer, want: wire.Want, room: int, aux_row: int) -> Write:
+        """Stage the row, then one WRITE of it, built where the agent lives."""
+        self._staging.fill(aux_row, self._aux_rows.read(aux_row), room)
+        local = self._staging.local_descs(aux_row)
+        remote = aux.remote_descs(peer.aux_ptrs, want.dst_aux_slot)
+        name = peer.agent_name
+
+        def prepare(agent: Any) -> Any:
+            local_descs = agent.get_xfer_descs(local, AUX_MEM_TYPE)
+            remote_descs = agent.get_xfer_descs(remote, AUX_MEM_TYPE)
+            return agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
+
+        return self._poster.post_with(prepare, aux.ROW_DTYPE.itemsize)
+
+    def why_no_handshake(self) -> str | None:
+        return None  # a refused SGLang decode still sends its request: the room fails at once

@@ -1,0 +1,128 @@
+"""The head-slice rule, the split tables and the KV reassembly (no processes, no checkpoint)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefill_worker.model.hf_config import spec_from_dict
+from prefill_worker.model.loader import expected_shapes
+from prefill_worker.model.parallel import (
+    TPGroup,
+    gather_kv_heads,
+    kv_head_range,
+    q_head_range,
+)
+from prefill_worker.model.sharding import (
+    FAMILY_SPLITS,
+    REPLICATED,
+    LocalDims,
+    local_dims,
+    local_shape,
+    shard_slice,
+    split_of,
+)
+
+
+def ranks(num_kv_heads: int, size: int) -> list[list[int]]:
+    return [list(kv_head_range(num_kv_heads, TPGroup(r, size))) for r in range(size)]
+
+
+def test_kv_heads_split_when_there_are_enough():
+    assert ranks(8, 1) == [list(range(8))]
+    assert ranks(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert ranks(8, 8) == [[h] for h in range(8)]
+
+
+def test_kv_heads_replicated_on_consecutive_ranks_when_fewer_than_ranks():
+    assert ranks(2, 4) == [[0], [0], [1], [1]]
+    assert ranks(1, 2) == [[0], [0]]
+    assert ranks(2, 8) == [[0]] * 4 + [[1]] * 4
+
+
+@pytest.mark.parametrize(("num_kv_heads", "size"), [(3, 2), (2, 3), (6, 4)])
+def test_kv_heads_that_do_not_divide_are_refused(num_kv_heads, size):
+    with pytest.raises(ValueError, match="KV heads"):
+        kv_head_range(num_kv_heads, TPGroup(0, size))
+
+
+def test_query_heads_fall_in_the_group_of_the_ranks_kv_head():
+    """Rank r's query heads h all use KV head h // (H / KV), which rank r holds."""
+    shapes = [(32, 8, 4), (32, 8, 16), (4, 1, 2), (28, 4, 4), (64, 8, 16)]  # H, KV, TP
+    for num_heads, num_kv_heads, size in shapes:
+        for rank in range(size):
+            tp = TPGroup(rank, size)
+            group = num_heads // num_kv_heads
+            wanted = {h // group for h in q_head_range(num_heads, tp)}
+            assert wanted <= set(kv_head_range(num_kv_heads, tp)), (num_heads, rank)
+
+
+def test_a_rank_outside_its_group_is_refused():
+    with pytest.raises(ValueError):
+        TPGroup(2, 2)
+
+
+def full_spec(family: str):  # type: ignore[no-untyped-def]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    arch["qwen3_moe"] = "Qwen3MoeForCausalLM"
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    return spec_from_dict(
+        {
+            **(moe if family == "qwen3_moe" else {}),
+            "mlp_only_layers": [1],
+            "architectures": [arch[family]],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "vocab_size": 320,
+            "attention_bias": True,
+            "mlp_bias": True,
+        }
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SPLITS))
+def test_every_tensor_a_family_loads_has_a_split(family):
+    for name in expected_shapes(full_spec(family)):
+        split_of(family, name)  # raises KeyError when the table is silent
+
+
+def test_expert_weights_split_per_expert_and_the_router_is_replicated():
+    spec, tp = full_spec("qwen3_moe"), TPGroup(1, 2)  # moe_intermediate_size 16
+    expert = "model.layers.0.mlp.experts.3."
+    assert shard_slice(spec, expert + "gate_proj.weight", (16, 64), tp) == slice(8, 16)
+    assert local_shape(spec, expert + "up_proj.weight", (16, 64), tp) == (8, 64)
+    assert local_shape(spec, expert + "down_proj.weight", (64, 16), tp) == (64, 8)
+    assert split_of("qwen3_moe", "model.layers.0.mlp.gate.weight") == REPLICATED
+
+
+def test_a_tensor_the_table_does_not_name_is_an_error():
+    with pytest.raises(KeyError, match=r"mlp\.experts\.3\.gate_proj"):
+        split_of("llama", "model.layers.0.mlp.experts.3.gate_proj.weight")
+
+
+def test_slices_of_each_kind():
+    spec, tp = full_spec("qwen3"), TPGroup(1, 2)  # 4 heads, 2 KV heads, head_dim 32, I 128
+    layer = "model.layers.1."
+    assert shard_slice(spec, layer + "self_attn.q_proj.weight", (128, 64), tp) == slice(64, 128)
+    assert shard_slice(spec, layer + "self_attn.k_proj.bias", (64,), tp) == slice(32, 64)
+    assert shard_slice(spec, layer + "self_attn.o_proj.weight", (64, 128), tp) == slice(64, 128)
+    assert local_shape(spec, layer + "mlp.down_proj.weight", (64, 128), tp) == (64, 64)
+    assert local_shape(spec, layer + "mlp.up_proj.weight", (128, 64), tp) == (64, 64)
+    assert split_of("qwen3", layer + "self_attn.q_norm.weight") == REPLICATED
+    assert local_dims(spec, TPGroup(3, 4)) == LocalDims(1, 1, 32)
+
+
+def test_gather_kv_heads_reassembles_and_checks_replicas():
+    full = torch.randn(5, 2, 3)  # [T, KV, D]
+    split = [full[:, r : r + 1] for r in range(2)]
+    assert torch.equal(gather_kv_heads(split, 2), full)
+    replicated = [full[:, h : h + 1] for h in (0, 0, 1, 1)]  # TP 4 holds 2 KV heads twice
+    assert torch.equal(gather_kv_heads(replicated, 2), full)
+    with pytest.raises(ValueError, match="replica differs"):
+        gather_kv_heads([full[:, 0:1], full[:, 0:1] + 1, full[:, 1:2], full[:, 1:2]], 2)
+    with pytest.raises(ValueError, match="holds 2 KV heads, not 1"):
+        gather_kv_heads([full, full], 2)

@@ -1,0 +1,199 @@
+"""The cost signals: the estimator (``scheduler.costs``), the prediction built on them
+(``load.CostSignals``, ``ttft_slo_refusal``) and what the engine publishes, on a scripted
+clock whose forwards cost a set time per token."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill_worker.load import TTFT_SLO_REJECT, CostSignals, ttft_slo_refusal
+from prefill_worker.request import (
+    FinishReason,
+    Outcome,
+    OutcomeStatus,
+    PrefillRequest,
+    SamplingParams,
+    Timings,
+)
+from prefill_worker.scheduler.costs import CostEstimator
+from prefill_worker.scheduler.tracked import Request
+from tests.unit.scheduler.fakes import Rig, make_rig
+
+
+def _outcome(bootstrap_s: float, transfer_s: float, ok: bool = True) -> Outcome:
+    status = OutcomeStatus.OK if ok else OutcomeStatus.FAILED
+    reason = FinishReason.OK if ok else FinishReason.TRANSFER_FAILED
+    timings = Timings(bootstrap_s=bootstrap_s, transfer_s=transfer_s)
+    return Outcome("r", status, reason, 10, timings=timings)
+
+
+def _request(num_tokens: int, num_computed: int) -> Request:
+    msg = PrefillRequest("r", list(range(num_tokens)), SamplingParams(), False, 1, 0.0)
+    req = Request(msg, None)
+    req.num_computed_tokens = num_computed
+    return req
+
+
+# ---- the estimator ----------------------------------------------------------------------
+
+
+def test_a_new_estimator_reports_no_rate_and_no_overheads() -> None:
+    signals = CostEstimator().signals(0, [], None)
+    assert signals == CostSignals(0, 0, None, 0.0, 0.0)
+
+
+def test_running_tokens_are_what_prefilling_requests_have_left() -> None:
+    prefilling = [_request(100, 40), _request(30, 0), _request(8, 8)]
+    signals = CostEstimator().signals(500, prefilling, 0.01)
+    assert signals.queued_tokens == 500
+    assert signals.running_tokens == 60 + 30 + 0
+    assert signals.prefill_rate_tps == pytest.approx(100.0)
+
+
+def test_a_zero_seconds_per_token_is_no_rate() -> None:
+    assert CostEstimator().signals(1, [], 0.0).prefill_rate_tps is None
+
+
+def test_overheads_are_medians_of_the_last_window_of_successes() -> None:
+    estimator = CostEstimator(window=3)
+    for bootstrap_s, transfer_s in ((9.0, 90.0), (1.0, 0.1), (2.0, 0.3), (3.0, 0.2)):
+        estimator.on_outcome(_outcome(bootstrap_s, transfer_s))
+    signals = estimator.signals(0, [], None)  # 9.0 / 90.0 left the window
+    assert (signals.handshake_s, signals.transfer_s) == (2.0, 0.2)
+
+
+def test_failed_requests_do_not_count() -> None:
+    estimator = CostEstimator()
+    estimator.on_outcome(_outcome(1.0, 0.5))
+    estimator.on_outcome(_outcome(50.0, 50.0, ok=False))
+    signals = estimator.signals(0, [], None)
+    assert (signals.handshake_s, signals.transfer_s) == (1.0, 0.5)
+
+
+# ---- the prediction ---------------------------------------------------------------------
+
+
+def test_an_idle_worker_has_no_backlog_even_before_a_rate() -> None:
+    assert CostSignals().backlog_s == 0.0
+    assert CostSignals(prefill_rate_tps=100.0).backlog_s == 0.0
+
+
+def test_work_without_a_rate_has_no_backlog_nor_prediction() -> None:
+    cold = CostSignals(queued_tokens=1)
+    assert cold.backlog_s is None
+    assert cold.predicted_ttft_s(100) is None
+    assert CostSignals().predicted_ttft_s(100) is None  # idle and cold: nothing to go on
+
+
+def test_backlog_is_queued_and_running_tokens_over_the_rate() -> None:
+    signals = CostSignals(queued_tokens=300, running_tokens=100, prefill_rate_tps=200.0)
+    assert signals.backlog_s == pytest.approx(2.0)
+
+
+def test_prediction_is_the_longer_of_handshake_and_backlog_then_compute_then_push() -> None:
+    signals = CostSignals(300, 100, 200.0, handshake_s=0.5, transfer_s=0.25)
+    assert signals.predicted_ttft_s(50) == pytest.approx(2.0 + 0.25 + 0.25)
+    slow_decode = CostSignals(300, 100, 200.0, handshake_s=3.0, transfer_s=0.25)
+    assert slow_decode.predicted_ttft_s(50) == pytest.approx(3.0 + 0.25 + 0.25)
+    idle = CostSignals(0, 0, 100.0, handshake_s=0.0, transfer_s=0.0)
+    assert idle.predicted_ttft_s(100) == pytest.approx(1.0)
+
+
+def test_the_slo_refuses_only_a_prediction_over_it() -> None:
+    signals = CostSignals(100, 0, 100.0)  # 1 s of backlog
+    assert ttft_slo_refusal(signals, 100, None) is None
+    assert ttft_slo_refusal(signals, 100, 2.0) is None  # exactly at the SLO: admitted
+    why = ttft_slo_refusal(signals, 101, 2.0)
+    assert why is not None and "2.010" in why and "2.000" in why
+    assert ttft_slo_refusal(CostSignals(queued_tokens=10**9), 1, 0.001) is None  # cold
+    assert TTFT_SLO_REJECT == "ttft_slo"
+
+
+# ---- what the engine publishes ----------------------------------------------------------
+
+
+def _timed_rig(seconds_per_token: list[float], **kw: object) -> Rig:
+    """Each forward advances the clock by its tokens times ``seconds_per_token[0]``."""
+    rig = make_rig(auto_want=False, **kw)  # type: ignore[arg-type]
+    rig.runner.on_run = lambda plan: rig.clock.advance(plan.num_tokens * seconds_per_token[0])
+    return rig
+
+
+def test_a_cold_idle_engine_publishes_zeros_and_no_rate() -> None:
+    rig = _timed_rig([0.01])
+    rig.steps(3)
+    assert rig.engine.load.costs == CostSignals()
+
+
+def test_queued_tokens_count_whole_prompts_until_admitted() -> None:
+    rig = _timed_rig([0.01])
+    rig.prefill("a", 40)
+    rig.prefill("b", 24)
+    rig.steps()
+    assert rig.engine.load.costs.queued_tokens == 64
+    assert rig.engine.load.costs.backlog_s is None  # work, and no forward measured yet
+    rig.sender("a").want()
+    rig.steps()  # admitted, its first chunk (16) launched: not computed yet
+    costs = rig.engine.load.costs
+    assert (costs.queued_tokens, costs.running_tokens) == (24, 40)
+    assert costs.prefill_rate_tps is None
+    rig.steps()  # the first chunk computed, the second launched
+    costs = rig.engine.load.costs
+    assert costs.queued_tokens == 24
+    assert costs.running_tokens == 40 - 16
+    assert costs.prefill_rate_tps == pytest.approx(100.0)
+    assert costs.backlog_s == pytest.approx((24 + 24) / 100.0)
+    rig.abort("b")
+    rig.steps()
+    assert rig.engine.load.costs.queued_tokens == 0
+
+
+def test_the_rate_follows_the_recent_forwards_not_all_time() -> None:
+    cost = [0.01]
+    rig = _timed_rig(cost, chunk_size=16, max_batch_tokens=16)
+    rig.backend.auto_want = True
+    for i in range(70):
+        rig.prefill(f"fast{i}", 16)
+    rig.run_until_idle()
+    assert rig.engine.load.costs.prefill_rate_tps == pytest.approx(100.0)
+    cost[0] = 0.04
+    for i in range(70):  # more forwards than the window (64) holds
+        rig.prefill(f"slow{i}", 16)
+    rig.run_until_idle()
+    assert rig.engine.load.costs.prefill_rate_tps == pytest.approx(25.0)
+
+
+def test_handshake_and_push_times_come_from_finished_requests() -> None:
+    rig = _timed_rig([0.01])
+    rig.prefill("a", 8)
+    rig.steps()
+    rig.clock.advance(0.5)  # the decode answers the handshake half a second later
+    rig.sender("a").want()
+    rig.run_until_idle()
+    costs = rig.engine.load.costs
+    assert rig.outcome("a").status is OutcomeStatus.OK
+    assert costs.handshake_s == pytest.approx(rig.outcome("a").timings.bootstrap_s)
+    assert costs.handshake_s >= 0.5
+    assert costs.transfer_s == pytest.approx(rig.outcome("a").timings.transfer_s)
+
+
+def test_prefix_hits_are_not_running_tokens() -> None:
+    rig = _timed_rig([0.01], prefix_cache=True, chunk_size=8, max_batch_tokens=8)
+    rig.backend.auto_want = True
+    tokens = list(range(1, 25))
+    rig.prefill("first", 24, token_ids=tokens)
+    rig.run_until_idle()
+    rig.prefill("second", 24, token_ids=[*tokens[:16], 99, 98, 97, 96, 95, 94, 93, 92])
+    rig.steps()  # admitted with a 16-token hit; its one 8-token chunk launched
+    costs = rig.engine.load.costs
+    assert rig.engine.load.num_prefilling == 1
+    assert costs.running_tokens == 24 - 16
+    assert rig.outcome("first").num_computed_tokens == 24
+    assert costs.queued_tokens == 0
+
+
+def test_the_default_window_is_the_last_64_requests() -> None:
+    estimator = CostEstimator()
+    for seconds in [100.0] * 33 + [1.0] * 32:
+        estimator.on_outcome(_outcome(seconds, seconds))
+    assert estimator.signals(0, [], None).handshake_s == pytest.approx(50.5)
