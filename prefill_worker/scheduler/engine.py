@@ -237,9 +237,10 @@ class Engine:
 
     def _publish(self) -> None:
         queues = self._queues
-        seconds_per_token = self._forward_clock.progress(0.0).seconds_per_token
         costs = self._costs.signals(
-            queues.num_queued_tokens, queues.prefilling.values(), seconds_per_token
+            queues.num_queued_tokens,
+            queues.prefilling.values(),
+            self._forward_clock.seconds_per_token,
         )
         load = LoadSnapshot(
             num_bootstrapping=queues.num_bootstrapping,

@@ -56,6 +56,11 @@ class ForwardClock:
         self._recent: deque[tuple[float, int]] = deque(maxlen=window)
         self._state = Progress(last_sign_at=clock())
 
+    @property
+    def seconds_per_token(self) -> float | None:
+        """The recent forwards' compute time per token; None before the first forward."""
+        return self._state.seconds_per_token
+
     def progress(self, last_turn_at: float) -> Progress:
         """The forward's state, with ``last_turn_at`` (read before this call) folded in."""
         state = self._state
