@@ -9,9 +9,16 @@ Two kinds of pool, ``kind``; a page of one layer's K (or V) is ``page_bytes`` =
 Either way page ``p`` of layer ``l`` is at ``k_base_addrs[l] + p * page_stride_bytes``, so a
 per-layer K or V view is ``[num_pages, page_size, kv_heads, head_dim]``. A transfer describes
 the pool as ``num_regions`` regions of ``num_pages`` runs of ``region_page_bytes`` each: 2L
-regions of one layer's page, or one region of whole pages. The region map of each kind and
-the compatibility rule (``compat_hash``) are in docs/protocol.md ("Layout and compatibility").
-Torch-free: the runner fills in the addresses of the tensors it allocated.
+regions of one layer's page, or one region of whole pages.
+
+A multi-head latent attention (MLA) model's pool is the third kind, ``mla``: one plane per
+layer, no K/V split and no heads (``num_kv_heads`` is 1, ``head_dim`` is ``kv_lora_rank +
+qk_rope_head_dim``), ``[num_layers, num_pages, page_size, 1, head_dim]``; ``k_base_addrs``
+holds each layer's latent, ``v_base_addrs`` is empty, and it is L regions.
+
+The region map of each kind and the compatibility rule (``compat_hash``) are in
+docs/protocol.md ("Layout and compatibility"). Torch-free: the runner fills in the
+addresses of the tensors it allocated.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from dataclasses import dataclass
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYER_MAJOR = "layer_major"
 PAGE_MAJOR = "page_major"
-POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR)
+POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR)  # the layouts a K/V (MHA/GQA) pool may take
+MLA = "mla"  # one latent plane per layer (multi-head latent attention)
+KV_KINDS = (*POOL_LAYOUTS, MLA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,11 +44,15 @@ class KVLayout:
     dtype: str  # a key of DTYPE_ITEMSIZE
     page_size: int
     num_pages: int
-    kind: str = LAYER_MAJOR  # one of POOL_LAYOUTS
+    kind: str = LAYER_MAJOR  # one of KV_KINDS
 
     def __post_init__(self) -> None:
-        if self.kind not in POOL_LAYOUTS:
-            raise ValueError(f"pool layout {self.kind!r} is not one of {', '.join(POOL_LAYOUTS)}")
+        if self.kind not in KV_KINDS:
+            raise ValueError(f"pool layout {self.kind!r} is not one of {', '.join(KV_KINDS)}")
+        if self.kind == MLA and self.num_kv_heads != 1:
+            raise ValueError(
+                f"an mla pool has one latent per token (num_kv_heads {self.num_kv_heads})"
+            )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_ITEMSIZE)}")
 
@@ -49,18 +62,25 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """One page of one layer's K (or V)."""
+        """One page of one layer's K (or V, or latent)."""
         return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def planes(self) -> int:
+        """Planes per layer: 2 (K and V) or 1 (an MLA latent)."""
+        return 1 if self.kind == MLA else 2
+
+    @property
     def num_regions(self) -> int:
-        """Descriptor regions: 2L (layer-major) or 1 (page-major)."""
-        return 2 * self.num_layers if self.kind == LAYER_MAJOR else 1
+        """Descriptor regions: 2L (layer-major), 1 (page-major) or L (mla)."""
+        if self.kind == PAGE_MAJOR:
+            return 1
+        return self.planes * self.num_layers
 
     @property
     def region_page_bytes(self) -> int:
         """One page of one region: also the stride between pages of a per-layer view."""
-        return self.page_bytes * (2 * self.num_layers) // self.num_regions
+        return self.page_bytes * (self.planes * self.num_layers) // self.num_regions
 
     @property
     def page_stride_bytes(self) -> int:
@@ -72,7 +92,7 @@ class KVLayout:
 
     @property
     def pool_bytes(self) -> int:
-        """K and V of every layer and page."""
+        """K and V (or the latent) of every layer and page."""
         return self.num_regions * self.region_bytes
 
     def summary(self) -> dict[str, str | int]:
@@ -120,9 +140,9 @@ class KVRegions:
 
     @property
     def region_base_addrs(self) -> tuple[int, ...]:
-        """Where each descriptor region starts: K of every layer then V (layer-major), or
-        the pool (page-major)."""
-        if self.layout.kind == LAYER_MAJOR:
+        """Where each descriptor region starts: K of every layer then V (layer-major), each
+        layer's latent (mla), or the pool (page-major)."""
+        if self.layout.kind != PAGE_MAJOR:
             return self.k_base_addrs + self.v_base_addrs
         return self.k_base_addrs[:1]
 
@@ -132,6 +152,13 @@ def addresses_error(
 ) -> str | None:
     """Why these per-layer addresses cannot describe a pool of this layout, or None."""
     n = layout.num_layers
+    if layout.kind == MLA:
+        if len(k_base_addrs) != n or v_base_addrs:
+            return (
+                f"k_base_addrs/v_base_addrs: an mla pool has one latent address per layer "
+                f"({n} layers, got {len(k_base_addrs)}) and no V (got {len(v_base_addrs)})"
+            )
+        return None
     if len(k_base_addrs) != n or len(v_base_addrs) != n:
         return (
             f"k_base_addrs/v_base_addrs: one address per layer needed ({n} layers, got "

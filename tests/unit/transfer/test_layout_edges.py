@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from prefill_worker.kv.layout import PAGE_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.layout import MLA, PAGE_MAJOR, KVLayout, KVRegions
 
 OURS = KVLayout(2, 2, 8, "bfloat16", 4, 24)
 
@@ -35,7 +35,7 @@ def test_page_major_layouts_of_different_shapes_hash_apart() -> None:
 def test_an_unknown_kind_or_dtype_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError) as kind:
         dataclasses.replace(OURS, kind="ring")
-    assert str(kind.value) == "pool layout 'ring' is not one of layer_major, page_major"
+    assert str(kind.value) == "pool layout 'ring' is not one of layer_major, page_major, mla"
     with pytest.raises(ValueError) as dtype:
         dataclasses.replace(OURS, dtype="int8")
     assert str(dtype.value) == "dtype 'int8' is not one of float32, bfloat16, float16"
@@ -51,3 +51,21 @@ def test_page_major_addresses_that_do_not_interleave_are_refused() -> None:
         f"k_base_addrs[0] + 2l * page_bytes and its V page_bytes ({page}) later; "
         "these addresses do not"
     )
+
+
+def test_an_mla_pool_is_one_latent_plane_per_layer() -> None:
+    # DeepSeek-V3's row: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token per layer
+    mla = KVLayout(61, 1, 576, "bfloat16", 1, 10, kind=MLA)
+    assert (mla.planes, mla.num_regions) == (1, 61)
+    assert mla.page_bytes == mla.region_page_bytes == mla.page_stride_bytes == 576 * 2
+    assert mla.pool_bytes == 61 * 10 * 576 * 2
+    mha = KVLayout(61, 128, 128, "bfloat16", 1, 10)
+    assert mha.compat_hash() != mla.compat_hash()
+    assert mla.summary()["kind"] == MLA
+    with pytest.raises(ValueError, match="one latent per token"):
+        KVLayout(2, 2, 576, "bfloat16", 1, 10, kind=MLA)
+    small = dataclasses.replace(mla, num_layers=2)
+    regions = KVRegions(small, (4096, 8192), (), "cpu", 0, 1)
+    assert regions.region_base_addrs == (4096, 8192)
+    with pytest.raises(ValueError, match="no V"):
+        KVRegions(small, (4096, 8192), (1, 2), "cpu", 0, 1)
