@@ -80,7 +80,12 @@ def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> No
     [
         ({"tp_size": 2}, RejectReason.UNSUPPORTED, "each of its ranks holds the whole MLA latent"),
         ({"kv_layer_ids": (0, 0)}, RejectReason.UNSUPPORTED, "not one latent per layer"),
-        ({"kv_item_lens": (256, 256)}, RejectReason.LAYOUT_MISMATCH, "latent 32 x 4 bytes"),
+        (
+            {"kv_item_lens": (256, 256)},
+            RejectReason.LAYOUT_MISMATCH,
+            "(page_size 4 x latent 32 x 4 bytes of float32): the page size, KV dtype or "
+            "latent width differ",
+        ),
     ],
 )
 def test_what_an_mla_worker_refuses_is_named(
