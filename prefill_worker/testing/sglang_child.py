@@ -4,7 +4,9 @@ decode server builds them, on the CPU. Imported only in the interop environment,
 harness decode comes in as an argument).
 
 Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
-V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), ``MetadataBuffers`` with
+V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), or for ``kind`` ``mla``
+``MLATokenToKVPool`` (per layer one latent ``[pages * page_size + page_size, 1, head_dim]``,
+and the manager told ``is_mla_backend`` as an MLA decode's is), ``MetadataBuffers`` with
 SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
 ``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads); the
 harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
@@ -26,7 +28,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers
 from sglang.srt.layers import dp_attention
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.server_args import ServerArgs
 
 _HELD: list[Any] = []
@@ -59,25 +61,16 @@ class Decode:
     def __init__(self, spec: dict[str, Any], server_args: Any) -> None:
         self.bootstrap = spec["bootstrap"]
         self.page_size = spec["page_size"]
-        dtype = _DTYPES[spec["dtype"]]
-        num_tokens = (spec["num_pages"] - 1) * self.page_size  # SGLang adds the padding page
-        self.pool = MHATokenToKVPool(
-            num_tokens,
-            self.page_size,
-            dtype,
-            spec["num_kv_heads"],
-            spec["head_dim"],
-            spec["num_layers"],
-            "cpu",
-            False,
-        )
+        self.is_mla = spec.get("kind") == "mla"
+        self.pool = _kv_pool(spec, self.is_mla)
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
             hidden_size=16,
             hidden_states_dtype=torch.float32,
             max_sampling_mask_tokens=16,
         )
-        self.manager = NixlKVManager(self._kv_args(), DisaggregationMode.DECODE, server_args, False)
+        mode = DisaggregationMode.DECODE
+        self.manager = NixlKVManager(self._kv_args(), mode, server_args, self.is_mla)
         # Descending, every other page: a scattered map, and page order bugs show.
         self._free_pages = list(range(spec["num_pages"] - 1, 0, -2))
         self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
@@ -86,8 +79,15 @@ class Decode:
 
     def fill(self, byte: int) -> None:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
-        for buf in [*self.pool.k_buffer, *self.pool.v_buffer]:
+        for _, buf in self._buffers():
             buf.view(torch.uint8).fill_(byte)
+
+    def _buffers(self) -> list[tuple[str, Any]]:
+        """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool."""
+        if self.is_mla:
+            return [(f"k{i}", buf) for i, buf in enumerate(self.pool.kv_buffer)]
+        k = [(f"k{i}", buf) for i, buf in enumerate(self.pool.k_buffer)]
+        return k + [(f"v{i}", buf) for i, buf in enumerate(self.pool.v_buffer)]
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -144,10 +144,9 @@ class Decode:
     def dump(self, room: int, path: str) -> dict[str, Any]:
         pages, aux_index, _ = self.rooms[room]
         arrays: dict[str, np.ndarray] = {}
-        for kind, buffers in (("k", self.pool.k_buffer), ("v", self.pool.v_buffer)):
-            for layer, buf in enumerate(buffers):
-                by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
-                arrays[f"{kind}{layer}"] = by_page.contiguous().view(torch.uint8).numpy()
+        for name, buf in self._buffers():
+            by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
+            arrays[name] = by_page.contiguous().view(torch.uint8).numpy()
         row = self.meta.get_buf(aux_index)
         names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
         for name, value in zip(names, row[:4], strict=True):
@@ -172,6 +171,21 @@ class Decode:
 
     def acked(self, room: int) -> dict[str, Any]:
         return {"acked": bool(self.manager.is_abort_release_safe(room, 1))}
+
+
+def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
+    """SGLang's KV pool for the spec; an MLA latent of ``head_dim`` values (split into
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` as any model would: only the sum shapes it)."""
+    dtype = _DTYPES[spec["dtype"]]
+    page_size, num_layers, head_dim = spec["page_size"], spec["num_layers"], spec["head_dim"]
+    num_tokens = (spec["num_pages"] - 1) * page_size  # SGLang adds the padding page
+    if is_mla:
+        rope = head_dim // 3
+        return MLATokenToKVPool(
+            num_tokens, page_size, dtype, head_dim - rope, rope, num_layers, "cpu", False
+        )
+    heads = spec["num_kv_heads"]
+    return MHATokenToKVPool(num_tokens, page_size, dtype, heads, head_dim, num_layers, "cpu", False)
 
 
 class Decodes:

@@ -17,12 +17,13 @@ with the environment for one version and turns calls into commands.
 Commands (every reply has ``ok``; a failure has ``error``)::
 
     new      id, bootstrap (host:port), page_size, dtype, num_layers, num_kv_heads, head_dim,
-             num_pages, num_aux_rows     a decode; its pools filled with FILL_BYTE
+             num_pages, num_aux_rows, kind    a decode; its pools filled with FILL_BYTE (kind
+             mla: SGLang's MLA pool, head_dim the latent width)
     want     id, room, num_tokens, prefix_len       pages for the prompt (scattered), an aux
              row, the receiver bootstrapped, its transfer request sent -> pages, aux_index
     poll     id, room                   -> state (SGLang's KVPoll name), reason when Failed
-    dump     id, room, path             the room's pages (bytes per layer, K and V) and its
-                                        aux row fields, as .npz at path
+    dump     id, room, path             the room's pages (bytes per layer: K and V, or the
+                                        latent) and its aux row fields, as .npz at path
     free     id, room                   a concluded room's pages back to the pool
     abort    id, room                   receiver.abort() (ABORT to the prefill)
     acked    id, room                   -> acked: the prefill's ABORT_ACK arrived

@@ -27,6 +27,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 from prefill_worker import msgpack_shape
 from prefill_worker.kv.layout import (
     DTYPE_ITEMSIZE,
+    KV_KINDS,
     POOL_LAYOUTS,
     KVLayout,
     KVRegions,
@@ -40,10 +41,12 @@ _FRAME_VERSION = 1
 
 StatusCode = Literal["ok", "failed", "aborted"]
 Dtype = Literal["float32", "bfloat16", "float16"]
-PoolLayout = Literal["layer_major", "page_major"]
+PoolLayout = Literal["layer_major", "page_major"]  # what cache.layout may pick
+KvKind = Literal["layer_major", "page_major", "mla"]  # a pool's kind on the wire
 Positive = Annotated[int, Meta(ge=1)]
 assert set(get_args(Dtype)) == set(DTYPE_ITEMSIZE)
 assert get_args(PoolLayout) == POOL_LAYOUTS
+assert get_args(KvKind) == KV_KINDS
 
 
 class WireError(ValueError):
@@ -90,7 +93,8 @@ class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
 class Layout(Struct, frozen=True, omit_defaults=True):
     """A KV pool's shape (a ``KVLayout``): the decode's in ``register``, the worker's in
     ``described``. ``kind`` is left out when ``layer_major`` (v1's bytes, and what a peer
-    that predates page-major means)."""
+    that predates page-major means); ``mla`` is an MLA latent pool (``num_kv_heads`` 1,
+    ``head_dim`` the latent width, no V addresses)."""
 
     num_layers: Positive
     num_kv_heads: Positive
@@ -98,11 +102,11 @@ class Layout(Struct, frozen=True, omit_defaults=True):
     dtype: Dtype
     page_size: Positive
     num_pages: Positive
-    kind: PoolLayout = "layer_major"
+    kind: KvKind = "layer_major"
 
     @classmethod
     def of(cls, lay: KVLayout) -> Layout:
-        dtype, kind = cast(Dtype, lay.dtype), cast(PoolLayout, lay.kind)
+        dtype, kind = cast(Dtype, lay.dtype), cast(KvKind, lay.kind)
         return cls(
             lay.num_layers,
             lay.num_kv_heads,
@@ -134,8 +138,8 @@ class Register(_Message, frozen=True, tag="register"):
     agent_name: str
     metadata: bytes  # framed, see frame_metadata
     layout: Layout
-    k_base_addrs: tuple[int, ...]  # one per layer
-    v_base_addrs: tuple[int, ...]
+    k_base_addrs: tuple[int, ...]  # one per layer (an mla pool: its latent)
+    v_base_addrs: tuple[int, ...]  # one per layer; empty for an mla pool
     device: str  # "cpu" or "cuda:N"
     aux_base_addr: int
     num_aux_rows: Positive

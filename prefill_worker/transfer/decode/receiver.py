@@ -95,10 +95,12 @@ class KVReceiver:
         """From per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all on one
         device (CPU, or one CUDA device: the pool is registered as VRAM): contiguous for a
         ``layer_major`` pool, the views ``pool[:, l, 0]``/``pool[:, l, 1]`` of one
-        ``[num_pages, L, 2, page_size, KV, D]`` tensor for ``page_major`` (unset,
-        ``pool_layout`` is read from their page stride). The receiver allocates its aux rows
-        in host memory (pinned on CUDA), registered as DRAM. ``ValueError`` with the reason
-        when the tensors are not one such pool."""
+        ``[num_pages, L, 2, page_size, KV, D]`` tensor for ``page_major``; for an MLA
+        model's ``mla`` pool, one contiguous latent tensor ``[num_pages, page_size, 1,
+        kv_lora_rank + qk_rope_head_dim]`` per layer in ``k_caches`` and ``v_caches`` empty
+        (unset, ``pool_layout`` is read from their page stride, or no V). The receiver
+        allocates its aux rows in host memory (pinned on CUDA), registered as DRAM.
+        ``ValueError`` with the reason when the tensors are not one such pool."""
         from prefill_worker.transfer.decode.pool import regions_from_tensors
 
         regions, owned = regions_from_tensors(k_caches, v_caches, num_aux_rows, pool_layout)

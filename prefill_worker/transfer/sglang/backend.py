@@ -75,7 +75,7 @@ class SglangBackend(HubBackend[SglangPeer]):
         rows = aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows)
         dialect = SglangDialect(self._replies, self._poster, local.staging, rows)
         layout = regions.layout
-        pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes)
+        pages = PageLists(local.kv_list, layout.planes * layout.num_layers, layout.page_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
         refusals = Refusals(
