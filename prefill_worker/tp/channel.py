@@ -1,0 +1,133 @@
+"""The step exchange: the leader broadcasts each step to every rank, every rank answers.
+
+One exchange, over the group's control process group (gloo, on CPU even when the model's
+collectives run on NCCL: the step is a few kilobytes of msgpack)::
+
+    leader                                   follower r
+    broadcast header [kind, num_bytes] ───▶  receive header
+    broadcast payload uint8[num_bytes] ───▶  receive payload (FORWARD: the plan)
+    its forward (samples)                    its forward (its heads; no sampling)
+    all_reduce SUM float64[size, 2]  ◀──▶    its row: [1.0, its forward seconds]
+
+so after each exchange every rank has answered, and the leader knows each rank's forward
+time. Exchanges are serialised by a lock (the forward thread and the heartbeat thread share
+the channel): the collectives pair up by order, so the order must be the same everywhere.
+Every wait is bounded by the process group's timeout (``parallel.step_timeout_s``); a rank
+that died breaks the next collective at once (its socket closes). After any failure the
+channel is broken for good: the group cannot recover a half-run collective.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from prefill_worker.tp.step import StepKind
+
+T = TypeVar("T")
+_HEADER = 2  # int64: kind, payload bytes
+_REPLY = 2  # float64 per rank: answered (1.0), forward seconds
+
+
+class GroupFailed(RuntimeError):
+    """A rank died, hung past the step timeout, or failed its forward: the group is lost."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepReplies:
+    forward_s: tuple[float, ...]  # per rank, rank order (0.0 for a step without a forward)
+
+
+class LeaderChannel:
+    """Rank 0's end. ``exchange`` from any thread; one exchange at a time."""
+
+    def __init__(self, group: Any, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._group, self._size, self.clock = group, size, clock
+        self._lock = threading.Lock()
+        self._waiting_since: float | None = None  # an exchange waits on the other ranks
+        self._is_closed = False
+        self.last_exchange_at = clock()
+        self.failure: str | None = None  # set once: why the group is lost
+
+    def exchange(
+        self, kind: StepKind, payload: bytes = b"", work: Callable[[], T] | None = None
+    ) -> tuple[T | None, StepReplies]:
+        """Send the step, run ``work`` (the leader's share), gather the replies."""
+        with self._lock:
+            if self.failure is not None or self._is_closed:
+                raise GroupFailed(self.failure or "the group was stopped")
+            try:
+                self._waiting_since = self.clock()
+                _send(self._group, kind, payload)
+                self._waiting_since = None  # the leader's own share is not a wait on ranks
+                started = time.perf_counter()
+                result = work() if work is not None else None
+                forward_s = time.perf_counter() - started
+                self._waiting_since = self.clock()
+                replies = _gather(self._group, self._size, 0, forward_s)
+            except Exception as exc:
+                self.failure = f"tensor-parallel step failed: {type(exc).__name__}: {exc}"
+                raise GroupFailed(self.failure) from exc
+            finally:
+                self._waiting_since = None
+            self.last_exchange_at = self.clock()
+            return result, replies
+
+    def stop(self) -> None:
+        """Tell the followers to leave (no reply); nothing when the group already failed."""
+        with self._lock:
+            if self.failure is not None or self._is_closed:
+                return
+            self._is_closed = True
+            try:
+                _send(self._group, StepKind.STOP, b"")
+            except Exception as exc:
+                self.failure = f"stop step failed: {exc}"
+
+    def waiting_for(self) -> float:
+        """Seconds the exchange in progress has waited (0.0 when none is)."""
+        since = self._waiting_since
+        return 0.0 if since is None else self.clock() - since
+
+
+class FollowerChannel:
+    """Rank ``rank``'s end: receive a step, answer it."""
+
+    def __init__(self, group: Any, rank: int, size: int) -> None:
+        self._group, self._rank, self._size = group, rank, size
+
+    def receive(self) -> tuple[StepKind, bytes]:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self._group)
+        kind, num_bytes = StepKind(int(header[0])), int(header[1])
+        if not num_bytes:
+            return kind, b""
+        payload = torch.empty(num_bytes, dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self._group)
+        return kind, payload.numpy().tobytes()
+
+    def answer(self, forward_s: float) -> None:
+        _gather(self._group, self._size, self._rank, forward_s)
+
+
+def _send(group: Any, kind: StepKind, payload: bytes) -> None:
+    header = torch.tensor([int(kind), len(payload)], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    if payload:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # [num_bytes]
+        dist.broadcast(data, src=0, group=group)
+
+
+def _gather(group: Any, size: int, rank: int, forward_s: float) -> StepReplies:
+    rows = torch.zeros((size, _REPLY), dtype=torch.float64)  # [size, 2]
+    rows[rank, 0], rows[rank, 1] = 1.0, forward_s
+    dist.all_reduce(rows, group=group)
+    if not bool((rows[:, 0] == 1.0).all()):
+        raise GroupFailed(f"step replies incomplete: {rows[:, 0].tolist()}")
+    return StepReplies(tuple(rows[:, 1].tolist()))
