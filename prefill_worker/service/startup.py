@@ -33,7 +33,8 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
-from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.hf_config import read_spec
+from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -172,7 +173,13 @@ def start_tp_group(
     within ``parallel.rendezvous_timeout_s``. Returns the model's ``TPGroup``, the group,
     and this rank's device. Too few devices is a configuration error (exit 78)."""
     cfg = config.parallel
-    with startup_step("tp group", (ValueError,)):
+    with startup_step("tp group", (ValueError, CheckpointError)):
+        # A model that does not split is refused before any rank starts (the rule's owner:
+        # model.parallel; each rank's build checks it again).
+        spec = read_spec(config.model.path)
+        check_shardable(
+            spec.num_heads, spec.num_kv_heads, spec.intermediate_size, TPGroup(0, placement.size)
+        )
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))
         followers = Followers([])

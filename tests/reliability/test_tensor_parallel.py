@@ -30,11 +30,19 @@ import torch
 from prefill_worker.ingress.messages import Result
 from prefill_worker.model.parallel import TPGroup, kv_head_range
 from prefill_worker.request import OutcomeStatus
+from prefill_worker.service.config import load_config
+from prefill_worker.service.daemon import Daemon
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
-from tests.integration.daemon.conftest import NUM_KV_HEADS, Worker, start_worker, wait_ready
+from tests.integration.daemon.conftest import (
+    NUM_KV_HEADS,
+    ROOT,
+    Worker,
+    start_worker,
+    wait_ready,
+)
 from tests.polling import wait_until
-from tests.reliability.harness import Ledger, LiveDecode, Router
+from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
 
 TOL = 1e-4
 TP_MODULE = "prefill_worker.testing.tp_ranks"
@@ -106,11 +114,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         session = Session(worker)
         try:
             answers = serve_script(session)
+            forwards = {
+                labels: value
+                for (name, labels), value in scrape(worker).items()
+                if name == "prefill_worker_tp_forward_seconds_count"
+            }
         finally:
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
         pools = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(tp)]
-        results[tp] = answers, pools
+        results[tp] = answers, pools, forwards
     yield results
 
 
@@ -144,6 +157,14 @@ def test_every_rank_pool_holds_the_tp1_pool_at_its_heads(served: dict, tp: int) 
             for layer, tensor in enumerate(pool[part]):  # [P, page_size, local KV, D]
                 expected = whole[part][layer][:, :, heads.start : heads.stop]
                 torch.testing.assert_close(tensor, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_metrics_show_every_rank_forward(served: dict, tp: int) -> None:
+    forwards = served[tp][2]
+    assert set(forwards) == {(("rank", str(rank)),) for rank in range(tp)}
+    assert len(set(forwards.values())) == 1 and min(forwards.values()) > 0  # every step
+    assert served[1][2] == {}  # no group, no series
 
 
 # ── failing as one ───────────────────────────────────────────────────────────────────────────
@@ -261,3 +282,24 @@ def test_a_rank_whose_forward_raises_stops_the_worker(tmp_path: Path, checkpoint
         assert poisoned.status is OutcomeStatus.FAILED
     finally:
         session.close()
+
+
+# ── refused at start-up ──────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (("parallel.tp_size=3",), "4 attention heads do not split over 3 ranks"),
+        (("parallel.tp_size=2", "model.device=cuda"), "needs 2 CUDA devices; this host has 0"),
+    ],
+)
+def test_a_group_that_cannot_run_is_refused_with_exit_78(
+    checkpoint: Path, settings: tuple[str, ...], says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before any rank starts (the daemon in this process: no rank process may appear)."""
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", *settings]
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    assert Daemon(config, env={}).run() == 78
+    assert says in caplog.text
+    assert not rank_pids(os.getpid())

@@ -1,0 +1,34 @@
+"""The step a follower receives is the plan the leader runs: every forward input survives
+msgpack, and only whether a chunk samples (not how) goes over."""
+
+from __future__ import annotations
+
+from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.request import SamplingParams
+from prefill_worker.tp.step import decode_plan, encode_plan
+
+
+def test_a_plan_round_trips_with_its_forward_inputs() -> None:
+    plan = BatchPlan(
+        7,
+        (
+            ChunkPlan("a", (5, 6, 7), 16, 19, (3, 9, 1, 4, 8), None, 17, (7, 8)),
+            ChunkPlan("b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3)),
+        ),
+    )
+    got = decode_plan(encode_plan(plan))
+    assert got.batch_id == 7
+    for sent, received in zip(plan.chunks, got.chunks, strict=True):
+        assert received.request_id == sent.request_id
+        assert tuple(received.token_ids) == tuple(sent.token_ids)
+        assert (received.start, received.end) == (sent.start, sent.end)
+        assert tuple(received.page_ids) == tuple(sent.page_ids)
+        assert (received.sampling is None) == (sent.sampling is None)
+        assert received.logprob_from == sent.logprob_from
+        assert tuple(received.logprob_token_ids) == tuple(sent.logprob_token_ids)
+
+
+def test_the_bytes_are_msgpack_not_pickle() -> None:
+    data = encode_plan(BatchPlan(1, (ChunkPlan("a", (1,), 0, 1, (0,), None),)))
+    assert not data.startswith(b"\x80")  # pickle's protocol marker
+    assert data[0] >> 4 == 0x9  # a msgpack fixarray: [batch_id, chunks]
