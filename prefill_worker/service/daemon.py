@@ -36,6 +36,7 @@ from prefill_worker.model import KVCache, ModelInfo, build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.group_startup import agree_group_loaded, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
@@ -45,7 +46,6 @@ from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
     StartupError,
-    agree_group_loaded,
     load_model,
     make_engine,
     make_pools,
@@ -54,7 +54,6 @@ from prefill_worker.service.startup import (
     start_http_api,
     start_ingress,
     start_kv_events,
-    start_tp_group,
     start_transfer,
     startup_step,
     warm_up_model,
@@ -63,6 +62,8 @@ from prefill_worker.service.startup import (
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
+from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.group import GroupBackend
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -154,12 +155,15 @@ class Daemon:
             )
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
+        backend: TransferBackend = transfer.backend
+        if self._group is not None:  # every sender mirrored to the followers, states agreed
+            backend = GroupBackend(backend, self._group.channel.link)
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
-            cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache
         )
         self._engine = engine
         limits = (

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from prefill_worker.model import build
 from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
-from prefill_worker.service.startup import ModelBuilder, StartupError, load_model, tp_timeouts
+from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
 from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.follower import serve_steps
 from prefill_worker.tp.followers import die_with_parent
@@ -29,7 +30,9 @@ log = logging.getLogger("prefill_worker.service.rank")
 
 
 def run_follower(config: Config, placement: Placement, build_model: ModelBuilder) -> int:
-    """Serve as rank ``placement.rank`` until the leader's stop step."""
+    """Serve as rank ``placement.rank`` until the leader's stop step (main thread only)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the leader drains, then stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = rank_device(config.model.device, placement)
     except ValueError as exc:
@@ -56,8 +59,6 @@ def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -
         parser.add_argument(flag, type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.model_validate_json(sys.stdin.buffer.read())
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     placement = Placement(args.rank, args.world_size, args.rank, args.port, False)

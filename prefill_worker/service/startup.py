@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,8 +33,7 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
-from prefill_worker.model.hf_config import read_spec
-from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
+from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -42,10 +41,6 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
-from prefill_worker.tp.channel import LeaderChannel
-from prefill_worker.tp.followers import Followers
-from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, open_store, rank_device
-from prefill_worker.tp.leader import Heartbeat, LeaderGroup
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
     Transfer,
@@ -157,57 +152,6 @@ def load_model(
             time.monotonic() - started,
         )
     return runner, kv_cache, info
-
-
-def tp_timeouts(config: Config) -> Timeouts:
-    return Timeouts(config.parallel.rendezvous_timeout_s, config.parallel.step_timeout_s)
-
-
-def start_tp_group(
-    config: Config,
-    placement: Placement,
-    rank_command: Sequence[str],
-    on_failure: Callable[[], None],
-) -> tuple[TPGroup, LeaderGroup, str]:
-    """The leader's group: its followers started (outside torchrun), every rank joined
-    within ``parallel.rendezvous_timeout_s``. Returns the model's ``TPGroup``, the group,
-    and this rank's device. Too few devices is a configuration error (exit 78)."""
-    cfg = config.parallel
-    with startup_step("tp group", (ValueError, CheckpointError)):
-        # A model that does not split is refused before any rank starts (the rule's owner:
-        # model.parallel; each rank's build checks it again).
-        spec = read_spec(config.model.path)
-        check_shardable(
-            spec.num_heads, spec.num_kv_heads, spec.intermediate_size, TPGroup(0, placement.size)
-        )
-        device = rank_device(config.model.device, placement)
-        store = open_store(placement, tp_timeouts(config))
-        followers = Followers([])
-        if store is not None:
-            config_json = config.model_dump_json().encode()
-            followers = Followers.start(rank_command, config_json, placement.size, store.port)
-        try:
-            membership = followers.wait_for(
-                lambda: join(placement, device, tp_timeouts(config), store),
-                cfg.rendezvous_timeout_s,
-                "rendezvous",
-            )
-        except BaseException:
-            followers.kill()
-            raise
-        log.info("tensor parallel: %d ranks joined, this is rank 0", placement.size)
-    channel = LeaderChannel(membership.control, placement.size)
-    heartbeat = Heartbeat(channel, cfg.heartbeat_interval_s, on_failure)
-    group = LeaderGroup(channel, followers, heartbeat, cfg.heartbeat_interval_s)
-    return membership.tp, group, device
-
-
-def agree_group_loaded(config: Config, group: LeaderGroup, num_pages: int) -> None:
-    """Wait (bounded) until every rank has loaded its shard with the same pool."""
-    with startup_step("tp ranks loaded", (ValueError,)):
-        group.followers.wait_for(
-            lambda: agree_loaded(num_pages), config.parallel.rendezvous_timeout_s, "ranks loading"
-        )
 
 
 def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:

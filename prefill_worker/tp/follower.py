@@ -13,21 +13,29 @@ import time
 
 from prefill_worker.batch import ModelRunner
 from prefill_worker.tp.channel import FollowerChannel
-from prefill_worker.tp.step import StepKind, decode_plan
+from prefill_worker.tp.mirror import NO_OPINION, MirrorTarget
+from prefill_worker.tp.step import StepKind
 
 log = logging.getLogger(__name__)
 
 
-def serve_steps(runner: ModelRunner, channel: FollowerChannel) -> None:
-    """Returns at STOP; raises on any failure (the caller exits non-zero)."""
+def serve_steps(
+    runner: ModelRunner, channel: FollowerChannel, target: MirrorTarget | None = None
+) -> None:
+    """Returns at STOP; raises on any failure (the caller exits non-zero). ``target``: this
+    rank's transfer backend, mirroring the leader's senders (None: no transfer here, no
+    opinion on any room)."""
     while True:
-        kind, payload = channel.receive()
-        if kind is StepKind.STOP:
+        kind, step = channel.receive()
+        if kind is StepKind.STOP or step is None:
             log.info("tensor parallel: stop step: leaving")
             return
+        if target is not None:
+            target.apply(step.ops)
         forward_s = 0.0
-        if kind is StepKind.FORWARD:
+        if step.plan is not None:
             started = time.perf_counter()
-            runner.run(decode_plan(payload))
+            runner.run(step.plan)
             forward_s = time.perf_counter() - started
-        channel.answer(forward_s)
+        codes = [NO_OPINION] * len(step.rooms) if target is None else target.codes(step.rooms)
+        channel.answer(forward_s, codes)

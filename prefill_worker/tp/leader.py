@@ -18,7 +18,7 @@ from collections.abc import Callable
 from prefill_worker.batch import BatchOutput, BatchPlan, ModelRunner
 from prefill_worker.tp.channel import GroupFailed, LeaderChannel
 from prefill_worker.tp.followers import Followers
-from prefill_worker.tp.step import StepKind, encode_plan
+from prefill_worker.tp.step import StepKind
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class GroupRunner:
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         output, replies = self._channel.exchange(
-            StepKind.FORWARD, encode_plan(plan), lambda: self._runner.run(plan)
+            StepKind.FORWARD, plan, lambda: self._runner.run(plan)
         )
         self._on_forward(replies.forward_s)
         assert output is not None

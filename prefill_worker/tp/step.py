@@ -4,20 +4,26 @@ A step is one of::
 
     FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions;
                whether a chunk samples, but not how: only the leader samples)
-    HEARTBEAT  nothing to run: proves every rank still answers while the worker is idle
+    HEARTBEAT  nothing to run: proves every rank still answers while the worker is idle,
+               and carries transfer ops when the group is otherwise free
     STOP       the leader is closing: followers leave their loop and exit 0
 
+Every step's body also carries the transfer ops queued since the last step and the rooms
+whose state the ranks agree on after it (``transfer/group.py``, ``tp/mirror.py``).
 Torch-free; ``channel.py`` carries the bytes.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.request import SamplingParams
+from prefill_worker.transfer.group import MirrorOp
 
 
 class StepKind(enum.IntEnum):
@@ -42,12 +48,39 @@ class _Plan(msgspec.Struct, array_like=True, frozen=True):
     chunks: list[_Chunk]
 
 
+class _Body(msgspec.Struct, array_like=True, frozen=True):
+    plan: _Plan | None
+    ops: list[MirrorOp]
+    rooms: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    plan: BatchPlan | None  # FORWARD only
+    ops: Sequence[MirrorOp]
+    rooms: Sequence[int]
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Plan)
+_decoder = msgspec.msgpack.Decoder(_Body)
 _FOLLOWER_SAMPLING = SamplingParams()  # a follower only needs to know that a chunk samples
 
 
-def encode_plan(plan: BatchPlan) -> bytes:
+def encode_step(
+    plan: BatchPlan | None, ops: Sequence[MirrorOp] = (), rooms: Sequence[int] = ()
+) -> bytes:
+    wire = None if plan is None else _plan_to_wire(plan)
+    return _encoder.encode(_Body(wire, list(ops), list(rooms)))
+
+
+def decode_step(data: bytes) -> Step:
+    """The step as a follower runs it: the same forward inputs, a placeholder sampling."""
+    body = _decoder.decode(data)
+    plan = None if body.plan is None else _plan_from_wire(body.plan)
+    return Step(plan, body.ops, body.rooms)
+
+
+def _plan_to_wire(plan: BatchPlan) -> _Plan:
     chunks = [
         _Chunk(
             c.request_id,
@@ -61,12 +94,10 @@ def encode_plan(plan: BatchPlan) -> bytes:
         )
         for c in plan.chunks
     ]
-    return _encoder.encode(_Plan(plan.batch_id, chunks))
+    return _Plan(plan.batch_id, chunks)
 
 
-def decode_plan(data: bytes) -> BatchPlan:
-    """The plan as a follower runs it: the same forward inputs, a placeholder sampling."""
-    wire = _decoder.decode(data)
+def _plan_from_wire(wire: _Plan) -> BatchPlan:
     chunks = tuple(
         ChunkPlan(
             c.request_id,

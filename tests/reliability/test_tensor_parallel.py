@@ -18,8 +18,10 @@ ports serves again.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,6 +34,7 @@ from prefill_worker.model.parallel import TPGroup, kv_head_range
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
+from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
@@ -167,6 +170,43 @@ def test_metrics_show_every_rank_forward(served: dict, tp: int) -> None:
     assert served[1][2] == {}  # no group, no series
 
 
+def test_under_torchrun_each_process_is_one_rank(
+    served: dict, tmp_path: Path, checkpoint: Path
+) -> None:
+    """torchrun starts both ranks (RANK, WORLD_SIZE set: no spawning); the leader serves as
+    the TP-1 worker does; SIGTERM to it drains both ranks and torchrun exits 0."""
+    ingress, bootstrap = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    http_port = free_port()
+    flags = [
+        f"model.path={checkpoint}", f"ingress.bind={ingress}",
+        f"transfer.bootstrap_bind={bootstrap}", f"metrics.bind=127.0.0.1:{http_port}",
+        "parallel.tp_size=2", *FAST,
+    ]  # fmt: skip
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    args += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    args += ["-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
+    for flag in flags:
+        args += ["--set", flag]
+    child = ChildProcess.start("torchrun", args, tmp_path, cwd=ROOT)
+    worker = Worker(child, ingress, bootstrap, http_port)
+    try:
+        wait_ready(worker)
+        session = Session(worker)
+        try:
+            rid, room = session.send(LONG)
+            reply = session.router.wait([rid])[rid]
+            assert session.decode.wait([room])[room].state is RoomState.DONE
+        finally:
+            session.close()
+        expected = served[1][0]["long"][0]
+        assert isinstance(reply, Result) and reply.first_token_id == expected.first_token_id
+        leader_pid = json.loads(worker.http("/readyz")[1])["pid"]
+        os.kill(leader_pid, signal.SIGTERM)
+        assert worker.wait_exit(60) == 0, worker.log()
+    finally:
+        child.kill()
+
+
 # ── failing as one ───────────────────────────────────────────────────────────────────────────
 
 
@@ -221,14 +261,16 @@ def restart_serves(tmp_path: Path, checkpoint: Path, worker: Worker) -> None:
     again = dataclasses.replace(
         again, ingress=worker.ingress, bootstrap=worker.bootstrap, http_port=worker.http_port
     )
-    session = Session(again)
     try:
-        rid, room = session.send(LONG)
-        reply = session.router.wait([rid])[rid]
-        assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
-        assert session.decode.wait([room])[room].state is RoomState.DONE
+        session = Session(again)
+        try:
+            rid, room = session.send(LONG)
+            reply = session.router.wait([rid])[rid]
+            assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
+            assert session.decode.wait([room])[room].state is RoomState.DONE
+        finally:
+            session.close()
     finally:
-        session.close()
         assert again.child.stop() == 0, again.log()
     assert not rank_pids(again.proc.pid)
 
