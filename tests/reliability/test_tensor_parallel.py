@@ -345,3 +345,19 @@ def test_a_group_that_cannot_run_is_refused_with_exit_78(
     assert Daemon(config, env={}).run() == 78
     assert says in caplog.text
     assert not rank_pids(os.getpid())
+
+
+def test_a_rank_that_never_joins_fails_the_start_at_the_rendezvous_timeout(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower that starts but never joins (the daemon's ``rank_command`` seam): exit 1
+    after ``parallel.rendezvous_timeout_s``, never a hang in ``init_process_group``."""
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", "parallel.tp_size=2"]
+    flags.append("parallel.rendezvous_timeout_s=2")
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    silent = [sys.executable, "-c", "import time; time.sleep(600)"]
+    started = time.monotonic()
+    assert Daemon(config, env={}, rank_command=silent).run() == 1
+    assert time.monotonic() - started < 30
+    assert "rendezvous: not every rank answered within 2 s" in caplog.text
+    assert not rank_pids(os.getpid())
