@@ -1,6 +1,7 @@
 """Composition root: start-up → serve → drain → shutdown, signals, sd_notify, exit codes.
 
-With ``service/startup.py`` (the steps that build each component), the only module that sees
+With ``service/startup.py`` (the steps that build each component; at TP > 1 also
+``group_startup.py`` and a follower's ``rank.py``), the only module that sees
 the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
 supervision, signals, drain, stop, fatal errors, closing. Which thread owns what is drawn in
 docs/architecture.md ("Threads"); the edge threads are supervised by ``service/threads.py``.
@@ -8,7 +9,8 @@ docs/architecture.md ("Threads"); the edge threads are supervised by ``service/t
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
 with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
-after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
+after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error or a
+failed tensor-parallel rank group (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -197,8 +199,6 @@ class Daemon:
         )
         self.metrics.set_kv_pages(0, pages.num_pages)
         self.health.watch(engine.progress)
-        if self._group is not None:
-            self._group.start_heartbeat()
         log.info("edge threads supervised: %s", ", ".join(self.threads.watched()))
         self._announce(http.port)
 
@@ -219,6 +219,9 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
+        # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
+        group.start_heartbeat()
         return GroupRunner(runner, group.channel, self.metrics.on_rank_forward), kv_cache, info
 
     def _start_kv_events(self) -> None:
