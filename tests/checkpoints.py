@@ -88,8 +88,8 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 param.mul_(20.0)
             if name.endswith("kv_a_proj_with_mqa.weight"):  # the roped key part: 20x
                 param[-config.qk_rope_head_dim :].mul_(20.0)  # type: ignore[attr-defined]
-            if name.endswith(("q_a_layernorm.weight", "kv_a_layernorm.weight")):
-                param.copy_(torch.rand_like(param) * 4 + 2)
+            if name.endswith("a_layernorm.weight"):  # q_a / kv_a: not all ones
+                param.copy_(torch.rand_like(param) + 0.5)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(torch.rand_like(param) * 4 + 2)
             if name.endswith("mlp.gate.weight"):  # a router: spread, no near-ties
