@@ -23,6 +23,7 @@ from prefill_worker.request import SamplingParams
 from tests.checkpoints import make_checkpoint
 from tests.integration.model.conftest import (
     PAGE_SIZE,
+    hf_mla_forward,
     hf_model,
     ours,
     plan,
@@ -44,19 +45,6 @@ def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:  # ty
 @pytest.fixture(scope="module")
 def hf(checkpoint):  # type: ignore[no-untyped-def]
     return hf_model(checkpoint)
-
-
-def hf_forward(model, ids: list[int]):  # type: ignore[no-untyped-def]
-    """(logits [S, vocab], per layer the pool rows transformers' cache implies [S, r + rope],
-    the roped part put in SGLang's interleaved order)."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    rows = []
-    for layer in out.past_key_values.layers:
-        rope = layer.values[0, 0]  # [S, rope]: rotated evens, then rotated odds
-        interleaved = torch.stack([rope[:, : ROPE // 2], rope[:, ROPE // 2 :]], -1).flatten(-2)
-        rows.append(torch.cat([layer.keys[0, 0], interleaved], dim=-1))
-    return out.logits[0].float(), rows
 
 
 def pool_rows(kv_cache, pages: list[int], length: int, layer: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -93,7 +81,7 @@ def test_a_batch_of_two_prompts(checkpoint, hf):
     pages = [scattered_pages(i, num_pages(len(p))) for i, p in enumerate(prompts)]
     out = runner.run(plan(*(whole(f"r{i}", p, pages[i]) for i, p in enumerate(prompts))))
     for i, ids in enumerate(prompts):
-        logits, rows = hf_forward(hf, ids)
+        logits, rows = hf_mla_forward(hf, ids)
         sampled, logprobs = out.sampled[i], out.prompt_logprobs[i]
         assert sampled.token_id == int(logits[-1].argmax())
         assert sampled.logprob == pytest.approx(float(logits[-1].log_softmax(-1).max()), abs=TOL)
@@ -112,7 +100,7 @@ def test_two_chunks_then_a_prefix_hit(checkpoint, hf):
     runner.run(plan(ChunkPlan("a", a[:40], 0, 40, pages_a, None)))
     last = ChunkPlan("a", a[40:], 40, 90, pages_a, SamplingParams(), 40, tuple(a[41:]))
     out = runner.run(plan(last))
-    logits, rows = hf_forward(hf, a)
+    logits, rows = hf_mla_forward(hf, a)
     assert out.sampled[0].token_id == int(logits[-1].argmax())
     torch.testing.assert_close(
         torch.tensor(out.prompt_logprobs[0].logprobs),
@@ -128,7 +116,7 @@ def test_two_chunks_then_a_prefix_hit(checkpoint, hf):
     logits_b = runner.compute_logits(
         plan(ChunkPlan("b", b[cached:], cached, len(b), pages_b, SamplingParams()))
     )
-    hf_logits_b, rows_b = hf_forward(hf, b)
+    hf_logits_b, rows_b = hf_mla_forward(hf, b)
     torch.testing.assert_close(logits_b[0], hf_logits_b[-1], atol=TOL, rtol=0)
     assert_pool_matches(kv_cache, pages_b, rows_b, len(b))
 
@@ -144,7 +132,7 @@ def test_tokens_spread_over_the_experts_and_the_bias_decides(checkpoint, hf):
         )
         for layer in hf.model.layers[1:]  # the sparse ones
     ]
-    logits, _ = hf_forward(hf, ids)
+    logits, _ = hf_mla_forward(hf, ids)
     for hook in hooks:
         hook.remove()
     assert len(chosen) == 2 and min(chosen) >= 11  # of 16
