@@ -7,9 +7,9 @@ three dense families, Qwen3-MoE (experts split per expert, one all-reduce after 
 routed experts; 2 layers, layer 0 sparse, so layer 1's K is within the dense tolerance) and
 DeepSeek-V3 (MLA: the query heads split, the latent replicated, so every rank's pool holds
 the same rows, byte for byte) and both KV-head regimes: heads split over the ranks (2 KV
-heads at TP 2) and replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled x20, so a RoPE, mask or
-head-slicing bug moves logits by far more than the tolerance. One group runs every case, so
-the processes start once per TP size.
+heads at TP 2) and replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled
+x20, so a RoPE, mask or head-slicing bug moves logits by far more than the tolerance. One
+group runs every case, so the processes start once per TP size.
 """
 
 from __future__ import annotations
