@@ -154,6 +154,9 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
     mla = mla_spec(raw) if family == "deepseek_v3" else None
     if mla is not None and has_bias:
         raise ValueError("attention_bias is not supported with multi-head latent attention")
+    rope = _rope(raw)
+    if rope.rope_type == "yarn" and mla is None:  # proven against transformers for MLA only
+        raise ValueError(f"rope type 'yarn' is not supported for {arch} (only DeepSeek-V3)")
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -165,7 +168,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or num_heads),
         head_dim=mla.latent_dim if mla else int(head_dim),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=_rope(raw),
+        rope=rope,
         max_position=_max_position(raw, family),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         has_qkv_bias=True if family == "qwen2" else has_bias,
