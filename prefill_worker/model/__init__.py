@@ -112,6 +112,8 @@ def build(
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
+        if backend_name != "sdpa":
+            log.warning("attention backend %s: an MLA model runs torch SDPA", backend_name)
         backend_name = "sdpa"
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
     experts = create_moe_backend(moe_backend, dev, torch_dtype)

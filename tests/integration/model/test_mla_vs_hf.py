@@ -144,3 +144,8 @@ def test_tokens_spread_over_the_experts_and_the_bias_decides(checkpoint, hf):
     out = runner.run(plan(whole("a", ids, pages)))
     unbiased = torch.tensor(out.prompt_logprobs[0].logprobs)
     assert (unbiased - prompt_logprobs(logits, ids, 0)).abs().max() > 100 * TOL
+
+
+def test_a_k_v_pool_layout_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="'page_major' does not apply to an MLA model"):
+        ours(checkpoint, pool_layout="page_major")
