@@ -35,11 +35,9 @@ def decompressed(q: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor) -> tor
     k = q.new_empty(m, HEADS, NOPE + ROPE)
     k[..., :NOPE] = kv[..., :NOPE]
     k[..., NOPE:] = rows[:, None, RANK:]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), kv[..., NOPE:].transpose(0, 1),
-        attn_mask=_mask(q.shape[0], m), scale=SCALE,
-    )  # fmt: skip
-    return out.transpose(0, 1)
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, kv[..., NOPE:]))  # 4-D: flash
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_mask(q.shape[0], m), scale=SCALE)
+    return out[0].transpose(0, 1)
 
 
 def absorbed(q: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -50,7 +48,9 @@ def absorbed(q: torch.Tensor, rows: torch.Tensor, kv_b: torch.Tensor) -> torch.T
     q_full = torch.cat([q_lat, q[..., NOPE:].transpose(0, 1)], dim=-1)  # [H, n, r + rope]
     k = rows[None].expand(HEADS, m, RANK + ROPE)
     v = rows[None, :, :RANK].expand(HEADS, m, RANK)
-    out_lat = F.scaled_dot_product_attention(q_full, k, v, attn_mask=_mask(n, m), scale=SCALE)
+    out_lat = F.scaled_dot_product_attention(
+        q_full[None], k[None], v[None], attn_mask=_mask(n, m), scale=SCALE
+    )[0]  # 4-D: the CPU's flash kernel
     return torch.einsum("hnr,hvr->nhv", out_lat, w[:, NOPE:])  # [n, H, v]
 
 

@@ -112,11 +112,14 @@ class MLASdpaBackend(SdpaBackend):
             k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
             k[..., :nope] = kv[..., :nope]
             k[..., nope:] = chunk_rows[:, None, rank:]
-            qh, kh, vh = (t.transpose(0, 1) for t in (q[p.q_start : p.q_end], k, kv[..., nope:]))
+            # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
+            qh, kh, vh = (
+                t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, kv[..., nope:])
+            )
             attn = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=p.mask, is_causal=p.mask is None, scale=spec.softmax_scale
             )
-            out[p.q_start : p.q_end] = attn.transpose(0, 1)
+            out[p.q_start : p.q_end] = attn[0].transpose(0, 1)
 
 
 def mla_attention(
