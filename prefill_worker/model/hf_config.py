@@ -184,12 +184,13 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
 
 def mla_spec(raw: Mapping[str, Any]) -> MLASpec:
     """The MLA attention of a DeepSeek-V3 config; the softmax scale as transformers has it:
-    ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN."""
+    ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under a
+    scaled rope that names ``mscale_all_dim``."""
     q_lora = raw.get("q_lora_rank")
     nope, rope = int(_need(raw, "qk_nope_head_dim")), int(_need(raw, "qk_rope_head_dim"))
     scale = (nope + rope) ** -0.5
     spec = _rope(raw)
-    if spec.rope_type == "yarn" and spec.mscale_all_dim:
+    if spec.rope_type != "default" and spec.mscale_all_dim:
         scale *= yarn_mscale(spec.factor, spec.mscale_all_dim) ** 2
     return MLASpec(
         q_lora_rank=int(q_lora) if q_lora else None,
