@@ -17,7 +17,7 @@ queries over m keys, decompression costs ``m r H (nope + v)`` once, then attenti
 head width ``nope + rope`` (192 at DeepSeek-V3's shape); absorbed, every score and every
 output works at width ``r + rope`` (576) per head. Prefill has n about m, so the absorbed
 form does ~3x the attention FLOPs; it only wins for a few queries over many keys (decode).
-docs/parallelism.md has the rest of the reasoning.
+docs/models.md has the measurement (``bench/mla_forms.py``).
 
 Rotary embedding covers the ``rope`` dimensions only. With ``rope_interleave`` (DeepSeek's
 default) the pairs are adjacent elements and each rotated pair is written back in place, as
