@@ -59,7 +59,9 @@ class CacheConfig(_Section):
         description=(
             "KV pool layout: `layer_major` (each layer's K and V its own region) or "
             "`page_major` (every layer's K and V of a page together: one transfer descriptor "
-            "per run of pages). Decode pools must use the same."
+            "per run of pages). Decode pools must use the same. An MLA model (DeepSeek-V3) "
+            "always gets the `mla` pool (one latent row per token and layer; docs/models.md) "
+            "and refuses `page_major`."
         ),
     )
     prefix_caching: bool = Field(

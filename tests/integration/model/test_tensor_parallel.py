@@ -5,10 +5,11 @@ logits on every rank, and every layer's K/V reassembled across the ranks by the 
 (``parallel.gather_kv_heads``), must equal transformers' within 1e-4. The models cover the
 three dense families, Qwen3-MoE (experts split per expert, one all-reduce after the
 routed experts; 2 layers, layer 0 sparse, so layer 1's K is within the dense tolerance) and
-both KV-head regimes: heads split over the ranks (2 KV heads at TP 2) and
-replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled x20, so a RoPE, mask or
-head-slicing bug moves logits by far more than the tolerance. One group runs every case, so
-the processes start once per TP size.
+DeepSeek-V3 (MLA: the query heads split, the latent replicated, so every rank's pool holds
+the same rows, byte for byte) and both KV-head regimes: heads split over the ranks (2 KV
+heads at TP 2) and replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled
+x20, so a RoPE, mask or head-slicing bug moves logits by far more than the tolerance. One
+group runs every case, so the processes start once per TP size.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ import torch
 
 from prefill_worker.model.parallel import gather_kv_heads
 from tests.checkpoints import make_checkpoint
-from tests.integration.model.conftest import hf_forward, hf_model, prompt
+from tests.integration.model.conftest import hf_forward, hf_mla_forward, hf_model, prompt
 from tests.integration.model.tp_ranks import run_group
 
 TOL = 1e-4
 # case: (family, num_key_value_heads)
 CASES = {
     2: {"llama": ("llama", 2), "qwen2": ("qwen2", 2), "qwen3": ("qwen3", 2),
-        "llama_kv1": ("llama", 1), "qwen3_kv1": ("qwen3", 1), "qwen3_moe": ("qwen3_moe", 2)},
+        "llama_kv1": ("llama", 1), "qwen3_kv1": ("qwen3", 1), "qwen3_moe": ("qwen3_moe", 2),
+        "deepseek_v3": ("deepseek_v3", 4)},
     4: {"qwen2": ("qwen2", 2), "qwen3_kv1": ("qwen3", 1)},
 }  # fmt: skip
 OVERRIDES: dict[str, dict[str, object]] = {
     "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
 }
 LONG, SHORT = prompt(45, seed=1), prompt(20, seed=2)
-ALL = [(size, name) for size, cases in CASES.items() for name in cases]
+MLA_CASES = ("deepseek_v3",)  # an MLA pool: no K/V heads, one latent row per token
+ALL = [(size, name) for size, cases in CASES.items() for name in cases if name not in MLA_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +88,16 @@ def test_each_rank_pool_holds_only_its_heads(groups, size, name):
     for result in rank_results(groups[size], name, size):
         k, v = result["long_kv"][0]
         assert k.shape == v.shape == (len(LONG), max(1, kv // size), k.shape[-1])
+
+
+def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, groups):
+    model = hf_model(checkpoints["deepseek_v3"])
+    results = rank_results(groups[2], "deepseek_v3", 2)
+    for ids, key in ((LONG, "long"), (SHORT, "short")):
+        hf_logits, hf_rows = hf_mla_forward(model, ids)
+        for result in results:
+            torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
+        for layer, expected in enumerate(hf_rows):
+            rows = [result[f"{key}_kv"][layer][0][:, 0] for result in results]  # [S, r + rope]
+            assert all(torch.equal(rows[0], other) for other in rows[1:])
+            torch.testing.assert_close(rows[0], expected, atol=TOL, rtol=1e-5)

@@ -112,7 +112,10 @@ def _chunk(request_id: str, ids: list[int], start: int, end: int, pages: list[in
 
 
 def _paged_kv(kv_cache, pages: list[int], length: int, layer: int):  # type: ignore[no-untyped-def]
-    """This rank's K and V of positions [0, length): ``[length, local KV, D]`` each."""
+    """This rank's K and V of positions [0, length): ``[length, local KV, D]`` each (an MLA
+    pool: its latent rows alone, ``[length, 1, r + rope]``)."""
     k = torch.cat([kv_cache.k[layer][p] for p in pages])[:length]
+    if not kv_cache.v:
+        return (k.clone(),)
     v = torch.cat([kv_cache.v[layer][p] for p in pages])[:length]
     return k.clone(), v.clone()
