@@ -30,6 +30,7 @@ from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer.options import NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.checkpoints import hf_model, make_checkpoint, prompt
+from tests.integration.model.conftest import hf_mla_forward
 from tests.interop.conftest import launch
 from tests.interop.decodes import SglangDecode, new_room
 from tests.interop.test_landing import push
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.interop
 
 NUM_LAYERS, LATENT = 2, 48  # the latent: kv_lora_rank 32 + qk_rope_head_dim 16
 WORKER_PAGES = 64
-MLA_FAMILIES: list[str] = []  # + "deepseek_v3" (as tests/checkpoints.py names it) with the model
+MLA_FAMILIES = ["deepseek_v3"]
 
 
 class MlaWorker:
@@ -148,14 +149,10 @@ def test_a_decode_that_is_not_this_latent_learns_why(
 
 def hf_latents(checkpoint: Path, ids: list[int]) -> tuple[int, list[torch.Tensor]]:
     """transformers' greedy first token, and per layer what an MLA pool holds: the normalised
-    latent then the roped key part, ``[tokens, 1, kv_lora_rank + qk_rope_head_dim]``."""
-    with torch.no_grad():
-        out = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True)
-    latents = [
-        torch.cat((layer.keys[0], layer.values[0]), dim=-1).transpose(0, 1)
-        for layer in out.past_key_values.layers
-    ]
-    return int(out.logits[0, -1].argmax()), latents
+    latent then the roped key part (in SGLang's interleaved order, docs/models.md),
+    ``[tokens, 1, kv_lora_rank + qk_rope_head_dim]``."""
+    logits, rows = hf_mla_forward(hf_model(checkpoint), ids)
+    return int(logits[-1].argmax()), [row.unsqueeze(1) for row in rows]
 
 
 @pytest.mark.parametrize("family", MLA_FAMILIES)

@@ -14,7 +14,7 @@ from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import ROOT, Worker, start_worker, wait_ready
 
 EXAMPLE = ROOT / "examples" / "decode_integration.py"
-MLA_FAMILIES: list[str] = []  # + "deepseek_v3" (as tests/checkpoints.py names it) with the model
+MLA_FAMILIES = ["deepseek_v3"]
 
 
 def run_example(worker: Worker, *flags: str) -> str:
