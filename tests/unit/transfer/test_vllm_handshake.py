@@ -9,9 +9,12 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 import zmq
+from pydantic import ValidationError
 
+from prefill_worker.service.schema import TransferConfig
 from prefill_worker.testing.launch import free_port
 from prefill_worker.transfer.vllm.handshake import (
+    DEFAULT_SIDE_CHANNEL_PORT,
     GET_META_MSG,
     CompatFactors,
     LayerRegion,
@@ -119,6 +122,13 @@ def test_payload_carries_the_hash_and_vllms_metadata_fields_in_order() -> None:
 def test_side_channel_port_adds_the_dp_index() -> None:
     assert side_channel_port(5600, 0) == 5600
     assert side_channel_port(5600, 3) == 5603
+
+
+def test_the_side_channel_port_comes_from_config_with_vllms_default() -> None:
+    assert TransferConfig().vllm_side_channel_port == DEFAULT_SIDE_CHANNEL_PORT == 5600
+    assert TransferConfig(vllm_side_channel_port=6100).vllm_side_channel_port == 6100
+    with pytest.raises(ValidationError, match="vllm_side_channel_port"):
+        TransferConfig(vllm_side_channel_port=70000)
 
 
 @pytest.fixture
