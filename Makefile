@@ -175,6 +175,7 @@ vllm-deps: $(VLLM_DIR)/.installed
 $(VLLM_DIR)/.installed: tests/interop/vllm_shim/nixl/__init__.py | $(BIN)/python
 	rm -rf $(@D)
 	$(INTEROP_PIP) --target $(@D) $(VLLM_DEPS)
+	@! ls $(@D) | grep -iE '^(torch|nvidia|triton|nixl)' || { echo "torch/CUDA/nixl in $(@D)"; exit 1; }
 	cp -r tests/interop/vllm_shim/nixl $(@D)/nixl
 	@touch $@
 
