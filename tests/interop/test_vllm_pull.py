@@ -104,6 +104,15 @@ def test_vllm_pulls_our_blocks_byte_exact(
     wait_until(lambda: b"req-a:1" in prefill.notifs, 10, "vLLM's read notification")
 
 
+def test_a_full_prefix_hit_only_notifies(
+    decode: VllmDecodeProcess, prefill: MinimalPrefill
+) -> None:
+    params = prefill.kv_transfer_params("req-p", [4, 6], num_tokens=2 * BLOCK_SIZE)
+    decode.call("pull", request_id="dec-p", params=params, num_local=0)
+    wait_until(lambda: b"req-p:1" in prefill.notifs, 10, "vLLM's notification")
+    assert decode.call("wait", request_id="dec-p", deadline_s=1)["load_errors"] == []
+
+
 def test_a_wrong_hash_fails_the_pull_with_load_errors(
     decode: VllmDecodeProcess, model_dir: Path
 ) -> None:
