@@ -189,7 +189,11 @@ class SideChannel:
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES * 4)
-        self._sock.bind(f"tcp://{host}:{port}")
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
         self.stats = SideChannelStats()
 
     def set_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:

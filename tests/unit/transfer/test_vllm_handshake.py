@@ -172,6 +172,7 @@ def test_a_decode_gets_the_payload_and_our_clock(channel: tuple[SideChannel, str
         (msgspec.msgpack.encode((GET_META_MSG, 1, 0)), "unknown_rank"),
         (msgspec.msgpack.encode((b"x" * 300, 0, 0)), "too_large"),
     ],
+    ids=["garbage", "str_message", "pair", "other_message", "other_tp", "other_pp", "large"],
 )
 def test_bad_requests_are_counted_unanswered_and_harmless(
     channel: tuple[SideChannel, str], message: bytes, reason: str
@@ -199,3 +200,10 @@ def test_set_payload_replaces_what_a_rank_serves(channel: tuple[SideChannel, str
     side.set_payload(0, 1, b"other")
     reply = _ask(side, address, msgspec.msgpack.encode((GET_META_MSG, 0, 1)))
     assert reply is not None and reply[0] == b"other"
+
+
+def test_a_taken_port_raises(channel: tuple[SideChannel, str]) -> None:
+    _, address = channel
+    port = int(address.rsplit(":", 1)[1])
+    with pytest.raises(zmq.ZMQError):
+        SideChannel("127.0.0.1", port, {})
