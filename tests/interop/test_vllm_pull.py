@@ -21,7 +21,7 @@ from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 32, 32  # CPU_ATTN: head 32, block 32k
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 2, 32, 32  # CPU_ATTN: block size 32k
 
 
 def write_config(directory: Path, num_layers: int, num_kv_heads: int, head_dim: int) -> Path:
