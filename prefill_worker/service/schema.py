@@ -233,6 +233,14 @@ class TransferConfig(_Section):
         "control frame from elsewhere is dropped and counted (`network_not_allowed`). Empty: "
         "any network. Every frame's ip must also be its connection's address (docs/sglang.md).",
     )
+    vllm_side_channel_port: int = Field(
+        5600,
+        ge=1,
+        le=65535,
+        description="Base port of the ZMQ side channel vLLM decodes handshake with (vLLM's "
+        "VLLM_NIXL_SIDE_CHANNEL_PORT, default 5600); an engine serves base + its dp index and "
+        "returns that as `remote_port` in `kv_transfer_params`.",
+    )
 
     @field_validator("sglang_allowed_networks")
     @classmethod
