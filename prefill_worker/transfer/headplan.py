@@ -44,7 +44,12 @@ import numpy as np
 
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
-from prefill_worker.transfer.pagemap import STRIDED_COLUMNS, device_id
+from prefill_worker.transfer.pagemap import (
+    STRIDED_COLUMNS,
+    device_id,
+    layer_view_table,
+    region_indices,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,3 +179,18 @@ def num_descriptors(head_slice: HeadSlice, num_layers: int, page_size: int, num_
     2L * page_size per page sliced."""
     per_page = 2 * num_layers * (1 if head_slice.is_whole_page else page_size)
     return per_page * num_pages
+
+
+def write_table(regions: KVRegions, head_offset: int, num_heads: int, is_whole: bool) -> np.ndarray:
+    """One side's list for a slice: whole pages per layer-plane (``pagemap.layer_view_table``,
+    2L rows) when the slice is the whole page, else token runs (``slice_table``)."""
+    if is_whole:
+        return layer_view_table(regions)
+    return slice_table(regions, head_offset, num_heads)
+
+
+def write_indices(pages: np.ndarray, layout: KVLayout, is_whole: bool) -> np.ndarray:
+    """Indices into ``write_table``'s list of ``pages``, in the same order on both sides."""
+    if is_whole:
+        return region_indices(pages, 2 * layout.num_layers, layout.num_pages)
+    return slice_indices(pages, layout)
