@@ -194,3 +194,18 @@ def write_indices(pages: np.ndarray, layout: KVLayout, is_whole: bool) -> np.nda
     if is_whole:
         return region_indices(pages, 2 * layout.num_layers, layout.num_pages)
     return slice_indices(pages, layout)
+
+
+def decode_rank_error(num_kv_heads: int, tp_rank: int, tp_size: int, heads: range) -> str | None:
+    """Why a decode rank that says it is ``tp_rank`` of ``tp_size`` holding ``heads`` cannot
+    be written by the rule, or None."""
+    try:
+        ruled = kv_head_range(num_kv_heads, tp_rank, tp_size)
+    except ValueError as exc:
+        return f"decode TP {tp_size}: {exc}"
+    if heads != ruled:
+        return (
+            f"decode rank {tp_rank} of {tp_size} says it holds KV heads "
+            f"[{heads.start}, {heads.stop}); the rule gives [{ruled.start}, {ruled.stop})"
+        )
+    return None

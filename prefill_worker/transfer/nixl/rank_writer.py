@@ -10,7 +10,8 @@ pool, which holds its heads only (``kv.heads``); it writes, into each decode ran
 
 Which rank sends the aux row and the status, and when (after every rank's writes landed), is
 the group's business, not this class's: it moves KV bytes and reports each write's state.
-Importing it imports NIXL (``nixl.agent``).
+``prep_slice_lists``/``prep_local_slice`` prepare the same token-run lists for the push
+engine (a TP-1 worker feeding a decode of TP > 1). Importing it imports NIXL (``nixl.agent``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from prefill_worker.transfer.headplan import (
     HeadSlice,
     plan_rank,
     slice_layout_error,
+    slice_table,
     write_indices,
     write_table,
 )
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, mem_type
+from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, aux_descriptor_table
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +135,25 @@ class RankWriter:
             local.release()
         self._peers.clear()
         self._local.clear()
+
+
+def prep_slice_lists(
+    agent: Any, agent_name: str, regions: KVRegions, head_offset: int, num_heads: int
+) -> PreppedLists:
+    """A decode rank's lists when it holds a sub-range of our heads: token runs of its pool
+    of heads [head_offset, + num_heads) of each token (``headplan.slice_table``), and its aux
+    rows as usual (``pagemap.aux_descriptor_table``)."""
+    table = slice_table(regions, head_offset, num_heads)
+    kv = agent.prep_xfer_dlist(agent_name, table, mem_type(regions.device))
+    try:
+        aux = agent.prep_xfer_dlist(agent_name, aux_descriptor_table(regions), AUX_MEM_TYPE)
+    except BaseException:
+        kv.release()
+        raise
+    return PreppedLists(kv, aux)
+
+
+def prep_local_slice(agent: Any, regions: KVRegions, head_offset: int, num_heads: int) -> Any:
+    """Our pool's token runs of heads [head_offset, + num_heads): one prepared list."""
+    table = slice_table(regions, head_offset, num_heads)
+    return agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type(regions.device))
