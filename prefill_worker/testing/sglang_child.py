@@ -13,8 +13,9 @@ harness's decodes (``Decodes``) then fill their KV pool with a byte no write lea
 Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_metadata``.
 
 Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
-context, the parallel ranks that a launcher would set overridden to 0, and 0.5.20's
-DP-attention globals set to one rank.
+context, the parallel ranks that a launcher would set overridden (to 0, or to one rank of an
+attention-TP group: ``attn_tp``, the process being that rank), and 0.5.20's DP-attention
+globals set to one rank.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ _POLL_NAMES = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def publish(model_path: str) -> Any:
+def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
+    """``attn_tp``: (rank, size) of this process in the decode's attention TP group."""
     args = ServerArgs(
         model_path=model_path,
         disaggregation_mode="decode",
@@ -47,7 +49,11 @@ def publish(model_path: str) -> Any:
         device="cpu",
     )
     runtime_context.publish(args, role="test")
-    ranks = runtime_context.get_parallel().override(attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0)
+    rank, size = attn_tp
+    tp = {} if size == 1 else {"tp_size": size, "moe_tp_size": size, "tp_rank": rank}
+    ranks = runtime_context.get_parallel().override(
+        attn_tp_rank=rank, attn_tp_size=size, attn_cp_rank=0, attn_dp_rank=0, **tp
+    )
     ranks.__enter__()  # for the life of the process, as a launcher's ranks are
     _HELD.append(ranks)  # a collected context manager would restore the old ranks
     if getattr(dp_attention, "_ATTN_DP_SIZE", 0) is None:  # 0.5.20 keeps them in globals
@@ -58,8 +64,9 @@ def publish(model_path: str) -> Any:
 class Decode:
     """One SGLang decode rank: its pools, its manager, its rooms."""
 
-    def __init__(self, spec: dict[str, Any], server_args: Any) -> None:
+    def __init__(self, spec: dict[str, Any], server_args: Any, engine_rank: int = 0) -> None:
         self.bootstrap = spec["bootstrap"]
+        self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
         self.is_mla = spec.get("kind") == "mla"
         self.pool = _kv_pool(spec, self.is_mla)
@@ -91,7 +98,7 @@ class Decode:
 
     def _kv_args(self) -> Any:
         args = KVArgs()
-        args.engine_rank, args.pp_rank, args.system_dp_rank = 0, 0, 0
+        args.engine_rank, args.pp_rank, args.system_dp_rank = self._engine_rank, 0, 0
         args.kv_cache_dtype_str, args.kv_layout = "auto", None
         ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
@@ -191,8 +198,9 @@ def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
 class Decodes:
     """The decodes of this process, by id; each new one's KV pool filled with ``fill_byte``."""
 
-    def __init__(self, model_path: str, fill_byte: int) -> None:
-        self._server_args = publish(model_path)
+    def __init__(self, model_path: str, fill_byte: int, attn_tp: tuple[int, int] = (0, 1)) -> None:
+        self._server_args = publish(model_path, attn_tp)
+        self._engine_rank = attn_tp[0]
         self._fill_byte = fill_byte
         self._decodes: dict[str, Decode] = {}
 
@@ -202,7 +210,8 @@ class Decodes:
         if op == "quit":
             return {}
         if op == "new":
-            decode = self._decodes[command.pop("id")] = Decode(command, self._server_args)
+            decode = Decode(command, self._server_args, self._engine_rank)
+            self._decodes[command.pop("id")] = decode
             decode.fill(self._fill_byte)
             return decode.identity()
         decode = self._decodes[command.pop("id")]
