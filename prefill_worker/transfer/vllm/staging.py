@@ -123,8 +123,8 @@ class PoolViews:
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base_addr))
         item = lay.itemsize
         shape = (lay.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        strides = (lay.page_stride_bytes, lay.num_kv_heads * lay.head_dim * item)
-        strides += (lay.head_dim * item, item)
+        row_bytes = lay.num_kv_heads * lay.head_dim * item
+        strides = (lay.page_stride_bytes, row_bytes, lay.head_dim * item, item)
         typed = raw.view(_UINT[item])
         return np.lib.stride_tricks.as_strided(typed, shape, strides, writeable=False)
 
