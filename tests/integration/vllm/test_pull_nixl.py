@@ -1,0 +1,184 @@
+"""The vLLM pull path over real NIXL (UCX on loopback), decode side played by a bare NIXL
+agent doing what vLLM's NixlConnector does: READ the staged blocks named by the answer's
+params with the notification ``<remote_request_id>:<consumers>``, or send ``HB:`` and
+notification-only messages. The bytes read are vLLM's LBHNC of our pool; every staging
+block returns to the pool on every path. (vLLM's own connector against the worker:
+tests/interop.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.options import Hooks, NixlOptions, VllmOptions
+from prefill_worker.transfer.vllm.backend import PullRegistration, VllmBackend
+from prefill_worker.transfer.vllm.tickets import Tickets
+from tests.polling import wait_until
+
+L, H, D, PS, PAGES, BS, BLOCKS = 2, 2, 8, 16, 40, 32, 12
+
+
+@dataclass
+class Channel:
+    """Stands in for the side channel: the test's decode takes the registration directly."""
+
+    registration: PullRegistration
+    port: int = 5600
+
+    def close(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[VllmBackend, torch.Tensor, Clock, list[Channel]]]:
+    pool = torch.randn(L, 2, PAGES, PS, H, D)
+    lay = KVLayout(L, H, D, "float32", PS, PAGES)
+    k = tuple(pool[i, 0].data_ptr() for i in range(L))
+    v = tuple(pool[i, 1].data_ptr() for i in range(L))
+    channels: list[Channel] = []
+
+    def side_channel(host: str, port: int, registration: PullRegistration) -> Channel:
+        channels.append(Channel(registration))
+        return channels[-1]
+
+    clock = Clock()
+    nixl = NixlOptions(None, ("UCX",), "lo")
+    options = VllmOptions("127.0.0.1", 0, BS, BLOCKS, read_grace_s=1.0, nixl=nixl)
+    backend = VllmBackend(
+        KVRegions(lay, k, v, "cpu", 0, 0), options, Tickets(16), side_channel, Hooks(clock=clock)
+    )
+    yield backend, pool, clock, channels
+    backend.close()
+
+
+class Decode:
+    """A bare NIXL agent that reads staged blocks as vLLM's consumer does."""
+
+    def __init__(self, registration: PullRegistration) -> None:
+        from prefill_worker.transfer.nixl.agent import make_agent
+
+        self.reg = registration
+        self.agent: Any = make_agent("test-decode", ["UCX"], "lo")
+        self.buffer = np.zeros(L * BLOCKS * registration.block_bytes, dtype=np.uint8)
+        table = np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
+        self.registered = self.agent.register_memory(table, "DRAM")
+        self.peer = self.agent.add_remote_agent(registration.agent_metadata)
+
+    def read(self, block_ids: list[int], notif: str) -> np.ndarray:
+        """[L, len(block_ids), H, BS, 2D] float32, read into local blocks 0..n-1."""
+        size = self.reg.block_bytes
+        remote = [
+            (self.reg.region_base_addrs[layer] + b * size, size, 0)
+            for layer in range(L)
+            for b in block_ids
+        ]
+        base = self.buffer.ctypes.data
+        n = len(block_ids)
+        local = [(base + (layer * n + i) * size, size, 0) for layer in range(L) for i in range(n)]
+        handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(local, "DRAM"),
+            self.agent.get_xfer_descs(remote, "DRAM"),
+            self.peer,
+            notif.encode(),
+        )
+        assert self.agent.transfer(handle) in ("PROC", "DONE")
+        wait_until(lambda: self.agent.check_xfer_state(handle) == "DONE", 10.0, "the READ")
+        self.agent.release_xfer_handle(handle)
+        got = self.buffer[: L * n * size].view(np.float32)
+        return got.reshape(L, n, H, BS, 2 * D)
+
+    def notify(self, message: str) -> None:
+        self.agent.send_notif(self.peer, message.encode())
+
+    def close(self) -> None:
+        self.agent.remove_remote_agent(self.peer)
+        self.agent.deregister_memory(self.registered)
+
+
+@pytest.fixture(scope="module")
+def decode(served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]]) -> Iterator[Decode]:
+    d = Decode(served[3][0].registration)
+    yield d
+    d.close()
+
+
+def _prefill(backend: VllmBackend, room: int, n: int, page_ids: list[int]) -> dict[str, Any]:
+    """What the engine does for one request, then the params the HTTP answer would carry."""
+    assert backend.desk.tickets.open(room)
+    sender = backend.create_sender(room, f"r{room}", n)
+    assert sender.poll() is KVPoll.READY
+    sender.send_pages(page_ids, 0)
+    sender.send_aux(0)
+    assert sender.poll() is KVPoll.SUCCESS
+    sender.close()
+    params = backend.desk.tickets.take(room)
+    assert params is not None
+    return dict(params)
+
+
+def _lbhnc(pool: torch.Tensor, page_ids: list[int], n: int) -> np.ndarray:
+    tokens = pool[:, :, page_ids].flatten(2, 3)[:, :, :n]  # [L, 2, n, H, D]
+    blocks = -(-n // BS)
+    out = torch.zeros(L, blocks * BS, H, 2 * D)
+    out[:, :n, :, :D], out[:, :n, :, D:] = tokens[:, 0], tokens[:, 1]
+    return out.view(L, blocks, BS, H, 2 * D).transpose(2, 3).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 33, 300])
+def test_a_read_gets_our_kv_in_lbhnc_and_its_notice_frees_the_blocks(
+    served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]], decode: Decode, n: int
+) -> None:
+    backend, pool, _, _ = served
+    page_ids = [(7 * i + 3) % PAGES for i in range(-(-n // PS))]
+    params = _prefill(backend, 100 + n, n, page_ids)
+    (blocks,) = params["remote_block_ids"]
+    assert len(blocks) == -(-n // BS) and backend.desk.staging.num_free == BLOCKS - len(blocks)
+    got = decode.read(blocks, f"{params['remote_request_id']}:1")
+    want = _lbhnc(pool, page_ids, n)
+    assert np.array_equal(got[:, :, :, :, :].reshape(L, len(blocks), H, BS, 2 * D), want)
+    wait_until(lambda: (backend.poll(), backend.desk.staging.num_free)[1] == BLOCKS, 5.0)
+    assert len(backend.desk.holds) == 0
+
+
+def test_notification_only_heartbeat_and_lease(
+    served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]], decode: Decode
+) -> None:
+    backend, _, clock, _ = served
+    counts = backend.desk.holds.counts
+    hit = _prefill(backend, 1, 20, [0, 1])  # the decode had it all: a notice, no READ
+    decode.notify(f"{hit['remote_request_id']}:1")
+    wait_until(lambda: (backend.poll(), backend.desk.staging.num_free)[1] == BLOCKS, 5.0)
+    kept = _prefill(backend, 2, 20, [0, 1])
+    never = _prefill(backend, 3, 20, [2, 3])
+    clock.offset += 25.0
+    beats = counts.heartbeats
+    decode.notify(f"HB:{kept['remote_request_id']}")
+    wait_until(lambda: (backend.poll(), counts.heartbeats)[1] > beats, 5.0, "the heartbeat")
+    clock.offset += 6.0  # past the lease: `never` expires, `kept` lives on its heartbeat
+    backend.poll()
+    assert kept["remote_request_id"] in backend.desk.holds
+    assert never["remote_request_id"] not in backend.desk.holds and counts.expired == 1
+    clock.offset += 15.0  # past the heartbeat's extension and the read grace
+    backend.poll()
+    assert counts.expired == 2 and backend.desk.staging.num_free == BLOCKS
+    unknown = counts.unknown_notifications
+    decode.notify(f"{never['remote_request_id']}:1")  # a decode reading late: ignored
+    wait_until(lambda: (backend.poll(), counts.unknown_notifications)[1] > unknown, 5.0)
+    assert backend.desk.staging.num_free == BLOCKS
