@@ -470,4 +470,3 @@ SECTIONS: dict[str, type[_Section]] = {
     name: field.annotation  # type: ignore[misc]
     for name, field in Config.model_fields.items()
 }
-

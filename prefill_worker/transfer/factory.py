@@ -1,7 +1,8 @@
 """Picks the transfer backends at start-up, for the daemon (the only caller that sees config):
 the native bootstrap protocol (``make_backend``), SGLang's (``make_sglang_backend``), vLLM's
-pulls (``make_vllm_backend``), or several (``serve_protocols``). No fake is selectable here: nothing in production config can pick one
-(the scheduler's tests fake the seam in ``tests/unit/scheduler/fakes.py``).
+pulls (``make_vllm_backend``), or several (``serve_protocols``). No fake is selectable here:
+nothing in production config can pick one (the scheduler's tests fake the seam in
+``tests/unit/scheduler/fakes.py``).
 """
 
 from __future__ import annotations

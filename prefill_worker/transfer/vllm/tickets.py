@@ -33,6 +33,10 @@ class Tickets:
         self._rooms: dict[int, Params | None] = {}
         self._max_open = max_open
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
     def open(self, room: int) -> bool:
         """Mark ``room`` as a vLLM pull; False when ``max_open`` are open already."""
         with self._lock:

@@ -8,7 +8,7 @@ tests/interop.)"""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +119,16 @@ def decode(served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]]) -> It
     d.close()
 
 
+def _polled(backend: VllmBackend, value: Callable[[], int]) -> Callable[[], int]:
+    """``value`` after a turn of the backend (the engine turns it every NOTIFY_POLL_S)."""
+
+    def turned() -> int:
+        backend.poll()
+        return value()
+
+    return turned
+
+
 def _prefill(backend: VllmBackend, room: int, n: int, page_ids: list[int]) -> dict[str, Any]:
     """What the engine does for one request, then the params the HTTP answer would carry."""
     assert backend.desk.tickets.open(room)
@@ -153,7 +163,8 @@ def test_a_read_gets_our_kv_in_lbhnc_and_its_notice_frees_the_blocks(
     got = decode.read(blocks, f"{params['remote_request_id']}:1")
     want = _lbhnc(pool, page_ids, n)
     assert np.array_equal(got[:, :, :, :, :].reshape(L, len(blocks), H, BS, 2 * D), want)
-    wait_until(lambda: (backend.poll(), backend.desk.staging.num_free)[1] == BLOCKS, 5.0)
+    free = _polled(backend, lambda: backend.desk.staging.num_free)
+    wait_until(lambda: free() == BLOCKS, 5.0, "the blocks freed")
     assert len(backend.desk.holds) == 0
 
 
@@ -164,13 +175,15 @@ def test_notification_only_heartbeat_and_lease(
     counts = backend.desk.holds.counts
     hit = _prefill(backend, 1, 20, [0, 1])  # the decode had it all: a notice, no READ
     decode.notify(f"{hit['remote_request_id']}:1")
-    wait_until(lambda: (backend.poll(), backend.desk.staging.num_free)[1] == BLOCKS, 5.0)
+    free = _polled(backend, lambda: backend.desk.staging.num_free)
+    wait_until(lambda: free() == BLOCKS, 5.0, "the blocks freed")
     kept = _prefill(backend, 2, 20, [0, 1])
     never = _prefill(backend, 3, 20, [2, 3])
     clock.offset += 25.0
     beats = counts.heartbeats
     decode.notify(f"HB:{kept['remote_request_id']}")
-    wait_until(lambda: (backend.poll(), counts.heartbeats)[1] > beats, 5.0, "the heartbeat")
+    heartbeats = _polled(backend, lambda: counts.heartbeats)
+    wait_until(lambda: heartbeats() > beats, 5.0, "the heartbeat")
     clock.offset += 6.0  # past the lease: `never` expires, `kept` lives on its heartbeat
     backend.poll()
     assert kept["remote_request_id"] in backend.desk.holds
@@ -180,5 +193,6 @@ def test_notification_only_heartbeat_and_lease(
     assert counts.expired == 2 and backend.desk.staging.num_free == BLOCKS
     unknown = counts.unknown_notifications
     decode.notify(f"{never['remote_request_id']}:1")  # a decode reading late: ignored
-    wait_until(lambda: (backend.poll(), counts.unknown_notifications)[1] > unknown, 5.0)
+    unknowns = _polled(backend, lambda: counts.unknown_notifications)
+    wait_until(lambda: unknowns() > unknown, 5.0, "the late notice")
     assert backend.desk.staging.num_free == BLOCKS
