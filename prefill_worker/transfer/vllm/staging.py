@@ -105,10 +105,19 @@ class StagingPool:
         shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
         return raw.view(_UINT[lay.itemsize]).reshape(shape)
 
+    def layer_rows(self, layer: int) -> np.ndarray:
+        """The same as [num_blocks, heads, block_size, 2] rows of one head's K (0) or V (1):
+        each row one ``head_dim`` run, copied as a unit."""
+        lay = self.layout
+        start = layer * lay.region_bytes
+        raw = self._buffer[start : start + lay.region_bytes]
+        shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2)
+        return raw.view(_row_type(lay.head_dim * lay.itemsize)).reshape(shape)
+
 
 class PoolViews:
-    """This worker's pool as numpy views, per layer: K and V ``[num_pages, page_size, heads,
-    head_dim]`` (strided: a page-major pool's pages are further apart)."""
+    """This worker's pool as numpy views, per layer: K and V ``[num_pages, page_size, heads]``
+    rows of one ``head_dim`` run each (strided: a page-major pool's pages are further apart)."""
 
     def __init__(self, regions: KVRegions) -> None:
         lay = regions.layout
@@ -121,12 +130,16 @@ class PoolViews:
         lay = regions.layout
         span = (lay.num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base_addr))
-        item = lay.itemsize
-        shape = (lay.num_pages, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        row_bytes = lay.num_kv_heads * lay.head_dim * item
-        strides = (lay.page_stride_bytes, row_bytes, lay.head_dim * item, item)
-        typed = raw.view(_UINT[item])
-        return np.lib.stride_tricks.as_strided(typed, shape, strides, writeable=False)
+        row_bytes = lay.head_dim * lay.itemsize
+        shape = (lay.num_pages, lay.page_size, lay.num_kv_heads)
+        strides = (lay.page_stride_bytes, lay.num_kv_heads * row_bytes, row_bytes)
+        rows = raw.view(_row_type(row_bytes))
+        return np.lib.stride_tricks.as_strided(rows, shape, strides, writeable=False)
+
+
+def _row_type(num_bytes: int) -> np.dtype[np.void]:
+    """One ``head_dim`` run as a single numpy element: copies move whole runs, not items."""
+    return np.dtype(f"V{num_bytes}")
 
 
 def repack(
@@ -138,20 +151,36 @@ def repack(
     num_tokens: int,
 ) -> int:
     """Copy the tokens of prompt pages [first_page, first_page + len(page_ids)) (held in our
-    pages ``page_ids``) into the request's staging ``block_ids``; returns the bytes copied."""
-    ps, bs = pool.page_size, staging.layout.block_size
+    pages ``page_ids``) into the request's staging ``block_ids``; returns the bytes copied.
+    Whole pages are gathered first (one run per page and layer); whole blocks are then
+    written as one transposed copy each, and only the tokens of a block the range covers in
+    part one by one."""
+    ps, lay = pool.page_size, staging.layout
     start, stop = first_page * ps, min((first_page + len(page_ids)) * ps, num_tokens)
     if stop <= start:
         return 0
-    tokens = np.arange(start, stop)
-    src_pages = np.asarray(page_ids, dtype=np.int64)[tokens // ps - first_page]
-    src_slots = tokens % ps
-    dst_blocks = np.asarray(block_ids, dtype=np.int64)[tokens // bs]
-    dst_slots = tokens % bs
-    head_dim = staging.layout.head_dim
-    for layer in range(staging.layout.num_layers):
-        dst = staging.layer_view(layer)
-        dst[dst_blocks, :, dst_slots, :head_dim] = pool.k[layer][src_pages, src_slots]
-        dst[dst_blocks, :, dst_slots, head_dim:] = pool.v[layer][src_pages, src_slots]
-    lay = staging.layout
-    return (stop - start) * lay.num_layers * lay.num_kv_heads * 2 * head_dim * lay.itemsize
+    pages = np.asarray(page_ids, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    for layer in range(lay.num_layers):
+        dst = staging.layer_rows(layer)
+        for plane, src in enumerate((pool.k[layer], pool.v[layer])):
+            rows = src[pages].reshape(-1, lay.num_kv_heads)[: stop - start]
+            _scatter(rows, dst, plane, blocks, start, lay.block_size)
+    return (stop - start) * lay.num_layers * lay.num_kv_heads * 2 * lay.head_dim * lay.itemsize
+
+
+def _scatter(
+    rows: np.ndarray, dst: np.ndarray, plane: int, blocks: np.ndarray, start: int, bs: int
+) -> None:
+    """``rows`` ([tokens, heads], prompt tokens from ``start``) into plane ``plane`` of the
+    blocks: the whole blocks in one copy, the edges token by token."""
+    stop = start + len(rows)
+    first, last = -(-start // bs) * bs, stop // bs * bs  # the whole blocks: [first, last)
+    if last > first:
+        whole = rows[first - start : last - start].reshape(-1, bs, rows.shape[1])
+        dst[blocks[first // bs : last // bs], :, :, plane] = whole.transpose(0, 2, 1)
+    else:
+        first = last = stop
+    edges = np.r_[start:first, last:stop]
+    if len(edges):
+        dst[blocks[edges // bs], :, edges % bs, plane] = rows[edges - start]
