@@ -270,7 +270,7 @@ class TransferConfig(_Section):
         "CPU backend). Independent of cache.page_size: the KV is repacked (docs/vllm.md).",
     )
     vllm_staging_blocks: int = Field(
-        4096,
+        256,
         ge=1,
         description="Staging blocks for vLLM pulls: the most KV held for vLLM decodes at once "
         "(each block is vllm_block_size tokens of every layer; docs/vllm.md sizes it).",
