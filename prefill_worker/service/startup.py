@@ -39,6 +39,7 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
     Transfer,
@@ -210,8 +211,9 @@ def start_transfer(
                 backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
             if "vllm" in cfg.protocols:
                 tickets = Tickets(config.http_api.max_inflight_requests)
-                options = _vllm_options(config)
-                backends["vllm"] = make_vllm_backend(regions, options, tickets, hooks)
+                vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
+                backends["vllm"] = vllm
+                metrics.registry.register(VllmPullCollector(vllm.desk))
         except BaseException:
             for backend in backends.values():
                 backend.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import TransferBackend
@@ -21,6 +22,9 @@ from prefill_worker.transfer.options import (
     VllmOptions,
 )
 from prefill_worker.transfer.vllm.tickets import Tickets
+
+if TYPE_CHECKING:
+    from prefill_worker.transfer.vllm.backend import VllmBackend
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ def make_sglang_backend(
 
 def make_vllm_backend(
     regions: KVRegions, options: VllmOptions, tickets: Tickets, hooks: Hooks = DEFAULT_HOOKS
-) -> TransferBackend:
+) -> VllmBackend:
     """This worker as a vLLM prefill (``transfer/vllm``): the staging region registered with
     a NIXL agent of its own, the side channel bound. ``StagingRefused`` (a ``ValueError``)
     for a pool it cannot stage (MLA, device memory)."""
