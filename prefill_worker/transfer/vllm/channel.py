@@ -5,6 +5,8 @@ it the staging registration (``backend.PullRegistration``)."""
 
 from __future__ import annotations
 
+import importlib
+
 from prefill_worker.transfer.vllm.backend import PullRegistration, SideChannel
 from prefill_worker.transfer.vllm.staging import StagingRefused
 
@@ -13,7 +15,7 @@ def serve_side_channel(host: str, port: int, registration: PullRegistration) -> 
     """The side channel bound on ``host:port`` (0: a free port), serving ``registration``.
     ``StagingRefused`` when this build has no side channel."""
     try:
-        from prefill_worker.transfer.vllm import handshake  # noqa: F401
+        importlib.import_module("prefill_worker.transfer.vllm.handshake")
     except ImportError as exc:
         raise StagingRefused(
             "transfer.protocol vllm: this build has no vLLM side channel "
