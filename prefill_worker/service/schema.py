@@ -287,6 +287,16 @@ class TransferConfig(_Section):
         description="After a lease ends, its blocks wait this long more before reuse (a READ "
         "posted just before the end may still be in flight).",
     )
+    vllm_model: str | None = Field(
+        None,
+        description="The model string vLLM decodes were started with (their compatibility hash "
+        "covers it); unset: http_api.served_model_name, else model.path.",
+    )
+    vllm_attention_backend: str = Field(
+        "FLASH_ATTN",
+        description="The vLLM decodes' attention backend name, as their compatibility hash "
+        "covers it: `FLASH_ATTN` on GPU, `CPU_ATTN` on CPU.",
+    )
     vllm_engine_id: str | None = Field(
         None,
         description="The engine id vLLM decodes know this worker by (`remote_engine_id`); "

@@ -53,6 +53,7 @@ from prefill_worker.transfer.options import (
     NativeOptions,
     NixlOptions,
     SglangOptions,
+    VllmIdentity,
     VllmOptions,
 )
 from prefill_worker.transfer.validate import BootstrapLimits
@@ -247,6 +248,7 @@ def _sglang_options(config: Config) -> SglangOptions:
 def _vllm_options(config: Config) -> VllmOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
+    model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
     return VllmOptions(
         cfg.vllm_side_channel_host,
         cfg.vllm_side_channel_port,
@@ -255,6 +257,7 @@ def _vllm_options(config: Config) -> VllmOptions:
         lease_s=cfg.vllm_lease_s,
         read_grace_s=cfg.vllm_read_grace_s,
         engine_id=cfg.vllm_engine_id,
+        identity=VllmIdentity(model, cfg.vllm_attention_backend),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
     )
 

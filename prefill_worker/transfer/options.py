@@ -59,6 +59,15 @@ class SglangOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmIdentity:
+    """What vLLM decodes hash with this worker's shape (their compatibility hash): the model
+    string they were started with and their attention backend's name."""
+
+    model: str = ""
+    attention_backend: str = "FLASH_ATTN"  # CPU decodes: CPU_ATTN
+
+
+@dataclass(frozen=True, slots=True)
 class VllmOptions:
     """Where vLLM decodes reach this worker and how long staged blocks wait for them."""
 
@@ -69,6 +78,7 @@ class VllmOptions:
     lease_s: float = 30.0  # vLLM's kv_lease_duration
     read_grace_s: float = 5.0  # an expired hold's blocks wait this long before reuse
     engine_id: str | None = None  # None: a generated one
+    identity: VllmIdentity = field(default_factory=VllmIdentity)
     nixl: NixlOptions = field(default_factory=NixlOptions)
 
 

@@ -29,11 +29,16 @@ import numpy as np
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
-from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmOptions
+from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.sender import VllmSender
-from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
+from prefill_worker.transfer.vllm.staging import (
+    PoolViews,
+    StagingLayout,
+    StagingPool,
+    staging_layout,
+)
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
@@ -42,15 +47,20 @@ _IDLE_POLL_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class PullRegistration:
-    """What the side channel tells a decode (vLLM's ``NixlAgentMetadata``, in our words)."""
+    """What the side channel tells a decode (vLLM's ``NixlAgentMetadata``, in our words), and
+    what the compatibility hash is computed from (``identity``: the model string and the
+    attention backend name the decodes use, from config)."""
 
     engine_id: str
     agent_metadata: bytes
-    region_base_addrs: tuple[int, ...]  # one per layer
+    region_base_addrs: tuple[int, ...]  # one per layer, kv_cache_layout "LBHNC"
     block_bytes: int  # one block of one layer (K‖V); also the stride between blocks
     num_blocks: int
     block_size: int
     registration_generation: int
+    layout: StagingLayout  # layers, KV heads, head_dim, itemsize
+    dtype: str  # the pool's, a key of kv.layout.DTYPE_ITEMSIZE
+    identity: VllmIdentity
 
 
 class SideChannel(Protocol):
@@ -98,6 +108,9 @@ class VllmBackend:
             lay.num_blocks,
             lay.block_size,
             time.time_ns() // 1_000_000,
+            lay,
+            regions.layout.dtype,
+            options.identity,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port
