@@ -76,3 +76,45 @@ def test_a_room_claimed_elsewhere_leaves_the_staging_whole() -> None:
     assert vllm.poll() is KVPoll.FAILED
     dual.close()
     assert desk.staging.num_free == BLOCKS and len(desk.holds) == 0
+
+
+class _Backend:
+    """A backend seam that records what the composition asks of it."""
+
+    def __init__(self, name: str, next_at: float, fails_close: bool = False) -> None:
+        self.bootstrap_endpoint = f"tcp://{name}"
+        self.endpoints = {name: f"tcp://{name}"}
+        self.next_at, self.fails_close = next_at, fails_close
+        self.waited: list[float] = []
+        self.is_closed = False
+
+    def create_sender(self, *args: object, **kwargs: object) -> FakeSender:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        pass
+
+    def next_poll_at(self) -> float:
+        return self.next_at
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        self.waited.append(timeout_s)
+
+    def close(self) -> None:
+        self.is_closed = True
+        if self.fails_close:
+            raise RuntimeError(f"{self.endpoints} would not close")
+
+
+def test_three_backends_sleep_in_the_first_and_all_close() -> None:
+    from prefill_worker.transfer.dual import DualBackend
+
+    native, sglang, vllm = _Backend("n", 50.0, True), _Backend("s", 40.0), _Backend("v", 10.02)
+    dual = DualBackend({"native": native, "sglang": sglang, "vllm": vllm}, clock=lambda: 10.0)
+    assert dual.endpoints == {"n": "tcp://n", "s": "tcp://s", "v": "tcp://v"}
+    assert dual.next_poll_at() == 10.02
+    dual.wait(1.0)
+    assert native.waited == [pytest.approx(0.02)] and not sglang.waited and not vllm.waited
+    with pytest.raises(RuntimeError, match="would not close"):
+        dual.close()
+    assert native.is_closed and sglang.is_closed and vllm.is_closed
