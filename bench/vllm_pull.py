@@ -37,6 +37,9 @@ class _Channel:
     def __init__(self, registration: Any) -> None:
         self.registration, self.port = registration, 0
 
+    def poll(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 

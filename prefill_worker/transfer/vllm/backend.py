@@ -42,7 +42,7 @@ from prefill_worker.transfer.vllm.staging import (
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
-_IDLE_POLL_S = 1.0
+_IDLE_POLL_S = 0.2  # idle: how soon a first handshake is answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +64,13 @@ class PullRegistration:
 
 
 class SideChannel(Protocol):
-    """The decode-facing handshake server (``handshake``), serving one registration."""
+    """The decode-facing handshake server (``channel``), serving one registration; ``poll``
+    answers what is pending and never blocks."""
 
     @property
     def port(self) -> int: ...
+
+    def poll(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -133,6 +136,7 @@ class VllmBackend:
         return VllmSender(self.desk, room, num_prompt_tokens)
 
     def poll(self) -> None:
+        self._channel.poll()  # handshakes: a decode waits 5 s for its answer
         try:
             notifs = self.agent.get_new_notifs()
         except NIXL_ERRORS:  # a decode's connection broke: its holds end at their leases

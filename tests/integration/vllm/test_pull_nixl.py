@@ -1,7 +1,8 @@
-"""The vLLM pull path over real NIXL (UCX on loopback), decode side played by a bare NIXL
-agent doing what vLLM's NixlConnector does: READ the staged blocks named by the answer's
-params with the notification ``<remote_request_id>:<consumers>``, or send ``HB:`` and
-notification-only messages. The bytes read are vLLM's LBHNC of our pool; every staging
+"""The vLLM pull path over real NIXL (UCX on loopback) and the real side channel (ZMQ),
+decode side played by a bare NIXL agent doing what vLLM's NixlConnector does: handshake
+(``get_meta_msg``: the hash and the metadata it decodes), READ the staged blocks named by
+the answer's params with the notification ``<remote_request_id>:<consumers>``, or send
+``HB:`` and notification-only messages. The bytes read are vLLM's LBHNC of our pool; every staging
 block returns to the pool on every path. (vLLM's own connector against the worker:
 tests/interop.)"""
 
@@ -9,32 +10,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.options import Hooks, NixlOptions, VllmOptions
-from prefill_worker.transfer.vllm.backend import PullRegistration, VllmBackend
+from prefill_worker.transfer.options import Hooks, NixlOptions, VllmIdentity, VllmOptions
+from prefill_worker.transfer.vllm.backend import VllmBackend
+from prefill_worker.transfer.vllm.channel import serve_side_channel
+from prefill_worker.transfer.vllm.handshake import (
+    CompatFactors,
+    HandshakePayload,
+    NixlAgentMetadata,
+    compat_hash,
+)
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.polling import wait_until
 
 L, H, D, PS, PAGES, BS, BLOCKS = 2, 2, 8, 16, 40, 32, 12
-
-
-@dataclass
-class Channel:
-    """Stands in for the side channel: the test's decode takes the registration directly."""
-
-    registration: PullRegistration
-    port: int = 5600
-
-    def close(self) -> None:
-        pass
+MODEL = "tiny-llama"
 
 
 class Clock:
@@ -46,45 +45,64 @@ class Clock:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[VllmBackend, torch.Tensor, Clock, list[Channel]]]:
+def served() -> Iterator[tuple[VllmBackend, torch.Tensor, Clock]]:
     pool = torch.randn(L, 2, PAGES, PS, H, D)
     lay = KVLayout(L, H, D, "float32", PS, PAGES)
     k = tuple(pool[i, 0].data_ptr() for i in range(L))
     v = tuple(pool[i, 1].data_ptr() for i in range(L))
-    channels: list[Channel] = []
-
-    def side_channel(host: str, port: int, registration: PullRegistration) -> Channel:
-        channels.append(Channel(registration))
-        return channels[-1]
-
     clock = Clock()
     nixl = NixlOptions(None, ("UCX",), "lo")
-    options = VllmOptions("127.0.0.1", 0, BS, BLOCKS, read_grace_s=1.0, nixl=nixl)
-    backend = VllmBackend(
-        KVRegions(lay, k, v, "cpu", 0, 0), options, Tickets(16), side_channel, Hooks(clock=clock)
+    identity = VllmIdentity(MODEL, "CPU_ATTN")
+    options = VllmOptions(
+        "127.0.0.1", 0, BS, BLOCKS, read_grace_s=1.0, identity=identity, nixl=nixl
     )
-    yield backend, pool, clock, channels
+    backend = VllmBackend(
+        KVRegions(lay, k, v, "cpu", 0, 0),
+        options,
+        Tickets(16),
+        serve_side_channel,
+        Hooks(clock=clock),
+    )
+    yield backend, pool, clock
     backend.close()
+
+
+def handshake(backend: VllmBackend, port: int) -> tuple[str, NixlAgentMetadata]:
+    """What a vLLM decode does first: ``get_meta_msg`` to the side channel (the backend
+    answers it in ``poll``); the hash and the decoded metadata."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
+        answered = _polled(backend, lambda: sock.poll(0))
+        wait_until(lambda: answered() != 0, 5.0, "the handshake")
+        payload, _clock = sock.recv_multipart()
+    finally:
+        sock.close()
+    reply = msgspec.msgpack.decode(payload, type=HandshakePayload)
+    meta = msgspec.msgpack.decode(reply.agent_metadata_bytes, type=NixlAgentMetadata)
+    return reply.compatibility_hash, meta
 
 
 class Decode:
     """A bare NIXL agent that reads staged blocks as vLLM's consumer does."""
 
-    def __init__(self, registration: PullRegistration) -> None:
+    def __init__(self, meta: NixlAgentMetadata) -> None:
         from prefill_worker.transfer.nixl.agent import make_agent
 
-        self.reg = registration
+        self.meta = meta
         self.agent: Any = make_agent("test-decode", ["UCX"], "lo")
-        self.buffer = np.zeros(L * BLOCKS * registration.block_bytes, dtype=np.uint8)
+        self.buffer = np.zeros(L * BLOCKS * meta.block_lens[0], dtype=np.uint8)
         table = np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
         self.registered = self.agent.register_memory(table, "DRAM")
-        self.peer = self.agent.add_remote_agent(registration.agent_metadata)
+        self.peer = self.agent.add_remote_agent(meta.agent_metadata)
 
     def read(self, block_ids: list[int], notif: str) -> np.ndarray:
         """[L, len(block_ids), H, BS, 2D] float32, read into local blocks 0..n-1."""
-        size = self.reg.block_bytes
+        size = self.meta.block_lens[0]
         remote = [
-            (self.reg.region_base_addrs[layer] + b * size, size, 0)
+            (self.meta.kv_caches_base_addr[layer] + b * size, size, 0)
             for layer in range(L)
             for b in block_ids
         ]
@@ -113,8 +131,16 @@ class Decode:
 
 
 @pytest.fixture(scope="module")
-def decode(served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]]) -> Iterator[Decode]:
-    d = Decode(served[3][0].registration)
+def decode(served: tuple[VllmBackend, torch.Tensor, Clock]) -> Iterator[Decode]:
+    backend = served[0]
+    port = int(backend.bootstrap_endpoint.rpartition(":")[2])
+    hash_, meta = handshake(backend, port)
+    want = CompatFactors(MODEL, "float32", H, D, L, attn_backend_name="CPU_ATTN")
+    assert hash_ == compat_hash(want)
+    assert meta.kv_cache_layout == "LBHNC" and meta.block_size == BS
+    assert meta.num_blocks == BLOCKS and meta.engine_id == backend.registration.engine_id
+    assert meta.block_lens == [H * BS * 2 * D * 4] * L
+    d = Decode(meta)
     yield d
     d.close()
 
@@ -153,9 +179,9 @@ def _lbhnc(pool: torch.Tensor, page_ids: list[int], n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [1, 33, 300])
 def test_a_read_gets_our_kv_in_lbhnc_and_its_notice_frees_the_blocks(
-    served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]], decode: Decode, n: int
+    served: tuple[VllmBackend, torch.Tensor, Clock], decode: Decode, n: int
 ) -> None:
-    backend, pool, _, _ = served
+    backend, pool, _ = served
     page_ids = [(7 * i + 3) % PAGES for i in range(-(-n // PS))]
     params = _prefill(backend, 100 + n, n, page_ids)
     (blocks,) = params["remote_block_ids"]
@@ -169,9 +195,9 @@ def test_a_read_gets_our_kv_in_lbhnc_and_its_notice_frees_the_blocks(
 
 
 def test_notification_only_heartbeat_and_lease(
-    served: tuple[VllmBackend, torch.Tensor, Clock, list[Channel]], decode: Decode
+    served: tuple[VllmBackend, torch.Tensor, Clock], decode: Decode
 ) -> None:
-    backend, _, clock, _ = served
+    backend, _, clock = served
     counts = backend.desk.holds.counts
     hit = _prefill(backend, 1, 20, [0, 1])  # the decode had it all: a notice, no READ
     decode.notify(f"{hit['remote_request_id']}:1")
