@@ -12,24 +12,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.options import Hooks, NixlOptions, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.backend import VllmBackend
 from prefill_worker.transfer.vllm.channel import serve_side_channel
-from prefill_worker.transfer.vllm.handshake import (
-    CompatFactors,
-    HandshakePayload,
-    NixlAgentMetadata,
-    compat_hash,
-)
+from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.tickets import Tickets
+from tests.integration.vllm.decode import PullDecode, handshake
 from tests.polling import wait_until
 
 L, H, D, PS, PAGES, BS, BLOCKS = 2, 2, 8, 16, 40, 32, 12
@@ -67,80 +61,17 @@ def served() -> Iterator[tuple[VllmBackend, torch.Tensor, Clock]]:
     backend.close()
 
 
-def handshake(backend: VllmBackend, port: int) -> tuple[str, NixlAgentMetadata]:
-    """What a vLLM decode does first: ``get_meta_msg`` to the side channel (the backend
-    answers it in ``poll``); the hash and the decoded metadata."""
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        sock.send(msgspec.msgpack.encode((b"get_meta_msg", 0, 0)))
-        answered = _polled(backend, lambda: sock.poll(0))
-        wait_until(lambda: answered() != 0, 5.0, "the handshake")
-        payload, _clock = sock.recv_multipart()
-    finally:
-        sock.close()
-    reply = msgspec.msgpack.decode(payload, type=HandshakePayload)
-    meta = msgspec.msgpack.decode(reply.agent_metadata_bytes, type=NixlAgentMetadata)
-    return reply.compatibility_hash, meta
-
-
-class Decode:
-    """A bare NIXL agent that reads staged blocks as vLLM's consumer does."""
-
-    def __init__(self, meta: NixlAgentMetadata) -> None:
-        from prefill_worker.transfer.nixl.agent import make_agent
-
-        self.meta = meta
-        self.agent: Any = make_agent("test-decode", ["UCX"], "lo")
-        self.buffer = np.zeros(L * BLOCKS * meta.block_lens[0], dtype=np.uint8)
-        table = np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
-        self.registered = self.agent.register_memory(table, "DRAM")
-        self.peer = self.agent.add_remote_agent(meta.agent_metadata)
-
-    def read(self, block_ids: list[int], notif: str) -> np.ndarray:
-        """[L, len(block_ids), H, BS, 2D] float32, read into local blocks 0..n-1."""
-        size = self.meta.block_lens[0]
-        remote = [
-            (self.meta.kv_caches_base_addr[layer] + b * size, size, 0)
-            for layer in range(L)
-            for b in block_ids
-        ]
-        base = self.buffer.ctypes.data
-        n = len(block_ids)
-        local = [(base + (layer * n + i) * size, size, 0) for layer in range(L) for i in range(n)]
-        handle = self.agent.initialize_xfer(
-            "READ",
-            self.agent.get_xfer_descs(local, "DRAM"),
-            self.agent.get_xfer_descs(remote, "DRAM"),
-            self.peer,
-            notif.encode(),
-        )
-        assert self.agent.transfer(handle) in ("PROC", "DONE")
-        wait_until(lambda: self.agent.check_xfer_state(handle) == "DONE", 10.0, "the READ")
-        self.agent.release_xfer_handle(handle)
-        got = self.buffer[: L * n * size].view(np.float32)
-        return got.reshape(L, n, H, BS, 2 * D)
-
-    def notify(self, message: str) -> None:
-        self.agent.send_notif(self.peer, message.encode())
-
-    def close(self) -> None:
-        self.agent.remove_remote_agent(self.peer)
-        self.agent.deregister_memory(self.registered)
-
-
 @pytest.fixture(scope="module")
-def decode(served: tuple[VllmBackend, torch.Tensor, Clock]) -> Iterator[Decode]:
+def decode(served: tuple[VllmBackend, torch.Tensor, Clock]) -> Iterator[PullDecode]:
     backend = served[0]
     port = int(backend.bootstrap_endpoint.rpartition(":")[2])
-    hash_, meta = handshake(backend, port)
+    hash_, meta = handshake("127.0.0.1", port, backend.poll)
     want = CompatFactors(MODEL, "float32", H, D, L, attn_backend_name="CPU_ATTN")
     assert hash_ == compat_hash(want)
     assert meta.kv_cache_layout == "LBHNC" and meta.block_size == BS
     assert meta.num_blocks == BLOCKS and meta.engine_id == backend.registration.engine_id
     assert meta.block_lens == [H * BS * 2 * D * 4] * L
-    d = Decode(meta)
+    d = PullDecode(meta)
     yield d
     d.close()
 
@@ -179,23 +110,23 @@ def _lbhnc(pool: torch.Tensor, page_ids: list[int], n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("n", [1, 33, 300])
 def test_a_read_gets_our_kv_in_lbhnc_and_its_notice_frees_the_blocks(
-    served: tuple[VllmBackend, torch.Tensor, Clock], decode: Decode, n: int
+    served: tuple[VllmBackend, torch.Tensor, Clock], decode: PullDecode, n: int
 ) -> None:
     backend, pool, _ = served
     page_ids = [(7 * i + 3) % PAGES for i in range(-(-n // PS))]
     params = _prefill(backend, 100 + n, n, page_ids)
     (blocks,) = params["remote_block_ids"]
     assert len(blocks) == -(-n // BS) and backend.desk.staging.num_free == BLOCKS - len(blocks)
-    got = decode.read(blocks, f"{params['remote_request_id']}:1")
+    got = decode.read(blocks, f"{params['remote_request_id']}:1").view(np.float32)
     want = _lbhnc(pool, page_ids, n)
-    assert np.array_equal(got[:, :, :, :, :].reshape(L, len(blocks), H, BS, 2 * D), want)
+    assert np.array_equal(got.reshape(L, len(blocks), H, BS, 2 * D), want)
     free = _polled(backend, lambda: backend.desk.staging.num_free)
     wait_until(lambda: free() == BLOCKS, 5.0, "the blocks freed")
     assert len(backend.desk.holds) == 0
 
 
 def test_notification_only_heartbeat_and_lease(
-    served: tuple[VllmBackend, torch.Tensor, Clock], decode: Decode
+    served: tuple[VllmBackend, torch.Tensor, Clock], decode: PullDecode
 ) -> None:
     backend, _, clock = served
     counts = backend.desk.holds.counts
