@@ -96,7 +96,10 @@ class VllmBackend:
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
-            engine_id, list(nixl.backends), nixl.ucx_net_devices, progress_thread=True
+            nixl.agent_name or engine_id,
+            list(nixl.backends),
+            nixl.ucx_net_devices,
+            progress_thread=True,
         )
         lay = staging.layout
         table = np.array(

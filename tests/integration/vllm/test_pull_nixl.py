@@ -153,3 +153,39 @@ def test_notification_only_heartbeat_and_lease(
     unknowns = _polled(backend, lambda: counts.unknown_notifications)
     wait_until(lambda: unknowns() > unknown, 5.0, "the late notice")
     assert backend.desk.staging.num_free == BLOCKS
+
+
+def test_a_restart_registers_a_newer_generation_and_forgets_old_holds(
+    served: tuple[VllmBackend, torch.Tensor, Clock], decode: PullDecode
+) -> None:
+    """A restarted worker (a second backend over the same engine id): its answers carry a
+    larger registration generation (vLLM re-handshakes), its hold ids never match the
+    previous run's, and a notification for one of those is counted as unknown."""
+    backend, pool, _ = served
+    old = _prefill(backend, 900, 20, [4, 5])
+    lay = KVLayout(L, H, D, "float32", PS, PAGES)
+    k = tuple(pool[i, 0].data_ptr() for i in range(L))
+    v = tuple(pool[i, 1].data_ptr() for i in range(L))
+    options = VllmOptions(
+        "127.0.0.1", 0, BS, BLOCKS, engine_id=old["remote_engine_id"], nixl=backend_nixl()
+    )
+    restarted = VllmBackend(
+        KVRegions(lay, k, v, "cpu", 0, 0), options, Tickets(4), serve_side_channel
+    )
+    try:
+        new = _prefill(restarted, 900, 20, [4, 5])
+        assert new["remote_engine_id"] == old["remote_engine_id"]
+        assert new["remote_registration_generation"] > old["remote_registration_generation"]
+        assert new["remote_request_id"] != old["remote_request_id"]
+        restarted.desk.notify(f"{old['remote_request_id']}:1".encode())
+        assert restarted.desk.holds.counts.unknown_notifications == 1
+        assert len(restarted.desk.holds) == 1
+    finally:
+        restarted.close()
+    assert restarted.desk.staging.num_free == BLOCKS  # closing returned its held blocks
+    backend.desk.notify(f"{old['remote_request_id']}:1".encode())
+    assert backend.desk.staging.num_free == BLOCKS
+
+
+def backend_nixl() -> NixlOptions:
+    return NixlOptions(None, ("UCX",), "lo")
