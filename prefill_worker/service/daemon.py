@@ -183,7 +183,13 @@ class Daemon:
             served = (info, Limits(*limits, ttft_slo_s=cfg.admission.ttft_slo_s))
             with watch("http api"):
                 front = start_http_api(
-                    cfg, self.inbox, engine, served, self.metrics, self.health.is_live
+                    cfg,
+                    self.inbox,
+                    engine,
+                    served,
+                    self.metrics,
+                    self.health.is_live,
+                    transfer.tickets,
                 )
             self._http_api = front
             self._closers.append(("http api", front.stop))

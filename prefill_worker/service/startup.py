@@ -41,15 +41,25 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
     Transfer,
     make_backend,
     make_sglang_backend,
+    make_vllm_backend,
     serve_protocols,
 )
-from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions, SglangOptions
+from prefill_worker.transfer.options import (
+    Hooks,
+    NativeOptions,
+    NixlOptions,
+    SglangOptions,
+    VllmIdentity,
+    VllmOptions,
+)
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
 log = logging.getLogger("prefill_worker.service.daemon")
@@ -203,16 +213,23 @@ def start_transfer(
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
-        native = _native_backend(config, regions, hooks)
+        backends: dict[str, TransferBackend] = {}
+        tickets = None
         try:
-            sglang = None
-            if cfg.protocol != "native":
-                sglang = make_sglang_backend(regions, _sglang_options(config), hooks)
+            if "native" in cfg.protocols:
+                backends["native"] = _native_backend(config, regions, hooks)
+            if "sglang" in cfg.protocols:
+                backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
+            if "vllm" in cfg.protocols:
+                tickets = Tickets(config.http_api.max_inflight_requests)
+                vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
+                backends["vllm"] = vllm
+                metrics.registry.register(VllmPullCollector(vllm.desk))
         except BaseException:
-            if native is not None:
-                native.close()
+            for backend in backends.values():
+                backend.close()
             raise
-        return serve_protocols(native, sglang)
+        return serve_protocols(backends, tickets)
 
 
 def _limits(config: Config) -> BootstrapLimits:
@@ -238,10 +255,25 @@ def _sglang_options(config: Config) -> SglangOptions:
     )
 
 
-def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend | None:
+def _vllm_options(config: Config) -> VllmOptions:
     cfg = config.transfer
-    if cfg.protocol == "sglang":
-        return None
+    agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
+    model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
+    return VllmOptions(
+        cfg.vllm_side_channel_host,
+        cfg.vllm_side_channel_port,
+        cfg.vllm_block_size,
+        cfg.vllm_staging_blocks,
+        lease_s=cfg.vllm_lease_s,
+        read_grace_s=cfg.vllm_read_grace_s,
+        engine_id=cfg.vllm_engine_id,
+        identity=VllmIdentity(model, cfg.vllm_attention_backend),
+        nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+    )
+
+
+def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend:
+    cfg = config.transfer
     curve = None
     if cfg.curve_secret_key_file:
         curve = CurveServerKeys.from_files(
@@ -353,6 +385,7 @@ def start_http_api(
     served: tuple[ModelInfo, Limits],
     metrics: WorkerMetrics,
     is_live: Callable[[], bool],
+    tickets: Tickets | None = None,
 ) -> HttpApi:
     """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
     the daemon calls ``set_ready``."""
@@ -385,6 +418,7 @@ def start_http_api(
             is_live=is_live,
             metrics_text=lambda: generate_latest(metrics.registry),
             on_reject=metrics.on_reject,
+            tickets=tickets,
         )
         front.start()
     return front
