@@ -12,10 +12,10 @@ tokens, prefilled by the worker's own runner (``model.build(..., tp=TPGroup(...)
 Every process builds the model once, runs a warm-up forward, then the parent steps the
 configurations in turn (TP 1 once, TP N once, ...; ``--repeats`` rounds), so a noisy
 neighbour hurts both sides alike; the best round of each counts. A TP N round is timed from
-a barrier to the slowest rank's end. Each rank also times its ``all_reduce`` calls (this
-process wraps ``torch.distributed.all_reduce``, which ``model.parallel`` calls; on CUDA with a
-device sync around each): ``collective_share`` is that time over the rank's forward time,
-averaged over the ranks of the best round. Every wait has a deadline; a process left alive
+a barrier to the slowest rank's end. Each rank also times its ``all_reduce`` calls (it
+wraps ``torch.distributed.all_reduce``, which ``model.parallel`` calls; on CUDA by events on
+the stream, with no extra sync): ``collective_share`` is that time over the rank's forward
+time, averaged over the ranks of the best round. Every wait has a deadline; a process left alive
 at the end is killed. Prints, and appends to ``bench/results/tp.json``, one JSON line per TP
 size::
 
@@ -39,11 +39,11 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -124,21 +124,33 @@ def prompt_plan(setup: Setup, vocab: int) -> BatchPlan:
 
 
 class CollectiveClock:
-    """Wraps ``torch.distributed.all_reduce`` in this process and sums its wall time."""
+    """Wraps ``torch.distributed.all_reduce`` in this process and sums its time: wall time
+    on CPU (gloo returns when the sum is done), CUDA events around it on the stream on CUDA
+    (NCCL's kernel, waits for the peers included, with no sync to perturb the forward)."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self.seconds = 0.0
-        self._sync, self._all_reduce = sync, torch.distributed.all_reduce
-        torch.distributed.all_reduce = self._timed  # type: ignore[assignment]
+    def __init__(self, is_cuda: bool) -> None:
+        self._is_cuda, self._all_reduce = is_cuda, torch.distributed.all_reduce
+        self._cpu_s, self._events = 0.0, list[tuple[torch.cuda.Event, torch.cuda.Event]]()
+        torch.distributed.all_reduce = self._timed
 
-    def _timed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self._sync()
-        start = time.perf_counter()
-        try:
-            return self._all_reduce(*args, **kwargs)
-        finally:
-            self._sync()
-            self.seconds += time.perf_counter() - start
+    def _timed(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._all_reduce(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+        began = time.perf_counter()
+        out = self._all_reduce(*args, **kwargs)
+        self._cpu_s += time.perf_counter() - began
+        return out
+
+    def take_seconds(self) -> float:
+        """The time summed since the last call (on CUDA: after a device sync)."""
+        seconds = self._cpu_s + sum(s.elapsed_time(e) for s, e in self._events) / 1000
+        self._cpu_s, self._events = 0.0, []
+        return seconds
 
 
 def _worker(setup: Setup, rank: int, size: int, port: int, conn: Connection) -> None:
@@ -163,19 +175,20 @@ def _worker(setup: Setup, rank: int, size: int, port: int, conn: Connection) -> 
         setup.checkpoint, setup.dtype, device, page_size=PAGE_SIZE, num_pages=pages, tp=tp
     )
     plan = prompt_plan(setup, info.vocab_size)
-    clock = CollectiveClock(sync) if size > 1 else None
+    clock = CollectiveClock(is_cuda) if size > 1 else None
     runner.run(plan)  # warm-up
     conn.send("ready")
     while conn.recv() == "run":
         if size > 1:
             torch.distributed.barrier()
-        collective_before = clock.seconds if clock else 0.0
         sync()
+        if clock:
+            clock.take_seconds()  # drop the warm-up's and the barrier's
         start = time.perf_counter()
-        runner.run(plan)
+        runner.run(plan)  # its end syncs the device
         sync()
         forward_s = time.perf_counter() - start
-        conn.send((forward_s, (clock.seconds if clock else 0.0) - collective_before))
+        conn.send((forward_s, clock.take_seconds() if clock else 0.0))
     if size > 1:
         torch.distributed.destroy_process_group()
 
@@ -204,7 +217,7 @@ class Group:
         times = self._receive()
         return max(t for t, _ in times), sum(c / t for t, c in times) / len(times)
 
-    def _receive(self) -> list:  # type: ignore[type-arg]
+    def _receive(self) -> list[Any]:
         answers = []
         for conn, process in zip(self.conns, self.processes, strict=True):
             if not conn.poll(max(0.0, self.deadline - time.monotonic())):
@@ -223,7 +236,9 @@ class Group:
                 process.join(10)
 
 
-def measure(setup: Setup, sizes: list[int], repeats: int, deadline: float) -> list[dict]:  # type: ignore[type-arg]
+def measure(
+    setup: Setup, sizes: list[int], repeats: int, deadline: float
+) -> list[dict[str, object]]:
     ranked = {size: dataclasses.replace(setup, num_threads=_rank_threads(setup, size))
               for size in sizes}  # fmt: skip
     groups: dict[int, Group] = {}
@@ -250,7 +265,7 @@ def _rank_threads(setup: Setup, size: int) -> int:
     return max(1, setup.num_threads // size) if setup.device == "cpu" else 1
 
 
-def _row(setup: Setup, size: int, best: tuple[float, float], tp1_s: float) -> dict:  # type: ignore[type-arg]
+def _row(setup: Setup, size: int, best: tuple[float, float], tp1_s: float) -> dict[str, object]:
     tokens = setup.num_prompts * setup.prompt_tokens
     ratio = tp1_s / best[0]
     return {
@@ -271,7 +286,8 @@ def tp_sizes(device: str, config: dict[str, object]) -> list[int]:
     """CPU: TP 2. CUDA: 2, 4, 8 up to the device count, where the heads split."""
     if device == "cpu":
         return [2]
-    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])  # type: ignore[call-overload]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    assert isinstance(heads, int) and isinstance(kv, int)
     count = torch.cuda.device_count()
     return [n for n in (2, 4, 8) if n <= count and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
 
@@ -304,7 +320,7 @@ def main() -> int:
         for row in rows:
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
-    return 0 if all(math.isfinite(r["ratio"]) for r in rows) else 1
+    return 0 if all(math.isfinite(float(str(r["ratio"]))) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def world(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoints) -> Callable[[str, str], tuple]:  # type: ignore[type-arg]
+def reference(checkpoints) -> Callable[[str, str], tuple]:
     """``reference(name, key)``: transformers' (logits, per-layer K/V) of a case's prompt,
     computed once per checkpoint (TP 2 and TP 4 share it)."""
 
@@ -80,7 +80,7 @@ def reference(checkpoints) -> Callable[[str, str], tuple]:  # type: ignore[type-
         return hf_model(checkpoints[name])
 
     @cache
-    def forward(name: str, key: str) -> tuple:  # type: ignore[type-arg]
+    def forward(name: str, key: str) -> tuple:
         return hf_forward(model(name), getattr(PROMPTS, key))
 
     return forward
@@ -90,27 +90,28 @@ def rank_results(out_dir: Path, name: str, size: int) -> list[dict]:
     return [torch.load(result_path(out_dir, name, size, rank)) for rank in range(size)]
 
 
-def check_head_kv(per_rank: list[torch.Tensor], hf_part: torch.Tensor, num_kv_heads: int) -> None:
-    whole = gather_kv_heads(per_rank, num_kv_heads)
-    torch.testing.assert_close(whole, hf_part, atol=TOL, rtol=0)
+def check_head_kv(results: list[dict], key: str, hf_kv: list, num_kv_heads: int) -> None:
+    """Every layer's K and V, reassembled across the ranks by the head rule, equal HF's."""
+    for layer, (hf_k, hf_v) in enumerate(hf_kv):
+        for index, hf_part in ((0, hf_k), (1, hf_v)):
+            per_rank = [result[f"{key}_kv"][layer][index] for result in results]
+            whole = gather_kv_heads(per_rank, num_kv_heads)
+            torch.testing.assert_close(whole, hf_part, atol=TOL, rtol=0)
 
 
-KV_CHECKS: dict[str, Callable[[list[torch.Tensor], torch.Tensor, int], None]] = {}
+# family -> its check of the ranks' pools, where not per-head K/V (check_head_kv's signature)
+KV_CHECKS: dict[str, Callable[[list[dict], str, list, int], None]] = {}
 
 
 @pytest.mark.parametrize("key", ["long", "short", "hit"])
 @pytest.mark.parametrize(("size", "name"), ALL)
 def test_logits_and_kv_match_transformers(world, reference, size, name, key):
     family, num_kv_heads = CASES[size][name]
-    check_kv = KV_CHECKS.get(family, check_head_kv)
     hf_logits, hf_kv = reference(name, key)
     results = rank_results(world, name, size)
     for result in results:  # the residual stream, hence the logits, is the same on all
         torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
-    for layer, (hf_k, hf_v) in enumerate(hf_kv):
-        for index, hf_part in ((0, hf_k), (1, hf_v)):
-            check_kv([result[f"{key}_kv"][layer][index] for result in results], hf_part,
-                     num_kv_heads)  # fmt: skip
+    KV_CHECKS.get(family, check_head_kv)(results, key, hf_kv, num_kv_heads)
 
 
 @pytest.mark.parametrize(("size", "name"), ALL)
