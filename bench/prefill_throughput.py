@@ -13,11 +13,15 @@ kept, because other processes share the cores: only ratios within one run mean a
 Prints one JSON line per family and dtype::
 
     {"name": "prefill_throughput", "family": ..., "dtype": ..., "ours_tok_s": ...,
-     "hf_tok_s": ..., "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...}
+     "hf_tok_s": ..., "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...,
+     "kv_bytes_per_token": ...}
 
-``--family`` picks families (default: every one this build serves); ``--quick`` shrinks the
-models and prompts for a smoke run; ``--profile`` prints a torch.profiler table of one
-forward of ours.
+``--family`` picks families (default: every one this build serves: ``deepseek_v3`` is skipped,
+with a note, until ``DeepseekV3ForCausalLM`` is in ``hf_config.ARCHITECTURES``, then benched
+with no change here); ``--quick`` shrinks the models and prompts for a smoke run;
+``--profile`` prints a torch.profiler table of one forward of ours. Recorded rows:
+``bench/results/prefill_throughput.jsonl`` (``--repeats 1``, 2 shared CPU cores; recorded
+before ``kv_bytes_per_token`` was added).
 """
 
 from __future__ import annotations
@@ -223,7 +227,11 @@ def measure(
     vocab = hf.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in sizes]
     total = sum(sizes)
-    runner, _, _ = build(path, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=total // PAGE_SIZE + 16)
+    runner, kv_cache, _ = build(
+        path, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=total // PAGE_SIZE + 16
+    )
+    pool = kv_cache.layout  # bytes per token: for MLA, check-config's latent arithmetic
+    kv_bytes_per_token = pool.pool_bytes // (pool.num_pages * pool.page_size)
     batch = plan_of(prompts)
     runner.run(plan_of(prompts[:2]))  # warm-up
     hf_one_by_one(hf, prompts[:2])
@@ -253,6 +261,7 @@ def measure(
         "ratio": round(hf_s / ours_s, 3),
         "gemm_peak_gflops": round(peak, 1),
         "mfu": round(prefill_flops(hf, sizes[-1]) / single_s / 1e9 / peak, 3),
+        "kv_bytes_per_token": kv_bytes_per_token,
     }
 
 
