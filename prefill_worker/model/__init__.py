@@ -54,6 +54,7 @@ class ModelInfo:
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:N"
     attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
 
 
@@ -108,7 +109,7 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
-    resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # a bad choice fails before loading
+    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
@@ -116,7 +117,7 @@ def build(
             log.warning("attention backend %s: an MLA model runs torch SDPA", backend_name)
         backend_name = "sdpa"
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
-    experts = create_moe_backend(moe_backend, dev, torch_dtype)
+    experts = create_moe_backend(experts_name, dev, torch_dtype)
     model, attention = create_model(spec, weights, tp, experts, backend_name)
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
@@ -138,7 +139,9 @@ def build(
         kv_cache.layout.pool_bytes,
     )
     runner = Runner(model, kv_cache, attention)
-    return runner, kv_cache, _info(spec, one_page.dtype, kv_cache.device_name, backend_name)
+    moe_name = experts_name if spec.moe is not None else None
+    info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
+    return runner, kv_cache, info
 
 
 def create_model(
@@ -163,7 +166,7 @@ def _mla_pool(pool_layout: str) -> str:
     return MLA
 
 
-def _info(spec: ModelSpec, dtype: str, device: str, backend: str) -> ModelInfo:
+def _info(spec: ModelSpec, dtype: str, device: str, backend: str, experts: str | None) -> ModelInfo:
     return ModelInfo(
         architecture=spec.architecture,
         vocab_size=spec.vocab_size,
@@ -176,5 +179,6 @@ def _info(spec: ModelSpec, dtype: str, device: str, backend: str) -> ModelInfo:
         dtype=dtype,
         device=device,
         attention_backend=backend,
+        moe_backend=experts,
         eos_token_ids=spec.eos_token_ids,
     )

@@ -110,6 +110,8 @@ def _check(config: Config, require_model: bool) -> int:
     for line in check.problems:
         print(f"config error: {line}", file=sys.stderr)
     if check.problems:
+        for line in check.notes:  # the arithmetic still helps to size what is wrong
+            print(f"  {line}", file=sys.stderr)
         return EX_CONFIG
     print("config ok")
     for line in check.notes:

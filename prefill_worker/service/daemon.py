@@ -201,6 +201,7 @@ class Daemon:
                 "model": cfg.model.path,
                 "device": info.device,
                 "attention_backend": info.attention_backend,
+                "moe_backend": info.moe_backend or "none",
             }
         )
         self.metrics.set_kv_pages(0, pages.num_pages)

@@ -17,7 +17,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The checkpoint, its dtype, the device and the attention backend."""
+    """The checkpoint, its dtype, the device, the attention and MoE experts backends."""
 
     path: str = Field(
         "models/smollm2-135m",
@@ -29,6 +29,15 @@ class ModelConfig(_Section):
     device: str = Field("cpu", description="`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA if present).")
     attention_backend: Literal["auto", "sdpa", "flashinfer"] = Field(
         "auto", description="`auto` picks flashinfer on CUDA when installed, else sdpa."
+    )
+    moe_backend: Literal["auto", "grouped", "naive", "flashinfer"] = Field(
+        "auto",
+        description=(
+            "Experts of a mixture-of-experts model: `grouped` (tokens grouped by expert, torch "
+            "ops, any device), `flashinfer` (fused kernel; CUDA, bf16/fp16), `naive` (every "
+            "expert over every token; a baseline). `auto` picks flashinfer on CUDA in bf16/fp16 "
+            "when installed, else grouped. Unused by dense models, but checked against the device."
+        ),
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."

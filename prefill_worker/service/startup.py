@@ -146,6 +146,7 @@ def load_model(
             device=device or cfg.model.device,
             tp=tp,
             attention_backend=cfg.model.attention_backend,
+            moe_backend=cfg.model.moe_backend,
             page_size=cfg.cache.page_size,
             pool_layout=cfg.cache.layout,
             num_pages=cfg.cache.num_pages,
@@ -154,11 +155,12 @@ def load_model(
             num_threads=cfg.model.num_threads,
         )
         log.info(
-            "model %s (%s, %s, %s) loaded in %.1f s",
+            "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
             info.architecture,
             info.dtype,
             info.device,
             info.attention_backend,
+            info.moe_backend or "none (dense)",
             time.monotonic() - started,
         )
     return runner, kv_cache, info
