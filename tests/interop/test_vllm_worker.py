@@ -126,8 +126,10 @@ def _in_pool(pages: np.ndarray, tokens: torch.Tensor, page_size: int) -> bool:
 
 
 def _staging_whole(worker: Worker) -> None:
+    """Every staging block back, and no pool page held by a request."""
     used = "prefill_worker_vllm_staging_blocks_used"
     wait_until(lambda: _metric(worker, used) == 0, 10.0, "the staging region whole")
+    wait_until(lambda: _metric(worker, "prefill_worker_kv_pages_used") == 0, 10.0, "pool whole")
 
 
 def test_vllm_pulls_transformers_kv_from_the_worker(
