@@ -96,7 +96,9 @@ def decode_main(conn: Connection, addr: str, pool_layout: str) -> None:
         elif cmd == "wait":
             while receiver.poll(args[0]).state is RoomState.PENDING:
                 receiver.progress()
-            conn.send(receiver.poll(args[0]).state.value)
+            status = receiver.poll(args[0])
+            why = "" if status.reason is None else f": {status.reason}"
+            conn.send(status.state.value + why)
             receiver.forget(args[0])
     receiver.close()
 
@@ -171,7 +173,10 @@ def push_once(
     elapsed = time.perf_counter() - start
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
     conn.send(("wait", room))
-    assert conn.recv() == "done"
+    while not conn.poll(0.001):  # the decode's answer waits on our NIXL notification: progress
+        backend.poll()
+    state = conn.recv()
+    assert state == "done", f"room {room}: {state}"
     prep_s = (sender.prep_s, sender.prep_cpu_s)
     sender.close()
     return elapsed, prep_s, timed.max_s

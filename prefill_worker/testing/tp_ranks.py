@@ -9,7 +9,11 @@ A test tool, never imported by the worker. ``python -m prefill_worker.testing.tp
   request that fails, warm-up and other requests run normally);
 - ``--dump-dir DIR``: every rank saves its whole KV pool at exit, as ``DIR/rank{R}.pt``
   (``{"k": [L][P, page_size, KV, D], "v": ...}``), so a test can compare the ranks' head
-  slices with a TP-1 worker's pool.
+  slices with a TP-1 worker's pool;
+- ``--dump-on-signal`` (with ``--dump-dir``): also on each SIGUSR2, while it serves (written
+  aside, then renamed: the file appears whole), so a test can read the pool of a live worker
+  after a request, before later requests reuse its pages. Only a worker with no request in
+  flight is dumped consistently (the forward runs on its own thread).
 
 The leader starts its followers as ``python -m prefill_worker.testing.tp_ranks <the same
 options> rank --rank ...``, so they carry the same seams.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +55,14 @@ def dump_pool(kv_cache: KVCache, path: Path) -> None:
         both = [kv_cache.read_page(layer, page) for page in pages]
         k.append(torch.stack([pair[0] for pair in both]).clone())
         v.append(torch.stack([pair[1] for pair in both]).clone())
-    torch.save({"k": k, "v": v}, path)
+    partial = path.with_suffix(".partial")
+    torch.save({"k": k, "v": v}, partial)
+    os.replace(partial, path)
+
+
+def dump_on_signal(kv_cache: KVCache, path: Path) -> None:
+    """SIGUSR2 dumps the pool (a handler of the main thread, where the daemon builds it)."""
+    signal.signal(signal.SIGUSR2, lambda *_: dump_pool(kv_cache, path))
 
 
 def builder(options: argparse.Namespace) -> Callable[..., Any]:
@@ -57,7 +70,10 @@ def builder(options: argparse.Namespace) -> Callable[..., Any]:
         runner, kv_cache, info = build(*args, **kwargs)
         rank_index = kwargs["tp"].rank
         if options.dump_dir:
-            atexit.register(dump_pool, kv_cache, Path(options.dump_dir) / f"rank{rank_index}.pt")
+            path = Path(options.dump_dir) / f"rank{rank_index}.pt"
+            atexit.register(dump_pool, kv_cache, path)
+            if options.dump_on_signal:
+                dump_on_signal(kv_cache, path)
         if options.fail_on and options.fail_rank == rank_index:
             return FailingRunner(runner, rank_index, options.fail_on), kv_cache, info
         return runner, kv_cache, info
@@ -70,6 +86,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-on", default="")
     parser.add_argument("--dump-dir", default="")
+    parser.add_argument("--dump-on-signal", action="store_true")
     parser.add_argument("command", choices=["serve", "rank"])
     options, rest = parser.parse_known_args(argv)
     own = argv[: argv.index(options.command)]

@@ -3,7 +3,7 @@ vLLM handshake (``transfer.vllm.handshake``) and a minimal prefill (``vllm_prefi
 hash we compute equals vLLM's; vLLM pulls our LBHNC blocks byte-exact with no load errors
 and notifies us; a wrong hash fails the pull as vLLM's scheduler would see it (finished, its
 blocks in ``get_block_ids_with_load_errors()``); a waiting request's heartbeats reach us.
-One decode process for the module."""
+One decode process, shared with ``test_vllm_worker`` (``conftest.vllm_decode``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
-from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import VllmDecodeProcess
 from tests.interop.vllm_prefill import MinimalPrefill
 from tests.polling import wait_until
 
@@ -46,18 +46,13 @@ def write_config(directory: Path, num_layers: int, num_kv_heads: int, head_dim: 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    vllm_pythonpath()  # skip before writing anything
-    return write_config(
-        tmp_path_factory.mktemp("vllm") / "llama", NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM
-    )
+def model_dir(vllm_checkpoint: Path) -> Path:
+    return vllm_checkpoint  # the shared decode's model: 2 layers, 2 KV heads of 32
 
 
 @pytest.fixture(scope="module")
-def decode(model_dir: Path) -> Iterator[VllmDecodeProcess]:
-    process = VllmDecodeProcess(model_dir, model_dir.parent / "decode.log", num_blocks=64)
-    yield process
-    process.close()
+def decode(vllm_decode: VllmDecodeProcess) -> VllmDecodeProcess:
+    return vllm_decode
 
 
 def factors(model_dir: Path, **change: object) -> CompatFactors:

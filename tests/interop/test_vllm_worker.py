@@ -2,15 +2,20 @@
 (``transfer.protocol: native,vllm``) over the HTTP path: a proxy-shaped client sends the
 worker what vLLM's proxy sends, carries the answer's ``kv_transfer_params`` to the decode
 process, and vLLM pulls transformers' K/V (fp32, 1e-4) for prompts around its 32-token block
-over the worker's 4-token pages, with no load errors; a full local prefix hit only notifies;
-a request that waits in vLLM's queue heartbeats its hold past the worker's lease; every
-staging block comes back (the worker's metrics). One worker and one decode for the module.
-(The wrong-hash refusal is test_vllm_pull.py's, over the same handshake code.)"""
+over the worker's 4-token pages, with no load errors, byte-exact against the worker's own
+pool (dumped on SIGUSR2 by ``testing.tp_ranks --dump-on-signal``); a full local prefix hit
+only notifies; a request that waits in vLLM's queue heartbeats its hold past the worker's
+lease; a worker of another model (head size 16, not the decode's 32) is refused by vLLM's
+hash check (a load error on the decode; on the worker the hold ends at its lease, counted,
+its staging whole); every staging block comes back (the worker's metrics). One worker for
+the module; the decode is the session's (``conftest.vllm_decode``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,21 +28,21 @@ import torch
 from tests.checkpoints import make_checkpoint, prompt
 from tests.integration.daemon.conftest import Worker, free_port, start_worker
 from tests.integration.daemon.test_daemon import hf_reference
-from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import VllmDecodeProcess
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
 BLOCK = 32
+PAGE = 4  # configs/tiny-test.yaml's cache.page_size
 LEASE_S = 4.0
+DUMP_MODULE = "prefill_worker.testing.tp_ranks"  # TP 1 here: only its pool dump
 PROXY_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, str, Path]]:
-    vllm_pythonpath()  # skip before starting anything
-    tmp = tmp_path_factory.mktemp("vllm-worker")
-    checkpoint = make_checkpoint("qwen3", tmp / "qwen3")  # head_dim 32: CPU_ATTN has it
+def _start(tmp: Path, checkpoint: Path, decode_model: Path, *settings: str) -> tuple[Worker, str]:
+    """A worker serving native and vLLM on ``checkpoint`` for decodes of ``decode_model``
+    (their hash covers it), its pool dumped on SIGUSR2 to ``tmp/rank0.pt``; not waited for."""
     api_port = free_port()
     worker = start_worker(
         tmp,
@@ -50,24 +55,32 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, s
         "transfer.vllm_staging_blocks=24",
         f"transfer.vllm_lease_s={LEASE_S}",
         "transfer.vllm_read_grace_s=0.5",
-        f"transfer.vllm_model={checkpoint}",  # the decode's --model: its hash covers it
+        f"transfer.vllm_model={decode_model}",
         "transfer.vllm_attention_backend=CPU_ATTN",
+        *settings,
+        module=DUMP_MODULE,
+        module_args=["--dump-dir", str(tmp), "--dump-on-signal"],
     )
+    return worker, f"http://127.0.0.1:{api_port}"
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory, vllm_checkpoint: Path
+) -> Iterator[tuple[Worker, str, Path]]:
+    tmp = tmp_path_factory.mktemp("vllm-worker")
+    worker, api = _start(tmp, vllm_checkpoint, vllm_checkpoint)
     try:
         worker.child.wait_ready(120)
-        yield worker, f"http://127.0.0.1:{api_port}", checkpoint
+        yield worker, api, vllm_checkpoint
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
 
 
 @pytest.fixture(scope="module")
-def decode(served: tuple[Worker, str, Path]) -> Iterator[VllmDecodeProcess]:
-    checkpoint = served[2]
-    process = VllmDecodeProcess(checkpoint, checkpoint.parent / "decode.log", num_blocks=64)
-    assert process.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"  # vLLM is up
-    yield process
-    process.close()
+def decode(vllm_decode: VllmDecodeProcess) -> VllmDecodeProcess:
+    return vllm_decode
 
 
 def _prefill(api: str, ids: list[int]) -> dict[str, Any]:
@@ -87,9 +100,36 @@ def _metric(worker: Worker, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
+def _pool(worker: Worker) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The worker's whole pool now, per layer ``[pages, page_size * heads * dim]`` bytes."""
+    dump = worker.child.log_path.parent / "rank0.pt"  # _start's dump dir
+    dump.unlink(missing_ok=True)
+    os.kill(worker.child.popen.pid, signal.SIGUSR2)
+    wait_until(dump.exists, 30.0, "the worker's pool dump")
+    pool = torch.load(dump)
+    flat = [
+        [t.contiguous().view(torch.uint8).reshape(t.shape[0], -1).numpy() for t in pool[kv]]
+        for kv in ("k", "v")
+    ]
+    return flat[0], flat[1]
+
+
+def _in_pool(pages: np.ndarray, tokens: torch.Tensor, page_size: int) -> bool:
+    """Every page-sized run of ``tokens`` ([n, heads, dim]) equals the start of a pool page,
+    byte for byte (a request's pages are anywhere in the pool, in any order)."""
+    raw = tokens.contiguous().view(torch.uint8).reshape(tokens.shape[0], -1).numpy()
+    for start in range(0, raw.shape[0], page_size):
+        run = raw[start : start + page_size].reshape(-1)
+        if not (pages[:, : run.size] == run).all(axis=1).any():
+            return False
+    return True
+
+
 def _staging_whole(worker: Worker) -> None:
+    """Every staging block back, and no pool page held by a request."""
     used = "prefill_worker_vllm_staging_blocks_used"
     wait_until(lambda: _metric(worker, used) == 0, 10.0, "the staging region whole")
+    wait_until(lambda: _metric(worker, "prefill_worker_kv_pages_used") == 0, 10.0, "pool whole")
 
 
 def test_vllm_pulls_transformers_kv_from_the_worker(
@@ -105,6 +145,7 @@ def test_vllm_pulls_transformers_kv_from_the_worker(
         outcome = decode.pull_and_wait(f"dec-{n}", params)
         assert outcome["finished"] and outcome["load_errors"] == [], outcome
         pulled = decode.blocks(f"dec-{n}", tmp_path / f"{n}.npz")
+        pool_k, pool_v = _pool(worker)  # before the next prompt may reuse its pages
         _, hf_kv = hf_reference(checkpoint, ids)
         for layer, (k_ref, v_ref) in enumerate(hf_kv):
             raw = pulled[f"model.layers.{layer}.self_attn.attn"]  # [blocks, H, 32, 2D] bytes
@@ -113,6 +154,8 @@ def test_vllm_pulls_transformers_kv_from_the_worker(
             tokens = kv.transpose(1, 2).reshape(-1, heads, 2 * dim)[:n]
             torch.testing.assert_close(tokens[..., :dim], k_ref, atol=1e-4, rtol=0)
             torch.testing.assert_close(tokens[..., dim:], v_ref, atol=1e-4, rtol=0)
+            assert _in_pool(pool_k[layer], tokens[..., :dim], PAGE), f"K {n} layer {layer}"
+            assert _in_pool(pool_v[layer], tokens[..., dim:], PAGE), f"V {n} layer {layer}"
     _staging_whole(worker)
 
 
@@ -138,3 +181,28 @@ def test_a_prefix_hit_notifies_and_a_waiting_request_heartbeats(
     assert outcome["finished"] and outcome["load_errors"] == [], outcome
     _staging_whole(worker)
     assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="expired"}') == expired
+
+
+def test_a_worker_of_another_model_is_refused_by_the_hash(
+    served: tuple[Worker, str, Path], decode: VllmDecodeProcess, tmp_path: Path
+) -> None:
+    """The llama checkpoint's head size is 16; the decode's model (qwen3) has 32."""
+    other = make_checkpoint("llama", tmp_path / "llama")
+    worker, api = _start(tmp_path, other, served[2])
+    try:
+        worker.child.wait_ready(120)
+        params = _prefill(api, prompt(40, seed=9))
+        outcome = decode.pull_and_wait("dec-wrong", params)
+        assert outcome["finished"] and outcome["blocks"], outcome
+        assert outcome["load_errors"] == sorted(outcome["blocks"]), outcome
+        expired = '{outcome="expired"}'
+        wait_until(
+            lambda: _metric(worker, "prefill_worker_vllm_holds_total", expired) == 1,
+            LEASE_S + 10,
+            "the refused hold's lease",
+        )
+        _staging_whole(worker)
+        assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="read"}') == 0
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()

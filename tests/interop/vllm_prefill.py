@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefill_worker.testing.launch import free_port
 from prefill_worker.transfer.nixl.agent import make_agent
 from prefill_worker.transfer.vllm.handshake import (
     CompatFactors,
@@ -40,7 +39,6 @@ class MinimalPrefill:
         hash_override: str | None = None,
     ) -> None:
         self.engine_id = engine_id
-        self.port = free_port()
         shape = (num_blocks, factors.num_kv_heads, block_size, 2 * factors.head_size)
         generator = torch.Generator().manual_seed(seed)
         self.layers = [  # [num_blocks, kv_heads, block_size, 2*head_dim] float32, LBHNC
@@ -66,7 +64,8 @@ class MinimalPrefill:
             factors.attn_backend_name,
         )
         payload = encode_payload(hash_override or compat_hash(factors), meta)
-        self.side = SideChannel("127.0.0.1", self.port, {(0, 0): payload})
+        self.side = SideChannel("127.0.0.1", 0, {(0, 0): payload})
+        self.port = self.side.port
         self.notifs: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="vllm-prefill", daemon=True)

@@ -4,8 +4,6 @@ region per layer, one TP rank, dp index 0). The backend turns it in ``poll``."""
 
 from __future__ import annotations
 
-import socket
-
 from prefill_worker.transfer.vllm.backend import PullRegistration
 from prefill_worker.transfer.vllm.handshake import (
     CompatFactors,
@@ -18,11 +16,12 @@ from prefill_worker.transfer.vllm.handshake import (
 
 
 class BoundSideChannel:
-    """``handshake.SideChannel`` with the port it bound (port 0: a free one, picked here)."""
+    """``handshake.SideChannel`` serving one payload, with the port it bound (port 0: the
+    kernel's pick)."""
 
     def __init__(self, host: str, port: int, payload: bytes) -> None:
-        self.port = port or _free_port(host)
-        self._channel = SideChannel(host, self.port, {(0, 0): payload})
+        self._channel = SideChannel(host, port, {(0, 0): payload})
+        self.port = self._channel.port
 
     @property
     def stats(self) -> object:
@@ -65,9 +64,3 @@ def handshake_payload(registration: PullRegistration) -> bytes:
         identity.attention_backend,
     )
     return encode_payload(compat_hash(factors), metadata)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])

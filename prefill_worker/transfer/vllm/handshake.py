@@ -182,7 +182,8 @@ class SideChannel:
     """The ZMQ ROUTER a vLLM decode handshakes with. ``payloads`` maps (pp_rank, tp_rank) to
     the first reply frame (``encode_payload``); ``set_payload`` replaces one (a changed
     registration). ``poll()`` answers what is pending and never blocks; ``serve(timeout_ms)``
-    waits up to that long for the first message."""
+    waits up to that long for the first message. ``port``: the port bound (asked 0: the one
+    the kernel picked, with no window for another process to take it first)."""
 
     def __init__(self, host: str, port: int, payloads: dict[tuple[int, int], bytes]) -> None:
         self._payloads = dict(payloads)
@@ -190,10 +191,13 @@ class SideChannel:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES * 4)
         try:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._sock.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError:
             self._sock.close(linger=0)
             raise
+        endpoint: object = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.port = int(endpoint.rsplit(b":", 1)[1])
         self.stats = SideChannelStats()
 
     def set_payload(self, pp_rank: int, tp_rank: int, payload: bytes) -> None:

@@ -12,7 +12,6 @@ import zmq
 from pydantic import ValidationError
 
 from prefill_worker.service.schema import TransferConfig
-from prefill_worker.testing.launch import free_port
 from prefill_worker.transfer.vllm.handshake import (
     DEFAULT_SIDE_CHANNEL_PORT,
     GET_META_MSG,
@@ -133,9 +132,10 @@ def test_the_side_channel_port_comes_from_config_with_vllms_default() -> None:
 
 @pytest.fixture
 def channel() -> Iterator[tuple[SideChannel, str]]:
-    port = free_port()
-    side = SideChannel("127.0.0.1", port, {(0, 0): _metadata()})
-    yield side, f"tcp://127.0.0.1:{port}"
+    """Bound on port 0: every test here reaches it on the port it says the kernel picked."""
+    side = SideChannel("127.0.0.1", 0, {(0, 0): _metadata()})
+    assert side.port > 0
+    yield side, f"tcp://127.0.0.1:{side.port}"
     side.close()
 
 
