@@ -161,7 +161,11 @@ class Decode:
         self.receiver = KVReceiver.from_tensors(
             self.k, self.v, bootstrap, num_aux_rows=64, peer_timeout_s=peer_timeout_s
         )
-        self.receiver.wait_registered(timeout_s=30)
+        try:
+            self.receiver.wait_registered(timeout_s=30)
+        except BaseException:  # a refused pool: its I/O thread would keep the process alive
+            self.receiver.close()
+            raise
         self._next_page = DECODE_PAGES - 1  # hand out descending pages: order bugs show
         self._next_slot = 0
         self.rooms: dict[int, tuple[list[int], int]] = {}
