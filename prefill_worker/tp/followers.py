@@ -84,6 +84,8 @@ class Followers:
             if time.monotonic() >= deadline and thread.is_alive():
                 raise TimeoutError(f"{what}: not every rank answered within {timeout_s:g} s")
         if "error" in box:
+            if time.monotonic() >= deadline:  # the collective's own timeout (the same bound)
+                raise TimeoutError(f"{what}: not every rank answered within {timeout_s:g} s")
             raise box["error"]  # type: ignore[misc]
         return box["result"]  # type: ignore[return-value]
 
