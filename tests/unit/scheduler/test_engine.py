@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -422,7 +423,9 @@ def test_a_runner_error_fails_everything_and_propagates() -> None:
 
 
 @pytest.mark.parametrize("how", ["stopped", "raised", "broken"])
-def test_shutdown_answers_what_the_inbox_still_holds(how: str) -> None:
+def test_shutdown_answers_what_the_inbox_still_holds(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The loop ended (stopped, or its forward raised: a tensor-parallel group failed under
     it) with a prefill queued after its last turn: it gets its one reply, its decode hears the
     room failed, the pools are whole; a backend that cannot open its sender any more still
@@ -443,11 +446,16 @@ def test_shutdown_answers_what_the_inbox_still_holds(how: str) -> None:
     if how == "broken":
         rig.backend.create_sender = _raises  # type: ignore[assignment]
     inbox.put(late)
-    rig.engine.shutdown(FinishReason.ENGINE_ERROR, inbox)
+    inbox.put(PrefillRequest("later", [4, 5], SamplingParams(), False, 10, rig.clock()))
+    with caplog.at_level(logging.WARNING, logger="prefill_worker.scheduler.engine"):
+        rig.engine.shutdown(FinishReason.ENGINE_ERROR, inbox)
     assert {o.request_id: o.reason for o in rig.outcomes} == {
         "a": FinishReason.ENGINE_ERROR,
         "late": FinishReason.ENGINE_ERROR,
+        "later": FinishReason.ENGINE_ERROR,
     }
+    assert rig.outcome("late").error == "the worker shut down (engine_error)"
+    assert "shutdown: 2 messages the loop never took answered" in caplog.messages
     assert inbox.empty()
     if how != "broken":
         assert rig.sender("late").worker_failure and rig.sender("late").is_closed
