@@ -1,19 +1,28 @@
 """Prefill throughput: our runner against ``transformers`` on the same random checkpoint.
 
-Builds a Llama-family checkpoint of realistic proportions (hidden 1024, 8 layers, GQA 16/4,
-vocab 32k), then in one process, same weights, dtype and threads, times a mixed batch of 8
-prompts (64 to 2048 tokens): ours as one packed plan; HF one prompt at a time and as one
-padded batch (the faster is the baseline). Also measures the GEMM peak of this run and our
-MFU on the 2048-token prompt. Runs are interleaved and the best of each kept, because other
-processes share the cores: only ratios within one run mean anything.
+One row per model family (``FAMILIES``): a dense Llama of realistic proportions (hidden
+1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8) and, once this build
+serves it, a DeepSeek-V3 (MLA attention, grouped sigmoid routing, a shared expert). For each,
+in one process, same weights, dtype and threads, it times a mixed batch of 8 prompts (64 to
+2048 tokens): ours as one packed plan; HF one prompt at a time and as one padded batch (the
+faster is the baseline; HF's MoE experts run its default ``experts_implementation``). Also
+measures the GEMM peak of this run and our MFU on the 2048-token prompt (active parameters
+only: a MoE token pays for its top-k experts). Runs are interleaved and the best of each
+kept, because other processes share the cores: only ratios within one run mean anything.
 
-Prints one JSON line per dtype::
+Prints one JSON line per family and dtype::
 
-    {"name": "prefill_throughput", "dtype": ..., "ours_tok_s": ..., "hf_tok_s": ...,
-     "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...}
+    {"name": "prefill_throughput", "family": ..., "dtype": ..., "ours_tok_s": ...,
+     "hf_tok_s": ..., "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...,
+     "kv_bytes_per_token": ...}
 
-``--quick`` shrinks the model and prompts for a smoke run; ``--profile`` prints a
-torch.profiler table of one forward of ours.
+``--family`` picks families (default: every one this build serves; a family whose
+architecture is not in ``hf_config.ARCHITECTURES`` is skipped with a note); ``--quick``
+shrinks the models and prompts for a smoke run; ``--profile`` prints a torch.profiler table
+of one forward of ours. Recorded rows:
+``bench/results/prefill_throughput.jsonl`` (``--repeats 1``, 2 shared CPU cores; recorded
+before ``kv_bytes_per_token`` was added, except deepseek_v3's: its 8 layers x (256 + 32)
+latent values are 9216 bytes per token in fp32, the MLA arithmetic exactly).
 """
 
 from __future__ import annotations
@@ -29,46 +38,102 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
+import transformers
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
-from prefill_worker.model import Runner, build
+from prefill_worker.model import build
+from prefill_worker.model.hf_config import ARCHITECTURES
 from prefill_worker.request import SamplingParams
 
 PAGE_SIZE = 16
+PROMPTS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+QUICK_PROMPTS = (32, 64, 128, 256, 384, 512, 768, 1024)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMMON = dict(vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    prompts: tuple[int, ...]
+class Family:
+    """A model family to bench: its HF config class and its full and quick shapes."""
+
+    name: str  # the "family" key of the JSON line
+    architecture: str  # served when it is a key of hf_config.ARCHITECTURES
+    config_class: str  # a transformers config class
+    full: dict[str, object]
+    quick: dict[str, object]
+
+    def config(self, quick: bool) -> PretrainedConfig:
+        fields = {**COMMON, **(self.quick if quick else self.full)}
+        return getattr(transformers, self.config_class)(**fields)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def is_served(self) -> bool:
+        return self.architecture in ARCHITECTURES
 
 
-FULL = Shape(1024, 2816, 8, 16, 4, 32000, (64, 128, 256, 512, 768, 1024, 1536, 2048))
-QUICK = Shape(512, 1408, 4, 8, 2, 32000, (32, 64, 128, 256, 384, 512, 768, 1024))
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DENSE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8)
+DENSE_QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4)
+ATTENTION = dict(num_attention_heads=16, num_key_value_heads=4)
+ATTENTION_QUICK = dict(num_attention_heads=8, num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=8, moe_intermediate_size=256)
+MOE_QUICK = dict(num_experts_per_tok=4, moe_intermediate_size=128)
+FAMILIES = (
+    Family(
+        "llama", "LlamaForCausalLM", "LlamaConfig", DENSE | ATTENTION, DENSE_QUICK | ATTENTION_QUICK
+    ),
+    Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        DENSE | ATTENTION | MOE | dict(num_experts=64, head_dim=64, norm_topk_prob=True),
+        DENSE_QUICK
+        | ATTENTION_QUICK
+        | MOE_QUICK
+        | dict(num_experts=32, head_dim=64, norm_topk_prob=True),
+    ),
+    # Benched once the DeepSeek-V3 family (MLA attention) is served: until then it is skipped.
+    Family(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        DENSE
+        | MOE
+        | dict(
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_routed_experts=64,
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=1,
+        ),
+        DENSE_QUICK
+        | MOE_QUICK
+        | dict(
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_routed_experts=32,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+        ),
+    ),
+)
 
 
-def make_checkpoint(shape: Shape, path: Path) -> None:
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
+def make_checkpoint(config: PretrainedConfig, path: Path) -> None:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
 
@@ -82,29 +147,50 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def gemm_peak_gflops(shape: Shape, dtype: torch.dtype, m: int) -> float:
+def layer_gemms(model: torch.nn.Module) -> list[tuple[str, tuple[int, int], float]]:
+    """Each weight of the first and last layers as ``(name, (n, k), active)``: a 3-D stack of
+    experts ``[E, n, k]`` is one expert's GEMM, active for ``top_k / E`` of the tokens."""
+    config, gemms = model.config, []
+    last = config.num_hidden_layers - 1
+    for name, param in model.named_parameters():
+        if not name.startswith(("model.layers.0.", f"model.layers.{last}.")) or param.ndim < 2:
+            continue
+        if param.ndim == 3:
+            gemms.append((name, tuple(param.shape[1:]), config.num_experts_per_tok))
+        elif ".experts." in name:  # one expert's own matrix (per-expert checkpoints)
+            gemms.append((name, tuple(param.shape), config.num_experts_per_tok / _experts(config)))
+        else:
+            gemms.append((name, tuple(param.shape), 1.0))
+    return gemms  # type: ignore[return-value]
+
+
+def _experts(config: PretrainedConfig) -> int:
+    return int(getattr(config, "num_experts", None) or config.n_routed_experts)
+
+
+def gemm_peak_gflops(model: torch.nn.Module, dtype: torch.dtype, m: int) -> float:
     """Best GFLOP/s of ``F.linear`` over the model's own GEMM shapes at ``m`` rows."""
     best = 0.0
-    q_out = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    for n, k in (
-        (q_out, shape.hidden),
-        (2 * shape.intermediate, shape.hidden),
-        (shape.hidden, shape.intermediate),
-    ):
+    for n, k in sorted({shape for _, shape, _ in layer_gemms(model)}):
         x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         F.linear(x, w)
-        seconds = best_time(lambda x=x, w=w: F.linear(x, w), repeats=8)
+        seconds = best_time(lambda x=x, w=w: F.linear(x, w), repeats=4)
         best = max(best, 2 * m * n * k / seconds / 1e9)
     return best
 
 
-def prefill_flops(shape: Shape, length: int) -> float:
-    """Linear layers over every token, causal attention (QK and PV), one LM-head row."""
-    d, kv_d = shape.hidden, shape.kv_heads * shape.head_dim
-    per_token = d * (d + 2 * kv_d) + d * d + 3 * d * shape.intermediate
-    linear = 2 * shape.layers * per_token * length
-    attention = 2 * 2 * shape.layers * shape.heads * shape.head_dim * length * (length + 1) / 2
-    return linear + attention + 2 * d * shape.vocab
+def prefill_flops(model: torch.nn.Module, length: int) -> float:
+    """The active linear layers over every token (the mean of the first and last layers' per
+    layer), causal attention (QK and PV, per head), one LM-head row."""
+    config = model.config
+    per_token = sum(n * k * active for _, (n, k), active in layer_gemms(model)) / 2
+    linear = 2 * config.num_hidden_layers * per_token * length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qk_dim = getattr(config, "qk_head_dim", None) or head_dim
+    v_dim = getattr(config, "v_head_dim", None) or head_dim
+    pairs = length * (length + 1) / 2
+    attention = 2 * config.num_hidden_layers * config.num_attention_heads * (qk_dim + v_dim) * pairs
+    return linear + attention + 2 * config.hidden_size * config.vocab_size
 
 
 def plan_of(prompts: list[list[int]]) -> BatchPlan:
@@ -134,12 +220,19 @@ def hf_padded(model: torch.nn.Module, prompts: list[list[int]]) -> None:
         model(ids, attention_mask=mask)
 
 
-def measure(shape: Shape, path: Path, dtype: str, repeats: int) -> dict[str, object]:
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, shape.vocab, (n,), generator=gen).tolist() for n in shape.prompts]
-    total = sum(shape.prompts)
-    runner, _, _ = build(path, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=total // PAGE_SIZE + 16)
+def measure(
+    family: str, path: Path, sizes: tuple[int, ...], dtype: str, repeats: int
+) -> dict[str, object]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    gen = torch.Generator().manual_seed(1)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in sizes]
+    total = sum(sizes)
+    runner, kv_cache, _ = build(
+        path, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=total // PAGE_SIZE + 16
+    )
+    pool = kv_cache.layout  # bytes per token: for MLA, check-config's latent arithmetic
+    kv_bytes_per_token = pool.pool_bytes // (pool.num_pages * pool.page_size)
     batch = plan_of(prompts)
     runner.run(plan_of(prompts[:2]))  # warm-up
     hf_one_by_one(hf, prompts[:2])
@@ -150,39 +243,49 @@ def measure(shape: Shape, path: Path, dtype: str, repeats: int) -> dict[str, obj
     padded_s = best_time(lambda: hf_padded(hf, prompts), 1)
     longest = plan_of([prompts[-1]])
     # The peak is the best seen, so it is measured around the runs it is compared with.
-    peak = gemm_peak_gflops(shape, DTYPES[dtype], m=max(shape.prompts))
-    single_s = best_time(lambda: runner.run(longest), max(5, repeats))  # short: more tries
-    peak = max(peak, gemm_peak_gflops(shape, DTYPES[dtype], m=max(shape.prompts)))
+    peak = gemm_peak_gflops(hf, DTYPES[dtype], m=max(sizes))
+    single_s = best_time(lambda: runner.run(longest), max(3, repeats))  # short: more tries
+    peak = max(peak, gemm_peak_gflops(hf, DTYPES[dtype], m=max(sizes)))
     hf_s = min(seq_s, padded_s)
     print(
-        f"# {dtype}: ours {ours_s:.2f}s, HF one-by-one {seq_s:.2f}s, HF padded {padded_s:.2f}s,"
-        f" ours on {shape.prompts[-1]} tokens {single_s:.2f}s",
+        f"# {family} {dtype}: ours {ours_s:.2f}s, HF one-by-one {seq_s:.2f}s, HF padded "
+        f"{padded_s:.2f}s, ours on {sizes[-1]} tokens {single_s:.2f}s (HF experts: "
+        f"{getattr(hf.config, '_experts_implementation', None)})",
         file=sys.stderr,
     )
     return {
         "name": "prefill_throughput",
+        "family": family,
         "dtype": dtype,
         "ours_tok_s": round(total / ours_s, 1),
         "hf_tok_s": round(total / hf_s, 1),
         "ratio": round(hf_s / ours_s, 3),
         "gemm_peak_gflops": round(peak, 1),
-        "mfu": round(prefill_flops(shape, shape.prompts[-1]) / single_s / 1e9 / peak, 3),
+        "mfu": round(prefill_flops(hf, sizes[-1]) / single_s / 1e9 / peak, 3),
+        "kv_bytes_per_token": kv_bytes_per_token,
     }
 
 
-def profile(runner: Runner, plan: BatchPlan) -> None:
+def profile(path: Path, sizes: tuple[int, ...], dtype: str) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    runner, _, _ = build(
+        path, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=sum(sizes) // PAGE_SIZE + 16
+    )
+    gen = torch.Generator().manual_seed(1)
+    vocab = runner.model.spec.vocab_size
+    plan = plan_of([torch.randint(0, vocab, (n,), generator=gen).tolist() for n in sizes])
     runner.run(plan)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.run(plan)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model and prompts")
+    parser.add_argument("--quick", action="store_true", help="small models and prompts")
+    parser.add_argument("--family", choices=[f.name for f in FAMILIES], action="append")
     parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
@@ -190,21 +293,25 @@ def main() -> int:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = QUICK if args.quick else FULL
+    sizes = QUICK_PROMPTS if args.quick else PROMPTS
     dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
-    with tempfile.TemporaryDirectory(prefix="prefill-bench-") as tmp:
-        make_checkpoint(shape, Path(tmp))
-        for dtype in dtypes:
-            if args.profile:
-                runner, _, _ = build(tmp, dtype, "cpu", "sdpa", PAGE_SIZE, num_pages=1024)
-                gen = torch.Generator().manual_seed(1)
-                prompts = [
-                    torch.randint(0, shape.vocab, (n,), generator=gen).tolist()
-                    for n in shape.prompts
-                ]
-                profile(runner, plan_of(prompts))
-                continue
-            print(json.dumps(measure(shape, Path(tmp), dtype, args.repeats)), flush=True)
+    for family in FAMILIES:
+        if args.family and family.name not in args.family:
+            continue
+        if not family.is_served:
+            print(
+                f"# {family.name}: {family.architecture} is not served here: skipped",
+                file=sys.stderr,
+            )
+            continue
+        with tempfile.TemporaryDirectory(prefix="prefill-bench-") as tmp:
+            make_checkpoint(family.config(args.quick), Path(tmp))
+            for dtype in dtypes:
+                if args.profile:
+                    profile(Path(tmp), sizes, dtype)
+                    continue
+                row = measure(family.name, Path(tmp), sizes, dtype, args.repeats)
+                print(json.dumps(row), flush=True)
     return 0
 
 

@@ -31,7 +31,10 @@ on the 2-core development VM (THP-backed pools) it measured 0.5-0.75 of the cont
 for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one remote iovec.
 
     python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
-                                       [--push thread,inline]
+                                       [--push thread,inline] [--protocol push,vllm]
+
+``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the repack into vLLM's
+layout and a decode's READ of it, against the same memcpy; ``bench/vllm_pull.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,9 @@ def decode_main(conn: Connection, addr: str, pool_layout: str) -> None:
         elif cmd == "wait":
             while receiver.poll(args[0]).state is RoomState.PENDING:
                 receiver.progress()
-            conn.send(receiver.poll(args[0]).state.value)
+            status = receiver.poll(args[0])
+            why = "" if status.reason is None else f": {status.reason}"
+            conn.send(status.state.value + why)
             receiver.forget(args[0])
     receiver.close()
 
@@ -168,7 +173,10 @@ def push_once(
     elapsed = time.perf_counter() - start
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
     conn.send(("wait", room))
-    assert conn.recv() == "done"
+    while not conn.poll(0.001):  # the decode's answer waits on our NIXL notification: progress
+        backend.poll()
+    state = conn.recv()
+    assert state == "done", f"room {room}: {state}"
     prep_s = (sender.prep_s, sender.prep_cpu_s)
     sender.close()
     return elapsed, prep_s, timed.max_s
@@ -182,10 +190,23 @@ def main() -> None:
     parser.add_argument(
         "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
     )
+    parser.add_argument("--protocol", default="push", help="push, vllm (pull rows), or both")
     args = parser.parse_args()
-    for push in args.push.split(","):
-        for pool_layout in args.pool_layouts.split(","):
+    protocols = args.protocol.split(",")
+    for pool_layout in args.pool_layouts.split(","):
+        for push in args.push.split(",") if "push" in protocols else ():
             run_layout(pool_layout, push, args.repeats, args.chunk_tokens // PAGE_SIZE)
+        if "vllm" in protocols:
+            run_vllm(pool_layout, args.repeats)
+
+
+def run_vllm(pool_layout: str, repeats: int) -> None:
+    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape."""
+    import vllm_pull
+
+    lay = layout(NUM_LOCAL_PAGES, pool_layout)
+    pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
+    vllm_pull.run(lay, regions_over(lay, pool, AuxPool(16)), repeats)
 
 
 def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> None:

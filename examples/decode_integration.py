@@ -38,9 +38,12 @@ def allocate_pool(
     layout: KVLayout, num_pages: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V views ``[num_pages, page_size, KV, D]`` of one pool tensor in the
-    worker's layout: ``[L, 2, P, ...]`` (layer_major) or ``[P, L, 2, ...]`` (page_major)."""
+    worker's layout: ``[L, 2, P, ...]`` (layer_major) or ``[P, L, 2, ...]`` (page_major); an
+    MLA model's (mla) is one latent per layer, ``[L, P, page_size, 1, latent]``, and no V."""
     page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
     dtype, num_layers = TORCH_DTYPES[layout.dtype], layout.num_layers
+    if layout.kind == "mla":
+        return list(torch.zeros((num_layers, num_pages, *page), dtype=dtype)), []
     if layout.kind == "layer_major":
         pool = torch.zeros((num_layers, 2, num_pages, *page), dtype=dtype)
         return list(pool[:, 0]), list(pool[:, 1])

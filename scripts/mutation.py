@@ -122,13 +122,18 @@ MODULES: dict[str, list[str]] = {
         _SENDER,
     ],
     "prefill_worker/transfer/push/rooms.py": [_T + "test_rooms.py", _T + "test_push_pins.py"],
-    "prefill_worker/transfer/push/sender.py": [_SENDER, _T + "test_push_sender_pins.py"],
+    "prefill_worker/transfer/push/sender.py": [
+        _SENDER,
+        _T + "test_push_sender_pins.py",
+        _T + "test_push_ranks.py",
+    ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,
         _T + "test_push_sender_pins.py",
         _T + "test_sglang_desk.py",
         _T + "test_push_hub_pins.py",
         _T + "test_hub_backend.py",
+        _T + "test_push_ranks.py",
     ],
     "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
     "prefill_worker/transfer/sglang/accept.py": [
@@ -140,7 +145,10 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
     ],
-    "prefill_worker/transfer/native/desk.py": [_T + "test_native_desk.py"],
+    "prefill_worker/transfer/native/desk.py": [
+        _T + "test_native_desk.py",
+        _T + "test_native_desk_tp.py",
+    ],
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -50,7 +51,27 @@ CONFIGS["qwen3_moe"] = lambda: Qwen3MoeConfig(
     **MOE_COMMON, head_dim=32, num_experts_per_tok=2, norm_topk_prob=True,
     decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
 )  # fmt: skip
-MOE_FAMILIES = ("qwen3_moe",)
+# DeepSeek-V3: MLA (low-rank q; q_lora_rank=None overrides it), YaRN with both mscales (the
+# rope scale and the softmax scale both move), 16 experts in 4 groups, top 2 groups, top 4,
+# one shared expert, layer 0 dense.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.7,
+}
+CONFIGS["deepseek_v3"] = lambda: DeepseekV3Config(
+    **dict(COMMON, num_hidden_layers=3, num_key_value_heads=4), q_lora_rank=48,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+    moe_intermediate_size=32, n_routed_experts=16, n_group=4, topk_group=2,
+    num_experts_per_tok=4, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, rope_scaling=YARN, tie_word_embeddings=False,
+)  # fmt: skip
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
 
@@ -63,14 +84,21 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight")):
                 param.mul_(20.0)
+            if name.endswith("kv_a_proj_with_mqa.weight"):  # the roped key part: 20x
+                param[-config.qk_rope_head_dim :].mul_(20.0)  # type: ignore[attr-defined]
+            if name.endswith("a_layernorm.weight"):  # q_a / kv_a: not all ones
+                param.copy_(torch.rand_like(param) + 0.5)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(torch.rand_like(param) * 4 + 2)
             if name.endswith("mlp.gate.weight"):  # a router: spread, no near-ties
                 param.normal_(0.0, 0.15)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # big enough to change choices
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "5GB")
     return path
 

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout
-from prefill_worker.model.attention import create_backend, resolve_backend_name
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
+from prefill_worker.model.attention import AttentionBackend, create_backend, resolve_backend_name
+from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
-from prefill_worker.model.llama import CausalLM
+from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
-from prefill_worker.model.moe import create_moe_backend, resolve_moe_backend_name
+from prefill_worker.model.mla import MLASdpaBackend
+from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.model.runner import Runner
 
@@ -32,6 +34,7 @@ __all__ = [
     "Runner",
     "TPGroup",
     "build",
+    "create_model",
     "resolve_device",
 ]
 
@@ -51,6 +54,7 @@ class ModelInfo:
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:N"
     attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
 
 
@@ -105,10 +109,16 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
-    resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # a bad choice fails before loading
+    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
+    if declared.mla is not None:
+        pool_layout = _mla_pool(pool_layout)
+        if backend_name != "sdpa":
+            log.warning("attention backend %s: an MLA model runs torch SDPA", backend_name)
+        backend_name = "sdpa"
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
-    model = CausalLM(spec, weights, tp, create_moe_backend(moe_backend, dev, torch_dtype))
+    experts = create_moe_backend(experts_name, dev, torch_dtype)
+    model, attention = create_model(spec, weights, tp, experts, backend_name)
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         spec.num_layers,
@@ -128,11 +138,35 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = Runner(model, kv_cache, create_backend(backend_name, dev))
-    return runner, kv_cache, _info(spec, one_page.dtype, kv_cache.device_name, backend_name)
+    runner = Runner(model, kv_cache, attention)
+    moe_name = experts_name if spec.moe is not None else None
+    info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
+    return runner, kv_cache, info
 
 
-def _info(spec: ModelSpec, dtype: str, device: str, backend: str) -> ModelInfo:
+def create_model(
+    spec: ModelSpec,
+    weights: ModelWeights | MLAModelWeights,
+    tp: TPGroup,
+    experts: ExpertsBackend,
+    attention_backend: str,
+) -> tuple[CausalLM | DeepseekV3LM, AttentionBackend]:
+    """The family's decoder over loaded ``weights`` and the attention backend it runs with
+    (an MLA family: always ``MLASdpaBackend``)."""
+    device = weights.embed.device
+    if isinstance(weights, MLAModelWeights):
+        return DeepseekV3LM(spec, weights, tp, experts), MLASdpaBackend(device)
+    return CausalLM(spec, weights, tp, experts), create_backend(attention_backend, device)
+
+
+def _mla_pool(pool_layout: str) -> str:
+    """An MLA model's pool is always the ``mla`` kind; the K/V layouts do not apply."""
+    if pool_layout not in (LAYER_MAJOR, MLA):
+        raise ValueError(f"pool layout {pool_layout!r} does not apply to an MLA model")
+    return MLA
+
+
+def _info(spec: ModelSpec, dtype: str, device: str, backend: str, experts: str | None) -> ModelInfo:
     return ModelInfo(
         architecture=spec.architecture,
         vocab_size=spec.vocab_size,
@@ -145,5 +179,6 @@ def _info(spec: ModelSpec, dtype: str, device: str, backend: str) -> ModelInfo:
         dtype=dtype,
         device=device,
         attention_backend=backend,
+        moe_backend=experts,
         eos_token_ids=spec.eos_token_ids,
     )

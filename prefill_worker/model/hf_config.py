@@ -9,6 +9,7 @@ here, once, so the model code reads plain typed fields. Torch-free.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class CheckpointError(Exception):
@@ -36,6 +38,39 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn (DeepSeek-V3): the ramp's rotation bounds and the attention-scale factors
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # None: derived from factor and the mscales
+    truncate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3). Each token's KV is one latent row of
+    ``kv_lora_rank`` (normalised) plus a shared roped key part of ``qk_rope_head_dim``; the
+    heads' keys (``qk_nope_head_dim``) and values (``v_head_dim``) are decompressed from it.
+    ``rope_interleave``: the rotary pairs are (x0, x1), (x2, x3)... (DeepSeek's default),
+    else the half-split pairs of Llama. ``softmax_scale`` includes YaRN's ``mscale_all_dim``."""
+
+    q_lora_rank: int | None  # None: one q_proj, no low-rank q
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """One pool row: the latent, then the roped key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,14 +102,14 @@ class ModelSpec:
     """Everything the model code needs from config.json, already resolved per family."""
 
     architecture: str  # a key of ARCHITECTURES
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # a value of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # MLA: 1 (the latent)
+    head_dim: int  # MLA: the pool row, kv_lora_rank + qk_rope_head_dim
     rms_norm_eps: float
     rope: RopeSpec
     max_position: int  # longest prompt the weights support (capped by a sliding window)
@@ -86,6 +121,7 @@ class ModelSpec:
     torch_dtype: str | None  # the checkpoint's own dtype name, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
     moe: MoESpec | None = None  # None: every layer is dense
+    mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -115,6 +151,12 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
     hidden = int(_need(raw, "hidden_size"))
     head_dim = raw.get("head_dim") or hidden // num_heads
     has_bias = bool(raw.get("attention_bias", False))
+    mla = mla_spec(raw) if family == "deepseek_v3" else None
+    if mla is not None and has_bias:
+        raise ValueError("attention_bias is not supported with multi-head latent attention")
+    rope = _rope(raw)
+    if rope.rope_type == "yarn" and mla is None:  # proven against transformers for MLA only
+        raise ValueError(f"rope type 'yarn' is not supported for {arch} (only DeepSeek-V3)")
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -123,10 +165,10 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         intermediate_size=int(_need(raw, "intermediate_size")),
         num_layers=int(_need(raw, "num_hidden_layers")),
         num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
+        num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=mla.latent_dim if mla else int(head_dim),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=_rope(raw),
+        rope=rope,
         max_position=_max_position(raw, family),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         has_qkv_bias=True if family == "qwen2" else has_bias,
@@ -135,8 +177,34 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         has_qk_norm=family in ("qwen3", "qwen3_moe"),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_eos(raw.get("eos_token_id")),
-        moe=moe_spec(raw) if family == "qwen3_moe" else None,
+        moe=moe_spec(raw) if family in ("qwen3_moe", "deepseek_v3") else None,
+        mla=mla,
     )
+
+
+def mla_spec(raw: Mapping[str, Any]) -> MLASpec:
+    """The MLA attention of a DeepSeek-V3 config; the softmax scale as transformers has it:
+    ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under a
+    scaled rope that names ``mscale_all_dim``."""
+    q_lora = raw.get("q_lora_rank")
+    nope, rope = int(_need(raw, "qk_nope_head_dim")), int(_need(raw, "qk_rope_head_dim"))
+    scale = (nope + rope) ** -0.5
+    spec = _rope(raw)
+    if spec.rope_type != "default" and spec.mscale_all_dim:
+        scale *= yarn_mscale(spec.factor, spec.mscale_all_dim) ** 2
+    return MLASpec(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(_need(raw, "kv_lora_rank")),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(_need(raw, "v_head_dim")),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        softmax_scale=scale,
+    )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
@@ -214,13 +282,25 @@ def _rope(raw: Mapping[str, Any]) -> RopeSpec:
     if rope_type == "default":
         return RopeSpec(theta=theta)
     original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":  # DeepSeek: the context's growth
+        factor = int(_need(raw, "max_position_embeddings")) / int(
+            _need(params, "original_max_position_embeddings")
+        )
+    attention_factor = params.get("attention_factor")
     return RopeSpec(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params["factor"]),
+        factor=float(_need({"factor": factor}, "factor")),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(original or raw.get("max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

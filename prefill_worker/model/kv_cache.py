@@ -7,10 +7,14 @@ One allocation holds every layer's K and V, in the pool layout ``layout.kind`` n
                  k[l] = storage[l, 0], v[l] = storage[l, 1]        contiguous
     page_major   storage [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
                  k[l] = storage[:, l, 0], v[l] = storage[:, l, 1]  strided views
+    mla          storage [num_layers, num_pages, page_size, 1, kv_lora_rank + rope_dim]
+                 k[l] = storage[l] (the layer's latent plane), v = ()
 
-Every ``k[l]``/``v[l]`` is a ``[num_pages, page_size, KV, D]`` view of the storage (never a
-copy): page p of layer l at ``k_base_addrs[l] + p * page_stride_bytes``, one page itself
-contiguous. Writers and attention index them by (page, offset), which works for any page stride.
+An MLA row is SGLang's (``MLATokenToKVPool``): the normalised latent, then the roped key
+part (``write_latent``). Every ``k[l]``/``v[l]`` is a ``[num_pages, page_size, KV, D]`` view
+of the storage (never a copy): page p of layer l at ``k_base_addrs[l] + p *
+page_stride_bytes``, one page itself contiguous. Writers and attention index them by (page,
+offset), which works for any page stride.
 
 Under tensor parallelism each rank owns its own pool, and ``num_kv_heads`` (KV above) is the
 rank's local count: the heads ``model.parallel.kv_head_range`` gives it, in order.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -35,7 +39,7 @@ def pool_num_pages(
 ) -> int:
     """Pages per layer from the first size given: a count, a byte budget, or (CUDA) a
     fraction of the device memory free right now. ``layout.num_pages`` is ignored."""
-    bytes_per_page = 2 * layout.num_layers * layout.page_bytes  # K and V of every layer
+    bytes_per_page = layout.planes * layout.num_layers * layout.page_bytes  # every plane
     if num_pages is not None:
         count = num_pages
     elif memory_bytes is not None:
@@ -60,6 +64,13 @@ class KVCache:
         self.device = device
         page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
         dtype = TORCH_DTYPES[layout.dtype]
+        if layout.kind == MLA:
+            self._storage = torch.zeros(  # [L, P, page_size, 1, D]
+                (layout.num_layers, layout.num_pages, *page), dtype=dtype, device=device
+            )
+            self.k: tuple[torch.Tensor, ...] = tuple(self._storage)  # each [P, ps, 1, D]
+            self.v: tuple[torch.Tensor, ...] = ()
+            return
         if layout.kind == LAYER_MAJOR:
             self._storage = torch.zeros(  # [L, 2, P, page_size, KV, D]
                 (layout.num_layers, 2, layout.num_pages, *page), dtype=dtype, device=device
@@ -70,8 +81,8 @@ class KVCache:
                 (layout.num_pages, layout.num_layers, 2, *page), dtype=dtype, device=device
             )
             per_layer = self._storage.permute(1, 2, 0, 3, 4, 5)  # [L, 2, P, ...], a view
-        self.k: tuple[torch.Tensor, ...] = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
-        self.v: tuple[torch.Tensor, ...] = tuple(per_layer[:, 1])
+        self.k = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
+        self.v = tuple(per_layer[:, 1])
 
     @property
     def k_base_addrs(self) -> tuple[int, ...]:
@@ -104,6 +115,16 @@ class KVCache:
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
+
+    def write_latent(
+        self, layer: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        """An MLA pool's rows at ``slots [T]``: ``latent [T, kv_lora_rank]`` (normalised),
+        then ``k_rope [T, rope_dim]``."""
+        index = (slots // self.layout.page_size, slots % self.layout.page_size)
+        rank = latent.shape[-1]
+        self.k[layer][..., 0, :rank].index_put_(index, latent)
+        self.k[layer][..., 0, rank:].index_put_(index, k_rope)
 
     def read_page(self, layer: int, page_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one page, ``[page_size, KV, D]`` each (views)."""

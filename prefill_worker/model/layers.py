@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.hf_config import RopeSpec
+from prefill_worker.model.hf_config import RopeSpec, yarn_mscale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,7 +40,40 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
         return inv_freq / spec.factor
     if spec.rope_type == "llama3":
         return _llama3_scaled(inv_freq, spec)
+    if spec.rope_type == "yarn":
+        return _yarn_scaled(inv_freq, spec, head_dim)
     return inv_freq
+
+
+def rope_attention_factor(spec: RopeSpec) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other types)."""
+    if spec.rope_type != "yarn":
+        return 1.0
+    if spec.attention_factor is not None:
+        return spec.attention_factor
+    if spec.mscale and spec.mscale_all_dim:
+        return yarn_mscale(spec.factor, spec.mscale) / yarn_mscale(spec.factor, spec.mscale_all_dim)
+    return yarn_mscale(spec.factor)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, spec: RopeSpec, dim: int) -> torch.Tensor:
+    """YaRN: the fast dimensions kept (extrapolated), the slow ones divided by ``factor``
+    (interpolated), a linear ramp between the ``beta_fast`` / ``beta_slow`` rotation bounds."""
+
+    def correction_dim(rotations: float) -> float:
+        turns = spec.original_max_position / (rotations * 2 * math.pi)
+        return (dim * math.log(turns)) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolation = 1.0 / (spec.factor * (1.0 / inv_freq))  # transformers' rounding
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
@@ -62,13 +95,17 @@ class Rotary:
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device) -> None:
         self.inv_freq = rope_inv_freq(spec, head_dim).to(device)  # [D/2] fp32
+        self.attention_factor = rope_attention_factor(spec)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [T]`` -> cos, sin ``[T, 1, D/2]`` in ``dtype`` (computed in fp32)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # YaRN scales both, in fp32 (as transformers)
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def apply_into(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
@@ -80,3 +117,16 @@ class Rotary:
         out1.addcmul_(x2, sin, value=-1.0)
         torch.mul(x2, cos, out=out2)
         out2.addcmul_(x1, sin)
+
+    @staticmethod
+    def apply_interleaved_into(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``out [T, heads, D]`` = ``x`` rotated in interleaved pairs (x0, x1), (x2, x3)...
+        (DeepSeek's ``rope_interleave``), each pair written back in place (GPT-J style):
+        the values of transformers' rotation, in SGLang's order (transformers writes the
+        rotated even elements first, then the odd ones)."""
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out1, out2 = out[..., 0::2], out[..., 1::2]
+        out1.copy_(x1 * cos - x2 * sin)
+        out2.copy_(x2 * cos + x1 * sin)

@@ -23,6 +23,7 @@ blocks of rows so that at most ``[block, vocab]`` logits exist at once, whatever
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,13 +159,8 @@ class CausalLM:
         self, x: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
     ) -> torch.Tensor:
         """``log_softmax(logits of x[rows])[token_ids]``: ``[L]`` float32, block by block."""
-        out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)  # [L]
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        for r in range(0, rows.shape[0], block):
-            logits = self._logits(x[rows[r : r + block]]).float()  # [B, vocab]
-            picked = logits.gather(1, token_ids[r : r + block, None])[:, 0]  # [B]
-            out[r : r + block] = picked - torch.logsumexp(logits, dim=-1)
-        return out
+        return token_logprobs(self._logits, x, rows, token_ids, block)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (final residual rows) -> logits ``[R, vocab]``."""
@@ -216,6 +212,23 @@ class CausalLM:
         else:
             torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
         x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
+
+
+def token_logprobs(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """``log_softmax(logits_of(x[rows]))[token_ids]``: ``[L]`` float32, over blocks of
+    ``block`` rows so that at most ``[block, vocab]`` logits exist at once."""
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)  # [L]
+    for r in range(0, rows.shape[0], block):
+        logits = logits_of(x[rows[r : r + block]]).float()  # [B, vocab]
+        picked = logits.gather(1, token_ids[r : r + block, None])[:, 0]  # [B]
+        out[r : r + block] = picked - torch.logsumexp(logits, dim=-1)
+    return out
 
 
 def _prepared(weights: ModelWeights, experts: ExpertsBackend) -> ModelWeights:

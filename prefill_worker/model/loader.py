@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint (config.json + safetensors) into fused ``ModelWeights``.
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
-checkpoints are read. Every expected tensor's presence and shape is checked before any is
-loaded; a missing tensor or a shape mismatch raises ``CheckpointError`` naming it. q/k/v
-are concatenated into one matrix and gate/up into another, so a layer runs four GEMMs.
+checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``). Every
+expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
+shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
+and gate/up into another, so a layer runs four GEMMs.
 
 With tensor parallelism (``parallel.TPGroup`` of size > 1) each rank reads only its slice of
 each tensor, as its family's table in ``model.sharding`` declares, straight from the file
@@ -26,8 +27,10 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from prefill_worker.model.deepseek import MLALayerWeights, MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
+from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
@@ -60,11 +63,16 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_out, hidden),
-            p + "self_attn.k_proj.weight": (kv_out, hidden),
-            p + "self_attn.v_proj.weight": (kv_out, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_out),
         }
+        if spec.mla is not None:
+            shapes |= mla_shapes(spec.mla, hidden, spec.num_heads, p + "self_attn.")
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q_out, hidden),
+                p + "self_attn.k_proj.weight": (kv_out, hidden),
+                p + "self_attn.v_proj.weight": (kv_out, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_out),
+            }
         if spec.moe is not None and spec.is_sparse(i):
             shapes |= moe_shapes(spec.moe, hidden, p + "mlp.")
             mlp_bias = False
@@ -183,7 +191,7 @@ def load_checkpoint(
     device: torch.device,
     on_progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
-) -> tuple[ModelSpec, ModelWeights]:
+) -> tuple[ModelSpec, ModelWeights | MLAModelWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
     ``CheckpointError`` on any problem."""
     root = Path(model_dir)
@@ -209,12 +217,27 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
     return on_read
 
 
-def fuse_weights(spec: ModelSpec, source: TensorSource) -> ModelWeights:
-    """The checkpoint's tensors, by HF name, fused into the model's ``ModelWeights``."""
-    layers = tuple(_layer(spec, source, i) for i in range(spec.num_layers))
+def fuse_weights(spec: ModelSpec, source: TensorSource) -> ModelWeights | MLAModelWeights:
+    """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
+    ``MLAModelWeights``, else ``ModelWeights``)."""
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
+    if spec.mla is not None:
+        mla_layers = tuple(_mla_layer(spec, source, i) for i in range(spec.num_layers))
+        return MLAModelWeights(embed, mla_layers, source.get("model.norm.weight"), lm_head)
+    layers = tuple(_layer(spec, source, i) for i in range(spec.num_layers))
     return ModelWeights(embed, layers, source.get("model.norm.weight"), lm_head)
+
+
+def _mla_layer(spec: ModelSpec, r: TensorSource, index: int) -> MLALayerWeights:
+    assert spec.mla is not None
+    p = f"model.layers.{index}."
+    return MLALayerWeights(
+        input_norm=r.get(p + "input_layernorm.weight"),
+        attn=fuse_mla(spec.mla, r.get, p + "self_attn."),
+        post_norm=r.get(p + "post_attention_layernorm.weight"),
+        mlp=_mlp(spec, r, index, p + "mlp."),
+    )
 
 
 def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:

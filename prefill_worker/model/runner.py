@@ -24,15 +24,19 @@ from prefill_worker.batch import (
     SampledToken,
 )
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
+from prefill_worker.model.deepseek import DeepseekV3LM
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
 from prefill_worker.model.sampling import sample
 
 
 class Runner:
-    """Implements ``prefill_worker.batch.ModelRunner`` for the Llama family."""
+    """Implements ``prefill_worker.batch.ModelRunner`` for every family (Llama's
+    ``CausalLM``, DeepSeek-V3's ``DeepseekV3LM``)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, attention: AttentionBackend) -> None:
+    def __init__(
+        self, model: CausalLM | DeepseekV3LM, kv_cache: KVCache, attention: AttentionBackend
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention

@@ -13,7 +13,7 @@ Tensor names are HF's with every numeric path part (layer, expert) written ``*``
 lists every tensor it loads, replicated ones included: a name missing from its table is an
 error, never a silent replication. Mixture-of-experts families add ``MOE_EXPERTS`` (each
 expert split like a dense MLP, the router replicated) and DeepSeek's ``DEEPSEEK_MOE`` (plus
-its score bias and shared experts); the loader does not change.
+its score bias and shared experts); DeepSeek-V3 adds ``MLA``. The loader does not change.
 """
 
 from __future__ import annotations
@@ -79,12 +79,27 @@ DEEPSEEK_MOE: Mapping[str, Split] = {
     _LAYER + "mlp.shared_experts.gate_proj.weight": COLUMN,
     _LAYER + "mlp.shared_experts.up_proj.weight": COLUMN,
     _LAYER + "mlp.shared_experts.down_proj.weight": ROW,
-}  # the DeepSeek-V3 family's table adds its MLA attention's entries to this
+}
+# Multi-head latent attention: the query heads split (q_b / q_proj rows, kv_b's rows of each
+# head's key and value, o's columns of each head's value); the low-rank projections, their
+# norms, hence the latent each token writes into the pool, are replicated on every rank.
+MLA: Mapping[str, Split] = {
+    _LAYER + "self_attn.q_a_proj.weight": REPLICATED,
+    _LAYER + "self_attn.q_a_layernorm.weight": REPLICATED,
+    _LAYER + "self_attn.q_b_proj.weight": Q_COLUMN,
+    _LAYER + "self_attn.q_proj.weight": Q_COLUMN,  # q_lora_rank None
+    _LAYER + "self_attn.kv_a_proj_with_mqa.weight": REPLICATED,
+    _LAYER + "self_attn.kv_a_layernorm.weight": REPLICATED,
+    _LAYER + "self_attn.kv_b_proj.weight": Q_COLUMN,
+    _LAYER + "self_attn.o_proj.weight": Q_ROW,
+}
+_EMBED_AND_DENSE_MLP = {name: split for name, split in DENSE.items() if "self_attn." not in name}
 FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "llama": DENSE,
     "qwen2": DENSE,
     "qwen3": DENSE,
     "qwen3_moe": {**DENSE, **MOE_EXPERTS},
+    "deepseek_v3": {**_EMBED_AND_DENSE_MLP, **MLA, **DEEPSEEK_MOE},
 }
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")

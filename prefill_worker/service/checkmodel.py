@@ -1,6 +1,15 @@
 """What ``check-config`` can tell about a configuration from its checkpoint's ``config.json``,
 without loading weights or touching a device: the architecture is one we serve, weights are
-there, and the KV pool's arithmetic (bytes per token, pages, tokens) holds the longest prompt.
+there, and the KV pool's arithmetic (values and bytes per token, per layer and in all, pages,
+tokens) holds the longest prompt.
+
+Two kinds of pool row, per token and layer (docs/config.md, "KV arithmetic")::
+
+    K/V (MHA, GQA; dense and MoE)   2 × num_kv_heads × head_dim values
+    MLA latent (DeepSeek-V2/V3)     kv_lora_rank + qk_rope_head_dim values (512 + 64 = 576)
+
+An MLA row is also shown beside the MHA cache it replaces (K and V of every head,
+``2 × num_attention_heads × qk_nope_head_dim``: 32768 values for DeepSeek-V3, 56.9× the row).
 
 The checkpoint directory is often absent where configurations are checked (CI, a laptop, a
 container build): then the configuration is still checked and valid, and a note says the
@@ -9,10 +18,12 @@ checkpoint was not; ``check-config --require-model`` makes the absence an error.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from prefill_worker.kv.layout import DTYPE_ITEMSIZE, KVLayout
+from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.service.schema import Config
 
@@ -25,6 +36,46 @@ class ModelCheck:
     notes: list[str] = field(default_factory=list)  # what was checked, what was not
 
 
+@dataclass(frozen=True, slots=True)
+class MlaDims:
+    """The multi-head latent attention fields the KV arithmetic needs."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    num_heads: int
+
+    @property
+    def row(self) -> int:
+        """Values per token per layer in the pool: the normalised latent and the roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mha_row(self) -> int:
+        """K and V of every head at the head dim MLA compresses (the DeepSeek-V2 paper's
+        ``2 n_h d_h``)."""
+        return 2 * self.num_heads * self.qk_nope_head_dim
+
+    @property
+    def decompressed_row(self) -> int:
+        """What attention reads per token once decompressed: K (nope + rope) and V per head."""
+        return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolShape:
+    """What the pool arithmetic needs from a checkpoint, whatever its attention."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int  # 1 for an MLA pool
+    head_dim: int  # kv_lora_rank + qk_rope_head_dim for an MLA pool
+    torch_dtype: str | None
+    max_position: int
+    mla: MlaDims | None = None
+
+
 def check_model(config: Config, require_model: bool = False) -> ModelCheck:
     path = Path(config.model.path)
     if not path.is_dir():
@@ -32,37 +83,101 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
         if require_model:
             return ModelCheck(problems=[absent])
         return ModelCheck(notes=[f"{absent}: its checkpoint was not checked"])
+    check = ModelCheck()
+    spec: ModelSpec | None = None
     try:
         spec = read_spec(path)
     except CheckpointError as exc:
-        return ModelCheck(problems=[str(exc)])
-    check = ModelCheck()
+        check.problems.append(str(exc))
+    shape = pool_shape(spec, _raw_config(path))
+    if shape is None:
+        return check  # neither served nor MLA: read_spec's problem says why
     if not any((path / name).exists() for name in _WEIGHT_FILES):
         check.problems.append(f"{path}: neither {' nor '.join(_WEIGHT_FILES)} found")
-    _check_pool(config, spec, check)
+    if spec is not None and spec.moe is not None:
+        moe = spec.moe
+        check.notes.append(
+            f"experts: {moe.num_experts} routed, top {moe.top_k}, {moe.num_shared_experts} "
+            f"shared, {len(moe.sparse_layers)} of {spec.num_layers} layers sparse "
+            f"(KV does not depend on them)"
+        )
+    _check_pool(config, shape, check)
     return check
 
 
-def _check_pool(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
+def pool_shape(spec: ModelSpec | None, raw: dict[str, Any] | None) -> PoolShape | None:
+    """An MLA checkpoint's latent row (from ``raw``, even before its family is served), else
+    the K/V row of a served ``spec``; None when neither applies."""
+    mla = _mla_dims(raw) if raw is not None else None
+    if mla is not None and raw is not None:
+        archs = raw.get("architectures") or [raw.get("model_type")]
+        return PoolShape(
+            architecture=str(archs[0]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_kv_heads=1,
+            head_dim=mla.row,
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            max_position=int(raw.get("max_position_embeddings") or 2048),
+            mla=mla,
+        )
+    if spec is None:
+        return None
+    return PoolShape(
+        spec.architecture,
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.torch_dtype,
+        spec.max_position,
+    )
+
+
+def _mla_dims(raw: dict[str, Any]) -> MlaDims | None:
+    """DeepSeek-V2/V3's attention fields; None when ``kv_lora_rank`` is absent (not MLA).
+    Read here until ``model/hf_config.py`` carries them on ``ModelSpec``."""
+    if not raw.get("kv_lora_rank"):
+        return None
+    return MlaDims(
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        v_head_dim=int(raw["v_head_dim"]),
+        num_heads=int(raw["num_attention_heads"]),
+    )
+
+
+def _raw_config(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # read_spec reported it
+    return raw if isinstance(raw, dict) else None
+
+
+def _check_pool(config: Config, shape: PoolShape, check: ModelCheck) -> None:
     dtype: str = config.model.dtype
     if dtype == "auto":
-        dtype = spec.torch_dtype if spec.torch_dtype in DTYPE_ITEMSIZE else "float32"
+        dtype = shape.torch_dtype if shape.torch_dtype in DTYPE_ITEMSIZE else "float32"
     cache = config.cache
-    page = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, cache.page_size, 1)
-    bytes_per_page = 2 * spec.num_layers * page.page_bytes  # K and V of every layer
-    check.notes.append(
-        f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_kv_heads} KV heads × "
-        f"{spec.head_dim}, {dtype}: {bytes_per_page // cache.page_size} bytes of KV per token"
+    kind = MLA if shape.mla is not None else cache.layout
+    one_page = KVLayout(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, cache.page_size, 1, kind
     )
-    longest = min(config.scheduler.max_prompt_tokens, spec.max_position)
-    if config.scheduler.max_prompt_tokens > spec.max_position:
+    check.notes.extend(_row_notes(shape, one_page))
+    bytes_per_page = one_page.pool_bytes  # every layer's K and V (or latent) of one page
+    longest = min(config.scheduler.max_prompt_tokens, shape.max_position)
+    if config.scheduler.max_prompt_tokens > shape.max_position:
         check.notes.append(
             f"scheduler.max_prompt_tokens {config.scheduler.max_prompt_tokens} is capped at the "
-            f"model's {spec.max_position}"
+            f"model's {shape.max_position}"
         )
     num_pages = cache.num_pages
     if num_pages is None and cache.memory_bytes is not None:
         num_pages = cache.memory_bytes // bytes_per_page
+        check.notes.append(
+            f"KV budget: {cache.memory_bytes} bytes / {bytes_per_page} bytes per page of "
+            f"{cache.page_size} tokens = {num_pages} pages"
+        )
     if num_pages is None:
         check.notes.append("KV pool: sized from free device memory at start-up (memory_fraction)")
         return
@@ -76,3 +191,33 @@ def _check_pool(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
             f"the KV pool holds {num_tokens} tokens, fewer than the longest prompt accepted "
             f"({longest}): raise cache.num_pages or cache.memory_bytes"
         )
+
+
+def _row_notes(shape: PoolShape, one_page: KVLayout) -> list[str]:
+    """The per-token row: values and bytes per layer, bytes in all layers; for MLA, beside
+    the MHA cache it replaces."""
+    values = one_page.planes * one_page.num_kv_heads * one_page.head_dim  # per token, layer
+    layer_bytes = values * one_page.itemsize
+    total = layer_bytes * shape.num_layers
+    mla = shape.mla
+    if mla is None:
+        row = f"K and V: 2 × {shape.num_kv_heads} KV heads × {shape.head_dim}"
+    else:
+        row = f"MLA latent: kv_lora_rank {mla.kv_lora_rank} + qk_rope_head_dim "
+        row += str(mla.qk_rope_head_dim)
+    notes = [
+        f"model: {shape.architecture}, {shape.num_layers} layers, {one_page.dtype}; "
+        f"KV per token per layer: {row} = {values} values, {layer_bytes} bytes; "
+        f"{total} bytes of KV per token ({shape.num_layers} layers)"
+    ]
+    if mla is not None:
+        notes.append(
+            f"MLA against MHA: an MHA cache of the same {mla.num_heads} heads × "
+            f"{mla.qk_nope_head_dim} (K and V: 2 × {mla.num_heads} × {mla.qk_nope_head_dim} = "
+            f"{mla.mha_row} values per layer) is {mla.mha_row / mla.row:.1f}× the {mla.row}-value "
+            f"latent (the latent is 1/{mla.mha_row / mla.row:.1f} of it); decompressed as "
+            f"attention reads it ({mla.num_heads} × ({mla.qk_nope_head_dim} + "
+            f"{mla.qk_rope_head_dim} + {mla.v_head_dim}) = {mla.decompressed_row} values) "
+            f"{mla.decompressed_row / mla.row:.1f}×"
+        )
+    return notes

@@ -17,7 +17,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The checkpoint, its dtype, the device and the attention backend."""
+    """The checkpoint, its dtype, the device, the attention and MoE experts backends."""
 
     path: str = Field(
         "models/smollm2-135m",
@@ -29,6 +29,15 @@ class ModelConfig(_Section):
     device: str = Field("cpu", description="`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA if present).")
     attention_backend: Literal["auto", "sdpa", "flashinfer"] = Field(
         "auto", description="`auto` picks flashinfer on CUDA when installed, else sdpa."
+    )
+    moe_backend: Literal["auto", "grouped", "naive", "flashinfer"] = Field(
+        "auto",
+        description=(
+            "Experts of a mixture-of-experts model: `grouped` (tokens grouped by expert, torch "
+            "ops, any device), `flashinfer` (fused kernel; CUDA, bf16/fp16), `naive` (every "
+            "expert over every token; a baseline). `auto` picks flashinfer on CUDA in bf16/fp16 "
+            "when installed, else grouped. Unused by dense models, but checked against the device."
+        ),
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."
@@ -59,7 +68,9 @@ class CacheConfig(_Section):
         description=(
             "KV pool layout: `layer_major` (each layer's K and V its own region) or "
             "`page_major` (every layer's K and V of a page together: one transfer descriptor "
-            "per run of pages). Decode pools must use the same."
+            "per run of pages). Decode pools must use the same. An MLA model (DeepSeek-V3) "
+            "always gets the `mla` pool (one latent row per token and layer; docs/models.md) "
+            "and refuses `page_major`."
         ),
     )
     prefix_caching: bool = Field(
@@ -145,6 +156,23 @@ class IngressConfig(_Section):
     )
 
 
+PROTOCOLS = ("native", "sglang", "vllm")
+
+
+def protocols_of(protocol: str) -> tuple[str, ...]:
+    """``transfer.protocol`` as protocol names in ``PROTOCOLS`` order (``ValueError`` for an
+    unknown or repeated name)."""
+    names = [n.strip() for n in protocol.split(",")]
+    names = [m for n in names for m in (("native", "sglang") if n == "both" else (n,))]
+    unknown = [n for n in names if n not in PROTOCOLS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"protocol {protocol!r}: comma-separated names of {', '.join(PROTOCOLS)} (or "
+            "both), each once"
+        )
+    return tuple(n for n in PROTOCOLS if n in names)
+
+
 class TransferConfig(_Section):
     """KV push to decode peers: the bootstrap server and NIXL (docs/protocol.md, part 2)."""
 
@@ -184,11 +212,13 @@ class TransferConfig(_Section):
         "interfaces UCX listens on and sends over. Unset: `lo` when bootstrap_bind is on "
         "127.0.0.1, else UCX's default (every interface).",
     )
-    protocol: Literal["native", "sglang", "both"] = Field(
+    protocol: str = Field(
         "native",
         description="Which decodes the worker serves: `native` (the bootstrap protocol of "
         "docs/protocol.md, on bootstrap_bind), `sglang` (SGLang PD decode servers, "
-        "docs/sglang.md, on the sglang_* addresses), or `both` at once.",
+        "docs/sglang.md, on the sglang_* addresses), `vllm` (vLLM decodes that pull their KV, "
+        "docs/vllm.md, on the vllm_* addresses; needs `http_api.enabled`), or several at once, "
+        "comma-separated (`native,sglang,vllm`); `both` is `native,sglang`.",
     )
     sglang_bootstrap_bind: str = Field(
         "127.0.0.1:8998",
@@ -231,6 +261,63 @@ class TransferConfig(_Section):
         "control frame from elsewhere is dropped and counted (`network_not_allowed`). Empty: "
         "any network. Every frame's ip must also be its connection's address (docs/sglang.md).",
     )
+    vllm_side_channel_host: str = Field(
+        "127.0.0.1",
+        description="Address of the vLLM side channel (where decodes fetch this worker's NIXL "
+        "metadata); the HTTP answer's `remote_host`, so it must be one decodes reach.",
+    )
+    vllm_side_channel_port: int = Field(
+        5600,
+        ge=0,
+        le=65535,
+        description="Port of the vLLM side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); 0 picks "
+        "a free one.",
+    )
+    vllm_block_size: int = Field(
+        32,
+        ge=1,
+        description="The vLLM decodes' block size (`--block-size`; a multiple of 32 on vLLM's "
+        "CPU backend). Independent of cache.page_size: the KV is repacked (docs/vllm.md).",
+    )
+    vllm_staging_blocks: int = Field(
+        256,
+        ge=1,
+        description="Staging blocks for vLLM pulls: the most KV held for vLLM decodes at once "
+        "(each block is vllm_block_size tokens of every layer; docs/vllm.md sizes it).",
+    )
+    vllm_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long staged KV waits for a vLLM decode to read it (vLLM's "
+        "`kv_lease_duration`); each heartbeat extends it to two thirds of this from then.",
+    )
+    vllm_read_grace_s: float = Field(
+        5.0,
+        ge=0,
+        description="After a lease ends, its blocks wait this long more before reuse (a READ "
+        "posted just before the end may still be in flight).",
+    )
+    vllm_model: str | None = Field(
+        None,
+        description="The model string vLLM decodes were started with (their compatibility hash "
+        "covers it); unset: http_api.served_model_name, else model.path.",
+    )
+    vllm_attention_backend: str = Field(
+        "FLASH_ATTN",
+        description="The vLLM decodes' attention backend name, as their compatibility hash "
+        "covers it: `FLASH_ATTN` on GPU, `CPU_ATTN` on CPU.",
+    )
+    vllm_engine_id: str | None = Field(
+        None,
+        description="The engine id vLLM decodes know this worker by (`remote_engine_id`); "
+        "unset: a generated one per start.",
+    )
+
+    @field_validator("protocol")
+    @classmethod
+    def _protocol_names(cls, protocol: str) -> str:
+        protocols_of(protocol)
+        return protocol
 
     @field_validator("sglang_allowed_networks")
     @classmethod
@@ -244,12 +331,17 @@ class TransferConfig(_Section):
 
     @model_validator(mode="after")
     def _sglang_rank_ip_known(self) -> TransferConfig:
-        if self.protocol != "native" and self.resolved_sglang_rank_ip in _ANY_ADDRESS:
+        if "sglang" in self.protocols and self.resolved_sglang_rank_ip in _ANY_ADDRESS:
             raise ValueError(
                 "sglang_rank_ip: set the address decodes reach the control socket on "
                 f"(sglang_bootstrap_bind {self.sglang_bootstrap_bind} names no single address)"
             )
         return self
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """The protocols served, in ``PROTOCOLS`` order (the engine sleeps in the first's)."""
+        return protocols_of(self.protocol)
 
     @property
     def resolved_sglang_rank_ip(self) -> str:
@@ -370,6 +462,41 @@ class DaemonConfig(_Section):
     )
 
 
+class ParallelConfig(_Section):
+    """Tensor parallelism: one worker over ``tp_size`` rank processes (docs/parallelism.md)."""
+
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
+        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads.",
+    )
+    step_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for any rank in one collective (a step, a heartbeat): a rank "
+        "silent that long (stopped, hung) fails the whole worker.",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="While idle, the leader exchanges a heartbeat step with every rank this "
+        "often (must be below step_timeout_s).",
+    )
+    rendezvous_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for every rank to join the group at start-up (and to load).",
+    )
+
+    @model_validator(mode="after")
+    def _heartbeat_below_timeout(self) -> ParallelConfig:
+        if self.heartbeat_interval_s >= self.step_timeout_s:
+            raise ValueError("heartbeat_interval_s must be below step_timeout_s")
+        return self
+
+
 class Config(_Section):
     """The whole configuration; only the daemon sees all of it."""
 
@@ -382,7 +509,17 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
     http_api: HttpApiConfig = HttpApiConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    parallel: ParallelConfig = ParallelConfig()
     daemon: DaemonConfig = DaemonConfig()
+
+    @model_validator(mode="after")
+    def _vllm_needs_the_http_front(self) -> Config:
+        if "vllm" in self.transfer.protocols and not self.http_api.enabled:
+            raise ValueError(
+                "transfer.protocol vllm: vLLM's proxy reaches this worker over HTTP; set "
+                "http_api.enabled"
+            )
+        return self
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -19,6 +19,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
+from prefill_worker.batch import ModelRunner
 from prefill_worker.inbox import Inbox
 from prefill_worker.ingress.http import HttpApi, ServedModel, load_text_codec
 from prefill_worker.ingress.validate import Limits
@@ -32,6 +33,7 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -39,15 +41,25 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
     Transfer,
     make_backend,
     make_sglang_backend,
+    make_vllm_backend,
     serve_protocols,
 )
-from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions, SglangOptions
+from prefill_worker.transfer.options import (
+    Hooks,
+    NativeOptions,
+    NixlOptions,
+    SglangOptions,
+    VllmIdentity,
+    VllmOptions,
+)
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
 log = logging.getLogger("prefill_worker.service.daemon")
@@ -115,8 +127,15 @@ class LoadReport:
 
 
 def load_model(
-    config: Config, build_model: ModelBuilder, on_progress: LoadProgress | None = None
+    config: Config,
+    build_model: ModelBuilder,
+    on_progress: LoadProgress | None = None,
+    *,
+    tp: TPGroup = SINGLE,
+    device: str | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
+    """This rank's shard (``tp``; TP 1: the whole model) on ``device`` (None: the
+    configured one)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
@@ -124,8 +143,10 @@ def load_model(
             cfg.model.path,
             on_progress=on_progress,
             dtype=cfg.model.dtype,
-            device=cfg.model.device,
+            device=device or cfg.model.device,
+            tp=tp,
             attention_backend=cfg.model.attention_backend,
+            moe_backend=cfg.model.moe_backend,
             page_size=cfg.cache.page_size,
             pool_layout=cfg.cache.layout,
             num_pages=cfg.cache.num_pages,
@@ -134,11 +155,12 @@ def load_model(
             num_threads=cfg.model.num_threads,
         )
         log.info(
-            "model %s (%s, %s, %s) loaded in %.1f s",
+            "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
             info.architecture,
             info.dtype,
             info.device,
             info.attention_backend,
+            info.moe_backend or "none (dense)",
             time.monotonic() - started,
         )
     return runner, kv_cache, info
@@ -151,7 +173,7 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
 
 def warm_up_model(
     config: Config,
-    runner: Runner,
+    runner: ModelRunner,
     pages: PagePool,
     vocab_size: int,
     metrics: WorkerMetrics,
@@ -193,16 +215,23 @@ def start_transfer(
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
-        native = _native_backend(config, regions, hooks)
+        backends: dict[str, TransferBackend] = {}
+        tickets = None
         try:
-            sglang = None
-            if cfg.protocol != "native":
-                sglang = make_sglang_backend(regions, _sglang_options(config), hooks)
+            if "native" in cfg.protocols:
+                backends["native"] = _native_backend(config, regions, hooks)
+            if "sglang" in cfg.protocols:
+                backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
+            if "vllm" in cfg.protocols:
+                tickets = Tickets(config.http_api.max_inflight_requests)
+                vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
+                backends["vllm"] = vllm
+                metrics.registry.register(VllmPullCollector(vllm.desk))
         except BaseException:
-            if native is not None:
-                native.close()
+            for backend in backends.values():
+                backend.close()
             raise
-        return serve_protocols(native, sglang)
+        return serve_protocols(backends, tickets)
 
 
 def _limits(config: Config) -> BootstrapLimits:
@@ -228,10 +257,25 @@ def _sglang_options(config: Config) -> SglangOptions:
     )
 
 
-def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend | None:
+def _vllm_options(config: Config) -> VllmOptions:
     cfg = config.transfer
-    if cfg.protocol == "sglang":
-        return None
+    agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
+    model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
+    return VllmOptions(
+        cfg.vllm_side_channel_host,
+        cfg.vllm_side_channel_port,
+        cfg.vllm_block_size,
+        cfg.vllm_staging_blocks,
+        lease_s=cfg.vllm_lease_s,
+        read_grace_s=cfg.vllm_read_grace_s,
+        engine_id=cfg.vllm_engine_id,
+        identity=VllmIdentity(model, cfg.vllm_attention_backend),
+        nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+    )
+
+
+def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend:
+    cfg = config.transfer
     curve = None
     if cfg.curve_secret_key_file:
         curve = CurveServerKeys.from_files(
@@ -269,7 +313,7 @@ def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher 
 
 def make_engine(
     config: Config,
-    runner: Runner,
+    runner: ModelRunner,
     transfer: TransferBackend,
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],
@@ -343,6 +387,7 @@ def start_http_api(
     served: tuple[ModelInfo, Limits],
     metrics: WorkerMetrics,
     is_live: Callable[[], bool],
+    tickets: Tickets | None = None,
 ) -> HttpApi:
     """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
     the daemon calls ``set_ready``."""
@@ -375,6 +420,7 @@ def start_http_api(
             is_live=is_live,
             metrics_text=lambda: generate_latest(metrics.registry),
             on_reject=metrics.on_reject,
+            tickets=tickets,
         )
         front.start()
     return front

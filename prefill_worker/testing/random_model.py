@@ -1,4 +1,5 @@
-"""A runner of any Llama-family shape with random weights made in memory, on any device.
+"""A runner of any supported family's shape (Llama, Qwen, DeepSeek-V3) with random weights
+made in memory, on any device.
 
 For benchmarks: an 8B-shaped model on a GPU without 16 GB of safetensors to write and read.
 The weights go through the loader's own fusion (``fuse_weights``), so the model is the one
@@ -12,13 +13,13 @@ from typing import Any
 
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout
-from prefill_worker.model import Runner
-from prefill_worker.model.attention import create_backend
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
+from prefill_worker.model import Runner, create_model
 from prefill_worker.model.hf_config import ModelSpec, spec_from_dict
 from prefill_worker.model.kv_cache import DTYPE_NAMES, KVCache
-from prefill_worker.model.llama import CausalLM
 from prefill_worker.model.loader import expected_shapes, fuse_weights
+from prefill_worker.model.moe import create_moe_backend
+from prefill_worker.model.parallel import SINGLE
 
 # Llama-3-8B's config.json, the fields the model reads.
 LLAMA3_8B: dict[str, Any] = {
@@ -66,10 +67,14 @@ def random_runner(
     seed: int = 0,
     pool_layout: str = LAYER_MAJOR,
 ) -> tuple[Runner, ModelSpec]:
-    """A ``Runner`` over a KV pool of ``num_pages`` pages (in ``pool_layout``) for a model
-    shaped as ``config``."""
+    """A ``Runner`` over a KV pool of ``num_pages`` pages (in ``pool_layout``; an MLA
+    model's is always ``mla``) for a model shaped as ``config``."""
     spec = spec_from_dict(config)
     weights = fuse_weights(spec, RandomTensors(spec, dtype, device, seed))
+    experts = create_moe_backend("auto", device, dtype)
+    model, attention = create_model(spec, weights, SINGLE, experts, attention_backend)
+    if spec.mla is not None:
+        pool_layout = MLA
     layout = KVLayout(
         spec.num_layers,
         spec.num_kv_heads,
@@ -80,5 +85,4 @@ def random_runner(
         pool_layout,
     )
     kv_cache = KVCache(dataclasses.replace(layout, num_pages=num_pages), device)
-    runner = Runner(CausalLM(spec, weights), kv_cache, create_backend(attention_backend, device))
-    return runner, spec
+    return Runner(model, kv_cache, attention), spec

@@ -4,15 +4,18 @@ decode server builds them, on the CPU. Imported only in the interop environment,
 harness decode comes in as an argument).
 
 Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
-V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), ``MetadataBuffers`` with
+V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), or for ``kind`` ``mla``
+``MLATokenToKVPool`` (per layer one latent ``[pages * page_size + page_size, 1, head_dim]``,
+and the manager told ``is_mla_backend`` as an MLA decode's is), ``MetadataBuffers`` with
 SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
 ``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads); the
 harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
 Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_metadata``.
 
 Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
-context, the parallel ranks that a launcher would set overridden to 0, and 0.5.20's
-DP-attention globals set to one rank.
+context, the parallel ranks that a launcher would set overridden (to 0, or to one rank of an
+attention-TP group: ``attn_tp``, the process being that rank), and 0.5.20's DP-attention
+globals set to one rank.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers
 from sglang.srt.layers import dp_attention
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.server_args import ServerArgs
 
 _HELD: list[Any] = []
@@ -37,7 +40,8 @@ _POLL_NAMES = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def publish(model_path: str) -> Any:
+def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
+    """``attn_tp``: (rank, size) of this process in the decode's attention TP group."""
     args = ServerArgs(
         model_path=model_path,
         disaggregation_mode="decode",
@@ -45,7 +49,11 @@ def publish(model_path: str) -> Any:
         device="cpu",
     )
     runtime_context.publish(args, role="test")
-    ranks = runtime_context.get_parallel().override(attn_tp_rank=0, attn_cp_rank=0, attn_dp_rank=0)
+    rank, size = attn_tp
+    tp = {} if size == 1 else {"tp_size": size, "moe_tp_size": size, "tp_rank": rank}
+    ranks = runtime_context.get_parallel().override(
+        attn_tp_rank=rank, attn_tp_size=size, attn_cp_rank=0, attn_dp_rank=0, **tp
+    )
     ranks.__enter__()  # for the life of the process, as a launcher's ranks are
     _HELD.append(ranks)  # a collected context manager would restore the old ranks
     if getattr(dp_attention, "_ATTN_DP_SIZE", 0) is None:  # 0.5.20 keeps them in globals
@@ -56,28 +64,20 @@ def publish(model_path: str) -> Any:
 class Decode:
     """One SGLang decode rank: its pools, its manager, its rooms."""
 
-    def __init__(self, spec: dict[str, Any], server_args: Any) -> None:
+    def __init__(self, spec: dict[str, Any], server_args: Any, engine_rank: int = 0) -> None:
         self.bootstrap = spec["bootstrap"]
+        self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
-        dtype = _DTYPES[spec["dtype"]]
-        num_tokens = (spec["num_pages"] - 1) * self.page_size  # SGLang adds the padding page
-        self.pool = MHATokenToKVPool(
-            num_tokens,
-            self.page_size,
-            dtype,
-            spec["num_kv_heads"],
-            spec["head_dim"],
-            spec["num_layers"],
-            "cpu",
-            False,
-        )
+        self.is_mla = spec.get("kind") == "mla"
+        self.pool = _kv_pool(spec, self.is_mla)
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
             hidden_size=16,
             hidden_states_dtype=torch.float32,
             max_sampling_mask_tokens=16,
         )
-        self.manager = NixlKVManager(self._kv_args(), DisaggregationMode.DECODE, server_args, False)
+        mode = DisaggregationMode.DECODE
+        self.manager = NixlKVManager(self._kv_args(), mode, server_args, self.is_mla)
         # Descending, every other page: a scattered map, and page order bugs show.
         self._free_pages = list(range(spec["num_pages"] - 1, 0, -2))
         self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
@@ -86,12 +86,19 @@ class Decode:
 
     def fill(self, byte: int) -> None:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
-        for buf in [*self.pool.k_buffer, *self.pool.v_buffer]:
+        for _, buf in self._buffers():
             buf.view(torch.uint8).fill_(byte)
+
+    def _buffers(self) -> list[tuple[str, Any]]:
+        """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool."""
+        if self.is_mla:
+            return [(f"k{i}", buf) for i, buf in enumerate(self.pool.kv_buffer)]
+        k = [(f"k{i}", buf) for i, buf in enumerate(self.pool.k_buffer)]
+        return k + [(f"v{i}", buf) for i, buf in enumerate(self.pool.v_buffer)]
 
     def _kv_args(self) -> Any:
         args = KVArgs()
-        args.engine_rank, args.pp_rank, args.system_dp_rank = 0, 0, 0
+        args.engine_rank, args.pp_rank, args.system_dp_rank = self._engine_rank, 0, 0
         args.kv_cache_dtype_str, args.kv_layout = "auto", None
         ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
@@ -144,10 +151,9 @@ class Decode:
     def dump(self, room: int, path: str) -> dict[str, Any]:
         pages, aux_index, _ = self.rooms[room]
         arrays: dict[str, np.ndarray] = {}
-        for kind, buffers in (("k", self.pool.k_buffer), ("v", self.pool.v_buffer)):
-            for layer, buf in enumerate(buffers):
-                by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
-                arrays[f"{kind}{layer}"] = by_page.contiguous().view(torch.uint8).numpy()
+        for name, buf in self._buffers():
+            by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
+            arrays[name] = by_page.contiguous().view(torch.uint8).numpy()
         row = self.meta.get_buf(aux_index)
         names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
         for name, value in zip(names, row[:4], strict=True):
@@ -174,11 +180,27 @@ class Decode:
         return {"acked": bool(self.manager.is_abort_release_safe(room, 1))}
 
 
+def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
+    """SGLang's KV pool for the spec; an MLA latent of ``head_dim`` values (split into
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` as any model would: only the sum shapes it)."""
+    dtype = _DTYPES[spec["dtype"]]
+    page_size, num_layers, head_dim = spec["page_size"], spec["num_layers"], spec["head_dim"]
+    num_tokens = (spec["num_pages"] - 1) * page_size  # SGLang adds the padding page
+    if is_mla:
+        rope = head_dim // 3
+        return MLATokenToKVPool(
+            num_tokens, page_size, dtype, head_dim - rope, rope, num_layers, "cpu", False
+        )
+    heads = spec["num_kv_heads"]
+    return MHATokenToKVPool(num_tokens, page_size, dtype, heads, head_dim, num_layers, "cpu", False)
+
+
 class Decodes:
     """The decodes of this process, by id; each new one's KV pool filled with ``fill_byte``."""
 
-    def __init__(self, model_path: str, fill_byte: int) -> None:
-        self._server_args = publish(model_path)
+    def __init__(self, model_path: str, fill_byte: int, attn_tp: tuple[int, int] = (0, 1)) -> None:
+        self._server_args = publish(model_path, attn_tp)
+        self._engine_rank = attn_tp[0]
         self._fill_byte = fill_byte
         self._decodes: dict[str, Decode] = {}
 
@@ -188,7 +210,8 @@ class Decodes:
         if op == "quit":
             return {}
         if op == "new":
-            decode = self._decodes[command.pop("id")] = Decode(command, self._server_args)
+            decode = Decode(command, self._server_args, self._engine_rank)
+            self._decodes[command.pop("id")] = decode
             decode.fill(self._fill_byte)
             return decode.identity()
         decode = self._decodes[command.pop("id")]

@@ -17,16 +17,20 @@ with the environment for one version and turns calls into commands.
 Commands (every reply has ``ok``; a failure has ``error``)::
 
     new      id, bootstrap (host:port), page_size, dtype, num_layers, num_kv_heads, head_dim,
-             num_pages, num_aux_rows     a decode; its pools filled with FILL_BYTE
+             num_pages, num_aux_rows, kind    a decode; its pools filled with FILL_BYTE (kind
+             mla: SGLang's MLA pool, head_dim the latent width)
     want     id, room, num_tokens, prefix_len       pages for the prompt (scattered), an aux
              row, the receiver bootstrapped, its transfer request sent -> pages, aux_index
     poll     id, room                   -> state (SGLang's KVPoll name), reason when Failed
-    dump     id, room, path             the room's pages (bytes per layer, K and V) and its
-                                        aux row fields, as .npz at path
+    dump     id, room, path             the room's pages (bytes per layer: K and V, or the
+                                        latent) and its aux row fields, as .npz at path
     free     id, room                   a concluded room's pages back to the pool
     abort    id, room                   receiver.abort() (ABORT to the prefill)
     acked    id, room                   -> acked: the prefill's ABORT_ACK arrived
     quit
+
+``python -m prefill_worker.testing.sglang_decode MODEL [RANK/SIZE]``: with RANK/SIZE the
+process is that rank of a decode's attention TP group.
 """
 
 from __future__ import annotations
@@ -69,14 +73,18 @@ class SglangDecodeProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         overrides: Mapping[str, str] | None = None,
+        attn_tp: tuple[int, int] | None = None,
     ) -> None:
-        """``overrides`` go over ``INTEROP_ENV`` (SGLang's default heartbeat, say)."""
+        """``overrides`` go over ``INTEROP_ENV`` (SGLang's default heartbeat, say);
+        ``attn_tp`` (rank, size) makes the process one rank of a decode's attention TP group
+        (its decodes register as that rank; their pools hold that rank's KV heads)."""
         child_env = {**(os.environ if env is None else env), **INTEROP_ENV, **(overrides or {})}
         child_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
-                [python, "-m", "prefill_worker.testing.sglang_decode", str(model_path)],
+                [python, "-m", "prefill_worker.testing.sglang_decode", str(model_path)]
+                + ([] if attn_tp is None else [f"{attn_tp[0]}/{attn_tp[1]}"]),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -117,13 +125,15 @@ class SglangDecodeProcess:
         return f"{what}; log {self.log_path}:\n{self.log_tail()}"
 
 
-def main(model_path: str) -> None:  # pragma: no cover - runs in the interop environment
-    """The child: stdout carries replies only (everything else printed goes to stderr)."""
+def main(model_path: str, attn_tp: str = "0/1") -> None:  # pragma: no cover - interop env
+    """The child: stdout carries replies only (everything else printed goes to stderr).
+    ``attn_tp`` is "rank/size" of its attention TP group."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     from prefill_worker.testing.sglang_child import Decodes
 
-    decodes = Decodes(model_path, FILL_BYTE)
+    rank, size = (int(x) for x in attn_tp.split("/"))
+    decodes = Decodes(model_path, FILL_BYTE, (rank, size))
     for line in sys.stdin:
         command = json.loads(line)
         try:
@@ -138,4 +148,4 @@ def main(model_path: str) -> None:  # pragma: no cover - runs in the interop env
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

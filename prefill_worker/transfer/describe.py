@@ -3,8 +3,10 @@
 One ``describe`` over a short-lived DEALER on the bootstrap address, answered by
 ``described`` (no registration needed; with CURVE on, only an allow-listed key gets an
 answer): the worker's layout (layers, KV heads, head dim, dtype, page size, pool layout
-kind, and its own page count, which a decode's need not match). The same layout is in the
-worker's ``GET /readyz`` as ``kv_layout``.
+kind, and its own page count, which a decode's need not match). For an MLA model the kind is
+``mla``: one latent per token and layer, ``num_kv_heads`` 1 and ``head_dim`` the latent width
+(``kv_lora_rank + qk_rope_head_dim``), the shape a decode's per-layer latent tensors take.
+The same layout is in the worker's ``GET /readyz`` as ``kv_layout``.
 """
 
 from __future__ import annotations

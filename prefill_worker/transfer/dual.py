@@ -1,13 +1,15 @@
-"""Both bootstrap protocols at once (``transfer.protocol: both``): native decode peers and
-SGLang decodes, each on its own ports, feeding one engine.
+"""Several decode protocols at once (``transfer.protocol`` naming more than one): native
+decode peers, SGLang decodes and vLLM decodes, each on its own ports, feeding one engine
+from one pool.
 
 A request does not say which protocol its decode speaks, so ``DualBackend`` opens a sender
 on each backend for the room; the first one a decode claims (or aborts, or that fails) is
-the request's, and the other is failed and closed (a later claim through it learns that the
-room went the other way). Each backend keeps its own tables, agent and sockets. The engine
-sleeps in the native backend's ``wait``; the SGLang backend's control thread wakes it
-through the engine's inbox (the ``wake`` it was built with). Torch-free; imports neither
-NIXL nor ZMQ itself.
+the request's, and the others are failed and closed (a later claim through one learns that
+the room went another way). A vLLM room is claimed by its HTTP request itself (a ticket,
+``transfer.vllm.tickets``). Each backend keeps its own tables, agent and sockets. The engine
+sleeps in the first backend's ``wait``; the SGLang backend's control thread wakes it through
+the engine's inbox (the ``wake`` it was built with), and the vLLM backend asks for turns
+through ``next_poll_at``. Torch-free; imports neither NIXL nor ZMQ itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _UNBOUND = (KVPoll.BOOTSTRAPPING,)
 
 
 class DualSender:
-    """KVSender over one sender per protocol until a decode picks one."""
+    """KVSender over one sender per protocol until a decode picks one (two or more)."""
 
     def __init__(self, senders: Sequence[KVSender], names: Sequence[str]) -> None:
         self._senders, self._names = list(senders), list(names)
@@ -78,41 +80,52 @@ class DualSender:
 
 
 class DualBackend:
-    """Serves the native and the SGLang protocol; one engine, two sets of ports."""
+    """Serves several protocols (native, SGLang, vLLM: any of them) from one pool and one
+    engine; each backend keeps its own ports. ``backends`` is ordered: the engine sleeps in
+    the first one's ``wait`` (its socket and ``wake_fd``), bounded by the others' next poll
+    times (their own threads, if any, wake the engine through its inbox)."""
 
     def __init__(
         self,
-        native: TransferBackend,
-        sglang: TransferBackend,
+        backends: Mapping[str, TransferBackend],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._native, self._sglang, self._clock = native, sglang, clock
-        self.bootstrap_endpoint = native.bootstrap_endpoint
-        self.endpoints: Mapping[str, str] = {**native.endpoints, **sglang.endpoints}
+        assert len(backends) >= 2, "one protocol needs no composition"
+        self._names, self._backends = list(backends), list(backends.values())
+        self._clock = clock
+        self.bootstrap_endpoint = self._backends[0].bootstrap_endpoint
+        self.endpoints: Mapping[str, str] = {
+            name: address for b in self._backends for name, address in b.endpoints.items()
+        }
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> KVSender:
         senders = [
-            self._native.create_sender(room, request_id, num_prompt_tokens, allowed_peer),
-            self._sglang.create_sender(room, request_id, num_prompt_tokens, allowed_peer),
+            b.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+            for b in self._backends
         ]
-        return DualSender(senders, ["native", "sglang"])
+        return DualSender(senders, self._names)
 
     def poll(self) -> None:
-        self._native.poll()
-        self._sglang.poll()
+        for backend in self._backends:
+            backend.poll()
 
     def next_poll_at(self) -> float:
-        return min(self._native.next_poll_at(), self._sglang.next_poll_at())
+        return min(b.next_poll_at() for b in self._backends)
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
-        """Sleep on the native socket and ``wake_fd``; SGLang messages wake ``wake_fd``."""
-        timeout_s = min(timeout_s, self._sglang.next_poll_at() - self._clock())
-        self._native.wait(timeout_s, wake_fd)
+        """Sleep on the first backend and ``wake_fd``, until the others' next poll at most."""
+        others = min(b.next_poll_at() for b in self._backends[1:])
+        self._backends[0].wait(min(timeout_s, others - self._clock()), wake_fd)
 
     def close(self) -> None:
-        try:
-            self._native.close()
-        finally:
-            self._sglang.close()
+        """Every backend closes, whatever the others raise (the first error is raised)."""
+        errors: list[BaseException] = []
+        for backend in self._backends:
+            try:
+                backend.close()
+            except BaseException as exc:  # re-raised below, once the rest are closed
+                errors.append(exc)
+        if errors:
+            raise errors[0]

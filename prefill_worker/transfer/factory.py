@@ -1,26 +1,40 @@
 """Picks the transfer backends at start-up, for the daemon (the only caller that sees config):
-the native bootstrap protocol (``make_backend``), SGLang's (``make_sglang_backend``), or both
-(``serve_protocols``). No fake is selectable here: nothing in production config can pick one
-(the scheduler's tests fake the seam in ``tests/unit/scheduler/fakes.py``).
+the native bootstrap protocol (``make_backend``), SGLang's (``make_sglang_backend``), vLLM's
+pulls (``make_vllm_backend``), or several (``serve_protocols``). No fake is selectable here:
+nothing in production config can pick one (the scheduler's tests fake the seam in
+``tests/unit/scheduler/fakes.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.dual import DualBackend
-from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions, SglangOptions
+from prefill_worker.transfer.options import (
+    DEFAULT_HOOKS,
+    Hooks,
+    NativeOptions,
+    SglangOptions,
+    VllmOptions,
+)
+from prefill_worker.transfer.vllm.tickets import Tickets
+
+if TYPE_CHECKING:
+    from prefill_worker.transfer.vllm.backend import VllmBackend
 
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """The backend the engine drives, and what it bound (for ``/readyz`` and the ready file)."""
+    """The backend the engine drives, and what it bound (for ``/readyz`` and the ready file);
+    ``tickets`` when vLLM decodes are served (the HTTP front opens them)."""
 
     backend: TransferBackend
     endpoints: Mapping[str, str]
+    tickets: Tickets | None = None
 
 
 def make_backend(
@@ -45,11 +59,26 @@ def make_sglang_backend(
     return SglangBackend(regions, options, hooks)
 
 
-def serve_protocols(native: TransferBackend | None, sglang: TransferBackend | None) -> Transfer:
-    """The backend for the protocols asked for: one of them, or both behind ``DualBackend``."""
-    if native is not None and sglang is not None:
-        dual = DualBackend(native, sglang)
-        return Transfer(dual, dual.endpoints)
-    backend = native or sglang
-    assert backend is not None, "at least one protocol is served"
-    return Transfer(backend, backend.endpoints)
+def make_vllm_backend(
+    regions: KVRegions, options: VllmOptions, tickets: Tickets, hooks: Hooks = DEFAULT_HOOKS
+) -> VllmBackend:
+    """This worker as a vLLM prefill (``transfer/vllm``): the staging region registered with
+    a NIXL agent of its own, the side channel bound. ``StagingRefused`` (a ``ValueError``)
+    for a pool it cannot stage (MLA, device memory)."""
+    from prefill_worker.transfer.vllm.backend import VllmBackend
+    from prefill_worker.transfer.vllm.channel import serve_side_channel
+
+    return VllmBackend(regions, options, tickets, serve_side_channel, hooks)
+
+
+def serve_protocols(
+    backends: Mapping[str, TransferBackend], tickets: Tickets | None = None
+) -> Transfer:
+    """The backend for the protocols asked for, by name in serving order: one of them, or
+    all behind ``DualBackend`` (the first one's ``wait`` is where the engine sleeps)."""
+    assert backends, "at least one protocol is served"
+    if len(backends) == 1:
+        (backend,) = backends.values()
+        return Transfer(backend, backend.endpoints, tickets)
+    dual = DualBackend(backends)
+    return Transfer(dual, dual.endpoints, tickets)

@@ -1,7 +1,7 @@
 """What a transfer backend is built from, as records: where it listens and how long it waits
-(``NativeOptions``, ``SglangOptions``, both with ``NixlOptions`` for their agent) and the
-calls it makes into the rest of the worker (``Hooks``). Torch-, ZMQ- and NIXL-free; only
-``service`` (start-up) sees the config these are filled from.
+(``NativeOptions``, ``SglangOptions``, ``VllmOptions``, each with ``NixlOptions`` for its
+agent) and the calls it makes into the rest of the worker (``Hooks``). Torch-, ZMQ- and
+NIXL-free; only ``service`` (start-up) sees the config these are filled from.
 """
 
 from __future__ import annotations
@@ -56,6 +56,30 @@ class SglangOptions:
     rejoin_s: float = 0.0  # /health and /route answer 503 this long after the first turn
     nixl: NixlOptions = field(default_factory=NixlOptions)
     limits: BootstrapLimits = field(default_factory=BootstrapLimits)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmIdentity:
+    """What vLLM decodes hash with this worker's shape (their compatibility hash): the model
+    string they were started with and their attention backend's name."""
+
+    model: str = ""
+    attention_backend: str = "FLASH_ATTN"  # CPU decodes: CPU_ATTN
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """Where vLLM decodes reach this worker and how long staged blocks wait for them."""
+
+    side_channel_host: str  # the address decodes reach (kv_transfer_params' remote_host)
+    side_channel_port: int  # 0: any free port
+    block_size: int  # vLLM's block size (a multiple of 32 for its CPU attention backend)
+    num_blocks: int  # staging blocks: the most KV held for decodes at once
+    lease_s: float = 30.0  # vLLM's kv_lease_duration
+    read_grace_s: float = 5.0  # an expired hold's blocks wait this long before reuse
+    engine_id: str | None = None  # None: a generated one
+    identity: VllmIdentity = field(default_factory=VllmIdentity)
+    nixl: NixlOptions = field(default_factory=NixlOptions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ a peer's lists costs the same at any pool size (docs/protocol.md, ``transfer.max
     KV list   index r * num_pages + p    page p of region r, region_page_bytes long
               layer_major: 2L regions    K of layers 0..L-1, then V of layers 0..L-1
               page_major:  1 region      the whole page: every layer's K and V
+              mla:         L regions     the latent of layers 0..L-1 (no V)
     aux list  index row                  aux row `row`, always host memory (DRAM)
 
 A run of adjacent pages is a run of adjacent indices, which NIXL merges into one descriptor
@@ -107,8 +108,9 @@ def kv_descriptor_table(regions: KVRegions) -> np.ndarray:
 def layer_view_table(regions: KVRegions) -> np.ndarray:
     """The pool seen per layer, whatever its layout: [2L, 5] strided rows, so index
     r * num_pages + p is page p of K of layer r (r < L) or of V of layer r - L, ``page_bytes``
-    long. It is ``kv_descriptor_table`` for a layer-major pool; for a page-major one it is
-    what a peer with per-layer buffers (an SGLang decode) is written from."""
+    long ([L, 5], each layer's latent, for an mla pool). It is ``kv_descriptor_table`` for a
+    layer-major or mla pool; for a page-major one it is what a peer with per-layer buffers
+    (an SGLang decode) is written from."""
     bases = regions.k_base_addrs + regions.v_base_addrs
     return _page_runs(regions, bases, regions.layout.page_bytes)
 

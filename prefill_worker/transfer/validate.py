@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.latent import mla_mismatch
 
 DEFAULT_MAX_PEER_PAGES = 2**20
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -104,6 +105,9 @@ def _check_name(name: str) -> Refusal | None:
 
 def _check_layout(msg: wire.Register, ours: KVLayout) -> Refusal | None:
     theirs = msg.regions.layout
+    why = mla_mismatch(theirs, ours)
+    if why is not None:
+        return Refusal(RejectReason.LAYOUT_MISMATCH, why)
     if theirs.kind != ours.kind:
         return Refusal(
             RejectReason.LAYOUT_MISMATCH,

@@ -27,6 +27,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 from prefill_worker import msgpack_shape
 from prefill_worker.kv.layout import (
     DTYPE_ITEMSIZE,
+    KV_KINDS,
     POOL_LAYOUTS,
     KVLayout,
     KVRegions,
@@ -40,10 +41,12 @@ _FRAME_VERSION = 1
 
 StatusCode = Literal["ok", "failed", "aborted"]
 Dtype = Literal["float32", "bfloat16", "float16"]
-PoolLayout = Literal["layer_major", "page_major"]
+PoolLayout = Literal["layer_major", "page_major"]  # what cache.layout may pick
+KvKind = Literal["layer_major", "page_major", "mla"]  # a pool's kind on the wire
 Positive = Annotated[int, Meta(ge=1)]
 assert set(get_args(Dtype)) == set(DTYPE_ITEMSIZE)
 assert get_args(PoolLayout) == POOL_LAYOUTS
+assert get_args(KvKind) == KV_KINDS
 
 
 class WireError(ValueError):
@@ -90,7 +93,8 @@ class _Message(Struct, frozen=True, tag_field="type", kw_only=True):
 class Layout(Struct, frozen=True, omit_defaults=True):
     """A KV pool's shape (a ``KVLayout``): the decode's in ``register``, the worker's in
     ``described``. ``kind`` is left out when ``layer_major`` (v1's bytes, and what a peer
-    that predates page-major means)."""
+    that predates page-major means); ``mla`` is an MLA latent pool (``num_kv_heads`` 1,
+    ``head_dim`` the latent width, no V addresses)."""
 
     num_layers: Positive
     num_kv_heads: Positive
@@ -98,11 +102,11 @@ class Layout(Struct, frozen=True, omit_defaults=True):
     dtype: Dtype
     page_size: Positive
     num_pages: Positive
-    kind: PoolLayout = "layer_major"
+    kind: KvKind = "layer_major"
 
     @classmethod
     def of(cls, lay: KVLayout) -> Layout:
-        dtype, kind = cast(Dtype, lay.dtype), cast(PoolLayout, lay.kind)
+        dtype, kind = cast(Dtype, lay.dtype), cast(KvKind, lay.kind)
         return cls(
             lay.num_layers,
             lay.num_kv_heads,
@@ -125,6 +129,34 @@ class Layout(Struct, frozen=True, omit_defaults=True):
         )
 
 
+class DecodeRank(Struct, frozen=True):
+    """A decode rank's place in its tensor-parallel (TP) group, in ``register``: its rank, the
+    group's size, and the KV heads its pool holds, ``[head_start, head_stop)`` by the one
+    rule (``kv.heads``). Absent: TP 1, every head (v1 decodes)."""
+
+    tp_rank: Annotated[int, Meta(ge=0)]
+    tp_size: Positive
+    head_start: Annotated[int, Meta(ge=0)]
+    head_stop: Positive
+
+
+class WorkerRank(Struct, frozen=True):
+    """One rank of the worker's TP group, in ``registered``: the heads its pool holds and the
+    bootstrap endpoint that speaks for it."""
+
+    tp_rank: Annotated[int, Meta(ge=0)]
+    head_start: Annotated[int, Meta(ge=0)]
+    head_stop: Positive
+    endpoint: str
+
+
+class WorkerTP(Struct, frozen=True):
+    """The worker's TP layout, in ``registered`` when the decode named its rank."""
+
+    tp_size: Positive
+    ranks: tuple[WorkerRank, ...]
+
+
 class Register(_Message, frozen=True, tag="register"):
     """Decode → worker, once per connection (again when told ``unknown_peer``): where the
     decode pool lives, and the framed NIXL agent metadata."""
@@ -134,12 +166,14 @@ class Register(_Message, frozen=True, tag="register"):
     agent_name: str
     metadata: bytes  # framed, see frame_metadata
     layout: Layout
-    k_base_addrs: tuple[int, ...]  # one per layer
-    v_base_addrs: tuple[int, ...]
+    k_base_addrs: tuple[int, ...]  # one per layer (an mla pool: its latent)
+    v_base_addrs: tuple[int, ...]  # one per layer; empty for an mla pool
     device: str  # "cpu" or "cuda:N"
     aux_base_addr: int
     num_aux_rows: Positive
     compat_hash: str
+    # Added after v1 (left out when unset, so v1 bytes are unchanged): a decode rank of TP > 1.
+    tp: DecodeRank | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout.to_kv(), self.k_base_addrs, self.v_base_addrs)
@@ -147,7 +181,14 @@ class Register(_Message, frozen=True, tag="register"):
             raise ValueError(f"{why} - at `$.k_base_addrs`")
 
     @classmethod
-    def of(cls, agent_name: str, metadata: bytes, regions: KVRegions, compat_hash: str) -> Register:
+    def of(
+        cls,
+        agent_name: str,
+        metadata: bytes,
+        regions: KVRegions,
+        compat_hash: str,
+        tp: DecodeRank | UnsetType = UNSET,
+    ) -> Register:
         return cls(
             agent_name,
             metadata,
@@ -158,6 +199,7 @@ class Register(_Message, frozen=True, tag="register"):
             regions.aux_base_addr,
             regions.num_aux_rows,
             compat_hash,
+            tp,
         )
 
     @property
@@ -248,6 +290,7 @@ class Registered(_Message, frozen=True, tag="registered", kw_only=True):
     agent_name: str  # the worker's
     peer_timeout_s: float
     heartbeat_interval_s: float
+    tp: WorkerTP | UnsetType = UNSET  # sent to a decode whose register named its rank
 
 
 class Status(_Message, frozen=True, tag="status"):

@@ -27,7 +27,8 @@ def new_room() -> int:
 @dataclass(frozen=True)
 class Landed:
     """A room's pages as the decode holds them, raw bytes per layer: ``k[l]`` is
-    ``[num_prompt_pages, page_bytes]`` uint8; and row ``aux_index`` of its metadata buffers."""
+    ``[num_prompt_pages, page_bytes]`` uint8 (an MLA pool's latent in ``k``, ``v`` empty); and
+    row ``aux_index`` of its metadata buffers."""
 
     pages: list[int]
     k: list[np.ndarray]
@@ -61,6 +62,7 @@ class SglangDecode:
             head_dim=layout.head_dim,
             num_pages=layout.num_pages,
             num_aux_rows=num_aux_rows,
+            kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
         )
         self.agent_name: str = identity["agent_name"]  # what its frames name it by
         self.ip: str = identity["ip"]
@@ -111,7 +113,7 @@ class SglangDecode:
         return Landed(
             pages,
             [by_page(data[f"k{i}"]) for i in range(n)],
-            [by_page(data[f"v{i}"]) for i in range(n)],
+            [by_page(data[f"v{i}"]) for i in range(n) if f"v{i}" in data],
             data["output_ids"],
             data["cached_tokens"],
             data["logprob_val"],

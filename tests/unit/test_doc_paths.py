@@ -53,6 +53,9 @@ def _py_path_resolves(path: str) -> bool:
     first = path.split("/", 1)[0]
     if first not in _bases():
         return True  # another project's file (vllm/distributed/kv_events.py, SGLang's)
+    folder = path.rsplit("/", 1)[0]
+    if "/" in folder and not any((base / folder).is_dir() for base in _bases()[first]):
+        return True  # a folder of ours shares the project's name (transfer/vllm, vllm/distributed)
     return any((base / path).is_file() for base in _bases()[first])
 
 

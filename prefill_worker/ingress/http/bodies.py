@@ -8,12 +8,15 @@ token: a sampling option this worker does not apply (``min_p``, ``logit_bias``, 
 ``n > 1``, ``min_new_tokens``) is a ``BadRequest``, never silently dropped; options that only
 concern later tokens are the decode's and are ignored here. Nothing here knows tokenizers or
 the model's limits: that is ``prompts.py``. Token ids stay JSON text (``msgspec.Raw``) until
-``prompts.py`` has checked their size (what a hostile body may cost: docs/http-api.md).
+``prompts.py`` has checked their size (what a hostile body may cost: docs/http-api.md). A
+``/v1/completions`` body from vLLM's proxy carries ``kv_transfer_params.do_remote_decode``
+and no room: its one prompt gets a random room and is marked ``is_pull`` (``pull.py``).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +71,16 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=False):
     bootstrap_room: IntOrList = None
 
 
+class PullAsk(msgspec.Struct, forbid_unknown_fields=False):
+    """vLLM's ``kv_transfer_params`` on a prefill request: its proxy (and llm-d's sidecar)
+    send ``do_remote_decode`` true and the remote fields null."""
+
+    do_remote_decode: bool = False
+
+
 class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
-    """``POST /v1/completions`` (OpenAI's, with SGLang's ``top_k``)."""
+    """``POST /v1/completions`` (OpenAI's, with SGLang's ``top_k`` and vLLM's
+    ``kv_transfer_params``)."""
 
     prompt: msgspec.Raw  # text, texts, ids, or lists of ids (read by _items)
     model: str | None = None
@@ -83,6 +94,7 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
     echo: bool = False
     logit_bias: dict[str, float] | None = None
     bootstrap_room: IntOrList = None
+    kv_transfer_params: PullAsk | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +112,7 @@ class Prompt:
     rid: str | None = None
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool = False
+    is_pull: bool = False  # a vLLM decode pulls its KV (the answer carries kv_transfer_params)
 
 
 _generate = msgspec.json.Decoder(GenerateBody)
@@ -152,7 +165,13 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
     if req.n != 1:
         raise BadRequest("n > 1 is not supported by this prefill worker", "bad_sampling")
     items, _ = _items(req.prompt, max_prompts)
-    rooms = _per_prompt("bootstrap_room", req.bootstrap_room, len(items), required=True)
+    is_pull = req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode
+    if is_pull and len(items) != 1:
+        raise BadRequest("kv_transfer_params (a vLLM pull) takes one prompt, not a batch")
+    if is_pull and req.bootstrap_room is None:
+        rooms = [secrets.randbits(63)]  # no decode names it: a fresh capability per request
+    else:
+        rooms = _per_prompt("bootstrap_room", req.bootstrap_room, len(items), required=True)
     sampling = _sampling(
         SglSampling(req.temperature, req.top_p, req.top_k, req.min_p, req.seed, 1, 0)
     )
@@ -165,6 +184,7 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
             sampling,
             req.logprobs is not None,
             room,
+            is_pull=is_pull,
         )
         for item, room in zip(items, rooms, strict=True)
     ]

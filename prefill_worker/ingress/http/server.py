@@ -32,13 +32,14 @@ from aiohttp import web
 
 from prefill_worker.aio_site import ThreadedSite
 from prefill_worker.inbox import EngineMessage
-from prefill_worker.ingress.http import answers, probes
+from prefill_worker.ingress.http import answers, probes, pull
 from prefill_worker.ingress.http.bodies import BadRequest, Prompt, read_completion, read_generate
 from prefill_worker.ingress.http.prompts import Admitter
 from prefill_worker.ingress.http.text import TextCodec
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.load import TTFT_SLO_REJECT, LoadSource, ttft_slo_refusal
 from prefill_worker.request import AbortRequest, Outcome, PrefillRequest
+from prefill_worker.transfer.vllm.tickets import Tickets
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class HttpApi:
         is_live: Callable[[], bool] = lambda: True,
         metrics_text: Callable[[], bytes] | None = None,
         on_reject: Callable[[str], None] = lambda code: None,
+        tickets: Tickets | None = None,
     ) -> None:
         host, _, port = bind.rpartition(":")
         self._host, self._port = host or "127.0.0.1", int(port)
@@ -71,6 +73,7 @@ class HttpApi:
         self._admitter, self._limits = Admitter(limits, codec), limits
         self._max_inflight, self._max_body_bytes = max_inflight, max_body_bytes
         self._is_live, self._metrics_text, self._on_reject = is_live, metrics_text, on_reject
+        self._tickets = tickets  # vLLM pulls (transfer.protocol serving vllm); None: refused
         self._pending: dict[str, asyncio.Future[Outcome]] = {}  # event-loop thread only
         self._released: set[str] = set()  # refused requests whose rooms were withdrawn
         self._site = ThreadedSite("http-api")
@@ -167,8 +170,21 @@ class HttpApi:
     ) -> web.Response:
         try:
             prompts, is_batch, requests = await self._prepare(request, read)
+            pull.open_pulls(self._tickets, prompts)
         except BadRequest as exc:
             return self._refuse(exc.status, str(exc), exc.code)
+        try:
+            return await self._serve(prompts, is_batch, requests, answer)
+        finally:
+            pull.close_pulls(self._tickets, prompts)  # a refusal or a client gone: no params
+
+    async def _serve(
+        self,
+        prompts: list[Prompt],
+        is_batch: bool,
+        requests: list[PrefillRequest],
+        answer: Callable[[Sequence[Outcome], list[answers.Asked], bool], Any],
+    ) -> web.Response:
         why = self._unavailable()
         if why is not None:
             self._release(requests)
@@ -186,7 +202,11 @@ class HttpApi:
         if status != 200:
             return _json(answers.failure_body(outcomes), status)
         asked = [_asked(p, r) for p, r in zip(prompts, requests, strict=True)]
-        return _json(answer(outcomes, asked, is_batch))
+        body = answer(outcomes, asked, is_batch)
+        pulled = pull.close_pulls(self._tickets, prompts)[0] if prompts[0].is_pull else None
+        if pulled is not None:
+            body["kv_transfer_params"] = pulled
+        return _json(body)
 
     async def _prepare(self, request: web.Request, read: _Reader) -> _Admitted:
         """The body read, its prompts and their engine requests (``BadRequest`` if not valid).

@@ -1,7 +1,9 @@
-"""Mixture-of-experts compute behind a lazy registry, as attention's: ``torch`` (tokens
-grouped by expert; any device), ``flashinfer`` (its fused CUTLASS MoE; CUDA, bf16/fp16),
-``naive`` (every expert over every token: the benchmark's baseline) and ``auto``
-(``flashinfer`` on CUDA when importable and the dtype is half precision, else ``torch``).
+"""Mixture-of-experts compute behind a lazy registry, as attention's: ``grouped`` (tokens
+grouped by expert, torch ops; any device), ``flashinfer`` (its fused CUTLASS MoE; CUDA,
+bf16/fp16), ``naive`` (every expert over every token: the benchmark's baseline) and ``auto``
+(``flashinfer`` on CUDA when importable and the dtype is half precision, else ``grouped``).
+The configuration's ``model.moe_backend`` names one; ``resolve_moe_backend_name`` is the one
+place that decides what ``auto`` means and whether a choice fits the device.
 
 A backend computes ``sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` from the stacked expert
 weights, which its ``prepare`` may reorder once at start-up; routing (``routing.py``), the
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 
-def _torch(device: torch.device) -> ExpertsBackend:
+def _grouped(device: torch.device) -> ExpertsBackend:
     from prefill_worker.model.moe.grouped import TorchGroupedExperts
 
     return TorchGroupedExperts(device)
@@ -46,7 +48,7 @@ def _naive(device: torch.device) -> ExpertsBackend:
 
 
 MOE_BACKENDS: dict[str, Callable[[torch.device], ExpertsBackend]] = {
-    "torch": _torch,
+    "grouped": _grouped,
     "flashinfer": _flashinfer,
     "naive": _naive,
 }
@@ -58,11 +60,11 @@ def has_flashinfer_moe() -> bool:
 
 
 def resolve_moe_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` -> ``flashinfer`` on CUDA in bf16/fp16 when importable, else ``torch``;
+    """``auto`` -> ``flashinfer`` on CUDA in bf16/fp16 when importable, else ``grouped``;
     checks an explicit choice against the device and dtype (``ValueError``)."""
     if name == "auto":
         usable = device.type == "cuda" and dtype in HALF and has_flashinfer_moe()
-        return "flashinfer" if usable else "torch"
+        return "flashinfer" if usable else "grouped"
     if name not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r} (known: auto, {', '.join(MOE_BACKENDS)})")
     if name == "flashinfer" and (device.type != "cuda" or dtype not in HALF):

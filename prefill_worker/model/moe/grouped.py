@@ -1,4 +1,5 @@
-"""The torch MoE backend: tokens grouped by expert, one pair of GEMMs per expert.
+"""The grouped MoE backend (torch ops, any device): tokens grouped by expert, one pair of
+GEMMs per expert.
 
 The ``T * k`` (token, expert) assignments are sorted by expert (a stable argsort), the
 tokens gathered into that order once, and each expert that has tokens runs
@@ -17,7 +18,7 @@ from prefill_worker.model.moe.base import MoEWeights
 
 
 class TorchGroupedExperts:
-    name = "torch"
+    name = "grouped"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -3,8 +3,9 @@
 Checks that every K and V tensor matches the first and lies where the pool layout puts it
 (``kv.layout``: contiguous per layer for ``layer_major``; for ``page_major`` the per-layer
 views ``pool[:, l, 0]`` / ``pool[:, l, 1]`` of one ``[num_pages, L, 2, page_size, KV, D]``
-tensor; the kind is read from their page stride unless given), derives the layout from
-their shape, and allocates the aux rows in host memory:
+tensor; for ``mla`` one contiguous latent tensor ``[num_pages, page_size, 1, latent]`` per
+layer and no V; the kind is read from their page stride, or no V tensors, unless given),
+derives the layout from their shape, and allocates the aux rows in host memory:
 numpy for a CPU pool, pinned (page-locked) torch memory for a CUDA pool; either way
 registered as DRAM. Imports torch only for a CUDA pool's pinned rows.
 """
@@ -15,7 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxPool
-from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, POOL_LAYOUTS, KVLayout, KVRegions
+from prefill_worker.kv.layout import (
+    KV_KINDS,
+    LAYER_MAJOR,
+    MLA,
+    PAGE_MAJOR,
+    KVLayout,
+    KVRegions,
+)
 
 
 def regions_from_tensors(
@@ -26,18 +34,15 @@ def regions_from_tensors(
 ) -> tuple[KVRegions, list[Any]]:
     """The regions of per-layer tensors [num_pages, page_size, num_kv_heads, head_dim], all
     on one device; and the buffers the receiver must keep alive (aux rows first). Unset,
-    ``pool_layout`` is read from the tensors' page stride (one page: layer-major; every
-    layer's K and V: page-major).
+    ``pool_layout`` is read from the tensors (no V: mla, the latents in ``k_caches``; one
+    page apart: layer-major; every layer's K and V: page-major).
 
     ``ValueError`` with the reason when the tensors cannot be one pool of ``pool_layout``."""
-    if not k_caches or len(k_caches) != len(v_caches):
-        raise ValueError(
-            f"one K and one V tensor per layer (got {len(k_caches)} and {len(v_caches)})"
-        )
     if pool_layout is None:
-        pool_layout = _inferred_layout(k_caches)
-    if pool_layout not in POOL_LAYOUTS:
-        raise ValueError(f"pool_layout {pool_layout!r} is not one of {', '.join(POOL_LAYOUTS)}")
+        pool_layout = _inferred_layout(k_caches, v_caches)
+    if pool_layout not in KV_KINDS:
+        raise ValueError(f"pool_layout {pool_layout!r} is not one of {', '.join(KV_KINDS)}")
+    _check_planes(k_caches, v_caches, pool_layout)
     if num_aux_rows < 1:
         raise ValueError(f"num_aux_rows must be at least 1 (got {num_aux_rows})")
     layout = _layout(k_caches, v_caches, pool_layout)
@@ -52,6 +57,18 @@ def regions_from_tensors(
         num_aux_rows,
     )
     return regions, [aux_buffer, *k_caches, *v_caches]
+
+
+def _check_planes(k_caches: Sequence[Any], v_caches: Sequence[Any], pool_layout: str) -> None:
+    if pool_layout == MLA and (not k_caches or v_caches):
+        raise ValueError(
+            f"an mla pool is one latent tensor per layer and no V (got {len(k_caches)} "
+            f"and {len(v_caches)})"
+        )
+    if pool_layout != MLA and (not k_caches or len(k_caches) != len(v_caches)):
+        raise ValueError(
+            f"one K and one V tensor per layer (got {len(k_caches)} and {len(v_caches)})"
+        )
 
 
 def _layout(k_caches: Sequence[Any], v_caches: Sequence[Any], pool_layout: str) -> KVLayout:
@@ -84,11 +101,13 @@ def _layout(k_caches: Sequence[Any], v_caches: Sequence[Any], pool_layout: str) 
     return layout
 
 
-def _inferred_layout(k_caches: Sequence[Any]) -> str:
-    """Page-major when the first K's pages are 2L layer-pages apart, else layer-major (which
-    ``_layout`` then checks)."""
-    k0 = k_caches[0]
-    if k0.dim() == 4 and k0.shape[0] > 1:
+def _inferred_layout(k_caches: Sequence[Any], v_caches: Sequence[Any]) -> str:
+    """Mla when there are latents and no V; page-major when the first K's pages are 2L
+    layer-pages apart; else layer-major (which ``_layout`` then checks)."""
+    if k_caches and not v_caches:
+        return MLA
+    k0 = k_caches[0] if k_caches else None
+    if k0 is not None and k0.dim() == 4 and k0.shape[0] > 1:
         page_elems = k0.shape[1] * k0.shape[2] * k0.shape[3]
         if k0.stride(0) == 2 * len(k_caches) * page_elems:
             return PAGE_MAJOR

@@ -50,14 +50,21 @@ NIXL_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def make_agent(name: str, backends: list[str], ucx_net_devices: str | None = None) -> nixl_agent:
-    """One agent; progress is driven by the owner's poll (check_xfer_state, get_new_notifs).
+def make_agent(
+    name: str,
+    backends: list[str],
+    ucx_net_devices: str | None = None,
+    progress_thread: bool = False,
+) -> nixl_agent:
+    """One agent; progress is driven by the owner's poll (check_xfer_state, get_new_notifs),
+    or with ``progress_thread`` by NIXL's own thread too (an agent others READ from: over
+    TCP, UCX serves a remote READ only while this side progresses).
 
     ``ucx_net_devices`` (UCX_NET_DEVICES, e.g. ``lo`` or ``eth0``) picks the interfaces UCX
     opens its TCP listeners on; UCX reads it when the backend is created, here and only here.
     NIXL's own listener (``enable_listen_thread``) stays off: metadata goes over bootstrap."""
     config = nixl_agent_config(
-        enable_prog_thread=False, enable_listen_thread=False, backends=list(backends)
+        enable_prog_thread=progress_thread, enable_listen_thread=False, backends=list(backends)
     )
     if not ucx_net_devices:
         return nixl_agent(name, config)

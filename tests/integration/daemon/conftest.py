@@ -81,9 +81,10 @@ def start_worker(
     *settings: str,
     env: dict[str, str] | None = None,
     module: str = "prefill_worker",
+    module_args: Sequence[str] = (),
 ) -> Worker:
     """``module``: ``prefill_worker.testing.spare`` starts a warm spare (it serves once sent
-    SIGUSR1)."""
+    SIGUSR1); ``prefill_worker.testing.tp_ranks`` takes its own ``module_args``."""
     ingress = f"tcp://127.0.0.1:{free_port()}"
     bootstrap = f"tcp://127.0.0.1:{free_port()}"
     http_port = free_port()
@@ -94,7 +95,7 @@ def start_worker(
         f"metrics.bind=127.0.0.1:{http_port}",
         *settings,
     ]
-    args = [sys.executable, "-m", module, "serve", "configs/tiny-test.yaml"]
+    args = [sys.executable, "-m", module, *module_args, "serve", "configs/tiny-test.yaml"]
     for flag in flags:
         args += ["--set", flag]
     child = ChildProcess.start(
@@ -149,15 +150,22 @@ def worker_factory(tmp_path: Path, checkpoint: Path) -> Iterator[Callable[..., W
 
 
 class Decode:
-    """A decode peer: its own KV pool (zeros, in the worker's pool layout), a KVReceiver, and
-    a page allocator."""
+    """A decode peer: its own KV pool (zeros, in the worker's pool layout: its kind, layers,
+    KV heads and head size), a KVReceiver, and a page allocator."""
 
     def __init__(self, bootstrap: str, peer_timeout_s: float = 10.0) -> None:
-        self.k, self.v = decode_pool(describe_worker(bootstrap, 30.0).kind)
+        layout = describe_worker(bootstrap, 30.0)
+        self.k, self.v = decode_pool(
+            layout.kind, layout.num_kv_heads, layout.head_dim, layout.num_layers
+        )
         self.receiver = KVReceiver.from_tensors(
             self.k, self.v, bootstrap, num_aux_rows=64, peer_timeout_s=peer_timeout_s
         )
-        self.receiver.wait_registered(timeout_s=30)
+        try:
+            self.receiver.wait_registered(timeout_s=30)
+        except BaseException:  # a refused pool: its I/O thread would keep the process alive
+            self.receiver.close()
+            raise
         self._next_page = DECODE_PAGES - 1  # hand out descending pages: order bugs show
         self._next_slot = 0
         self.rooms: dict[int, tuple[list[int], int]] = {}
@@ -191,14 +199,22 @@ class Decode:
         self.receiver.close()
 
 
-def decode_pool(pool_layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-layer K and V ``[DECODE_PAGES, PAGE_SIZE, KV, D]`` views of one pool tensor."""
-    page = (PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+def decode_pool(
+    pool_layout: str,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    num_layers: int = NUM_LAYERS,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V ``[DECODE_PAGES, PAGE_SIZE, KV, D]`` views of one pool tensor; an
+    ``mla`` pool is one latent tensor per layer and no V."""
+    page = (PAGE_SIZE, num_kv_heads, head_dim)
+    if pool_layout == "mla":
+        return list(torch.zeros((num_layers, DECODE_PAGES, *page))), []
     if pool_layout == "layer_major":
-        pool = torch.zeros((NUM_LAYERS, 2, DECODE_PAGES, *page))
+        pool = torch.zeros((num_layers, 2, DECODE_PAGES, *page))
         return list(pool[:, 0]), list(pool[:, 1])
-    pool = torch.zeros((DECODE_PAGES, NUM_LAYERS, 2, *page))
-    return [pool[:, i, 0] for i in range(NUM_LAYERS)], [pool[:, i, 1] for i in range(NUM_LAYERS)]
+    pool = torch.zeros((DECODE_PAGES, num_layers, 2, *page))
+    return [pool[:, i, 0] for i in range(num_layers)], [pool[:, i, 1] for i in range(num_layers)]
 
 
 @pytest.fixture

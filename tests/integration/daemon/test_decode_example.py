@@ -1,15 +1,20 @@
 """docs/protocol.md's "Write a decode integration" walkthrough runs as written: the example
 (``examples/decode_integration.py``) against a real worker, once per pool layout (the blocking
-``wait`` against the tiny config as it is, ``await wait_async`` against a page-major worker)."""
+``wait`` against the tiny config as it is, ``await wait_async`` against a page-major worker),
+and against an MLA model's worker (one latent per layer) once ``MLA_FAMILIES`` names one."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from tests.integration.daemon.conftest import ROOT, Worker
+import pytest
+
+from tests.checkpoints import make_checkpoint
+from tests.integration.daemon.conftest import ROOT, Worker, start_worker, wait_ready
 
 EXAMPLE = ROOT / "examples" / "decode_integration.py"
+MLA_FAMILIES = ["deepseek_v3"]
 
 
 def run_example(worker: Worker, *flags: str) -> str:
@@ -32,3 +37,15 @@ def test_the_example_against_a_page_major_worker_with_asyncio(worker_factory) ->
     out = run_example(worker, "--asyncio")
     assert "worker pool: page_major, 2 layers, page size 4" in out
     assert out.count(": done first_token=") == 3
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_the_example_against_an_mla_worker(tmp_path, family: str) -> None:
+    worker = start_worker(tmp_path, make_checkpoint(family, tmp_path / family))
+    try:
+        wait_ready(worker)
+        out = run_example(worker)
+        assert "worker pool: mla, " in out
+        assert out.count(": done first_token=") == 3
+    finally:
+        worker.child.kill()

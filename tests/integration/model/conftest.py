@@ -37,6 +37,21 @@ def hf_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-untyp
     return out.logits[0].float(), kv
 
 
+def hf_mla_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-untyped-def]
+    """(logits [S, vocab] fp32, per layer the MLA pool rows [S, r + rope] transformers'
+    cache implies: its ``keys`` (the normalised latent), then its ``values`` (the roped key
+    part) put in SGLang's interleaved order, as our pool holds them)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    rows = []
+    for layer in out.past_key_values.layers:
+        rope = layer.values[0, 0]  # [S, rope]: the rotated even elements, then the odd ones
+        half = rope.shape[-1] // 2
+        interleaved = torch.stack([rope[:, :half], rope[:, half:]], -1).flatten(-2)
+        rows.append(torch.cat([layer.keys[0, 0], interleaved], dim=-1))
+    return out.logits[0].float(), rows
+
+
 def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major", tp=SINGLE):  # type: ignore[no-untyped-def]
     return build(
         path,

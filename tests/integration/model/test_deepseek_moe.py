@@ -102,7 +102,7 @@ def test_the_checkpoint_holds_per_expert_tensors_as_shipped(checkpoint):
             assert stored[name] == shape
 
 
-@pytest.mark.parametrize("backend", ["torch", "naive"])
+@pytest.mark.parametrize("backend", ["grouped", "naive"])
 def test_block_equals_transformers(checkpoint, hf, backend):
     spec, h = spec_of(checkpoint), hidden_states()
     for layer in sorted(spec.sparse_layers):
@@ -114,7 +114,7 @@ def test_block_equals_transformers(checkpoint, hf, backend):
 def test_two_ranks_partial_sums_add_up_to_transformers(checkpoint, hf):
     """TP 2 without processes: each rank's block on its slices (no all-reduce at TP 1), summed,
     is the whole block: the one all-reduce is all a group needs."""
-    spec, h, backend = spec_of(checkpoint), hidden_states(), create_moe_backend("torch", CPU)
+    spec, h, backend = spec_of(checkpoint), hidden_states(), create_moe_backend("grouped", CPU)
     parts = []
     for rank in (0, 1):
         weights = fuse_moe(spec, reader(checkpoint, TPGroup(rank, 2)), "model.layers.2.mlp.")
@@ -130,7 +130,7 @@ def test_ignoring_the_correction_bias_fails(checkpoint, hf):
     unbiased = MoEWeights(
         **{f: getattr(weights, f) for f in MoEWeights.__slots__} | {"score_bias": None}
     )
-    out = moe_mlp(h, unbiased, spec, create_moe_backend("torch", CPU))
+    out = moe_mlp(h, unbiased, spec, create_moe_backend("grouped", CPU))
     assert (out - hf_block(hf, 1, h)).abs().max() > 100 * TOL
 
 
@@ -139,5 +139,5 @@ def test_group_limit_matters(checkpoint, hf):
     spec, h = spec_of(checkpoint), hidden_states()
     weights = fuse_moe(spec, reader(checkpoint), "model.layers.1.mlp.")
     flat = type(spec)(**{f: getattr(spec, f) for f in spec.__slots__} | {"topk_group": 4})
-    out = moe_mlp(h, weights, flat, create_moe_backend("torch", CPU))
+    out = moe_mlp(h, weights, flat, create_moe_backend("grouped", CPU))
     assert (out - hf_block(hf, 1, h)).abs().max() > 100 * TOL

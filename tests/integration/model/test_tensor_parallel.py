@@ -1,18 +1,29 @@
 """Tensor parallelism against transformers: real gloo groups of 2 and 4 CPU processes.
 
-Each rank loads its slices of the checkpoint and keeps its KV heads; the last token's fp32
-logits on every rank, and every layer's K/V reassembled across the ranks by the head rule
-(``parallel.gather_kv_heads``), must equal transformers' within 1e-4. The models cover the
-three dense families, Qwen3-MoE (experts split per expert, one all-reduce after the
-routed experts; 2 layers, layer 0 sparse, so layer 1's K is within the dense tolerance) and
-both KV-head regimes: heads split over the ranks (2 KV heads at TP 2) and
-replicated (1 KV head at TP 2; 2 and 1 at TP 4). q/k weights are scaled x20, so a RoPE, mask or
-head-slicing bug moves logits by far more than the tolerance. One group runs every case, so
-the processes start once per TP size.
+Each rank loads its slices of the checkpoint and keeps its KV heads; the fp32 logits of every
+prompt's last token on every rank, and every layer's K/V reassembled across the ranks by the
+head rule (``parallel.gather_kv_heads``), must equal transformers' within 1e-4. Every family
+the worker serves runs at TP 2 and TP 4 (the test models have 4 query heads), in both
+KV-head regimes::
+
+    TP 2   2 KV heads: split, one per rank (GQA: 2 query heads each)
+           1 KV head:  replicated on both ranks
+    TP 4   4 KV heads: split, one per rank
+           2 KV heads: replicated, each on 2 ranks
+
+each with a chunked prompt batched beside a short one, then its rest beside a prefix-cache
+hit on its first two pages (``tp_ranks`` draws the batches). Qwen3-MoE has 2 layers, layer 0
+sparse (experts split per expert, one all-reduce), so layer 1's K is within the dense
+tolerance. q/k weights are scaled x20, so a RoPE, mask, page or head-slicing bug moves logits
+by far more than the tolerance. One world of 4 processes starts once and runs every case
+(TP 2 on its two halves side by side). DeepSeek-V3 (MLA) runs at TP 2: the query heads
+split, the latent replicated, so every rank's pool holds the same rows, byte for byte.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -20,21 +31,26 @@ import torch
 
 from prefill_worker.model.parallel import gather_kv_heads
 from tests.checkpoints import make_checkpoint
-from tests.integration.model.conftest import hf_forward, hf_model, prompt
-from tests.integration.model.tp_ranks import run_group
+from tests.integration.model.conftest import hf_forward, hf_mla_forward, hf_model, prompt
+from tests.integration.model.tp_ranks import SPLIT, Prompts, result_path, run_world
 
 TOL = 1e-4
-# case: (family, num_key_value_heads)
-CASES = {
-    2: {"llama": ("llama", 2), "qwen2": ("qwen2", 2), "qwen3": ("qwen3", 2),
-        "llama_kv1": ("llama", 1), "qwen3_kv1": ("qwen3", 1), "qwen3_moe": ("qwen3_moe", 2)},
-    4: {"qwen2": ("qwen2", 2), "qwen3_kv1": ("qwen3", 1)},
-}  # fmt: skip
-OVERRIDES: dict[str, dict[str, object]] = {
+# A family joins by a line here (its config in tests/checkpoints.py) and, if its pool is not
+# per-head K/V (DeepSeek-V3's MLA latent is replicated, one plane), a check in KV_CHECKS.
+FAMILY_OVERRIDES: dict[str, dict[str, object]] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {},
     "qwen3_moe": {"num_hidden_layers": 2, "mlp_only_layers": [1]},
+}  # fmt: skip
+KV_HEADS = {2: {"split": 2, "replicated": 1}, 4: {"split": 4, "replicated": 2}}
+CASES = {
+    size: {f"{family}_kv{kv}": (family, kv) for family in FAMILY_OVERRIDES for kv in kvs.values()}
+    for size, kvs in KV_HEADS.items()
 }
 LONG, SHORT = prompt(45, seed=1), prompt(20, seed=2)
+PROMPTS = Prompts(LONG, SHORT, LONG[:SPLIT] + prompt(11, seed=3))
 ALL = [(size, name) for size, cases in CASES.items() for name in cases]
+# an MLA pool: no K/V heads, one latent row per token (its own test below; 4 KV heads = heads)
+CASES[2]["deepseek_v3"] = ("deepseek_v3", 4)
 
 
 @pytest.fixture(scope="module")
@@ -43,45 +59,81 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     names = {name: case for cases in CASES.values() for name, case in cases.items()}
     return {
         name: make_checkpoint(family, root / name, sharded=family == "qwen2",
-                              num_key_value_heads=kv, **OVERRIDES.get(name, {}))
+                              num_key_value_heads=kv, **FAMILY_OVERRIDES.get(family, {}))
         for name, (family, kv) in names.items()
     }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def groups(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Every TP size's group, run once: ``out[size]`` holds its ranks' results."""
-    out = {}
-    for size, cases in CASES.items():
-        out[size] = tmp_path_factory.mktemp(f"tp{size}")
-        run_group(size, {name: checkpoints[name] for name in cases}, LONG, SHORT, out[size])
+def world(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case at every TP size, run once by one world of ranks: their results."""
+    out = tmp_path_factory.mktemp("tp")
+    cases = {size: {name: checkpoints[name] for name in names} for size, names in CASES.items()}
+    run_world(cases, PROMPTS, out)
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> Callable[[str, str], tuple]:
+    """``reference(name, key)``: transformers' (logits, per-layer K/V) of a case's prompt,
+    computed once per checkpoint (TP 2 and TP 4 share it)."""
+
+    @cache
+    def model(name: str) -> torch.nn.Module:
+        return hf_model(checkpoints[name])
+
+    @cache
+    def forward(name: str, key: str) -> tuple:
+        return hf_forward(model(name), getattr(PROMPTS, key))
+
+    return forward
+
+
 def rank_results(out_dir: Path, name: str, size: int) -> list[dict]:
-    return [torch.load(out_dir / f"{name}.{rank}.pt") for rank in range(size)]
+    return [torch.load(result_path(out_dir, name, size, rank)) for rank in range(size)]
+
+
+def check_head_kv(results: list[dict], key: str, hf_kv: list, num_kv_heads: int) -> None:
+    """Every layer's K and V, reassembled across the ranks by the head rule, equal HF's."""
+    for layer, (hf_k, hf_v) in enumerate(hf_kv):
+        for index, hf_part in ((0, hf_k), (1, hf_v)):
+            per_rank = [result[f"{key}_kv"][layer][index] for result in results]
+            whole = gather_kv_heads(per_rank, num_kv_heads)
+            torch.testing.assert_close(whole, hf_part, atol=TOL, rtol=0)
+
+
+# family -> its check of the ranks' pools, where not per-head K/V (check_head_kv's signature)
+KV_CHECKS: dict[str, Callable[[list[dict], str, list, int], None]] = {}
+
+
+@pytest.mark.parametrize("key", ["long", "short", "hit"])
+@pytest.mark.parametrize(("size", "name"), ALL)
+def test_logits_and_kv_match_transformers(world, reference, size, name, key):
+    family, num_kv_heads = CASES[size][name]
+    hf_logits, hf_kv = reference(name, key)
+    results = rank_results(world, name, size)
+    for result in results:  # the residual stream, hence the logits, is the same on all
+        torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
+    KV_CHECKS.get(family, check_head_kv)(results, key, hf_kv, num_kv_heads)
 
 
 @pytest.mark.parametrize(("size", "name"), ALL)
-def test_logits_and_kv_match_transformers(checkpoints, groups, size, name):
-    model = hf_model(checkpoints[name])
-    num_kv_heads = model.config.num_key_value_heads
-    results = rank_results(groups[size], name, size)
-    for ids, key in ((LONG, "long"), (SHORT, "short")):
-        hf_logits, hf_kv = hf_forward(model, ids)
-        for result in results:  # the residual stream, hence the logits, is the same on all
-            torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
-        for layer, (hf_k, hf_v) in enumerate(hf_kv):
-            for index, hf_part in ((0, hf_k), (1, hf_v)):
-                per_rank = [result[f"{key}_kv"][layer][index] for result in results]
-                whole = gather_kv_heads(per_rank, num_kv_heads)
-                torch.testing.assert_close(whole, hf_part, atol=TOL, rtol=0)
-
-
-@pytest.mark.parametrize(("size", "name"), ALL)
-def test_each_rank_pool_holds_only_its_heads(groups, size, name):
-    """Split heads: one per rank at TP 2 with 2 KV heads; replicated: every rank keeps one."""
+def test_each_rank_pool_holds_only_its_heads(world, size, name):
+    """Split: KV / size heads per rank; replicated: every rank keeps one."""
     kv = CASES[size][name][1]
-    for result in rank_results(groups[size], name, size):
+    for result in rank_results(world, name, size):
         k, v = result["long_kv"][0]
         assert k.shape == v.shape == (len(LONG), max(1, kv // size), k.shape[-1])
+
+
+def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, world):
+    model = hf_model(checkpoints["deepseek_v3"])
+    results = rank_results(world, "deepseek_v3", 2)
+    for key in ("long", "short", "hit"):
+        hf_logits, hf_rows = hf_mla_forward(model, getattr(PROMPTS, key))
+        for result in results:
+            torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
+        for layer, expected in enumerate(hf_rows):
+            rows = [result[f"{key}_kv"][layer][0][:, 0] for result in results]  # [S, r + rope]
+            assert all(torch.equal(rows[0], other) for other in rows[1:])
+            torch.testing.assert_close(rows[0], expected, atol=TOL, rtol=1e-5)

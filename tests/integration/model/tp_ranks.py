@@ -1,9 +1,20 @@
-"""Runs a tensor-parallel group of real processes (gloo on CPU, 127.0.0.1) over the runner.
+"""Runs tensor-parallel groups of real processes (gloo on CPU, 127.0.0.1) over the runner.
 
-``run_group`` starts ``size`` ranks; each builds every case's checkpoint at its rank, runs the
-same two batches (a chunked prompt beside a short one, then the rest of the chunked one) and
-saves the logits and its pool's K/V of both prompts. Every join has a deadline; a rank left
-alive past it is killed, so a stuck collective fails the test instead of hanging it.
+``run_world`` starts one world of ranks, once, for every TP size a test asks for: the world
+has the largest size's ranks, and each smaller size runs on consecutive sub-groups of it
+(``torch.distributed.new_group``; TP 2 in a world of 4: ranks {0, 1} and {2, 3}), its
+cases dealt round-robin over them, so the sub-groups work side by side. Each group builds a
+case's checkpoint at its ranks and runs the same three batches::
+
+    batch 0   long [0, 32) on pages 15, 11     beside  short, whole, on pages 13, 9
+    batch 1   long [32, end) on page 7         beside  hit [32, end): a prefix-cache hit
+              (reads 15, 11 back)                      (reads long's pages 15, 11, writes 5)
+
+``hit`` shares long's first 32 tokens (two whole pages), so its chunk starts at 32 with
+those pages in front of its own, as the scheduler plans a hit: its logits and K/V are
+right only if the runner reads the prefix back from the pool. Each rank saves the three
+prompts' logits and its pool's K/V. Every join has a deadline; a rank left alive past it is
+killed, so a stuck collective fails the test instead of hanging it.
 
 Ranks come from a forkserver that has imported torch and the model once (a fresh interpreter
 per rank costs seconds on a loaded machine; forking the test process itself is unsafe once it
@@ -15,6 +26,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,21 +38,35 @@ from prefill_worker.model import TPGroup, build
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.launch import free_port
 
-SPLIT = 32  # the long prompt is prefilled in two chunks, [0, 32) and the rest
+SPLIT = 32  # long is prefilled in two chunks, [0, 32) and the rest; hit shares [0, 32)
 PAGE_SIZE, NUM_PAGES = 16, 16
-PAGES_LONG, PAGES_SHORT = [15, 11, 7], [13, 9]  # scattered, descending
-DEADLINE_S = 120.0
+PAGES = {"long": [15, 11, 7], "short": [13, 9], "hit": [15, 11, 5]}  # scattered, descending
+DEADLINE_S = 180.0
 
 
-def run_group(
-    size: int, cases: dict[str, Path], long: list[int], short: list[int], out_dir: Path
-) -> None:
-    """Run every case on a ``size``-rank group; results in ``out_dir/<case>.<rank>.pt``."""
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    long: list[int]
+    short: list[int]
+    hit: list[int]  # long[:SPLIT] + its own suffix
+
+    def __post_init__(self) -> None:
+        assert self.hit[:SPLIT] == self.long[:SPLIT] and SPLIT % PAGE_SIZE == 0
+
+
+def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
+    """Where rank ``rank`` (in its TP ``size`` group) saves case ``name``'s results."""
+    return out_dir / f"{name}.tp{size}.{rank}.pt"
+
+
+def run_world(cases: Mapping[int, Mapping[str, Path]], prompts: Prompts, out_dir: Path) -> None:
+    """Run ``cases[size][name]`` (a checkpoint) at each TP size in one world of ranks."""
+    world = max(cases)
+    assert all(world % size == 0 for size in cases)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
-    port = free_port()
-    args = (size, port, cases, long, short, out_dir)
-    ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(size)]
+    args = (world, free_port(), dict(cases), prompts, out_dir)
+    ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(world)]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + DEADLINE_S
@@ -52,67 +79,81 @@ def run_group(
                 process.kill()
                 process.join(10)
     codes = [process.exitcode for process in ranks]
-    assert codes == [0] * size, f"rank exit codes {codes} (None: killed at the deadline)"
+    assert codes == [0] * world, f"rank exit codes {codes} (None: killed at the deadline)"
 
 
 def _rank_main(
     rank: int,
-    size: int,
+    world: int,
     port: int,
-    cases: dict[str, Path],
-    long: list[int],
-    short: list[int],
+    cases: dict[int, dict[str, Path]],
+    prompts: Prompts,
     out_dir: Path,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback too
     torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
+    dist = torch.distributed
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=60),
-    )
+    )  # fmt: skip
     try:
-        tp = TPGroup(rank, size, torch.distributed.group.WORLD)
-        for name, path in cases.items():
-            torch.save(_run_case(path, tp, long, short), out_dir / f"{name}.{rank}.pt")
+        for size in sorted(cases):
+            tp, index = _my_group(rank, world, size)
+            for name in sorted(cases[size])[index :: world // size]:
+                saved = _run_case(cases[size][name], tp, prompts)
+                torch.save(saved, result_path(out_dir, name, size, tp.rank))
     finally:
-        torch.distributed.destroy_process_group()
+        dist.destroy_process_group()
 
 
-def _run_case(path: Path, tp: TPGroup, long: list[int], short: list[int]) -> dict[str, object]:
+def _my_group(rank: int, world: int, size: int) -> tuple[TPGroup, int]:
+    """This rank's TP ``size`` group (every rank creates every sub-group, in one order, as
+    ``new_group`` requires) and the group's index among them."""
+    if size == world:
+        return TPGroup(rank, size, torch.distributed.group.WORLD), 0
+    mine = None
+    for first in range(0, world, size):
+        group = torch.distributed.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = TPGroup(rank - first, size, group), first // size
+    assert mine is not None
+    return mine
+
+
+def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
     runner, kv_cache, info = build(
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
     )
+    long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
-        BatchPlan(
-            0,
-            (
-                _chunk("long", long, 0, SPLIT, PAGES_LONG),
-                _chunk("short", short, 0, len(short), PAGES_SHORT),
-            ),
-        )
+        BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
     )
     second = runner.compute_logits(
-        BatchPlan(1, (_chunk("long", long, SPLIT, len(long), PAGES_LONG),))
+        BatchPlan(1, (_chunk("long", long, SPLIT, len(long)), _chunk("hit", hit, SPLIT, len(hit))))
     )
     layers = range(info.num_layers)
-    return {
+    lengths = {"long": len(long), "short": len(short), "hit": len(hit)}
+    saved: dict[str, object] = {
         "short_logits": first[0].clone(),
         "long_logits": second[0].clone(),
-        "short_kv": [_paged_kv(kv_cache, PAGES_SHORT, len(short), i) for i in layers],
-        "long_kv": [_paged_kv(kv_cache, PAGES_LONG, len(long), i) for i in layers],
+        "hit_logits": second[1].clone(),
     }
+    for key, length in lengths.items():
+        saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], length, i) for i in layers]
+    return saved
 
 
-def _chunk(request_id: str, ids: list[int], start: int, end: int, pages: list[int]) -> ChunkPlan:
+def _chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
     sampling = SamplingParams() if end == len(ids) else None
-    return ChunkPlan(request_id, ids[start:end], start, end, pages, sampling)
+    return ChunkPlan(request_id, ids[start:end], start, end, PAGES[request_id], sampling)
 
 
 def _paged_kv(kv_cache, pages: list[int], length: int, layer: int):  # type: ignore[no-untyped-def]
-    """This rank's K and V of positions [0, length): ``[length, local KV, D]`` each."""
+    """This rank's K and V of positions [0, length): ``[length, local KV, D]`` each (an MLA
+    pool: its latent rows alone, ``[length, 1, r + rope]``)."""
     k = torch.cat([kv_cache.k[layer][p] for p in pages])[:length]
+    if not kv_cache.v:
+        return (k.clone(),)
     v = torch.cat([kv_cache.v[layer][p] for p in pages])[:length]
     return k.clone(), v.clone()

@@ -13,7 +13,8 @@ from tests.unit.scheduler.fakes import FakeBackend, FakeSender
 
 
 class CapturingSender(FakeSender):
-    """Copies K and V ``[layers, page_size, KV, D]`` of each page as it is handed over."""
+    """Copies K and V ``[layers, page_size, KV, D]`` of each page as it is handed over (an
+    MLA pool: its latent rows ``[layers, page_size, 1, r + rope]`` as K, and an empty V)."""
 
     kv_cache: KVCache
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -22,7 +23,12 @@ class CapturingSender(FakeSender):
         super().send_pages(page_ids, first_page)
         for i, page_id in enumerate(page_ids):
             k = torch.stack([layer[page_id] for layer in self.kv_cache.k]).clone()
-            v = torch.stack([layer[page_id] for layer in self.kv_cache.v]).clone()
+            v = (
+                torch.stack([layer[page_id] for layer in self.kv_cache.v])
+                if self.kv_cache.v
+                else k[:0]
+            )
+            v = v.clone()
             self.captured[first_page + i] = (k, v)
 
 

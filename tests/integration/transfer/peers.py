@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
-from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +27,21 @@ class PoolSpec:
 
 def regions_over(spec: PoolSpec, buf: np.ndarray, aux_addr: int | None = None) -> KVRegions:
     """The pool at the start of ``buf`` in its layout (``kv.layout``): layer-major, K of each
-    layer then V of each layer; page-major, page after page of every layer's K and V. Then
-    the aux rows (unless they live at ``aux_addr``)."""
+    layer then V of each layer; page-major, page after page of every layer's K and V; mla,
+    each layer's latent (no V). Then the aux rows (unless they live at ``aux_addr``)."""
     lay = spec.layout
     base = int(buf.ctypes.data)
     aux = base + lay.pool_bytes if aux_addr is None else aux_addr
     k = tuple(base + layer_page_offset(lay, layer, 0, 0) for layer in range(lay.num_layers))
     v = tuple(base + layer_page_offset(lay, layer, 1, 0) for layer in range(lay.num_layers))
+    v = () if lay.kind == MLA else v
     return KVRegions(lay, k, v, "cpu", aux, spec.num_aux_rows)
 
 
 def layer_page_offset(lay: KVLayout, layer: int, kv: int, page: int) -> int:
-    """Byte offset in a pool of page ``page`` of layer ``layer``'s K (``kv`` 0) or V (1)."""
-    if lay.kind == LAYER_MAJOR:
+    """Byte offset in a pool of page ``page`` of layer ``layer``'s K (``kv`` 0) or V (1), or
+    its latent (``kv`` 0, an mla pool)."""
+    if lay.kind in (LAYER_MAJOR, MLA):
         return (kv * lay.num_layers + layer) * lay.region_bytes + page * lay.page_bytes
     return page * lay.region_page_bytes + (2 * layer + kv) * lay.page_bytes
 

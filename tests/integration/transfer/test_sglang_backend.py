@@ -164,9 +164,9 @@ def test_what_a_decode_should_not_send_is_refused_and_counted(
     assert b"not registered" in reason
 
     # A registration this worker cannot serve: the decode's next request carries the reason.
-    decode.send("registration", f10=b"2")  # attention TP 2
+    decode.send("registration", f10=b"3")  # attention TP 3: 2 KV heads do not split
     decode.send("request")
-    assert b"attention TP size 2" in decode.reply(backend)[4]
+    assert b"attention TP size 3" in decode.reply(backend)[4]
     assert backend.reject_counts["unsupported"] == 1 and backend.num_peers == 0
 
     # Corrupt NIXL metadata never reaches NIXL: refused by its header check.

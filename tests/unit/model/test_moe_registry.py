@@ -10,9 +10,9 @@ from prefill_worker.model.moe import create_moe_backend, resolve_moe_backend_nam
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-def test_auto_is_the_grouped_torch_backend_on_a_cpu():
-    assert resolve_moe_backend_name("auto", CPU, torch.bfloat16) == "torch"
-    assert resolve_moe_backend_name("auto", CUDA, torch.float32) == "torch"  # no fp32 kernel
+def test_auto_is_the_grouped_backend_off_cuda_or_in_fp32():
+    assert resolve_moe_backend_name("auto", CPU, torch.bfloat16) == "grouped"
+    assert resolve_moe_backend_name("auto", CUDA, torch.float32) == "grouped"  # no fp32 kernel
 
 
 @pytest.mark.parametrize(("device", "dtype"), [(CPU, torch.bfloat16), (CUDA, torch.float32)])
@@ -33,6 +33,6 @@ def test_grouped_equals_every_expert_over_every_token():
     ids[:10] = torch.tensor([0, 1])  # expert 5 may go unused; 0 and 1 are crowded
     weights = torch.rand(50, 2, generator=g)
     gate_up, down = torch.randn(6, 24, 16, generator=g), torch.randn(6, 16, 12, generator=g)
-    grouped = create_moe_backend("torch", CPU).experts(x, weights, ids, gate_up, down)
+    grouped = create_moe_backend("grouped", CPU).experts(x, weights, ids, gate_up, down)
     naive = create_moe_backend("naive", CPU).experts(x, weights, ids, gate_up, down)
     torch.testing.assert_close(grouped, naive, atol=1e-5, rtol=1e-5)

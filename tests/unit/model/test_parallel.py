@@ -62,13 +62,23 @@ def test_a_rank_outside_its_group_is_refused():
         TPGroup(2, 2)
 
 
-def full_spec(family: str):  # type: ignore[no-untyped-def]
+DEEPSEEK = {
+    "model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+    "v_head_dim": 12, "attention_bias": False,
+}  # fmt: skip
+
+
+def full_spec(family: str, **overrides: object):  # type: ignore[no-untyped-def]
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     arch["qwen3_moe"] = "Qwen3MoeForCausalLM"
+    arch["deepseek_v3"] = "DeepseekV3ForCausalLM"
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    extra = {"qwen3_moe": moe, "deepseek_v3": DEEPSEEK}.get(family, {})
     return spec_from_dict(
         {
-            **(moe if family == "qwen3_moe" else {}),
+            **extra,
             "mlp_only_layers": [1],
             "architectures": [arch[family]],
             "hidden_size": 64,
@@ -80,6 +90,8 @@ def full_spec(family: str):  # type: ignore[no-untyped-def]
             "vocab_size": 320,
             "attention_bias": True,
             "mlp_bias": True,
+            **extra,
+            **overrides,
         }
     )
 
@@ -97,6 +109,28 @@ def test_expert_weights_split_per_expert_and_the_router_is_replicated():
     assert local_shape(spec, expert + "up_proj.weight", (16, 64), tp) == (8, 64)
     assert local_shape(spec, expert + "down_proj.weight", (64, 16), tp) == (64, 8)
     assert split_of("qwen3_moe", "model.layers.0.mlp.gate.weight") == REPLICATED
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_splits_the_heads_and_replicates_the_latent(q_lora_rank):
+    """4 heads over 2 ranks: rank 1 holds heads 2-3 of q_b (or q_proj) and kv_b, their o
+    columns; the latent's projection and norm are whole on every rank."""
+    spec, tp = full_spec("deepseek_v3", q_lora_rank=q_lora_rank), TPGroup(1, 2)
+    attn = "model.layers.1.self_attn."
+    shapes = expected_shapes(spec)
+    q_name = attn + ("q_b_proj.weight" if q_lora_rank else "q_proj.weight")
+    assert local_shape(spec, q_name, shapes[q_name], tp) == (2 * 12, shapes[q_name][1])
+    assert shard_slice(spec, q_name, shapes[q_name], tp) == slice(24, 48)  # nope 8 + rope 4
+    kv_b = attn + "kv_b_proj.weight"  # [4 (8 + 12), 16]
+    assert shard_slice(spec, kv_b, shapes[kv_b], tp) == slice(40, 80)
+    o = attn + "o_proj.weight"  # [64, 4 * 12]
+    assert local_shape(spec, o, shapes[o], tp) == (64, 24)
+    for replicated in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"):
+        assert (
+            local_shape(spec, attn + replicated, shapes[attn + replicated], tp)
+            == (shapes[attn + replicated])
+        )
+    assert local_dims(spec, tp) == LocalDims(2, 1, 64)  # one latent "head" on every rank
 
 
 def test_a_tensor_the_table_does_not_name_is_an_error():

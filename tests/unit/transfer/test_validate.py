@@ -8,8 +8,9 @@ import dataclasses
 import msgspec
 import pytest
 
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.latent import mla_mismatch
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
     RejectReason,
@@ -106,3 +107,19 @@ def test_want_page_ids_stay_packed() -> None:
     assert isinstance(want, wire.Want)
     assert want.num_dst_pages == 3 and want.dst_page_ids.tolist() == [5, 0, 99]
     assert want.dst_page_ids.dtype.itemsize == 4 and not want.dst_page_ids.flags.writeable
+
+
+def test_an_mha_decode_at_an_mla_worker_is_refused_naming_both_pools() -> None:
+    mla = KVLayout(2, 1, 8, "bfloat16", 4, 24, kind=MLA)
+    msg = register()
+    refusal = check_register(msg, mla, BootstrapLimits())
+    assert refusal is not None and refusal.reason is RejectReason.LAYOUT_MISMATCH
+    assert refusal.message == mla_mismatch(msg.regions.layout, mla)
+
+
+def test_a_register_carries_the_decode_rank_it_names() -> None:
+    rank = wire.DecodeRank(1, 2, 1, 2)
+    msg = register()
+    named = wire.Register.of(msg.agent_name, msg.metadata, msg.regions, msg.compat_hash, rank)
+    assert named.tp == rank
+    assert wire.decode(wire.encode(named)) == named

@@ -1,0 +1,114 @@
+"""The DeepSeek-V3 decoder over packed tokens: MLA attention (``model.mla``) and the DeepSeek
+MoE block (``model.moe``), the first ``first_k_dense_replace`` layers dense::
+
+    x = embed(ids)                                        [T, hidden]
+    per layer:  x += o(mla(norm(x)))   (the layer's latent rows written into the pool)
+                x += moe(norm(x))  or  silu(g) * u @ Wdown, [g|u] = norm(x) @ Wgu
+    logits = norm(x[rows]) @ Wlm                          [R, vocab]
+
+Same contract as ``llama.CausalLM`` (``forward``, ``token_logprobs``); the attention backend
+must be ``mla.MLASdpaBackend``. Under tensor parallelism the o and down projections (and the
+MoE block) sum over the ranks, one all-reduce each, as in the Llama family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
+from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, token_logprobs
+from prefill_worker.model.mla import MLASdpaBackend, MLAWeights, mla_attention
+from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
+from prefill_worker.model.moe.block import MoEWeights, moe_mlp
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.sharding import local_dims
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MLALayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    attn: MLAWeights
+    post_norm: torch.Tensor  # [hidden]
+    mlp: DenseMLP | MoEWeights
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MLAModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[MLALayerWeights, ...]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+class DeepseekV3LM:
+    """Forward pass only; owns nothing but its weights and the rotary frequencies."""
+
+    logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: MLAModelWeights,
+        tp: TPGroup = SINGLE,
+        experts: ExpertsBackend | None = None,
+    ) -> None:
+        assert spec.mla is not None, "DeepseekV3LM needs an MLA spec"
+        self.spec, self.mla, self.tp = spec, spec.mla, tp
+        self.dtype = weights.embed.dtype
+        self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
+        layers = tuple(
+            dataclasses.replace(layer, mlp=self.experts.prepare(layer.mlp))
+            if isinstance(layer.mlp, MoEWeights)
+            else layer
+            for layer in weights.layers
+        )
+        self.weights = dataclasses.replace(weights, layers=layers)
+        self.rotary = Rotary(spec.rope, self.mla.qk_rope_head_dim, weights.embed.device)
+        self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
+
+    def forward(
+        self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
+    ) -> ForwardOutput:
+        """Write every token's latent row into its pages; return the logits ``[R, vocab]``
+        and the prompt logprobs ``[L]``."""
+        assert isinstance(attention, MLASdpaBackend), "an MLA model needs the MLA backend"
+        eps = self.spec.rms_norm_eps
+        x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
+        cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, rope/2] each
+        rope = (self.rotary, cos, sin)
+        for index, layer in enumerate(self.weights.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            cache = (kv_cache, index, inputs.slots)
+            attn = mla_attention(h, layer.attn, self.mla, eps, rope, cache, attention)
+            x.add_(row_parallel(attn.reshape(x.shape[0], -1), layer.attn.o, None, self.tp))
+            h = rms_norm(x, layer.post_norm, eps)
+            x.add_(self._mlp(layer.mlp, h))
+        logprobs = None
+        if inputs.logprob_rows is not None and inputs.logprob_token_ids is not None:
+            logprobs = self.token_logprobs(x, inputs.logprob_rows, inputs.logprob_token_ids)
+        return ForwardOutput(self._logits(x[inputs.logits_rows]), logprobs)
+
+    def token_logprobs(
+        self, x: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``log_softmax(logits of x[rows])[token_ids]``: ``[L]`` float32, block by block."""
+        block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
+        return token_logprobs(self._logits, x, rows, token_ids, block)
+
+    def _mlp(self, mlp: DenseMLP | MoEWeights, h: torch.Tensor) -> torch.Tensor:
+        if isinstance(mlp, MoEWeights):
+            assert self.spec.moe is not None  # the loader builds MoEWeights only then
+            return moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp)
+        gate_up = F.linear(h, mlp.gate_up, mlp.gate_up_bias)
+        return row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(last, self.weights.lm_head)

@@ -1,0 +1,54 @@
+"""The vLLM pull path's metrics, read at scrape time from the desk that keeps them (engine
+thread; reading a few ints from the scrape thread is safe): holds ended by reads or by their
+lease, notifications ignored, heartbeats, and the staging blocks in use (docs/metrics.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefill_worker.transfer.vllm.desk import PullDesk
+
+
+class VllmPullCollector(Collector):
+    """Registered by start-up when ``vllm`` is served."""
+
+    def __init__(self, desk: PullDesk) -> None:
+        self._desk = desk
+
+    def collect(self) -> Iterator[Metric]:
+        counts, staging = self._desk.holds.counts, self._desk.staging
+        holds = CounterMetricFamily(
+            "prefill_worker_vllm_holds",
+            "staged KV holds for vLLM decodes that ended, by how",
+            labels=["outcome"],
+        )
+        holds.add_metric(["read"], counts.released_by_reads)
+        holds.add_metric(["expired"], counts.expired)
+        yield holds
+        ignored = CounterMetricFamily(
+            "prefill_worker_vllm_notifications_ignored",
+            "NIXL notifications from vLLM decodes that released nothing",
+            labels=["why"],
+        )
+        ignored.add_metric(["unknown_hold"], counts.unknown_notifications)
+        ignored.add_metric(["malformed"], counts.bad_notifications)
+        yield ignored
+        yield CounterMetricFamily(
+            "prefill_worker_vllm_heartbeats",
+            "heartbeat notifications from vLLM decodes",
+            value=counts.heartbeats,
+        )
+        total = staging.layout.num_blocks
+        yield GaugeMetricFamily(
+            "prefill_worker_vllm_staging_blocks_used",
+            "staging blocks held for vLLM decodes or being filled",
+            value=total - staging.num_free,
+        )
+        yield GaugeMetricFamily(
+            "prefill_worker_vllm_staging_blocks_capacity",
+            "staging blocks in the region",
+            value=total,
+        )

@@ -1,0 +1,172 @@
+"""The transfer backend vLLM decodes pull from: this worker as a vLLM prefill.
+
+It owns a NIXL agent with the staging region registered (``staging``: one region per layer,
+vLLM's ``LBHNC`` blocks) and the side channel where decodes fetch that agent's metadata
+(``handshake``: a ZMQ ROUTER answering ``get_meta_msg``). It never writes: the decode READs
+the blocks named in the HTTP answer's ``kv_transfer_params`` and sends a notification when
+done. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
+leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
+``NOTIFY_POLL_S`` while blocks are held (and once a second otherwise).
+
+Restarts: each start registers with a new ``registration_generation`` (wall-clock
+milliseconds, so it grows across restarts even with a fixed engine id) and a fresh hold-id
+prefix; a decode that knew the previous run re-handshakes, and its notifications for the old
+run's holds are counted as unknown.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.base import KVSender
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
+from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
+from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.holds import HoldTable
+from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.staging import (
+    PoolViews,
+    StagingLayout,
+    StagingPool,
+    staging_layout,
+)
+from prefill_worker.transfer.vllm.tickets import Tickets
+
+NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
+_IDLE_POLL_S = 0.2  # idle: how soon a first handshake is answered
+
+
+@dataclass(frozen=True, slots=True)
+class PullRegistration:
+    """What the side channel tells a decode (vLLM's ``NixlAgentMetadata``, in our words), and
+    what the compatibility hash is computed from (``identity``: the model string and the
+    attention backend name the decodes use, from config)."""
+
+    engine_id: str
+    agent_metadata: bytes
+    region_base_addrs: tuple[int, ...]  # one per layer, kv_cache_layout "LBHNC"
+    block_bytes: int  # one block of one layer (K‖V); also the stride between blocks
+    num_blocks: int
+    block_size: int
+    registration_generation: int
+    layout: StagingLayout  # layers, KV heads, head_dim, itemsize
+    dtype: str  # the pool's, a key of kv.layout.DTYPE_ITEMSIZE
+    identity: VllmIdentity
+
+
+class SideChannel(Protocol):
+    """The decode-facing handshake server (``channel``), serving one registration; ``poll``
+    answers what is pending and never blocks."""
+
+    @property
+    def port(self) -> int: ...
+
+    def poll(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+SideChannelFactory = Callable[[str, int, PullRegistration], SideChannel]
+
+
+class VllmBackend:
+    """Serves vLLM decodes' pulls from the staging region; the engine drives ``poll``."""
+
+    def __init__(
+        self,
+        regions: KVRegions,
+        options: VllmOptions,
+        tickets: Tickets,
+        side_channel: SideChannelFactory,
+        hooks: Hooks = DEFAULT_HOOKS,
+    ) -> None:
+        self.clock = hooks.clock
+        staging = StagingPool(staging_layout(regions, options.block_size, options.num_blocks))
+        holds = HoldTable(options.lease_s, options.read_grace_s)
+        self.desk = PullDesk(staging, PoolViews(regions), holds, tickets, self.clock)
+        engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
+        nixl = options.nixl
+        self.agent: Any = make_agent(
+            nixl.agent_name or engine_id,
+            list(nixl.backends),
+            nixl.ucx_net_devices,
+            progress_thread=True,
+        )
+        lay = staging.layout
+        table = np.array(
+            [[a, lay.region_bytes, 0] for a in staging.region_base_addrs], dtype=np.uint64
+        )
+        self._registered = self.agent.register_memory(table, "DRAM")
+        registration = PullRegistration(
+            engine_id,
+            self.agent.get_agent_metadata(),
+            staging.region_base_addrs,
+            lay.block_bytes,
+            lay.num_blocks,
+            lay.block_size,
+            time.time_ns() // 1_000_000,
+            lay,
+            regions.layout.dtype,
+            options.identity,
+        )
+        try:
+            host, port = options.side_channel_host, options.side_channel_port
+            self._channel = side_channel(host, port, registration)
+        except BaseException:
+            self.agent.deregister_memory(self._registered)
+            raise
+        self.desk.identity = PullIdentity(
+            engine_id, host, self._channel.port, registration.registration_generation
+        )
+        self.registration = registration
+        self.bootstrap_endpoint = f"tcp://{host}:{self._channel.port}"
+        self.endpoints: Mapping[str, str] = {"vllm_side_channel": self.bootstrap_endpoint}
+
+    # -- the TransferBackend seam -------------------------------------------------------
+
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender:
+        return VllmSender(self.desk, room, num_prompt_tokens)
+
+    def poll(self) -> None:
+        self._channel.poll()  # handshakes: a decode waits 5 s for its answer
+        try:
+            notifs = self.agent.get_new_notifs()
+        except NIXL_ERRORS:  # a decode's connection broke: its holds end at their leases
+            notifs = {}
+        for messages in notifs.values():
+            for message in messages:
+                self.desk.notify(message)
+        self.desk.expire()
+
+    def next_poll_at(self) -> float:
+        now = self.clock()
+        if len(self.desk.holds):
+            return now + NOTIFY_POLL_S
+        deadline = self.desk.holds.next_deadline()
+        return min(now + _IDLE_POLL_S, math.inf if deadline is None else deadline)
+
+    def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
+        timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
+        if timeout_s > 0 and wake_fd is not None:
+            select.select([wake_fd], [], [], timeout_s)
+        elif timeout_s > 0:
+            time.sleep(timeout_s)
+
+    def close(self) -> None:
+        """Holds end (nothing reads a closed agent), the side channel and agent close."""
+        self.desk.close()
+        try:
+            self._channel.close()
+        finally:
+            self.agent.deregister_memory(self._registered)

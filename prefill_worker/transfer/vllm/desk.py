@@ -1,0 +1,116 @@
+"""The engine-thread side of vLLM pulls: staging blocks, their holds, and the params each
+request's answer carries. NIXL-free (the backend feeds it notifications and the clock), so
+every path that frees a block is tested without a decode.
+
+Every staging block is in exactly one place: free in the pool, owned by a sender (until its
+``send_aux`` or ``close``), held (until its readers are done or its lease ends), or waiting
+out the read grace after expiry (``holds``). ``close`` returns all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
+from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
+from prefill_worker.transfer.vllm.tickets import Tickets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PullIdentity:
+    """What a decode needs to reach this worker, as its ``kv_transfer_params`` say."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    registration_generation: int
+
+
+def pull_params(
+    identity: PullIdentity, hold_id: str, block_ids: Sequence[int], num_tokens: int
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's own prefill sends them
+    (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
+    time, which vLLM reads only for decode-side blocks)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": identity.engine_id,
+        "remote_request_id": hold_id,
+        "remote_host": identity.side_channel_host,
+        "remote_port": identity.side_channel_port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": None,
+        "remote_registration_generation": identity.registration_generation,
+        "transfer_mode": "pull",
+    }
+
+
+class PullDesk:
+    """Stages, holds and frees; ``identity`` is set once the side channel is bound."""
+
+    def __init__(
+        self,
+        staging: StagingPool,
+        pool: PoolViews,
+        holds: HoldTable,
+        tickets: Tickets,
+        clock: Callable[[], float],
+    ) -> None:
+        self.staging, self.holds, self.tickets = staging, holds, tickets
+        self._pool, self._clock = pool, clock
+        self.identity = PullIdentity("", "", 0, 0)
+        self._id_prefix = uuid.uuid4().hex[:8]  # a restarted worker never matches old ids
+        self._num_holds = 0
+
+    def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
+        return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
+
+    def why_full(self, num_tokens: int) -> str:
+        need = self.staging.layout.num_blocks_for(num_tokens)
+        return (
+            f"vLLM staging full: {num_tokens} tokens need {need} blocks, "
+            f"{self.staging.num_free} of {self.staging.layout.num_blocks} free "
+            f"({len(self.holds)} held for decodes)"
+        )
+
+    def stage(
+        self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], num_tokens: int
+    ) -> int:
+        return repack(self._pool, self.staging, page_ids, first_page, blocks, num_tokens)
+
+    def hold(self, room: int, blocks: tuple[int, ...], num_tokens: int) -> bool:
+        """Hold the staged ``blocks`` and complete the room's ticket; False (blocks freed)
+        when the ticket is gone: nobody will learn where they are."""
+        self._num_holds += 1
+        hold_id = f"pw-{self._id_prefix}-{self._num_holds}"
+        params = pull_params(self.identity, hold_id, blocks, num_tokens)
+        if not self.tickets.complete(room, params):
+            self.staging.free(blocks)
+            return False
+        self.holds.hold(hold_id, blocks, self._clock())
+        return True
+
+    def notify(self, message: bytes) -> None:
+        """One NIXL notification from a decode; a malformed one is logged and counted."""
+        try:
+            text = message.decode(errors="replace")
+            self.staging.free(self.holds.notify(text, self._clock()))
+        except BadNotification as exc:
+            log.warning("vllm: notification ignored: %s", exc)
+
+    def expire(self) -> None:
+        self.staging.free(self.holds.expire(self._clock()))
+
+    def close(self) -> None:
+        self.staging.free(self.holds.release_all())

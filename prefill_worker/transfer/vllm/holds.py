@@ -1,0 +1,147 @@
+"""Staged blocks held for vLLM decodes that pull them: leases, heartbeats and READ notifications.
+
+A vLLM decode READs a finished prefill's blocks itself, then tells the prefill through a NIXL
+notification that it is done. This table keeps each request's staged blocks until then::
+
+    hold(hold_id, block_ids, now)          lease: now + lease_s
+    "HB:id1,id2"          (notification)   each held id's lease: max(lease, now + 2/3 lease_s)
+    "<hold_id>:<consumers>" (notification) one READ finished; at `consumers` of them: released
+    expire(now)                            leases past: released (counted), not yet reusable
+
+Released blocks are not free at once: a READ the decode posted just before the lease ended may
+still be reading, so expired blocks wait ``read_grace_s`` more (``expire`` hands them out then).
+Blocks a notification released are free at once: NIXL delivers a READ's notification only
+after its data has moved. Notifications naming an unknown hold (never held, or expired) are
+counted and ignored. Pure bookkeeping: no NIXL, no clock of its own (``now`` is passed in).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+HEARTBEAT_PREFIX = "HB:"
+
+
+class BadNotification(ValueError):
+    """A notification that is neither a heartbeat nor ``<id>:<consumers>``."""
+
+
+@dataclass(slots=True)
+class Hold:
+    """One request's staged blocks, until its readers are done or its lease passes."""
+
+    hold_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float
+    num_reads: int = 0
+
+
+@dataclass(slots=True)
+class HoldCounts:
+    """What happened to holds, for metrics (``vllm_*`` counters)."""
+
+    held: int = 0
+    released_by_reads: int = 0
+    expired: int = 0
+    heartbeats: int = 0
+    unknown_notifications: int = 0
+    bad_notifications: int = 0
+
+
+class HoldTable:
+    """Holds by id, with their lease deadlines; ``expire`` and ``notify`` hand freed blocks
+    back to the caller, who returns them to the staging pool."""
+
+    def __init__(self, lease_s: float, read_grace_s: float) -> None:
+        if lease_s <= 0 or read_grace_s < 0:
+            raise ValueError(f"lease_s ({lease_s}) > 0 and read_grace_s ({read_grace_s}) >= 0")
+        self.lease_s, self.read_grace_s = lease_s, read_grace_s
+        self.extension_s = lease_s * 2 / 3  # what one heartbeat grants, as vLLM's prefill does
+        self._holds: dict[str, Hold] = {}
+        self._deadlines: list[tuple[float, str]] = []  # (expires_at, hold_id); stale allowed
+        self._quarantine: list[tuple[float, tuple[int, ...]]] = []  # (free_at, blocks)
+        self.counts = HoldCounts()
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def __contains__(self, hold_id: str) -> bool:
+        return hold_id in self._holds
+
+    def hold(self, hold_id: str, block_ids: tuple[int, ...], now: float) -> float:
+        """Hold ``block_ids`` for ``hold_id`` (a new id); returns the lease's end."""
+        assert hold_id not in self._holds, f"hold {hold_id!r} exists"
+        expires_at = now + self.lease_s
+        self._holds[hold_id] = Hold(hold_id, block_ids, expires_at)
+        heapq.heappush(self._deadlines, (expires_at, hold_id))
+        self.counts.held += 1
+        return expires_at
+
+    def notify(self, message: str, now: float) -> list[int]:
+        """Apply one notification; the blocks it frees (empty if none). ``BadNotification``
+        when it has neither shape (counted)."""
+        if message.startswith(HEARTBEAT_PREFIX):
+            self._heartbeat(message[len(HEARTBEAT_PREFIX) :].split(","), now)
+            return []
+        hold_id, sep, consumers = message.rpartition(":")
+        if not sep or not hold_id or not consumers.isdigit() or int(consumers) < 1:
+            self.counts.bad_notifications += 1
+            raise BadNotification(f"notification {message[:80]!r} is not <id>:<consumers>")
+        return self._read_done(hold_id, int(consumers))
+
+    def expire(self, now: float) -> list[int]:
+        """Leases past at ``now`` end (counted); returns blocks whose grace has passed too."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expires_at, hold_id = heapq.heappop(self._deadlines)
+            hold = self._holds.get(hold_id)
+            if hold is None or hold.expires_at != expires_at:
+                continue  # released, or extended (its newer deadline is in the heap)
+            del self._holds[hold_id]
+            self.counts.expired += 1
+            self._quarantine.append((expires_at + self.read_grace_s, hold.block_ids))
+        return self._leave_quarantine(now)
+
+    def next_deadline(self) -> float | None:
+        """When ``expire`` next has something to do; None when nothing is held or waiting."""
+        times = [t for t, _ in self._deadlines[:1]] + [t for t, _ in self._quarantine]
+        return min(times, default=None)
+
+    def release_all(self) -> list[int]:
+        """Every block held or waiting (at close: nothing reads a closed agent's memory)."""
+        blocks = [b for hold in self._holds.values() for b in hold.block_ids]
+        blocks += [b for _, ids in self._quarantine for b in ids]
+        self._holds.clear()
+        self._deadlines.clear()
+        self._quarantine.clear()
+        return blocks
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _heartbeat(self, hold_ids: list[str], now: float) -> None:
+        self.counts.heartbeats += 1
+        extended = now + self.extension_s
+        for hold_id in hold_ids:
+            hold = self._holds.get(hold_id)
+            if hold is not None and extended > hold.expires_at:
+                hold.expires_at = extended
+                heapq.heappush(self._deadlines, (extended, hold_id))
+
+    def _read_done(self, hold_id: str, consumers: int) -> list[int]:
+        hold = self._holds.get(hold_id)
+        if hold is None:
+            self.counts.unknown_notifications += 1
+            return []
+        hold.num_reads += 1
+        if hold.num_reads < consumers:
+            return []
+        del self._holds[hold_id]  # its heap entry is skipped when it comes up
+        self.counts.released_by_reads += 1
+        return list(hold.block_ids)
+
+    def _leave_quarantine(self, now: float) -> list[int]:
+        due = [ids for free_at, ids in self._quarantine if free_at <= now]
+        if not due:
+            return []
+        self._quarantine = [(t, ids) for t, ids in self._quarantine if t > now]
+        return [b for ids in due for b in ids]

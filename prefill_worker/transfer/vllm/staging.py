@@ -1,0 +1,186 @@
+"""The staging region vLLM decodes READ: blocks in vLLM's ``LBHNC`` layout, and the repack
+that fills them from this worker's pool.
+
+vLLM 0.33 reads, per layer, ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: K and V
+side by side per (head, token), one contiguous run per block per layer. This worker's pools
+keep K and V apart (``kv.layout``), so each request's KV is copied into blocks of a staging
+region registered once with NIXL (docs/vllm.md, "Layout": why a repack and what it costs)::
+
+    our page p, slot s  (token t = page index * page_size + s)
+      K[l][p, s, h, :]  ─▶  staging[l][block_ids[t // block_size], h, t % block_size, :D]
+      V[l][p, s, h, :]  ─▶  staging[l][block_ids[t // block_size], h, t % block_size, D:]
+
+``block_size`` is vLLM's (a multiple of 32 on its CPU backend) and independent of our page
+size: the copy goes token by token (vectorised per layer). The staging blocks a request
+uses are allocated when its prefill starts and freed by the hold table. Host memory only;
+numpy views over the pool's addresses (the runner's tensors outlive the backend).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefill_worker.kv.layout import MLA, KVRegions
+
+_UINT = {2: np.uint16, 4: np.uint32}  # bytes are moved, never read as numbers
+
+
+class StagingRefused(ValueError):
+    """This pool cannot be staged for vLLM (the reason names the field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagingLayout:
+    """The staging region's shape: ``num_layers`` regions of ``num_blocks`` blocks."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer: K‖V of every head and token."""
+        return self.num_kv_heads * self.block_size * 2 * self.head_dim * self.itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def staging_layout(regions: KVRegions, block_size: int, num_blocks: int) -> StagingLayout:
+    """The staging shape for this pool (``StagingRefused`` when it cannot be staged)."""
+    lay = regions.layout
+    if lay.kind == MLA:
+        raise StagingRefused("kv layout mla: vLLM pulls are served for K/V pools only")
+    if regions.device != "cpu":
+        raise StagingRefused(f"device {regions.device}: the vLLM repack runs on host pools only")
+    if block_size < 1 or num_blocks < 1:
+        raise StagingRefused(f"block_size ({block_size}) and num_blocks ({num_blocks}) >= 1")
+    return StagingLayout(
+        lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.itemsize, block_size, num_blocks
+    )
+
+
+class StagingPool:
+    """The region (one numpy buffer, a region per layer) and its free blocks."""
+
+    def __init__(self, layout: StagingLayout) -> None:
+        self.layout = layout
+        self._buffer = np.zeros(layout.num_layers * layout.region_bytes, dtype=np.uint8)
+        base = self._buffer.ctypes.data
+        self.region_base_addrs = tuple(
+            base + i * layout.region_bytes for i in range(layout.num_layers)
+        )
+        self._free = list(range(layout.num_blocks - 1, -1, -1))  # pop() gives low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def try_allocate(self, num_blocks: int) -> tuple[int, ...] | None:
+        """``num_blocks`` free blocks, or None if fewer are free."""
+        if num_blocks > len(self._free):
+            return None
+        return tuple(self._free.pop() for _ in range(num_blocks))
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self._free.extend(block_ids)
+        assert len(self._free) <= self.layout.num_blocks, "a staging block freed twice"
+
+    def layer_view(self, layer: int) -> np.ndarray:
+        """Layer ``layer`` as vLLM reads it: [num_blocks, heads, block_size, 2 * head_dim]."""
+        lay = self.layout
+        start = layer * lay.region_bytes
+        raw = self._buffer[start : start + lay.region_bytes]
+        shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
+        return raw.view(_UINT[lay.itemsize]).reshape(shape)
+
+    def layer_rows(self, layer: int) -> np.ndarray:
+        """The same as [num_blocks, heads, block_size, 2] rows of one head's K (0) or V (1):
+        each row one ``head_dim`` run, copied as a unit."""
+        lay = self.layout
+        start = layer * lay.region_bytes
+        raw = self._buffer[start : start + lay.region_bytes]
+        shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2)
+        return raw.view(_row_type(lay.head_dim * lay.itemsize)).reshape(shape)
+
+
+class PoolViews:
+    """This worker's pool as numpy views, per layer: K and V ``[num_pages, page_size, heads]``
+    rows of one ``head_dim`` run each (strided: a page-major pool's pages are further apart)."""
+
+    def __init__(self, regions: KVRegions) -> None:
+        lay = regions.layout
+        self.page_size = lay.page_size
+        self.k = [self._view(regions, a) for a in regions.k_base_addrs]
+        self.v = [self._view(regions, a) for a in regions.v_base_addrs]
+
+    @staticmethod
+    def _view(regions: KVRegions, base_addr: int) -> np.ndarray:
+        lay = regions.layout
+        span = (lay.num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base_addr))
+        row_bytes = lay.head_dim * lay.itemsize
+        shape = (lay.num_pages, lay.page_size, lay.num_kv_heads)
+        strides = (lay.page_stride_bytes, lay.num_kv_heads * row_bytes, row_bytes)
+        rows = raw.view(_row_type(row_bytes))
+        return np.lib.stride_tricks.as_strided(rows, shape, strides, writeable=False)
+
+
+def _row_type(num_bytes: int) -> np.dtype[np.void]:
+    """One ``head_dim`` run as a single numpy element: copies move whole runs, not items."""
+    return np.dtype(f"V{num_bytes}")
+
+
+def repack(
+    pool: PoolViews,
+    staging: StagingPool,
+    page_ids: Sequence[int],
+    first_page: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+) -> int:
+    """Copy the tokens of prompt pages [first_page, first_page + len(page_ids)) (held in our
+    pages ``page_ids``) into the request's staging ``block_ids``; returns the bytes copied.
+    Whole pages are gathered first (one run per page and layer); whole blocks are then
+    written as one transposed copy each, and only the tokens of a block the range covers in
+    part one by one."""
+    ps, lay = pool.page_size, staging.layout
+    start, stop = first_page * ps, min((first_page + len(page_ids)) * ps, num_tokens)
+    if stop <= start:
+        return 0
+    pages = np.asarray(page_ids, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    for layer in range(lay.num_layers):
+        dst = staging.layer_rows(layer)
+        for plane, src in enumerate((pool.k[layer], pool.v[layer])):
+            rows = src[pages].reshape(-1, lay.num_kv_heads)[: stop - start]
+            _scatter(rows, dst, plane, blocks, start, lay.block_size)
+    return (stop - start) * lay.num_layers * lay.num_kv_heads * 2 * lay.head_dim * lay.itemsize
+
+
+def _scatter(
+    rows: np.ndarray, dst: np.ndarray, plane: int, blocks: np.ndarray, start: int, bs: int
+) -> None:
+    """``rows`` ([tokens, heads], prompt tokens from ``start``) into plane ``plane`` of the
+    blocks: the whole blocks in one copy, the edges token by token."""
+    stop = start + len(rows)
+    first, last = -(-start // bs) * bs, stop // bs * bs  # the whole blocks: [first, last)
+    if last > first:
+        whole = rows[first - start : last - start].reshape(-1, bs, rows.shape[1])
+        dst[blocks[first // bs : last // bs], :, :, plane] = whole.transpose(0, 2, 1)
+    else:
+        first = last = stop
+    edges = np.r_[start:first, last:stop]
+    if len(edges):
+        dst[blocks[edges // bs], :, edges % bs, plane] = rows[edges - start]

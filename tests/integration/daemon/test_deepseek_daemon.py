@@ -1,0 +1,52 @@
+"""The daemon on a tiny DeepSeek-V3 checkpoint, in process: it loads the MLA family, allocates
+an ``mla`` pool (one latent row of ``kv_lora_rank + qk_rope_head_dim`` per token and layer,
+no V), warms up through the MLA forward, registers the pool for transfer, serves /readyz with
+the layout a decode sizes its pool by, and drains to exit 0. ``check-config`` reads it.
+(Requests end to end need a decode that registers an MLA pool: the transfer side's work.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.request
+from pathlib import Path
+
+from prefill_worker.service.checkmodel import check_model
+from prefill_worker.service.config import load_config
+from prefill_worker.service.daemon import Daemon
+from tests.checkpoints import make_checkpoint
+from tests.integration.daemon.conftest import ROOT, free_port, wait_until
+
+
+def http_get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        return response.read().decode()
+
+
+def test_the_daemon_serves_a_deepseek_v3_checkpoint(tmp_path: Path) -> None:
+    checkpoint = make_checkpoint("deepseek_v3", tmp_path / "dsv3")
+    http_port = free_port()
+    config = load_config(
+        ROOT / "configs" / "tiny-test.yaml",
+        env={},
+        overrides=[f"model.path={checkpoint}", f"metrics.bind=127.0.0.1:{http_port}"],
+    )
+    assert any("DeepseekV3ForCausalLM" in note for note in check_model(config).notes)
+    daemon = Daemon(config, env={})
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(daemon.run()))
+    thread.start()
+    try:
+        wait_until(lambda: daemon.health.is_ready, 120, "ready")
+        layout = json.loads(http_get(http_port, "/readyz"))["kv_layout"]
+        assert (layout["kind"], layout["num_kv_heads"], layout["head_dim"]) == ("mla", 1, 32 + 8)
+        warm_up = re.search(
+            r"^prefill_worker_warmup_seconds (\S+)$", http_get(http_port, "/metrics"), re.M
+        )
+        assert warm_up and float(warm_up.group(1)) > 0
+    finally:
+        daemon.request_drain()
+        thread.join(timeout=120)
+    assert codes == [0]

@@ -1,0 +1,192 @@
+"""Byte for byte, an MLA pool: this worker's SGLang backend (in this process, over a pool of
+random bytes of kind ``mla``: one latent per token and layer) pushes into SGLang's own MLA
+decode (``NixlKVReceiver`` over a real ``MLATokenToKVPool``, its manager told
+``is_mla_backend``), page sizes 1 and 16, prompts in chunks, with and without a decode-held
+prefix: every latent page lands where the decode asked, nothing else moves, SGLang's receiver
+says Success. A decode whose pool is not that latent is refused, and learns why. Runs on each
+version's shared decode process (``conftest.version``): no process of its own.
+
+The real worker with an MLA model (``test_the_worker_serves_an_sglang_mla_decode``) is one
+parametrisation away: add the family to ``MLA_FAMILIES`` once ``tests/checkpoints.py`` makes
+a tiny DeepSeek-V3 checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
+from prefill_worker.transfer.options import NixlOptions, SglangOptions
+from prefill_worker.transfer.sglang.backend import SglangBackend
+from tests.checkpoints import hf_model, make_checkpoint, prompt
+from tests.integration.model.conftest import hf_mla_forward
+from tests.interop.conftest import launch
+from tests.interop.decodes import SglangDecode, new_room
+from tests.interop.test_landing import push
+
+pytestmark = pytest.mark.interop
+
+NUM_LAYERS, LATENT = 2, 48  # the latent: kv_lora_rank 32 + qk_rope_head_dim 16
+WORKER_PAGES = 64
+MLA_FAMILIES = ["deepseek_v3"]
+
+
+class MlaWorker:
+    """An ``SglangBackend`` over a random MLA pool (layer l's latent pages at ``base + l *
+    region_bytes``) and an ``AuxPool``, driven by the test (``push`` reads its fields)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.pool = np.random.default_rng(4).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
+        self.aux = AuxPool(8)
+        self.pages = PagePool(layout.num_pages)
+        base = int(self.pool.ctypes.data)
+        latents = tuple(base + layer * layout.region_bytes for layer in range(NUM_LAYERS))
+        regions = KVRegions(layout, latents, (), "cpu", self.aux.base_addr, self.aux.num_rows)
+        options = SglangOptions(
+            "127.0.0.1:0", "127.0.0.1", 0, "auto", 5.0, 5.0, nixl=NixlOptions("prefill-mla")
+        )
+        self.backend = SglangBackend(regions, options)
+        self.bootstrap = self.backend.bootstrap_endpoint
+
+    def page(self, layer: int, page: int) -> np.ndarray:
+        start = layer * self.layout.region_bytes + page * self.layout.page_bytes
+        return self.pool[start : start + self.layout.page_bytes]
+
+    def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            if time.monotonic() > deadline:
+                return False
+            self.backend.poll()
+            self.backend.wait(0.002)
+        return True
+
+    def check_whole(self) -> None:
+        assert self.backend.num_open_senders == 0
+        assert self.backend.num_inflight_transfers() == 0
+        self.backend.check_integrity()
+        assert self.aux.num_free == self.aux.num_rows
+        assert self.pages.num_free == self.pages.num_pages
+
+
+def mla_layout(page_size: int, num_pages: int, latent: int = LATENT) -> KVLayout:
+    return KVLayout(NUM_LAYERS, 1, latent, "bfloat16", page_size, num_pages, MLA)
+
+
+@pytest.fixture
+def mla_worker(request: pytest.FixtureRequest) -> Iterator[MlaWorker]:
+    worker = MlaWorker(mla_layout(request.param, WORKER_PAGES))
+    yield worker
+    worker.backend.close()
+
+
+@pytest.mark.parametrize("mla_worker", [1, 16], indirect=True, ids=["page1", "page16"])
+def test_every_latent_byte_lands_where_the_mla_decode_asked(
+    decode_process: SglangDecodeProcess, mla_worker: MlaWorker, tmp_path: Path
+) -> None:
+    worker, page_size = mla_worker, mla_worker.layout.page_size
+    decode = SglangDecode(decode_process, worker.bootstrap, mla_layout(page_size, 48))
+    rng = np.random.default_rng(12)
+    for num_pages, num_held, chunk_pages in [(5, 0, 2), (7, 3, 3)]:
+        room = int(rng.integers(1, 2**63))
+        num_tokens = num_pages * page_size - (page_size // 2)  # a partial last page
+        decode.want(room, num_tokens, num_held * page_size)
+        aux, src = push(worker, room, num_tokens, chunk_pages)  # type: ignore[arg-type]
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+        assert landed.v == []
+        for layer in range(NUM_LAYERS):
+            for i in range(num_pages):
+                got = landed.k[layer][i]
+                if i < num_held:
+                    assert (got == FILL_BYTE).all(), f"held page {i} written (layer {layer})"
+                else:
+                    assert np.array_equal(got, worker.page(layer, src[i])), (layer, i)
+        assert landed.output_ids[0] == aux.first_token_id
+        assert int(landed.bootstrap_room[0]) == room
+        decode.free(room)
+    worker.check_whole()
+
+
+@pytest.mark.parametrize("mla_worker", [16], indirect=True, ids=["page16"])
+def test_a_decode_that_is_not_this_latent_learns_why(
+    decode_process: SglangDecodeProcess, mla_worker: MlaWorker
+) -> None:
+    """Another latent width: the page bytes differ, named with the worker's latent. An MHA
+    decode: K and V of each layer, twice the regions of the worker's latents."""
+    worker = mla_worker
+    cases = [
+        (mla_layout(16, 48, latent=64), "the page size, KV dtype or latent width differ"),
+        (
+            KVLayout(NUM_LAYERS, 2, 16, "bfloat16", 16, 48),
+            "decode registered 4 KV regions; this worker's model has 2 layers (2 regions: "
+            "the MLA latent of each)",
+        ),
+    ]
+    rng = np.random.default_rng(6)
+    for layout, why in cases:
+        decode = SglangDecode(decode_process, worker.bootstrap, layout)
+        room = int(rng.integers(1, 2**63))
+        decode.want(room, 40)
+        assert worker.drive(lambda: decode.state(room)[0] == "Failed")  # noqa: B023
+        reason = str(decode.state(room)[1])
+        assert "registration refused" in reason and why in reason, reason
+    assert worker.backend.reject_counts.get("layout_mismatch") == 2
+    worker.check_whole()
+
+
+def hf_latents(checkpoint: Path, ids: list[int]) -> tuple[int, list[torch.Tensor]]:
+    """transformers' greedy first token, and per layer what an MLA pool holds: the normalised
+    latent then the roped key part (in SGLang's interleaved order, docs/models.md),
+    ``[tokens, 1, kv_lora_rank + qk_rope_head_dim]``."""
+    logits, rows = hf_mla_forward(hf_model(checkpoint), ids)
+    return int(logits[-1].argmax()), [row.unsqueeze(1) for row in rows]
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_the_worker_serves_an_sglang_mla_decode(
+    decode_process: SglangDecodeProcess, tmp_path: Path, family: str
+) -> None:
+    """``prefill-worker serve`` on an MLA model, SGLang's protocol: the decode sizes its MLA
+    pool by the worker's ``/readyz`` layout; a held page stays untouched, the rest matches
+    transformers' cache (fp32, 1e-4 of the largest value); SGLang's receiver says Success."""
+    checkpoint = make_checkpoint(family, tmp_path / family)
+    served = launch(tmp_path, checkpoint, 16, "float32", "sglang").ready()
+    client = BlockingRouterClient(served.worker.ingress)
+    try:
+        kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+        layout = KVLayout(
+            kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, kv["kind"]
+        )
+        assert kv["kind"] == MLA and kv["num_kv_heads"] == 1
+        decode = SglangDecode(decode_process, served.sglang, layout)
+        ids, room, held = prompt(45, seed=4), new_room(), 16
+        decode.want(room, len(ids), held)
+        result = client.prefill(ids, room, return_logprob=True)
+        assert result.status is OutcomeStatus.OK, result
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+        first_token, reference = hf_latents(checkpoint, ids)
+        for layer, ref in enumerate(reference):
+            raw = landed.k[layer]
+            assert (raw[: held // 16] == FILL_BYTE).all(), "a held page was written"
+            got = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.float32)
+            got = got.view(-1, 1, layout.head_dim)[: len(ids)]
+            atol = 1e-4 * float(ref.abs().max())
+            torch.testing.assert_close(got[held:], ref[held:], atol=atol, rtol=0)
+        assert landed.output_ids[0] == result.first_token_id == first_token
+    finally:
+        client.close()
+        served.worker.child.kill()

@@ -1,0 +1,282 @@
+"""The child side of ``vllm_decode``: vLLM 0.33's own ``NixlConnector`` worker half as a
+decode (kv_consumer) on the CPU, built as vLLM's model runner builds it but without an
+engine. Runs only in the vLLM interop environment (``make vllm-deps``).
+
+One decode per process (vLLM's distributed state is process-global): a ``ModelConfig`` from
+a local ``config.json``, ``CacheConfig(block_size)`` with layout ``LBHNC``, a
+``KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
+kv_buffer_device="cpu")``, gloo ``init_distributed_environment(world_size=1)``, per layer a
+CPU tensor ``[num_blocks, kv_heads, block_size, 2*head_dim]`` (LBHNC, K‖V per (head,
+token)) filled with ``fill_byte``, ``register_kv_caches``. Every tick (and while a command
+waits) the decode steps as vLLM's worker does once per engine step: ``bind_connector_metadata``
+(new pulls, heartbeats when due), ``start_load_kv``, ``get_finished``,
+``get_block_ids_with_load_errors``, ``clear_connector_metadata``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    HeartbeatInfo,
+    NixlConnectorMetadata,
+    compute_nixl_compatibility_hash,
+)
+from vllm.distributed.parallel_state import (
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+
+TICK_S = 0.01  # between commands, one engine step per tick
+
+
+def vllm_config(spec: dict[str, Any]) -> VllmConfig:
+    """The decode's config: ``model_dir`` (a config.json), ``dtype``, ``block_size``."""
+    model = ModelConfig(
+        model=spec["model_dir"],
+        tokenizer=spec["model_dir"],
+        skip_tokenizer_init=True,
+        dtype=spec.get("dtype", "float32"),
+    )
+    cache = CacheConfig(block_size=spec.get("block_size", 32))
+    cache.kv_cache_layout = "LBHNC"  # init=False in 0.33: the engine core resolves it
+    transfer = KVTransferConfig(
+        kv_connector="NixlConnector",
+        kv_role="kv_consumer",
+        kv_buffer_device="cpu",
+        engine_id=spec.get("engine_id", "vllm-decode"),
+    )
+    return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=transfer)
+
+
+def compat_hash(spec: dict[str, Any]) -> str:
+    """vLLM's own hash for a config (the decode's attention backend name is an input)."""
+    return compute_nixl_compatibility_hash(vllm_config(spec), spec["attn_backend_name"])
+
+
+@dataclass
+class Hold:
+    """A request waiting in the decode's queue: heartbeats every ``interval_s``."""
+
+    engine_id: str
+    info: HeartbeatInfo
+    interval_s: float
+    next_at: float = 0.0
+
+
+@dataclass
+class Pull:
+    local_block_ids: list[int]
+    is_finished: bool = False
+
+
+class Decode:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.config = vllm_config(spec)
+        self._scope = set_current_vllm_config(self.config)
+        self._scope.__enter__()  # for the life of the process, as a worker's is
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{spec['dist_port']}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        self.num_blocks = int(spec["num_blocks"])
+        self.caches = self._make_caches(int(spec["fill_byte"]))
+        self.connector = NixlConnector(self.config, KVConnectorRole.WORKER, self._kv_config())
+        self.connector.register_kv_caches(self.caches)
+        self._free = list(range(self.num_blocks))[::-1]  # handed out high ids first
+        self.pulls: dict[str, Pull] = {}
+        self.holds: dict[str, Hold] = {}
+        self._pending: dict[str, tuple[list[int], dict[str, Any]]] = {}
+        self.load_errors: set[int] = set()
+
+    def _spec(self) -> FullAttentionSpec:
+        model = self.config.model_config
+        return FullAttentionSpec(
+            block_size=self.config.cache_config.block_size,
+            num_kv_heads=model.get_total_num_kv_heads(),
+            head_size=model.get_head_size(),
+            dtype=model.dtype,
+        )
+
+    def layer_names(self) -> list[str]:
+        num_layers = self.config.model_config.get_total_num_hidden_layers()
+        return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+
+    def _kv_config(self) -> KVCacheConfig:
+        page = self._spec().page_size_bytes
+        tensors = [
+            KVCacheTensor(page * self.num_blocks, [name], page * self.num_blocks, page)
+            for name in self.layer_names()
+        ]
+        groups = [KVCacheGroupSpec(self.layer_names(), self._spec())]
+        return KVCacheConfig(self.num_blocks, tensors, groups, kv_cache_layout="LBHNC")
+
+    def _make_caches(self, fill_byte: int) -> dict[str, torch.Tensor]:
+        spec = self._spec()
+        shape = (self.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        caches = {}
+        for name in self.layer_names():
+            cache = torch.empty(shape, dtype=spec.dtype)  # LBHNC: K‖V per (head, token)
+            cache.view(torch.uint8).fill_(fill_byte)
+            caches[name] = cache
+        return caches
+
+    def info(self) -> dict[str, Any]:
+        worker = self.connector.connector_worker
+        assert worker is not None
+        page = self._spec().page_size_bytes
+        return {
+            "engine_id": self.config.kv_transfer_config.engine_id,
+            "compat_hash": worker.compat_hash,
+            "attn_backend_name": worker.backend_name,
+            "block_bytes": page,
+            "num_blocks": self.num_blocks,
+        }
+
+    def pull(self, request_id: str, params: dict[str, Any], num_local: int | None) -> list[int]:
+        """Blocks for the request (scattered, from the top), its pull bound on the next step;
+        ``num_local=0`` is a full local prefix hit (vLLM only notifies the prefill)."""
+        count = len(params["remote_block_ids"][0]) if num_local is None else num_local
+        if count > len(self._free):
+            raise ValueError(f"{count} blocks wanted; {len(self._free)} free")
+        local = [self._free.pop() for _ in range(count)][::-1]
+        self.pulls[request_id] = Pull(local, is_finished=count == 0)
+        self._pending[request_id] = (local, params)
+        return local
+
+    def hold(self, request_id: str, params: dict[str, Any], interval_s: float) -> None:
+        info = HeartbeatInfo(
+            req_ids={params["remote_request_id"]},
+            host=params["remote_host"],
+            port=params["remote_port"],
+            tp_size=params.get("tp_size", 1),
+        )
+        self.holds[request_id] = Hold(params["remote_engine_id"], info, interval_s)
+
+    def step(self) -> None:
+        """One engine step of vLLM's worker, as far as the connector sees it."""
+        meta = NixlConnectorMetadata()
+        for request_id, (local, params) in self._pending.items():
+            meta.add_new_req_to_recv(request_id, (local,), params, awaiting_kvs=bool(local))
+        self._pending.clear()
+        now = time.monotonic()
+        for hold in self.holds.values():
+            if now >= hold.next_at:
+                meta.heartbeat_by_engine[hold.engine_id] = hold.info
+                hold.next_at = now + hold.interval_s
+        self.connector.bind_connector_metadata(meta)
+        self.connector.start_load_kv(None)  # type: ignore[arg-type]
+        _, done_recving = self.connector.get_finished(set())
+        self.connector.clear_connector_metadata()
+        self.load_errors |= self.connector.get_block_ids_with_load_errors()
+        for request_id in done_recving or ():
+            self.pulls[request_id].is_finished = True
+
+    def outcome(self, request_id: str) -> dict[str, Any]:
+        """What vLLM's scheduler would see: finished, and which blocks failed to load."""
+        pull = self.pulls[request_id]
+        errors = sorted(self.load_errors & set(pull.local_block_ids))
+        return {"finished": pull.is_finished, "load_errors": errors, "blocks": pull.local_block_ids}
+
+    def blocks(self, request_id: str) -> dict[str, np.ndarray]:
+        """The request's local blocks per layer, in its block order, as raw bytes."""
+        index = torch.tensor(self.pulls[request_id].local_block_ids, dtype=torch.long)
+        return {
+            name: cache.index_select(0, index).contiguous().view(torch.uint8).numpy()
+            for name, cache in self.caches.items()
+        }
+
+    def dump(self, request_id: str, path: str) -> None:
+        np.savez(Path(path), **self.blocks(request_id))
+
+
+def _handle(decode: Decode, command: dict[str, Any]) -> dict[str, Any]:
+    op = command["op"]
+    if op == "info":
+        return decode.info()
+    if op == "pull":
+        local = decode.pull(command["request_id"], command["params"], command.get("num_local"))
+        return {"blocks": local}
+    if op == "wait":
+        return _wait(decode, command["request_id"], float(command.get("deadline_s", 30.0)))
+    if op == "dump":
+        decode.dump(command["request_id"], command["path"])
+        return {}
+    if op == "hold":
+        decode.hold(command["request_id"], command["params"], float(command["interval_s"]))
+        return {}
+    if op == "release":
+        del decode.holds[command["request_id"]]
+        return {}
+    if op == "hash":
+        return {"compat_hash": compat_hash(command["spec"])}
+    if op == "quit":
+        return {}
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _wait(decode: Decode, request_id: str, timeout_s: float) -> dict[str, Any]:
+    """Steps until vLLM reports the request finished (success or load error), or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not decode.pulls[request_id].is_finished and time.monotonic() < deadline:
+        decode.step()
+        time.sleep(0.005)  # an engine step's pacing; the deadline bounds the wait
+    return decode.outcome(request_id)
+
+
+def main(spec_json: str) -> None:
+    """stdout carries one JSON reply per stdin command; vLLM's output goes to stderr. Between
+    commands the decode keeps stepping (heartbeats of held requests go out)."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    decode = Decode(json.loads(spec_json))
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], TICK_S)
+        if not ready:
+            decode.step()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        command = json.loads(line)
+        try:
+            reply = {"ok": True, **_handle(decode, command)}
+        except Exception as exc:  # the test reads the error; the child goes on
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+        if command["op"] == "quit":
+            break
+    os._exit(0)  # NIXL's and vLLM's threads: do not wait for them
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,147 @@
+"""vLLM 0.33's own ``NixlConnector`` worker half as a decode, for the interop tests: the
+parent side (plain Python, no vLLM). The child (``tests/interop/vllm_child.py``) runs on this
+venv's python with ``PYTHONPATH`` = the repository and ``.interop/vllm-0.33.0`` (``make
+vllm-deps``: vLLM and its pure-Python imports without their dependencies, and a ``nixl``
+package re-exporting ``nixl_cu12``), ``VLLM_TARGET_DEVICE=cpu``.
+
+Commands (one JSON line each; every reply has ``ok``, a failure ``error``; every wait has a
+deadline, so a test never hangs)::
+
+    info                        -> engine_id, compat_hash (vLLM's, for its own config),
+                                   attn_backend_name, block_bytes, num_blocks
+    pull     request_id, params (a prefill's kv_transfer_params), num_local (optional;
+             0 = a full local prefix hit, notification only)   -> blocks (local ids)
+    wait     request_id, timeout_s   -> finished, load_errors (local ids in
+                                   get_block_ids_with_load_errors()), blocks
+    dump     request_id, path    the request's local blocks per layer (raw bytes,
+                                   [n, kv_heads, block_size, 2*head_dim]) as .npz
+    hold     request_id, params, interval_s   the request waits in the queue: vLLM's
+                                   "HB:<remote_request_id>" heartbeats every interval_s
+    release  request_id          stops the heartbeats
+    hash     spec (model_dir, dtype, block_size, attn_backend_name)   -> compat_hash:
+                                   vLLM's compute_nixl_compatibility_hash for that config
+    quit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prefill_worker.testing.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.33.0"
+VLLM_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop")) / f"vllm-{VLLM_VERSION}"
+FILL_BYTE = 0xAB  # every byte of a fresh decode cache: what no READ leaves behind
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "UCX_NET_DEVICES": "lo",
+    "NIXL_LOG_LEVEL": "WARN",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def vllm_pythonpath() -> list[Path]:
+    """The child's PYTHONPATH; skips the test when the environment is not installed."""
+    if not (VLLM_DIR / ".installed").exists():
+        pytest.skip(
+            f"vLLM {VLLM_VERSION} interop environment missing ({VLLM_DIR}): run `make vllm-deps`"
+        )
+    return [ROOT, VLLM_DIR]
+
+
+class DecodeError(RuntimeError):
+    """The child refused a command or went away; the text carries its error and log."""
+
+
+class VllmDecodeProcess:
+    """The child, seen from a test: ``call(op, **fields)`` returns its reply. It starts
+    importing vLLM at once (seconds); the first call waits for it."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        num_blocks: int = 64,
+        engine_id: str = "vllm-decode",
+        block_size: int = 32,
+        dtype: str = "float32",
+    ) -> None:
+        spec = {
+            "model_dir": str(model_dir),
+            "num_blocks": num_blocks,
+            "engine_id": engine_id,
+            "block_size": block_size,
+            "dtype": dtype,
+            "fill_byte": FILL_BYTE,
+            "dist_port": free_port(),
+        }
+        env = {**os.environ, **VLLM_ENV}
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath())
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                cwd=ROOT,
+            )
+
+    def call(self, op: str, timeout_s: float = 120.0, **fields: Any) -> dict[str, Any]:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        try:
+            self.popen.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
+            self.popen.stdin.flush()
+        except BrokenPipeError:
+            raise DecodeError(self._failure(f"{op}: the decode is gone")) from None
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
+        line = self.popen.stdout.readline() if ready else b""
+        if not line:
+            raise DecodeError(self._failure(f"{op}: no answer within {timeout_s:g} s"))
+        reply: dict[str, Any] = json.loads(line)
+        if not reply["ok"]:
+            raise DecodeError(f"{op}: {reply['error']}")
+        return reply
+
+    def pull_and_wait(
+        self, request_id: str, params: dict[str, Any], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Pull, then wait (the child's deadline, ours a little later) -> wait's reply."""
+        self.call("pull", request_id=request_id, params=params)
+        return self.call(
+            "wait", timeout_s=timeout_s + 30, request_id=request_id, deadline_s=timeout_s
+        )
+
+    def blocks(self, request_id: str, path: Path) -> dict[str, np.ndarray]:
+        """The request's pulled blocks per layer (uint8 ``[n, heads, block_size, 2*dim*es]``)."""
+        self.call("dump", request_id=request_id, path=str(path))
+        with np.load(path) as npz:
+            return {name: npz[name] for name in npz.files}
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(DecodeError):
+                self.call("quit", timeout_s=10)
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def _failure(self, what: str) -> str:
+        return f"{what}; log {self.log_path}:\n{self.log_tail()}"

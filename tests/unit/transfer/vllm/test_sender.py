@@ -1,0 +1,133 @@
+"""The vLLM sender and desk on a fake clock: a room is a vLLM pull only with a ticket; the
+answer's params name the staged blocks; every staging block returns to the pool on every
+path (read, expiry, close before staging, a front that gave up, staging full, shutdown)."""
+
+from __future__ import annotations
+
+import torch
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.holds import HoldTable
+from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
+from prefill_worker.transfer.vllm.tickets import Tickets
+
+BLOCKS = 6
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _desk(clock: Clock) -> tuple[PullDesk, torch.Tensor]:
+    lay = KVLayout(2, 1, 4, "float32", 16, 8)
+    pool = torch.randn(2, 2, 8, 16, 1, 4)
+    k = tuple(pool[i, 0].data_ptr() for i in range(2))
+    v = tuple(pool[i, 1].data_ptr() for i in range(2))
+    regions = KVRegions(lay, k, v, "cpu", 0, 0)
+    staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=BLOCKS))
+    desk = PullDesk(staging, PoolViews(regions), HoldTable(30.0, 5.0), Tickets(8), clock)
+    desk.identity = PullIdentity("engine-1", "10.0.0.1", 5600, 7)
+    return desk, pool
+
+
+def _staged(desk: PullDesk, room: int, num_tokens: int) -> VllmSender:
+    assert desk.tickets.open(room)
+    sender = VllmSender(desk, room, num_tokens)
+    assert sender.poll() is KVPoll.READY
+    num_pages = -(-num_tokens // 16)
+    sender.send_pages(list(range(num_pages)), 0)
+    assert sender.poll() is KVPoll.TRANSFERRING
+    sender.send_aux(0)
+    assert sender.poll() is KVPoll.SUCCESS
+    sender.close()
+    return sender
+
+
+def test_without_a_ticket_the_room_is_not_a_vllm_pull() -> None:
+    desk, _ = _desk(Clock())
+    sender = VllmSender(desk, 1, 10)
+    assert sender.poll() is KVPoll.BOOTSTRAPPING
+    sender.fail("the room was taken by a decode on the sglang protocol")
+    sender.close()
+    assert sender.poll() is KVPoll.FAILED and desk.staging.num_free == BLOCKS
+
+
+def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
+    desk, pool = _desk(Clock())
+    sender = _staged(desk, 5, 33)
+    params = desk.tickets.take(5)
+    assert params is not None
+    assert params["remote_block_ids"] == [[0, 1]] and params["remote_num_tokens"] == 33
+    assert params["remote_engine_id"] == "engine-1" and params["remote_port"] == 5600
+    assert params["remote_registration_generation"] == 7
+    assert params["transfer_mode"] == "pull" and params["do_remote_prefill"] is True
+    assert sender.written_bytes() == 33 * 2 * 2 * 4 * 4
+    block0 = torch.from_numpy(desk.staging.layer_view(1)[0].view("float32"))  # [H, 32, 2D]
+    assert torch.equal(block0[0, :16, 4:], pool[1, 1, 0, :, 0])  # V of layer 1, page 0
+    assert desk.staging.num_free == BLOCKS - 2
+    hold_id = params["remote_request_id"]
+    desk.notify(f"{hold_id}:1".encode())
+    assert desk.staging.num_free == BLOCKS
+
+
+def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
+    clock = Clock()
+    desk, _ = _desk(clock)
+    _staged(desk, 5, 40)
+    hold_id = desk.tickets.take(5)["remote_request_id"]  # type: ignore[index]
+    clock.now += 20.0
+    desk.notify(f"HB:{hold_id}".encode())  # lease now ends at 140
+    clock.now = 135.0
+    desk.expire()
+    assert desk.staging.num_free == BLOCKS - 2
+    clock.now = 140.0
+    desk.expire()
+    assert desk.holds.counts.expired == 1 and desk.staging.num_free == BLOCKS - 2
+    clock.now = 145.0
+    desk.expire()
+    assert desk.staging.num_free == BLOCKS
+    desk.notify(f"{hold_id}:1".encode())  # a late READ's notice: counted, no double free
+    assert desk.holds.counts.unknown_notifications == 1 and desk.staging.num_free == BLOCKS
+
+
+def test_blocks_return_when_the_request_ends_before_staging() -> None:
+    desk, _ = _desk(Clock())
+    assert desk.tickets.open(1)
+    sender = VllmSender(desk, 1, 100)
+    assert sender.poll() is KVPoll.READY and desk.staging.num_free == BLOCKS - 4
+    sender.fail("aborted by the router")
+    sender.close()
+    assert desk.staging.num_free == BLOCKS
+
+
+def test_a_front_that_gave_up_frees_the_staged_blocks() -> None:
+    desk, _ = _desk(Clock())
+    assert desk.tickets.open(1)
+    sender = VllmSender(desk, 1, 20)
+    assert sender.poll() is KVPoll.READY
+    sender.send_pages([0, 1], 0)
+    desk.tickets.take(1)  # the client went away
+    sender.send_aux(0)
+    sender.close()
+    assert sender.poll() is KVPoll.FAILED and "gave up" in (sender.failure_reason() or "")
+    assert desk.staging.num_free == BLOCKS and len(desk.holds) == 0
+
+
+def test_staging_full_fails_with_the_numbers_and_close_returns_everything() -> None:
+    desk, _ = _desk(Clock())
+    _staged(desk, 1, 64 * 2)  # 4 blocks held
+    assert desk.tickets.open(2)
+    sender = VllmSender(desk, 2, 100)
+    assert sender.poll() is KVPoll.FAILED
+    assert "100 tokens need 4 blocks, 2 of 6 free" in (sender.failure_reason() or "")
+    desk.notify(b"\xff\xfe")  # not text: counted as malformed, ignored
+    assert desk.holds.counts.bad_notifications == 1
+    desk.close()
+    assert desk.staging.num_free == BLOCKS

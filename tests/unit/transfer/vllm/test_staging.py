@@ -1,0 +1,82 @@
+"""The vLLM staging repack: our pool's pages, in either layout and at a page size other than
+vLLM's block size, land in LBHNC blocks byte for byte (checked against torch's own reshape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, PAGE_MAJOR, KVLayout, KVRegions
+from prefill_worker.transfer.vllm.staging import (
+    PoolViews,
+    StagingPool,
+    StagingRefused,
+    repack,
+    staging_layout,
+)
+
+L, H, D, PAGES = 3, 2, 8, 40
+
+
+def _pool(kind: str, page_size: int) -> tuple[torch.Tensor, KVRegions]:
+    """A random bf16 pool; returns (its tensor as [L, 2, pages, ps, H, D] view, regions)."""
+    lay = KVLayout(L, H, D, "bfloat16", page_size, PAGES, kind)
+    if kind == LAYER_MAJOR:
+        t = torch.randn(L, 2, PAGES, page_size, H, D).to(torch.bfloat16)
+        view = t
+        k = tuple(t[i, 0].data_ptr() for i in range(L))
+        v = tuple(t[i, 1].data_ptr() for i in range(L))
+    else:
+        t = torch.randn(PAGES, L, 2, page_size, H, D).to(torch.bfloat16)
+        view = t.permute(1, 2, 0, 3, 4, 5)
+        k = tuple(t[0, i, 0].data_ptr() for i in range(L))
+        v = tuple(t[0, i, 1].data_ptr() for i in range(L))
+    return view, KVRegions(lay, k, v, "cpu", 0, 0)
+
+
+def _expected(view: torch.Tensor, page_ids: list[int], n: int, bs: int) -> torch.Tensor:
+    """[L, blocks, H, bs, 2D]: the request's tokens in vLLM's layout (zero past the prompt)."""
+    per_token = view[:, :, page_ids].flatten(2, 3)[:, :, :n]  # [L, 2, n, H, D]
+    blocks = -(-n // bs)
+    out = torch.zeros(L, blocks * bs, H, 2 * D, dtype=view.dtype)
+    out[:, :n, :, :D], out[:, :n, :, D:] = per_token[:, 0], per_token[:, 1]
+    return out.view(L, blocks, bs, H, 2 * D).transpose(2, 3)
+
+
+@pytest.mark.parametrize(("kind", "page_size", "n"), [(LAYER_MAJOR, 16, 33), (PAGE_MAJOR, 64, 70)])
+def test_repack_in_chunks_matches_lbhnc(kind: str, page_size: int, n: int) -> None:
+    view, regions = _pool(kind, page_size)
+    staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=12))
+    staging.try_allocate(1)  # the request's blocks are not the first ones
+    num_pages = -(-n // page_size)
+    page_ids = [PAGES - 1 - 3 * i for i in range(num_pages)]  # scattered, descending
+    blocks = staging.try_allocate(-(-n // 32))
+    assert blocks is not None
+    pool = PoolViews(regions)
+    copied = 0
+    for first in range(num_pages):  # one page per call, as chunks arrive
+        copied += repack(pool, staging, page_ids[first : first + 1], first, blocks, n)
+    assert copied == n * L * H * 2 * D * 2
+    got = torch.stack([torch.from_numpy(staging.layer_view(i)[list(blocks)]) for i in range(L)])
+    want = _expected(view, page_ids, n, 32).view(torch.int16)
+    assert torch.equal(got.view(torch.int16)[..., :], want)
+
+
+def test_allocation_is_all_or_nothing_and_returns_whole() -> None:
+    _, regions = _pool(LAYER_MAJOR, 16)
+    staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=4))
+    first = staging.try_allocate(3)
+    assert first == (0, 1, 2)
+    assert staging.try_allocate(2) is None and staging.num_free == 1
+    staging.free(first)
+    assert staging.num_free == 4
+
+
+def test_mla_and_device_pools_are_refused() -> None:
+    mla = KVLayout(2, 1, 8, "bfloat16", 16, 4, MLA)
+    with pytest.raises(StagingRefused, match="mla"):
+        staging_layout(KVRegions(mla, (1, 2), (), "cpu", 0, 0), 32, 4)
+    _, regions = _pool(LAYER_MAJOR, 16)
+    gpu = KVRegions(regions.layout, regions.k_base_addrs, regions.v_base_addrs, "cuda:0", 0, 0)
+    with pytest.raises(StagingRefused, match="host"):
+        staging_layout(gpu, 32, 4)
