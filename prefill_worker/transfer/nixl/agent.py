@@ -127,9 +127,14 @@ def deregister_regions(agent: nixl_agent, registration: Registration) -> None:
     agent.deregister_memory(registration.kv)
 
 
-def prep_lists(agent: nixl_agent, agent_name: str, regions: KVRegions) -> PreppedLists:
-    """Prepare one side's descriptor lists; ``agent_name`` is "NIXL_INIT_AGENT" for ours."""
-    kv = agent.prep_xfer_dlist(agent_name, kv_descriptor_table(regions), mem_type(regions.device))
+def prep_lists(
+    agent: nixl_agent, agent_name: str, regions: KVRegions, kv_table: Any = None
+) -> PreppedLists:
+    """Prepare one side's descriptor lists; ``agent_name`` is "NIXL_INIT_AGENT" for ours.
+    ``kv_table``: the KV rows to list instead of the whole pages (a decode rank's head slice,
+    ``headplan.slice_table``); the aux rows are listed either way."""
+    table = kv_descriptor_table(regions) if kv_table is None else kv_table
+    kv = agent.prep_xfer_dlist(agent_name, table, mem_type(regions.device))
     try:
         aux = agent.prep_xfer_dlist(agent_name, aux_descriptor_table(regions), AUX_MEM_TYPE)
     except BaseException:

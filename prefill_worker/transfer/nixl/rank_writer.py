@@ -32,8 +32,7 @@ from prefill_worker.transfer.headplan import (
     write_indices,
     write_table,
 )
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, mem_type
-from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, aux_descriptor_table
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, mem_type, prep_lists
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +142,7 @@ def prep_slice_lists(
     """A decode rank's lists when it holds a sub-range of our heads: token runs of its pool
     of heads [head_offset, + num_heads) of each token (``headplan.slice_table``), and its aux
     rows as usual (``pagemap.aux_descriptor_table``)."""
-    table = slice_table(regions, head_offset, num_heads)
-    kv = agent.prep_xfer_dlist(agent_name, table, mem_type(regions.device))
-    try:
-        aux = agent.prep_xfer_dlist(agent_name, aux_descriptor_table(regions), AUX_MEM_TYPE)
-    except BaseException:
-        kv.release()
-        raise
-    return PreppedLists(kv, aux)
+    return prep_lists(agent, agent_name, regions, slice_table(regions, head_offset, num_heads))
 
 
 def prep_local_slice(agent: Any, regions: KVRegions, head_offset: int, num_heads: int) -> Any:
