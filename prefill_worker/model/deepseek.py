@@ -23,7 +23,7 @@ from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
-from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, token_logprobs
+from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, forward_output
 from prefill_worker.model.mla import MLASdpaBackend, MLAWeights, mla_attention
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
@@ -90,17 +90,8 @@ class DeepseekV3LM:
             x.add_(row_parallel(attn.reshape(x.shape[0], -1), layer.attn.o, None, self.tp))
             h = rms_norm(x, layer.post_norm, eps)
             x.add_(self._mlp(layer.mlp, h))
-        logprobs = None
-        if inputs.logprob_rows is not None and inputs.logprob_token_ids is not None:
-            logprobs = self.token_logprobs(x, inputs.logprob_rows, inputs.logprob_token_ids)
-        return ForwardOutput(self._logits(x[inputs.logits_rows]), logprobs)
-
-    def token_logprobs(
-        self, x: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """``log_softmax(logits of x[rows])[token_ids]``: ``[L]`` float32, block by block."""
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        return token_logprobs(self._logits, x, rows, token_ids, block)
+        return forward_output(x, inputs, self._logits, block)
 
     def _mlp(self, mlp: DenseMLP | MoEWeights, h: torch.Tensor) -> torch.Tensor:
         if isinstance(mlp, MoEWeights):

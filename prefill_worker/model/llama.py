@@ -150,17 +150,8 @@ class CausalLM:
                 continue
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
-        token_logprobs = None
-        if inputs.logprob_rows is not None and inputs.logprob_token_ids is not None:
-            token_logprobs = self.token_logprobs(x, inputs.logprob_rows, inputs.logprob_token_ids)
-        return ForwardOutput(self._logits(x[inputs.logits_rows]), token_logprobs)
-
-    def token_logprobs(
-        self, x: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """``log_softmax(logits of x[rows])[token_ids]``: ``[L]`` float32, block by block."""
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        return token_logprobs(self._logits, x, rows, token_ids, block)
+        return forward_output(x, inputs, self._logits, block)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (final residual rows) -> logits ``[R, vocab]``."""
@@ -212,6 +203,21 @@ class CausalLM:
         else:
             torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
         x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
+
+
+def forward_output(
+    x: torch.Tensor,
+    inputs: ForwardInputs,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    block: int,
+) -> ForwardOutput:
+    """From the final residual ``x [T, hidden]``: the logits of ``inputs.logits_rows`` and,
+    when asked, the prompt logprobs (``token_logprobs``, ``block`` rows of logits at once)."""
+    logprobs = None
+    if inputs.logprob_rows is not None and inputs.logprob_token_ids is not None:
+        rows, token_ids = inputs.logprob_rows, inputs.logprob_token_ids
+        logprobs = token_logprobs(logits_of, x, rows, token_ids, block)
+    return ForwardOutput(logits_of(x[inputs.logits_rows]), logprobs)
 
 
 def token_logprobs(
