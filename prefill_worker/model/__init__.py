@@ -155,12 +155,12 @@ def create_model(
     attention_backend: str,
 ) -> tuple[CausalLM | DeepseekV3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
-    (an MLA family: ``MLA_BACKENDS``' of that name)."""
+    (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply)."""
     device = weights.embed.device
     if isinstance(weights, MLAModelWeights):
-        return DeepseekV3LM(spec, weights, tp, experts), create_mla_backend(
-            attention_backend, device
-        )
+        assert spec.mla is not None  # MLA weights come from an MLA spec
+        attention = create_mla_backend(attention_backend, device, spec.mla, weights.embed.dtype)
+        return DeepseekV3LM(spec, weights, tp, experts), attention
     return CausalLM(spec, weights, tp, experts), create_backend(attention_backend, device)
 
 

@@ -18,6 +18,7 @@ import torch
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import build
 from prefill_worker.model.attention import AttentionBatch, ChunkSpan, create_mla_backend
+from prefill_worker.model.attention.flashinfer_mla import FlashInferMLABackend
 from prefill_worker.model.hf_config import MLASpec
 from prefill_worker.request import SamplingParams
 from tests.checkpoints import hf_model, make_checkpoint, prompt
@@ -71,7 +72,8 @@ def test_flashinfer_mla_matches_the_torch_path(chunks):
     rows = pool.view(-1, width)[slots.to(device)]  # this batch's rows, already in the pool
     outputs = {}
     for name, dtype in RUNS:
-        backend = create_mla_backend(name, device)
+        backend = create_mla_backend(name, device, SPEC, dtype)
+        assert isinstance(backend, FlashInferMLABackend) == (name == "flashinfer")
         backend.plan(batch)
         out = torch.empty(batch.num_tokens, HEADS, SPEC.v_head_dim, device=device, dtype=dtype)
         q_, rows_, pool_, kv_b_ = (t.to(dtype) for t in (q * 3, rows, pool, kv_b))

@@ -116,6 +116,9 @@ def resolve_mla_backend_name(name: str, mla: MLASpec, dtype: torch.dtype) -> str
     return "sdpa"
 
 
-def create_mla_backend(name: str, device: torch.device) -> MLAAttentionBackend:
-    """``name``: as ``resolve_mla_backend_name`` returned it."""
-    return MLA_BACKENDS[name](device)
+def create_mla_backend(
+    name: str, device: torch.device, mla: MLASpec, dtype: torch.dtype
+) -> MLAAttentionBackend:
+    """An MLA model's backend for ``name`` (``auto`` too), resolved as above."""
+    resolved = resolve_mla_backend_name(resolve_backend_name(name, device), mla, dtype)
+    return MLA_BACKENDS[resolved](device)

@@ -106,7 +106,7 @@ def test_the_absorbed_paged_form_equals_the_torch_paths_attention():
     pool = torch.randn(NUM_PAGES, PAGE_SIZE, 1, SPEC.latent_dim, generator=g)
     q = torch.randn(the_batch.num_tokens, HEADS, SPEC.qk_head_dim, generator=g)
     rows = pool.view(-1, SPEC.latent_dim)[slots]  # this batch's rows, already in the pool
-    torch_path = create_mla_backend("sdpa", CPU)
+    torch_path = create_mla_backend("sdpa", CPU, SPEC, torch.float32)
     torch_path.plan(the_batch)
     expected = q.new_empty(q.shape[0], HEADS, SPEC.v_head_dim)
     torch_path.attend_latent(q, rows, pool, kv_b_weights(), SPEC, expected)
@@ -134,3 +134,9 @@ def test_flashinfer_is_kept_for_an_mla_model_only_where_its_kernels_apply(
     with caplog.at_level(logging.WARNING):
         assert resolve_mla_backend_name(name, spec, dtype) == chosen
     assert ("MLA kernels do not apply" in caplog.text) == (name != chosen)
+
+
+def test_an_mla_model_on_the_cpu_keeps_the_torch_path():
+    from prefill_worker.model.attention.sdpa_mla import MLASdpaBackend
+
+    assert isinstance(create_mla_backend("auto", CPU, DEEPSEEK, torch.bfloat16), MLASdpaBackend)
