@@ -72,7 +72,7 @@ def _sdpa_mla(device: torch.device) -> MLAAttentionBackend:
 def _flashinfer_mla(device: torch.device) -> MLAAttentionBackend:
     from prefill_worker.model.attention.flashinfer_mla import FlashInferMLABackend
 
-    return FlashInferMLABackend(device)
+    return FlashInferMLABackend.create(device)
 
 
 BACKENDS: dict[str, BackendFactory] = {"sdpa": _sdpa, "flashinfer": _flashinfer}

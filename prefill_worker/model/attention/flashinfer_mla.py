@@ -12,12 +12,14 @@ r]``). The pool plane ``[P, ps, 1, r + rope]`` is read in place through two stri
 Both forms are causal with the mask aligned bottom-right (a chunk ``[start, end)`` over keys
 ``[0, end)``) and scale by ``spec.softmax_scale`` (YaRN's mscale included). Written against
 flashinfer-python 0.6.13 (the GPU check's) and its API unchanged in 0.6.18; only the
-``gpu``-marked tests run it. Chosen on CUDA only, for a model whose shape
-``mla_plan.kernel_mismatch`` accepts; flashinfer is imported by the constructor, so the
-absorption (``absorb_query``, ``expand_output``) is tested on the CPU.
+``gpu``-marked tests run its kernels. Chosen on CUDA only, for a model whose shape
+``mla_plan.kernel_mismatch`` accepts; flashinfer is imported by ``create``, so the rest
+runs on the CPU over stand-ins for the two wrappers (``tests/unit/model``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +32,26 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferMLABackend:
-    def __init__(self, device: torch.device) -> None:
+    """Built by ``create`` on CUDA; the constructor takes the two wrappers (or stand-ins with
+    their 0.6.13 ``plan``/``run`` signatures, which the CPU tests use)."""
+
+    def __init__(self, ragged: Any, paged: Any, device: torch.device) -> None:
+        self.device = device
+        self._ragged, self._paged = ragged, paged  # one form runs per batch
+        self._batch: AttentionBatch | None = None
+        self._indices: MLAIndices | None = None
+        self._planned_for: tuple[int, torch.dtype] | None = None
+
+    @classmethod
+    def create(cls, device: torch.device) -> FlashInferMLABackend:
         if device.type != "cuda":
             raise ValueError("the flashinfer MLA attention backend needs a CUDA device")
         import flashinfer  # CUDA only: imported when chosen
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self.device = device
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
-        self._paged = BatchMLAPagedAttentionWrapper(workspace)  # one form runs per batch
-        self._batch: AttentionBatch | None = None
-        self._indices: MLAIndices | None = None
-        self._planned_for: tuple[int, torch.dtype] | None = None
+        ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        return cls(ragged, BatchMLAPagedAttentionWrapper(workspace), device)
 
     def plan(self, batch: AttentionBatch) -> None:
         """Build the indices; the wrapper is planned on the first layer, once the head count

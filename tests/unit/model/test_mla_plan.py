@@ -1,8 +1,7 @@
 """flashinfer's MLA planning on the CPU: the index arrays (``attention.mla_plan``) read the
-pool rows the torch path gathers, and the absorbed form they are used with
-(``flashinfer_mla.absorb_query``/``expand_output``), computed here as the paged kernel
-defines it, equals the torch path's decompressed attention. The kernels themselves run only
-in the ``gpu`` tests."""
+pool rows the torch path gathers, and the CUDA backend driving stand-ins for flashinfer's
+two wrappers (``flashinfer_stand_ins``) equals the torch path in both forms. The kernels
+themselves run only in the ``gpu`` tests."""
 
 from __future__ import annotations
 
@@ -17,9 +16,10 @@ from prefill_worker.model.attention import (
     create_mla_backend,
     resolve_mla_backend_name,
 )
-from prefill_worker.model.attention.flashinfer_mla import absorb_query, expand_output
+from prefill_worker.model.attention.flashinfer_mla import FlashInferMLABackend
 from prefill_worker.model.attention.mla_plan import PAGED, RAGGED, MLAIndices, mla_indices
 from prefill_worker.model.hf_config import MLASpec
+from tests.unit.model.flashinfer_stand_ins import PagedMLA, RaggedPrefill
 
 PAGE_SIZE, NUM_PAGES, HEADS = 16, 40, 3
 SPEC = MLASpec(
@@ -48,24 +48,6 @@ def kernel_rows(idx: MLAIndices, chunk: int, pool: torch.Tensor) -> torch.Tensor
     keys = torch.arange(idx.kv_lens[chunk])
     pages = torch.tensor(idx.kv_indices[idx.kv_indptr[chunk] : idx.kv_indptr[chunk + 1]])
     return pool[pages[keys // PAGE_SIZE], keys % PAGE_SIZE, 0]
-
-
-def paged_kernel(idx: MLAIndices, q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """flashinfer's paged MLA as its docs define it, in torch: per chunk, scores
-    ``(q_lat . ckv + q_pe . kpe) * scale``, causal bottom-right, weights over ``ckv``."""
-    rank, nope = SPEC.kv_lora_rank, SPEC.qk_nope_head_dim
-    q_lat, q_pe = absorb_query(q, kv_b_weights(), SPEC), q[..., nope:]
-    out = q.new_empty(q.shape[0], q.shape[1], rank)
-    for i in range(len(idx.kv_lens)):
-        rows = kernel_rows(idx, i, pool)  # [m, r + rope]
-        lo, hi, m = idx.qo_indptr[i], idx.qo_indptr[i + 1], idx.kv_lens[i]
-        scores = (
-            q_lat[lo:hi] @ rows[:, :rank].T + q_pe[lo:hi] @ rows[:, rank:].T
-        ) * SPEC.softmax_scale
-        visible = torch.arange(m)[None, :] <= torch.arange(m - (hi - lo), m)[:, None]
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))  # [n, H, m]
-        out[lo:hi] = scores.softmax(-1) @ rows[:, :rank]
-    return out
 
 
 def kv_b_weights() -> torch.Tensor:
@@ -98,22 +80,28 @@ def test_fresh_prompts_are_ragged_over_their_own_rows():
     assert idx == MLAIndices(RAGGED, (0, 100, 137), (0, 100, 137), (), (100, 37))
 
 
-def test_the_absorbed_paged_form_equals_the_torch_paths_attention():
-    """What the CUDA backend feeds the paged kernel and does with its output, on the
-    indices above, gives the torch path's outputs (fp32, 1e-4)."""
-    the_batch, slots = batch([(128, 200), (0, 100), (40, 41), (16, 64)])
+@pytest.mark.parametrize(
+    "chunks",
+    [[(0, 100), (0, 37)], [(128, 200), (0, 100), (40, 41), (16, 64)]],
+    ids=["ragged", "paged"],
+)
+def test_the_flashinfer_backend_over_stand_ins_equals_the_torch_path(chunks):
+    """The CUDA backend's planning and its use of both wrappers (the absorbed form's
+    ``q_nope W_UK`` in and ``W_UV`` out, the strided pool views), over CPU stand-ins with
+    flashinfer's signatures and results, give the torch path's outputs (fp32, 1e-4)."""
+    the_batch, slots = batch(chunks)
     g = torch.Generator().manual_seed(1)
     pool = torch.randn(NUM_PAGES, PAGE_SIZE, 1, SPEC.latent_dim, generator=g)
     q = torch.randn(the_batch.num_tokens, HEADS, SPEC.qk_head_dim, generator=g)
     rows = pool.view(-1, SPEC.latent_dim)[slots]  # this batch's rows, already in the pool
     torch_path = create_mla_backend("sdpa", CPU, SPEC, torch.float32)
-    torch_path.plan(the_batch)
-    expected = q.new_empty(q.shape[0], HEADS, SPEC.v_head_dim)
-    torch_path.attend_latent(q, rows, pool, kv_b_weights(), SPEC, expected)
-    latent = paged_kernel(mla_indices(the_batch.spans), q, pool)
-    torch.testing.assert_close(
-        expand_output(latent, kv_b_weights(), SPEC), expected, atol=1e-4, rtol=1e-4
-    )
+    flashinfer = FlashInferMLABackend(RaggedPrefill(), PagedMLA(), CPU)
+    outputs = []
+    for backend in (torch_path, flashinfer):
+        backend.plan(the_batch)
+        outputs.append(q.new_empty(q.shape[0], HEADS, SPEC.v_head_dim))
+        backend.attend_latent(q, rows, pool, kv_b_weights(), SPEC, outputs[-1])
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
 
 
 DEEPSEEK = MLASpec(None, 512, 128, 64, 128, True, 0.1)
