@@ -7,9 +7,12 @@
 # against the torch MLA path and DeepSeek-V3 tiny against transformers: test_mla_cuda.py),
 # the runner against transformers on CUDA, then bench/gpu.py (8B-shaped prefill MFU at
 # 1k/4k/16k tokens and a VRAM→VRAM NIXL push between two processes) into
-# bench/results/gpu.json, copied to $OUT when the device tool sets it; last, time-boxed, the
-# flashinfer MoE against grouped (test_moe_cuda.py: its CUTLASS kernels compile with nvcc on
-# first use, of unmeasured length, so they go after the bench and cannot starve it).
+# bench/results/gpu.json, copied to $OUT when the device tool sets it; last, the flashinfer
+# MoE against grouped (test_moe_cuda.py), only where flashinfer-jit-cache is installed:
+# without it the fused CUTLASS MoE module compiles from source (~20 .cu files plus
+# generated kernels for every dtype pair: read from its JIT spec, not timed), expected to
+# take far longer than this check may, and that wheel is far over the carry limit, so on
+# the lent machine the step says NOT RUN.
 # Aimed at under 8 minutes on an H200. Never in CI (CI has no GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,9 +51,13 @@ else
   step "bench/gpu.py"
   $PY bench/gpu.py || status=1
   [ -n "${OUT:-}" ] && cp bench/results/gpu.json "$OUT/" 2>/dev/null
-  step "flashinfer MoE against grouped (at most ${MOE_CHECK_S:-150} s)"
-  timeout "${MOE_CHECK_S:-150}" $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_moe_cuda.py \
-    || status=1
+  if $PY -c "import flashinfer_jit_cache" 2>/dev/null; then
+    step "flashinfer MoE against grouped"
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_moe_cuda.py || status=1
+  else
+    step "flashinfer MoE against grouped: NOT RUN (no flashinfer-jit-cache: its CUTLASS MoE"
+    echo "   kernels would compile from source, every dtype pair, far past this check's time)"
+  fi
 fi
 step "done: exit $status"
 exit $status
