@@ -11,7 +11,8 @@ r]``). The pool plane ``[P, ps, 1, r + rope]`` is read in place through two stri
 (``ckv = [..., :r]``, ``kpe = [..., r:]``): the kernel takes their page and row strides.
 Both forms are causal with the mask aligned bottom-right (a chunk ``[start, end)`` over keys
 ``[0, end)``) and scale by ``spec.softmax_scale`` (YaRN's mscale included). Written against
-flashinfer-python 0.6.13 (the GPU check's) and its API unchanged in 0.6.18; only the
+flashinfer-python 0.6.13 (the GPU check's); 0.7.4 (what ``pip install .[cuda]`` gets)
+declares the same names for these calls, deprecating the flat CSR ``plan`` form. Only the
 ``gpu``-marked tests run its kernels. Chosen on CUDA only, for a model whose shape
 ``mla_plan.kernel_mismatch`` accepts; flashinfer is imported by ``create``, so the rest
 runs on the CPU over stand-ins for the two wrappers (``tests/unit/model``).
@@ -96,19 +97,19 @@ class FlashInferMLABackend:
                 kv_data_type=dtype,
             )
         else:
-            self._paged.plan(
-                _int32(idx.qo_indptr),
-                _int32(idx.kv_indptr),
-                _int32(idx.kv_indices).to(self.device),
-                _int32(idx.kv_lens),
-                heads,
-                spec.kv_lora_rank,
-                spec.qk_rope_head_dim,
-                batch.page_size,
-                True,  # causal
-                spec.softmax_scale,
-                dtype,
-                dtype,
+            self._paged.plan(  # by name: 0.7 deprecates this form's positional call
+                qo_indptr=_int32(idx.qo_indptr),
+                kv_indptr=_int32(idx.kv_indptr),
+                kv_indices=_int32(idx.kv_indices).to(self.device),
+                kv_len_arr=_int32(idx.kv_lens),
+                num_heads=heads,
+                head_dim_ckv=spec.kv_lora_rank,
+                head_dim_kpe=spec.qk_rope_head_dim,
+                page_size=batch.page_size,
+                causal=True,
+                sm_scale=spec.softmax_scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
             )
         self._planned_for = (heads, dtype)
 
@@ -137,10 +138,10 @@ class FlashInferMLABackend:
     ) -> None:
         nope, rank = spec.qk_nope_head_dim, spec.kv_lora_rank
         latent = self._paged.run(
-            absorb_query(q, kv_b, spec),  # [T, H, r]
-            q[..., nope:].contiguous(),  # [T, H, rope]
-            pool[:, :, 0, :rank],  # [P, ps, r], strided: rows r + rope apart
-            pool[:, :, 0, rank:],  # [P, ps, rope]
+            q_nope=absorb_query(q, kv_b, spec),  # [T, H, r]
+            q_pe=q[..., nope:].contiguous(),  # [T, H, rope]
+            ckv_cache=pool[:, :, 0, :rank],  # [P, ps, r], strided: rows r + rope apart
+            kpe_cache=pool[:, :, 0, rank:],  # [P, ps, rope]
         )  # [T, H, r]
         out.copy_(expand_output(latent, kv_b, spec))
 
