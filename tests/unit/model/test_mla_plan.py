@@ -21,7 +21,7 @@ from prefill_worker.model.attention.mla_plan import PAGED, RAGGED, MLAIndices, m
 from prefill_worker.model.hf_config import MLASpec
 from tests.unit.model.flashinfer_stand_ins import PagedMLA, RaggedPrefill
 
-PAGE_SIZE, NUM_PAGES, HEADS = 16, 40, 3
+PAGE_SIZE, NUM_PAGES, HEADS = 16, 64, 3
 SPEC = MLASpec(
     q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=24, rope_interleave=True, softmax_scale=0.37,
@@ -36,6 +36,7 @@ def batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
         count = -(-end // PAGE_SIZE)
         pages = tuple(range(next_page, next_page - 2 * count, -2))
         next_page -= 2 * count
+        assert next_page >= -1, "the test's pool is too small for its chunks"
         spans.append(ChunkSpan(offset, offset + end - start, start, end, pages))
         slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, end)]
         offset += end - start
