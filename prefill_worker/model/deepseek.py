@@ -7,8 +7,9 @@ MoE block (``model.moe``), the first ``first_k_dense_replace`` layers dense::
     logits = norm(x[rows]) @ Wlm                          [R, vocab]
 
 Same contract as ``llama.CausalLM`` (``forward``, ``token_logprobs``); the attention backend
-must be ``mla.MLASdpaBackend``. Under tensor parallelism the o and down projections (and the
-MoE block) sum over the ranks, one all-reduce each, as in the Llama family.
+must be an ``MLAAttentionBackend`` (``attention.MLA_BACKENDS``). Under tensor parallelism the
+o and down projections (and the MoE block) sum over the ranks, one all-reduce each, as in the
+Llama family.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.attention import AttentionBackend, MLAAttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
 from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, forward_output
-from prefill_worker.model.mla import MLASdpaBackend, MLAWeights, mla_attention
+from prefill_worker.model.mla import MLAWeights, mla_attention
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
@@ -78,7 +79,7 @@ class DeepseekV3LM:
     ) -> ForwardOutput:
         """Write every token's latent row into its pages; return the logits ``[R, vocab]``
         and the prompt logprobs ``[L]``."""
-        assert isinstance(attention, MLASdpaBackend), "an MLA model needs the MLA backend"
+        assert isinstance(attention, MLAAttentionBackend), "an MLA model needs the MLA backend"
         eps = self.spec.rms_norm_eps
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, rope/2] each

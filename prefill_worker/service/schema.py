@@ -28,7 +28,10 @@ class ModelConfig(_Section):
     )
     device: str = Field("cpu", description="`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA if present).")
     attention_backend: Literal["auto", "sdpa", "flashinfer"] = Field(
-        "auto", description="`auto` picks flashinfer on CUDA when installed, else sdpa."
+        "auto",
+        description="`auto` picks flashinfer on CUDA when installed, else sdpa. An MLA model "
+        "(DeepSeek-V3) keeps flashinfer only at DeepSeek's MLA dims (rank 512, rope 64, nope "
+        "128, v 128) in bf16/fp16, and otherwise runs its torch path (docs/models.md).",
     )
     moe_backend: Literal["auto", "grouped", "naive", "flashinfer"] = Field(
         "auto",
