@@ -221,13 +221,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("llama", tmp_path_factory.mktemp("smg-ckpt") / "llama")
 
 
-@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
-    if not SMG.exists():  # CI runs `make smg` first: there a missing router is a failure
+def require_smg() -> None:
+    """Skip without the router; CI runs `make smg` first: there a missing router is a failure."""
+    if not SMG.exists():
         message = "smg is not installed: `make smg`"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+    require_smg()
     protocol: str = request.param
     if protocol == "sglang":
         try:

@@ -21,7 +21,7 @@ import pytest
 
 from tests.checkpoints import add_byte_tokenizer, make_checkpoint
 from tests.polling import wait_until
-from tests.smg.conftest import SMG, Prefill, Stack, http
+from tests.smg.conftest import Prefill, Stack, http, require_smg
 from tests.smg.load import Load, Sent
 
 HEALTH_INTERVAL_S = 1
@@ -37,8 +37,7 @@ SHARED_PREFIX = "You are the fleet's assistant. Answer in one short line please.
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    if not SMG.exists():
-        pytest.skip("smg is not installed: `make smg`")
+    require_smg()
     tmp_path = tmp_path_factory.mktemp("fleet")
     checkpoint = add_byte_tokenizer(make_checkpoint("llama", tmp_path / "llama"))
     stack = Stack(tmp_path, checkpoint, "native")
