@@ -133,9 +133,12 @@ class Daemon:
             log.error("%s", exc)
             self._close()
             return exc.exit_code
-        if threading.current_thread() is threading.main_thread():
+        is_main = threading.current_thread() is threading.main_thread()
+        if is_main:
             self._install_signals()
         code = self._supervise()
+        if is_main:
+            _ignore_stop_signals()
         self._close()
         log.info("exit %d", code)
         return code
@@ -309,6 +312,7 @@ class Daemon:
 
     def _supervise(self) -> int:
         drain_deadline: float | None = None
+        drain_floor = 0.0
         while True:
             self._wake.wait(_SUPERVISE_PERIOD_S)
             self._wake.clear()
@@ -321,11 +325,8 @@ class Daemon:
                 log.warning("second signal: stopping now")
                 return self._stop(FinishReason.DRAINING, EX_FORCED)
             if self._drain_asked.is_set() and drain_deadline is None:
-                drain_deadline = time.monotonic() + self.config.daemon.drain_timeout_s
-                self._begin_drain()
-            if drain_deadline is not None and (
-                self._is_idle() or time.monotonic() >= drain_deadline
-            ):
+                drain_deadline, drain_floor = self._begin_drain()
+            if drain_deadline is not None and self._is_drained(drain_floor, drain_deadline):
                 return self._stop(FinishReason.DRAINING, EX_OK)
             self._watchdog()
 
@@ -340,7 +341,8 @@ class Daemon:
                 logging.INFO if verdict.is_live else logging.ERROR, "liveness: %s", verdict.reason
             )
 
-    def _begin_drain(self) -> None:
+    def _begin_drain(self) -> tuple[float, float]:
+        """Refuse new work; when the drain must end, and when it may end once idle."""
         log.info("draining: new requests are rejected, in-flight ones may finish")
         self.ingress.set_draining(True)
         if self._http_api is not None:
@@ -348,6 +350,14 @@ class Daemon:
         self.health.is_draining = True
         self.metrics.draining.set(1)
         self.notifier.stopping("draining")
+        began_at, cfg = time.monotonic(), self.config.daemon
+        return began_at + cfg.drain_timeout_s, began_at + cfg.drain_min_s
+
+    def _is_drained(self, floor: float, deadline: float) -> bool:
+        """Out of time, or idle once past the floor (by then the routers' health checks have
+        seen the 503 and stopped sending here: the port stays open until they have)."""
+        now = time.monotonic()
+        return now >= deadline or (now >= floor and self._is_idle())
 
     def _is_idle(self) -> bool:
         """No request held: the engine turned after this check began with nothing live."""
@@ -408,6 +418,15 @@ class Daemon:
             except Exception:
                 log.exception("closing %s failed", name)
         self.notifier.close()
+
+
+def _ignore_stop_signals() -> None:
+    """The stop is decided: a later SIGTERM (the kubelet's, after a preStop drain that already
+    ended) has nothing left to ask. Ignored, not handled: Python puts back the default action
+    of a handled signal while the interpreter shuts down, and that would end the process by
+    the signal instead of with its exit code."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_daemon(

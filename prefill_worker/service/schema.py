@@ -454,6 +454,14 @@ class DaemonConfig(_Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM or /drain, how long in-flight requests may finish."
     )
+    drain_min_s: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM or /drain, the least time the worker stays up answering 503 "
+        "(health and new requests), even when idle, so that a router that health-checks it "
+        "(smg) sees the drain before the port closes; set it to the router's health window "
+        "(docs/deploy.md). `drain_timeout_s` still ends the drain.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Least severe log level written."
     )
