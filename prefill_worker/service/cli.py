@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from prefill_worker import __version__
 from prefill_worker.service.config import EX_CONFIG, Config, ConfigError, dump_yaml, load_config
@@ -68,7 +69,14 @@ def _resolve(args: argparse.Namespace) -> Config:
     return load_config(args.config_path or args.config_flag, overrides=overrides)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    build_model: Callable[..., Any] | None = None,
+    rank_command: Sequence[str] | None = None,
+) -> int:
+    """``build_model`` and ``rank_command``: the daemon's seams (``service.daemon.Daemon``),
+    for test tools (``prefill_worker.testing.tp_ranks``); unset, the real ones."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if args.command == "version":
@@ -92,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "print-config":
         sys.stdout.write(dump_yaml(config))
         return 0
-    return _serve(config)
+    return _serve(config, build_model, rank_command)
 
 
 def _check(config: Config, require_model: bool) -> int:
@@ -133,10 +141,12 @@ def _drain(config: Config) -> int:
     return 1
 
 
-def _serve(config: Config) -> int:
+def _serve(
+    config: Config, build_model: Callable[..., Any] | None, rank_command: Sequence[str] | None
+) -> int:
     from prefill_worker.service.daemon import run_daemon
 
-    return run_daemon(config)
+    return run_daemon(config, build_model=build_model, rank_command=rank_command)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Composition root: start-up → serve → drain → shutdown, signals, sd_notify, exit codes.
 
-With ``service/startup.py`` (the steps that build each component), the only module that sees
+With ``service/startup.py`` (the steps that build each component; at TP > 1 also
+``group_startup.py`` and a follower's ``rank.py``), the only module that sees
 the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
 supervision, signals, drain, stop, fatal errors, closing. Which thread owns what is drawn in
 docs/architecture.md ("Threads"); the edge threads are supervised by ``service/threads.py``.
@@ -8,7 +9,8 @@ docs/architecture.md ("Threads"); the edge threads are supervised by ``service/t
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
 with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
-after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error.
+after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error or a
+failed tensor-parallel rank group (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -16,27 +18,31 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
 from prefill_worker import __version__
+from prefill_worker.batch import ModelRunner
 from prefill_worker.inbox import Inbox
 from prefill_worker.ingress.http import HttpApi, is_front_id
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
-from prefill_worker.model import build
+from prefill_worker.model import KVCache, ModelInfo, build
 from prefill_worker.request import FinishReason, Outcome
 from prefill_worker.scheduler import Engine
-from prefill_worker.service.config import Config
+from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.group_startup import agree_group_loaded, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
+from prefill_worker.service.rank import run_follower
 from prefill_worker.service.sdnotify import SdNotifier
 from prefill_worker.service.startup import (
     LoadReport,
@@ -56,19 +62,32 @@ from prefill_worker.service.startup import (
     write_ready_file,
 )
 from prefill_worker.service.threads import ThreadWatch
+from prefill_worker.tp.group import Placement
+from prefill_worker.tp.leader import GroupRunner, LeaderGroup
+from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.group import GroupBackend
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
 EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
 _SUPERVISE_PERIOD_S = 0.25
+_GROUP_GRACE_S = 5.0  # followers' time to leave after the stop step, then SIGKILL
+# How a leader starts its follower ranks (``service/rank.py``); tests pass their own.
+RANK_COMMAND = (sys.executable, "-m", "prefill_worker.service.rank")
 
 
 class Daemon:
     def __init__(
-        self, config: Config, env: Mapping[str, str], build_model: ModelBuilder = build
+        self,
+        config: Config,
+        env: Mapping[str, str],
+        build_model: ModelBuilder = build,
+        rank_command: Sequence[str] = RANK_COMMAND,
     ) -> None:
         self.config = config
         self._build_model = build_model
+        self._env, self._rank_command = env, rank_command
+        self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry)
         self.health = Health(
@@ -102,7 +121,14 @@ class Daemon:
 
     def run(self) -> int:
         try:
-            self._start()
+            placement = Placement.from_environ(self._env, self.config.parallel.tp_size)
+        except ValueError as exc:
+            log.error("start-up failed at step 'tp group': %s", exc)
+            return EX_CONFIG
+        if placement is not None and not placement.is_leader:  # a torchrun follower
+            return run_follower(self.config, placement, self._build_model)
+        try:
+            self._start(placement)
         except StartupError as exc:
             log.error("%s", exc)
             self._close()
@@ -114,16 +140,14 @@ class Daemon:
         log.info("exit %d", code)
         return code
 
-    def _start(self) -> None:
+    def _start(self, placement: Placement | None) -> None:
         cfg = self.config
         watch = self.threads.step
         with watch("http"):
             http = start_http(cfg, self.health, self.registry, self.request_drain)
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
-        runner, kv_cache, info = load_model(
-            cfg, self._build_model, LoadReport(self.notifier.status)
-        )
+        runner, kv_cache, info = self._load(placement)
         pages, aux = make_pools(cfg, kv_cache)
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
@@ -133,12 +157,15 @@ class Daemon:
             )
         self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
+        backend: TransferBackend = transfer.backend
+        if self._group is not None:  # every sender mirrored to the followers, states agreed
+            backend = GroupBackend(backend, self._group.channel.link)
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
-            cfg, runner, transfer.backend, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache
         )
         self._engine = engine
         limits = (
@@ -174,6 +201,28 @@ class Daemon:
         self.health.watch(engine.progress)
         log.info("edge threads supervised: %s", ", ".join(self.threads.watched()))
         self._announce(http.port)
+
+    def _load(self, placement: Placement | None) -> tuple[ModelRunner, KVCache, ModelInfo]:
+        """This rank's model; at TP > 1 the group first (followers started, joined), and
+        the runner every forward of the group goes through."""
+        report = LoadReport(self.notifier.status)
+        if placement is None:
+            return load_model(self.config, self._build_model, report)
+        tp, group, device = start_tp_group(
+            self.config, placement, self._rank_command, self._wake.set
+        )
+        self._group = group
+        # Closed after the engine's shutdown (which may still run a forward on every rank).
+        self._closers.append(("tp group", lambda: group.close(_GROUP_GRACE_S)))
+        self.health.watch_group(group.stuck)
+        runner, kv_cache, info = load_model(
+            self.config, self._build_model, report, tp=tp, device=device
+        )
+        agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
+        # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
+        group.start_heartbeat()
+        return GroupRunner(runner, group.channel, self.metrics.on_rank_forward), kv_cache, info
 
     def _start_kv_events(self) -> None:
         publisher = start_kv_events(self.config, self.metrics)
@@ -258,6 +307,9 @@ class Daemon:
             self._wake.clear()
             if self._engine_error is not None:
                 return self._fatal()
+            if self._group is not None and self._group.problem() is not None:
+                log.error("tensor-parallel group failed: %s", self._group.problem())
+                return self._stop(FinishReason.ENGINE_ERROR, EX_SOFTWARE)
             if self._num_signals > 1:
                 log.warning("second signal: stopping now")
                 return self._stop(FinishReason.DRAINING, EX_FORCED)
@@ -341,9 +393,21 @@ class Daemon:
         self.notifier.close()
 
 
-def run_daemon(config: Config, env: Mapping[str, str] | None = None) -> int:
+def run_daemon(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    *,
+    build_model: ModelBuilder | None = None,
+    rank_command: Sequence[str] | None = None,
+) -> int:
     configure_logging(config.daemon.log_level, config.daemon.log_format)
-    return Daemon(config, os.environ if env is None else env).run()
+    daemon = Daemon(
+        config,
+        os.environ if env is None else env,
+        build_model or build,
+        RANK_COMMAND if rank_command is None else rank_command,
+    )
+    return daemon.run()
 
 
 __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]

@@ -52,6 +52,7 @@ class Health:
         self._clock = clock
         self._progress: Callable[[], Progress] | None = None
         self._stopped_threads: Callable[[], list[str]] = list
+        self._stuck_group: Callable[[], str | None] = lambda: None
         self.is_ready = False
         self.is_draining = False
         self.endpoints: dict[str, object] = {}  # what the worker bound: `/readyz` shows it
@@ -62,6 +63,10 @@ class Health:
     def watch_threads(self, stopped: Callable[[], list[str]]) -> None:
         self._stopped_threads = stopped
 
+    def watch_group(self, stuck: Callable[[], str | None]) -> None:
+        """At TP > 1: why the rank group is stuck or lost (``tp.leader.LeaderGroup.stuck``)."""
+        self._stuck_group = stuck
+
     def stopped_threads(self) -> list[str]:
         return self._stopped_threads()
 
@@ -69,6 +74,9 @@ class Health:
         stopped = self._stopped_threads()
         if stopped:
             return Verdict(False, f"stuck: edge thread stopped: {', '.join(stopped)}")
+        group = self._stuck_group()
+        if group is not None:
+            return Verdict(False, f"stuck: {group}")
         if self._progress is None:
             return Verdict(True, "starting")
         return self._rule.judge(self._progress(), self._clock())

@@ -156,6 +156,13 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS_S,
             registry=registry,
         )
+        self.rank_forward_seconds = Histogram(
+            "prefill_worker_tp_forward_seconds",
+            "Wall time of one rank's share of a forward batch (tensor parallelism), by rank",
+            ["rank"],
+            buckets=STEP_BUCKETS_S,
+            registry=registry,
+        )
         self.batch_tokens = Histogram(
             "prefill_worker_batch_tokens",
             "Tokens in one forward batch",
@@ -267,6 +274,11 @@ class WorkerMetrics:
     def set_aux_rows(self, used: int, total: int) -> None:
         self.aux_rows_used.set(used)
         self.aux_rows_total.set(total)
+
+    def on_rank_forward(self, seconds_by_rank: tuple[float, ...]) -> None:
+        """One forward's time on each rank of the tensor-parallel group (rank order)."""
+        for rank, seconds in enumerate(seconds_by_rank):
+            self.rank_forward_seconds.labels(rank=str(rank)).observe(seconds)
 
     def on_reject(self, code: str) -> None:
         self.rejects.labels(code).inc()

@@ -370,6 +370,41 @@ class DaemonConfig(_Section):
     )
 
 
+class ParallelConfig(_Section):
+    """Tensor parallelism: one worker over ``tp_size`` rank processes (docs/parallelism.md)."""
+
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
+        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads.",
+    )
+    step_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for any rank in one collective (a step, a heartbeat): a rank "
+        "silent that long (stopped, hung) fails the whole worker.",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="While idle, the leader exchanges a heartbeat step with every rank this "
+        "often (must be below step_timeout_s).",
+    )
+    rendezvous_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for every rank to join the group at start-up (and to load).",
+    )
+
+    @model_validator(mode="after")
+    def _heartbeat_below_timeout(self) -> ParallelConfig:
+        if self.heartbeat_interval_s >= self.step_timeout_s:
+            raise ValueError("heartbeat_interval_s must be below step_timeout_s")
+        return self
+
+
 class Config(_Section):
     """The whole configuration; only the daemon sees all of it."""
 
@@ -382,6 +417,7 @@ class Config(_Section):
     metrics: MetricsConfig = MetricsConfig()
     http_api: HttpApiConfig = HttpApiConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
+    parallel: ParallelConfig = ParallelConfig()
     daemon: DaemonConfig = DaemonConfig()
 
 

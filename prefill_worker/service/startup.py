@@ -19,6 +19,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
+from prefill_worker.batch import ModelRunner
 from prefill_worker.inbox import Inbox
 from prefill_worker.ingress.http import HttpApi, ServedModel, load_text_codec
 from prefill_worker.ingress.validate import Limits
@@ -32,6 +33,7 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -115,8 +117,15 @@ class LoadReport:
 
 
 def load_model(
-    config: Config, build_model: ModelBuilder, on_progress: LoadProgress | None = None
+    config: Config,
+    build_model: ModelBuilder,
+    on_progress: LoadProgress | None = None,
+    *,
+    tp: TPGroup = SINGLE,
+    device: str | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
+    """This rank's shard (``tp``; TP 1: the whole model) on ``device`` (None: the
+    configured one)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
@@ -124,7 +133,8 @@ def load_model(
             cfg.model.path,
             on_progress=on_progress,
             dtype=cfg.model.dtype,
-            device=cfg.model.device,
+            device=device or cfg.model.device,
+            tp=tp,
             attention_backend=cfg.model.attention_backend,
             page_size=cfg.cache.page_size,
             pool_layout=cfg.cache.layout,
@@ -151,7 +161,7 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
 
 def warm_up_model(
     config: Config,
-    runner: Runner,
+    runner: ModelRunner,
     pages: PagePool,
     vocab_size: int,
     metrics: WorkerMetrics,
@@ -269,7 +279,7 @@ def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher 
 
 def make_engine(
     config: Config,
-    runner: Runner,
+    runner: ModelRunner,
     transfer: TransferBackend,
     pools: tuple[PagePool, AuxPool],
     sink: Callable[[Outcome], None],

@@ -81,9 +81,10 @@ def start_worker(
     *settings: str,
     env: dict[str, str] | None = None,
     module: str = "prefill_worker",
+    module_args: Sequence[str] = (),
 ) -> Worker:
     """``module``: ``prefill_worker.testing.spare`` starts a warm spare (it serves once sent
-    SIGUSR1)."""
+    SIGUSR1); ``prefill_worker.testing.tp_ranks`` takes its own ``module_args``."""
     ingress = f"tcp://127.0.0.1:{free_port()}"
     bootstrap = f"tcp://127.0.0.1:{free_port()}"
     http_port = free_port()
@@ -94,7 +95,7 @@ def start_worker(
         f"metrics.bind=127.0.0.1:{http_port}",
         *settings,
     ]
-    args = [sys.executable, "-m", module, "serve", "configs/tiny-test.yaml"]
+    args = [sys.executable, "-m", module, *module_args, "serve", "configs/tiny-test.yaml"]
     for flag in flags:
         args += ["--set", flag]
     child = ChildProcess.start(
@@ -149,11 +150,12 @@ def worker_factory(tmp_path: Path, checkpoint: Path) -> Iterator[Callable[..., W
 
 
 class Decode:
-    """A decode peer: its own KV pool (zeros, in the worker's pool layout), a KVReceiver, and
-    a page allocator."""
+    """A decode peer: its own KV pool (zeros, in the worker's pool layout: its kind and its
+    KV heads), a KVReceiver, and a page allocator."""
 
     def __init__(self, bootstrap: str, peer_timeout_s: float = 10.0) -> None:
-        self.k, self.v = decode_pool(describe_worker(bootstrap, 30.0).kind)
+        layout = describe_worker(bootstrap, 30.0)
+        self.k, self.v = decode_pool(layout.kind, layout.num_kv_heads)
         self.receiver = KVReceiver.from_tensors(
             self.k, self.v, bootstrap, num_aux_rows=64, peer_timeout_s=peer_timeout_s
         )
@@ -191,9 +193,11 @@ class Decode:
         self.receiver.close()
 
 
-def decode_pool(pool_layout: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def decode_pool(
+    pool_layout: str, num_kv_heads: int = NUM_KV_HEADS
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V ``[DECODE_PAGES, PAGE_SIZE, KV, D]`` views of one pool tensor."""
-    page = (PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    page = (PAGE_SIZE, num_kv_heads, HEAD_DIM)
     if pool_layout == "layer_major":
         pool = torch.zeros((NUM_LAYERS, 2, DECODE_PAGES, *page))
         return list(pool[:, 0]), list(pool[:, 1])

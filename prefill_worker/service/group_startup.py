@@ -1,0 +1,75 @@
+"""Start-up steps of a tensor-parallel worker's leader: the group (followers started or,
+under torchrun, found; every rank joined), and the barrier after every rank loaded.
+
+Like ``startup.py``'s steps, each runs inside ``startup_step``: a failure names the step,
+78 for configuration problems (a model that does not split, too few devices), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from prefill_worker.model import CheckpointError
+from prefill_worker.model.hf_config import read_spec
+from prefill_worker.model.parallel import TPGroup, check_shardable
+from prefill_worker.service.config import Config
+from prefill_worker.service.startup import startup_step
+from prefill_worker.tp.channel import LeaderChannel
+from prefill_worker.tp.followers import Followers
+from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, open_store, rank_device
+from prefill_worker.tp.leader import Heartbeat, LeaderGroup
+from prefill_worker.tp.mirror import RankLink
+
+log = logging.getLogger("prefill_worker.service.daemon")
+
+
+def tp_timeouts(config: Config) -> Timeouts:
+    return Timeouts(config.parallel.rendezvous_timeout_s, config.parallel.step_timeout_s)
+
+
+def start_tp_group(
+    config: Config,
+    placement: Placement,
+    rank_command: Sequence[str],
+    on_failure: Callable[[], None],
+) -> tuple[TPGroup, LeaderGroup, str]:
+    """The leader's group: its followers started (outside torchrun), every rank joined
+    within ``parallel.rendezvous_timeout_s``. Returns the model's ``TPGroup``, the group,
+    and this rank's device. Too few devices is a configuration error (exit 78)."""
+    cfg = config.parallel
+    with startup_step("tp group", (ValueError, CheckpointError)):
+        # A model that does not split is refused before any rank starts (the rule's owner:
+        # model.parallel; each rank's build checks it again).
+        spec = read_spec(config.model.path)
+        check_shardable(
+            spec.num_heads, spec.num_kv_heads, spec.intermediate_size, TPGroup(0, placement.size)
+        )
+        device = rank_device(config.model.device, placement)
+        store = open_store(placement, tp_timeouts(config))
+        followers = Followers([])
+        if store is not None:
+            config_json = config.model_dump_json().encode()
+            followers = Followers.start(rank_command, config_json, placement.size, store.port)
+        try:
+            membership = followers.wait_for(
+                lambda: join(placement, device, tp_timeouts(config), store),
+                cfg.rendezvous_timeout_s,
+                "rendezvous",
+            )
+        except BaseException:
+            followers.kill()
+            raise
+        log.info("tensor parallel: %d ranks joined, this is rank 0", placement.size)
+    channel = LeaderChannel(membership.control, placement.size, RankLink())
+    heartbeat = Heartbeat(channel, cfg.heartbeat_interval_s, on_failure)
+    group = LeaderGroup(channel, followers, heartbeat, cfg.heartbeat_interval_s)
+    return membership.tp, group, device
+
+
+def agree_group_loaded(config: Config, group: LeaderGroup, num_pages: int) -> None:
+    """Wait (bounded) until every rank has loaded its shard with the same pool."""
+    with startup_step("tp ranks loaded", (ValueError,)):
+        group.followers.wait_for(
+            lambda: agree_loaded(num_pages), config.parallel.rendezvous_timeout_s, "ranks loading"
+        )

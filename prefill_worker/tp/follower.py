@@ -1,0 +1,41 @@
+"""A follower's loop: run each step the leader sends, answer it, until STOP.
+
+A follower never schedules, samples for anyone or talks to a router: it holds its shard of
+the weights and its KV heads, and runs the leader's plans on them. Any error ends the
+process (non-zero): the group cannot continue a half-run forward, and the leader finds the
+closed socket at its next collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prefill_worker.batch import ModelRunner
+from prefill_worker.tp.channel import FollowerChannel
+from prefill_worker.tp.mirror import NO_OPINION, MirrorTarget
+from prefill_worker.tp.step import StepKind
+
+log = logging.getLogger(__name__)
+
+
+def serve_steps(
+    runner: ModelRunner, channel: FollowerChannel, target: MirrorTarget | None = None
+) -> None:
+    """Returns at STOP; raises on any failure (the caller exits non-zero). ``target``: this
+    rank's transfer backend, mirroring the leader's senders (None: no transfer here, no
+    opinion on any room)."""
+    while True:
+        kind, step = channel.receive()
+        if kind is StepKind.STOP or step is None:
+            log.info("tensor parallel: stop step: leaving")
+            return
+        if target is not None:
+            target.apply(step.ops)
+        forward_s = 0.0
+        if step.plan is not None:
+            started = time.perf_counter()
+            runner.run(step.plan)
+            forward_s = time.perf_counter() - started
+        codes = [NO_OPINION] * len(step.rooms) if target is None else target.codes(step.rooms)
+        channel.answer(forward_s, codes)

@@ -1,0 +1,363 @@
+"""A tensor-parallel worker: real rank processes (gloo on CPU) behind one worker process.
+
+Equality: the same requests, in the same order, to a TP-1, a TP-2 and a TP-4 worker (4
+attention heads, 2 KV heads: split at TP 2, replicated at TP 4): a chunked prompt, a prompt
+that hits the first one's cached prefix, then three at once (batched). First tokens and their
+logprobs agree within 1e-4 (fp32); the KV the decode receives (the leader's heads: only rank 0
+sends on this branch) equals the TP-1 worker's for those heads; and every rank's whole pool,
+saved when SIGTERM drained the worker (``testing.tp_ranks --dump-dir``), equals the TP-1
+worker's pool at that rank's heads (``parallel.kv_head_range``).
+
+Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
+timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
+non-zero within ``EXIT_BOUND_S``, every request gets its one reply, the decode hears every
+room it was promised fail (or finish), and no rank process is left. A restart on the same
+ports serves again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefill_worker.ingress.messages import Result
+from prefill_worker.model.parallel import TPGroup, kv_head_range
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.service.config import load_config
+from prefill_worker.service.daemon import Daemon
+from prefill_worker.testing.launch import ChildProcess, free_port
+from prefill_worker.transfer import RoomState
+from tests.checkpoints import prompt
+from tests.integration.daemon.conftest import (
+    NUM_KV_HEADS,
+    ROOT,
+    Worker,
+    start_worker,
+    wait_ready,
+)
+from tests.polling import wait_until
+from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
+
+TOL = 1e-4
+TP_MODULE = "prefill_worker.testing.tp_ranks"
+STEP_TIMEOUT_S, HEARTBEAT_S = 3.0, 0.5
+FAST = (f"parallel.step_timeout_s={STEP_TIMEOUT_S}", f"parallel.heartbeat_interval_s={HEARTBEAT_S}")
+# docs/parallelism.md: a dead rank is seen within the supervisor's period (0.25 s) or at the
+# next collective; a stopped one within heartbeat + step timeout; then the engine's shutdown.
+EXIT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + 5.0
+LONG = prompt(40, seed=1)  # 3 chunks of 16
+HIT = [*LONG[:32], *prompt(9, seed=2)]  # 8 cached pages of 4 tokens
+BATCH = [prompt(11 + 3 * i, seed=10 + i) for i in range(3)]
+
+
+class Session:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.decode = LiveDecode(worker.bootstrap)
+        self.ledger = Ledger()
+        self.router = Router(worker.ingress, self.ledger)
+        self._rooms = iter(range(1, 10_000))
+
+    def send(self, token_ids: Sequence[int], request_id: str | None = None) -> tuple[str, int]:
+        room = next(self._rooms)
+        self.decode.want(room, len(token_ids))
+        rid = self.router.send_prefill(token_ids, room, return_logprob=True, request_id=request_id)
+        return rid, room
+
+    def close(self) -> None:
+        self.router.close()
+        self.decode.close()
+
+
+def start(tmp_path: Path, checkpoint: Path, tp: int, *settings: str, args: Sequence[str] = ()):
+    worker = start_worker(
+        tmp_path, checkpoint, f"parallel.tp_size={tp}", *FAST, *settings,
+        module=TP_MODULE, module_args=args,
+    )  # fmt: skip
+    try:
+        wait_ready(worker)
+    except BaseException:
+        worker.child.kill()
+        raise
+    return worker
+
+
+def serve_script(session: Session) -> dict[str, object]:
+    """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV."""
+    out: dict[str, object] = {}
+    for name, tokens in (("long", LONG), ("hit", HIT)):
+        rid, room = session.send(tokens)
+        reply = session.router.wait([rid])[rid]
+        session.decode.wait([room])
+        out[name] = reply, [session.decode.kv(room, len(tokens), layer) for layer in range(2)]
+    sent = [session.send(tokens) for tokens in BATCH]
+    replies = session.router.wait([rid for rid, _ in sent])
+    session.decode.wait([room for _, room in sent])
+    for i, (rid, _) in enumerate(sent):
+        out[f"batch{i}"] = replies[rid], None
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[dict]:
+    """Each TP size's answers and its ranks' pools at exit, one worker at a time."""
+    results = {}
+    for tp in (1, 2, 4):
+        tmp_path = tmp_path_factory.mktemp(f"tp{tp}")
+        worker = start(tmp_path, checkpoint, tp, args=["--dump-dir", str(tmp_path)])
+        session = Session(worker)
+        try:
+            answers = serve_script(session)
+            forwards = {
+                labels: value
+                for (name, labels), value in scrape(worker).items()
+                if name == "prefill_worker_tp_forward_seconds_count"
+            }
+        finally:
+            session.close()
+        assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
+        pools = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(tp)]
+        results[tp] = answers, pools, forwards
+    yield results
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_first_tokens_and_logprobs_equal_tp1(served: dict, tp: int) -> None:
+    expected, got = served[1][0], served[tp][0]
+    for name, (reply, _) in expected.items():
+        other = got[name][0]
+        assert isinstance(reply, Result) and isinstance(other, Result), (reply, other)
+        assert reply.status is other.status is OutcomeStatus.OK, (reply, other)
+        assert other.first_token_id == reply.first_token_id, name
+        assert abs(other.first_token_logprob - reply.first_token_logprob) <= TOL, name
+    assert got["hit"][0].num_prefix_hit_tokens == 32  # the cached prefix was used
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_decode_receives_the_leaders_heads_of_the_tp1_kv(served: dict, tp: int) -> None:
+    heads = kv_head_range(NUM_KV_HEADS, TPGroup(0, tp))
+    for name in ("long", "hit"):
+        for (k1, v1), (k, v) in zip(served[1][0][name][1], served[tp][0][name][1], strict=True):
+            torch.testing.assert_close(k, k1[:, heads.start : heads.stop], atol=TOL, rtol=0)
+            torch.testing.assert_close(v, v1[:, heads.start : heads.stop], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_pool_holds_the_tp1_pool_at_its_heads(served: dict, tp: int) -> None:
+    (whole,) = served[1][1]
+    for rank, pool in enumerate(served[tp][1]):
+        heads = kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp))
+        for part in ("k", "v"):
+            for layer, tensor in enumerate(pool[part]):  # [P, page_size, local KV, D]
+                expected = whole[part][layer][:, :, heads.start : heads.stop]
+                torch.testing.assert_close(tensor, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_metrics_show_every_rank_forward(served: dict, tp: int) -> None:
+    forwards = served[tp][2]
+    assert set(forwards) == {(("rank", str(rank)),) for rank in range(tp)}
+    assert len(set(forwards.values())) == 1 and min(forwards.values()) > 0  # every step
+    assert served[1][2] == {}  # no group, no series
+
+
+def test_under_torchrun_each_process_is_one_rank(
+    served: dict, tmp_path: Path, checkpoint: Path
+) -> None:
+    """torchrun starts both ranks (RANK, WORLD_SIZE set: no spawning); the leader serves as
+    the TP-1 worker does; SIGTERM to it drains both ranks and torchrun exits 0."""
+    ingress, bootstrap = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    http_port = free_port()
+    flags = [
+        f"model.path={checkpoint}", f"ingress.bind={ingress}",
+        f"transfer.bootstrap_bind={bootstrap}", f"metrics.bind=127.0.0.1:{http_port}",
+        "parallel.tp_size=2", *FAST,
+    ]  # fmt: skip
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    args += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    args += ["-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]
+    for flag in flags:
+        args += ["--set", flag]
+    child = ChildProcess.start("torchrun", args, tmp_path, cwd=ROOT)
+    worker = Worker(child, ingress, bootstrap, http_port)
+    try:
+        wait_ready(worker)
+        session = Session(worker)
+        try:
+            rid, room = session.send(LONG)
+            reply = session.router.wait([rid])[rid]
+            assert session.decode.wait([room])[room].state is RoomState.DONE
+        finally:
+            session.close()
+        expected = served[1][0]["long"][0]
+        assert isinstance(reply, Result) and reply.first_token_id == expected.first_token_id
+        leader_pid = json.loads(worker.http("/readyz")[1])["pid"]
+        os.kill(leader_pid, signal.SIGTERM)
+        assert worker.wait_exit(60) == 0, worker.log()
+    finally:
+        child.kill()
+
+
+# ── failing as one ───────────────────────────────────────────────────────────────────────────
+
+
+def rank_pids(leader_pid: int) -> list[int]:
+    """Every process on this machine started as a follower of ``leader_pid``."""
+    marker = f"--parent-pid\0{leader_pid}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline + b"\0" and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def check_failed_as_one(session: Session, rids: list[str], started_at: float) -> None:
+    worker = session.worker
+    code = worker.wait_exit(EXIT_BOUND_S + 30)
+    elapsed_s = time.monotonic() - started_at
+    assert code == 70, worker.log()
+    assert elapsed_s <= EXIT_BOUND_S, f"exited {elapsed_s:.1f} s after the fault\n{worker.log()}"
+    session.ledger.wait_answered(10)
+    session.ledger.check_exactly_one()
+    for rid in rids:
+        reply = session.ledger.replies[(session.router.conn, rid)][0]
+        assert isinstance(reply, Result), reply
+        if reply.status is not OutcomeStatus.OK:
+            assert reply.reason.value == "engine_error", reply
+    statuses = session.decode.wait(list(session.decode.rooms), timeout_s=30)
+    assert all(s.state in (RoomState.DONE, RoomState.FAILED) for s in statuses.values())
+    assert any(s.state is RoomState.FAILED for s in statuses.values()), statuses
+    wait_until(lambda: not rank_pids(worker.proc.pid), 10, "no rank process left")
+
+
+def under_load(session: Session, num: int = 8, prefix: str = "load") -> list[str]:
+    return [session.send(prompt(30 + i, seed=i), f"{prefix}-{i}")[0] for i in range(num)]
+
+
+def restart_serves(tmp_path: Path, checkpoint: Path, worker: Worker) -> None:
+    """A new worker on the same ports serves a request."""
+    same = (
+        f"ingress.bind={worker.ingress}",
+        f"transfer.bootstrap_bind={worker.bootstrap}",
+        f"metrics.bind=127.0.0.1:{worker.http_port}",
+    )
+    again = start(tmp_path, checkpoint, 2, *same)  # the later --set wins
+    again = dataclasses.replace(
+        again, ingress=worker.ingress, bootstrap=worker.bootstrap, http_port=worker.http_port
+    )
+    try:
+        session = Session(again)
+        try:
+            rid, room = session.send(LONG)
+            reply = session.router.wait([rid])[rid]
+            assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
+            assert session.decode.wait([room])[room].state is RoomState.DONE
+        finally:
+            session.close()
+    finally:
+        assert again.child.stop() == 0, again.log()
+    assert not rank_pids(again.proc.pid)
+
+
+def test_a_killed_follower_stops_the_worker_and_a_restart_serves(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    session = Session(start(tmp_path, checkpoint, 2))
+    try:
+        (follower,) = rank_pids(session.worker.proc.pid)
+        rids = under_load(session)
+        started_at = time.monotonic()
+        os.kill(follower, signal.SIGKILL)
+        check_failed_as_one(session, rids, started_at)
+    finally:
+        session.close()
+    restart_serves(tmp_path, checkpoint, session.worker)
+
+
+def test_a_stopped_follower_is_reported_stuck_and_stops_the_worker(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    session = Session(start(tmp_path, checkpoint, 2))
+    (follower,) = rank_pids(session.worker.proc.pid)
+    try:
+        os.kill(follower, signal.SIGSTOP)
+        started_at = time.monotonic()
+
+        def reported_stuck() -> bool:
+            status, body = session.worker.http("/livez")
+            return status == 503 and "tensor-parallel rank" in body
+
+        wait_until(reported_stuck, STEP_TIMEOUT_S, "/livez to report the stopped rank")
+        rids = under_load(session, 4)
+        check_failed_as_one(session, rids, started_at)
+    finally:
+        if Path(f"/proc/{follower}").exists():
+            os.kill(follower, signal.SIGCONT)
+        session.close()
+
+
+def test_a_rank_whose_forward_raises_stops_the_worker(tmp_path: Path, checkpoint: Path) -> None:
+    args = ["--fail-rank", "1", "--fail-on", "poison"]
+    session = Session(start(tmp_path, checkpoint, 2, args=args))
+    try:
+        rids = under_load(session, 4)
+        started_at = time.monotonic()
+        rids.append(session.send(prompt(20, seed=99), "poison-1")[0])
+        check_failed_as_one(session, rids, started_at)
+        poisoned = session.ledger.replies[(session.router.conn, "poison-1")][0]
+        assert poisoned.status is OutcomeStatus.FAILED
+    finally:
+        session.close()
+
+
+# ── refused at start-up ──────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (("parallel.tp_size=3",), "4 attention heads do not split over 3 ranks"),
+        (("parallel.tp_size=2", "model.device=cuda"), "needs 2 CUDA devices; this host has 0"),
+    ],
+)
+def test_a_group_that_cannot_run_is_refused_with_exit_78(
+    checkpoint: Path, settings: tuple[str, ...], says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before any rank starts (the daemon in this process: no rank process may appear)."""
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", *settings]
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    assert Daemon(config, env={}).run() == 78
+    assert says in caplog.text
+    assert not rank_pids(os.getpid())
+
+
+def test_a_rank_that_never_joins_fails_the_start_at_the_rendezvous_timeout(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower that starts but never joins (the daemon's ``rank_command`` seam): exit 1
+    after ``parallel.rendezvous_timeout_s``, never a hang in ``init_process_group``."""
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", "parallel.tp_size=2"]
+    flags.append("parallel.rendezvous_timeout_s=2")
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    silent = [sys.executable, "-c", "import time; time.sleep(600)"]
+    started = time.monotonic()
+    assert Daemon(config, env={}, rank_command=silent).run() == 1
+    assert time.monotonic() - started < 30
+    assert "rendezvous: not every rank answered within 2 s" in caplog.text
+    assert not rank_pids(os.getpid())

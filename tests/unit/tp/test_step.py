@@ -1,0 +1,47 @@
+"""The step a follower receives is the plan the leader runs and the transfer ops it queued:
+every forward input survives msgpack, and only whether a chunk samples (not how) goes over."""
+
+from __future__ import annotations
+
+from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.request import SamplingParams
+from prefill_worker.tp.step import decode_step, encode_step
+from prefill_worker.transfer.group import MirrorOp
+
+
+def test_a_plan_round_trips_with_its_forward_inputs() -> None:
+    plan = BatchPlan(
+        7,
+        (
+            ChunkPlan("a", (5, 6, 7), 16, 19, (3, 9, 1, 4, 8), None, 17, (7, 8)),
+            ChunkPlan("b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3)),
+        ),
+    )
+    got = decode_step(encode_step(plan)).plan
+    assert got is not None and got.batch_id == 7
+    for sent, received in zip(plan.chunks, got.chunks, strict=True):
+        assert received.request_id == sent.request_id
+        assert tuple(received.token_ids) == tuple(sent.token_ids)
+        assert (received.start, received.end) == (sent.start, sent.end)
+        assert tuple(received.page_ids) == tuple(sent.page_ids)
+        assert (received.sampling is None) == (sent.sampling is None)
+        assert received.logprob_from == sent.logprob_from
+        assert tuple(received.logprob_token_ids) == tuple(sent.logprob_token_ids)
+
+
+def test_ops_and_rooms_round_trip_in_order() -> None:
+    ops = [
+        MirrorOp("create", 5, "r", 40, "decode-1"),
+        MirrorOp("pages", 5, page_ids=[9, 2], first=3),
+        MirrorOp("aux", 5, first=4),
+        MirrorOp("fail", 6, reason="gone"),
+        MirrorOp("close", 6),
+    ]
+    step = decode_step(encode_step(None, ops, [5, 6]))
+    assert step.plan is None and list(step.ops) == ops and list(step.rooms) == [5, 6]
+
+
+def test_the_bytes_are_msgpack_not_pickle() -> None:
+    data = encode_step(BatchPlan(1, (ChunkPlan("a", (1,), 0, 1, (0,), None),)))
+    assert not data.startswith(b"\x80")  # pickle's protocol marker
+    assert data[0] >> 4 == 0x9  # a msgpack fixarray: [plan, ops, rooms]
