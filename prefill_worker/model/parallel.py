@@ -19,7 +19,8 @@ sharded head would add a collective per batch for nothing but memory; the price 
 ``2 * vocab * hidden`` elements per rank (2.1 GB at Llama-3-8B's shape in bf16), which
 ``docs/parallelism.md`` weighs.
 
-KV heads (``kv_head_range``, THE rule both the model and the transfer side slice by):
+KV heads (``kv_head_range``, THE rule both the model and the transfer side slice by; it lives
+torch-free in ``kv.heads`` so the transfer side can import it):
 
     num_kv_heads >= size  (size must divide it):  rank r holds heads
                           [r * KV / size, (r + 1) * KV / size)
@@ -40,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from prefill_worker.kv import heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +83,9 @@ def q_head_range(num_heads: int, tp: TPGroup) -> range:
 
 
 def kv_head_range(num_kv_heads: int, tp: TPGroup) -> range:
-    """The KV heads rank ``tp.rank`` computes and keeps in its pool (module docstring)."""
-    if num_kv_heads >= tp.size:
-        if num_kv_heads % tp.size:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp.size} ranks")
-        return even_range(num_kv_heads, tp)
-    if tp.size % num_kv_heads:
-        raise ValueError(f"{num_kv_heads} KV heads cannot be replicated over {tp.size} ranks")
-    head = tp.rank * num_kv_heads // tp.size
-    return range(head, head + 1)
+    """The KV heads rank ``tp.rank`` computes and keeps in its pool (module docstring): the
+    one rule, ``kv.heads.kv_head_range``, which the transfer side reads too (torch-free)."""
+    return heads.kv_head_range(num_kv_heads, tp.rank, tp.size)
 
 
 def check_shardable(num_heads: int, num_kv_heads: int, intermediate: int, tp: TPGroup) -> None:

@@ -125,6 +125,34 @@ class Layout(Struct, frozen=True, omit_defaults=True):
         )
 
 
+class DecodeRank(Struct, frozen=True):
+    """A decode rank's place in its tensor-parallel (TP) group, in ``register``: its rank, the
+    group's size, and the KV heads its pool holds, ``[head_start, head_stop)`` by the one
+    rule (``kv.heads``). Absent: TP 1, every head (v1 decodes)."""
+
+    tp_rank: Annotated[int, Meta(ge=0)]
+    tp_size: Positive
+    head_start: Annotated[int, Meta(ge=0)]
+    head_stop: Positive
+
+
+class WorkerRank(Struct, frozen=True):
+    """One rank of the worker's TP group, in ``registered``: the heads its pool holds and the
+    bootstrap endpoint that speaks for it."""
+
+    tp_rank: Annotated[int, Meta(ge=0)]
+    head_start: Annotated[int, Meta(ge=0)]
+    head_stop: Positive
+    endpoint: str
+
+
+class WorkerTP(Struct, frozen=True):
+    """The worker's TP layout, in ``registered`` when the decode named its rank."""
+
+    tp_size: Positive
+    ranks: tuple[WorkerRank, ...]
+
+
 class Register(_Message, frozen=True, tag="register"):
     """Decode → worker, once per connection (again when told ``unknown_peer``): where the
     decode pool lives, and the framed NIXL agent metadata."""
@@ -140,6 +168,8 @@ class Register(_Message, frozen=True, tag="register"):
     aux_base_addr: int
     num_aux_rows: Positive
     compat_hash: str
+    # Added after v1 (left out when unset, so v1 bytes are unchanged): a decode rank of TP > 1.
+    tp: DecodeRank | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout.to_kv(), self.k_base_addrs, self.v_base_addrs)
@@ -147,7 +177,14 @@ class Register(_Message, frozen=True, tag="register"):
             raise ValueError(f"{why} - at `$.k_base_addrs`")
 
     @classmethod
-    def of(cls, agent_name: str, metadata: bytes, regions: KVRegions, compat_hash: str) -> Register:
+    def of(
+        cls,
+        agent_name: str,
+        metadata: bytes,
+        regions: KVRegions,
+        compat_hash: str,
+        tp: DecodeRank | UnsetType = UNSET,
+    ) -> Register:
         return cls(
             agent_name,
             metadata,
@@ -158,6 +195,7 @@ class Register(_Message, frozen=True, tag="register"):
             regions.aux_base_addr,
             regions.num_aux_rows,
             compat_hash,
+            tp,
         )
 
     @property
@@ -248,6 +286,7 @@ class Registered(_Message, frozen=True, tag="registered", kw_only=True):
     agent_name: str  # the worker's
     peer_timeout_s: float
     heartbeat_interval_s: float
+    tp: WorkerTP | UnsetType = UNSET  # sent to a decode whose register named its rank
 
 
 class Status(_Message, frozen=True, tag="status"):

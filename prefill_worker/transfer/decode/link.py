@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from prefill_worker.curve import CurveClientKeys, apply_client
@@ -46,6 +47,7 @@ class WorkerLink:
             apply_client(self._sock, curve)
         self._sock.connect(bootstrap_addr)
         self.registration = RoomStatus(RoomState.PENDING)
+        self.worker_tp: wire.WorkerTP | None = None  # from `registered`, when it names it
         self._is_worker_lost = False
         self._last_heard = self._next_heartbeat = clock()
         self.send(register_msg())
@@ -104,7 +106,8 @@ class WorkerLink:
 
     def _on_message(self, msg: wire.Message) -> None:
         match msg:
-            case wire.Registered(is_ok=True):
+            case wire.Registered(is_ok=True, tp=tp):
+                self.worker_tp = None if isinstance(tp, msgspec.UnsetType) else tp
                 self._set_registration(RoomStatus(RoomState.DONE))
                 self._resend_refused()
             case wire.UnknownPeer():  # e.g. after a reconnect: the old connection's wants

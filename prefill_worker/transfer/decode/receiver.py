@@ -10,6 +10,11 @@ connects to the worker's bootstrap server and ``register``s. Then per request::
     forget(room)
 
 DONE needs both the worker's ``status ok`` and the NIXL notification after the aux row.
+
+A decode of tensor-parallel size d > 1 runs one receiver per rank (``tp=(rank, d,
+num_kv_heads)``), each over its rank's pool of its KV heads (``kv.heads``), each wanting every
+room with its own pages; the worker writes each rank its heads and tells each rank the
+outcome. ``worker_tp`` is the worker's TP layout, as its `registered` names it.
 Threads, recovery and caller errors: docs/protocol.md, "Write a decode integration". This
 module holds the public surface, the agent and the lock; the worker conversation is ``link``,
 rooms ``rooms``, tensors ``pool``, waiting ``io``.
@@ -24,8 +29,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
+from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.decode.io import IOThread, Waiters
@@ -55,8 +63,12 @@ class KVReceiver:
         ucx_net_devices: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         io_thread: bool = False,
+        tp: tuple[int, int, int] | None = None,
     ) -> None:
+        """``tp``: (this rank, the decode's TP size, the model's KV heads) for a decode of
+        TP > 1; the pool must hold exactly this rank's heads (``ValueError`` otherwise)."""
         self.regions = regions
+        self._rank = None if tp is None else _decode_rank(regions, *tp)
         self.agent_name = agent_name or f"decode-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -107,6 +119,13 @@ class KVReceiver:
         return receiver
 
     # -- registration -------------------------------------------------------------------
+
+    @property
+    def worker_tp(self) -> wire.WorkerTP | None:
+        """The worker's TP layout (tp_size, each rank's heads and endpoint), once registered
+        with ``tp`` given; None before, or from a worker that predates it."""
+        with self._lock:
+            return self._link.worker_tp
 
     @property
     def is_registered(self) -> bool:
@@ -247,7 +266,18 @@ class KVReceiver:
     def _register_msg(self) -> wire.Register:
         metadata = wire.frame_metadata(self._agent.get_agent_metadata())
         compat = self.regions.layout.compat_hash()
-        return wire.Register.of(self.agent_name, metadata, self.regions, compat)
+        tp = msgspec.UNSET if self._rank is None else self._rank
+        return wire.Register.of(self.agent_name, metadata, self.regions, compat, tp)
+
+
+def _decode_rank(regions: KVRegions, rank: int, tp_size: int, num_kv_heads: int) -> wire.DecodeRank:
+    heads = kv_head_range(num_kv_heads, rank, tp_size)
+    if regions.layout.num_kv_heads != len(heads):
+        raise ValueError(
+            f"decode rank {rank} of {tp_size} holds {len(heads)} of {num_kv_heads} KV heads; "
+            f"its pool has {regions.layout.num_kv_heads}"
+        )
+    return wire.DecodeRank(rank, tp_size, heads.start, heads.stop)
 
 
 __all__ = ["KVReceiver", "RegistrationError", "RoomState", "RoomStatus"]

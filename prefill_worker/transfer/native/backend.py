@@ -75,7 +75,10 @@ class NixlBackend(HubBackend[Peer]):
         aux_list = self.local_lists.aux
         dialect = NativeDialect(self._server, self._poster, aux_list, refusals.names, clock)
         layout = regions.layout
-        pages = PageLists(self.local_lists.kv, layout.num_regions, layout.region_page_bytes)
+        head_bytes = layout.head_dim * layout.itemsize
+        pages = PageLists(
+            self.local_lists.kv, layout.num_regions, layout.region_page_bytes, head_bytes
+        )
         ctx = PushContext(self._poster, pages, layout, dialect, options.peer_timeout_s, clock)
         self._start_hub(ctx, self.agent, refusals, "bootstrap", options, hooks)
         described = wire.Described(
@@ -93,6 +96,7 @@ class NixlBackend(HubBackend[Peer]):
             self.limits,
             described,
             self._poster.run,
+            regions,
         )
         self._next_heartbeat = clock()
 
@@ -130,6 +134,7 @@ class NixlBackend(HubBackend[Peer]):
 
     def close(self) -> None:
         self._hub.close()
+        self._hub.ctx.pages.release_sliced()
         self.local_lists.release()
         deregister_regions(self.agent, self._reg)
         self._server.close()

@@ -3,21 +3,29 @@ bye does.
 
 ``BootstrapDesk`` admits decode peers (``register``: checked, then added to NIXL under their
 agent name, their pool's descriptor list prepared once) and hands wants and aborts to the
-hub, which owns the tables. Every message is checked (``validate``) before work is done for
+hub, which owns the tables. A decode rank of TP > 1 (``register.tp``) is checked against the
+KV-head rule and its pool against ours with its heads only; when it holds a sub-range of our
+heads its list addresses token runs of them (``transfer.headplan``), and its `registered`
+names our TP layout. Every message is checked (``validate``) before work is done for
 it; one that still raises refuses its peer, is counted, and never leaves ``dispatch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from prefill_worker.kv.layout import KVLayout
+from msgspec import UNSET
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.headplan import HeadSlice, decode_rank_error, plan_rank
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
-from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, prep_lists
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, prep_lists
+from prefill_worker.transfer.nixl.rank_writer import prep_local_slice, prep_slice_lists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.validate import (
@@ -43,9 +51,10 @@ class BootstrapDesk:
         limits: BootstrapLimits,
         described: wire.Described,  # this worker, as `describe` and `registered` name it
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
+        regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
     ) -> None:
         self._hub, self._server, self._agent = hub, server, agent
-        self._layout, self._limits = layout, limits
+        self._layout, self._limits, self._regions = layout, limits, regions
         self._described = described
         self._refused = hub.refusals.names  # registrations refused lately, by agent name
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -95,7 +104,11 @@ class BootstrapDesk:
         """Everything is checked before an existing peer is touched; NIXL keys remote agents
         by name, so a peer under the same name is replaced only if it is this connection or
         its connection is gone (a send to it fails)."""
-        refusal = check_register(msg, self._layout, self._limits)
+        rank = self._decode_rank(msg)
+        if isinstance(rank, Refusal):
+            return self._refuse(identity, rank, msg.agent_name)
+        layout, head_slice = rank
+        refusal = check_register(msg, layout, self._limits)
         if refusal is not None:
             return self._refuse(identity, refusal, msg.agent_name)
         peers = self._hub.peers
@@ -119,15 +132,48 @@ class BootstrapDesk:
             why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
             return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why), msg.agent_name)
         try:
-            lists = self._run(prep_lists, self._agent, name, msg.regions)
+            lists = self._prep_lists(name, msg.regions, head_slice)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
-        peers[identity] = Peer(identity, name, msg.regions, lists, self._hub.clock())
+        peer = Peer(identity, name, msg.regions, lists, self._hub.clock(), head_slice=head_slice)
+        if msg.tp is not UNSET:
+            peer.tp_rank, peer.tp_size = msg.tp.tp_rank, msg.tp.tp_size
+        peers[identity] = peer
         self._refused.clear(name)
-        self._server.send(identity, self._registered(None))
+        self._server.send(identity, self._registered(None, msg.tp is not UNSET))
         log.info("bootstrap: decode peer %s registered", name)
+
+    def _decode_rank(self, msg: wire.Register) -> tuple[KVLayout, HeadSlice | None] | Refusal:
+        """The pool layout a registering decode must have, and the heads we write into it
+        (None: whole pages); a refusal when its rank breaks the KV-head rule. This worker is
+        one rank of TP 1: it holds every head."""
+        if msg.tp is UNSET:
+            return self._layout, None
+        tp, num_kv_heads = msg.tp, self._layout.num_kv_heads
+        heads = range(tp.head_start, tp.head_stop)
+        why = decode_rank_error(num_kv_heads, tp.tp_rank, tp.tp_size, heads)
+        if why is not None:
+            return Refusal(RejectReason.LAYOUT_MISMATCH, why)
+        slices = plan_rank(num_kv_heads, 0, 1, tp.tp_size)
+        (head_slice,) = (s for s in slices if s.dst_rank == tp.tp_rank)
+        layout = dataclasses.replace(self._layout, num_kv_heads=head_slice.dst_num_heads)
+        return layout, None if head_slice.is_whole_page else head_slice
+
+    def _prep_lists(
+        self, name: str, regions: KVRegions, head_slice: HeadSlice | None
+    ) -> PreppedLists:
+        """The decode rank's lists (and, the first time a slice needs it, ours)."""
+        if head_slice is None:
+            return self._run(prep_lists, self._agent, name, regions)
+        assert self._regions is not None, "a desk that slices heads needs our regions"
+        key = (head_slice.src_head_offset, head_slice.num_heads)
+        local = self._hub.ctx.pages.sliced
+        if key not in local:
+            local[key] = self._run(prep_local_slice, self._agent, self._regions, *key)
+        args = (head_slice.dst_head_offset, head_slice.num_heads)
+        return self._run(prep_slice_lists, self._agent, name, regions, *args)
 
     def _from_unknown(self, identity: bytes, msg: wire.Want | wire.Abort | wire.Heartbeat) -> None:
         """Nothing from an unregistered connection touches a room; it learns it is unknown."""
@@ -160,7 +206,8 @@ class BootstrapDesk:
             if sender.peer is None and sender.allowed_peer == agent_name:
                 sender.fail(f"registration refused: {refusal.message}")
 
-    def _registered(self, reason: str | None) -> wire.Registered:
+    def _registered(self, reason: str | None, has_tp: bool = False) -> wire.Registered:
+        """The answer; with ``has_tp`` (the decode named its rank) our TP layout too."""
         described = self._described
         return wire.Registered(
             is_ok=reason is None,
@@ -168,4 +215,10 @@ class BootstrapDesk:
             agent_name=described.agent_name,
             heartbeat_interval_s=described.heartbeat_interval_s,
             peer_timeout_s=described.peer_timeout_s,
+            tp=self._worker_tp() if has_tp else UNSET,
         )
+
+    def _worker_tp(self) -> wire.WorkerTP:
+        """This worker's TP layout: one rank, every head, this bootstrap endpoint."""
+        rank = wire.WorkerRank(0, 0, self._layout.num_kv_heads, self._server.endpoint)
+        return wire.WorkerTP(1, (rank,))

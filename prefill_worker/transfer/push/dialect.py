@@ -4,7 +4,7 @@ row are written (``Dialect``), and how its pool is addressed by page writes (``P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from prefill_worker.transfer import wire
@@ -46,8 +46,18 @@ class Dialect(Protocol[P_contra]):
 @dataclass(frozen=True, slots=True)
 class PageLists:
     """Our pool as page writes address it: the prepared list, its regions per page (2L for a
-    per-layer list, 1 for a page-major one) and the bytes of one region of one page."""
+    per-layer list, 1 for a page-major one) and the bytes of one region of one page. For
+    decode ranks that hold a sub-range of our heads, token-run lists of those heads
+    (``transfer.headplan.slice_table``) by (head offset, heads), prepared when a rank that
+    needs one registers; ``head_bytes`` is one head of one token."""
 
     local: Any  # nixl prepped descriptor list
     num_regions: int
     region_bytes: int
+    head_bytes: int = 0
+    sliced: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def release_sliced(self) -> None:
+        for lists in self.sliced.values():
+            lists.release()
+        self.sliced.clear()

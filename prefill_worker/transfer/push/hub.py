@@ -69,8 +69,9 @@ class PushHub(Generic[P]):
         num_prompt_tokens: int,
         allowed_peer: str | None = None,
     ) -> PushSender[P]:
-        """A sender for the room, bound to the first acceptable claim waiting for it; ended
-        at once when its decode aborted it or was refused before it came."""
+        """A sender for the room, bound to the acceptable claims waiting for it (the first,
+        and the other ranks of its decode); ended at once when its decode aborted it or was
+        refused before it came."""
         self.drain()  # a sender closed since the last turn gives its room back
         sender = PushSender(self.ctx, room, request_id, num_prompt_tokens, allowed_peer)
         if room in self.senders:  # the request holding the room goes on untouched
@@ -80,9 +81,10 @@ class PushHub(Generic[P]):
         self.senders[room] = sender
         aborted_by = self.rooms.take_aborted(room)
         claims = self.rooms.take(room)
-        winner = next((c for c in claims if sender.accepts(c.peer.agent_name)), None)
+        winner = None
         for claim in claims:
-            if claim is winner:
+            if sender.accepts_rank(claim.peer):
+                winner = winner or claim
                 self.bind(sender, claim.peer, claim.want)
             else:
                 self.refuse_room(claim.peer, room, self.why_not(sender, claim.peer))
@@ -106,7 +108,7 @@ class PushHub(Generic[P]):
         """A peer's `want` its desk accepted: binds the room's sender, or waits for it."""
         room, sender = want.room, self.senders.get(want.room)
         if sender is not None:
-            if sender.peer is not None or not sender.accepts(peer.agent_name):
+            if not sender.accepts_rank(peer):
                 return self.refuse_room(peer, room, self.why_not(sender, peer))
             return self.bind(sender, peer, want)
         gone = self.rooms.gone(room)
@@ -124,7 +126,7 @@ class PushHub(Generic[P]):
         """Only the owner's abort acts; every abort is acknowledged (the owner's after the
         room's writes), and one of a waiting `want` ends the request when it comes."""
         sender = self.senders.get(room)
-        if sender is not None and sender.peer is peer:
+        if sender is not None and peer in sender.peers:
             return sender.abort_by_peer(generation)
         if self.rooms.drop(room, peer):  # its want was waiting: the request may still come
             self.rooms.mark_aborted(room, peer.agent_name, self.clock() + self.want_timeout_s)
@@ -133,7 +135,8 @@ class PushHub(Generic[P]):
     def bind(self, sender: PushSender[P], peer: P, want: wire.Want) -> None:
         sender.bind(peer, want)
         if sender.poll() is KVPoll.READY:
-            peer.rooms.add(sender.room)
+            for bound in sender.peers:
+                bound.rooms.add(sender.room)
 
     def refuse_room(self, peer: P, room: int, refusal: Refusal) -> None:
         self.counter.count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms: private
@@ -191,8 +194,8 @@ class PushHub(Generic[P]):
         """Fail every request bound to the peer, cancel its writes, forget its agent."""
         log.info("%s: dropping decode peer %s: %s", self.counter.protocol, peer.agent_name, reason)
         del self.peers[peer.identity]
-        for sender in [s for s in self.senders.values() if s.peer is peer]:
-            sender.lose_peer(reason)
+        for sender in [s for s in self.senders.values() if peer in s.peers]:
+            sender.lose_peer(reason, peer)
         self.drain()  # their `failed` goes out first (held while writes settle)
         for room in list(peer.unmatched):
             self.rooms.drop(room, peer)
@@ -235,10 +238,10 @@ class PushHub(Generic[P]):
         closing = {id(e.sender) for e in self.ctx.events if isinstance(e, Closed)}
         for room, sender in self.senders.items():
             assert sender.room == room and (not sender.is_closed or id(sender) in closing)
-            assert sender.peer is None or sender.peer.identity in self.peers
+            assert all(p.identity in self.peers for p in sender.peers)
         for identity, peer in self.peers.items():
             assert peer.identity == identity
-            assert all(self.senders[r].peer is peer for r in peer.rooms)
+            assert all(peer in self.senders[r].peers for r in peer.rooms)
         self.rooms.check_integrity(list(self.peers.values()))
         names = [p.agent_name for p in self.peers.values()]
         assert len(names) == len(set(names)), "one peer per agent name"
@@ -257,9 +260,10 @@ class PushHub(Generic[P]):
         identity = None if sender.peer is None else sender.peer.identity
         deadline = self.clock() + min(STUCK_RELEASE_S, self.ctx.write_timeout_s)
         self._reaper.add(stuck, sender.request_id, identity, deadline)
-        if sender.peer is not None:
-            sender.peer.rooms.discard(sender.room)
-        elif sender.failure_reason() is not None and sender.room not in self.senders:
+        for peer in sender.peers:
+            peer.rooms.discard(sender.room)
+        is_unbound = not sender.peers and sender.failure_reason() is not None
+        if is_unbound and sender.room not in self.senders:
             forget_at = self.clock() + self.want_timeout_s
             gone = Gone(sender.failure_reason() or "", sender.allowed_peer, forget_at)
             self.rooms.mark_gone(sender.room, gone)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import PreppedLists
 
 
@@ -22,6 +23,11 @@ class Peer:
     rooms: set[int] = field(default_factory=set)  # open senders bound to this peer
     unmatched: set[int] = field(default_factory=set)  # rooms it wants, no request yet
     num_claimed_pages: int = 0  # pages those wants name (rooms.RoomBook keeps it)
+    # A decode rank of TP > 1: its place, and the heads we write into it. ``lists.kv`` then
+    # addresses token runs of those heads (``transfer.headplan``) unless the slice is whole.
+    tp_rank: int = 0
+    tp_size: int = 1
+    head_slice: HeadSlice | None = None  # None: every head, whole pages (TP 1 on both sides)
 
 
 P = TypeVar("P", bound=Peer)  # a protocol's peer record

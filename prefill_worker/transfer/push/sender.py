@@ -7,6 +7,11 @@ Order of a successful push::
     aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
+A decode of tensor-parallel size d > 1 is d peers, one per rank, each with its own `want` for
+the room: the room is READY once all d are bound; every write, the aux row and every status
+then go to each rank, a rank's pages getting only its heads (``Peer.head_slice``, token runs
+of ``transfer.headplan``); SUCCESS once every rank's `ok` went out.
+
 A sender never calls back: what its hub must do (a ``Tell``, its ``Closed``) is appended to
 ``PushContext.events`` and done in order on the hub's next turn. ``close()`` never waits:
 writes not yet settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``)
@@ -27,6 +32,7 @@ import numpy as np
 from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.headplan import slice_indices
 from prefill_worker.transfer.nixl.poster import Write, WritePoster
 from prefill_worker.transfer.nixl.writes import WriteSet
 from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
@@ -89,11 +95,12 @@ class PushSender(Generic[P]):
         self.room, self.request_id = room, request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.allowed_peer = allowed_peer  # the only decode agent that may claim the room
-        self.peer: P | None = None
+        self.peers: list[P] = []  # the decode ranks bound, in order of their wants
         self.is_closed = False
         self._state = KVPoll.BOOTSTRAPPING
         self._reason: str | None = None
-        self._want: wire.Want | None = None
+        self._wants: list[wire.Want] = []  # one per rank in ``peers``, once accepted
+        self._num_ok_unconfirmed = 0  # `ok` Tells not yet confirmed delivered
         self._writes = WriteSet(ctx.write_timeout_s)
         self._aux_row: int | None = None
         self._is_aux_posted = False
@@ -109,7 +116,12 @@ class PushSender(Generic[P]):
         return self._state
 
     def num_cached_tokens(self) -> int:
-        return 0 if self._want is None else self._want.num_cached_tokens
+        return self._wants[0].num_cached_tokens if self._wants else 0
+
+    @property
+    def peer(self) -> P | None:
+        """The first rank bound (the only one of a TP-1 decode), or None."""
+        return self.peers[0] if self.peers else None
 
     def written_bytes(self) -> int:
         """What landed: the descriptors of each DONE write (page runs and the aux row)."""
@@ -128,19 +140,20 @@ class PushSender(Generic[P]):
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         if self._state.is_terminal:
             return
-        assert self._want is not None and self.peer is not None, "send_pages before READY"
+        assert self._wants and self.peers, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
-        num_cached_pages = self._want.num_cached_tokens // self._ctx.layout.page_size
-        try:
-            src, dst = map_pages(page_ids, first_page, num_cached_pages, self._want.dst_page_ids)
-        except ValueError as exc:
-            return self.fail(str(exc))
-        if len(src):
-            self._post_pages(src, dst)
+        num_cached_pages = self.num_cached_tokens() // self._ctx.layout.page_size
+        for peer, want in zip(self.peers, self._wants, strict=True):
+            try:
+                src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
+            except ValueError as exc:
+                return self.fail(str(exc))
+            if len(src):
+                self._post_pages(peer, src, dst)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
-            assert self._want is not None, "send_aux before READY"
+            assert self._wants, "send_aux before READY"
             self._state, self._aux_row = KVPoll.TRANSFERRING, aux_row
 
     def fail(self, reason: str) -> None:
@@ -182,18 +195,36 @@ class PushSender(Generic[P]):
         """May this decode agent claim the room (the router may have named one)?"""
         return self.allowed_peer is None or self.allowed_peer == agent_name
 
+    def accepts_rank(self, peer: P) -> bool:
+        """May ``peer`` bind: the first rank an accepted agent, a later one another rank of
+        the same decode TP group (its size, a rank not bound yet)."""
+        if not self.peers:
+            return self.accepts(peer.agent_name)
+        first = self.peers[0]
+        ranks = {p.tp_rank for p in self.peers}
+        is_sibling = peer.tp_size == first.tp_size > len(self.peers)
+        return is_sibling and peer not in self.peers and peer.tp_rank not in ranks
+
+    @property
+    def num_ranks(self) -> int:
+        """How many decode ranks must bind before the room is READY."""
+        return self.peers[0].tp_size if self.peers else 1
+
     def bind(self, peer: P, want: wire.Want) -> None:
         """The peer's `want` for this room (its desk checked what the protocol asks beyond
-        pages): READY, or FAILED with the reason. Statuses go to this peer from now on."""
-        self.peer = peer
+        pages): READY once every rank of the decode bound, or FAILED with the reason.
+        Statuses go to the bound ranks from now on."""
+        self.peers.append(peer)
         if self._state.is_terminal:  # failed before the want came: tell the peer now
-            self._tell("failed", self._reason)
+            self._tell("failed", self._reason, only=peer)
             return
         reason = check_want(want, self.num_prompt_tokens, self._ctx.layout, peer.regions)
+        if reason is None and self._wants and want.num_cached_tokens != self.num_cached_tokens():
+            reason = "the decode ranks' wants differ in num_cached_tokens"
         if reason is not None:
             return self.fail(reason)
-        self._want = want
-        if self._state is KVPoll.BOOTSTRAPPING:
+        self._wants.append(want)
+        if self._state is KVPoll.BOOTSTRAPPING and len(self._wants) == self.num_ranks:
             self._state = KVPoll.READY
 
     def abort_by_peer(self, generation: int | None = None, *, is_ack_due: bool = True) -> None:
@@ -205,15 +236,21 @@ class PushSender(Generic[P]):
             self._is_ack_due, self._ack_generation = True, generation
             self._maybe_ack()
 
-    def lose_peer(self, reason: str) -> None:
-        """The peer is gone (silent, left, evicted, or the worker is closing): PEER_LOST,
-        every write cancelled. The peer is told too, in case it can still hear."""
+    def lose_peer(self, reason: str, peer: P | None = None) -> None:
+        """A bound rank (``peer``; None: every one) is gone (silent, left, evicted, or the
+        worker is closing): PEER_LOST, every write cancelled. Every rank is told too, the
+        lost one in case it can still hear; the others stay bound (written no more)."""
         if not self._state.is_terminal:
             self._state, self._reason = KVPoll.PEER_LOST, reason
             self._tell("failed", reason)
         self._is_ack_due = False
         self._writes.release_all()  # its peer is being dropped: nothing else would end them
-        self.peer = None
+        if peer is None:
+            self.peers, self._wants = [], []
+            return
+        index = self.peers.index(peer)
+        del self.peers[index]
+        del self._wants[index : index + 1]
 
     def progress(self) -> None:
         why = self._writes.check(self._ctx.clock())
@@ -224,7 +261,7 @@ class PushSender(Generic[P]):
             if not self._is_aux_posted:
                 self._post_aux()
             else:
-                self._is_ok_told = True
+                self._is_ok_told, self._num_ok_unconfirmed = True, len(self.peers)
                 self._tell("ok", None, confirm=True)
         self._maybe_ack()
 
@@ -232,40 +269,53 @@ class PushSender(Generic[P]):
         """The hub's answer to the `ok` Tell: SUCCESS, or FAILED if it could not be sent."""
         if self._state is not KVPoll.TRANSFERRING:
             return
-        if is_delivered:
+        if not is_delivered:
+            return self.fail(self._ctx.dialect.unreachable)
+        self._num_ok_unconfirmed -= 1
+        if self._num_ok_unconfirmed <= 0:
             self._state = KVPoll.SUCCESS
-        else:
-            self.fail(self._ctx.dialect.unreachable)
 
     # -- internals ----------------------------------------------------------------------
 
-    def _tell(self, code: wire.StatusCode, reason: str | None, confirm: bool = False) -> None:
-        if self.peer is None:
-            return  # no peer yet: a `want` that comes later learns the reason (bind)
+    def _tell(
+        self,
+        code: wire.StatusCode,
+        reason: str | None,
+        confirm: bool = False,
+        only: P | None = None,
+    ) -> None:
+        """The status to every bound rank (or ``only`` that one). No rank yet: a `want` that
+        comes later learns the reason (bind)."""
         status = wire.Status(self.room, code, reason)
         confirming = self if confirm else None
         generation = self._ack_generation if code == "aborted" else None
-        tell = Tell(self.peer, status, confirming, self._writes.pending(), generation)
-        self._ctx.events.append(tell)
+        for peer in self.peers if only is None else [only]:
+            tell = Tell(peer, status, confirming, self._writes.pending(), generation)
+            self._ctx.events.append(tell)
 
-    def _post_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
-        assert self.peer is not None
+    def _post_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
         start, start_cpu = time.perf_counter(), time.thread_time()
-        pages = self._ctx.pages
-        local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
-        remote = region_indices(dst, pages.num_regions, self.peer.regions.layout.num_pages)
+        pages, head_slice = self._ctx.pages, peer.head_slice
+        if head_slice is None:  # whole pages
+            local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
+            remote = region_indices(dst, pages.num_regions, peer.regions.layout.num_pages)
+            local_list, num_bytes = pages.local, len(local) * pages.region_bytes
+        else:  # this rank's heads of every token
+            local = slice_indices(src, self._ctx.layout)
+            remote = slice_indices(dst, peer.regions.layout)
+            local_list = pages.sliced[(head_slice.src_head_offset, head_slice.num_heads)]
+            num_bytes = len(local) * head_slice.num_heads * pages.head_bytes
         self._index_s += time.perf_counter() - start
         self._index_cpu_s += time.thread_time() - start_cpu
-        num_bytes = len(local) * pages.region_bytes
-        remote_list = self.peer.lists.kv
-        write = self._ctx.poster.post(pages.local, local, remote_list, remote, b"", num_bytes)
+        write = self._ctx.poster.post(local_list, local, peer.lists.kv, remote, b"", num_bytes)
         self._writes.add(write, self._ctx.clock())
 
     def _post_aux(self) -> None:
-        assert self.peer is not None and self._want is not None and self._aux_row is not None
+        assert self.peers and self._aux_row is not None
         self._is_aux_posted = True
-        write = self._ctx.dialect.post_aux(self.peer, self._want, self.room, self._aux_row)
-        self._writes.add(write, self._ctx.clock())
+        for peer, want in zip(self.peers, self._wants, strict=True):
+            write = self._ctx.dialect.post_aux(peer, want, self.room, self._aux_row)
+            self._writes.add(write, self._ctx.clock())
 
     def _maybe_ack(self) -> None:
         if self._is_ack_due and not self._writes:

@@ -12,6 +12,7 @@ import ipaddress
 from collections.abc import Sequence
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.headplan import HeadSlice, plan_rank
 from prefill_worker.transfer.sglang.aux import AUX_BUFFER_NAMES, NUM_AUX_BUFFERS
 from prefill_worker.transfer.sglang.frames import (
     Endpoint,
@@ -53,9 +54,9 @@ def check_registration(
 ) -> Refusal | None:
     """Why this decode rank cannot be a peer, or None."""
     return (
-        _check_parallel(reg)
+        _check_parallel(reg, ours)
         or _check_features(reg)
-        or _check_layout(reg, ours)
+        or _check_layout(reg, rank_layout(reg, ours))
         or _check_memory(reg, limits)
         or _check_aux(reg)
         or _check_metadata(reg, limits)
@@ -93,13 +94,15 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return address
 
 
-def check_request(req: TransferRequest) -> Refusal | None:
-    """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s)."""
-    if req.required_dst_info_num != 1 or req.is_dummy:
+def check_request(req: TransferRequest, decode_tp_size: int = 1) -> Refusal | None:
+    """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s). From
+    a decode rank of attention TP d, a room needs d decode ranks (this worker is one rank:
+    every decode rank reads from it, SGLang's ``required_dst_info_num`` = d / 1)."""
+    if req.required_dst_info_num != decode_tp_size or req.is_dummy:
         why = (
             f"the room needs {req.required_dst_info_num} decode ranks"
-            f"{' (this one a dummy)' if req.is_dummy else ''}; this worker serves one "
-            "decode rank per room (decode attention TP 1)"
+            f"{' (this one a dummy)' if req.is_dummy else ''}; from this worker (attention "
+            f"TP 1) a decode of attention TP {decode_tp_size} needs {decode_tp_size}"
         )
         return Refusal(RejectReason.UNSUPPORTED, why)
     if req.has_state:
@@ -108,13 +111,34 @@ def check_request(req: TransferRequest) -> Refusal | None:
     return None
 
 
+def rank_slice(reg: Registration, ours: KVLayout) -> HeadSlice:
+    """The heads this worker (attention TP 1, every head) writes into the decode rank, by the
+    KV-head rule (``kv.heads``, SGLang's own); ``ValueError`` when its TP does not split them."""
+    slices = plan_rank(ours.num_kv_heads, 0, 1, reg.tp_size)
+    return next(s for s in slices if s.dst_rank == reg.tp_rank)
+
+
+def rank_layout(reg: Registration, ours: KVLayout) -> KVLayout:
+    """Our layout with the decode rank's heads: what its pool must be (``ours`` at TP 1)."""
+    if reg.tp_size == 1:
+        return ours
+    return KVLayout(
+        ours.num_layers,
+        rank_slice(reg, ours).dst_num_heads,
+        ours.head_dim,
+        ours.dtype,
+        ours.page_size,
+        ours.num_pages,
+        ours.kind,
+    )
+
+
 def peer_regions(reg: Registration, ours: KVLayout) -> KVRegions:
     """The decode pool of an accepted registration, as this worker's page arithmetic sees it:
-    ``num_slots`` pages per region (page 0 is SGLang's padding page, never named)."""
-    n = ours.num_layers
-    layout = KVLayout(
-        n, ours.num_kv_heads, ours.head_dim, ours.dtype, ours.page_size, reg.num_slots
-    )
+    ``num_slots`` pages per region (page 0 is SGLang's padding page, never named), each page
+    holding the rank's heads."""
+    n, num_heads = ours.num_layers, rank_layout(reg, ours).num_kv_heads
+    layout = KVLayout(n, num_heads, ours.head_dim, ours.dtype, ours.page_size, reg.num_slots)
     device = "cpu" if _mem_kind(reg) == "DRAM" else f"cuda:{reg.gpu_id}"
     return KVRegions(
         layout,
@@ -134,13 +158,13 @@ def _unsupported(why: str) -> Refusal:
     return Refusal(RejectReason.UNSUPPORTED, why)
 
 
-def _check_parallel(reg: Registration) -> Refusal | None:
-    if reg.tp_size != 1:
-        return _unsupported(
-            f"decode attention TP size {reg.tp_size}: its KV heads are sliced across "
-            "ranks, and this worker (one rank holding every KV head) does not slice heads; "
-            "run decodes with attention TP 1 (--tp 1, or DP attention)"
-        )
+def _check_parallel(reg: Registration, ours: KVLayout) -> Refusal | None:
+    if not 0 <= reg.tp_rank < reg.tp_size:
+        return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")
+    try:
+        rank_slice(reg, ours)
+    except ValueError as exc:
+        return _unsupported(f"decode attention TP size {reg.tp_size}: {exc}")
     if reg.dcp_size != 1:
         return _unsupported(f"decode context parallel size {reg.dcp_size} (DCP) is not served")
     return None

@@ -75,7 +75,8 @@ class SglangBackend(HubBackend[SglangPeer]):
         rows = aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows)
         dialect = SglangDialect(self._replies, self._poster, local.staging, rows)
         layout = regions.layout
-        pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes)
+        head_bytes = layout.head_dim * layout.itemsize
+        pages = PageLists(local.kv_list, 2 * layout.num_layers, layout.page_bytes, head_bytes)
         ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
         refusals = Refusals(
@@ -91,7 +92,9 @@ class SglangBackend(HubBackend[SglangPeer]):
             lambda: not self._is_open(),
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
+            regions,
         )
+        self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:

@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
+from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
@@ -35,6 +37,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_request,
     check_source,
     peer_regions,
+    rank_slice,
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
@@ -59,8 +62,10 @@ class SglangDesk:
         is_rejoining: Callable[[], bool] = lambda: False,
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
+        regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
+        self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
         self._layout, self._limits = layout, limits
@@ -124,15 +129,26 @@ class SglangDesk:
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
         regions = peer_regions(reg, self._layout)
+        head_slice = rank_slice(reg, self._layout)
+        sliced = None if head_slice.is_whole_page else head_slice
         try:
-            lists = self._run(self._prep, name, regions, reg.aux_ptrs)
+            lists = self._run(self._prep, name, regions, reg.aux_ptrs, sliced)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
             return self._refuse(name, Refusal(RejectReason.NIXL_REFUSED, why))
         now, identity = self._hub.clock(), name.encode()
         peer = SglangPeer(
-            identity, name, regions, lists, now, aux_ptrs=reg.aux_ptrs, endpoint=reg.endpoint
+            identity,
+            name,
+            regions,
+            lists,
+            now,
+            tp_rank=reg.tp_rank,
+            tp_size=reg.tp_size,
+            head_slice=sliced,
+            aux_ptrs=reg.aux_ptrs,
+            endpoint=reg.endpoint,
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
@@ -153,11 +169,22 @@ class SglangDesk:
     def _is_idle(self, peer: SglangPeer) -> bool:
         return self._hub.clock() - peer.last_seen >= self._hub.want_timeout_s
 
-    def _prep(self, name: str, regions: KVRegions, aux_ptrs: tuple[int, ...]) -> PreppedLists:
-        """The decode pool's descriptor list, once; and row 0 of each metadata buffer, which
-        NIXL checks against what the decode registered (rows are written per request).
-        Runs where the agent lives."""
-        table = kv_descriptor_table(regions)
+    def _prep(
+        self,
+        name: str,
+        regions: KVRegions,
+        aux_ptrs: tuple[int, ...],
+        head_slice: HeadSlice | None,
+    ) -> PreppedLists:
+        """The decode pool's descriptor list, once (token runs of its heads when it holds part
+        of ours, and ours of the same heads the first time); and row 0 of each metadata
+        buffer, which NIXL checks against what the decode registered (rows are written per
+        request). Runs where the agent lives."""
+        if head_slice is None:
+            table = kv_descriptor_table(regions)
+        else:
+            self._prep_local(head_slice)
+            table = slice_table(regions, head_slice.dst_head_offset, head_slice.num_heads)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
@@ -165,6 +192,13 @@ class SglangDesk:
         except BaseException:
             kv.release()
             raise
+
+    def _prep_local(self, head_slice: HeadSlice) -> None:
+        assert self._regions is not None, "a desk that slices heads needs our regions"
+        key = (head_slice.src_head_offset, head_slice.num_heads)
+        local = self._hub.ctx.pages.sliced
+        if key not in local:
+            local[key] = prep_local_slice(self._agent, self._regions, *key)
 
     def _refuse(self, agent_name: str, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration of {agent_name} refused: {refusal.message}")
@@ -183,7 +217,8 @@ class SglangDesk:
             return self._refuse_unknown(req.endpoint, req.room, foreign)
         peer.last_seen = self._hub.clock()
         want = req.want()
-        refusal = check_request(req) or check_want_size(want, self._layout, peer.regions.layout)
+        refusal = check_request(req, peer.tp_size)
+        refusal = refusal or check_want_size(want, self._layout, peer.regions.layout)
         if refusal is not None:
             return self._hub.refuse_room(peer, req.room, refusal)
         self._hub.want(peer, want)

@@ -15,11 +15,13 @@ import pytest
 
 from prefill_worker.kv.aux import AuxRow
 from prefill_worker.kv.layout import KVLayout
+from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import (
     check_registration,
     check_request,
     peer_regions,
+    rank_slice,
     server_info,
 )
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
@@ -50,7 +52,7 @@ def test_the_captured_decode_is_accepted_as_sglang_laid_it_out() -> None:
 @pytest.mark.parametrize(
     ("changes", "reason", "words"),
     [
-        ({"tp_size": 2}, RejectReason.UNSUPPORTED, "attention TP size 2"),
+        ({"tp_size": 3}, RejectReason.UNSUPPORTED, "attention TP size 3"),
         ({"dcp_size": 2}, RejectReason.UNSUPPORTED, "DCP"),
         ({"has_state": True}, RejectReason.UNSUPPORTED, "state buffers"),
         ({"has_staging": True}, RejectReason.UNSUPPORTED, "staging"),
@@ -142,3 +144,18 @@ def test_the_aux_view_reads_the_engines_rows() -> None:
     assert row is not None
     pool.write(row, AuxRow(5, -0.5, 10, 4))
     assert aux.AuxRowsView(pool.base_addr, 3).read(row) == AuxRow(5, -0.5, 10, 4)
+
+
+def test_a_decode_rank_of_attention_tp_2_is_accepted_with_its_heads() -> None:
+    half = OURS.page_bytes // 2  # one of the two KV heads per token
+    reg = registration(tp_size=2, tp_rank=1, kv_item_len=half, kv_item_lens=(half,) * 4)
+    assert check_registration(reg, OURS, LIMITS) is None
+    assert peer_regions(reg, OURS).layout.num_kv_heads == 1
+    assert rank_slice(reg, OURS) == HeadSlice(0, 1, 1, 0, 1, 2, 1)  # our head 1, its head 0
+    whole = registration(tp_size=2, tp_rank=1)  # a pool of every head: not a TP-2 rank
+    refusal = check_registration(whole, OURS, LIMITS)
+    assert refusal is not None and refusal.reason is RejectReason.LAYOUT_MISMATCH
+    frames = [base64.b64decode(f) for f in CAPTURED["0.5.23"]["request"]]
+    req = dataclasses.replace(parse(frames), required_dst_info_num=2)  # type: ignore[type-var]
+    assert check_request(req, decode_tp_size=2) is None  # type: ignore[arg-type]
+    assert check_request(req) is not None  # type: ignore[arg-type]

@@ -56,11 +56,9 @@ def refused(reg: Registration) -> Refusal:
     ("changes", "reason", "message"),
     [
         (
-            {"tp_size": 2},
+            {"tp_size": 3},
             RejectReason.UNSUPPORTED,
-            "decode attention TP size 2: its KV heads are sliced across ranks, and this worker "
-            "(one rank holding every KV head) does not slice heads; run decodes with attention "
-            "TP 1 (--tp 1, or DP attention)",
+            "decode attention TP size 3: 2 KV heads cannot be replicated over 3 ranks",
         ),
         (
             {"has_state": True},
@@ -142,7 +140,7 @@ def test_a_pool_without_memory_kinds_is_on_the_gpu_and_its_aux_rows_are_int32() 
 
 
 def test_a_refused_request_says_exactly_why() -> None:
-    tail = "; this worker serves one decode rank per room (decode attention TP 1)"
+    tail = "; from this worker (attention TP 1) a decode of attention TP 1 needs 1"
     cases = {
         "ranks": (request(required_dst_info_num=2), "the room needs 2 decode ranks" + tail),
         "dummy": (

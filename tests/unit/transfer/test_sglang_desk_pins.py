@@ -46,13 +46,13 @@ def test_an_unknown_decodes_request_is_refused_and_its_room_remembered(
 
 def test_a_refused_decodes_request_fails_its_waiting_room_with_the_reason() -> None:
     rig = Rig()
-    rig.send(dataclasses.replace(registration(), tp_size=2))  # refused
+    rig.send(dataclasses.replace(registration(), tp_size=3))  # refused
     waiting = rig.hub.create_sender(1234, "req", 16)
     other = rig.hub.create_sender(99, "req-99", 16, allowed_peer="someone-else")
     rig.send(request())
     rig.send(request(room=99))
     why = rig.replies.sent[0][1][4].decode()
-    assert why.startswith("registration refused: decode attention TP size 2")
+    assert why.startswith("registration refused: decode attention TP size 3")
     assert waiting.failure_reason() == why and other.poll() is KVPoll.BOOTSTRAPPING
 
 
@@ -69,7 +69,7 @@ def test_refusals_of_registrations_are_logged_with_the_agent(
     rig = Rig()
     reg = registration()
     with caplog.at_level(logging.DEBUG):
-        rig.send(dataclasses.replace(reg, tp_size=2))
+        rig.send(dataclasses.replace(reg, tp_size=3))
     [(level, message)] = said(caplog)
     assert level == logging.WARNING
     assert message.startswith(f"sglang: unsupported: registration of {reg.agent_name} refused: ")
@@ -260,7 +260,7 @@ def test_the_owners_abort_is_acknowledged_with_its_generation() -> None:
 def test_a_room_named_for_the_refused_decode_fails_with_its_reason() -> None:
     rig = Rig()
     reg = registration()
-    rig.send(dataclasses.replace(reg, tp_size=2))
+    rig.send(dataclasses.replace(reg, tp_size=3))
     named = rig.hub.create_sender(1234, "req", 16, allowed_peer=reg.agent_name)
     rig.send(request())
     assert (named.failure_reason() or "").startswith("registration refused: decode attention")
@@ -282,7 +282,7 @@ def test_an_address_a_live_decode_holds_is_refused_with_both_named() -> None:
 
 def test_a_registration_clears_its_agents_earlier_refusal() -> None:
     rig, reg = Rig(), registration()
-    rig.send(dataclasses.replace(reg, tp_size=2))
+    rig.send(dataclasses.replace(reg, tp_size=3))
     rig.send(reg)
     rig.hub.drop_peer(rig.hub.peers[reg.agent_name.encode()], "gone")
     rig.send(request())

@@ -1,0 +1,143 @@
+"""A room whose decode runs tensor-parallel: one peer per decode rank, each with its own
+`want`. The room is READY only once every rank bound; each rank's pages get its heads (token
+runs when it holds a sub-range of ours), every rank gets the aux row and the status, and the
+request succeeds only when every rank's `ok` went out. A rank lost or aborting ends the room
+for all. On both dialects, with the push engine's fakes (``test_push_sender.Rig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.headplan import plan_rank, slice_indices
+from prefill_worker.transfer.sglang.frames import Endpoint
+from tests.unit.transfer.test_push_sender import LAYOUT, Rig
+
+ROOM = 7
+
+
+def _ranks(rig: Rig, tp_size: int = 2) -> list[Any]:
+    """``tp_size`` decode ranks, each holding 1/tp_size of a 2-head pool's heads (the rig's
+    layout has 1 head: the slices here are made up, only the routing is under test)."""
+    slices = plan_rank(2, 0, 1, 2)
+    peers = []
+    for rank in range(tp_size):
+        peer = dataclasses.replace(
+            rig.peer,
+            identity=f"rank-{rank}".encode(),
+            agent_name=f"rank-{rank}",
+            rooms=set(),
+            unmatched=set(),
+            tp_rank=rank,
+            tp_size=tp_size,
+            head_slice=slices[rank % 2],
+        )
+        if hasattr(peer, "endpoint"):
+            peer.endpoint = Endpoint("127.0.0.1", 6000 + rank)
+        rig.hub.peers[peer.identity] = peer
+        rig.ctx.pages.sliced[(peer.head_slice.src_head_offset, 1)] = f"ours-{rank}"
+    return peers or [rig.hub.peers[f"rank-{r}".encode()] for r in range(tp_size)]
+
+
+def _want(rank: int) -> wire.Want:
+    return wire.Want.of(ROOM, [8 + rank, 10 + rank, 12 + rank, 14 + rank], rank, 0)
+
+
+@pytest.fixture(params=["native", "sglang"])
+def rig(request: pytest.FixtureRequest) -> Rig:
+    return Rig(request.param)
+
+
+def test_ready_only_once_every_rank_bound(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    assert sender.poll() is KVPoll.BOOTSTRAPPING
+    rig.hub.want(r1, _want(1))
+    assert sender.poll() is KVPoll.READY and sender.peers == [r0, r1]
+    assert ROOM in r0.rooms and ROOM in r1.rooms
+    rig.hub.check_integrity()
+
+
+def test_wants_before_the_request_bind_every_rank(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    rig.hub.want(r1, _want(1))
+    rig.hub.want(r0, _want(0))
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    assert sender.poll() is KVPoll.READY and sender.peers == [r1, r0]
+
+
+def test_each_rank_gets_its_heads_its_aux_row_and_its_ok(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    sender.send_pages([1, 2, 3, 4], 0)
+    first, second = rig.agent.handles
+    for handle, rank in ((first, 0), (second, 1)):
+        _, local, local_idx, _, remote_idx, _ = handle.args
+        assert local == f"ours-{rank}"
+        assert np.array_equal(local_idx, slice_indices(np.array([1, 2, 3, 4]), LAYOUT))
+        dst = np.array([8 + rank, 10 + rank, 12 + rank, 14 + rank])
+        assert np.array_equal(remote_idx, slice_indices(dst, LAYOUT))
+    sender.send_aux(1)
+    rig.land(0)
+    rig.land(1)
+    sender.progress()
+    assert len(rig.agent.handles) == 4  # an aux row to each rank
+    rig.land(2)
+    rig.land(3)
+    sender.progress()
+    assert len(rig.ctx.events) == 2  # an `ok` for each rank
+    sender.confirm_ok(True)  # one rank's went out: not yet a success
+    assert sender.poll() is KVPoll.TRANSFERRING
+    rig.ctx.events.pop(0)
+    rig.hub.drain()
+    assert rig.heard.said == [(ROOM, "ok", None, None)]
+    assert sender.poll() is KVPoll.SUCCESS
+
+
+def test_a_stranger_cannot_join_a_full_room(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(rig.peer, _want(2))  # TP 1: not a rank of this decode
+    assert sender.peers == [r0]
+    rig.hub.want(r0, _want(0))  # the same rank twice
+    assert sender.peers == [r0]
+    assert [s[1] for s in rig.heard.said] == ["failed", "failed"]
+    rig.hub.want(r1, _want(1))
+    assert sender.poll() is KVPoll.READY
+
+
+def test_losing_one_rank_fails_the_room_for_every_rank(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    sender.send_pages([1, 2, 3, 4], 0)
+    rig.hub.drop_peer(r1, "gone")
+    assert sender.poll() is KVPoll.PEER_LOST and sender.peers == [r0]
+    rig.hub.turn(rig.now + 10)
+    assert [s[1] for s in rig.heard.said] == ["failed", "failed"]
+    rig.hub.check_integrity()
+    sender.close()
+    rig.hub.drain()
+    assert not r0.rooms and ROOM not in rig.hub.senders
+    rig.hub.check_integrity()
+
+
+def test_one_rank_aborting_aborts_the_room(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    rig.hub.abort(r1, ROOM)
+    assert sender.poll() is KVPoll.ABORTED
+    rig.hub.drain()
+    assert [s[1] for s in rig.heard.said] == ["aborted", "aborted"]
