@@ -159,6 +159,8 @@ class Daemon:
         self._closers.append(("transfer", transfer.backend.close))
         backend: TransferBackend = transfer.backend
         if self._group is not None:  # every sender mirrored to the followers, states agreed
+            assert placement is not None
+            _lead_group(backend, placement.size, info.num_kv_heads)
             backend = GroupBackend(backend, self._group.channel.link)
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
@@ -411,3 +413,12 @@ def run_daemon(
 
 
 __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]
+
+
+def _lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> None:
+    """The native backend alone answers decodes for the whole TP group (every rank pushes
+    its heads: docs/parallelism.md); otherwise only the leader's heads go (not built yet)."""
+    if hasattr(backend, "lead_group"):
+        from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+        backend.lead_group(RankPlace(0, tp_size, num_kv_heads))

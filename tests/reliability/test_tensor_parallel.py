@@ -3,10 +3,11 @@
 Equality: the same requests, in the same order, to a TP-1, a TP-2 and a TP-4 worker (4
 attention heads, 2 KV heads: split at TP 2, replicated at TP 4): a chunked prompt, a prompt
 that hits the first one's cached prefix, then three at once (batched). First tokens and their
-logprobs agree within 1e-4 (fp32); the KV the decode receives (the leader's heads: only rank 0
-sends on this branch) equals the TP-1 worker's for those heads; and every rank's whole pool,
-saved when SIGTERM drained the worker (``testing.tp_ranks --dump-dir``), equals the TP-1
-worker's pool at that rank's heads (``parallel.kv_head_range``).
+logprobs agree within 1e-4 (fp32); every rank's whole pool, saved when SIGTERM drained the
+worker (``testing.tp_ranks --dump-dir``), equals the TP-1 worker's pool at that rank's heads
+(``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so a native decode of
+TP 1 (every head) and of TP 2 (two receivers, a head each) receive the whole KV: byte for byte
+what each worker rank's pool holds, and within 1e-4 of the TP-1 worker's KV.
 
 Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
 timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
@@ -35,12 +36,15 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from prefill_worker.testing.launch import ChildProcess, free_port
-from prefill_worker.transfer import RoomState
+from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
+    DECODE_PAGES,
     NUM_KV_HEADS,
+    PAGE_SIZE,
     ROOT,
     Worker,
+    decode_pool,
     start_worker,
     wait_ready,
 )
@@ -78,6 +82,53 @@ class Session:
         self.decode.close()
 
 
+class RankedDecode:
+    """A native decode of TP 2: one ``KVReceiver`` per rank over a pool of its KV heads, each
+    wanting every room with its own pages (the same page ids: separate pools)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        kind = describe_worker(bootstrap, 30.0).kind
+        self.pools, self.receivers = [], []
+        for rank in range(2):
+            heads = kv_head_range(NUM_KV_HEADS, TPGroup(rank, 2))
+            self.pools.append(decode_pool(kind, len(heads)))
+            k, v = self.pools[-1]
+            tp = (rank, 2, NUM_KV_HEADS)
+            receiver = KVReceiver.from_tensors(
+                k, v, bootstrap, num_aux_rows=8, tp=tp, io_thread=True
+            )
+            self.receivers.append(receiver)
+        for receiver in self.receivers:
+            receiver.wait_registered(timeout_s=30)
+        self.rooms: dict[int, list[int]] = {}
+
+    def want(self, room: int, num_tokens: int) -> None:
+        pages = [DECODE_PAGES - 1 - 2 * i for i in range(-(-num_tokens // PAGE_SIZE))]
+        self.rooms[room] = pages
+        for receiver in self.receivers:
+            receiver.want(room, pages, 0, 0)
+
+    def wait(self, room: int) -> None:
+        def settled() -> bool:
+            return all(r.poll(room).state is not RoomState.PENDING for r in self.receivers)
+
+        wait_until(settled, 30.0, f"room {room} on both decode ranks")
+        assert [r.poll(room).state for r in self.receivers] == [RoomState.DONE] * 2, [
+            r.poll(room) for r in self.receivers
+        ]
+
+    def pages(self, room: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the room's pages, the ranks' heads side by side: [pages, ps, KV, D]."""
+        pages = self.rooms[room]
+        k = torch.cat([torch.stack([k[layer][p] for p in pages]) for k, _ in self.pools], 2)
+        v = torch.cat([torch.stack([v[layer][p] for p in pages]) for _, v in self.pools], 2)
+        return k, v
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+
+
 def start(tmp_path: Path, checkpoint: Path, tp: int, *settings: str, args: Sequence[str] = ()):
     worker = start_worker(
         tmp_path, checkpoint, f"parallel.tp_size={tp}", *FAST, *settings,
@@ -91,19 +142,37 @@ def start(tmp_path: Path, checkpoint: Path, tp: int, *settings: str, args: Seque
     return worker
 
 
+def tp1_pages(session: Session, room: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the room's pages on the TP-1 decode: [pages, page_size, KV, D]."""
+    pages, _ = session.decode.rooms[room]
+    k, v = session.decode.k[layer], session.decode.v[layer]
+    return torch.stack([k[p] for p in pages]), torch.stack([v[p] for p in pages])
+
+
 def serve_script(session: Session) -> dict[str, object]:
-    """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV."""
+    """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV
+    (per layer, K and V of the room's pages); last, LONG again to a decode of TP 2."""
     out: dict[str, object] = {}
     for name, tokens in (("long", LONG), ("hit", HIT)):
         rid, room = session.send(tokens)
         reply = session.router.wait([rid])[rid]
-        session.decode.wait([room])
-        out[name] = reply, [session.decode.kv(room, len(tokens), layer) for layer in range(2)]
+        assert session.decode.wait([room])[room].state is RoomState.DONE
+        out[name] = reply, [tp1_pages(session, room, layer) for layer in range(2)]
     sent = [session.send(tokens) for tokens in BATCH]
     replies = session.router.wait([rid for rid, _ in sent])
     session.decode.wait([room for _, room in sent])
     for i, (rid, _) in enumerate(sent):
         out[f"batch{i}"] = replies[rid], None
+    decode = RankedDecode(session.worker.bootstrap)
+    try:
+        room = 9_999
+        decode.want(room, len(LONG))
+        rid = session.router.send_prefill(LONG, room, return_logprob=True, request_id="long-d2")
+        reply = session.router.wait([rid])[rid]
+        decode.wait(room)
+        out["long-d2"] = reply, [decode.pages(room, layer) for layer in range(2)]
+    finally:
+        decode.close()
     return out
 
 
@@ -142,13 +211,45 @@ def test_first_tokens_and_logprobs_equal_tp1(served: dict, tp: int) -> None:
     assert got["hit"][0].num_prefix_hit_tokens == 32  # the cached prefix was used
 
 
+def full_pages(num_tokens: int) -> int:
+    return num_tokens // PAGE_SIZE  # the last, partial page may be reused after the request
+
+
 @pytest.mark.parametrize("tp", [2, 4])
-def test_decode_receives_the_leaders_heads_of_the_tp1_kv(served: dict, tp: int) -> None:
-    heads = kv_head_range(NUM_KV_HEADS, TPGroup(0, tp))
-    for name in ("long", "hit"):
-        for (k1, v1), (k, v) in zip(served[1][0][name][1], served[tp][0][name][1], strict=True):
-            torch.testing.assert_close(k, k1[:, heads.start : heads.stop], atol=TOL, rtol=0)
-            torch.testing.assert_close(v, v1[:, heads.start : heads.stop], atol=TOL, rtol=0)
+@pytest.mark.parametrize(("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40)])
+def test_decodes_of_tp1_and_tp2_receive_every_head_of_the_tp1_kv(
+    served: dict, tp: int, name: str, num_tokens: int
+) -> None:
+    """Within 1e-4 of the TP-1 worker's KV (a TP-2 forward sums in another order)."""
+    expected = served[1][0]["long" if name == "long-d2" else name][1]
+    for (k1, v1), (k, v) in zip(expected, served[tp][0][name][1], strict=True):
+        for got, want in ((k, k1), (v, v1)):
+            got = got.flatten(0, 1)[:num_tokens]
+            torch.testing.assert_close(got, want.flatten(0, 1)[:num_tokens], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40)])
+def test_every_head_lands_byte_for_byte_from_its_ranks_pool(
+    served: dict, tp: int, name: str, num_tokens: int
+) -> None:
+    """Each full page the decode received is, at every rank's heads, one page of that rank's
+    pool bit for bit, the same page on every rank."""
+    pools, received = served[tp][1], served[tp][0][name][1]
+    heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
+
+    def holds(rank: int, page: int, i: int) -> bool:
+        cut = slice(heads[rank].start, heads[rank].stop)
+        return all(
+            torch.equal(tensor[i][:, cut], pools[rank][part][layer][page])
+            for layer, (k, v) in enumerate(received)
+            for part, tensor in (("k", k), ("v", v))
+        )
+
+    num_pages = len(pools[0]["k"][0])
+    for i in range(full_pages(num_tokens)):
+        found = [p for p in range(num_pages) if all(holds(r, p, i) for r in range(tp))]
+        assert found, f"page {i} of {name}: no page holds it on every rank"
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -2,7 +2,8 @@
 follower and the step done in memory (``channel.py`` does the same over gloo: the ops the
 leader queued go to the follower, which answers a state code per open room, MIN over ranks).
 
-A room is SUCCESS only when every rank's writes landed, FAILED when any rank's push failed;
+A room is SUCCESS only when every rank's writes landed (the leader's aux row waits for the
+followers' word), FAILED when any rank's push failed;
 pages wait on a follower until its own decode claimed the room there; fail and close reach
 every rank."""
 
@@ -63,13 +64,13 @@ def test_a_room_succeeds_only_when_every_rank_landed() -> None:
     mine.want()
     theirs.want()
     group.push(sender)
-    assert mine.poll() is KVPoll.SUCCESS
     assert sender.poll() is KVPoll.BOOTSTRAPPING  # the follower's last word: not claimed
     group.step()
     assert theirs.sent and sender.poll() is KVPoll.TRANSFERRING  # its writes are in flight
+    assert mine.aux == []  # the aux row (and so the status) waits for every rank's writes
     theirs.polls_to_success = 0
     group.step()
-    assert sender.poll() is KVPoll.SUCCESS
+    assert sender.poll() is KVPoll.SUCCESS and len(mine.aux) == 1
 
 
 def test_the_leaders_word_alone_never_makes_a_room_succeed() -> None:
