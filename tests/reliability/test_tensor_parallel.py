@@ -163,6 +163,9 @@ def serve_script(session: Session) -> dict[str, object]:
     session.decode.wait([room for _, room in sent])
     for i, (rid, _) in enumerate(sent):
         out[f"batch{i}"] = replies[rid], None
+    readyz = json.loads(session.worker.http("/readyz")[1])
+    assert readyz["kv_layout"] == describe_worker(session.worker.bootstrap, 10.0).summary()
+    assert readyz["kv_layout"]["num_kv_heads"] == NUM_KV_HEADS  # every head, at any TP
     decode = RankedDecode(session.worker.bootstrap)
     try:
         room = 9_999
