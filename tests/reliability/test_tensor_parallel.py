@@ -37,6 +37,7 @@ from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
+from prefill_worker.transfer.wire import WorkerTP
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
     DECODE_PAGES,
@@ -102,6 +103,13 @@ class RankedDecode:
             receiver.wait_registered(timeout_s=30)
         self.rooms: dict[int, list[int]] = {}
 
+    @property
+    def worker_tp(self) -> WorkerTP:
+        """The worker's TP layout, as its `registered` named it to rank 0."""
+        worker_tp = self.receivers[0].worker_tp
+        assert worker_tp is not None
+        return worker_tp
+
     def want(self, room: int, num_tokens: int) -> None:
         pages = [DECODE_PAGES - 1 - 2 * i for i in range(-(-num_tokens // PAGE_SIZE))]
         self.rooms[room] = pages
@@ -149,7 +157,7 @@ def tp1_pages(session: Session, room: int, layer: int) -> tuple[torch.Tensor, to
     return torch.stack([k[p] for p in pages]), torch.stack([v[p] for p in pages])
 
 
-def serve_script(session: Session) -> dict[str, object]:
+def serve_script(session: Session, tp: int) -> dict[str, object]:
     """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV
     (per layer, K and V of the room's pages); last, LONG again to a decode of TP 2."""
     out: dict[str, object] = {}
@@ -168,6 +176,9 @@ def serve_script(session: Session) -> dict[str, object]:
     assert readyz["kv_layout"]["num_kv_heads"] == NUM_KV_HEADS  # every head, at any TP
     decode = RankedDecode(session.worker.bootstrap)
     try:
+        ranks = [(r.tp_rank, r.head_start, r.head_stop) for r in decode.worker_tp.ranks]
+        heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
+        assert ranks == [(rank, h.start, h.stop) for rank, h in enumerate(heads)]
         room = 9_999
         decode.want(room, len(LONG))
         rid = session.router.send_prefill(LONG, room, return_logprob=True, request_id="long-d2")
@@ -188,7 +199,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         worker = start(tmp_path, checkpoint, tp, args=["--dump-dir", str(tmp_path)])
         session = Session(worker)
         try:
-            answers = serve_script(session)
+            answers = serve_script(session, tp)
             forwards = {
                 labels: value
                 for (name, labels), value in scrape(worker).items()
