@@ -9,14 +9,18 @@ every rank."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.tp.mirror import MirrorTarget, RankLink
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.group import FOLLOWER_FAILED, GroupBackend, GroupSender, agree
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
+from tests.unit.transfer.test_rank_backend import register
 
 
 class Group:
@@ -118,3 +122,43 @@ def test_fail_and_close_reach_every_rank_and_close_the_room() -> None:
     group.step()
     assert theirs.worker_failure == "the engine gave up" and theirs.is_closed
     assert mine.is_closed and group.link.take() == ([], [])
+
+
+@dataclass
+class BoundPeer:
+    agent_name: str
+    registration: wire.Register | None
+
+
+@pytest.mark.parametrize("is_native", [True, False])
+def test_each_registration_is_mirrored_once_and_each_room_binds_before_its_pages(
+    is_native: bool,
+) -> None:
+    """Native peers: their `register` once, then each room's binding before its pages. A
+    peer with no registration (SGLang's): nothing to bind, the followers write nothing."""
+    group = Group()
+    peers = [
+        BoundPeer(f"d2-{j}", register(f"d2-{j}", j, 2) if is_native else None) for j in range(2)
+    ]
+    ops = []
+    for room in (1, 2):
+        sender = group.backend.create_sender(room, f"r{room}", 8)
+        wants = [wire.Want.of(room, [7 - j, 5 - j], 0, 0) for j in range(2)]
+        local = group.leader.senders[f"r{room}"]
+        local.bound = lambda wants=wants: list(zip(peers, wants, strict=True))  # type: ignore[attr-defined]
+        local.want()
+        pages = group.pool.try_alloc(2)
+        assert pages is not None
+        sender.send_pages(pages, 0)
+        ops += group.link.take()[0]
+    kinds = [(op.kind, op.room) for op in ops]
+    if not is_native:
+        assert kinds == [("create", 1), ("pages", 1), ("create", 2), ("pages", 2)]
+        return
+    assert kinds == [
+        ("create", 1), ("peer", 1), ("peer", 1), ("bind", 1), ("pages", 1),
+        ("create", 2), ("bind", 2), ("pages", 2),
+    ]  # fmt: skip
+    assert [op.register for op in ops if op.kind == "peer"] == [p.registration for p in peers]
+    (bind,) = [op for op in ops if op.kind == "bind" and op.room == 2]
+    assert bind.agent_names == ["d2-0", "d2-1"] and bind.wants[1].dst_page_ids.tolist() == [6, 4]
