@@ -5,9 +5,10 @@ attention heads, 2 KV heads: split at TP 2, replicated at TP 4): a chunked promp
 that hits the first one's cached prefix, then three at once (batched). First tokens and their
 logprobs agree within 1e-4 (fp32); every rank's whole pool, saved when SIGTERM drained the
 worker (``testing.tp_ranks --dump-dir``), equals the TP-1 worker's pool at that rank's heads
-(``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so a native decode of
-TP 1 (every head) and of TP 2 (two receivers, a head each) receive the whole KV: byte for byte
-what each worker rank's pool holds, and within 1e-4 of the TP-1 worker's KV.
+(``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so native decodes of
+TP 1 (every head), 2 (a receiver per head) and 4 (each head on two receivers) receive the
+whole KV: byte for byte what each worker rank's pool holds, and within 1e-4 of the TP-1
+worker's KV.
 
 Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
 timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
@@ -84,21 +85,19 @@ class Session:
 
 
 class RankedDecode:
-    """A native decode of TP 2: one ``KVReceiver`` per rank over a pool of its KV heads, each
-    wanting every room with its own pages (the same page ids: separate pools)."""
+    """A native decode of TP ``size``: one ``KVReceiver`` per rank over a pool of its KV
+    heads, each wanting every room with its own pages (the same page ids: separate pools)."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, size: int) -> None:
         kind = describe_worker(bootstrap, 30.0).kind
-        self.pools, self.receivers = [], []
-        for rank in range(2):
-            heads = kv_head_range(NUM_KV_HEADS, TPGroup(rank, 2))
-            self.pools.append(decode_pool(kind, len(heads)))
-            k, v = self.pools[-1]
-            tp = (rank, 2, NUM_KV_HEADS)
-            receiver = KVReceiver.from_tensors(
-                k, v, bootstrap, num_aux_rows=8, tp=tp, io_thread=True
+        self.heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, size)) for rank in range(size)]
+        self.pools = [decode_pool(kind, len(heads)) for heads in self.heads]
+        self.receivers = [
+            KVReceiver.from_tensors(
+                k, v, bootstrap, num_aux_rows=8, tp=(rank, size, NUM_KV_HEADS), io_thread=True
             )
-            self.receivers.append(receiver)
+            for rank, (k, v) in enumerate(self.pools)
+        ]
         for receiver in self.receivers:
             receiver.wait_registered(timeout_s=30)
         self.rooms: dict[int, list[int]] = {}
@@ -120,17 +119,24 @@ class RankedDecode:
         def settled() -> bool:
             return all(r.poll(room).state is not RoomState.PENDING for r in self.receivers)
 
-        wait_until(settled, 30.0, f"room {room} on both decode ranks")
-        assert [r.poll(room).state for r in self.receivers] == [RoomState.DONE] * 2, [
-            r.poll(room) for r in self.receivers
-        ]
+        wait_until(settled, 30.0, f"room {room} on every decode rank")
+        states = [r.poll(room) for r in self.receivers]
+        assert all(s.state is RoomState.DONE for s in states), states
 
     def pages(self, room: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the room's pages, the ranks' heads side by side: [pages, ps, KV, D]."""
-        pages = self.rooms[room]
-        k = torch.cat([torch.stack([k[layer][p] for p in pages]) for k, _ in self.pools], 2)
-        v = torch.cat([torch.stack([v[layer][p] for p in pages]) for _, v in self.pools], 2)
-        return k, v
+        """K and V of the room's pages, each head from its ranks: [pages, ps, KV, D]; ranks
+        that hold the same (replicated) head must hold the same bytes."""
+        out = []
+        for part in range(2):
+            whole: list[torch.Tensor | None] = [None] * NUM_KV_HEADS
+            for heads, pool in zip(self.heads, self.pools, strict=True):
+                mine = torch.stack([pool[part][layer][p] for p in self.rooms[room]])
+                for i, head in enumerate(heads):
+                    got = mine[:, :, i]
+                    assert whole[head] is None or torch.equal(whole[head], got), head
+                    whole[head] = got
+            out.append(torch.stack(whole, 2))  # type: ignore[arg-type]
+        return out[0], out[1]
 
     def close(self) -> None:
         for receiver in self.receivers:
@@ -157,9 +163,27 @@ def tp1_pages(session: Session, room: int, layer: int) -> tuple[torch.Tensor, to
     return torch.stack([k[p] for p in pages]), torch.stack([v[p] for p in pages])
 
 
+def to_ranked_decode(session: Session, tp: int, size: int) -> tuple[object, list]:
+    """LONG once more, to a native decode of TP ``size``: the reply, and K and V per layer."""
+    decode = RankedDecode(session.worker.bootstrap, size)
+    try:
+        ranks = [(r.tp_rank, r.head_start, r.head_stop) for r in decode.worker_tp.ranks]
+        heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
+        assert ranks == [(rank, h.start, h.stop) for rank, h in enumerate(heads)]
+        room = 9_000 + size
+        decode.want(room, len(LONG))
+        rid = f"long-d{size}"
+        session.router.send_prefill(LONG, room, return_logprob=True, request_id=rid)
+        reply = session.router.wait([rid])[rid]
+        decode.wait(room)
+        return reply, [decode.pages(room, layer) for layer in range(2)]
+    finally:
+        decode.close()
+
+
 def serve_script(session: Session, tp: int) -> dict[str, object]:
     """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV
-    (per layer, K and V of the room's pages); last, LONG again to a decode of TP 2."""
+    (per layer, K and V of the room's pages); last, LONG again to decodes of TP 2 and 4."""
     out: dict[str, object] = {}
     for name, tokens in (("long", LONG), ("hit", HIT)):
         rid, room = session.send(tokens)
@@ -174,19 +198,8 @@ def serve_script(session: Session, tp: int) -> dict[str, object]:
     readyz = json.loads(session.worker.http("/readyz")[1])
     assert readyz["kv_layout"] == describe_worker(session.worker.bootstrap, 10.0).summary()
     assert readyz["kv_layout"]["num_kv_heads"] == NUM_KV_HEADS  # every head, at any TP
-    decode = RankedDecode(session.worker.bootstrap)
-    try:
-        ranks = [(r.tp_rank, r.head_start, r.head_stop) for r in decode.worker_tp.ranks]
-        heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
-        assert ranks == [(rank, h.start, h.stop) for rank, h in enumerate(heads)]
-        room = 9_999
-        decode.want(room, len(LONG))
-        rid = session.router.send_prefill(LONG, room, return_logprob=True, request_id="long-d2")
-        reply = session.router.wait([rid])[rid]
-        decode.wait(room)
-        out["long-d2"] = reply, [decode.pages(room, layer) for layer in range(2)]
-    finally:
-        decode.close()
+    for size in (2, 4):
+        out[f"long-d{size}"] = to_ranked_decode(session, tp, size)
     return out
 
 
@@ -230,12 +243,14 @@ def full_pages(num_tokens: int) -> int:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize(("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40)])
+@pytest.mark.parametrize(
+    ("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40), ("long-d4", 40)]
+)
 def test_decodes_of_tp1_and_tp2_receive_every_head_of_the_tp1_kv(
     served: dict, tp: int, name: str, num_tokens: int
 ) -> None:
     """Within 1e-4 of the TP-1 worker's KV (a TP-2 forward sums in another order)."""
-    expected = served[1][0]["long" if name == "long-d2" else name][1]
+    expected = served[1][0]["long" if name.startswith("long") else name][1]
     for (k1, v1), (k, v) in zip(expected, served[tp][0][name][1], strict=True):
         for got, want in ((k, k1), (v, v1)):
             got = got.flatten(0, 1)[:num_tokens]
@@ -243,7 +258,9 @@ def test_decodes_of_tp1_and_tp2_receive_every_head_of_the_tp1_kv(
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize(("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40)])
+@pytest.mark.parametrize(
+    ("name", "num_tokens"), [("long", 40), ("hit", 41), ("long-d2", 40), ("long-d4", 40)]
+)
 def test_every_head_lands_byte_for_byte_from_its_ranks_pool(
     served: dict, tp: int, name: str, num_tokens: int
 ) -> None:
