@@ -13,8 +13,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll, KVSender
 from prefill_worker.transfer.group import STATE_CODES, STATES, MirrorOp
 
@@ -79,6 +80,17 @@ class Replaying(Protocol):
 
     def close(self) -> None: ...
 
+    def add_peer(self, msg: wire.Register) -> None:
+        """A decode rank the leader admitted: its agent and pool (op ``peer``)."""
+        ...
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """A follower's sender that learns the room's decode ranks and wants (op ``bind``)."""
+
+    def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None: ...
+
 
 class MirrorTarget:
     """A follower's replay of the leader's sender ops on its own backend. Pages and the aux
@@ -127,9 +139,13 @@ class MirrorTarget:
             self._waiting.pop(op.room, None)
             self._senders.pop(op.room).close()
         elif op.kind == "peer" and op.register is not None:
-            getattr(self._backend, "add_peer")(op.register)  # noqa: B009 (a rank backend)
+            self._backend.add_peer(op.register)
         elif op.kind == "bind":
-            getattr(self._senders[op.room], "bind")(op.agent_names, op.wants)  # noqa: B009
+            sender = self._senders[op.room]
+            if isinstance(sender, Binding):
+                sender.bind(op.agent_names, op.wants)
+            else:
+                sender.fail("this rank's backend cannot bind decode ranks")
 
     def _flush(self) -> None:
         for room, queued in self._waiting.items():
