@@ -224,6 +224,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
                 for (name, labels), value in scrape(worker).items()
                 if name == "prefill_worker_tp_forward_seconds_count"
             }
+        except BaseException:
+            worker.child.kill()  # no worker outlives a failed script
+            raise
         finally:
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
