@@ -154,6 +154,7 @@ class GroupSender:
         self._mirror.mirror(MirrorOp("bind", self._room, agent_names=names, wants=wants))
 
     def fail(self, reason: str) -> None:
+        self.held_aux = None  # a failed room's aux row never goes, whatever the followers say
         self._local.fail(reason)
         self._mirror.mirror(MirrorOp("fail", self._room, reason=reason))
 
@@ -170,6 +171,7 @@ class GroupSender:
         return self._local.written_bytes()
 
     def close(self) -> None:
+        self.held_aux = None  # the row goes back to its pool now: it may be another's next
         self._local.close()
         self._mirror.mirror(MirrorOp("close", self._room))
 

@@ -9,6 +9,7 @@ every rank."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -162,3 +163,25 @@ def test_each_registration_is_mirrored_once_and_each_room_binds_before_its_pages
     assert [op.register for op in ops if op.kind == "peer"] == [p.registration for p in peers]
     (bind,) = [op for op in ops if op.kind == "bind" and op.room == 2]
     assert bind.agent_names == ["d2-0", "d2-1"] and bind.wants[1].dst_page_ids.tolist() == [6, 4]
+
+
+def test_a_room_failed_while_its_aux_row_is_held_never_sends_it() -> None:
+    """The group fails (or the engine gives up) while the leader holds a room's aux row for
+    the followers; their SUCCESS, reported after that, must not send the row (freed, maybe
+    another request's by then), and the backend stops polling for it every 2 ms."""
+    group = Group()
+    sender, mine, theirs = group.open()
+    mine.want()
+    theirs.want()
+    group.push(sender)
+    group.step()
+    assert sender.held_aux is not None and mine.aux == []
+    theirs.polls_to_success = 0
+    group.step()  # the followers' SUCCESS is in: the next poll would release the row
+    sender.fail("tensor-parallel group failed")
+    sender.close()
+    group.leader.next_poll_at = lambda: math.inf  # type: ignore[attr-defined]
+    group.backend.poll()
+    assert mine.aux == [] and mine.errors == []
+    assert sender.poll() is KVPoll.FAILED
+    assert group.backend.next_poll_at() == math.inf
