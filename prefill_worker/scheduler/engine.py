@@ -149,8 +149,12 @@ class Engine:
         self._life.fail_all(reason, error)
         self._publish()
 
-    def shutdown(self, reason: FinishReason = FinishReason.DRAINING) -> None:
-        """Wait for the running forward, fail what is left with ``reason``, stop the executor."""
+    def shutdown(
+        self, reason: FinishReason = FinishReason.DRAINING, inbox: Inbox | None = None
+    ) -> None:
+        """Wait for the running forward, fail what is left with ``reason``, stop the executor.
+        What ``inbox`` still holds (put after the loop's last turn: the loop stopped, or raised,
+        with messages queued) is taken first, so every request in it gets its one reply too."""
         if self._is_closed:
             return
         self._is_closed = True
@@ -158,7 +162,14 @@ class Engine:
             self._collect()
         except Exception:
             log.exception("forward failed during shutdown")
-        self.fail_all(reason, f"the worker shut down ({reason.value})")
+        error = f"the worker shut down ({reason.value})"
+        num_untaken = 0
+        while inbox is not None and not inbox.empty():
+            self._life.fail_untaken(inbox.get_nowait(), reason, error)
+            num_untaken += 1
+        if num_untaken:
+            log.warning("shutdown: %d messages the loop never took answered", num_untaken)
+        self.fail_all(reason, error)
         self._forward.close()
         try:
             self.reset_prefix_cache()  # nothing is in use any more: every cached page goes

@@ -249,6 +249,20 @@ class RequestLifecycle:
         for req in list(self.queues.live.values()):
             self.finish(req, reason, error)
 
+    def fail_untaken(self, message: EngineMessage, reason: FinishReason, error: str) -> None:
+        """A message the engine stopped before taking: submitted, so that a prefill's decode
+        hears its room failed (``fail_all`` then fails it); one that cannot be submitted any
+        more (the engine broke) still gets its one ``Outcome``, without a sender."""
+        try:
+            self.submit(message)
+        except Exception:
+            log.exception("a message left in the inbox could not be submitted")
+            live = message.request_id in self.queues.live
+            if isinstance(message, AbortRequest) or live:
+                return  # fail_all answers a live one; an abort has no reply of its own
+            self._emit(Outcome(message.request_id, reason.status, reason, len(message.token_ids),
+                               error=error))  # fmt: skip
+
     # ---- the one way out ----------------------------------------------------------------
 
     def finish(self, req: Request, reason: FinishReason, error: str | None) -> None:

@@ -360,6 +360,7 @@ class Daemon:
 
     def _stop(self, reason: FinishReason, code: int) -> int:
         assert self._engine is not None and self._engine_thread is not None
+        self._refuse_new()
         self._stop_engine.set()
         self.inbox.wake()
         while self._engine_thread.is_alive():
@@ -371,14 +372,23 @@ class Daemon:
                 return EX_FORCED
         if self._engine_error is not None:
             return self._fatal()
-        self._engine.shutdown(reason)
+        self._engine.shutdown(reason, self.inbox)
         return code
 
     def _fatal(self) -> int:
         log.error("fatal engine error: %r; every request in flight was failed", self._engine_error)
+        self._refuse_new()
         if self._engine is not None:
-            self._engine.shutdown(FinishReason.ENGINE_ERROR)
+            self._engine.shutdown(FinishReason.ENGINE_ERROR, self.inbox)
         return EX_SOFTWARE
+
+    def _refuse_new(self) -> None:
+        """The engine stops: new requests are refused (``draining``) instead of queued in an
+        inbox nobody reads any more; what the inbox holds already, ``shutdown`` answers."""
+        if self._ingress is not None:
+            self._ingress.set_draining(True)
+        if self._http_api is not None:
+            self._http_api.set_draining(True)
 
     def _reply(self, outcome: Outcome) -> None:
         """Each outcome to the ingress its request came through (ids tell them apart)."""

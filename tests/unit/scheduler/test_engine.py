@@ -421,6 +421,43 @@ def test_a_runner_error_fails_everything_and_propagates() -> None:
     rig.check_whole()
 
 
+@pytest.mark.parametrize("how", ["stopped", "raised", "broken"])
+def test_shutdown_answers_what_the_inbox_still_holds(how: str) -> None:
+    """The loop ended (stopped, or its forward raised: a tensor-parallel group failed under
+    it) with a prefill queued after its last turn: it gets its one reply, its decode hears the
+    room failed, the pools are whole; a backend that cannot open its sender any more still
+    lets it be answered."""
+    rig = make_rig(overlap=True, auto_want=False)
+    rig.prefill("a", 8)
+    inbox = Inbox()
+    late = PrefillRequest("late", [1, 2, 3], SamplingParams(), False, 9, rig.clock())
+    if how == "raised":
+        rig.sender("a").want()
+        rig.runner.fail_with = RuntimeError("group failed")
+        with pytest.raises(RuntimeError, match="group failed"):
+            rig.engine.run(threading.Event(), inbox)
+    else:
+        stopped = threading.Event()
+        stopped.set()
+        rig.engine.run(stopped, inbox)
+    if how == "broken":
+        rig.backend.create_sender = _raises  # type: ignore[assignment]
+    inbox.put(late)
+    rig.engine.shutdown(FinishReason.ENGINE_ERROR, inbox)
+    assert {o.request_id: o.reason for o in rig.outcomes} == {
+        "a": FinishReason.ENGINE_ERROR,
+        "late": FinishReason.ENGINE_ERROR,
+    }
+    assert inbox.empty()
+    if how != "broken":
+        assert rig.sender("late").worker_failure and rig.sender("late").is_closed
+    rig.check_whole()
+
+
+def _raises(*args: object, **kw: object) -> None:
+    raise RuntimeError("the backend is gone")
+
+
 def test_observer_sees_outcomes_steps_and_load_changes() -> None:
     recorder = Recorder()
     rig = make_rig(num_pages=16, page_size=4, chunk_size=8, max_batch_tokens=8, observer=recorder)
