@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
-from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll, KVSender
 from prefill_worker.transfer.group import STATE_CODES, STATES, MirrorOp
 
 NO_OPINION = STATE_CODES[KVPoll.SUCCESS]  # the highest code: MIN ignores it
@@ -67,12 +69,36 @@ class RankLink:
                     self._states[room] = STATES[code]
 
 
+class Replaying(Protocol):
+    """What a follower's backend must do for the mirror (``transfer.nixl.rank_backend``)."""
+
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> KVSender: ...
+
+    def poll(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def add_peer(self, msg: wire.Register) -> None:
+        """A decode rank the leader admitted: its agent and pool (op ``peer``)."""
+        ...
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """A follower's sender that learns the room's decode ranks and wants (op ``bind``)."""
+
+    def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None: ...
+
+
 class MirrorTarget:
     """A follower's replay of the leader's sender ops on its own backend. Pages and the aux
     row wait until this rank's sender is READY (its decode may claim the room here later than
-    at the leader); a fail or close applies at once."""
+    at the leader); a fail or close applies at once. A ``peer`` op goes to the backend's
+    ``add_peer``, a ``bind`` to the room's sender (``transfer.nixl.rank_backend``)."""
 
-    def __init__(self, backend: TransferBackend) -> None:
+    def __init__(self, backend: Replaying) -> None:
         self._backend = backend
         self._senders: dict[int, KVSender] = {}
         self._waiting: dict[int, deque[MirrorOp]] = {}
@@ -92,6 +118,13 @@ class MirrorTarget:
             for room in rooms
         ]
 
+    def close(self) -> None:
+        """Close every sender left, then the backend."""
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+        self._backend.close()
+
     def _apply(self, op: MirrorOp) -> None:
         if op.kind == "create":
             self._senders[op.room] = self._backend.create_sender(
@@ -105,6 +138,14 @@ class MirrorTarget:
         elif op.kind == "close":
             self._waiting.pop(op.room, None)
             self._senders.pop(op.room).close()
+        elif op.kind == "peer" and op.register is not None:
+            self._backend.add_peer(op.register)
+        elif op.kind == "bind":
+            sender = self._senders[op.room]
+            if isinstance(sender, Binding):
+                sender.bind(op.agent_names, op.wants)
+            else:
+                sender.fail("this rank's backend cannot bind decode ranks")
 
     def _flush(self) -> None:
         for room, queued in self._waiting.items():

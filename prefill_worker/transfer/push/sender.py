@@ -148,7 +148,7 @@ class PushSender(Generic[P]):
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
             except ValueError as exc:
                 return self.fail(str(exc))
-            if len(src):
+            if len(src) and peer.is_fed:
                 self._post_pages(peer, src, dst)
 
     def send_aux(self, aux_row: int) -> None:
@@ -190,6 +190,10 @@ class PushSender(Generic[P]):
         to post, an acknowledgement due. NIXL gives no fd to wait on, so this means polling."""
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         return bool(self._writes) or (is_aux_due and not self._is_ok_told) or self._is_ack_due
+
+    def bound(self) -> list[tuple[P, wire.Want]]:
+        """Each decode rank bound, with its `want`, in order (every one, once READY)."""
+        return list(zip(self.peers, self._wants, strict=True))
 
     def accepts(self, agent_name: str) -> bool:
         """May this decode agent claim the room (the router may have named one)?"""
