@@ -103,7 +103,7 @@ def test_a_rank_off_the_rule_is_refused(d: Desk, num_heads: int, tp: Any, why: s
 def test_a_decode_naming_no_rank_gets_v1s_answer(d: Desk) -> None:
     reply = d.register(b"v1", 4)
     assert reply.is_ok and reply.tp is msgspec.UNSET
-    assert d.hub.peers[b"v1"].head_slice is None
+    assert d.hub.peers[b"v1"].head_slice is None and d.hub.peers[b"v1"].is_fed
     assert b"tp" not in wire.encode(reply)
 
 
