@@ -89,7 +89,11 @@ class RankLink:
         closed ones not settled yet."""
         with self._lock:
             ops, self._pending = self._pending, []
-            self._asked.update(op.room for op in ops if op.kind in _ENDING)
+            for op in ops:  # in order: a room id used again is not asked by its old close
+                if op.kind in _ENDING:
+                    self._asked.add(op.room)
+                elif op.kind == "create":
+                    self._asked.discard(op.room)
             return ops, [*self._open, *self._closing]
 
     def store(self, rooms: Sequence[int], answer: Sequence[int]) -> None:
