@@ -15,6 +15,7 @@ failed tensor-parallel rank group (docs/parallelism.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -158,11 +159,15 @@ class Daemon:
             transfer = start_transfer(
                 cfg, regions, self.metrics, self.inbox.wake, self.health.is_live
             )
-        self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
         backend: TransferBackend = transfer.backend
+        layout = kv_cache.layout
         if self._group is not None:  # every sender mirrored to the followers, states agreed
+            assert placement is not None
+            if _lead_group(backend, placement.size, info.num_kv_heads):
+                layout = dataclasses.replace(layout, num_kv_heads=info.num_kv_heads)
             backend = GroupBackend(backend, self._group.channel.link)
+        self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
@@ -447,3 +452,15 @@ def run_daemon(
 
 
 __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]
+
+
+def _lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> bool:
+    """Whether the native backend alone answers decodes for the whole TP group (every rank
+    pushes its heads: docs/parallelism.md); otherwise only the leader's heads go (not built
+    yet for SGLang's protocol)."""
+    if not hasattr(backend, "lead_group"):
+        return False
+    from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+    backend.lead_group(RankPlace(0, tp_size, num_kv_heads))
+    return True
