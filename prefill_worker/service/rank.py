@@ -68,9 +68,8 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
 def _transfer_target(
     config: Config, kv_cache: KVCache, num_kv_heads: int, placement: Placement
 ) -> MirrorTarget | None:
-    """This rank's own transfer backend behind the mirror; None unless the worker serves the
-    native protocol or SGLang's alone (several at once: the followers write nothing yet,
-    docs/parallelism.md)."""
+    """This rank's own transfer backend behind the mirror, for the native protocol or
+    SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md)."""
     cfg = config.transfer
     if cfg.protocols not in (("native",), ("sglang",)):
         return None
