@@ -23,19 +23,31 @@ an SGLang decode rank's registration is carried as a native `register`): each de
 and their `want`s (``bind``), so each follower writes its heads into the same pages. The aux
 row (and so the `ok` status, which follows it) waits on the leader until the followers agree
 their writes landed (their SUCCESS, which a follower reaches only after the mirrored ``aux``):
-the status goes once, after every rank's writes. Torch-free.
+the status goes once, after every rank's writes.
+
+A status that lets the decode reuse its pages (``failed``, ``aborted``) waits, like the
+leader's own, until no byte of the room can land: the leader's sender holds it for its own
+writes and for the followers' (``FollowerWrites``, given to it with the room's binding), which
+are settled once every follower reported so in an exchange after the room's fail or close
+reached it (the follower releases its writes on either). The sender's hold is bounded
+(``transfer.peer_timeout_s``, then the status goes with a warning), and the transfer backend's
+close lets every held status go (the group is stopping: its followers are killed next).
+Torch-free.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+
+if TYPE_CHECKING:  # importing the poster imports NIXL; this module stays free of it
+    from prefill_worker.transfer.nixl.poster import Write
 
 STATE_CODES: Mapping[KVPoll, int] = {
     KVPoll.PEER_LOST: 0,
@@ -71,10 +83,15 @@ class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
 
 @runtime_checkable
 class Bound(Protocol):
-    """A sender that says which decode ranks it is bound to (``PushSender``)."""
+    """A sender the followers can write beside (``PushSender``): it says which decode ranks
+    it is bound to, and holds its statuses for the followers' writes too."""
 
     def bound(self) -> Sequence[tuple[Any, wire.Want]]:
         """(peer, want) per decode rank; a peer has ``agent_name`` and ``registration``."""
+        ...
+
+    def also_wait_for(self, writes: Write) -> None:
+        """Writes of the room made elsewhere: a ``failed`` or ``aborted`` waits for them."""
         ...
 
 
@@ -87,6 +104,11 @@ class Mirror(Protocol):
         """The lowest state the followers reported for ``room``; None before they did."""
         ...
 
+    def followers_settled(self, room: int) -> bool:
+        """No follower's write of ``room`` can land any more: every follower said so after
+        the room's fail or close reached it."""
+        ...
+
     def sync(self) -> None:
         """Exchange what is queued now if the group is free (never waits for a forward)."""
         ...
@@ -95,6 +117,30 @@ class Mirror(Protocol):
 def agree(states: Sequence[KVPoll]) -> KVPoll:
     """The group's state of a room: the lowest code over the ranks."""
     return STATES[min(STATE_CODES[state] for state in states)]
+
+
+class FollowerWrites:
+    """Every follower's writes of one room, as one ``Write`` the leader's sender waits for
+    before a ``failed`` or ``aborted`` (module docstring). Each follower releases its own
+    when the room's fail or close reaches it, so ``release`` has nothing to do here."""
+
+    num_bytes = 0
+    prep_s = 0.0
+    prep_cpu_s = 0.0
+    is_refused = False
+
+    def __init__(self, room: int, mirror: Mirror) -> None:
+        self._room, self._mirror = room, mirror
+
+    def state(self) -> str:
+        return "DONE" if self.is_settled else "PROC"
+
+    def release(self) -> None:
+        """The followers release their writes themselves (module docstring)."""
+
+    @property
+    def is_settled(self) -> bool:
+        return self._mirror.followers_settled(self._room)
 
 
 class GroupSender:
@@ -153,6 +199,7 @@ class GroupSender:
             names.append(peer.agent_name)
             wants.append(want)
         self._mirror.mirror(MirrorOp("bind", self._room, agent_names=names, wants=wants))
+        self._local.also_wait_for(FollowerWrites(self._room, self._mirror))
 
     def fail(self, reason: str) -> None:
         self.held_aux = None  # a failed room's aux row never goes, whatever the followers say

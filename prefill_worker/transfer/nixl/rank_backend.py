@@ -10,12 +10,14 @@ room's binding (``RankSender.bind``: the decode ranks' `want`s) before its pages
                 bind        the room's decode ranks and their wants
                 pages       one WRITE per fed decode rank of this rank's heads  TRANSFERRING
                 aux         every page sent: SUCCESS once every write landed
-                fail/close  FAILED / writes released
+                fail/close  FAILED; writes in flight released (cancelled)
 
 The aux row and the status are the leader's (sent once every rank's SUCCESS is agreed);
 this rank's SUCCESS says only "my writes landed". A write NIXL refuses or reports failed
 fails the room (FAILED, agreed by the group); one still in flight past ``write_timeout_s``
-too. Torch-free; importing it imports NIXL.
+too. A failed room releases its writes in flight; ``settle`` says when none can land any more
+(a release NIXL refuses is retried), for the leader's failure status. Torch-free; importing
+it imports NIXL.
 """
 
 from __future__ import annotations
@@ -100,6 +102,13 @@ class RankSender:
         if not self._state.is_terminal:
             self._state, self._reason = KVPoll.FAILED, reason
             log.warning("room %d failed on this rank: %s", self.room, reason)
+        self._release()
+
+    def settle(self) -> bool:
+        """No write of the room can land from this rank any more (``mirror.ReplayedSender``)."""
+        if self._state.is_terminal:
+            self._release()
+        return not self._handles
 
     def failure_reason(self) -> str | None:
         return self._reason
@@ -112,25 +121,29 @@ class RankSender:
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")
-        for handle, _ in self._handles:
-            self._backend.release(handle)
-        self._handles.clear()
+
+    def _release(self) -> None:
+        """Release every write still held (cancelling it); keep those NIXL refused."""
+        self._handles = [(h, t) for h, t in self._handles if not self._backend.release(h)]
 
     def _check_writes(self) -> None:
-        agent, now, pending = self._backend.agent, self._backend.clock(), []
+        agent, now, pending, why = self._backend.agent, self._backend.clock(), [], None
         for handle, posted_at in self._handles:
             state = agent.check_xfer_state(handle)
-            if state == "DONE":
+            if state in ("DONE", "ERR"):  # over: nothing more of it can land
                 self._backend.release(handle)
-            elif state == "ERR":
-                self._backend.release(handle)
-                self.fail("a KV write failed on a tensor-parallel rank")
-            elif now - posted_at > self._backend.write_timeout_s:
-                pending.append((handle, posted_at))
-                self.fail(f"a KV write was in flight over {self._backend.write_timeout_s:g} s")
+                why = why or (
+                    None if state == "DONE" else "a KV write failed on a tensor-parallel rank"
+                )
             else:
                 pending.append((handle, posted_at))
+                if now - posted_at > self._backend.write_timeout_s:
+                    why = (
+                        why or f"a KV write was in flight over {self._backend.write_timeout_s:g} s"
+                    )
         self._handles = pending
+        if why is not None:
+            self.fail(why)
 
 
 class RankBackend:
@@ -176,11 +189,14 @@ class RankBackend:
     ) -> RankSender:
         return RankSender(self, room)
 
-    def release(self, handle: Any) -> None:
+    def release(self, handle: Any) -> bool:
+        """Release a write handle (cancelling it if in flight); False when NIXL refused."""
         try:
             self.agent.release_xfer_handle(handle)
         except NIXL_ERRORS as exc:
             log.warning("releasing a write handle: %s", exc)
+            return False
+        return True
 
     def poll(self) -> None:
         """Nothing between rooms: each sender checks its writes when polled."""

@@ -143,6 +143,8 @@ class FakeSender:
         self.allowed_peer: str | None = None
         self.send_raises: Exception | None = None  # set by a test: send_pages raises it
         self.poll_raises: Exception | None = None  # set by a test: poll raises it
+        self.is_settled = True  # a follower's: no write of it can land (set by a test)
+        self.other_writes: list[object] = []  # what also_wait_for was given
 
     # the engine's side
     def poll(self) -> KVPoll:
@@ -180,6 +182,12 @@ class FakeSender:
 
     def why_no_handshake(self) -> str | None:
         return None
+
+    def settle(self) -> bool:
+        return self.is_settled
+
+    def also_wait_for(self, writes: object) -> None:
+        self.other_writes.append(writes)
 
     def written_bytes(self) -> int:
         """One byte per page sent, and one for the aux row: enough to see it counted."""
