@@ -455,9 +455,9 @@ __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]
 
 
 def _lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> bool:
-    """Whether the native backend alone answers decodes for the whole TP group (every rank
-    pushes its heads: docs/parallelism.md); otherwise only the leader's heads go (not built
-    yet for SGLang's protocol)."""
+    """Whether the backend (native or SGLang's) alone answers decodes for the whole TP group
+    (every rank pushes its heads: docs/parallelism.md); otherwise only the leader's heads go
+    (``transfer.protocol: both``: not built)."""
     if not hasattr(backend, "lead_group"):
         return False
     from prefill_worker.transfer.nixl.rank_writer import RankPlace

@@ -3,8 +3,9 @@
 Started by the leader (``tp/followers.py``) as ``python -m prefill_worker.service.rank
 --rank R --world-size N --port P --parent-pid PID`` with the resolved configuration as JSON
 on stdin, or reached from ``prefill-worker serve`` under torchrun when RANK is not 0. Where
-the worker serves the native protocol, it pushes its own KV heads through its own NIXL agent
-(``transfer.nixl.rank_backend``), replaying the leader's senders (``tp.mirror``). It
+the worker serves one protocol, native or SGLang's, it pushes its own KV heads through its
+own NIXL agent (``transfer.nixl.rank_backend``), replaying the leader's senders
+(``tp.mirror``). It
 ignores SIGTERM and SIGINT (a supervisor signals the whole process group; the leader drains
 and then sends the stop step) and dies with its leader. Exit codes: 0 after a stop step, 78
 for a configuration problem, 1 for anything else.
@@ -67,17 +68,19 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
 def _transfer_target(
     config: Config, kv_cache: KVCache, num_kv_heads: int, placement: Placement
 ) -> MirrorTarget | None:
-    """This rank's own transfer backend behind the mirror; None unless the worker serves the
-    native protocol alone (for SGLang's the followers write nothing yet: docs/parallelism.md)."""
+    """This rank's own transfer backend behind the mirror, for the native protocol or
+    SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md)."""
     cfg = config.transfer
-    if cfg.protocol != "native":
+    if cfg.protocols not in (("native",), ("sglang",)):
         return None
     from prefill_worker.transfer.nixl.agent import make_agent
     from prefill_worker.transfer.nixl.rank_backend import RankBackend
     from prefill_worker.transfer.nixl.rank_writer import RankPlace
 
     name = f"{cfg.agent_name or 'prefill'}-rank{placement.rank}-{uuid.uuid4().hex[:8]}"
-    agent = make_agent(name, list(cfg.nixl_backends), cfg.resolved_ucx_net_devices)
+    is_native = cfg.protocols == ("native",)
+    devices = cfg.resolved_ucx_net_devices if is_native else cfg.resolved_sglang_ucx_net_devices
+    agent = make_agent(name, list(cfg.nixl_backends), devices)
     place = RankPlace(placement.rank, placement.size, num_kv_heads)
     regions = kv_cache.regions(0, 0)  # the aux rows are the leader's
     return MirrorTarget(RankBackend(agent, place, regions, cfg.peer_timeout_s))

@@ -481,7 +481,8 @@ class ParallelConfig(_Section):
         ge=1,
         le=64,
         description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
-        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads.",
+        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
+        "Above 1, `transfer.protocol` must be native or sglang alone.",
     )
     step_timeout_s: float = Field(
         10.0,
@@ -529,6 +530,19 @@ class Config(_Section):
             raise ValueError(
                 "transfer.protocol vllm: vLLM's proxy reaches this worker over HTTP; set "
                 "http_api.enabled"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tp_serves_one_push_protocol(self) -> Config:
+        """At TP > 1 only a desk that leads the group has every rank push its heads (native,
+        or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
+        leader's heads only."""
+        protocols = self.transfer.protocols
+        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",)):
+            raise ValueError(
+                f"transfer.protocol {self.transfer.protocol!r} at parallel.tp_size "
+                f"{self.parallel.tp_size}: a tensor-parallel worker serves native or sglang alone"
             )
         return self
 

@@ -17,7 +17,8 @@ Until the followers have answered for a room, its state is the leader's, capped 
 TRANSFERRING: it never succeeds on the leader's word alone.
 
 Decodes register with the leader only. Before a room's first pages, the leader mirrors what
-its sender was bound to (a sender that has ``bound()``, the native one): each decode rank's
+its sender was bound to (a sender that has ``bound()``, the push engine's, either protocol's:
+an SGLang decode rank's registration is carried as a native `register`): each decode rank's
 `register` not mirrored yet (``peer``; once per registration), then the room's decode ranks
 and their `want`s (``bind``), so each follower writes its heads into the same pages. The aux
 row (and so the `ok` status, which follows it) waits on the leader until the followers agree
@@ -188,7 +189,7 @@ class GroupSender:
             return  # a protocol the followers write nothing for yet (module docstring)
         bound = self._local.bound()
         if any(peer.registration is None for peer, _ in bound):
-            return  # not a native decode: the followers cannot reach it (module docstring)
+            return  # a peer with no `register` (a TP-1 desk's): nothing to mirror
         names, wants = [], []
         for peer, want in bound:
             registration = peer.registration
