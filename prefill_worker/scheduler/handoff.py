@@ -127,7 +127,6 @@ class Handoff:
         self._table.release(req.request_id)
         req.page_ids = ()
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_prefix_hit_tokens = 0
-        req.prefill_start_time = None
         if req.prompt_logprobs is not None:
             req.prompt_logprobs = []
         req.num_retries += 1
