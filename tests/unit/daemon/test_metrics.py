@@ -26,7 +26,7 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
         7,
         -0.5,
         None,
-        Timings(0.01, 0.02, 0.3, 0.04),
+        Timings(0.01, 0.02, 0.3, 0.04, prefill_retries=2),
         transfer_bytes=4096,
     )
     failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
@@ -62,6 +62,7 @@ def test_values() -> None:
     assert value(registry, "prefill_worker_prefix_cache_pages") == 6
     assert value(registry, "prefill_worker_prefix_cache_queries_total") == 100
     assert value(registry, "prefill_worker_prefix_cache_hits_total") == 64
+    assert value(registry, "prefill_worker_prefill_retries_total") == 2
     assert value(registry, "prefill_worker_rejects_total", code="empty_prompt") == 1
     assert value(registry, "prefill_worker_rejects_total", code="ttft_slo") == 1
 
