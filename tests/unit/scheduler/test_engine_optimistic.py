@@ -43,6 +43,11 @@ def state_of(rig: Rig, request_id: str) -> RequestState | None:
     return None if req is None else req.state
 
 
+def is_held(rig: Rig, request_id: str) -> bool:
+    req = rig.engine._life.queues.live.get(request_id)
+    return req is not None and req.held_at is not None
+
+
 def check_ok(rig: Rig, request_id: str, *, hit: int = 0, retries: int = 0) -> None:
     out, msg = rig.outcome(request_id), rig.messages[request_id]
     n = len(msg.token_ids)
@@ -86,6 +91,8 @@ def test_want_after_the_prefill_pushes_the_held_request_at_once() -> None:
     rig.clock.advance(0.5)  # within the hold bound
     rig.sender("a").want()
     rig.run_until_idle()
+    rig.clock.advance(1.0)
+    rig.steps(1)  # its hold's deadline passes: it no longer applies
     assert len(rig.runner.plans) == 2  # nothing computed again
     check_ok(rig, "a")
     rig.check_whole()
@@ -95,7 +102,10 @@ def test_a_held_prefill_yields_after_its_bound_and_returns_as_a_cache_hit() -> N
     rig = optimistic_rig()
     rig.prefill("a", 14)  # 3 full pages and a partial one
     rig.steps(3)
-    rig.clock.advance(1.0)  # the hold bound passes: it yields and is admitted again
+    rig.clock.advance(0.5)
+    rig.steps(1)
+    assert rig.engine.load.num_cached_pages == 3 and rig.engine.load.num_free_aux_rows < 8
+    rig.clock.advance(0.5)  # the hold bound passes: it yields and is admitted again
     rig.steps(1)
     assert rig.engine.load.num_cached_pages == 3  # its full pages stayed in the prefix cache
     rig.steps(2)
@@ -122,17 +132,19 @@ def test_a_retry_reports_its_prompt_logprobs_once() -> None:
     rig.check_whole()
 
 
-def test_after_the_attempts_it_waits_for_its_want_as_before() -> None:
-    rig = optimistic_rig(optimistic_attempts=1)
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_after_the_attempts_it_waits_for_its_want_as_before(attempts: int) -> None:
+    rig = optimistic_rig(optimistic_attempts=attempts)
     rig.prefill("a", 14)
-    rig.steps(3)
-    rig.clock.advance(1.0)
+    for _ in range(attempts):
+        rig.steps(3)
+        rig.clock.advance(1.0)
     rig.steps(5)
     assert state_of(rig, "a") is RequestState.BOOTSTRAPPING
-    assert len(chunks_of(rig, "a")) == 2  # not admitted again without its want
+    assert len(chunks_of(rig, "a")) == 1 + attempts  # not admitted again without its want
     rig.sender("a").want()
     rig.run_until_idle()
-    check_ok(rig, "a", hit=12, retries=1)
+    check_ok(rig, "a", hit=12, retries=attempts)
     rig.check_whole()
 
 
@@ -167,8 +179,11 @@ def test_an_abort_in_each_new_state_leaves_the_pools_whole(where: str) -> None:
     if rig.runner.gate is not None:
         rig.runner.gate.set()
     rig.run_until_idle()
-    assert rig.outcome("a").reason is FinishReason.ABORTED_BY_ROUTER
-    assert rig.sender("a").sent == []
+    out = rig.outcome("a")
+    assert out.reason is FinishReason.ABORTED_BY_ROUTER and rig.sender("a").sent == []
+    if where == "yielded":  # nothing of the yielded attempt is reported
+        assert (out.num_prefix_hit_tokens, out.num_computed_tokens) == (0, 0)
+        assert out.timings.prefill_retries == 1
     rig.engine.shutdown()
     rig.check_whole()
 
@@ -177,17 +192,25 @@ def test_page_pressure_makes_a_held_prefill_yield() -> None:
     rig = optimistic_rig(num_pages=8)
     rig.prefill("held", 20)  # 5 pages
     rig.steps(4)
-    assert state_of(rig, "held") is RequestState.PREFILLING  # held: nothing computes
+    assert is_held(rig, "held")
+    rig.clock.advance(0.5)
     rig.prefill("claimed", 16)  # 4 pages: only there if the held one yields
     rig.sender("claimed").want()
     rig.steps(1)
     assert state_of(rig, "held") is RequestState.BOOTSTRAPPING
-    rig.steps(4)
+    assert state_of(rig, "claimed") is RequestState.PREFILLING  # admitted in the same turn
+    for _ in range(20):
+        if is_held(rig, "held"):
+            break
+        rig.steps(1)
     check_ok(rig, "claimed")
+    assert is_held(rig, "held")  # its second prefill, held again
+    rig.clock.advance(0.5)
+    rig.steps(1)  # its first hold's deadline passes: the second hold is not over
+    assert is_held(rig, "held")
     rig.sender("held").want()
     rig.run_until_idle()
-    assert rig.outcome("held").reason is FinishReason.OK
-    assert rig.outcome("held").timings.prefill_retries >= 1
+    check_ok(rig, "held", hit=16, retries=1)
     rig.check_whole()
 
 
