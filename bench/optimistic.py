@@ -7,8 +7,10 @@ seconds after the router sent the request (``DecodePeer.expect`` then: its `want
 
 - The prefill time ``p``: the median ``timings.prefill_s`` of sequential requests on the off
   worker (``e2e.py``'s lognormal lengths). Delays: ``zero``, ``prefill`` (``p``), ``3x``.
-- Per delay and mode: Poisson arrivals at ``LOAD_FRACTION`` of the off worker's capacity, the
-  same workload for both; TTFT is router send → ``result``.
+- Per delay and mode, the same prompts for both: one request at a time by default (the TTFT
+  a request sees on an idle worker), or with ``--load-fraction F`` Poisson arrivals at ``F``
+  of the off worker's capacity (queueing adds the same wait to both modes); TTFT is router
+  send → ``result``.
 - Throughput at ``zero``: bursts of requests all sent at once; requests per second until the
   last result.
 - The TTFT prediction at low, medium and high load as ``ttft_prediction.py`` measures it, off
@@ -52,7 +54,6 @@ import ttft_prediction  # noqa: E402
 from prefill_worker.request import OutcomeStatus  # noqa: E402
 
 DELAYS = {"zero": 0.0, "prefill": 1.0, "3x": 3.0}  # multiples of the prefill time
-LOAD_FRACTION = 0.3  # of the off worker's capacity, for the TTFT points
 MODES = ("off", "on")
 
 
@@ -90,8 +91,10 @@ class Router:
         return time.monotonic() - sent, is_ok, t.prefill_retries, t.prefill_s
 
     async def load(
-        self, workload: list[tuple[float, int]], delay_s: float
+        self, workload: list[tuple[float, int]], delay_s: float, *, one_at_a_time: bool = False
     ) -> list[tuple[float, bool, int, float]]:
+        if one_at_a_time:
+            return [await self.one(n, delay_s) for _, n in workload]
         start, tasks = time.monotonic(), []
         for offset, n in workload:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
@@ -123,9 +126,9 @@ async def measure(
     out = {mode: Measured() for mode in routers}
     for i, (name, delay_s) in enumerate(delays.items()):
         for half in range(2):
-            workload = e2e.workload(num // 2, rate, seed=300 + 10 * i + half)
+            workload = e2e.workload(num // 2, rate or 1.0, seed=300 + 10 * i + half)
             for mode, router in routers.items():
-                samples = await router.load(workload, delay_s)
+                samples = await router.load(workload, delay_s, one_at_a_time=not rate)
                 out[mode].ttfts.setdefault(name, []).extend(t for t, ok, _, _ in samples if ok)
                 retries = sum(r for _, ok, r, _ in samples if ok)
                 out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
@@ -191,7 +194,9 @@ def delay_lines(off: Measured, on: Measured, delays: dict[str, float]) -> list[d
     return lines
 
 
-async def run(ckpt: Path, tmp: Path, num: int, burst: int) -> list[dict[str, object]]:
+async def run(
+    ckpt: Path, tmp: Path, num: int, burst: int, load_fraction: float, with_predictions: bool
+) -> list[dict[str, object]]:
     """Both workers up at once; only one has work at a time."""
     targets = {mode: start_target(ckpt, tmp, mode == "on") for mode in MODES}
     stop = asyncio.Event()
@@ -201,9 +206,11 @@ async def run(ckpt: Path, tmp: Path, num: int, burst: int) -> list[dict[str, obj
         await calibrate(targets["on"], 4)  # the same warm-up for both
         prefill_s, capacity = await calibrate(targets["off"], 12)
         delays = {name: k * prefill_s for name, k in DELAYS.items()}
-        measured = await measure(routers, delays, LOAD_FRACTION * capacity, num, burst)
+        measured = await measure(routers, delays, load_fraction * capacity, num, burst)
         lines = delay_lines(measured["off"], measured["on"], delays)
-        return lines + await predictions(targets, num)
+        for entry in lines:
+            entry["load_fraction"] = load_fraction or "one at a time"
+        return lines + (await predictions(targets, num) if with_predictions else [])
     finally:
         stop.set()
         await pumping
@@ -214,6 +221,10 @@ async def run(ckpt: Path, tmp: Path, num: int, burst: int) -> list[dict[str, obj
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per point")
+    parser.add_argument(
+        "--load-fraction", type=float, default=0.0, help="Poisson arrivals (0: one at a time)"
+    )
+    parser.add_argument("--no-prediction", action="store_true", help="skip the TTFT prediction")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-optimistic-") as tmp_name:
         tmp = Path(tmp_name)
@@ -221,7 +232,7 @@ def main() -> int:
             (tmp / mode).mkdir()
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
         num, burst = (20, 16) if args.quick else (40, 32)
-        lines = asyncio.run(run(ckpt, tmp, num, burst))
+        lines = asyncio.run(run(ckpt, tmp, num, burst, args.load_fraction, not args.no_prediction))
     e2e.RESULTS.mkdir(parents=True, exist_ok=True)
     with (e2e.RESULTS / "optimistic.jsonl").open("w") as out:
         for entry in lines:

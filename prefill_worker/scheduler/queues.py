@@ -7,7 +7,7 @@ move to ``on_move`` (the engine passes its observer's ``on_transition``)::
     live        request_id -> Request, every non-terminal request
     waiting     deque, FCFS order: the admission queue, WAITING requests and, with optimistic
                 prefill, BOOTSTRAPPING ones with an attempt left (``Request.is_admissible``);
-                entries no longer admissible are dropped lazily at the head
+                ended requests are dropped lazily at the head
     prefilling  request_id -> Request, admission order
     held        request_id -> Request, the PREFILLING ones whose prefill is done and whose
                 decode has not asked yet (optimistic prefill): oldest first
@@ -129,7 +129,7 @@ class RequestQueues:
     def head_waiting(self) -> Request | None:
         """The oldest admissible request, or None."""
         while self.waiting and not self.waiting[0].is_admissible:
-            self.waiting.popleft().is_queued = False
+            self.waiting.popleft()  # an ended request: it leaves the queue only by popping
         return self.waiting[0] if self.waiting else None
 
     def pop_waiting(self) -> Request:
