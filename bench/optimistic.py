@@ -16,10 +16,11 @@ seconds after the router sent the request (``DecodePeer.expect`` then: its `want
 - The TTFT prediction at low, medium and high load as ``ttft_prediction.py`` measures it, off
   and on (the line's ``optimistic_prefill``).
 
-Both workers run for the whole bench and take turns (each point in two halves, off then on),
-so a drift in the machine's load falls on both alike.
+Both workers run for the whole bench and take turns (request by request; with Poisson
+arrivals each point in two halves, off then on), so a drift in the machine's load falls on
+both alike.
 
-JSON lines to stdout and ``bench/results/optimistic.jsonl``::
+JSON lines to stdout, appended to ``bench/results/optimistic.jsonl``::
 
     {"name": "optimistic", "delay": "zero" | "prefill" | "3x", "ttft_p50_on_s", "ttft_p50_off_s",
      "ttft_p99_on_s", "ttft_p99_off_s", "ttft_ratio": on/off p50, "throughput_ratio": on/off}
@@ -91,10 +92,8 @@ class Router:
         return time.monotonic() - sent, is_ok, t.prefill_retries, t.prefill_s
 
     async def load(
-        self, workload: list[tuple[float, int]], delay_s: float, *, one_at_a_time: bool = False
+        self, workload: list[tuple[float, int]], delay_s: float
     ) -> list[tuple[float, bool, int, float]]:
-        if one_at_a_time:
-            return [await self.one(n, delay_s) for _, n in workload]
         start, tasks = time.monotonic(), []
         for offset, n in workload:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
@@ -122,13 +121,21 @@ async def calibrate(target: e2e.Target, num: int) -> tuple[float, float]:
 async def measure(
     routers: dict[str, Router], delays: dict[str, float], rate: float, num: int, burst: int
 ) -> dict[str, Measured]:
-    """Each point in two halves, off and on taking turns (the machine's load drifts)."""
+    """Off and on take turns (the machine's load drifts): request by request, or with Poisson
+    arrivals each point in two halves."""
     out = {mode: Measured() for mode in routers}
     for i, (name, delay_s) in enumerate(delays.items()):
+        if not rate:  # one at a time: off and on take turns request by request
+            for _, n in e2e.workload(num, 1.0, seed=300 + 10 * i):
+                for mode, router in routers.items():
+                    t, ok, retries, _ = await router.one(n, delay_s)
+                    out[mode].ttfts.setdefault(name, []).extend([t] if ok else [])
+                    out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
+            continue
         for half in range(2):
             workload = e2e.workload(num // 2, rate or 1.0, seed=300 + 10 * i + half)
             for mode, router in routers.items():
-                samples = await router.load(workload, delay_s, one_at_a_time=not rate)
+                samples = await router.load(workload, delay_s)
                 out[mode].ttfts.setdefault(name, []).extend(t for t, ok, _, _ in samples if ok)
                 retries = sum(r for _, ok, r, _ in samples if ok)
                 out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
@@ -234,7 +241,7 @@ def main() -> int:
         num, burst = (20, 16) if args.quick else (40, 32)
         lines = asyncio.run(run(ckpt, tmp, num, burst, args.load_fraction, not args.no_prediction))
     e2e.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (e2e.RESULTS / "optimistic.jsonl").open("w") as out:
+    with (e2e.RESULTS / "optimistic.jsonl").open("a") as out:  # runs accumulate
         for entry in lines:
             print(json.dumps(entry), flush=True)
             out.write(json.dumps(entry) + "\n")
