@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import e2e  # noqa: E402
 import ttft_prediction  # noqa: E402
+from msgspec import UnsetType  # noqa: E402
 
 from prefill_worker.request import OutcomeStatus  # noqa: E402
 
@@ -89,7 +90,8 @@ class Router:
         result = await self.target.router.prefill(ids, room, timeout_s=300)
         t = result.timings
         is_ok = result.status is OutcomeStatus.OK
-        return time.monotonic() - sent, is_ok, t.prefill_retries, t.prefill_s
+        retries = 0 if isinstance(result.prefill_retries, UnsetType) else result.prefill_retries
+        return time.monotonic() - sent, is_ok, retries, t.prefill_s
 
     async def load(
         self, workload: list[tuple[float, int]], delay_s: float

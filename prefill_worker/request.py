@@ -133,7 +133,6 @@ class Timings:
     bootstrap_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    prefill_retries: int = 0  # optimistic prefills that yielded before the decode asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +154,7 @@ class Outcome:
     # Prompt logprobs, only when asked and ok: the logprob of each prompt token at positions
     # [prompt_logprob_start + 1, num_prompt_tokens), given the tokens before it.
     prompt_logprobs: tuple[float, ...] | None = None
+    prefill_retries: int = 0  # optimistic prefills that yielded before the decode claimed it
 
 
 @dataclass(frozen=True, slots=True)

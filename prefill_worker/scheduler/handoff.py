@@ -14,7 +14,7 @@ also admitted before its want, up to ``scheduler.optimistic_attempts`` times::
                                         goes back to BOOTSTRAPPING and is queued again if
                                         an attempt is left; its next prefill is a cache hit
 
-A yield is a retry (``Timings.prefill_retries``). The bootstrap timeout bounds all of it.
+A yield is a retry (``Outcome.prefill_retries``). The bootstrap timeout bounds all of it.
 """
 
 from __future__ import annotations

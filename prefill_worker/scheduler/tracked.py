@@ -171,7 +171,6 @@ class Request:
             bootstrap_s=bootstrap_s,
             prefill_s=prefill_s,
             transfer_s=transfer_s,
-            prefill_retries=self.num_retries,
         )
 
     def outcome(
@@ -193,6 +192,7 @@ class Request:
             error=error,
             timings=self.timings(now),
             transfer_bytes=transfer_bytes,
+            prefill_retries=self.num_retries,
         )
 
 

@@ -247,7 +247,7 @@ class WorkerMetrics:
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)
         t = outcome.timings
-        self.prefill_retries.inc(t.prefill_retries)
+        self.prefill_retries.inc(outcome.prefill_retries)
         for phase, seconds in (
             ("queue", t.queue_s),
             ("bootstrap", t.bootstrap_s),

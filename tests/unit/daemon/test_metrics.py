@@ -26,8 +26,9 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
         7,
         -0.5,
         None,
-        Timings(0.01, 0.02, 0.3, 0.04, prefill_retries=2),
+        Timings(0.01, 0.02, 0.3, 0.04),
         transfer_bytes=4096,
+        prefill_retries=2,
     )
     failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
     metrics.observe_outcome(ok)

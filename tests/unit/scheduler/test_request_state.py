@@ -72,13 +72,12 @@ def test_timings_split_phases_and_stop_at_the_current_one() -> None:
 def test_timings_of_an_optimistic_prefill_add_up_to_the_total() -> None:
     """Prefilled before the want (at 105): the phases run one after another from it."""
     req = make_request()  # arrived at 100
-    req.prefill_start_time, req.num_retries = 101.0, 2
+    req.prefill_start_time = 101.0
     t = req.timings(104.0)
     assert (t.bootstrap_s, t.queue_s, t.prefill_s, t.transfer_s) == (4.0, 0.0, 0.0, 0.0)
     req.prefill_end_time, req.ready_time, req.finish_time = 103.0, 105.0, 106.0
     t = req.timings(999.0)
     assert (t.bootstrap_s, t.queue_s, t.prefill_s, t.transfer_s) == (5.0, 0.0, 0.0, 1.0)
-    assert t.prefill_retries == 2
 
 
 @pytest.mark.parametrize(
