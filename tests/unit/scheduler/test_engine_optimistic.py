@@ -214,6 +214,21 @@ def test_page_pressure_makes_a_held_prefill_yield() -> None:
     rig.check_whole()
 
 
+def test_a_push_that_raises_at_the_claim_fails_only_its_request() -> None:
+    rig = optimistic_rig()
+    rig.prefill("a", 14)
+    rig.prefill("b", 14)
+    rig.steps(4)
+    rig.sender("a").send_raises = RuntimeError("bad pages")
+    rig.sender("a").want()
+    rig.sender("b").want()
+    rig.run_until_idle()
+    assert rig.outcome("a").reason is FinishReason.ENGINE_ERROR
+    assert "bad pages" in (rig.outcome("a").error or "")
+    check_ok(rig, "b")
+    rig.check_whole()
+
+
 def test_off_by_default_nothing_is_prefilled_before_the_want() -> None:
     rig = optimistic_rig(optimistic=False)
     rig.prefill("a", 14)
