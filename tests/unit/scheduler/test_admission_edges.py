@@ -91,3 +91,13 @@ def test_a_budget_of_one_token_still_continues_a_prefill() -> None:
     assert first is not None and second is not None
     assert [(c.request_id, c.num_tokens) for c in first.plan.chunks] == [("a", 4), ("b", 1)]
     assert [(c.request_id, c.num_tokens) for c in second.plan.chunks] == [("a", 4), ("b", 1)]
+
+
+def test_a_request_waits_for_its_want_unless_given_optimistic_attempts() -> None:
+    queues = RequestQueues()
+    unclaimed, optimistic = request("a", 4), request("b", 4)
+    optimistic.attempts_left = 1  # what Handoff.on_submit gives with optimistic prefill on
+    queues.add(unclaimed)
+    assert queues.head_waiting() is None  # not admissible before its want
+    queues.add(optimistic)
+    assert queues.head_waiting() is optimistic
