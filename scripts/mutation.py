@@ -91,6 +91,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/scheduler/forward.py": _SCHEDULER,
     "prefill_worker/scheduler/engine.py": _SCHEDULER,
     "prefill_worker/scheduler/lifecycle.py": _SCHEDULER,
+    "prefill_worker/scheduler/handoff.py": _SCHEDULER,
     "prefill_worker/scheduler/liveness.py": _SCHEDULER,
     "prefill_worker/scheduler/observer.py": _SCHEDULER,
     "prefill_worker/inbox.py": [*_SCHEDULER, "tests/unit/test_inbox_wake.py"],

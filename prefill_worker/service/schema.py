@@ -114,6 +114,23 @@ class SchedulerConfig(_Section):
     overlap: bool = Field(
         True, description="Run forward N while the CPU schedules N+1 (CUDA stream or thread)."
     )
+    optimistic_prefill: bool = Field(
+        False,
+        description="Prefill a request before its decode claims the room; its pages are pushed "
+        "when the claim comes (docs/architecture.md, optimistic prefill).",
+    )
+    optimistic_attempts: int = Field(
+        2,
+        ge=1,
+        description="Prefills a request may start before its decode claims the room; after "
+        "that it waits for the claim.",
+    )
+    optimistic_hold_s: float = Field(
+        1.0,
+        gt=0,
+        description="How long a finished optimistic prefill keeps its pages for its decode's "
+        "claim before it yields them to the prefix cache and is requeued.",
+    )
     warmup_tokens: int = Field(
         256,
         ge=0,

@@ -341,6 +341,9 @@ def make_rig(
     prefix_cache: bool = False,
     prefix_cache_max_pages: int | None = None,
     cache_events: CacheEventSink | None = None,
+    optimistic: bool = False,
+    optimistic_attempts: int = 2,
+    optimistic_hold_s: float = 1.0,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
@@ -362,6 +365,9 @@ def make_rig(
             max_running_requests=max_running_requests,
             bootstrap_timeout_s=bootstrap_timeout_s,
             transfer_timeout_s=transfer_timeout_s,
+            optimistic_prefill=optimistic,
+            optimistic_attempts=optimistic_attempts,
+            optimistic_hold_s=optimistic_hold_s,
         ),
         overlap=overlap,
         clock=clock,
