@@ -199,15 +199,18 @@ class Stack:
         args += ["--retry-initial-backoff-ms", "10", "--log-level", "info", *flags]
         child = ChildProcess.start("smg", args, self.tmp_path, cwd=ROOT)
         self.children.insert(0, child)
-        num_workers = len(self.prefills) + len(self.decode_ports)
-        wait_until(lambda: self.num_workers() == num_workers, 60, "smg registration")
+        num = len(self.prefills) + len(self.decode_ports)
+        wait_until(lambda: self.num_healthy_workers() == num, 60, "smg registration and health")
 
-    def num_workers(self) -> int:
+    def num_healthy_workers(self) -> int:
+        """Workers smg has registered and found healthy: it routes only to those (a request
+        sent between the two gets smg's 503, "no available prefill workers")."""
         try:
             status, body = http(f"{self.router}/workers", timeout_s=2)
         except OSError:
             return 0
-        return len(body.get("workers", [])) if status == 200 else 0
+        workers = body.get("workers", []) if status == 200 else []
+        return sum(1 for worker in workers if worker.get("is_healthy"))
 
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         return http(f"{self.router}/generate", {"model": MODEL_NAME, **body})
