@@ -14,7 +14,6 @@ Llama family.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,13 @@ from prefill_worker.model.attention import AttentionBackend, MLAAttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
-from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, forward_output
+from prefill_worker.model.llama import (
+    DenseMLP,
+    ForwardInputs,
+    ForwardOutput,
+    forward_output,
+    prepared_experts,
+)
 from prefill_worker.model.mla import MLAWeights, mla_attention
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
@@ -64,13 +69,7 @@ class DeepseekV3LM:
         self.spec, self.mla, self.tp = spec, spec.mla, tp
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
-        layers = tuple(
-            dataclasses.replace(layer, mlp=self.experts.prepare(layer.mlp))
-            if isinstance(layer.mlp, MoEWeights)
-            else layer
-            for layer in weights.layers
-        )
-        self.weights = dataclasses.replace(weights, layers=layers)
+        self.weights = prepared_experts(weights, self.experts)
         self.rotary = Rotary(spec.rope, self.mla.qk_rope_head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
 
