@@ -112,8 +112,15 @@ format:
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Two pytest processes (pytest-xdist): most of the suite's time is child processes starting and
+# peers waited for, which overlap on 2 cores. A work unit is a module, or all of one SGLang
+# version's tests, or a shared child's (tests/conftest.py): a session or module fixture starts
+# once per process that runs it. PYTEST_WORKERS=0 runs in this process, as before.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup)
+
 test: lint
-	$(BIN)/pytest -q -m "not slow and not interop"
+	$(BIN)/pytest -q $(XDIST) -m "not slow and not interop"
 
 # Mutation testing of the core (docs/testing.md): mutmut, one module at a time with that
 # module's own unit tests, verdicts kept in .mutation/ between runs; per-module JSON scores,
@@ -155,7 +162,7 @@ $(INTEROP)/sglang-%/.installed: | $(BIN)/python
 	@touch $@
 
 interop: interop-deps vllm-deps smg kv-events-deps
-	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -m interop tests/interop tests/smg
+	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q $(XDIST) -m interop tests/interop tests/smg
 
 # vLLM's own NixlConnector as the decode (tests/interop/vllm_decode.py), in a directory of its
 # own like SGLang's: vllm and xgrammar without their dependencies (with them they pull torch

@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +120,14 @@ def forward_time(runner: Runner, num_tokens: int, chunk_size: int) -> float:
 class WorkerProcess:
     """``prefill-worker serve`` on the bench checkpoint; ready on its sd_notify READY=1."""
 
-    def __init__(self, ckpt: Path, overlap: bool, chunk_size: int, workdir: Path) -> None:
+    def __init__(
+        self,
+        ckpt: Path,
+        overlap: bool,
+        chunk_size: int,
+        workdir: Path,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
         ports = [free_port() for _ in range(3)]
         self.ingress, self.bootstrap = (f"tcp://127.0.0.1:{p}" for p in ports[:2])
         settings = {
@@ -132,6 +140,7 @@ class WorkerProcess:
             "transfer.bootstrap_bind": self.bootstrap, "metrics.bind": f"127.0.0.1:{ports[2]}",
             "daemon.log_level": "warning",
         }  # fmt: skip
+        settings.update(extra or {})
         args = [sys.executable, "-m", "prefill_worker", "serve", "configs/default.yaml"]
         for key, value in settings.items():
             args += ["--set", f"{key}={value}"]
@@ -170,9 +179,17 @@ def decode_peer(bootstrap: str) -> DecodePeer:
 class Target:
     """One configuration under test: its worker, its decode peer, a router client."""
 
-    def __init__(self, ckpt: Path, overlap: bool, chunk_size: int, workdir: Path) -> None:
+    def __init__(
+        self,
+        ckpt: Path,
+        overlap: bool,
+        chunk_size: int,
+        workdir: Path,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        """``extra``: more ``--set key=value`` settings for the worker."""
         self.overlap, self.chunk_size = overlap, chunk_size
-        self.worker = WorkerProcess(ckpt, overlap, chunk_size, workdir)
+        self.worker = WorkerProcess(ckpt, overlap, chunk_size, workdir, extra)
         self.peer = decode_peer(self.worker.bootstrap)
         self.router = RouterClient(self.worker.ingress)
         self._rng = random.Random(7)

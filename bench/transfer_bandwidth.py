@@ -34,7 +34,8 @@ for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one
                                        [--push thread,inline] [--protocol push,vllm]
 
 ``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the repack into vLLM's
-layout and a decode's READ of it, against the same memcpy; ``bench/vllm_pull.py``).
+layout and a decode's READ of it, against the same memcpy, and with ``push,vllm`` the pull
+path's bandwidth against the thread push's scattered rows; ``bench/vllm_pull.py``).
 """
 
 from __future__ import annotations
@@ -193,24 +194,29 @@ def main() -> None:
     parser.add_argument("--protocol", default="push", help="push, vllm (pull rows), or both")
     args = parser.parse_args()
     protocols = args.protocol.split(",")
+    chunk_pages = args.chunk_tokens // PAGE_SIZE
     for pool_layout in args.pool_layouts.split(","):
+        push_gb_s: dict[int, float] = {}  # the thread push's scattered rows, by tokens
         for push in args.push.split(",") if "push" in protocols else ():
-            run_layout(pool_layout, push, args.repeats, args.chunk_tokens // PAGE_SIZE)
+            rows = run_layout(pool_layout, push, args.repeats, chunk_pages)
+            if push == "thread":
+                push_gb_s = rows
         if "vllm" in protocols:
-            run_vllm(pool_layout, args.repeats)
+            run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s)
 
 
-def run_vllm(pool_layout: str, repeats: int) -> None:
+def run_vllm(pool_layout: str, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
     """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape."""
     import vllm_pull
 
     lay = layout(NUM_LOCAL_PAGES, pool_layout)
     pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
-    vllm_pull.run(lay, regions_over(lay, pool, AuxPool(16)), repeats)
+    vllm_pull.run(lay, regions_over(lay, pool, AuxPool(16)), repeats, chunk_pages, push_gb_s)
 
 
-def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> None:
-    """Every case for one pool layout, against a fresh worker and decode."""
+def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> dict[int, float]:
+    """Every case for one pool layout, against a fresh worker and decode; the scattered
+    rows' GB/s by prompt length."""
     from prefill_worker.transfer import make_backend
     from prefill_worker.transfer.options import NativeOptions
 
@@ -236,6 +242,7 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> N
     room = 1
     # stands in for the decode pool (same page count), touched like a live one
     copy_dst = np.ones(2 * lay.num_layers * NUM_DECODE_PAGES * lay.page_bytes, np.uint8)
+    scattered_gb_s: dict[int, float] = {}
     try:
         for tokens in (1024, 8192):
             n = tokens // PAGE_SIZE
@@ -272,6 +279,7 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> N
                     "engine_max_call_ms": round(max(calls[1:]) * 1e3, 3),
                 }
                 if scattered_copies:
+                    scattered_gb_s[tokens] = line["gb_s"]
                     scattered_ref = nbytes / statistics.median(scattered_copies[1:]) / 1e9
                     line["scattered_memcpy_gb_s"] = round(scattered_ref, 3)
                     line["scattered_ratio"] = round(gb_s / scattered_ref, 3)
@@ -280,6 +288,7 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> N
         conn.send(("exit",))
         proc.join(10)
         backend.close()
+    return scattered_gb_s
 
 
 if __name__ == "__main__":

@@ -1,17 +1,32 @@
 """vLLM-pull rows of ``bench/transfer_bandwidth.py`` (``--protocol vllm``): what serving a vLLM
 decode costs, on the same Llama-3-8B-shaped KV and the same memcpy reference.
 
-Per pool layout and prompt length: the repack of a request's pages (scattered in the pool)
-into the staging region in vLLM's layout (``transfer/vllm/staging.py``, on the engine thread),
-then a decode in a spawned process READs the staged blocks over real NIXL as vLLM's
-connector does (one descriptor per block per layer) with its completion notification. Both
-are timed against a memcpy of the same bytes in this process, right after, so each sees the
-same machine load; medians over the repeats (the first is a warm-up). One JSON line each::
+Per pool layout and prompt length, a request's pages (scattered in the pool) go through the
+vLLM sender chunk by chunk as the engine hands them over (``--chunk-tokens``, 2048 as the
+push rows): each chunk's repack into the staging region in vLLM's layout runs on the repack
+thread (``transfer/vllm/desk.py``); then a decode in a spawned process READs the staged
+blocks over real NIXL as vLLM's connector does (one descriptor per block per layer) with its
+completion notification. Each is timed against a memcpy of the same bytes in this process,
+right after, so each sees the same machine load; medians over the repeats (the first is a
+warm-up). One JSON line each::
 
     {"name": "transfer", "protocol": "vllm", "pool_layout", "tokens", "block_size",
-     "repack_ms", "repack_gb_s", "read_gb_s", "memcpy_gb_s", "repack_ratio", "read_ratio"}
+     "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms", "read_gb_s",
+     "memcpy_gb_s", "repack_ratio", "read_ratio", "pull_gb_s", "pull_serial_gb_s",
+     "push_gb_s", "pull_vs_push"}
 
-Goal (issue 30): ``read_ratio`` within 10% of the push rows' ``ratio`` of the same run.
+``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate); ``repack_tail_ms`` what of
+it a user waits for: from the last chunk's hand-over to the request's success (its answer
+may go), the earlier chunks' repacks having ended behind the next chunk's forward (here they
+are waited for before the next hand-over, as a forward longer than a chunk's repack hides
+them: seconds on this CPU worker, against ~0.1-0.2 s per 2048 tokens of repack).
+``pull_gb_s``, the pull path as a user sees it: the KV's bytes over the time from the
+prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the READ (the
+proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same with every
+repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of the same
+scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's hand-over to the
+decode's status), and ``pull_vs_push`` is ``pull_gb_s / push_gb_s``: goal (issue 30) >= 0.9.
+Without ``--protocol push`` in the same run both are absent.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -80,8 +96,11 @@ def decode_main(conn: Connection, registration: Any, num_blocks: int) -> None:
     agent.deregister_memory(reg)
 
 
-def run(lay: KVLayout, regions: KVRegions, repeats: int) -> None:
-    """Every vLLM row for one pool layout."""
+def run(
+    lay: KVLayout, regions: KVRegions, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]
+) -> None:
+    """Every vLLM row for one pool layout; ``push_gb_s``: the same run's scattered push rows'
+    GB/s by prompt length (empty without them)."""
     from prefill_worker.transfer.options import NixlOptions, VllmOptions
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.tickets import Tickets
@@ -99,57 +118,98 @@ def run(lay: KVLayout, regions: KVRegions, repeats: int) -> None:
         largest = max(TOKENS) * lay.num_layers * 2 * lay.page_bytes // lay.page_size
         copy = _CopyReference(largest)
         for tokens in TOKENS:
-            _row(backend, conn, lay, tokens, repeats, copy)
+            case = _Case(lay, tokens, chunk_pages, push_gb_s.get(tokens))
+            _row(backend, conn, case, repeats, copy)
     finally:
         conn.send("exit")
         child.join(60)
         backend.close()
 
 
-def _row(
-    backend: Any, conn: Connection, lay: KVLayout, tokens: int, repeats: int, copy: _CopyReference
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Case:
+    lay: KVLayout
+    tokens: int
+    chunk_pages: int
+    push_gb_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    params: dict[str, Any]
+    num_bytes: int
+    repack_s: float  # every chunk's repack
+    tail_s: float  # from the last chunk's hand-over to success
+
+
+def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyReference) -> None:
+    lay, tokens = case.lay, case.tokens
     rng = np.random.default_rng(tokens)
-    repack_s, read_s, memcpy_s = [], [], []
-    nbytes = 0
+    staged, read_s, memcpy_s = [], [], []
     for room in range(tokens, tokens + repeats + 1):
         pages = [int(p) for p in rng.choice(lay.num_pages, tokens // lay.page_size, False)]
-        start = time.perf_counter()
-        params, nbytes = _stage(backend, room, tokens, pages)
-        repack_s.append(time.perf_counter() - start)
-        conn.send((params["remote_block_ids"][0], f"{params['remote_request_id']}:1"))
+        done = _stage(backend, room, tokens, pages, case.chunk_pages)
+        staged.append(done)
+        conn.send((done.params["remote_block_ids"][0], f"{done.params['remote_request_id']}:1"))
         read_s.append(conn.recv())
         while len(backend.desk.holds):  # the READ's notification frees the blocks
             backend.poll()
-        memcpy_s.append(copy.seconds(nbytes))
-    repack, read, memcpy = (statistics.median(s[1:]) for s in (repack_s, read_s, memcpy_s))
-    row = {
+        memcpy_s.append(copy.seconds(done.num_bytes))
+    nbytes = staged[-1].num_bytes
+    repack_s = [s.repack_s for s in staged]
+    tail_s = [s.tail_s for s in staged]
+    pull_s = [t + r for t, r in zip(tail_s, read_s, strict=True)]
+    serial_s = [p + r for p, r in zip(repack_s, read_s, strict=True)]
+    repack, tail, read, memcpy, pull, serial = (
+        statistics.median(s[1:]) for s in (repack_s, tail_s, read_s, memcpy_s, pull_s, serial_s)
+    )
+    row: dict[str, Any] = {
         "name": "transfer",
         "protocol": "vllm",
         "pool_layout": lay.kind,
         "tokens": tokens,
         "block_size": BLOCK_SIZE,
+        "chunk_tokens": case.chunk_pages * lay.page_size,
         "repack_ms": round(repack * 1e3, 2),
         "repack_gb_s": round(nbytes / repack / 1e9, 3),
+        "repack_tail_ms": round(tail * 1e3, 2),
         "read_gb_s": round(nbytes / read / 1e9, 3),
         "memcpy_gb_s": round(nbytes / memcpy / 1e9, 3),
         "repack_ratio": round(memcpy / repack, 3),
         "read_ratio": round(memcpy / read, 3),
+        "pull_gb_s": round(nbytes / pull / 1e9, 3),
+        "pull_serial_gb_s": round(nbytes / serial / 1e9, 3),
     }
+    if case.push_gb_s is not None:
+        row["push_gb_s"] = case.push_gb_s
+        row["pull_vs_push"] = round(nbytes / pull / 1e9 / case.push_gb_s, 3)
     print(json.dumps(row), flush=True)
 
 
-def _stage(backend: Any, room: int, tokens: int, pages: list[int]) -> tuple[dict[str, Any], int]:
-    """A request through the vLLM sender as the engine drives it: its params and bytes."""
+def _stage(backend: Any, room: int, tokens: int, pages: list[int], chunk_pages: int) -> _Staged:
+    """A request through the vLLM sender as the engine drives it, chunk by chunk: each chunk's
+    repack waited for before the next is handed over (a forward would run meanwhile)."""
     backend.desk.tickets.open(room)
     sender = backend.create_sender(room, f"bench-{room}", tokens)
     sender.poll()
-    sender.send_pages(pages, 0)
+    repack_s = 0.0
+    firsts = range(0, len(pages), chunk_pages)
+    for first in firsts[:-1]:
+        start = time.perf_counter()
+        sender.send_pages(pages[first : first + chunk_pages], first)
+        while backend.desk.has_repacks():
+            backend.wait(0.01)  # a forward would run here; a spin would hold the GIL
+        repack_s += time.perf_counter() - start
+    start = time.perf_counter()
+    sender.send_pages(pages[firsts[-1] :], firsts[-1])
     sender.send_aux(0)
+    while not sender.poll().is_terminal:
+        backend.wait(0.01)  # as the engine does when a turn found nothing to do
+    tail_s = time.perf_counter() - start
     sender.close()
     params = backend.desk.tickets.take(room)
     assert params is not None, sender.failure_reason()
-    return dict(params), sender.written_bytes()
+    return _Staged(dict(params), sender.written_bytes(), repack_s + tail_s, tail_s)
 
 
 class _CopyReference:

@@ -4,7 +4,8 @@
 Torch-free. The life cycle (docs/architecture.md)::
 
     BOOTSTRAPPING ──▶ WAITING ──▶ PREFILLING ──▶ TRANSFERRING ──▶ DONE
-          │              │             │               │
+          │  ▲ └──────── optimistic ──▶│               │
+          │  └────────── yield ────────┤               │
           └──────────────┴─────────────┴───────────────┴──▶ FAILED | ABORTED
 
 Every move is checked against ``ALLOWED_EDGES``; terminal states have no way out.
@@ -43,6 +44,8 @@ _LIVE = (
 ALLOWED_EDGES: frozenset[tuple[RequestState, RequestState]] = frozenset(
     {
         (RequestState.BOOTSTRAPPING, RequestState.WAITING),
+        (RequestState.BOOTSTRAPPING, RequestState.PREFILLING),  # optimistic: before the want
+        (RequestState.PREFILLING, RequestState.BOOTSTRAPPING),  # optimistic: yield, requeue
         (RequestState.WAITING, RequestState.PREFILLING),
         (RequestState.PREFILLING, RequestState.TRANSFERRING),
         (RequestState.TRANSFERRING, RequestState.DONE),
@@ -151,6 +154,7 @@ class Outcome:
     # Prompt logprobs, only when asked and ok: the logprob of each prompt token at positions
     # [prompt_logprob_start + 1, num_prompt_tokens), given the tokens before it.
     prompt_logprobs: tuple[float, ...] | None = None
+    prefill_retries: int = 0  # optimistic prefills that yielded before the decode claimed it
 
 
 @dataclass(frozen=True, slots=True)

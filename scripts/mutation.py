@@ -66,6 +66,7 @@ _BOOTSTRAP = [
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
 _FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
+_GROUP = [_T + "test_group_backend.py", _T + "test_group_settle.py", _T + "test_group_pins.py"]
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {
@@ -90,6 +91,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/scheduler/forward.py": _SCHEDULER,
     "prefill_worker/scheduler/engine.py": _SCHEDULER,
     "prefill_worker/scheduler/lifecycle.py": _SCHEDULER,
+    "prefill_worker/scheduler/handoff.py": _SCHEDULER,
     "prefill_worker/scheduler/liveness.py": _SCHEDULER,
     "prefill_worker/scheduler/observer.py": _SCHEDULER,
     "prefill_worker/inbox.py": [*_SCHEDULER, "tests/unit/test_inbox_wake.py"],
@@ -149,6 +151,9 @@ MODULES: dict[str, list[str]] = {
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
     ],
+    # The tensor-parallel group's transfer mirror and its agreement (issue #27).
+    "prefill_worker/transfer/group.py": _GROUP,
+    "prefill_worker/tp/mirror.py": _GROUP,
 }
 
 # What the work folder links to; mutmut copies them beside its mutated package (tests read

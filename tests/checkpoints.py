@@ -110,3 +110,16 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 def prompt(length: int, seed: int, vocab: int = 320) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return [int(t) for t in torch.randint(0, vocab, (length,), generator=g)]
+
+
+def add_byte_tokenizer(path: Path) -> Path:
+    """Give a checkpoint a byte-level BPE ``tokenizer.json`` (each of the 256 bytes one token,
+    no merges), so that ``text`` is served: a text of n ASCII characters is n tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path

@@ -159,6 +159,9 @@ class Result(_Message, tag="result", frozen=True, kw_only=True):
     # Optional, added to v1 with prompt logprobs; only when asked (logprob_start_len) and ok:
     # packed little-endian float32, the logprobs of prompt tokens [logprob_start_len + 1, n).
     prompt_logprobs: bytes | UnsetType = UNSET
+    # Optional, added to v1 with optimistic prefill; only when some: prefills of this request
+    # that yielded before its decode claimed the room (scheduler.optimistic_prefill).
+    prefill_retries: int | UnsetType = UNSET
 
 
 class Reject(_Message, tag="reject", frozen=True, kw_only=True):
@@ -262,6 +265,7 @@ def encode_outcome(outcome: Outcome, request_id: str | None = None) -> bytes:
         first_token_logprob=UNSET if logprob is None else logprob,
         prompt_logprobs=UNSET if prompt is None else pack_logprobs(prompt),
         error=UNSET if outcome.error is None else outcome.error,
+        prefill_retries=outcome.prefill_retries or UNSET,
     )
     return _encoder.encode(result)
 

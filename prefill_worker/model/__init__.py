@@ -15,13 +15,18 @@ from pathlib import Path
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
-from prefill_worker.model.attention import AttentionBackend, create_backend, resolve_backend_name
+from prefill_worker.model.attention import (
+    AttentionBackend,
+    create_backend,
+    create_mla_backend,
+    resolve_backend_name,
+    resolve_mla_backend_name,
+)
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
-from prefill_worker.model.mla import MLASdpaBackend
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
 from prefill_worker.model.runner import Runner
@@ -113,9 +118,7 @@ def build(
     check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
-        if backend_name != "sdpa":
-            log.warning("attention backend %s: an MLA model runs torch SDPA", backend_name)
-        backend_name = "sdpa"
+        backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
     experts = create_moe_backend(experts_name, dev, torch_dtype)
     model, attention = create_model(spec, weights, tp, experts, backend_name)
@@ -152,10 +155,12 @@ def create_model(
     attention_backend: str,
 ) -> tuple[CausalLM | DeepseekV3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
-    (an MLA family: always ``MLASdpaBackend``)."""
+    (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply)."""
     device = weights.embed.device
     if isinstance(weights, MLAModelWeights):
-        return DeepseekV3LM(spec, weights, tp, experts), MLASdpaBackend(device)
+        assert spec.mla is not None  # MLA weights come from an MLA spec
+        attention = create_mla_backend(attention_backend, device, spec.mla, weights.embed.dtype)
+        return DeepseekV3LM(spec, weights, tp, experts), attention
     return CausalLM(spec, weights, tp, experts), create_backend(attention_backend, device)
 
 

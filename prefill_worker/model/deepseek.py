@@ -7,24 +7,30 @@ MoE block (``model.moe``), the first ``first_k_dense_replace`` layers dense::
     logits = norm(x[rows]) @ Wlm                          [R, vocab]
 
 Same contract as ``llama.CausalLM`` (``forward``, ``token_logprobs``); the attention backend
-must be ``mla.MLASdpaBackend``. Under tensor parallelism the o and down projections (and the
-MoE block) sum over the ranks, one all-reduce each, as in the Llama family.
+must be an ``MLAAttentionBackend`` (``attention.MLA_BACKENDS``). Under tensor parallelism the
+o and down projections (and the MoE block) sum over the ranks, one all-reduce each, as in the
+Llama family.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.attention import AttentionBackend, MLAAttentionBackend
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
-from prefill_worker.model.llama import DenseMLP, ForwardInputs, ForwardOutput, forward_output
-from prefill_worker.model.mla import MLASdpaBackend, MLAWeights, mla_attention
+from prefill_worker.model.llama import (
+    DenseMLP,
+    ForwardInputs,
+    ForwardOutput,
+    forward_output,
+    prepared_experts,
+)
+from prefill_worker.model.mla import MLAWeights, mla_attention
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
@@ -63,13 +69,7 @@ class DeepseekV3LM:
         self.spec, self.mla, self.tp = spec, spec.mla, tp
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
-        layers = tuple(
-            dataclasses.replace(layer, mlp=self.experts.prepare(layer.mlp))
-            if isinstance(layer.mlp, MoEWeights)
-            else layer
-            for layer in weights.layers
-        )
-        self.weights = dataclasses.replace(weights, layers=layers)
+        self.weights = prepared_experts(weights, self.experts)
         self.rotary = Rotary(spec.rope, self.mla.qk_rope_head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
 
@@ -78,7 +78,7 @@ class DeepseekV3LM:
     ) -> ForwardOutput:
         """Write every token's latent row into its pages; return the logits ``[R, vocab]``
         and the prompt logprobs ``[L]``."""
-        assert isinstance(attention, MLASdpaBackend), "an MLA model needs the MLA backend"
+        assert isinstance(attention, MLAAttentionBackend), "an MLA model needs the MLA backend"
         eps = self.spec.rms_norm_eps
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, rope/2] each

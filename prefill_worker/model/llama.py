@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,7 @@ class CausalLM:
         self.tp = tp
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
-        self.weights = _prepared(weights, self.experts)
+        self.weights = prepared_experts(weights, self.experts)
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)  # this rank's head and intermediate counts
         self._q_dim = self.local.num_heads * spec.head_dim
@@ -237,8 +237,21 @@ def token_logprobs(
     return out
 
 
-def _prepared(weights: ModelWeights, experts: ExpertsBackend) -> ModelWeights:
-    """``weights`` with every sparse layer's experts in ``experts``' layout."""
+class _Layered(Protocol):
+    """A frozen dataclass of per-layer weights (what ``dataclasses.replace`` takes)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def layers(self) -> tuple[Any, ...]: ...
+
+
+_W = TypeVar("_W", bound=_Layered)
+
+
+def prepared_experts(weights: _W, experts: ExpertsBackend) -> _W:
+    """``weights`` (a model's weight record: this family's or another's whose layers carry
+    an ``mlp``) with every sparse layer's experts in ``experts``' layout."""
     layers = tuple(
         dataclasses.replace(layer, mlp=experts.prepare(layer.mlp))
         if isinstance(layer.mlp, MoEWeights)

@@ -17,7 +17,10 @@ queries over m keys, decompression costs ``m r H (nope + v)`` once, then attenti
 head width ``nope + rope`` (192 at DeepSeek-V3's shape); absorbed, every score and every
 output works at width ``r + rope`` (576) per head. Prefill has n about m, so the absorbed
 form does ~3x the attention FLOPs; it only wins for a few queries over many keys (decode).
-docs/models.md has the measurement (``bench/mla_forms.py``).
+docs/models.md has the measurement (``bench/mla_forms.py``). The attention itself is a
+backend's (``attention.MLA_BACKENDS``): torch SDPA over decompressed latents (``sdpa_mla``),
+or on CUDA flashinfer's kernels (``flashinfer_mla``: decompressed for a batch of fresh
+prompts, absorbed over the pool's pages when a chunk reads earlier positions).
 
 Rotary embedding covers the ``rope`` dimensions only. With ``rope_interleave`` (DeepSeek's
 default) the pairs are adjacent elements and each rotated pair is written back in place, as
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.attention.sdpa import SdpaBackend
+from prefill_worker.model.attention.base import MLAAttentionBackend
 from prefill_worker.model.hf_config import MLASpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
@@ -88,40 +91,6 @@ def fuse_mla(spec: MLASpec, get: Callable[[str], torch.Tensor], attn: str) -> ML
     )
 
 
-class MLASdpaBackend(SdpaBackend):
-    """The MLA attention backend (CPU and CUDA, torch SDPA): planned as ``SdpaBackend``
-    (fresh rows for a chunk from position 0; otherwise pool rows ``[0, end)`` and a
-    bottom-right causal mask), attending over decompressed latents. ``attend`` (K/V planes)
-    is not used: an MLA pool has none."""
-
-    def attend_latent(
-        self,
-        q: torch.Tensor,  # [T, H, nope + rope], RoPE applied
-        rows: torch.Tensor,  # [T, r + rope], this batch's fresh pool rows
-        pool: torch.Tensor,  # [P, page_size, 1, r + rope], rows written
-        kv_b: torch.Tensor,  # [H (nope + v), r]
-        spec: MLASpec,
-        out: torch.Tensor,  # [T, H, v], written
-    ) -> None:
-        heads, nope, rank = q.shape[1], spec.qk_nope_head_dim, spec.kv_lora_rank
-        for p in self._planned:
-            # [m, r + rope]: this chunk's own rows, or rows [0, end) from its pages
-            fresh = rows[p.q_start : p.q_end]
-            chunk_rows = fresh if p.kv_rows is None else pool[p.kv_rows][:, 0]
-            kv = F.linear(chunk_rows[:, :rank], kv_b).view(-1, heads, nope + spec.v_head_dim)
-            k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
-            k[..., :nope] = kv[..., :nope]
-            k[..., nope:] = chunk_rows[:, None, rank:]
-            # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
-            qh, kh, vh = (
-                t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, kv[..., nope:])
-            )
-            attn = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=p.mask, is_causal=p.mask is None, scale=spec.softmax_scale
-            )
-            out[p.q_start : p.q_end] = attn[0].transpose(0, 1)
-
-
 def mla_attention(
     h: torch.Tensor,  # [T, hidden], the input-normed residual
     w: MLAWeights,
@@ -129,7 +98,7 @@ def mla_attention(
     eps: float,
     rope: tuple[Rotary, torch.Tensor, torch.Tensor],  # the rotary, cos and sin [T, 1, rope/2]
     cache: tuple[KVCache, int, torch.Tensor],  # the pool, this layer, slots [T]
-    backend: MLASdpaBackend,
+    backend: MLAAttentionBackend,
 ) -> torch.Tensor:
     """Write the tokens' latent rows into the pool; return the heads' outputs ``[T, H, v]``."""
     rotary, cos, sin = rope

@@ -9,6 +9,7 @@ nothing of draining (the ingress and the daemon own it: docs/architecture.md); `
 every live request with ENGINE_ERROR before it re-raises an error.
 
 Modules: ``engine`` (the loop), ``lifecycle`` (each request from submit to its one outcome),
+``handoff`` (when pages go to the decode; optimistic prefill: hold, yield, make room),
 ``queues`` (requests per state), ``tracked`` (the engine's record of a request), ``admission``
 and ``chunking`` (token budget, running cap, pages, page-aligned chunk ends), ``deadlines``
 (one heap), ``forward`` (serial or executor-thread forwards), ``options`` (the records),

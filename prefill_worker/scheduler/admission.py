@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.prefix_cache import PrefixHit
 from prefill_worker.kv.tables import PageTable
 from prefill_worker.request import RequestState
 from prefill_worker.scheduler.chunking import chunk_end, logprob_positions
@@ -27,6 +28,16 @@ from prefill_worker.scheduler.queues import RequestQueues
 from prefill_worker.scheduler.tracked import Request
 
 OnLookup = Callable[[int, int], None]  # (num_query_tokens, num_hit_tokens), once per admission
+MakeRoom = Callable[[], bool]  # frees pages and an aux row if it can (a held prefill yields)
+OnAdmit = Callable[[Request], None]
+
+
+def _no_room() -> bool:
+    return False
+
+
+def _admitted(req: Request) -> None:
+    return None
 
 
 def _ignore(num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -53,6 +64,8 @@ class Admission:
         max_batch_tokens: int,
         max_running_requests: int,
         on_lookup: OnLookup = _ignore,
+        make_room: MakeRoom = _no_room,
+        on_admit: OnAdmit = _admitted,
     ) -> None:
         if chunk_size < table.page_size or max_batch_tokens < table.page_size:
             raise ValueError(
@@ -65,6 +78,7 @@ class Admission:
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
         self._on_lookup = on_lookup
+        self._make_room, self._on_admit = make_room, on_admit
         self._num_batches = 0
 
     def next_batch(self) -> ScheduledBatch | None:
@@ -92,7 +106,7 @@ class Admission:
         return ScheduledBatch(BatchPlan(self._num_batches, tuple(chunks)), tuple(owners))
 
     def _can_start_more(self) -> bool:
-        return len(self._queues.prefilling) < self.max_running_requests
+        return self._queues.num_running < self.max_running_requests
 
     def _next_chunk(self, req: Request, budget: int) -> ChunkPlan | None:
         start, num_tokens = req.num_scheduled_tokens, req.num_prompt_tokens
@@ -112,25 +126,35 @@ class Admission:
         return dataclasses.replace(chunk, logprob_from=scored.start, logprob_token_ids=targets)
 
     def _try_admit(self, budget: int) -> Request | None:
-        """The head of the waiting queue, moved to PREFILLING with its pages and aux row."""
+        """The head of the waiting queue, moved to PREFILLING with its pages and aux row;
+        while they are short, held prefills yield theirs (``make_room``)."""
         req = self._queues.head_waiting()
         if req is None:
             return None
-        hit = self._table.lookup(req.token_ids, req.max_prefix_hit_tokens)
-        limit = min(self.chunk_size, budget)
-        if chunk_end(hit.num_tokens, req.num_prompt_tokens, limit, self.page_size) is None:
-            return None
+        while True:
+            hit = self._table.lookup(req.token_ids, req.max_prefix_hit_tokens)
+            limit = min(self.chunk_size, budget)
+            if chunk_end(hit.num_tokens, req.num_prompt_tokens, limit, self.page_size) is None:
+                return None
+            if self._try_start(req, hit):
+                break
+            if not self._make_room():
+                return None
+        self._on_lookup(hit.num_query_tokens, hit.num_tokens)
+        return req
+
+    def _try_start(self, req: Request, hit: PrefixHit) -> bool:
         aux_row = self._aux.try_alloc()
         if aux_row is None:
-            return None
+            return False
         page_ids = self._table.try_reserve(req.request_id, req.token_ids, hit)
         if page_ids is None:
             self._aux.free(aux_row)
-            return None
+            return False
         self._queues.pop_waiting()
+        self._on_admit(req)
         req.page_ids, req.aux_row, req.prefill_start_time = page_ids, aux_row, self._clock()
         req.num_prefix_hit_tokens = req.num_computed_tokens = hit.num_tokens
         req.num_scheduled_tokens = hit.num_tokens
         self._queues.move(req, RequestState.PREFILLING)
-        self._on_lookup(hit.num_query_tokens, hit.num_tokens)
-        return req
+        return True

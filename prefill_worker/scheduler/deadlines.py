@@ -14,7 +14,8 @@ from prefill_worker.scheduler.tracked import Request
 
 
 class DeadlineKind(enum.Enum):
-    BOOTSTRAP = "bootstrap"  # while BOOTSTRAPPING: bootstrap_timeout_s after arrival
+    BOOTSTRAP = "bootstrap"  # until the decode's want: bootstrap_timeout_s after arrival
+    HOLD = "hold"  # while a finished optimistic prefill waits for its want: optimistic_hold_s
     TRANSFER = "transfer"  # while TRANSFERRING: transfer_timeout_s after the last chunk
     REQUEST = "request"  # any live state: the request's own deadline_s after arrival
 

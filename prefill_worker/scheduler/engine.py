@@ -81,6 +81,8 @@ class Engine:
             max_batch_tokens=limits.max_batch_tokens,
             max_running_requests=limits.max_running_requests,
             on_lookup=self._observer.on_prefix_lookup,
+            make_room=self._life.handoff.make_room,
+            on_admit=self._life.handoff.on_admit,
         )
         self._forward_clock = ForwardClock(runner, clock)
         self._forward = make_forward(self._forward_clock, overlap)

@@ -7,8 +7,8 @@ requests that a running forward may still write. The engine's loop calls it each
     poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
     expire          deadlines that passed (bootstrap, transfer, per request)
     send_prefix_hits  a launched batch's new requests: their cached pages → send_pages
-    consume         a collected forward: pages → prefix cache and send_pages;
-                    last chunk → aux row → send_aux, then TRANSFERRING
+    consume         a collected forward: pages → prefix cache; its hand-off to the decode
+                    (pushed, or held until the want: ``handoff.Handoff``)
 
 Every request ends through ``finish``: sender failed (if need be) and closed, pages and aux
 row freed (those a running forward still writes by ``release_deferred`` when it is
@@ -18,13 +18,12 @@ collected), one ``Outcome`` counted, observed and handed to the sink.
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable
 
 from prefill_worker.batch import BatchOutput, ChunkPlan, SampledToken
 from prefill_worker.inbox import EngineMessage
-from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.tables import PageTable, num_pages_for
 from prefill_worker.request import (
     AbortRequest,
@@ -35,6 +34,7 @@ from prefill_worker.request import (
 )
 from prefill_worker.scheduler.admission import ScheduledBatch
 from prefill_worker.scheduler.deadlines import DeadlineHeap, DeadlineKind
+from prefill_worker.scheduler.handoff import Handoff
 from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
 from prefill_worker.scheduler.options import EngineLimits
 from prefill_worker.scheduler.queues import RequestQueues
@@ -76,6 +76,7 @@ class RequestLifecycle:
         self.transfer_timeout_s = limits.transfer_timeout_s
         self._poll_budget = limits.poll_budget
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
+        self.handoff = Handoff(self.queues, table, aux, self.deadlines, clock, limits)
         self.outcome_counts: Counter[FinishReason] = Counter()
 
     def submit(self, message: EngineMessage) -> None:
@@ -101,6 +102,7 @@ class RequestLifecycle:
             allowed_peer=message.decode_peer,
         )
         req = Request(message, sender)
+        self.handoff.on_submit(req)
         self.queues.add(req)
         if not self._table.can_ever_fit(num_tokens):
             need = num_pages_for(num_tokens, self.page_size)
@@ -149,6 +151,8 @@ class RequestLifecycle:
                 req.num_cached_tokens = req.sender.num_cached_tokens()
                 req.ready_time = self._clock()
                 self.queues.move(req, RequestState.WAITING)
+            elif req.state is RequestState.PREFILLING and not req.is_claimed:
+                self._guarded(req, self.handoff.claim, req)  # optimistic: the want came now
         elif status is KVPoll.SUCCESS:
             if req.state is RequestState.TRANSFERRING:
                 self.finish(req, FinishReason.OK, None)
@@ -157,8 +161,9 @@ class RequestLifecycle:
             self.finish(req, _SENDER_END[status], reason)
 
     def expire(self) -> None:
-        for kind, req in self.deadlines.pop_expired(self._clock()):
-            if kind is DeadlineKind.BOOTSTRAP and req.state is RequestState.BOOTSTRAPPING:
+        now = self._clock()
+        for kind, req in self.deadlines.pop_expired(now):
+            if kind is DeadlineKind.BOOTSTRAP and not (req.is_claimed or req.state.is_terminal):
                 # No room in the text: it is logged, and rooms are capabilities.
                 error = f"no handshake from the decode peer within {self.bootstrap_timeout_s}s"
                 hint = None if req.sender is None else req.sender.why_no_handshake()
@@ -167,6 +172,8 @@ class RequestLifecycle:
             elif kind is DeadlineKind.TRANSFER and req.state is RequestState.TRANSFERRING:
                 error = f"KV transfer did not finish within {self.transfer_timeout_s}s"
                 self.finish(req, FinishReason.TRANSFER_TIMEOUT, error)
+            elif kind is DeadlineKind.HOLD and self.handoff.is_hold_over(req, now):
+                self.handoff.yield_held(req)
             elif kind is DeadlineKind.REQUEST and not req.state.is_terminal:
                 error = f"request deadline of {req.deadline_s}s passed while {req.state.value}"
                 self.finish(req, FinishReason.DEADLINE_EXCEEDED, error)
@@ -174,7 +181,8 @@ class RequestLifecycle:
     def send_prefix_hits(self, batch: ScheduledBatch) -> None:
         """Push the cached pages of requests whose first computed chunk was just launched."""
         for chunk, req in zip(batch.plan.chunks, batch.requests, strict=True):
-            if chunk.start == req.num_prefix_hit_tokens > 0 and not req.state.is_terminal:
+            is_first = chunk.start == req.num_prefix_hit_tokens > 0
+            if is_first and req.is_claimed and not req.state.is_terminal:
                 self._guarded(req, self._send_hit, req)
 
     def _send_hit(self, req: Request) -> None:
@@ -205,39 +213,15 @@ class RequestLifecycle:
                 self.finish(req, FinishReason.ENGINE_ERROR, f"engine error: {exc!r}")
 
     def _consume_chunk(self, chunk: ChunkPlan, req: Request, token: SampledToken | None) -> None:
-        assert req.sender is not None
         req.num_computed_tokens = chunk.end
         self._table.commit(req.request_id, chunk.end)  # its full pages are complete: shareable
-        first, end = chunk.start // self.page_size, num_pages_for(chunk.end, self.page_size)
-        req.sender.send_pages(req.page_ids[first:end], first)
         if chunk.sampling is None:
-            return
+            return self.handoff.chunk_done(req, chunk.start // self.page_size, None)
         assert token is not None, f"no sampled token for {req.request_id!r}"
         if token.error is not None:
             self.finish(req, FinishReason.ENGINE_ERROR, f"sampling failed: {token.error}")
         else:
-            self._end_prefill(req, token)
-
-    def _end_prefill(self, req: Request, token: SampledToken) -> None:
-        assert req.sender is not None and req.aux_row is not None
-        num_scored = 0 if req.prompt_logprobs is None else len(req.prompt_logprobs)
-        assert num_scored == req.num_prompt_logprobs, f"{req.request_id}: {num_scored} logprobs"
-        logprob = token.logprob if req.return_logprob else math.nan
-        num_computed = req.num_computed_tokens - req.num_prefix_hit_tokens
-        row = AuxRow(
-            token.token_id,
-            logprob,
-            req.num_prompt_tokens,
-            req.num_cached_tokens,
-            num_computed_tokens=num_computed,
-        )
-        self._aux.write(req.aux_row, row)
-        req.sender.send_aux(req.aux_row)
-        req.first_token_id = token.token_id
-        req.first_token_logprob = token.logprob if req.return_logprob else None
-        req.prefill_end_time = now = self._clock()
-        self.queues.move(req, RequestState.TRANSFERRING)
-        self.deadlines.push(now + self.transfer_timeout_s, DeadlineKind.TRANSFER, req)
+            self.handoff.chunk_done(req, chunk.start // self.page_size, token)
 
     def release_deferred(self) -> None:
         """Free the pages of requests that ended while a forward read them (it was collected)."""

@@ -5,8 +5,12 @@ Every state move of a live request goes through ``RequestQueues.move``, which ch
 move to ``on_move`` (the engine passes its observer's ``on_transition``)::
 
     live        request_id -> Request, every non-terminal request
-    waiting     deque, FCFS order (entries that left WAITING are dropped lazily at the head)
+    waiting     deque, FCFS order: the admission queue, WAITING requests and, with optimistic
+                prefill, BOOTSTRAPPING ones with an attempt left (``Request.is_admissible``);
+                ended requests are dropped lazily at the head
     prefilling  request_id -> Request, admission order
+    held        request_id -> Request, the PREFILLING ones whose prefill is done and whose
+                decode has not asked yet (optimistic prefill): oldest first
     inflight    request_id -> Request (TRANSFERRING: KV pushed, waiting for the sender)
     watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn
                 (O(poll budget) a turn); entries that left those states are dropped as the
@@ -39,6 +43,7 @@ class RequestQueues:
         self.waiting: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
         self.inflight: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
         self._watch: deque[Request] = deque()
         self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
         self.num_waiting = 0
@@ -54,23 +59,55 @@ class RequestQueues:
         self.num_bootstrapping += 1
         self.num_queued_tokens += req.num_prompt_tokens
         self._watch.append(req)
+        if req.is_admissible:
+            self._enqueue(req)
+
+    @property
+    def num_running(self) -> int:
+        """Prefilling requests that still compute (the held ones wait for their decode)."""
+        return len(self.prefilling) - len(self.held)
+
+    def hold(self, req: Request) -> None:
+        assert req.state is RequestState.PREFILLING and req.held_at is not None
+        self.held[req.request_id] = req
+
+    def unhold(self, req: Request) -> None:
+        del self.held[req.request_id]
+        req.held_at = req.held_token = None
+
+    def oldest_held(self) -> Request | None:
+        return next(iter(self.held.values()), None)
+
+    def _enqueue(self, req: Request) -> None:
+        if not req.is_queued:
+            req.is_queued = True
+            self.waiting.append(req)
 
     def move(self, req: Request, state: RequestState) -> None:
         old = req.state
         req.move_to(state)
         if old in _WATCHED and state not in _WATCHED:
             self.num_queued_tokens -= req.num_prompt_tokens
+        elif state in _WATCHED and old not in _WATCHED:  # a yield: queued again
+            self.num_queued_tokens += req.num_prompt_tokens
         if old is RequestState.BOOTSTRAPPING:
             self.num_bootstrapping -= 1
         elif old is RequestState.WAITING:
             self.num_waiting -= 1
         elif old is RequestState.PREFILLING:
             del self.prefilling[req.request_id]
+            if self.held.pop(req.request_id, None) is not None:
+                req.held_at = req.held_token = None
         elif old is RequestState.TRANSFERRING:
             del self.inflight[req.request_id]
         if state is RequestState.WAITING:
             self.num_waiting += 1
-            self.waiting.append(req)
+            self._enqueue(req)
+        elif state is RequestState.BOOTSTRAPPING:
+            self.num_bootstrapping += 1
+            self._watch.append(req)
+            if req.is_admissible:
+                self._enqueue(req)
         elif state is RequestState.PREFILLING:
             self.prefilling[req.request_id] = req
         elif state is RequestState.TRANSFERRING:
@@ -90,14 +127,15 @@ class RequestQueues:
         }
 
     def head_waiting(self) -> Request | None:
-        """The oldest WAITING request, or None."""
-        while self.waiting and self.waiting[0].state is not RequestState.WAITING:
-            self.waiting.popleft()
+        """The oldest admissible request, or None."""
+        while self.waiting and not self.waiting[0].is_admissible:
+            self.waiting.popleft()  # an ended request: it leaves the queue only by popping
         return self.waiting[0] if self.waiting else None
 
     def pop_waiting(self) -> Request:
         req = self.waiting.popleft()
-        assert req.state is RequestState.WAITING
+        assert req.is_admissible
+        req.is_queued = False
         return req
 
     def next_watched(self, budget: int) -> list[Request]:
@@ -119,7 +157,12 @@ class RequestQueues:
         assert all(r.state is RequestState.PREFILLING for r in self.prefilling.values())
         assert all(r.state is RequestState.TRANSFERRING for r in self.inflight.values())
         waiting = [r for r in self.waiting if r.state is RequestState.WAITING]
-        assert len(waiting) == self.num_waiting == len(set(map(id, waiting)))
+        assert len(waiting) == self.num_waiting
+        assert all(r.is_queued for r in self.waiting)
+        assert len(self.waiting) == len(set(map(id, self.waiting)))
+        assert all(r.is_queued for r in self.live.values() if r.is_admissible)
+        for request_id, req in self.held.items():
+            assert self.prefilling.get(request_id) is req and req.held_at is not None
         queued = sum(r.num_prompt_tokens for r in self.live.values() if r.state in _WATCHED)
         assert queued == self.num_queued_tokens, (queued, self.num_queued_tokens)
         watched = {id(r) for r in self._watch if r.state in _WATCHED}

@@ -18,6 +18,7 @@ from prefill_worker.request import (
 )
 
 if TYPE_CHECKING:
+    from prefill_worker.batch import SampledToken
     from prefill_worker.transfer.base import KVSender
 
 _ALLOWED_EDGE_IDS = frozenset((id(src), id(dst)) for src, dst in ALLOWED_EDGES)
@@ -39,16 +40,21 @@ class Request:
 
     __slots__ = (
         "arrival_time",
+        "attempts_left",
         "aux_row",
         "deadline_s",
         "decode_peer",
         "finish_time",
         "first_token_id",
         "first_token_logprob",
+        "held_at",
+        "held_token",
         "is_in_forward",
+        "is_queued",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prefix_hit_tokens",
+        "num_retries",
         "num_scheduled_tokens",
         "page_ids",
         "prefill_end_time",
@@ -92,6 +98,13 @@ class Request:
         self.prefill_start_time: float | None = None
         self.prefill_end_time: float | None = None
         self.finish_time: float | None = None
+        # optimistic prefill (``scheduler.handoff``): admissions left before the decode asks,
+        # yields so far, and a finished prefill held for its want (since, and its first token)
+        self.attempts_left = 0
+        self.num_retries = 0
+        self.is_queued = False  # in the admission queue (``RequestQueues.waiting``)
+        self.held_at: float | None = None
+        self.held_token: SampledToken | None = None
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, {self.state.value}, {self.num_prompt_tokens} tok)"
@@ -114,6 +127,19 @@ class Request:
         logprobs must be computed (SGLang limits its prefix match the same way)."""
         return self.prompt_logprob_start
 
+    @property
+    def is_claimed(self) -> bool:
+        """Its decode has asked (sent its want): pages may be pushed to it."""
+        return self.ready_time is not None
+
+    @property
+    def is_admissible(self) -> bool:
+        """Admission may start it: its decode asked, or an optimistic attempt is left."""
+        state = self.state
+        return state is RequestState.WAITING or (
+            state is RequestState.BOOTSTRAPPING and self.attempts_left > 0
+        )
+
     def move_to(self, state: RequestState) -> None:
         """The only way a request changes state; raises ``IllegalTransition`` off the table."""
         if (id(self.state), id(state)) not in _ALLOWED_EDGE_IDS:  # Enum.__hash__ is slow
@@ -121,7 +147,9 @@ class Request:
         self.state = state
 
     def timings(self, now: float) -> Timings:
-        """Seconds per phase; a phase not reached is 0, the current one runs until ``now``."""
+        """Seconds per phase; a phase not reached is 0, the current one runs until ``now``.
+        A phase starts when the one before it ended: a prefill that ran before its decode
+        asked (optimistic) counts only from the want on, so the phases add up to the total."""
         marks = (
             self.arrival_time,
             self.ready_time,
@@ -130,16 +158,19 @@ class Request:
             self.finish_time,
         )
         spans = [0.0, 0.0, 0.0, 0.0]
+        begin = marks[0]
         for phase in range(4):
-            begin, end = marks[phase], marks[phase + 1]
-            if begin is None:
-                break
+            end = marks[phase + 1]
             spans[phase] = max(0.0, (now if end is None else end) - begin)
             if end is None:
                 break
+            begin = max(begin, end)
         bootstrap_s, queue_s, prefill_s, transfer_s = spans
         return Timings(
-            queue_s=queue_s, bootstrap_s=bootstrap_s, prefill_s=prefill_s, transfer_s=transfer_s
+            queue_s=queue_s,
+            bootstrap_s=bootstrap_s,
+            prefill_s=prefill_s,
+            transfer_s=transfer_s,
         )
 
     def outcome(
@@ -161,6 +192,7 @@ class Request:
             error=error,
             timings=self.timings(now),
             transfer_bytes=transfer_bytes,
+            prefill_retries=self.num_retries,
         )
 
 

@@ -15,6 +15,7 @@ failed tensor-parallel rank group (docs/parallelism.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -133,9 +134,12 @@ class Daemon:
             log.error("%s", exc)
             self._close()
             return exc.exit_code
-        if threading.current_thread() is threading.main_thread():
+        is_main = threading.current_thread() is threading.main_thread()
+        if is_main:
             self._install_signals()
         code = self._supervise()
+        if is_main:
+            _ignore_stop_signals()
         self._close()
         log.info("exit %d", code)
         return code
@@ -155,11 +159,15 @@ class Daemon:
             transfer = start_transfer(
                 cfg, regions, self.metrics, self.inbox.wake, self.health.is_live
             )
-        self._kv_layout = kv_cache.layout.summary()  # published: a decode sizes its pool by it
         self._closers.append(("transfer", transfer.backend.close))
         backend: TransferBackend = transfer.backend
+        layout = kv_cache.layout
         if self._group is not None:  # every sender mirrored to the followers, states agreed
+            assert placement is not None
+            if _lead_group(backend, placement.size, info.num_kv_heads):
+                layout = dataclasses.replace(layout, num_kv_heads=info.num_kv_heads)
             backend = GroupBackend(backend, self._group.channel.link)
+        self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
@@ -309,6 +317,7 @@ class Daemon:
 
     def _supervise(self) -> int:
         drain_deadline: float | None = None
+        drain_floor = 0.0
         while True:
             self._wake.wait(_SUPERVISE_PERIOD_S)
             self._wake.clear()
@@ -321,11 +330,8 @@ class Daemon:
                 log.warning("second signal: stopping now")
                 return self._stop(FinishReason.DRAINING, EX_FORCED)
             if self._drain_asked.is_set() and drain_deadline is None:
-                drain_deadline = time.monotonic() + self.config.daemon.drain_timeout_s
-                self._begin_drain()
-            if drain_deadline is not None and (
-                self._is_idle() or time.monotonic() >= drain_deadline
-            ):
+                drain_deadline, drain_floor = self._begin_drain()
+            if drain_deadline is not None and self._is_drained(drain_floor, drain_deadline):
                 return self._stop(FinishReason.DRAINING, EX_OK)
             self._watchdog()
 
@@ -340,7 +346,8 @@ class Daemon:
                 logging.INFO if verdict.is_live else logging.ERROR, "liveness: %s", verdict.reason
             )
 
-    def _begin_drain(self) -> None:
+    def _begin_drain(self) -> tuple[float, float]:
+        """Refuse new work; when the drain must end, and when it may end once idle."""
         log.info("draining: new requests are rejected, in-flight ones may finish")
         self.ingress.set_draining(True)
         if self._http_api is not None:
@@ -348,6 +355,14 @@ class Daemon:
         self.health.is_draining = True
         self.metrics.draining.set(1)
         self.notifier.stopping("draining")
+        began_at, cfg = time.monotonic(), self.config.daemon
+        return began_at + cfg.drain_timeout_s, began_at + cfg.drain_min_s
+
+    def _is_drained(self, floor: float, deadline: float) -> bool:
+        """Out of time, or idle once past the floor (by then the routers' health checks have
+        seen the 503 and stopped sending here: the port stays open until they have)."""
+        now = time.monotonic()
+        return now >= deadline or (now >= floor and self._is_idle())
 
     def _is_idle(self) -> bool:
         """No request held: the engine turned after this check began with nothing live."""
@@ -410,6 +425,15 @@ class Daemon:
         self.notifier.close()
 
 
+def _ignore_stop_signals() -> None:
+    """The stop is decided: a later SIGTERM (the kubelet's, after a preStop drain that already
+    ended) has nothing left to ask. Ignored, not handled: Python puts back the default action
+    of a handled signal while the interpreter shuts down, and that would end the process by
+    the signal instead of with its exit code."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_daemon(
     config: Config,
     env: Mapping[str, str] | None = None,
@@ -428,3 +452,15 @@ def run_daemon(
 
 
 __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]
+
+
+def _lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> bool:
+    """Whether the backend (native or SGLang's) alone answers decodes for the whole TP group
+    (every rank pushes its heads: docs/parallelism.md); otherwise only the leader's heads go
+    (``transfer.protocol: both``: not built)."""
+    if not hasattr(backend, "lead_group"):
+        return False
+    from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+    backend.lead_group(RankPlace(0, tp_size, num_kv_heads))
+    return True

@@ -95,6 +95,11 @@ class WorkerMetrics:
             "Prompt tokens the prefix cache held (not computed)",
             registry=registry,
         )
+        self.prefill_retries = Counter(
+            "prefill_worker_prefill_retries_total",
+            "Optimistic prefills that yielded before their decode claimed the room (requeued)",
+            registry=registry,
+        )
         self.prefix_cache_pages = Gauge(
             "prefill_worker_prefix_cache_pages",
             "KV pages held by the prefix cache (in use by requests or idle)",
@@ -242,6 +247,7 @@ class WorkerMetrics:
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)
         t = outcome.timings
+        self.prefill_retries.inc(outcome.prefill_retries)
         for phase, seconds in (
             ("queue", t.queue_s),
             ("bootstrap", t.bootstrap_s),

@@ -2,7 +2,10 @@
 
 Started by the leader (``tp/followers.py``) as ``python -m prefill_worker.service.rank
 --rank R --world-size N --port P --parent-pid PID`` with the resolved configuration as JSON
-on stdin, or reached from ``prefill-worker serve`` under torchrun when RANK is not 0. It
+on stdin, or reached from ``prefill-worker serve`` under torchrun when RANK is not 0. Where
+the worker serves one protocol, native or SGLang's, it pushes its own KV heads through its
+own NIXL agent (``transfer.nixl.rank_backend``), replaying the leader's senders
+(``tp.mirror``). It
 ignores SIGTERM and SIGINT (a supervisor signals the whole process group; the leader drains
 and then sends the stop step) and dies with its leader. Exit codes: 0 after a stop step, 78
 for a configuration problem, 1 for anything else.
@@ -14,9 +17,11 @@ import argparse
 import logging
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 
 from prefill_worker.model import build
+from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
@@ -25,6 +30,7 @@ from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.follower import serve_steps
 from prefill_worker.tp.followers import die_with_parent
 from prefill_worker.tp.group import Placement, agree_loaded, join, leave, rank_device
+from prefill_worker.tp.mirror import MirrorTarget
 
 log = logging.getLogger("prefill_worker.service.rank")
 
@@ -40,9 +46,15 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
         return EX_CONFIG
     try:
         membership = join(placement, device, tp_timeouts(config), None)
-        runner, kv_cache, _ = load_model(config, build_model, tp=membership.tp, device=device)
+        runner, kv_cache, info = load_model(config, build_model, tp=membership.tp, device=device)
         agree_loaded(kv_cache.layout.num_pages)
-        serve_steps(runner, FollowerChannel(membership.control, placement.rank, placement.size))
+        target = _transfer_target(config, kv_cache, info.num_kv_heads, placement)
+        channel = FollowerChannel(membership.control, placement.rank, placement.size)
+        try:
+            serve_steps(runner, channel, target)
+        finally:
+            if target is not None:
+                target.close()
     except StartupError as exc:
         log.error("rank %d: %s", placement.rank, exc)
         return exc.exit_code
@@ -51,6 +63,27 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
         return 1
     leave()
     return 0
+
+
+def _transfer_target(
+    config: Config, kv_cache: KVCache, num_kv_heads: int, placement: Placement
+) -> MirrorTarget | None:
+    """This rank's own transfer backend behind the mirror, for the native protocol or
+    SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md)."""
+    cfg = config.transfer
+    if cfg.protocols not in (("native",), ("sglang",)):
+        return None
+    from prefill_worker.transfer.nixl.agent import make_agent
+    from prefill_worker.transfer.nixl.rank_backend import RankBackend
+    from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+    name = f"{cfg.agent_name or 'prefill'}-rank{placement.rank}-{uuid.uuid4().hex[:8]}"
+    is_native = cfg.protocols == ("native",)
+    devices = cfg.resolved_ucx_net_devices if is_native else cfg.resolved_sglang_ucx_net_devices
+    agent = make_agent(name, list(cfg.nixl_backends), devices)
+    place = RankPlace(placement.rank, placement.size, num_kv_heads)
+    regions = kv_cache.regions(0, 0)  # the aux rows are the leader's
+    return MirrorTarget(RankBackend(agent, place, regions, cfg.peer_timeout_s))
 
 
 def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -> int:

@@ -28,7 +28,10 @@ class ModelConfig(_Section):
     )
     device: str = Field("cpu", description="`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA if present).")
     attention_backend: Literal["auto", "sdpa", "flashinfer"] = Field(
-        "auto", description="`auto` picks flashinfer on CUDA when installed, else sdpa."
+        "auto",
+        description="`auto` picks flashinfer on CUDA when installed, else sdpa. An MLA model "
+        "(DeepSeek-V3) keeps flashinfer only at DeepSeek's MLA dims (rank 512, rope 64, nope "
+        "128, v 128) in bf16/fp16, and otherwise runs its torch path (docs/models.md).",
     )
     moe_backend: Literal["auto", "grouped", "naive", "flashinfer"] = Field(
         "auto",
@@ -110,6 +113,23 @@ class SchedulerConfig(_Section):
     )
     overlap: bool = Field(
         True, description="Run forward N while the CPU schedules N+1 (CUDA stream or thread)."
+    )
+    optimistic_prefill: bool = Field(
+        False,
+        description="Prefill a request before its decode claims the room; its pages are pushed "
+        "when the claim comes (docs/architecture.md, optimistic prefill).",
+    )
+    optimistic_attempts: int = Field(
+        2,
+        ge=1,
+        description="Prefills a request may start before its decode claims the room; after "
+        "that it waits for the claim.",
+    )
+    optimistic_hold_s: float = Field(
+        1.0,
+        gt=0,
+        description="How long a finished optimistic prefill keeps its pages for its decode's "
+        "claim before it yields them to the prefix cache and is requeued.",
     )
     warmup_tokens: int = Field(
         256,
@@ -451,6 +471,14 @@ class DaemonConfig(_Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM or /drain, how long in-flight requests may finish."
     )
+    drain_min_s: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM or /drain, the least time the worker stays up answering 503 "
+        "(health and new requests), even when idle, so that a router that health-checks it "
+        "(smg) sees the drain before the port closes; set it to the router's health window "
+        "(docs/deploy.md). `drain_timeout_s` still ends the drain.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Least severe log level written."
     )
@@ -470,7 +498,8 @@ class ParallelConfig(_Section):
         ge=1,
         le=64,
         description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
-        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads.",
+        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
+        "Above 1, `transfer.protocol` must be native or sglang alone.",
     )
     step_timeout_s: float = Field(
         10.0,
@@ -518,6 +547,19 @@ class Config(_Section):
             raise ValueError(
                 "transfer.protocol vllm: vLLM's proxy reaches this worker over HTTP; set "
                 "http_api.enabled"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tp_serves_one_push_protocol(self) -> Config:
+        """At TP > 1 only a desk that leads the group has every rank push its heads (native,
+        or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
+        leader's heads only."""
+        protocols = self.transfer.protocols
+        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",)):
+            raise ValueError(
+                f"transfer.protocol {self.transfer.protocol!r} at parallel.tp_size "
+                f"{self.parallel.tp_size}: a tensor-parallel worker serves native or sglang alone"
             )
         return self
 

@@ -330,6 +330,9 @@ def make_engine(
             max_running_requests=cfg.scheduler.max_running_requests,
             bootstrap_timeout_s=cfg.scheduler.bootstrap_timeout_s,
             transfer_timeout_s=cfg.scheduler.transfer_timeout_s,
+            optimistic_prefill=cfg.scheduler.optimistic_prefill,
+            optimistic_attempts=cfg.scheduler.optimistic_attempts,
+            optimistic_hold_s=cfg.scheduler.optimistic_hold_s,
         )
         return Engine(
             runner,

@@ -35,15 +35,13 @@ process is that rank of a decode's attention TP group.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import select
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+
+from prefill_worker.testing.json_child import JsonLineChild
 
 FILL_BYTE = 0xAB  # every byte of a fresh decode pool: what no write leaves behind
 INTEROP_ENV = {
@@ -58,11 +56,7 @@ INTEROP_ENV = {
 }
 
 
-class DecodeError(RuntimeError):
-    """The child refused a command or went away; the text carries its error and log."""
-
-
-class SglangDecodeProcess:
+class SglangDecodeProcess(JsonLineChild):
     """The child process, seen from a test: ``call(op, **fields)`` returns its reply."""
 
     def __init__(
@@ -80,49 +74,10 @@ class SglangDecodeProcess:
         (its decodes register as that rank; their pools hold that rank's KV heads)."""
         child_env = {**(os.environ if env is None else env), **INTEROP_ENV, **(overrides or {})}
         child_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in pythonpath)
-        self.log_path = log_path
-        with log_path.open("wb") as log:
-            self.popen = subprocess.Popen(
-                [python, "-m", "prefill_worker.testing.sglang_decode", str(model_path)]
-                + ([] if attn_tp is None else [f"{attn_tp[0]}/{attn_tp[1]}"]),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=child_env,
-            )
-
-    def call(self, op: str, timeout_s: float = 120.0, **fields: Any) -> dict[str, Any]:
-        assert self.popen.stdin is not None and self.popen.stdout is not None
-        try:
-            self.popen.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
-            self.popen.stdin.flush()
-        except BrokenPipeError:
-            raise DecodeError(self._failure(f"{op}: the decode is gone")) from None
-        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
-        line = self.popen.stdout.readline() if ready else b""
-        if not line:
-            raise DecodeError(self._failure(f"{op}: no answer within {timeout_s:g} s"))
-        reply: dict[str, Any] = json.loads(line)
-        if not reply["ok"]:
-            raise DecodeError(f"{op}: {reply['error']}")
-        return reply
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
-
-    def close(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(DecodeError):  # it is killed next anyway
-                self.call("quit", timeout_s=10)
-        self.kill()
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def _failure(self, what: str) -> str:
-        return f"{what}; log {self.log_path}:\n{self.log_tail()}"
+        argv = [python, "-m", "prefill_worker.testing.sglang_decode", str(model_path)]
+        super().__init__(
+            argv + ([] if attn_tp is None else [f"{attn_tp[0]}/{attn_tp[1]}"]), child_env, log_path
+        )
 
 
 def main(model_path: str, attn_tp: str = "0/1") -> None:  # pragma: no cover - interop env

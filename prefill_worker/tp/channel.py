@@ -9,7 +9,8 @@ collectives run on NCCL: the step is a few kilobytes of msgpack)::
                                              apply the ops to its own backend
     its forward (samples)                    its forward (its heads; no sampling)
     all_reduce SUM float64[size, 2]  ◀──▶    its row: [1.0, its forward seconds]
-    all_reduce MIN int64[rooms]      ◀──▶    its state code per room (only with rooms)
+    all_reduce MIN int64[2 rooms]    ◀──▶    its state code, then settled flag, per room
+                                             (only with rooms; ``tp/mirror.py``)
 
 so after each exchange every rank has answered, the leader knows each rank's forward time,
 and the group's state of every open room (``tp/mirror.py``). Exchanges are serialised by a
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from prefill_worker.batch import BatchPlan
-from prefill_worker.tp.mirror import NO_OPINION, RankLink
+from prefill_worker.tp.mirror import RankLink, no_opinion
 from prefill_worker.tp.step import Step, StepKind, decode_step, encode_step
 
 T = TypeVar("T")
@@ -109,7 +110,7 @@ class LeaderChannel:
             self._waiting_since = self.clock()
             replies = _gather(self._group, self._size, 0, forward_s)
             if rooms:
-                self.link.store(rooms, _agree(self._group, [NO_OPINION] * len(rooms)))
+                self.link.store(rooms, _agree(self._group, no_opinion(len(rooms))))
         except Exception as exc:
             self.failure = f"tensor-parallel step failed: {type(exc).__name__}: {exc}"
             raise GroupFailed(self.failure) from exc
@@ -153,7 +154,7 @@ class FollowerChannel:
         return kind, decode_step(payload.numpy().tobytes())
 
     def answer(self, forward_s: float, room_codes: Sequence[int]) -> None:
-        """This rank's reply; ``room_codes``: its state code for each of the step's rooms."""
+        """This rank's reply; ``room_codes``: its answer for the step's rooms (``tp/mirror``)."""
         _gather(self._group, self._size, self._rank, forward_s)
         if room_codes:
             _agree(self._group, room_codes)
@@ -168,8 +169,8 @@ def _send(group: Any, kind: StepKind, payload: bytes) -> None:
 
 
 def _agree(group: Any, codes: Sequence[int]) -> list[int]:
-    """Each room's lowest state code over the ranks."""
-    tensor = torch.tensor(list(codes), dtype=torch.int64)  # [rooms]
+    """Each entry's lowest value over the ranks."""
+    tensor = torch.tensor(list(codes), dtype=torch.int64)  # [2 rooms]
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
     return [int(code) for code in tensor.tolist()]
 

@@ -13,7 +13,7 @@ import time
 
 from prefill_worker.batch import ModelRunner
 from prefill_worker.tp.channel import FollowerChannel
-from prefill_worker.tp.mirror import NO_OPINION, MirrorTarget
+from prefill_worker.tp.mirror import MirrorTarget, no_opinion
 from prefill_worker.tp.step import StepKind
 
 log = logging.getLogger(__name__)
@@ -37,5 +37,5 @@ def serve_steps(
             started = time.perf_counter()
             runner.run(step.plan)
             forward_s = time.perf_counter() - started
-        codes = [NO_OPINION] * len(step.rooms) if target is None else target.codes(step.rooms)
+        codes = no_opinion(len(step.rooms)) if target is None else target.codes(step.rooms)
         channel.answer(forward_s, codes)

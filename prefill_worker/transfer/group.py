@@ -14,17 +14,40 @@ the pages). Each step the ranks agree each open room's state by one all-reduce M
 so a room is SUCCESS only when every rank's writes landed, and failed as soon as any rank's
 push failed (the code of the rank whose failure is lowest wins: PEER_LOST < ABORTED < FAILED).
 Until the followers have answered for a room, its state is the leader's, capped at
-TRANSFERRING: it never succeeds on the leader's word alone. Torch-free.
+TRANSFERRING: it never succeeds on the leader's word alone.
+
+Decodes register with the leader only. Before a room's first pages, the leader mirrors what
+its sender was bound to (a sender that has ``bound()``, the push engine's, either protocol's:
+an SGLang decode rank's registration is carried as a native `register`): each decode rank's
+`register` not mirrored yet (``peer``; once per registration), then the room's decode ranks
+and their `want`s (``bind``), so each follower writes its heads into the same pages. The aux
+row (and so the `ok` status, which follows it) waits on the leader until the followers agree
+their writes landed (their SUCCESS, which a follower reaches only after the mirrored ``aux``):
+the status goes once, after every rank's writes.
+
+A status that lets the decode reuse its pages (``failed``, ``aborted``) waits, like the
+leader's own, until no byte of the room can land: the leader's sender holds it for its own
+writes and for the followers' (``FollowerWrites``, given to it with the room's binding), which
+are settled once every follower reported so in an exchange after the room's fail or close
+reached it (the follower releases its writes on either). The sender's hold is bounded
+(``transfer.peer_timeout_s``, then the status goes with a warning), and the transfer backend's
+close lets every held status go (the group is stopping: its followers are killed next).
+Torch-free.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+
+if TYPE_CHECKING:  # importing the poster imports NIXL; this module stays free of it
+    from prefill_worker.transfer.nixl.poster import Write
 
 STATE_CODES: Mapping[KVPoll, int] = {
     KVPoll.PEER_LOST: 0,
@@ -37,11 +60,13 @@ STATE_CODES: Mapping[KVPoll, int] = {
 }
 STATES = {code: state for state, code in STATE_CODES.items()}
 FOLLOWER_FAILED = "a tensor-parallel rank's push failed"
+HELD_AUX_POLL_S = 0.002  # how soon the engine looks again while an aux row waits for followers
 
 
 class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
     """One sender call to repeat on every follower's backend (``kind``: create | pages | aux |
-    fail | close; the fields each kind uses, the others left at their defaults)."""
+    fail | close | peer | bind; the fields each kind uses, the others left at their defaults;
+    ``peer``: ``register``; ``bind``: ``agent_names`` and their ``wants``)."""
 
     kind: str
     room: int
@@ -51,6 +76,23 @@ class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
     page_ids: list[int] = []
     first: int = 0  # pages: the first prompt page; aux: the aux row
     reason: str = ""
+    register: wire.Register | None = None
+    agent_names: list[str] = []
+    wants: list[wire.Want] = []
+
+
+@runtime_checkable
+class Bound(Protocol):
+    """A sender the followers can write beside (``PushSender``): it says which decode ranks
+    it is bound to, and holds its statuses for the followers' writes too."""
+
+    def bound(self) -> Sequence[tuple[Any, wire.Want]]:
+        """(peer, want) per decode rank; a peer has ``agent_name`` and ``registration``."""
+        ...
+
+    def also_wait_for(self, writes: Write) -> None:
+        """Writes of the room made elsewhere: a ``failed`` or ``aborted`` waits for them."""
+        ...
 
 
 class Mirror(Protocol):
@@ -60,6 +102,11 @@ class Mirror(Protocol):
 
     def followers_state(self, room: int) -> KVPoll | None:
         """The lowest state the followers reported for ``room``; None before they did."""
+        ...
+
+    def followers_settled(self, room: int) -> bool:
+        """No follower's write of ``room`` can land any more: every follower said so after
+        the room's fail or close reached it."""
         ...
 
     def sync(self) -> None:
@@ -72,11 +119,41 @@ def agree(states: Sequence[KVPoll]) -> KVPoll:
     return STATES[min(STATE_CODES[state] for state in states)]
 
 
+class FollowerWrites:
+    """Every follower's writes of one room, as one ``Write`` the leader's sender waits for
+    before a ``failed`` or ``aborted`` (module docstring). Each follower releases its own
+    when the room's fail or close reaches it, so ``release`` has nothing to do here."""
+
+    num_bytes = 0
+    prep_s = 0.0
+    prep_cpu_s = 0.0
+    is_refused = False
+
+    def __init__(self, room: int, mirror: Mirror) -> None:
+        self._room, self._mirror = room, mirror
+
+    def state(self) -> str:
+        return "DONE" if self.is_settled else "PROC"
+
+    def release(self) -> None:
+        """The followers release their writes themselves (module docstring)."""
+
+    @property
+    def is_settled(self) -> bool:
+        return self._mirror.followers_settled(self._room)
+
+
 class GroupSender:
-    def __init__(self, room: int, local: KVSender, mirror: Mirror) -> None:
+    def __init__(
+        self, room: int, local: KVSender, mirror: Mirror, mirrored: dict[str, Any]
+    ) -> None:
         self._room, self._local, self._mirror = room, local, mirror
+        self._mirrored = mirrored  # the registration each follower holds, by agent name
+        self._is_bound = False
+        self.held_aux: int | None = None  # waits for the followers' writes
 
     def poll(self) -> KVPoll:
+        self.release_aux()
         mine, theirs = self._local.poll(), self._mirror.followers_state(self._room)
         if theirs is None:
             return agree([mine, KVPoll.TRANSFERRING])
@@ -87,15 +164,45 @@ class GroupSender:
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         self._local.send_pages(page_ids, first_page)
+        if not self._is_bound:
+            self._is_bound = True
+            self._mirror_bind()
         self._mirror.mirror(
             MirrorOp("pages", self._room, page_ids=list(page_ids), first=first_page)
         )
 
     def send_aux(self, aux_row: int) -> None:
-        self._local.send_aux(aux_row)
         self._mirror.mirror(MirrorOp("aux", self._room, first=aux_row))
+        self.held_aux = aux_row
+        self.release_aux()
+
+    def release_aux(self) -> None:
+        """The aux row goes to the leader's sender once every follower's writes landed."""
+        if self.held_aux is None:
+            return
+        if self._mirror.followers_state(self._room) is KVPoll.SUCCESS:
+            aux_row, self.held_aux = self.held_aux, None
+            self._local.send_aux(aux_row)
+
+    def _mirror_bind(self) -> None:
+        if not isinstance(self._local, Bound):
+            return  # a protocol the followers write nothing for yet (module docstring)
+        bound = self._local.bound()
+        if any(peer.registration is None for peer, _ in bound):
+            return  # a peer with no `register` (a TP-1 desk's): nothing to mirror
+        names, wants = [], []
+        for peer, want in bound:
+            registration = peer.registration
+            if registration is not None and self._mirrored.get(peer.agent_name) is not registration:
+                self._mirrored[peer.agent_name] = registration
+                self._mirror.mirror(MirrorOp("peer", self._room, register=registration))
+            names.append(peer.agent_name)
+            wants.append(want)
+        self._mirror.mirror(MirrorOp("bind", self._room, agent_names=names, wants=wants))
+        self._local.also_wait_for(FollowerWrites(self._room, self._mirror))
 
     def fail(self, reason: str) -> None:
+        self.held_aux = None  # a failed room's aux row never goes, whatever the followers say
         self._local.fail(reason)
         self._mirror.mirror(MirrorOp("fail", self._room, reason=reason))
 
@@ -112,6 +219,7 @@ class GroupSender:
         return self._local.written_bytes()
 
     def close(self) -> None:
+        self.held_aux = None  # the row goes back to its pool now: it may be another's next
         self._local.close()
         self._mirror.mirror(MirrorOp("close", self._room))
 
@@ -121,6 +229,8 @@ class GroupBackend:
 
     def __init__(self, local: TransferBackend, mirror: Mirror) -> None:
         self._local, self._mirror = local, mirror
+        self._mirrored: dict[str, Any] = {}
+        self._holding: dict[int, GroupSender] = {}  # senders whose aux row waits
 
     @property
     def bootstrap_endpoint(self) -> str:
@@ -136,14 +246,23 @@ class GroupBackend:
         local = self._local.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
         op = MirrorOp("create", room, request_id, num_prompt_tokens, allowed_peer)
         self._mirror.mirror(op)
-        return GroupSender(room, local, self._mirror)
+        sender = GroupSender(room, local, self._mirror, self._mirrored)
+        self._holding[room] = sender
+        return sender
 
     def poll(self) -> None:
         self._local.poll()
         self._mirror.sync()
+        for room, sender in list(self._holding.items()):
+            sender.release_aux()
+            if sender.held_aux is None and sender.poll().is_terminal:
+                del self._holding[room]
 
     def next_poll_at(self) -> float:
-        return self._local.next_poll_at()
+        at = self._local.next_poll_at()
+        if any(s.held_aux is not None for s in self._holding.values()):
+            return min(at, time.monotonic() + HELD_AUX_POLL_S)
+        return at
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         self._local.wait(timeout_s, wake_fd)

@@ -21,7 +21,8 @@ import pytest
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.testing.sglang_decode import FILL_BYTE, DecodeError, SglangDecodeProcess
+from prefill_worker.testing.json_child import DecodeError
+from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread

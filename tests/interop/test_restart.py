@@ -22,8 +22,9 @@ import pytest
 
 from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import OutcomeStatus
+from prefill_worker.testing.json_child import DecodeError
 from prefill_worker.testing.launch import free_port
-from prefill_worker.testing.sglang_decode import DecodeError, SglangDecodeProcess
+from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from prefill_worker.testing.spare import WAITING
 from tests.checkpoints import prompt
 from tests.interop.conftest import VERSIONS, Served, launch, start_decode

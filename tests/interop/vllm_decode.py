@@ -25,11 +25,8 @@ deadline, so a test never hangs)::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import select
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefill_worker.testing.json_child import JsonLineChild
 from prefill_worker.testing.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,11 +60,7 @@ def vllm_pythonpath() -> list[Path]:
     return [ROOT, VLLM_DIR]
 
 
-class DecodeError(RuntimeError):
-    """The child refused a command or went away; the text carries its error and log."""
-
-
-class VllmDecodeProcess:
+class VllmDecodeProcess(JsonLineChild):
     """The child, seen from a test: ``call(op, **fields)`` returns its reply. It starts
     importing vLLM at once (seconds); the first call waits for it."""
 
@@ -90,32 +84,8 @@ class VllmDecodeProcess:
         }
         env = {**os.environ, **VLLM_ENV}
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath())
-        self.log_path = log_path
-        with log_path.open("wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                cwd=ROOT,
-            )
-
-    def call(self, op: str, timeout_s: float = 120.0, **fields: Any) -> dict[str, Any]:
-        assert self.popen.stdin is not None and self.popen.stdout is not None
-        try:
-            self.popen.stdin.write(json.dumps({"op": op, **fields}).encode() + b"\n")
-            self.popen.stdin.flush()
-        except BrokenPipeError:
-            raise DecodeError(self._failure(f"{op}: the decode is gone")) from None
-        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
-        line = self.popen.stdout.readline() if ready else b""
-        if not line:
-            raise DecodeError(self._failure(f"{op}: no answer within {timeout_s:g} s"))
-        reply: dict[str, Any] = json.loads(line)
-        if not reply["ok"]:
-            raise DecodeError(f"{op}: {reply['error']}")
-        return reply
+        argv = [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)]
+        super().__init__(argv, env, log_path, cwd=ROOT)
 
     def pull_and_wait(
         self, request_id: str, params: dict[str, Any], timeout_s: float = 30.0
@@ -131,17 +101,3 @@ class VllmDecodeProcess:
         self.call("dump", request_id=request_id, path=str(path))
         with np.load(path) as npz:
             return {name: npz[name] for name in npz.files}
-
-    def close(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(DecodeError):
-                self.call("quit", timeout_s=10)
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
-
-    def _failure(self, what: str) -> str:
-        return f"{what}; log {self.log_path}:\n{self.log_tail()}"

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.checkpoints import add_byte_tokenizer
 from tests.polling import wait_until
 from tests.reliability.harness import ProcStats, Rig, check_healthy, scrape, serve_fresh
 
@@ -31,16 +32,9 @@ LATENCY_GOAL_S = 1.0
 @pytest.fixture(scope="module")
 def text_checkpoint(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Path:
     """The reliability checkpoint with a byte-level BPE tokenizer (256 byte tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     made = tmp_path_factory.mktemp("text-ckpt") / "llama"
     shutil.copytree(checkpoint, made)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(made / "tokenizer.json"))
-    return made
+    return add_byte_tokenizer(made)
 
 
 @pytest.fixture

@@ -3,10 +3,12 @@
 Equality: the same requests, in the same order, to a TP-1, a TP-2 and a TP-4 worker (4
 attention heads, 2 KV heads: split at TP 2, replicated at TP 4): a chunked prompt, a prompt
 that hits the first one's cached prefix, then three at once (batched). First tokens and their
-logprobs agree within 1e-4 (fp32); the KV the decode receives (the leader's heads: only rank 0
-sends on this branch) equals the TP-1 worker's for those heads; and every rank's whole pool,
-saved when SIGTERM drained the worker (``testing.tp_ranks --dump-dir``), equals the TP-1
-worker's pool at that rank's heads (``parallel.kv_head_range``).
+logprobs agree within 1e-4 (fp32); every rank's whole pool, saved when SIGTERM drained the
+worker (``testing.tp_ranks --dump-dir``), equals the TP-1 worker's pool at that rank's heads
+(``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so native decodes of
+TP 1 (every head), 2 (a receiver per head) and 4 (each head on two receivers) receive the
+whole KV: byte for byte what each worker rank's pool holds, and within 1e-4 of the TP-1
+worker's KV.
 
 Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
 timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
@@ -35,12 +37,16 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from prefill_worker.testing.launch import ChildProcess, free_port
-from prefill_worker.transfer import RoomState
+from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
+from prefill_worker.transfer.wire import WorkerTP
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
+    DECODE_PAGES,
     NUM_KV_HEADS,
+    PAGE_SIZE,
     ROOT,
     Worker,
+    decode_pool,
     start_worker,
     wait_ready,
 )
@@ -78,6 +84,65 @@ class Session:
         self.decode.close()
 
 
+class RankedDecode:
+    """A native decode of TP ``size``: one ``KVReceiver`` per rank over a pool of its KV
+    heads, each wanting every room with its own pages (the same page ids: separate pools)."""
+
+    def __init__(self, bootstrap: str, size: int) -> None:
+        kind = describe_worker(bootstrap, 30.0).kind
+        self.heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, size)) for rank in range(size)]
+        self.pools = [decode_pool(kind, len(heads)) for heads in self.heads]
+        self.receivers = [
+            KVReceiver.from_tensors(
+                k, v, bootstrap, num_aux_rows=8, tp=(rank, size, NUM_KV_HEADS), io_thread=True
+            )
+            for rank, (k, v) in enumerate(self.pools)
+        ]
+        for receiver in self.receivers:
+            receiver.wait_registered(timeout_s=30)
+        self.rooms: dict[int, list[int]] = {}
+
+    @property
+    def worker_tp(self) -> WorkerTP:
+        """The worker's TP layout, as its `registered` named it to rank 0."""
+        worker_tp = self.receivers[0].worker_tp
+        assert worker_tp is not None
+        return worker_tp
+
+    def want(self, room: int, num_tokens: int) -> None:
+        pages = [DECODE_PAGES - 1 - 2 * i for i in range(-(-num_tokens // PAGE_SIZE))]
+        self.rooms[room] = pages
+        for receiver in self.receivers:
+            receiver.want(room, pages, 0, 0)
+
+    def wait(self, room: int) -> None:
+        def settled() -> bool:
+            return all(r.poll(room).state is not RoomState.PENDING for r in self.receivers)
+
+        wait_until(settled, 30.0, f"room {room} on every decode rank")
+        states = [r.poll(room) for r in self.receivers]
+        assert all(s.state is RoomState.DONE for s in states), states
+
+    def pages(self, room: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the room's pages, each head from its ranks: [pages, ps, KV, D]; ranks
+        that hold the same (replicated) head must hold the same bytes."""
+        out = []
+        for part in range(2):
+            whole: list[torch.Tensor | None] = [None] * NUM_KV_HEADS
+            for heads, pool in zip(self.heads, self.pools, strict=True):
+                mine = torch.stack([pool[part][layer][p] for p in self.rooms[room]])
+                for i, head in enumerate(heads):
+                    got = mine[:, :, i]
+                    assert whole[head] is None or torch.equal(whole[head], got), head
+                    whole[head] = got
+            out.append(torch.stack(whole, 2))  # type: ignore[arg-type]
+        return out[0], out[1]
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+
+
 def start(tmp_path: Path, checkpoint: Path, tp: int, *settings: str, args: Sequence[str] = ()):
     worker = start_worker(
         tmp_path, checkpoint, f"parallel.tp_size={tp}", *FAST, *settings,
@@ -91,19 +156,56 @@ def start(tmp_path: Path, checkpoint: Path, tp: int, *settings: str, args: Seque
     return worker
 
 
-def serve_script(session: Session) -> dict[str, object]:
-    """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV."""
+def tp1_pages(session: Session, room: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the room's pages on the TP-1 decode: [pages, page_size, KV, D]."""
+    pages, _ = session.decode.rooms[room]
+    k, v = session.decode.k[layer], session.decode.v[layer]
+    return torch.stack([k[p] for p in pages]), torch.stack([v[p] for p in pages])
+
+
+def to_ranked_decode(session: Session, tp: int, size: int) -> tuple[object, list]:
+    """LONG once more, to a native decode of TP ``size``: the reply, and K and V per layer."""
+    decode = RankedDecode(session.worker.bootstrap, size)
+    try:
+        ranks = [(r.tp_rank, r.head_start, r.head_stop) for r in decode.worker_tp.ranks]
+        heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
+        assert ranks == [(rank, h.start, h.stop) for rank, h in enumerate(heads)]
+        room = 9_000 + size
+        decode.want(room, len(LONG))
+        rid = f"long-d{size}"
+        session.router.send_prefill(LONG, room, return_logprob=True, request_id=rid)
+        reply = session.router.wait([rid])[rid]
+        decode.wait(room)
+        return reply, [decode.pages(room, layer) for layer in range(2)]
+    finally:
+        decode.close()
+
+
+def serve_script(session: Session, tp: int) -> dict[str, object]:
+    """The requests, serially then batched; first tokens, logprobs, prefix hits, decode KV
+    (per layer, K and V of the room's pages); last, LONG twice more, at TP > 1 to decodes of
+    TP 2 and 4."""
     out: dict[str, object] = {}
     for name, tokens in (("long", LONG), ("hit", HIT)):
         rid, room = session.send(tokens)
         reply = session.router.wait([rid])[rid]
-        session.decode.wait([room])
-        out[name] = reply, [session.decode.kv(room, len(tokens), layer) for layer in range(2)]
+        assert session.decode.wait([room])[room].state is RoomState.DONE
+        out[name] = reply, [tp1_pages(session, room, layer) for layer in range(2)]
     sent = [session.send(tokens) for tokens in BATCH]
     replies = session.router.wait([rid for rid, _ in sent])
     session.decode.wait([room for _, room in sent])
     for i, (rid, _) in enumerate(sent):
         out[f"batch{i}"] = replies[rid], None
+    readyz = json.loads(session.worker.http("/readyz")[1])
+    assert readyz["kv_layout"] == describe_worker(session.worker.bootstrap, 10.0).summary()
+    assert readyz["kv_layout"]["num_kv_heads"] == NUM_KV_HEADS  # every head, at any TP
+    for size in (2, 4):  # a TP-1 worker does the same work (its pools stay comparable) for
+        if tp > 1:  # its TP-1 decode (tests/integration/daemon/test_decode_tp.py has d > 1)
+            out[f"long-d{size}"] = to_ranked_decode(session, tp, size)
+        else:
+            rid, room = session.send(LONG, f"long-d{size}")
+            out[f"long-d{size}"] = session.router.wait([rid])[rid], None
+            assert session.decode.wait([room])[room].state is RoomState.DONE
     return out
 
 
@@ -116,12 +218,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         worker = start(tmp_path, checkpoint, tp, args=["--dump-dir", str(tmp_path)])
         session = Session(worker)
         try:
-            answers = serve_script(session)
+            answers = serve_script(session, tp)
             forwards = {
                 labels: value
                 for (name, labels), value in scrape(worker).items()
                 if name == "prefill_worker_tp_forward_seconds_count"
             }
+        except BaseException:
+            worker.child.kill()  # no worker outlives a failed script
+            raise
         finally:
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
@@ -142,13 +247,50 @@ def test_first_tokens_and_logprobs_equal_tp1(served: dict, tp: int) -> None:
     assert got["hit"][0].num_prefix_hit_tokens == 32  # the cached prefix was used
 
 
+def full_pages(num_tokens: int) -> int:
+    return num_tokens // PAGE_SIZE  # the last, partial page may be reused after the request
+
+
+RECEIVED = [("long", 40), ("hit", 41), ("long-d2", 40), ("long-d4", 40)]  # name, tokens
+
+
 @pytest.mark.parametrize("tp", [2, 4])
-def test_decode_receives_the_leaders_heads_of_the_tp1_kv(served: dict, tp: int) -> None:
-    heads = kv_head_range(NUM_KV_HEADS, TPGroup(0, tp))
-    for name in ("long", "hit"):
-        for (k1, v1), (k, v) in zip(served[1][0][name][1], served[tp][0][name][1], strict=True):
-            torch.testing.assert_close(k, k1[:, heads.start : heads.stop], atol=TOL, rtol=0)
-            torch.testing.assert_close(v, v1[:, heads.start : heads.stop], atol=TOL, rtol=0)
+@pytest.mark.parametrize(("name", "num_tokens"), RECEIVED)
+def test_decodes_of_tp_1_2_4_receive_every_head_of_the_tp1_kv(
+    served: dict, tp: int, name: str, num_tokens: int
+) -> None:
+    """Within 1e-4 of the TP-1 worker's KV (a TP-2 forward sums in another order)."""
+    expected = served[1][0]["long" if name.startswith("long") else name][1]
+    for (k1, v1), (k, v) in zip(expected, served[tp][0][name][1], strict=True):
+        for got, want in ((k, k1), (v, v1)):
+            got = got.flatten(0, 1)[:num_tokens]
+            torch.testing.assert_close(got, want.flatten(0, 1)[:num_tokens], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("tp", "name", "num_tokens"),
+    [(1, "long", 40), (1, "hit", 41)] + [(tp, name, n) for tp in (2, 4) for name, n in RECEIVED],
+)
+def test_every_head_lands_byte_for_byte_from_its_ranks_pool(
+    served: dict, tp: int, name: str, num_tokens: int
+) -> None:
+    """Each full page the decode received is, at every rank's heads, one page of that rank's
+    pool bit for bit, the same page on every rank."""
+    pools, received = served[tp][1], served[tp][0][name][1]
+    heads = [kv_head_range(NUM_KV_HEADS, TPGroup(rank, tp)) for rank in range(tp)]
+
+    def holds(rank: int, page: int, i: int) -> bool:
+        cut = slice(heads[rank].start, heads[rank].stop)
+        return all(
+            torch.equal(tensor[i][:, cut], pools[rank][part][layer][page])
+            for layer, (k, v) in enumerate(received)
+            for part, tensor in (("k", k), ("v", v))
+        )
+
+    num_pages = len(pools[0]["k"][0])
+    for i in range(full_pages(num_tokens)):
+        found = [p for p in range(num_pages) if all(holds(r, p, i) for r in range(tp))]
+        assert found, f"page {i} of {name}: no page holds it on every rank"
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -96,8 +96,14 @@ class Stack:
     protocol: str  # "sglang" or "native"
     prefills: list[Prefill] = field(default_factory=list)
     children: list[ChildProcess] = field(default_factory=list)
-    decode_port: int = 0
+    decode_ports: list[int] = field(default_factory=list)
     router_port: int = 0
+    router_metrics_port: int = 0
+
+    @property
+    def decode_port(self) -> int:
+        """The first decode peer's port (most tests start one)."""
+        return self.decode_ports[0]
 
     @property
     def decode_url(self) -> str:
@@ -121,14 +127,27 @@ class Stack:
     def restart_prefill(self, prefill: Prefill, sig: signal.Signals, *settings: str) -> float:
         """Signal the prefill, and start it again on the same ports from a warm spare (its
         imports done beforehand, so it is back within seconds); when the new run is ready."""
+        spare = self.start_spare(prefill, *settings)
+        prefill.worker.proc.send_signal(sig)
+        self.wait_exit(prefill, 30)
+        return self.swap_in(prefill, spare)
+
+    def start_spare(self, prefill: Prefill, *settings: str) -> Worker:
+        """A warm spare of the prefill, on its ports once ``swap_in`` wakes it."""
         flags = self._flags(prefill.api_port, prefill.sglang_port, *settings)
         flags += (f"transfer.bootstrap_bind={prefill.worker.bootstrap}",)
         spare = start_worker(self.tmp_path, self.checkpoint, *flags, module=SPARE)
         self.children.append(spare.child)
         wait_until(lambda: WAITING in spare.child.log_tail(), 120, "the spare's imports")
-        prefill.worker.proc.send_signal(sig)
-        prefill.worker.wait_exit(30)
+        return spare
+
+    def wait_exit(self, prefill: Prefill, timeout_s: float) -> int:
+        code = prefill.worker.wait_exit(timeout_s)
         self.children.remove(prefill.worker.child)
+        return code
+
+    def swap_in(self, prefill: Prefill, spare: Worker) -> float:
+        """Wake the spare in the place of the prefill (which has exited); when it is ready."""
         spare.proc.send_signal(signal.SIGUSR1)
         spare.child.wait_ready(120)
         prefill.worker = dataclasses.replace(spare, bootstrap=prefill.worker.bootstrap)
@@ -150,9 +169,9 @@ class Stack:
         return flags + settings
 
     def start_decode(self) -> None:
-        self.decode_port = free_port()
+        self.decode_ports.append(free_port())
         args = [sys.executable, "-m", "prefill_worker.testing.decode_peer"]
-        args += ["--model", str(self.checkpoint), "--http", f"127.0.0.1:{self.decode_port}"]
+        args += ["--model", str(self.checkpoint), "--http", f"127.0.0.1:{self.decode_ports[-1]}"]
         env = None
         if self.protocol == "sglang":
             env = sglang_env(ROOT)  # the stack fixture skipped if it is missing
@@ -168,24 +187,30 @@ class Stack:
         child.wait_ready(120)
 
     def start_router(self, *flags: str) -> None:
-        self.router_port = free_port()
+        self.router_port, self.router_metrics_port = free_port(), free_port()
         args = [str(SMG), "launch", "--pd-disaggregation", "--host", "127.0.0.1"]
-        args += ["--port", str(self.router_port), "--prometheus-port", str(free_port())]
+        args += ["--port", str(self.router_port), "--prometheus-port"]
+        args += [str(self.router_metrics_port), "--prometheus-host", "127.0.0.1"]
         for prefill in self.prefills:
             args += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
-        args += ["--decode", f"http://127.0.0.1:{self.decode_port}"]
+        for port in self.decode_ports:
+            args += ["--decode", f"http://127.0.0.1:{port}"]
         args += ["--policy", "round_robin", "--worker-startup-check-interval", "1"]
         args += ["--retry-initial-backoff-ms", "10", "--log-level", "info", *flags]
         child = ChildProcess.start("smg", args, self.tmp_path, cwd=ROOT)
         self.children.insert(0, child)
-        wait_until(lambda: self.num_workers() == len(self.prefills) + 1, 60, "smg registration")
+        num = len(self.prefills) + len(self.decode_ports)
+        wait_until(lambda: self.num_healthy_workers() == num, 60, "smg registration and health")
 
-    def num_workers(self) -> int:
+    def num_healthy_workers(self) -> int:
+        """Workers smg has registered and found healthy: it routes only to those (a request
+        sent between the two gets smg's 503, "no available prefill workers")."""
         try:
             status, body = http(f"{self.router}/workers", timeout_s=2)
         except OSError:
             return 0
-        return len(body.get("workers", [])) if status == 200 else 0
+        workers = body.get("workers", []) if status == 200 else []
+        return sum(1 for worker in workers if worker.get("is_healthy"))
 
     def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         return http(f"{self.router}/generate", {"model": MODEL_NAME, **body})
@@ -199,13 +224,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("llama", tmp_path_factory.mktemp("smg-ckpt") / "llama")
 
 
-@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
-    if not SMG.exists():  # CI runs `make smg` first: there a missing router is a failure
+def require_smg() -> None:
+    """Skip without the router; CI runs `make smg` first: there a missing router is a failure."""
+    if not SMG.exists():
         message = "smg is not installed: `make smg`"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+    require_smg()
     protocol: str = request.param
     if protocol == "sglang":
         try:

@@ -30,6 +30,18 @@ def test_a_wildcard_bind_needs_the_control_address() -> None:
     assert native.transfer.protocol == "native"
 
 
+def test_a_tensor_parallel_worker_serves_native_or_sglang_alone() -> None:
+    for protocol in ("native", "sglang"):
+        flags = [f"transfer.protocol={protocol}", "parallel.tp_size=2"]
+        assert load_config(None, env={}, overrides=flags).parallel.tp_size == 2
+    for protocol in ("both", "native,vllm"):
+        flags = [f"transfer.protocol={protocol}", "parallel.tp_size=2", "http_api.enabled=true"]
+        with pytest.raises(ConfigError) as info:
+            load_config(None, env={}, overrides=flags)
+        assert "serves native or sglang alone" in "\n".join(info.value.problems), protocol
+    assert load_config(None, env={}, overrides=["transfer.protocol=both"]).parallel.tp_size == 1
+
+
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ConfigError):
         load_config(None, env={}, overrides=["transfer.protocol=mooncake"])

@@ -1,15 +1,19 @@
-"""What an attention backend is: the batch it is planned for and the ``AttentionBackend``
-Protocol. The backends (``sdpa.py``, ``flashinfer.py``) and the registry in ``__init__.py``
-import it; it imports none of them.
+"""What an attention backend is: the batch it is planned for, the ``AttentionBackend``
+Protocol (K/V pools) and ``MLAAttentionBackend`` (an MLA pool's latent rows). The backends
+(``sdpa.py``, ``flashinfer.py``, ``sdpa_mla.py``, ``flashinfer_mla.py``) and the registry in
+``__init__.py`` import it; it imports none of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from prefill_worker.model.hf_config import MLASpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,4 +52,22 @@ class AttentionBackend(Protocol):
         are read in place (index them, never ``view`` or copy them whole)."""
 
 
+@runtime_checkable
+class MLAAttentionBackend(AttentionBackend, Protocol):
+    """An MLA model's attention: ``attend`` is not called (an MLA pool has no K/V planes)."""
+
+    def attend_latent(
+        self,
+        q: torch.Tensor,  # [T, H, nope + rope], RoPE applied
+        rows: torch.Tensor,  # [T, r + rope], this batch's fresh pool rows
+        pool: torch.Tensor,  # [P, page_size, 1, r + rope], the layer's plane, rows written
+        kv_b: torch.Tensor,  # [H (nope + v), r]
+        spec: MLASpec,
+        out: torch.Tensor,  # [T, H, v], written
+    ) -> None:
+        """Causal attention of every chunk over its prompt prefix's latents, into ``out``
+        (scaled by ``spec.softmax_scale``); the pool is read in place."""
+
+
 BackendFactory = Callable[[torch.device], AttentionBackend]
+MLABackendFactory = Callable[[torch.device], MLAAttentionBackend]

@@ -29,6 +29,7 @@ from prefill_worker.transfer.nixl.agent import (
 )
 from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.nixl.rank_writer import RankPlace
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -99,6 +100,11 @@ class NixlBackend(HubBackend[Peer]):
             regions,
         )
         self._next_heartbeat = clock()
+
+    def lead_group(self, place: RankPlace) -> None:
+        """Serve decodes for a TP group this backend is rank ``place.rank`` of (the leader):
+        its desk describes every head and writes this rank's (``BootstrapDesk.lead``)."""
+        self._desk.lead(place)
 
     # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 

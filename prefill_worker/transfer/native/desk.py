@@ -6,8 +6,12 @@ agent name, their pool's descriptor list prepared once) and hands wants and abor
 hub, which owns the tables. A decode rank of TP > 1 (``register.tp``) is checked against the
 KV-head rule and its pool against ours with its heads only; when it holds a sub-range of our
 heads its list addresses token runs of them (``transfer.headplan``), and its `registered`
-names our TP layout. Every message is checked (``validate``) before work is done for
-it; one that still raises refuses its peer, is counted, and never leaves ``dispatch``.
+names our TP layout. The leader of a TP group (``lead``) answers for the whole group: it
+describes the model's every head, plans each decode rank's heads for its own rank (a decode
+rank it does not feed still gets the aux row and the status from it), and its registrations
+reach the other ranks through the group's mirror (``Peer.registration``). Every message is
+checked (``validate``) before work is done for it; one that still raises refuses its peer,
+is counted, and never leaves ``dispatch``.
 """
 
 from __future__ import annotations
@@ -17,15 +21,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from msgspec import UNSET
+from msgspec import UNSET, structs
 
+from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, decode_rank_error, plan_rank
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, prep_lists
-from prefill_worker.transfer.nixl.rank_writer import prep_local_slice, prep_slice_lists
+from prefill_worker.transfer.nixl.rank_writer import RankPlace, prep_local_slice, prep_slice_lists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.validate import (
@@ -56,8 +61,18 @@ class BootstrapDesk:
         self._hub, self._server, self._agent = hub, server, agent
         self._layout, self._limits, self._regions = layout, limits, regions
         self._described = described
+        self._place = RankPlace(0, 1, layout.num_kv_heads)  # this worker's place: TP 1
         self._refused = hub.refusals.names  # registrations refused lately, by agent name
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
+
+    def lead(self, place: RankPlace) -> None:
+        """Answer for a TP group whose rank ``place.rank`` this is: the pool a decode sees is
+        the model's (every head), each decode rank written only the heads this rank feeds."""
+        self._place = place
+        self._layout = dataclasses.replace(self._layout, num_kv_heads=place.num_kv_heads)
+        layout = wire.Layout.of(self._layout)
+        compat = self._layout.compat_hash()
+        self._described = structs.replace(self._described, layout=layout, compat_hash=compat)
 
     def dispatch(self, identity: bytes, msg: wire.Message | wire.WireError) -> None:
         """Answer one message; one that raises refuses its peer and never escapes."""
@@ -107,7 +122,7 @@ class BootstrapDesk:
         rank = self._decode_rank(msg)
         if isinstance(rank, Refusal):
             return self._refuse(identity, rank, msg.agent_name)
-        layout, head_slice = rank
+        layout, head_slice, is_fed = rank
         refusal = check_register(msg, layout, self._limits)
         if refusal is not None:
             return self._refuse(identity, refusal, msg.agent_name)
@@ -132,12 +147,13 @@ class BootstrapDesk:
             why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
             return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why), msg.agent_name)
         try:
-            lists = self._prep_lists(name, msg.regions, head_slice)
+            lists = self._prep_lists(name, msg.regions, head_slice if is_fed else None)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
         peer = Peer(identity, name, msg.regions, lists, self._hub.clock(), head_slice=head_slice)
+        peer.is_fed, peer.registration = is_fed, msg
         if msg.tp is not UNSET:
             peer.tp_rank, peer.tp_size = msg.tp.tp_rank, msg.tp.tp_size
         peers[identity] = peer
@@ -145,21 +161,28 @@ class BootstrapDesk:
         self._server.send(identity, self._registered(None, msg.tp is not UNSET))
         log.info("bootstrap: decode peer %s registered", name)
 
-    def _decode_rank(self, msg: wire.Register) -> tuple[KVLayout, HeadSlice | None] | Refusal:
-        """The pool layout a registering decode must have, and the heads we write into it
-        (None: whole pages); a refusal when its rank breaks the KV-head rule. This worker is
-        one rank of TP 1: it holds every head."""
+    def _decode_rank(self, msg: wire.Register) -> tuple[KVLayout, HeadSlice | None, bool] | Refusal:
+        """The pool layout a registering decode must have, the heads this rank writes into it
+        (None: whole pages), and whether it writes any; a refusal when its rank breaks the
+        KV-head rule."""
+        place, num_kv_heads = self._place, self._layout.num_kv_heads
         if msg.tp is UNSET:
-            return self._layout, None
-        tp, num_kv_heads = msg.tp, self._layout.num_kv_heads
-        heads = range(tp.head_start, tp.head_stop)
-        why = decode_rank_error(num_kv_heads, tp.tp_rank, tp.tp_size, heads)
-        if why is not None:
-            return Refusal(RejectReason.LAYOUT_MISMATCH, why)
-        slices = plan_rank(num_kv_heads, 0, 1, tp.tp_size)
-        (head_slice,) = (s for s in slices if s.dst_rank == tp.tp_rank)
-        layout = dataclasses.replace(self._layout, num_kv_heads=head_slice.dst_num_heads)
-        return layout, None if head_slice.is_whole_page else head_slice
+            if place.tp_size == 1:
+                return self._layout, None, True
+            tp_rank, tp_size = 0, 1
+        else:
+            tp_rank, tp_size = msg.tp.tp_rank, msg.tp.tp_size
+            heads = range(msg.tp.head_start, msg.tp.head_stop)
+            why = decode_rank_error(num_kv_heads, tp_rank, tp_size, heads)
+            if why is not None:
+                return Refusal(RejectReason.LAYOUT_MISMATCH, why)
+        slices = plan_rank(num_kv_heads, place.rank, place.tp_size, tp_size)
+        head_slice = next((s for s in slices if s.dst_rank == tp_rank), None)
+        dst_heads = len(kv_head_range(num_kv_heads, tp_rank, tp_size))
+        layout = dataclasses.replace(self._layout, num_kv_heads=dst_heads)
+        if head_slice is None:
+            return layout, None, False
+        return layout, None if head_slice.is_whole_page else head_slice, True
 
     def _prep_lists(
         self, name: str, regions: KVRegions, head_slice: HeadSlice | None
@@ -219,6 +242,10 @@ class BootstrapDesk:
         )
 
     def _worker_tp(self) -> wire.WorkerTP:
-        """This worker's TP layout: one rank, every head, this bootstrap endpoint."""
-        rank = wire.WorkerRank(0, 0, self._layout.num_kv_heads, self._server.endpoint)
-        return wire.WorkerTP(1, (rank,))
+        """This worker's TP layout: each rank's heads; this bootstrap endpoint speaks for all."""
+        place, endpoint = self._place, self._server.endpoint
+        ranks = []
+        for rank in range(place.tp_size):
+            heads = kv_head_range(place.num_kv_heads, rank, place.tp_size)
+            ranks.append(wire.WorkerRank(rank, heads.start, heads.stop, endpoint))
+        return wire.WorkerTP(place.tp_size, tuple(ranks))

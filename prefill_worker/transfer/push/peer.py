@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import PreppedLists
 
@@ -28,6 +29,10 @@ class Peer:
     tp_rank: int = 0
     tp_size: int = 1
     head_slice: HeadSlice | None = None  # None: every head, whole pages (TP 1 on both sides)
+    # A worker of TP > 1: whether this rank writes any heads into it (the aux row and the
+    # status go to every rank all the same), and its `register`, for the other ranks.
+    is_fed: bool = True
+    registration: wire.Register | None = None
 
 
 P = TypeVar("P", bound=Peer)  # a protocol's peer record

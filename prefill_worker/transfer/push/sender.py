@@ -15,8 +15,9 @@ of ``transfer.headplan``); SUCCESS once every rank's `ok` went out.
 A sender never calls back: what its hub must do (a ``Tell``, its ``Closed``) is appended to
 ``PushContext.events`` and done in order on the hub's next turn. ``close()`` never waits:
 writes not yet settled go to the hub in ``Closed.stuck``. Every status waits (``Tell.after``)
-until no byte of the room's writes can land: a decode told ``failed`` or ``aborted`` reuses
-its pages at once. A decode's abort ends the room ABORTED, acknowledged once no write is in
+until no byte of the room's writes can land (a ``failed`` or ``aborted`` also waits for those
+``also_wait_for`` names: another rank's): a decode told ``failed`` or ``aborted`` reuses its
+pages at once. A decode's abort ends the room ABORTED, acknowledged once no write is in
 flight.
 """
 
@@ -107,6 +108,7 @@ class PushSender(Generic[P]):
         self._is_ok_told = False  # `ok` handed to the hub, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
         self._ack_generation: int | None = None
+        self._other_writes: tuple[Write, ...] = ()  # the room's writes made elsewhere
         self._index_s = 0.0  # building descriptor indices (engine thread)
         self._index_cpu_s = 0.0
 
@@ -148,7 +150,7 @@ class PushSender(Generic[P]):
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
             except ValueError as exc:
                 return self.fail(str(exc))
-            if len(src):
+            if len(src) and peer.is_fed:
                 self._post_pages(peer, src, dst)
 
     def send_aux(self, aux_row: int) -> None:
@@ -190,6 +192,15 @@ class PushSender(Generic[P]):
         to post, an acknowledgement due. NIXL gives no fd to wait on, so this means polling."""
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         return bool(self._writes) or (is_aux_due and not self._is_ok_told) or self._is_ack_due
+
+    def bound(self) -> list[tuple[P, wire.Want]]:
+        """Each decode rank bound, with its `want`, in order (every one, once READY)."""
+        return list(zip(self.peers, self._wants, strict=True))
+
+    def also_wait_for(self, writes: Write) -> None:
+        """Writes of this room made elsewhere (a tensor-parallel follower's): a ``failed``
+        or ``aborted`` status waits for them as for this sender's own."""
+        self._other_writes += (writes,)
 
     def accepts(self, agent_name: str) -> bool:
         """May this decode agent claim the room (the router may have named one)?"""
@@ -289,8 +300,11 @@ class PushSender(Generic[P]):
         status = wire.Status(self.room, code, reason)
         confirming = self if confirm else None
         generation = self._ack_generation if code == "aborted" else None
+        after = self._writes.pending()
+        if code != "ok":  # an `ok` follows the aux row, which follows every rank's writes
+            after += self._other_writes
         for peer in self.peers if only is None else [only]:
-            tell = Tell(peer, status, confirming, self._writes.pending(), generation)
+            tell = Tell(peer, status, confirming, after, generation)
             self._ctx.events.append(tell)
 
     def _post_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 
+from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
 from prefill_worker.transfer.headplan import HeadSlice, plan_rank
 from prefill_worker.transfer.sglang.aux import AUX_BUFFER_NAMES, NUM_AUX_BUFFERS
@@ -35,11 +36,12 @@ _MEM_KINDS = {"DRAM", "VRAM"}
 AUX_ROWS_BOUND = 2**31 - 1
 
 
-def server_info(page_size: int, kv_cache_dtype: str) -> dict[str, object]:
+def server_info(page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1) -> dict[str, object]:
     """``GET /route`` with every rank -1: exactly the keys every decode in 0.5.20-0.5.23
-    accepts (it builds a dataclass from them; an unknown key is fatal on older decodes)."""
+    accepts (it builds a dataclass from them; an unknown key is fatal on older decodes).
+    ``attn_tp_size``: the worker's TP size (its ranks' control sockets are all the leader's)."""
     return {
-        "attn_tp_size": 1,
+        "attn_tp_size": attn_tp_size,
         "attn_cp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
@@ -94,15 +96,19 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return address
 
 
-def check_request(req: TransferRequest, decode_tp_size: int = 1) -> Refusal | None:
-    """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s). From
-    a decode rank of attention TP d, a room needs d decode ranks (this worker is one rank:
-    every decode rank reads from it, SGLang's ``required_dst_info_num`` = d / 1)."""
-    if req.required_dst_info_num != decode_tp_size or req.is_dummy:
+def check_request(
+    req: TransferRequest, decode_tp_size: int = 1, prefill_tp_size: int = 1
+) -> Refusal | None:
+    """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s). A
+    decode rank of attention TP d names as ``required_dst_info_num`` how many decode ranks
+    each prefill rank it targets serves: d / p when d >= p, else 1 (SGLang's
+    ``_resolve_rank_mapping``; every decode rank's request reaches this leader)."""
+    expected = max(1, decode_tp_size // prefill_tp_size)
+    if req.required_dst_info_num != expected or req.is_dummy:
         why = (
             f"the room needs {req.required_dst_info_num} decode ranks"
             f"{' (this one a dummy)' if req.is_dummy else ''}; from this worker (attention "
-            f"TP 1) a decode of attention TP {decode_tp_size} needs {decode_tp_size}"
+            f"TP {prefill_tp_size}) a decode of attention TP {decode_tp_size} needs {expected}"
         )
         return Refusal(RejectReason.UNSUPPORTED, why)
     if req.has_state:
@@ -111,20 +117,33 @@ def check_request(req: TransferRequest, decode_tp_size: int = 1) -> Refusal | No
     return None
 
 
-def rank_slice(reg: Registration, ours: KVLayout) -> HeadSlice:
-    """The heads this worker (attention TP 1, every head) writes into the decode rank, by the
-    KV-head rule (``kv.heads``, SGLang's own); ``ValueError`` when its TP does not split them."""
-    slices = plan_rank(ours.num_kv_heads, 0, 1, reg.tp_size)
-    return next(s for s in slices if s.dst_rank == reg.tp_rank)
+def target_ranks(decode_rank: int, decode_tp_size: int, prefill_tp_size: int) -> range:
+    """The prefill ranks a decode rank sends its requests to and expects a ``KV_STATUS``
+    from, one each (SGLang's ``_resolve_rank_mapping`` for a non-MLA model)."""
+    if decode_tp_size >= prefill_tp_size:
+        rank = decode_rank // (decode_tp_size // prefill_tp_size)
+        return range(rank, rank + 1)
+    per_rank = prefill_tp_size // decode_tp_size
+    return range(decode_rank * per_rank, (decode_rank + 1) * per_rank)
+
+
+def rank_slice(reg: Registration, ours: KVLayout, prefill_tp_size: int = 1) -> HeadSlice | None:
+    """The heads this worker's leader (rank 0 of ``prefill_tp_size``; ``ours`` has every
+    head of the model) writes into the decode rank, by the KV-head rule (``kv.heads``,
+    SGLang's own); None when the leader feeds it nothing (the other ranks do). ``ValueError``
+    when a TP size does not split the heads."""
+    slices = plan_rank(ours.num_kv_heads, 0, prefill_tp_size, reg.tp_size)
+    return next((s for s in slices if s.dst_rank == reg.tp_rank), None)
 
 
 def rank_layout(reg: Registration, ours: KVLayout) -> KVLayout:
     """Our layout with the decode rank's heads: what its pool must be (``ours`` at TP 1)."""
     if reg.tp_size == 1:
         return ours
+    num_heads = len(kv_head_range(ours.num_kv_heads, reg.tp_rank, reg.tp_size))
     return KVLayout(
         ours.num_layers,
-        rank_slice(reg, ours).dst_num_heads,
+        num_heads,
         ours.head_dim,
         ours.dtype,
         ours.page_size,
@@ -170,7 +189,7 @@ def _check_parallel(reg: Registration, ours: KVLayout) -> Refusal | None:
     if not 0 <= reg.tp_rank < reg.tp_size:
         return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")
     try:
-        rank_slice(reg, ours)
+        plan_rank(ours.num_kv_heads, 0, 1, reg.tp_size)
     except ValueError as exc:
         return _unsupported(f"decode attention TP size {reg.tp_size}: {exc}")
     if reg.dcp_size != 1:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.nixl.rank_writer import RankPlace
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -106,7 +107,8 @@ class SglangBackend(HubBackend[SglangPeer]):
         )
         self._closers.append(self._control.close)
         rank = {"rank_ip": options.rank_ip, "rank_port": self._control.endpoint.port}
-        info = server_info(regions.layout.page_size, options.kv_cache_dtype)
+        self._page_size, self._kv_cache_dtype = regions.layout.page_size, options.kv_cache_dtype
+        info = server_info(self._page_size, self._kv_cache_dtype)
         http = BootstrapHttp(options.http_bind, info, rank, self._is_healthy, self._is_open)
         self._http = http
         self._http.start()
@@ -118,6 +120,14 @@ class SglangBackend(HubBackend[SglangPeer]):
             "sglang_bootstrap": self._http.address,
             "sglang_control": self._control.endpoint.address,
         }
+
+    def lead_group(self, place: RankPlace) -> None:
+        """Serve SGLang decodes for a TP group this backend is the leader (rank 0) of: its
+        routes and control socket answer for every rank (``SglangDesk.lead``)."""
+        assert place.rank == 0, "only the leader serves SGLang decodes"
+        info = server_info(self._page_size, self._kv_cache_dtype, place.tp_size)
+        self._http.lead(info, place.tp_size)
+        self._desk.lead(place.tp_size, place.num_kv_heads)
 
     # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 

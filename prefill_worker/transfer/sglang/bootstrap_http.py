@@ -1,7 +1,8 @@
 """SGLang's bootstrap HTTP routes (``GET /route``, ``GET /health``) on their own thread: how
 decodes find this worker. What each answers, and when, is tabled in docs/sglang.md ("What the
 worker speaks"): the server info (``accept.server_info``) for rank -1, the control socket's
-address for rank 0, a 404 for any other rank, a 400 for a bad parameter, a 405 for ``PUT``;
+address for each attention-TP rank of the worker (every one the leader's: ``lead``), a 404
+for any other rank, a 400 for a bad parameter, a 405 for ``PUT``;
 ``/health`` 503 once the engine has not turned for ``stale_s``. Both routes answer 503 while
 ``is_open()`` says no (the rejoin window, ``backend``). It reads nothing but the answers it
 was built with and the health callback.
@@ -37,6 +38,7 @@ class BootstrapHttp:
         self._host, self._port = host or "127.0.0.1", int(port)
         self._server_info = json.dumps(server_info)
         self._rank_info = json.dumps(rank_info)
+        self._num_ranks = 1
         self._is_healthy = is_healthy
         self._is_open = is_open
         self._site = ThreadedSite("sglang-http")
@@ -53,6 +55,12 @@ class BootstrapHttp:
 
     def stop(self) -> None:
         self._site.stop()
+
+    def lead(self, server_info: dict[str, object], num_ranks: int) -> None:
+        """Answer for a TP group: ``server_info`` names its size, and each of its
+        ``num_ranks`` ranks is this control socket. Called before the worker is ready (a
+        decode asking earlier, outside any router, could see TP 1)."""
+        self._server_info, self._num_ranks = json.dumps(server_info), num_ranks
 
     def _app(self) -> web.Application:
         app = web.Application()
@@ -71,9 +79,13 @@ class BootstrapHttp:
             return web.Response(status=503, text="prefill worker starting: not open yet\n")
         if ranks == [-1] * 4:
             return _json(self._server_info)
-        if ranks == [0] * 4:
+        dp, cp, tp, pp = ranks
+        if dp == cp == pp == 0 and 0 <= tp < self._num_ranks:
             return _json(self._rank_info)
-        return web.Response(status=404, text=f"no prefill rank {ranks}: this worker is rank 0\n")
+        why = (
+            f"no prefill rank {ranks}: this worker has attention-TP ranks 0..{self._num_ranks - 1}"
+        )
+        return web.Response(status=404, text=why + "\n")
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self._is_open():

@@ -12,10 +12,17 @@ proves that. The ip a frame names must be its connection's, and in
 registration keeps its ``ip:port`` against any other agent; a request may name only the agent
 registered at its own ``ip:port`` (docs/sglang.md, "Identity"). Rooms stay secret (never
 logged at INFO).
+
+The leader of a TP group (``lead``) answers for every rank: ``/route`` names its control
+socket for each, so every decode rank registers and asks here; this desk plans what rank 0
+writes into each decode rank, and keeps the registration (as a native `register`) for the
+group's mirror, which has the other ranks write their heads (docs/sglang.md, "Workers with
+TP > 1").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -23,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.heads import kv_head_range
+from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
@@ -38,6 +47,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_source,
     peer_regions,
     rank_slice,
+    target_ranks,
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
@@ -74,6 +84,14 @@ class SglangDesk:
         # Rooms such a decode asked for before their request came: that request fails at once.
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
+        self._prefill_tp = 1  # this worker's TP size (``lead``)
+
+    def lead(self, tp_size: int, num_kv_heads: int) -> None:
+        """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
+        sees the model's every head, each decode rank is written rank 0's part here and the
+        rest by the other ranks (module docstring)."""
+        self._prefill_tp = tp_size
+        self._layout = dataclasses.replace(self._layout, num_kv_heads=num_kv_heads)
 
     def dispatch(self, message: frames.Message | frames.FrameError, source_ip: str) -> None:
         """Answer one message that came on a connection from ``source_ip``; one that raises
@@ -107,7 +125,7 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        refusal = check_registration(reg, self._layout, self._limits)
+        refusal = check_registration(reg, self._layout, self._limits) or self._check_group(reg)
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
@@ -129,8 +147,8 @@ class SglangDesk:
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
         regions = peer_regions(reg, self._layout)
-        head_slice = rank_slice(reg, self._layout)
-        sliced = None if head_slice.is_whole_page else head_slice
+        head_slice = rank_slice(reg, self._layout, self._prefill_tp)
+        sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
             lists = self._run(self._prep, name, regions, reg.aux_ptrs, sliced)
         except NIXL_ERRORS as exc:
@@ -147,12 +165,33 @@ class SglangDesk:
             tp_rank=reg.tp_rank,
             tp_size=reg.tp_size,
             head_slice=sliced,
+            is_fed=head_slice is not None,
+            registration=self._for_group(reg, regions),
             aux_ptrs=reg.aux_ptrs,
             endpoint=reg.endpoint,
+            prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
         log.info("sglang: decode %s registered (%d pages)", name, regions.layout.num_pages)
+
+    def _for_group(self, reg: frames.Registration, regions: KVRegions) -> wire.Register | None:
+        """The decode rank as a native `register`, which the group's mirror hands the other
+        ranks (their own NIXL agents write their heads into it); None at TP 1."""
+        if self._prefill_tp == 1:
+            return None
+        heads = kv_head_range(self._layout.num_kv_heads, reg.tp_rank, reg.tp_size)
+        rank = wire.DecodeRank(reg.tp_rank, reg.tp_size, heads.start, heads.stop)
+        metadata = wire.frame_metadata(reg.agent_metadata)
+        return wire.Register.of(reg.agent_name, metadata, regions, "sglang", rank)
+
+    def _check_group(self, reg: frames.Registration) -> Refusal | None:
+        """An MLA worker of TP > 1: SGLang's decode sends dummy requests to all but one rank
+        (not served)."""
+        if self._prefill_tp > 1 and self._layout.kind == MLA:
+            why = f"an MLA model at worker TP {self._prefill_tp}: run the worker at TP 1"
+            return Refusal(RejectReason.UNSUPPORTED, why)
+        return None
 
     def _take_address(self, reg: frames.Registration) -> Refusal | None:
         """A live decode keeps its ``ip:port``: another agent registering there is refused.
@@ -216,12 +255,20 @@ class SglangDesk:
             foreign = Refusal(RejectReason.FOREIGN_AGENT, why)
             return self._refuse_unknown(req.endpoint, req.room, foreign)
         peer.last_seen = self._hub.clock()
+        if peer.tp_size < self._prefill_tp and self._is_copy(peer, req.room):
+            return None
         want = req.want()
-        refusal = check_request(req, peer.tp_size)
+        refusal = check_request(req, peer.tp_size, self._prefill_tp)
         refusal = refusal or check_want_size(want, self._layout, peer.regions.layout)
         if refusal is not None:
             return self._hub.refuse_room(peer, req.room, refusal)
         self._hub.want(peer, want)
+
+    def _is_copy(self, peer: SglangPeer, room: int) -> bool:
+        """A decode rank of TP d < p sends each request to each of the p / d prefill ranks
+        it targets (all this leader): the copies after the first change nothing."""
+        sender = self._hub.senders.get(room)
+        return room in peer.unmatched or (sender is not None and peer in sender.peers)
 
     def _request_from_unknown(self, req: frames.TransferRequest) -> None:
         """A decode this run does not know: refused, or one that knew the previous run. In the

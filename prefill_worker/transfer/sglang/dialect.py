@@ -1,5 +1,6 @@
 """How SGLang's protocol says things to a decode rank: replies go to the control socket it
-registered (``KV_STATUS`` success or failed with the reason; an abort's acknowledgement is
+registered (``KV_STATUS`` success or failed with the reason, once in the name of each worker
+rank the decode rank asked; an abort's acknowledgement is
 ``ABORT_ACK``, echoing the abort's generation), and the aux row is staged in SGLang's format
 (``sglang.aux``: the engine owns the aux rows) and written with one WRITE into row
 ``aux_index`` of each of the decode's metadata buffers. No NIXL notification is sent:
@@ -25,6 +26,8 @@ class SglangPeer(Peer):
 
     aux_ptrs: tuple[int, ...]  # its metadata buffers
     endpoint: frames.Endpoint  # its control socket, as registered
+    # The worker ranks it expects a KV_STATUS from, one each (``accept.target_ranks``).
+    prefill_ranks: range = range(1)
 
 
 class SglangDialect:
@@ -42,10 +45,12 @@ class SglangDialect:
 
     def send(self, peer: SglangPeer, status: wire.Status, generation: int | None = None) -> bool:
         if status.status == "aborted":
-            message = frames.abort_ack(status.room, generation)
-        else:
-            message = frames.kv_status(status.room, status.status == "ok", status.reason)
-        return self._replies.send(peer.endpoint, message)
+            return self._replies.send(peer.endpoint, frames.abort_ack(status.room, generation))
+        is_ok, sent = status.status == "ok", True
+        for rank in peer.prefill_ranks:  # in the name of each rank it asked
+            message = frames.kv_status(status.room, is_ok, status.reason, rank)
+            sent = self._replies.send(peer.endpoint, message) and sent
+        return sent
 
     def dropped(self, room: int, reason: str) -> wire.Status:
         return wire.Status(room, "failed", reason)

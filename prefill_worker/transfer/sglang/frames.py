@@ -34,7 +34,7 @@ ABORT_TAG = b"ABORT"
 ABORT_ACK_TAG = b"ABORT_ACK"
 KV_STATUS_TAG = b"KV_STATUS"
 KV_SUCCESS, KV_FAILED = 4, 0  # SGLang's KVPoll.Success and KVPoll.Failed
-PREFILL_RANK = 0  # one rank: attention TP, CP and PP are all 1 here
+PREFILL_RANK = 0  # the leader; CP and PP are 1 here
 NUM_REGISTRATION_FRAMES = (24, 25)  # 0.5.20-0.5.22, 0.5.23
 MAX_FRAMES = max(NUM_REGISTRATION_FRAMES)  # the longest message: more parts are never read
 NUM_REQUEST_FRAMES = 11
@@ -127,13 +127,15 @@ def parse(frames: list[bytes]) -> Message:
     return _request(frames)
 
 
-def kv_status(room: int, is_ok: bool, reason: str | None) -> list[bytes]:
+def kv_status(
+    room: int, is_ok: bool, reason: str | None, prefill_rank: int = PREFILL_RANK
+) -> list[bytes]:
     status = KV_SUCCESS if is_ok else KV_FAILED
     return [
         KV_STATUS_TAG,
         b"%d" % room,
         b"%d" % status,
-        b"%d" % PREFILL_RANK,
+        b"%d" % prefill_rank,
         (reason or "").encode("utf-8", "replace"),
     ]
 

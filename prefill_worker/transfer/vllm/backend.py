@@ -6,7 +6,9 @@ vLLM's ``LBHNC`` blocks) and the side channel where decodes fetch that agent's m
 the blocks named in the HTTP answer's ``kv_transfer_params`` and sends a notification when
 done. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
 leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
-``NOTIFY_POLL_S`` while blocks are held (and once a second otherwise).
+``NOTIFY_POLL_S`` while blocks are held (every ``_IDLE_POLL_S`` otherwise), and every
+``REPACK_POLL_S`` while the repack thread (``desk``) works, so a request's answer leaves
+soon after its last repack ends.
 
 Restarts: each start registers with a new ``registration_generation`` (wall-clock
 milliseconds, so it grows across restarts even with a fixed engine id) and a fresh hold-id
@@ -21,6 +23,7 @@ import select
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +45,7 @@ from prefill_worker.transfer.vllm.staging import (
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
+REPACK_POLL_S = 0.002  # while a repack runs: how soon its end lets the answer go
 _IDLE_POLL_S = 0.2  # idle: how soon a first handshake is answered
 
 
@@ -92,7 +96,9 @@ class VllmBackend:
         self.clock = hooks.clock
         staging = StagingPool(staging_layout(regions, options.block_size, options.num_blocks))
         holds = HoldTable(options.lease_s, options.read_grace_s)
-        self.desk = PullDesk(staging, PoolViews(regions), holds, tickets, self.clock)
+        self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
+        pool = PoolViews(regions)
+        self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker)
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -151,6 +157,8 @@ class VllmBackend:
 
     def next_poll_at(self) -> float:
         now = self.clock()
+        if self.desk.has_repacks():
+            return now + REPACK_POLL_S
         if len(self.desk.holds):
             return now + NOTIFY_POLL_S
         deadline = self.desk.holds.next_deadline()
@@ -164,7 +172,9 @@ class VllmBackend:
             time.sleep(timeout_s)
 
     def close(self) -> None:
-        """Holds end (nothing reads a closed agent), the side channel and agent close."""
+        """Repacks end (queued ones cancelled), holds end (nothing reads a closed agent), the
+        side channel and agent close."""
+        self._repacker.shutdown(wait=True, cancel_futures=True)
         self.desk.close()
         try:
             self._channel.close()

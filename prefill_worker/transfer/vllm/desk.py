@@ -2,6 +2,11 @@
 request's answer carries. NIXL-free (the backend feeds it notifications and the clock), so
 every path that frees a block is tested without a decode.
 
+The repack of each chunk runs on ``repacker`` (one thread in production), not on the engine
+thread: it overlaps the next chunk's forward as a push does, and numpy's copies release the
+GIL. A sender completes its ticket (which is what sends the HTTP answer, hence the decode's
+READ) only once every repack it began is done, so a READ never finds a block unfilled.
+
 Every staging block is in exactly one place: free in the pool, owned by a sender (until its
 ``send_aux`` or ``close``), held (until its readers are done or its lease ends), or waiting
 out the read grace after expiry (``holds``). ``close`` returns all of them.
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +72,11 @@ class PullDesk:
         holds: HoldTable,
         tickets: Tickets,
         clock: Callable[[], float],
+        repacker: Executor,
     ) -> None:
         self.staging, self.holds, self.tickets = staging, holds, tickets
-        self._pool, self._clock = pool, clock
+        self._pool, self._clock, self._repacker = pool, clock, repacker
+        self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
         self.identity = PullIdentity("", "", 0, 0)
         self._id_prefix = uuid.uuid4().hex[:8]  # a restarted worker never matches old ids
         self._num_holds = 0
@@ -84,10 +92,19 @@ class PullDesk:
             f"({len(self.holds)} held for decodes)"
         )
 
-    def stage(
+    def begin_stage(
         self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], num_tokens: int
-    ) -> int:
-        return repack(self._pool, self.staging, page_ids, first_page, blocks, num_tokens)
+    ) -> Future[int]:
+        """The repack of one chunk, queued behind the ones before it; its bytes when done."""
+        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, num_tokens)
+        future = self._repacker.submit(repack, *args)
+        self._repacks.append(future)
+        return future
+
+    def has_repacks(self) -> bool:
+        """Whether a repack is queued or running (the engine should poll soon)."""
+        self._repacks = [f for f in self._repacks if not f.done()]
+        return bool(self._repacks)
 
     def hold(self, room: int, blocks: tuple[int, ...], num_tokens: int) -> bool:
         """Hold the staged ``blocks`` and complete the room's ticket; False (blocks freed)

@@ -4,18 +4,21 @@ The life of a sender (``transfer.base`` names the states)::
 
     no ticket for the room           BOOTSTRAPPING  (not a vLLM request: another protocol's)
     ticket, staging blocks allocated READY          (num_cached_tokens 0: vLLM says nothing)
-    send_pages × n                   TRANSFERRING   (each call repacks into the blocks)
-    send_aux                         SUCCESS        (blocks held under a lease; ticket done)
+    send_pages × n                   TRANSFERRING   (each call begins a repack into the blocks)
+    send_aux, then every repack done SUCCESS        (blocks held under a lease; ticket done)
     no staging blocks free           FAILED         (the reason says how many were wanted)
 
-Until ``send_aux`` the sender owns its staging blocks and ``close`` frees them; from then the
-hold table does (``desk``). The aux row is not sent: the first token reaches vLLM's proxy in
-the HTTP answer, and the decode computes from the prompt it is given.
+The repacks run off the engine thread (``desk``); ``poll`` completes the ticket, and with it
+the HTTP answer that lets a decode READ, only when all of them are done. Until then the
+sender owns its staging blocks and ``close`` frees them, after waiting for a repack still
+writing into them; from then the hold table does. The aux row is not sent: the first token
+reaches vLLM's proxy in the HTTP answer, and the decode computes from the prompt it is given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, wait
 
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
@@ -30,10 +33,14 @@ class VllmSender:
         self._blocks: tuple[int, ...] | None = None  # owned until held or closed
         self._reason: str | None = None
         self._written = 0
+        self._repacks: list[Future[int]] = []
+        self._is_aux_sent = False
 
     def poll(self) -> KVPoll:
         if self._state is KVPoll.BOOTSTRAPPING and self._desk.tickets.is_open(self._room):
             self._claim()
+        elif self._state is KVPoll.TRANSFERRING and self._is_aux_sent:
+            self._try_hold()
         return self._state
 
     def num_cached_tokens(self) -> int:
@@ -42,11 +49,21 @@ class VllmSender:
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         assert self._blocks is not None, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
-        self._written += self._desk.stage(page_ids, first_page, self._blocks, self._num_tokens)
+        blocks, num_tokens = self._blocks, self._num_tokens
+        self._repacks.append(self._desk.begin_stage(page_ids, first_page, blocks, num_tokens))
 
     def send_aux(self, aux_row: int) -> None:
         assert self._blocks is not None, "send_aux before READY"
+        self._state, self._is_aux_sent = KVPoll.TRANSFERRING, True
+        self._try_hold()
+
+    def _try_hold(self) -> None:
+        """Once every repack is done: hold the blocks and complete the ticket."""
+        if not all(f.done() for f in self._repacks):
+            return
+        self._written = sum(f.result() for f in self._repacks)
         blocks, self._blocks = self._blocks, None
+        assert blocks is not None, "held twice"
         if self._desk.hold(self._room, blocks, self._num_tokens):
             self._state = KVPoll.SUCCESS
         else:
@@ -66,6 +83,9 @@ class VllmSender:
         return self._written
 
     def close(self) -> None:
+        for future in self._repacks:
+            future.cancel()
+        wait(self._repacks)  # one still copying writes into the blocks: free them after it
         if self._blocks is not None:
             self._desk.staging.free(self._blocks)
             self._blocks = None

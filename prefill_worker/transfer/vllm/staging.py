@@ -11,14 +11,16 @@ region registered once with NIXL (docs/vllm.md, "Layout": why a repack and what 
       V[l][p, s, h, :]  ─▶  staging[l][block_ids[t // block_size], h, t % block_size, D:]
 
 ``block_size`` is vLLM's (a multiple of 32 on its CPU backend) and independent of our page
-size: the copy goes token by token (vectorised per layer). The staging blocks a request
-uses are allocated when its prefill starts and freed by the hold table. Host memory only;
-numpy views over the pool's addresses (the runner's tensors outlive the backend).
+size: the copy goes piece by piece, a piece being the tokens of one page in one block. The
+staging blocks a request uses are allocated when its prefill starts and freed by the hold
+table. Host memory only; numpy views over the pool's addresses (the runner's tensors outlive
+the backend).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,25 +107,28 @@ class StagingPool:
         shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
         return raw.view(_UINT[lay.itemsize]).reshape(shape)
 
-    def layer_rows(self, layer: int) -> np.ndarray:
-        """The same as [num_blocks, heads, block_size, 2] rows of one head's K (0) or V (1):
-        each row one ``head_dim`` run, copied as a unit."""
+    def all_rows(self) -> np.ndarray:
+        """The region as [layers, num_blocks, heads, block_size, 2] rows of one head's K (0)
+        or V (1): each row one ``head_dim`` run, copied as a unit."""
         lay = self.layout
-        start = layer * lay.region_bytes
-        raw = self._buffer[start : start + lay.region_bytes]
-        shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2)
-        return raw.view(_row_type(lay.head_dim * lay.itemsize)).reshape(shape)
+        shape = (lay.num_layers, lay.num_blocks, lay.num_kv_heads, lay.block_size, 2)
+        return self._buffer.view(_row_type(lay.head_dim * lay.itemsize)).reshape(shape)
 
 
 class PoolViews:
-    """This worker's pool as numpy views, per layer: K and V ``[num_pages, page_size, heads]``
-    rows of one ``head_dim`` run each (strided: a page-major pool's pages are further apart)."""
+    """This worker's pool as numpy views of ``head_dim`` runs (one run, one element: copies move
+    whole runs, not items). When every layer's K sits at one stride from the previous layer's
+    and its V at one distance from its K (both pool layouts as the runner allocates them),
+    ``kv`` is one view ``[2, num_layers, num_pages, page_size, heads]`` and a piece of a page
+    moves for every layer and both planes in one copy; otherwise ``kv`` is None and the copy
+    goes layer by layer over ``k``/``v`` (``[num_pages, page_size, heads]`` each)."""
 
     def __init__(self, regions: KVRegions) -> None:
         lay = regions.layout
         self.page_size = lay.page_size
         self.k = [self._view(regions, a) for a in regions.k_base_addrs]
         self.v = [self._view(regions, a) for a in regions.v_base_addrs]
+        self.kv = _uniform_view(regions)
 
     @staticmethod
     def _view(regions: KVRegions, base_addr: int) -> np.ndarray:
@@ -135,6 +140,26 @@ class PoolViews:
         strides = (lay.page_stride_bytes, lay.num_kv_heads * row_bytes, row_bytes)
         rows = raw.view(_row_type(row_bytes))
         return np.lib.stride_tricks.as_strided(rows, shape, strides, writeable=False)
+
+
+def _uniform_view(regions: KVRegions) -> np.ndarray | None:
+    """``[2, num_layers, num_pages, page_size, heads]`` over the pool, or None when the layers'
+    addresses are not evenly spaced (or one layer only: nothing to gain)."""
+    lay, k, v = regions.layout, regions.k_base_addrs, regions.v_base_addrs
+    if len(k) < 2:
+        return None
+    layer_stride, kv_stride = k[1] - k[0], v[0] - k[0]
+    if any(k[i] != k[0] + i * layer_stride or v[i] != k[i] + kv_stride for i in range(len(k))):
+        return None
+    low = min(k + v)
+    span = max(k + v) - low + (lay.num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(low))
+    row_bytes = lay.head_dim * lay.itemsize
+    shape = (2, lay.num_layers, lay.num_pages, lay.page_size, lay.num_kv_heads)
+    strides = (kv_stride, layer_stride, lay.page_stride_bytes, lay.num_kv_heads * row_bytes)
+    view = np.ndarray(shape, _row_type(row_bytes), raw, k[0] - low, (*strides, row_bytes))
+    view.flags.writeable = False
+    return view
 
 
 def _row_type(num_bytes: int) -> np.dtype[np.void]:
@@ -152,35 +177,37 @@ def repack(
 ) -> int:
     """Copy the tokens of prompt pages [first_page, first_page + len(page_ids)) (held in our
     pages ``page_ids``) into the request's staging ``block_ids``; returns the bytes copied.
-    Whole pages are gathered first (one run per page and layer); whole blocks are then
-    written as one transposed copy each, and only the tokens of a block the range covers in
-    part one by one."""
-    ps, lay = pool.page_size, staging.layout
+
+    One pass, no gather: the tokens are cut where a page or a block ends, and each piece (at
+    most ``min(page_size, block_size)`` tokens of one page and one block) is one strided copy
+    for every layer and both planes (or one per layer and plane, ``PoolViews``)."""
+    ps, bs, lay = pool.page_size, staging.layout.block_size, staging.layout
     start, stop = first_page * ps, min((first_page + len(page_ids)) * ps, num_tokens)
     if stop <= start:
         return 0
-    pages = np.asarray(page_ids, dtype=np.int64)
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    for layer in range(lay.num_layers):
-        dst = staging.layer_rows(layer)
-        for plane, src in enumerate((pool.k[layer], pool.v[layer])):
-            rows = src[pages].reshape(-1, lay.num_kv_heads)[: stop - start]
-            _scatter(rows, dst, plane, blocks, start, lay.block_size)
+    dst = staging.all_rows()
+    for t0, t1 in _pieces(start, stop, ps, bs):
+        page, block = page_ids[t0 // ps - first_page], block_ids[t0 // bs]
+        src_slots, dst_slots = slice(t0 % ps, t0 % ps + t1 - t0), slice(t0 % bs, t0 % bs + t1 - t0)
+        _copy_piece(pool, dst[:, block, :, dst_slots], page, src_slots)
     return (stop - start) * lay.num_layers * lay.num_kv_heads * 2 * lay.head_dim * lay.itemsize
 
 
-def _scatter(
-    rows: np.ndarray, dst: np.ndarray, plane: int, blocks: np.ndarray, start: int, bs: int
-) -> None:
-    """``rows`` ([tokens, heads], prompt tokens from ``start``) into plane ``plane`` of the
-    blocks: the whole blocks in one copy, the edges token by token."""
-    stop = start + len(rows)
-    first, last = -(-start // bs) * bs, stop // bs * bs  # the whole blocks: [first, last)
-    if last > first:
-        whole = rows[first - start : last - start].reshape(-1, bs, rows.shape[1])
-        dst[blocks[first // bs : last // bs], :, :, plane] = whole.transpose(0, 2, 1)
-    else:
-        first = last = stop
-    edges = np.r_[start:first, last:stop]
-    if len(edges):
-        dst[blocks[edges // bs], :, edges % bs, plane] = rows[edges - start]
+def _pieces(start: int, stop: int, page_size: int, block_size: int) -> list[tuple[int, int]]:
+    """[start, stop) cut at every page and block boundary."""
+    cuts = {start, stop}
+    for size in (page_size, block_size):
+        cuts.update(range(start - start % size + size, stop, size))
+    bounds = sorted(cuts)
+    return list(itertools.pairwise(bounds))
+
+
+def _copy_piece(pool: PoolViews, dst: np.ndarray, page: int, slots: slice) -> None:
+    """``dst`` ([layers, heads, n, 2]: K then V of n tokens in one block) from ``slots`` of our
+    ``page``."""
+    if pool.kv is not None:  # [2, L, n, H] -> [L, H, n, 2]
+        np.copyto(dst, pool.kv[:, :, page, slots].transpose(1, 3, 2, 0))
+        return
+    for layer, (k, v) in enumerate(zip(pool.k, pool.v, strict=True)):
+        np.copyto(dst[layer, :, :, 0], k[page, slots].T)
+        np.copyto(dst[layer, :, :, 1], v[page, slots].T)

@@ -7,9 +7,13 @@ disconnect tests start their own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -291,10 +295,15 @@ def test_overloaded_is_429_and_nothing_hangs(worker_factory) -> None:
 
 
 def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
+    """Then the idle worker keeps answering 503 until ``daemon.drain_min_s`` (a router that
+    health-checks it, smg, learns of the drain from /health, not from a closed port); and a
+    SIGTERM that comes while it is on its way out (a rolling update's, after its preStop
+    drain) leaves the exit code 0: Python restores a handled signal's default action while
+    the interpreter shuts down, an ignored one stays ignored."""
     port = free_port()
-    worker = worker_factory(
-        *api_settings(port, "metrics.allow_unauthenticated_admin=true", "daemon.drain_timeout_s=30")
-    )
+    admin = "metrics.allow_unauthenticated_admin=true"
+    drain = ("daemon.drain_timeout_s=30", "daemon.drain_min_s=2")
+    worker = worker_factory(*api_settings(port, admin, *drain))
     api = Api(port)
     decode = Decode(worker.bootstrap)
     try:
@@ -303,15 +312,29 @@ def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
             inflight = pool.submit(api.post, "/generate", generate(ids, 9101))
             wait_until(lambda: api.get("/loads")[1]["loads"][0]["num_total_reqs"] == 1, 10, "in")
             assert worker.http("/drain", method="POST")[0] == 202
+            drained_at = time.monotonic()
             wait_until(lambda: api.get("/health")[0] == 503, 10, "/health 503")
             status, body = api.post("/generate", generate(ids, 9102))
             assert status == 503 and body["error"]["code"] == "draining"
             decode.want(9101, len(ids))  # the request in flight still finishes
             decode.wait([9101])
             assert inflight.result(timeout=30)[0] == 200
-        assert worker.wait_exit(30) == 0
+        wait_until(lambda: "exit 0" in worker.child.log_tail(), 30, "the drain to end")
+        assert time.monotonic() - drained_at >= 2.0
+        assert _sigterm_until_exit(worker.proc, 30) == 0
     finally:
         decode.close()
+
+
+def _sigterm_until_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM every 50 ms until the process is gone: its teardown takes seconds (NIXL, UCX,
+    the interpreter's own), and every part of it must keep the exit code."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(0.05)
+    return proc.wait(1)
 
 
 def test_client_gone_aborts_its_request(worker_factory) -> None:

@@ -93,6 +93,7 @@ def _prefill(backend: VllmBackend, room: int, n: int, page_ids: list[int]) -> di
     assert sender.poll() is KVPoll.READY
     sender.send_pages(page_ids, 0)
     sender.send_aux(0)
+    wait_until(lambda: sender.poll().is_terminal, what="the repack ends")
     assert sender.poll() is KVPoll.SUCCESS
     sender.close()
     params = backend.desk.tickets.take(room)

@@ -28,6 +28,7 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
         None,
         Timings(0.01, 0.02, 0.3, 0.04),
         transfer_bytes=4096,
+        prefill_retries=2,
     )
     failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
     metrics.observe_outcome(ok)
@@ -62,6 +63,7 @@ def test_values() -> None:
     assert value(registry, "prefill_worker_prefix_cache_pages") == 6
     assert value(registry, "prefill_worker_prefix_cache_queries_total") == 100
     assert value(registry, "prefill_worker_prefix_cache_hits_total") == 64
+    assert value(registry, "prefill_worker_prefill_retries_total") == 2
     assert value(registry, "prefill_worker_rejects_total", code="empty_prompt") == 1
     assert value(registry, "prefill_worker_rejects_total", code="ttft_slo") == 1
 

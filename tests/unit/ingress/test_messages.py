@@ -422,3 +422,11 @@ def test_every_reject_code_is_documented() -> None:
 def test_unreadable_worker_frames_raise_protocol_error(frame: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_worker(frame)
+
+
+def test_prefill_retries_are_sent_only_when_there_were_some() -> None:
+    outcome = Outcome("r", OutcomeStatus.OK, FinishReason.OK, 9, prefill_retries=2)
+    result = decode_worker(encode_outcome(outcome))
+    assert isinstance(result, Result) and result.prefill_retries == 2
+    none = encode_outcome(dataclasses.replace(outcome, prefill_retries=0))
+    assert "prefill_retries" not in msgpack.unpackb(none)  # v1 frames as before

@@ -143,6 +143,8 @@ class FakeSender:
         self.allowed_peer: str | None = None
         self.send_raises: Exception | None = None  # set by a test: send_pages raises it
         self.poll_raises: Exception | None = None  # set by a test: poll raises it
+        self.is_settled = True  # a follower's: no write of it can land (set by a test)
+        self.other_writes: list[object] = []  # what also_wait_for was given
 
     # the engine's side
     def poll(self) -> KVPoll:
@@ -180,6 +182,12 @@ class FakeSender:
 
     def why_no_handshake(self) -> str | None:
         return None
+
+    def settle(self) -> bool:
+        return self.is_settled
+
+    def also_wait_for(self, writes: object) -> None:
+        self.other_writes.append(writes)
 
     def written_bytes(self) -> int:
         """One byte per page sent, and one for the aux row: enough to see it counted."""
@@ -333,6 +341,9 @@ def make_rig(
     prefix_cache: bool = False,
     prefix_cache_max_pages: int | None = None,
     cache_events: CacheEventSink | None = None,
+    optimistic: bool = False,
+    optimistic_attempts: int = 2,
+    optimistic_hold_s: float = 1.0,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
@@ -354,6 +365,9 @@ def make_rig(
             max_running_requests=max_running_requests,
             bootstrap_timeout_s=bootstrap_timeout_s,
             transfer_timeout_s=transfer_timeout_s,
+            optimistic_prefill=optimistic,
+            optimistic_attempts=optimistic_attempts,
+            optimistic_hold_s=optimistic_hold_s,
         ),
         overlap=overlap,
         clock=clock,

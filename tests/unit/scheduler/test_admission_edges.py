@@ -53,3 +53,51 @@ def test_a_request_is_added_once() -> None:
     queues.add(request("a", 4))
     with pytest.raises(AssertionError):
         queues.add(request("a", 4))
+
+
+def test_without_a_way_to_make_room_a_request_that_does_not_fit_waits() -> None:
+    queues = RequestQueues()
+    admission = Admission(
+        queues,
+        PageTable(PagePool(2), 4),
+        AuxPool(4),
+        lambda: 0.0,
+        chunk_size=4,
+        max_batch_tokens=4,
+        max_running_requests=4,
+    )
+    req = request("a", 12)  # 3 pages of a pool of 2 (its prefix cache makes no room)
+    queues.add(req)
+    queues.move(req, RequestState.WAITING)
+    assert admission.next_batch() is None and req.state is RequestState.WAITING
+
+
+def test_a_budget_of_one_token_still_continues_a_prefill() -> None:
+    queues = RequestQueues()
+    admission = Admission(
+        queues,
+        PageTable(PagePool(16), 1),
+        AuxPool(4),
+        lambda: 0.0,
+        chunk_size=4,
+        max_batch_tokens=5,
+        max_running_requests=4,
+    )
+    for request_id in ("a", "b"):
+        req = request(request_id, 8)
+        queues.add(req)
+        queues.move(req, RequestState.WAITING)
+    first, second = admission.next_batch(), admission.next_batch()
+    assert first is not None and second is not None
+    assert [(c.request_id, c.num_tokens) for c in first.plan.chunks] == [("a", 4), ("b", 1)]
+    assert [(c.request_id, c.num_tokens) for c in second.plan.chunks] == [("a", 4), ("b", 1)]
+
+
+def test_a_request_waits_for_its_want_unless_given_optimistic_attempts() -> None:
+    queues = RequestQueues()
+    unclaimed, optimistic = request("a", 4), request("b", 4)
+    optimistic.attempts_left = 1  # what Handoff.on_submit gives with optimistic prefill on
+    queues.add(unclaimed)
+    assert queues.head_waiting() is None  # not admissible before its want
+    queues.add(optimistic)
+    assert queues.head_waiting() is optimistic

@@ -241,6 +241,7 @@ def test_transfer_timeout_counts_from_the_end_of_prefill() -> None:
     rig.engine.step()
     out = rig.outcome("a")
     assert out.reason is FinishReason.TRANSFER_TIMEOUT and out.status is OutcomeStatus.FAILED
+    assert out.error == "KV transfer did not finish within 3.0s"
     rig.check_whole()
 
 
@@ -454,11 +455,16 @@ def test_shutdown_answers_what_the_inbox_still_holds(
         "late": FinishReason.ENGINE_ERROR,
         "later": FinishReason.ENGINE_ERROR,
     }
-    assert rig.outcome("late").error == "the worker shut down (engine_error)"
+    late_out = rig.outcome("late")
+    assert late_out.error == "the worker shut down (engine_error)"
+    assert (late_out.status, late_out.num_prompt_tokens) == (OutcomeStatus.FAILED, 3)
     assert "shutdown: 2 messages the loop never took answered" in caplog.messages
     assert inbox.empty()
     if how != "broken":
         assert rig.sender("late").worker_failure and rig.sender("late").is_closed
+    else:
+        logged = [r.getMessage() for r in caplog.records]
+        assert "a message left in the inbox could not be submitted" in logged
     rig.check_whole()
 
 

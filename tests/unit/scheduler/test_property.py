@@ -1,6 +1,8 @@
 """Random arrivals, prompt lengths, chunking, aborts, handshakes and transfer failures, with
 the prefix cache on or off and prompts that often start like an earlier one.
 
+Optimistic prefill on or off: with it on, requests prefill before their want, are held, and
+yield and are requeued (each success took one more attempt than its ``prefill_retries``).
 After every turn the engine's bookkeeping must be consistent; after every run: pools whole,
 exactly one outcome per request, non-final chunks page-aligned, and the pages sent for each
 successful prompt cover it exactly once, with the right first token (read back from pages a
@@ -24,7 +26,7 @@ from tests.unit.scheduler.fakes import Rig, expected_token, fake_logprob, make_r
 ARRIVE = st.tuples(
     st.just("arrive"),
     st.integers(1, 48),  # prompt tokens (some exceed small pools)
-    st.sampled_from([True, True, True, False]),  # the decode side's `want` comes at once
+    st.sampled_from([True, True, False]),  # the decode side's `want` comes at once
     st.sampled_from([None, None, None, 2.0, 6.0]),  # deadline_s
     st.one_of(st.none(), st.integers(0, 50), st.integers(0, 50)),  # starts like this earlier one
     st.one_of(st.none(), st.none(), st.integers(0, 50)),  # prompt logprobs from (clipped to n)
@@ -64,6 +66,9 @@ def configs(draw: st.DrawFn) -> dict:
         transfer_timeout_s=4.0,
         auto_want=False,
         polls_to_success=draw(st.integers(0, 3)),
+        optimistic=draw(st.booleans()),
+        optimistic_attempts=draw(st.integers(1, 2)),
+        optimistic_hold_s=draw(st.sampled_from([0.5, 2.0])),
     )
 
 
@@ -115,19 +120,34 @@ def apply(rig: Rig, event: tuple, ids: list[str]) -> None:
 
 
 def check_plans(rig: Rig, config: dict) -> None:
+    """Each attempt's chunks follow on from its hit; a new attempt comes only after a whole
+    prefill (an optimistic one that yielded), and a success took one more than its retries."""
     progress: dict[str, int] = {}
+    first_start: dict[str, int] = {}
+    attempts: Counter[str] = Counter()
     for plan in rig.runner.plans:
         assert plan.num_tokens <= config["max_batch_tokens"]
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
         for chunk in plan.chunks:
+            request_id, n = chunk.request_id, len(rig.messages[chunk.request_id].token_ids)
             assert 0 < chunk.num_tokens <= config["chunk_size"]
-            hit = rig.outcome(chunk.request_id).num_prefix_hit_tokens  # the first chunk's start
-            assert chunk.start == progress.get(chunk.request_id, hit)
-            progress[chunk.request_id] = chunk.end
-            is_final = chunk.end == len(rig.messages[chunk.request_id].token_ids)
+            if progress.get(request_id, n) == n:  # a new attempt, from its hit
+                attempts[request_id] += 1
+                first_start[request_id] = chunk.start
+                assert chunk.start % rig.page_size == 0
+            else:
+                assert chunk.start == progress[request_id]
+            progress[request_id] = chunk.end
+            is_final = chunk.end == n
             assert (chunk.sampling is not None) == is_final
             if not is_final:
                 assert chunk.end % rig.page_size == 0
+    for out in rig.outcomes:
+        if out.status is OutcomeStatus.OK:
+            assert first_start[out.request_id] == out.num_prefix_hit_tokens
+            assert attempts[out.request_id] == out.prefill_retries + 1
+        if not config["optimistic"]:
+            assert out.prefill_retries == 0
 
 
 def check_outcomes(rig: Rig, ids: list[str], config: dict) -> None:
@@ -185,6 +205,7 @@ def test_random_runs_keep_every_invariant(config: dict, events: list[tuple]) -> 
         rig.engine.shutdown()
     note_event(f"prefix hits: {sum(o.num_prefix_hit_tokens > 0 for o in rig.outcomes) > 0}")
     note_event(f"prompt logprobs: {any(o.prompt_logprobs for o in rig.outcomes)}")
+    note_event(f"optimistic retries: {any(o.prefill_retries for o in rig.outcomes)}")
     rig.check_whole()
     check_plans(rig, config)
     check_outcomes(rig, ids, config)

@@ -44,6 +44,7 @@ def test_move_to_allows_exactly_the_table(src: RequestState, dst: RequestState) 
 def test_the_table_is_the_designed_one() -> None:
     forward = {(S.BOOTSTRAPPING, S.WAITING), (S.WAITING, S.PREFILLING)}
     forward |= {(S.PREFILLING, S.TRANSFERRING), (S.TRANSFERRING, S.DONE)}
+    forward |= {(S.BOOTSTRAPPING, S.PREFILLING), (S.PREFILLING, S.BOOTSTRAPPING)}  # optimistic
     live = [S.BOOTSTRAPPING, S.WAITING, S.PREFILLING, S.TRANSFERRING]
     ends = {(state, end) for state in live for end in (S.FAILED, S.ABORTED)}
     assert forward | ends == ALLOWED_EDGES
@@ -66,6 +67,17 @@ def test_timings_split_phases_and_stop_at_the_current_one() -> None:
     req.prefill_end_time, req.finish_time = 107.0, 110.0
     t = req.timings(999.0)
     assert (t.bootstrap_s, t.queue_s, t.prefill_s, t.transfer_s) == (1.0, 3.0, 3.0, 3.0)
+
+
+def test_timings_of_an_optimistic_prefill_add_up_to_the_total() -> None:
+    """Prefilled before the want (at 105): the phases run one after another from it."""
+    req = make_request()  # arrived at 100
+    req.prefill_start_time = 101.0
+    t = req.timings(104.0)
+    assert (t.bootstrap_s, t.queue_s, t.prefill_s, t.transfer_s) == (4.0, 0.0, 0.0, 0.0)
+    req.prefill_end_time, req.ready_time, req.finish_time = 103.0, 105.0, 106.0
+    t = req.timings(999.0)
+    assert (t.bootstrap_s, t.queue_s, t.prefill_s, t.transfer_s) == (5.0, 0.0, 0.0, 1.0)
 
 
 @pytest.mark.parametrize(

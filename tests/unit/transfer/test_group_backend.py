@@ -2,20 +2,26 @@
 follower and the step done in memory (``channel.py`` does the same over gloo: the ops the
 leader queued go to the follower, which answers a state code per open room, MIN over ranks).
 
-A room is SUCCESS only when every rank's writes landed, FAILED when any rank's push failed;
+A room is SUCCESS only when every rank's writes landed (the leader's aux row waits for the
+followers' word), FAILED when any rank's push failed;
 pages wait on a follower until its own decode claimed the room there; fail and close reach
 every rank."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import pytest
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.tp.mirror import MirrorTarget, RankLink
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.group import FOLLOWER_FAILED, GroupBackend, GroupSender, agree
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
+from tests.unit.transfer.test_rank_backend import register
 
 
 class Group:
@@ -63,13 +69,13 @@ def test_a_room_succeeds_only_when_every_rank_landed() -> None:
     mine.want()
     theirs.want()
     group.push(sender)
-    assert mine.poll() is KVPoll.SUCCESS
     assert sender.poll() is KVPoll.BOOTSTRAPPING  # the follower's last word: not claimed
     group.step()
     assert theirs.sent and sender.poll() is KVPoll.TRANSFERRING  # its writes are in flight
+    assert mine.aux == []  # the aux row (and so the status) waits for every rank's writes
     theirs.polls_to_success = 0
     group.step()
-    assert sender.poll() is KVPoll.SUCCESS
+    assert sender.poll() is KVPoll.SUCCESS and len(mine.aux) == 1
 
 
 def test_the_leaders_word_alone_never_makes_a_room_succeed() -> None:
@@ -117,3 +123,65 @@ def test_fail_and_close_reach_every_rank_and_close_the_room() -> None:
     group.step()
     assert theirs.worker_failure == "the engine gave up" and theirs.is_closed
     assert mine.is_closed and group.link.take() == ([], [])
+
+
+@dataclass
+class BoundPeer:
+    agent_name: str
+    registration: wire.Register | None
+
+
+@pytest.mark.parametrize("is_native", [True, False])
+def test_each_registration_is_mirrored_once_and_each_room_binds_before_its_pages(
+    is_native: bool,
+) -> None:
+    """Native peers: their `register` once, then each room's binding before its pages. A
+    peer with no registration (SGLang's): nothing to bind, the followers write nothing."""
+    group = Group()
+    peers = [
+        BoundPeer(f"d2-{j}", register(f"d2-{j}", j, 2) if is_native else None) for j in range(2)
+    ]
+    ops = []
+    for room in (1, 2):
+        sender = group.backend.create_sender(room, f"r{room}", 8)
+        wants = [wire.Want.of(room, [7 - j, 5 - j], 0, 0) for j in range(2)]
+        local = group.leader.senders[f"r{room}"]
+        local.bound = lambda wants=wants: list(zip(peers, wants, strict=True))  # type: ignore[attr-defined]
+        local.want()
+        pages = group.pool.try_alloc(2)
+        assert pages is not None
+        sender.send_pages(pages, 0)
+        ops += group.link.take()[0]
+    kinds = [(op.kind, op.room) for op in ops]
+    if not is_native:
+        assert kinds == [("create", 1), ("pages", 1), ("create", 2), ("pages", 2)]
+        return
+    assert kinds == [
+        ("create", 1), ("peer", 1), ("peer", 1), ("bind", 1), ("pages", 1),
+        ("create", 2), ("bind", 2), ("pages", 2),
+    ]  # fmt: skip
+    assert [op.register for op in ops if op.kind == "peer"] == [p.registration for p in peers]
+    (bind,) = [op for op in ops if op.kind == "bind" and op.room == 2]
+    assert bind.agent_names == ["d2-0", "d2-1"] and bind.wants[1].dst_page_ids.tolist() == [6, 4]
+
+
+def test_a_room_failed_while_its_aux_row_is_held_never_sends_it() -> None:
+    """The group fails (or the engine gives up) while the leader holds a room's aux row for
+    the followers; their SUCCESS, reported after that, must not send the row (freed, maybe
+    another request's by then), and the backend stops polling for it every 2 ms."""
+    group = Group()
+    sender, mine, theirs = group.open()
+    mine.want()
+    theirs.want()
+    group.push(sender)
+    group.step()
+    assert sender.held_aux is not None and mine.aux == []
+    theirs.polls_to_success = 0
+    group.step()  # the followers' SUCCESS is in: the next poll would release the row
+    sender.fail("tensor-parallel group failed")
+    sender.close()
+    group.leader.next_poll_at = lambda: math.inf  # type: ignore[attr-defined]
+    group.backend.poll()
+    assert mine.aux == [] and mine.errors == []
+    assert sender.poll() is KVPoll.FAILED
+    assert group.backend.next_poll_at() == math.inf

@@ -12,8 +12,10 @@ import pytest
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.native.desk import BootstrapDesk
+from prefill_worker.transfer.nixl.rank_writer import RankPlace
 from prefill_worker.transfer.validate import BootstrapLimits
 from tests.unit.transfer.test_native_desk import Agent, Server
 from tests.unit.transfer.test_push_sender import Rig
@@ -101,5 +103,76 @@ def test_a_rank_off_the_rule_is_refused(d: Desk, num_heads: int, tp: Any, why: s
 def test_a_decode_naming_no_rank_gets_v1s_answer(d: Desk) -> None:
     reply = d.register(b"v1", 4)
     assert reply.is_ok and reply.tp is msgspec.UNSET
-    assert d.hub.peers[b"v1"].head_slice is None
+    assert d.hub.peers[b"v1"].head_slice is None and d.hub.peers[b"v1"].is_fed
     assert b"tp" not in wire.encode(reply)
+
+
+def test_a_refused_rank_hears_why_and_its_named_rooms_fail() -> None:
+    d = Desk()
+    d.register(b"bad", 2, wire.DecodeRank(1, 2, 0, 2))
+    assert d.server.sent[-1][0] == b"bad"  # the refusal goes to the registering connection
+    sender = d.hub.create_sender(9, "req-9", 16, allowed_peer="bad")
+    assert sender.poll() is KVPoll.FAILED  # the router named it: it will never claim
+    assert "registration refused" in (sender.failure_reason() or "")
+
+
+class Leader:
+    """The native desk of rank 0 of a TP-2 worker over a 4-head model: its pool holds heads
+    0..1 (``lead``)."""
+
+    LOCAL = KVLayout(2, 2, 8, "float32", 4, 16)
+
+    def __init__(self) -> None:
+        self.d = Desk()
+        regions = KVRegions(self.LOCAL, (1 << 20, 2 << 20), (3 << 20, 4 << 20), "cpu", 5 << 20, 8)
+        described = msgspec.structs.replace(
+            DESCRIBED, layout=wire.Layout.of(self.LOCAL), compat_hash=self.LOCAL.compat_hash()
+        )
+        self.d.desk = BootstrapDesk(
+            self.d.hub,
+            self.d.server,  # type: ignore[arg-type]
+            self.d.agent,
+            self.LOCAL,
+            BootstrapLimits(),
+            described,
+            regions=regions,
+        )
+        self.d.desk.lead(RankPlace(0, 2, 4))
+
+
+def test_a_leader_describes_the_model_and_its_worker_layout() -> None:
+    d = Leader().d
+    d.desk.dispatch(b"who", wire.Describe())
+    described = d.server.sent[-1][1]
+    assert described.layout == wire.Layout.of(OURS)  # every head, not the leader's two
+    assert described.compat_hash == OURS.compat_hash()
+    assert (described.agent_name, described.peer_timeout_s) == ("prefill-0", 9.0)
+    reply = d.register(b"rank-1", 2, wire.DecodeRank(1, 2, 2, 4))
+    assert reply.is_ok, reply.reason
+    assert reply.tp == wire.WorkerTP(
+        2, (wire.WorkerRank(0, 0, 2, ENDPOINT), wire.WorkerRank(1, 2, 4, ENDPOINT))
+    )
+
+
+def test_a_leader_writes_a_tp1_decode_its_heads_as_token_runs() -> None:
+    d = Leader().d
+    reply = d.register(b"whole", 4)  # names no rank: a TP-1 decode of the whole model
+    assert reply.is_ok and reply.tp is msgspec.UNSET, reply.reason
+    peer = d.hub.peers[b"whole"]
+    assert peer.head_slice == HeadSlice(0, 0, 0, 0, 2, 2, 4)
+    assert peer.is_fed and peer.registration is not None
+    assert d.hub.ctx.pages.sliced[(0, 2)] is not None  # our runs of heads 0..1, prepared
+    assert d.agent.prepped[-2:] == ["whole", "whole"]  # its kv and aux lists, by its name
+
+
+def test_a_leader_binds_a_decode_rank_it_feeds_nothing() -> None:
+    d = Leader().d
+    reply = d.register(b"rank-1", 2, wire.DecodeRank(1, 2, 2, 4))  # heads 2..3: rank 1's
+    assert reply.is_ok, reply.reason
+    peer = d.hub.peers[b"rank-1"]
+    assert not peer.is_fed and peer.head_slice is None  # the aux row and status only
+    assert (peer.tp_rank, peer.tp_size) == (1, 2)
+    reply = d.register(b"rank-0", 2, wire.DecodeRank(0, 2, 0, 2))
+    assert reply.is_ok and d.hub.peers[b"rank-0"].is_fed
+    assert d.hub.peers[b"rank-0"].head_slice is None  # p = d: whole pages
+    assert not d.hub.ctx.pages.sliced

@@ -141,3 +141,124 @@ def test_one_rank_aborting_aborts_the_room(rig: Rig) -> None:
     assert sender.poll() is KVPoll.ABORTED
     rig.hub.drain()
     assert [s[1] for s in rig.heard.said] == ["aborted", "aborted"]
+
+
+def _bound_pair(rig: Rig) -> tuple[Any, Any, Any]:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    return sender, r0, r1
+
+
+def test_bound_names_each_rank_with_its_want_in_order(rig: Rig) -> None:
+    sender, r0, r1 = _bound_pair(rig)
+    assert sender.bound() == [(r0, _want(0)), (r1, _want(1))]
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lost_rank_takes_only_its_own_want(rig: Rig, lost: int) -> None:
+    sender, r0, r1 = _bound_pair(rig)
+    rig.hub.drop_peer([r0, r1][lost], "gone")
+    kept = 1 - lost
+    assert sender.bound() == [([r0, r1][kept], _want(kept))]
+
+
+class Unsettled:
+    """A write made elsewhere (another rank's), settled when the test says."""
+
+    num_bytes, prep_s, prep_cpu_s, is_refused = 0, 0.0, 0.0, False
+
+    def __init__(self) -> None:
+        self.is_settled = False
+
+    def state(self) -> str:
+        return "DONE" if self.is_settled else "PROC"
+
+    def release(self) -> None:
+        """Nothing here: its own rank releases it."""
+
+
+def test_a_failure_waits_for_every_write_made_elsewhere_an_ok_for_none(rig: Rig) -> None:
+    failing, ok = rig.bound_sender(7), rig.hub.create_sender(8, "req-8", 16)
+    rig.hub.want(rig.peer, wire.Want.of(8, [7, 8, 9, 10], 3, 0))
+    others = [Unsettled(), Unsettled()]
+    for sender in (failing, ok):
+        for other in others:
+            sender.also_wait_for(other)  # type: ignore[arg-type]
+    ok.send_pages([0], 0)
+    ok.send_aux(2)
+    rig.land(0)
+    ok.progress()  # the aux row is posted
+    rig.land(1)
+    ok.progress()
+    failing.fail("the engine gave up")
+    rig.hub.drain()
+    assert rig.heard.said == [(8, "ok", None, None)]  # an `ok` waits for no other rank
+    others[1].is_settled = True
+    rig.hub.turn(rig.now)
+    assert len(rig.heard.said) == 1  # the first rank's write may still land
+    others[0].is_settled = True
+    rig.hub.turn(rig.now)
+    assert rig.heard.said[1][:2] == (7, "failed")
+
+
+def test_a_rank_binding_a_failed_room_alone_hears_why(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    sender.fail("the engine gave up")
+    rig.hub.drain()
+    rig.hub.want(r1, _want(1))
+    rig.hub.drain()
+    assert [s[1] for s in rig.heard.said] == ["failed", "failed"]  # r0 once, then r1 once
+
+
+def test_ranks_that_disagree_on_the_cached_prefix_fail_the_room(rig: Rig) -> None:
+    r0, r1 = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, wire.Want.of(ROOM, [9, 11, 13], 1, 4))
+    assert sender.poll() is KVPoll.FAILED
+    assert sender.failure_reason() == "the decode ranks' wants differ in num_cached_tokens"
+
+
+def test_only_the_named_agent_may_bind_first(rig: Rig) -> None:
+    r0, _ = _ranks(rig)
+    sender = rig.hub.create_sender(ROOM, "req", 16, allowed_peer="rank-0")
+    rig.hub.want(r0, _want(0))
+    assert sender.peers == [r0]
+
+
+@pytest.mark.parametrize(("tp_rank", "tp_size"), [(1, 4), (2, 2)])
+def test_a_peer_of_another_size_or_past_a_full_room_is_no_sibling(
+    rig: Rig, tp_rank: int, tp_size: int
+) -> None:
+    """Rank 1 of a TP-4 decode beside a TP-2 one; a third "rank" of a full TP-2 room."""
+    sender, r0, _ = _bound_pair(rig)
+    if tp_size == 4:
+        rig.hub.drop_peer(sender.peers[1], "gone")
+        sender = rig.hub.create_sender(ROOM + 1, "req-1", 16)
+        rig.hub.want(r0, wire.Want.of(ROOM + 1, [8, 10, 12, 14], 0, 0))
+    stranger = dataclasses.replace(r0, identity=b"s", agent_name="s", rooms=set(),
+                                   unmatched=set(), tp_rank=tp_rank, tp_size=tp_size)  # fmt: skip
+    assert not sender.accepts_rank(stranger)
+
+
+def test_a_rank_fed_nothing_gets_no_page_write_and_a_sliced_write_counts_its_heads() -> None:
+    rig = Rig("native")
+    pages = dataclasses.replace(rig.ctx.pages, head_bytes=32, sliced={})
+    object.__setattr__(rig.ctx, "pages", pages)  # one head of one token: 32 bytes
+    r0, r1 = _ranks(rig)
+    r0.head_slice = plan_rank(4, 0, 1, 2)[0]  # two heads, as token runs
+    pages.sliced[(0, 2)] = "ours-0"
+    r1.is_fed = False  # another prefill rank writes its heads
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    sender.send_pages([1, 2], 0)
+    assert len(rig.agent.handles) == 1  # rank 0's only
+    rig.land(0)
+    sender.progress()
+    num_runs = len(rig.agent.handles[0].args[2])
+    assert num_runs and sender.written_bytes() == num_runs * 2 * 32

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.nixl.poster import InlinePoster
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
@@ -99,7 +99,12 @@ class RecordingHub(PushHub[SglangPeer]):
 class Rig:
     """The desk over a real hub; NIXL and the reply sockets stand-ins."""
 
-    def __init__(self, allowed_networks: tuple[str, ...] = (), is_rejoining: bool = False) -> None:
+    def __init__(
+        self,
+        allowed_networks: tuple[str, ...] = (),
+        is_rejoining: bool = False,
+        regions: KVRegions | None = None,  # ours: a desk that slices heads prepares them
+    ) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
@@ -117,6 +122,7 @@ class Rig:
             BootstrapLimits(),
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
+            regions=regions,
         )
 
     @property

@@ -13,6 +13,7 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.dual import DualSender
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.sender import VllmSender
+from tests.polling import wait_until
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
 from tests.unit.transfer.vllm.test_sender import BLOCKS, Clock, _desk
 
@@ -61,6 +62,7 @@ def test_a_ticketed_room_goes_to_vllm_and_the_others_close() -> None:
         assert other.failure_reason() == "the room was taken by a decode on the vllm protocol"
     dual.send_pages([0, 1, 2], 0)
     dual.send_aux(0)
+    wait_until(lambda: dual.poll().is_terminal, what="the repack ends")
     assert dual.poll() is KVPoll.SUCCESS
     dual.close()
     assert desk.staging.num_free == BLOCKS - 2 and len(desk.holds) == 1

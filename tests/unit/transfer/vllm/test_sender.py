@@ -4,6 +4,11 @@ path (read, expiry, close before staging, a front that gave up, staging full, sh
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
 import torch
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
@@ -13,8 +18,10 @@ from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.sender import VllmSender
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
 from prefill_worker.transfer.vllm.tickets import Tickets
+from tests.polling import wait_until
 
 BLOCKS = 6
+REPACKER = ThreadPoolExecutor(1, thread_name_prefix="test-vllm-repack")  # as the backend's
 
 
 class Clock:
@@ -25,14 +32,15 @@ class Clock:
         return self.now
 
 
-def _desk(clock: Clock) -> tuple[PullDesk, torch.Tensor]:
+def _desk(clock: Clock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.Tensor]:
     lay = KVLayout(2, 1, 4, "float32", 16, 8)
     pool = torch.randn(2, 2, 8, 16, 1, 4)
     k = tuple(pool[i, 0].data_ptr() for i in range(2))
     v = tuple(pool[i, 1].data_ptr() for i in range(2))
     regions = KVRegions(lay, k, v, "cpu", 0, 0)
     staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=BLOCKS))
-    desk = PullDesk(staging, PoolViews(regions), HoldTable(30.0, 5.0), Tickets(8), clock)
+    holds, tickets = HoldTable(30.0, 5.0), Tickets(8)
+    desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker)
     desk.identity = PullIdentity("engine-1", "10.0.0.1", 5600, 7)
     return desk, pool
 
@@ -45,6 +53,7 @@ def _staged(desk: PullDesk, room: int, num_tokens: int) -> VllmSender:
     sender.send_pages(list(range(num_pages)), 0)
     assert sender.poll() is KVPoll.TRANSFERRING
     sender.send_aux(0)
+    wait_until(lambda: sender.poll().is_terminal, what="the repacks end")
     assert sender.poll() is KVPoll.SUCCESS
     sender.close()
     return sender
@@ -115,6 +124,7 @@ def test_a_front_that_gave_up_frees_the_staged_blocks() -> None:
     sender.send_pages([0, 1], 0)
     desk.tickets.take(1)  # the client went away
     sender.send_aux(0)
+    wait_until(lambda: sender.poll().is_terminal, what="the repacks end")
     sender.close()
     assert sender.poll() is KVPoll.FAILED and "gave up" in (sender.failure_reason() or "")
     assert desk.staging.num_free == BLOCKS and len(desk.holds) == 0
@@ -131,3 +141,45 @@ def test_staging_full_fails_with_the_numbers_and_close_returns_everything() -> N
     assert desk.holds.counts.bad_notifications == 1
     desk.close()
     assert desk.staging.num_free == BLOCKS
+
+
+class _GatedRepacker(ThreadPoolExecutor):
+    """The repack thread, each repack waiting for ``gate`` first: repacks still in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(1, thread_name_prefix="test-vllm-gated")
+        self.gate = threading.Event()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def gated() -> Any:
+            assert self.gate.wait(10.0), "the test never opened the gate"
+            return fn(*args, **kwargs)
+
+        return super().submit(gated)
+
+
+def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> None:
+    """The request succeeds (its HTTP answer, hence the decode's READ) only once every chunk's
+    repack is done; the held blocks then hold the prompt's K‖V in vLLM's layout."""
+    repacker = _GatedRepacker()
+    desk, pool = _desk(Clock(), repacker)
+    assert desk.tickets.open(3)
+    sender = VllmSender(desk, 3, 40)
+    assert sender.poll() is KVPoll.READY
+    sender.send_pages([4, 5], 0)  # two chunks, as the engine hands them over
+    sender.send_pages([7], 2)
+    sender.send_aux(0)
+    assert sender.poll() is KVPoll.TRANSFERRING and len(desk.holds) == 0
+    repacker.gate.set()
+    wait_until(lambda: sender.poll().is_terminal, what="the repacks end")
+    assert sender.poll() is KVPoll.SUCCESS and sender.written_bytes() == 40 * 2 * 2 * 4 * 4
+    params = desk.tickets.take(3)
+    assert params is not None
+    (blocks,) = params["remote_block_ids"]
+    tokens = pool[:, :, [4, 5, 7]].flatten(2, 3)[:, :, :40, 0]  # [layers, K/V, 40, head_dim]
+    for layer in range(2):
+        view = torch.from_numpy(desk.staging.layer_view(layer)).view(torch.float32)
+        got = view[blocks, 0].flatten(0, 1)[:40]  # [40, K‖V]
+        assert torch.equal(got, torch.cat([tokens[layer, 0], tokens[layer, 1]], dim=1))
+    sender.close()
+    repacker.shutdown()

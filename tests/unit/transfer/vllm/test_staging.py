@@ -18,20 +18,25 @@ from prefill_worker.transfer.vllm.staging import (
 L, H, D, PAGES = 3, 2, 8, 40
 
 
-def _pool(kind: str, page_size: int) -> tuple[torch.Tensor, KVRegions]:
-    """A random bf16 pool; returns (its tensor as [L, 2, pages, ps, H, D] view, regions)."""
+def _pool(
+    kind: str, page_size: int, is_uneven: bool = False
+) -> tuple[torch.Tensor, KVRegions, torch.Tensor]:
+    """A random bf16 pool: its values as a [L, 2, pages, ps, H, D] view, its regions, and the
+    tensor the regions point into (keep it alive). ``is_uneven``: layer-major with the layers
+    out of order in memory (no common stride between them)."""
     lay = KVLayout(L, H, D, "bfloat16", page_size, PAGES, kind)
     if kind == LAYER_MAJOR:
         t = torch.randn(L, 2, PAGES, page_size, H, D).to(torch.bfloat16)
-        view = t
-        k = tuple(t[i, 0].data_ptr() for i in range(L))
-        v = tuple(t[i, 1].data_ptr() for i in range(L))
+        order = [2, 0, 1] if is_uneven else list(range(L))
+        view = t[order]
+        k = tuple(t[j, 0].data_ptr() for j in order)
+        v = tuple(t[j, 1].data_ptr() for j in order)
     else:
         t = torch.randn(PAGES, L, 2, page_size, H, D).to(torch.bfloat16)
         view = t.permute(1, 2, 0, 3, 4, 5)
         k = tuple(t[0, i, 0].data_ptr() for i in range(L))
         v = tuple(t[0, i, 1].data_ptr() for i in range(L))
-    return view, KVRegions(lay, k, v, "cpu", 0, 0)
+    return view, KVRegions(lay, k, v, "cpu", 0, 0), t
 
 
 def _expected(view: torch.Tensor, page_ids: list[int], n: int, bs: int) -> torch.Tensor:
@@ -43,9 +48,22 @@ def _expected(view: torch.Tensor, page_ids: list[int], n: int, bs: int) -> torch
     return out.view(L, blocks, bs, H, 2 * D).transpose(2, 3)
 
 
-@pytest.mark.parametrize(("kind", "page_size", "n"), [(LAYER_MAJOR, 16, 33), (PAGE_MAJOR, 64, 70)])
-def test_repack_in_chunks_matches_lbhnc(kind: str, page_size: int, n: int) -> None:
-    view, regions = _pool(kind, page_size)
+@pytest.mark.parametrize(
+    ("kind", "page_size", "n", "chunk", "is_uneven"),
+    [
+        (LAYER_MAJOR, 16, 100, 3, False),
+        (PAGE_MAJOR, 64, 70, 1, False),
+        (LAYER_MAJOR, 16, 100, 3, True),
+    ],
+)
+def test_repack_in_chunks_matches_lbhnc(
+    kind: str, page_size: int, n: int, chunk: int, is_uneven: bool
+) -> None:
+    """Evenly spaced layers take the one-copy-per-piece path, uneven ones the per-layer path;
+    chunks of three 16-token pages end mid-block and cross block ends, pages of 64 span two
+    blocks, and the last block is partly filled."""
+    view, regions, _storage = _pool(kind, page_size, is_uneven)
+    assert (PoolViews(regions).kv is None) is is_uneven
     staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=12))
     staging.try_allocate(1)  # the request's blocks are not the first ones
     num_pages = -(-n // page_size)
@@ -54,8 +72,8 @@ def test_repack_in_chunks_matches_lbhnc(kind: str, page_size: int, n: int) -> No
     assert blocks is not None
     pool = PoolViews(regions)
     copied = 0
-    for first in range(num_pages):  # one page per call, as chunks arrive
-        copied += repack(pool, staging, page_ids[first : first + 1], first, blocks, n)
+    for first in range(0, num_pages, chunk):  # chunk by chunk, as the engine hands them over
+        copied += repack(pool, staging, page_ids[first : first + chunk], first, blocks, n)
     assert copied == n * L * H * 2 * D * 2
     got = torch.stack([torch.from_numpy(staging.layer_view(i)[list(blocks)]) for i in range(L)])
     want = _expected(view, page_ids, n, 32).view(torch.int16)
@@ -63,7 +81,7 @@ def test_repack_in_chunks_matches_lbhnc(kind: str, page_size: int, n: int) -> No
 
 
 def test_allocation_is_all_or_nothing_and_returns_whole() -> None:
-    _, regions = _pool(LAYER_MAJOR, 16)
+    _, regions, _storage = _pool(LAYER_MAJOR, 16)
     staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=4))
     first = staging.try_allocate(3)
     assert first == (0, 1, 2)
@@ -76,7 +94,7 @@ def test_mla_and_device_pools_are_refused() -> None:
     mla = KVLayout(2, 1, 8, "bfloat16", 16, 4, MLA)
     with pytest.raises(StagingRefused, match="mla"):
         staging_layout(KVRegions(mla, (1, 2), (), "cpu", 0, 0), 32, 4)
-    _, regions = _pool(LAYER_MAJOR, 16)
+    _, regions, _storage = _pool(LAYER_MAJOR, 16)
     gpu = KVRegions(regions.layout, regions.k_base_addrs, regions.v_base_addrs, "cuda:0", 0, 0)
     with pytest.raises(StagingRefused, match="host"):
         staging_layout(gpu, 32, 4)

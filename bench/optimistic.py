@@ -1,0 +1,254 @@
+"""Optimistic prefill on and off against a decode that claims its rooms late (issue 29).
+
+Two worker processes (``scheduler.optimistic_prefill`` off and on; otherwise
+``e2e.py``'s worker: random Llama checkpoint, overlap on, chunk 512), each with ``e2e.py``'s
+reference decode peer, this process as the router. The decode claims each room ``delay``
+seconds after the router sent the request (``DecodePeer.expect`` then: its `want` follows).
+
+- The prefill time ``p``: the median ``timings.prefill_s`` of sequential requests on the off
+  worker (``e2e.py``'s lognormal lengths). Delays: ``zero``, ``prefill`` (``p``), ``3x``.
+- Per delay and mode, the same prompts for both: one request at a time by default (the TTFT
+  a request sees on an idle worker), or with ``--load-fraction F`` Poisson arrivals at ``F``
+  of the off worker's capacity (queueing adds the same wait to both modes); TTFT is router
+  send → ``result``.
+- Throughput at ``zero``: bursts of requests all sent at once; requests per second until the
+  last result.
+- The TTFT prediction at low, medium and high load as ``ttft_prediction.py`` measures it, off
+  and on (the line's ``optimistic_prefill``).
+
+Both workers run for the whole bench and take turns (request by request; with Poisson
+arrivals each point in two halves, off then on), so a drift in the machine's load falls on
+both alike.
+
+JSON lines to stdout, appended to ``bench/results/optimistic.jsonl``::
+
+    {"name": "optimistic", "delay": "zero" | "prefill" | "3x", "ttft_p50_on_s", "ttft_p50_off_s",
+     "ttft_p99_on_s", "ttft_p99_off_s", "ttft_ratio": on/off p50, "throughput_ratio": on/off}
+    {"name": "optimistic", "load": "low" | "medium" | "high", "ttft_prediction_error": ...}
+
+Goals: ``ttft_ratio`` <= 0.65 at ``prefill``; ``throughput_ratio`` >= 0.97 at ``zero``;
+``ttft_prediction_error`` <= 0.20.
+
+    python bench/optimistic.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import e2e  # noqa: E402
+import ttft_prediction  # noqa: E402
+from msgspec import UnsetType  # noqa: E402
+
+from prefill_worker.request import OutcomeStatus  # noqa: E402
+
+DELAYS = {"zero": 0.0, "prefill": 1.0, "3x": 3.0}  # multiples of the prefill time
+MODES = ("off", "on")
+
+
+@dataclass
+class Measured:
+    """What one mode gave: TTFTs per delay, and the burst's throughput."""
+
+    ttfts: dict[str, list[float]] = field(default_factory=dict)
+    retries: dict[str, int] = field(default_factory=dict)
+    burst_s: float = 0.0
+    num_burst: int = 0
+
+    @property
+    def throughput_req_s(self) -> float:
+        return self.num_burst / self.burst_s
+
+
+class Router:
+    """Sends requests to one worker; its decode claims each room ``delay_s`` later."""
+
+    def __init__(self, target: e2e.Target) -> None:
+        self.target = target
+        self._rng = random.Random(5)
+
+    async def one(self, num_tokens: int, delay_s: float) -> tuple[float, bool, int, float]:
+        """(TTFT, ok, prefill retries, prefill_s) of one request."""
+        ids = [self._rng.randrange(e2e.SHAPE["vocab_size"]) for _ in range(num_tokens)]
+        room = self._rng.getrandbits(63)
+        loop = asyncio.get_running_loop()
+        sent = time.monotonic()
+        loop.call_later(delay_s, self.target.peer.expect, room, ids, 1)
+        result = await self.target.router.prefill(ids, room, timeout_s=300)
+        t = result.timings
+        is_ok = result.status is OutcomeStatus.OK
+        retries = 0 if isinstance(result.prefill_retries, UnsetType) else result.prefill_retries
+        return time.monotonic() - sent, is_ok, retries, t.prefill_s
+
+    async def load(
+        self, workload: list[tuple[float, int]], delay_s: float
+    ) -> list[tuple[float, bool, int, float]]:
+        start, tasks = time.monotonic(), []
+        for offset, n in workload:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            tasks.append(asyncio.ensure_future(self.one(n, delay_s)))
+        return list(await asyncio.gather(*tasks))
+
+
+def start_target(ckpt: Path, tmp: Path, optimistic: bool) -> e2e.Target:
+    extra = {"scheduler.optimistic_prefill": str(optimistic).lower()}
+    return e2e.Target(ckpt, True, 512, tmp / ("on" if optimistic else "off"), extra)
+
+
+async def calibrate(target: e2e.Target, num: int) -> tuple[float, float]:
+    """(median prefill seconds, capacity in requests/s) from sequential requests."""
+    router, lengths = Router(target), [n for _, n in e2e.workload(num, 1.0, seed=1)]
+    prefill, ttft = [], []
+    for n in lengths:
+        t, ok, _, prefill_s = await router.one(n, 0.0)
+        assert ok
+        prefill.append(prefill_s)
+        ttft.append(t)
+    return statistics.median(prefill), 1.0 / statistics.mean(ttft)
+
+
+async def measure(
+    routers: dict[str, Router], delays: dict[str, float], rate: float, num: int, burst: int
+) -> dict[str, Measured]:
+    """Off and on take turns (the machine's load drifts): request by request, or with Poisson
+    arrivals each point in two halves."""
+    out = {mode: Measured() for mode in routers}
+    for i, (name, delay_s) in enumerate(delays.items()):
+        if not rate:  # one at a time: off and on take turns request by request
+            for _, n in e2e.workload(num, 1.0, seed=300 + 10 * i):
+                for mode, router in routers.items():
+                    t, ok, retries, _ = await router.one(n, delay_s)
+                    out[mode].ttfts.setdefault(name, []).extend([t] if ok else [])
+                    out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
+            continue
+        for half in range(2):
+            workload = e2e.workload(num // 2, rate or 1.0, seed=300 + 10 * i + half)
+            for mode, router in routers.items():
+                samples = await router.load(workload, delay_s)
+                out[mode].ttfts.setdefault(name, []).extend(t for t, ok, _, _ in samples if ok)
+                retries = sum(r for _, ok, r, _ in samples if ok)
+                out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
+                await asyncio.sleep(0.5)
+    for half in range(2):
+        lengths = [n for _, n in e2e.workload(burst // 2, 1.0, seed=400 + half)]
+        for mode, router in routers.items():
+            started = time.monotonic()
+            samples = await router.load([(0.0, n) for n in lengths], 0.0)
+            assert all(ok for _, ok, _, _ in samples)
+            out[mode].burst_s += time.monotonic() - started
+            out[mode].num_burst += len(samples)
+    for measured in out.values():
+        for ttfts in measured.ttfts.values():
+            ttfts.sort()
+    return out
+
+
+async def predictions(targets: dict[str, e2e.Target], num: int) -> list[dict[str, object]]:
+    """``ttft_prediction.py``'s measurement, per load off and on in turn."""
+    benches = {mode: ttft_prediction.Bench(target) for mode, target in targets.items()}
+    warm = [n for _, n in e2e.workload(12, 1.0, seed=1)]
+    capacity = {}
+    for mode, bench in benches.items():
+        for n in warm:
+            await bench.one(n)
+        rate_tps = ttft_prediction.signals_of(await bench.router.ping()).prefill_rate_tps
+        capacity[mode] = (rate_tps or 1.0) / statistics.mean(warm)
+    lines = []
+    for i, (name, fraction) in enumerate(ttft_prediction.LOADS.items()):
+        for mode, bench in benches.items():
+            rate = fraction * capacity[mode]
+            samples = await bench.point(e2e.workload(num, rate, seed=200 + i))
+            entry = ttft_prediction.line(name, fraction, rate, samples)
+            lines.append({**entry, "name": "optimistic", "optimistic_prefill": mode == "on"})
+            await asyncio.sleep(1.0)
+    return lines
+
+
+def quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def delay_lines(off: Measured, on: Measured, delays: dict[str, float]) -> list[dict[str, object]]:
+    lines = []
+    for name, delay_s in delays.items():
+        p50_on, p50_off = quantile(on.ttfts[name], 0.5), quantile(off.ttfts[name], 0.5)
+        lines.append(
+            {
+                "name": "optimistic",
+                "delay": name,
+                "delay_s": round(delay_s, 4),
+                "ttft_p50_on_s": round(p50_on, 4),
+                "ttft_p50_off_s": round(p50_off, 4),
+                "ttft_p99_on_s": round(quantile(on.ttfts[name], 0.99), 4),
+                "ttft_p99_off_s": round(quantile(off.ttfts[name], 0.99), 4),
+                "ttft_ratio": round(p50_on / p50_off, 3),
+                "throughput_ratio": round(on.throughput_req_s / off.throughput_req_s, 3),
+                "prefill_retries_on": on.retries[name],
+                "num_ok": [len(off.ttfts[name]), len(on.ttfts[name])],
+            }
+        )
+    return lines
+
+
+async def run(
+    ckpt: Path, tmp: Path, num: int, burst: int, load_fraction: float, with_predictions: bool
+) -> list[dict[str, object]]:
+    """Both workers up at once; only one has work at a time."""
+    targets = {mode: start_target(ckpt, tmp, mode == "on") for mode in MODES}
+    stop = asyncio.Event()
+    pumping = asyncio.ensure_future(e2e.pump([t.peer for t in targets.values()], stop))
+    try:
+        routers = {mode: Router(target) for mode, target in targets.items()}
+        await calibrate(targets["on"], 4)  # the same warm-up for both
+        prefill_s, capacity = await calibrate(targets["off"], 12)
+        delays = {name: k * prefill_s for name, k in DELAYS.items()}
+        measured = await measure(routers, delays, load_fraction * capacity, num, burst)
+        lines = delay_lines(measured["off"], measured["on"], delays)
+        for entry in lines:
+            entry["load_fraction"] = load_fraction or "one at a time"
+        return lines + (await predictions(targets, num) if with_predictions else [])
+    finally:
+        stop.set()
+        await pumping
+        for target in targets.values():
+            target.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests per point")
+    parser.add_argument(
+        "--load-fraction", type=float, default=0.0, help="Poisson arrivals (0: one at a time)"
+    )
+    parser.add_argument("--no-prediction", action="store_true", help="skip the TTFT prediction")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-optimistic-") as tmp_name:
+        tmp = Path(tmp_name)
+        for mode in MODES:
+            (tmp / mode).mkdir()
+        ckpt = e2e.make_checkpoint(tmp / "ckpt")
+        num, burst = (20, 16) if args.quick else (40, 32)
+        lines = asyncio.run(run(ckpt, tmp, num, burst, args.load_fraction, not args.no_prediction))
+    e2e.RESULTS.mkdir(parents=True, exist_ok=True)
+    with (e2e.RESULTS / "optimistic.jsonl").open("a") as out:  # runs accumulate
+        for entry in lines:
+            print(json.dumps(entry), flush=True)
+            out.write(json.dumps(entry) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

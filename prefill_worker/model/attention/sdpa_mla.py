@@ -1,0 +1,44 @@
+"""The torch MLA attention backend (CPU and CUDA): planned as ``SdpaBackend``, attending
+over decompressed latents (``model.mla`` has the algebra, docs/models.md the choice of form)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.attention.sdpa import SdpaBackend
+from prefill_worker.model.hf_config import MLASpec
+
+
+class MLASdpaBackend(SdpaBackend):
+    """The MLA attention backend (CPU and CUDA, torch SDPA): planned as ``SdpaBackend``
+    (fresh rows for a chunk from position 0; otherwise pool rows ``[0, end)`` and a
+    bottom-right causal mask), attending over decompressed latents. ``attend`` (K/V planes)
+    is not used: an MLA pool has none."""
+
+    def attend_latent(
+        self,
+        q: torch.Tensor,  # [T, H, nope + rope], RoPE applied
+        rows: torch.Tensor,  # [T, r + rope], this batch's fresh pool rows
+        pool: torch.Tensor,  # [P, page_size, 1, r + rope], rows written
+        kv_b: torch.Tensor,  # [H (nope + v), r]
+        spec: MLASpec,
+        out: torch.Tensor,  # [T, H, v], written
+    ) -> None:
+        heads, nope, rank = q.shape[1], spec.qk_nope_head_dim, spec.kv_lora_rank
+        for p in self._planned:
+            # [m, r + rope]: this chunk's own rows, or rows [0, end) from its pages
+            fresh = rows[p.q_start : p.q_end]
+            chunk_rows = fresh if p.kv_rows is None else pool[p.kv_rows][:, 0]
+            kv = F.linear(chunk_rows[:, :rank], kv_b).view(-1, heads, nope + spec.v_head_dim)
+            k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
+            k[..., :nope] = kv[..., :nope]
+            k[..., nope:] = chunk_rows[:, None, rank:]
+            # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
+            qh, kh, vh = (
+                t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, kv[..., nope:])
+            )
+            attn = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=p.mask, is_causal=p.mask is None, scale=spec.softmax_scale
+            )
+            out[p.q_start : p.q_end] = attn[0].transpose(0, 1)

@@ -1,0 +1,208 @@
+"""A follower rank's transfer backend: its own NIXL agent over its own pool (its KV heads),
+writing its head slices into the decode ranks the leader admitted, as the leader's mirror
+says (``tp/mirror.py``). It serves no protocol: decodes register with the leader only; the
+leader's `register` of each decode rank reaches this rank (``add_peer``), and so does each
+room's binding (``RankSender.bind``: the decode ranks' `want`s) before its pages::
+
+    mirror op   create      a RankSender, READY (its pages wait for their bind)
+                peer        add_peer(register): the decode rank's agent and pool, this
+                            rank's slice of it (``RankWriter``; none: not fed here)
+                bind        the room's decode ranks and their wants
+                pages       one WRITE per fed decode rank of this rank's heads  TRANSFERRING
+                aux         every page sent: SUCCESS once every write landed
+                fail/close  FAILED; writes in flight released (cancelled)
+
+The aux row and the status are the leader's (sent once every rank's SUCCESS is agreed);
+this rank's SUCCESS says only "my writes landed". A write NIXL refuses or reports failed
+fails the room (FAILED, agreed by the group); one still in flight past ``write_timeout_s``
+too. A failed room releases its writes in flight; ``settle`` says when none can land any more
+(a release NIXL refuses is retried), for the leader's failure status. Torch-free; importing
+it imports NIXL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec import UNSET
+
+from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
+from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
+from prefill_worker.transfer.pagemap import map_pages
+
+log = logging.getLogger(__name__)
+_WRITE_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, *NIXL_ERRORS)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeRank:
+    """A decode rank this rank knows: its writer (one per decode agent, so a re-registration
+    replaces it whole), and the name it writes under (None: this rank feeds it nothing)."""
+
+    writer: RankWriter
+    name: str | None
+
+
+class RankSender:
+    """One room on this rank (the module docstring's states)."""
+
+    def __init__(self, backend: RankBackend, room: int) -> None:
+        self._backend, self.room = backend, room
+        self._state = KVPoll.READY
+        self._reason: str | None = None
+        self._targets: list[tuple[_DecodeRank, wire.Want]] = []
+        self._handles: list[tuple[Any, float]] = []  # (handle, posted at)
+        self._is_last = False  # the aux op came: no more pages
+
+    def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None:
+        ranks = self._backend.decode_ranks
+        try:
+            self._targets = [(ranks[n], w) for n, w in zip(agent_names, wants, strict=True)]
+        except KeyError as exc:
+            self.fail(f"decode agent {exc} unknown on this rank")
+
+    def poll(self) -> KVPoll:
+        if self._state.is_terminal:
+            return self._state
+        self._check_writes()
+        if self._is_last and not self._handles and not self._state.is_terminal:
+            self._state = KVPoll.SUCCESS
+        return self._state
+
+    def num_cached_tokens(self) -> int:
+        return self._targets[0][1].num_cached_tokens if self._targets else 0
+
+    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        if self._state.is_terminal:
+            return
+        self._state = KVPoll.TRANSFERRING
+        num_cached_pages = self.num_cached_tokens() // self._backend.page_size
+        for rank, want in self._targets:
+            if rank.name is None:
+                continue
+            try:
+                src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
+                if len(src):
+                    handle = rank.writer.post(rank.name, src, dst, b"")
+                    self._handles.append((handle, self._backend.clock()))
+            except _WRITE_ERRORS as exc:
+                return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
+
+    def send_aux(self, aux_row: int) -> None:
+        self._is_last = True
+
+    def fail(self, reason: str) -> None:
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.FAILED, reason
+            log.warning("room %d failed on this rank: %s", self.room, reason)
+        self._release()
+
+    def settle(self) -> bool:
+        """No write of the room can land from this rank any more (``mirror.ReplayedSender``)."""
+        if self._state.is_terminal:
+            self._release()
+        return not self._handles
+
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    def why_no_handshake(self) -> str | None:
+        return None
+
+    def written_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.fail("the request ended before its transfer")
+
+    def _release(self) -> None:
+        """Release every write still held (cancelling it); keep those NIXL refused."""
+        self._handles = [(h, t) for h, t in self._handles if not self._backend.release(h)]
+
+    def _check_writes(self) -> None:
+        agent, now, pending, why = self._backend.agent, self._backend.clock(), [], None
+        for handle, posted_at in self._handles:
+            state = agent.check_xfer_state(handle)
+            if state in ("DONE", "ERR"):  # over: nothing more of it can land
+                self._backend.release(handle)
+                why = why or (
+                    None if state == "DONE" else "a KV write failed on a tensor-parallel rank"
+                )
+            else:
+                pending.append((handle, posted_at))
+                if now - posted_at > self._backend.write_timeout_s:
+                    why = (
+                        why or f"a KV write was in flight over {self._backend.write_timeout_s:g} s"
+                    )
+        self._handles = pending
+        if why is not None:
+            self.fail(why)
+
+
+class RankBackend:
+    """A follower's backend (module docstring). Used on the follower's step loop only."""
+
+    def __init__(
+        self,
+        agent: Any,  # nixl_agent, owned here from now on
+        place: RankPlace,
+        regions: KVRegions,
+        write_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.agent, self.place, self._regions = agent, place, regions
+        self.write_timeout_s, self.clock = write_timeout_s, clock
+        self.page_size = regions.layout.page_size
+        kv_table, _ = region_tables(regions)  # the KV pool only: the aux rows are the leader's
+        self._registration = agent.register_memory(kv_table, mem_type(regions.device))
+        self._ranks: dict[str, _DecodeRank] = {}
+
+    @property
+    def decode_ranks(self) -> Mapping[str, _DecodeRank]:
+        return self._ranks
+
+    def add_peer(self, msg: wire.Register) -> None:
+        """A decode rank the leader admitted (again: its old writer goes first)."""
+        old = self._ranks.pop(msg.agent_name, None)
+        if old is not None:
+            old.writer.close()
+        writer = RankWriter(self.agent, self.place, self._regions)
+        dst_rank, dst_tp = (0, 1) if msg.tp is UNSET else (msg.tp.tp_rank, msg.tp.tp_size)
+        try:
+            metadata = wire.unframe_metadata(msg.metadata)
+            name = writer.add_peer(metadata, msg.regions, dst_rank, dst_tp)
+        except _WRITE_ERRORS as exc:  # the leader checked it; its rooms' binds fail
+            log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
+            writer.close()
+            return
+        self._ranks[msg.agent_name] = _DecodeRank(writer, name)
+
+    def create_sender(
+        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+    ) -> RankSender:
+        return RankSender(self, room)
+
+    def release(self, handle: Any) -> bool:
+        """Release a write handle (cancelling it if in flight); False when NIXL refused."""
+        try:
+            self.agent.release_xfer_handle(handle)
+        except NIXL_ERRORS as exc:
+            log.warning("releasing a write handle: %s", exc)
+            return False
+        return True
+
+    def poll(self) -> None:
+        """Nothing between rooms: each sender checks its writes when polled."""
+
+    def close(self) -> None:
+        for rank in self._ranks.values():
+            rank.writer.close()
+        self._ranks.clear()
+        self.agent.deregister_memory(self._registration)

@@ -1,0 +1,98 @@
+"""Stand-ins for flashinfer's two prefill wrappers the MLA backend drives, on the CPU: their
+``plan``/``run`` signatures as flashinfer-python 0.6.13 declares them (so a misnamed or
+misplaced argument fails here), their checks on what they are given, and their results as
+its docs define them, computed in torch. A unit seam only: the kernels are proven by the
+``gpu`` tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _causal_softmax(scores: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``scores [n, H, m]`` of the last n queries over m keys, bottom-right causal."""
+    n = scores.shape[0]
+    visible = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - n, kv_len)[:, None]
+    return scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
+
+
+class RaggedPrefill:
+    """``flashinfer.BatchPrefillWithRaggedKVCacheWrapper``."""
+
+    def plan(
+        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
+        num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None,
+        custom_mask: Any = None, packed_custom_mask: Any = None, causal: bool = False,
+        pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+        window_left: int = -1, logits_soft_cap: float | None = None,
+        sm_scale: float | None = None, rope_scale: float | None = None,
+        rope_theta: float | None = None, q_data_type: Any = "float16",
+        kv_data_type: Any = None, o_data_type: Any = None, non_blocking: bool = True,
+        prefix_len_ptr: Any = None, token_pos_in_items_ptr: Any = None,
+        token_pos_in_items_len: int = 0, max_item_len_ptr: Any = None,
+        fixed_split_size: int | None = None, disable_split_kv: bool = False,
+        seq_lens: Any = None, seq_lens_q: Any = None, max_token_per_sequence: Any = None,
+        max_sequence_kv: Any = None, v_indptr: Any = None, o_indptr: Any = None,
+    ) -> None:  # fmt: skip
+        assert qo_indptr.dtype == kv_indptr.dtype == torch.int32
+        self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
+        self.heads, self.kv_heads = num_qo_heads, num_kv_heads
+        self.dims = (head_dim_qk, head_dim_vo or head_dim_qk)
+        self.causal, self.scale, self.dtype = causal, sm_scale, q_data_type
+
+    def run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+        out: torch.Tensor | None = None, lse: Any = None, return_lse: bool = False,
+        enable_pdl: Any = None, kv_cache_sf: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        qo, kv, heads, (dim_qk, dim_vo), scale = self.qo, self.kv, self.heads, self.dims, self.scale
+        assert not args and self.causal and heads == self.kv_heads and q.dtype == self.dtype
+        assert q.shape == (qo[-1], heads, dim_qk) and k.shape == (kv[-1], heads, dim_qk)
+        assert v.shape == (kv[-1], heads, dim_vo)
+        result = q.new_empty(q.shape[0], heads, dim_vo) if out is None else out
+        for i in range(len(qo) - 1):
+            qs, ks, vs = q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]]
+            weights = _causal_softmax(torch.einsum("nhd,mhd->nhm", qs, ks) * scale, len(ks))
+            result[qo[i] : qo[i + 1]] = torch.einsum("nhm,mhd->nhd", weights, vs)
+        return result
+
+
+class PagedMLA:
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (its fa2/fa3 backends)."""
+
+    def plan(
+        self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+        kv_len_arr: torch.Tensor, num_heads: int, head_dim_ckv: int, head_dim_kpe: int,
+        page_size: int, causal: bool, sm_scale: float, q_data_type: torch.dtype,
+        kv_data_type: torch.dtype, use_profiler: bool = False,
+    ) -> None:  # fmt: skip
+        for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            assert t.dtype == torch.int32
+        self.qo, self.kv_indptr = qo_indptr.tolist(), kv_indptr.tolist()
+        self.pages, self.kv_lens = kv_indices.tolist(), kv_len_arr.tolist()
+        self.heads, self.dims, self.page_size = num_heads, (head_dim_ckv, head_dim_kpe), page_size
+        self.causal, self.scale, self.dtypes = causal, sm_scale, (q_data_type, kv_data_type)
+
+    def run(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor,
+        kpe_cache: torch.Tensor, out: torch.Tensor | None = None, lse: Any = None,
+        return_lse: bool = False, profiler_buffer: Any = None, kv_len: Any = None,
+        page_table: Any = None, return_lse_base_on_e: bool = False, o_scale: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        qo, kv_indptr, pages, kv_lens = self.qo, self.kv_indptr, self.pages, self.kv_lens
+        heads, (dim_ckv, dim_kpe), ps, scale = self.heads, self.dims, self.page_size, self.scale
+        assert self.causal and (q_nope.dtype, ckv_cache.dtype) == self.dtypes
+        assert q_nope.shape == (qo[-1], heads, dim_ckv) and q_pe.shape == (qo[-1], heads, dim_kpe)
+        assert ckv_cache.shape[1:] == (ps, dim_ckv) and kpe_cache.shape[1:] == (ps, dim_kpe)
+        assert ckv_cache.stride(-1) == kpe_cache.stride(-1) == 1  # rows may be strided
+        result = torch.empty_like(q_nope) if out is None else out
+        for i in range(len(qo) - 1):
+            keys = torch.arange(kv_lens[i])
+            page = torch.tensor(pages[kv_indptr[i] : kv_indptr[i + 1]])[keys // ps]
+            ckv, kpe = ckv_cache[page, keys % ps], kpe_cache[page, keys % ps]  # [m, D]
+            lo, hi = qo[i], qo[i + 1]
+            scores = (q_nope[lo:hi] @ ckv.T + q_pe[lo:hi] @ kpe.T) * scale  # [n, H, m]
+            result[lo:hi] = _causal_softmax(scores, kv_lens[i]) @ ckv
+        return result

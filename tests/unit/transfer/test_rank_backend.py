@@ -1,0 +1,141 @@
+"""A follower rank's sender (``transfer.nixl.rank_backend``): its states as the agreement
+reads them. A fake agent stands in for NIXL (the real writes: tests/reliability/
+test_tensor_parallel.py); the decode ranks are the leader's `register` messages.
+
+SUCCESS only after the mirrored aux op and every write landed; a write NIXL reports failed,
+one in flight past the timeout, a bind naming an agent this rank does not know: FAILED. A
+decode rank this rank feeds nothing gets no write; close releases what is in flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.rank_backend import RankBackend, RankSender
+from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+LAYERS, HEAD_DIM, PAGE_SIZE, PAGES = 2, 4, 4, 8
+
+
+class FakeAgent:
+    """What RankWriter and RankBackend call; ``states`` says each posted write's state."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, list[int], list[int]]] = []
+        self.states: dict[int, str] = {}
+        self.released: list[int] = []
+
+    def register_memory(self, table: Any, mem: str) -> str:
+        return "reg"
+
+    def deregister_memory(self, reg: str) -> None:
+        pass
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        return metadata  # the test's metadata is the agent's name
+
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def prep_xfer_dlist(self, name: str, table: Any, mem: str) -> Any:
+        return _Released()
+
+    def make_prepped_xfer(self, op: str, local: Any, li: Any, remote: Any, ri: Any, n: Any) -> int:
+        handle = len(self.posted)
+        self.posted.append((op, list(li), list(ri)))
+        self.states[handle] = "PROC"
+        return handle
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        return self.states[handle]
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.released.append(handle)
+
+
+class _Released:
+    def release(self) -> None:
+        pass
+
+
+def regions(num_heads: int) -> KVRegions:
+    layout = KVLayout(LAYERS, num_heads, HEAD_DIM, "float32", PAGE_SIZE, PAGES, LAYER_MAJOR)
+    step = layout.region_bytes
+    k = tuple(0x10000 + i * step for i in range(LAYERS))
+    v = tuple(0x10000 + (LAYERS + i) * step for i in range(LAYERS))
+    return KVRegions(layout, k, v, "cpu", 0x900000, 4)
+
+
+def register(name: str, rank: int, tp: int) -> wire.Register:
+    regs = regions(2 // tp)
+    decode_rank = wire.DecodeRank(rank, tp, rank * 2 // tp, (rank + 1) * 2 // tp)
+    metadata = wire.frame_metadata(name.encode())
+    return wire.Register.of(name, metadata, regs, regs.layout.compat_hash(), decode_rank)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def rank() -> tuple[RankBackend, FakeAgent, Clock]:
+    agent, clock = FakeAgent(), Clock()
+    return RankBackend(agent, RankPlace(1, 2, 2), regions(1), 5.0, clock), agent, clock
+
+
+def bound(backend: RankBackend, tp: int) -> RankSender:
+    names = [f"d{tp}-{j}" for j in range(tp)]
+    for j, name in enumerate(names):
+        backend.add_peer(register(name, j, tp))
+    sender = backend.create_sender(1, "r1", 8)
+    sender.bind(names, [wire.Want.of(1, [7, 5], 0, 0)] * tp)
+    return sender
+
+
+def test_success_only_after_the_aux_op_and_every_write_landed(rank: Any) -> None:
+    backend, agent, _ = rank
+    sender = bound(backend, 1)
+    assert sender.poll() is KVPoll.READY
+    sender.send_pages([3, 4], 0)
+    assert len(agent.posted) == 1 and sender.poll() is KVPoll.TRANSFERRING
+    agent.states[0] = "DONE"
+    assert sender.poll() is KVPoll.TRANSFERRING  # more pages may come: no aux op yet
+    sender.send_aux(0)
+    assert sender.poll() is KVPoll.SUCCESS and agent.released == [0]
+
+
+def test_only_the_decode_ranks_this_rank_feeds_are_written(rank: Any) -> None:
+    backend, agent, _ = rank
+    sender = bound(backend, 2)  # rank 1 of 2 holds head 1: decode rank 1's only
+    sender.send_pages([3, 4], 0)
+    sender.send_aux(0)
+    assert len(agent.posted) == 1
+    agent.states[0] = "DONE"
+    assert sender.poll() is KVPoll.SUCCESS
+
+
+@pytest.mark.parametrize("how", ["nixl error", "timeout", "unknown agent"])
+def test_a_failed_write_or_bind_fails_the_room_and_close_releases(rank: Any, how: str) -> None:
+    backend, agent, clock = rank
+    sender = bound(backend, 1)
+    if how == "unknown agent":
+        sender.bind(["nobody"], [wire.Want.of(1, [7, 5], 0, 0)])
+    else:
+        sender.send_pages([3, 4], 0)
+        if how == "nixl error":
+            agent.states[0] = "ERR"
+        else:
+            clock.now = 6.0
+    assert sender.poll() is KVPoll.FAILED and sender.failure_reason()
+    sender.close()
+    assert len(agent.released) == len(agent.posted)  # no write left in flight
