@@ -137,16 +137,23 @@ def test_notification_only_lease_and_heartbeat(pulled: tuple[Worker, str, PullDe
     wait_until(lambda: _staging_used(worker) == 0, 10.0, "the notification's release")
     never = _prefill(api, prompt(40, seed=2))["kv_transfer_params"]
     kept = _prefill(api, prompt(40, seed=3))["kv_transfer_params"]
-    deadline = time.monotonic() + LEASE_S + 1.5  # past `never`'s lease and read grace
-    while time.monotonic() < deadline:  # the decode's heartbeat cadence (lease / 6)
-        decode.notify(f"HB:{kept['remote_request_id']}")
-        time.sleep(LEASE_S / 6)
 
     def expired_now() -> float:
         return _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="expired"}')
 
-    wait_until(lambda: expired_now() == expired + 1, 5.0, "`never`'s lease to end")
-    assert _staging_used(worker) == 2  # `kept` lives on its heartbeats
+    # The decode heartbeats `kept` (at its cadence, lease / 6) for as long as the test looks,
+    # so `kept` never runs out however slow this machine is, until `kept` has outlived its own
+    # first lease and `never`'s lease and read grace have passed: one expiry, and only
+    # `kept`'s two blocks staged.
+    outlived = time.monotonic() + LEASE_S + 1.0
+    deadline = outlived + 30.0
+    while not (
+        time.monotonic() > outlived and expired_now() == expired + 1 and _staging_used(worker) == 2
+    ):
+        assert expired_now() <= expired + 1, "a heartbeated hold expired"
+        assert time.monotonic() < deadline, "`never`'s lease never ended"
+        decode.notify(f"HB:{kept['remote_request_id']}")
+        time.sleep(LEASE_S / 6)
     decode.read(kept["remote_block_ids"][0], f"{kept['remote_request_id']}:1")
     wait_until(lambda: _staging_used(worker) == 0, 10.0, "the read's release")
     assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="read"}') == reads + 2

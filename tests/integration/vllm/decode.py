@@ -51,7 +51,9 @@ class PullDecode:
 
         self.meta = meta
         self.num_layers = len(meta.kv_caches_base_addr)
-        self.agent: Any = make_agent(name, ["UCX"], "lo")
+        # NIXL's progress thread on, as vLLM's connector runs its agent: notifications (`notify`)
+        # leave without anything else driving this agent.
+        self.agent: Any = make_agent(name, ["UCX"], "lo", progress_thread=True)
         self.buffer = np.zeros(self.num_layers * meta.num_blocks * meta.block_lens[0], np.uint8)
         table = np.array([[self.buffer.ctypes.data, self.buffer.nbytes, 0]], dtype=np.uint64)
         self.registered = self.agent.register_memory(table, "DRAM")
