@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -242,11 +241,7 @@ def main() -> int:
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
         num, burst = (20, 16) if args.quick else (40, 32)
         lines = asyncio.run(run(ckpt, tmp, num, burst, args.load_fraction, not args.no_prediction))
-    e2e.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (e2e.RESULTS / "optimistic.jsonl").open("a") as out:  # runs accumulate
-        for entry in lines:
-            print(json.dumps(entry), flush=True)
-            out.write(json.dumps(entry) + "\n")
+    e2e.write_lines(lines, e2e.RESULTS / "optimistic.jsonl", append=True)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -125,11 +124,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
         lines = asyncio.run(run(ckpt, tmp, 30 if args.quick else 80))
-    e2e.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (e2e.RESULTS / "ttft_prediction.json").open("w") as out:
-        for entry in lines:
-            print(json.dumps(entry), flush=True)
-            out.write(json.dumps(entry) + "\n")
+    e2e.write_lines(lines, e2e.RESULTS / "ttft_prediction.json")
     return 0
 
 
