@@ -5,15 +5,27 @@ Per pool layout and prompt length, a request's pages (scattered in the pool) go 
 vLLM sender chunk by chunk as the engine hands them over (``--chunk-tokens``, 2048 as the
 push rows): each chunk's repack into the staging region in vLLM's layout runs on the repack
 thread (``transfer/vllm/desk.py``); then a decode in a spawned process READs the staged
-blocks over real NIXL as vLLM's connector does (one descriptor per block per layer) with its
-completion notification. Each is timed against a memcpy of the same bytes in this process,
-right after, so each sees the same machine load; medians over the repeats (the first is a
-warm-up). One JSON line each::
+blocks over real NIXL as vLLM's connector does: one descriptor per block per layer on each
+side, both lists prepared once (its handshake), each READ made from them by index
+(``make_prepped_xfer``) and timed from posting to done. Three READs per request, all of the
+same staged blocks: into decode blocks scattered as the push rows' decode pages (no two
+adjacent; the last, with the completion notification: ``read_*``), into consecutive decode
+blocks (``read_adjacent_*``: NIXL merges descriptors adjacent, in order, on both sides) and
+into the same blocks in reverse (``read_reversed_*``: nothing merges). ``*_descriptors`` is
+what NIXL posted (its telemetry). ``descriptor_memcpy_gb_s`` is the scattered READ's
+descriptors as memmoves in this process (``descriptor_kib`` each): what the memory system
+gives for pieces of that size at those places, the ceiling for any transport, as the push
+rows' ``scattered_memcpy_gb_s``. Each is timed against a memcpy of the same bytes in this
+process, right after, so each sees the same machine load; medians over the repeats (the
+first is a warm-up). One JSON line each::
 
     {"name": "transfer", "protocol": "vllm", "pool_layout", "tokens", "block_size",
-     "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms", "read_gb_s",
-     "memcpy_gb_s", "repack_ratio", "read_ratio", "pull_gb_s", "pull_serial_gb_s",
-     "push_gb_s", "pull_vs_push"}
+     "descriptor_kib", "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms",
+     "read_ms", "read_gb_s", "read_descriptors", "read_adjacent_gb_s",
+     "read_adjacent_descriptors", "read_reversed_gb_s", "read_reversed_descriptors",
+     "descriptor_memcpy_gb_s", "memcpy_gb_s", "repack_ratio", "read_ratio",
+     "read_descriptor_ratio", "pull_gb_s", "pull_serial_gb_s", "push_gb_s", "pull_vs_push",
+     "read_vs_push"}
 
 ``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate); ``repack_tail_ms`` what of
 it a user waits for: from the last chunk's hand-over to the request's success (its answer
@@ -21,12 +33,14 @@ may go), the earlier chunks' repacks having ended behind the next chunk's forwar
 are waited for before the next hand-over, as a forward longer than a chunk's repack hides
 them: seconds on this CPU worker, against ~0.1-0.2 s per 2048 tokens of repack).
 ``pull_gb_s``, the pull path as a user sees it: the KV's bytes over the time from the
-prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the READ (the
-proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same with every
-repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of the same
-scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's hand-over to the
-decode's status), and ``pull_vs_push`` is ``pull_gb_s / push_gb_s``: goal (issue 30) >= 0.9.
-Without ``--protocol push`` in the same run both are absent.
+prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the scattered
+READ (the proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same
+with every repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of
+the same scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's
+hand-over to the decode's status); ``pull_vs_push`` is ``pull_gb_s / push_gb_s`` (goal,
+issue 30: >= 0.9) and ``read_vs_push`` the READ alone against the push: the transfer
+against the transfer. Without ``--protocol push`` in the same run the three are absent.
+docs/vllm.md says which comparison is like with like.
 """
 
 from __future__ import annotations
