@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -81,8 +82,6 @@ def decode_main(conn: Connection, registration: Any, num_blocks: int) -> None:
     (``prep_xfer_dlist``) and each READ made from them by index (``make_prepped_xfer``); answer
     the seconds each READ took, from posting to done, and the descriptors NIXL posted for it
     (its telemetry: NIXL merges descriptors adjacent, in order, on both sides)."""
-    import os
-
     os.environ["UCX_NET_DEVICES"] = "lo"  # this process only
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
