@@ -57,11 +57,13 @@ class Hop:
         self._decode = b""
         self.up: list[wire.Message] = []  # decode -> worker, held
         self.down: list[wire.Message] = []  # worker -> decode, held
+        self.num_heartbeats = 0  # from the decode, ever
 
     def collect(self) -> None:
         while self._front.poll(0):
             self._decode, frame = self._front.recv_multipart()
             self.up.append(wire.decode(frame))
+            self.num_heartbeats += isinstance(self.up[-1], wire.Heartbeat)
         while self._back.poll(0):
             self.down.append(wire.decode(self._back.recv()))
 
@@ -116,7 +118,10 @@ def test_a_decode_registering_again_keeps_the_room_it_wanted_meanwhile(rig) -> N
         backend.poll()
         receiver.progress()  # NIXL progress too: no I/O thread
 
-    wait_until(lambda: pump() or receiver.is_registered, 10.0, "registered")
+    # Registered, and its first heartbeat (sent at once, the decode's clock still) passed on.
+    wait_until(
+        lambda: pump() or (receiver.is_registered and hop.num_heartbeats == 1), 10.0, "registered"
+    )
 
     def dropped() -> bool:  # the decode holds still; each turn is past the peer timeout
         hop.collect()
