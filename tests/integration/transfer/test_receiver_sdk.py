@@ -71,12 +71,16 @@ def rig(pool_layout: str) -> Iterator[tuple[ScriptedWorker, KVReceiver]]:
 
 
 def test_unknown_peer_status_registers_again_and_repeats_the_want(rig) -> None:
+    """And every other want sent before (the connection may have been replaced: the worker
+    fails what the old one held where nobody hears it)."""
     worker, receiver = rig
     receiver.want(1, [3, 4], 0, 0)
     want = worker.next(receiver, wire.Want)
+    receiver.want(7, [6], 1, 0)
+    other = worker.next(receiver, wire.Want)
     worker.send(wire.Status(1, "failed", "decode peer not registered", "unknown_peer"))
     worker.accept(receiver)  # it registered again by itself
-    assert worker.next(receiver, wire.Want) == want  # and repeated the want
+    assert [worker.next(receiver, wire.Want) for _ in range(2)] == [want, other]  # repeated
     assert receiver.poll(1).state is RoomState.PENDING
     worker.send(wire.Status(1, "failed", "bad luck"))
     wait_until(lambda: receiver.poll(1).state is RoomState.FAILED, 5.0)
