@@ -39,7 +39,8 @@ class Worker:
     """The prefill side: a NixlBackend over a random pool and an AuxPool, in this process."""
 
     def __init__(self, spec: PoolSpec, **options: Any) -> None:
-        """``options``: make_backend's keywords (limits, curve, ucx_net_devices, on_reject)."""
+        """``options``: make_backend's keywords (limits, curve, ucx_net_devices), and the
+        backend's hooks ``on_reject`` and ``clock``."""
         from prefill_worker.transfer import make_backend
         from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 
@@ -49,7 +50,8 @@ class Worker:
         self.aux = AuxPool(spec.num_aux_rows)
         self.pages = PagePool(spec.layout.num_pages)
         self.regions = regions_over(spec, self.pool, self.aux.base_addr)
-        hooks = Hooks(on_reject=options.pop("on_reject", None))
+        clock = options.pop("clock", time.monotonic)
+        hooks = Hooks(clock=clock, on_reject=options.pop("on_reject", None))
         nixl = NixlOptions(ucx_net_devices=options.pop("ucx_net_devices", None))
         bind = "tcp://127.0.0.1:0"
         native = NativeOptions(bind, PEER_TIMEOUT_S, 0.1, WANT_TIMEOUT_S, nixl, **options)
