@@ -48,6 +48,10 @@ def signals_of(load: Load) -> CostSignals:
         prefill_rate_tps=load.prefill_rate_tps,  # type: ignore[arg-type]
         handshake_s=load.handshake_s,  # type: ignore[arg-type]
         transfer_s=load.transfer_s,  # type: ignore[arg-type]
+        forward_s=load.forward_s,  # type: ignore[arg-type]
+        arrival_tps=load.arrival_tps,  # type: ignore[arg-type]
+        chunk_size=load.chunk_size,  # type: ignore[arg-type]
+        max_batch_tokens=load.max_batch_tokens,  # type: ignore[arg-type]
     )
 
 
