@@ -173,8 +173,8 @@ async def predictions(targets: dict[str, e2e.Target], num: int) -> list[dict[str
     for mode, bench in benches.items():
         for n in warm:
             await bench.one(n)
-        rate_tps = ttft_prediction.signals_of(await bench.router.ping()).prefill_rate_tps
-        capacity[mode] = (rate_tps or 1.0) / statistics.mean(warm)
+        signals = ttft_prediction.signals_of(await bench.router.ping())
+        capacity[mode] = ttft_prediction.capacity_req_s(signals, warm)
     lines = []
     for i, (name, fraction) in enumerate(ttft_prediction.LOADS.items()):
         for mode, bench in benches.items():
