@@ -102,6 +102,10 @@ def cost_signals(costs: CostSignals) -> dict[str, Any]:
         "backlog_s": costs.backlog_s,
         "handshake_s": costs.handshake_s,
         "transfer_s": costs.transfer_s,
+        "forward_s": costs.forward_s,
+        "arrival_tokens_per_s": costs.arrival_tps,
+        "chunk_size": costs.chunk_size,
+        "max_batch_tokens": costs.max_batch_tokens,
     }
 
 
