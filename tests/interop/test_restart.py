@@ -70,7 +70,9 @@ def spare(tmp_path: Path, checkpoint: Path, sglang: str, rank_port: int, rejoin_
         "layer_major",
         f"transfer.sglang_rank_port={rank_port}",
         f"transfer.sglang_rejoin_s={rejoin_s}",
-        "scheduler.bootstrap_timeout_s=2",  # a room the decode never asks for fails fast
+        # A room the decode never asks for (it asks the old run) fails within the window;
+        # one it asked for first has 5 s for that request to reach the worker, under load.
+        "scheduler.bootstrap_timeout_s=5",
         sglang=sglang,
         module="prefill_worker.testing.spare",
     )
@@ -95,8 +97,8 @@ def try_request(decode: SglangDecode, client: BlockingRouterClient) -> bool:
         decode.want(room, len(ids))
     except DecodeError:  # SGLang has no prefill info (the worker's /route says 503)
         return False
-    result = client.prefill(ids, room, timeout_s=10)
-    state = decode.wait(room, 10 if result.status is OutcomeStatus.OK else 0)[0]
+    result = client.prefill(ids, room, timeout_s=15)
+    state = decode.wait(room, 30 if result.status is OutcomeStatus.OK else 0)[0]
     if state in TERMINAL:
         decode.free(room)
     return result.status is OutcomeStatus.OK and state == "Success"
