@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import urllib.error
@@ -74,33 +73,6 @@ class Worker:
 
     def log(self) -> str:
         return self.child.log_tail()
-
-    def teardown_cpu_s(self, timeout_s: float) -> float:
-        """After a stop: the CPU seconds the process spends from its last log line (``exit
-        N``) to its end, as the kernel counts them (its ``/proc`` times, read until it is a
-        zombie; not reaped here). CPU, not wall time: on a loaded 2-core machine a wall-clock
-        gap mostly measures the wait for a core."""
-        cpu_at_line: list[float] = []
-
-        def ended() -> bool:
-            state, cpu_s = _proc_times(self.proc.pid)
-            if not cpu_at_line and _EXIT_LINE.search(self.child.log_tail(200)):
-                cpu_at_line.append(cpu_s)
-            return state == "Z"
-
-        wait_until(ended, timeout_s, "the worker's end")
-        assert _EXIT_LINE.search(self.child.log_tail(200)), self.log()
-        final_cpu_s = _proc_times(self.proc.pid)[1]
-        return final_cpu_s - (cpu_at_line[0] if cpu_at_line else final_cpu_s)
-
-
-_EXIT_LINE = re.compile(r"daemon: exit -?\d+$", re.MULTILINE)  # the worker's last line
-
-
-def _proc_times(pid: int) -> tuple[str, float]:
-    """A live or zombie process's state letter and CPU seconds (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_worker(

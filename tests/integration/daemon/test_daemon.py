@@ -1,7 +1,6 @@
 """`prefill-worker serve` as a subprocess: requests end to end (router → worker → NIXL → decode,
-checked against transformers), SIGTERM drain during a burst (and the little CPU the process
-spends after its exit line), forced stop, start-up failures, sd_notify order, and the metrics
-endpoint.
+checked against transformers), SIGTERM drain during a burst, forced stop, start-up failures,
+sd_notify order, and the metrics endpoint.
 
 The tests that leave the worker serving share one (``shared_worker``, port 0 everywhere; its
 teardown checks the SIGTERM exit); the others start their own."""
@@ -25,7 +24,6 @@ from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, wait_until
 
 LENGTHS = (5, 17, 40, 63)
-MAX_TEARDOWN_CPU_S = 0.4  # ~3x what the exit takes now, ~half of what it took (see its use)
 OK_REQUESTS = re.compile(r'^prefill_worker_requests_total\{reason="ok",status="ok"\} (\S+)$', re.M)
 
 
@@ -105,11 +103,7 @@ def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
         results = {room: future.result(timeout=60) for room, future in futures.items()}
     assert all(r.status is OutcomeStatus.OK for r in results.values()), results
     assert all(s.state.value == "done" for s in statuses.values())
-    teardown_cpu_s = worker.teardown_cpu_s(30)
-    assert worker.wait_exit(5) == 0
-    # After its exit line the process only tears the interpreter down: ~0.13 s of CPU here;
-    # Python's full collections over the torch heap made it ~0.7 s (2-3 s of wall time).
-    assert teardown_cpu_s < MAX_TEARDOWN_CPU_S, f"{teardown_cpu_s:.2f} s of CPU\n{worker.log()}"
+    assert worker.wait_exit(30) == 0
     notes = list(worker.notifications)
     kinds = [n.split("\n")[0] for n in notes]
     before_ready = kinds[: kinds.index("READY=1")]
