@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from prefill_worker.testing.launch import free_port
 from tests.checkpoints import add_byte_tokenizer
 from tests.polling import wait_until
 from tests.reliability.harness import ProcStats, Rig, check_healthy, scrape, serve_fresh
@@ -291,12 +292,6 @@ def test_a_big_id_list_is_refused_without_blocking_other_clients(
     assert probe.rss_growth_mib <= 512, f"RSS grew {probe.rss_growth_mib:.0f} MiB"
     report("60 MB id list", probe, refused_in_s=f"{took_s:.2f}")
     check_healthy(rig)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_routes_that_take_no_body_parse_none(front: Callable[..., tuple[Rig, Front]]) -> None:
