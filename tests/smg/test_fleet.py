@@ -201,16 +201,19 @@ class _SmgLog:
     def probes_until_ejected(self, prefill: Prefill) -> list[str]:
         """What each failed probe of the worker got (an HTTP status such as ``503 Service
         Unavailable``, or ``no HTTP answer``: a refused or reset connection, a timeout), in
-        order, up to smg's ``Ready`` to ``NotReady`` transition of it."""
-        url, found = prefill.url, []
+        order, up to smg's ``Ready`` to ``NotReady`` transition of it (waited for: smg's
+        /workers can show the change before its log is written)."""
+        transition = f"worker_url={prefill.url} old=Ready new=NotReady"
+        wait_until(lambda: transition in self._read()[self._offset :], 60, transition)
+        found = []
         for line in self._read()[self._offset :].splitlines():
-            if f"status for {url}/health: " in line:  # an HTTP answer other than 2xx
-                found.append(line.rpartition(f"{url}/health: ")[2].strip())
-            elif f"check failed for {url}/health: " in line:  # no HTTP answer
+            if f"status for {prefill.url}/health: " in line:  # an HTTP answer other than 2xx
+                found.append(line.rpartition("/health: ")[2].strip())
+            elif f"check failed for {prefill.url}/health: " in line:  # no HTTP answer
                 found.append("no HTTP answer")
-            elif f"worker_url={url} old=Ready new=NotReady" in line:
-                return found
-        raise AssertionError(f"smg never marked {url} not ready: {self._child.log_path}")
+            elif transition in line:
+                break
+        return found
 
     def _read(self) -> str:
         return self._ANSI.sub("", self._child.log_path.read_text(errors="replace"))
