@@ -21,6 +21,7 @@ from prefill_worker.kv.aux import AuxRow
 from prefill_worker.kv.layout import LAYER_MAJOR
 from prefill_worker.transfer import KVReceiver, RoomState, RoomStatus, wire
 from prefill_worker.transfer.base import KVPoll
+from tests.clocks import FakeClock
 from tests.integration.transfer.conftest import PEER_TIMEOUT_S, Worker, small_spec
 from tests.integration.transfer.peers import regions_over
 from tests.polling import wait_until
@@ -32,14 +33,6 @@ HEARTBEAT_S = 1.0
 def pool_layout() -> str:
     """The ordering is the point, not the pool: one layout."""
     return LAYER_MAJOR
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Hop:
@@ -88,9 +81,9 @@ class Hop:
 
 
 @pytest.fixture
-def rig(pool_layout: str) -> Iterator[tuple[Worker, Hop, KVReceiver, Clock, Clock]]:
+def rig(pool_layout: str) -> Iterator[tuple[Worker, Hop, KVReceiver, FakeClock, FakeClock]]:
     spec = small_spec("bfloat16", pool_layout)
-    worker_clock, decode_clock = Clock(), Clock()
+    worker_clock, decode_clock = FakeClock(1000.0), FakeClock(1000.0)
     worker = Worker(spec, clock=worker_clock)
     hop = Hop(worker.backend.bootstrap_endpoint)
     pool = np.zeros(spec.nbytes, np.uint8)

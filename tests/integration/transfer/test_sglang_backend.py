@@ -24,22 +24,12 @@ from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
+from tests.clocks import FakeClock
 from tests.polling import wait_until
 
 CAPTURED = json.loads((Path(__file__).parents[2] / "unit/transfer/sglang_frames.json").read_text())
 LAYOUT = KVLayout(2, 2, 16, "float32", 4, 32)  # what the captured decode was built for
 HEALTH_STALE_S = 0.5  # make_backend's: /health fails when the engine has not turned this long
-
-
-class Clock:
-    """The backend's clock, moved by hand: /health's freshness is then judged by the test's
-    steps, not by how long this machine took between a poll and the request that follows."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeDecode:
@@ -77,7 +67,7 @@ class FakeDecode:
 @pytest.fixture
 def backend() -> Iterator[SglangBackend]:
     pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
-    backend = make_backend(pool, clock=Clock())
+    backend = make_backend(pool, clock=FakeClock(100.0))
     yield backend
     backend.close()
 
@@ -137,7 +127,7 @@ def test_the_bootstrap_routes_answer_as_sglangs(backend: SglangBackend) -> None:
 
 def test_health_fails_while_the_engine_does_not_turn(backend: SglangBackend) -> None:
     clock = backend.clock
-    assert isinstance(clock, Clock)
+    assert isinstance(clock, FakeClock)
     backend.poll()
     clock.now += HEALTH_STALE_S
     assert get(backend, "/health")[0] == 200  # turned within health_stale_s
@@ -153,7 +143,7 @@ def test_health_fails_while_the_engine_is_stuck_in_a_forward() -> None:
     rooms)."""
     pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
     verdicts = [True]
-    backend = make_backend(pool, clock=Clock(), is_engine_live=lambda: verdicts[-1])
+    backend = make_backend(pool, clock=FakeClock(100.0), is_engine_live=lambda: verdicts[-1])
     try:
         backend.poll()
         assert get(backend, "/health")[0] == 200
