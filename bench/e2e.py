@@ -38,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +85,16 @@ class Sample:
     done_at: float
     error: str | None
     timings: Timings
+
+
+def write_lines(lines: Iterable[Mapping[str, object]], path: Path, *, append: bool = False) -> None:
+    """Each result line as JSON to stdout and to ``path`` (replaced, or appended to: runs
+    accumulate)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a" if append else "w") as out:
+        for line in lines:
+            print(json.dumps(line), flush=True)
+            out.write(json.dumps(line) + "\n")
 
 
 def make_checkpoint(path: Path) -> Path:
@@ -362,11 +372,7 @@ def main() -> int:
         lines += [point_line(overlap, chunk, rate, samples) for rate, samples in by_rate.items()]
     lines += stall_lines
     lines.append(summary(runs, probes, rates, capacity_req_s))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "e2e.json").open("w") as out:
-        for line in lines:
-            print(json.dumps(line), flush=True)
-            out.write(json.dumps(line) + "\n")
+    write_lines(lines, RESULTS / "e2e.json")
     plot(lines, RESULTS / "e2e.png")
     if not args.no_readme:
         update_readme(lines, ROOT / "README.md")

@@ -11,8 +11,10 @@ seconds after the router sent the request (``DecodePeer.expect`` then: its `want
   a request sees on an idle worker), or with ``--load-fraction F`` Poisson arrivals at ``F``
   of the off worker's capacity (queueing adds the same wait to both modes); TTFT is router
   send → ``result``.
-- Throughput at ``zero``: bursts of requests all sent at once; requests per second until the
-  last result.
+- Throughput at ``zero``: bursts of 16 requests all sent at once, 8 rounds (4 with
+  ``--quick``), off and on in turn with the same prompts per round (off first in even rounds,
+  on first in odd ones); a round's ratio is off's time to the last result over on's, the
+  line's ``throughput_ratio`` their median (a loaded machine's noise hits single bursts).
 - The TTFT prediction at low, medium and high load as ``ttft_prediction.py`` measures it, off
   and on (the line's ``optimistic_prefill``).
 
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -65,12 +66,13 @@ class Measured:
 
     ttfts: dict[str, list[float]] = field(default_factory=dict)
     retries: dict[str, int] = field(default_factory=dict)
-    burst_s: float = 0.0
+    burst_s: list[float] = field(default_factory=list)  # one per round, same prompts per round
     num_burst: int = 0
 
-    @property
-    def throughput_req_s(self) -> float:
-        return self.num_burst / self.burst_s
+
+def throughput_ratios(off: Measured, on: Measured) -> list[float]:
+    """on/off throughput per burst round (the same prompts in both): off's time over on's."""
+    return [t_off / t_on for t_off, t_on in zip(off.burst_s, on.burst_s, strict=True)]
 
 
 class Router:
@@ -121,10 +123,15 @@ async def calibrate(target: e2e.Target, num: int) -> tuple[float, float]:
 
 
 async def measure(
-    routers: dict[str, Router], delays: dict[str, float], rate: float, num: int, burst: int
+    routers: dict[str, Router],
+    delays: dict[str, float],
+    rate: float,
+    num: int,
+    burst_shape: tuple[int, int],
 ) -> dict[str, Measured]:
     """Off and on take turns (the machine's load drifts): request by request, or with Poisson
-    arrivals each point in two halves."""
+    arrivals each point in two halves; ``burst_shape``: (requests per burst, rounds)."""
+    burst, rounds = burst_shape
     out = {mode: Measured() for mode in routers}
     for i, (name, delay_s) in enumerate(delays.items()):
         if not rate:  # one at a time: off and on take turns request by request
@@ -142,13 +149,14 @@ async def measure(
                 retries = sum(r for _, ok, r, _ in samples if ok)
                 out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
                 await asyncio.sleep(0.5)
-    for half in range(2):
-        lengths = [n for _, n in e2e.workload(burst // 2, 1.0, seed=400 + half)]
-        for mode, router in routers.items():
+    for i in range(rounds):  # off first, then on first, ...: neither always goes second
+        lengths = [n for _, n in e2e.workload(burst, 1.0, seed=400 + i)]
+        order = list(routers.items()) if i % 2 == 0 else list(routers.items())[::-1]
+        for mode, router in order:
             started = time.monotonic()
             samples = await router.load([(0.0, n) for n in lengths], 0.0)
             assert all(ok for _, ok, _, _ in samples)
-            out[mode].burst_s += time.monotonic() - started
+            out[mode].burst_s.append(time.monotonic() - started)
             out[mode].num_burst += len(samples)
     for measured in out.values():
         for ttfts in measured.ttfts.values():
@@ -164,8 +172,8 @@ async def predictions(targets: dict[str, e2e.Target], num: int) -> list[dict[str
     for mode, bench in benches.items():
         for n in warm:
             await bench.one(n)
-        rate_tps = ttft_prediction.signals_of(await bench.router.ping()).prefill_rate_tps
-        capacity[mode] = (rate_tps or 1.0) / statistics.mean(warm)
+        signals = ttft_prediction.signals_of(await bench.router.ping())
+        capacity[mode] = ttft_prediction.capacity_req_s(signals, warm)
     lines = []
     for i, (name, fraction) in enumerate(ttft_prediction.LOADS.items()):
         for mode, bench in benches.items():
@@ -182,6 +190,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def delay_lines(off: Measured, on: Measured, delays: dict[str, float]) -> list[dict[str, object]]:
+    ratios = throughput_ratios(off, on)
     lines = []
     for name, delay_s in delays.items():
         p50_on, p50_off = quantile(on.ttfts[name], 0.5), quantile(off.ttfts[name], 0.5)
@@ -195,7 +204,8 @@ def delay_lines(off: Measured, on: Measured, delays: dict[str, float]) -> list[d
                 "ttft_p99_on_s": round(quantile(on.ttfts[name], 0.99), 4),
                 "ttft_p99_off_s": round(quantile(off.ttfts[name], 0.99), 4),
                 "ttft_ratio": round(p50_on / p50_off, 3),
-                "throughput_ratio": round(on.throughput_req_s / off.throughput_req_s, 3),
+                "throughput_ratio": round(statistics.median(ratios), 3),
+                "throughput_ratio_rounds": [round(r, 3) for r in ratios],
                 "prefill_retries_on": on.retries[name],
                 "num_ok": [len(off.ttfts[name]), len(on.ttfts[name])],
             }
@@ -204,7 +214,12 @@ def delay_lines(off: Measured, on: Measured, delays: dict[str, float]) -> list[d
 
 
 async def run(
-    ckpt: Path, tmp: Path, num: int, burst: int, load_fraction: float, with_predictions: bool
+    ckpt: Path,
+    tmp: Path,
+    num: int,
+    burst_shape: tuple[int, int],
+    load_fraction: float,
+    with_predictions: bool,
 ) -> list[dict[str, object]]:
     """Both workers up at once; only one has work at a time."""
     targets = {mode: start_target(ckpt, tmp, mode == "on") for mode in MODES}
@@ -215,7 +230,7 @@ async def run(
         await calibrate(targets["on"], 4)  # the same warm-up for both
         prefill_s, capacity = await calibrate(targets["off"], 12)
         delays = {name: k * prefill_s for name, k in DELAYS.items()}
-        measured = await measure(routers, delays, load_fraction * capacity, num, burst)
+        measured = await measure(routers, delays, load_fraction * capacity, num, burst_shape)
         lines = delay_lines(measured["off"], measured["on"], delays)
         for entry in lines:
             entry["load_fraction"] = load_fraction or "one at a time"
@@ -240,13 +255,11 @@ def main() -> int:
         for mode in MODES:
             (tmp / mode).mkdir()
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
-        num, burst = (20, 16) if args.quick else (40, 32)
-        lines = asyncio.run(run(ckpt, tmp, num, burst, args.load_fraction, not args.no_prediction))
-    e2e.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (e2e.RESULTS / "optimistic.jsonl").open("a") as out:  # runs accumulate
-        for entry in lines:
-            print(json.dumps(entry), flush=True)
-            out.write(json.dumps(entry) + "\n")
+        num, burst_shape = (20, (16, 4)) if args.quick else (40, (16, 8))
+        lines = asyncio.run(
+            run(ckpt, tmp, num, burst_shape, args.load_fraction, not args.no_prediction)
+        )
+    e2e.write_lines(lines, e2e.RESULTS / "optimistic.jsonl", append=True)
     return 0
 
 

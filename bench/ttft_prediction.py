@@ -2,7 +2,8 @@
 
 One worker process (overlap on, chunk 512) on ``e2e.py``'s random Llama checkpoint, its
 reference decode peer, and this process as the router. A warm-up of sequential requests gives
-the worker a measured rate; the capacity (requests/s) is that rate over the mean prompt length.
+the worker a measured forward cost; the capacity (requests/s) is one over the mean of those
+prompts' own compute time (``capacity_req_s``).
 Then, per load (a Poisson process at a fraction of the capacity, ``e2e.py``'s lognormal
 lengths), each request is preceded by a ``ping``: its ``pong`` carries the cost signals, from
 which the prediction for the request's length is computed exactly as the worker does
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import random
 import statistics
 import sys
@@ -40,6 +41,16 @@ from prefill_worker.request import OutcomeStatus  # noqa: E402
 LOADS = {"low": 0.2, "medium": 0.6, "high": 0.9}  # fractions of the measured capacity
 
 
+def capacity_req_s(signals: CostSignals, lengths: list[int]) -> float:
+    """Requests per second one at a time: the mean of their own compute time on an idle
+    worker (a forward's fixed cost per chunk included) inverted."""
+    idle = dataclasses.replace(
+        signals, queued_tokens=0, running_tokens=0, handshake_s=0.0, transfer_s=0.0
+    )
+    own_s = [idle.predicted_ttft_s(n) or 1.0 for n in lengths]
+    return 1.0 / statistics.mean(own_s)
+
+
 def signals_of(load: Load) -> CostSignals:
     """The pong's cost signals, as the worker holds them."""
     return CostSignals(
@@ -48,6 +59,10 @@ def signals_of(load: Load) -> CostSignals:
         prefill_rate_tps=load.prefill_rate_tps,  # type: ignore[arg-type]
         handshake_s=load.handshake_s,  # type: ignore[arg-type]
         transfer_s=load.transfer_s,  # type: ignore[arg-type]
+        forward_s=load.forward_s,  # type: ignore[arg-type]
+        arrival_tps=load.arrival_tps,  # type: ignore[arg-type]
+        chunk_size=load.chunk_size,  # type: ignore[arg-type]
+        max_batch_tokens=load.max_batch_tokens,  # type: ignore[arg-type]
     )
 
 
@@ -84,10 +99,9 @@ async def run(ckpt: Path, tmp: Path, num_per_load: int) -> list[dict[str, object
         warm_lengths = [n for _, n in e2e.workload(24, 1.0, seed=1)]
         for n in warm_lengths:  # sequential: the rate, handshake and transfer medians
             await bench.one(n)
-        rate_tps = signals_of(await bench.router.ping()).prefill_rate_tps or 1.0
-        capacity_req_s = rate_tps / statistics.mean(warm_lengths)
+        capacity = capacity_req_s(signals_of(await bench.router.ping()), warm_lengths)
         for i, (name, fraction) in enumerate(LOADS.items()):
-            rate = fraction * capacity_req_s
+            rate = fraction * capacity
             samples = await bench.point(e2e.workload(num_per_load, rate, seed=200 + i))
             lines.append(line(name, fraction, rate, samples))
             await asyncio.sleep(1.0)  # the queue empties between loads
@@ -125,11 +139,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
         lines = asyncio.run(run(ckpt, tmp, 30 if args.quick else 80))
-    e2e.RESULTS.mkdir(parents=True, exist_ok=True)
-    with (e2e.RESULTS / "ttft_prediction.json").open("w") as out:
-        for entry in lines:
-            print(json.dumps(entry), flush=True)
-            out.write(json.dumps(entry) + "\n")
+    e2e.write_lines(lines, e2e.RESULTS / "ttft_prediction.json")
     return 0
 
 

@@ -5,15 +5,27 @@ Per pool layout and prompt length, a request's pages (scattered in the pool) go 
 vLLM sender chunk by chunk as the engine hands them over (``--chunk-tokens``, 2048 as the
 push rows): each chunk's repack into the staging region in vLLM's layout runs on the repack
 thread (``transfer/vllm/desk.py``); then a decode in a spawned process READs the staged
-blocks over real NIXL as vLLM's connector does (one descriptor per block per layer) with its
-completion notification. Each is timed against a memcpy of the same bytes in this process,
-right after, so each sees the same machine load; medians over the repeats (the first is a
-warm-up). One JSON line each::
+blocks over real NIXL as vLLM's connector does: one descriptor per block per layer on each
+side, both lists prepared once (its handshake), each READ made from them by index
+(``make_prepped_xfer``) and timed from posting to done. Three READs per request, all of the
+same staged blocks: into decode blocks scattered as the push rows' decode pages (no two
+adjacent; the last, with the completion notification: ``read_*``), into consecutive decode
+blocks (``read_adjacent_*``: NIXL merges descriptors adjacent, in order, on both sides) and
+into the same blocks in reverse (``read_reversed_*``: nothing merges). ``*_descriptors`` is
+what NIXL posted (its telemetry). ``descriptor_memcpy_gb_s`` is the scattered READ's
+descriptors as memmoves in this process (``descriptor_kib`` each): what the memory system
+gives for pieces of that size at those places, the ceiling for any transport, as the push
+rows' ``scattered_memcpy_gb_s``. Each is timed against a memcpy of the same bytes in this
+process, right after, so each sees the same machine load; medians over the repeats (the
+first is a warm-up). One JSON line each::
 
     {"name": "transfer", "protocol": "vllm", "pool_layout", "tokens", "block_size",
-     "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms", "read_gb_s",
-     "memcpy_gb_s", "repack_ratio", "read_ratio", "pull_gb_s", "pull_serial_gb_s",
-     "push_gb_s", "pull_vs_push"}
+     "descriptor_kib", "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms",
+     "read_ms", "read_gb_s", "read_descriptors", "read_adjacent_gb_s",
+     "read_adjacent_descriptors", "read_reversed_gb_s", "read_reversed_descriptors",
+     "descriptor_memcpy_gb_s", "memcpy_gb_s", "repack_ratio", "read_ratio",
+     "read_descriptor_ratio", "pull_gb_s", "pull_serial_gb_s", "push_gb_s", "pull_vs_push",
+     "read_vs_push"}
 
 ``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate); ``repack_tail_ms`` what of
 it a user waits for: from the last chunk's hand-over to the request's success (its answer
@@ -21,18 +33,22 @@ may go), the earlier chunks' repacks having ended behind the next chunk's forwar
 are waited for before the next hand-over, as a forward longer than a chunk's repack hides
 them: seconds on this CPU worker, against ~0.1-0.2 s per 2048 tokens of repack).
 ``pull_gb_s``, the pull path as a user sees it: the KV's bytes over the time from the
-prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the READ (the
-proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same with every
-repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of the same
-scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's hand-over to the
-decode's status), and ``pull_vs_push`` is ``pull_gb_s / push_gb_s``: goal (issue 30) >= 0.9.
-Without ``--protocol push`` in the same run both are absent.
+prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the scattered
+READ (the proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same
+with every repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of
+the same scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's
+hand-over to the decode's status); ``pull_vs_push`` is ``pull_gb_s / push_gb_s`` (goal,
+issue 30: >= 0.9) and ``read_vs_push`` the READ alone against the push: the transfer
+against the transfer. Without ``--protocol push`` in the same run the three are absent.
+docs/vllm.md says which comparison is like with like.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,39 +77,63 @@ class _Channel:
 
 
 def decode_main(conn: Connection, registration: Any, num_blocks: int) -> None:
-    """READ the blocks it is sent, answer the seconds each READ took."""
-    from prefill_worker.transfer.nixl.agent import make_agent
+    """READ the blocks it is sent into the decode blocks it is told, as vLLM's connector does:
+    one descriptor per block per layer on each side, both lists prepared once at the handshake
+    (``prep_xfer_dlist``) and each READ made from them by index (``make_prepped_xfer``); answer
+    the seconds each READ took, from posting to done, and the descriptors NIXL posted for it
+    (its telemetry: NIXL merges descriptors adjacent, in order, on both sides)."""
+    os.environ["UCX_NET_DEVICES"] = "lo"  # this process only
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-    agent = make_agent("bench-vllm-decode", ["UCX"], "lo")
+    config = nixl_agent_config(
+        enable_prog_thread=False, enable_listen_thread=False, capture_telemetry=True
+    )
+    agent = nixl_agent("bench-vllm-decode", config)
     size = registration.block_bytes
-    layers = len(registration.region_base_addrs)
-    buffer = np.ones(layers * num_blocks * size, np.uint8)  # touched: no page faults
+    bases = registration.region_base_addrs
+    num_local = _decode_blocks(num_blocks)
+    buffer = np.ones(len(bases) * num_local * size, np.uint8)  # touched: no page faults
     table = np.array([[buffer.ctypes.data, buffer.nbytes, 0]], dtype=np.uint64)
     reg = agent.register_memory(table, "DRAM")
     peer = agent.add_remote_agent(registration.agent_metadata)
+    local = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", _block_descs(buffer.ctypes.data, size, num_local, len(bases)), "DRAM"
+    )
+    remote_descs = [(base + b * size, size, 0) for base in bases for b in range(num_blocks)]
+    remote = agent.prep_xfer_dlist(peer, remote_descs, "DRAM")
     conn.send("ready")
     while (cmd := conn.recv()) != "exit":
-        blocks, notif = cmd
-        n = len(blocks)
-        remote = [
-            (base + b * size, size, 0) for base in registration.region_base_addrs for b in blocks
-        ]
-        local = [(buffer.ctypes.data + i * size, size, 0) for i in range(layers * n)]
+        remote_blocks, local_blocks, notif = cmd
+        remote_ids = [i * num_blocks + b for i in range(len(bases)) for b in remote_blocks]
+        local_ids = [i * num_local + b for i in range(len(bases)) for b in local_blocks]
         start = time.perf_counter()
-        handle = agent.initialize_xfer(
-            "READ",
-            agent.get_xfer_descs(local, "DRAM"),
-            agent.get_xfer_descs(remote, "DRAM"),
-            peer,
-            notif.encode(),
+        handle = agent.make_prepped_xfer(
+            "READ", local, local_ids, remote, remote_ids, notif.encode()
         )
         agent.transfer(handle)
         while agent.check_xfer_state(handle) != "DONE":
             pass
-        conn.send(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        conn.send((seconds, agent.get_xfer_telemetry(handle).descCount))
         agent.release_xfer_handle(handle)
+    agent.release_dlist_handle(local)
+    agent.release_dlist_handle(remote)
     agent.remove_remote_agent(peer)
     agent.deregister_memory(reg)
+
+
+def _decode_blocks(num_blocks: int) -> int:
+    """The decode's pool: a quarter larger than the staging region, as the push rows' decode."""
+    return num_blocks + num_blocks // 4
+
+
+def _block_descs(base: int, size: int, num_blocks: int, layers: int) -> list[tuple[int, int, int]]:
+    """One (address, length, device) per block per layer: layer regions back to back."""
+    return [
+        (base + (i * num_blocks + b) * size, size, 0)
+        for i in range(layers)
+        for b in range(num_blocks)
+    ]
 
 
 def run(
@@ -116,7 +156,9 @@ def run(
     try:
         assert conn.recv() == "ready"
         largest = max(TOKENS) * lay.num_layers * 2 * lay.page_bytes // lay.page_size
-        copy = _CopyReference(largest)
+        reg = backend.registration
+        decode_bytes = len(reg.region_base_addrs) * _decode_blocks(num_blocks) * reg.block_bytes
+        copy = _CopyReference(largest, decode_bytes)
         for tokens in TOKENS:
             case = _Case(lay, tokens, chunk_pages, push_gb_s.get(tokens))
             _row(backend, conn, case, repeats, copy)
@@ -143,47 +185,85 @@ class _Staged:
 
 
 def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyReference) -> None:
-    lay, tokens = case.lay, case.tokens
+    lay, tokens, reg = case.lay, case.tokens, backend.registration
     rng = np.random.default_rng(tokens)
-    staged, read_s, memcpy_s = [], [], []
+    num_local = _decode_blocks(reg.num_blocks)
+    staged: list[_Staged] = []
+    reads: tuple[list[tuple[float, int]], ...] = ([], [], [])  # scattered, adjacent, reversed
+    floor_s: list[float] = []
+    memcpy_s: list[float] = []
     for room in range(tokens, tokens + repeats + 1):
         pages = [int(p) for p in rng.choice(lay.num_pages, tokens // lay.page_size, False)]
         done = _stage(backend, room, tokens, pages, case.chunk_pages)
         staged.append(done)
-        conn.send((done.params["remote_block_ids"][0], f"{done.params['remote_request_id']}:1"))
-        read_s.append(conn.recv())
+        blocks = done.params["remote_block_ids"][0]
+        in_order = list(range(len(blocks)))  # consecutive decode blocks: NIXL may merge
+        reads[1].append(_read(conn, blocks, in_order, ""))  # no notification: still held
+        reads[2].append(_read(conn, blocks, in_order[::-1], ""))  # in reverse: no merge
+        local = _scattered(rng, num_local, len(blocks))
+        reads[0].append(_read(conn, blocks, local, f"{done.params['remote_request_id']}:1"))
+        floor_s.append(copy.descriptor_seconds(reg, blocks, local))
         while len(backend.desk.holds):  # the READ's notification frees the blocks
             backend.poll()
         memcpy_s.append(copy.seconds(done.num_bytes))
     nbytes = staged[-1].num_bytes
+    descs = [r[-1][1] for r in reads]
+    read_s, adjacent_s, reversed_s = ([seconds for seconds, _ in r] for r in reads)
     repack_s = [s.repack_s for s in staged]
     tail_s = [s.tail_s for s in staged]
     pull_s = [t + r for t, r in zip(tail_s, read_s, strict=True)]
     serial_s = [p + r for p, r in zip(repack_s, read_s, strict=True)]
-    repack, tail, read, memcpy, pull, serial = (
-        statistics.median(s[1:]) for s in (repack_s, tail_s, read_s, memcpy_s, pull_s, serial_s)
+    series = (repack_s, tail_s, read_s, adjacent_s, reversed_s, floor_s, memcpy_s, pull_s, serial_s)
+    repack, tail, read, adjacent, backwards, floor, memcpy, pull, serial = (
+        statistics.median(s[1:]) for s in series
     )
     row: dict[str, Any] = {
         "name": "transfer",
         "protocol": "vllm",
         "pool_layout": lay.kind,
         "tokens": tokens,
-        "block_size": BLOCK_SIZE,
+        "block_size": reg.block_size,
+        "descriptor_kib": reg.block_bytes // 1024,
         "chunk_tokens": case.chunk_pages * lay.page_size,
         "repack_ms": round(repack * 1e3, 2),
         "repack_gb_s": round(nbytes / repack / 1e9, 3),
         "repack_tail_ms": round(tail * 1e3, 2),
+        "read_ms": round(read * 1e3, 2),
         "read_gb_s": round(nbytes / read / 1e9, 3),
+        "read_descriptors": descs[0],
+        "read_adjacent_gb_s": round(nbytes / adjacent / 1e9, 3),
+        "read_adjacent_descriptors": descs[1],
+        "read_reversed_gb_s": round(nbytes / backwards / 1e9, 3),
+        "read_reversed_descriptors": descs[2],
+        "descriptor_memcpy_gb_s": round(nbytes / floor / 1e9, 3),
         "memcpy_gb_s": round(nbytes / memcpy / 1e9, 3),
         "repack_ratio": round(memcpy / repack, 3),
         "read_ratio": round(memcpy / read, 3),
+        "read_descriptor_ratio": round(floor / read, 3),
         "pull_gb_s": round(nbytes / pull / 1e9, 3),
         "pull_serial_gb_s": round(nbytes / serial / 1e9, 3),
     }
     if case.push_gb_s is not None:
         row["push_gb_s"] = case.push_gb_s
         row["pull_vs_push"] = round(nbytes / pull / 1e9 / case.push_gb_s, 3)
+        row["read_vs_push"] = round(nbytes / read / 1e9 / case.push_gb_s, 3)
     print(json.dumps(row), flush=True)
+
+
+def _read(conn: Connection, blocks: list[int], local: list[int], notif: str) -> tuple[float, int]:
+    """One READ by the decode: its seconds and the descriptors NIXL posted."""
+    conn.send((blocks, local, notif))
+    seconds, num_descriptors = conn.recv()
+    return seconds, num_descriptors
+
+
+def _scattered(rng: np.random.Generator, num_total: int, n: int) -> list[int]:
+    """n distinct blocks of ``num_total``, no two consecutive entries adjacent (the push rows'
+    scattered decode pages, in blocks)."""
+    while True:
+        blocks = rng.choice(num_total, n, replace=False)
+        if not np.any(np.abs(np.diff(blocks)) == 1):
+            return [int(b) for b in blocks]
 
 
 def _stage(backend: Any, room: int, tokens: int, pages: list[int], chunk_pages: int) -> _Staged:
@@ -217,10 +297,27 @@ class _CopyReference:
     rows' are (it was a fresh pair per copy: page faults and fresh mappings in the time), so
     both kinds of row divide by the same kind of copy."""
 
-    def __init__(self, nbytes: int) -> None:
-        self._src, self._dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+    def __init__(self, nbytes: int, decode_bytes: int) -> None:
+        self._src, self._dst = np.ones(nbytes, np.uint8), np.ones(decode_bytes, np.uint8)
 
     def seconds(self, nbytes: int) -> float:
         start = time.perf_counter()
         np.copyto(self._dst[:nbytes], self._src[:nbytes])
+        return time.perf_counter() - start
+
+    def descriptor_seconds(self, reg: Any, blocks: list[int], local: list[int]) -> float:
+        """The READ's descriptors as memmoves in this process: each staged block of each layer
+        to its decode block (in ``_dst`` laid out as the decode's pool, layer regions of
+        ``_decode_blocks`` blocks): what the memory system gives for pieces of that size."""
+        size, num_local = reg.block_bytes, _decode_blocks(reg.num_blocks)
+        dst = self._dst.ctypes.data
+        pairs = [
+            (dst + (i * num_local + d) * size, base + b * size)
+            for i, base in enumerate(reg.region_base_addrs)
+            for b, d in zip(blocks, local, strict=True)
+        ]
+        memmove = ctypes.memmove
+        start = time.perf_counter()
+        for to, frm in pairs:
+            memmove(to, frm, size)
         return time.perf_counter() - start

@@ -10,17 +10,29 @@ without importing the scheduler.
 
 The cost signals (``CostSignals``) are the scheduler's numbers (``scheduler.costs``); the
 one formula built on them, the predicted TTFT of a new request, is here so that every reader
-(metrics, ``/v1/loads``, ``pong``, the SLO admission of both fronts) applies the same one:
+(metrics, ``/v1/loads``, ``pong``, the SLO admission of both fronts) applies the same one.
+A forward of ``t`` tokens costs ``forward_s + t / prefill_rate_tps``; with ``W`` queued and
+running tokens ahead, ``B`` = max_batch_tokens and ``C`` = chunk_size::
 
-    predicted_ttft_s(n) = max(handshake_s, backlog_s) + n / prefill_rate_tps + transfer_s
+    backlog_s        = ⌈W / B⌉ · forward_s + W / rate
+    own_s(n)         = ⌈n / C⌉ · forward_s + n / rate
+    wait_s           = max(handshake_s, backlog_s)
+    joined(n)        = min(arrival_tps · wait_s, K · B − W − n),  K = max(⌈(W + n) / B⌉, ⌈n / C⌉)
+    predicted_ttft_s = wait_s + own_s(n) + joined(n) / rate + transfer_s
 
 A new request's handshake runs while the backlog ahead of it drains, hence the max; then its
-own ``n`` uncached tokens, then the push of its last chunk and its answer. None while no
-forward has been measured yet (a cold worker: nothing to predict from).
+own ``n`` uncached tokens in ``⌈n / C⌉`` chunks, each a forward. The requests that arrive
+while it waits (``arrival_tps``) are admitted behind it but into the same forwards while they
+have room (``K`` forwards carry ``W + n``; the rest of their ``B`` tokens each is room): their
+tokens lengthen its last forwards. Then the push of its last chunk and its answer. None while
+no forward has been measured yet (a cold worker: nothing to predict from). An unknown batch
+shape (``chunk_size`` or ``max_batch_tokens`` 0, from an older worker's ``pong``) counts one
+forward and no room.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,9 +45,13 @@ class CostSignals:
 
     queued_tokens: int = 0  # prompt tokens of BOOTSTRAPPING and WAITING requests
     running_tokens: int = 0  # tokens PREFILLING requests have yet to compute (hits excluded)
-    prefill_rate_tps: float | None = None  # tokens/s over recent forwards; None: none yet
+    prefill_rate_tps: float | None = None  # tokens/s a forward adds per token; None: none yet
     handshake_s: float = 0.0  # median bootstrap wait of recent requests that succeeded
     transfer_s: float = 0.0  # median last-chunk-to-answer time of the same requests
+    forward_s: float = 0.0  # what one forward costs whatever its tokens (the fit's intercept)
+    arrival_tps: float = 0.0  # prompt tokens arriving per second, recently
+    chunk_size: int = 0  # the worker's scheduler.chunk_size; 0: unknown
+    max_batch_tokens: int = 0  # the worker's scheduler.max_batch_tokens; 0: unknown
 
     @property
     def backlog_s(self) -> float | None:
@@ -45,15 +61,37 @@ class CostSignals:
             return 0.0
         if self.prefill_rate_tps is None:
             return None
-        return work / self.prefill_rate_tps
+        return self._forwards(work, self.max_batch_tokens) * self.forward_s + (
+            work / self.prefill_rate_tps
+        )
 
     def predicted_ttft_s(self, num_tokens: int) -> float | None:
         """The TTFT a new request of ``num_tokens`` uncached tokens would see (module doc)."""
-        backlog_s = self.backlog_s
-        if backlog_s is None or self.prefill_rate_tps is None:
+        backlog_s, rate = self.backlog_s, self.prefill_rate_tps
+        if backlog_s is None or rate is None:
             return None
-        own_s = num_tokens / self.prefill_rate_tps
-        return max(self.handshake_s, backlog_s) + own_s + self.transfer_s
+        wait_s = max(self.handshake_s, backlog_s)
+        own_s = self._forwards(num_tokens, self.chunk_size) * self.forward_s + num_tokens / rate
+        joined = min(self.arrival_tps * wait_s, self._room(num_tokens))
+        return wait_s + own_s + joined / rate + self.transfer_s
+
+    def _room(self, num_tokens: int) -> int:
+        """Tokens the forwards that carry the work ahead and the new request have left."""
+        if not self.max_batch_tokens:
+            return 0
+        work = self.queued_tokens + self.running_tokens + num_tokens
+        num_forwards = max(
+            self._forwards(work, self.max_batch_tokens),
+            self._forwards(num_tokens, self.chunk_size),
+        )
+        return num_forwards * self.max_batch_tokens - work
+
+    @staticmethod
+    def _forwards(num_tokens: int, per_forward: int) -> int:
+        """Forwards of at most ``per_forward`` tokens (0: unknown, one) that ``num_tokens`` take."""
+        if num_tokens == 0:
+            return 0
+        return math.ceil(num_tokens / per_forward) if per_forward else 1
 
 
 TTFT_SLO_REJECT = "ttft_slo"  # the rejects counter's label value for an SLO refusal

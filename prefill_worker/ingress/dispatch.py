@@ -299,6 +299,10 @@ class IngressDispatch:
             backlog_s=costs.backlog_s,
             handshake_s=costs.handshake_s,
             transfer_s=costs.transfer_s,
+            forward_s=costs.forward_s,
+            arrival_tps=costs.arrival_tps,
+            chunk_size=costs.chunk_size,
+            max_batch_tokens=costs.max_batch_tokens,
         )
         pong = Pong(load=load, nonce=UNSET if nonce is None else nonce)
         self._sender.send(identity, encode(pong))

@@ -186,6 +186,11 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     backlog_s: float | UnsetType | None = UNSET  # None: work queued, but no rate yet
     handshake_s: float | UnsetType = UNSET
     transfer_s: float | UnsetType = UNSET
+    # The prediction's forward model (docs/protocol.md): added later, absent from older pongs.
+    forward_s: float | UnsetType = UNSET
+    arrival_tps: float | UnsetType = UNSET
+    chunk_size: int | UnsetType = UNSET
+    max_batch_tokens: int | UnsetType = UNSET
 
 
 class Pong(_Message, tag="pong", frozen=True, kw_only=True):

@@ -9,9 +9,18 @@ that are not compute take.
                      warm prefix cache will serve.
     running_tokens   tokens PREFILLING requests have yet to compute: their hits are known and
                      excluded.
-    prefill_rate     tokens/s over the last ``ForwardClock`` window of forwards (64), measured
-                     around the runner: a recent rate that follows the load, not an all-time
-                     average. None until the first forward.
+    forward cost     a least-squares line through the last ``ForwardClock`` window of forwards
+                     (64; seconds against tokens, timed around the runner):
+                     ``seconds = forward_s + tokens / prefill_rate``. A forward has a fixed
+                     part (launches, the sampler, the LM head's last rows) that a short prompt
+                     or a small batch pays in full; a plain tokens/s average charges it by the
+                     token and misjudges both. While the window's forwards are all about the
+                     same size the line is not determined: then ``forward_s`` is 0 and the rate
+                     is tokens over seconds. A recent window follows the load. None until the
+                     first forward.
+    arrival_tps      prompt tokens submitted per second over the last ``ARRIVAL_WINDOW_S``
+                     (since start while younger): the requests that will arrive while a new
+                     one waits and join its forwards.
     handshake_s      median bootstrap wait (arrival to the decode's want) of the last
                      ``window`` requests that succeeded.
     transfer_s       median time from their last chunk computed to their answer (the push).
@@ -20,19 +29,83 @@ that are not compute take.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from prefill_worker.load import CostSignals
 from prefill_worker.request import Outcome, OutcomeStatus
 from prefill_worker.scheduler.tracked import Request
 
+ARRIVAL_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCost:
+    """``seconds = forward_s + tokens * seconds_per_token`` for one forward."""
+
+    forward_s: float
+    seconds_per_token: float
+
+
+def fit_forward_cost(forwards: Iterable[tuple[float, int]]) -> ForwardCost | None:
+    """The least-squares line through ``(seconds, tokens)`` forwards; tokens over seconds
+    (no fixed part) when the tokens span less than 2x or the line is not physical (a negative
+    slope or intercept: noise). None without a forward."""
+    samples = list(forwards)
+    if not samples:
+        return None
+    total_s, total_tokens = sum(s for s, _ in samples), sum(t for _, t in samples)
+    average = ForwardCost(0.0, total_s / total_tokens)
+    tokens = [t for _, t in samples]
+    if max(tokens) < 2 * min(tokens):
+        return average
+    mean_s, mean_t = total_s / len(samples), total_tokens / len(samples)
+    spread = sum((t - mean_t) ** 2 for t in tokens)
+    slope = sum((t - mean_t) * (s - mean_s) for s, t in samples) / spread
+    intercept = mean_s - slope * mean_t
+    if slope <= 0 or intercept < 0:
+        return average
+    return ForwardCost(intercept, slope)
+
+
+class ArrivalRate:
+    """Prompt tokens submitted per second over the last ``window_s``, from a running total
+    sampled each turn (one sample per change)."""
+
+    def __init__(self, started_at: float, window_s: float = ARRIVAL_WINDOW_S) -> None:
+        self._started_at, self._window_s = started_at, window_s
+        self._samples: deque[tuple[float, int]] = deque([(started_at, 0)])
+
+    def observe(self, now: float, num_arrived_tokens: int) -> float:
+        """The rate as of ``now``, ``num_arrived_tokens`` the total submitted so far."""
+        samples = self._samples
+        if num_arrived_tokens != samples[-1][1]:
+            samples.append((now, num_arrived_tokens))
+        # samples[0] is the last total at or before the window's start
+        while len(samples) > 1 and samples[1][0] <= now - self._window_s:
+            samples.popleft()
+        span_s = min(self._window_s, now - self._started_at)
+        if span_s <= 0:
+            return 0.0
+        return (num_arrived_tokens - samples[0][1]) / span_s
+
 
 class CostEstimator:
-    """Keeps the recent requests' non-compute times; turns the queues into ``CostSignals``.
-    Engine thread only."""
+    """Keeps the recent requests' non-compute times and arrivals; turns the queues into
+    ``CostSignals``. Engine thread only."""
 
-    def __init__(self, window: int = 64) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        chunk_size: int = 0,
+        max_batch_tokens: int = 0,
+        window: int = 64,
+    ) -> None:
+        self._clock = clock
+        self._shape = (chunk_size, max_batch_tokens)
+        self._arrivals = ArrivalRate(clock())
         self._handshakes: deque[float] = deque(maxlen=window)
         self._transfers: deque[float] = deque(maxlen=window)
         self._handshake_s = 0.0
@@ -48,15 +121,26 @@ class CostEstimator:
         self._transfer_s = statistics.median(self._transfers)
 
     def signals(
-        self, queued_tokens: int, prefilling: Iterable[Request], seconds_per_token: float | None
+        self,
+        queued_tokens: int,
+        prefilling: Iterable[Request],
+        cost: ForwardCost | None,
+        num_arrived_tokens: int = 0,
     ) -> CostSignals:
-        """``seconds_per_token``: the forwards' recent average (``ForwardClock``)."""
+        """``cost``: the recent forwards' fit (``ForwardClock``); ``num_arrived_tokens``:
+        prompt tokens submitted since start."""
         running = sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefilling)
-        rate = None if not seconds_per_token else 1.0 / seconds_per_token
+        rate, forward_s = None, 0.0
+        if cost is not None and cost.seconds_per_token > 0:
+            rate, forward_s = 1.0 / cost.seconds_per_token, cost.forward_s
         return CostSignals(
             queued_tokens=queued_tokens,
             running_tokens=running,
             prefill_rate_tps=rate,
             handshake_s=self._handshake_s,
             transfer_s=self._transfer_s,
+            forward_s=forward_s,
+            arrival_tps=self._arrivals.observe(self._clock(), num_arrived_tokens),
+            chunk_size=self._shape[0],
+            max_batch_tokens=self._shape[1],
         )

@@ -66,7 +66,7 @@ class Engine:
         self.limits = limits
         # no prefix cache: the table uses NoPrefixCache
         self._table = PageTable(kv.pages, limits.page_size, kv.prefix_cache)
-        self._costs = CostEstimator()
+        self._costs = CostEstimator(clock, limits.chunk_size, limits.max_batch_tokens)
         self._sink = sink
         self._life = RequestLifecycle(
             transfer, self._table, kv.aux, self._on_outcome, self._observer, clock, limits
@@ -253,7 +253,8 @@ class Engine:
         costs = self._costs.signals(
             queues.num_queued_tokens,
             queues.prefilling.values(),
-            self._forward_clock.seconds_per_token,
+            self._forward_clock.cost,
+            queues.num_arrived_tokens,
         )
         load = LoadSnapshot(
             num_bootstrapping=queues.num_bootstrapping,

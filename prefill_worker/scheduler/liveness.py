@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefill_worker.batch import BatchOutput, BatchPlan, ModelRunner
+from prefill_worker.scheduler.costs import ForwardCost, fit_forward_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +56,17 @@ class ForwardClock:
         self._runner, self._clock = runner, clock
         self._recent: deque[tuple[float, int]] = deque(maxlen=window)
         self._state = Progress(last_sign_at=clock())
+        self._cost: ForwardCost | None = None
 
     @property
     def seconds_per_token(self) -> float | None:
         """The recent forwards' compute time per token; None before the first forward."""
         return self._state.seconds_per_token
+
+    @property
+    def cost(self) -> ForwardCost | None:
+        """The recent forwards' fixed and per-token cost (``costs.fit_forward_cost``)."""
+        return self._cost
 
     def progress(self, last_turn_at: float) -> Progress:
         """The forward's state, with ``last_turn_at`` (read before this call) folded in."""
@@ -82,6 +89,7 @@ class ForwardClock:
 
     def _measure(self, seconds: float, num_tokens: int) -> float:
         self._recent.append((seconds, max(num_tokens, 1)))
+        self._cost = fit_forward_cost(self._recent)
         total_s = sum(s for s, _ in self._recent)
         return total_s / sum(n for _, n in self._recent)
 

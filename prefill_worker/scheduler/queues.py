@@ -48,6 +48,7 @@ class RequestQueues:
         self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
         self.num_waiting = 0
         self.num_queued_tokens = 0  # prompt tokens of BOOTSTRAPPING and WAITING requests
+        self.num_arrived_tokens = 0  # prompt tokens of every request added, ever
 
     def __len__(self) -> int:
         return len(self.live)
@@ -58,6 +59,7 @@ class RequestQueues:
         self.live[req.request_id] = req
         self.num_bootstrapping += 1
         self.num_queued_tokens += req.num_prompt_tokens
+        self.num_arrived_tokens += req.num_prompt_tokens
         self._watch.append(req)
         if req.is_admissible:
             self._enqueue(req)

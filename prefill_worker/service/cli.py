@@ -147,8 +147,11 @@ def _serve(
     config: Config, build_model: Callable[..., Any] | None, rank_command: Sequence[str] | None
 ) -> int:
     from prefill_worker.service.daemon import run_daemon
+    from prefill_worker.service.teardown import prepare_exit
 
-    return run_daemon(config, build_model=build_model, rank_command=rank_command)
+    code = run_daemon(config, build_model=build_model, rank_command=rank_command)
+    prepare_exit()  # serve is a process's main: what is left is the interpreter's teardown
+    return code
 
 
 if __name__ == "__main__":

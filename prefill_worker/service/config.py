@@ -4,7 +4,8 @@ Load order (later wins): the YAML file, then ``PREFILL_WORKER_<SECTION>__<KEY>``
 variables, then ``--set section.key=value`` flags from the CLI. Unknown keys anywhere are errors
 that name the key. Every problem is collected and reported at once, one line each, as a
 ``ConfigError`` whose ``problems`` the CLI prints before exiting with ``EX_CONFIG`` (78). The
-section models themselves live in ``schema.py``; they are re-exported here.
+models themselves live in ``schema.py`` (the sections in ``sections/``); they are re-exported
+here.
 """
 
 from __future__ import annotations

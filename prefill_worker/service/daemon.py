@@ -1,16 +1,15 @@
-"""Composition root: start-up → serve → drain → shutdown, signals, sd_notify, exit codes.
+"""Composition root: start-up → serve → close, and the process's exit code.
 
 With ``service/startup.py`` (the steps that build each component; at TP > 1 also
 ``group_startup.py`` and a follower's ``rank.py``), the only module that sees
-the whole ``Config``. This module runs those steps in order and owns the running lifecycle:
-supervision, signals, drain, stop, fatal errors, closing. Which thread owns what is drawn in
+the whole ``Config``. This module runs those steps in order, hands what runs to the
+supervisor (``service/supervisor.py``: supervision, signals, drain, stop, fatal errors, the exit
+code after start-up) and closes what it started. Which thread owns what is drawn in
 docs/architecture.md ("Threads"); the edge threads are supervised by ``service/threads.py``.
 
 Start-up order: HTTP (so probes see 503 while the model loads), model and KV pool, transfer
 (NIXL agent and bootstrap server), KV events, engine, ingress; then ready. A failing step exits
-with a line naming it: 78 for configuration problems, 1 otherwise. Exit codes after start-up: 0
-after a drain, 1 when a second signal forced the stop, 70 after a fatal engine error or a
-failed tensor-parallel rank group (docs/parallelism.md).
+with a line naming it: 78 for configuration problems, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -18,13 +17,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 
 from prometheus_client import CollectorRegistry
 
@@ -36,10 +32,10 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import KVCache, ModelInfo, build
-from prefill_worker.request import FinishReason, Outcome
+from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.group_startup import agree_group_loaded, start_tp_group
+from prefill_worker.service.group_startup import agree_group_loaded, lead_group, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
@@ -62,6 +58,13 @@ from prefill_worker.service.startup import (
     warm_up_model,
     write_ready_file,
 )
+from prefill_worker.service.supervisor import (
+    EngineThread,
+    Serving,
+    StopRequests,
+    Supervisor,
+    ignore_stop_signals,
+)
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
@@ -70,8 +73,6 @@ from prefill_worker.transfer.group import GroupBackend
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
-EX_OK, EX_FORCED, EX_SOFTWARE = 0, 1, 70
-_SUPERVISE_PERIOD_S = 0.25
 _GROUP_GRACE_S = 5.0  # followers' time to leave after the stop step, then SIGKILL
 # How a leader starts its follower ranks (``service/rank.py``); tests pass their own.
 RANK_COMMAND = (sys.executable, "-m", "prefill_worker.service.rank")
@@ -100,15 +101,11 @@ class Daemon:
         self.threads = ThreadWatch()
         self.health.watch_threads(self.threads.stopped)
         self.inbox = Inbox()
-        self._wake = threading.Event()
-        self._stop_engine = threading.Event()
-        self._drain_asked = threading.Event()
-        self._num_signals = 0
-        self._was_live = True
-        self._engine_error: BaseException | None = None
+        self.stop_requests = StopRequests()
+        self._wake = self.stop_requests.wake
         self._closers: list[tuple[str, Callable[[], None]]] = []
         self._engine: Engine | None = None
-        self._engine_thread: threading.Thread | None = None
+        self._engine_thread: EngineThread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
         self._kv_layout: dict[str, str | int] = {}
@@ -136,10 +133,10 @@ class Daemon:
             return exc.exit_code
         is_main = threading.current_thread() is threading.main_thread()
         if is_main:
-            self._install_signals()
-        code = self._supervise()
+            self.stop_requests.install_signals()
+        code = self._supervisor().supervise()
         if is_main:
-            _ignore_stop_signals()
+            ignore_stop_signals()
         self._close()
         log.info("exit %d", code)
         return code
@@ -164,7 +161,7 @@ class Daemon:
         layout = kv_cache.layout
         if self._group is not None:  # every sender mirrored to the followers, states agreed
             assert placement is not None
-            if _lead_group(backend, placement.size, info.num_kv_heads):
+            if lead_group(backend, placement.size, info.num_kv_heads):
                 layout = dataclasses.replace(layout, num_kv_heads=info.num_kv_heads)
             backend = GroupBackend(backend, self._group.channel.link)
         self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
@@ -280,16 +277,22 @@ class Daemon:
         log.info("ready: %s", where)
 
     def _start_engine_thread(self, engine: Engine) -> None:
-        def loop() -> None:
-            try:
-                engine.run(self._stop_engine, self.inbox)
-            except BaseException as exc:  # reported and turned into exit 70 by the supervisor
-                self._engine_error = exc
-            finally:
-                self._wake.set()
-
-        self._engine_thread = threading.Thread(target=loop, name="engine", daemon=True)
+        self._engine_thread = EngineThread(engine, self.inbox, self._wake.set)
         self._engine_thread.start()
+
+    def _supervisor(self) -> Supervisor:
+        assert self._engine is not None and self._engine_thread is not None
+        serving = Serving(
+            self._engine, self._engine_thread, self.inbox, self.ingress, self._http_api, self._group
+        )
+        return Supervisor(
+            self.config.daemon,
+            serving,
+            self.stop_requests,
+            self.health,
+            self.metrics,
+            self.notifier,
+        )
 
     @property
     def ingress(self) -> Ingress:
@@ -300,112 +303,11 @@ class Daemon:
 
     def request_drain(self) -> None:
         """From any thread (HTTP, ingress, signal handler): begin a graceful drain."""
-        self._drain_asked.set()
-        self._wake.set()
+        self.stop_requests.request_drain()
 
     def on_stop_signal(self) -> None:
         """SIGTERM or SIGINT: the first drains, a second forces the stop."""
-        self._num_signals += 1
-        self.request_drain()
-
-    def _install_signals(self) -> None:
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self.on_stop_signal()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
-    def _supervise(self) -> int:
-        drain_deadline: float | None = None
-        drain_floor = 0.0
-        while True:
-            self._wake.wait(_SUPERVISE_PERIOD_S)
-            self._wake.clear()
-            if self._engine_error is not None:
-                return self._fatal()
-            if self._group is not None and self._group.problem() is not None:
-                log.error("tensor-parallel group failed: %s", self._group.problem())
-                return self._stop(FinishReason.ENGINE_ERROR, EX_SOFTWARE)
-            if self._num_signals > 1:
-                log.warning("second signal: stopping now")
-                return self._stop(FinishReason.DRAINING, EX_FORCED)
-            if self._drain_asked.is_set() and drain_deadline is None:
-                drain_deadline, drain_floor = self._begin_drain()
-            if drain_deadline is not None and self._is_drained(drain_floor, drain_deadline):
-                return self._stop(FinishReason.DRAINING, EX_OK)
-            self._watchdog()
-
-    def _watchdog(self) -> None:
-        """Ping systemd's watchdog while live (busy counts); log each change of verdict."""
-        verdict = self.health.liveness()
-        if verdict.is_live:
-            self.notifier.watchdog()
-        if verdict.is_live != self._was_live:
-            self._was_live = verdict.is_live
-            log.log(
-                logging.INFO if verdict.is_live else logging.ERROR, "liveness: %s", verdict.reason
-            )
-
-    def _begin_drain(self) -> tuple[float, float]:
-        """Refuse new work; when the drain must end, and when it may end once idle."""
-        log.info("draining: new requests are rejected, in-flight ones may finish")
-        self.ingress.set_draining(True)
-        if self._http_api is not None:
-            self._http_api.set_draining(True)
-        self.health.is_draining = True
-        self.metrics.draining.set(1)
-        self.notifier.stopping("draining")
-        began_at, cfg = time.monotonic(), self.config.daemon
-        return began_at + cfg.drain_timeout_s, began_at + cfg.drain_min_s
-
-    def _is_drained(self, floor: float, deadline: float) -> bool:
-        """Out of time, or idle once past the floor (by then the routers' health checks have
-        seen the 503 and stopped sending here: the port stays open until they have)."""
-        now = time.monotonic()
-        return now >= deadline or (now >= floor and self._is_idle())
-
-    def _is_idle(self) -> bool:
-        """No request held: the engine turned after this check began with nothing live."""
-        assert self._engine is not None
-        checked_at = time.monotonic()
-        if not self.inbox.empty():
-            return False
-        deadline = checked_at + 1.0
-        while self._engine.last_turn_at <= checked_at and time.monotonic() < deadline:
-            self._wake.wait(0.005)
-        return self.inbox.empty() and self._engine.load.num_live == 0
-
-    def _stop(self, reason: FinishReason, code: int) -> int:
-        assert self._engine is not None and self._engine_thread is not None
-        self._refuse_new()
-        self._stop_engine.set()
-        self.inbox.wake()
-        while self._engine_thread.is_alive():
-            self._engine_thread.join(timeout=_SUPERVISE_PERIOD_S)
-            if self._engine_thread.is_alive() and self._num_signals > 1:
-                # A forward that never returns must not hold the process: the forced stop
-                # leaves without the engine (its in-flight requests get no reply).
-                log.error("second signal while the engine is stuck in a forward: exiting")
-                return EX_FORCED
-        if self._engine_error is not None:
-            return self._fatal()
-        self._engine.shutdown(reason, self.inbox)
-        return code
-
-    def _fatal(self) -> int:
-        log.error("fatal engine error: %r; every request in flight was failed", self._engine_error)
-        self._refuse_new()
-        if self._engine is not None:
-            self._engine.shutdown(FinishReason.ENGINE_ERROR, self.inbox)
-        return EX_SOFTWARE
-
-    def _refuse_new(self) -> None:
-        """The engine stops: new requests are refused (``draining``) instead of queued in an
-        inbox nobody reads any more; what the inbox holds already, ``shutdown`` answers."""
-        if self._ingress is not None:
-            self._ingress.set_draining(True)
-        if self._http_api is not None:
-            self._http_api.set_draining(True)
+        self.stop_requests.on_stop_signal()
 
     def _reply(self, outcome: Outcome) -> None:
         """Each outcome to the ingress its request came through (ids tell them apart)."""
@@ -423,15 +325,6 @@ class Daemon:
             except Exception:
                 log.exception("closing %s failed", name)
         self.notifier.close()
-
-
-def _ignore_stop_signals() -> None:
-    """The stop is decided: a later SIGTERM (the kubelet's, after a preStop drain that already
-    ended) has nothing left to ask. Ignored, not handled: Python puts back the default action
-    of a handled signal while the interpreter shuts down, and that would end the process by
-    the signal instead of with its exit code."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_daemon(
@@ -452,15 +345,3 @@ def run_daemon(
 
 
 __all__ = ["Daemon", "ModelBuilder", "StartupError", "run_daemon"]
-
-
-def _lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> bool:
-    """Whether the backend (native or SGLang's) alone answers decodes for the whole TP group
-    (every rank pushes its heads: docs/parallelism.md); otherwise only the leader's heads go
-    (``transfer.protocol: both``: not built)."""
-    if not hasattr(backend, "lead_group"):
-        return False
-    from prefill_worker.transfer.nixl.rank_writer import RankPlace
-
-    backend.lead_group(RankPlace(0, tp_size, num_kv_heads))
-    return True

@@ -20,6 +20,7 @@ from prefill_worker.tp.followers import Followers
 from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, open_store, rank_device
 from prefill_worker.tp.leader import Heartbeat, LeaderGroup
 from prefill_worker.tp.mirror import RankLink
+from prefill_worker.transfer.base import TransferBackend
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -73,3 +74,15 @@ def agree_group_loaded(config: Config, group: LeaderGroup, num_pages: int) -> No
         group.followers.wait_for(
             lambda: agree_loaded(num_pages), config.parallel.rendezvous_timeout_s, "ranks loading"
         )
+
+
+def lead_group(backend: TransferBackend, tp_size: int, num_kv_heads: int) -> bool:
+    """Whether the backend (native or SGLang's) alone answers decodes for the whole TP group
+    (every rank pushes its heads: docs/parallelism.md); otherwise only the leader's heads go
+    (``transfer.protocol: both``: not built)."""
+    if not hasattr(backend, "lead_group"):
+        return False
+    from prefill_worker.transfer.nixl.rank_writer import RankPlace
+
+    backend.lead_group(RankPlace(0, tp_size, num_kv_heads))
+    return True

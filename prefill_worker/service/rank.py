@@ -26,6 +26,7 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
+from prefill_worker.service.teardown import prepare_exit
 from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.follower import serve_steps
 from prefill_worker.tp.followers import die_with_parent
@@ -95,7 +96,9 @@ def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -
     config = Config.model_validate_json(sys.stdin.buffer.read())
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     placement = Placement(args.rank, args.world_size, args.rank, args.port, False)
-    return run_follower(config, placement, build_model)
+    code = run_follower(config, placement, build_model)
+    prepare_exit()
+    return code
 
 
 if __name__ == "__main__":

@@ -394,29 +394,15 @@ def start_http_api(
 ) -> HttpApi:
     """The SGLang-compatible HTTP front (``http_api.enabled``), serving from now on; 503 until
     the daemon calls ``set_ready``."""
-    cfg, (info, limits) = config.http_api, served
+    cfg, limits = config.http_api, served[1]
     with startup_step("http api", (ValueError, OSError)):
         codec = load_text_codec(config.model.path)
-        bootstrap_port = config.transfer.bootstrap_bind.rpartition(":")[2]
-        model = ServedModel(
-            served_model_name=cfg.served_model_name or config.model.path,
-            model_path=config.model.path,
-            architectures=(info.architecture,),
-            model_type=info.architecture.removesuffix("ForCausalLM").lower(),
-            context_length=limits.max_prompt_tokens,
-            page_size=config.cache.page_size,
-            max_total_tokens=limits.max_pool_tokens,
-            max_running_requests=config.scheduler.max_running_requests,
-            version=__version__,
-            bootstrap_port=int(bootstrap_port) if bootstrap_port.isdigit() else None,
-            has_tokenizer=codec is not None,
-        )
         front = HttpApi(
             cfg.bind,
             inbox,
             lambda: engine.load,
             limits,
-            model,
+            served_model(config, served, has_tokenizer=codec is not None),
             codec,
             max_inflight=cfg.max_inflight_requests,
             max_body_bytes=cfg.max_body_bytes,
@@ -427,6 +413,27 @@ def start_http_api(
         )
         front.start()
     return front
+
+
+def served_model(
+    config: Config, served: tuple[ModelInfo, Limits], *, has_tokenizer: bool
+) -> ServedModel:
+    """What the HTTP front says about the worker on its probes (``/server_info`` and kin)."""
+    (info, limits), bootstrap_port = served, config.transfer.bootstrap_bind.rpartition(":")[2]
+    return ServedModel(
+        served_model_name=config.http_api.served_model_name or config.model.path,
+        model_path=config.model.path,
+        architectures=(info.architecture,),
+        model_type=info.architecture.removesuffix("ForCausalLM").lower(),
+        context_length=limits.max_prompt_tokens,
+        page_size=config.cache.page_size,
+        max_total_tokens=limits.max_pool_tokens,
+        max_running_requests=config.scheduler.max_running_requests,
+        version=__version__,
+        bootstrap_port=int(bootstrap_port) if bootstrap_port.isdigit() else None,
+        has_tokenizer=has_tokenizer,
+        tp_size=config.parallel.tp_size,
+    )
 
 
 def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:

@@ -15,7 +15,8 @@ Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_me
 Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
 context, the parallel ranks that a launcher would set overridden (to 0, or to one rank of an
 attention-TP group: ``attn_tp``, the process being that rank), and 0.5.20's DP-attention
-globals set to one rank.
+globals set to one rank. NIXL's progress threads (one per decode's agent) wake on events, not
+every millisecond (``nixl_progress``): a process holds many decodes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from sglang.srt.layers import dp_attention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.server_args import ServerArgs
 
+from prefill_worker.testing.nixl_progress import wake_on_events_only
+
 _HELD: list[Any] = []
 _POLL_NAMES = {
     int(getattr(KVPoll, name)): name
@@ -42,6 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
     """``attn_tp``: (rank, size) of this process in the decode's attention TP group."""
+    wake_on_events_only()
     args = ServerArgs(
         model_path=model_path,
         disaggregation_mode="decode",

@@ -91,11 +91,12 @@ def main(model_path: str, attn_tp: str = "0/1") -> None:  # pragma: no cover - i
     decodes = Decodes(model_path, FILL_BYTE, (rank, size))
     for line in sys.stdin:
         command = json.loads(line)
+        call = command.pop("call", None)  # echoed: the parent drops late answers
         try:
             reply = {"ok": True, **decodes.handle(command)}
         except Exception as exc:  # the test reads the error; the child goes on
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(json.dumps({**reply, "call": call}) + "\n")
         replies.flush()
         if command["op"] == "quit":
             break

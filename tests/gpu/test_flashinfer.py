@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from prefill_worker.model.attention import AttentionBatch, ChunkSpan, create_backend
+from prefill_worker.model.attention import AttentionBatch, create_backend
+from tests.attention_batches import scattered_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,16 +22,7 @@ PAGE_SIZE, NUM_PAGES, HEADS, KV_HEADS = 16, 64, 8, 2
 
 
 def _batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
-    """Spans on scattered pages; the flat pool rows of every span's new tokens."""
-    spans, slots, offset, next_page = [], [], 0, NUM_PAGES - 1
-    for start, end in chunks:
-        count = -(-end // PAGE_SIZE)
-        pages = tuple(range(next_page, next_page - 2 * count, -2))
-        next_page -= 2 * count
-        spans.append(ChunkSpan(offset, offset + end - start, start, end, pages))
-        slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, end)]
-        offset += end - start
-    return AttentionBatch(tuple(spans), PAGE_SIZE, offset), torch.tensor(slots)
+    return scattered_batch(chunks, PAGE_SIZE, NUM_PAGES)
 
 
 @pytest.mark.parametrize("dim", [64, 80, 128])

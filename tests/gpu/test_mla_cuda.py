@@ -17,10 +17,11 @@ import torch
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import build
-from prefill_worker.model.attention import AttentionBatch, ChunkSpan, create_mla_backend
+from prefill_worker.model.attention import AttentionBatch, create_mla_backend
 from prefill_worker.model.attention.flashinfer_mla import FlashInferMLABackend
 from prefill_worker.model.hf_config import MLASpec
 from prefill_worker.request import SamplingParams
+from tests.attention_batches import scattered_batch
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 
 pytestmark = [
@@ -42,15 +43,7 @@ RUNS = (("sdpa", torch.float32), ("sdpa", torch.bfloat16), ("flashinfer", torch.
 
 
 def _batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
-    spans, slots, offset, next_page = [], [], 0, NUM_PAGES - 1
-    for start, end in chunks:
-        count = -(-end // PAGE_SIZE)
-        pages = tuple(range(next_page, next_page - 2 * count, -2))
-        next_page -= 2 * count
-        spans.append(ChunkSpan(offset, offset + end - start, start, end, pages))
-        slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, end)]
-        offset += end - start
-    return AttentionBatch(tuple(spans), PAGE_SIZE, offset), torch.tensor(slots)
+    return scattered_batch(chunks, PAGE_SIZE, NUM_PAGES)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ NIXL handle of the worker is back."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, KVLayout, KVRegions
-from prefill_worker.kv.pages import PagePool
 from prefill_worker.testing.json_child import DecodeError
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
-from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
-from prefill_worker.transfer.sglang.backend import SglangBackend
+from prefill_worker.transfer.options import Hooks
 from tests.interop.decodes import SglangDecode
+from tests.interop.rig import PrefillRig, push
 
 pytestmark = pytest.mark.interop
 
@@ -36,8 +33,9 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16
 WORKER_PAGES = 64
 
 
-class InProcessWorker:
-    """An ``SglangBackend`` over a random pool and an ``AuxPool``, driven by the test."""
+class InProcessWorker(PrefillRig):
+    """The rig over an MHA pool: K of layer l is region l, V region n + l, in the layout's
+    order (layer-major or page-major)."""
 
     def __init__(
         self,
@@ -46,34 +44,21 @@ class InProcessWorker:
         poster_factory: Callable[[Any], WritePoster] | None = None,
         write_timeout_s: float = 5.0,
     ) -> None:
-        self.layout = layout
-        self.pool = np.random.default_rng(3).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
-        self.aux = AuxPool(num_aux_rows)
-        self.pages = PagePool(layout.num_pages)
-        base = int(self.pool.ctypes.data)
-        n = layout.num_layers
+        hooks = Hooks(poster_factory=poster_factory)
+        super().__init__(layout, 3, "prefill-interop", num_aux_rows, write_timeout_s, hooks)
+
+    def regions(self) -> KVRegions:
+        base, n = int(self.pool.ctypes.data), self.layout.num_layers
         # Where K (region l) and V (region n + l) of layer l start: page p is a page stride on.
         starts = [base + self._offset(region, 0) for region in range(2 * n)]
-        regions = KVRegions(
-            layout, tuple(starts[:n]), tuple(starts[n:]), "cpu", self.aux.base_addr, num_aux_rows
+        return KVRegions(
+            self.layout,
+            tuple(starts[:n]),
+            tuple(starts[n:]),
+            "cpu",
+            self.aux.base_addr,
+            self.aux.num_rows,
         )
-        self.backend = SglangBackend(
-            regions,
-            SglangOptions(
-                "127.0.0.1:0",
-                "127.0.0.1",
-                0,
-                "auto",
-                write_timeout_s,
-                5.0,
-                nixl=NixlOptions("prefill-interop"),
-            ),
-            Hooks(poster_factory=poster_factory),
-        )
-
-    @property
-    def bootstrap(self) -> str:
-        return self.backend.bootstrap_endpoint
 
     def _offset(self, region: int, page: int) -> int:
         """Byte offset of page ``page`` of layer-region ``region`` (K of layer r < L, V of
@@ -88,23 +73,6 @@ class InProcessWorker:
         start = self._offset(region, page)
         return self.pool[start : start + self.layout.page_bytes]
 
-    def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not until():
-            if time.monotonic() > deadline:
-                return False
-            self.backend.poll()
-            self.backend.wait(0.002)
-        return True
-
-    def check_whole(self) -> None:
-        backend = self.backend
-        assert backend.num_open_senders == 0
-        assert backend.num_inflight_transfers() == 0
-        backend.check_integrity()
-        assert self.aux.num_free == self.aux.num_rows
-        assert self.pages.num_free == self.pages.num_pages
-
 
 @pytest.fixture
 def worker_factory() -> Iterator[Callable[..., InProcessWorker]]:
@@ -117,34 +85,6 @@ def worker_factory() -> Iterator[Callable[..., InProcessWorker]]:
     yield factory
     for worker in made:
         worker.backend.close()
-
-
-def push(
-    worker: InProcessWorker, room: int, num_tokens: int, chunk_pages: int
-) -> tuple[AuxRow, list[int]]:
-    """The engine's part for one request: chunks of pages, then the aux row; until SUCCESS.
-    Returns the aux row and the worker pages that held the prompt."""
-    lay = worker.layout
-    sender = worker.backend.create_sender(room, f"req-{room}", num_tokens)
-    assert worker.drive(lambda: sender.poll() is not KVPoll.BOOTSTRAPPING)
-    assert sender.poll() is KVPoll.READY, sender.failure_reason()
-    src = worker.pages.try_alloc(-(-num_tokens // lay.page_size))
-    assert src is not None
-    for first in range(0, len(src), chunk_pages):
-        sender.send_pages(src[first : first + chunk_pages], first)
-    row = worker.aux.try_alloc()
-    assert row is not None
-    computed = num_tokens - 3 * (room % 2)  # some rooms: 3 tokens from the prefix cache
-    aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens(), 1, computed)
-    worker.aux.write(row, aux)
-    sender.send_aux(row)
-    assert worker.drive(lambda: sender.poll().is_terminal)
-    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
-    sender.close()
-    worker.drive(lambda: worker.backend.num_open_senders == 0)
-    worker.aux.free(row)
-    worker.pages.free(src)
-    return aux, src
 
 
 @pytest.mark.parametrize(

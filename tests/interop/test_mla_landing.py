@@ -13,8 +13,7 @@ a tiny DeepSeek-V3 checkpoint."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,18 +21,14 @@ import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
-from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
-from prefill_worker.kv.pages import PagePool
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
-from prefill_worker.transfer.options import NixlOptions, SglangOptions
-from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import hf_mla_forward
 from tests.interop.conftest import launch
 from tests.interop.decodes import SglangDecode, new_room
-from tests.interop.test_landing import push
+from tests.interop.rig import PrefillRig, push
 
 pytestmark = pytest.mark.interop
 
@@ -42,43 +37,20 @@ WORKER_PAGES = 64
 MLA_FAMILIES = ["deepseek_v3"]
 
 
-class MlaWorker:
-    """An ``SglangBackend`` over a random MLA pool (layer l's latent pages at ``base + l *
-    region_bytes``) and an ``AuxPool``, driven by the test (``push`` reads its fields)."""
+class MlaWorker(PrefillRig):
+    """The rig over an MLA pool: layer l's latent pages at ``base + l * region_bytes``."""
 
     def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
-        self.pool = np.random.default_rng(4).integers(0, 256, layout.pool_bytes, dtype=np.uint8)
-        self.aux = AuxPool(8)
-        self.pages = PagePool(layout.num_pages)
-        base = int(self.pool.ctypes.data)
-        latents = tuple(base + layer * layout.region_bytes for layer in range(NUM_LAYERS))
-        regions = KVRegions(layout, latents, (), "cpu", self.aux.base_addr, self.aux.num_rows)
-        options = SglangOptions(
-            "127.0.0.1:0", "127.0.0.1", 0, "auto", 5.0, 5.0, nixl=NixlOptions("prefill-mla")
-        )
-        self.backend = SglangBackend(regions, options)
-        self.bootstrap = self.backend.bootstrap_endpoint
+        super().__init__(layout, 4, "prefill-mla")
+
+    def regions(self) -> KVRegions:
+        base, lay = int(self.pool.ctypes.data), self.layout
+        latents = tuple(base + layer * lay.region_bytes for layer in range(NUM_LAYERS))
+        return KVRegions(lay, latents, (), "cpu", self.aux.base_addr, self.aux.num_rows)
 
     def page(self, layer: int, page: int) -> np.ndarray:
         start = layer * self.layout.region_bytes + page * self.layout.page_bytes
         return self.pool[start : start + self.layout.page_bytes]
-
-    def drive(self, until: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not until():
-            if time.monotonic() > deadline:
-                return False
-            self.backend.poll()
-            self.backend.wait(0.002)
-        return True
-
-    def check_whole(self) -> None:
-        assert self.backend.num_open_senders == 0
-        assert self.backend.num_inflight_transfers() == 0
-        self.backend.check_integrity()
-        assert self.aux.num_free == self.aux.num_rows
-        assert self.pages.num_free == self.pages.num_pages
 
 
 def mla_layout(page_size: int, num_pages: int, latent: int = LATENT) -> KVLayout:
@@ -103,7 +75,7 @@ def test_every_latent_byte_lands_where_the_mla_decode_asked(
         room = int(rng.integers(1, 2**63))
         num_tokens = num_pages * page_size - (page_size // 2)  # a partial last page
         decode.want(room, num_tokens, num_held * page_size)
-        aux, src = push(worker, room, num_tokens, chunk_pages)  # type: ignore[arg-type]
+        aux, src = push(worker, room, num_tokens, chunk_pages)
         assert decode.wait(room) == ("Success", None)
         landed = decode.landed(room, tmp_path)
         assert landed.v == []

@@ -4,9 +4,14 @@ heartbeats (its defaults: every 5 s, two misses). SGLang's own decode code, whic
 previous run, serves again on its own within the documented bound: the rejoin window
 (``transfer.sglang_rejoin_s``, 15 s by default) after the new run is ready, plus a request.
 
-Representative cases, each about half a minute: SIGKILL with a random control port on every
-version, SIGTERM with a fixed one on the newest (every version with ``PW_RESTART_ALL=1``);
-``bench/restart.py`` runs the whole matrix (signals x downtimes, either port) through smg.
+Representative cases, each about half a minute (most of it the rejoin window; both runs'
+spares import side by side): SIGKILL with a random control port on every version, SIGTERM
+with a fixed one on the newest (every version with ``PW_RESTART_ALL=1``); ``bench/restart.py``
+runs the whole matrix (signals x downtimes, either port) through smg.
+
+They took about two minutes each in CI (119-154 s) while the version's decode process spun
+one NIXL progress thread per decode it held; the decode processes' threads now wake on
+events (``prefill_worker.testing.nixl_progress``).
 """
 
 from __future__ import annotations
@@ -53,10 +58,10 @@ def default_decode(
     process.close()
 
 
-def start(tmp_path: Path, checkpoint: Path, sglang: str, rank_port: int, rejoin_s: float) -> Served:
-    """A warm spare of the worker (``testing.spare``): imported, waiting for SIGUSR1."""
+def spare(tmp_path: Path, checkpoint: Path, sglang: str, rank_port: int, rejoin_s: float) -> Served:
+    """A warm spare of the worker (``testing.spare``): importing, then waiting for SIGUSR1."""
     tmp_path.mkdir()
-    served = launch(
+    return launch(
         tmp_path,
         checkpoint,
         16,
@@ -65,13 +70,18 @@ def start(tmp_path: Path, checkpoint: Path, sglang: str, rank_port: int, rejoin_
         "layer_major",
         f"transfer.sglang_rank_port={rank_port}",
         f"transfer.sglang_rejoin_s={rejoin_s}",
-        "scheduler.bootstrap_timeout_s=2",  # a room the decode never asks for fails fast
+        # A room the decode never asks for (it asks the old run) fails within the window;
+        # one it asked for first has 5 s for that request to reach the worker, under load.
+        "scheduler.bootstrap_timeout_s=5",
         sglang=sglang,
         module="prefill_worker.testing.spare",
     )
-    log = served.worker.child.log_path
-    wait_until(lambda: WAITING in log.read_text(), 120, "the spare to import the worker")
-    return served
+
+
+def wait_imported(*spares: Served) -> None:
+    """The spares import side by side (each takes seconds on a busy machine)."""
+    logs = [served.worker.child.log_path for served in spares]
+    wait_until(lambda: all(WAITING in log.read_text() for log in logs), 120, "the spares to import")
 
 
 def serve(spare: Served) -> Served:
@@ -87,8 +97,8 @@ def try_request(decode: SglangDecode, client: BlockingRouterClient) -> bool:
         decode.want(room, len(ids))
     except DecodeError:  # SGLang has no prefill info (the worker's /route says 503)
         return False
-    result = client.prefill(ids, room, timeout_s=10)
-    state = decode.wait(room, 10 if result.status is OutcomeStatus.OK else 0)[0]
+    result = client.prefill(ids, room, timeout_s=15)
+    state = decode.wait(room, 30 if result.status is OutcomeStatus.OK else 0)[0]
     if state in TERMINAL:
         decode.free(room)
     return result.status is OutcomeStatus.OK and state == "Success"
@@ -111,16 +121,17 @@ def test_a_decode_that_knew_the_old_run_serves_again_within_the_bound(
         pytest.skip("this case runs on the newest version (PW_RESTART_ALL=1: on every one)")
     sglang = f"127.0.0.1:{free_port()}"
     port = free_port() if rank_port == "fixed" else 0
-    first = start(tmp_path / "first", checkpoint, sglang, port, 0)  # no restart before it
-    spare = start(tmp_path / "second", checkpoint, sglang, port, REJOIN_S)
+    first = spare(tmp_path / "first", checkpoint, sglang, port, 0)  # no restart before it
+    second = spare(tmp_path / "second", checkpoint, sglang, port, REJOIN_S)
     try:
+        wait_imported(first, second)
         one = serve(first)
         decode = SglangDecode(default_decode, sglang, one.layout)
         with closing(BlockingRouterClient(one.worker.ingress)) as client:
             wait_until(lambda: try_request(decode, client), BOUND_S, "the first run to serve")
         one.worker.proc.send_signal(sig)
         one.worker.wait_exit(30)
-        again = serve(spare)  # back within seconds
+        again = serve(second)  # back within seconds
         ready_at = time.monotonic()
         with closing(BlockingRouterClient(again.worker.ingress)) as client:
             wait_until(lambda: try_request(decode, client), BOUND_S, "the decode to serve again")
@@ -130,4 +141,4 @@ def test_a_decode_that_knew_the_old_run_serves_again_within_the_bound(
         assert again.worker.child.stop() == 0, again.worker.log()
     finally:
         first.worker.child.kill()
-        spare.worker.child.kill()
+        second.worker.child.kill()

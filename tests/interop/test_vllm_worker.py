@@ -13,6 +13,7 @@ the module; the decode is the session's (``conftest.vllm_decode``)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -35,7 +36,10 @@ pytestmark = pytest.mark.interop
 
 BLOCK = 32
 PAGE = 4  # configs/tiny-test.yaml's cache.page_size
-LEASE_S = 4.0
+# A held request's lease, and how often vLLM's decode heartbeats it here: a hold survives
+# any pause of the decode (or of the worker) under LEASE_S - HEARTBEAT_S, on a loaded machine.
+LEASE_S = 8.0
+HEARTBEAT_S = 0.5
 DUMP_MODULE = "prefill_worker.testing.tp_ranks"  # TP 1 here: only its pool dump
 PROXY_ASK = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
 
@@ -169,13 +173,14 @@ def test_a_prefix_hit_notifies_and_a_waiting_request_heartbeats(
     assert decode.call("wait", request_id="dec-hit", deadline_s=30)["load_errors"] == []
     _staging_whole(worker)  # released by the notification alone
     held = _prefill(served[1], prompt(40, seed=8))
-    decode.call("hold", request_id="dec-held", params=held, interval_s=LEASE_S / 6)
+    decode.call("hold", request_id="dec-held", params=held, interval_s=HEARTBEAT_S)
     heartbeats = _metric(worker, "prefill_worker_vllm_heartbeats_total")
+    past_lease = math.ceil(LEASE_S / HEARTBEAT_S) + 1  # the hold outlived its first lease
     wait_until(
-        lambda: _metric(worker, "prefill_worker_vllm_heartbeats_total") >= heartbeats + 8,
-        30.0,
+        lambda: _metric(worker, "prefill_worker_vllm_heartbeats_total") >= heartbeats + past_lease,
+        LEASE_S * 4,
         "heartbeats past the lease",
-    )  # 8 heartbeats at lease / 6: the hold outlived its first lease
+    )
     decode.call("release", request_id="dec-held")
     outcome = decode.pull_and_wait("dec-held", held)
     assert outcome["finished"] and outcome["load_errors"] == [], outcome

@@ -267,11 +267,12 @@ def main(spec_json: str) -> None:
         if not line:
             break
         command = json.loads(line)
+        call = command.pop("call", None)  # echoed: the parent drops late answers
         try:
             reply = {"ok": True, **_handle(decode, command)}
         except Exception as exc:  # the test reads the error; the child goes on
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(json.dumps({**reply, "call": call}) + "\n")
         replies.flush()
         if command["op"] == "quit":
             break

@@ -78,6 +78,7 @@ __all__ = [  # the harness, importable from here as the scenarios always have
     "Reply",
     "Rig",
     "Router",
+    "SharedWorker",
     "check_healthy",
     "pool_usage",
     "scrape",
@@ -93,17 +94,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class SharedWorker:
-    """One worker and decode for a module's scenarios; restarted when a scenario killed it."""
+    """One worker and decode for a module's scenarios; restarted when a scenario killed it.
+    ``settings``: ``--set`` flags for every start of it (a module that needs them overrides
+    the ``shared_worker`` fixture)."""
 
-    def __init__(self, workdir: Path, checkpoint: Path) -> None:
-        self._workdir, self._checkpoint = workdir, checkpoint
+    def __init__(self, workdir: Path, checkpoint: Path, *settings: str) -> None:
+        self._workdir, self._checkpoint, self._settings = workdir, checkpoint, settings
         self.worker: Worker | None = None
         self.decode: LiveDecode | None = None
 
     def get(self) -> tuple[Worker, LiveDecode]:
         if self.worker is None or self.worker.proc.poll() is not None:
             self.close()
-            self.worker = start_worker(self._workdir, self._checkpoint)
+            self.worker = start_worker(self._workdir, self._checkpoint, *self._settings)
             wait_ready(self.worker)
             self.decode = LiveDecode(self.worker.bootstrap)
         assert self.decode is not None

@@ -318,15 +318,15 @@ def test_a_refused_decode_fails_its_named_rooms_at_once_and_names_itself_in_time
     handshake"); a room nobody names still times out, and its error names the refusal."""
     rig = rig_factory("scheduler.bootstrap_timeout_s=6")
     bf16 = RawPeer(rig.worker.bootstrap)
-    start = time.monotonic()
     early = prefill(rig, rig.next_room(), 9, seed=1, decode_peer=bf16.name)
     unnamed = prefill(rig, rig.next_room(), 9, seed=2)
     wrong = dataclasses.replace(LAYOUT, dtype="bfloat16")
     reply, _ = bf16.ask(bf16.register_msg(layout=wrong))
     assert isinstance(reply, wire.Registered) and not reply.is_ok
     late = prefill(rig, rig.next_room(), 9, seed=3, decode_peer=bf16.name)
-    answers = rig.router.wait([early, late], timeout_s=10.0)
-    assert time.monotonic() - start < 3.0, answers  # well under the 6 s bootstrap timeout
+    answers = rig.router.wait([early, late], timeout_s=30.0)
+    # At once, not at the bootstrap timeout: that one's error says "no handshake ..." (as
+    # `unnamed`'s below), however long this machine took to ask.
     for rid in (early, late):
         answer = answers[rid]
         assert isinstance(answer, Result) and answer.status is OutcomeStatus.FAILED

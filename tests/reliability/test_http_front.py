@@ -21,12 +21,16 @@ from typing import Any
 
 import pytest
 
+from prefill_worker.testing.launch import free_port
 from tests.checkpoints import add_byte_tokenizer
 from tests.polling import wait_until
 from tests.reliability.harness import ProcStats, Rig, check_healthy, scrape, serve_fresh
 
 MAX_PROMPT_TOKENS = 512  # configs/tiny-test.yaml
-LATENCY_GOAL_S = 1.0
+# A ZMQ request end to end during an attack on the HTTP front: 0.06-0.44 s on a quiet machine,
+# 1.05 s seen under 3 busy loops; the regressions these tests guard took 27 s and over 30 s.
+ZMQ_GOAL_S = 5.0
+HEALTH_GOAL_S = 1.0  # /health on the front's own event loop (a blocked loop: 1.66 s)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +186,7 @@ def test_a_batch_over_the_cap_enters_nothing(front: Callable[..., tuple[Rig, Fro
     assert batch[0] == 429 and "a batch of 1000 prompts" in batch[1]["error"]["message"], batch
     assert status == 413, body  # more arrays than any batch the front could take
     assert rejects(rig, "overloaded") == 1 and rejects(rig, "too_large") == 1
-    assert probe.worst_s <= LATENCY_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
+    assert probe.worst_s <= ZMQ_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
     report("batch over the cap", probe, both_refusals_s=f"{took_s:.2f}")
     assert rig.worker.proc.pid == pid
     check_healthy(rig)
@@ -212,7 +216,7 @@ def test_aborted_requests_do_not_hold_up_new_ones(front: Callable[..., tuple[Rig
     started = time.monotonic()
     serve_fresh(rig, timeout_s=60)
     took_s = time.monotonic() - started
-    assert took_s <= LATENCY_GOAL_S, f"the first request after the aborts took {took_s:.2f} s"
+    assert took_s <= ZMQ_GOAL_S, f"the first request after the aborts took {took_s:.2f} s"
     print(f"\n[20,000 aborted] the next ZMQ request took {took_s:.3f} s")
     check_healthy(rig)
 
@@ -261,8 +265,8 @@ def test_a_big_text_is_refused_before_it_is_tokenized(
         took_s = time.monotonic() - started
     assert status == 400 and answer["error"]["code"] == "prompt_too_long", answer
     assert "bytes cannot fit in 512 tokens" in answer["error"]["message"], answer
-    assert probe.worst_s <= LATENCY_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
-    assert probe.worst_health_s <= LATENCY_GOAL_S, f"/health took {probe.worst_health_s:.2f} s"
+    assert probe.worst_s <= ZMQ_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
+    assert probe.worst_health_s <= HEALTH_GOAL_S, f"/health took {probe.worst_health_s:.2f} s"
     report("48 MB text", probe, refused_in_s=f"{took_s:.2f}")
     room = rig.next_room()
     rig.decode.want(room, 12)
@@ -286,17 +290,11 @@ def test_a_big_id_list_is_refused_without_blocking_other_clients(
         status, answer = api.post("/generate", body)
         took_s = time.monotonic() - started
     assert status == 400 and answer["error"]["code"] == "prompt_too_long", answer
-    assert probe.worst_s <= LATENCY_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
-    assert probe.worst_health_s <= LATENCY_GOAL_S, f"/health took {probe.worst_health_s:.2f} s"
+    assert probe.worst_s <= ZMQ_GOAL_S, f"a ZMQ request took {probe.worst_s:.2f} s"
+    assert probe.worst_health_s <= HEALTH_GOAL_S, f"/health took {probe.worst_health_s:.2f} s"
     assert probe.rss_growth_mib <= 512, f"RSS grew {probe.rss_growth_mib:.0f} MiB"
     report("60 MB id list", probe, refused_in_s=f"{took_s:.2f}")
     check_healthy(rig)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_routes_that_take_no_body_parse_none(front: Callable[..., tuple[Rig, Front]]) -> None:

@@ -9,8 +9,10 @@ import socket
 import struct
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from prefill_worker.ingress.messages import (
     Drain,
@@ -23,10 +25,24 @@ from prefill_worker.ingress.messages import (
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import prompt
 from tests.polling import wait_until
+from tests.reliability.conftest import SharedWorker
 from tests.reliability.harness import VOCAB_SIZE, Rig, check_healthy
 
 MAX_PROMPT_TOKENS = 512  # configs/tiny-test.yaml
 ROUTER_GONE = {"status": "aborted", "reason": "router_gone"}
+
+
+@pytest.fixture(scope="module")
+def shared_worker(
+    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
+) -> Iterator[SharedWorker]:
+    """The module's worker, whose requests no decode wants wait 120 s (tiny-test's 5 s) for
+    one: the scenarios end them (a disconnect, an abort) and prove that, not the timeout, so
+    none may need to happen before a timer fires on a slow machine."""
+    workdir = tmp_path_factory.mktemp("router-worker")
+    shared = SharedWorker(workdir, checkpoint, "scheduler.bootstrap_timeout_s=120")
+    yield shared
+    shared.close()
 
 
 def test_two_routers_may_use_the_same_request_id(rig: Rig) -> None:
@@ -70,7 +86,7 @@ def test_a_router_that_disconnects_has_its_requests_cancelled(rig: Rig) -> None:
     dropped = rig.metric("prefill_worker_unroutable_replies_total")
     leaving = rig.new_router()
     rooms = [rig.next_room() for _ in range(6)]
-    for room in rooms:  # no want: they wait for a decode peer, well within bootstrap_timeout_s
+    for room in rooms:  # no want: they wait for a decode peer (120 s here)
         leaving.send_prefill(prompt(20, seed=room % 100), room)
     wait_until(lambda: leaving.ping().waiting == len(rooms), 10, "requests admitted")
     leaving.reconnect()  # closes the connection mid-flight (its ledger entries are abandoned)
@@ -187,7 +203,7 @@ def test_a_room_bound_to_another_decode_peer_is_not_claimed(rig: Rig) -> None:
     status = rig.decode.wait([room])[room]
     assert status.state.value == "failed", status  # refused: not this decode's room
     rig.decode.release(room)
-    rig.router.abort(rid)  # the router gives up on it (else: bootstrap_timeout)
+    rig.router.abort(rid)  # the router gives up on it (else: bootstrap_timeout, 120 s)
     reply = rig.router.wait([rid])[rid]
     assert isinstance(reply, Result) and reply.status is OutcomeStatus.ABORTED, reply
     check_healthy(rig)

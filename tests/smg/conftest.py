@@ -233,16 +233,44 @@ def require_smg() -> None:
         pytest.skip(message)
 
 
-@pytest.fixture(params=[pytest.param("sglang", marks=pytest.mark.interop), "native"])
-def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+PROTOCOLS = [pytest.param("sglang", marks=pytest.mark.interop), "native"]
+
+
+def new_stack(protocol: str, tmp_path: Path, checkpoint: Path) -> Stack:
+    """An empty stack; skips (or fails, under CI) where smg or SGLang's environment is missing."""
     require_smg()
-    protocol: str = request.param
     if protocol == "sglang":
         try:
             sglang_env(ROOT)
         except InteropMissing as exc:
             pytest.skip(f"the SGLang-mode decode peer needs it: {exc}")
-    started = Stack(tmp_path, checkpoint, protocol)
+    return Stack(tmp_path, checkpoint, protocol)
+
+
+@pytest.fixture(params=PROTOCOLS)
+def stack(request: pytest.FixtureRequest, tmp_path: Path, checkpoint: Path) -> Iterator[Stack]:
+    started = new_stack(request.param, tmp_path, checkpoint)
     yield started
     for child in started.children:
         child.kill()
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def plain_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
+) -> Iterator[Stack]:
+    """One prefill, one decode peer and smg, started once for the module's tests that only
+    send requests through them (starting a stack is most of such a test's time). Stopped at
+    the end: every child exits 0 on SIGTERM, or the last test using it errors."""
+    tmp_path = tmp_path_factory.mktemp(f"plain-stack-{request.param}")
+    started = new_stack(request.param, tmp_path, checkpoint)
+    try:
+        started.start_prefill()
+        started.start_decode()
+        started.start_router()
+        yield started
+        codes = started.stop()
+        assert all(code == 0 for code in codes.values()), codes
+    finally:
+        for child in started.children:
+            child.kill()

@@ -6,13 +6,17 @@ One fleet serves the module (start-ups are most of the cost); each test leaves b
 registered and healthy. smg runs with the settings docs/deploy.md recommends for a fleet:
 health checks every ``HEALTH_INTERVAL_S`` with one failure to eject and one success to
 re-admit, retries that outlast that window, the prefill policy ``cache_aware``; the workers
-with ``daemon.drain_min_s``. The bounds below are those settings: smg's health window is
-``interval × failure threshold + probe timeout`` (smg marks a worker not ready after that
-many consecutive failed probes). Each test prints its numbers (``pytest -s``): they are
-docs/deploy.md's failure matrix."""
+with ``daemon.drain_min_s``. smg's health window is ``interval × failure threshold + probe
+timeout`` (smg marks a worker not ready after that many consecutive failed probes): the tests
+prove the ejection came within it from smg's own log (the one probe that failed before smg
+marked the worker not ready, and what that probe got), not by a stopwatch on their own polling
+of smg, which a loaded machine can make late. The drain's floor and smg's retries leave room
+for smg's probe itself to be seconds late. Each test prints its numbers (``pytest -s``): they
+are docs/deploy.md's failure matrix."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -28,10 +32,19 @@ HEALTH_INTERVAL_S = 1
 HEALTH_TIMEOUT_S = 1
 HEALTH_WINDOW_S = HEALTH_INTERVAL_S * 1 + HEALTH_TIMEOUT_S  # failure threshold 1
 NUM_CLIENTS = 3
-# The worker stays up answering 503 for a health window and a probe after a drain begins.
-WORKER_SETTINGS = ("daemon.drain_timeout_s=30", f"daemon.drain_min_s={HEALTH_WINDOW_S + 1}")
-# smg's retries (5 attempts, 200 ms doubling: 3 s) outlast its health window.
-RETRIES = ("--retry-initial-backoff-ms", "200", "--retry-backoff-multiplier", "2")
+# Room for smg's probe to come late (a loaded node): past the health window, the drained worker
+# stays up answering 503 and smg's retries keep trying for this long.
+LATE_PROBE_S = 6
+# The worker stays up answering 503 for a health window and a late probe after a drain begins.
+WORKER_SETTINGS = (
+    "daemon.drain_timeout_s=30",
+    f"daemon.drain_min_s={HEALTH_WINDOW_S + LATE_PROBE_S}",
+)
+# smg's retries (8 attempts, 200 ms doubling up to 2 s: 9 s of backoff) outlast that too.
+RETRIES = (
+    *("--retry-max-retries", "8", "--retry-initial-backoff-ms", "200"),
+    *("--retry-backoff-multiplier", "2", "--retry-max-backoff-ms", "2000"),
+)
 SHARED_PREFIX = "You are the fleet's assistant. Answer in one short line please. "  # 64 tokens
 
 
@@ -85,9 +98,12 @@ def test_a_drained_worker_rolls_over_with_no_client_error(fleet: Stack) -> None:
     try:
         _wait_serving(target)
         retries = _router_metric(fleet, "smg_worker_retries_total{")
+        smg_log = _SmgLog(fleet)
         drained_at = time.monotonic()
         assert target.worker.http("/drain", method="POST")[0] == 202
         ejected_at = _wait_health(fleet, target, False)
+        # smg's first failed probe after the drain got the drain's 503 and ejected the worker
+        assert smg_log.probes_until_ejected(target) == ["503 Service Unavailable"]
         attempts = _router_attempts(fleet, target)
         assert attempts > 0
         wait_until(lambda: load.num_ok_since(ejected_at) >= 6, 60, "requests on the other")
@@ -102,7 +118,6 @@ def test_a_drained_worker_rolls_over_with_no_client_error(fleet: Stack) -> None:
         outcomes = load.stop()
     errors = [s for s in outcomes if not s.is_ok]
     assert errors == [], errors
-    assert ejected_at - drained_at <= HEALTH_WINDOW_S + HEALTH_INTERVAL_S
     retried = _router_metric(fleet, "smg_worker_retries_total{") - retries
     print(
         f"\ndrain: {len(outcomes)} requests, 0 errors, {retried:.0f} retries by smg, "
@@ -120,10 +135,13 @@ def test_a_killed_worker_fails_only_its_requests_and_comes_back(fleet: Stack) ->
     load = Load(fleet.generate, NUM_CLIENTS).start()
     try:
         _wait_serving(target)
+        smg_log = _SmgLog(fleet)
         killed_at = time.monotonic()
         target.worker.proc.kill()
         fleet.wait_exit(target, 30)
         ejected_at = _wait_health(fleet, target, False)
+        # smg's first failed probe after the kill got no answer and ejected the worker
+        assert smg_log.probes_until_ejected(target) == ["no HTTP answer"]
         attempts = _router_attempts(fleet, target)
         assert attempts > 0
         wait_until(lambda: load.num_ok_since(ejected_at) >= 6, 60, "requests on the other")
@@ -136,7 +154,6 @@ def test_a_killed_worker_fails_only_its_requests_and_comes_back(fleet: Stack) ->
     errors = [s for s in outcomes if not s.is_ok]
     assert all(s.was_in_flight(killed_at) for s in errors), _late(errors, killed_at)
     assert len(errors) <= NUM_CLIENTS
-    assert ejected_at - killed_at <= HEALTH_WINDOW_S + HEALTH_INTERVAL_S
     in_flight = sum(1 for s in outcomes if s.was_in_flight(killed_at))
     print(
         f"\nkill: {len(outcomes)} requests, {in_flight} in flight at the kill, "
@@ -170,6 +187,36 @@ def _is_healthy(stack: Stack, prefill: Prefill) -> bool:
     _, body = http(f"{stack.router}/workers", timeout_s=2)
     [worker] = [w for w in body["workers"] if w["url"] == prefill.url]
     return bool(worker["is_healthy"])
+
+
+class _SmgLog:
+    """smg's log from now on (``--log-level info``): what its health probes of a worker got."""
+
+    _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+    def __init__(self, stack: Stack) -> None:
+        [self._child] = [c for c in stack.children if c.name == "smg"]
+        self._offset = len(self._read())
+
+    def probes_until_ejected(self, prefill: Prefill) -> list[str]:
+        """What each failed probe of the worker got (an HTTP status such as ``503 Service
+        Unavailable``, or ``no HTTP answer``: a refused or reset connection, a timeout), in
+        order, up to smg's ``Ready`` to ``NotReady`` transition of it (waited for: smg's
+        /workers can show the change before its log is written)."""
+        transition = f"worker_url={prefill.url} old=Ready new=NotReady"
+        wait_until(lambda: transition in self._read()[self._offset :], 60, transition)
+        found = []
+        for line in self._read()[self._offset :].splitlines():
+            if f"status for {prefill.url}/health: " in line:  # an HTTP answer other than 2xx
+                found.append(line.rpartition("/health: ")[2].strip())
+            elif f"check failed for {prefill.url}/health: " in line:  # no HTTP answer
+                found.append("no HTTP answer")
+            elif transition in line:
+                break
+        return found
+
+    def _read(self) -> str:
+        return self._ANSI.sub("", self._child.log_path.read_text(errors="replace"))
 
 
 def _router_attempts(stack: Stack, prefill: Prefill) -> float:

@@ -48,19 +48,18 @@ def greedy(ids: list[int], **extra: object) -> dict[str, object]:
     return {"input_ids": ids, "sampling_params": params, **extra}
 
 
-def test_through_smg_equals_transformers_generate(stack: Stack, checkpoint) -> None:
-    prefill = stack.start_prefill()
-    stack.start_decode()
-    stack.start_router()
+def test_through_smg_equals_transformers_generate(plain_stack: Stack, checkpoint) -> None:
+    """Also on this stack: prompt logprobs and a stream (below); it stops cleanly after them
+    (``plain_stack``)."""
+    ok = 'prefill_worker_requests_total{reason="ok"'
+    served_before = plain_stack.prefills[0].metric(ok)
     for n in LENGTHS:
         ids = prompt(n, seed=n)
-        status, body = stack.generate(greedy(ids))
+        status, body = plain_stack.generate(greedy(ids))
         assert status == 200, body
         assert body["output_ids"] == hf_generate(checkpoint, ids), f"prompt of {n}"
         assert body["meta_info"]["prompt_tokens"] == n
-    assert prefill.metric('prefill_worker_requests_total{reason="ok"') == len(LENGTHS)
-    codes = stack.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    assert plain_stack.prefills[0].metric(ok) == served_before + len(LENGTHS)
 
 
 def test_a_bad_request_reaches_the_client_without_retries(stack: Stack) -> None:
@@ -160,12 +159,10 @@ def _post_into(url: str, body: dict[str, object], answers: list[tuple[int, objec
     answers.append(http(url, body, timeout_s=30))
 
 
-def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
+def test_prompt_logprobs_arrive_through_smg(plain_stack: Stack, checkpoint) -> None:
     """smg prepends the prefill's ``input_token_logprobs`` to the decode's (empty): the client
     gets SGLang's prompt logprobs from ``logprob_start_len``, equal to transformers'."""
-    stack.start_prefill()
-    stack.start_decode()
-    stack.start_router()
+    stack = plain_stack
     ids = prompt(29, seed=290)  # tiny-test: chunk 16, the scored range crosses it
     with torch.no_grad():
         logits = greedy_model(checkpoint)(torch.tensor([ids])).logits[0].float()
@@ -182,14 +179,11 @@ def test_prompt_logprobs_arrive_through_smg(stack: Stack, checkpoint) -> None:
         assert [e[0] for e in entries[1:]] == pytest.approx(ref, abs=1e-4), start
 
 
-def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) -> None:
+def test_a_stream_through_smg_carries_the_same_tokens(plain_stack: Stack, checkpoint) -> None:
     """``stream: true``: smg streams the decode's events (the SGLang-mode peer answers in SSE,
     as an SGLang decode does); the last event holds the whole greedy answer."""
-    stack.start_prefill()
-    stack.start_decode()
-    stack.start_router()
     ids = prompt(29, seed=291)
-    status, raw = stack.generate(greedy(ids, stream=True))
+    status, raw = plain_stack.generate(greedy(ids, stream=True))
     assert status == 200, raw
     events = sse_events(raw if isinstance(raw, str) else json.dumps(raw))
     assert events[-1] == "[DONE]", raw
@@ -198,8 +192,6 @@ def test_a_stream_through_smg_carries_the_same_tokens(stack: Stack, checkpoint) 
     assert chunks[-1]["output_ids"] == hf_generate(checkpoint, ids)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-    codes = stack.stop()
-    assert all(code == 0 for code in codes.values()), codes
 
 
 def test_the_decode_peer_exits_0_on_sigterm_with_a_request_open(stack: Stack) -> None:

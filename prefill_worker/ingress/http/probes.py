@@ -39,6 +39,7 @@ class ServedModel:
     bootstrap_port: int | None
     has_tokenizer: bool
     disaggregation_mode: str = "prefill"
+    tp_size: int = 1  # the TP group's size, as SGLang's own prefill reports its --tp-size
 
 
 def server_info(model: ServedModel) -> dict[str, Any]:
@@ -47,7 +48,7 @@ def server_info(model: ServedModel) -> dict[str, Any]:
         "served_model_name": model.served_model_name,
         "tokenizer_path": model.model_path if model.has_tokenizer else None,
         "skip_tokenizer_init": not model.has_tokenizer,
-        "tp_size": 1,
+        "tp_size": model.tp_size,  # smg warns when prefill and decode differ
         "dp_size": 1,
         "pp_size": 1,
         "load_balance_method": "round_robin",
@@ -102,6 +103,10 @@ def cost_signals(costs: CostSignals) -> dict[str, Any]:
         "backlog_s": costs.backlog_s,
         "handshake_s": costs.handshake_s,
         "transfer_s": costs.transfer_s,
+        "forward_s": costs.forward_s,
+        "arrival_tokens_per_s": costs.arrival_tps,
+        "chunk_size": costs.chunk_size,
+        "max_batch_tokens": costs.max_batch_tokens,
     }
 
 

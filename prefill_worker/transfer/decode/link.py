@@ -2,9 +2,9 @@
 what each worker message means for the rooms.
 
 ``WorkerLink`` registers, heartbeats, notices a silent worker (every pending room fails),
-registers again when the worker no longer knows this connection (and repeats the wants it
-refused for that reason), and turns ``status`` messages into room outcomes in the
-``RoomTable``. Not thread-safe by itself: ``KVReceiver`` calls it under its lock.
+registers again when the worker no longer knows this connection (and repeats the wants sent
+before that register, never one sent after it), and turns ``status`` messages into room
+outcomes in the ``RoomTable``. Not thread-safe by itself: ``KVReceiver`` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -110,9 +110,7 @@ class WorkerLink:
                 self.worker_tp = None if isinstance(tp, msgspec.UnsetType) else tp
                 self._set_registration(RoomStatus(RoomState.DONE))
                 self._resend_refused()
-            case wire.UnknownPeer():  # e.g. after a reconnect: the old connection's wants
-                for _, entry in self._rooms.items():  # may be lost with it; repeat them all
-                    entry.is_resend_due = not entry.is_status_ok
+            case wire.UnknownPeer():
                 self._on_unknown()
             case wire.Status(room=room, code="unknown_peer") if room in self._rooms:
                 self._rooms.entry(room).is_resend_due = True
@@ -126,8 +124,15 @@ class WorkerLink:
                 self._rooms.on_status(room, msg)
 
     def _on_unknown(self) -> None:
-        """The worker does not know this connection: register again (once at a time)."""
+        """The worker does not know this connection: register again (once at a time) and,
+        once accepted, repeat every want sent before (after a reconnect the old connection's
+        wants may be lost with it). The worker answers a connection in order, so while that
+        register is pending, `unknown` answers a message sent before it: wants sent since
+        reach the new registration and are not repeated (the worker would refuse the repeat
+        as a duplicate want, failing a room it holds)."""
         if self.registration.state is RoomState.DONE:
+            for _, entry in self._rooms.items():
+                entry.is_resend_due = not entry.is_status_ok
             self._set_registration(RoomStatus(RoomState.PENDING))
             self.send(self._register_msg())
 

@@ -38,7 +38,7 @@ class RoomEntry:
     deadline: float  # PENDING past this fails
     is_status_ok: bool = False  # the worker said `status ok`
     is_landed: bool = False  # the aux row's NIXL notification arrived
-    is_resend_due: bool = False  # refused as unknown_peer: send again once registered
+    is_resend_due: bool = False  # sent before a register the worker needed: send again after
     timed_out_reason: str | None = None  # past the deadline: aborted, failing once acked
 
 

@@ -20,6 +20,7 @@ the backend).
 from __future__ import annotations
 
 import ctypes
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,7 +75,12 @@ def staging_layout(regions: KVRegions, block_size: int, num_blocks: int) -> Stag
 
 
 class StagingPool:
-    """The region (one numpy buffer, a region per layer) and its free blocks."""
+    """The region (one numpy buffer, a region per layer) and its free blocks.
+
+    A request gets the lowest free block ids, in ascending order: a run of ids is a run of
+    memory in every layer's region, and NIXL merges READ descriptors that are adjacent, in
+    order, on both sides, so where the decode's blocks are consecutive too, vLLM's one
+    descriptor per block per layer becomes one per run (docs/vllm.md, "The READ")."""
 
     def __init__(self, layout: StagingLayout) -> None:
         self.layout = layout
@@ -83,20 +89,21 @@ class StagingPool:
         self.region_base_addrs = tuple(
             base + i * layout.region_bytes for i in range(layout.num_layers)
         )
-        self._free = list(range(layout.num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._free = list(range(layout.num_blocks))  # a heap: lowest id first
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def try_allocate(self, num_blocks: int) -> tuple[int, ...] | None:
-        """``num_blocks`` free blocks, or None if fewer are free."""
+        """The ``num_blocks`` lowest free blocks, ascending, or None if fewer are free."""
         if num_blocks > len(self._free):
             return None
-        return tuple(self._free.pop() for _ in range(num_blocks))
+        return tuple(heapq.heappop(self._free) for _ in range(num_blocks))
 
     def free(self, block_ids: Sequence[int]) -> None:
-        self._free.extend(block_ids)
+        for block_id in block_ids:
+            heapq.heappush(self._free, block_id)
         assert len(self._free) <= self.layout.num_blocks, "a staging block freed twice"
 
     def layer_view(self, layer: int) -> np.ndarray:

@@ -31,7 +31,10 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
     tokens; once a forward is measured, a request whose predicted TTFT exceeds the SLO (here
     1 µs, so any) is refused on both fronts and counted as ``ttft_slo``."""
     port = free_port()
-    worker = worker_factory(*api_settings(port, "admission.ttft_slo_s=0.000001"))
+    # Request 7001 waits for its decode while the test reads the queue: 60 s (tiny-test's 5 s)
+    # so that no slow step of the test lets its bootstrap timeout end it first.
+    settings = ("admission.ttft_slo_s=0.000001", "scheduler.bootstrap_timeout_s=60")
+    worker = worker_factory(*api_settings(port, *settings))
     api, decode = Api(port), Decode(worker.bootstrap)
     router = router_factory(worker.ingress)
     ids = prompt(37, seed=3)
@@ -62,7 +65,8 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
         status, body = api.post("/generate", generate(ids, 7002))
         assert status == 429 and body["error"]["code"] == "overloaded"
         assert "predicted TTFT" in body["error"]["message"]
-        assert decode.wait([7002], timeout_s=3)[7002].state.value == "failed"  # withdrawn
+        withdrawn = decode.wait([7002])[7002]  # by its reason, not within 3 s (was)
+        assert (withdrawn.state.value, withdrawn.reason) == ("failed", "aborted by the router")
         with pytest.raises(RequestRejected) as refused:
             router.prefill(ids, 7003)
         assert refused.value.code == "overloaded"

@@ -311,8 +311,8 @@ def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
         with ThreadPoolExecutor(1) as pool:
             inflight = pool.submit(api.post, "/generate", generate(ids, 9101))
             wait_until(lambda: api.get("/loads")[1]["loads"][0]["num_total_reqs"] == 1, 10, "in")
+            drained_at = time.monotonic()  # before: the drain cannot start earlier
             assert worker.http("/drain", method="POST")[0] == 202
-            drained_at = time.monotonic()
             wait_until(lambda: api.get("/health")[0] == 503, 10, "/health 503")
             status, body = api.post("/generate", generate(ids, 9102))
             assert status == 503 and body["error"]["code"] == "draining"

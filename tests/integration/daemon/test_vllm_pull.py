@@ -110,9 +110,9 @@ def test_a_vllm_decode_pulls_transformers_kv(
 ) -> None:
     worker, api, decode = pulled
     ids = prompt(n, seed=n)
-    answer = _prefill(api, ids)
-    params = answer["kv_transfer_params"]
     _, hf_kv = hf_reference(checkpoint, ids)  # the first token: the decode samples its own
+    answer = _prefill(api, ids)  # its blocks are held for LEASE_S: read them at once
+    params = answer["kv_transfer_params"]
     assert answer["usage"]["prompt_tokens"] == n
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "pull"
     assert params["remote_num_tokens"] == n and params["tp_size"] == 1

@@ -27,7 +27,17 @@ __all__ = ["wait_until"]  # re-exported for the ingress tests
 
 VOCAB = 1000
 # The engine's snapshot the fake engine reports, and the pong a router reads for it.
-COSTS = CostSignals(120, 30, prefill_rate_tps=1000.0, handshake_s=0.01, transfer_s=0.002)
+COSTS = CostSignals(
+    120,
+    30,
+    prefill_rate_tps=1000.0,
+    handshake_s=0.01,
+    transfer_s=0.002,
+    forward_s=0.01,
+    arrival_tps=50.0,
+    chunk_size=512,
+    max_batch_tokens=2048,
+)
 SNAPSHOT = LoadSnapshot(
     num_bootstrapping=1,
     num_waiting=2,
@@ -44,9 +54,13 @@ LOAD = Load(
     queued_tokens=120,
     running_tokens=30,
     prefill_rate_tps=1000.0,
-    backlog_s=0.15,
+    backlog_s=0.16,  # one forward's fixed 0.01 s and 150 tokens at 1000/s
     handshake_s=0.01,
     transfer_s=0.002,
+    forward_s=0.01,
+    arrival_tps=50.0,
+    chunk_size=512,
+    max_batch_tokens=2048,
 )
 
 

@@ -21,8 +21,14 @@ from prefill_worker.kv.pages import PagePool
 from tests.integration.transfer.peers import PoolSpec, decode_main, regions_over
 
 CTX = mp.get_context("spawn")
+# The worker drops a decode silent this long (its heartbeats come from a process of their own).
 PEER_TIMEOUT_S = 1.5
-WANT_TIMEOUT_S = 1.0
+# This process turns the worker only while a test waits on it (``Worker.drive``): a step that
+# does not (starting an agent or a decode process) must not look like a silent worker to the
+# decode, nor outlast a want that waits for its request. Both are long unless a test proves
+# them (``test_unmatched_want_times_out``, ``test_a_pending_room_times_out_in_the_sdk``).
+WORKER_SILENT_S = 60.0  # the decodes' peer timeout of the worker
+WANT_TIMEOUT_S = 60.0
 
 
 def small_spec(dtype: str, pool_layout: str, head_dim: int = 8, num_pages: int = 24) -> PoolSpec:
@@ -38,8 +44,11 @@ def pool_layout(request: pytest.FixtureRequest) -> str:
 class Worker:
     """The prefill side: a NixlBackend over a random pool and an AuxPool, in this process."""
 
-    def __init__(self, spec: PoolSpec, **options: Any) -> None:
-        """``options``: make_backend's keywords (limits, curve, ucx_net_devices, on_reject)."""
+    def __init__(
+        self, spec: PoolSpec, want_timeout_s: float = WANT_TIMEOUT_S, **options: Any
+    ) -> None:
+        """``options``: make_backend's keywords (limits, curve, ucx_net_devices), and the
+        backend's hooks ``on_reject`` and ``clock``."""
         from prefill_worker.transfer import make_backend
         from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 
@@ -49,10 +58,11 @@ class Worker:
         self.aux = AuxPool(spec.num_aux_rows)
         self.pages = PagePool(spec.layout.num_pages)
         self.regions = regions_over(spec, self.pool, self.aux.base_addr)
-        hooks = Hooks(on_reject=options.pop("on_reject", None))
+        clock = options.pop("clock", time.monotonic)
+        hooks = Hooks(clock=clock, on_reject=options.pop("on_reject", None))
         nixl = NixlOptions(ucx_net_devices=options.pop("ucx_net_devices", None))
         bind = "tcp://127.0.0.1:0"
-        native = NativeOptions(bind, PEER_TIMEOUT_S, 0.1, WANT_TIMEOUT_S, nixl, **options)
+        native = NativeOptions(bind, PEER_TIMEOUT_S, 0.1, want_timeout_s, nixl, **options)
         self.backend = make_backend(self.regions, native, hooks)
 
     def alloc(self, num_pages: int) -> list[int]:
@@ -92,7 +102,7 @@ class Decode:
         self,
         worker: Worker,
         spec: PoolSpec,
-        timeout_s: float = PEER_TIMEOUT_S,
+        timeout_s: float = WORKER_SILENT_S,
         options: dict[str, Any] | None = None,
     ):
         self.worker = worker

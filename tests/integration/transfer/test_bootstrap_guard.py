@@ -365,11 +365,12 @@ def test_a_pending_room_times_out_in_the_sdk(workers, decodes) -> None:
     decode = decodes(worker, options={"room_timeout_s": 0.3})
     assert decode.call("registered", 10.0) is None
     assert decode.call("want", 213, list(range(8)), 0, 0) == "ok"
-    assert decode.call("wait", 213, 0.29 + 2.0) == (
+    # The reason names the SDK's room timeout; the wait is long only for a slow machine.
+    assert decode.call("wait", 213, 30.0, timeout_s=40.0) == (
         "failed",
         "room 213 still pending after 0.3 s",
     )
-    assert worker.drive(lambda: worker.backend.num_claims(213) == 0, 3.0)
+    assert worker.drive(lambda: worker.backend.num_claims(213) == 0, 10.0)
     worker.check_whole()
 
 

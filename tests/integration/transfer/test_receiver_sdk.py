@@ -15,6 +15,10 @@ from tests.integration.transfer.conftest import small_spec
 from tests.integration.transfer.peers import regions_over
 from tests.polling import wait_until
 
+REGISTERED = wire.Registered(
+    is_ok=True, agent_name="scripted", heartbeat_interval_s=0.1, peer_timeout_s=30.0
+)
+
 
 class ScriptedWorker:
     """A ROUTER the test answers by hand; records what the receiver sent."""
@@ -48,14 +52,7 @@ class ScriptedWorker:
 
     def accept(self, receiver: KVReceiver) -> None:
         self.next(receiver, wire.Register)
-        self.send(
-            wire.Registered(
-                is_ok=True,
-                agent_name="scripted",
-                heartbeat_interval_s=0.1,
-                peer_timeout_s=30.0,
-            )
-        )
+        self.send(REGISTERED)
         wait_until(lambda: receiver.is_registered, 5.0, "registered")
 
 
@@ -74,12 +71,16 @@ def rig(pool_layout: str) -> Iterator[tuple[ScriptedWorker, KVReceiver]]:
 
 
 def test_unknown_peer_status_registers_again_and_repeats_the_want(rig) -> None:
+    """And every other want sent before (the connection may have been replaced: the worker
+    fails what the old one held where nobody hears it)."""
     worker, receiver = rig
     receiver.want(1, [3, 4], 0, 0)
     want = worker.next(receiver, wire.Want)
+    receiver.want(7, [6], 1, 0)
+    other = worker.next(receiver, wire.Want)
     worker.send(wire.Status(1, "failed", "decode peer not registered", "unknown_peer"))
     worker.accept(receiver)  # it registered again by itself
-    assert worker.next(receiver, wire.Want) == want  # and repeated the want
+    assert [worker.next(receiver, wire.Want) for _ in range(2)] == [want, other]  # repeated
     assert receiver.poll(1).state is RoomState.PENDING
     worker.send(wire.Status(1, "failed", "bad luck"))
     wait_until(lambda: receiver.poll(1).state is RoomState.FAILED, 5.0)
@@ -93,6 +94,30 @@ def test_unknown_peer_message_registers_again_and_repeats_pending_wants(rig) -> 
     worker.send(wire.UnknownPeer("decode peer not registered"))
     worker.accept(receiver)
     assert worker.next(receiver, wire.Want) == want
+
+
+def test_an_unknown_peer_answering_a_message_before_the_register_repeats_no_later_want(
+    rig,
+) -> None:
+    """A slow worker answers two heartbeats the decode sent before it learned it was unknown:
+    the second `unknown_peer` comes after the decode registered again and wanted a new room.
+    The worker gets that want after the register and holds it: only the want sent before the
+    register is repeated (a repeat of the other would be refused as a duplicate)."""
+    worker, receiver = rig
+    receiver.want(1, [3], 0, 0)
+    first = worker.next(receiver, wire.Want)
+    worker.send(wire.UnknownPeer("decode peer not registered"))
+    worker.next(receiver, wire.Register)
+    receiver.want(2, [4], 1, 0)
+    assert worker.next(receiver, wire.Want).room == 2
+    worker.send(wire.UnknownPeer("decode peer not registered"))  # the older heartbeat's
+    worker.send(REGISTERED)
+    wait_until(lambda: receiver.is_registered, 5.0, "registered")
+    receiver.want(3, [5], 2, 0)  # sent after any repeat: it ends what the worker reads
+    repeated = []
+    while (want := worker.next(receiver, wire.Want)).room != 3:
+        repeated.append(want)
+    assert repeated == [first]
 
 
 def test_an_old_worker_without_codes_still_fails_the_room(rig) -> None:

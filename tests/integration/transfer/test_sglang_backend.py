@@ -24,10 +24,12 @@ from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
+from tests.clocks import FakeClock
 from tests.polling import wait_until
 
 CAPTURED = json.loads((Path(__file__).parents[2] / "unit/transfer/sglang_frames.json").read_text())
 LAYOUT = KVLayout(2, 2, 16, "float32", 4, 32)  # what the captured decode was built for
+HEALTH_STALE_S = 0.5  # make_backend's: /health fails when the engine has not turned this long
 
 
 class FakeDecode:
@@ -65,7 +67,7 @@ class FakeDecode:
 @pytest.fixture
 def backend() -> Iterator[SglangBackend]:
     pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
-    backend = make_backend(pool)
+    backend = make_backend(pool, clock=FakeClock(100.0))
     yield backend
     backend.close()
 
@@ -77,9 +79,8 @@ def make_backend(pool: np.ndarray, **kwargs: Any) -> SglangBackend:
     regions = KVRegions(LAYOUT, tuple(starts[:2]), tuple(starts[2:]), "cpu", aux.base_addr, 4)
     hooks = Hooks(**{k: kwargs.pop(k) for k in ("clock", "is_engine_live") if k in kwargs})
     nixl = NixlOptions("prefill-test", ucx_net_devices="lo")
-    options = SglangOptions(
-        "127.0.0.1:0", "127.0.0.1", 0, "auto", 2.0, 1.0, health_stale_s=0.5, nixl=nixl, **kwargs
-    )
+    kwargs.setdefault("health_stale_s", HEALTH_STALE_S)
+    options = SglangOptions("127.0.0.1:0", "127.0.0.1", 0, "auto", 2.0, 1.0, nixl=nixl, **kwargs)
     return SglangBackend(regions, options, hooks)
 
 
@@ -125,8 +126,13 @@ def test_the_bootstrap_routes_answer_as_sglangs(backend: SglangBackend) -> None:
 
 
 def test_health_fails_while_the_engine_does_not_turn(backend: SglangBackend) -> None:
+    clock = backend.clock
+    assert isinstance(clock, FakeClock)
     backend.poll()
-    wait_until(lambda: get(backend, "/health")[0] == 503, 5, "/health to fail")
+    clock.now += HEALTH_STALE_S
+    assert get(backend, "/health")[0] == 200  # turned within health_stale_s
+    clock.now += 0.01
+    assert get(backend, "/health")[0] == 503
     backend.poll()
     assert get(backend, "/health")[0] == 200
 
@@ -137,7 +143,7 @@ def test_health_fails_while_the_engine_is_stuck_in_a_forward() -> None:
     rooms)."""
     pool = np.zeros(2 * LAYOUT.num_layers * LAYOUT.region_bytes, np.uint8)
     verdicts = [True]
-    backend = make_backend(pool, is_engine_live=lambda: verdicts[-1])
+    backend = make_backend(pool, clock=FakeClock(100.0), is_engine_live=lambda: verdicts[-1])
     try:
         backend.poll()
         assert get(backend, "/health")[0] == 200

@@ -19,22 +19,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prefill_worker.scheduler.liveness import ForwardInProgress, Progress
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
+from tests.clocks import FakeClock
 from tests.polling import wait_until
 
 TOKEN = "t0ken-with-entropy"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def served() -> Iterator[tuple[HttpServer, Health, Clock, threading.Event]]:
-    clock = Clock()
+def served() -> Iterator[tuple[HttpServer, Health, FakeClock, threading.Event]]:
+    clock = FakeClock(100.0)
     health = Health(livez_stale_s=5.0, clock=clock)
     registry = CollectorRegistry()
     WorkerMetrics(registry).on_reject("draining")

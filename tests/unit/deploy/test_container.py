@@ -8,6 +8,7 @@ import re
 import subprocess
 
 import tomllib
+from packaging.specifiers import SpecifierSet
 
 from tests.unit.deploy.tools import DEPLOY, ROOT, need
 
@@ -65,3 +66,16 @@ def test_the_runtime_lock_is_the_project_lock_narrowed() -> None:
     assert "torch" not in runtime  # the base image's CUDA build
     assert "huggingface-hub" in runtime  # the init step's `hf download`
     assert not {"pytest", "mypy", "ruff", "transformers"} & set(runtime)  # dev stays out
+
+
+def test_one_flashinfer_range_for_every_install() -> None:
+    """The `cuda` extra admits the version the GPU check packs and the Containerfile suggests
+    (the prebuilt flashinfer-cubin, which must match flashinfer-python, stops at 0.6.13)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (spec,) = [r for r in extras["optional-dependencies"]["cuda"] if r.startswith("flashinfer")]
+    supported = SpecifierSet(spec.removeprefix("flashinfer-python"))
+    wheels = (ROOT / "scripts" / "gpu_wheels.sh").read_text()
+    packed = re.search(r"flashinfer-python==(\S+)", wheels)
+    suggested = re.search(r"FLASHINFER_VERSION=(\d[\w.]*\d)", CONTAINERFILE.read_text())
+    assert packed and suggested
+    assert packed[1] in supported and suggested[1] in supported, (spec, packed[1], suggested[1])

@@ -12,13 +12,13 @@ import torch
 
 from prefill_worker.model.attention import (
     AttentionBatch,
-    ChunkSpan,
     create_mla_backend,
     resolve_mla_backend_name,
 )
 from prefill_worker.model.attention.flashinfer_mla import FlashInferMLABackend
 from prefill_worker.model.attention.mla_plan import PAGED, RAGGED, MLAIndices, mla_indices
 from prefill_worker.model.hf_config import MLASpec
+from tests.attention_batches import scattered_batch
 from tests.unit.model.flashinfer_stand_ins import PagedMLA, RaggedPrefill
 
 PAGE_SIZE, NUM_PAGES, HEADS = 16, 64, 3
@@ -30,17 +30,7 @@ CPU = torch.device("cpu")
 
 
 def batch(chunks: list[tuple[int, int]]) -> tuple[AttentionBatch, torch.Tensor]:
-    """Spans on scattered, descending pages; the flat pool rows of their new tokens."""
-    spans, slots, offset, next_page = [], [], 0, NUM_PAGES - 1
-    for start, end in chunks:
-        count = -(-end // PAGE_SIZE)
-        pages = tuple(range(next_page, next_page - 2 * count, -2))
-        next_page -= 2 * count
-        assert next_page >= -1, "the test's pool is too small for its chunks"
-        spans.append(ChunkSpan(offset, offset + end - start, start, end, pages))
-        slots += [pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(start, end)]
-        offset += end - start
-    return AttentionBatch(tuple(spans), PAGE_SIZE, offset), torch.tensor(slots)
+    return scattered_batch(chunks, PAGE_SIZE, NUM_PAGES)
 
 
 def kernel_rows(idx: MLAIndices, chunk: int, pool: torch.Tensor) -> torch.Tensor:

@@ -31,19 +31,9 @@ from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.observer import EngineObserver
 from prefill_worker.transfer.base import KVPoll
+from tests.clocks import FakeClock
 
 TOKEN_MOD = 997
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def expected_token(token_ids: Sequence[int]) -> int:

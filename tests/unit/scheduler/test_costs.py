@@ -15,7 +15,12 @@ from prefill_worker.request import (
     SamplingParams,
     Timings,
 )
-from prefill_worker.scheduler.costs import CostEstimator
+from prefill_worker.scheduler.costs import (
+    ArrivalRate,
+    CostEstimator,
+    ForwardCost,
+    fit_forward_cost,
+)
 from prefill_worker.scheduler.tracked import Request
 from tests.unit.scheduler.fakes import Rig, make_rig
 
@@ -44,14 +49,56 @@ def test_a_new_estimator_reports_no_rate_and_no_overheads() -> None:
 
 def test_running_tokens_are_what_prefilling_requests_have_left() -> None:
     prefilling = [_request(100, 40), _request(30, 0), _request(8, 8)]
-    signals = CostEstimator().signals(500, prefilling, 0.01)
+    signals = CostEstimator().signals(500, prefilling, ForwardCost(0.0, 0.01))
     assert signals.queued_tokens == 500
     assert signals.running_tokens == 60 + 30 + 0
     assert signals.prefill_rate_tps == pytest.approx(100.0)
 
 
 def test_a_zero_seconds_per_token_is_no_rate() -> None:
-    assert CostEstimator().signals(1, [], 0.0).prefill_rate_tps is None
+    signals = CostEstimator().signals(1, [], ForwardCost(0.5, 0.0))
+    assert (signals.prefill_rate_tps, signals.forward_s) == (None, 0.0)
+
+
+def test_the_signals_carry_the_forward_cost_and_the_batch_shape() -> None:
+    estimator = CostEstimator(chunk_size=512, max_batch_tokens=2048)
+    signals = estimator.signals(0, [], ForwardCost(0.04, 0.002))
+    assert signals.forward_s == 0.04
+    assert signals.prefill_rate_tps == pytest.approx(500.0)
+    assert (signals.chunk_size, signals.max_batch_tokens) == (512, 2048)
+
+
+# ---- the forward cost and the arrival rate ----------------------------------------------
+
+
+def test_the_fit_finds_a_forwards_fixed_and_per_token_cost() -> None:
+    forwards = [(0.05 + 0.002 * t, t) for t in (16, 64, 512, 100, 2048)]
+    cost = fit_forward_cost(forwards)
+    assert cost is not None
+    assert cost.forward_s == pytest.approx(0.05)
+    assert cost.seconds_per_token == pytest.approx(0.002)
+
+
+def test_forwards_of_one_size_or_a_line_that_is_noise_give_the_plain_average() -> None:
+    assert fit_forward_cost([]) is None
+    same_size = [(0.1, 100), (0.3, 100), (0.2, 150)]  # spans less than 2x: no line
+    bigger_is_faster = [(0.5, 10), (0.1, 100)]  # a negative slope: noise
+    through_below_zero = [(0.01, 100), (0.5, 1000)]  # a negative intercept
+    for forwards in (same_size, bigger_is_faster, through_below_zero):
+        cost = fit_forward_cost(forwards)
+        assert cost is not None and cost.forward_s == 0.0
+        total_s, total_tokens = (sum(column) for column in zip(*forwards, strict=True))
+        assert cost.seconds_per_token == pytest.approx(total_s / total_tokens)
+
+
+def test_the_arrival_rate_is_tokens_over_the_last_window() -> None:
+    rate = ArrivalRate(started_at=100.0, window_s=10.0)
+    assert rate.observe(100.0, 0) == 0.0
+    assert rate.observe(102.0, 400) == pytest.approx(400 / 2.0)  # younger than the window
+    assert rate.observe(110.0, 1000) == pytest.approx(1000 / 10.0)
+    assert rate.observe(113.0, 1000) == pytest.approx(600 / 10.0)  # the 400 at 102 left
+    assert rate.observe(130.0, 1000) == 0.0  # nothing in the last 10 s
+    assert rate.observe(131.0, 1300) == pytest.approx(300 / 10.0)
 
 
 def test_overheads_are_medians_of_the_last_window_of_successes() -> None:
@@ -99,6 +146,37 @@ def test_prediction_is_the_longer_of_handshake_and_backlog_then_compute_then_pus
     assert idle.predicted_ttft_s(100) == pytest.approx(1.0)
 
 
+def test_a_forwards_fixed_cost_is_paid_per_batch_of_backlog_and_per_own_chunk() -> None:
+    signals = CostSignals(3000, 1000, 1000.0, forward_s=0.1, chunk_size=512, max_batch_tokens=2048)
+    assert signals.backlog_s == pytest.approx(2 * 0.1 + 4.0)  # 4000 tokens: 2 forwards
+    own_s = 3 * 0.1 + 1.1  # 1100 tokens: 3 chunks
+    assert signals.predicted_ttft_s(1100) == pytest.approx(4.2 + own_s)
+
+
+def test_an_unknown_batch_shape_is_one_forward() -> None:
+    signals = CostSignals(3000, 1000, 1000.0, forward_s=0.1)  # an older worker's pong
+    assert signals.backlog_s == pytest.approx(0.1 + 4.0)
+    assert signals.predicted_ttft_s(1100) == pytest.approx(4.1 + 0.1 + 1.1)
+    assert CostSignals(0, 0, 1000.0, forward_s=0.1).predicted_ttft_s(0) == 0.0
+
+
+def test_arrivals_while_it_waits_join_its_forwards_up_to_their_room() -> None:
+    shape = {"chunk_size": 512, "max_batch_tokens": 2048}
+    quiet = CostSignals(1000, 0, 1000.0, arrival_tps=0.0, **shape)
+    assert quiet.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1)
+    busy = CostSignals(1000, 0, 1000.0, arrival_tps=300.0, **shape)
+    assert busy.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1 + 300 * 1.0 / 1000)
+    flood = CostSignals(1000, 0, 1000.0, arrival_tps=10**6, **shape)
+    room = 2048 - 1000 - 100  # one forward carries the 1100 tokens; the rest is room
+    assert flood.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1 + room / 1000)
+    long_own = CostSignals(0, 0, 1000.0, handshake_s=1.0, arrival_tps=10**6, **shape)
+    room = 3 * 2048 - 1100  # its own 3 chunks are 3 forwards: room beside each
+    assert long_own.predicted_ttft_s(1100) == pytest.approx(1.0 + 1.1 + room / 1000)
+    assert CostSignals(0, 0, 1000.0, arrival_tps=10**6, **shape).predicted_ttft_s(100) == (
+        pytest.approx(0.1)  # idle: nothing to wait for, nobody joins
+    )
+
+
 def test_the_slo_refuses_only_a_prediction_over_it() -> None:
     signals = CostSignals(100, 0, 100.0)  # 1 s of backlog
     assert ttft_slo_refusal(signals, 100, None) is None
@@ -122,7 +200,21 @@ def _timed_rig(seconds_per_token: list[float], **kw: object) -> Rig:
 def test_a_cold_idle_engine_publishes_zeros_and_no_rate() -> None:
     rig = _timed_rig([0.01])
     rig.steps(3)
-    assert rig.engine.load.costs == CostSignals()
+    assert rig.engine.load.costs == CostSignals(chunk_size=16, max_batch_tokens=32)
+
+
+def test_the_engine_publishes_its_forwards_fixed_cost_and_the_arrivals() -> None:
+    rig = make_rig(auto_want=True, chunk_size=16, max_batch_tokens=32)
+    started = rig.clock()  # the engine's start: the arrival window opens there
+    rig.runner.on_run = lambda plan: rig.clock.advance(0.05 + 0.01 * plan.num_tokens)
+    for i, num_tokens in enumerate((4, 16, 32, 8, 30)):
+        rig.prefill(f"r{i}", num_tokens)
+        rig.run_until_idle()
+    costs = rig.engine.load.costs
+    assert costs.forward_s == pytest.approx(0.05)
+    assert costs.prefill_rate_tps == pytest.approx(100.0)
+    assert rig.clock() - started < 10.0  # younger than the window: the rate is since start
+    assert costs.arrival_tps == pytest.approx(90 / (rig.clock() - started))
 
 
 def test_queued_tokens_count_whole_prompts_until_admitted() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from prefill_worker.inbox import Inbox
-from prefill_worker.load import LoadSnapshot
+from prefill_worker.load import CostSignals, LoadSnapshot
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -481,7 +481,8 @@ def test_observer_sees_outcomes_steps_and_load_changes() -> None:
     assert [tokens for _, tokens in recorder.steps] == [8, 4, 0]
     assert all(duration >= 0 for duration, _ in recorder.steps)
     assert any(load.num_prefilling == 1 and load.num_used_pages == 3 for load in recorder.loads)
-    assert recorder.loads[-1] == LoadSnapshot(0, 0, 0, 0, 16, 16, 8, 8)
+    shape = CostSignals(chunk_size=8, max_batch_tokens=8)  # no clock advance: no rate
+    assert recorder.loads[-1] == LoadSnapshot(0, 0, 0, 0, 16, 16, 8, 8, costs=shape)
     assert all(a != b for a, b in zip(recorder.loads, recorder.loads[1:], strict=False))
 
 

@@ -18,7 +18,8 @@ from prefill_worker.scheduler.liveness import (
     LivenessRule,
     Progress,
 )
-from tests.unit.scheduler.fakes import FakeClock, Rig, make_rig
+from tests.clocks import FakeClock
+from tests.unit.scheduler.fakes import Rig, make_rig
 
 SECONDS_PER_TOKEN = 0.1
 RULE = LivenessRule(loop_stale_s=5.0, forward_floor_s=1.0, forward_margin=4.0)

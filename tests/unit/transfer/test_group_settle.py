@@ -17,8 +17,9 @@ from prefill_worker.transfer.group import GroupSender, MirrorOp
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.rank_backend import RankBackend
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from tests.clocks import FakeClock
 from tests.unit.transfer.test_push_sender import Rig
-from tests.unit.transfer.test_rank_backend import Clock, FakeAgent, regions, register
+from tests.unit.transfer.test_rank_backend import FakeAgent, regions, register
 
 ROOM = 7
 
@@ -43,7 +44,7 @@ class Group:
         self.rig = Rig("native")
         self.rig.peer.registration = register("decode-1", 0, 1)
         self.agent = RefusingAgent()
-        backend = RankBackend(self.agent, RankPlace(1, 2, 2), regions(1), 5.0, Clock())
+        backend = RankBackend(self.agent, RankPlace(1, 2, 2), regions(1), 5.0, FakeClock(0.0))
         self.link, self.target = RankLink(), MirrorTarget(backend)
         local = self.rig.bound_sender(ROOM)
         self.link.mirror(MirrorOp("create", ROOM, "req-7", 16))

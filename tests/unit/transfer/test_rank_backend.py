@@ -17,6 +17,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.rank_backend import RankBackend, RankSender
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from tests.clocks import FakeClock
 
 LAYERS, HEAD_DIM, PAGE_SIZE, PAGES = 2, 4, 4, 8
 
@@ -80,16 +81,9 @@ def register(name: str, rank: int, tp: int) -> wire.Register:
     return wire.Register.of(name, metadata, regs, regs.layout.compat_hash(), decode_rank)
 
 
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def rank() -> tuple[RankBackend, FakeAgent, Clock]:
-    agent, clock = FakeAgent(), Clock()
+def rank() -> tuple[RankBackend, FakeAgent, FakeClock]:
+    agent, clock = FakeAgent(), FakeClock(0.0)
     return RankBackend(agent, RankPlace(1, 2, 2), regions(1), 5.0, clock), agent, clock
 
 

@@ -9,11 +9,12 @@ import subprocess
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker.service.vllm_metrics import VllmPullCollector
-from tests.unit.transfer.vllm.test_sender import BLOCKS, Clock, _desk, _staged
+from tests.clocks import FakeClock
+from tests.unit.transfer.vllm.test_sender import BLOCKS, _desk, _staged
 
 
 def test_scrapes_follow_the_desk() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     desk, _ = _desk(clock)
     registry = CollectorRegistry()
     registry.register(VllmPullCollector(desk))

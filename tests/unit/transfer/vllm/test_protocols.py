@@ -13,9 +13,10 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.dual import DualSender
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.sender import VllmSender
+from tests.clocks import FakeClock
 from tests.polling import wait_until
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
-from tests.unit.transfer.vllm.test_sender import BLOCKS, Clock, _desk
+from tests.unit.transfer.vllm.test_sender import BLOCKS, _desk
 
 HTTP = "http_api.enabled=true"
 
@@ -45,7 +46,7 @@ def test_vllm_needs_the_http_front() -> None:
 
 
 def _three(room: int) -> tuple[DualSender, FakeSender, FakeSender, VllmSender, PullDesk]:
-    desk, _ = _desk(Clock())
+    desk, _ = _desk(FakeClock(100.0))
     native = FakeBackend(PagePool(8), AuxPool(2)).create_sender(room, "r", 40)
     sglang = FakeBackend(PagePool(8), AuxPool(2)).create_sender(room, "r", 40)
     vllm = VllmSender(desk, room, 40)

@@ -18,21 +18,14 @@ from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.sender import VllmSender
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
 from prefill_worker.transfer.vllm.tickets import Tickets
+from tests.clocks import FakeClock
 from tests.polling import wait_until
 
 BLOCKS = 6
 REPACKER = ThreadPoolExecutor(1, thread_name_prefix="test-vllm-repack")  # as the backend's
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _desk(clock: Clock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.Tensor]:
+def _desk(clock: FakeClock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.Tensor]:
     lay = KVLayout(2, 1, 4, "float32", 16, 8)
     pool = torch.randn(2, 2, 8, 16, 1, 4)
     k = tuple(pool[i, 0].data_ptr() for i in range(2))
@@ -60,7 +53,7 @@ def _staged(desk: PullDesk, room: int, num_tokens: int) -> VllmSender:
 
 
 def test_without_a_ticket_the_room_is_not_a_vllm_pull() -> None:
-    desk, _ = _desk(Clock())
+    desk, _ = _desk(FakeClock(100.0))
     sender = VllmSender(desk, 1, 10)
     assert sender.poll() is KVPoll.BOOTSTRAPPING
     sender.fail("the room was taken by a decode on the sglang protocol")
@@ -69,7 +62,7 @@ def test_without_a_ticket_the_room_is_not_a_vllm_pull() -> None:
 
 
 def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
-    desk, pool = _desk(Clock())
+    desk, pool = _desk(FakeClock(100.0))
     sender = _staged(desk, 5, 33)
     params = desk.tickets.take(5)
     assert params is not None
@@ -87,7 +80,7 @@ def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
 
 
 def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     desk, _ = _desk(clock)
     _staged(desk, 5, 40)
     hold_id = desk.tickets.take(5)["remote_request_id"]  # type: ignore[index]
@@ -107,7 +100,7 @@ def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
 
 
 def test_blocks_return_when_the_request_ends_before_staging() -> None:
-    desk, _ = _desk(Clock())
+    desk, _ = _desk(FakeClock(100.0))
     assert desk.tickets.open(1)
     sender = VllmSender(desk, 1, 100)
     assert sender.poll() is KVPoll.READY and desk.staging.num_free == BLOCKS - 4
@@ -117,7 +110,7 @@ def test_blocks_return_when_the_request_ends_before_staging() -> None:
 
 
 def test_a_front_that_gave_up_frees_the_staged_blocks() -> None:
-    desk, _ = _desk(Clock())
+    desk, _ = _desk(FakeClock(100.0))
     assert desk.tickets.open(1)
     sender = VllmSender(desk, 1, 20)
     assert sender.poll() is KVPoll.READY
@@ -131,7 +124,7 @@ def test_a_front_that_gave_up_frees_the_staged_blocks() -> None:
 
 
 def test_staging_full_fails_with_the_numbers_and_close_returns_everything() -> None:
-    desk, _ = _desk(Clock())
+    desk, _ = _desk(FakeClock(100.0))
     _staged(desk, 1, 64 * 2)  # 4 blocks held
     assert desk.tickets.open(2)
     sender = VllmSender(desk, 2, 100)
@@ -162,7 +155,7 @@ def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> 
     """The request succeeds (its HTTP answer, hence the decode's READ) only once every chunk's
     repack is done; the held blocks then hold the prompt's K‖V in vLLM's layout."""
     repacker = _GatedRepacker()
-    desk, pool = _desk(Clock(), repacker)
+    desk, pool = _desk(FakeClock(100.0), repacker)
     assert desk.tickets.open(3)
     sender = VllmSender(desk, 3, 40)
     assert sender.poll() is KVPoll.READY

@@ -90,6 +90,20 @@ def test_allocation_is_all_or_nothing_and_returns_whole() -> None:
     assert staging.num_free == 4
 
 
+def test_blocks_come_lowest_first_and_ascending_after_frees() -> None:
+    """Blocks freed in any order come back as one ascending run: NIXL merges only descriptors
+    adjacent in order, so a reversed run would cost a READ one descriptor per block."""
+    _, regions, _storage = _pool(LAYER_MAJOR, 16)
+    staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=12))
+    first, second = staging.try_allocate(4), staging.try_allocate(4)
+    assert first == (0, 1, 2, 3) and second == (4, 5, 6, 7)
+    staging.free(second)
+    staging.free(first)
+    assert staging.try_allocate(8) == tuple(range(8))
+    staging.free((6, 2, 4))
+    assert staging.try_allocate(2) == (2, 4) and staging.num_free == 5
+
+
 def test_mla_and_device_pools_are_refused() -> None:
     mla = KVLayout(2, 1, 8, "bfloat16", 16, 4, MLA)
     with pytest.raises(StagingRefused, match="mla"):

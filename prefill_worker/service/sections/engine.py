@@ -1,0 +1,145 @@
+"""The sections of what the engine runs: the model, its paged KV pool, the scheduler, and
+admission on the fronts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from prefill_worker.service.sections.base import Section
+
+
+class ModelConfig(Section):
+    """The checkpoint, its dtype, the device, the attention and MoE experts backends."""
+
+    path: str = Field(
+        "models/smollm2-135m",
+        description="Hugging Face checkpoint directory (config.json and *.safetensors).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Weight and KV dtype; `auto` takes the checkpoint's torch_dtype."
+    )
+    device: str = Field("cpu", description="`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA if present).")
+    attention_backend: Literal["auto", "sdpa", "flashinfer"] = Field(
+        "auto",
+        description="`auto` picks flashinfer on CUDA when installed, else sdpa. An MLA model "
+        "(DeepSeek-V3) keeps flashinfer only at DeepSeek's MLA dims (rank 512, rope 64, nope "
+        "128, v 128) in bf16/fp16, and otherwise runs its torch path (docs/models.md).",
+    )
+    moe_backend: Literal["auto", "grouped", "naive", "flashinfer"] = Field(
+        "auto",
+        description=(
+            "Experts of a mixture-of-experts model: `grouped` (tokens grouped by expert, torch "
+            "ops, any device), `flashinfer` (fused kernel; CUDA, bf16/fp16), `naive` (every "
+            "expert over every token; a baseline). `auto` picks flashinfer on CUDA in bf16/fp16 "
+            "when installed, else grouped. Unused by dense models, but checked against the device."
+        ),
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."
+    )
+
+
+class CacheConfig(Section):
+    """The paged KV pool (layout: docs/protocol.md, part 2) and the aux rows."""
+
+    page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page.")
+    num_pages: int | None = Field(
+        1024, ge=1, description="KV pages per layer; unset sizes the pool from the byte budget."
+    )
+    memory_bytes: int | None = Field(
+        None, ge=1, description="KV byte budget (all layers, K and V) when num_pages is unset."
+    )
+    memory_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="On CUDA: fraction of free device memory for KV when both above are unset.",
+    )
+    num_aux_rows: int = Field(
+        256, ge=1, description="Metadata rows (first token, logprob) for requests in flight."
+    )
+    layout: Literal["layer_major", "page_major"] = Field(
+        "layer_major",
+        description=(
+            "KV pool layout: `layer_major` (each layer's K and V its own region) or "
+            "`page_major` (every layer's K and V of a page together: one transfer descriptor "
+            "per run of pages). Decode pools must use the same. An MLA model (DeepSeek-V3) "
+            "always gets the `mla` pool (one latent row per token and layer; docs/models.md) "
+            "and refuses `page_major`."
+        ),
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="Keep full KV pages after their request and share them with later prompts "
+        "that start with the same tokens (docs/prefix-cache.md).",
+    )
+    prefix_cache_max_pages: int | None = Field(
+        None,
+        ge=0,
+        description="Most KV pages the prefix cache holds; unset: as many as the pool has (idle "
+        "cached pages are evicted, least recently used first, when requests need them).",
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> CacheConfig:
+        if self.num_pages is None and self.memory_bytes is None and self.memory_fraction is None:
+            raise ValueError("set one of num_pages, memory_bytes or memory_fraction")
+        return self
+
+
+class SchedulerConfig(Section):
+    """Admission, chunking, deadlines and the overlap strategy."""
+
+    chunk_size: int = Field(512, ge=1, description="Most prompt tokens of one request per step.")
+    max_batch_tokens: int = Field(2048, ge=1, description="Token budget of one forward batch.")
+    max_running_requests: int = Field(64, ge=1, description="Requests prefilling at once.")
+    max_prompt_tokens: int = Field(8192, ge=1, description="Longest prompt accepted.")
+    max_queued_requests: int = Field(
+        4096, ge=1, description="Requests held (all states) before new ones are rejected."
+    )
+    bootstrap_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline for the decode peer's handshake."
+    )
+    transfer_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline for pushing a request's KV once its prefill ends."
+    )
+    overlap: bool = Field(
+        True, description="Run forward N while the CPU schedules N+1 (CUDA stream or thread)."
+    )
+    optimistic_prefill: bool = Field(
+        False,
+        description="Prefill a request before its decode claims the room; its pages are pushed "
+        "when the claim comes (docs/architecture.md, optimistic prefill).",
+    )
+    optimistic_attempts: int = Field(
+        2,
+        ge=1,
+        description="Prefills a request may start before its decode claims the room; after "
+        "that it waits for the claim.",
+    )
+    optimistic_hold_s: float = Field(
+        1.0,
+        gt=0,
+        description="How long a finished optimistic prefill keeps its pages for its decode's "
+        "claim before it yields them to the prefix cache and is requeued.",
+    )
+    warmup_tokens: int = Field(
+        256,
+        ge=0,
+        description="Tokens of the dummy prompt run once before the worker is ready, in chunks "
+        "of at most chunk_size (first-use kernel compiles and allocations happen then, not on "
+        "a request); 0: none.",
+    )
+
+
+class AdmissionConfig(Section):
+    """Admission on the fronts, before a request enters the engine."""
+
+    ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="Refuse a request whose predicted TTFT (docs/metrics.md) exceeds this "
+        "many seconds: 429 on the HTTP API, `overloaded` on the ZMQ ingress. Unset: off.",
+    )

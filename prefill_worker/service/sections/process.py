@@ -1,0 +1,71 @@
+"""The sections of the process itself: its lifecycle and logging, and its tensor-parallel
+ranks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from prefill_worker.service.sections.base import Section
+
+
+class DaemonConfig(Section):
+    """Process lifecycle and logging."""
+
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM or /drain, how long in-flight requests may finish."
+    )
+    drain_min_s: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM or /drain, the least time the worker stays up answering 503 "
+        "(health and new requests), even when idle, so that a router that health-checks it "
+        "(smg) sees the drain before the port closes; set it to the router's health window "
+        "(docs/deploy.md). `drain_timeout_s` still ends the drain.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Least severe log level written."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="Log line format.")
+    ready_file: str | None = Field(
+        None,
+        description="Once serving, write the bound endpoints here as JSON (as `/readyz` shows"
+        " them; replaced atomically, removed at exit). `serve --ready-file PATH` sets it.",
+    )
+
+
+class ParallelConfig(Section):
+    """Tensor parallelism: one worker over ``tp_size`` rank processes (docs/parallelism.md)."""
+
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
+        "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
+        "Above 1, `transfer.protocol` must be native or sglang alone.",
+    )
+    step_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for any rank in one collective (a step, a heartbeat): a rank "
+        "silent that long (stopped, hung) fails the whole worker.",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="While idle, the leader exchanges a heartbeat step with every rank this "
+        "often (must be below step_timeout_s).",
+    )
+    rendezvous_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest wait for every rank to join the group at start-up (and to load).",
+    )
+
+    @model_validator(mode="after")
+    def _heartbeat_below_timeout(self) -> ParallelConfig:
+        if self.heartbeat_interval_s >= self.step_timeout_s:
+            raise ValueError("heartbeat_interval_s must be below step_timeout_s")
+        return self
