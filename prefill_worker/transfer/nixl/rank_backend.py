@@ -16,8 +16,10 @@ The aux row and the status are the leader's (sent once every rank's SUCCESS is a
 this rank's SUCCESS says only "my writes landed". A write NIXL refuses or reports failed
 fails the room (FAILED, agreed by the group); one still in flight past ``write_timeout_s``
 too. A failed room releases its writes in flight; ``settle`` says when none can land any more
-(a release NIXL refuses is retried), for the leader's failure status. Torch-free; importing
-it imports NIXL.
+(a release NIXL refuses is retried), for the leader's failure status. When a room closes here
+the rank logs (debug) how many KV writes it posted for it: none when the head plan gives its
+decode ranks to other ranks (an MLA latent into a decode of TP 1: rank 0 alone). Torch-free;
+importing it imports NIXL.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class RankSender:
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
         self._handles: list[tuple[Any, float]] = []  # (handle, posted at)
         self._is_last = False  # the aux op came: no more pages
+        self._num_writes = 0  # KV writes this rank posted for the room
 
     def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None:
         ranks = self._backend.decode_ranks
@@ -92,6 +95,7 @@ class RankSender:
                 if len(src):
                     handle = rank.writer.post(rank.name, src, dst, b"")
                     self._handles.append((handle, self._backend.clock()))
+                    self._num_writes += 1
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
 
@@ -121,6 +125,13 @@ class RankSender:
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")
+        log.debug(
+            "rank %d: room %d ended %s, %d KV writes posted",
+            self._backend.place.rank,
+            self.room,
+            self._state.name,
+            self._num_writes,
+        )
 
     def _release(self) -> None:
         """Release every write still held (cancelling it); keep those NIXL refused."""

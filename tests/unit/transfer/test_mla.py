@@ -1,6 +1,6 @@
 """An MLA pool (kind ``mla``) at the transfer's seams: its layout travels on the wire, a
-mismatched decode is named with both shapes, one rank writes it, and an SGLang MLA decode's
-registration (one latent region per layer) is a peer."""
+mismatched decode is named with both shapes, and an SGLang MLA decode's registration (one
+latent region per layer) is a peer. Which tensor-parallel rank writes it: test_headplan.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from prefill_worker.kv.layout import MLA, KVLayout
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.latent import mla_mismatch, writes_kv
+from prefill_worker.transfer.latent import mla_mismatch
 from prefill_worker.transfer.sglang.accept import check_registration, peer_regions
 from prefill_worker.transfer.sglang.frames import Registration
 from prefill_worker.transfer.validate import RejectReason
@@ -57,11 +57,6 @@ def test_a_mismatch_with_an_mla_pool_names_both_shapes() -> None:
     why = mla_mismatch(OURS, MHA)
     assert why is not None and "is mla (one latent of 32" in why
     assert "this worker's is layer_major (2 KV heads x head_dim 16)" in why
-
-
-def test_one_rank_writes_an_mla_pool_every_rank_writes_its_heads() -> None:
-    assert [writes_kv(OURS, rank) for rank in range(3)] == [True, False, False]
-    assert [writes_kv(MHA, rank) for rank in range(3)] == [True, True, True]
 
 
 def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> None:

@@ -19,6 +19,8 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.frames import TransferRequest, parse
+from tests.unit.transfer.test_mla import OURS as MLA_LAYOUT
+from tests.unit.transfer.test_mla import mla_registration
 from tests.unit.transfer.test_sglang_desk import LAYOUT, Rig, frames_of, registration
 
 # Rank 0's pool: one of the model's two KV heads (fake addresses: NIXL is a stand-in).
@@ -70,6 +72,20 @@ def test_a_tp2_decode_rank_1_is_written_by_rank_1_only() -> None:
     assert rig.rooms.num_claims(1234) == 1 and not rig.rejects and not rig.replies.sent
     rig.send(request(room=99, required_dst_info_num=2))
     assert rig.rejects == ["unsupported"]
+
+
+def test_an_sglang_mla_decode_is_refused_by_an_mla_worker_of_tp_2(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SGLang's MLA decode (attention TP 1) asks every prefill rank, all but one with a dummy
+    request; the desk does not serve that, so it refuses the registration, typed and named
+    (the same decode is a peer of a TP-1 worker: test_mla.py). The native protocol serves
+    such a worker (tests/integration/daemon/test_mla_tp.py)."""
+    rig = Rig(layout=MLA_LAYOUT)
+    rig.desk.lead(2, 1)
+    rig.send(mla_registration())
+    assert rig.rejects == ["unsupported"] and not rig.peers
+    assert "an MLA model at worker TP 2: run the worker at TP 1" in caplog.text
 
 
 @pytest.fixture
