@@ -15,6 +15,10 @@ followers' lowest state and whether every follower is settled. A follower releas
 writes when its fail or close comes; the leader counts "settled" only from an exchange that
 carried that fail or close (an earlier one may predate writes still queued), and keeps a
 closed room in the exchanges until its followers settled it.
+
+A follower also reports the bytes its writes landed since its last answer
+(``MirrorTarget.take_written_bytes``), in the same step answer as its forward seconds
+(``channel.py``): rooms need not be open for it, and the leader only sums them.
 """
 
 from __future__ import annotations
@@ -141,6 +145,10 @@ class Replaying(Protocol):
         """A decode rank the leader admitted: its agent and pool (op ``peer``)."""
         ...
 
+    def take_written_bytes(self) -> int:
+        """The bytes of this rank's writes that landed since the last call."""
+        ...
+
 
 @runtime_checkable
 class Binding(Protocol):
@@ -179,6 +187,11 @@ class MirrorTarget:
             for room in rooms
         ]
         return codes + [UNSETTLED if self._is_unsettled(room) else SETTLED for room in rooms]
+
+    def take_written_bytes(self) -> int:
+        """The bytes this rank's writes landed since the last call (counted when ``codes``
+        or ``apply`` polled them: ask after ``codes``, for the step's answer)."""
+        return self._backend.take_written_bytes()
 
     def close(self) -> None:
         """Close every sender left, then the backend."""

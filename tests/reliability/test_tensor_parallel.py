@@ -8,7 +8,9 @@ worker (``testing.tp_ranks --dump-dir``), equals the TP-1 worker's pool at that 
 (``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so native decodes of
 TP 1 (every head), 2 (a receiver per head) and 4 (each head on two receivers) receive the
 whole KV: byte for byte what each worker rank's pool holds, and within 1e-4 of the TP-1
-worker's KV.
+worker's KV. The leader's /metrics shows every rank's forward times, and every rank's written
+bytes: exactly its planned heads of each room's pages (rank 0's with the aux rows), summing to
+the group's ``prefill_worker_transfer_bytes_total``.
 
 Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
 timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
@@ -32,17 +34,21 @@ import pytest
 import torch
 
 from prefill_worker.ingress.messages import Result
+from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.model.parallel import TPGroup, kv_head_range
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
+from prefill_worker.transfer.headplan import plan_rank
 from prefill_worker.transfer.wire import WorkerTP
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
     DECODE_PAGES,
+    HEAD_DIM,
     NUM_KV_HEADS,
+    NUM_LAYERS,
     PAGE_SIZE,
     ROOT,
     Worker,
@@ -54,6 +60,8 @@ from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
 
 TOL = 1e-4
+TRANSFER_BYTES = "prefill_worker_transfer_bytes_total"
+HEAD_PAGE_BYTES = 2 * NUM_LAYERS * PAGE_SIZE * HEAD_DIM * 4  # one head's K and V, a page, fp32
 TP_MODULE = "prefill_worker.testing.tp_ranks"
 STEP_TIMEOUT_S, HEARTBEAT_S = 3.0, 0.5
 FAST = (f"parallel.step_timeout_s={STEP_TIMEOUT_S}", f"parallel.heartbeat_interval_s={HEARTBEAT_S}")
@@ -219,10 +227,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         session = Session(worker)
         try:
             answers = serve_script(session, tp)
+            samples = scrape(worker)
             forwards = {
                 labels: value
-                for (name, labels), value in scrape(worker).items()
+                for (name, labels), value in samples.items()
                 if name == "prefill_worker_tp_forward_seconds_count"
+            }
+            written = {
+                dict(labels).get("rank", "total"): value
+                for (name, labels), value in samples.items()
+                if name in ("prefill_worker_tp_write_bytes_total", TRANSFER_BYTES)
             }
         except BaseException:
             worker.child.kill()  # no worker outlives a failed script
@@ -231,7 +245,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
         pools = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(tp)]
-        results[tp] = answers, pools, forwards
+        results[tp] = answers, pools, forwards, written
     yield results
 
 
@@ -310,6 +324,32 @@ def test_metrics_show_every_rank_forward(served: dict, tp: int) -> None:
     assert set(forwards) == {(("rank", str(rank)),) for rank in range(tp)}
     assert len(set(forwards.values())) == 1 and min(forwards.values()) > 0  # every step
     assert served[1][2] == {}  # no group, no series
+
+
+def rooms_written(tp: int) -> list[tuple[int, int]]:
+    """(pages, decode TP) of every room ``serve_script`` sent (docs: its docstring)."""
+    rooms = [(-(-len(tokens) // PAGE_SIZE), 1) for tokens in (LONG, HIT, *BATCH)]
+    return rooms + [(-(-len(LONG) // PAGE_SIZE), size if tp > 1 else 1) for size in (2, 4)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_metrics_count_every_ranks_writes_exactly(served: dict, tp: int) -> None:
+    """The group's ``prefill_worker_transfer_bytes_total`` is the sum of its ranks'
+    ``prefill_worker_tp_write_bytes_total``, and each rank's is exactly its heads (the plan's
+    slices) of every room's pages, K and V of each layer; rank 0's with an aux row per decode
+    rank of each room. At TP 4 (a head on two ranks) ranks 1 and 2 write into no decode here."""
+    written = served[tp][3]
+    expected = [0] * tp
+    for num_pages, size in rooms_written(tp):
+        for rank in range(tp):
+            heads = sum(s.num_heads for s in plan_rank(NUM_KV_HEADS, rank, tp, size))
+            expected[rank] += num_pages * heads * HEAD_PAGE_BYTES
+        expected[0] += size * AUX_ROW_BYTES
+    if tp == 1:
+        assert written == {"total": expected[0]}  # no group, no rank series
+        return
+    assert [written[str(rank)] for rank in range(tp)] == expected
+    assert written["total"] == sum(expected)
 
 
 def test_under_torchrun_each_process_is_one_rank(

@@ -16,10 +16,16 @@ The aux row and the status are the leader's (sent once every rank's SUCCESS is a
 this rank's SUCCESS says only "my writes landed". A write NIXL refuses or reports failed
 fails the room (FAILED, agreed by the group); one still in flight past ``write_timeout_s``
 too. A failed room releases its writes in flight; ``settle`` says when none can land any more
-(a release NIXL refuses is retried), for the leader's failure status. When a room closes here
-the rank logs (debug) how many KV writes it posted for it: none when the head plan gives its
-decode ranks to other ranks (an MLA latent into a decode of TP 1: rank 0 alone). Torch-free;
-importing it imports NIXL.
+(a release NIXL refuses is retried), for the leader's failure status.
+
+A write that landed (DONE) counts its bytes (what its descriptors cover) twice: for its room
+(``written_bytes``, and the debug line the rank logs when the room closes: its writes posted
+and the bytes landed) and for the backend (``take_written_bytes``: what landed since the last
+call, which the follower reports to the leader in its step answer, ``tp/channel.py``, for the
+group's ``prefill_worker_transfer_bytes_total`` and this rank's
+``prefill_worker_tp_write_bytes_total``). A rank writes nothing for a room whose decode ranks
+the head plan gives to other ranks (an MLA latent into a decode of TP 1: rank 0 alone).
+Torch-free; importing it imports NIXL.
 """
 
 from __future__ import annotations
@@ -60,9 +66,10 @@ class RankSender:
         self._state = KVPoll.READY
         self._reason: str | None = None
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
-        self._handles: list[tuple[Any, float]] = []  # (handle, posted at)
+        self._handles: list[tuple[Any, float, int]] = []  # (handle, posted at, bytes)
         self._is_last = False  # the aux op came: no more pages
         self._num_writes = 0  # KV writes this rank posted for the room
+        self._written_bytes = 0  # ... and the bytes of those that landed
 
     def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None:
         ranks = self._backend.decode_ranks
@@ -93,8 +100,8 @@ class RankSender:
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
                 if len(src):
-                    handle = rank.writer.post(rank.name, src, dst, b"")
-                    self._handles.append((handle, self._backend.clock()))
+                    handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
+                    self._handles.append((handle, self._backend.clock(), num_bytes))
                     self._num_writes += 1
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
@@ -121,33 +128,38 @@ class RankSender:
         return None
 
     def written_bytes(self) -> int:
-        return 0
+        """The bytes of this rank's writes of the room that landed."""
+        return self._written_bytes
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")
         log.debug(
-            "rank %d: room %d ended %s, %d KV writes posted",
+            "rank %d: room %d ended %s, %d KV writes posted, %d bytes landed",
             self._backend.place.rank,
             self.room,
             self._state.name,
             self._num_writes,
+            self._written_bytes,
         )
 
     def _release(self) -> None:
         """Release every write still held (cancelling it); keep those NIXL refused."""
-        self._handles = [(h, t) for h, t in self._handles if not self._backend.release(h)]
+        self._handles = [w for w in self._handles if not self._backend.release(w[0])]
 
     def _check_writes(self) -> None:
         agent, now, pending, why = self._backend.agent, self._backend.clock(), [], None
-        for handle, posted_at in self._handles:
+        for handle, posted_at, num_bytes in self._handles:
             state = agent.check_xfer_state(handle)
+            if state == "DONE":
+                self._written_bytes += num_bytes
+                self._backend.count_written(num_bytes)
             if state in ("DONE", "ERR"):  # over: nothing more of it can land
                 self._backend.release(handle)
                 why = why or (
                     None if state == "DONE" else "a KV write failed on a tensor-parallel rank"
                 )
             else:
-                pending.append((handle, posted_at))
+                pending.append((handle, posted_at, num_bytes))
                 if now - posted_at > self._backend.write_timeout_s:
                     why = (
                         why or f"a KV write was in flight over {self._backend.write_timeout_s:g} s"
@@ -174,6 +186,7 @@ class RankBackend:
         kv_table, _ = region_tables(regions)  # the KV pool only: the aux rows are the leader's
         self._registration = agent.register_memory(kv_table, mem_type(regions.device))
         self._ranks: dict[str, _DecodeRank] = {}
+        self._written_bytes = 0  # landed since the last ``take_written_bytes``
 
     @property
     def decode_ranks(self) -> Mapping[str, _DecodeRank]:
@@ -208,6 +221,15 @@ class RankBackend:
             log.warning("releasing a write handle: %s", exc)
             return False
         return True
+
+    def count_written(self, num_bytes: int) -> None:
+        """A write of ``num_bytes`` landed (a sender's, when it checked its writes)."""
+        self._written_bytes += num_bytes
+
+    def take_written_bytes(self) -> int:
+        """The bytes of every write that landed since the last call."""
+        num_bytes, self._written_bytes = self._written_bytes, 0
+        return num_bytes
 
     def poll(self) -> None:
         """Nothing between rooms: each sender checks its writes when polled."""

@@ -8,18 +8,20 @@ gloo on CPU), fp32:
 
 - a native decode of TP 1 (``KVReceiver.from_tensors(latents, [])``) receives, for a chunked
   prompt, every layer's latent rows within 1e-4 of transformers' cache, the first token in
-  the aux row, DONE; and only rank 0 wrote: the follower posted no KV write for its room (its
-  own count, in the line ``transfer.nixl.rank_backend`` logs when a room ends on a rank);
+  the aux row, DONE; and only rank 0 wrote: the follower's
+  ``prefill_worker_tp_write_bytes_total{rank="1"}`` did not move for the room (the bytes it
+  reports to the leader in its step answers), rank 0's moved by the latent and the aux row;
 - a native decode of TP 2 (a receiver per rank, each over a whole latent pool) receives the
   same rows on both ranks, byte for byte what the TP-1 decode received (the TP-2 forward is
-  deterministic: the same prompt is recomputed, bit for bit), rank 1's from rank 1;
+  deterministic: the same prompt is recomputed, bit for bit), rank 1's from rank 1: its
+  series moved by exactly the room's latent pages, and the group's
+  ``prefill_worker_transfer_bytes_total`` by the sum over ranks;
 - the worker's page and aux pools are whole afterwards (the followers allocate nothing: the
   leader's page ids index every rank's pool), and SIGTERM drains every rank to exit 0.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
 from tests.checkpoints import hf_model, make_checkpoint, prompt
@@ -116,6 +119,8 @@ class Served:
     d1: list[list[torch.Tensor]]  # the TP-1 decode: [rank 0][layer] rows
     d2: list[list[torch.Tensor]]  # the TP-2 decode: [rank][layer] rows
     first_token_id: int
+    written: dict[int, tuple[float, ...]]  # by room: what written() moved by over it
+    latent_bytes: int  # the room's latent pages, every layer: one decode rank's KV
 
 
 def pool_usage(worker: Worker) -> dict[str, float]:
@@ -132,14 +137,22 @@ def pool_usage(worker: Worker) -> dict[str, float]:
     return usage
 
 
-def room_writes(worker: Worker, rank: int, room: int) -> int:
-    """The KV writes rank ``rank`` says it posted for ``room``, in the line it logs (debug, as
-    configs/tiny-test.yaml logs) when the leader's close of the room reaches it."""
-    pattern = rf"rank {rank}: room {room} ended \w+, (\d+) KV writes posted"
-    wait_until(lambda: re.search(pattern, worker.log()) is not None, 10.0, f"room {room} closed")
-    found = re.findall(pattern, worker.log())
-    assert len(found) == 1, found
-    return int(found[0])
+def written(worker: Worker) -> tuple[float, ...]:
+    """The group's bytes written (``prefill_worker_transfer_bytes_total``), then each rank's
+    (``prefill_worker_tp_write_bytes_total{rank}``), as /metrics says."""
+    status, text = worker.http("/metrics")
+    assert status == 200, text
+    samples = {
+        (s.name, s.labels.get("rank")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    ranks = [samples[("prefill_worker_tp_write_bytes_total", str(r))] for r in range(2)]
+    return samples[("prefill_worker_transfer_bytes_total", None)], *ranks
+
+
+def moved(before: tuple[float, ...], after: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(b - a for a, b in zip(before, after, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +164,20 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         wait_ready(worker)
         router = BlockingRouterClient(worker.ingress)
         decodes = [LatentDecode(worker.bootstrap, size) for size in (1, 2)]
+        layout = describe_worker(worker.bootstrap, 30.0)
+        latent_bytes = len(decodes[0].pages[0]) * layout.num_layers * layout.page_bytes
         try:
+            before = written(worker)
             d1 = decodes[0].receive(router, ROOM_D1)
+            after_d1 = written(worker)
             d2 = decodes[1].receive(router, ROOM_D2)
+            after_d2 = written(worker)
         finally:
             for decode in decodes:
                 decode.close()
             router.close()
-        yield Served(worker, checkpoint, d1, d2, decodes[0].first_token_id)
+        by_room = {ROOM_D1: moved(before, after_d1), ROOM_D2: moved(after_d1, after_d2)}
+        yield Served(worker, checkpoint, d1, d2, decodes[0].first_token_id, by_room, latent_bytes)
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
     finally:
         worker.child.kill()
@@ -170,8 +189,18 @@ def test_a_tp1_decode_gets_transformers_latent_from_rank_0_alone(served: Served)
     (rows,) = served.d1
     for layer, (got, want) in enumerate(zip(rows, hf_rows, strict=True)):
         torch.testing.assert_close(got, want, atol=TOL, rtol=0, msg=f"layer {layer}")
-    assert room_writes(served.worker, 1, ROOM_D1) == 0  # the follower wrote nothing
-    assert room_writes(served.worker, 1, ROOM_D2) > 0  # ... though it can (the TP-2 decode)
+    total, rank0, rank1 = served.written[ROOM_D1]
+    assert rank1 == 0  # the follower wrote nothing
+    assert rank0 == served.latent_bytes + AUX_ROW_BYTES  # the leader: every page, the aux row
+    assert total == rank0
+
+
+def test_each_rank_of_a_tp2_decode_is_written_by_its_own_rank(served: Served) -> None:
+    total, rank0, rank1 = served.written[ROOM_D2]
+    assert rank1 == served.latent_bytes  # the follower: every latent page into its rank
+    assert rank0 == served.latent_bytes + 2 * AUX_ROW_BYTES  # the same into rank 0; an aux
+    # row into each decode rank
+    assert total == rank0 + rank1
 
 
 def test_a_tp2_decode_gets_the_same_latent_on_each_rank(served: Served) -> None:
