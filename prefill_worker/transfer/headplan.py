@@ -84,11 +84,13 @@ class HeadSlice:
 
 def writer_rank(num_kv_heads: int, head: int, dst_rank: int, src_tp: int, dst_tp: int) -> int:
     """The one prefill rank that writes ``head`` into decode rank ``dst_rank``: of the
-    prefill ranks holding it (consecutive), the one at the decode rank's relative position,
-    so replicas share the writing and decode rank j reads from prefill rank j * p // d when
-    that rank holds its heads (SGLang's ``target_tp_rank`` for d >= p)."""
+    prefill ranks holding it (consecutive), the one at the decode rank's position among the
+    decode ranks holding it, scaled. So replicas share the writing: at p = d each prefill rank
+    writes its own decode rank, and for d >= p decode rank j reads from prefill rank
+    j * p // d alone (SGLang's ``target_tp_rank``)."""
     holders = [r for r in range(src_tp) if head in kv_head_range(num_kv_heads, r, src_tp)]
-    return holders[dst_rank * len(holders) // dst_tp]
+    readers = [j for j in range(dst_tp) if head in kv_head_range(num_kv_heads, j, dst_tp)]
+    return holders[readers.index(dst_rank) * len(holders) // len(readers)]
 
 
 def plan_rank(num_kv_heads: int, src_rank: int, src_tp: int, dst_tp: int) -> tuple[HeadSlice, ...]:

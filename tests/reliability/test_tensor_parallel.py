@@ -337,7 +337,8 @@ def test_metrics_count_every_ranks_writes_exactly(served: dict, tp: int) -> None
     """The group's ``prefill_worker_transfer_bytes_total`` is the sum of its ranks'
     ``prefill_worker_tp_write_bytes_total``, and each rank's is exactly its heads (the plan's
     slices) of every room's pages, K and V of each layer; rank 0's with an aux row per decode
-    rank of each room. At TP 4 (a head on two ranks) ranks 1 and 2 write into no decode here."""
+    rank of each room. At TP 4 (a head on two ranks) ranks 1 and 3 write only into the decode of
+    TP 4 (each its own decode rank's heads)."""
     written = served[tp][3]
     expected = [0] * tp
     for num_pages, size in rooms_written(tp):

@@ -62,6 +62,23 @@ def test_examples() -> None:
     assert writer_rank(2, 1, 0, 4, 1) == 2  # head 1 lives on prefill ranks 2 and 3
 
 
+@pytest.mark.parametrize(("num_kv_heads", "src_tp", "dst_tp"), CASES)
+def test_replicas_share_the_writing_as_sglang_targets_ranks(
+    num_kv_heads: int, src_tp: int, dst_tp: int
+) -> None:
+    """For d >= p decode rank j hears from prefill rank j * p // d alone (SGLang's
+    ``target_tp_rank``); at p = d that is its own rank, a whole page, however many ranks
+    hold each head (with the writing given to the first replica, ranks would sit idle)."""
+    if dst_tp < src_tp:
+        return
+    for j in range(dst_tp):
+        assert sources_of(num_kv_heads, j, src_tp, dst_tp) == (j * src_tp // dst_tp,)
+    if src_tp == dst_tp:
+        for r in range(src_tp):
+            (only,) = plan_rank(num_kv_heads, r, src_tp, dst_tp)
+            assert (only.dst_rank, only.is_whole_page) == (r, True)
+
+
 def test_heads_that_do_not_split_are_refused() -> None:
     with pytest.raises(ValueError, match="do not split"):
         plan_rank(3, 0, 1, 2)
