@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.001  # NIXL has no fd: while writes are in flight the engine polls this often
 _WAITING_POLL_S = 0.1  # the transfer thread wakes us when a write settles; this bounds it
-_MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
+_MAX_CLAIMS_PER_ROOM = 4  # wants for one room before its request (a wider decode: its ranks)
 
 
 class PushHub(Generic[P]):
