@@ -145,7 +145,9 @@ def test_a_refused_request_says_exactly_why() -> None:
         "ranks": (request(required_dst_info_num=2), "the room needs 2 decode ranks" + tail),
         "dummy": (
             request(is_dummy=True),
-            "the room needs 1 decode ranks (this one a dummy)" + tail,
+            "a dummy request (no pages) from a decode of attention TP 1 to this worker "
+            "(attention TP 1, K/V): SGLang sends dummies only for an MLA model, from a decode "
+            "of the smaller TP",
         ),
         "state": (
             request(has_state=True),

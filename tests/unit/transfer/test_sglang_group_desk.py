@@ -18,7 +18,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
-from prefill_worker.transfer.sglang.frames import TransferRequest, parse
+from prefill_worker.transfer.sglang.frames import AbortNotice, TransferRequest, parse
 from tests.unit.transfer.test_mla import OURS as MLA_LAYOUT
 from tests.unit.transfer.test_mla import mla_registration
 from tests.unit.transfer.test_sglang_desk import LAYOUT, Rig, frames_of, registration
@@ -56,6 +56,10 @@ def test_a_tp1_decode_gets_rank_0s_head_here_and_the_rest_from_the_mirror() -> N
     assert rig.hub.ctx.dialect.send(peer, wire.Status(1234, "ok", None))
     statuses = [frames[:4] for _, frames in rig.replies.sent]
     assert statuses == [[b"KV_STATUS", b"1234", b"4", rank] for rank in (b"0", b"1")]
+    rig.replies.sent.clear()  # an ABORT_ACK too comes from each rank it asked
+    assert rig.hub.ctx.dialect.send(peer, wire.Status(1234, "aborted", None), 3)
+    acks = [frames for _, frames in rig.replies.sent]
+    assert acks == [[b"ABORT_ACK", b"1234", rank, b"3"] for rank in (b"0", b"1")]
 
 
 def test_a_tp2_decode_rank_1_is_written_by_rank_1_only() -> None:
@@ -74,18 +78,90 @@ def test_a_tp2_decode_rank_1_is_written_by_rank_1_only() -> None:
     assert rig.rejects == ["unsupported"]
 
 
-def test_an_sglang_mla_decode_is_refused_by_an_mla_worker_of_tp_2(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """SGLang's MLA decode (attention TP 1) asks every prefill rank, all but one with a dummy
-    request; the desk does not serve that, so it refuses the registration, typed and named
-    (the same decode is a peer of a TP-1 worker: test_mla.py). The native protocol serves
-    such a worker (tests/integration/daemon/test_mla_tp.py)."""
+def mla_leader() -> Rig:
     rig = Rig(layout=MLA_LAYOUT)
     rig.desk.lead(2, 1)
+    return rig
+
+
+DUMMY = {"is_dummy": True, "packed_page_ids": b""}  # SGLang's dummy: no pages
+
+
+def statuses(rig: Rig) -> list[list[bytes]]:
+    return [frames[:4] for _, frames in rig.replies.sent]
+
+
+@pytest.mark.parametrize("dummy_first", [False, True], ids=["real-first", "dummy-first"])
+def test_an_sglang_mla_decode_reads_the_latent_from_rank_0_and_dummies_rank_1(
+    dummy_first: bool,
+) -> None:
+    """SGLang's MLA decode of attention TP 1 at a TP-2 worker: its real request for rank 0,
+    a dummy for rank 1 (both reach the leader, in either order). The leader writes the latent
+    whole (headplan: decode rank 0 from worker rank 0), the dummy holds nothing and hears
+    nothing, and the decode gets one KV_STATUS, rank 0's (it counts one: a second would be
+    a dummy rank speaking, which SGLang's never does)."""
+    rig, reg = mla_leader(), mla_registration()
+    rig.send(reg)
+    rig.send(reg)  # registered once per rank it asks: the repeat changes nothing
+    peer = rig.peers[reg.agent_name]
+    assert peer.is_fed and peer.head_slice is None  # whole pages, no token runs
+    assert peer.registration is not None and peer.registration.tp == wire.DecodeRank(0, 1, 0, 1)
+    assert (peer.prefill_ranks, peer.status_ranks) == (range(2), range(1))
+    for frame in [request(**DUMMY), request()][:: 1 if dummy_first else -1]:
+        rig.send(frame)
+    assert rig.rooms.num_claims(1234) == 1 and not rig.rejects and not rig.replies.sent
+    assert rig.hub.ctx.dialect.send(peer, wire.Status(1234, "ok", None))
+    assert statuses(rig) == [[b"KV_STATUS", b"1234", b"4", b"0"]]
+    rig.replies.sent.clear()
+    assert rig.hub.ctx.dialect.send(peer, wire.Status(1234, "failed", "lost"))
+    failed = [b"KV_STATUS", b"1234", b"0", b"0", b"lost"]
+    assert [frames for _, frames in rig.replies.sent] == [failed]
+
+
+def test_a_dummy_alone_holds_nothing_and_hears_nothing() -> None:
+    """The dummy for a room whose real request never came (or was refused): no want, no
+    room, no reply; the real request is what fails or times out."""
+    rig = mla_leader()
     rig.send(mla_registration())
-    assert rig.rejects == ["unsupported"] and not rig.peers
-    assert "an MLA model at worker TP 2: run the worker at TP 1" in caplog.text
+    rig.send(request(**DUMMY))
+    assert rig.rooms.num_claims(1234) == 0 and not rig.rejects and not rig.replies.sent
+    too_many = bytes(4 * (MLA_LAYOUT.num_pages + 1))  # more pages than any prompt needs
+    rig.send(request(room=77, packed_page_ids=too_many))
+    rig.send(request(room=77, **DUMMY))
+    assert rig.rejects == ["bad_want"] and rig.rooms.num_claims(77) == 0  # the real one's
+    assert [frames[:4] for _, frames in rig.replies.sent] == [[b"KV_STATUS", b"77", b"0", b"0"]]
+
+
+def test_an_mla_decodes_abort_is_acknowledged_in_the_name_of_both_ranks_it_asked() -> None:
+    """It sends its ABORT to both ranks (both the leader) and frees the room's pages once an
+    ABORT_ACK came from each rank it asked, the dummy's too (``is_abort_release_safe``)."""
+    rig = mla_leader()
+    reg = mla_registration()
+    rig.send(reg)
+    rig.send(request())
+    rig.send(request(**DUMMY))
+    for _ in range(2):
+        rig.send(AbortNotice(1234, reg.endpoint, generation=5))
+    assert rig.rooms.num_claims(1234) == 0
+    acks = {tuple(frames) for _, frames in rig.replies.sent}
+    assert acks == {(b"ABORT_ACK", b"1234", rank, b"5") for rank in (b"0", b"1")}
+
+
+def test_dummies_are_refused_where_sglang_sends_none() -> None:
+    """A K/V decode never sends one (every rank it asks is real), nor an MLA decode at a
+    worker of its own TP: typed, named, the room's statuses failed."""
+    mha = leader()
+    mha.send(registration())
+    mha.send(request(**DUMMY))
+    single = Rig(layout=MLA_LAYOUT)
+    single.send(mla_registration())
+    single.send(request(**DUMMY))
+    for rig, shape, ranks in [(mha, "attention TP 2, K/V", 2), (single, "attention TP 1, MLA", 1)]:
+        assert rig.rejects == ["unsupported"] and rig.rooms.num_claims(1234) == 0
+        sent = [frames for _, frames in rig.replies.sent]
+        assert [f[:3] for f in sent] == [[b"KV_STATUS", b"1234", b"0"]] * ranks
+        why = f"a dummy request (no pages) from a decode of attention TP 1 to this worker ({shape})"
+        assert why in sent[0][4].decode()
 
 
 @pytest.fixture
