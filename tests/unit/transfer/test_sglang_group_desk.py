@@ -12,16 +12,24 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.headplan import slice_table
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
-from prefill_worker.transfer.sglang.frames import AbortNotice, TransferRequest, parse
+from prefill_worker.transfer.sglang.frames import AbortNotice, Endpoint, TransferRequest, parse
 from tests.unit.transfer.test_mla import OURS as MLA_LAYOUT
 from tests.unit.transfer.test_mla import mla_registration
-from tests.unit.transfer.test_sglang_desk import LAYOUT, Rig, frames_of, registration
+from tests.unit.transfer.test_sglang_desk import (
+    LAYOUT,
+    FakeList,
+    Rig,
+    frames_of,
+    registration,
+)
 
 # Rank 0's pool: one of the model's two KV heads (fake addresses: NIXL is a stand-in).
 LOCAL = KVRegions(
@@ -30,7 +38,8 @@ LOCAL = KVRegions(
 
 
 def leader() -> Rig:
-    rig = Rig(regions=LOCAL)
+    """Built as the backend builds it: over rank 0's pool (one head), then told the model's."""
+    rig = Rig(regions=LOCAL, layout=LOCAL.layout)
     rig.desk.lead(2, LAYOUT.num_kv_heads)
     return rig
 
@@ -71,11 +80,76 @@ def test_a_tp2_decode_rank_1_is_written_by_rank_1_only() -> None:
     rig.send(reg)
     peer = rig.peers[reg.agent_name]
     assert not peer.is_fed and peer.prefill_ranks == range(1, 2)
+    assert (peer.tp_rank, peer.tp_size) == (1, 2)
     assert peer.registration is not None and peer.registration.tp == wire.DecodeRank(1, 2, 1, 2)
     rig.send(request())  # one decode rank per worker rank: required_dst_info_num 1
     assert rig.rooms.num_claims(1234) == 1 and not rig.rejects and not rig.replies.sent
     rig.send(request(room=99, required_dst_info_num=2))
     assert rig.rejects == ["unsupported"]
+
+
+def test_the_mirrors_register_is_the_decodes_own_agent_metadata_and_pool() -> None:
+    rig, reg = leader(), registration()
+    rig.send(reg)
+    held = rig.peers[reg.agent_name].registration
+    assert held is not None
+    want = wire.Register.of(
+        reg.agent_name,
+        wire.frame_metadata(reg.agent_metadata),
+        rig.peers[reg.agent_name].regions,
+        "sglang",
+        wire.DecodeRank(0, 1, 0, 2),
+    )
+    assert held == want
+
+
+def test_rank_0s_head_is_prepared_as_token_runs_once_for_every_decode_fed_that_slice() -> None:
+    """A decode of TP 1 holds both heads; rank 0 writes its one at offset 0: token runs of
+    head 0 on both sides, our side's list prepared once and kept for the next such decode."""
+    rig, preps = leader(), []
+
+    def prep(name: str, table: np.ndarray, mem_type: str) -> FakeList:
+        preps.append((name, np.array(table)))
+        return FakeList()
+
+    rig.agent.prep_xfer_dlist = prep  # type: ignore[method-assign]
+    first = registration()
+    rig.send(first)
+    second = dataclasses.replace(
+        registration("other"), endpoint=Endpoint(first.endpoint.host, first.endpoint.port + 1)
+    )
+    rig.send(second)
+    assert not rig.rejects and len(rig.peers) == 2
+    names = [name for name, _ in preps]
+    assert names[:3] == ["NIXL_INIT_AGENT", first.agent_name, first.agent_name]
+    assert names[3:] == [second.agent_name] * 2  # ours is not prepared again
+    assert np.array_equal(preps[0][1], slice_table(LOCAL, 0, 1))
+    theirs = rig.peers[first.agent_name].regions
+    assert np.array_equal(preps[1][1], slice_table(theirs, 0, 1))
+    assert list(rig.hub.ctx.pages.sliced) == [(0, 1)]
+    assert rig.hub.ctx.pages.sliced[(0, 1)] is not None
+
+
+def test_a_copy_of_a_request_is_ignored_once_its_room_is_bound() -> None:
+    """A decode of TP 1 sends each request to both ranks (both this leader): the copy that
+    comes after the router's request bound the room changes nothing either."""
+    rig, reg = leader(), registration()
+    rig.send(reg)
+    rig.send(request())
+    sender = rig.hub.create_sender(1234, "req", 8)
+    assert rig.peers[reg.agent_name] in sender.peers
+    rig.send(request())
+    assert not rig.rejects and not rig.replies.sent
+
+
+def test_a_decode_of_the_workers_tp_asking_twice_is_refused_the_second_time() -> None:
+    """Only a decode of smaller TP sends copies; one of the worker's TP (1 here) asking
+    twice for a room is a duplicate."""
+    rig = Rig()
+    rig.send(registration())
+    rig.send(request())
+    rig.send(request())
+    assert rig.rejects == ["duplicate_want"] and rig.rooms.num_claims(1234) == 1
 
 
 def mla_leader() -> Rig:
