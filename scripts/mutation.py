@@ -141,11 +141,14 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/transfer/sglang/accept.py": [
         _T + "test_sglang_accept.py",
         _T + "test_sglang_accept_pins.py",
+        _T + "test_sglang_group_desk.py",
+        _T + "test_mla.py",
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
+        _T + "test_sglang_group_desk.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

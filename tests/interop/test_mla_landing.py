@@ -6,13 +6,16 @@ prefix: every latent page lands where the decode asked, nothing else moves, SGLa
 says Success. A decode whose pool is not that latent is refused, and learns why. Runs on each
 version's shared decode process (``conftest.version``): no process of its own.
 
-The real worker with an MLA model (``test_the_worker_serves_an_sglang_mla_decode``) is one
-parametrisation away: add the family to ``MLA_FAMILIES`` once ``tests/checkpoints.py`` makes
-a tiny DeepSeek-V3 checkpoint."""
+The real worker on a tiny DeepSeek-V3 (``MLA_FAMILIES``) into SGLang's MLA decode of
+attention TP 1: at worker TP 1 against transformers' cache, and at worker TP 2 (the decode
+asks rank 0 for real and sends rank 1 a dummy, both the leader's socket: docs/sglang.md,
+"Workers with TP > 1") against the TP-1 worker's latent; the TP-2 case on the newest pinned
+version (``PW_INTEROP_ALL=1``: every one), as ``test_decode_tp.py``."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,19 +25,21 @@ import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
-from prefill_worker.request import OutcomeStatus
+from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import hf_mla_forward
-from tests.interop.conftest import launch
+from tests.interop.conftest import VERSIONS, Served, assert_pools_whole, launch
 from tests.interop.decodes import SglangDecode, new_room
 from tests.interop.rig import PrefillRig, push
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
 NUM_LAYERS, LATENT = 2, 48  # the latent: kv_lora_rank 32 + qk_rope_head_dim 16
 WORKER_PAGES = 64
 MLA_FAMILIES = ["deepseek_v3"]
+ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
 
 
 class MlaWorker(PrefillRig):
@@ -162,3 +167,99 @@ def test_the_worker_serves_an_sglang_mla_decode(
     finally:
         client.close()
         served.worker.child.kill()
+
+
+def _latents(
+    served: Served, decode_process: SglangDecodeProcess, ids: list[int], held: int, tmp_path: Path
+) -> tuple[int, list[torch.Tensor]]:
+    """One room from ``served`` into a fresh MLA decode (attention TP 1) holding ``held``
+    tokens: the worker's first token (also the metadata row's) and, per layer, the prompt's
+    latent rows as landed (a held page checked untouched); the receiver said Success."""
+    kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+    assert kv["kind"] == MLA and kv["num_kv_heads"] == 1
+    layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, MLA)
+    decode = SglangDecode(decode_process, served.sglang, layout)
+    client = BlockingRouterClient(served.worker.ingress)
+    try:
+        room = new_room()
+        decode.want(room, len(ids), held)
+        # Prompt logprobs from 0: no prefix-cache hit, every token computed alike.
+        result = client.prefill(ids, room, return_logprob=True, logprob_start_len=0)
+        assert result.status is OutcomeStatus.OK, result
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+    finally:
+        client.close()
+    assert int(landed.output_ids[0]) == result.first_token_id
+    assert int(landed.bootstrap_room[0]) == room and landed.v == []
+    rows = []
+    for raw in landed.k:
+        assert (raw[: held // 16] == FILL_BYTE).all(), "a held page was written"
+        got = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.float32)
+        rows.append(got.view(-1, 1, layout.head_dim)[held : len(ids)])
+    return result.first_token_id, rows
+
+
+def _abort(served: Served, decode_process: SglangDecodeProcess) -> None:
+    """The decode aborts a room before the router's request: its ABORT goes to both worker
+    ranks (the leader's socket), and it may free the pages once an ABORT_ACK came from each
+    rank it asked, its dummy's too (SGLang's ``is_abort_release_safe``); the request ends
+    aborted by the decode, which says Failed."""
+    kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+    layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, MLA)
+    decode = SglangDecode(decode_process, served.sglang, layout)
+    client, room, ids = BlockingRouterClient(served.worker.ingress), new_room(), prompt(40, seed=9)
+    try:
+        decode.want(room, len(ids))
+        decode.abort(room)
+        wait_until(lambda: decode.acked(room), 20, "ABORT_ACK of both worker ranks")
+        result = client.prefill(ids, room)
+    finally:
+        client.close()
+    assert (result.status, result.reason) == (OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_DECODE)
+    assert decode.state(room)[0] == "Failed"
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_a_tp2_worker_serves_an_sglang_mla_decode_the_tp1_workers_latent(
+    sglang_version: str, decode_process: SglangDecodeProcess, tmp_path: Path, family: str
+) -> None:
+    """``prefill-worker serve`` at ``parallel.tp_size`` 2 on an MLA model, SGLang's
+    protocol: SGLang's MLA decode (attention TP 1) sends rank 0 its request and rank 1 a
+    dummy; rank 0 writes the latent once (headplan), the decode hears one KV_STATUS and says
+    Success, the first token in its metadata row. The latent rows equal the TP-1 worker's
+    within 1e-4 of the largest value (the TP-2 forward sums its attention output across
+    ranks in another order; layer 0's are byte for byte), the first token the same. An
+    aborted room is acknowledged for both ranks; both workers' pools end whole."""
+    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
+        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
+    checkpoint = make_checkpoint(family, tmp_path / family)
+    started = []
+    for tp in (1, 2):
+        (tmp_path / f"tp{tp}").mkdir()
+        started.append(
+            launch(
+                tmp_path / f"tp{tp}",
+                checkpoint,
+                16,
+                "float32",
+                "sglang",
+                "layer_major",
+                f"parallel.tp_size={tp}",
+            )
+        )
+    try:
+        tp1, tp2 = (one.ready() for one in started)
+        ids, held = prompt(45, seed=4), 16
+        want_token, want = _latents(tp1, decode_process, ids, held, tmp_path)
+        got_token, got = _latents(tp2, decode_process, ids, held, tmp_path)
+        assert got_token == want_token
+        for layer, (mine, ref) in enumerate(zip(got, want, strict=True)):
+            atol = 1e-4 * float(ref.abs().max())
+            torch.testing.assert_close(mine, ref, atol=atol, rtol=0, msg=f"layer {layer}")
+        _abort(tp2, decode_process)
+        for one in (tp1, tp2):
+            assert_pools_whole(one.worker)
+    finally:
+        for one in started:
+            one.worker.child.kill()

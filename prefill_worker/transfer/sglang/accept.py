@@ -97,18 +97,27 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def check_request(
-    req: TransferRequest, decode_tp_size: int = 1, prefill_tp_size: int = 1
+    req: TransferRequest, decode_tp_size: int = 1, prefill_tp_size: int = 1, is_mla: bool = False
 ) -> Refusal | None:
     """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s). A
     decode rank of attention TP d names as ``required_dst_info_num`` how many decode ranks
     each prefill rank it targets serves: d / p when d >= p, else 1 (SGLang's
-    ``_resolve_rank_mapping``; every decode rank's request reaches this leader)."""
-    expected = max(1, decode_tp_size // prefill_tp_size)
-    if req.required_dst_info_num != expected or req.is_dummy:
+    ``_resolve_rank_mapping``; every decode rank's request reaches this leader). A dummy
+    request (no pages: "this rank writes nothing for me") is SGLang's only for an MLA decode
+    of d < p, to each rank it targets but the first (``is_dummy_expected``)."""
+    if req.is_dummy and not is_dummy_expected(decode_tp_size, prefill_tp_size, is_mla):
         why = (
-            f"the room needs {req.required_dst_info_num} decode ranks"
-            f"{' (this one a dummy)' if req.is_dummy else ''}; from this worker (attention "
-            f"TP {prefill_tp_size}) a decode of attention TP {decode_tp_size} needs {expected}"
+            f"a dummy request (no pages) from a decode of attention TP {decode_tp_size} to "
+            f"this worker (attention TP {prefill_tp_size}, {'MLA' if is_mla else 'K/V'}): "
+            "SGLang sends dummies only for an MLA model, from a decode of the smaller TP"
+        )
+        return Refusal(RejectReason.UNSUPPORTED, why)
+    expected = max(1, decode_tp_size // prefill_tp_size)
+    if req.required_dst_info_num != expected:
+        why = (
+            f"the room needs {req.required_dst_info_num} decode ranks; from this worker "
+            f"(attention TP {prefill_tp_size}) a decode of attention TP {decode_tp_size} "
+            f"needs {expected}"
         )
         return Refusal(RejectReason.UNSUPPORTED, why)
     if req.has_state:
@@ -117,14 +126,33 @@ def check_request(
     return None
 
 
+def is_dummy_expected(decode_tp_size: int, prefill_tp_size: int, is_mla: bool) -> bool:
+    """Whether a decode rank of this shape sends dummy requests: SGLang's MLA decode of
+    attention TP d < p reads the latent from one prefill rank and sends each other rank it
+    targets a dummy (``_setup_bootstrap_infos``: ``is_dummy`` unless the rank is its
+    ``target_tp_rank``); a non-MLA decode never does."""
+    return is_mla and decode_tp_size < prefill_tp_size
+
+
 def target_ranks(decode_rank: int, decode_tp_size: int, prefill_tp_size: int) -> range:
-    """The prefill ranks a decode rank sends its requests to and expects a ``KV_STATUS``
-    from, one each (SGLang's ``_resolve_rank_mapping`` for a non-MLA model)."""
+    """The prefill ranks a decode rank sends its requests to, one each (SGLang's
+    ``_resolve_rank_mapping``, alike for MLA and not): an ``ABORT_ACK`` comes from each."""
     if decode_tp_size >= prefill_tp_size:
         rank = decode_rank // (decode_tp_size // prefill_tp_size)
         return range(rank, rank + 1)
     per_rank = prefill_tp_size // decode_tp_size
     return range(decode_rank * per_rank, (decode_rank + 1) * per_rank)
+
+
+def status_ranks(
+    decode_rank: int, decode_tp_size: int, prefill_tp_size: int, is_mla: bool
+) -> range:
+    """Those of ``target_ranks`` a decode rank expects a ``KV_STATUS`` from, one each: every
+    one, but for an MLA decode only the first (its ``target_tp_rank``, the one its real
+    request goes to; SGLang's dummy ranks send no status, and the decode counts one:
+    ``required_prefill_response_num`` 1). That is the rank ``headplan`` has write it."""
+    ranks = target_ranks(decode_rank, decode_tp_size, prefill_tp_size)
+    return ranks[:1] if is_mla else ranks
 
 
 def rank_slice(reg: Registration, ours: KVLayout, prefill_tp_size: int = 1) -> HeadSlice | None:
