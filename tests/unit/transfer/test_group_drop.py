@@ -150,6 +150,13 @@ def test_a_missing_peer_is_looked_for_only_when_the_backend_dropped_one() -> Non
     group.backend.poll()
     group.step()
     assert group.kinds() == []
+    group.leader.peers.add("d-a")
+    group.leader.drop("d-other")  # a drop: looked at once, then not again until the next
+    group.backend.poll()
+    group.leader.peers.discard("d-a")
+    group.backend.poll()
+    group.step()
+    assert group.kinds() == []
 
 
 def test_the_same_name_registering_again_is_mirrored_and_written_afresh() -> None:
