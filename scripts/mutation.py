@@ -66,7 +66,12 @@ _BOOTSTRAP = [
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
 _FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
-_GROUP = [_T + "test_group_backend.py", _T + "test_group_settle.py", _T + "test_group_pins.py"]
+_GROUP = [
+    _T + "test_group_backend.py",
+    _T + "test_group_settle.py",
+    _T + "test_group_pins.py",
+    _T + "test_group_drop.py",
+]
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {

@@ -151,6 +151,12 @@ class WorkerMetrics:
             ["rank"],
             registry=registry,
         )
+        self.rank_decode_peers = Gauge(
+            "prefill_worker_tp_decode_peers",
+            "Decode ranks whose NIXL agent a follower rank holds (tensor parallelism), by rank",
+            ["rank"],
+            registry=registry,
+        )
         self._group_size = 1  # the ranks whose writes are counted (lead_group)
         self.bootstrap_rejects = Counter(
             "prefill_worker_bootstrap_rejects_total",
@@ -298,6 +304,8 @@ class WorkerMetrics:
         self._group_size = size
         for rank in range(size):
             self.rank_write_bytes.labels(rank=str(rank))
+        for rank in range(1, size):
+            self.rank_decode_peers.labels(rank=str(rank)).set(0)
 
     def on_rank_written(self, bytes_by_rank: tuple[int, ...]) -> None:
         """What each rank's writes landed since its last step answer (rank order). Rank 0's
@@ -305,6 +313,12 @@ class WorkerMetrics:
         for rank, num_bytes in enumerate(bytes_by_rank[1:], start=1):
             self.rank_write_bytes.labels(rank=str(rank)).inc(num_bytes)
             self.transfer_bytes.inc(num_bytes)
+
+    def on_rank_decode_peers(self, peers_by_rank: tuple[int, ...]) -> None:
+        """The decode ranks each follower holds an agent for, at its last step answer (rank
+        order; rank 0's entry skipped: the leader's peers are its own backend's)."""
+        for rank, num_peers in enumerate(peers_by_rank[1:], start=1):
+            self.rank_decode_peers.labels(rank=str(rank)).set(num_peers)
 
     def on_rank_forward(self, seconds_by_rank: tuple[float, ...]) -> None:
         """One forward's time on each rank of the tensor-parallel group (rank order)."""

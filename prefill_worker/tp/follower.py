@@ -39,4 +39,5 @@ def serve_steps(
             forward_s = time.perf_counter() - started
         codes = no_opinion(len(step.rooms)) if target is None else target.codes(step.rooms)
         written = 0 if target is None else target.take_written_bytes()
-        channel.answer(forward_s, codes, written)
+        peers = 0 if target is None else target.num_peers
+        channel.answer(forward_s, codes, written, peers)

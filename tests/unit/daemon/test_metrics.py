@@ -106,9 +106,23 @@ def test_a_group_counts_every_ranks_writes_in_the_total_and_by_rank() -> None:
     assert value(registry, "prefill_worker_transfer_bytes_total") == 1100
 
 
+def test_a_group_shows_each_followers_decode_peers_as_last_answered() -> None:
+    """TP 3: a gauge per follower from 0, set by each step's replies (rank 0's entry, the
+    leader's 0, is not a follower's)."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.lead_group(3)
+    peers = "prefill_worker_tp_decode_peers"
+    assert [registry.get_sample_value(peers, {"rank": str(r)}) for r in range(3)] == [None, 0, 0]
+    metrics.on_rank_decode_peers((9, 4, 2))
+    metrics.on_rank_decode_peers((9, 1, 2))  # a follower forgot three decode ranks
+    assert [registry.get_sample_value(peers, {"rank": str(r)}) for r in range(3)] == [None, 1, 2]
+
+
 def test_a_worker_of_tp_1_has_no_rank_series() -> None:
     registry, _ = filled()
     assert registry.get_sample_value(RANK_BYTES, {"rank": "0"}) is None
+    assert registry.get_sample_value("prefill_worker_tp_decode_peers", {"rank": "1"}) is None
 
 
 def test_names_follow_the_house_rules() -> None:
