@@ -103,6 +103,10 @@ class RankSender:
         for rank, want in self._targets:
             if rank.name is None:
                 continue
+            if self._backend.decode_ranks.get(rank.agent_name) is not rank:
+                # The name registered again (its old writer closed): this room's pages were
+                # the old registration's.
+                return self.fail(f"decode agent {rank.agent_name} registered again")
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
                 if len(src):

@@ -190,3 +190,20 @@ def test_a_name_registered_again_while_leaving_replaces_its_writer() -> None:
     group.step()
     assert group.agent.removed == ["d-a"]  # the new one stays
     assert group.rank.decode_ranks.keys() == {"d-a"}
+
+
+def test_a_room_of_a_name_registered_again_fails_instead_of_using_the_old_writer() -> None:
+    """The same name registers again before the leader's next poll (no `drop` goes: the name
+    is still a peer): the follower replaced the writer, so a later pages op of a room bound
+    to the old registration fails that room (it used to post through the closed writer and
+    raise KeyError out of the follower's step, stopping the group). A room of the new
+    registration is written."""
+    group = Group()
+    sender, _ = group.bind(1, "d-a")
+    group.target.apply([MirrorOp("peer", 0, register=register("d-a", 0, 1))])
+    sender.send_pages([1], 1)  # (the page again: the want has two)
+    group.step()
+    assert group.link.followers_state(1) is KVPoll.FAILED
+    assert len(group.agent.posted) == 1  # nothing posted through the replaced writer
+    group.bind(2, "d-a")
+    assert len(group.agent.posted) == 2 and group.link.followers_state(2) is KVPoll.TRANSFERRING
