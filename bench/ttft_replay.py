@@ -20,7 +20,12 @@ predictions, and the forwards it waited through (their tokens, and what was left
 first when it arrived). Defaults: the bench worker's forward cost on the quiet 2-core
 machine (10 ms + 4000 tokens/s).
 
-    python bench/ttft_replay.py [--num 400] [--forward-ms 10] [--rate-tps 4000] [--record PATH]
+With ``--workloads K`` each load runs ``K`` workloads (other seeds) and its line gives the
+median of their errors and each one's: how much a bench of ``--num`` requests varies from
+one draw of arrivals to the next, with no machine in it.
+
+    python bench/ttft_replay.py [--num 400] [--workloads 1] [--forward-ms 10] [--rate-tps 4000]
+                                [--record PATH]
 """
 
 from __future__ import annotations
@@ -176,9 +181,25 @@ def line(name: str, rate: float, records: list[dict[str, object]]) -> dict[str, 
     }
 
 
+def spread(name: str, rate: float, runs: list[dict[str, object]]) -> dict[str, object]:
+    """One load over several workloads: each workload's errors, and their medians."""
+    keys = ("ttft_prediction_error", "ttft_prediction_error_previous")
+    per_run = {key: [run[key] for run in runs] for key in keys}
+    return {
+        "name": "ttft_replay",
+        "load": name,
+        "rate_req_s": round(rate, 2),
+        **{key: round(statistics.median(values), 3) for key, values in per_run.items()},  # type: ignore
+        **{f"{key}_per_workload": values for key, values in per_run.items()},
+        "num_requests": runs[0]["num_requests"],
+        "num_workloads": len(runs),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num", type=int, default=400, help="requests per load")
+    parser.add_argument("--workloads", type=int, default=1, help="workloads (seeds) per load")
     parser.add_argument("--forward-ms", type=float, default=10.0, help="a forward's fixed cost")
     parser.add_argument("--rate-tps", type=float, default=4000.0, help="a forward's tokens/s")
     parser.add_argument("--record", type=Path, help="append one JSON line per request to this")
@@ -192,17 +213,23 @@ def main() -> int:
     )
     warm = [n for _, n in e2e.workload(24, 1.0, seed=1)]
     capacity = ttft_prediction.capacity_req_s(idle, warm)
-    lines = []
-    for i, (name, fraction) in enumerate(ttft_prediction.LOADS.items()):
-        rate = fraction * capacity
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in ttft_prediction.LOADS}
+    for k in range(args.workloads):  # one worker through the loads in turn, as the bench's
         replay = Replay(forward_s, args.rate_tps)
         replay.run(e2e.workload(24, 1.0, seed=1))  # warm-up, as the bench's: the forward fit
-        records = replay.run(e2e.workload(args.num, rate, seed=200 + i))
-        lines.append({**line(name, rate, records), "forward_ms": args.forward_ms})
-        lines[-1]["rate_tps"] = args.rate_tps
-        if args.record is not None:
-            with args.record.open("a") as out:
-                out.writelines(json.dumps({"load": name, **r}) + "\n" for r in records)
+        for i, (name, fraction) in enumerate(ttft_prediction.LOADS.items()):
+            records = replay.run(e2e.workload(args.num, fraction * capacity, seed=200 + i + 10 * k))
+            runs[name].append(line(name, fraction * capacity, records))
+            replay.clock.advance(1.0)  # the bench's pause between loads
+            if args.record is not None:
+                with args.record.open("a") as out:
+                    out.writelines(json.dumps({"load": name, **r}) + "\n" for r in records)
+    shape = {"forward_ms": args.forward_ms, "rate_tps": args.rate_tps}
+    lines = []
+    for name, fraction in ttft_prediction.LOADS.items():
+        mine = runs[name]
+        lines.append({**(mine[0] if len(mine) == 1 else spread(name, fraction * capacity, mine))})
+        lines[-1].update(shape)
     e2e.write_lines(lines, e2e.RESULTS / "ttft_replay.jsonl", append=True)
     return 0
 
