@@ -79,12 +79,21 @@ def test_the_fit_finds_a_forwards_fixed_and_per_token_cost() -> None:
     assert cost.seconds_per_token == pytest.approx(0.002)
 
 
+def test_forwards_twice_as_large_are_enough_for_the_line() -> None:
+    for sizes in ((100, 200), (100, 250)):  # 2x exactly; between 2x and 3x
+        cost = fit_forward_cost([(0.05 + 0.002 * t, t) for t in sizes])
+        assert cost is not None
+        assert cost.forward_s == pytest.approx(0.05)
+        assert cost.seconds_per_token == pytest.approx(0.002)
+
+
 def test_forwards_of_one_size_or_a_line_that_is_noise_give_the_plain_average() -> None:
     assert fit_forward_cost([]) is None
     same_size = [(0.1, 100), (0.3, 100), (0.2, 150)]  # spans less than 2x: no line
     bigger_is_faster = [(0.5, 10), (0.1, 100)]  # a negative slope: noise
     through_below_zero = [(0.01, 100), (0.5, 1000)]  # a negative intercept
-    for forwards in (same_size, bigger_is_faster, through_below_zero):
+    flat = [(0.2, 100), (0.2, 300)]  # no per-token cost at all: noise too
+    for forwards in (same_size, bigger_is_faster, through_below_zero, flat):
         cost = fit_forward_cost(forwards)
         assert cost is not None and cost.forward_s == 0.0
         total_s, total_tokens = (sum(column) for column in zip(*forwards, strict=True))
@@ -99,6 +108,12 @@ def test_the_arrival_rate_is_tokens_over_the_last_window() -> None:
     assert rate.observe(113.0, 1000) == pytest.approx(600 / 10.0)  # the 400 at 102 left
     assert rate.observe(130.0, 1000) == 0.0  # nothing in the last 10 s
     assert rate.observe(131.0, 1300) == pytest.approx(300 / 10.0)
+    assert rate.observe(141.0, 1300) == 0.0  # the 300 at 131: exactly a window ago, left
+
+
+def test_a_worker_younger_than_a_second_has_a_rate() -> None:
+    rate = ArrivalRate(started_at=100.0, window_s=10.0)
+    assert rate.observe(100.5, 50) == pytest.approx(50 / 0.5)
 
 
 def test_overheads_are_medians_of_the_last_window_of_successes() -> None:
