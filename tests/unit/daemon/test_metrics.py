@@ -77,7 +77,8 @@ def test_cost_signals() -> None:
     assert value(registry, "prefill_worker_prefill_rate_tokens_per_second") == 200.0
     assert value(registry, "prefill_worker_backlog_seconds") == pytest.approx(2.0)
     predicted = value(registry, "prefill_worker_predicted_ttft_seconds", prompt_tokens="1024")
-    assert predicted == pytest.approx(2.0 + 1024 / 200.0 + 0.25)
+    # the 100 running tokens' forward half gone on average, then the 300 queued, then its own
+    assert predicted == pytest.approx(0.5 / 2 + 1.5 + 1024 / 200.0 + 0.25)
 
 
 def test_cost_signals_of_a_cold_worker() -> None:
