@@ -263,3 +263,22 @@ def test_route_names_the_group_and_the_leaders_socket_for_each_rank(routes: Boot
     assert [_route(routes, r) for r in (0, 1)] == [(200, {"rank_port": 7})] * 2
     assert _route(routes, 2)[0] == 404
     assert _route(routes, 0, 1)[0] == 404  # DP, CP and PP are 1
+
+
+def test_an_mla_decode_of_attention_tp_2_is_served_at_tp_1_and_refused_by_this_leader() -> None:
+    """Each rank of SGLang's MLA decode of attention TP 2 holds the whole latent and asks
+    worker rank 0 for every room with ``required_dst_info_num`` 2 (docs/sglang.md, "An MLA
+    decode of attention TP > 1"). A TP-1 worker takes the rank as a peer written the whole
+    latent (whole pages) and binds its request; this TP-2 leader refuses its registration,
+    typed and named."""
+    single, reg = Rig(layout=MLA_LAYOUT), mla_registration(tp_size=2, tp_rank=1)
+    single.send(reg)
+    peer = single.peers[reg.agent_name]
+    assert peer.is_fed and peer.head_slice is None and peer.registration is None
+    assert (peer.tp_rank, peer.tp_size) == (1, 2)
+    assert (peer.prefill_ranks, peer.status_ranks) == (range(1), range(1))
+    single.send(request(required_dst_info_num=2))
+    assert single.rooms.num_claims(1234) == 1 and not single.rejects
+    lead = mla_leader()
+    lead.send(reg)
+    assert lead.rejects == ["unsupported"] and reg.agent_name not in lead.peers
