@@ -211,12 +211,13 @@ def _unsupported(why: str) -> Refusal:
 def _check_parallel(reg: Registration, ours: KVLayout, prefill_tp_size: int) -> Refusal | None:
     # An MLA decode of attention TP d: every rank asks for every room with its own pages and
     # metadata row and wants the whole latent (docs/sglang.md, "An MLA decode of attention
-    # TP > 1"); served from a worker of TP 1, not yet proven from a worker of TP > 1.
-    if reg.tp_size != 1 and ours.kind == MLA and prefill_tp_size != 1:
+    # TP > 1"); served from a worker of TP N <= d, not proven at 1 < d < N (dummies).
+    if 1 < reg.tp_size < prefill_tp_size and ours.kind == MLA:
         return _unsupported(
             f"an MLA decode of attention TP {reg.tp_size} at this worker of TP "
             f"{prefill_tp_size}: an MLA decode of attention TP > 1 is served by a worker of "
-            "TP 1 only; run this decode against a worker of TP 1, or at attention TP 1"
+            "no larger TP; run it at attention TP 1, or against a worker of TP "
+            f"{reg.tp_size} or less"
         )
     if not 0 <= reg.tp_rank < reg.tp_size:
         return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")

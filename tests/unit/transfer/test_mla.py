@@ -78,9 +78,9 @@ def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> No
     ("changes", "reason", "words"),
     [
         (
-            {"tp_size": 2, "prefill_tp_size": 2},
+            {"tp_size": 2, "prefill_tp_size": 4},
             RejectReason.UNSUPPORTED,
-            "an MLA decode of attention TP 2 at this worker of TP 2",
+            "an MLA decode of attention TP 2 at this worker of TP 4",
         ),
         ({"kv_layer_ids": (0, 0)}, RejectReason.UNSUPPORTED, "not one latent per layer"),
         (
