@@ -52,11 +52,12 @@ def server_info(page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1) -> d
 
 
 def check_registration(
-    reg: Registration, ours: KVLayout, limits: BootstrapLimits
+    reg: Registration, ours: KVLayout, limits: BootstrapLimits, prefill_tp_size: int = 1
 ) -> Refusal | None:
-    """Why this decode rank cannot be a peer, or None."""
+    """Why this decode rank cannot be a peer of this worker (attention TP
+    ``prefill_tp_size``), or None."""
     return (
-        _check_parallel(reg, ours)
+        _check_parallel(reg, ours, prefill_tp_size)
         or _check_features(reg, ours)
         or _check_layout(reg, rank_layout(reg, ours))
         or _check_memory(reg, limits)
@@ -207,12 +208,16 @@ def _unsupported(why: str) -> Refusal:
     return Refusal(RejectReason.UNSUPPORTED, why)
 
 
-def _check_parallel(reg: Registration, ours: KVLayout) -> Refusal | None:
-    if reg.tp_size != 1 and ours.kind == MLA:
+def _check_parallel(reg: Registration, ours: KVLayout, prefill_tp_size: int) -> Refusal | None:
+    # An MLA decode of attention TP d: every rank asks for every room with its own pages and
+    # metadata row and wants the whole latent (docs/sglang.md, "An MLA decode of attention
+    # TP > 1"); served from a worker of TP N <= d, not proven at 1 < d < N (dummies).
+    if 1 < reg.tp_size < prefill_tp_size and ours.kind == MLA:
         return _unsupported(
-            f"decode attention TP size {reg.tp_size}: each of its ranks holds the whole MLA "
-            "latent and asks for every room, and this worker serves one decode rank per "
-            "room; run decodes with attention TP 1 (--tp 1, or DP attention)"
+            f"an MLA decode of attention TP {reg.tp_size} at this worker of TP "
+            f"{prefill_tp_size}: an MLA decode of attention TP > 1 is served by a worker of "
+            "no larger TP; run it at attention TP 1, or against a worker of TP "
+            f"{reg.tp_size} or less"
         )
     if not 0 <= reg.tp_rank < reg.tp_size:
         return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")

@@ -130,7 +130,7 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        refusal = check_registration(reg, self._layout, self._limits)
+        refusal = check_registration(reg, self._layout, self._limits, self._prefill_tp)
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())

@@ -217,7 +217,8 @@ def test_a_frame_from_outside_the_allowed_networks_is_refused() -> None:
 def test_a_decode_ranks_heads_are_checked_against_its_own_tp_alone() -> None:
     """A rank's pool is ours with its heads (every other field ours); its TP size is
     checked against our heads alone (3 heads split over 3 ranks, not over 2); an MLA decode
-    of attention TP 2 is refused, word for word."""
+    of attention TP 2 holds the whole latent on each rank: accepted from a worker of TP 1 or
+    2, refused, word for word, from a worker of TP 4."""
     half = registration(tp_size=2, tp_rank=1, kv_item_len=PAGE // 2)
     paged = dataclasses.replace(OURS, kind=PAGE_MAJOR)
     assert rank_layout(half, paged) == dataclasses.replace(paged, num_kv_heads=1)
@@ -225,9 +226,22 @@ def test_a_decode_ranks_heads_are_checked_against_its_own_tp_alone() -> None:
     third = registration(tp_size=3, tp_rank=2, kv_item_len=256, kv_item_lens=(256,) * 4)
     assert check_registration(third, three, LIMITS) is None
     mla = KVLayout(2, 1, 32, "float32", 4, 64, MLA)
-    refusal = check_registration(registration(tp_size=2, kv_ptrs=(1, 2)), mla, LIMITS)
-    assert refusal is not None and refusal.message == (
-        "decode attention TP size 2: each of its ranks holds the whole MLA latent and asks "
-        "for every room, and this worker serves one decode rank per room; run decodes with "
-        "attention TP 1 (--tp 1, or DP attention)"
+    latent = {"kv_ptrs": (1, 2), "mem_kinds": ("DRAM",) * 2, "kv_item_lens": ()}
+    for rank in (0, 1):
+        reg = registration(tp_size=2, tp_rank=rank, kv_item_len=512, **latent)
+        assert rank_layout(reg, mla) == mla
+        assert check_registration(reg, mla, LIMITS) is None
+        assert check_registration(reg, mla, LIMITS, prefill_tp_size=1) is None
+        assert check_registration(reg, mla, LIMITS, prefill_tp_size=2) is None
+    refusal = check_registration(reg, mla, LIMITS, prefill_tp_size=4)
+    assert refusal is not None and (refusal.reason, refusal.message) == (
+        RejectReason.UNSUPPORTED,
+        "an MLA decode of attention TP 2 at this worker of TP 4: an MLA decode of attention "
+        "TP > 1 is served by a worker of no larger TP; run it at attention TP 1, or against "
+        "a worker of TP 2 or less",
     )
+    half = registration(tp_size=2, tp_rank=1, kv_item_len=256, **latent)
+    refusal = check_registration(half, mla, LIMITS)
+    assert refusal is not None and refusal.reason is RejectReason.LAYOUT_MISMATCH
+    whole = registration(kv_item_len=512, **latent)
+    assert check_registration(whole, mla, LIMITS, prefill_tp_size=4) is None

@@ -263,3 +263,31 @@ def test_route_names_the_group_and_the_leaders_socket_for_each_rank(routes: Boot
     assert [_route(routes, r) for r in (0, 1)] == [(200, {"rank_port": 7})] * 2
     assert _route(routes, 2)[0] == 404
     assert _route(routes, 0, 1)[0] == 404  # DP, CP and PP are 1
+
+
+def test_an_mla_decode_of_attention_tp_2_is_served_at_tp_1_and_2_and_refused_at_4() -> None:
+    """Each rank of SGLang's MLA decode of attention TP 2 holds the whole latent (docs/sglang.md,
+    "An MLA decode of attention TP > 1"). A TP-1 worker takes rank 1 as a peer written the
+    whole latent (whole pages), asking rank 0 with ``required_dst_info_num`` 2; a TP-2 leader
+    leaves it to worker rank 1 (the headplan's) and binds its request needing 1; a TP-4
+    leader refuses its registration, typed."""
+    single, reg = Rig(layout=MLA_LAYOUT), mla_registration(tp_size=2, tp_rank=1)
+    single.send(reg)
+    peer = single.peers[reg.agent_name]
+    assert peer.is_fed and peer.head_slice is None and peer.registration is None
+    assert (peer.tp_rank, peer.tp_size) == (1, 2)
+    assert (peer.prefill_ranks, peer.status_ranks) == (range(1), range(1))
+    single.send(request(required_dst_info_num=2))
+    assert single.rooms.num_claims(1234) == 1 and not single.rejects
+    lead = mla_leader()
+    lead.send(reg)
+    peer = lead.peers[reg.agent_name]
+    assert not peer.is_fed and peer.registration is not None
+    assert peer.registration.tp == wire.DecodeRank(1, 2, 0, 1)
+    assert (peer.prefill_ranks, peer.status_ranks) == (range(1, 2), range(1, 2))
+    lead.send(request())
+    assert lead.rooms.num_claims(1234) == 1 and not lead.rejects
+    wide = Rig(layout=MLA_LAYOUT)
+    wide.desk.lead(4, 1)
+    wide.send(reg)
+    assert wide.rejects == ["unsupported"] and reg.agent_name not in wide.peers
