@@ -85,6 +85,25 @@ def push(worker: Worker, receiver: KVReceiver, room: int, num_tokens: int, dst: 
     return src, aux
 
 
+def assert_landed(
+    worker: Worker,
+    lay: KVLayout,
+    latents: list[torch.Tensor],
+    before: list[torch.Tensor],
+    moved: dict[int, int],
+) -> None:
+    """Each decode page in ``moved`` holds the worker's page it maps to, in every layer,
+    byte for byte; every other page is as it was ``before``."""
+    for layer in range(NUM_LAYERS):
+        got = latents[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
+        was = before[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
+        for page in range(NUM_PAGES):
+            want = was[page]
+            if page in moved:
+                want = layer_page(worker.pool, lay, layer, 0, moved[page])
+            assert np.array_equal(got[page], want), (layer, page)
+
+
 @pytest.mark.parametrize("mla_worker", [1, 16], indirect=True, ids=["page1", "page16"])
 def test_the_decode_sdk_receives_an_mla_pool_byte_for_byte(mla_worker: Worker) -> None:
     worker, lay = mla_worker, mla_worker.spec.layout
@@ -102,15 +121,7 @@ def test_the_decode_sdk_receives_an_mla_pool_byte_for_byte(mla_worker: Worker) -
         num_tokens = 7 * lay.page_size - lay.page_size // 2  # a partial last page
         dst = [20, 3, 17, 4, 9, 11]  # scattered: the 6 pages after the held one
         src, aux = push(worker, receiver, 41, num_tokens, dst)
-        moved = dict(zip(dst, src[1:], strict=True))
-        for layer in range(NUM_LAYERS):
-            got = latents[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-            was = before[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-            for page in range(NUM_PAGES):
-                want = was[page]
-                if page in moved:
-                    want = layer_page(worker.pool, lay, layer, 0, moved[page])
-                assert np.array_equal(got[page], want), (layer, page)
+        assert_landed(worker, lay, latents, before, dict(zip(dst, src[1:], strict=True)))
         assert receiver.read_aux(3) == aux
         worker.pages.free(src)
     finally:
@@ -193,16 +204,8 @@ def test_each_rank_of_a_tp2_decode_receives_the_whole_latent(mla_worker: Worker)
             assert receiver.read_aux(5) == aux
         sender.close()
         worker.aux.free(row)
-        for rank, (pool, was, pages) in enumerate(zip(pools, before, dst, strict=True)):
-            moved = dict(zip(pages, src, strict=True))
-            for layer in range(NUM_LAYERS):
-                got = pool[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-                old = was[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-                for page in range(NUM_PAGES):
-                    want = old[page]
-                    if page in moved:
-                        want = layer_page(worker.pool, lay, layer, 0, moved[page])
-                    assert np.array_equal(got[page], want), (rank, layer, page)
+        for pool, was, pages in zip(pools, before, dst, strict=True):
+            assert_landed(worker, lay, pool, was, dict(zip(pages, src, strict=True)))
         worker.pages.free(src)
     finally:
         for receiver in receivers:
