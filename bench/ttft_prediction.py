@@ -8,11 +8,15 @@ Then, per load (a Poisson process at a fraction of the capacity, ``e2e.py``'s lo
 lengths), each request is preceded by a ``ping``: its ``pong`` carries the cost signals, from
 which the prediction for the request's length is computed exactly as the worker does
 (``load.CostSignals.predicted_ttft_s``); the request follows at once and its TTFT is measured
-router send → ``result``. One JSON line per load:
+router send → ``result``. The same pong also gives the previous predictor's
+(``previous_prediction``, with the median of the bootstrap waits this router saw), so both
+models are judged on the same requests. One JSON line per load:
 ``{"name": "ttft_prediction", "load": ..., "ttft_prediction_error": median |predicted −
-measured| / measured, ...}`` (goal ≤ 0.20), to stdout and ``bench/results/ttft_prediction.json``.
+measured| / measured, "ttft_prediction_error_previous": ..., ...}`` (goal ≤ 0.20), to stdout
+and ``bench/results/ttft_prediction.json``; with ``--record PATH`` one line per request (its
+pong's signals, both predictions, the TTFT and the worker's timings) appended to ``PATH``.
 
-    python bench/ttft_prediction.py [--quick]
+    python bench/ttft_prediction.py [--quick] [--record PATH]
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
+import math
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +58,25 @@ def capacity_req_s(signals: CostSignals, lengths: list[int]) -> float:
     return 1.0 / statistics.mean(own_s)
 
 
+def previous_prediction(signals: CostSignals, num_tokens: int, handshake_s: float) -> float | None:
+    """The predictor as of 5688910, kept to compare later models with on the same requests:
+    the whole backlog, then the request's own chunks, then the arrivals over the whole wait
+    joining its forwards; ``handshake_s``: the median bootstrap wait of the last 64 requests
+    (what that worker published)."""
+    rate, size = signals.prefill_rate_tps, signals.max_batch_tokens
+    work = signals.queued_tokens + signals.running_tokens
+    if rate is None or signals.backlog_s is None:
+        return None
+    wait_s = max(handshake_s, signals.backlog_s)
+    own = math.ceil(num_tokens / signals.chunk_size) if signals.chunk_size else 1
+    own_s = own * signals.forward_s + num_tokens / rate
+    room = 0  # an unknown batch shape: no room
+    if size:
+        room = max(math.ceil((work + num_tokens) / size), own) * size - work - num_tokens
+    joined = min(signals.arrival_tps * wait_s, room)
+    return wait_s + own_s + joined / rate + signals.transfer_s
+
+
 def signals_of(load: Load) -> CostSignals:
     """The pong's cost signals, as the worker holds them."""
     return CostSignals(
@@ -66,23 +92,54 @@ def signals_of(load: Load) -> CostSignals:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One request: its TTFT as predicted (the worker's model, and the previous one on the same
+    pong) and as measured."""
+
+    predicted: float | None
+    previous: float | None
+    measured: float
+    is_ok: bool
+
+
 class Bench:
     def __init__(self, target: e2e.Target) -> None:
         self.target = target
         self.router: RouterClient = target.router
         self._rng = random.Random(11)
+        self._bootstrap_s: deque[float] = deque(maxlen=64)  # the previous model's handshake
+        self.records: list[dict[str, object]] = []  # per request: signals, predicted, measured
 
-    async def one(self, num_tokens: int) -> tuple[float | None, float, bool]:
-        """(predicted, measured, ok) for one request of ``num_tokens``."""
-        predicted = signals_of(await self.router.ping()).predicted_ttft_s(num_tokens)
+    async def one(self, num_tokens: int) -> Sample:
+        """One request of ``num_tokens``, predicted from the ``pong`` just before it."""
+        signals = signals_of(await self.router.ping())
+        handshake_s = statistics.median(self._bootstrap_s) if self._bootstrap_s else 0.0
+        predicted = signals.predicted_ttft_s(num_tokens)
+        previous = previous_prediction(signals, num_tokens, handshake_s)
         ids = [self._rng.randrange(e2e.SHAPE["vocab_size"]) for _ in range(num_tokens)]
         room = self._rng.getrandbits(63)
         sent = time.monotonic()
         self.target.peer.expect(room, ids, 1)
         result = await self.router.prefill(ids, room, timeout_s=300)
-        return predicted, time.monotonic() - sent, result.status is OutcomeStatus.OK
+        measured, is_ok = time.monotonic() - sent, result.status is OutcomeStatus.OK
+        if is_ok:
+            self._bootstrap_s.append(result.timings.bootstrap_s)
+        self.records.append(
+            {
+                "num_tokens": num_tokens,
+                "sent_at": round(sent, 6),
+                "predicted": predicted,
+                "previous": previous,
+                "measured": round(measured, 6),
+                "ok": is_ok,
+                "signals": dataclasses.asdict(signals),
+                "timings": dataclasses.asdict(result.timings),
+            }
+        )
+        return Sample(predicted, previous, measured, is_ok)
 
-    async def point(self, load: list[tuple[float, int]]) -> list[tuple[float | None, float, bool]]:
+    async def point(self, load: list[tuple[float, int]]) -> list[Sample]:
         start, tasks = time.monotonic(), []
         for offset, n in load:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
@@ -90,20 +147,26 @@ class Bench:
         return list(await asyncio.gather(*tasks))
 
 
-async def run(ckpt: Path, tmp: Path, num_per_load: int) -> list[dict[str, object]]:
+async def run(
+    ckpt: Path, tmp: Path, num_per_load: int, record: Path | None = None
+) -> list[dict[str, object]]:
     target = e2e.Target(ckpt, True, 512, tmp)
     stop = asyncio.Event()
     pumping = asyncio.ensure_future(e2e.pump([target.peer], stop))
     bench, lines = Bench(target), []
     try:
         warm_lengths = [n for _, n in e2e.workload(24, 1.0, seed=1)]
-        for n in warm_lengths:  # sequential: the rate, handshake and transfer medians
+        for n in warm_lengths:  # sequential: the forward cost, handshake and transfer
             await bench.one(n)
         capacity = capacity_req_s(signals_of(await bench.router.ping()), warm_lengths)
         for i, (name, fraction) in enumerate(LOADS.items()):
             rate = fraction * capacity
+            bench.records.clear()
             samples = await bench.point(e2e.workload(num_per_load, rate, seed=200 + i))
             lines.append(line(name, fraction, rate, samples))
+            if record is not None:
+                with record.open("a") as out:
+                    out.writelines(json.dumps({"load": name, **r}) + "\n" for r in bench.records)
             await asyncio.sleep(1.0)  # the queue empties between loads
     finally:
         stop.set()
@@ -112,20 +175,28 @@ async def run(ckpt: Path, tmp: Path, num_per_load: int) -> list[dict[str, object
     return lines
 
 
-def line(
-    name: str, fraction: float, rate: float, samples: list[tuple[float | None, float, bool]]
-) -> dict[str, object]:
-    ok = [(p, m) for p, m, is_ok in samples if is_ok and p is not None]
-    errors = [abs(p - m) / m for p, m in ok]
-    signed = [(p - m) / m for p, m in ok]
+def errors(pairs: list[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(median |predicted − measured| / measured, median signed) of (predicted, measured)."""
+    if not pairs:
+        return None, None
+    relative = [(p - m) / m for p, m in pairs]
+    return round(statistics.median(map(abs, relative)), 3), round(statistics.median(relative), 3)
+
+
+def line(name: str, fraction: float, rate: float, samples: list[Sample]) -> dict[str, object]:
+    ok = [s for s in samples if s.is_ok and s.predicted is not None and s.previous is not None]
+    error, bias = errors([(s.predicted, s.measured) for s in ok])  # type: ignore[misc]
+    previous, previous_bias = errors([(s.previous, s.measured) for s in ok])  # type: ignore[misc]
     return {
         "name": "ttft_prediction",
         "load": name,
         "fraction_of_capacity": fraction,
         "rate_req_s": round(rate, 2),
-        "ttft_prediction_error": round(statistics.median(errors), 3) if errors else None,
-        "ttft_prediction_bias": round(statistics.median(signed), 3) if signed else None,
-        "ttft_p50_s": round(statistics.median(m for _, m in ok), 4) if ok else None,
+        "ttft_prediction_error": error,
+        "ttft_prediction_bias": bias,
+        "ttft_prediction_error_previous": previous,
+        "ttft_prediction_bias_previous": previous_bias,
+        "ttft_p50_s": round(statistics.median(s.measured for s in ok), 4) if ok else None,
         "num_requests": len(samples),
         "num_predicted": len(ok),
     }
@@ -134,11 +205,14 @@ def line(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per load")
+    parser.add_argument(
+        "--record", type=Path, help="append one JSON line per request (signals, TTFT) to this"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
-        lines = asyncio.run(run(ckpt, tmp, 30 if args.quick else 80))
+        lines = asyncio.run(run(ckpt, tmp, 30 if args.quick else 80, args.record))
     e2e.write_lines(lines, e2e.RESULTS / "ttft_prediction.json")
     return 0
 

@@ -11,23 +11,30 @@ without importing the scheduler.
 The cost signals (``CostSignals``) are the scheduler's numbers (``scheduler.costs``); the
 one formula built on them, the predicted TTFT of a new request, is here so that every reader
 (metrics, ``/v1/loads``, ``pong``, the SLO admission of both fronts) applies the same one.
-A forward of ``t`` tokens costs ``forward_s + t / prefill_rate_tps``; with ``W`` queued and
-running tokens ahead, ``B`` = max_batch_tokens and ``C`` = chunk_size::
+A forward of ``t`` tokens costs ``d(t) = forward_s + t / prefill_rate_tps`` (0 for none);
+with ``Q`` queued and ``R`` running tokens, ``B`` = max_batch_tokens and ``C`` = chunk_size::
 
-    backlog_s        = ⌈W / B⌉ · forward_s + W / rate
-    own_s(n)         = ⌈n / C⌉ · forward_s + n / rate
-    wait_s           = max(handshake_s, backlog_s)
-    joined(n)        = min(arrival_tps · wait_s, K · B − W − n),  K = max(⌈(W + n) / B⌉, ⌈n / C⌉)
-    predicted_ttft_s = wait_s + own_s(n) + joined(n) / rate + transfer_s
+    flight           = min(R, B)                  tokens of the forward in flight
+    ahead            = Q + R − flight             work that is not in it
+    next             = min(ahead, B)              the forward planned next
+    shared           = ahead − next               work that shares the new request's forwards
+    K                = max(⌈(shared + n) / B⌉, ⌈n / C⌉)
+    wait_s           = max(handshake_s, d(flight) / 2 + d(next))
+    joined(n)        = min(arrival_tps · d(flight), K · B − shared − n)
+    predicted_ttft_s = wait_s + K · forward_s + (shared + n + joined(n)) / rate + transfer_s
 
-A new request's handshake runs while the backlog ahead of it drains, hence the max; then its
-own ``n`` uncached tokens in ``⌈n / C⌉`` chunks, each a forward. The requests that arrive
-while it waits (``arrival_tps``) are admitted behind it but into the same forwards while they
-have room (``K`` forwards carry ``W + n``; the rest of their ``B`` tokens each is room): their
-tokens lengthen its last forwards. Then the push of its last chunk and its answer. None while
-no forward has been measured yet (a cold worker: nothing to predict from). An unknown batch
-shape (``chunk_size`` or ``max_batch_tokens`` 0, from an older worker's ``pong``) counts one
-forward and no room.
+The engine plans its next forward before it waits for the one in flight, and takes new
+requests only between forwards (``scheduler.engine``): a request that arrives while a forward
+runs waits for the rest of it (half of it, on average: arrivals do not know its phase), then
+for the forward already planned, and its first chunk goes in the forward after, which it
+shares with whatever of the backlog is left (FCFS, ``B`` tokens and one ``C``-token chunk per
+request a forward): ``K`` forwards carry that and its ``n`` uncached tokens. The requests that
+arrived during the forward in flight are taken with it and join its forwards while they have
+room. Its handshake runs while it waits (hence the max; an idle worker takes it at once). Then
+the push of its last chunk and its answer. None while no forward has been measured yet (a cold
+worker: nothing to predict from). An unknown batch shape (``chunk_size`` or
+``max_batch_tokens`` 0, from an older worker's ``pong``) puts any amount of work in one
+forward, with no room.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ class CostSignals:
     queued_tokens: int = 0  # prompt tokens of BOOTSTRAPPING and WAITING requests
     running_tokens: int = 0  # tokens PREFILLING requests have yet to compute (hits excluded)
     prefill_rate_tps: float | None = None  # tokens/s a forward adds per token; None: none yet
-    handshake_s: float = 0.0  # median bootstrap wait of recent requests that succeeded
+    handshake_s: float = 0.0  # the lowest tenth of recent bootstrap waits: the handshake
     transfer_s: float = 0.0  # median last-chunk-to-answer time of the same requests
     forward_s: float = 0.0  # what one forward costs whatever its tokens (the fit's intercept)
     arrival_tps: float = 0.0  # prompt tokens arriving per second, recently
@@ -67,24 +74,27 @@ class CostSignals:
 
     def predicted_ttft_s(self, num_tokens: int) -> float | None:
         """The TTFT a new request of ``num_tokens`` uncached tokens would see (module doc)."""
-        backlog_s, rate = self.backlog_s, self.prefill_rate_tps
-        if backlog_s is None or rate is None:
+        rate, size = self.prefill_rate_tps, self.max_batch_tokens
+        if self.backlog_s is None or rate is None:
             return None
-        wait_s = max(self.handshake_s, backlog_s)
-        own_s = self._forwards(num_tokens, self.chunk_size) * self.forward_s + num_tokens / rate
-        joined = min(self.arrival_tps * wait_s, self._room(num_tokens))
-        return wait_s + own_s + joined / rate + self.transfer_s
-
-    def _room(self, num_tokens: int) -> int:
-        """Tokens the forwards that carry the work ahead and the new request have left."""
-        if not self.max_batch_tokens:
-            return 0
-        work = self.queued_tokens + self.running_tokens + num_tokens
+        work = self.queued_tokens + self.running_tokens
+        flight = min(self.running_tokens, size or self.running_tokens)
+        planned = min(work - flight, size or work)
+        shared = work - flight - planned
+        flight_s = self._batch_s(flight, rate)
+        wait_s = max(self.handshake_s, flight_s / 2 + self._batch_s(planned, rate))
         num_forwards = max(
-            self._forwards(work, self.max_batch_tokens),
+            self._forwards(shared + num_tokens, size),
             self._forwards(num_tokens, self.chunk_size),
         )
-        return num_forwards * self.max_batch_tokens - work
+        room = num_forwards * size - shared - num_tokens if size else 0
+        joined = min(self.arrival_tps * flight_s, room)
+        compute_s = num_forwards * self.forward_s + (shared + num_tokens + joined) / rate
+        return wait_s + compute_s + self.transfer_s
+
+    def _batch_s(self, num_tokens: int, rate: float) -> float:
+        """One forward of ``num_tokens`` (none: 0)."""
+        return self.forward_s + num_tokens / rate if num_tokens else 0.0
 
     @staticmethod
     def _forwards(num_tokens: int, per_forward: int) -> int:

@@ -66,7 +66,12 @@ _BOOTSTRAP = [
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
 _FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
-_GROUP = [_T + "test_group_backend.py", _T + "test_group_settle.py", _T + "test_group_pins.py"]
+_GROUP = [
+    _T + "test_group_backend.py",
+    _T + "test_group_settle.py",
+    _T + "test_group_pins.py",
+    _T + "test_group_drop.py",
+]
 # The core: module -> the fast unit tests that own it (mutmut runs, per mutant, only those of
 # them that reach the mutated function).
 MODULES: dict[str, list[str]] = {
@@ -141,11 +146,14 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/transfer/sglang/accept.py": [
         _T + "test_sglang_accept.py",
         _T + "test_sglang_accept_pins.py",
+        _T + "test_sglang_group_desk.py",
+        _T + "test_mla.py",
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
+        _T + "test_sglang_group_desk.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

@@ -19,10 +19,15 @@ that are not compute take.
                      is tokens over seconds. A recent window follows the load. None until the
                      first forward.
     arrival_tps      prompt tokens submitted per second over the last ``ARRIVAL_WINDOW_S``
-                     (since start while younger): the requests that will arrive while a new
-                     one waits and join its forwards.
-    handshake_s      median bootstrap wait (arrival to the decode's want) of the last
-                     ``window`` requests that succeeded.
+                     (since start while younger): those that arrive during the forward in
+                     flight are taken with a new request and join its forwards.
+    handshake_s      the lowest tenth of the bootstrap waits (arrival to the decode's want as
+                     the engine saw it) of the last ``window`` requests that succeeded: the
+                     decode's handshake. The engine sees a want only between forwards, so a
+                     request that arrived while one ran waited for it as well; under load that
+                     is most of them, and their median is the forward in flight, which the
+                     backlog already charges. Those that found the engine idle, or arrived as
+                     a forward ended, are the lowest: their wait is the handshake's own.
     transfer_s       median time from their last chunk computed to their answer (the push).
 """
 
@@ -39,6 +44,7 @@ from prefill_worker.request import Outcome, OutcomeStatus
 from prefill_worker.scheduler.tracked import Request
 
 ARRIVAL_WINDOW_S = 10.0
+HANDSHAKE_QUANTILE = 0.1  # the bootstrap waits' quantile taken as the decode's handshake
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,12 @@ def fit_forward_cost(forwards: Iterable[tuple[float, int]]) -> ForwardCost | Non
     if slope <= 0 or intercept < 0:
         return average
     return ForwardCost(intercept, slope)
+
+
+def _lowest(samples: Iterable[float], quantile: float) -> float:
+    """The sample ``quantile`` of the way up the sorted ``samples`` (rounded down)."""
+    ordered = sorted(samples)
+    return ordered[int(quantile * len(ordered))]
 
 
 class ArrivalRate:
@@ -117,7 +129,7 @@ class CostEstimator:
             return
         self._handshakes.append(outcome.timings.bootstrap_s)
         self._transfers.append(outcome.timings.transfer_s)
-        self._handshake_s = statistics.median(self._handshakes)
+        self._handshake_s = _lowest(self._handshakes, HANDSHAKE_QUANTILE)
         self._transfer_s = statistics.median(self._transfers)
 
     def signals(

@@ -233,6 +233,9 @@ class Daemon:
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
         # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
         # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
+        self.metrics.lead_group(placement.size)
+        group.channel.on_written = self.metrics.on_rank_written  # before the first step
+        group.channel.on_decode_peers = self.metrics.on_rank_decode_peers
         group.start_heartbeat()
         return GroupRunner(runner, group.channel, self.metrics.on_rank_forward), kv_cache, info
 

@@ -140,9 +140,24 @@ class WorkerMetrics:
         )
         self.transfer_bytes = Counter(
             "prefill_worker_transfer_bytes_total",
-            "KV and aux bytes written to decode peers (writes that landed, any outcome)",
+            "KV and aux bytes written to decode peers (writes that landed, any outcome; "
+            "every rank's under tensor parallelism)",
             registry=registry,
         )
+        self.rank_write_bytes = Counter(
+            "prefill_worker_tp_write_bytes_total",
+            "Bytes of one rank's writes to decode peers that landed (tensor parallelism; "
+            "rank 0's include the aux rows), by rank",
+            ["rank"],
+            registry=registry,
+        )
+        self.rank_decode_peers = Gauge(
+            "prefill_worker_tp_decode_peers",
+            "Decode ranks whose NIXL agent a follower rank holds (tensor parallelism), by rank",
+            ["rank"],
+            registry=registry,
+        )
+        self._group_size = 1  # the ranks whose writes are counted (lead_group)
         self.bootstrap_rejects = Counter(
             "prefill_worker_bootstrap_rejects_total",
             "Bootstrap messages or decode peers refused, by reason",
@@ -243,6 +258,8 @@ class WorkerMetrics:
     def observe_outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.status.value, outcome.reason.value).inc()
         self.transfer_bytes.inc(outcome.transfer_bytes)  # landed writes, failed requests too
+        if self._group_size > 1:  # the leader's writes: the followers' come by the step
+            self.rank_write_bytes.labels(rank="0").inc(outcome.transfer_bytes)
         self.prompt_tokens.inc(outcome.num_prompt_tokens)
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)
@@ -280,6 +297,28 @@ class WorkerMetrics:
     def set_aux_rows(self, used: int, total: int) -> None:
         self.aux_rows_used.set(used)
         self.aux_rows_total.set(total)
+
+    def lead_group(self, size: int) -> None:
+        """This worker leads a tensor-parallel group of ``size`` ranks: every rank's written
+        bytes series, from 0 (rank 0's from the outcomes, the others' from the steps)."""
+        self._group_size = size
+        for rank in range(size):
+            self.rank_write_bytes.labels(rank=str(rank))
+        for rank in range(1, size):
+            self.rank_decode_peers.labels(rank=str(rank)).set(0)
+
+    def on_rank_written(self, bytes_by_rank: tuple[int, ...]) -> None:
+        """What each rank's writes landed since its last step answer (rank order). Rank 0's
+        entry is skipped: the leader's writes are counted per request (``observe_outcome``)."""
+        for rank, num_bytes in enumerate(bytes_by_rank[1:], start=1):
+            self.rank_write_bytes.labels(rank=str(rank)).inc(num_bytes)
+            self.transfer_bytes.inc(num_bytes)
+
+    def on_rank_decode_peers(self, peers_by_rank: tuple[int, ...]) -> None:
+        """The decode ranks each follower holds an agent for, at its last step answer (rank
+        order; rank 0's entry skipped: the leader's peers are its own backend's)."""
+        for rank, num_peers in enumerate(peers_by_rank[1:], start=1):
+            self.rank_decode_peers.labels(rank=str(rank)).set(num_peers)
 
     def on_rank_forward(self, seconds_by_rank: tuple[float, ...]) -> None:
         """One forward's time on each rank of the tensor-parallel group (rank order)."""

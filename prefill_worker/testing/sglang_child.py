@@ -181,7 +181,10 @@ class Decode:
         return {}
 
     def acked(self, room: int) -> dict[str, Any]:
-        return {"acked": bool(self.manager.is_abort_release_safe(room, 1))}
+        """As SGLang's scheduler asks (``_defer_release``): an ABORT_ACK from as many prefill
+        ranks as the receiver asked (an MLA decode at a TP-2 prefill: two, its dummy's too)."""
+        required = len(self.rooms[room][2].bootstrap_infos or ())
+        return {"acked": bool(self.manager.is_abort_release_safe(room, required))}
 
 
 def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:

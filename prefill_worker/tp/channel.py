@@ -8,17 +8,30 @@ collectives run on NCCL: the step is a few kilobytes of msgpack)::
     broadcast payload uint8[num_bytes] ───▶  receive the body (plan, transfer ops, rooms)
                                              apply the ops to its own backend
     its forward (samples)                    its forward (its heads; no sampling)
-    all_reduce SUM float64[size, 2]  ◀──▶    its row: [1.0, its forward seconds]
+    all_reduce SUM float64[size, 4]  ◀──▶    its row: [1.0, its forward seconds, the bytes
+                                             its KV writes landed since its last answer,
+                                             the decode ranks it holds an agent for]
     all_reduce MIN int64[2 rooms]    ◀──▶    its state code, then settled flag, per room
                                              (only with rooms; ``tp/mirror.py``)
 
-so after each exchange every rank has answered, the leader knows each rank's forward time,
-and the group's state of every open room (``tp/mirror.py``). Exchanges are serialised by a
-lock (the forward thread, the heartbeat thread and the engine's transfer polls share the
-channel): the collectives pair up by order, so the order must be the same everywhere.
-Every wait is bounded by the process group's timeout (``parallel.step_timeout_s``); a rank
-that died breaks the next collective at once (its socket closes). After any failure the
-channel is broken for good: the group cannot recover a half-run collective.
+so after each exchange every rank has answered, the leader knows each rank's forward time
+and written bytes (its own row's are 0: the leader's writes are counted per request, by its
+sender), each follower's decode ranks (``MirrorTarget.num_peers``: a gauge, so a follower
+that forgot a dropped decode shows it; the leader's own row is 0), and the group's state of
+every open room (``tp/mirror.py``). The leader hands the followers' bytes to ``on_written``
+in every exchange (a heartbeat's too: writes land between forwards), and their decode ranks
+to ``on_decode_peers``, before it stores the rooms' states: a request that a follower's
+landed writes let succeed ends with those bytes already counted. Bytes ride as float64,
+exact below 2^53 per step. The reply's shape is not versioned, unlike a message between
+programs: every rank runs the leader's own install (the leader starts them, or torchrun runs
+the same command on each).
+
+Exchanges are serialised by a lock (the forward thread, the heartbeat thread and the engine's
+transfer polls share the channel): the collectives pair up by order, so the order must be the
+same everywhere. Every wait is bounded by the process group's timeout
+(``parallel.step_timeout_s``); a rank that died breaks the next collective at once (its socket
+closes). After any failure the channel is broken for good: the group cannot recover a half-run
+collective.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from prefill_worker.tp.step import Step, StepKind, decode_step, encode_step
 
 T = TypeVar("T")
 _HEADER = 2  # int64: kind, payload bytes
-_REPLY = 2  # float64 per rank: answered (1.0), forward seconds
+_REPLY = 4  # float64 per rank: answered (1.0), forward seconds, written bytes, decode peers
 
 
 class GroupFailed(RuntimeError):
@@ -48,6 +61,8 @@ class GroupFailed(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class StepReplies:
     forward_s: tuple[float, ...]  # per rank, rank order (0.0 for a step without a forward)
+    written_bytes: tuple[int, ...]  # per rank: landed since its last answer (leader: 0)
+    decode_peers: tuple[int, ...]  # per rank: decode ranks it holds an agent for (leader: 0)
 
 
 class LeaderChannel:
@@ -71,6 +86,10 @@ class LeaderChannel:
         self._is_closed = False
         self.last_exchange_at = clock()
         self.failure: str | None = None  # set once: why the group is lost
+        # Each exchange's written bytes per rank (rank order); set by the channel's owner.
+        self.on_written: Callable[[tuple[int, ...]], None] = lambda written: None
+        # ... and each rank's decode peers (rank order).
+        self.on_decode_peers: Callable[[tuple[int, ...]], None] = lambda peers: None
 
     def exchange(
         self,
@@ -108,7 +127,10 @@ class LeaderChannel:
             result = work() if work is not None else None
             forward_s = time.perf_counter() - started
             self._waiting_since = self.clock()
-            replies = _gather(self._group, self._size, 0, forward_s)
+            replies = _gather(self._group, self._size, 0, forward_s, 0, 0)
+            # Counted before the rooms' states are stored: before any request they end.
+            self.on_written(replies.written_bytes)
+            self.on_decode_peers(replies.decode_peers)
             if rooms:
                 self.link.store(rooms, _agree(self._group, no_opinion(len(rooms))))
         except Exception as exc:
@@ -153,9 +175,17 @@ class FollowerChannel:
         dist.broadcast(payload, src=0, group=self._group)
         return kind, decode_step(payload.numpy().tobytes())
 
-    def answer(self, forward_s: float, room_codes: Sequence[int]) -> None:
-        """This rank's reply; ``room_codes``: its answer for the step's rooms (``tp/mirror``)."""
-        _gather(self._group, self._size, self._rank, forward_s)
+    def answer(
+        self,
+        forward_s: float,
+        room_codes: Sequence[int],
+        written_bytes: int,
+        decode_peers: int = 0,
+    ) -> None:
+        """This rank's reply; ``room_codes``: its answer for the step's rooms (``tp/mirror``);
+        ``written_bytes``: what its writes landed since its last answer; ``decode_peers``:
+        the decode ranks it holds an agent for now."""
+        _gather(self._group, self._size, self._rank, forward_s, written_bytes, decode_peers)
         if room_codes:
             _agree(self._group, room_codes)
 
@@ -175,10 +205,14 @@ def _agree(group: Any, codes: Sequence[int]) -> list[int]:
     return [int(code) for code in tensor.tolist()]
 
 
-def _gather(group: Any, size: int, rank: int, forward_s: float) -> StepReplies:
-    rows = torch.zeros((size, _REPLY), dtype=torch.float64)  # [size, 2]
-    rows[rank, 0], rows[rank, 1] = 1.0, forward_s
+def _gather(
+    group: Any, size: int, rank: int, forward_s: float, written_bytes: int, decode_peers: int
+) -> StepReplies:
+    rows = torch.zeros((size, _REPLY), dtype=torch.float64)  # [size, 4]
+    rows[rank] = torch.tensor([1.0, forward_s, written_bytes, decode_peers], dtype=torch.float64)
     dist.all_reduce(rows, group=group)
     if not bool((rows[:, 0] == 1.0).all()):
         raise GroupFailed(f"step replies incomplete: {rows[:, 0].tolist()}")
-    return StepReplies(tuple(rows[:, 1].tolist()))
+    written = tuple(int(n) for n in rows[:, 2].tolist())
+    peers = tuple(int(n) for n in rows[:, 3].tolist())
+    return StepReplies(tuple(rows[:, 1].tolist()), written, peers)

@@ -38,4 +38,6 @@ def serve_steps(
             runner.run(step.plan)
             forward_s = time.perf_counter() - started
         codes = no_opinion(len(step.rooms)) if target is None else target.codes(step.rooms)
-        channel.answer(forward_s, codes)
+        written = 0 if target is None else target.take_written_bytes()
+        peers = 0 if target is None else target.num_peers
+        channel.answer(forward_s, codes, written, peers)

@@ -15,6 +15,10 @@ followers' lowest state and whether every follower is settled. A follower releas
 writes when its fail or close comes; the leader counts "settled" only from an exchange that
 carried that fail or close (an earlier one may predate writes still queued), and keeps a
 closed room in the exchanges until its followers settled it.
+
+A follower also reports the bytes its writes landed since its last answer
+(``MirrorTarget.take_written_bytes``), in the same step answer as its forward seconds
+(``channel.py``): rooms need not be open for it, and the leader only sums them.
 """
 
 from __future__ import annotations
@@ -141,6 +145,20 @@ class Replaying(Protocol):
         """A decode rank the leader admitted: its agent and pool (op ``peer``)."""
         ...
 
+    def drop_peer(self, agent_name: str) -> None:
+        """A decode rank the leader dropped (op ``drop``, after its rooms' senders lost it):
+        its agent goes once no write to it can land (an unknown name: nothing)."""
+        ...
+
+    @property
+    def num_peers(self) -> int:
+        """The decode ranks this rank holds an agent or writer for, leaving ones included."""
+        ...
+
+    def take_written_bytes(self) -> int:
+        """The bytes of this rank's writes that landed since the last call."""
+        ...
+
 
 @runtime_checkable
 class Binding(Protocol):
@@ -149,12 +167,21 @@ class Binding(Protocol):
     def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None: ...
 
 
+@runtime_checkable
+class LosingPeers(Protocol):
+    """A follower's sender that fails when a decode rank it writes to leaves (op ``drop``)."""
+
+    def lose_peer(self, agent_name: str) -> None: ...
+
+
 class MirrorTarget:
     """A follower's replay of the leader's sender ops on its own backend. Pages and the aux
     row wait until this rank's sender is READY (its decode may claim the room here later than
     at the leader); a fail or close applies at once. A ``peer`` op goes to the backend's
-    ``add_peer``, a ``bind`` to the room's sender (``transfer.nixl.rank_backend``). A closed
-    sender is kept until its writes settled, for the leader's ``followers_settled``."""
+    ``add_peer``, a ``bind`` to the room's sender (``transfer.nixl.rank_backend``); a ``drop``
+    to every open sender (``lose_peer``: those bound to the agent fail, releasing their
+    writes), then to the backend's ``drop_peer``. A closed sender is kept until its writes
+    settled, for the leader's ``followers_settled``."""
 
     def __init__(self, backend: Replaying) -> None:
         self._backend = backend
@@ -179,6 +206,16 @@ class MirrorTarget:
             for room in rooms
         ]
         return codes + [UNSETTLED if self._is_unsettled(room) else SETTLED for room in rooms]
+
+    def take_written_bytes(self) -> int:
+        """The bytes this rank's writes landed since the last call (counted when ``codes``
+        or ``apply`` polled them: ask after ``codes``, for the step's answer)."""
+        return self._backend.take_written_bytes()
+
+    @property
+    def num_peers(self) -> int:
+        """The decode ranks this rank holds an agent for (its step answer's gauge)."""
+        return self._backend.num_peers
 
     def close(self) -> None:
         """Close every sender left, then the backend."""
@@ -209,6 +246,12 @@ class MirrorTarget:
             self._closing[op.room] = sender
         elif op.kind == "peer" and op.register is not None:
             self._backend.add_peer(op.register)
+        elif op.kind == "drop":
+            for name in op.agent_names:
+                for sender in self._senders.values():
+                    if isinstance(sender, LosingPeers):
+                        sender.lose_peer(name)
+                self._backend.drop_peer(name)
         elif op.kind == "bind":
             sender = self._senders[op.room]
             if isinstance(sender, Binding):

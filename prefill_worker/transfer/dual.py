@@ -114,6 +114,14 @@ class DualBackend:
     def next_poll_at(self) -> float:
         return min(b.next_poll_at() for b in self._backends)
 
+    @property
+    def num_dropped_peers(self) -> int:
+        """Decode peers the protocols dropped so far (``transfer.group.DropsPeers``)."""
+        return sum(getattr(b, "num_dropped_peers", 0) for b in self._backends)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return any(getattr(b, "has_peer", lambda n: False)(agent_name) for b in self._backends)
+
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         """Sleep on the first backend and ``wake_fd``, until the others' next poll at most."""
         others = min(b.next_poll_at() for b in self._backends[1:])

@@ -25,6 +25,14 @@ row (and so the `ok` status, which follows it) waits on the leader until the fol
 their writes landed (their SUCCESS, which a follower reaches only after the mirrored ``aux``):
 the status goes once, after every rank's writes.
 
+When the leader's backend drops a decode rank it mirrored (`bye`, liveness timeout, a
+re-registration under a new name, a stuck write: ``has_peer`` turns false, noticed at the
+backend's next ``poll`` after its ``num_dropped_peers`` moved), the followers drop it too
+(``drop``, its agent name, queued after every op already queued: the fail or close of its
+rooms that the engine gave before): each follower fails the rooms bound to it and forgets
+its agent once none of their writes can land. A decode rank never mirrored costs no op; the
+same name registering again is mirrored afresh (``peer``) by the next room it binds.
+
 A status that lets the decode reuse its pages (``failed``, ``aborted``) waits, like the
 leader's own, until no byte of the room can land: the leader's sender holds it for its own
 writes and for the followers' (``FollowerWrites``, given to it with the room's binding), which
@@ -93,6 +101,18 @@ class Bound(Protocol):
     def also_wait_for(self, writes: Write) -> None:
         """Writes of the room made elsewhere: a ``failed`` or ``aborted`` waits for them."""
         ...
+
+
+@runtime_checkable
+class DropsPeers(Protocol):
+    """A backend that says when it dropped decode peers (``HubBackend``, ``DualBackend``)."""
+
+    @property
+    def num_dropped_peers(self) -> int:
+        """Peers dropped so far: a change says some ``has_peer`` may have turned false."""
+        ...
+
+    def has_peer(self, agent_name: str) -> bool: ...
 
 
 class Mirror(Protocol):
@@ -230,6 +250,7 @@ class GroupBackend:
     def __init__(self, local: TransferBackend, mirror: Mirror) -> None:
         self._local, self._mirror = local, mirror
         self._mirrored: dict[str, Any] = {}
+        self._num_dropped = 0  # the local backend's num_dropped_peers when last looked at
         self._holding: dict[int, GroupSender] = {}  # senders whose aux row waits
 
     @property
@@ -252,11 +273,24 @@ class GroupBackend:
 
     def poll(self) -> None:
         self._local.poll()
+        self._mirror_drops()
         self._mirror.sync()
         for room, sender in list(self._holding.items()):
             sender.release_aux()
             if sender.held_aux is None and sender.poll().is_terminal:
                 del self._holding[room]
+
+    def _mirror_drops(self) -> None:
+        """A ``drop`` of the mirrored decode ranks the local backend no longer has."""
+        local = self._local
+        if not isinstance(local, DropsPeers) or local.num_dropped_peers == self._num_dropped:
+            return
+        self._num_dropped = local.num_dropped_peers
+        gone = [name for name in self._mirrored if not local.has_peer(name)]
+        for name in gone:
+            del self._mirrored[name]
+        if gone:
+            self._mirror.mirror(MirrorOp("drop", 0, agent_names=gone))
 
     def next_poll_at(self) -> float:
         at = self._local.next_poll_at()

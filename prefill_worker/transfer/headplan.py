@@ -12,6 +12,16 @@ rank (``writer_rank``), so every decode head is written once::
     KV 8, p 2, d 1     prefill 0 [0..3]  ─ at offset 0 ─▶ decode 0 [0..7], its heads 0..3
                        prefill 1 [4..7]  ─ at offset 0 ─▶ decode 0,        its heads 4..7
 
+An MLA pool (``kv.layout`` kind ``mla``) is the replicated one-head case, and this module is
+the one place that says which rank writes it: its latent is one "head" (``num_kv_heads`` 1)
+that every prefill rank holds byte for byte, so decode rank j of TP d is written by prefill
+rank ``j * p // d`` alone, rank 0 alone when d is 1, whole pages each time (SGLang's decode
+reads an MLA latent from that one rank too, its ``target_tp_rank``)::
+
+    MLA, p 2, d 1      prefill 0 [latent] ─ whole pages ─▶ decode 0   (prefill 1: nothing)
+    MLA, p 2, d 2      prefill 0 [latent] ─ whole pages ─▶ decode 0
+                       prefill 1 [latent] ─ whole pages ─▶ decode 1
+
 A page of one layer's K (or V) is ``[page_size, heads, head_dim]``, token-major (both our
 pools and SGLang's). A head sub-range of it is therefore ``page_size`` strided runs, one per
 token; only a slice that is the whole page on both sides (``p == d``, or replicas) is one run
@@ -74,11 +84,13 @@ class HeadSlice:
 
 def writer_rank(num_kv_heads: int, head: int, dst_rank: int, src_tp: int, dst_tp: int) -> int:
     """The one prefill rank that writes ``head`` into decode rank ``dst_rank``: of the
-    prefill ranks holding it (consecutive), the one at the decode rank's relative position,
-    so replicas share the writing and decode rank j reads from prefill rank j * p // d when
-    that rank holds its heads (SGLang's ``target_tp_rank`` for d >= p)."""
+    prefill ranks holding it (consecutive), the one at the decode rank's position among the
+    decode ranks holding it, scaled. So replicas share the writing: at p = d each prefill rank
+    writes its own decode rank, and for d >= p decode rank j reads from prefill rank
+    j * p // d alone (SGLang's ``target_tp_rank``)."""
     holders = [r for r in range(src_tp) if head in kv_head_range(num_kv_heads, r, src_tp)]
-    return holders[dst_rank * len(holders) // dst_tp]
+    readers = [j for j in range(dst_tp) if head in kv_head_range(num_kv_heads, j, dst_tp)]
+    return holders[readers.index(dst_rank) * len(holders) // len(readers)]
 
 
 def plan_rank(num_kv_heads: int, src_rank: int, src_tp: int, dst_tp: int) -> tuple[HeadSlice, ...]:
@@ -124,9 +136,10 @@ def sources_of(num_kv_heads: int, dst_rank: int, src_tp: int, dst_tp: int) -> tu
 
 def slice_layout_error(local: KVLayout, remote: KVLayout, head_slice: HeadSlice) -> str | None:
     """Why pages of ``local`` cannot be written into ``remote`` by ``head_slice``, or None:
-    the two must agree on everything but the heads a token holds (and the pool sizes)."""
-    if MLA in (local.kind, remote.kind):
-        return "an mla pool has no heads to slice: its latent is replicated, pages copy whole"
+    the two must agree on everything but the heads a token holds (and the pool sizes); an mla
+    pool only into an mla pool (its one latent "head" copies whole)."""
+    if (local.kind == MLA) != (remote.kind == MLA):
+        return f"a pool of kind {local.kind} cannot be written into one of kind {remote.kind}"
     ours = (local.num_layers, local.head_dim, local.dtype, local.page_size)
     theirs = (remote.num_layers, remote.head_dim, remote.dtype, remote.page_size)
     if ours != theirs:
@@ -183,7 +196,8 @@ def num_descriptors(head_slice: HeadSlice, num_layers: int, page_size: int, num_
 
 def write_table(regions: KVRegions, head_offset: int, num_heads: int, is_whole: bool) -> np.ndarray:
     """One side's list for a slice: whole pages per layer-plane (``pagemap.layer_view_table``,
-    2L rows) when the slice is the whole page, else token runs (``slice_table``)."""
+    2L rows, L for an mla pool) when the slice is the whole page, else token runs
+    (``slice_table``)."""
     if is_whole:
         return layer_view_table(regions)
     return slice_table(regions, head_offset, num_heads)
@@ -192,7 +206,7 @@ def write_table(regions: KVRegions, head_offset: int, num_heads: int, is_whole: 
 def write_indices(pages: np.ndarray, layout: KVLayout, is_whole: bool) -> np.ndarray:
     """Indices into ``write_table``'s list of ``pages``, in the same order on both sides."""
     if is_whole:
-        return region_indices(pages, 2 * layout.num_layers, layout.num_pages)
+        return region_indices(pages, layout.planes * layout.num_layers, layout.num_pages)
     return slice_indices(pages, layout)
 
 

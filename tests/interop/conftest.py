@@ -10,6 +10,7 @@ installs it. ``make test`` leaves them out; ``make interop`` runs them.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import Worker, start_worker
 from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
@@ -109,6 +111,20 @@ def launch(
     )
     layout = KVLayout(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, dtype, page_size, 2048 // page_size)
     return Served(worker, sglang, layout)
+
+
+METRIC = re.compile(r"^(prefill_worker_(?:kv_pages|aux_rows)_used) (\S+)$", re.M)
+
+
+def assert_pools_whole(worker: Worker) -> None:
+    """Every KV page and aux row is back (the worker's /metrics says so once it has turned)."""
+
+    def whole() -> bool:
+        status, text = worker.http("/metrics")
+        used = {name: float(value) for name, value in METRIC.findall(text)}
+        return status == 200 and len(used) == 2 and not any(used.values())
+
+    wait_until(whole, 20, "kv pages and aux rows back in the worker's pools")
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,23 @@ prefix: every latent page lands where the decode asked, nothing else moves, SGLa
 says Success. A decode whose pool is not that latent is refused, and learns why. Runs on each
 version's shared decode process (``conftest.version``): no process of its own.
 
-The real worker with an MLA model (``test_the_worker_serves_an_sglang_mla_decode``) is one
-parametrisation away: add the family to ``MLA_FAMILIES`` once ``tests/checkpoints.py`` makes
-a tiny DeepSeek-V3 checkpoint."""
+The real worker on a tiny DeepSeek-V3 (``MLA_FAMILIES``) into SGLang's MLA decode of
+attention TP 1: at worker TP 1 against transformers' cache, and at worker TP 2 (the decode
+asks rank 0 for real and sends rank 1 a dummy, both the leader's socket: docs/sglang.md,
+"Workers with TP > 1") against the TP-1 worker's latent; and at worker TP 1 into SGLang's MLA
+decode of attention TP 2 (two decode-side rank processes, each holding the whole latent: "An
+MLA decode of attention TP > 1"), each rank's latent byte for byte the TP-1 decode's, and
+at worker TP 2 into it (each decode rank asks its own worker rank) within 1e-4. The TP-2
+cases on the newest pinned version (``PW_INTEROP_ALL=1``: every one), as
+``test_decode_tp.py``."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +31,21 @@ import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
-from prefill_worker.request import OutcomeStatus
+from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import hf_mla_forward
-from tests.interop.conftest import launch
-from tests.interop.decodes import SglangDecode, new_room
+from tests.interop.conftest import VERSIONS, Served, assert_pools_whole, launch, sglang_path
+from tests.interop.decodes import Landed, SglangDecode, new_room
 from tests.interop.rig import PrefillRig, push
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
 NUM_LAYERS, LATENT = 2, 48  # the latent: kv_lora_rank 32 + qk_rope_head_dim 16
 WORKER_PAGES = 64
 MLA_FAMILIES = ["deepseek_v3"]
+ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
 
 
 class MlaWorker(PrefillRig):
@@ -162,3 +173,198 @@ def test_the_worker_serves_an_sglang_mla_decode(
     finally:
         client.close()
         served.worker.child.kill()
+
+
+def _latents(
+    served: Served, decode_process: SglangDecodeProcess, ids: list[int], held: int, tmp_path: Path
+) -> tuple[int, list[torch.Tensor]]:
+    """One room from ``served`` into a fresh MLA decode (attention TP 1) holding ``held``
+    tokens: the worker's first token (also the metadata row's) and, per layer, the prompt's
+    latent rows as landed (a held page checked untouched); the receiver said Success."""
+    kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+    assert kv["kind"] == MLA and kv["num_kv_heads"] == 1
+    layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, MLA)
+    decode = SglangDecode(decode_process, served.sglang, layout)
+    client = BlockingRouterClient(served.worker.ingress)
+    try:
+        room = new_room()
+        decode.want(room, len(ids), held)
+        # Prompt logprobs from 0: no prefix-cache hit, every token computed alike.
+        result = client.prefill(ids, room, return_logprob=True, logprob_start_len=0)
+        assert result.status is OutcomeStatus.OK, result
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+    finally:
+        client.close()
+    assert int(landed.output_ids[0]) == result.first_token_id
+    assert int(landed.bootstrap_room[0]) == room and landed.v == []
+    rows = []
+    for raw in landed.k:
+        assert (raw[: held // 16] == FILL_BYTE).all(), "a held page was written"
+        got = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.float32)
+        rows.append(got.view(-1, 1, layout.head_dim)[held : len(ids)])
+    return result.first_token_id, rows
+
+
+def _abort(served: Served, decode_process: SglangDecodeProcess) -> None:
+    """The decode aborts a room before the router's request: its ABORT goes to both worker
+    ranks (the leader's socket), and it may free the pages once an ABORT_ACK came from each
+    rank it asked, its dummy's too (SGLang's ``is_abort_release_safe``); the request ends
+    aborted by the decode, which says Failed."""
+    kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+    layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, MLA)
+    decode = SglangDecode(decode_process, served.sglang, layout)
+    client, room, ids = BlockingRouterClient(served.worker.ingress), new_room(), prompt(40, seed=9)
+    try:
+        decode.want(room, len(ids))
+        decode.abort(room)
+        wait_until(lambda: decode.acked(room), 20, "ABORT_ACK of both worker ranks")
+        result = client.prefill(ids, room)
+    finally:
+        client.close()
+    assert (result.status, result.reason) == (OutcomeStatus.ABORTED, FinishReason.ABORTED_BY_DECODE)
+    assert decode.state(room)[0] == "Failed"
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_a_tp2_worker_serves_an_sglang_mla_decode_the_tp1_workers_latent(
+    sglang_version: str, decode_process: SglangDecodeProcess, tmp_path: Path, family: str
+) -> None:
+    """``prefill-worker serve`` at ``parallel.tp_size`` 2 on an MLA model, SGLang's
+    protocol: SGLang's MLA decode (attention TP 1) sends rank 0 its request and rank 1 a
+    dummy; rank 0 writes the latent once (headplan), the decode hears one KV_STATUS and says
+    Success, the first token in its metadata row. The latent rows equal the TP-1 worker's
+    within 1e-4 of the largest value (the TP-2 forward sums its attention output across
+    ranks in another order; layer 0's are byte for byte), the first token the same. An
+    aborted room is acknowledged for both ranks; both workers' pools end whole."""
+    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
+        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
+    checkpoint = make_checkpoint(family, tmp_path / family)
+    started = []
+    for tp in (1, 2):
+        (tmp_path / f"tp{tp}").mkdir()
+        started.append(
+            launch(
+                tmp_path / f"tp{tp}",
+                checkpoint,
+                16,
+                "float32",
+                "sglang",
+                "layer_major",
+                f"parallel.tp_size={tp}",
+            )
+        )
+    try:
+        tp1, tp2 = (one.ready() for one in started)
+        ids, held = prompt(45, seed=4), 16
+        want_token, want = _latents(tp1, decode_process, ids, held, tmp_path)
+        got_token, got = _latents(tp2, decode_process, ids, held, tmp_path)
+        assert got_token == want_token
+        for layer, (mine, ref) in enumerate(zip(got, want, strict=True)):
+            atol = 1e-4 * float(ref.abs().max())
+            torch.testing.assert_close(mine, ref, atol=atol, rtol=0, msg=f"layer {layer}")
+        _abort(tp2, decode_process)
+        for one in (tp1, tp2):
+            assert_pools_whole(one.worker)
+    finally:
+        for one in started:
+            one.worker.child.kill()
+
+
+def _receive_latents(
+    served: Served, decodes: Sequence[SglangDecode], ids: list[int], tmp_path: Path
+) -> tuple[int, list[Landed]]:
+    """One room from ``served`` into a decode of ``len(decodes)`` attention-TP ranks (each
+    wants the room with its own pages): the worker's first token, and each rank's pages once
+    every rank's receiver said Success, each with the first token and the room in its own
+    metadata row."""
+    client, room = BlockingRouterClient(served.worker.ingress), new_room()
+    try:
+        for decode in decodes:
+            decode.want(room, len(ids))
+        result = client.prefill(ids, room, return_logprob=True, logprob_start_len=0)
+        assert result.status is OutcomeStatus.OK, result
+        with ThreadPoolExecutor(len(decodes)) as pool:
+            states = list(pool.map(lambda decode: decode.wait(room), decodes))
+        assert states == [("Success", None)] * len(decodes)
+        landed = [decode.landed(room, tmp_path) for decode in decodes]
+    finally:
+        client.close()
+    for got in landed:
+        assert int(got.output_ids[0]) == result.first_token_id
+        assert int(got.bootstrap_room[0]) == room and got.v == []
+    return result.first_token_id, landed
+
+
+@pytest.mark.parametrize("worker_tp", [1, 2], ids=["worker-tp1", "worker-tp2"])
+def test_an_attention_tp2_mla_decode_gets_the_whole_latent_on_each_rank(
+    sglang_version: str,
+    decode_process: SglangDecodeProcess,
+    checkpoint: Path,
+    tmp_path: Path,
+    worker_tp: int,
+) -> None:
+    """``prefill-worker serve`` on an MLA model, SGLang's protocol, into SGLang's MLA decode
+    of attention TP 2 (two rank processes; each registers its own pool of the whole latent
+    and asks for every room with its own pages and metadata row: at worker TP 1 both ask
+    rank 0, ``required_dst_info_num`` 2; at worker TP 2 each asks its own rank). Each rank's
+    latent rows are what SGLang's TP-1 decode received from the TP-1 worker: byte for byte
+    from the TP-1 worker, within 1e-4 of the largest value from the TP-2 worker (its forward
+    sums in another order); each rank says Success with the first token in its metadata
+    row; the workers' pools end whole."""
+    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
+        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
+    mla_checkpoint = make_checkpoint(MLA_FAMILIES[0], tmp_path / MLA_FAMILIES[0])
+    started = []
+    for tp in sorted({1, worker_tp}):
+        (tmp_path / f"tp{tp}").mkdir()
+        started.append(
+            launch(
+                tmp_path / f"tp{tp}",
+                mla_checkpoint,
+                16,
+                "float32",
+                "sglang",
+                "layer_major",
+                f"parallel.tp_size={tp}",
+            )
+        )
+    path = sglang_path(sglang_version)
+    ranks = [
+        SglangDecodeProcess(
+            sys.executable, path, checkpoint, tmp_path / f"rank{r}.log", attn_tp=(r, 2)
+        )
+        for r in range(2)
+    ]
+    try:
+        ready = [one.ready() for one in started]
+        tp1, serving = ready[0], ready[-1]
+        kv = json.loads(tp1.worker.http("/readyz")[1])["kv_layout"]
+        assert kv["kind"] == MLA and kv["num_kv_heads"] == 1
+        layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 2048 // 16, MLA)
+        ids = prompt(45, seed=4)
+        ref_token, ref = _receive_latents(
+            tp1, [SglangDecode(decode_process, tp1.sglang, layout)], ids, tmp_path
+        )
+        decodes = [SglangDecode(process, serving.sglang, layout) for process in ranks]
+        token, got = _receive_latents(serving, decodes, ids, tmp_path)
+        assert token == ref_token
+        row = layout.head_dim * 4
+        for layer in range(layout.num_layers):
+            want = ref[0].k[layer].reshape(-1, row)[: len(ids)]
+            for rank, landed in enumerate(got):
+                mine = landed.k[layer].reshape(-1, row)[: len(ids)]
+                if worker_tp == 1:
+                    assert np.array_equal(mine, want), (rank, layer)
+                else:
+                    expect = want.view(np.float32)
+                    atol = 1e-4 * float(np.abs(expect).max())
+                    got_f = mine.view(np.float32)
+                    np.testing.assert_allclose(got_f, expect, atol=atol, rtol=0)
+        for one in ready:
+            assert_pools_whole(one.worker)
+    finally:
+        for process in ranks:
+            process.close()
+        for one in started:
+            one.worker.child.kill()

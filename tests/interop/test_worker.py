@@ -7,7 +7,6 @@ heartbeat); the decode dies (the worker fails the request and its pools are whol
 from __future__ import annotations
 
 import dataclasses
-import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +23,14 @@ from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer import KVReceiver, RoomState
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Worker
-from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, Served, Version, launch
+from tests.interop.conftest import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    Served,
+    Version,
+    assert_pools_whole,
+    launch,
+)
 from tests.interop.decodes import Landed, SglangDecode, new_room
 from tests.polling import wait_until
 
@@ -240,17 +246,3 @@ def test_decode_dies_and_the_worker_pools_are_whole(
     result = router(one.worker).prefill(prompt(300, seed=5), room)
     assert result.status is OutcomeStatus.FAILED, result
     assert_pools_whole(one.worker)  # and the next version's tests use these workers
-
-
-METRIC = re.compile(r"^(prefill_worker_(?:kv_pages|aux_rows)_used) (\S+)$", re.M)
-
-
-def assert_pools_whole(worker: Worker) -> None:
-    """Every KV page and aux row is back (the worker's /metrics says so once it has turned)."""
-
-    def whole() -> bool:
-        status, text = worker.http("/metrics")
-        used = {name: float(value) for name, value in METRIC.findall(text)}
-        return status == 200 and len(used) == 2 and not any(used.values())
-
-    wait_until(whole, 20, "kv pages and aux rows back in the worker's pools")

@@ -8,7 +8,11 @@ worker (``testing.tp_ranks --dump-dir``), equals the TP-1 worker's pool at that 
 (``parallel.kv_head_range``). Transfer: every rank pushes its own heads, so native decodes of
 TP 1 (every head), 2 (a receiver per head) and 4 (each head on two receivers) receive the
 whole KV: byte for byte what each worker rank's pool holds, and within 1e-4 of the TP-1
-worker's KV.
+worker's KV. The leader's /metrics shows every rank's forward times, and every rank's written
+bytes: exactly its planned heads of each room's pages (rank 0's with the aux rows), summing to
+the group's ``prefill_worker_transfer_bytes_total``. Each follower holds every rank of a
+ranked decode while it holds a room, and forgets them once it said `bye`
+(``prefill_worker_tp_decode_peers``).
 
 Faults (TP 2): a follower killed (-9) under load, a follower stopped (SIGSTOP) past the step
 timeout, a follower whose forward raises (``testing.tp_ranks --fail-rank``): the worker exits
@@ -32,17 +36,21 @@ import pytest
 import torch
 
 from prefill_worker.ingress.messages import Result
+from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.model.parallel import TPGroup, kv_head_range
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
+from prefill_worker.transfer.headplan import plan_rank
 from prefill_worker.transfer.wire import WorkerTP
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import (
     DECODE_PAGES,
+    HEAD_DIM,
     NUM_KV_HEADS,
+    NUM_LAYERS,
     PAGE_SIZE,
     ROOT,
     Worker,
@@ -54,6 +62,10 @@ from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
 
 TOL = 1e-4
+TRANSFER_BYTES = "prefill_worker_transfer_bytes_total"
+DECODE_PEERS = "prefill_worker_tp_decode_peers"
+PEERS_SETTLE_S = 10.0  # a `bye` reaches the followers at the next exchange (heartbeat: 0.5 s)
+HEAD_PAGE_BYTES = 2 * NUM_LAYERS * PAGE_SIZE * HEAD_DIM * 4  # one head's K and V, a page, fp32
 TP_MODULE = "prefill_worker.testing.tp_ranks"
 STEP_TIMEOUT_S, HEARTBEAT_S = 3.0, 0.5
 FAST = (f"parallel.step_timeout_s={STEP_TIMEOUT_S}", f"parallel.heartbeat_interval_s={HEARTBEAT_S}")
@@ -163,8 +175,25 @@ def tp1_pages(session: Session, room: int, layer: int) -> tuple[torch.Tensor, to
     return torch.stack([k[p] for p in pages]), torch.stack([v[p] for p in pages])
 
 
-def to_ranked_decode(session: Session, tp: int, size: int) -> tuple[object, list]:
-    """LONG once more, to a native decode of TP ``size``: the reply, and K and V per layer."""
+def follower_peers(worker: Worker, tp: int) -> list[int]:
+    """``prefill_worker_tp_decode_peers`` of ranks 1 .. tp-1: the decode ranks each holds."""
+    samples = scrape(worker)
+    return [int(samples[(DECODE_PEERS, (("rank", str(rank)),))]) for rank in range(1, tp)]
+
+
+def peers_once_settled(worker: Worker, tp: int, expected: list[int]) -> list[int]:
+    """The followers' decode peers once they equal ``expected``, or at ``PEERS_SETTLE_S``."""
+    deadline = time.monotonic() + PEERS_SETTLE_S
+    while (peers := follower_peers(worker, tp)) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return peers
+
+
+def to_ranked_decode(session: Session, tp: int, size: int) -> tuple[tuple, list[list[int]]]:
+    """LONG once more, to a native decode of TP ``size``: the reply, and K and V per layer;
+    and the followers' decode peers before it registered, while it held its room, and after
+    it closed (said `bye`)."""
+    before = follower_peers(session.worker, tp)
     decode = RankedDecode(session.worker.bootstrap, size)
     try:
         ranks = [(r.tp_rank, r.head_start, r.head_stop) for r in decode.worker_tp.ranks]
@@ -176,9 +205,11 @@ def to_ranked_decode(session: Session, tp: int, size: int) -> tuple[object, list
         session.router.send_prefill(LONG, room, return_logprob=True, request_id=rid)
         reply = session.router.wait([rid])[rid]
         decode.wait(room)
-        return reply, [decode.pages(room, layer) for layer in range(2)]
+        pages = [decode.pages(room, layer) for layer in range(2)]
+        during = follower_peers(session.worker, tp)
     finally:
         decode.close()
+    return (reply, pages), [before, during, peers_once_settled(session.worker, tp, before)]
 
 
 def serve_script(session: Session, tp: int) -> dict[str, object]:
@@ -201,7 +232,7 @@ def serve_script(session: Session, tp: int) -> dict[str, object]:
     assert readyz["kv_layout"]["num_kv_heads"] == NUM_KV_HEADS  # every head, at any TP
     for size in (2, 4):  # a TP-1 worker does the same work (its pools stay comparable) for
         if tp > 1:  # its TP-1 decode (tests/integration/daemon/test_decode_tp.py has d > 1)
-            out[f"long-d{size}"] = to_ranked_decode(session, tp, size)
+            out[f"long-d{size}"], out[f"peers-d{size}"] = to_ranked_decode(session, tp, size)
         else:
             rid, room = session.send(LONG, f"long-d{size}")
             out[f"long-d{size}"] = session.router.wait([rid])[rid], None
@@ -219,10 +250,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         session = Session(worker)
         try:
             answers = serve_script(session, tp)
+            samples = scrape(worker)
             forwards = {
                 labels: value
-                for (name, labels), value in scrape(worker).items()
+                for (name, labels), value in samples.items()
                 if name == "prefill_worker_tp_forward_seconds_count"
+            }
+            written = {
+                dict(labels).get("rank", "total"): value
+                for (name, labels), value in samples.items()
+                if name in ("prefill_worker_tp_write_bytes_total", TRANSFER_BYTES)
             }
         except BaseException:
             worker.child.kill()  # no worker outlives a failed script
@@ -231,7 +268,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
         pools = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(tp)]
-        results[tp] = answers, pools, forwards
+        results[tp] = answers, pools, forwards, written
     yield results
 
 
@@ -310,6 +347,45 @@ def test_metrics_show_every_rank_forward(served: dict, tp: int) -> None:
     assert set(forwards) == {(("rank", str(rank)),) for rank in range(tp)}
     assert len(set(forwards.values())) == 1 and min(forwards.values()) > 0  # every step
     assert served[1][2] == {}  # no group, no series
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_follower_forgets_a_decode_that_left(served: dict, tp: int, size: int) -> None:
+    """A native decode of TP ``size`` registers, gets a room, says `bye`: every follower held
+    each of its ranks (their agents mirrored for the room) and, after the bye, holds what it
+    held before (the leader's drop mirrored); the decode of TP 4, with new names, comes after
+    the TP-2 one left and is served (its KV: the tests above)."""
+    before, during, after = served[tp][0][f"peers-d{size}"]
+    assert during == [n + size for n in before]
+    assert after == before
+
+
+def rooms_written(tp: int) -> list[tuple[int, int]]:
+    """(pages, decode TP) of every room ``serve_script`` sent (docs: its docstring)."""
+    rooms = [(-(-len(tokens) // PAGE_SIZE), 1) for tokens in (LONG, HIT, *BATCH)]
+    return rooms + [(-(-len(LONG) // PAGE_SIZE), size if tp > 1 else 1) for size in (2, 4)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_metrics_count_every_ranks_writes_exactly(served: dict, tp: int) -> None:
+    """The group's ``prefill_worker_transfer_bytes_total`` is the sum of its ranks'
+    ``prefill_worker_tp_write_bytes_total``, and each rank's is exactly its heads (the plan's
+    slices) of every room's pages, K and V of each layer; rank 0's with an aux row per decode
+    rank of each room. At TP 4 (a head on two ranks) ranks 1 and 3 write only into the decode of
+    TP 4 (each its own decode rank's heads)."""
+    written = served[tp][3]
+    expected = [0] * tp
+    for num_pages, size in rooms_written(tp):
+        for rank in range(tp):
+            heads = sum(s.num_heads for s in plan_rank(NUM_KV_HEADS, rank, tp, size))
+            expected[rank] += num_pages * heads * HEAD_PAGE_BYTES
+        expected[0] += size * AUX_ROW_BYTES
+    if tp == 1:
+        assert written == {"total": expected[0]}  # no group, no rank series
+        return
+    assert [written[str(rank)] for rank in range(tp)] == expected
+    assert written["total"] == sum(expected)
 
 
 def test_under_torchrun_each_process_is_one_rank(

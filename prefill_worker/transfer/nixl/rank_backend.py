@@ -11,19 +11,31 @@ room's binding (``RankSender.bind``: the decode ranks' `want`s) before its pages
                 pages       one WRITE per fed decode rank of this rank's heads  TRANSFERRING
                 aux         every page sent: SUCCESS once every write landed
                 fail/close  FAILED; writes in flight released (cancelled)
+                drop        the decode rank left the leader: its rooms FAILED (their
+                            writes released), its agent forgotten once no write to it
+                            can land (``drop_peer``; a refused release retried first)
 
 The aux row and the status are the leader's (sent once every rank's SUCCESS is agreed);
 this rank's SUCCESS says only "my writes landed". A write NIXL refuses or reports failed
 fails the room (FAILED, agreed by the group); one still in flight past ``write_timeout_s``
 too. A failed room releases its writes in flight; ``settle`` says when none can land any more
-(a release NIXL refuses is retried), for the leader's failure status. Torch-free; importing
-it imports NIXL.
+(a release NIXL refuses is retried), for the leader's failure status.
+
+A write that landed (DONE) counts its bytes (what its descriptors cover) twice: for its room
+(``written_bytes``, and the debug line the rank logs when the room closes: its writes posted
+and the bytes landed) and for the backend (``take_written_bytes``: what landed since the last
+call, which the follower reports to the leader in its step answer, ``tp/channel.py``, for the
+group's ``prefill_worker_transfer_bytes_total`` and this rank's
+``prefill_worker_tp_write_bytes_total``). A rank writes nothing for a room whose decode ranks
+the head plan gives to other ranks (an MLA latent into a decode of TP 1: rank 0 alone).
+Torch-free; importing it imports NIXL.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +55,11 @@ _WRITE_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, *NIXL_ER
 
 @dataclass(frozen=True, slots=True)
 class _DecodeRank:
-    """A decode rank this rank knows: its writer (one per decode agent, so a re-registration
-    replaces it whole), and the name it writes under (None: this rank feeds it nothing)."""
+    """A decode rank this rank knows: its agent name as registered, its writer (one per
+    decode agent, so a re-registration replaces it whole), and the name it writes under
+    (None: this rank feeds it nothing)."""
 
+    agent_name: str
     writer: RankWriter
     name: str | None
 
@@ -58,8 +72,10 @@ class RankSender:
         self._state = KVPoll.READY
         self._reason: str | None = None
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
-        self._handles: list[tuple[Any, float]] = []  # (handle, posted at)
+        self._handles: list[tuple[Any, float, int, RankWriter]] = []  # (.., posted at, bytes)
         self._is_last = False  # the aux op came: no more pages
+        self._num_writes = 0  # KV writes this rank posted for the room
+        self._written_bytes = 0  # ... and the bytes of those that landed
 
     def bind(self, agent_names: Sequence[str], wants: Sequence[wire.Want]) -> None:
         ranks = self._backend.decode_ranks
@@ -87,11 +103,17 @@ class RankSender:
         for rank, want in self._targets:
             if rank.name is None:
                 continue
+            if self._backend.decode_ranks.get(rank.agent_name) is not rank:
+                # The name registered again (its old writer closed): this room's pages were
+                # the old registration's.
+                return self.fail(f"decode agent {rank.agent_name} registered again")
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
                 if len(src):
-                    handle = rank.writer.post(rank.name, src, dst, b"")
-                    self._handles.append((handle, self._backend.clock()))
+                    handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
+                    self._backend.count_posted(rank.writer)
+                    self._handles.append((handle, self._backend.clock(), num_bytes, rank.writer))
+                    self._num_writes += 1
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
 
@@ -103,6 +125,12 @@ class RankSender:
             self._state, self._reason = KVPoll.FAILED, reason
             log.warning("room %d failed on this rank: %s", self.room, reason)
         self._release()
+
+    def lose_peer(self, agent_name: str) -> None:
+        """The decode rank ``agent_name`` left: a room bound to it fails
+        (``mirror.LosingPeers``)."""
+        if any(rank.agent_name == agent_name for rank, _ in self._targets):
+            self.fail(f"decode agent {agent_name} left")
 
     def settle(self) -> bool:
         """No write of the room can land from this rank any more (``mirror.ReplayedSender``)."""
@@ -117,26 +145,38 @@ class RankSender:
         return None
 
     def written_bytes(self) -> int:
-        return 0
+        """The bytes of this rank's writes of the room that landed."""
+        return self._written_bytes
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")
+        log.debug(
+            "rank %d: room %d ended %s, %d KV writes posted, %d bytes landed",
+            self._backend.place.rank,
+            self.room,
+            self._state.name,
+            self._num_writes,
+            self._written_bytes,
+        )
 
     def _release(self) -> None:
         """Release every write still held (cancelling it); keep those NIXL refused."""
-        self._handles = [(h, t) for h, t in self._handles if not self._backend.release(h)]
+        self._handles = [w for w in self._handles if not self._backend.release(w[0], w[3])]
 
     def _check_writes(self) -> None:
         agent, now, pending, why = self._backend.agent, self._backend.clock(), [], None
-        for handle, posted_at in self._handles:
+        for handle, posted_at, num_bytes, writer in self._handles:
             state = agent.check_xfer_state(handle)
+            if state == "DONE":
+                self._written_bytes += num_bytes
+                self._backend.count_written(num_bytes)
             if state in ("DONE", "ERR"):  # over: nothing more of it can land
-                self._backend.release(handle)
+                self._backend.finish(handle, writer)
                 why = why or (
                     None if state == "DONE" else "a KV write failed on a tensor-parallel rank"
                 )
             else:
-                pending.append((handle, posted_at))
+                pending.append((handle, posted_at, num_bytes, writer))
                 if now - posted_at > self._backend.write_timeout_s:
                     why = (
                         why or f"a KV write was in flight over {self._backend.write_timeout_s:g} s"
@@ -163,16 +203,21 @@ class RankBackend:
         kv_table, _ = region_tables(regions)  # the KV pool only: the aux rows are the leader's
         self._registration = agent.register_memory(kv_table, mem_type(regions.device))
         self._ranks: dict[str, _DecodeRank] = {}
+        self._leaving: dict[str, _DecodeRank] = {}  # dropped, a write to it may still land
+        self._writes: Counter[RankWriter] = Counter()  # writes that may still land, by writer
+        self._written_bytes = 0  # landed since the last ``take_written_bytes``
 
     @property
     def decode_ranks(self) -> Mapping[str, _DecodeRank]:
         return self._ranks
 
     def add_peer(self, msg: wire.Register) -> None:
-        """A decode rank the leader admitted (again: its old writer goes first)."""
-        old = self._ranks.pop(msg.agent_name, None)
-        if old is not None:
-            old.writer.close()
+        """A decode rank the leader admitted (again: its old writer goes first, a leaving one
+        too, whatever it still writes: the agent name is the new one's now)."""
+        for old in (self._ranks.pop(msg.agent_name, None), self._leaving.pop(msg.agent_name, None)):
+            if old is not None:
+                old.writer.close()
+                del self._writes[old.writer]
         writer = RankWriter(self.agent, self.place, self._regions)
         dst_rank, dst_tp = (0, 1) if msg.tp is UNSET else (msg.tp.tp_rank, msg.tp.tp_size)
         try:
@@ -182,27 +227,75 @@ class RankBackend:
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
             return
-        self._ranks[msg.agent_name] = _DecodeRank(writer, name)
+        self._ranks[msg.agent_name] = _DecodeRank(msg.agent_name, writer, name)
+
+    def drop_peer(self, agent_name: str) -> None:
+        """The leader dropped the decode rank (its senders lost it first, releasing their
+        writes): its agent and lists go now, or at the ``poll`` after its last write was
+        released (an unknown name: nothing)."""
+        rank = self._ranks.pop(agent_name, None)
+        if rank is not None:
+            self._leaving[agent_name] = rank
+            self._forget_left()
+
+    @property
+    def num_peers(self) -> int:
+        """The decode ranks this rank holds a writer for, leaving ones included."""
+        return len(self._ranks) + len(self._leaving)
 
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> RankSender:
         return RankSender(self, room)
 
-    def release(self, handle: Any) -> bool:
+    def count_posted(self, writer: RankWriter) -> None:
+        """A write through ``writer`` was posted: it may land until released or over."""
+        self._writes[writer] += 1
+
+    def release(self, handle: Any, writer: RankWriter) -> bool:
         """Release a write handle (cancelling it if in flight); False when NIXL refused."""
         try:
             self.agent.release_xfer_handle(handle)
         except NIXL_ERRORS as exc:
             log.warning("releasing a write handle: %s", exc)
             return False
+        self._uncount(writer)
         return True
 
+    def finish(self, handle: Any, writer: RankWriter) -> None:
+        """A write that is over (landed or failed): nothing of it can land any more, whether
+        NIXL releases its handle or not."""
+        if not self.release(handle, writer):
+            self._uncount(writer)
+
+    def _uncount(self, writer: RankWriter) -> None:
+        if writer in self._writes:  # not a writer replaced since (its count went with it)
+            self._writes[writer] -= 1
+
+    def count_written(self, num_bytes: int) -> None:
+        """A write of ``num_bytes`` landed (a sender's, when it checked its writes)."""
+        self._written_bytes += num_bytes
+
+    def take_written_bytes(self) -> int:
+        """The bytes of every write that landed since the last call."""
+        num_bytes, self._written_bytes = self._written_bytes, 0
+        return num_bytes
+
     def poll(self) -> None:
-        """Nothing between rooms: each sender checks its writes when polled."""
+        """Each sender checks its writes when polled; here a dropped decode rank's agent goes
+        once no write to it can land."""
+        self._forget_left()
+
+    def _forget_left(self) -> None:
+        for agent_name, rank in list(self._leaving.items()):
+            if self._writes[rank.writer] <= 0:
+                del self._leaving[agent_name], self._writes[rank.writer]
+                rank.writer.close()
+                log.info("rank %d: forgot decode agent %s", self.place.rank, agent_name)
 
     def close(self) -> None:
-        for rank in self._ranks.values():
+        for rank in [*self._ranks.values(), *self._leaving.values()]:
             rank.writer.close()
         self._ranks.clear()
+        self._leaving.clear()
         self.agent.deregister_memory(self._registration)

@@ -56,6 +56,7 @@ class _Peer:
     regions: KVRegions
     local: Any  # this rank's prepared list for the slice's source side
     remote: Any  # the decode rank's prepared list
+    descriptor_bytes: int  # what one descriptor of either list covers
 
 
 class RankWriter:
@@ -94,7 +95,8 @@ class RankWriter:
             regions, head_slice.dst_head_offset, head_slice.num_heads, head_slice.is_whole_page
         )
         remote = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
-        self._peers[name] = _Peer(head_slice, regions, self._local_list(head_slice), remote)
+        local = self._local_list(head_slice)
+        self._peers[name] = _Peer(head_slice, regions, local, remote, int(table[0][1]))
         return name
 
     def _local_list(self, s: HeadSlice) -> Any:
@@ -105,9 +107,12 @@ class RankWriter:
             self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, device)
         return self._local[key]
 
-    def post(self, name: str, src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes) -> Any:
+    def post(
+        self, name: str, src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes
+    ) -> tuple[Any, int]:
         """Start one WRITE of this rank's slice of ``src_pages`` into the decode rank's
-        ``dst_pages``; the handle (``agent.check_xfer_state`` says when it landed)."""
+        ``dst_pages``: the handle (``agent.check_xfer_state`` says when it landed) and the
+        bytes its descriptors cover."""
         peer = self._peers[name]
         is_whole = peer.head_slice.is_whole_page
         local_idx = write_indices(src_pages, self._regions.layout, is_whole)
@@ -119,7 +124,7 @@ class RankWriter:
         if state == "ERR":
             handle.release()
             raise RuntimeError(f"NIXL refused a write to {name}")
-        return handle
+        return handle, len(local_idx) * peer.descriptor_bytes
 
     def close(self) -> None:
         """Release every prepared list and forget the decode agents (errors logged: the peer

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.001  # NIXL has no fd: while writes are in flight the engine polls this often
 _WAITING_POLL_S = 0.1  # the transfer thread wakes us when a write settles; this bounds it
-_MAX_CLAIMS_PER_ROOM = 4  # wants for one room, from distinct peers, before its request
+_MAX_CLAIMS_PER_ROOM = 4  # wants for one room before its request (a wider decode: its ranks)
 
 
 class PushHub(Generic[P]):
@@ -54,6 +54,7 @@ class PushHub(Generic[P]):
         self.refusals = refusals
         self.want_timeout_s = want_timeout_s
         self.peers: dict[bytes, P] = {}
+        self.num_dropped = 0  # peers dropped so far (a tensor-parallel leader mirrors them)
         self.senders: dict[int, PushSender[P]] = {}
         self.rooms: RoomBook[P] = RoomBook(_MAX_CLAIMS_PER_ROOM, max_unmatched_wants)
         self._reaper = HandleReaper()
@@ -194,6 +195,7 @@ class PushHub(Generic[P]):
         """Fail every request bound to the peer, cancel its writes, forget its agent."""
         log.info("%s: dropping decode peer %s: %s", self.counter.protocol, peer.agent_name, reason)
         del self.peers[peer.identity]
+        self.num_dropped += 1
         for sender in [s for s in self.senders.values() if peer in s.peers]:
             sender.lose_peer(reason, peer)
         self.drain()  # their `failed` goes out first (held while writes settle)
@@ -317,6 +319,11 @@ class HubBackend(Generic[P]):
 
     def has_peer(self, agent_name: str) -> bool:
         return self._hub.has_peer(agent_name)
+
+    @property
+    def num_dropped_peers(self) -> int:
+        """Peers dropped so far (``transfer.group.DropsPeers``)."""
+        return self._hub.num_dropped
 
     def num_inflight_transfers(self) -> int:
         return self._hub.num_inflight_transfers()

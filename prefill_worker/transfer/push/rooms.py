@@ -3,7 +3,8 @@
 rooms a decode aborted before their request came (aborted, so the late request ends at once
 instead of waiting out its bootstrap timeout).
 
-Bounded: at most ``max_claims_per_room`` peers wait on one room; at most
+Bounded: at most ``max_claims_per_room`` peers wait on one room, or as many as the claiming
+decode has ranks when it has more (each rank of a decode of TP d wants the room); at most
 ``max_claims_per_peer`` rooms wait for one peer, naming together no more pages than its pool
 has (a decode cannot use more at once), so what a peer can park here is bounded by its own
 registration. Each claim is in two indexes, the room's list and its peer's ``unmatched`` set;
@@ -61,7 +62,8 @@ class RoomBook(Generic[P]):
     def claim(self, peer: P, want: wire.Want, deadline: float) -> Refusal | None:
         """Remember the want until its request comes, or say why not."""
         claims = self._claims.get(want.room, [])
-        if any(c.peer is peer for c in claims) or len(claims) >= self._max_per_room:
+        room_bound = max(self._max_per_room, peer.tp_size)  # every rank of one decode
+        if any(c.peer is peer for c in claims) or len(claims) >= room_bound:
             return duplicate_want(want.room)
         if len(peer.unmatched) >= self._max_per_peer:
             why = f"{len(peer.unmatched)} wants already wait for their requests"

@@ -52,11 +52,12 @@ def server_info(page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1) -> d
 
 
 def check_registration(
-    reg: Registration, ours: KVLayout, limits: BootstrapLimits
+    reg: Registration, ours: KVLayout, limits: BootstrapLimits, prefill_tp_size: int = 1
 ) -> Refusal | None:
-    """Why this decode rank cannot be a peer, or None."""
+    """Why this decode rank cannot be a peer of this worker (attention TP
+    ``prefill_tp_size``), or None."""
     return (
-        _check_parallel(reg, ours)
+        _check_parallel(reg, ours, prefill_tp_size)
         or _check_features(reg, ours)
         or _check_layout(reg, rank_layout(reg, ours))
         or _check_memory(reg, limits)
@@ -97,18 +98,27 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 
 def check_request(
-    req: TransferRequest, decode_tp_size: int = 1, prefill_tp_size: int = 1
+    req: TransferRequest, decode_tp_size: int = 1, prefill_tp_size: int = 1, is_mla: bool = False
 ) -> Refusal | None:
     """Why this room cannot be served as asked, or None (the pages are ``pagemap``'s). A
     decode rank of attention TP d names as ``required_dst_info_num`` how many decode ranks
     each prefill rank it targets serves: d / p when d >= p, else 1 (SGLang's
-    ``_resolve_rank_mapping``; every decode rank's request reaches this leader)."""
-    expected = max(1, decode_tp_size // prefill_tp_size)
-    if req.required_dst_info_num != expected or req.is_dummy:
+    ``_resolve_rank_mapping``; every decode rank's request reaches this leader). A dummy
+    request (no pages: "this rank writes nothing for me") is SGLang's only for an MLA decode
+    of d < p, to each rank it targets but the first (``is_dummy_expected``)."""
+    if req.is_dummy and not is_dummy_expected(decode_tp_size, prefill_tp_size, is_mla):
         why = (
-            f"the room needs {req.required_dst_info_num} decode ranks"
-            f"{' (this one a dummy)' if req.is_dummy else ''}; from this worker (attention "
-            f"TP {prefill_tp_size}) a decode of attention TP {decode_tp_size} needs {expected}"
+            f"a dummy request (no pages) from a decode of attention TP {decode_tp_size} to "
+            f"this worker (attention TP {prefill_tp_size}, {'MLA' if is_mla else 'K/V'}): "
+            "SGLang sends dummies only for an MLA model, from a decode of the smaller TP"
+        )
+        return Refusal(RejectReason.UNSUPPORTED, why)
+    expected = max(1, decode_tp_size // prefill_tp_size)
+    if req.required_dst_info_num != expected:
+        why = (
+            f"the room needs {req.required_dst_info_num} decode ranks; from this worker "
+            f"(attention TP {prefill_tp_size}) a decode of attention TP {decode_tp_size} "
+            f"needs {expected}"
         )
         return Refusal(RejectReason.UNSUPPORTED, why)
     if req.has_state:
@@ -117,14 +127,33 @@ def check_request(
     return None
 
 
+def is_dummy_expected(decode_tp_size: int, prefill_tp_size: int, is_mla: bool) -> bool:
+    """Whether a decode rank of this shape sends dummy requests: SGLang's MLA decode of
+    attention TP d < p reads the latent from one prefill rank and sends each other rank it
+    targets a dummy (``_setup_bootstrap_infos``: ``is_dummy`` unless the rank is its
+    ``target_tp_rank``); a non-MLA decode never does."""
+    return is_mla and decode_tp_size < prefill_tp_size
+
+
 def target_ranks(decode_rank: int, decode_tp_size: int, prefill_tp_size: int) -> range:
-    """The prefill ranks a decode rank sends its requests to and expects a ``KV_STATUS``
-    from, one each (SGLang's ``_resolve_rank_mapping`` for a non-MLA model)."""
+    """The prefill ranks a decode rank sends its requests to, one each (SGLang's
+    ``_resolve_rank_mapping``, alike for MLA and not): an ``ABORT_ACK`` comes from each."""
     if decode_tp_size >= prefill_tp_size:
         rank = decode_rank // (decode_tp_size // prefill_tp_size)
         return range(rank, rank + 1)
     per_rank = prefill_tp_size // decode_tp_size
     return range(decode_rank * per_rank, (decode_rank + 1) * per_rank)
+
+
+def status_ranks(
+    decode_rank: int, decode_tp_size: int, prefill_tp_size: int, is_mla: bool
+) -> range:
+    """Those of ``target_ranks`` a decode rank expects a ``KV_STATUS`` from, one each: every
+    one, but for an MLA decode only the first (its ``target_tp_rank``, the one its real
+    request goes to; SGLang's dummy ranks send no status, and the decode counts one:
+    ``required_prefill_response_num`` 1). That is the rank ``headplan`` has write it."""
+    ranks = target_ranks(decode_rank, decode_tp_size, prefill_tp_size)
+    return ranks[:1] if is_mla else ranks
 
 
 def rank_slice(reg: Registration, ours: KVLayout, prefill_tp_size: int = 1) -> HeadSlice | None:
@@ -179,12 +208,16 @@ def _unsupported(why: str) -> Refusal:
     return Refusal(RejectReason.UNSUPPORTED, why)
 
 
-def _check_parallel(reg: Registration, ours: KVLayout) -> Refusal | None:
-    if reg.tp_size != 1 and ours.kind == MLA:
+def _check_parallel(reg: Registration, ours: KVLayout, prefill_tp_size: int) -> Refusal | None:
+    # An MLA decode of attention TP d: every rank asks for every room with its own pages and
+    # metadata row and wants the whole latent (docs/sglang.md, "An MLA decode of attention
+    # TP > 1"); served from a worker of TP N <= d, not proven at 1 < d < N (dummies).
+    if 1 < reg.tp_size < prefill_tp_size and ours.kind == MLA:
         return _unsupported(
-            f"decode attention TP size {reg.tp_size}: each of its ranks holds the whole MLA "
-            "latent and asks for every room, and this worker serves one decode rank per "
-            "room; run decodes with attention TP 1 (--tp 1, or DP attention)"
+            f"an MLA decode of attention TP {reg.tp_size} at this worker of TP "
+            f"{prefill_tp_size}: an MLA decode of attention TP > 1 is served by a worker of "
+            "no larger TP; run it at attention TP 1, or against a worker of TP "
+            f"{reg.tp_size} or less"
         )
     if not 0 <= reg.tp_rank < reg.tp_size:
         return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")

@@ -17,7 +17,11 @@ The leader of a TP group (``lead``) answers for every rank: ``/route`` names its
 socket for each, so every decode rank registers and asks here; this desk plans what rank 0
 writes into each decode rank, and keeps the registration (as a native `register`) for the
 group's mirror, which has the other ranks write their heads (docs/sglang.md, "Workers with
-TP > 1").
+TP > 1"). An MLA decode of attention TP d < p reads its latent from one worker rank (the
+first it targets, the one ``headplan`` has write it) and sends the others a dummy request:
+SGLang's dummy rank writes nothing and sends no status, and so does this desk (a dummy holds
+nothing: the real request, a copy to the same leader, carries the room); the decode hears
+one ``KV_STATUS`` and, for an ABORT, one ``ABORT_ACK`` per rank it asked (``dialect``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_source,
     peer_regions,
     rank_slice,
+    status_ranks,
     target_ranks,
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
@@ -125,7 +130,7 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        refusal = check_registration(reg, self._layout, self._limits) or self._check_group(reg)
+        refusal = check_registration(reg, self._layout, self._limits, self._prefill_tp)
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
@@ -170,6 +175,7 @@ class SglangDesk:
             aux_ptrs=reg.aux_ptrs,
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
+            status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
@@ -184,14 +190,6 @@ class SglangDesk:
         rank = wire.DecodeRank(reg.tp_rank, reg.tp_size, heads.start, heads.stop)
         metadata = wire.frame_metadata(reg.agent_metadata)
         return wire.Register.of(reg.agent_name, metadata, regions, "sglang", rank)
-
-    def _check_group(self, reg: frames.Registration) -> Refusal | None:
-        """An MLA worker of TP > 1: SGLang's decode sends dummy requests to all but one rank
-        (not served)."""
-        if self._prefill_tp > 1 and self._layout.kind == MLA:
-            why = f"an MLA model at worker TP {self._prefill_tp}: run the worker at TP 1"
-            return Refusal(RejectReason.UNSUPPORTED, why)
-        return None
 
     def _take_address(self, reg: frames.Registration) -> Refusal | None:
         """A live decode keeps its ``ip:port``: another agent registering there is refused.
@@ -257,12 +255,18 @@ class SglangDesk:
         peer.last_seen = self._hub.clock()
         if peer.tp_size < self._prefill_tp and self._is_copy(peer, req.room):
             return None
+        refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
+        if refusal is None and req.is_dummy:
+            return None  # the real request carries the room (the module docstring)
         want = req.want()
-        refusal = check_request(req, peer.tp_size, self._prefill_tp)
         refusal = refusal or check_want_size(want, self._layout, peer.regions.layout)
         if refusal is not None:
             return self._hub.refuse_room(peer, req.room, refusal)
         self._hub.want(peer, want)
+
+    @property
+    def _is_mla(self) -> bool:
+        return self._layout.kind == MLA
 
     def _is_copy(self, peer: SglangPeer, room: int) -> bool:
         """A decode rank of TP d < p sends each request to each of the p / d prefill ranks

@@ -1,10 +1,10 @@
 """How SGLang's protocol says things to a decode rank: replies go to the control socket it
 registered (``KV_STATUS`` success or failed with the reason, once in the name of each worker
-rank the decode rank asked; an abort's acknowledgement is
-``ABORT_ACK``, echoing the abort's generation), and the aux row is staged in SGLang's format
-(``sglang.aux``: the engine owns the aux rows) and written with one WRITE into row
-``aux_index`` of each of the decode's metadata buffers. No NIXL notification is sent:
-SGLang decodes complete a room on ``KV_STATUS``.
+rank the decode rank expects one from; an abort's acknowledgement is ``ABORT_ACK``, echoing
+the abort's generation, once in the name of each worker rank it asked), and the aux row is
+staged in SGLang's format (``sglang.aux``: the engine owns the aux rows) and written with one
+WRITE into row ``aux_index`` of each of the decode's metadata buffers. No NIXL notification
+is sent: SGLang decodes complete a room on ``KV_STATUS``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ class SglangPeer(Peer):
 
     aux_ptrs: tuple[int, ...]  # its metadata buffers
     endpoint: frames.Endpoint  # its control socket, as registered
-    # The worker ranks it expects a KV_STATUS from, one each (``accept.target_ranks``).
+    # The worker ranks it sends its requests to (``accept.target_ranks``): it counts an
+    # ABORT_ACK from each before it frees an aborted room's pages.
     prefill_ranks: range = range(1)
+    # Those it expects a KV_STATUS from, one each (``accept.status_ranks``: all of them, but
+    # the first only for an MLA decode, whose other requests are dummies).
+    status_ranks: range = range(1)
 
 
 class SglangDialect:
@@ -44,11 +48,14 @@ class SglangDialect:
         self._staging, self._aux_rows = staging, aux_rows
 
     def send(self, peer: SglangPeer, status: wire.Status, generation: int | None = None) -> bool:
-        if status.status == "aborted":
-            return self._replies.send(peer.endpoint, frames.abort_ack(status.room, generation))
         is_ok, sent = status.status == "ok", True
-        for rank in peer.prefill_ranks:  # in the name of each rank it asked
-            message = frames.kv_status(status.room, is_ok, status.reason, rank)
+        if status.status == "aborted":  # in the name of each rank it asked
+            messages = [frames.abort_ack(status.room, generation, r) for r in peer.prefill_ranks]
+        else:  # in the name of each rank it expects a status from
+            messages = [
+                frames.kv_status(status.room, is_ok, status.reason, r) for r in peer.status_ranks
+            ]
+        for message in messages:
             sent = self._replies.send(peer.endpoint, message) and sent
         return sent
 

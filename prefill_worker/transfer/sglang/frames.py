@@ -140,8 +140,8 @@ def kv_status(
     ]
 
 
-def abort_ack(room: int, generation: int | None) -> list[bytes]:
-    ack = [ABORT_ACK_TAG, b"%d" % room, b"%d" % PREFILL_RANK]
+def abort_ack(room: int, generation: int | None, prefill_rank: int = PREFILL_RANK) -> list[bytes]:
+    ack = [ABORT_ACK_TAG, b"%d" % room, b"%d" % prefill_rank]
     return ack if generation is None else [*ack, b"%d" % generation]
 
 

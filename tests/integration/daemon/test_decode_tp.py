@@ -1,10 +1,11 @@
-"""A decode of tensor-parallel size 2 and 4 receiving from the worker (TP 1), over the native
+"""A decode of tensor-parallel size 2, 4 and 8 receiving from the worker (TP 1), over the native
 protocol: each decode rank is its own ``KVReceiver`` (own NIXL agent, own pool holding only
 its KV heads by ``kv.heads``) wanting the room with its own pages. The ranks' pools,
 reassembled head by head (``model.parallel.gather_kv_heads``, which also checks replicas
 agree), must equal byte for byte what a TP-1 decode received for the same prompt; every rank
 ends DONE with the first token in its aux row. The test model has 2 KV heads: TP 2 slices
-(one head per rank, token runs), TP 4 replicates (two ranks per head).
+(one head per rank, token runs), TP 4 and 8 replicate (two and four ranks per head); at TP 8
+the eight wants come before the request, past the old bound of 4 waiting wants per room.
 
 Shares the package's worker (``shared_worker``); one prompt per decode TP size."""
 
@@ -97,7 +98,7 @@ def reference(shared_worker, router) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [rank.kv(layer) for layer in range(NUM_LAYERS)]
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("tp_size", [2, 4, 8])
 def test_a_tp_decode_gets_the_tp1_kv_head_by_head(
     shared_worker, router, reference, tp_size: int
 ) -> None:  # type: ignore[no-untyped-def]

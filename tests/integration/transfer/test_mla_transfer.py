@@ -1,7 +1,8 @@
 """An MLA pool (``kv.layout`` kind ``mla``: one latent per token and layer, no V) over real NIXL
 (CPU memory over UCX): the native backend (``make_backend``) writes a pool of known bytes into
 a decode SDK's latent tensors (``KVReceiver.from_tensors``), byte for byte, page sizes 1 and
-16; ``describe`` names the MLA shape; a decode whose pool kind or latent width differs is
+16, and into each rank of a decode of TP 2 (every rank the whole latent); ``describe`` names
+the MLA shape; a decode whose pool kind or latent width differs is
 refused with a reason naming both."""
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def push(worker: Worker, receiver: KVReceiver, room: int, num_tokens: int, dst: 
     return src, aux
 
 
+def assert_landed(
+    worker: Worker,
+    lay: KVLayout,
+    latents: list[torch.Tensor],
+    before: list[torch.Tensor],
+    moved: dict[int, int],
+) -> None:
+    """Each decode page in ``moved`` holds the worker's page it maps to, in every layer,
+    byte for byte; every other page is as it was ``before``."""
+    for layer in range(NUM_LAYERS):
+        got = latents[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
+        was = before[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
+        for page in range(NUM_PAGES):
+            want = was[page]
+            if page in moved:
+                want = layer_page(worker.pool, lay, layer, 0, moved[page])
+            assert np.array_equal(got[page], want), (layer, page)
+
+
 @pytest.mark.parametrize("mla_worker", [1, 16], indirect=True, ids=["page1", "page16"])
 def test_the_decode_sdk_receives_an_mla_pool_byte_for_byte(mla_worker: Worker) -> None:
     worker, lay = mla_worker, mla_worker.spec.layout
@@ -101,15 +121,7 @@ def test_the_decode_sdk_receives_an_mla_pool_byte_for_byte(mla_worker: Worker) -
         num_tokens = 7 * lay.page_size - lay.page_size // 2  # a partial last page
         dst = [20, 3, 17, 4, 9, 11]  # scattered: the 6 pages after the held one
         src, aux = push(worker, receiver, 41, num_tokens, dst)
-        moved = dict(zip(dst, src[1:], strict=True))
-        for layer in range(NUM_LAYERS):
-            got = latents[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-            was = before[layer].view(torch.uint8).view(NUM_PAGES, -1).numpy()
-            for page in range(NUM_PAGES):
-                want = was[page]
-                if page in moved:
-                    want = layer_page(worker.pool, lay, layer, 0, moved[page])
-                assert np.array_equal(got[page], want), (layer, page)
+        assert_landed(worker, lay, latents, before, dict(zip(dst, src[1:], strict=True)))
         assert receiver.read_aux(3) == aux
         worker.pages.free(src)
     finally:
@@ -154,3 +166,48 @@ def test_the_decode_sdk_refuses_tensors_that_are_not_one_mla_pool() -> None:
         KVReceiver.from_tensors([latent], [latent], "tcp://127.0.0.1:1", pool_layout=MLA)
     with pytest.raises(ValueError, match=r"an mla pool has one latent per token \(num_kv_heads 2"):
         KVReceiver.from_tensors([torch.zeros(4, 16, 2, LATENT)], [], "tcp://127.0.0.1:1")
+
+
+@pytest.mark.parametrize("mla_worker", [4], indirect=True, ids=["page4"])
+def test_each_rank_of_a_tp2_decode_receives_the_whole_latent(mla_worker: Worker) -> None:
+    """A decode of TP 2 runs a receiver per rank, each over a whole latent pool (the latent is
+    one replicated "head": ``tp=(rank, 2, 1)``), each wanting the room with its own pages; the
+    worker (TP 1) writes each rank every latent page, the aux row and the status."""
+    worker, lay = mla_worker, mla_worker.spec.layout
+    endpoint = worker.backend.bootstrap_endpoint
+    pools = [latent_tensors(lay.page_size) for _ in range(2)]
+    before = [[t.clone() for t in pool] for pool in pools]
+    receivers = [
+        KVReceiver.from_tensors(pool, [], endpoint, num_aux_rows=8, io_thread=True, tp=(r, 2, 1))
+        for r, pool in enumerate(pools)
+    ]
+    try:
+        for receiver in receivers:
+            assert registered(worker, receiver) is None
+        num_tokens = 5 * lay.page_size - 1
+        dst = [[20, 3, 17, 4, 9], [2, 21, 8, 13, 0]]  # each rank its own pages
+        for receiver, pages in zip(receivers, dst, strict=True):
+            receiver.want(43, pages, 5, 0)
+        sender = worker.backend.create_sender(43, "req-43", num_tokens)
+        assert worker.drive(lambda: sender.poll() is KVPoll.READY), sender.failure_reason()
+        src = worker.alloc(len(dst[0]))
+        sender.send_pages(src, 0)
+        row = worker.aux.try_alloc()
+        assert row is not None
+        aux = AuxRow(78, -0.25, num_tokens, 0)
+        worker.aux.write(row, aux)
+        sender.send_aux(row)
+        assert worker.drive(lambda: sender.poll().is_terminal)
+        assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+        for rank, receiver in enumerate(receivers):
+            assert receiver.wait(43, 5.0).state is RoomState.DONE, rank
+            assert receiver.read_aux(5) == aux
+        sender.close()
+        worker.aux.free(row)
+        for pool, was, pages in zip(pools, before, dst, strict=True):
+            assert_landed(worker, lay, pool, was, dict(zip(pages, src, strict=True)))
+        worker.pages.free(src)
+    finally:
+        for receiver in receivers:
+            receiver.close()
+    worker.check_whole()

@@ -74,7 +74,7 @@ def test_each_decode_rank_gets_exactly_its_heads(
         heads = kv_head_range(num_kv_heads, j, dst_tp)
         decode.append(Rank(f"d{dst_tp}-{j}", len(heads), LAYER_MAJOR))
         ranks.append(decode[-1])
-    handles = []
+    handles, num_bytes = [], 0
     for r in range(src_tp):
         place = RankPlace(r, src_tp, num_kv_heads)
         prefill = Rank(f"p{src_tp}-{r}", len(place.heads), pool_layout)
@@ -85,7 +85,9 @@ def test_each_decode_rank_gets_exactly_its_heads(
         for j, rank in enumerate(decode):
             name = writer.add_peer(rank.agent.get_agent_metadata(), rank.regions, j, dst_tp)
             if name is not None:
-                handles.append((prefill.agent, writer.post(name, SRC_PAGES, DST_PAGES, b"")))
+                handle, size = writer.post(name, SRC_PAGES, DST_PAGES, b"")
+                handles.append((prefill.agent, handle))
+                num_bytes += size
 
     def landed() -> bool:
         for rank in decode:  # a target's agent progresses only when polled
@@ -95,6 +97,11 @@ def test_each_decode_rank_gets_exactly_its_heads(
     wait_until(landed, 10.0, "every rank's writes")
     for agent, handle in handles:
         agent.release_xfer_handle(handle)
+    # The writes say they cover every head of every decode rank, K and V of each layer of
+    # each written page: what the decode ranks hold.
+    head_page_bytes = 2 * NUM_LAYERS * PAGE_SIZE * HEAD_DIM * 4
+    heads = sum(len(kv_head_range(num_kv_heads, j, dst_tp)) for j in range(dst_tp))
+    assert num_bytes == len(SRC_PAGES) * heads * head_page_bytes
     for j, rank in enumerate(decode):
         heads = kv_head_range(num_kv_heads, j, dst_tp)
         for layer, kv, page in np.ndindex(NUM_LAYERS, 2, NUM_PAGES):

@@ -13,6 +13,8 @@ from prefill_worker.load import TTFT_SLO_REJECT, CostSignals
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
 from prefill_worker.service.metrics import WorkerMetrics
 
+RANK_BYTES = "prefill_worker_tp_write_bytes_total"
+
 
 def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
     registry = CollectorRegistry()
@@ -75,7 +77,8 @@ def test_cost_signals() -> None:
     assert value(registry, "prefill_worker_prefill_rate_tokens_per_second") == 200.0
     assert value(registry, "prefill_worker_backlog_seconds") == pytest.approx(2.0)
     predicted = value(registry, "prefill_worker_predicted_ttft_seconds", prompt_tokens="1024")
-    assert predicted == pytest.approx(2.0 + 1024 / 200.0 + 0.25)
+    # the 100 running tokens' forward half gone on average, then the 300 queued, then its own
+    assert predicted == pytest.approx(0.5 / 2 + 1.5 + 1024 / 200.0 + 0.25)
 
 
 def test_cost_signals_of_a_cold_worker() -> None:
@@ -88,6 +91,39 @@ def test_cost_signals_of_a_cold_worker() -> None:
     assert math.isnan(predicted)
     metrics.set_costs(CostSignals(queued_tokens=10))
     assert math.isnan(value(registry, "prefill_worker_backlog_seconds"))
+
+
+def test_a_group_counts_every_ranks_writes_in_the_total_and_by_rank() -> None:
+    """TP 3: the leader's writes come with each request's outcome, the followers' with each
+    step's replies (whose rank-0 entry is the leader's 0: never counted twice)."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.lead_group(3)
+    assert [value(registry, RANK_BYTES, rank=str(r)) for r in range(3)] == [0, 0, 0]
+    metrics.on_rank_written((0, 300, 0))
+    metrics.observe_outcome(Outcome("a", OutcomeStatus.OK, FinishReason.OK, 4, transfer_bytes=500))
+    metrics.on_rank_written((7, 200, 100))  # rank 0's entry is not a byte count
+    assert [value(registry, RANK_BYTES, rank=str(r)) for r in range(3)] == [500, 500, 100]
+    assert value(registry, "prefill_worker_transfer_bytes_total") == 1100
+
+
+def test_a_group_shows_each_followers_decode_peers_as_last_answered() -> None:
+    """TP 3: a gauge per follower from 0, set by each step's replies (rank 0's entry, the
+    leader's 0, is not a follower's)."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.lead_group(3)
+    peers = "prefill_worker_tp_decode_peers"
+    assert [registry.get_sample_value(peers, {"rank": str(r)}) for r in range(3)] == [None, 0, 0]
+    metrics.on_rank_decode_peers((9, 4, 2))
+    metrics.on_rank_decode_peers((9, 1, 2))  # a follower forgot three decode ranks
+    assert [registry.get_sample_value(peers, {"rank": str(r)}) for r in range(3)] == [None, 1, 2]
+
+
+def test_a_worker_of_tp_1_has_no_rank_series() -> None:
+    registry, _ = filled()
+    assert registry.get_sample_value(RANK_BYTES, {"rank": "0"}) is None
+    assert registry.get_sample_value("prefill_worker_tp_decode_peers", {"rank": "1"}) is None
 
 
 def test_names_follow_the_house_rules() -> None:

@@ -79,12 +79,21 @@ def test_the_fit_finds_a_forwards_fixed_and_per_token_cost() -> None:
     assert cost.seconds_per_token == pytest.approx(0.002)
 
 
+def test_forwards_twice_as_large_are_enough_for_the_line() -> None:
+    for sizes in ((100, 200), (100, 250)):  # 2x exactly; between 2x and 3x
+        cost = fit_forward_cost([(0.05 + 0.002 * t, t) for t in sizes])
+        assert cost is not None
+        assert cost.forward_s == pytest.approx(0.05)
+        assert cost.seconds_per_token == pytest.approx(0.002)
+
+
 def test_forwards_of_one_size_or_a_line_that_is_noise_give_the_plain_average() -> None:
     assert fit_forward_cost([]) is None
     same_size = [(0.1, 100), (0.3, 100), (0.2, 150)]  # spans less than 2x: no line
     bigger_is_faster = [(0.5, 10), (0.1, 100)]  # a negative slope: noise
     through_below_zero = [(0.01, 100), (0.5, 1000)]  # a negative intercept
-    for forwards in (same_size, bigger_is_faster, through_below_zero):
+    flat = [(0.2, 100), (0.2, 300)]  # no per-token cost at all: noise too
+    for forwards in (same_size, bigger_is_faster, through_below_zero, flat):
         cost = fit_forward_cost(forwards)
         assert cost is not None and cost.forward_s == 0.0
         total_s, total_tokens = (sum(column) for column in zip(*forwards, strict=True))
@@ -99,14 +108,29 @@ def test_the_arrival_rate_is_tokens_over_the_last_window() -> None:
     assert rate.observe(113.0, 1000) == pytest.approx(600 / 10.0)  # the 400 at 102 left
     assert rate.observe(130.0, 1000) == 0.0  # nothing in the last 10 s
     assert rate.observe(131.0, 1300) == pytest.approx(300 / 10.0)
+    assert rate.observe(141.0, 1300) == 0.0  # the 300 at 131: exactly a window ago, left
 
 
-def test_overheads_are_medians_of_the_last_window_of_successes() -> None:
+def test_a_worker_younger_than_a_second_has_a_rate() -> None:
+    rate = ArrivalRate(started_at=100.0, window_s=10.0)
+    assert rate.observe(100.5, 50) == pytest.approx(50 / 0.5)
+
+
+def test_overheads_come_from_the_last_window_of_successes() -> None:
     estimator = CostEstimator(window=3)
-    for bootstrap_s, transfer_s in ((9.0, 90.0), (1.0, 0.1), (2.0, 0.3), (3.0, 0.2)):
+    for bootstrap_s, transfer_s in ((0.5, 90.0), (3.0, 0.1), (1.0, 0.3), (2.0, 0.2)):
         estimator.on_outcome(_outcome(bootstrap_s, transfer_s))
-    signals = estimator.signals(0, [], None)  # 9.0 / 90.0 left the window
-    assert (signals.handshake_s, signals.transfer_s) == (2.0, 0.2)
+    signals = estimator.signals(0, [], None)  # 0.5 / 90.0 left the window
+    assert (signals.handshake_s, signals.transfer_s) == (1.0, 0.2)  # lowest; median
+
+
+def test_the_handshake_is_the_lowest_tenth_of_the_bootstrap_waits() -> None:
+    """Under load most requests also waited for the forward in flight when they arrived (the
+    engine sees a want only between forwards): their median is that forward, not the decode."""
+    estimator = CostEstimator()
+    for bootstrap_s in range(29, 0, -1):  # 29 .. 1: the lowest tenth is index 2 (2.9 down)
+        estimator.on_outcome(_outcome(float(bootstrap_s), 1.0))
+    assert estimator.signals(0, [], None).handshake_s == 3.0
 
 
 def test_failed_requests_do_not_count() -> None:
@@ -137,44 +161,73 @@ def test_backlog_is_queued_and_running_tokens_over_the_rate() -> None:
     assert signals.backlog_s == pytest.approx(2.0)
 
 
-def test_prediction_is_the_longer_of_handshake_and_backlog_then_compute_then_push() -> None:
-    signals = CostSignals(300, 100, 200.0, handshake_s=0.5, transfer_s=0.25)
-    assert signals.predicted_ttft_s(50) == pytest.approx(2.0 + 0.25 + 0.25)
-    slow_decode = CostSignals(300, 100, 200.0, handshake_s=3.0, transfer_s=0.25)
-    assert slow_decode.predicted_ttft_s(50) == pytest.approx(3.0 + 0.25 + 0.25)
-    idle = CostSignals(0, 0, 100.0, handshake_s=0.0, transfer_s=0.0)
-    assert idle.predicted_ttft_s(100) == pytest.approx(1.0)
+_SHAPE = {"chunk_size": 512, "max_batch_tokens": 2048}
 
 
-def test_a_forwards_fixed_cost_is_paid_per_batch_of_backlog_and_per_own_chunk() -> None:
-    signals = CostSignals(3000, 1000, 1000.0, forward_s=0.1, chunk_size=512, max_batch_tokens=2048)
-    assert signals.backlog_s == pytest.approx(2 * 0.1 + 4.0)  # 4000 tokens: 2 forwards
-    own_s = 3 * 0.1 + 1.1  # 1100 tokens: 3 chunks
-    assert signals.predicted_ttft_s(1100) == pytest.approx(4.2 + own_s)
+def test_an_idle_worker_waits_for_the_handshake_then_its_own_chunks_then_the_push() -> None:
+    idle = CostSignals(0, 0, 1000.0, 0.5, 0.25, 0.1, arrival_tps=10**6, **_SHAPE)
+    assert idle.predicted_ttft_s(1100) == pytest.approx(0.5 + 3 * 0.1 + 1.1 + 0.25)  # 3 chunks
+    assert CostSignals(0, 0, 100.0).predicted_ttft_s(100) == pytest.approx(1.0)
+
+
+def test_the_forward_in_flight_counts_half_then_the_one_planned_next_in_full() -> None:
+    # 1000 running tokens: the forward in flight (1.1 s, half gone on average); the 500 queued
+    # go in the forward planned next (0.6 s); then its own chunk's forward
+    signals = CostSignals(500, 1000, 1000.0, forward_s=0.1, transfer_s=0.25, **_SHAPE)
+    assert signals.predicted_ttft_s(100) == pytest.approx(1.1 / 2 + 0.6 + 0.2 + 0.25)
+    slow_decode = CostSignals(500, 1000, 1000.0, 2.0, 0.25, 0.1, **_SHAPE)
+    assert slow_decode.predicted_ttft_s(100) == pytest.approx(2.0 + 0.2 + 0.25)  # the longer
+    # running work beyond one forward's budget is planned next, not in flight
+    deep = CostSignals(0, 3000, 1000.0, forward_s=0.1, **_SHAPE)
+    assert deep.predicted_ttft_s(100) == pytest.approx(2.148 / 2 + 1.052 + 0.2)
+    queued = CostSignals(1000, 0, 1000.0, forward_s=0.1, **_SHAPE)  # nothing in flight
+    assert queued.predicted_ttft_s(1100) == pytest.approx(1.1 + 3 * 0.1 + 1.1)
+
+
+def test_the_backlog_beyond_the_next_forward_shares_the_new_requests_forwards() -> None:
+    # 5000 queued: 2048 in the forward planned next; the other 2952 and its 100 tokens fill two
+    # forwards (FCFS, 2048 tokens a forward), not three of the backlog and one of its own
+    signals = CostSignals(5000, 0, 1000.0, forward_s=0.1, **_SHAPE)
+    assert signals.backlog_s == pytest.approx(3 * 0.1 + 5.0)
+    assert signals.predicted_ttft_s(100) == pytest.approx(2.148 + 2 * 0.1 + 3.052)
+    # 2000 left: with its 100 tokens they overflow one forward into a second
+    brim = CostSignals(4048, 0, 1000.0, forward_s=0.1, **_SHAPE)
+    assert brim.predicted_ttft_s(100) == pytest.approx(2.148 + 2 * 0.1 + 2.1)
+    # its own chunks set the number when there are more of them: 1100 tokens, 3 chunks
+    assert CostSignals(2148, 0, 1000.0, forward_s=0.1, **_SHAPE).predicted_ttft_s(
+        1100
+    ) == pytest.approx(2.148 + 3 * 0.1 + 1.2)
 
 
 def test_an_unknown_batch_shape_is_one_forward() -> None:
     signals = CostSignals(3000, 1000, 1000.0, forward_s=0.1)  # an older worker's pong
     assert signals.backlog_s == pytest.approx(0.1 + 4.0)
-    assert signals.predicted_ttft_s(1100) == pytest.approx(4.1 + 0.1 + 1.1)
+    assert signals.predicted_ttft_s(1100) == pytest.approx(1.1 / 2 + 3.1 + 0.1 + 1.1)
+    flood = CostSignals(3000, 1000, 1000.0, forward_s=0.1, arrival_tps=10**6)  # no room
+    assert flood.predicted_ttft_s(1100) == pytest.approx(1.1 / 2 + 3.1 + 0.1 + 1.1)
     assert CostSignals(0, 0, 1000.0, forward_s=0.1).predicted_ttft_s(0) == 0.0
 
 
-def test_arrivals_while_it_waits_join_its_forwards_up_to_their_room() -> None:
-    shape = {"chunk_size": 512, "max_batch_tokens": 2048}
-    quiet = CostSignals(1000, 0, 1000.0, arrival_tps=0.0, **shape)
-    assert quiet.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1)
-    busy = CostSignals(1000, 0, 1000.0, arrival_tps=300.0, **shape)
-    assert busy.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1 + 300 * 1.0 / 1000)
-    flood = CostSignals(1000, 0, 1000.0, arrival_tps=10**6, **shape)
-    room = 2048 - 1000 - 100  # one forward carries the 1100 tokens; the rest is room
-    assert flood.predicted_ttft_s(100) == pytest.approx(1.0 + 0.1 + room / 1000)
-    long_own = CostSignals(0, 0, 1000.0, handshake_s=1.0, arrival_tps=10**6, **shape)
+def test_arrivals_during_the_forward_in_flight_join_its_forwards_up_to_their_room() -> None:
+    # 1000 tokens in flight (1 s): the arrivals meanwhile are taken with it, after that forward
+    quiet = CostSignals(0, 1000, 1000.0, arrival_tps=0.0, **_SHAPE)
+    assert quiet.predicted_ttft_s(100) == pytest.approx(0.5 + 0.1)
+    busy = CostSignals(0, 1000, 1000.0, arrival_tps=300.0, **_SHAPE)
+    assert busy.predicted_ttft_s(100) == pytest.approx(0.5 + 0.1 + 300 * 1.0 / 1000)
+    flood = CostSignals(0, 1000, 1000.0, arrival_tps=10**6, **_SHAPE)
+    assert flood.predicted_ttft_s(100) == pytest.approx(0.5 + 2048 / 1000)  # its forward full
     room = 3 * 2048 - 1100  # its own 3 chunks are 3 forwards: room beside each
-    assert long_own.predicted_ttft_s(1100) == pytest.approx(1.0 + 1.1 + room / 1000)
-    assert CostSignals(0, 0, 1000.0, arrival_tps=10**6, **shape).predicted_ttft_s(100) == (
-        pytest.approx(0.1)  # idle: nothing to wait for, nobody joins
-    )
+    assert flood.predicted_ttft_s(1100) == pytest.approx(0.5 + (1100 + room) / 1000)
+    behind = CostSignals(2100, 1000, 1000.0, arrival_tps=10**6, **_SHAPE)
+    room = 2048 - 52 - 100  # 52 queued tokens beyond the next forward share its forward
+    assert behind.predicted_ttft_s(100) == pytest.approx(0.5 + 2.048 + (52 + 100 + room) / 1000)
+    # nothing in flight: nobody arrives while it waits for one
+    assert CostSignals(0, 0, 1000.0, arrival_tps=10**6, **_SHAPE).predicted_ttft_s(
+        100
+    ) == pytest.approx(0.1)
+    assert CostSignals(1000, 0, 1000.0, arrival_tps=10**6, **_SHAPE).predicted_ttft_s(
+        100
+    ) == pytest.approx(1.0 + 0.1)
 
 
 def test_the_slo_refuses_only_a_prediction_over_it() -> None:
@@ -286,6 +339,8 @@ def test_prefix_hits_are_not_running_tokens() -> None:
 
 def test_the_default_window_is_the_last_64_requests() -> None:
     estimator = CostEstimator()
-    for seconds in [100.0] * 33 + [1.0] * 32:
-        estimator.on_outcome(_outcome(seconds, seconds))
-    assert estimator.signals(0, [], None).handshake_s == pytest.approx(50.5)
+    for i, seconds in enumerate([100.0] * 33 + [1.0] * 32):
+        estimator.on_outcome(_outcome(0.5 if i < 7 else 9.0, seconds))
+    signals = estimator.signals(0, [], None)  # the first left: 100.0 x 32 and 1.0 x 32
+    assert signals.transfer_s == pytest.approx(50.5)
+    assert signals.handshake_s == 9.0  # six 0.5 left: the 7th lowest of 64 is 9.0

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.dual import DualSender
+from prefill_worker.transfer.dual import DualBackend, DualSender
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
 
 
@@ -50,3 +52,31 @@ def test_an_abort_before_the_request_ends_it() -> None:
     assert dual.poll() is KVPoll.ABORTED
     assert sglang.is_closed and sglang.state is KVPoll.FAILED
     assert dual.written_bytes() == 0
+
+
+@dataclass
+class PeeredBackend(FakeBackend):
+    peers: set[str] = field(default_factory=set)
+    num_dropped_peers: int = 0
+    bootstrap_endpoint: str = "tcp://127.0.0.1:1"
+    endpoints: dict[str, str] = field(default_factory=dict)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self.peers
+
+
+@dataclass
+class Peerless(FakeBackend):
+    bootstrap_endpoint: str = "tcp://127.0.0.1:2"
+    endpoints: dict[str, str] = field(default_factory=dict)
+
+
+def test_peers_and_drops_are_every_protocols_that_has_them() -> None:
+    """What a tensor-parallel leader watches to mirror drops (``transfer.group``); a
+    protocol without peers (vLLM's) adds none."""
+    pool, aux = PagePool(8), AuxPool(2)
+    native, sglang = PeeredBackend(pool, aux, peers={"a"}), PeeredBackend(pool, aux, peers={"b"})
+    native.num_dropped_peers, sglang.num_dropped_peers = 2, 3
+    dual = DualBackend({"native": native, "sglang": sglang, "vllm": Peerless(pool, aux)})
+    assert dual.num_dropped_peers == 5
+    assert dual.has_peer("a") and dual.has_peer("b") and not dual.has_peer("c")

@@ -19,7 +19,7 @@ from prefill_worker.transfer.nixl.rank_backend import RankBackend
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
 from tests.clocks import FakeClock
 from tests.unit.transfer.test_push_sender import Rig
-from tests.unit.transfer.test_rank_backend import FakeAgent, regions, register
+from tests.unit.transfer.test_rank_backend import HEAD_PAGE_BYTES, FakeAgent, regions, register
 
 ROOM = 7
 
@@ -120,3 +120,15 @@ def test_a_settled_answer_from_before_the_failure_reached_the_follower_does_not_
     group.step()  # pages and fail together: the follower posts nothing, and says settled
     assert len(group.agent.posted) == 1 and group.link.followers_settled(ROOM)
     assert group.turn() == ["failed"]
+
+
+def test_the_follower_reports_its_landed_bytes_once_in_its_step_answer(group: Group) -> None:
+    """What ``serve_steps`` sends beside its forward seconds: the bytes its writes landed since
+    its last answer (``tp/channel.py``), counted when ``codes`` polled them."""
+    group.step()
+    assert group.target.take_written_bytes() == 0  # in flight: nothing landed yet
+    group.agent.states[0] = "DONE"
+    group.step()
+    assert group.target.take_written_bytes() == 2 * HEAD_PAGE_BYTES  # its head of 2 pages
+    group.step()
+    assert group.target.take_written_bytes() == 0  # reported once

@@ -6,6 +6,7 @@ buffers), between either pool layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -22,6 +23,8 @@ from prefill_worker.transfer.headplan import (
     slice_layout_error,
     slice_table,
     sources_of,
+    write_indices,
+    write_table,
     writer_rank,
 )
 from prefill_worker.transfer.pagemap import layer_view_table, region_indices
@@ -57,6 +60,23 @@ def test_examples() -> None:
     assert [sources_of(1, j, 2, 4) for j in range(4)] == [(0,), (0,), (1,), (1,)]
     assert sources_of(8, 0, 4, 1) == (0, 1, 2, 3)
     assert writer_rank(2, 1, 0, 4, 1) == 2  # head 1 lives on prefill ranks 2 and 3
+
+
+@pytest.mark.parametrize(("num_kv_heads", "src_tp", "dst_tp"), CASES)
+def test_replicas_share_the_writing_as_sglang_targets_ranks(
+    num_kv_heads: int, src_tp: int, dst_tp: int
+) -> None:
+    """For d >= p decode rank j hears from prefill rank j * p // d alone (SGLang's
+    ``target_tp_rank``); at p = d that is its own rank, a whole page, however many ranks
+    hold each head (with the writing given to the first replica, ranks would sit idle)."""
+    if dst_tp < src_tp:
+        return
+    for j in range(dst_tp):
+        assert sources_of(num_kv_heads, j, src_tp, dst_tp) == (j * src_tp // dst_tp,)
+    if src_tp == dst_tp:
+        for r in range(src_tp):
+            (only,) = plan_rank(num_kv_heads, r, src_tp, dst_tp)
+            assert (only.dst_rank, only.is_whole_page) == (r, True)
 
 
 def test_heads_that_do_not_split_are_refused() -> None:
@@ -187,6 +207,55 @@ def test_layouts_that_differ_beyond_the_heads_are_refused() -> None:
     assert "page_size" in str(slice_layout_error(ours, other, s))
     mla = KVLayout(NUM_LAYERS, 1, HEAD_DIM, "float32", PAGE_SIZE, 9, MLA)
     assert "mla" in str(slice_layout_error(ours, mla, s))
+    one_head = plan_rank(1, 0, 2, 1)[0]
+    assert slice_layout_error(mla, _layout(1, LAYER_MAJOR, 9), one_head) == (
+        "a pool of kind mla cannot be written into one of kind layer_major"
+    )
+    assert "head_dim" in str(slice_layout_error(mla, dataclasses.replace(mla, head_dim=8), s))
+
+
+def test_an_mla_latent_is_the_replicated_one_head_case() -> None:
+    """One writer per decode rank: rank 0 alone into a decode of TP 1; at d > 1 decode rank
+    j from prefill rank j * p // d (SGLang's ``target_tp_rank``); whole pages each time."""
+    assert plan_group(1, 2, 1) == (HeadSlice(0, 0, 0, 0, 1, 1, 1),)
+    assert plan_rank(1, 1, 2, 1) == ()
+    assert plan_group(1, 2, 2) == (HeadSlice(0, 0, 0, 0, 1, 1, 1), HeadSlice(1, 1, 0, 0, 1, 1, 1))
+    assert [sources_of(1, j, 4, 2) for j in range(2)] == [(0,), (2,)]
+    assert all(s.is_whole_page for s in plan_group(1, 4, 8))
+
+
+def test_an_mla_pool_copies_whole_latent_pages() -> None:
+    """``write_table``/``write_indices`` of an mla pool (one plane per layer, no V) move the
+    latent pages asked for and nothing else."""
+    rng = np.random.default_rng(7)
+    src_num_pages, dst_num_pages = 5, 7
+    src_array = rng.standard_normal((NUM_LAYERS, src_num_pages, PAGE_SIZE, 1, HEAD_DIM))
+    src_array = src_array.astype(np.float32)
+    dst_array = np.zeros((NUM_LAYERS, dst_num_pages, PAGE_SIZE, 1, HEAD_DIM), np.float32)
+    pools = []
+    for array in (src_array, dst_array):
+        layout = KVLayout(NUM_LAYERS, 1, HEAD_DIM, "float32", PAGE_SIZE, array.shape[1], MLA)
+        layer_bytes = array[0].nbytes
+        k = tuple(layer * layer_bytes for layer in range(NUM_LAYERS))
+        regions = KVRegions(layout, k, (), "cpu", 0, 1)
+        pools.append((array.view(np.uint8).reshape(-1), regions))
+    (src_bytes, src), (dst_bytes, dst) = pools
+    s = plan_rank(1, 0, 2, 1)[0]
+    assert slice_layout_error(src.layout, dst.layout, s) is None
+    src_pages, dst_pages = np.array([4, 1, 2]), np.array([0, 6, 3])
+    tables = [write_table(r, 0, 1, s.is_whole_page) for r in (src, dst)]
+    indices = [
+        write_indices(pages, r.layout, s.is_whole_page)
+        for pages, r in ((src_pages, src), (dst_pages, dst))
+    ]
+    (s_addr, s_len), (d_addr, d_len) = _expand(tables[0]), _expand(tables[1])
+    assert len(indices[0]) == len(indices[1]) == NUM_LAYERS * len(src_pages)
+    for i, j in zip(*indices, strict=True):
+        assert s_len[i] == d_len[j]
+        dst_bytes[d_addr[j] : d_addr[j] + d_len[j]] = src_bytes[s_addr[i] : s_addr[i] + s_len[i]]
+    assert np.array_equal(dst_array[:, dst_pages], src_array[:, src_pages])
+    untouched = np.setdiff1d(np.arange(dst_num_pages), dst_pages)
+    assert not dst_array[:, untouched].any()
 
 
 def test_a_head_range_outside_the_token_is_refused() -> None:

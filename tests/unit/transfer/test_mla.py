@@ -1,6 +1,6 @@
 """An MLA pool (kind ``mla``) at the transfer's seams: its layout travels on the wire, a
-mismatched decode is named with both shapes, one rank writes it, and an SGLang MLA decode's
-registration (one latent region per layer) is a peer."""
+mismatched decode is named with both shapes, and an SGLang MLA decode's registration (one
+latent region per layer) is a peer. Which tensor-parallel rank writes it: test_headplan.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from prefill_worker.kv.layout import MLA, KVLayout
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.latent import mla_mismatch, writes_kv
+from prefill_worker.transfer.latent import mla_mismatch
 from prefill_worker.transfer.sglang.accept import check_registration, peer_regions
 from prefill_worker.transfer.sglang.frames import Registration
 from prefill_worker.transfer.validate import RejectReason
@@ -59,11 +59,6 @@ def test_a_mismatch_with_an_mla_pool_names_both_shapes() -> None:
     assert "this worker's is layer_major (2 KV heads x head_dim 16)" in why
 
 
-def test_one_rank_writes_an_mla_pool_every_rank_writes_its_heads() -> None:
-    assert [writes_kv(OURS, rank) for rank in range(3)] == [True, False, False]
-    assert [writes_kv(MHA, rank) for rank in range(3)] == [True, True, True]
-
-
 def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> None:
     reg = mla_registration()
     assert check_registration(reg, OURS, LIMITS) is None
@@ -73,12 +68,20 @@ def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> No
     assert regions.layout.page_bytes == 512 and regions.layout.num_pages == 17
     named = mla_registration(kv_layer_ids=(0, 1))
     assert check_registration(named, OURS, LIMITS) is None
+    for rank in (0, 1):  # a rank of attention TP 2 holds the whole latent, as TP 1 does
+        ranked = mla_registration(tp_size=2, tp_rank=rank)
+        assert check_registration(ranked, OURS, LIMITS) is None
+        assert peer_regions(ranked, OURS) == regions
 
 
 @pytest.mark.parametrize(
     ("changes", "reason", "words"),
     [
-        ({"tp_size": 2}, RejectReason.UNSUPPORTED, "each of its ranks holds the whole MLA latent"),
+        (
+            {"tp_size": 2, "prefill_tp_size": 4},
+            RejectReason.UNSUPPORTED,
+            "an MLA decode of attention TP 2 at this worker of TP 4",
+        ),
         ({"kv_layer_ids": (0, 0)}, RejectReason.UNSUPPORTED, "not one latent per layer"),
         (
             {"kv_item_lens": (256, 256)},
@@ -91,7 +94,9 @@ def test_an_sglang_mla_decode_is_a_peer_with_one_latent_region_per_layer() -> No
 def test_what_an_mla_worker_refuses_is_named(
     changes: dict, reason: RejectReason, words: str
 ) -> None:
-    refusal = check_registration(mla_registration(**changes), OURS, LIMITS)
+    reg_changes = {k: v for k, v in changes.items() if k != "prefill_tp_size"}
+    prefill_tp_size = changes.get("prefill_tp_size", 1)
+    refusal = check_registration(mla_registration(**reg_changes), OURS, LIMITS, prefill_tp_size)
     assert refusal is not None and refusal.reason is reason
     assert words in refusal.message
 

@@ -299,3 +299,13 @@ def test_a_hub_backend_answers_from_its_hub(rig: Rig) -> None:
     assert backend.has_peer("decode-1") and not backend.has_peer("decode-2")
     assert backend.num_inflight_transfers() == 0
     backend.check_integrity()
+
+
+def test_a_hub_backend_counts_the_peers_it_dropped(rig: Rig) -> None:
+    """What a tensor-parallel leader watches to mirror drops (``transfer.group``)."""
+    backend = Backend(rig.hub)
+    odd = other_peer(rig, "XXXX")
+    assert backend.num_dropped_peers == 0
+    rig.hub.drop_peer(rig.peer, "decode peer left")
+    rig.hub.drop_peer(odd, "decode peer left")
+    assert backend.num_dropped_peers == 2 and not backend.has_peer("decode-1")

@@ -4,7 +4,9 @@ test_tensor_parallel.py); the decode ranks are the leader's `register` messages.
 
 SUCCESS only after the mirrored aux op and every write landed; a write NIXL reports failed,
 one in flight past the timeout, a bind naming an agent this rank does not know: FAILED. A
-decode rank this rank feeds nothing gets no write; close releases what is in flight."""
+decode rank this rank feeds nothing gets no write; close releases what is in flight. A write
+that landed counts its bytes for its room and for the rank's next step answer; one that
+failed or is still in flight counts nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from prefill_worker.transfer.nixl.rank_writer import RankPlace
 from tests.clocks import FakeClock
 
 LAYERS, HEAD_DIM, PAGE_SIZE, PAGES = 2, 4, 4, 8
+HEAD_PAGE_BYTES = 2 * LAYERS * PAGE_SIZE * HEAD_DIM * 4  # one head's K and V, a page, fp32
 
 
 class FakeAgent:
@@ -116,6 +119,28 @@ def test_only_the_decode_ranks_this_rank_feeds_are_written(rank: Any) -> None:
     assert len(agent.posted) == 1
     agent.states[0] = "DONE"
     assert sender.poll() is KVPoll.SUCCESS
+    assert sender.written_bytes() == 2 * HEAD_PAGE_BYTES  # whole pages of its one head
+
+
+def test_a_landed_write_counts_its_bytes_for_the_room_and_the_rank(rank: Any) -> None:
+    backend, agent, _ = rank
+    sender = bound(backend, 1)  # its head 1 of the decode's 2: token runs, a head each
+    other = backend.create_sender(2, "r2", 8)
+    other.bind(["d1-0"], [wire.Want.of(2, [1, 2, 6], 0, 0)])
+    sender.send_pages([3], 0)
+    other.send_pages([0, 1, 2], 0)
+    sender.send_pages([4], 1)
+    assert sender.poll() is KVPoll.TRANSFERRING and backend.take_written_bytes() == 0
+    agent.states[0] = agent.states[1] = "DONE"  # room 1's first page, room 2's three
+    assert (sender.poll(), other.poll()) == (KVPoll.TRANSFERRING, KVPoll.TRANSFERRING)
+    assert (sender.written_bytes(), other.written_bytes()) == (HEAD_PAGE_BYTES, 3 * HEAD_PAGE_BYTES)
+    assert backend.take_written_bytes() == 4 * HEAD_PAGE_BYTES
+    assert backend.take_written_bytes() == 0  # taken: each byte reported once
+    agent.states[2] = "DONE"
+    sender.poll()
+    sender.poll()  # a write counts once, however often polled
+    assert sender.written_bytes() == 2 * HEAD_PAGE_BYTES
+    assert backend.take_written_bytes() == HEAD_PAGE_BYTES
 
 
 @pytest.mark.parametrize("how", ["nixl error", "timeout", "unknown agent"])
@@ -133,3 +158,4 @@ def test_a_failed_write_or_bind_fails_the_room_and_close_releases(rank: Any, how
     assert sender.poll() is KVPoll.FAILED and sender.failure_reason()
     sender.close()
     assert len(agent.released) == len(agent.posted)  # no write left in flight
+    assert sender.written_bytes() == backend.take_written_bytes() == 0  # nothing landed

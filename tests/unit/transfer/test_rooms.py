@@ -45,6 +45,21 @@ def test_one_claim_per_peer_and_a_few_per_room() -> None:
     book.check_integrity(peers)
 
 
+def test_every_rank_of_a_wide_decode_waits_on_its_room() -> None:
+    """A decode of TP 8 sends a want from each rank, often before the request: all eight wait
+    (the bound is the decode's rank count when it has more ranks than the room bound); a
+    ninth peer is still refused."""
+    book, ranks = RoomBook(4, 100), [peer(f"r{i}") for i in range(9)]
+    for rank in ranks:
+        rank.tp_size = 8
+    for rank in ranks[:8]:
+        assert book.claim(rank, want(1, 1), 5.0) is None
+    refusal = book.claim(ranks[8], want(1, 1), 5.0)
+    assert refusal is not None and refusal.reason is RejectReason.DUPLICATE_WANT
+    assert [c.peer for c in book.take(1)] == ranks[:8]
+    book.check_integrity(ranks)
+
+
 def test_a_peer_parks_no_more_pages_than_its_pool_has() -> None:
     book, a = RoomBook(4, 100), peer("a", num_pages=10)
     assert book.claim(a, want(1, 6), 5.0) is None

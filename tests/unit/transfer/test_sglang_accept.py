@@ -20,9 +20,12 @@ from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import (
     check_registration,
     check_request,
+    is_dummy_expected,
     peer_regions,
     rank_slice,
     server_info,
+    status_ranks,
+    target_ranks,
 )
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
 from prefill_worker.transfer.validate import BootstrapLimits, RejectReason
@@ -159,3 +162,30 @@ def test_a_decode_rank_of_attention_tp_2_is_accepted_with_its_heads() -> None:
     req = dataclasses.replace(parse(frames), required_dst_info_num=2)  # type: ignore[type-var]
     assert check_request(req, decode_tp_size=2) is None  # type: ignore[arg-type]
     assert check_request(req) is not None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("decode", "worker", "is_mla", "asked", "answering", "dummies"),
+    [
+        # (decode rank, d), p: SGLang's _resolve_rank_mapping in 0.5.20-0.5.23
+        ((0, 1), 2, True, range(2), range(1), True),  # real to 0, a dummy to 1
+        ((1, 2), 4, True, range(2, 4), range(2, 3), True),
+        ((0, 1), 2, False, range(2), range(2), False),  # K/V: both real, two statuses
+        ((1, 2), 2, True, range(1, 2), range(1, 2), False),
+        ((3, 4), 2, True, range(1, 2), range(1, 2), False),  # d > p: one rank, no dummy
+        ((0, 1), 1, True, range(1), range(1), False),
+    ],
+)
+def test_which_worker_ranks_a_decode_rank_asks_and_hears_from(
+    decode: tuple[int, int],
+    worker: int,
+    is_mla: bool,
+    asked: range,
+    answering: range,
+    dummies: bool,
+) -> None:
+    """Its requests go to ``asked`` (an ABORT_ACK from each); a KV_STATUS comes from
+    ``answering``: an MLA decode's first rank only, the others are sent dummies."""
+    assert target_ranks(*decode, worker) == asked
+    assert status_ranks(*decode, worker, is_mla) == answering
+    assert is_dummy_expected(decode[1], worker, is_mla) is dummies

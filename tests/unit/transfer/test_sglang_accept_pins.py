@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import MLA, PAGE_MAJOR, KVLayout
 from prefill_worker.transfer.sglang.accept import (
     AUX_ROWS_BOUND,
     check_registration,
     check_request,
     check_source,
     peer_regions,
+    rank_layout,
     server_info,
 )
 from prefill_worker.transfer.sglang.frames import Endpoint, Registration, TransferRequest, parse
@@ -59,6 +60,17 @@ def refused(reg: Registration) -> Refusal:
             {"tp_size": 3},
             RejectReason.UNSUPPORTED,
             "decode attention TP size 3: 2 KV heads cannot be replicated over 3 ranks",
+        ),
+        (
+            {"tp_size": 2, "tp_rank": 2},
+            RejectReason.UNSUPPORTED,
+            "decode attention TP rank 2 of 2",
+        ),
+        (
+            {"kv_ptrs": (1, 2)},
+            RejectReason.LAYOUT_MISMATCH,
+            "decode registered 2 KV regions; this worker's model has 2 layers (4 regions: K "
+            "and V of each)",
         ),
         (
             {"has_state": True},
@@ -141,11 +153,18 @@ def test_a_pool_without_memory_kinds_is_on_the_gpu_and_its_aux_rows_are_int32() 
 
 def test_a_refused_request_says_exactly_why() -> None:
     tail = "; from this worker (attention TP 1) a decode of attention TP 1 needs 1"
+    wide = check_request(request(), 2, 1)  # a rank of attention TP 2 names both ranks
+    assert wide is not None and wide.message == (
+        "the room needs 1 decode ranks; from this worker (attention TP 1) a decode of "
+        "attention TP 2 needs 2"
+    )
     cases = {
         "ranks": (request(required_dst_info_num=2), "the room needs 2 decode ranks" + tail),
         "dummy": (
             request(is_dummy=True),
-            "the room needs 1 decode ranks (this one a dummy)" + tail,
+            "a dummy request (no pages) from a decode of attention TP 1 to this worker "
+            "(attention TP 1, K/V): SGLang sends dummies only for an MLA model, from a decode "
+            "of the smaller TP",
         ),
         "state": (
             request(has_state=True),
@@ -193,3 +212,36 @@ def test_a_frame_from_outside_the_allowed_networks_is_refused() -> None:
         RejectReason.NETWORK_NOT_ALLOWED,
         "192.168.0.1 is outside transfer.sglang_allowed_networks",
     )
+
+
+def test_a_decode_ranks_heads_are_checked_against_its_own_tp_alone() -> None:
+    """A rank's pool is ours with its heads (every other field ours); its TP size is
+    checked against our heads alone (3 heads split over 3 ranks, not over 2); an MLA decode
+    of attention TP 2 holds the whole latent on each rank: accepted from a worker of TP 1 or
+    2, refused, word for word, from a worker of TP 4."""
+    half = registration(tp_size=2, tp_rank=1, kv_item_len=PAGE // 2)
+    paged = dataclasses.replace(OURS, kind=PAGE_MAJOR)
+    assert rank_layout(half, paged) == dataclasses.replace(paged, num_kv_heads=1)
+    three = KVLayout(2, 3, 16, "float32", 4, 64)
+    third = registration(tp_size=3, tp_rank=2, kv_item_len=256, kv_item_lens=(256,) * 4)
+    assert check_registration(third, three, LIMITS) is None
+    mla = KVLayout(2, 1, 32, "float32", 4, 64, MLA)
+    latent = {"kv_ptrs": (1, 2), "mem_kinds": ("DRAM",) * 2, "kv_item_lens": ()}
+    for rank in (0, 1):
+        reg = registration(tp_size=2, tp_rank=rank, kv_item_len=512, **latent)
+        assert rank_layout(reg, mla) == mla
+        assert check_registration(reg, mla, LIMITS) is None
+        assert check_registration(reg, mla, LIMITS, prefill_tp_size=1) is None
+        assert check_registration(reg, mla, LIMITS, prefill_tp_size=2) is None
+    refusal = check_registration(reg, mla, LIMITS, prefill_tp_size=4)
+    assert refusal is not None and (refusal.reason, refusal.message) == (
+        RejectReason.UNSUPPORTED,
+        "an MLA decode of attention TP 2 at this worker of TP 4: an MLA decode of attention "
+        "TP > 1 is served by a worker of no larger TP; run it at attention TP 1, or against "
+        "a worker of TP 2 or less",
+    )
+    half = registration(tp_size=2, tp_rank=1, kv_item_len=256, **latent)
+    refusal = check_registration(half, mla, LIMITS)
+    assert refusal is not None and refusal.reason is RejectReason.LAYOUT_MISMATCH
+    whole = registration(kv_item_len=512, **latent)
+    assert check_registration(whole, mla, LIMITS, prefill_tp_size=4) is None

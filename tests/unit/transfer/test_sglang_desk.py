@@ -104,13 +104,14 @@ class Rig:
         allowed_networks: tuple[str, ...] = (),
         is_rejoining: bool = False,
         regions: KVRegions | None = None,  # ours: a desk that slices heads prepares them
+        layout: KVLayout = LAYOUT,  # the worker's pool
     ) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
-        pages = PageLists(None, 2 * LAYOUT.num_layers, LAYOUT.page_bytes)
-        ctx = PushContext(poster, pages, LAYOUT, dialect, 5.0, lambda: self.now)
+        pages = PageLists(None, layout.num_regions, layout.page_bytes)
+        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now)
         self.hub = RecordingHub(ctx, self.agent)
         self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
         self.rooms = self.hub.rooms
@@ -118,7 +119,7 @@ class Rig:
             self.hub,
             self.agent,
             self.replies,  # type: ignore[arg-type]
-            LAYOUT,
+            layout,
             BootstrapLimits(),
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
