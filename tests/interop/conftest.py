@@ -113,6 +113,14 @@ def launch(
     return Served(worker, sglang, layout)
 
 
+def launch_tp(directory: Path, checkpoint: Path, tp_size: int) -> Served:
+    """``launch`` at ``parallel.tp_size`` ``tp_size`` (pages of 16, fp32, layer-major, SGLang's
+    protocol), in ``directory`` (made if missing); not waited for."""
+    directory.mkdir(exist_ok=True)
+    settings = f"parallel.tp_size={tp_size}"
+    return launch(directory, checkpoint, 16, "float32", "sglang", "layer_major", settings)
+
+
 METRIC = re.compile(r"^(prefill_worker_(?:kv_pages|aux_rows)_used) (\S+)$", re.M)
 
 

@@ -30,7 +30,14 @@ from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import prompt
-from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, VERSIONS, Served, launch, sglang_path
+from tests.interop.conftest import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    VERSIONS,
+    Served,
+    launch_tp,
+    sglang_path,
+)
 from tests.interop.decodes import Landed, SglangDecode, new_room
 
 pytestmark = pytest.mark.interop
@@ -45,16 +52,7 @@ ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
 def workers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Served]]:
     """The worker at TP 1 and at TP 2 (started together)."""
     started = [
-        launch(
-            tmp_path_factory.mktemp(f"worker-tp{tp}"),
-            checkpoint,
-            16,
-            "float32",
-            "sglang",
-            "layer_major",
-            f"parallel.tp_size={tp}",
-        )
-        for tp in (1, TP_SIZE)
+        launch_tp(tmp_path_factory.mktemp(f"worker-tp{tp}"), checkpoint, tp) for tp in (1, TP_SIZE)
     ]
     try:
         yield [one.ready() for one in started]

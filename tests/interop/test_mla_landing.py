@@ -35,7 +35,14 @@ from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import hf_mla_forward
-from tests.interop.conftest import VERSIONS, Served, assert_pools_whole, launch, sglang_path
+from tests.interop.conftest import (
+    VERSIONS,
+    Served,
+    assert_pools_whole,
+    launch,
+    launch_tp,
+    sglang_path,
+)
 from tests.interop.decodes import Landed, SglangDecode, new_room
 from tests.interop.rig import PrefillRig, push
 from tests.polling import wait_until
@@ -240,20 +247,7 @@ def test_a_tp2_worker_serves_an_sglang_mla_decode_the_tp1_workers_latent(
     if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
         pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
     checkpoint = make_checkpoint(family, tmp_path / family)
-    started = []
-    for tp in (1, 2):
-        (tmp_path / f"tp{tp}").mkdir()
-        started.append(
-            launch(
-                tmp_path / f"tp{tp}",
-                checkpoint,
-                16,
-                "float32",
-                "sglang",
-                "layer_major",
-                f"parallel.tp_size={tp}",
-            )
-        )
+    started = [launch_tp(tmp_path / f"tp{tp}", checkpoint, tp) for tp in (1, 2)]
     try:
         tp1, tp2 = (one.ready() for one in started)
         ids, held = prompt(45, seed=4), 16
@@ -315,20 +309,7 @@ def test_an_attention_tp2_mla_decode_gets_the_whole_latent_on_each_rank(
     if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
         pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
     mla_checkpoint = make_checkpoint(MLA_FAMILIES[0], tmp_path / MLA_FAMILIES[0])
-    started = []
-    for tp in sorted({1, worker_tp}):
-        (tmp_path / f"tp{tp}").mkdir()
-        started.append(
-            launch(
-                tmp_path / f"tp{tp}",
-                mla_checkpoint,
-                16,
-                "float32",
-                "sglang",
-                "layer_major",
-                f"parallel.tp_size={tp}",
-            )
-        )
+    started = [launch_tp(tmp_path / f"tp{tp}", mla_checkpoint, tp) for tp in sorted({1, worker_tp})]
     path = sglang_path(sglang_version)
     ranks = [
         SglangDecodeProcess(
