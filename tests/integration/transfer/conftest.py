@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.transfer.base import KVPoll
 from tests.integration.transfer.peers import PoolSpec, decode_main, regions_over
 
 CTX = mp.get_context("spawn")
@@ -69,6 +70,17 @@ class Worker:
         pages = self.pages.try_alloc(num_pages)
         assert pages is not None
         return pages
+
+    def finish(self, sender: Any, aux: AuxRow) -> int:
+        """Write ``aux`` into a fresh aux row, send it as the room's last op and drive the
+        sender to SUCCESS; the row (free it after the sender's ``close``)."""
+        row = self.aux.try_alloc()
+        assert row is not None
+        self.aux.write(row, aux)
+        sender.send_aux(row)
+        assert self.drive(lambda: sender.poll().is_terminal)
+        assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+        return row
 
     def drive(self, until: Callable[[], bool], timeout_s: float = 5.0) -> bool:
         """Poll the backend until ``until()`` holds or the deadline passes."""

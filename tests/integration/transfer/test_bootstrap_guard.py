@@ -115,12 +115,7 @@ def finish(worker: Worker, decode, sender, room: int, dst: list[int]) -> None:
     before = decode.pool.copy()
     pages = worker.alloc(len(dst))
     sender.send_pages(pages, 0)
-    row = worker.aux.try_alloc()
-    assert row is not None
-    worker.aux.write(row, AuxRow(room % 1000, -1.0, 4 * len(dst), 0))
-    sender.send_aux(row)
-    assert worker.drive(lambda: sender.poll().is_terminal)
-    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    row = worker.finish(sender, AuxRow(room % 1000, -1.0, 4 * len(dst), 0))
     assert decode.call("wait", room, 5.0) == ("done", None)
     lay = worker.spec.layout
     kv_bytes = lay.pool_bytes

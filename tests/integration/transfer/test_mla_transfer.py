@@ -72,13 +72,8 @@ def push(worker: Worker, receiver: KVReceiver, room: int, num_tokens: int, dst: 
     src = worker.alloc(-(-num_tokens // lay.page_size))
     for first in range(0, len(src), 2):  # chunks of two pages
         sender.send_pages(src[first : first + 2], first)
-    row = worker.aux.try_alloc()
-    assert row is not None
     aux = AuxRow(77, -0.5, num_tokens, lay.page_size)
-    worker.aux.write(row, aux)
-    sender.send_aux(row)
-    assert worker.drive(lambda: sender.poll().is_terminal)
-    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    row = worker.finish(sender, aux)
     assert receiver.wait(room, 5.0).state is RoomState.DONE
     sender.close()
     worker.aux.free(row)
@@ -192,13 +187,8 @@ def test_each_rank_of_a_tp2_decode_receives_the_whole_latent(mla_worker: Worker)
         assert worker.drive(lambda: sender.poll() is KVPoll.READY), sender.failure_reason()
         src = worker.alloc(len(dst[0]))
         sender.send_pages(src, 0)
-        row = worker.aux.try_alloc()
-        assert row is not None
         aux = AuxRow(78, -0.25, num_tokens, 0)
-        worker.aux.write(row, aux)
-        sender.send_aux(row)
-        assert worker.drive(lambda: sender.poll().is_terminal)
-        assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+        row = worker.finish(sender, aux)
         for rank, receiver in enumerate(receivers):
             assert receiver.wait(43, 5.0).state is RoomState.DONE, rank
             assert receiver.read_aux(5) == aux

@@ -54,13 +54,8 @@ def push(
     assert sender.num_cached_tokens() == cached
     for first in range(0, len(src), chunk_pages):
         sender.send_pages(src[first : first + chunk_pages], first)
-    row = worker.aux.try_alloc()
-    assert row is not None
     aux = AuxRow(1000 + room % 1000, -0.5, num_tokens, cached)
-    worker.aux.write(row, aux)
-    sender.send_aux(row)
-    assert worker.drive(lambda: sender.poll().is_terminal)
-    assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    row = worker.finish(sender, aux)
     assert decode.call("wait", room, 5.0) == ("done", None)
     sender.close()  # only then may pages and the aux row be reused
     worker.aux.free(row)
