@@ -75,7 +75,7 @@ class CostSignals:
     def predicted_ttft_s(self, num_tokens: int) -> float | None:
         """The TTFT a new request of ``num_tokens`` uncached tokens would see (module doc)."""
         rate, size = self.prefill_rate_tps, self.max_batch_tokens
-        if self.backlog_s is None or rate is None:
+        if rate is None:  # no forward measured yet: nothing to predict from
             return None
         work = self.queued_tokens + self.running_tokens
         flight = min(self.running_tokens, size or self.running_tokens)
