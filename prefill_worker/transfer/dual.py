@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+from prefill_worker.transfer.group import DropsPeers
 
 _UNBOUND = (KVPoll.BOOTSTRAPPING,)
 
@@ -117,10 +118,10 @@ class DualBackend:
     @property
     def num_dropped_peers(self) -> int:
         """Decode peers the protocols dropped so far (``transfer.group.DropsPeers``)."""
-        return sum(getattr(b, "num_dropped_peers", 0) for b in self._backends)
+        return sum(b.num_dropped_peers for b in self._backends if isinstance(b, DropsPeers))
 
     def has_peer(self, agent_name: str) -> bool:
-        return any(getattr(b, "has_peer", lambda n: False)(agent_name) for b in self._backends)
+        return any(isinstance(b, DropsPeers) and b.has_peer(agent_name) for b in self._backends)
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         """Sleep on the first backend and ``wake_fd``, until the others' next poll at most."""
