@@ -18,10 +18,24 @@ offset), which works for any page stride.
 
 Under tensor parallelism each rank owns its own pool, and ``num_kv_heads`` (KV above) is the
 rank's local count: the heads ``model.parallel.kv_head_range`` gives it, in order.
+
+A K/V pool may also carry a ``KVMirror``: a second paged store, in memory someone else owns,
+that ``write`` fills with the fresh K/V of the tokens the runner names for the forward in
+hand (``mirroring``), so a transfer that needs the KV in another layout finds it written by
+the forward itself instead of copying it afterwards (docs/vllm.md, "Layout")::
+
+    paired blocks  per layer [num_blocks, KV, block_size, 2 * D]   K then V per (head, token)
+                   k[l] = view[..., 0, :] as [num_blocks, block_size, KV, D]   strided views
+                   v[l] = view[..., 1, :] likewise
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
@@ -56,6 +70,64 @@ def pool_num_pages(
     return count
 
 
+class KVMirror:
+    """K‖V blocks per layer, ``[num_blocks, KV, block_size, 2 * D]`` (K then V per (head,
+    token)), in memory the cache does not own (the tensors keep a numpy owner alive), indexed
+    like the pool: row ``block * block_size + offset`` of its ``[num_blocks, block_size, KV,
+    D]`` views ``k[l]``/``v[l]``."""
+
+    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+        num_blocks, heads, block_size, width = layers[0].shape
+        assert all(t.shape == layers[0].shape for t in layers)
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, heads, width // 2
+        paired = [t.view(num_blocks, heads, block_size, 2, width // 2) for t in layers]
+        self.k = tuple(p[..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
+        self.v = tuple(p[..., 1, :].permute(0, 2, 1, 3) for p in paired)
+
+    @classmethod
+    def over_paired_blocks(cls, layers: Sequence[np.ndarray], dtype: torch.dtype) -> KVMirror:
+        """Over host arrays ``[num_blocks, KV, block_size, 2 * D]`` per layer whose items are
+        ``dtype``'s size (their numpy type is only a carrier)."""
+        return cls([torch.from_numpy(array).view(dtype) for array in layers])
+
+    def index_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each of ``slots [M]``."""
+        return slots // self.block_size, slots % self.block_size
+
+    def write(
+        self,
+        layer: int,
+        index: tuple[torch.Tensor, torch.Tensor],
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """``k/v [M, KV, D]`` at ``index`` (``index_of`` their slots)."""
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MirrorTargets:
+    """The rows of a packed batch whose K/V also go to the mirror, and their mirror rows."""
+
+    rows: torch.Tensor | None  # [M] int64, rows of the batch; None: every row, in order
+    slots: torch.Tensor  # [M] int64, block * block_size + offset in the mirror
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Mirroring:
+    """One forward's targets, as ``KVMirror.write`` takes them (computed once, not per layer)."""
+
+    mirror: KVMirror
+    rows: torch.Tensor | None  # of the batch; None: all
+    index: tuple[torch.Tensor, torch.Tensor]  # KVMirror.index_of the slots
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.rows is not None:
+            k, v = k[self.rows], v[self.rows]  # [M, KV, D]
+        self.mirror.write(layer, self.index, k, v)
+
+
 class KVCache:
     """Owns the K/V pool of every layer; the runner writes pages, transfer reads them."""
 
@@ -64,6 +136,8 @@ class KVCache:
         self.device = device
         page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
         dtype = TORCH_DTYPES[layout.dtype]
+        self._mirror: KVMirror | None = None
+        self._mirroring: _Mirroring | None = None  # set by ``mirroring``, for one forward
         if layout.kind == MLA:
             self._storage = torch.zeros(  # [L, P, page_size, 1, D]
                 (layout.num_layers, layout.num_pages, *page), dtype=dtype, device=device
@@ -83,6 +157,41 @@ class KVCache:
             per_layer = self._storage.permute(1, 2, 0, 3, 4, 5)  # [L, 2, P, ...], a view
         self.k = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
         self.v = tuple(per_layer[:, 1])
+
+    @property
+    def has_mirror(self) -> bool:
+        return self._mirror is not None
+
+    def attach_mirror(self, mirror: KVMirror) -> None:
+        """From now on a forward may also write ``mirror`` (once, at start-up)."""
+        lay = self.layout
+        if lay.kind == MLA:
+            raise ValueError("kv layout mla: an MLA pool has no K and V planes to mirror")
+        want = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        got = (len(mirror.k), mirror.num_kv_heads, mirror.head_dim)
+        if got != want:
+            raise ValueError(f"a mirror of (layers, KV, D) {got}; the pool has {want}")
+        if (mirror.k[0].dtype, mirror.k[0].device) != (self.k[0].dtype, self.k[0].device):
+            raise ValueError(
+                f"a mirror in {mirror.k[0].dtype} on {mirror.k[0].device}; "
+                f"the pool is {self.k[0].dtype} on {self.k[0].device}"
+            )
+        self._mirror = mirror
+
+    @contextmanager
+    def mirroring(self, targets: MirrorTargets | None) -> Iterator[None]:
+        """Inside, ``write`` also stores ``targets``' rows in the mirror (the runner brackets
+        a forward with it; None: nothing mirrored)."""
+        if targets is None:
+            yield
+            return
+        assert self._mirror is not None, "mirror targets without a mirror attached"
+        index = self._mirror.index_of(targets.slots)
+        self._mirroring = _Mirroring(self._mirror, targets.rows, index)
+        try:
+            yield
+        finally:
+            self._mirroring = None
 
     @property
     def k_base_addrs(self) -> tuple[int, ...]:
@@ -110,11 +219,14 @@ class KVCache:
         )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k/v [T, KV, D]`` at flat rows ``slots [T]`` (``page * page_size + offset``).
-        Indexed by (page, offset), so the strided page-major views need no copy."""
+        """Store ``k/v [T, KV, D]`` at flat rows ``slots [T]`` (``page * page_size + offset``),
+        and the mirrored rows in the mirror (``mirroring``). Indexed by (page, offset), so the
+        strided page-major views (and the mirror's) need no copy."""
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
+        if self._mirroring is not None:
+            self._mirroring.write(layer, k, v)
 
     def write_latent(
         self, layer: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
