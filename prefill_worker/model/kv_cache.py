@@ -70,40 +70,51 @@ def pool_num_pages(
     return count
 
 
-class KVMirror:
-    """K‖V blocks per layer, ``[num_blocks, KV, block_size, 2 * D]`` (K then V per (head,
-    token)), in memory the cache does not own (the tensors keep a numpy owner alive), indexed
-    like the pool: row ``block * block_size + offset`` of its ``[num_blocks, block_size, KV,
-    D]`` views ``k[l]``/``v[l]``."""
+MirrorIndex = tuple[np.ndarray, np.ndarray, np.ndarray]  # block [M, 1], head [1, KV], offset [M, 1]
 
-    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+
+class KVMirror:
+    """K‖V blocks per layer over host arrays ``[num_blocks, KV, block_size, 2 * D]`` (K then V
+    per (head, token)) the cache does not own, indexed like the pool: row ``block *
+    block_size + offset`` of its ``[num_blocks, block_size, KV, D]`` views ``k[l]``/``v[l]``.
+
+    Writes are numpy copies of whole ``D`` runs (one element each), on the caller's thread:
+    a torch ``index_put_`` into the strided views is an OpenMP loop, whose barriers stall for
+    milliseconds per op on a loaded host (0.25-0.9 GB/s against numpy's 2-9 GB/s on the
+    2-core development VM, docs/vllm.md)."""
+
+    def __init__(self, layers: Sequence[np.ndarray], dtype: torch.dtype) -> None:
+        """``layers``' items are ``dtype``'s size (their numpy type is only a carrier)."""
         num_blocks, heads, block_size, width = layers[0].shape
-        assert all(t.shape == layers[0].shape for t in layers)
+        assert all(a.shape == layers[0].shape and a.flags.c_contiguous for a in layers)
         self.block_size, self.num_kv_heads, self.head_dim = block_size, heads, width // 2
-        paired = [t.view(num_blocks, heads, block_size, 2, width // 2) for t in layers]
+        run = np.dtype(f"V{self.head_dim * layers[0].itemsize}")  # one head's K (or V)
+        self._runs = tuple(a.view(run).reshape(num_blocks, heads, block_size, 2) for a in layers)
+        paired = [
+            torch.from_numpy(a).view(dtype).view(num_blocks, heads, block_size, 2, width // 2)
+            for a in layers
+        ]
         self.k = tuple(p[..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
         self.v = tuple(p[..., 1, :].permute(0, 2, 1, 3) for p in paired)
 
-    @classmethod
-    def over_paired_blocks(cls, layers: Sequence[np.ndarray], dtype: torch.dtype) -> KVMirror:
-        """Over host arrays ``[num_blocks, KV, block_size, 2 * D]`` per layer whose items are
-        ``dtype``'s size (their numpy type is only a carrier)."""
-        return cls([torch.from_numpy(array).view(dtype) for array in layers])
+    def index_of(self, slots: torch.Tensor) -> MirrorIndex:
+        """Where each of ``slots [M]``'s heads goes, as numpy indices that broadcast."""
+        flat = slots.cpu().numpy()[:, None]
+        heads = np.arange(self.num_kv_heads)[None, :]
+        return flat // self.block_size, heads, flat % self.block_size
 
-    def index_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of each of ``slots [M]``."""
-        return slots // self.block_size, slots % self.block_size
-
-    def write(
-        self,
-        layer: int,
-        index: tuple[torch.Tensor, torch.Tensor],
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
+    def write(self, layer: int, index: MirrorIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """``k/v [M, KV, D]`` at ``index`` (``index_of`` their slots)."""
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        runs = self._runs[layer]
+        blocks, heads, offsets = index
+        runs[blocks, heads, offsets, 0] = _as_runs(k, runs.dtype)
+        runs[blocks, heads, offsets, 1] = _as_runs(v, runs.dtype)
+
+
+def _as_runs(t: torch.Tensor, run: np.dtype) -> np.ndarray:
+    """``t [M, KV, D]`` as ``[M, KV]`` runs of D (no copy when contiguous)."""
+    raw = t.contiguous().view(torch.uint8).numpy()  # [M, KV, D * itemsize]
+    return raw.view(run)[..., 0]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -120,7 +131,7 @@ class _Mirroring:
 
     mirror: KVMirror
     rows: torch.Tensor | None  # of the batch; None: all
-    index: tuple[torch.Tensor, torch.Tensor]  # KVMirror.index_of the slots
+    index: MirrorIndex  # KVMirror.index_of the slots
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.rows is not None:
@@ -157,10 +168,6 @@ class KVCache:
             per_layer = self._storage.permute(1, 2, 0, 3, 4, 5)  # [L, 2, P, ...], a view
         self.k = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
         self.v = tuple(per_layer[:, 1])
-
-    @property
-    def has_mirror(self) -> bool:
-        return self._mirror is not None
 
     def attach_mirror(self, mirror: KVMirror) -> None:
         """From now on a forward may also write ``mirror`` (once, at start-up)."""

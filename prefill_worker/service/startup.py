@@ -245,7 +245,7 @@ def attach_kv_mirror(transfer: Transfer, kv_cache: KVCache) -> None:
         return
     with startup_step("kv mirror", (ValueError,)):
         dtype = TORCH_DTYPES[kv_cache.layout.dtype]
-        kv_cache.attach_mirror(KVMirror.over_paired_blocks(transfer.mirror_layers, dtype))
+        kv_cache.attach_mirror(KVMirror(transfer.mirror_layers, dtype))
 
 
 def _limits(config: Config) -> BootstrapLimits:

@@ -42,7 +42,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 def test_mirrored_rows_are_the_pool_rows_in_paired_blocks(kind: str) -> None:
     kv, blocks = _cache(kind), _blocks()
     before = [b.copy() for b in blocks]
-    kv.attach_mirror(KVMirror.over_paired_blocks(blocks, torch.bfloat16))
+    kv.attach_mirror(KVMirror(blocks, torch.bfloat16))
     slots = torch.tensor([37, 5, 6, 7, 20])  # pool rows (page * PS + offset)
     rows, mirror_slots = [1, 2, 4], [3 * BS + 7, 0 * BS + 1, 5 * BS + 0]
     targets = MirrorTargets(torch.tensor(rows), torch.tensor(mirror_slots))
@@ -60,7 +60,7 @@ def test_mirrored_rows_are_the_pool_rows_in_paired_blocks(kind: str) -> None:
 
 def test_every_row_in_order_and_nothing_outside_mirroring() -> None:
     kv, blocks = _cache(LAYER_MAJOR), _blocks(1)
-    kv.attach_mirror(KVMirror.over_paired_blocks(blocks, torch.bfloat16))
+    kv.attach_mirror(KVMirror(blocks, torch.bfloat16))
     slots = torch.arange(8, 13)
     _write_all(kv, slots)  # no targets: the mirror is not written
     untouched = [b.copy() for b in blocks]
@@ -79,16 +79,15 @@ def test_every_row_in_order_and_nothing_outside_mirroring() -> None:
 
 def test_a_mirror_that_does_not_fit_the_pool_is_refused() -> None:
     mla = KVCache(KVLayout(L, 1, D, "bfloat16", PS, PAGES, MLA), torch.device("cpu"))
-    mirror = KVMirror.over_paired_blocks(_blocks(), torch.bfloat16)
+    mirror = KVMirror(_blocks(), torch.bfloat16)
     with pytest.raises(ValueError, match="mla"):
         mla.attach_mirror(mirror)
-    three_layers = KVMirror.over_paired_blocks([*_blocks(), _blocks()[0]], torch.bfloat16)
+    three_layers = KVMirror([*_blocks(), _blocks()[0]], torch.bfloat16)
     with pytest.raises(ValueError, match=r"\(3, 2, 8\); the pool has \(2, 2, 8\)"):
         _cache(LAYER_MAJOR).attach_mirror(three_layers)
     with pytest.raises(ValueError, match="float32"):
         _cache(LAYER_MAJOR, "float32").attach_mirror(mirror)
     kv = _cache(PAGE_MAJOR)
-    assert not kv.has_mirror
     with (
         pytest.raises(AssertionError, match="without a mirror"),
         kv.mirroring(MirrorTargets(None, torch.arange(2))),

@@ -35,7 +35,7 @@ def _mirrored(runner: Runner) -> list[np.ndarray]:
     lay = runner.kv_cache.layout
     shape = (BLOCKS, lay.num_kv_heads, BS, 2 * lay.head_dim)
     blocks = [np.zeros(shape, np.uint32) for _ in range(lay.num_layers)]
-    runner.kv_cache.attach_mirror(KVMirror.over_paired_blocks(blocks, torch.float32))
+    runner.kv_cache.attach_mirror(KVMirror(blocks, torch.float32))
     return blocks
 
 

@@ -27,7 +27,7 @@ def _forward(desk: PullDesk, pool: torch.Tensor, start: int, slots: Sequence[int
     K and V (as the pool holds them) at its slot, through the runner's own mirror."""
     lay = desk.staging.layout
     layers = [desk.staging.layer_view(i) for i in range(lay.num_layers)]
-    mirror = KVMirror.over_paired_blocks(layers, torch.float32)
+    mirror = KVMirror(layers, torch.float32)
     positions = torch.arange(start, start + len(slots))
     pages, offsets = torch.tensor(PAGES)[positions // 16], positions % 16
     index = mirror.index_of(torch.tensor(slots))
