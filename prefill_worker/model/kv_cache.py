@@ -26,7 +26,7 @@ the forward itself instead of copying it afterwards (docs/vllm.md, "Layout")::
 
     paired blocks  per layer [num_blocks, KV, block_size, 2 * D]   K then V per (head, token)
                    k[l] = view[..., 0, :] as [num_blocks, block_size, KV, D]   strided views
-                   v[l] = view[..., 1, :] likewise
+                   v[l] = view[..., 1, :] likewise; written as numpy runs of D (host only)
 """
 
 from __future__ import annotations
