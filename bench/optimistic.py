@@ -5,8 +5,11 @@ Two worker processes (``scheduler.optimistic_prefill`` off and on; otherwise
 reference decode peer, this process as the router. The decode claims each room ``delay``
 seconds after the router sent the request (``DecodePeer.expect`` then: its `want` follows).
 
-- The prefill time ``p``: the median ``timings.prefill_s`` of sequential requests on the off
-  worker (``e2e.py``'s lognormal lengths). Delays: ``zero``, ``prefill`` (``p``), ``3x``.
+- The prefill time ``p``: per delay point, the median ``timings.prefill_s`` of that point's own
+  prompts (``e2e.py``'s lognormal lengths), sent one at a time to the off worker first, so a
+  delay of ``p`` is the prefill time of the prompts it delays (calibrated on other prompts it
+  was shorter or longer than theirs, which moved ``ttft_ratio`` by up to 0.1 from run to run).
+  Delays: ``zero``, ``prefill`` (``p``), ``3x``.
 - Per delay and mode, the same prompts for both: one request at a time by default (the TTFT
   a request sees on an idle worker), or with ``--load-fraction F`` Poisson arrivals at ``F``
   of the off worker's capacity (queueing adds the same wait to both modes); TTFT is router
@@ -110,9 +113,21 @@ def start_target(ckpt: Path, tmp: Path, optimistic: bool) -> e2e.Target:
     return e2e.Target(ckpt, True, 512, tmp / ("on" if optimistic else "off"), extra)
 
 
-async def calibrate(target: e2e.Target, num: int) -> tuple[float, float]:
-    """(median prefill seconds, capacity in requests/s) from sequential requests."""
-    router, lengths = Router(target), [n for _, n in e2e.workload(num, 1.0, seed=1)]
+def point_lengths(index: int, num: int, rate: float) -> list[int]:
+    """The prompt lengths the ``index``-th delay point sends (``measure``'s workloads)."""
+    if not rate:
+        return [n for _, n in e2e.workload(num, 1.0, seed=300 + 10 * index)]
+    halves = (e2e.workload(num // 2, rate, seed=300 + 10 * index + h) for h in range(2))
+    return [n for half in halves for _, n in half]
+
+
+async def calibrate(
+    target: e2e.Target, num: int, lengths: list[int] | None = None
+) -> tuple[float, float]:
+    """(median prefill seconds, capacity in requests/s) from sequential requests: ``lengths``,
+    or ``num`` of the warm-up's."""
+    router = Router(target)
+    lengths = lengths or [n for _, n in e2e.workload(num, 1.0, seed=1)]
     prefill, ttft = [], []
     for n in lengths:
         t, ok, _, prefill_s = await router.one(n, 0.0)
@@ -135,7 +150,7 @@ async def measure(
     out = {mode: Measured() for mode in routers}
     for i, (name, delay_s) in enumerate(delays.items()):
         if not rate:  # one at a time: off and on take turns request by request
-            for _, n in e2e.workload(num, 1.0, seed=300 + 10 * i):
+            for n in point_lengths(i, num, rate):
                 for mode, router in routers.items():
                     t, ok, retries, _ = await router.one(n, delay_s)
                     out[mode].ttfts.setdefault(name, []).extend([t] if ok else [])
@@ -228,9 +243,12 @@ async def run(
     try:
         routers = {mode: Router(target) for mode, target in targets.items()}
         await calibrate(targets["on"], 4)  # the same warm-up for both
-        prefill_s, capacity = await calibrate(targets["off"], 12)
-        delays = {name: k * prefill_s for name, k in DELAYS.items()}
-        measured = await measure(routers, delays, load_fraction * capacity, num, burst_shape)
+        _, capacity = await calibrate(targets["off"], 12)
+        rate, delays = load_fraction * capacity, {}
+        for i, (name, k) in enumerate(DELAYS.items()):  # k x the point's own prompts' prefill
+            lengths = point_lengths(i, num, rate)
+            delays[name] = k * (await calibrate(targets["off"], 0, lengths))[0] if k else 0.0
+        measured = await measure(routers, delays, rate, num, burst_shape)
         lines = delay_lines(measured["off"], measured["on"], delays)
         for entry in lines:
             entry["load_fraction"] = load_fraction or "one at a time"

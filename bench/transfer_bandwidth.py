@@ -33,9 +33,12 @@ for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one
     python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
                                        [--push thread,inline] [--protocol push,vllm]
 
-``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the repack into vLLM's
-layout and a decode's READ of it, against the same memcpy, and with ``push,vllm`` the pull
-path's bandwidth against the thread push's scattered rows; ``bench/vllm_pull.py``).
+``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the request staged in
+vLLM's layout by the repack, ``"staging": "repack"``, and by the forward's KV mirror,
+``"staging": "mirror"``, then a decode's READ of it, against the same memcpy, and with
+``push,vllm`` the pull path's bandwidth against the thread push's scattered rows;
+``bench/vllm_pull.py``), then one row of the runner's forward with and without the mirror
+(``bench/kv_mirror.py``).
 """
 
 from __future__ import annotations
@@ -203,15 +206,24 @@ def main() -> None:
                 push_gb_s = rows
         if "vllm" in protocols:
             run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s)
+    if "vllm" in protocols:  # the runner's speed with the mirror against without
+        import kv_mirror
+
+        print(json.dumps(kv_mirror.forward_rows(1024, args.repeats)), flush=True)
 
 
 def run_vllm(pool_layout: str, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
-    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape."""
+    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape, in a pool the
+    runner's ``KVCache`` owns (its writes, and the mirror's, are part of the rows)."""
+    import torch
     import vllm_pull
 
-    lay = layout(NUM_LOCAL_PAGES, pool_layout)
-    pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
-    vllm_pull.run(lay, regions_over(lay, pool, AuxPool(16)), repeats, chunk_pages, push_gb_s)
+    from prefill_worker.model.kv_cache import KVCache
+
+    kv = KVCache(layout(NUM_LOCAL_PAGES, pool_layout), torch.device("cpu"))
+    for plane in (*kv.k, *kv.v):
+        plane.normal_()
+    vllm_pull.run(kv, repeats, chunk_pages, push_gb_s)
 
 
 def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> dict[int, float]:

@@ -10,11 +10,13 @@ which the prediction for the request's length is computed exactly as the worker 
 (``load.CostSignals.predicted_ttft_s``); the request follows at once and its TTFT is measured
 router send → ``result``. The same pong also gives the previous predictor's
 (``previous_prediction``, with the median of the bootstrap waits this router saw), so both
-models are judged on the same requests. One JSON line per load:
+models are judged on the same requests. One JSON line per load (with the run's time and
+load average: runs accumulate, compare lines of one run):
 ``{"name": "ttft_prediction", "load": ..., "ttft_prediction_error": median |predicted −
 measured| / measured, "ttft_prediction_error_previous": ..., ...}`` (goal ≤ 0.20), to stdout
-and ``bench/results/ttft_prediction.json``; with ``--record PATH`` one line per request (its
-pong's signals, both predictions, the TTFT and the worker's timings) appended to ``PATH``.
+and appended to ``bench/results/ttft_prediction.json``; with ``--record PATH`` one line per
+request (its pong's signals, both predictions, the TTFT and the worker's timings) appended to
+``PATH``.
 
     python bench/ttft_prediction.py [--quick] [--record PATH]
 """
@@ -26,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -209,11 +212,15 @@ def main() -> int:
         "--record", type=Path, help="append one JSON line per request (signals, TTFT) to this"
     )
     args = parser.parse_args()
+    started, load_before = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
         lines = asyncio.run(run(ckpt, tmp, 30 if args.quick else 80, args.record))
-    e2e.write_lines(lines, e2e.RESULTS / "ttft_prediction.json")
+    ended, load_after = time.strftime("%H:%M:%S", time.gmtime()), os.getloadavg()[0]
+    stamp = f"{started}-{ended} UTC, load average {load_before:.2f}-{load_after:.2f}"
+    lines = [{**line, "run": stamp} for line in lines]  # runs accumulate: the machine varies
+    e2e.write_lines(lines, e2e.RESULTS / "ttft_prediction.json", append=True)
     return 0
 
 

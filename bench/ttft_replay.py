@@ -48,7 +48,7 @@ from ttft_prediction import errors, previous_prediction  # noqa: E402
 from prefill_worker.batch import BatchOutput, BatchPlan  # noqa: E402
 from prefill_worker.kv.aux import AuxPool  # noqa: E402
 from prefill_worker.kv.pages import PagePool  # noqa: E402
-from prefill_worker.load import CostSignals  # noqa: E402
+from prefill_worker.load import CostSignals, LoadSnapshot  # noqa: E402
 from prefill_worker.request import Outcome, PrefillRequest, SamplingParams  # noqa: E402
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits  # noqa: E402
 from tests.clocks import FakeClock  # noqa: E402
@@ -65,9 +65,13 @@ class TimedRunner:
         self._inner, self._clock = inner, clock
         self._forward_s, self._rate = forward_s, rate
         self.forwards: list[tuple[float, float, int]] = []  # (started, ended, tokens)
+        self.load_at_start: list[LoadSnapshot] = []  # what a pong during each forward saw
+        self.engine: Engine | None = None
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         started = self._clock()
+        assert self.engine is not None
+        self.load_at_start.append(self.engine.load)
         self._clock.advance(self._forward_s + plan.num_tokens / self._rate)
         self.forwards.append((started, self._clock(), plan.num_tokens))
         return self._inner.run(plan)
@@ -101,6 +105,7 @@ class Replay:
         self.engine = Engine(
             self.runner, backend, kv, self._finished, limits, overlap=False, clock=self.clock
         )
+        self.runner.engine = self.engine
         self._pool, self._aux = pool, aux
         self._num_sent = 0
         self._bootstrap_s: list[float] = []  # every outcome's, in order: the previous model's
@@ -138,7 +143,10 @@ class Replay:
         sent: dict[str, tuple[dict[str, object], float]] = {}
         while pending or any(request_id not in self.outcomes for request_id in sent):
             seen, handshake_s = self.engine.load, self._handshake_s()
+            num_forwards = len(self.runner.forwards)
             is_busy = self.engine.step()
+            if len(self.runner.forwards) > num_forwards:  # arrivals during it saw what it
+                seen = self.runner.load_at_start[-1]  # published before collecting
             is_idle = not is_busy and not self.engine.load.num_live
             if is_idle and pending and start + pending[0][0] > self.clock():
                 self.clock.now = start + pending[0][0]  # nothing to do until the next arrival

@@ -1,46 +1,70 @@
 """vLLM-pull rows of ``bench/transfer_bandwidth.py`` (``--protocol vllm``): what serving a vLLM
 decode costs, on the same Llama-3-8B-shaped KV and the same memcpy reference.
 
-Per pool layout and prompt length, a request's pages (scattered in the pool) go through the
-vLLM sender chunk by chunk as the engine hands them over (``--chunk-tokens``, 2048 as the
-push rows): each chunk's repack into the staging region in vLLM's layout runs on the repack
-thread (``transfer/vllm/desk.py``); then a decode in a spawned process READs the staged
-blocks over real NIXL as vLLM's connector does: one descriptor per block per layer on each
-side, both lists prepared once (its handshake), each READ made from them by index
-(``make_prepped_xfer``) and timed from posting to done. Three READs per request, all of the
-same staged blocks: into decode blocks scattered as the push rows' decode pages (no two
-adjacent; the last, with the completion notification: ``read_*``), into consecutive decode
-blocks (``read_adjacent_*``: NIXL merges descriptors adjacent, in order, on both sides) and
-into the same blocks in reverse (``read_reversed_*``: nothing merges). ``*_descriptors`` is
-what NIXL posted (its telemetry). ``descriptor_memcpy_gb_s`` is the scattered READ's
-descriptors as memmoves in this process (``descriptor_kib`` each): what the memory system
-gives for pieces of that size at those places, the ceiling for any transport, as the push
-rows' ``scattered_memcpy_gb_s``. Each is timed against a memcpy of the same bytes in this
-process, right after, so each sees the same machine load; medians over the repeats (the
-first is a warm-up). One JSON line each::
+Per pool layout and prompt length, each repeat stages one request's pages (scattered in the
+pool, handed over in chunks of ``--chunk-tokens``, 2048 as the push rows) twice, then a decode
+in a spawned process READs the staged blocks over real NIXL as vLLM's connector does: one
+descriptor per block per layer on each side, both lists prepared once (its handshake), each
+READ made from them by index (``make_prepped_xfer``) and timed from posting to done.
 
-    {"name": "transfer", "protocol": "vllm", "pool_layout", "tokens", "block_size",
-     "descriptor_kib", "chunk_tokens", "repack_ms", "repack_gb_s", "repack_tail_ms",
-     "read_ms", "read_gb_s", "read_descriptors", "read_adjacent_gb_s",
+- ``"staging": "repack"``: the request as if no forward had written its blocks (a prefix hit,
+  chunks before the claim): each chunk's repack into the staging region in vLLM's layout runs
+  on the repack thread (``transfer/vllm/desk.py``). Three READs of the same staged blocks:
+  into decode blocks scattered as the push rows' decode pages (no two adjacent; the last,
+  with the completion notification: ``read_*``), into consecutive decode blocks
+  (``read_adjacent_*``: NIXL merges descriptors adjacent, in order, on both sides) and into
+  the same blocks in reverse (``read_reversed_*``: nothing merges).
+- ``"staging": "mirror"``: the same pages as a claimed request's are staged in production:
+  each chunk's slots asked of the sender, its K/V written by ``KVCache.write`` into the pool
+  and, through the KV mirror, into the staging blocks (``bench/kv_mirror.py``), its pages then
+  handed over (no repack may be queued: asserted); one scattered READ into the same decode
+  blocks as the repack row's.
+
+``*_descriptors`` is what NIXL posted (its telemetry). ``descriptor_memcpy_gb_s`` is the
+scattered READ's descriptors as memmoves in this process (``descriptor_kib`` each): what the
+memory system gives for pieces of that size at those places, the ceiling for any transport,
+as the push rows' ``scattered_memcpy_gb_s``. Each is timed against a memcpy of the same bytes
+in this process, right after, so each sees the same machine load; medians over the repeats
+(the first is a warm-up). One JSON line each::
+
+    {"name": "transfer", "protocol": "vllm", "staging": "repack", "pool_layout", "tokens",
+     "block_size", "descriptor_kib", "chunk_tokens", "repack_ms", "repack_gb_s",
+     "repack_tail_ms", "read_ms", "read_gb_s", "read_descriptors", "read_adjacent_gb_s",
      "read_adjacent_descriptors", "read_reversed_gb_s", "read_reversed_descriptors",
      "descriptor_memcpy_gb_s", "memcpy_gb_s", "repack_ratio", "read_ratio",
      "read_descriptor_ratio", "pull_gb_s", "pull_serial_gb_s", "push_gb_s", "pull_vs_push",
      "read_vs_push"}
+    {"name": "transfer", "protocol": "vllm", "staging": "mirror", "pool_layout", "tokens",
+     "chunk_tokens", "write_ms", "write_mirroring_ms", "mirror_ms", "mirror_tail_ms",
+     "mirror_gb_s", "answer_ms",
+     "read_ms", "read_gb_s", "read_descriptors", "memcpy_gb_s", "pull_gb_s",
+     "pull_vs_repack_pull", "push_gb_s", "pull_vs_push", "read_vs_push"}
 
-``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate); ``repack_tail_ms`` what of
-it a user waits for: from the last chunk's hand-over to the request's success (its answer
-may go), the earlier chunks' repacks having ended behind the next chunk's forward (here they
-are waited for before the next hand-over, as a forward longer than a chunk's repack hides
-them: seconds on this CPU worker, against ~0.1-0.2 s per 2048 tokens of repack).
-``pull_gb_s``, the pull path as a user sees it: the KV's bytes over the time from the
-prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus the scattered
-READ (the proxy's hop and the handshake are not counted). ``pull_serial_gb_s``: the same
-with every repack counted (nothing to hide behind). ``push_gb_s`` is the same run's push of
-the same scattered pages (``gb_s`` of its ``scattered`` row, from the first chunk's
-hand-over to the decode's status); ``pull_vs_push`` is ``pull_gb_s / push_gb_s`` (goal,
-issue 30: >= 0.9) and ``read_vs_push`` the READ alone against the push: the transfer
-against the transfer. Without ``--protocol push`` in the same run the three are absent.
-docs/vllm.md says which comparison is like with like.
+Repack rows: ``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate);
+``repack_tail_ms`` what of it a user waits for: from the last chunk's hand-over to the
+request's success (its answer may go), the earlier chunks' repacks having ended behind the
+next chunk's forward (here they are waited for before the next hand-over, as a forward longer
+than a chunk's repack hides them: seconds on this CPU worker, against ~0.1-0.2 s per 2048
+tokens of repack). ``pull_gb_s``, the pull path as a user sees it: the KV's bytes over the
+time from the prefill's last forward to the decode holding the KV, ``repack_tail_ms`` plus
+the scattered READ (the proxy's hop and the handshake are not counted). ``pull_serial_gb_s``:
+the same with every repack counted (nothing to hide behind).
+
+Mirror rows: ``write_ms`` is the last chunk's ``KVCache.write`` over every layer without the
+mirror (what any forward spends), ``write_mirroring_ms`` the same while mirroring;
+``mirror_ms`` the mirror's own writes (``KVMirror.write``, what ``KVCache.write`` adds) of
+every chunk (the forward grows by it; ``mirror_gb_s`` the KV's bytes over it),
+``mirror_tail_ms`` the last chunk's: no forward follows to hide it, so it is counted in the
+pull path (``bench/kv_mirror.py`` says why it is timed on its own).
+``answer_ms``: from the last chunk's hand-over to success (no repack to wait for).
+``pull_gb_s``: the bytes over ``mirror_tail_ms + answer_ms`` plus the scattered READ;
+``pull_vs_repack_pull`` the repack row's pull time over this one's (> 1: the mirror is faster).
+
+``push_gb_s`` is the same run's push of the same scattered pages (``gb_s`` of its
+``scattered`` row, from the first chunk's hand-over to the decode's status); ``pull_vs_push``
+is ``pull_gb_s / push_gb_s`` (goal, issue 30: >= 0.9) and ``read_vs_push`` the READ alone
+against the push: the transfer against the transfer. Without ``--protocol push`` in the same
+run the three are absent. docs/vllm.md says which comparison is like with like.
 """
 
 from __future__ import annotations
@@ -56,11 +80,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import torch
+from kv_mirror import WriteTimes, timed_write
 
-from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.aux import AuxPool
+from prefill_worker.model.kv_cache import TORCH_DTYPES, KVCache, KVMirror
 
 BLOCK_SIZE = 32
 TOKENS = (1024, 8192)
+MIRROR_ROOMS = 1 << 20  # the mirrored requests' rooms: never a repacked one's
 
 
 class _Channel:
@@ -136,19 +164,22 @@ def _block_descs(base: int, size: int, num_blocks: int, layers: int) -> list[tup
     ]
 
 
-def run(
-    lay: KVLayout, regions: KVRegions, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]
-) -> None:
-    """Every vLLM row for one pool layout; ``push_gb_s``: the same run's scattered push rows'
-    GB/s by prompt length (empty without them)."""
+def run(kv: KVCache, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
+    """Every vLLM row for one pool layout (``kv``: the pool as the runner owns it);
+    ``push_gb_s``: the same run's scattered push rows' GB/s by prompt length (empty without
+    them)."""
     from prefill_worker.transfer.options import NixlOptions, VllmOptions
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.tickets import Tickets
 
+    lay, aux = kv.layout, AuxPool(16)
     num_blocks = max(TOKENS) // BLOCK_SIZE
     nixl = NixlOptions(None, ("UCX",), "lo")
     options = VllmOptions("127.0.0.1", 0, BLOCK_SIZE, num_blocks, nixl=nixl)
+    regions = kv.regions(aux.base_addr, aux.num_rows)
     backend = VllmBackend(regions, options, Tickets(4), lambda h, p, r: _Channel(r))
+    mirror = KVMirror(backend.mirror_layers, TORCH_DTYPES[lay.dtype])
+    kv.attach_mirror(mirror)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=decode_main, args=(child_conn, backend.registration, num_blocks))
@@ -160,7 +191,7 @@ def run(
         decode_bytes = len(reg.region_base_addrs) * _decode_blocks(num_blocks) * reg.block_bytes
         copy = _CopyReference(largest, decode_bytes)
         for tokens in TOKENS:
-            case = _Case(lay, tokens, chunk_pages, push_gb_s.get(tokens))
+            case = _Case(kv, mirror, tokens, chunk_pages, push_gb_s.get(tokens))
             _row(backend, conn, case, repeats, copy)
     finally:
         conn.send("exit")
@@ -170,7 +201,8 @@ def run(
 
 @dataclass(frozen=True, slots=True)
 class _Case:
-    lay: KVLayout
+    kv: KVCache
+    mirror: KVMirror  # kv's
     tokens: int
     chunk_pages: int
     push_gb_s: float | None
@@ -185,13 +217,18 @@ class _Staged:
 
 
 def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyReference) -> None:
-    lay, tokens, reg = case.lay, case.tokens, backend.registration
+    """The request staged by the repack, then by the mirror, the same pages each time, each
+    READ into the same scattered decode blocks; a repack row and a mirror row."""
+    lay, tokens, reg = case.kv.layout, case.tokens, backend.registration
     rng = np.random.default_rng(tokens)
     num_local = _decode_blocks(reg.num_blocks)
     staged: list[_Staged] = []
-    reads: tuple[list[tuple[float, int]], ...] = ([], [], [])  # scattered, adjacent, reversed
+    mirrored: list[_MirrorStaged] = []
+    reads: tuple[list[tuple[float, int]], ...] = ([], [], [], [])  # + the mirrored scattered
     floor_s: list[float] = []
     memcpy_s: list[float] = []
+    chunk_shape = (case.chunk_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
+    k = torch.randn(chunk_shape).to(TORCH_DTYPES[lay.dtype])  # a forward's fresh K (and V)
     for room in range(tokens, tokens + repeats + 1):
         pages = [int(p) for p in rng.choice(lay.num_pages, tokens // lay.page_size, False)]
         done = _stage(backend, room, tokens, pages, case.chunk_pages)
@@ -203,12 +240,16 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
         local = _scattered(rng, num_local, len(blocks))
         reads[0].append(_read(conn, blocks, local, f"{done.params['remote_request_id']}:1"))
         floor_s.append(copy.descriptor_seconds(reg, blocks, local))
-        while len(backend.desk.holds):  # the READ's notification frees the blocks
-            backend.poll()
+        _until_released(backend)
         memcpy_s.append(copy.seconds(done.num_bytes))
+        by_mirror = _stage_mirrored(backend, case, MIRROR_ROOMS + room, pages, k)
+        mirrored.append(by_mirror)
+        notif = f"{by_mirror.params['remote_request_id']}:1"
+        reads[3].append(_read(conn, by_mirror.params["remote_block_ids"][0], local, notif))
+        _until_released(backend)
     nbytes = staged[-1].num_bytes
-    descs = [r[-1][1] for r in reads]
-    read_s, adjacent_s, reversed_s = ([seconds for seconds, _ in r] for r in reads)
+    descs = [r[-1][1] for r in reads[:3]]
+    read_s, adjacent_s, reversed_s = ([seconds for seconds, _ in r] for r in reads[:3])
     repack_s = [s.repack_s for s in staged]
     tail_s = [s.tail_s for s in staged]
     pull_s = [t + r for t, r in zip(tail_s, read_s, strict=True)]
@@ -220,6 +261,7 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
     row: dict[str, Any] = {
         "name": "transfer",
         "protocol": "vllm",
+        "staging": "repack",
         "pool_layout": lay.kind,
         "tokens": tokens,
         "block_size": reg.block_size,
@@ -243,11 +285,72 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
         "pull_gb_s": round(nbytes / pull / 1e9, 3),
         "pull_serial_gb_s": round(nbytes / serial / 1e9, 3),
     }
-    if case.push_gb_s is not None:
-        row["push_gb_s"] = case.push_gb_s
-        row["pull_vs_push"] = round(nbytes / pull / 1e9 / case.push_gb_s, 3)
-        row["read_vs_push"] = round(nbytes / read / 1e9 / case.push_gb_s, 3)
+    _compare(row, case.push_gb_s, nbytes / pull / 1e9, nbytes / read / 1e9)
     print(json.dumps(row), flush=True)
+    print(json.dumps(_mirror_row(case, mirrored, reads[3], memcpy_s, pull)), flush=True)
+
+
+def _mirror_row(
+    case: _Case,
+    mirrored: list[_MirrorStaged],
+    reads: list[tuple[float, int]],
+    memcpy_s: list[float],
+    repack_pull_s: float,
+) -> dict[str, Any]:
+    """The mirrored request's row: what the mirror adds to the forward, the answer, the READ,
+    and the pull path a user waits for (the last chunk's mirror write, the answer, the READ)."""
+    nbytes = mirrored[-1].num_bytes
+    assert all(m.num_repacks == 0 for m in mirrored), "a mirrored request was repacked"
+    last = [m.writes[-1] for m in mirrored]
+    series = (
+        [w.pool_s for w in last],
+        [w.both_s for w in last],
+        [sum(w.mirror_s for w in m.writes) for m in mirrored],
+        [w.mirror_s for w in last],
+        [m.answer_s for m in mirrored],
+        [seconds for seconds, _ in reads],
+        [w.mirror_s + m.answer_s + r for w, m, (r, _) in zip(last, mirrored, reads, strict=True)],
+        memcpy_s,
+    )
+    write, both, mirror, tail, answer, read, pull, memcpy = (
+        statistics.median(s[1:]) for s in series
+    )
+    row: dict[str, Any] = {
+        "name": "transfer",
+        "protocol": "vllm",
+        "staging": "mirror",
+        "pool_layout": case.kv.layout.kind,
+        "tokens": case.tokens,
+        "chunk_tokens": case.chunk_pages * case.kv.layout.page_size,
+        "write_ms": round(write * 1e3, 2),
+        "write_mirroring_ms": round(both * 1e3, 2),
+        "mirror_ms": round(mirror * 1e3, 2),
+        "mirror_tail_ms": round(tail * 1e3, 2),
+        "mirror_gb_s": round(nbytes / mirror / 1e9, 3) if mirror > 0 else None,
+        "answer_ms": round(answer * 1e3, 3),
+        "read_ms": round(read * 1e3, 2),
+        "read_gb_s": round(nbytes / read / 1e9, 3),
+        "read_descriptors": reads[-1][1],
+        "memcpy_gb_s": round(nbytes / memcpy / 1e9, 3),
+        "pull_gb_s": round(nbytes / pull / 1e9, 3),
+        "pull_vs_repack_pull": round(repack_pull_s / pull, 3),
+    }
+    _compare(row, case.push_gb_s, nbytes / pull / 1e9, nbytes / read / 1e9)
+    return row
+
+
+def _compare(row: dict[str, Any], push_gb_s: float | None, pull: float, read: float) -> None:
+    """The pull path and the READ against the same run's push (absent without one)."""
+    if push_gb_s is not None:
+        row["push_gb_s"] = push_gb_s
+        row["pull_vs_push"] = round(pull / push_gb_s, 3)
+        row["read_vs_push"] = round(read / push_gb_s, 3)
+
+
+def _until_released(backend: Any) -> None:
+    """Until the READ's notification frees the blocks (the decode sent it: a few turns)."""
+    while len(backend.desk.holds):
+        backend.poll()
 
 
 def _read(conn: Connection, blocks: list[int], local: list[int], notif: str) -> tuple[float, int]:
@@ -282,14 +385,62 @@ def _stage(backend: Any, room: int, tokens: int, pages: list[int], chunk_pages: 
         repack_s += time.perf_counter() - start
     start = time.perf_counter()
     sender.send_pages(pages[firsts[-1] :], firsts[-1])
+    params = _answer(backend, sender, room)
+    tail_s = time.perf_counter() - start
+    return _Staged(params, sender.written_bytes(), repack_s + tail_s, tail_s)
+
+
+def _answer(backend: Any, sender: Any, room: int) -> dict[str, Any]:
+    """After the last chunk: the aux row, the wait for success (the answer may go), the
+    sender closed; the answer's params."""
     sender.send_aux(0)
     while not sender.poll().is_terminal:
         backend.wait(0.01)  # as the engine does when a turn found nothing to do
-    tail_s = time.perf_counter() - start
     sender.close()
     params = backend.desk.tickets.take(room)
     assert params is not None, sender.failure_reason()
-    return _Staged(dict(params), sender.written_bytes(), repack_s + tail_s, tail_s)
+    return dict(params)
+
+
+@dataclass(frozen=True, slots=True)
+class _MirrorStaged:
+    """A request staged by the mirror (``_stage_mirrored``)."""
+
+    params: dict[str, Any]
+    num_bytes: int
+    writes: list[WriteTimes]  # one per chunk, in order
+    answer_s: float  # from the last chunk's hand-over to success (the answer may go)
+    num_repacks: int  # repacks the desk began for it (0: every token mirrored)
+
+
+def _stage_mirrored(
+    backend: Any, case: _Case, room: int, pages: list[int], k: torch.Tensor
+) -> _MirrorStaged:
+    """A request through the vLLM sender as the engine drives a mirrored one: each chunk's
+    slots asked as it is planned, its K/V written into the pool and the staging blocks by
+    ``KVCache.write`` (the forward's share, ``kv_mirror.timed_write``: ``k`` stands in for
+    every layer's K and V), its pages then handed over."""
+    kv, mirror, chunk_pages = case.kv, case.mirror, case.chunk_pages
+    ps, tokens = kv.layout.page_size, len(pages) * kv.layout.page_size
+    backend.desk.tickets.open(room)
+    sender = backend.create_sender(room, f"bench-mirror-{room}", tokens)
+    sender.poll()
+    repacks, writes = backend.desk.counts.repacks, []
+    page_ids = torch.tensor(pages)
+    start_s = 0.0
+    for first in range(0, len(pages), chunk_pages):
+        start, end = first * ps, min((first + chunk_pages) * ps, tokens)
+        mirror_slots = torch.tensor(sender.mirror_slots(start, end))
+        positions = torch.arange(start, end)
+        slots = page_ids[positions // ps] * ps + positions % ps
+        chunk = k[: end - start]
+        writes.append(timed_write(kv, mirror, slots, mirror_slots, chunk, chunk))
+        start_s = time.perf_counter()
+        sender.send_pages(pages[first : first + chunk_pages], first)
+    params = _answer(backend, sender, room)
+    answer_s = time.perf_counter() - start_s
+    num_repacks = backend.desk.counts.repacks - repacks
+    return _MirrorStaged(params, sender.written_bytes(), writes, answer_s, num_repacks)
 
 
 class _CopyReference:

@@ -35,6 +35,9 @@ class ChunkPlan:
     # give the logprob of the prompt token after them, logprob_token_ids[i] for the i-th.
     logprob_from: int = 0
     logprob_token_ids: Sequence[int] = ()
+    # Where the forward also writes each token's K/V, beside its page (the sender's own
+    # destination: ``transfer.base.MirroringSender``); () or one slot per token.
+    mirror_slots: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:

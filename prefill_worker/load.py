@@ -1,7 +1,8 @@
 """The worker's load, as the engine publishes it and the ingress, the HTTP front and the
 metrics read it.
 
-``LoadSnapshot`` is immutable and swapped whole at the end of an engine turn, so any thread
+``LoadSnapshot`` is immutable and swapped whole at the end of an engine turn (and after
+planning, while a forward is in flight), so any thread
 may read the latest one (the ingress ``pong``, ``/readyz``, the HTTP front's ``/v1/loads``)
 without a lock.
 ``LoadSource`` is how a reader is handed it: a callable returning the latest snapshot
@@ -120,7 +121,7 @@ def ttft_slo_refusal(costs: CostSignals, num_tokens: int, slo_s: float | None) -
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """Requests per live state and KV pages, as of the end of one engine turn."""
+    """Requests per live state and KV pages, as the engine last published them."""
 
     num_bootstrapping: int = 0
     num_waiting: int = 0

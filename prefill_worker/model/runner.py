@@ -5,13 +5,15 @@ pool row is ``page_ids[pos // page_size] * page_size + pos % page_size``; the at
 backend is planned once per batch. Logits are computed only for the last token of chunks
 whose ``sampling`` is set, i.e. the chunks that end their prompt, and prompt logprobs only for
 the positions a chunk names (``logprob_from``, ``logprob_token_ids``): a batch where no chunk
-asks builds nothing for them.
+asks builds nothing for them. The tokens of chunks with ``mirror_slots`` are also written to
+the KV cache's mirror, at those slots, by the same forward (``KVCache.mirroring``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,9 +27,17 @@ from prefill_worker.batch import (
 )
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
 from prefill_worker.model.deepseek import DeepseekV3LM
-from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.kv_cache import KVCache, MirrorTargets
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
 from prefill_worker.model.sampling import sample
+
+
+class Packed(NamedTuple):
+    """A plan as the forward takes it: its tensors, its attention batch, its mirrored rows."""
+
+    inputs: ForwardInputs
+    batch: AttentionBatch
+    mirror: MirrorTargets | None  # None: no chunk is mirrored
 
 
 class Runner:
@@ -69,11 +79,12 @@ class Runner:
         """Run the forward (K/V into pages): the sampled chunks' logits and the prompt
         logprobs the chunks asked for."""
         with torch.inference_mode():
-            inputs, batch = self.pack(plan)
-            self.attention.plan(batch)
-            return self.model.forward(inputs, self.kv_cache, self.attention)
+            packed = self.pack(plan)
+            self.attention.plan(packed.batch)
+            with self.kv_cache.mirroring(packed.mirror):
+                return self.model.forward(packed.inputs, self.kv_cache, self.attention)
 
-    def pack(self, plan: BatchPlan) -> tuple[ForwardInputs, AttentionBatch]:
+    def pack(self, plan: BatchPlan) -> Packed:
         spans, ids, positions, slots, rows = [], [], [], [], []
         offset = 0
         for chunk in plan.chunks:
@@ -103,7 +114,25 @@ class Runner:
                 logprob_rows=_to(logprob_rows, device),
                 logprob_token_ids=_to(logprob_ids, device),
             )
-        return inputs, AttentionBatch(tuple(spans), self.page_size, offset)
+        batch = AttentionBatch(tuple(spans), self.page_size, offset)
+        return Packed(inputs, batch, self._mirror_targets(plan, spans))
+
+    def _mirror_targets(self, plan: BatchPlan, spans: list[ChunkSpan]) -> MirrorTargets | None:
+        """The packed rows of the mirrored chunks and their mirror slots (rows None: all)."""
+        rows, slots = [], []
+        for chunk, span in zip(plan.chunks, spans, strict=True):
+            if not chunk.mirror_slots:
+                continue
+            if len(chunk.mirror_slots) != chunk.num_tokens:
+                raise ValueError(f"chunk of {chunk.request_id}: one mirror slot per token needed")
+            rows.append(np.arange(span.q_start, span.q_end, dtype=np.int64))
+            slots.append(np.asarray(chunk.mirror_slots, dtype=np.int64))
+        if not rows:
+            return None
+        device, all_rows = self.kv_cache.device, np.concatenate(rows)
+        is_all = len(all_rows) == spans[-1].q_end
+        packed_rows = None if is_all else _to(all_rows, device)
+        return MirrorTargets(packed_rows, _to(np.concatenate(slots), device))
 
     def _logprob_rows(
         self, plan: BatchPlan, spans: list[ChunkSpan]

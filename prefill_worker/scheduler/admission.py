@@ -10,12 +10,14 @@ shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``
 pages are evicted only when the pages the request needs are not free otherwise. A request
 asking for prompt logprobs takes no more of a hit than its logprob start (those positions'
 logits are needed), and each of its chunks names the prompt tokens its positions score.
+A chunk whose sender can take its K/V straight from the forward (``MirroringSender``, asked
+as the chunk is planned) carries that sender's slots (``ChunkPlan.mirror_slots``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
@@ -26,6 +28,7 @@ from prefill_worker.request import RequestState
 from prefill_worker.scheduler.chunking import chunk_end, logprob_positions
 from prefill_worker.scheduler.queues import RequestQueues
 from prefill_worker.scheduler.tracked import Request
+from prefill_worker.transfer.base import MirroringSender
 
 OnLookup = Callable[[int, int], None]  # (num_query_tokens, num_hit_tokens), once per admission
 MakeRoom = Callable[[], bool]  # frees pages and an aux row if it can (a held prefill yields)
@@ -118,7 +121,10 @@ class Admission:
         req.num_scheduled_tokens = end
         sampling = req.sampling if end == num_tokens else None
         tokens = req.token_ids[start:end]
-        chunk = ChunkPlan(req.request_id, tokens, start, end, req.page_ids, sampling)
+        mirror = _mirror_slots(req, start, end)
+        chunk = ChunkPlan(
+            req.request_id, tokens, start, end, req.page_ids, sampling, mirror_slots=mirror
+        )
         scored = logprob_positions(req.prompt_logprob_start, start, end, num_tokens)
         if not scored:
             return chunk
@@ -158,3 +164,10 @@ class Admission:
         req.num_scheduled_tokens = hit.num_tokens
         self._queues.move(req, RequestState.PREFILLING)
         return True
+
+
+def _mirror_slots(req: Request, start: int, end: int) -> Sequence[int]:
+    """Where the forward also writes positions [start, end): the sender's say (it knows
+    whether it has a destination yet), () for a sender that never mirrors."""
+    sender = req.sender
+    return sender.mirror_slots(start, end) if isinstance(sender, MirroringSender) else ()

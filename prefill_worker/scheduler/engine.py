@@ -134,6 +134,8 @@ class Engine:
         self._life.poll_senders()
         self._life.expire()
         batch = self._admission.next_batch()
+        if self._running is not None:
+            self._publish()  # before collect waits out the forward in flight (below)
         done = self._collect()
         if batch is not None:
             self._launch(batch)

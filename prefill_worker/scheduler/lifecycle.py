@@ -12,7 +12,8 @@ requests that a running forward may still write. The engine's loop calls it each
 
 Every request ends through ``finish``: sender failed (if need be) and closed, pages and aux
 row freed (those a running forward still writes by ``release_deferred`` when it is
-collected), one ``Outcome`` counted, observed and handed to the sink.
+collected, and so is the close of a sender whose destination that forward writes: a
+``MirroringSender``), one ``Outcome`` counted, observed and handed to the sink.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from prefill_worker.scheduler.observer import EngineObserver, OutcomeSink
 from prefill_worker.scheduler.options import EngineLimits
 from prefill_worker.scheduler.queues import RequestQueues
 from prefill_worker.scheduler.tracked import Request
-from prefill_worker.transfer.base import KVPoll, TransferBackend
+from prefill_worker.transfer.base import KVPoll, KVSender, MirroringSender, TransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class RequestLifecycle:
         self.transfer_timeout_s = limits.transfer_timeout_s
         self._poll_budget = limits.poll_budget
         self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
+        self._unclosed: list[KVSender] = []  # their senders whose destination it may write
         self.handoff = Handoff(self.queues, table, aux, self.deadlines, clock, limits)
         self.outcome_counts: Counter[FinishReason] = Counter()
 
@@ -224,7 +226,11 @@ class RequestLifecycle:
             self.handoff.chunk_done(req, chunk.start // self.page_size, token)
 
     def release_deferred(self) -> None:
-        """Free the pages of requests that ended while a forward read them (it was collected)."""
+        """Close the senders and free the pages of requests that ended while a forward used
+        them (it was collected)."""
+        for sender in self._unclosed:
+            sender.close()
+        self._unclosed.clear()
         for page_ids in self._deferred:
             self._table.free_detached(page_ids)
         self._deferred.clear()
@@ -253,7 +259,10 @@ class RequestLifecycle:
         assert req.sender is not None
         if reason not in (FinishReason.OK, FinishReason.ABORTED_BY_DECODE):
             req.sender.fail(error or reason.value)
-        req.sender.close()  # only now may pages and the aux row be reused
+        if req.is_in_forward and isinstance(req.sender, MirroringSender):
+            self._unclosed.append(req.sender)  # the forward may write its slots: closed after
+        else:
+            req.sender.close()  # only now may pages and the aux row be reused
         req.finish_time = self._clock()
         self.queues.move(req, end_state(reason))
         if req.aux_row is not None:

@@ -26,7 +26,7 @@ class EngineLimits:
     transfer_timeout_s: float  # from the last chunk's forward to every KV byte landed
     poll_budget: int = 32  # bootstrap/waiting senders polled per turn
     max_messages_per_turn: int = 256  # inbox messages taken per turn
-    optimistic_prefill: bool = False  # prefill before the decode's want (``handoff``)
+    optimistic_prefill: bool = True  # prefill before the decode's want (``handoff``)
     optimistic_attempts: int = 2  # admissions before the want, then it waits as before
     optimistic_hold_s: float = 1.0  # a finished prefill waits this long for its want
 

@@ -45,6 +45,7 @@ from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
     StartupError,
+    attach_kv_mirror,
     load_model,
     make_engine,
     make_pools,
@@ -157,6 +158,7 @@ class Daemon:
                 cfg, regions, self.metrics, self.inbox.wake, self.health.is_live
             )
         self._closers.append(("transfer", transfer.backend.close))
+        attach_kv_mirror(transfer, kv_cache)
         backend: TransferBackend = transfer.backend
         layout = kv_cache.layout
         if self._group is not None:  # every sender mirrored to the followers, states agreed

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker import __version__
@@ -33,6 +34,7 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.kv_cache import TORCH_DTYPES, KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
@@ -217,6 +219,7 @@ def start_transfer(
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
         backends: dict[str, TransferBackend] = {}
         tickets = None
+        mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks)
@@ -227,11 +230,22 @@ def start_transfer(
                 vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk))
+                mirror_layers = vllm.mirror_layers
         except BaseException:
             for backend in backends.values():
                 backend.close()
             raise
-        return serve_protocols(backends, tickets)
+        return serve_protocols(backends, tickets, mirror_layers)
+
+
+def attach_kv_mirror(transfer: Transfer, kv_cache: KVCache) -> None:
+    """vLLM's staging region as the pool's mirror, when vLLM decodes are served: the forward
+    writes the staging blocks of the chunks their senders mirror (docs/vllm.md, "Layout")."""
+    if not transfer.mirror_layers:
+        return
+    with startup_step("kv mirror", (ValueError,)):
+        dtype = TORCH_DTYPES[kv_cache.layout.dtype]
+        kv_cache.attach_mirror(KVMirror(transfer.mirror_layers, dtype))
 
 
 def _limits(config: Config) -> BootstrapLimits:

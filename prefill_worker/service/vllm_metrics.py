@@ -1,6 +1,7 @@
 """The vLLM pull path's metrics, read at scrape time from the desk that keeps them (engine
 thread; reading a few ints from the scrape thread is safe): holds ended by reads or by their
-lease, notifications ignored, heartbeats, and the staging blocks in use (docs/metrics.md)."""
+lease, notifications ignored, heartbeats, tokens staged by the forward or by a repack, and
+the staging blocks in use (docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ class VllmPullCollector(Collector):
             "heartbeat notifications from vLLM decodes",
             value=counts.heartbeats,
         )
+        staged = CounterMetricFamily(
+            "prefill_worker_vllm_staged_tokens",
+            "prompt tokens staged for vLLM decodes, by who wrote them into the blocks",
+            labels=["how"],
+        )
+        staged.add_metric(["mirror"], self._desk.counts.mirrored_tokens)
+        staged.add_metric(["repack"], self._desk.counts.repacked_tokens)
+        yield staged
         total = staging.layout.num_blocks
         yield GaugeMetricFamily(
             "prefill_worker_vllm_staging_blocks_used",

@@ -13,13 +13,17 @@ Torch-, ZMQ- and NIXL-free, so the scheduler is tested with fakes. The life of a
 
 Pages and the aux row may be freed only after ``close()`` has returned. The engine sleeps
 between turns in ``TransferBackend.wait``, never in a sender.
+
+A sender may also be a ``MirroringSender``: one whose destination the forward itself can
+write (vLLM's staging blocks), so a chunk the scheduler plans with its ``mirror_slots`` needs
+no copy when its pages are sent.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class KVPoll(enum.Enum):
@@ -78,6 +82,19 @@ class KVSender(Protocol):
     def close(self) -> None:
         """Release everything without waiting: writes in flight are cancelled. (A handle the
         transport refuses to release is the backend's to reap; it disconnects the peer.)"""
+        ...
+
+
+@runtime_checkable
+class MirroringSender(Protocol):
+    """A sender whose destination the forward can write as it writes the pool's pages."""
+
+    def mirror_slots(self, start: int, end: int) -> Sequence[int]:
+        """Destination slots for prompt positions [start, end) (one per position), which the
+        forward of the chunk being planned then writes; () when the sender cannot take them
+        (no destination yet: not READY, or another protocol's room). The sender counts them
+        as written once their pages are sent (``send_pages``, after that forward), and is
+        closed only after that forward is collected, so it frees no slot the forward writes."""
         ...
 
 

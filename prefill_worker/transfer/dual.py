@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+from prefill_worker.transfer.base import KVPoll, KVSender, MirroringSender, TransferBackend
 from prefill_worker.transfer.group import DropsPeers
 
 _UNBOUND = (KVPoll.BOOTSTRAPPING,)
@@ -37,6 +37,11 @@ class DualSender:
 
     def num_cached_tokens(self) -> int:
         return 0 if self._chosen is None else self._chosen.num_cached_tokens()
+
+    def mirror_slots(self, start: int, end: int) -> Sequence[int]:
+        """The chosen protocol's, when its sender mirrors (``MirroringSender``); else ()."""
+        chosen = self._chosen
+        return chosen.mirror_slots(start, end) if isinstance(chosen, MirroringSender) else ()
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         assert self._chosen is not None, "send_pages before READY"

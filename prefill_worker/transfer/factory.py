@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.dual import DualBackend
@@ -30,11 +32,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """The backend the engine drives, and what it bound (for ``/readyz`` and the ready file);
-    ``tickets`` when vLLM decodes are served (the HTTP front opens them)."""
+    ``tickets`` when vLLM decodes are served (the HTTP front opens them), and then
+    ``mirror_layers``: the staging region the forward writes (``VllmBackend.mirror_layers``)."""
 
     backend: TransferBackend
     endpoints: Mapping[str, str]
     tickets: Tickets | None = None
+    mirror_layers: tuple[np.ndarray, ...] = ()
 
 
 def make_backend(
@@ -72,13 +76,15 @@ def make_vllm_backend(
 
 
 def serve_protocols(
-    backends: Mapping[str, TransferBackend], tickets: Tickets | None = None
+    backends: Mapping[str, TransferBackend],
+    tickets: Tickets | None = None,
+    mirror_layers: tuple[np.ndarray, ...] = (),
 ) -> Transfer:
     """The backend for the protocols asked for, by name in serving order: one of them, or
     all behind ``DualBackend`` (the first one's ``wait`` is where the engine sleeps)."""
     assert backends, "at least one protocol is served"
     if len(backends) == 1:
         (backend,) = backends.values()
-        return Transfer(backend, backend.endpoints, tickets)
+        return Transfer(backend, backend.endpoints, tickets, mirror_layers)
     dual = DualBackend(backends)
-    return Transfer(dual, dual.endpoints, tickets)
+    return Transfer(dual, dual.endpoints, tickets, mirror_layers)

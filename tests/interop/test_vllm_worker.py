@@ -3,7 +3,9 @@
 worker what vLLM's proxy sends, carries the answer's ``kv_transfer_params`` to the decode
 process, and vLLM pulls transformers' K/V (fp32, 1e-4) for prompts around its 32-token block
 over the worker's 4-token pages, with no load errors, byte-exact against the worker's own
-pool (dumped on SIGUSR2 by ``testing.tp_ranks --dump-on-signal``); a full local prefix hit
+pool (dumped on SIGUSR2 by ``testing.tp_ranks --dump-on-signal``), every token staged by the
+forward (the KV mirror); a prompt that hits the worker's prefix cache mid-block (the hit
+repacked, the rest mirrored into the same block) pulled exactly too; a full local prefix hit
 only notifies; a request that waits in vLLM's queue heartbeats its hold past the worker's
 lease; a worker of another model (head size 16, not the decode's 32) is refused by vLLM's
 hash check (a load error on the decode; on the worker the hold ends at its lease, counted,
@@ -104,6 +106,27 @@ def _metric(worker: Worker, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
+def _assert_transformers_kv(pulled: Any, hf_kv: Any, n: int) -> list[torch.Tensor]:
+    """vLLM's blocks hold transformers' K‖V of the ``n`` prompt tokens (fp32, 1e-4); each
+    layer's tokens as ``[n, heads, 2 * dim]``."""
+    layers = []
+    for layer, (k_ref, v_ref) in enumerate(hf_kv):
+        raw = pulled[f"model.layers.{layer}.self_attn.attn"]  # [blocks, H, 32, 2D] bytes
+        kv = torch.from_numpy(np.ascontiguousarray(raw).view(np.float32))
+        heads, dim = k_ref.shape[1], k_ref.shape[2]
+        tokens = kv.transpose(1, 2).reshape(-1, heads, 2 * dim)[:n]
+        torch.testing.assert_close(tokens[..., :dim], k_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(tokens[..., dim:], v_ref, atol=1e-4, rtol=0)
+        layers.append(tokens)
+    return layers
+
+
+def _staged(worker: Worker) -> tuple[float, float]:
+    """Prompt tokens staged so far: by the forward (the KV mirror), by a repack."""
+    name = "prefill_worker_vllm_staged_tokens_total"
+    return _metric(worker, name, '{how="mirror"}'), _metric(worker, name, '{how="repack"}')
+
+
 def _pool(worker: Worker) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The worker's whole pool now, per layer ``[pages, page_size * heads * dim]`` bytes."""
     dump = worker.child.log_path.parent / "rank0.pt"  # _start's dump dir
@@ -140,6 +163,7 @@ def test_vllm_pulls_transformers_kv_from_the_worker(
     served: tuple[Worker, str, Path], decode: VllmDecodeProcess, tmp_path: Path
 ) -> None:
     worker, api, checkpoint = served
+    staged = _staged(worker)
     for n in (1, 31, 32, 33, 300):
         ids = prompt(n, seed=n)
         params = _prefill(api, ids)
@@ -151,15 +175,32 @@ def test_vllm_pulls_transformers_kv_from_the_worker(
         pulled = decode.blocks(f"dec-{n}", tmp_path / f"{n}.npz")
         pool_k, pool_v = _pool(worker)  # before the next prompt may reuse its pages
         _, hf_kv = hf_reference(checkpoint, ids)
-        for layer, (k_ref, v_ref) in enumerate(hf_kv):
-            raw = pulled[f"model.layers.{layer}.self_attn.attn"]  # [blocks, H, 32, 2D] bytes
-            kv = torch.from_numpy(np.ascontiguousarray(raw).view(np.float32))
-            heads, dim = k_ref.shape[1], k_ref.shape[2]
-            tokens = kv.transpose(1, 2).reshape(-1, heads, 2 * dim)[:n]
-            torch.testing.assert_close(tokens[..., :dim], k_ref, atol=1e-4, rtol=0)
-            torch.testing.assert_close(tokens[..., dim:], v_ref, atol=1e-4, rtol=0)
+        for layer, tokens in enumerate(_assert_transformers_kv(pulled, hf_kv, n)):
+            dim = tokens.shape[-1] // 2
             assert _in_pool(pool_k[layer], tokens[..., :dim], PAGE), f"K {n} layer {layer}"
             assert _in_pool(pool_v[layer], tokens[..., dim:], PAGE), f"V {n} layer {layer}"
+        assert _staged(worker) == (staged[0] + n, staged[1])  # the forward wrote every token
+        staged = _staged(worker)
+    _staging_whole(worker)
+
+
+def test_a_worker_prefix_hit_is_repacked_and_the_rest_mirrored(
+    served: tuple[Worker, str, Path], decode: VllmDecodeProcess, tmp_path: Path
+) -> None:
+    """100 cached tokens (three blocks and 4 tokens of the fourth) come from the repack, the
+    40 computed ones from the forward, the fourth block from both: vLLM reads them exactly."""
+    worker, api, checkpoint = served
+    base = prompt(200, seed=21)
+    first = _prefill(api, base)
+    decode.call("pull", request_id="dec-base", params=first, num_local=0)  # releases it
+    assert decode.call("wait", request_id="dec-base", deadline_s=30)["load_errors"] == []
+    ids = base[:100] + prompt(40, seed=22)
+    before = _staged(worker)
+    outcome = decode.pull_and_wait("dec-hit-100", _prefill(api, ids))
+    assert outcome["finished"] and outcome["load_errors"] == [], outcome
+    assert _staged(worker) == (before[0] + 40, before[1] + 100)
+    pulled = decode.blocks("dec-hit-100", tmp_path / "hit.npz")
+    _assert_transformers_kv(pulled, hf_reference(checkpoint, ids)[1], len(ids))
     _staging_whole(worker)
 
 

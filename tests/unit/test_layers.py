@@ -19,6 +19,9 @@ GRAPH = import_graph.build(Path(prefill_worker.__file__).parent, PACKAGE)
 # (importer, what it must never reach, directly or through other modules): packages, each
 # standing for itself and its submodules.
 INGRESS_RULES = (("prefill_worker.ingress", "prefill_worker.scheduler"),)
+# The model writes what a transfer reads (its pool, and the mirror a protocol hands it at
+# start-up) without knowing any protocol.
+MODEL_RULES = (("prefill_worker.model", "prefill_worker.transfer"),)
 TRANSFER_RULES = (
     ("prefill_worker.transfer.sglang", "prefill_worker.transfer.native"),
     ("prefill_worker.transfer.native", "prefill_worker.transfer.sglang"),
@@ -38,6 +41,10 @@ def test_no_import_cycle() -> None:
 
 def test_the_ingress_imports_nothing_of_the_scheduler() -> None:
     _check_rules(INGRESS_RULES)
+
+
+def test_the_model_imports_nothing_of_the_transfer() -> None:
+    _check_rules(MODEL_RULES)
 
 
 def test_the_transfer_layers() -> None:

@@ -109,7 +109,7 @@ class SchedulerConfig(Section):
         True, description="Run forward N while the CPU schedules N+1 (CUDA stream or thread)."
     )
     optimistic_prefill: bool = Field(
-        False,
+        True,
         description="Prefill a request before its decode claims the room; its pages are pushed "
         "when the claim comes (docs/architecture.md, optimistic prefill).",
     )

@@ -134,7 +134,8 @@ class TransferConfig(Section):
         32,
         ge=1,
         description="The vLLM decodes' block size (`--block-size`; a multiple of 32 on vLLM's "
-        "CPU backend). Independent of cache.page_size: the KV is repacked (docs/vllm.md).",
+        "CPU backend). Independent of cache.page_size: the forward writes the KV into staging "
+        "blocks of this size beside its pages (docs/vllm.md).",
     )
     vllm_staging_blocks: int = Field(
         256,

@@ -137,6 +137,14 @@ class VllmBackend:
         self.bootstrap_endpoint = f"tcp://{host}:{self._channel.port}"
         self.endpoints: Mapping[str, str] = {"vllm_side_channel": self.bootstrap_endpoint}
 
+    @property
+    def mirror_layers(self) -> tuple[np.ndarray, ...]:
+        """The staging region per layer, ``[num_blocks, heads, block_size, 2 * head_dim]`` (the
+        pool's itemsize): what the runner's KV mirror is built over, so that the forward writes
+        the blocks of the chunks the senders mirror (``sender.mirror_slots``)."""
+        staging = self.desk.staging
+        return tuple(staging.layer_view(i) for i in range(staging.layout.num_layers))
+
     # -- the TransferBackend seam -------------------------------------------------------
 
     def create_sender(

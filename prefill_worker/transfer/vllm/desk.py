@@ -2,10 +2,13 @@
 request's answer carries. NIXL-free (the backend feeds it notifications and the clock), so
 every path that frees a block is tested without a decode.
 
-The repack of each chunk runs on ``repacker`` (one thread in production), not on the engine
-thread: it overlaps the next chunk's forward as a push does, and numpy's copies release the
-GIL. A sender completes its ticket (which is what sends the HTTP answer, hence the decode's
-READ) only once every repack it began is done, so a READ never finds a block unfilled.
+Most of a request's tokens reach its blocks from the forward itself (the runner's mirror of
+the pool, ``staging.block_slots``); the tokens no forward wrote there (prefix-cache hits,
+chunks computed before the claim) are repacked from the pool on ``repacker`` (one thread in
+production), not on the engine thread: a repack overlaps the next chunk's forward as a push
+does, and numpy's copies release the GIL. A sender completes its ticket (which is what sends
+the HTTP answer, hence the decode's READ) only once every repack it began is done, so a READ
+never finds a block unfilled. ``counts`` says how many tokens went each way.
 
 Every staging block is in exactly one place: free in the pool, owned by a sender (until its
 ``send_aux`` or ``close``), held (until its readers are done or its lease ends), or waiting
@@ -62,6 +65,15 @@ def pull_params(
     }
 
 
+@dataclass(slots=True)
+class StageCounts:
+    """Tokens staged so far, by who wrote them (engine thread; scrapes read the ints)."""
+
+    mirrored_tokens: int = 0  # by the forward, into the blocks
+    repacked_tokens: int = 0  # copied from the pool on the repack thread
+    repacks: int = 0  # repacks begun (one per run of tokens no forward wrote)
+
+
 class PullDesk:
     """Stages, holds and frees; ``identity`` is set once the side channel is bound."""
 
@@ -80,6 +92,8 @@ class PullDesk:
         self.identity = PullIdentity("", "", 0, 0)
         self._id_prefix = uuid.uuid4().hex[:8]  # a restarted worker never matches old ids
         self._num_holds = 0
+        self.page_size = pool.page_size
+        self.counts = StageCounts()
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
@@ -93,13 +107,21 @@ class PullDesk:
         )
 
     def begin_stage(
-        self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], num_tokens: int
+        self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], tokens: range
     ) -> Future[int]:
-        """The repack of one chunk, queued behind the ones before it; its bytes when done."""
-        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, num_tokens)
+        """The repack of prompt positions ``tokens`` (within the prompt pages ``page_ids``
+        hold, from ``first_page``), queued behind the ones before it; its bytes when done."""
+        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, tokens)
         future = self._repacker.submit(repack, *args)
         self._repacks.append(future)
+        self.counts.repacks += 1
+        self.counts.repacked_tokens += len(tokens)
         return future
+
+    def note_mirrored(self, num_tokens: int) -> int:
+        """``num_tokens`` the forward wrote into a request's blocks were sent; their bytes."""
+        self.counts.mirrored_tokens += num_tokens
+        return num_tokens * self.staging.layout.token_bytes
 
     def has_repacks(self) -> bool:
         """Whether a repack is queued or running (the engine should poll soon)."""

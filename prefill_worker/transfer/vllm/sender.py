@@ -4,15 +4,22 @@ The life of a sender (``transfer.base`` names the states)::
 
     no ticket for the room           BOOTSTRAPPING  (not a vLLM request: another protocol's)
     ticket, staging blocks allocated READY          (num_cached_tokens 0: vLLM says nothing)
-    send_pages × n                   TRANSFERRING   (each call begins a repack into the blocks)
+    mirror_slots × n (READY on)                     (those chunks' forwards write the blocks)
+    send_pages × n                   TRANSFERRING   (a repack of what no forward wrote)
     send_aux, then every repack done SUCCESS        (blocks held under a lease; ticket done)
     no staging blocks free           FAILED         (the reason says how many were wanted)
 
-The repacks run off the engine thread (``desk``); ``poll`` completes the ticket, and with it
-the HTTP answer that lets a decode READ, only when all of them are done. Until then the
-sender owns its staging blocks and ``close`` frees them, after waiting for a repack still
-writing into them; from then the hold table does. The aux row is not sent: the first token
-reaches vLLM's proxy in the HTTP answer, and the decode computes from the prompt it is given.
+A chunk planned once the blocks are taken is mirrored: the scheduler asks ``mirror_slots``
+and the forward writes the chunk's K/V into the blocks beside its pages, so its
+``send_pages`` (after that forward) queues nothing. The positions of sent pages that no
+forward mirrored (a prefix-cache hit, chunks computed before the claim) are repacked off the
+engine thread (``desk``); ``poll`` completes the ticket, and with it the HTTP answer that
+lets a decode READ, only when all of them are done: a fully mirrored request answers right
+after its last forward. Until then the sender owns its staging blocks and ``close`` frees
+them, after waiting for a repack still writing into them (the engine closes a sender whose
+chunk is in a forward only once that forward is collected); from then the hold table does.
+The aux row is not sent: the first token reaches vLLM's proxy in the HTTP answer, and the
+decode computes from the prompt it is given.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from concurrent.futures import Future, wait
 
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
+from prefill_worker.transfer.vllm.staging import block_slots
 
 
 class VllmSender:
@@ -33,6 +41,8 @@ class VllmSender:
         self._blocks: tuple[int, ...] | None = None  # owned until held or closed
         self._reason: str | None = None
         self._written = 0
+        self._mirrored: list[range] = []  # prompt positions the forward writes into the blocks
+        self._mirrored_bytes = 0  # of those, in pages sent
         self._repacks: list[Future[int]] = []
         self._is_aux_sent = False
 
@@ -46,11 +56,22 @@ class VllmSender:
     def num_cached_tokens(self) -> int:
         return 0
 
+    def mirror_slots(self, start: int, end: int) -> Sequence[int]:
+        """The staging rows of positions [start, end) once the blocks are this request's."""
+        if self._blocks is None or self._state.is_terminal:
+            return ()
+        self._mirrored.append(range(start, end))
+        return block_slots(self._blocks, self._desk.staging.layout.block_size, start, end)
+
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         assert self._blocks is not None, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
-        blocks, num_tokens = self._blocks, self._num_tokens
-        self._repacks.append(self._desk.begin_stage(page_ids, first_page, blocks, num_tokens))
+        ps = self._desk.page_size
+        sent = range(first_page * ps, min((first_page + len(page_ids)) * ps, self._num_tokens))
+        gaps = _not_in(sent, self._mirrored)
+        for tokens in gaps:
+            self._repacks.append(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
+        self._mirrored_bytes += self._desk.note_mirrored(len(sent) - sum(map(len, gaps)))
 
     def send_aux(self, aux_row: int) -> None:
         assert self._blocks is not None, "send_aux before READY"
@@ -61,7 +82,7 @@ class VllmSender:
         """Once every repack is done: hold the blocks and complete the ticket."""
         if not all(f.done() for f in self._repacks):
             return
-        self._written = sum(f.result() for f in self._repacks)
+        self._written = self._mirrored_bytes + sum(f.result() for f in self._repacks)
         blocks, self._blocks = self._blocks, None
         assert blocks is not None, "held twice"
         if self._desk.hold(self._room, blocks, self._num_tokens):
@@ -96,3 +117,18 @@ class VllmSender:
             self.fail(self._desk.why_full(self._num_tokens))
         else:
             self._blocks, self._state = blocks, KVPoll.READY
+
+
+def _not_in(tokens: range, covered: Sequence[range]) -> list[range]:
+    """The runs of ``tokens`` that no range of ``covered`` contains, in order."""
+    gaps, at = [], tokens.start
+    for span in sorted(covered, key=lambda r: r.start):
+        low, high = max(span.start, tokens.start), min(span.stop, tokens.stop)
+        if low >= high:
+            continue
+        if low > at:
+            gaps.append(range(at, low))
+        at = max(at, high)
+    if at < tokens.stop:
+        gaps.append(range(at, tokens.stop))
+    return gaps

@@ -1,10 +1,14 @@
 """The staging region vLLM decodes READ: blocks in vLLM's ``LBHNC`` layout, and the repack
-that fills them from this worker's pool.
+that fills them from this worker's pool where the forward did not.
 
 vLLM 0.33 reads, per layer, ``[num_blocks, kv_heads, block_size, 2 * head_dim]``: K and V
 side by side per (head, token), one contiguous run per block per layer. This worker's pools
-keep K and V apart (``kv.layout``), so each request's KV is copied into blocks of a staging
-region registered once with NIXL (docs/vllm.md, "Layout": why a repack and what it costs)::
+keep K and V apart (``kv.layout``), so each request's KV goes into blocks of a staging region
+registered once with NIXL: written by the forward itself, as a mirror of the pool
+(``layer_view`` is what the runner's ``KVMirror`` is built over; ``block_slots`` the rows a
+chunk's tokens go to), or, for tokens no forward of this request wrote after its blocks were
+taken (prefix-cache hits, chunks computed before the claim), copied from the pool by
+``repack`` (docs/vllm.md, "Layout": the mirror, the repack and what each costs)::
 
     our page p, slot s  (token t = page index * page_size + s)
       K[l][p, s, h, :]  ─▶  staging[l][block_ids[t // block_size], h, t % block_size, :D]
@@ -55,6 +59,11 @@ class StagingLayout:
     @property
     def region_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """One token's K‖V over every layer: what staging it moves."""
+        return self.num_layers * self.num_kv_heads * 2 * self.head_dim * self.itemsize
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -174,22 +183,33 @@ def _row_type(num_bytes: int) -> np.dtype[np.void]:
     return np.dtype(f"V{num_bytes}")
 
 
+def block_slots(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The staging rows (``block * block_size + offset``) of prompt positions [start, end),
+    given the request's blocks: where a mirrored forward writes them."""
+    positions = np.arange(start, end, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)[positions // block_size]
+    slots: list[int] = (blocks * block_size + positions % block_size).tolist()
+    return slots
+
+
 def repack(
     pool: PoolViews,
     staging: StagingPool,
     page_ids: Sequence[int],
     first_page: int,
     block_ids: Sequence[int],
-    num_tokens: int,
+    tokens: range,
 ) -> int:
-    """Copy the tokens of prompt pages [first_page, first_page + len(page_ids)) (held in our
-    pages ``page_ids``) into the request's staging ``block_ids``; returns the bytes copied.
+    """Copy prompt positions ``tokens`` (within prompt pages [first_page, first_page +
+    len(page_ids)), held in our pages ``page_ids``) into the request's staging ``block_ids``;
+    returns the bytes copied.
 
     One pass, no gather: the tokens are cut where a page or a block ends, and each piece (at
     most ``min(page_size, block_size)`` tokens of one page and one block) is one strided copy
     for every layer and both planes (or one per layer and plane, ``PoolViews``)."""
-    ps, bs, lay = pool.page_size, staging.layout.block_size, staging.layout
-    start, stop = first_page * ps, min((first_page + len(page_ids)) * ps, num_tokens)
+    ps, bs = pool.page_size, staging.layout.block_size
+    start, stop = tokens.start, tokens.stop
+    assert first_page * ps <= start and stop <= (first_page + len(page_ids)) * ps, tokens
     if stop <= start:
         return 0
     dst = staging.all_rows()
@@ -197,7 +217,7 @@ def repack(
         page, block = page_ids[t0 // ps - first_page], block_ids[t0 // bs]
         src_slots, dst_slots = slice(t0 % ps, t0 % ps + t1 - t0), slice(t0 % bs, t0 % bs + t1 - t0)
         _copy_piece(pool, dst[:, block, :, dst_slots], page, src_slots)
-    return (stop - start) * lay.num_layers * lay.num_kv_heads * 2 * lay.head_dim * lay.itemsize
+    return (stop - start) * staging.layout.token_bytes
 
 
 def _pieces(start: int, stop: int, page_size: int, block_size: int) -> list[tuple[int, int]]:

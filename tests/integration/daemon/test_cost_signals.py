@@ -32,8 +32,13 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
     1 µs, so any) is refused on both fronts and counted as ``ttft_slo``."""
     port = free_port()
     # Request 7001 waits for its decode while the test reads the queue: 60 s (tiny-test's 5 s)
-    # so that no slow step of the test lets its bootstrap timeout end it first.
-    settings = ("admission.ttft_slo_s=0.000001", "scheduler.bootstrap_timeout_s=60")
+    # so that no slow step of the test lets its bootstrap timeout end it first, and not
+    # prefilled before its want (optimistic prefill off) so that its tokens stay queued.
+    settings = (
+        "admission.ttft_slo_s=0.000001",
+        "scheduler.bootstrap_timeout_s=60",
+        "scheduler.optimistic_prefill=false",
+    )
     worker = worker_factory(*api_settings(port, *settings))
     api, decode = Api(port), Decode(worker.bootstrap)
     router = router_factory(worker.ingress)

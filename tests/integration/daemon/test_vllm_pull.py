@@ -4,7 +4,8 @@ carries the answer's ``kv_transfer_params`` to a vLLM-shaped decode (tests/integ
 decode.py: the side channel's handshake, then NIXL READs with vLLM's notifications), which
 gets transformers' K/V for every prompt length around vLLM's 32-token block over 4-token
 pages; a decode that never reads frees its blocks at the lease, a heartbeat keeps a hold past
-it, and the staging region is whole at the end (its metrics say so).
+it, and the staging region is whole at the end (its metrics say so). Every prompt here is
+staged by the forward itself (the KV mirror: no prefix hit, claimed before its prefill).
 
 One worker for the module (start-ups are the cost here)."""
 
@@ -100,6 +101,10 @@ def _metric(worker: Worker, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
+def _staged_tokens(worker: Worker, how: str) -> float:
+    return _metric(worker, "prefill_worker_vllm_staged_tokens_total", f'{{how="{how}"}}')
+
+
 def _staging_used(worker: Worker) -> float:
     return _metric(worker, "prefill_worker_vllm_staging_blocks_used")
 
@@ -111,6 +116,7 @@ def test_a_vllm_decode_pulls_transformers_kv(
     worker, api, decode = pulled
     ids = prompt(n, seed=n)
     _, hf_kv = hf_reference(checkpoint, ids)  # the first token: the decode samples its own
+    staged = [_staged_tokens(worker, how) for how in ("mirror", "repack")]
     answer = _prefill(api, ids)  # its blocks are held for LEASE_S: read them at once
     params = answer["kv_transfer_params"]
     assert answer["usage"]["prompt_tokens"] == n
@@ -126,6 +132,10 @@ def test_a_vllm_decode_pulls_transformers_kv(
         torch.testing.assert_close(tokens[layer, :n, :, :head_dim], k_ref, atol=1e-4, rtol=0)
         torch.testing.assert_close(tokens[layer, :n, :, head_dim:], v_ref, atol=1e-4, rtol=0)
     wait_until(lambda: _staging_used(worker) == 0, 10.0, "the read's release")
+    assert [_staged_tokens(worker, how) for how in ("mirror", "repack")] == [
+        staged[0] + n,
+        staged[1],
+    ]
 
 
 def test_notification_only_lease_and_heartbeat(pulled: tuple[Worker, str, PullDecode]) -> None:

@@ -9,7 +9,9 @@ hit on pages that were not complete yet).
 Prompt logprobs are ``fake_logprob(position, token)`` for each position a chunk names, after
 checking that the scored token is the prompt's next one (when the prompt is known).
 ``FakeSender`` records what the engine sent and checks the sender contract (nothing after
-close, pages still allocated when close runs).
+close, pages still allocated when close runs). ``MirroringFakeSender`` (``make_rig(mirror=
+True)``) also gives chunks planned once it is READY mirror slots, and the runner reports each
+mirrored chunk it computes to it: a forward writing the slots of a closed sender is an error.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class FakeRunner:
         self.sample_errors: dict[str, str] = {}  # request_id -> its row's sampling error
         self.prompts: dict[str, Sequence[int]] = {}  # request_id -> prompt, when known
         self.on_run: Callable[[BatchPlan], None] | None = None  # a test's hook (e.g. a clock)
+        self.on_mirror: Callable[[ChunkPlan], None] | None = None  # each mirrored chunk computed
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         if self.on_run is not None:
@@ -74,6 +77,8 @@ class FakeRunner:
             self._check_prefix(chunk.request_id, chunk.page_ids, chunk.start)
             for offset, token in enumerate(chunk.token_ids):
                 self._slot_write(chunk.page_ids, chunk.start + offset, token)
+            if chunk.mirror_slots and self.on_mirror is not None:
+                self.on_mirror(chunk)
             if chunk.logprob_token_ids:
                 scored.append(self._score(chunk))
             if chunk.sampling is not None:
@@ -209,12 +214,38 @@ class FakeSender:
         return [first + i for page_ids, first in self.sent for i in range(len(page_ids))]
 
 
+class MirroringFakeSender(FakeSender):
+    """A sender whose destination the forward writes (``MirroringSender``): slot ``room *
+    10_000 + position`` for each position of a chunk planned while READY or TRANSFERRING."""
+
+    def __init__(self, backend: FakeBackend, room: int, request_id: str, num_tokens: int) -> None:
+        super().__init__(backend, room, request_id, num_tokens)
+        self.mirrored: list[tuple[int, int]] = []  # (start, end) of each chunk given slots
+        self.mirror_written: list[tuple[int, int]] = []  # ... and computed by the runner
+
+    def mirror_slots(self, start: int, end: int) -> Sequence[int]:
+        if self.is_closed or self.state not in (KVPoll.READY, KVPoll.TRANSFERRING):
+            return ()
+        self.mirrored.append((start, end))
+        return self.mirror_slots_of(start, end)
+
+    def on_forward(self, chunk: ChunkPlan) -> None:
+        """The runner computed a chunk with this sender's slots (it wrote them)."""
+        self._expect(not self.is_closed)  # a closed sender's slots may be someone else's
+        self._expect(list(chunk.mirror_slots) == self.mirror_slots_of(chunk.start, chunk.end))
+        self.mirror_written.append((chunk.start, chunk.end))
+
+    def mirror_slots_of(self, start: int, end: int) -> list[int]:
+        return [self.room * 10_000 + p for p in range(start, end)]
+
+
 @dataclass
 class FakeBackend:
     pool: PagePool
     aux: AuxPool
     auto_want: bool = False
     polls_to_success: int | None = 0
+    mirror: bool = False  # its senders are MirroringFakeSenders
     senders: dict[str, FakeSender] = field(default_factory=dict)
     all_senders: list[FakeSender] = field(default_factory=list)
     num_polls: int = 0
@@ -224,7 +255,8 @@ class FakeBackend:
     def create_sender(
         self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
     ) -> FakeSender:
-        sender = FakeSender(self, room, request_id, num_prompt_tokens)
+        kind = MirroringFakeSender if self.mirror else FakeSender
+        sender = kind(self, room, request_id, num_prompt_tokens)
         sender.allowed_peer = allowed_peer
         self.senders[request_id] = sender
         self.all_senders.append(sender)
@@ -334,14 +366,17 @@ def make_rig(
     optimistic: bool = False,
     optimistic_attempts: int = 2,
     optimistic_hold_s: float = 1.0,
+    mirror: bool = False,
 ) -> Rig:
     clock = FakeClock()
     pool, aux = PagePool(num_pages), AuxPool(num_aux_rows)
     cache = None
     if prefix_cache:
         cache = PagePrefixCache(pool, page_size, prefix_cache_max_pages, cache_events)
-    backend = FakeBackend(pool, aux, auto_want=auto_want, polls_to_success=polls_to_success)
+    backend = FakeBackend(pool, aux, auto_want, polls_to_success, mirror=mirror)
     runner = FakeRunner(pool, page_size)
+    if mirror:
+        runner.on_mirror = lambda chunk: _mirroring(backend, chunk.request_id).on_forward(chunk)
     outcomes: list = []
     engine = Engine(
         runner,
@@ -364,6 +399,12 @@ def make_rig(
         observer=observer,
     )
     return Rig(engine, backend, runner, clock, pool, aux, page_size, outcomes)
+
+
+def _mirroring(backend: FakeBackend, request_id: str) -> MirroringFakeSender:
+    sender = backend.senders[request_id]
+    assert isinstance(sender, MirroringFakeSender)
+    return sender
 
 
 def is_nan(value: float) -> bool:

@@ -293,6 +293,21 @@ def test_queued_tokens_count_whole_prompts_until_admitted() -> None:
     assert rig.engine.load.costs.queued_tokens == 0
 
 
+def test_a_forward_in_flight_sees_the_turns_arrivals_published() -> None:
+    """A pong answered while the engine waits for the forward in flight sees the requests
+    that turn took and planned, not the load of the turn before."""
+    rig = make_rig(auto_want=True, chunk_size=16, max_batch_tokens=32)
+    seen: list[tuple[int, int, int]] = []
+    rig.runner.on_run = lambda plan: seen.append(
+        (plan.num_tokens, rig.engine.load.num_prefilling, rig.engine.load.costs.running_tokens)
+    )
+    rig.prefill("a", 32)
+    rig.steps()  # a's first chunk (16) launched
+    rig.prefill("b", 8)
+    rig.steps()  # a's second chunk and b planned, then the first forward runs
+    assert seen == [(16, 2, 32 + 8)]
+
+
 def test_the_rate_follows_the_recent_forwards_not_all_time() -> None:
     cost = [0.01]
     rig = _timed_rig(cost, chunk_size=16, max_batch_tokens=16)

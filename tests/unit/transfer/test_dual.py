@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.base import KVPoll, MirroringSender
 from prefill_worker.transfer.dual import DualBackend, DualSender
 from tests.unit.scheduler.fakes import FakeBackend, FakeSender
 
@@ -80,3 +80,18 @@ def test_peers_and_drops_are_every_protocols_that_has_them() -> None:
     dual = DualBackend({"native": native, "sglang": sglang, "vllm": Peerless(pool, aux)})
     assert dual.num_dropped_peers == 5
     assert dual.has_peer("a") and dual.has_peer("b") and not dual.has_peer("c")
+
+
+def test_mirror_slots_are_the_chosen_protocols_when_it_mirrors() -> None:
+    """``MirroringSender`` passes through: () until a decode claims the room, then the chosen
+    sender's slots, or () again when the chosen one does not mirror."""
+    mirroring = FakeBackend(PagePool(8), AuxPool(2), mirror=True).create_sender(5, "r", 12)
+    plain = FakeBackend(PagePool(8), AuxPool(2)).create_sender(5, "r", 12)
+    dual = DualSender([plain, mirroring], ["native", "vllm"])
+    assert isinstance(dual, MirroringSender) and dual.mirror_slots(0, 4) == ()
+    mirroring.want()
+    assert dual.poll() is KVPoll.READY
+    assert dual.mirror_slots(4, 6) == [50_004, 50_005] and mirroring.mirrored == [(4, 6)]
+    other, _, sglang = pair()
+    sglang.want()
+    assert other.poll() is KVPoll.READY and other.mirror_slots(0, 4) == ()

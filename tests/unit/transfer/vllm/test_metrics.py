@@ -1,5 +1,6 @@
 """The vLLM pull metrics follow the desk: holds by outcome, ignored notifications,
-heartbeats and staging blocks in use, read at scrape time; `promtool check metrics` is clean."""
+heartbeats, tokens staged by repack (these senders' chunks are not mirrored) and staging blocks
+in use, read at scrape time; `promtool check metrics` is clean."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def test_scrapes_follow_the_desk() -> None:
     assert value("prefill_worker_vllm_heartbeats_total") == 1
     assert value("prefill_worker_vllm_notifications_ignored_total", {"why": "unknown_hold"}) == 1
     assert value("prefill_worker_vllm_notifications_ignored_total", {"why": "malformed"}) == 1
+    assert value("prefill_worker_vllm_staged_tokens_total", {"how": "repack"}) == 40
+    assert value("prefill_worker_vllm_staged_tokens_total", {"how": "mirror"}) == 0
     assert value("prefill_worker_vllm_staging_blocks_used") == 0
     assert value("prefill_worker_vllm_staging_blocks_capacity") == BLOCKS
     if shutil.which("promtool"):

@@ -73,7 +73,8 @@ def test_repack_in_chunks_matches_lbhnc(
     pool = PoolViews(regions)
     copied = 0
     for first in range(0, num_pages, chunk):  # chunk by chunk, as the engine hands them over
-        copied += repack(pool, staging, page_ids[first : first + chunk], first, blocks, n)
+        tokens = range(first * page_size, min((first + chunk) * page_size, n))
+        copied += repack(pool, staging, page_ids[first : first + chunk], first, blocks, tokens)
     assert copied == n * L * H * 2 * D * 2
     got = torch.stack([torch.from_numpy(staging.layer_view(i)[list(blocks)]) for i in range(L)])
     want = _expected(view, page_ids, n, 32).view(torch.int16)
