@@ -73,7 +73,7 @@ def timed_write(
     kv: KVCache,
     mirror: KVMirror,
     slots: torch.Tensor,
-    mirror_slots: torch.Tensor,
+    mirror_slots: np.ndarray,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> WriteTimes:
@@ -151,7 +151,7 @@ def _write_once(kv: KVCache, mirror: KVMirror, tokens: int) -> WriteTimes:
     lay = kv.layout
     k = torch.randn(tokens, lay.num_kv_heads, lay.head_dim).to(torch.bfloat16)
     slots = torch.randperm(lay.num_pages * lay.page_size)[:tokens]
-    return timed_write(kv, mirror, slots, torch.arange(tokens), k, k)
+    return timed_write(kv, mirror, slots, np.arange(tokens), k, k)
 
 
 def main() -> None:

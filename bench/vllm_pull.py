@@ -430,7 +430,7 @@ def _stage_mirrored(
     start_s = 0.0
     for first in range(0, len(pages), chunk_pages):
         start, end = first * ps, min((first + chunk_pages) * ps, tokens)
-        mirror_slots = torch.tensor(sender.mirror_slots(start, end))
+        mirror_slots = np.asarray(sender.mirror_slots(start, end), dtype=np.int64)
         positions = torch.arange(start, end)
         slots = page_ids[positions // ps] * ps + positions % ps
         chunk = k[: end - start]

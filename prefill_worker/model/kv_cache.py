@@ -97,9 +97,9 @@ class KVMirror:
         self.k = tuple(p[..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
         self.v = tuple(p[..., 1, :].permute(0, 2, 1, 3) for p in paired)
 
-    def index_of(self, slots: torch.Tensor) -> MirrorIndex:
+    def index_of(self, slots: np.ndarray) -> MirrorIndex:
         """Where each of ``slots [M]``'s heads goes, as numpy indices that broadcast."""
-        flat = slots.cpu().numpy()[:, None]
+        flat = slots[:, None]
         heads = np.arange(self.num_kv_heads)[None, :]
         return flat // self.block_size, heads, flat % self.block_size
 
@@ -122,7 +122,7 @@ class MirrorTargets:
     """The rows of a packed batch whose K/V also go to the mirror, and their mirror rows."""
 
     rows: torch.Tensor | None  # [M] int64, rows of the batch; None: every row, in order
-    slots: torch.Tensor  # [M] int64, block * block_size + offset in the mirror
+    slots: np.ndarray  # [M] int64, block * block_size + offset in the mirror (host memory)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

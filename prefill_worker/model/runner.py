@@ -132,7 +132,7 @@ class Runner:
         device, all_rows = self.kv_cache.device, np.concatenate(rows)
         is_all = len(all_rows) == spans[-1].q_end
         packed_rows = None if is_all else _to(all_rows, device)
-        return MirrorTargets(packed_rows, _to(np.concatenate(slots), device))
+        return MirrorTargets(packed_rows, np.concatenate(slots))
 
     def _logprob_rows(
         self, plan: BatchPlan, spans: list[ChunkSpan]

@@ -27,7 +27,7 @@ def test_the_staging_region_becomes_the_pools_mirror() -> None:
     kv, region = _kv(), tuple(np.zeros((3, 1, 32, 8), np.uint32) for _ in range(2))
     attach_kv_mirror(_transfer(region), kv)
     k = torch.full((1, 1, 4), 2.0)
-    with kv.mirroring(MirrorTargets(None, torch.tensor([33]))):  # block 1, offset 1
+    with kv.mirroring(MirrorTargets(None, np.array([33]))):  # block 1, offset 1
         kv.write(1, torch.tensor([5]), k, -k)
     assert region[1][1, 0, 1].view(np.float32).tolist() == [2.0] * 4 + [-2.0] * 4
     assert not region[0].any()
@@ -38,7 +38,7 @@ def test_no_vllm_no_mirror_and_a_misfit_is_a_config_error() -> None:
     attach_kv_mirror(_transfer(()), kv)
     with (
         pytest.raises(AssertionError, match="without a mirror"),
-        kv.mirroring(MirrorTargets(None, torch.tensor([0]))),
+        kv.mirroring(MirrorTargets(None, np.array([0]))),
     ):
         pass
     wrong = tuple(np.zeros((3, 2, 32, 8), np.uint32) for _ in range(2))  # 2 KV heads, not 1

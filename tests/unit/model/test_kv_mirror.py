@@ -45,7 +45,7 @@ def test_mirrored_rows_are_the_pool_rows_in_paired_blocks(kind: str) -> None:
     kv.attach_mirror(KVMirror(blocks, torch.bfloat16))
     slots = torch.tensor([37, 5, 6, 7, 20])  # pool rows (page * PS + offset)
     rows, mirror_slots = [1, 2, 4], [3 * BS + 7, 0 * BS + 1, 5 * BS + 0]
-    targets = MirrorTargets(torch.tensor(rows), torch.tensor(mirror_slots))
+    targets = MirrorTargets(torch.tensor(rows), np.asarray(mirror_slots, dtype=np.int64))
     with kv.mirroring(targets):
         _write_all(kv, slots)
     for layer in range(L):
@@ -65,7 +65,7 @@ def test_every_row_in_order_and_nothing_outside_mirroring() -> None:
     _write_all(kv, slots)  # no targets: the mirror is not written
     untouched = [b.copy() for b in blocks]
     assert all(np.array_equal(a, b) for a, b in zip(blocks, _blocks(1), strict=True))
-    with kv.mirroring(MirrorTargets(None, torch.arange(BS, BS + 5))):
+    with kv.mirroring(MirrorTargets(None, np.arange(BS, BS + 5))):
         k, v = _write_all(kv, slots)
     got = blocks[L - 1][1, :, :5]  # block 1, offsets 0..4: [H, 5, 2D]
     assert np.array_equal(got[..., :D], _bits(k.transpose(0, 1)))
@@ -90,6 +90,6 @@ def test_a_mirror_that_does_not_fit_the_pool_is_refused() -> None:
     kv = _cache(PAGE_MAJOR)
     with (
         pytest.raises(AssertionError, match="without a mirror"),
-        kv.mirroring(MirrorTargets(None, torch.arange(2))),
+        kv.mirroring(MirrorTargets(None, np.arange(2))),
     ):
         pass

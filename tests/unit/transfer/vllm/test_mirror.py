@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from prefill_worker.model.kv_cache import KVMirror
@@ -30,7 +31,7 @@ def _forward(desk: PullDesk, pool: torch.Tensor, start: int, slots: Sequence[int
     mirror = KVMirror(layers, torch.float32)
     positions = torch.arange(start, start + len(slots))
     pages, offsets = torch.tensor(PAGES)[positions // 16], positions % 16
-    index = mirror.index_of(torch.tensor(slots))
+    index = mirror.index_of(np.asarray(slots, dtype=np.int64))
     for layer in range(lay.num_layers):
         k, v = pool[layer, 0, pages, offsets], pool[layer, 1, pages, offsets]  # [T, H, D]
         mirror.write(layer, index, k, v)
