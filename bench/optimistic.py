@@ -113,12 +113,17 @@ def start_target(ckpt: Path, tmp: Path, optimistic: bool) -> e2e.Target:
     return e2e.Target(ckpt, True, 512, tmp / ("on" if optimistic else "off"), extra)
 
 
-def point_lengths(index: int, num: int, rate: float) -> list[int]:
-    """The prompt lengths the ``index``-th delay point sends (``measure``'s workloads)."""
+def point_workloads(index: int, num: int, rate: float) -> list[list[tuple[float, int]]]:
+    """What the ``index``-th delay point sends: one workload one at a time (``rate`` 0), or
+    two halves of Poisson arrivals at ``rate``."""
     if not rate:
-        return [n for _, n in e2e.workload(num, 1.0, seed=300 + 10 * index)]
-    halves = (e2e.workload(num // 2, rate, seed=300 + 10 * index + h) for h in range(2))
-    return [n for half in halves for _, n in half]
+        return [e2e.workload(num, 1.0, seed=300 + 10 * index)]
+    return [e2e.workload(num // 2, rate, seed=300 + 10 * index + half) for half in range(2)]
+
+
+def point_lengths(index: int, num: int, rate: float) -> list[int]:
+    """The prompt lengths the ``index``-th delay point sends."""
+    return [n for workload in point_workloads(index, num, rate) for _, n in workload]
 
 
 async def calibrate(
@@ -156,8 +161,7 @@ async def measure(
                     out[mode].ttfts.setdefault(name, []).extend([t] if ok else [])
                     out[mode].retries[name] = out[mode].retries.get(name, 0) + retries
             continue
-        for half in range(2):
-            workload = e2e.workload(num // 2, rate or 1.0, seed=300 + 10 * i + half)
+        for workload in point_workloads(i, num, rate):  # two halves
             for mode, router in routers.items():
                 samples = await router.load(workload, delay_s)
                 out[mode].ttfts.setdefault(name, []).extend(t for t, ok, _, _ in samples if ok)
