@@ -213,17 +213,17 @@ def main() -> None:
 
 
 def run_vllm(pool_layout: str, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
-    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape, in a pool the
-    runner's ``KVCache`` owns (its writes, and the mirror's, are part of the rows)."""
-    import torch
+    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape, in the pool of a
+    runner whose forwards stage the mirrored rows (``bench/kv_mirror.py``'s narrow model with
+    the same KV shape: its forwards, and the mirror's copies, are part of those rows)."""
+    import kv_mirror
     import vllm_pull
 
-    from prefill_worker.model.kv_cache import KVCache
-
-    kv = KVCache(layout(NUM_LOCAL_PAGES, pool_layout), torch.device("cpu"))
-    for plane in (*kv.k, *kv.v):
-        plane.normal_()
-    vllm_pull.run(kv, repeats, chunk_pages, push_gb_s)
+    runner = kv_mirror.narrow_runner(NUM_LOCAL_PAGES, pool_layout)
+    assert runner.kv_cache.layout == layout(NUM_LOCAL_PAGES, pool_layout)
+    for plane in (*runner.kv_cache.k, *runner.kv_cache.v):
+        plane.normal_()  # touched, as the push rows' pools
+    vllm_pull.run(runner, repeats, chunk_pages, push_gb_s)
 
 
 def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> dict[int, float]:
