@@ -42,7 +42,8 @@ in this process, right after, so each sees the same machine load; medians over t
      "answer_ms", "read_ms", "read_gb_s", "read_settled_ms", "read_settled_gb_s",
      "read_descriptors", "memcpy_gb_s", "pull_gb_s", "pull_settled_gb_s",
      "pull_vs_repack_pull", "push_gb_s", "pull_vs_push", "read_vs_push",
-     "pull_settled_vs_push", "read_settled_vs_push"}
+     "pull_settled_vs_push", "read_settled_vs_push", "paired_push", "paired_push_gb_s",
+     "pull_vs_paired_push", "pull_settled_vs_paired_push"}
 
 Repack rows: ``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate);
 ``repack_tail_ms`` what of it a user waits for: from the last chunk's hand-over to the
@@ -63,6 +64,12 @@ chunk's forward waited for them after its last layer: the mirror's share of the 
 ``pull_settled_gb_s`` the same with the second; ``pull_vs_repack_pull`` the repack row's pull
 time over this one's (> 1: the mirror is faster). The two READs differ only in when they run:
 on the 2-core development VM the first, right after seconds of matmul, is often slower.
+``paired_push_gb_s``: the push rows' native push (``transfer_bandwidth.push_once``: its own
+decode process, scattered decode pages) of the same pages from the same pool, right after
+each repeat's READs (``"paired_push": "after"``; ``--paired-push before``: right after the
+answer, before the READs, where the first READ otherwise runs), so the push and the pull see
+the same machine; ``pull_vs_paired_push`` and ``pull_settled_vs_paired_push`` the pull
+paths against it.
 
 ``push_gb_s`` is the same run's push of the same scattered pages (``gb_s`` of its
 ``scattered`` row, from the first chunk's hand-over to the decode's status); ``pull_vs_push``
@@ -88,7 +95,7 @@ import numpy as np
 from kv_mirror import ForwardTimes, mirrored_forward
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
-from prefill_worker.kv.aux import AuxPool
+from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.model.kv_cache import TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.runner import Runner
@@ -173,10 +180,17 @@ def _block_descs(base: int, size: int, num_blocks: int, layers: int) -> list[tup
     ]
 
 
-def run(runner: Runner, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
+def run(
+    runner: Runner,
+    repeats: int,
+    chunk_pages: int,
+    push_gb_s: dict[int, float],
+    paired_push: str = "after",
+) -> None:
     """Every vLLM row for one pool layout (``runner``: a model whose pool is the one staged
     from); ``push_gb_s``: the same run's scattered push rows' GB/s by prompt length (empty
-    without them)."""
+    without them); ``paired_push``: the paired push ``after`` each mirrored request's READs, or
+    ``before`` them (right after the answer, where the first READ otherwise runs)."""
     from prefill_worker.transfer.options import NixlOptions, VllmOptions
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.tickets import Tickets
@@ -189,6 +203,9 @@ def run(runner: Runner, repeats: int, chunk_pages: int, push_gb_s: dict[int, flo
     regions = kv.regions(aux.base_addr, aux.num_rows)
     backend = VllmBackend(regions, options, Tickets(4), lambda h, p, r: _Channel(r))
     kv.attach_mirror(KVMirror(backend.mirror_layers, TORCH_DTYPES[lay.dtype]))
+    assert aux.try_alloc() == 0
+    aux.write(0, AuxRow(1, 0.0, 8192, 0))  # what the paired push sends as its aux row
+    pusher = _Pusher(regions, paired_push)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=decode_main, args=(child_conn, backend.registration, num_blocks))
@@ -203,11 +220,52 @@ def run(runner: Runner, repeats: int, chunk_pages: int, push_gb_s: dict[int, flo
             vocab_size = runner.model.spec.vocab_size
             ids = np.random.default_rng(tokens).integers(0, vocab_size, tokens).tolist()
             case = _Case(runner, ids, chunk_pages, push_gb_s.get(tokens))
-            _row(backend, conn, case, repeats, copy)
+            _row(backend, conn, case, repeats, copy, pusher)
     finally:
         conn.send("exit")
         child.join(60)
         backend.close()
+        pusher.close()
+
+
+class _Pusher:
+    """The push rows' native push (``transfer_bandwidth.push_once``, its decode process and
+    scattered decode pages) of the same pages from the same pool, right after each mirrored
+    request's READs: the push paired with the pull, each seeing the same machine."""
+
+    def __init__(self, regions: Any, when: str) -> None:
+        import transfer_bandwidth
+
+        from prefill_worker.transfer import make_backend
+        from prefill_worker.transfer.options import NativeOptions
+
+        assert when in ("after", "before"), when
+        self._bench, self.when = transfer_bandwidth, when
+        options = NativeOptions("tcp://127.0.0.1:0", 30.0, 0.2, push_thread=True)
+        self.backend = make_backend(regions, options)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        args = (child, self.backend.bootstrap_endpoint, regions.layout.kind)
+        self._proc = ctx.Process(target=transfer_bandwidth.decode_main, args=args, daemon=True)
+        self._proc.start()
+        while not self._conn.poll(0.001):
+            self.backend.poll()
+        assert self._conn.recv() == "registered"
+        self._room, self._rng = 1 << 22, np.random.default_rng(7)
+
+    def seconds(self, pages: list[int], chunk_pages: int) -> float:
+        """One push of ``pages`` (from the first chunk's hand-over to the decode's status)."""
+        bench, self._room = self._bench, self._room + 1
+        dst = bench.scattered(self._rng, bench.NUM_DECODE_PAGES, len(pages))
+        elapsed, _, _ = bench.push_once(
+            self.backend, self._conn, self._room, pages, dst, chunk_pages
+        )
+        return float(elapsed)
+
+    def close(self) -> None:
+        self._conn.send(("exit",))
+        self._proc.join(10)
+        self.backend.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +288,14 @@ class _Staged:
     tail_s: float  # from the last chunk's hand-over to success
 
 
-def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyReference) -> None:
+def _row(
+    backend: Any,
+    conn: Connection,
+    case: _Case,
+    repeats: int,
+    copy: _CopyReference,
+    pusher: _Pusher,
+) -> None:
     """The request staged by the repack, then by the mirror, the same pages each time, each
     READ into the same scattered decode blocks; a repack row and a mirror row."""
     lay, tokens, reg = case.runner.kv_cache.layout, case.tokens, backend.registration
@@ -242,6 +307,7 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
     reads: tuple[list[tuple[float, int]], ...] = ([], [], [], [], [])
     floor_s: list[float] = []
     memcpy_s: list[float] = []
+    push_s: list[float] = []  # the paired push of each repeat's pages
     for room in range(tokens, tokens + repeats + 1):
         pages = [int(p) for p in rng.choice(lay.num_pages, tokens // lay.page_size, False)]
         done = _stage(backend, room, tokens, pages, case.chunk_pages)
@@ -259,9 +325,13 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
         mirrored.append(by_mirror)
         mirror_blocks = by_mirror.params["remote_block_ids"][0]
         notif = f"{by_mirror.params['remote_request_id']}:1"
+        if pusher.when == "before":
+            push_s.append(pusher.seconds(pages, case.chunk_pages))
         reads[3].append(_read(conn, mirror_blocks, local, ""))  # right after the forward
         reads[4].append(_read(conn, mirror_blocks, local, notif))
         _until_released(backend)
+        if pusher.when == "after":
+            push_s.append(pusher.seconds(pages, case.chunk_pages))
     nbytes = staged[-1].num_bytes
     descs = [r[-1][1] for r in reads[:3]]
     read_s, adjacent_s, reversed_s = ([seconds for seconds, _ in r] for r in reads[:3])
@@ -303,7 +373,15 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
     _compare(row, case.push_gb_s, nbytes / pull / 1e9, nbytes / read / 1e9)
     print(json.dumps(row), flush=True)
     mirror_reads = (reads[3], reads[4])
-    print(json.dumps(_mirror_row(case, mirrored, mirror_reads, memcpy_s, pull)), flush=True)
+    mirror_row = _mirror_row(case, mirrored, mirror_reads, memcpy_s, pull)
+    paired_push = nbytes / statistics.median(push_s[1:]) / 1e9
+    mirror_row["paired_push"] = pusher.when
+    mirror_row["paired_push_gb_s"] = round(paired_push, 3)
+    mirror_row["pull_vs_paired_push"] = round(mirror_row["pull_gb_s"] / paired_push, 3)
+    mirror_row["pull_settled_vs_paired_push"] = round(
+        mirror_row["pull_settled_gb_s"] / paired_push, 3
+    )
+    print(json.dumps(mirror_row), flush=True)
 
 
 def _mirror_row(
