@@ -1,30 +1,28 @@
-"""What the KV mirror costs the forward (``model/kv_cache.py``: the forward writes vLLM's staging
-blocks beside the pool's pages, docs/vllm.md "Layout"), for ``bench/vllm_pull.py``'s mirrored
-rows and on its own.
+"""What the KV mirror costs the forward (``model/kv_mirror.py``: the forward writes vLLM's
+staging blocks beside the pool's pages, each layer copied on the mirror's thread while the next
+computes, docs/vllm.md "Layout"), for ``bench/vllm_pull.py``'s mirrored rows and on its own.
 
-Two measures, each against the same work without the mirror, in the same run:
-
-- ``timed_write``: ``KVCache.write`` of one chunk's tokens over every layer without the
-  mirror, the mirror's own writes (``KVMirror.write``, what ``KVCache.write`` adds while
-  ``mirroring``), and the two together: the mirror's writes are what the forward grows by
-  (the pull rows count the last chunk's in the pull path: nothing hides it);
-- ``forward_rows``: a real ``Runner`` forward of a small random Llama with the KV shape of
-  Llama-3-8B (32 layers, 8 KV heads of 128, bf16) and a narrow body (hidden 256, 8 query
-  heads), with and without every token mirrored: the runner's speed with the mirror against
-  without. A real 8B forward is ~100x this one's FLOPs per token for the same KV writes, so
-  its ratio is closer to 1 than this one's.
+``forward_rows``: a real ``Runner`` forward of a small random Llama with the KV shape of
+Llama-3-8B (32 layers, 8 KV heads of 128, bf16) and a narrow body (hidden 256, 8 query heads),
+with and without every token mirrored: the runner's speed with the mirror against without,
+the copies' own time on the mirror's thread, and the tail the forward waits for after its last
+layer (what the mirror adds to a request's path). A real 8B forward is ~100x this one's FLOPs
+per token for the same copies, so its ratio is closer to 1 than this one's.
 
     python bench/kv_mirror.py [--repeats 5] [--tokens 1024,2048]
 
 One JSON line per prompt length::
 
     {"name": "kv_mirror_forward", "tokens", "forward_ms", "forward_mirror_ms", "mirror_ratio",
-     "write_ms", "mirror_write_ms", "write_mirroring_ms"}
+     "mirror_copy_ms", "mirror_copy_gb_s", "mirror_wait_ms", "memcpy_after_forward_gb_s",
+     "memcpy_again_gb_s"}
 
 ``mirror_ratio`` is ``forward_ms / forward_mirror_ms`` (1.0: the mirror costs nothing);
-``write_ms`` the runner's KV writes alone over every layer (``KVCache.write``, no mirror),
-``mirror_write_ms`` the mirror's own writes (``KVMirror.write``), ``write_mirroring_ms``
-``KVCache.write`` while mirroring: both.
+``mirror_copy_ms`` the copies' time on the mirror's thread (every layer), ``mirror_copy_gb_s``
+the KV bytes they moved over it; ``mirror_wait_ms`` what the forward waited for them after its
+last layer. ``memcpy_after_forward_gb_s`` is a copy of the prompt's KV bytes right after a
+forward, ``memcpy_again_gb_s`` the same copy once more: on the 2-core development VM a copy
+right after seconds of matmul runs several times slower (the pull rows' READ sees the same).
 Medians over the repeats, the first of each a warm-up; with and without alternate, so both
 see the same load.
 """
@@ -44,7 +42,9 @@ import torch
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.kv.layout import LAYER_MAJOR
-from prefill_worker.model.kv_cache import KVCache, KVMirror, MirrorTargets
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.kv_mirror import KVMirror
+from prefill_worker.model.runner import Runner
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.random_model import LLAMA3_8B, random_runner
 
@@ -63,40 +63,34 @@ NARROW_8B_KV: dict[str, Any] = {
 
 
 @dataclass(frozen=True, slots=True)
-class WriteTimes:
-    pool_s: float  # KVCache.write of every layer, no mirror
-    mirror_s: float  # the mirror's own writes of every layer (KVMirror.write)
-    both_s: float  # KVCache.write of every layer, mirroring
+class ForwardTimes:
+    forward_s: float  # the runner's forward, the mirror's tail included
+    copy_s: float  # the mirror's copies on its thread (0: nothing mirrored)
+    wait_s: float  # what the forward waited for them after its last layer
 
 
-def timed_write(
-    kv: KVCache,
-    mirror: KVMirror,
-    slots: torch.Tensor,
-    mirror_slots: np.ndarray,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> WriteTimes:
-    """One chunk's ``k/v [T, KV, D]`` into every layer at pool rows ``slots``: without the
-    mirror, the mirror's writes alone (``mirror`` is ``kv``'s), then ``KVCache.write``
-    mirroring (which leaves the mirror written). The mirror's share of a forward is its own
-    writes: on a loaded host the pool's OpenMP writes swing by 10x between two calls, so
-    ``both_s - pool_s`` is mostly that noise."""
-    layers = range(kv.layout.num_layers)
+def mirrored_forward(runner: Runner, plan: BatchPlan) -> ForwardTimes:
+    """``Runner.forward(plan)`` as it runs, with the mirror's own times."""
     start = time.perf_counter()
-    for layer in layers:
-        kv.write(layer, slots, k, v)
-    pool_s = time.perf_counter() - start
-    start = time.perf_counter()
-    index = mirror.index_of(mirror_slots)
-    for layer in layers:
-        mirror.write(layer, index, k, v)
-    mirror_s = time.perf_counter() - start
-    start = time.perf_counter()
-    with kv.mirroring(MirrorTargets(None, mirror_slots)):
-        for layer in layers:
-            kv.write(layer, slots, k, v)
-    return WriteTimes(pool_s, mirror_s, time.perf_counter() - start)
+    with torch.inference_mode():
+        packed = runner.pack(plan)
+        runner.attention.plan(packed.batch)
+        with runner.kv_cache.mirroring(packed.mirror) as writes:
+            runner.model.forward(packed.inputs, runner.kv_cache, runner.attention)
+    forward_s = time.perf_counter() - start
+    if writes is None:
+        return ForwardTimes(forward_s, 0.0, 0.0)
+    return ForwardTimes(forward_s, writes.copy_s, writes.wait_s)
+
+
+def narrow_runner(num_pages: int, pool_layout: str = LAYER_MAJOR) -> Runner:
+    """A runner of ``NARROW_8B_KV`` over a pool of ``num_pages`` pages in ``pool_layout``."""
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    runner, _ = random_runner(
+        NARROW_8B_KV, torch.bfloat16, cpu, "sdpa", PAGE_SIZE, num_pages, 0, pool_layout
+    )
+    return runner
 
 
 def paired_blocks(kv: KVCache, num_blocks: int) -> list[np.ndarray]:
@@ -109,49 +103,47 @@ def paired_blocks(kv: KVCache, num_blocks: int) -> list[np.ndarray]:
 
 def forward_rows(tokens: int, repeats: int) -> dict[str, Any]:
     """The runner's forward of one ``tokens``-token prompt, with and without the mirror."""
-    torch.manual_seed(0)
     num_pages = tokens // PAGE_SIZE
-    cpu = torch.device("cpu")
-    runner, spec = random_runner(
-        NARROW_8B_KV, torch.bfloat16, cpu, "sdpa", PAGE_SIZE, num_pages, 0, LAYER_MAJOR
-    )
+    runner = narrow_runner(num_pages)
+    vocab_size = runner.model.spec.vocab_size
     mirror = KVMirror(paired_blocks(runner.kv_cache, tokens // BLOCK_SIZE), torch.bfloat16)
     runner.kv_cache.attach_mirror(mirror)
-    ids = torch.randint(0, spec.vocab_size, (tokens,)).tolist()
+    ids = torch.randint(0, vocab_size, (tokens,)).tolist()
     greedy = SamplingParams(temperature=0.0)
     pages = list(np.random.default_rng(0).permutation(num_pages))
     slots = list(range(tokens))
     plain = BatchPlan(1, (ChunkPlan("p", ids, 0, tokens, pages, greedy),))
     mirrored = BatchPlan(1, (ChunkPlan("p", ids, 0, tokens, pages, greedy, mirror_slots=slots),))
-    times: dict[str, list[float]] = {"plain": [], "mirror": []}
+    lay = runner.kv_cache.layout
+    kv_bytes = tokens * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * 2  # bf16
+    source, target = np.ones(kv_bytes, np.uint8), np.zeros(kv_bytes, np.uint8)
+    times: dict[str, list[ForwardTimes]] = {"plain": [], "mirror": []}
+    memcpy: dict[str, list[float]] = {"after": [], "again": []}
     for _ in range(repeats + 1):
         for name, plan in (("plain", plain), ("mirror", mirrored)):
+            times[name].append(mirrored_forward(runner, plan))
+        for name in ("after", "again"):
             start = time.perf_counter()
-            runner.run(plan)
-            times[name].append(time.perf_counter() - start)
-    writes = [_write_once(runner.kv_cache, mirror, tokens) for _ in range(repeats + 1)]
-    forward, forward_mirror = (statistics.median(times[n][1:]) for n in ("plain", "mirror"))
+            np.copyto(target, source)
+            memcpy[name].append(kv_bytes / (time.perf_counter() - start) / 1e9)
+    plain_s, mirror_s = (_median(t.forward_s for t in times[n][1:]) for n in ("plain", "mirror"))
+    copy_s = _median(t.copy_s for t in times["mirror"][1:])
     return {
         "name": "kv_mirror_forward",
         "tokens": tokens,
-        "forward_ms": round(forward * 1e3, 2),
-        "forward_mirror_ms": round(forward_mirror * 1e3, 2),
-        "mirror_ratio": round(forward / forward_mirror, 3),
-        "write_ms": _median_ms(w.pool_s for w in writes[1:]),
-        "mirror_write_ms": _median_ms(w.mirror_s for w in writes[1:]),
-        "write_mirroring_ms": _median_ms(w.both_s for w in writes[1:]),
+        "forward_ms": round(plain_s * 1e3, 2),
+        "forward_mirror_ms": round(mirror_s * 1e3, 2),
+        "mirror_ratio": round(plain_s / mirror_s, 3),
+        "mirror_copy_ms": round(copy_s * 1e3, 2),
+        "mirror_copy_gb_s": round(kv_bytes / copy_s / 1e9, 2),
+        "mirror_wait_ms": round(_median(t.wait_s for t in times["mirror"][1:]) * 1e3, 3),
+        "memcpy_after_forward_gb_s": round(_median(memcpy["after"][1:]), 2),
+        "memcpy_again_gb_s": round(_median(memcpy["again"][1:]), 2),
     }
 
 
-def _median_ms(seconds: Iterable[float]) -> float:
-    return round(statistics.median(seconds) * 1e3, 2)
-
-
-def _write_once(kv: KVCache, mirror: KVMirror, tokens: int) -> WriteTimes:
-    lay = kv.layout
-    k = torch.randn(tokens, lay.num_kv_heads, lay.head_dim).to(torch.bfloat16)
-    slots = torch.randperm(lay.num_pages * lay.page_size)[:tokens]
-    return timed_write(kv, mirror, slots, np.arange(tokens), k, k)
+def _median(values: Iterable[float]) -> float:
+    return statistics.median(values)
 
 
 def main() -> None:

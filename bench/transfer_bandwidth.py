@@ -32,11 +32,13 @@ for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one
 
     python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
                                        [--push thread,inline] [--protocol push,vllm]
+                                       [--paired-push after|before]
 
 ``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the request staged in
 vLLM's layout by the repack, ``"staging": "repack"``, and by the forward's KV mirror,
 ``"staging": "mirror"``, then a decode's READ of it, against the same memcpy, and with
-``push,vllm`` the pull path's bandwidth against the thread push's scattered rows;
+``push,vllm`` the pull path's bandwidth against the thread push's scattered rows; the mirror
+rows also against a push of the same pages right after each READ, ``paired_push_gb_s``;
 ``bench/vllm_pull.py``), then one row of the runner's forward with and without the mirror
 (``bench/kv_mirror.py``).
 """
@@ -195,6 +197,12 @@ def main() -> None:
         "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
     )
     parser.add_argument("--protocol", default="push", help="push, vllm (pull rows), or both")
+    parser.add_argument(
+        "--paired-push",
+        default="after",
+        choices=("after", "before"),
+        help="the vLLM mirror rows' paired push: after their READs, or before (bench/vllm_pull.py)",
+    )
     args = parser.parse_args()
     protocols = args.protocol.split(",")
     chunk_pages = args.chunk_tokens // PAGE_SIZE
@@ -205,25 +213,31 @@ def main() -> None:
             if push == "thread":
                 push_gb_s = rows
         if "vllm" in protocols:
-            run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s)
+            run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s, args.paired_push)
     if "vllm" in protocols:  # the runner's speed with the mirror against without
         import kv_mirror
 
         print(json.dumps(kv_mirror.forward_rows(1024, args.repeats)), flush=True)
 
 
-def run_vllm(pool_layout: str, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
-    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape, in a pool the
-    runner's ``KVCache`` owns (its writes, and the mirror's, are part of the rows)."""
-    import torch
+def run_vllm(
+    pool_layout: str,
+    repeats: int,
+    chunk_pages: int,
+    push_gb_s: dict[int, float],
+    paired_push: str = "after",
+) -> None:
+    """The vLLM-pull rows (``bench/vllm_pull.py``) over the same pool shape, in the pool of a
+    runner whose forwards stage the mirrored rows (``bench/kv_mirror.py``'s narrow model with
+    the same KV shape: its forwards, and the mirror's copies, are part of those rows)."""
+    import kv_mirror
     import vllm_pull
 
-    from prefill_worker.model.kv_cache import KVCache
-
-    kv = KVCache(layout(NUM_LOCAL_PAGES, pool_layout), torch.device("cpu"))
-    for plane in (*kv.k, *kv.v):
-        plane.normal_()
-    vllm_pull.run(kv, repeats, chunk_pages, push_gb_s)
+    runner = kv_mirror.narrow_runner(NUM_LOCAL_PAGES, pool_layout)
+    assert runner.kv_cache.layout == layout(NUM_LOCAL_PAGES, pool_layout)
+    for plane in (*runner.kv_cache.k, *runner.kv_cache.v):
+        plane.normal_()  # touched, as the push rows' pools
+    vllm_pull.run(runner, repeats, chunk_pages, push_gb_s, paired_push)
 
 
 def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> dict[int, float]:

@@ -15,10 +15,13 @@ READ made from them by index (``make_prepped_xfer``) and timed from posting to d
   (``read_adjacent_*``: NIXL merges descriptors adjacent, in order, on both sides) and into
   the same blocks in reverse (``read_reversed_*``: nothing merges).
 - ``"staging": "mirror"``: the same pages as a claimed request's are staged in production:
-  each chunk's slots asked of the sender, its K/V written by ``KVCache.write`` into the pool
-  and, through the KV mirror, into the staging blocks (``bench/kv_mirror.py``), its pages then
-  handed over (no repack may be queued: asserted); one scattered READ into the same decode
-  blocks as the repack row's.
+  each chunk's slots asked of the sender, then a real forward of the chunk by the runner
+  (``bench/kv_mirror.py``'s narrow model with Llama-3-8B's KV shape, over this pool) that
+  writes its K/V into the pool and, through the KV mirror's thread, into the staging blocks,
+  its pages then handed over (no repack may be queued: asserted); two scattered READs into
+  the same decode blocks as the repack row's: right after the answer (``read_*``; no
+  notification, the blocks stay held), then again (``read_settled_*``, with the
+  notification).
 
 ``*_descriptors`` is what NIXL posted (its telemetry). ``descriptor_memcpy_gb_s`` is the
 scattered READ's descriptors as memmoves in this process (``descriptor_kib`` each): what the
@@ -35,10 +38,12 @@ in this process, right after, so each sees the same machine load; medians over t
      "read_descriptor_ratio", "pull_gb_s", "pull_serial_gb_s", "push_gb_s", "pull_vs_push",
      "read_vs_push"}
     {"name": "transfer", "protocol": "vllm", "staging": "mirror", "pool_layout", "tokens",
-     "chunk_tokens", "write_ms", "write_mirroring_ms", "mirror_ms", "mirror_tail_ms",
-     "mirror_gb_s", "answer_ms",
-     "read_ms", "read_gb_s", "read_descriptors", "memcpy_gb_s", "pull_gb_s",
-     "pull_vs_repack_pull", "push_gb_s", "pull_vs_push", "read_vs_push"}
+     "chunk_tokens", "forward_ms", "mirror_copy_ms", "mirror_gb_s", "mirror_tail_ms",
+     "answer_ms", "read_ms", "read_gb_s", "read_settled_ms", "read_settled_gb_s",
+     "read_descriptors", "memcpy_gb_s", "pull_gb_s", "pull_settled_gb_s",
+     "pull_vs_repack_pull", "push_gb_s", "pull_vs_push", "read_vs_push",
+     "pull_settled_vs_push", "read_settled_vs_push", "paired_push", "paired_push_gb_s",
+     "pull_vs_paired_push", "pull_settled_vs_paired_push"}
 
 Repack rows: ``repack_ms`` is every chunk's repack (``repack_gb_s`` its rate);
 ``repack_tail_ms`` what of it a user waits for: from the last chunk's hand-over to the
@@ -50,21 +55,28 @@ time from the prefill's last forward to the decode holding the KV, ``repack_tail
 the scattered READ (the proxy's hop and the handshake are not counted). ``pull_serial_gb_s``:
 the same with every repack counted (nothing to hide behind).
 
-Mirror rows: ``write_ms`` is the last chunk's ``KVCache.write`` over every layer without the
-mirror (what any forward spends), ``write_mirroring_ms`` the same while mirroring;
-``mirror_ms`` the mirror's own writes (``KVMirror.write``, what ``KVCache.write`` adds) of
-every chunk (the forward grows by it; ``mirror_gb_s`` the KV's bytes over it),
-``mirror_tail_ms`` the last chunk's: no forward follows to hide it, so it is counted in the
-pull path (``bench/kv_mirror.py`` says why it is timed on its own).
+Mirror rows: ``forward_ms`` is the last chunk's forward, its mirror tail included;
+``mirror_copy_ms`` the mirror's copies of every chunk on the mirror's thread (behind the
+forward's layers; ``mirror_gb_s`` the KV's bytes over it), ``mirror_tail_ms`` what the last
+chunk's forward waited for them after its last layer: the mirror's share of the pull path.
 ``answer_ms``: from the last chunk's hand-over to success (no repack to wait for).
-``pull_gb_s``: the bytes over ``mirror_tail_ms + answer_ms`` plus the scattered READ;
-``pull_vs_repack_pull`` the repack row's pull time over this one's (> 1: the mirror is faster).
+``pull_gb_s``: the bytes over ``mirror_tail_ms + answer_ms`` plus the first READ,
+``pull_settled_gb_s`` the same with the second; ``pull_vs_repack_pull`` the repack row's pull
+time over this one's (> 1: the mirror is faster). The two READs differ only in when they run:
+on the 2-core development VM the first, right after seconds of matmul, is often slower.
+``paired_push_gb_s``: the push rows' native push (``transfer_bandwidth.push_once``: its own
+decode process, scattered decode pages) of the same pages from the same pool, right after
+each repeat's READs (``"paired_push": "after"``; ``--paired-push before``: right after the
+answer, before the READs, where the first READ otherwise runs), so the push and the pull see
+the same machine; ``pull_vs_paired_push`` and ``pull_settled_vs_paired_push`` the pull
+paths against it.
 
 ``push_gb_s`` is the same run's push of the same scattered pages (``gb_s`` of its
 ``scattered`` row, from the first chunk's hand-over to the decode's status); ``pull_vs_push``
 is ``pull_gb_s / push_gb_s`` (goal, issue 30: >= 0.9) and ``read_vs_push`` the READ alone
-against the push: the transfer against the transfer. Without ``--protocol push`` in the same
-run the three are absent. docs/vllm.md says which comparison is like with like.
+against the push: the transfer against the transfer (``*_settled_*``: with the second READ).
+Without ``--protocol push`` in the same run they are absent. docs/vllm.md says which
+comparison is like with like.
 """
 
 from __future__ import annotations
@@ -80,15 +92,19 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import torch
-from kv_mirror import WriteTimes, timed_write
+from kv_mirror import ForwardTimes, mirrored_forward
 
-from prefill_worker.kv.aux import AuxPool
-from prefill_worker.model.kv_cache import TORCH_DTYPES, KVCache, KVMirror
+from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.model.kv_cache import TORCH_DTYPES
+from prefill_worker.model.kv_mirror import KVMirror
+from prefill_worker.model.runner import Runner
+from prefill_worker.request import SamplingParams
 
 BLOCK_SIZE = 32
 TOKENS = (1024, 8192)
 MIRROR_ROOMS = 1 << 20  # the mirrored requests' rooms: never a repacked one's
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class _Channel:
@@ -164,22 +180,32 @@ def _block_descs(base: int, size: int, num_blocks: int, layers: int) -> list[tup
     ]
 
 
-def run(kv: KVCache, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]) -> None:
-    """Every vLLM row for one pool layout (``kv``: the pool as the runner owns it);
-    ``push_gb_s``: the same run's scattered push rows' GB/s by prompt length (empty without
-    them)."""
+def run(
+    runner: Runner,
+    repeats: int,
+    chunk_pages: int,
+    push_gb_s: dict[int, float],
+    paired_push: str = "after",
+) -> None:
+    """Every vLLM row for one pool layout (``runner``: a model whose pool is the one staged
+    from); ``push_gb_s``: the same run's scattered push rows' GB/s by prompt length (empty
+    without them); ``paired_push``: the paired push ``after`` each mirrored request's READs, or
+    ``before`` them (right after the answer, where the first READ otherwise runs)."""
     from prefill_worker.transfer.options import NixlOptions, VllmOptions
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.tickets import Tickets
 
+    kv = runner.kv_cache
     lay, aux = kv.layout, AuxPool(16)
     num_blocks = max(TOKENS) // BLOCK_SIZE
     nixl = NixlOptions(None, ("UCX",), "lo")
     options = VllmOptions("127.0.0.1", 0, BLOCK_SIZE, num_blocks, nixl=nixl)
     regions = kv.regions(aux.base_addr, aux.num_rows)
     backend = VllmBackend(regions, options, Tickets(4), lambda h, p, r: _Channel(r))
-    mirror = KVMirror(backend.mirror_layers, TORCH_DTYPES[lay.dtype])
-    kv.attach_mirror(mirror)
+    kv.attach_mirror(KVMirror(backend.mirror_layers, TORCH_DTYPES[lay.dtype]))
+    assert aux.try_alloc() == 0
+    aux.write(0, AuxRow(1, 0.0, 8192, 0))  # what the paired push sends as its aux row
+    pusher = _Pusher(regions, paired_push)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=decode_main, args=(child_conn, backend.registration, num_blocks))
@@ -191,21 +217,67 @@ def run(kv: KVCache, repeats: int, chunk_pages: int, push_gb_s: dict[int, float]
         decode_bytes = len(reg.region_base_addrs) * _decode_blocks(num_blocks) * reg.block_bytes
         copy = _CopyReference(largest, decode_bytes)
         for tokens in TOKENS:
-            case = _Case(kv, mirror, tokens, chunk_pages, push_gb_s.get(tokens))
-            _row(backend, conn, case, repeats, copy)
+            vocab_size = runner.model.spec.vocab_size
+            ids = np.random.default_rng(tokens).integers(0, vocab_size, tokens).tolist()
+            case = _Case(runner, ids, chunk_pages, push_gb_s.get(tokens))
+            _row(backend, conn, case, repeats, copy, pusher)
     finally:
         conn.send("exit")
         child.join(60)
         backend.close()
+        pusher.close()
+
+
+class _Pusher:
+    """The push rows' native push (``transfer_bandwidth.push_once``, its decode process and
+    scattered decode pages) of the same pages from the same pool, right after each mirrored
+    request's READs: the push paired with the pull, each seeing the same machine."""
+
+    def __init__(self, regions: Any, when: str) -> None:
+        import transfer_bandwidth
+
+        from prefill_worker.transfer import make_backend
+        from prefill_worker.transfer.options import NativeOptions
+
+        assert when in ("after", "before"), when
+        self._bench, self.when = transfer_bandwidth, when
+        options = NativeOptions("tcp://127.0.0.1:0", 30.0, 0.2, push_thread=True)
+        self.backend = make_backend(regions, options)
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        args = (child, self.backend.bootstrap_endpoint, regions.layout.kind)
+        self._proc = ctx.Process(target=transfer_bandwidth.decode_main, args=args, daemon=True)
+        self._proc.start()
+        while not self._conn.poll(0.001):
+            self.backend.poll()
+        assert self._conn.recv() == "registered"
+        self._room, self._rng = 1 << 22, np.random.default_rng(7)
+
+    def seconds(self, pages: list[int], chunk_pages: int) -> float:
+        """One push of ``pages`` (from the first chunk's hand-over to the decode's status)."""
+        bench, self._room = self._bench, self._room + 1
+        dst = bench.scattered(self._rng, bench.NUM_DECODE_PAGES, len(pages))
+        elapsed, _, _ = bench.push_once(
+            self.backend, self._conn, self._room, pages, dst, chunk_pages
+        )
+        return float(elapsed)
+
+    def close(self) -> None:
+        self._conn.send(("exit",))
+        self._proc.join(10)
+        self.backend.close()
 
 
 @dataclass(frozen=True, slots=True)
 class _Case:
-    kv: KVCache
-    mirror: KVMirror  # kv's
-    tokens: int
+    runner: Runner  # its pool is the one staged from, with the mirror attached
+    token_ids: list[int]  # the prompt the mirrored request's forwards compute
     chunk_pages: int
     push_gb_s: float | None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,19 +288,26 @@ class _Staged:
     tail_s: float  # from the last chunk's hand-over to success
 
 
-def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyReference) -> None:
+def _row(
+    backend: Any,
+    conn: Connection,
+    case: _Case,
+    repeats: int,
+    copy: _CopyReference,
+    pusher: _Pusher,
+) -> None:
     """The request staged by the repack, then by the mirror, the same pages each time, each
     READ into the same scattered decode blocks; a repack row and a mirror row."""
-    lay, tokens, reg = case.kv.layout, case.tokens, backend.registration
+    lay, tokens, reg = case.runner.kv_cache.layout, case.tokens, backend.registration
     rng = np.random.default_rng(tokens)
     num_local = _decode_blocks(reg.num_blocks)
     staged: list[_Staged] = []
     mirrored: list[_MirrorStaged] = []
-    reads: tuple[list[tuple[float, int]], ...] = ([], [], [], [])  # + the mirrored scattered
+    # scattered, adjacent, reversed; the mirrored request's first and settled
+    reads: tuple[list[tuple[float, int]], ...] = ([], [], [], [], [])
     floor_s: list[float] = []
     memcpy_s: list[float] = []
-    chunk_shape = (case.chunk_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
-    k = torch.randn(chunk_shape).to(TORCH_DTYPES[lay.dtype])  # a forward's fresh K (and V)
+    push_s: list[float] = []  # the paired push of each repeat's pages
     for room in range(tokens, tokens + repeats + 1):
         pages = [int(p) for p in rng.choice(lay.num_pages, tokens // lay.page_size, False)]
         done = _stage(backend, room, tokens, pages, case.chunk_pages)
@@ -242,11 +321,17 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
         floor_s.append(copy.descriptor_seconds(reg, blocks, local))
         _until_released(backend)
         memcpy_s.append(copy.seconds(done.num_bytes))
-        by_mirror = _stage_mirrored(backend, case, MIRROR_ROOMS + room, pages, k)
+        by_mirror = _stage_mirrored(backend, case, MIRROR_ROOMS + room, pages)
         mirrored.append(by_mirror)
+        mirror_blocks = by_mirror.params["remote_block_ids"][0]
         notif = f"{by_mirror.params['remote_request_id']}:1"
-        reads[3].append(_read(conn, by_mirror.params["remote_block_ids"][0], local, notif))
+        if pusher.when == "before":
+            push_s.append(pusher.seconds(pages, case.chunk_pages))
+        reads[3].append(_read(conn, mirror_blocks, local, ""))  # right after the forward
+        reads[4].append(_read(conn, mirror_blocks, local, notif))
         _until_released(backend)
+        if pusher.when == "after":
+            push_s.append(pusher.seconds(pages, case.chunk_pages))
     nbytes = staged[-1].num_bytes
     descs = [r[-1][1] for r in reads[:3]]
     read_s, adjacent_s, reversed_s = ([seconds for seconds, _ in r] for r in reads[:3])
@@ -287,55 +372,72 @@ def _row(backend: Any, conn: Connection, case: _Case, repeats: int, copy: _CopyR
     }
     _compare(row, case.push_gb_s, nbytes / pull / 1e9, nbytes / read / 1e9)
     print(json.dumps(row), flush=True)
-    print(json.dumps(_mirror_row(case, mirrored, reads[3], memcpy_s, pull)), flush=True)
+    mirror_reads = (reads[3], reads[4])
+    mirror_row = _mirror_row(case, mirrored, mirror_reads, memcpy_s, pull)
+    paired_push = nbytes / statistics.median(push_s[1:]) / 1e9
+    mirror_row["paired_push"] = pusher.when
+    mirror_row["paired_push_gb_s"] = round(paired_push, 3)
+    mirror_row["pull_vs_paired_push"] = round(mirror_row["pull_gb_s"] / paired_push, 3)
+    mirror_row["pull_settled_vs_paired_push"] = round(
+        mirror_row["pull_settled_gb_s"] / paired_push, 3
+    )
+    print(json.dumps(mirror_row), flush=True)
 
 
 def _mirror_row(
     case: _Case,
     mirrored: list[_MirrorStaged],
-    reads: list[tuple[float, int]],
+    reads: tuple[list[tuple[float, int]], list[tuple[float, int]]],
     memcpy_s: list[float],
     repack_pull_s: float,
 ) -> dict[str, Any]:
-    """The mirrored request's row: what the mirror adds to the forward, the answer, the READ,
-    and the pull path a user waits for (the last chunk's mirror write, the answer, the READ)."""
+    """The mirrored request's row: the last forward, the mirror's copies and tail, the answer,
+    the READs, and the pull path a user waits for (the tail, the answer, the READ)."""
     nbytes = mirrored[-1].num_bytes
     assert all(m.num_repacks == 0 for m in mirrored), "a mirrored request was repacked"
-    last = [m.writes[-1] for m in mirrored]
+    first, settled = ([seconds for seconds, _ in r] for r in reads)
+    tail_s = [m.forwards[-1].wait_s + m.answer_s for m in mirrored]
     series = (
-        [w.pool_s for w in last],
-        [w.both_s for w in last],
-        [sum(w.mirror_s for w in m.writes) for m in mirrored],
-        [w.mirror_s for w in last],
+        [m.forwards[-1].forward_s for m in mirrored],
+        [sum(f.copy_s for f in m.forwards) for m in mirrored],
+        [m.forwards[-1].wait_s for m in mirrored],
         [m.answer_s for m in mirrored],
-        [seconds for seconds, _ in reads],
-        [w.mirror_s + m.answer_s + r for w, m, (r, _) in zip(last, mirrored, reads, strict=True)],
+        first,
+        settled,
+        [t + r for t, r in zip(tail_s, first, strict=True)],
+        [t + r for t, r in zip(tail_s, settled, strict=True)],
         memcpy_s,
     )
-    write, both, mirror, tail, answer, read, pull, memcpy = (
+    forward, copy, tail, answer, read, read_settled, pull, pull_settled, memcpy = (
         statistics.median(s[1:]) for s in series
     )
+    lay = case.runner.kv_cache.layout
     row: dict[str, Any] = {
         "name": "transfer",
         "protocol": "vllm",
         "staging": "mirror",
-        "pool_layout": case.kv.layout.kind,
+        "pool_layout": lay.kind,
         "tokens": case.tokens,
-        "chunk_tokens": case.chunk_pages * case.kv.layout.page_size,
-        "write_ms": round(write * 1e3, 2),
-        "write_mirroring_ms": round(both * 1e3, 2),
-        "mirror_ms": round(mirror * 1e3, 2),
-        "mirror_tail_ms": round(tail * 1e3, 2),
-        "mirror_gb_s": round(nbytes / mirror / 1e9, 3) if mirror > 0 else None,
+        "chunk_tokens": case.chunk_pages * lay.page_size,
+        "forward_ms": round(forward * 1e3, 1),
+        "mirror_copy_ms": round(copy * 1e3, 2),
+        "mirror_gb_s": round(nbytes / copy / 1e9, 3),
+        "mirror_tail_ms": round(tail * 1e3, 3),
         "answer_ms": round(answer * 1e3, 3),
         "read_ms": round(read * 1e3, 2),
         "read_gb_s": round(nbytes / read / 1e9, 3),
-        "read_descriptors": reads[-1][1],
+        "read_settled_ms": round(read_settled * 1e3, 2),
+        "read_settled_gb_s": round(nbytes / read_settled / 1e9, 3),
+        "read_descriptors": reads[1][-1][1],
         "memcpy_gb_s": round(nbytes / memcpy / 1e9, 3),
         "pull_gb_s": round(nbytes / pull / 1e9, 3),
+        "pull_settled_gb_s": round(nbytes / pull_settled / 1e9, 3),
         "pull_vs_repack_pull": round(repack_pull_s / pull, 3),
     }
     _compare(row, case.push_gb_s, nbytes / pull / 1e9, nbytes / read / 1e9)
+    if case.push_gb_s is not None:
+        row["pull_settled_vs_push"] = round(nbytes / pull_settled / 1e9 / case.push_gb_s, 3)
+        row["read_settled_vs_push"] = round(nbytes / read_settled / 1e9 / case.push_gb_s, 3)
     return row
 
 
@@ -408,39 +510,41 @@ class _MirrorStaged:
 
     params: dict[str, Any]
     num_bytes: int
-    writes: list[WriteTimes]  # one per chunk, in order
+    forwards: list[ForwardTimes]  # one per chunk, in order
     answer_s: float  # from the last chunk's hand-over to success (the answer may go)
     num_repacks: int  # repacks the desk began for it (0: every token mirrored)
 
 
-def _stage_mirrored(
-    backend: Any, case: _Case, room: int, pages: list[int], k: torch.Tensor
-) -> _MirrorStaged:
+def _stage_mirrored(backend: Any, case: _Case, room: int, pages: list[int]) -> _MirrorStaged:
     """A request through the vLLM sender as the engine drives a mirrored one: each chunk's
-    slots asked as it is planned, its K/V written into the pool and the staging blocks by
-    ``KVCache.write`` (the forward's share, ``kv_mirror.timed_write``: ``k`` stands in for
-    every layer's K and V), its pages then handed over."""
-    kv, mirror, chunk_pages = case.kv, case.mirror, case.chunk_pages
-    ps, tokens = kv.layout.page_size, len(pages) * kv.layout.page_size
+    slots asked as it is planned, the chunk's forward run by the runner (its K/V into the
+    pool, and by the mirror's thread into the staging blocks), its pages then handed over."""
+    runner, chunk_pages = case.runner, case.chunk_pages
+    ps, tokens = runner.kv_cache.layout.page_size, case.tokens
     backend.desk.tickets.open(room)
     sender = backend.create_sender(room, f"bench-mirror-{room}", tokens)
     sender.poll()
-    repacks, writes = backend.desk.counts.repacks, []
-    page_ids = torch.tensor(pages)
+    repacks, forwards = backend.desk.counts.repacks, []
     start_s = 0.0
     for first in range(0, len(pages), chunk_pages):
         start, end = first * ps, min((first + chunk_pages) * ps, tokens)
-        mirror_slots = np.asarray(sender.mirror_slots(start, end), dtype=np.int64)
-        positions = torch.arange(start, end)
-        slots = page_ids[positions // ps] * ps + positions % ps
-        chunk = k[: end - start]
-        writes.append(timed_write(kv, mirror, slots, mirror_slots, chunk, chunk))
+        sampling = GREEDY if end == tokens else None
+        chunk = ChunkPlan(
+            f"bench-mirror-{room}",
+            case.token_ids[start:end],
+            start,
+            end,
+            pages[: -(-end // ps)],
+            sampling,
+            mirror_slots=sender.mirror_slots(start, end),
+        )
+        forwards.append(mirrored_forward(runner, BatchPlan(room, (chunk,))))
         start_s = time.perf_counter()
         sender.send_pages(pages[first : first + chunk_pages], first)
     params = _answer(backend, sender, room)
     answer_s = time.perf_counter() - start_s
     num_repacks = backend.desk.counts.repacks - repacks
-    return _MirrorStaged(params, sender.written_bytes(), writes, answer_s, num_repacks)
+    return _MirrorStaged(params, sender.written_bytes(), forwards, answer_s, num_repacks)
 
 
 class _CopyReference:

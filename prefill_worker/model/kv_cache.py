@@ -19,26 +19,25 @@ offset), which works for any page stride.
 Under tensor parallelism each rank owns its own pool, and ``num_kv_heads`` (KV above) is the
 rank's local count: the heads ``model.parallel.kv_head_range`` gives it, in order.
 
-A K/V pool may also carry a ``KVMirror``: a second paged store, in memory someone else owns,
-that ``write`` fills with the fresh K/V of the tokens the runner names for the forward in
-hand (``mirroring``), so a transfer that needs the KV in another layout finds it written by
-the forward itself instead of copying it afterwards (docs/vllm.md, "Layout")::
-
-    paired blocks  per layer [num_blocks, KV, block_size, 2 * D]   K then V per (head, token)
-                   k[l] = view[..., 0, :] as [num_blocks, block_size, KV, D]   strided views
-                   v[l] = view[..., 1, :] likewise; written as numpy runs of D (host only)
+A K/V pool may also carry a ``KVMirror`` (``model/kv_mirror.py``): a second paged store, in
+memory someone else owns, that a forward fills with the fresh K/V of the tokens the runner
+names (``mirroring``), each layer copied from the pool on the mirror's thread while the next
+layer computes, so a transfer that needs the KV in another layout finds it written by the
+forward itself instead of copying it afterwards (docs/vllm.md, "Layout").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
+from prefill_worker.model.kv_mirror import KVMirror, MirrorTargets, MirrorWrites, PoolRuns
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -70,75 +69,6 @@ def pool_num_pages(
     return count
 
 
-MirrorIndex = tuple[np.ndarray, np.ndarray, np.ndarray]  # block [M, 1], head [1, KV], offset [M, 1]
-
-
-class KVMirror:
-    """K‖V blocks per layer over host arrays ``[num_blocks, KV, block_size, 2 * D]`` (K then V
-    per (head, token)) the cache does not own, indexed like the pool: row ``block *
-    block_size + offset`` of its ``[num_blocks, block_size, KV, D]`` views ``k[l]``/``v[l]``.
-
-    Writes are numpy copies of whole ``D`` runs (one element each), on the caller's thread:
-    a torch ``index_put_`` into the strided views is an OpenMP loop, whose barriers stall for
-    milliseconds per op on a loaded host (0.25-0.9 GB/s against numpy's 2-9 GB/s on the
-    2-core development VM, docs/vllm.md)."""
-
-    def __init__(self, layers: Sequence[np.ndarray], dtype: torch.dtype) -> None:
-        """``layers``' items are ``dtype``'s size (their numpy type is only a carrier)."""
-        num_blocks, heads, block_size, width = layers[0].shape
-        assert all(a.shape == layers[0].shape and a.flags.c_contiguous for a in layers)
-        self.block_size, self.num_kv_heads, self.head_dim = block_size, heads, width // 2
-        run = np.dtype(f"V{self.head_dim * layers[0].itemsize}")  # one head's K (or V)
-        self._runs = tuple(a.view(run).reshape(num_blocks, heads, block_size, 2) for a in layers)
-        paired = [
-            torch.from_numpy(a).view(dtype).view(num_blocks, heads, block_size, 2, width // 2)
-            for a in layers
-        ]
-        self.k = tuple(p[..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
-        self.v = tuple(p[..., 1, :].permute(0, 2, 1, 3) for p in paired)
-
-    def index_of(self, slots: np.ndarray) -> MirrorIndex:
-        """Where each of ``slots [M]``'s heads goes, as numpy indices that broadcast."""
-        flat = slots[:, None]
-        heads = np.arange(self.num_kv_heads)[None, :]
-        return flat // self.block_size, heads, flat % self.block_size
-
-    def write(self, layer: int, index: MirrorIndex, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k/v [M, KV, D]`` at ``index`` (``index_of`` their slots)."""
-        runs = self._runs[layer]
-        blocks, heads, offsets = index
-        runs[blocks, heads, offsets, 0] = _as_runs(k, runs.dtype)
-        runs[blocks, heads, offsets, 1] = _as_runs(v, runs.dtype)
-
-
-def _as_runs(t: torch.Tensor, run: np.dtype) -> np.ndarray:
-    """``t [M, KV, D]`` as ``[M, KV]`` runs of D (no copy when contiguous)."""
-    raw = t.contiguous().view(torch.uint8).numpy()  # [M, KV, D * itemsize]
-    return raw.view(run)[..., 0]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class MirrorTargets:
-    """The rows of a packed batch whose K/V also go to the mirror, and their mirror rows."""
-
-    rows: torch.Tensor | None  # [M] int64, rows of the batch; None: every row, in order
-    slots: np.ndarray  # [M] int64, block * block_size + offset in the mirror (host memory)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Mirroring:
-    """One forward's targets, as ``KVMirror.write`` takes them (computed once, not per layer)."""
-
-    mirror: KVMirror
-    rows: torch.Tensor | None  # of the batch; None: all
-    index: MirrorIndex  # KVMirror.index_of the slots
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.rows is not None:
-            k, v = k[self.rows], v[self.rows]  # [M, KV, D]
-        self.mirror.write(layer, self.index, k, v)
-
-
 class KVCache:
     """Owns the K/V pool of every layer; the runner writes pages, transfer reads them."""
 
@@ -147,8 +77,8 @@ class KVCache:
         self.device = device
         page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
         dtype = TORCH_DTYPES[layout.dtype]
-        self._mirror: KVMirror | None = None
-        self._mirroring: _Mirroring | None = None  # set by ``mirroring``, for one forward
+        self._mirror: tuple[KVMirror, PoolRuns] | None = None
+        self._mirroring: MirrorWrites | None = None  # set by ``mirroring``, for one forward
         if layout.kind == MLA:
             self._storage = torch.zeros(  # [L, P, page_size, 1, D]
                 (layout.num_layers, layout.num_pages, *page), dtype=dtype, device=device
@@ -183,20 +113,30 @@ class KVCache:
                 f"a mirror in {mirror.k[0].dtype} on {mirror.k[0].device}; "
                 f"the pool is {self.k[0].dtype} on {self.k[0].device}"
             )
-        self._mirror = mirror
+        self._mirror = (mirror, PoolRuns(self.k, self.v, lay.page_size, mirror.run))
 
     @contextmanager
-    def mirroring(self, targets: MirrorTargets | None) -> Iterator[None]:
-        """Inside, ``write`` also stores ``targets``' rows in the mirror (the runner brackets
-        a forward with it; None: nothing mirrored)."""
+    def mirroring(self, targets: MirrorTargets | None) -> Iterator[MirrorWrites | None]:
+        """Inside, each ``write`` also queues the copy of ``targets``' tokens of that layer
+        into the mirror (the runner brackets a forward with it; None: nothing mirrored). On
+        leaving, every copy has ended: a failed copy raises here, unless the body itself
+        raised (its error wins; the copy's is logged)."""
         if targets is None:
-            yield
+            yield None
             return
         assert self._mirror is not None, "mirror targets without a mirror attached"
-        index = self._mirror.index_of(targets.slots)
-        self._mirroring = _Mirroring(self._mirror, targets.rows, index)
+        writes = MirrorWrites(*self._mirror, targets)
+        self._mirroring = writes
         try:
-            yield
+            yield writes
+        except BaseException:
+            try:
+                writes.finish()  # the copies still read the pool: never leave them running
+            except Exception:
+                log.exception("a KV mirror copy failed in a forward that failed too")
+            raise
+        else:
+            writes.finish()
         finally:
             self._mirroring = None
 
@@ -227,13 +167,13 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k/v [T, KV, D]`` at flat rows ``slots [T]`` (``page * page_size + offset``),
-        and the mirrored rows in the mirror (``mirroring``). Indexed by (page, offset), so the
-        strided page-major views (and the mirror's) need no copy."""
+        and queue the mirror's copy of them (``mirroring``). Indexed by (page, offset), so the
+        strided page-major views need no copy."""
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
         if self._mirroring is not None:
-            self._mirroring.write(layer, k, v)
+            self._mirroring.layer_written(layer)
 
     def write_latent(
         self, layer: int, slots: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor

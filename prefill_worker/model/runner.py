@@ -5,8 +5,8 @@ pool row is ``page_ids[pos // page_size] * page_size + pos % page_size``; the at
 backend is planned once per batch. Logits are computed only for the last token of chunks
 whose ``sampling`` is set, i.e. the chunks that end their prompt, and prompt logprobs only for
 the positions a chunk names (``logprob_from``, ``logprob_token_ids``): a batch where no chunk
-asks builds nothing for them. The tokens of chunks with ``mirror_slots`` are also written to
-the KV cache's mirror, at those slots, by the same forward (``KVCache.mirroring``).
+asks builds nothing for them. The tokens of chunks with ``mirror_slots`` are also copied to
+the KV cache's mirror, at those slots, during the same forward (``KVCache.mirroring``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from prefill_worker.batch import (
 )
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
 from prefill_worker.model.deepseek import DeepseekV3LM
-from prefill_worker.model.kv_cache import KVCache, MirrorTargets
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.kv_mirror import MirrorTargets
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
 from prefill_worker.model.sampling import sample
 
 
 class Packed(NamedTuple):
-    """A plan as the forward takes it: its tensors, its attention batch, its mirrored rows."""
+    """A plan as the forward takes it: its tensors, its attention batch, its mirrored tokens."""
 
     inputs: ForwardInputs
     batch: AttentionBatch
@@ -115,24 +116,7 @@ class Runner:
                 logprob_token_ids=_to(logprob_ids, device),
             )
         batch = AttentionBatch(tuple(spans), self.page_size, offset)
-        return Packed(inputs, batch, self._mirror_targets(plan, spans))
-
-    def _mirror_targets(self, plan: BatchPlan, spans: list[ChunkSpan]) -> MirrorTargets | None:
-        """The packed rows of the mirrored chunks and their mirror slots (rows None: all)."""
-        rows, slots = [], []
-        for chunk, span in zip(plan.chunks, spans, strict=True):
-            if not chunk.mirror_slots:
-                continue
-            if len(chunk.mirror_slots) != chunk.num_tokens:
-                raise ValueError(f"chunk of {chunk.request_id}: one mirror slot per token needed")
-            rows.append(np.arange(span.q_start, span.q_end, dtype=np.int64))
-            slots.append(np.asarray(chunk.mirror_slots, dtype=np.int64))
-        if not rows:
-            return None
-        device, all_rows = self.kv_cache.device, np.concatenate(rows)
-        is_all = len(all_rows) == spans[-1].q_end
-        packed_rows = None if is_all else _to(all_rows, device)
-        return MirrorTargets(packed_rows, np.concatenate(slots))
+        return Packed(inputs, batch, _mirror_targets(plan, slots))
 
     def _logprob_rows(
         self, plan: BatchPlan, spans: list[ChunkSpan]
@@ -161,6 +145,22 @@ class Runner:
             raise ValueError(f"chunk of {chunk.request_id}: {num_pages} pages needed")
         page_ids = tuple(int(p) for p in chunk.page_ids[:num_pages])
         return ChunkSpan(offset, offset + chunk.num_tokens, chunk.start, chunk.end, page_ids)
+
+
+def _mirror_targets(plan: BatchPlan, pool_slots: list[np.ndarray]) -> MirrorTargets | None:
+    """The pool rows of the mirrored chunks' tokens (``pool_slots``: each chunk's, in plan
+    order) and their mirror slots; None when no chunk is mirrored."""
+    pool, mirror = [], []
+    for chunk, chunk_slots in zip(plan.chunks, pool_slots, strict=True):
+        if not chunk.mirror_slots:
+            continue
+        if len(chunk.mirror_slots) != chunk.num_tokens:
+            raise ValueError(f"chunk of {chunk.request_id}: one mirror slot per token needed")
+        pool.append(chunk_slots)
+        mirror.append(np.asarray(chunk.mirror_slots, dtype=np.int64))
+    if not pool:
+        return None
+    return MirrorTargets(np.concatenate(pool), np.concatenate(mirror))
 
 
 def _split_logprobs(plan: BatchPlan, values: torch.Tensor | None) -> tuple[PromptLogprobs, ...]:

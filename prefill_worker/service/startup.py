@@ -34,7 +34,8 @@ from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
-from prefill_worker.model.kv_cache import TORCH_DTYPES, KVMirror
+from prefill_worker.model.kv_cache import TORCH_DTYPES
+from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits

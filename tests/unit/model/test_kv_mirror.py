@@ -1,15 +1,20 @@
-"""The KV mirror: a forward's ``KVCache.write`` also stores the rows the runner names in a
+"""The KV mirror: a forward's ``KVCache.write`` also stores the tokens the runner names in a
 second paged store of K‖V blocks (vLLM's layout), byte for byte what the pool got, in both
-pool layouts; rows not named, and writes outside ``mirroring``, leave the mirror untouched."""
+pool layouts; tokens not named, and writes outside ``mirroring``, leave the mirror untouched.
+The copies run on the mirror's thread, and all have ended when ``mirroring`` is left, on
+every path: a failed copy raises there, a failed forward still waits for its copies."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, PAGE_MAJOR, KVLayout
-from prefill_worker.model.kv_cache import KVCache, KVMirror, MirrorTargets
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.kv_mirror import KVMirror, MirrorTargets
 
 L, H, D, PS, PAGES, BS, BLOCKS = 2, 2, 8, 4, 10, 8, 6
 
@@ -44,14 +49,14 @@ def test_mirrored_rows_are_the_pool_rows_in_paired_blocks(kind: str) -> None:
     before = [b.copy() for b in blocks]
     kv.attach_mirror(KVMirror(blocks, torch.bfloat16))
     slots = torch.tensor([37, 5, 6, 7, 20])  # pool rows (page * PS + offset)
-    rows, mirror_slots = [1, 2, 4], [3 * BS + 7, 0 * BS + 1, 5 * BS + 0]
-    targets = MirrorTargets(torch.tensor(rows), np.asarray(mirror_slots, dtype=np.int64))
+    mirrored, mirror_slots = [5, 6, 20], [3 * BS + 7, 0 * BS + 1, 5 * BS + 0]
+    targets = MirrorTargets(np.asarray(mirrored), np.asarray(mirror_slots, dtype=np.int64))
     with kv.mirroring(targets):
         _write_all(kv, slots)
     for layer in range(L):
         want = before[layer].copy()
-        for row, slot in zip(rows, mirror_slots, strict=True):
-            page, offset = divmod(int(slots[row]), PS)
+        for pool_slot, slot in zip(mirrored, mirror_slots, strict=True):
+            page, offset = divmod(pool_slot, PS)
             block, at = divmod(slot, BS)
             want[block, :, at, :D] = _bits(kv.k[layer][page, offset])  # [H, D]: K of each head
             want[block, :, at, D:] = _bits(kv.v[layer][page, offset])
@@ -65,7 +70,7 @@ def test_every_row_in_order_and_nothing_outside_mirroring() -> None:
     _write_all(kv, slots)  # no targets: the mirror is not written
     untouched = [b.copy() for b in blocks]
     assert all(np.array_equal(a, b) for a, b in zip(blocks, _blocks(1), strict=True))
-    with kv.mirroring(MirrorTargets(None, np.arange(BS, BS + 5))):
+    with kv.mirroring(MirrorTargets(slots.numpy(), np.arange(BS, BS + 5))):
         k, v = _write_all(kv, slots)
     got = blocks[L - 1][1, :, :5]  # block 1, offsets 0..4: [H, 5, 2D]
     assert np.array_equal(got[..., :D], _bits(k.transpose(0, 1)))
@@ -90,6 +95,56 @@ def test_a_mirror_that_does_not_fit_the_pool_is_refused() -> None:
     kv = _cache(PAGE_MAJOR)
     with (
         pytest.raises(AssertionError, match="without a mirror"),
-        kv.mirroring(MirrorTargets(None, np.arange(2))),
+        kv.mirroring(MirrorTargets(np.arange(2), np.arange(2))),
     ):
         pass
+
+
+def _held(mirror: KVMirror) -> threading.Event:
+    """Holds the mirror's thread until the event is set (a copy queued behind waits)."""
+    gate = threading.Event()
+    mirror.submit(lambda: gate.wait(30) and None)
+    return gate
+
+
+@pytest.mark.parametrize("kind", [LAYER_MAJOR, PAGE_MAJOR])
+def test_the_copies_run_on_the_mirrors_thread_and_end_with_mirroring(kind: str) -> None:
+    kv, blocks = _cache(kind), _blocks(2)
+    mirror = KVMirror(blocks, torch.bfloat16)
+    kv.attach_mirror(mirror)
+    before, slots = [b.copy() for b in blocks], torch.tensor([9, 10, 11])
+    gate = _held(mirror)
+    with kv.mirroring(MirrorTargets(slots.numpy(), np.arange(3))) as writes:
+        k, v = _write_all(kv, slots)  # returns with every copy still queued
+        assert all(np.array_equal(a, b) for a, b in zip(blocks, before, strict=True))
+        gate.set()
+    assert writes is not None and writes.copy_s > 0
+    assert torch.equal(mirror.k[L - 1][0, :3], k) and torch.equal(mirror.v[L - 1][0, :3], v)
+
+
+def test_a_failed_forward_waits_for_its_copies_and_raises_its_own_error() -> None:
+    kv, mirror = _cache(LAYER_MAJOR), KVMirror(_blocks(3), torch.bfloat16)
+    kv.attach_mirror(mirror)
+    slots = torch.tensor([1, 2])
+    gate = _held(mirror)
+    k = torch.randn(2, H, D).to(torch.bfloat16)
+    with (
+        pytest.raises(RuntimeError, match="layer 1 failed"),
+        kv.mirroring(MirrorTargets(slots.numpy(), np.array([BS, BS + 1]))),
+    ):
+        kv.write(0, slots, k, -k)
+        gate.set()
+        raise RuntimeError("layer 1 failed")
+    assert torch.equal(mirror.k[0][1, :2], k) and torch.equal(mirror.v[0][1, :2], -k)
+
+
+def test_a_failed_copy_raises_when_mirroring_ends() -> None:
+    kv, mirror = _cache(PAGE_MAJOR), KVMirror(_blocks(), torch.bfloat16)
+    kv.attach_mirror(mirror)
+    slots = torch.tensor([3])
+    past_the_end = MirrorTargets(slots.numpy(), np.array([BLOCKS * BS]))
+    with pytest.raises(IndexError), kv.mirroring(past_the_end):
+        _write_all(kv, slots)
+    with kv.mirroring(MirrorTargets(slots.numpy(), np.array([0]))):  # the next forward copies
+        k, v = _write_all(kv, slots)
+    assert torch.equal(mirror.k[L - 1][0, 0], k[0]) and torch.equal(mirror.v[L - 1][0, 0], v[0])

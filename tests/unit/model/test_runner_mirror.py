@@ -1,6 +1,6 @@
-"""The runner and the KV mirror: ``pack`` names the packed rows of the mirrored chunks and
-their slots; a real forward (a small random Llama) writes exactly those tokens' K/V into the
-mirror, byte-equal to the pool, and computes the same logits as without a mirror."""
+"""The runner and the KV mirror: ``pack`` names the pool rows of the mirrored chunks' tokens
+and their mirror slots; a real forward (a small random Llama) writes exactly those tokens' K/V
+into the mirror, byte-equal to the pool, and computes the same logits as without a mirror."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.kv.layout import PAGE_MAJOR
-from prefill_worker.model.kv_cache import KVMirror
+from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.runner import Runner
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.random_model import random_runner
@@ -49,17 +49,19 @@ def _plan(a_slots: list[int], b_slots: list[int]) -> BatchPlan:
 
 A_SLOTS = [3 * BS + 4 + i for i in range(4)] + [1 * BS + i for i in range(2)]  # blocks 3, 1
 B_SLOTS = [4 * BS + i for i in range(5)]
+A_POOL = [2 * PS + i for i in range(4)] + [9 * PS + i for i in range(2)]  # positions 4..9
+B_POOL = [7 * PS + i for i in range(4)] + [0 * PS]  # positions 0..4
 
 
-def test_pack_names_the_mirrored_rows_and_their_slots() -> None:
+def test_pack_names_the_mirrored_tokens_pool_rows_and_slots() -> None:
     runner = _runner()
     _mirrored(runner)
     one = runner.pack(_plan([], B_SLOTS)).mirror
-    assert one is not None and one.rows is not None
-    assert one.rows.tolist() == [6, 7, 8, 9, 10] and one.slots.tolist() == B_SLOTS
+    assert one is not None
+    assert one.pool_slots.tolist() == B_POOL and one.slots.tolist() == B_SLOTS
     both = runner.pack(_plan(A_SLOTS, B_SLOTS)).mirror
-    assert both is not None and both.rows is None  # every row, in order
-    assert both.slots.tolist() == A_SLOTS + B_SLOTS
+    assert both is not None
+    assert both.pool_slots.tolist() == A_POOL + B_POOL and both.slots.tolist() == A_SLOTS + B_SLOTS
     assert runner.pack(_plan([], [])).mirror is None
     with pytest.raises(ValueError, match="one mirror slot per token"):
         runner.pack(_plan(A_SLOTS[:-1], []))

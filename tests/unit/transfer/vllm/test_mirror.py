@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from prefill_worker.model.kv_cache import KVMirror
+from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.transfer.base import KVPoll, MirroringSender
 from prefill_worker.transfer.vllm.desk import PullDesk, StageCounts
 from prefill_worker.transfer.vllm.sender import VllmSender
