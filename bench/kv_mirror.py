@@ -33,7 +33,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +114,7 @@ def forward_rows(tokens: int, repeats: int) -> dict[str, Any]:
     plain = BatchPlan(1, (ChunkPlan("p", ids, 0, tokens, pages, greedy),))
     mirrored = BatchPlan(1, (ChunkPlan("p", ids, 0, tokens, pages, greedy, mirror_slots=slots),))
     lay = runner.kv_cache.layout
-    kv_bytes = tokens * lay.num_layers * 2 * lay.num_kv_heads * lay.head_dim * 2  # bf16
+    kv_bytes = tokens * lay.num_layers * 2 * lay.page_bytes // lay.page_size  # K and V
     source, target = np.ones(kv_bytes, np.uint8), np.zeros(kv_bytes, np.uint8)
     times: dict[str, list[ForwardTimes]] = {"plain": [], "mirror": []}
     memcpy: dict[str, list[float]] = {"after": [], "again": []}
@@ -126,8 +125,9 @@ def forward_rows(tokens: int, repeats: int) -> dict[str, Any]:
             start = time.perf_counter()
             np.copyto(target, source)
             memcpy[name].append(kv_bytes / (time.perf_counter() - start) / 1e9)
-    plain_s, mirror_s = (_median(t.forward_s for t in times[n][1:]) for n in ("plain", "mirror"))
-    copy_s = _median(t.copy_s for t in times["mirror"][1:])
+    median = statistics.median
+    plain_s, mirror_s = (median(t.forward_s for t in times[n][1:]) for n in ("plain", "mirror"))
+    copy_s = median(t.copy_s for t in times["mirror"][1:])
     return {
         "name": "kv_mirror_forward",
         "tokens": tokens,
@@ -136,14 +136,10 @@ def forward_rows(tokens: int, repeats: int) -> dict[str, Any]:
         "mirror_ratio": round(plain_s / mirror_s, 3),
         "mirror_copy_ms": round(copy_s * 1e3, 2),
         "mirror_copy_gb_s": round(kv_bytes / copy_s / 1e9, 2),
-        "mirror_wait_ms": round(_median(t.wait_s for t in times["mirror"][1:]) * 1e3, 3),
-        "memcpy_after_forward_gb_s": round(_median(memcpy["after"][1:]), 2),
-        "memcpy_again_gb_s": round(_median(memcpy["again"][1:]), 2),
+        "mirror_wait_ms": round(median(t.wait_s for t in times["mirror"][1:]) * 1e3, 3),
+        "memcpy_after_forward_gb_s": round(median(memcpy["after"][1:]), 2),
+        "memcpy_again_gb_s": round(median(memcpy["again"][1:]), 2),
     }
-
-
-def _median(values: Iterable[float]) -> float:
-    return statistics.median(values)
 
 
 def main() -> None:
