@@ -15,6 +15,11 @@ Imported only when chosen, on CUDA::
 
 With ``causal=True`` flashinfer aligns the mask bottom-right, which is what a chunk
 ``[start, end)`` over keys ``[0, end)`` needs.
+
+On Hopper flashinfer's ``auto`` picks its FA3 kernels without looking at the head size, and
+those compile only for head sizes 64, 128 and 256 (a static assertion in ``prefill_sm90.cuh``;
+seen on an H200 with a head size of 80): other sizes take the FA2 kernels, which serve any
+multiple of 16.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ import torch
 from prefill_worker.model.attention.base import AttentionBatch
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def kernel_family(head_dim: int) -> str:
+    """flashinfer's ``backend`` argument for this head size (the docstring says why)."""
+    return "auto" if head_dim in FA3_HEAD_DIMS else "fa2"
 
 
 class FlashInferBackend:
@@ -32,8 +43,9 @@ class FlashInferBackend:
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         self.device = device
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._family = "auto"
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._planned_for: tuple[int, int, int, torch.dtype] | None = None
         self._batch: AttentionBatch | None = None
 
@@ -53,6 +65,12 @@ class FlashInferBackend:
             kv_indices.extend(span.page_ids)
             kv_indptr.append(len(kv_indices))
             last_page_len.append(span.end - (len(span.page_ids) - 1) * batch.page_size)
+        family = kernel_family(head_dim)
+        if family != self._family:  # the kernel family is fixed when a wrapper is made
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=family
+            )
+            self._family = family
         self._wrapper.plan(  # indptr arrays on the host: planning reads them there
             _int32(qo_indptr),
             _int32(kv_indptr),
