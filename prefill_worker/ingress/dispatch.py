@@ -40,6 +40,7 @@ from prefill_worker.ingress.routes import RouteTable, scope
 from prefill_worker.ingress.validate import Limits, decode_router
 from prefill_worker.load import TTFT_SLO_REJECT, LoadSource, ttft_slo_refusal
 from prefill_worker.request import AbortRequest, FinishReason, Outcome, PrefillRequest
+from prefill_worker.zmq_parts import peer_property
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,6 @@ class IngressDispatch:
                 body_frame = recv(_NOBLOCK, copy=False)
                 body = body_frame.bytes
                 if not self._is_connected(identity, body_frame):
-                    self.counts["from_gone"] += 1
                     self._discard_more()
                     continue
                 prefix = scope(identity)
@@ -171,9 +171,18 @@ class IngressDispatch:
         self._sender.send(route.identity, frame)
 
     def _is_connected(self, identity: bytes, frame: zmq.Frame) -> bool:
-        """A routing id seen first: file it under its connection, unless that has closed."""
+        """A routing id seen first: file it under its connection, unless that has closed or
+        the peer has no connection metadata (ZMTP/1.0: ``zmq_parts.peer_property``)."""
+        fd = peer_property(frame, zmq.SRCFD)
+        if not isinstance(fd, int):
+            self.counts["no_metadata"] += 1
+            self._observer.on_malformed()
+            return False
         self.read_monitor()  # every event before this message is known now
-        return self._connections.try_add(identity, frame.get(zmq.SRCFD))
+        if self._connections.try_add(identity, fd):
+            return True
+        self.counts["from_gone"] += 1
+        return False
 
     def _discard_more(self) -> None:
         """The rest of a multipart message; its parts have all arrived with the first."""

@@ -61,6 +61,7 @@ class IngressStats:
     num_routers_gone: int = 0  # router connections that closed with requests in flight
     num_aborted_router_gone: int = 0  # requests aborted because their router went away
     num_from_gone: int = 0  # messages read after their connection had closed (dropped)
+    num_no_metadata: int = 0  # messages from peers without metadata, ZMTP/1.0 (dropped)
 
 
 def default_max_message_bytes(max_prompt_tokens: int) -> int:
@@ -225,6 +226,7 @@ class Ingress:
             num_routers_gone=c["routers_gone"],
             num_aborted_router_gone=c["aborted_router_gone"],
             num_from_gone=c["from_gone"],
+            num_no_metadata=c["no_metadata"],
         )
 
     def _wake(self) -> None:

@@ -110,14 +110,16 @@ class ControlSocket:
                     break
                 self._deliver(*received)
 
-    def _deliver(self, frames: list[bytes], num_frames: int, source_ip: str) -> None:
+    def _deliver(self, frames: list[bytes], num_frames: int, source_ip: str | None) -> None:
         try:
+            if source_ip is None:  # zmq_parts.peer_property: no SGLang decode speaks ZMTP/1.0
+                raise FrameError("a peer without connection metadata (ZMTP/1.0)")
             if num_frames > MAX_FRAMES:
                 raise FrameError(f"a message of {num_frames} frames (at most {MAX_FRAMES})")
             message: Message | FrameError = parse(frames)
         except FrameError as exc:
             message = exc
-        self._on_message(Received(message, source_ip))
+        self._on_message(Received(message, source_ip or ""))
 
     def _close_sockets(self) -> None:
         for sock in (self._sock, self._stop_send, self._stop_recv):
