@@ -120,7 +120,8 @@ class Daemon:
 
     def run(self) -> int:
         try:
-            placement = Placement.from_environ(self._env, self.config.parallel.tp_size)
+            cfg = self.config.parallel
+            placement = Placement.from_environ(self._env, cfg.tp_size, cfg.interface)
         except ValueError as exc:
             log.error("start-up failed at step 'tp group': %s", exc)
             return EX_CONFIG

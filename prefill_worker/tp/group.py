@@ -8,6 +8,13 @@ Two ways to run, decided once at start-up from the environment the daemon was gi
     under torchrun (RANK, WORLD_SIZE  this process is one rank; torchrun started the others
     and LOCAL_RANK set)               and serves the rendezvous (``env://``)
 
+Where the group listens. Every socket of a one-host group (the spawned one, or torchrun with a
+loopback ``MASTER_ADDR``) is on loopback: the leader's TCPStore listens on a socket bound to
+127.0.0.1 (``TCPStore`` alone binds every interface, and the store has no authentication), and
+gloo and NCCL are given ``lo`` (gloo otherwise binds the address the host name resolves to).
+A group across hosts is torchrun's, whose store it serves itself; it needs
+``parallel.interface``, the (private) interface its collectives use, or it is refused at start.
+
 Process groups: the model's collectives run on ``backend`` (NCCL on CUDA, gloo on CPU); the
 steps on a gloo group (the same group on CPU). Both carry ``step_timeout_s``: a collective
 waiting longer for a rank raises, which is how a stopped or hung rank is detected. The
@@ -17,6 +24,9 @@ default group keeps the (long) rendezvous timeout, for the one barrier after the
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +37,7 @@ import torch.distributed as dist
 from prefill_worker.model.parallel import TPGroup
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,23 +47,51 @@ class Placement:
     local_rank: int  # this host's device index
     port: int  # the rendezvous store's (0: the leader picks one)
     is_torchrun: bool
+    interface: str = LOOPBACK_INTERFACE  # the network interface gloo and NCCL bind
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     @staticmethod
-    def from_environ(env: Mapping[str, str], tp_size: int) -> Placement | None:
+    def from_environ(
+        env: Mapping[str, str], tp_size: int, interface: str | None = None
+    ) -> Placement | None:
         """None at TP 1 outside torchrun; ``ValueError`` when torchrun's world is not
-        ``tp_size``."""
+        ``tp_size``, or spans hosts (a ``MASTER_ADDR`` off loopback) with no ``interface``
+        (``parallel.interface``) named for it."""
         if "RANK" in env and "WORLD_SIZE" in env:
             size = int(env["WORLD_SIZE"])
             if size != tp_size:
                 raise ValueError(f"torchrun started {size} ranks but parallel.tp_size is {tp_size}")
             rank = int(env["RANK"])
             local = int(env.get("LOCAL_RANK", rank))
-            return Placement(rank, size, local, 0, True) if size > 1 else None
+            if size == 1:
+                return None
+            return Placement(rank, size, local, 0, True, _torchrun_interface(env, interface))
         return Placement(0, tp_size, 0, 0, False) if tp_size > 1 else None
+
+
+def _torchrun_interface(env: Mapping[str, str], interface: str | None) -> str:
+    master = env.get("MASTER_ADDR", LOOPBACK)
+    if _is_loopback(master):
+        return LOOPBACK_INTERFACE
+    if interface is None:
+        raise ValueError(
+            f"torchrun's MASTER_ADDR {master} is not loopback: a group across hosts needs "
+            "parallel.interface, the private network interface its collectives use (its "
+            "rendezvous store has no authentication: keep it off public networks)"
+        )
+    return interface
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: taken as another host
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +132,11 @@ def open_store(placement: Placement, timeouts: Timeouts) -> dist.TCPStore | None
     torchrun, which serves its own."""
     if placement.is_torchrun or not placement.is_leader:
         return None
+    listener = socket.create_server((LOOPBACK, 0))  # the store serves on this socket alone
+    port = listener.getsockname()[1]
     return dist.TCPStore(
-        LOOPBACK, 0, placement.size, is_master=True, timeout=_delta(timeouts.rendezvous_s),
-        wait_for_workers=False,
+        LOOPBACK, port, placement.size, is_master=True, timeout=_delta(timeouts.rendezvous_s),
+        wait_for_workers=False, master_listen_fd=listener.detach(),
     )  # fmt: skip
 
 
@@ -104,6 +145,8 @@ def join(
 ) -> Membership:
     """Blocks until every rank joined (the leader bounds it from outside: ``followers``)."""
     backend = backend_for(device)
+    # Read by gloo and NCCL when they make their sockets (torch has no argument for it).
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = placement.interface
     if placement.is_torchrun:
         timeout = _delta(timeouts.rendezvous_s)
         dist.init_process_group(backend, init_method="env://", timeout=timeout)

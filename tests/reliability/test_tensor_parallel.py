@@ -58,6 +58,7 @@ from tests.integration.daemon.conftest import (
     start_worker,
     wait_ready,
 )
+from tests.integration.transfer.test_bootstrap_guard import listening
 from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
 
@@ -250,6 +251,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         session = Session(worker)
         try:
             answers = serve_script(session, tp)
+            listeners = {a for pid in process_tree(worker.proc.pid) for a in listening(pid)}
             samples = scrape(worker)
             forwards = {
                 labels: value
@@ -268,8 +270,27 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
             session.close()
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
         pools = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(tp)]
-        results[tp] = answers, pools, forwards, written
+        results[tp] = answers, pools, forwards, written, listeners
     yield results
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the leader, then the ranks it started)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").iterdir():
+            tree += [int(c) for c in (task / "children").read_text().split()]
+        i += 1
+    return tree
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_listens_on_loopback_only(served: dict, tp: int) -> None:
+    """The rendezvous store (before: TCPStore bound every interface, with no authentication),
+    gloo's pairs (given ``lo``), the ZMQ, HTTP and UCX listeners: 127.0.0.1, on every rank."""
+    listeners = served[tp][4]
+    assert len(listeners) > 4, listeners  # the leader's edges and the ranks' own sockets
+    assert {ip for ip, _ in listeners} == {"127.0.0.1"}, sorted(listeners)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -64,6 +64,15 @@ class ParallelConfig(Section):
         description="Longest wait for every rank to join the group at start-up (and to load).",
     )
 
+    interface: str | None = Field(
+        None,
+        min_length=1,
+        description="Under torchrun across hosts (MASTER_ADDR off loopback): the network "
+        "interface the group's collectives bind (gloo's and NCCL's sockets); required there, "
+        "and it should be private: torchrun's rendezvous store has no authentication. A group "
+        "on one host (the one `serve` starts, or torchrun on loopback) binds only loopback.",
+    )
+
     @model_validator(mode="after")
     def _heartbeat_below_timeout(self) -> ParallelConfig:
         if self.heartbeat_interval_s >= self.step_timeout_s:

@@ -24,6 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
+from prefill_worker.lograte import RateLimitedLog
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -65,6 +66,9 @@ def pull_params(
     }
 
 
+BAD_NOTIFICATION_LOG_S = 10.0  # malformed notifications: one log line per this (all counted)
+
+
 @dataclass(slots=True)
 class StageCounts:
     """Tokens staged so far, by who wrote them (engine thread; scrapes read the ints)."""
@@ -94,6 +98,7 @@ class PullDesk:
         self._num_holds = 0
         self.page_size = pool.page_size
         self.counts = StageCounts()
+        self._bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
@@ -141,12 +146,14 @@ class PullDesk:
         return True
 
     def notify(self, message: bytes) -> None:
-        """One NIXL notification from a decode; a malformed one is logged and counted."""
+        """One NIXL notification from a decode; a malformed one is counted, and logged at
+        most once per ``BAD_NOTIFICATION_LOG_S`` (any agent may send notifications)."""
+        now = self._clock()
         try:
             text = message.decode(errors="replace")
-            self.staging.free(self.holds.notify(text, self._clock()))
+            self.staging.free(self.holds.notify(text, now))
         except BadNotification as exc:
-            log.warning("vllm: notification ignored: %s", exc)
+            self._bad_log.warning(now, "vllm: notification ignored: %s", exc)
 
     def expire(self) -> None:
         self.staging.free(self.holds.expire(self._clock()))
