@@ -76,6 +76,7 @@ class OtlpTracer:
             BatchSpanProcessor(
                 _CountedExporter(exporter, on_dropped),
                 max_queue_size=config.max_queue_size,
+                max_export_batch_size=min(512, config.max_queue_size),
                 schedule_delay_millis=config.schedule_delay_s * 1000,
                 export_timeout_millis=config.export_timeout_s * 1000,
                 meter_provider=_DropMeters(on_dropped),
