@@ -10,6 +10,7 @@ end to end from its outcome's timings (SGLang's stage names)::
                               prefill_waiting ─┐ (admission queue)
                                                prefill_forward ──────┐ (chunks: tokens computed)
                                                                      prefill_transfer_kv_cache ──┐
+      chunked_prefill ×N            (each forward that computed a chunk: when the runner ran it)
 
 Threads: ``begin`` runs on the I/O side, ``finish`` on the engine thread and only enqueues
 into a bounded queue; the ``tracer`` thread builds the spans and the SDK's batch processor
@@ -24,7 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -38,6 +39,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.request import FinishReason, Outcome, PrefillRequest
 from prefill_worker.service.sections.tracing import TracingConfig
 
@@ -58,6 +60,8 @@ class Begun:
     parent: Context | None  # the router's span, when it sent a valid traceparent
     trace_id: int
     span_id: int  # the root span's, chosen up front so that the ids are known at once
+    # (started, ended, first token, end token) of each forward chunk, noted by the engine
+    chunks: list[tuple[float, float, int, int]] = field(default_factory=list)
 
 
 class OtlpTracer:
@@ -113,6 +117,13 @@ class OtlpTracer:
             random.getrandbits(64) or 1,
         )
 
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        pending = self._pending
+        for chunk in plan.chunks:
+            begun = pending.get(chunk.request_id)
+            if begun is not None:
+                begun.chunks.append((started_at, ended_at, chunk.start, chunk.end))
+
     def finish(self, outcome: Outcome) -> str | None:
         begun = self._pending.pop(outcome.request_id, None)
         if begun is None:
@@ -120,7 +131,8 @@ class OtlpTracer:
         try:
             self._finished.put_nowait((begun, outcome))
         except queue.Full:
-            self._on_dropped("queue_full", 1 + len(phase_bounds(begun.arrival_time, outcome)))
+            num_spans = 1 + len(phase_bounds(begun.arrival_time, outcome)) + len(begun.chunks)
+            self._on_dropped("queue_full", num_spans)
         return f"{begun.trace_id:032x}"
 
     def close(self) -> None:
@@ -162,6 +174,14 @@ class OtlpTracer:
                     start_time=to_ns(start),
                 )
                 span.end(to_ns(end))
+            for started, ended, first, end_token in begun.chunks:
+                span = self._tracer.start_span(
+                    "chunked_prefill",
+                    inside,
+                    attributes={"start_token": first, "end_token": end_token},
+                    start_time=to_ns(started),
+                )
+                span.end(to_ns(ended))
             root.set_status(outcome_status(outcome))
         root.end(to_ns(bounds[-1][1] if bounds else begun.arrival_time))
 

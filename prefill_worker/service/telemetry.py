@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
 from prefill_worker.service.logs import log_outcome
@@ -33,6 +34,9 @@ class EngineEvents:
     def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
         if num_batch_tokens:
             self._metrics.observe_step(duration_s, num_batch_tokens)
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        self._tracer.on_forward(plan, started_at, ended_at)
 
     def on_load(self, load: LoadSnapshot) -> None:
         self._metrics.set_queue_sizes(load.queue_sizes())

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.inbox import Inbox
 from prefill_worker.request import Outcome, PrefillRequest
 from prefill_worker.service.sections.tracing import TracingConfig
@@ -22,6 +23,10 @@ from prefill_worker.service.sections.tracing import TracingConfig
 class RequestTracer(Protocol):
     def begin(self, request: PrefillRequest) -> None:
         """A request entered the engine's inbox (any thread; quick)."""
+        ...
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        """A forward batch computed ``plan``'s chunks (engine thread; quick: it only notes)."""
         ...
 
     def finish(self, outcome: Outcome) -> str | None:
@@ -38,6 +43,9 @@ class NullTracer:
     """Traces nothing (``tracing.enabled`` off)."""
 
     def begin(self, request: PrefillRequest) -> None:
+        return None
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
         return None
 
     def finish(self, outcome: Outcome) -> str | None:

@@ -46,6 +46,7 @@ def traced(tmp_path_factory, checkpoint, receiver) -> Iterator[tuple[Worker, int
         "tracing.service_name=traced-prefill",
         "tracing.schedule_delay_s=0.05",
         "scheduler.bootstrap_timeout_s=1.0",
+        "scheduler.optimistic_prefill=false",  # chunks inside prefill_forward, none unclaimed
         *api_settings(api_port),
     )
     try:
@@ -56,8 +57,11 @@ def traced(tmp_path_factory, checkpoint, receiver) -> Iterator[tuple[Worker, int
         worker.child.kill()
 
 
-def _tree(receiver: OtlpReceiver, room: int) -> tuple[ReceivedSpan, list[ReceivedSpan]]:
-    """The root span of ``room``'s request and its children, once all have arrived."""
+def _tree(
+    receiver: OtlpReceiver, room: int, num_chunks: int = 0
+) -> tuple[ReceivedSpan, list[ReceivedSpan], list[ReceivedSpan]]:
+    """The root span of ``room``'s request, its phases and its ``num_chunks`` forward chunks,
+    once all have arrived."""
 
     def root_of(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
         roots = [s for s in spans if s.attributes.get("bootstrap_room") == hex(room)]
@@ -68,13 +72,14 @@ def _tree(receiver: OtlpReceiver, room: int) -> tuple[ReceivedSpan, list[Receive
         if root is None:
             return False
         children = [s for s in spans if s.parent_span_id == root.span_id]
-        return len(children) == _num_phases(root)
+        return len(children) == _num_phases(root) + num_chunks
 
     spans = receiver.wait_for(complete)
     root = root_of(spans)
     assert root is not None
     children = sorted((s for s in spans if s.parent_span_id == root.span_id), key=_start)
-    return root, children
+    chunks = [c for c in children if c.name == "chunked_prefill"]
+    return root, [c for c in children if c.name != "chunked_prefill"], chunks
 
 
 def _num_phases(root: ReceivedSpan) -> int:
@@ -110,7 +115,7 @@ def test_a_request_is_one_trace_under_the_routers_span(traced, receiver, router_
     )
     assert result.status is OutcomeStatus.OK, result
 
-    root, children = _tree(receiver, room)
+    root, children, chunks = _tree(receiver, room, num_chunks=3)
     assert root.service_name == "traced-prefill"
     assert (root.trace_id, root.parent_span_id) == (ROUTER_TRACE, ROUTER_SPAN)
     assert re.fullmatch(r"prefill Req .{8}", root.name), root.name
@@ -132,6 +137,10 @@ def test_a_request_is_one_trace_under_the_routers_span(traced, receiver, router_
     forward, transfer = children[2], children[3]
     assert forward.attributes["num_computed_tokens"] == 37
     assert transfer.attributes["transfer_bytes"] > 0
+    # tiny-test's chunks are 16 tokens: each forward that computed one, inside the forward phase
+    spans = [(c.attributes["start_token"], c.attributes["end_token"]) for c in chunks]
+    assert spans == [(0, 16), (16, 32), (32, 37)]
+    assert all(forward.start_ns <= c.start_ns < c.end_ns <= forward.end_ns for c in chunks)
     # the outcome's log line names the trace
     assert f"trace_id={ROUTER_TRACE}" in worker.log()
 
@@ -145,7 +154,7 @@ def test_a_failed_request_has_an_error_status_naming_the_reason(
     result = router.prefill(prompt(9, seed=2), room, request_id="traced-timeout")
     assert result.status is OutcomeStatus.FAILED, result
 
-    root, children = _tree(receiver, room)
+    root, children, _ = _tree(receiver, room)
     assert root.parent_span_id == ""  # no traceparent: a root of its own
     assert root.trace_id != ROUTER_TRACE
     assert root.status_code == 2
@@ -181,7 +190,7 @@ def test_the_http_front_continues_the_traceparent_header(traced, receiver) -> No
 
     assert _served(decode, room, len(ids), send) == 200
 
-    root, children = _tree(receiver, room)
+    root, children, _ = _tree(receiver, room, num_chunks=2)
     assert (root.trace_id, root.parent_span_id) == (other_trace, "b7ad6b7169203331")
     assert root.attributes["rid"].startswith("http:")
     assert [c.name for c in children] == PHASES
@@ -196,7 +205,7 @@ def test_a_malformed_traceparent_starts_a_new_trace(traced, receiver, router_fac
         decode, room, len(ids), lambda: router.prefill(ids, room, traceparent="00-not-a-trace-01")
     )
     assert result.status is OutcomeStatus.OK, result
-    root, _ = _tree(receiver, room)
+    root, _, _ = _tree(receiver, room, num_chunks=1)
     assert root.parent_span_id == ""
     assert re.fullmatch(r"[0-9a-f]{32}", root.trace_id) and int(root.trace_id, 16) != 0
 
