@@ -40,7 +40,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from prefill_worker.batch import BatchPlan
-from prefill_worker.request import FinishReason, Outcome, PrefillRequest
+from prefill_worker.request import FinishReason, Outcome, PrefillRequest, TraceContext
 from prefill_worker.service.sections.tracing import TracingConfig
 
 log = logging.getLogger("prefill_worker.service.otel")
@@ -70,9 +70,10 @@ class OtlpTracer:
     def __init__(self, config: TracingConfig, on_dropped: OnDropped) -> None:
         self._on_dropped = on_dropped
         self._ids = _PresetIds()
+        self._sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": config.service_name}),
-            sampler=ParentBased(TraceIdRatioBased(config.sampling_ratio)),
+            sampler=self._sampler,
             id_generator=self._ids,
         )
         exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=config.export_timeout_s)
@@ -95,7 +96,7 @@ class OtlpTracer:
         self._thread = threading.Thread(target=self._run, name="tracer", daemon=True)
         self._thread.start()
 
-    def begin(self, request: PrefillRequest) -> None:
+    def begin(self, request: PrefillRequest) -> TraceContext:
         parent = None
         if request.trace_context is not None:
             carrier = {"traceparent": request.trace_context.traceparent}
@@ -109,13 +110,23 @@ class OtlpTracer:
             if parent is not None
             else random.getrandbits(128) or 1
         )
-        self._pending[request.request_id] = Begun(
+        begun = Begun(
             request.bootstrap_room,
             request.arrival_time,
             parent,
             trace_id,
             random.getrandbits(64) or 1,
         )
+        self._pending[request.request_id] = begun
+        return self._context_of(begun, request.trace_context)
+
+    def _context_of(self, begun: Begun, router: TraceContext | None) -> TraceContext:
+        """The W3C context of the root span ``begun`` will have: sampled as the sampler will
+        decide, with the router's tracestate passed on."""
+        decision = self._sampler.should_sample(begun.parent, begun.trace_id, "prefill")
+        flags = "01" if decision.decision.is_sampled() else "00"
+        parent = f"00-{begun.trace_id:032x}-{begun.span_id:016x}-{flags}"
+        return TraceContext(parent, None if router is None else router.tracestate)
 
     def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
         pending = self._pending

@@ -11,18 +11,21 @@ thread never builds a span nor waits for an export. With ``tracing.enabled`` off
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from prefill_worker.batch import BatchPlan
 from prefill_worker.inbox import Inbox
-from prefill_worker.request import Outcome, PrefillRequest
+from prefill_worker.request import Outcome, PrefillRequest, TraceContext
 from prefill_worker.service.sections.tracing import TracingConfig
 
 
 class RequestTracer(Protocol):
-    def begin(self, request: PrefillRequest) -> None:
-        """A request entered the engine's inbox (any thread; quick)."""
+    def begin(self, request: PrefillRequest) -> TraceContext | None:
+        """A request entered the engine's inbox (any thread; quick): the context of the span
+        the tracer will make for it, which the request carries on (to its decode), or None
+        to leave the request's own."""
         ...
 
     def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
@@ -42,7 +45,7 @@ class RequestTracer(Protocol):
 class NullTracer:
     """Traces nothing (``tracing.enabled`` off)."""
 
-    def begin(self, request: PrefillRequest) -> None:
+    def begin(self, request: PrefillRequest) -> TraceContext | None:
         return None
 
     def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
@@ -57,7 +60,8 @@ class NullTracer:
 
 class TracedInbox(Inbox):
     """The engine's inbox that tells the tracer of every request put in it, from whichever
-    front (ZMQ ingress, HTTP) it came."""
+    front (ZMQ ingress, HTTP) it came, and hands the engine the request with the context of
+    the worker's span in place of the router's (the decode is told that one)."""
 
     def __init__(self, tracer: RequestTracer) -> None:
         super().__init__()
@@ -65,7 +69,9 @@ class TracedInbox(Inbox):
 
     def _put(self, item: Any) -> None:
         if isinstance(item, PrefillRequest):
-            self._tracer.begin(item)
+            own = self._tracer.begin(item)
+            if own is not None:
+                item = dataclasses.replace(item, trace_context=own)
         super()._put(item)
 
 

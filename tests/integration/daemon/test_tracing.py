@@ -17,6 +17,7 @@ import pytest
 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.otlp import OtlpReceiver, ReceivedSpan
+from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Decode, Worker, free_port, start_worker
 from tests.integration.daemon.test_http_api import api_settings
@@ -92,11 +93,12 @@ def _start(span: ReceivedSpan) -> int:
 
 def _served(decode: Decode, room: int, num_tokens: int, send: Callable[[], Any]) -> Any:
     """``send()``'s answer while the decode asks for ``room`` and takes its KV (it must keep
-    polling its receiver, or the worker counts it lost)."""
+    polling its receiver, or the worker counts it lost); the room's status at the decode in
+    ``decode.ended``."""
     decode.want(room, num_tokens)
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
-        decode.wait([room])
+        decode.ended = decode.wait([room])  # type: ignore[attr-defined]
         result = answer.result(timeout=60)
     decode.close()
     return result
@@ -141,6 +143,10 @@ def test_a_request_is_one_trace_under_the_routers_span(traced, receiver, router_
     spans = [(c.attributes["start_token"], c.attributes["end_token"]) for c in chunks]
     assert spans == [(0, 16), (16, 32), (32, 37)]
     assert all(forward.start_ns <= c.start_ns < c.end_ns <= forward.end_ns for c in chunks)
+    # the decode is told the worker's span, to continue the trace from it
+    status = decode.ended[room]  # type: ignore[attr-defined]
+    assert status.state is RoomState.DONE
+    assert status.traceparent == f"00-{ROUTER_TRACE}-{root.span_id}-01"
     # the outcome's log line names the trace
     assert f"trace_id={ROUTER_TRACE}" in worker.log()
 

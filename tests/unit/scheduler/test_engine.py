@@ -22,6 +22,7 @@ from prefill_worker.request import (
     PrefillRequest,
     RequestState,
     SamplingParams,
+    TraceContext,
 )
 from prefill_worker.scheduler import Engine
 from prefill_worker.transfer.base import KVPoll
@@ -388,6 +389,19 @@ def test_a_live_request_id_again_is_a_caller_bug() -> None:
     rig.prefill("a", 8)
     with pytest.raises(AssertionError, match="'a' is live"):
         rig.prefill("a", 4)
+
+
+def test_the_requests_trace_context_reaches_the_sender() -> None:
+    """For the decode's trace (docs/observability.md): the request's traceparent goes to the
+    sender, which puts it in its statuses."""
+    rig = make_rig(auto_want=False)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    rig.prefill("traced", 8, trace_context=TraceContext(parent, "k=v"))
+    rig.prefill("plain", 8)
+    assert rig.sender("traced").traceparent == parent
+    assert rig.sender("plain").traceparent is None
+    rig.engine.shutdown()
+    rig.check_whole()
 
 
 def test_the_decode_peer_named_by_the_router_reaches_the_sender() -> None:
