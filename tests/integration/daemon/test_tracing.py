@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from prefill_worker.request import OutcomeStatus
+from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.testing.otlp import OtlpReceiver, ReceivedSpan
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
@@ -73,6 +73,8 @@ def _tree(
         if root is None:
             return False
         children = [s for s in spans if s.parent_span_id == root.span_id]
+        if num_chunks < 0:  # any number: the phases are enough
+            return len([c for c in children if c.name != "chunked_prefill"]) >= 1
         return len(children) == _num_phases(root) + num_chunks
 
     spans = receiver.wait_for(complete)
@@ -167,6 +169,41 @@ def test_a_failed_request_has_an_error_status_naming_the_reason(
     assert root.status_message.startswith("bootstrap_timeout"), root.status_message
     assert [c.name for c in children] == ["prefill_bootstrap"]
     assert f"trace_id={root.trace_id}" in worker.log()
+
+
+def test_a_refused_push_and_an_abort_are_errors_naming_their_reasons(
+    traced, receiver, router_factory
+) -> None:
+    worker, _ = traced
+    decode = Decode(worker.bootstrap)
+    router = router_factory(worker.ingress)
+    refused, ids = 0x5EED0006, prompt(40, seed=6)
+    decode.want(refused, 8)  # two pages for a prompt of ten: the worker cannot push it
+    result = router.prefill(ids, refused, request_id="traced-refused")
+    decode.close()
+    assert (result.status, result.reason) == (OutcomeStatus.FAILED, FinishReason.TRANSFER_FAILED)
+    root, _, _ = _tree(receiver, refused, num_chunks=-1)
+    assert root.status_code == 2
+    assert root.status_message.startswith(f"{result.reason.value}: "), root.status_message
+    assert root.attributes["finish_reason"] == result.reason.value
+
+    aborted = 0x5EED0007  # no decode: it waits in bootstrap until the router withdraws it
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(router.prefill, prompt(6, seed=7), aborted, request_id="gone")
+        wait_until(lambda: _queued(worker) >= 1, 10.0, "the request held")
+        router.abort("gone")
+        assert answer.result(timeout=30).status is OutcomeStatus.ABORTED
+    root, _, _ = _tree(receiver, aborted)
+    assert root.status_code == 2
+    assert root.status_message.startswith("aborted_by_router"), root.status_message
+
+
+def _queued(worker: Worker) -> float:
+    text = worker.http("/metrics")[1]
+    found = re.findall(
+        r'^prefill_worker_queue_requests\{state="bootstrapping"\} (\S+)$', text, re.M
+    )
+    return float(found[0]) if found else 0.0
 
 
 def test_the_http_front_continues_the_traceparent_header(traced, receiver) -> None:
