@@ -24,19 +24,18 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
-from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.metrics import NoOpCounter, NoOpMeter, NoOpMeterProvider
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from prefill_worker.batch import BatchPlan
@@ -49,6 +48,8 @@ OnDropped = Callable[[str, int], None]
 PHASES = ("prefill_bootstrap", "prefill_waiting", "prefill_forward", "prefill_transfer_kv_cache")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _STOP = None
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET_STATUS = Status(StatusCode.UNSET)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,37 +58,36 @@ class Begun:
 
     room: int
     arrival_time: float  # time.monotonic()
-    parent: Context | None  # the router's span, when it sent a valid traceparent
+    parent: SpanContext | None  # the router's span, when it sent a valid traceparent
     trace_id: int
     span_id: int  # the root span's, chosen up front so that the ids are known at once
+    is_sampled: bool  # the sampler's decision, made up front too
     # (started, ended, first token, end token) of each forward chunk, noted by the engine
     chunks: list[tuple[float, float, int, int]] = field(default_factory=list)
 
 
 class OtlpTracer:
-    """``RequestTracer`` over the OpenTelemetry SDK (see the module docstring)."""
+    """``RequestTracer`` over the OpenTelemetry SDK (see the module docstring).
+
+    The spans describe work already done, so they are made whole (``ReadableSpan``: ids,
+    times, status) and handed to the batch processor, not opened and closed through the SDK's
+    tracer: a third of the Python per span. The sampler decides once per request, in
+    ``begin``, as the tracer would (parent-based, then by trace id)."""
 
     def __init__(self, config: TracingConfig, on_dropped: OnDropped) -> None:
         self._on_dropped = on_dropped
-        self._ids = _PresetIds()
         self._sampler = ParentBased(TraceIdRatioBased(config.sampling_ratio))
-        self._provider = TracerProvider(
-            resource=Resource.create({"service.name": config.service_name}),
-            sampler=self._sampler,
-            id_generator=self._ids,
-        )
+        self._resource = Resource.create({"service.name": config.service_name})
+        self._scope = InstrumentationScope("prefill_worker")
         exporter = OTLPSpanExporter(endpoint=config.endpoint, timeout=config.export_timeout_s)
-        self._provider.add_span_processor(
-            BatchSpanProcessor(
-                _CountedExporter(exporter, on_dropped),
-                max_queue_size=config.max_queue_size,
-                max_export_batch_size=min(512, config.max_queue_size),
-                schedule_delay_millis=config.schedule_delay_s * 1000,
-                export_timeout_millis=config.export_timeout_s * 1000,
-                meter_provider=_DropMeters(on_dropped),
-            )
+        self._processor = BatchSpanProcessor(
+            _CountedExporter(exporter, on_dropped),
+            max_queue_size=config.max_queue_size,
+            max_export_batch_size=min(512, config.max_queue_size),
+            schedule_delay_millis=config.schedule_delay_s * 1000,
+            export_timeout_millis=config.export_timeout_s * 1000,
+            meter_provider=_DropMeters(on_dropped),
         )
-        self._tracer = self._provider.get_tracer("prefill_worker")
         self._pending: dict[str, Begun] = {}
         self._finished: queue.Queue[tuple[Begun, Outcome] | None] = queue.Queue(
             config.max_queue_size
@@ -97,36 +97,30 @@ class OtlpTracer:
         self._thread.start()
 
     def begin(self, request: PrefillRequest) -> TraceContext:
-        parent = None
+        context, parent = None, None
         if request.trace_context is not None:
             carrier = {"traceparent": request.trace_context.traceparent}
             if request.trace_context.tracestate:
                 carrier["tracestate"] = request.trace_context.tracestate
             context = _PROPAGATOR.extract(carrier)
-            if trace.get_current_span(context).get_span_context().is_valid:
-                parent = context
-        trace_id = (
-            trace.get_current_span(parent).get_span_context().trace_id
-            if parent is not None
-            else random.getrandbits(128) or 1
-        )
+            parent = trace.get_current_span(context).get_span_context()
+            if not parent.is_valid:
+                context, parent = None, None
+        trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+        decision = self._sampler.should_sample(context, trace_id, "prefill")
         begun = Begun(
             request.bootstrap_room,
             request.arrival_time,
             parent,
             trace_id,
             random.getrandbits(64) or 1,
+            decision.decision.is_sampled(),
         )
         self._pending[request.request_id] = begun
-        return self._context_of(begun, request.trace_context)
-
-    def _context_of(self, begun: Begun, router: TraceContext | None) -> TraceContext:
-        """The W3C context of the root span ``begun`` will have: sampled as the sampler will
-        decide, with the router's tracestate passed on."""
-        decision = self._sampler.should_sample(begun.parent, begun.trace_id, "prefill")
-        flags = "01" if decision.decision.is_sampled() else "00"
-        parent = f"00-{begun.trace_id:032x}-{begun.span_id:016x}-{flags}"
-        return TraceContext(parent, None if router is None else router.tracestate)
+        flags = "01" if begun.is_sampled else "00"
+        own = f"00-{trace_id:032x}-{begun.span_id:016x}-{flags}"
+        router = request.trace_context
+        return TraceContext(own, None if router is None else router.tracestate)
 
     def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
         pending = self._pending
@@ -139,6 +133,8 @@ class OtlpTracer:
         begun = self._pending.pop(outcome.request_id, None)
         if begun is None:
             return None
+        if not begun.is_sampled:
+            return f"{begun.trace_id:032x}"
         try:
             self._finished.put_nowait((begun, outcome))
         except queue.Full:
@@ -152,49 +148,74 @@ class OtlpTracer:
         except queue.Full:
             log.warning("tracer queue full at close; its spans are dropped")
         self._thread.join(timeout=5.0)
-        self._provider.shutdown()
+        self._processor.shutdown()
 
     def _run(self) -> None:
         while (item := self._finished.get()) is not _STOP:
             begun, outcome = item
             try:
-                self._emit(begun, outcome)
+                for span in self._spans(begun, outcome):
+                    self._processor.on_end(span)
             except Exception:  # the tracer's boundary: a bad span never stops the others
                 log.exception("tracing request %s failed", outcome.request_id)
                 self._on_dropped("build_failed", 1)
 
-    def _emit(self, begun: Begun, outcome: Outcome) -> None:
+    def _spans(self, begun: Begun, outcome: Outcome) -> list[ReadableSpan]:
+        """The request's spans, children first, its root last."""
         bounds = phase_bounds(begun.arrival_time, outcome)
-        to_ns = self._to_epoch_ns
-        self._ids.preset(begun.span_id, None if begun.parent is not None else begun.trace_id)
-        root = self._tracer.start_span(
-            f"prefill Req {outcome.request_id[:8]}",
-            context=begun.parent,
-            kind=SpanKind.SERVER,
-            attributes=root_attributes(begun.room, outcome),
-            start_time=to_ns(begun.arrival_time),
+        state = begun.parent.trace_state if begun.parent is not None else None
+        root = SpanContext(begun.trace_id, begun.span_id, False, _SAMPLED, state)
+        children = [
+            (name, start, end, phase_attributes(name, outcome))
+            for name, (start, end) in zip(PHASES, bounds, strict=False)
+        ]
+        children += [
+            ("chunked_prefill", start, end, {"start_token": first, "end_token": last})
+            for start, end, first, last in begun.chunks
+        ]
+        spans = [
+            self._span(name, self._child_of(root), root, attributes, start, end)
+            for name, start, end, attributes in children
+        ]
+        end_time = bounds[-1][1] if bounds else begun.arrival_time
+        name = f"prefill Req {outcome.request_id[:8]}"
+        attributes = root_attributes(begun.room, outcome)
+        spans.append(
+            self._span(
+                name, root, begun.parent, attributes, begun.arrival_time, end_time,
+                kind=SpanKind.SERVER, status=outcome_status(outcome),
+            )
+        )  # fmt: skip
+        return spans
+
+    def _child_of(self, root: SpanContext) -> SpanContext:
+        return SpanContext(
+            root.trace_id, random.getrandbits(64) or 1, False, _SAMPLED, root.trace_state
         )
-        self._ids.preset(None, None)
-        if root.is_recording():
-            inside = trace.set_span_in_context(root)
-            for name, (start, end) in zip(PHASES, bounds, strict=False):
-                span = self._tracer.start_span(
-                    name,
-                    inside,
-                    attributes=phase_attributes(name, outcome),
-                    start_time=to_ns(start),
-                )
-                span.end(to_ns(end))
-            for started, ended, first, end_token in begun.chunks:
-                span = self._tracer.start_span(
-                    "chunked_prefill",
-                    inside,
-                    attributes={"start_token": first, "end_token": end_token},
-                    start_time=to_ns(started),
-                )
-                span.end(to_ns(ended))
-            root.set_status(outcome_status(outcome))
-        root.end(to_ns(bounds[-1][1] if bounds else begun.arrival_time))
+
+    def _span(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        attributes: Mapping[str, str | int],
+        start: float,
+        end: float,
+        kind: SpanKind = SpanKind.INTERNAL,
+        status: Status = _UNSET_STATUS,
+    ) -> ReadableSpan:
+        return ReadableSpan(
+            name,
+            context=context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            kind=kind,
+            status=status,
+            start_time=self._to_epoch_ns(start),
+            end_time=self._to_epoch_ns(end),
+            instrumentation_scope=self._scope,
+        )
 
     def _to_epoch_ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
@@ -240,25 +261,6 @@ def outcome_status(outcome: Outcome) -> Status:
         return Status(StatusCode.OK)
     text = outcome.reason.value
     return Status(StatusCode.ERROR, f"{text}: {outcome.error}" if outcome.error else text)
-
-
-class _PresetIds(RandomIdGenerator):
-    """Random ids, except a root's, which ``begin`` chose (one tracer thread uses it)."""
-
-    def __init__(self) -> None:
-        self._span_id: int | None = None
-        self._trace_id: int | None = None
-
-    def preset(self, span_id: int | None, trace_id: int | None) -> None:
-        self._span_id, self._trace_id = span_id, trace_id
-
-    def generate_span_id(self) -> int:
-        span_id, self._span_id = self._span_id, None
-        return span_id or super().generate_span_id()
-
-    def generate_trace_id(self) -> int:
-        trace_id, self._trace_id = self._trace_id, None
-        return trace_id or super().generate_trace_id()
 
 
 class _CountedExporter(SpanExporter):

@@ -23,6 +23,7 @@ from prefill_worker.request import (
 from prefill_worker.service.otel import OtlpTracer, outcome_status, phase_bounds
 from prefill_worker.service.sections.tracing import TracingConfig
 from prefill_worker.service.tracing import NullTracer, TracedInbox, start_tracer
+from prefill_worker.testing.otlp import OtlpReceiver
 from tests.polling import wait_until
 
 
@@ -122,3 +123,29 @@ def test_finish_never_waits_for_a_stuck_collector_and_counts_what_it_drops() -> 
     finally:
         stuck.close()
         tracer.close()
+
+
+def test_sampling_keeps_what_the_router_sampled_and_the_ratio_of_new_roots() -> None:
+    """Ratio 0: a request without a parent is not exported (and the decode is told it is not
+    sampled); one under a sampled router span is, as parent-based sampling asks."""
+    receiver = OtlpReceiver()
+    config = TracingConfig(
+        enabled=True, endpoint=receiver.endpoint, sampling_ratio=0.0, schedule_delay_s=0.01
+    )
+    tracer = OtlpTracer(config, lambda reason, n: None)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    try:
+        own = tracer.begin(_request(1))
+        assert own.traceparent.endswith("-00")
+        kept = tracer.begin(_request(2, TraceContext(parent, "k=v")))
+        assert kept.traceparent.startswith("00-0af7651916cd43dd8448eb211c80319c-")
+        assert kept.traceparent.endswith("-01") and kept.tracestate == "k=v"
+        assert tracer.finish(_outcome(1)) == own.traceparent.split("-")[1]
+        tracer.finish(_outcome(2))
+    finally:
+        tracer.close()  # flushes what was kept
+        receiver.close()
+    spans = receiver.snapshot()
+    assert len(spans) == 5 and {s.trace_id for s in spans} == {"0af7651916cd43dd8448eb211c80319c"}
+    [root] = [s for s in spans if s.parent_span_id == "b7ad6b7169203331"]
+    assert root.span_id == kept.traceparent.split("-")[2]  # the decode was told the root's id
