@@ -82,10 +82,20 @@ class TimedBackend:
             self._cpu_turn += time.thread_time() - start_cpu
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> TimedSender:
         inner = self.timed(
-            self._inner.create_sender, room, request_id, num_prompt_tokens, allowed_peer
+            self._inner.create_sender,
+            room,
+            request_id,
+            num_prompt_tokens,
+            allowed_peer,
+            traceparent,
         )
         return TimedSender(self, inner)
 

@@ -103,7 +103,12 @@ class NoopBackend:
         self.has_messages = False
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> NoopSender:
         return NoopSender(self.next_ready)
 

@@ -158,6 +158,15 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The W3C trace context a router sent with a request (``traceparent`` and ``tracestate``
+    as given, unparsed: the tracer reads them, and ignores a malformed one as W3C asks)."""
+
+    traceparent: str
+    tracestate: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillRequest:
     """A validated ``prefill`` as ingress hands it to the engine loop.
 
@@ -178,6 +187,7 @@ class PrefillRequest:
     deadline_s: float | None = None  # whole-request budget from arrival; None: phase timeouts only
     decode_peer: str | None = None  # the only decode agent that may claim the room; None: any
     prompt_logprob_start: int | None = None  # with return_logprob: prompt logprobs from here
+    trace_context: TraceContext | None = None  # the router's, when it sent one
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,11 +93,13 @@ class RouterClient:
         timeout_s: float | None = None,
         decode_peer: str | None = None,
         logprob_start_len: int | None = None,
+        traceparent: str | None = None,
     ) -> Result:
         """Send one ``prefill`` and wait for its ``result``; a ``reject`` raises
         ``RequestRejected``; ``timeout_s`` bounds the wait (``TimeoutError``). ``decode_peer``
         names the only decode agent that may claim the room. With ``return_logprob``,
-        ``logprob_start_len`` asks for prompt logprobs (``unpack_logprobs`` reads them)."""
+        ``logprob_start_len`` asks for prompt logprobs (``unpack_logprobs`` reads them);
+        ``traceparent`` makes the worker's request span a child of that W3C span."""
         rid = request_id if request_id is not None else uuid.uuid4().hex
         msg = prefill_message(
             rid,
@@ -108,6 +110,7 @@ class RouterClient:
             deadline_s,
             decode_peer,
             logprob_start_len,
+            traceparent,
         )
         frame = encode(msg)
         future: asyncio.Future[Result] = self._expect(self._results, rid)

@@ -30,6 +30,8 @@ from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Samplin
 PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_CHARS = 256
 MAX_PEER_NAME_CHARS = 256
+MAX_TRACEPARENT_CHARS = 256  # W3C's version 00 takes 55
+MAX_TRACESTATE_CHARS = 512  # W3C's 32 entries, as those who propagate it should keep
 
 assert array("i").itemsize == 4, "array('i') must be 32-bit for the token codec"
 _NEEDS_SWAP = sys.byteorder != "little"
@@ -83,6 +85,17 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | UnsetType | None = UNSET
 
 
+class TraceContextField(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's W3C trace context, as its ``traceparent`` and ``tracestate`` HTTP headers
+    would carry it; the worker's request span becomes the child of that span. A malformed
+    ``traceparent`` is ignored (W3C's rule): the request is traced as a new root."""
+
+    traceparent: Annotated[str, msgspec.Meta(max_length=MAX_TRACEPARENT_CHARS)]
+    tracestate: Annotated[str, msgspec.Meta(max_length=MAX_TRACESTATE_CHARS)] | UnsetType | None = (
+        UNSET
+    )
+
+
 class Prefill(_Message, tag="prefill", frozen=True, kw_only=True):
     request_id: RequestId
     token_ids: bytes  # packed little-endian int32: ``pack_tokens``
@@ -94,6 +107,8 @@ class Prefill(_Message, tag="prefill", frozen=True, kw_only=True):
     # Optional, added to v1 with prompt logprobs. With return_logprob: the logprobs of the
     # prompt tokens after this position (SGLang's logprob_start_len); absent, nil or -1: none.
     logprob_start_len: int | UnsetType | None = UNSET
+    # Optional, added to v1 with request tracing (docs/observability.md).
+    trace_context: TraceContextField | UnsetType | None = UNSET
 
 
 class Abort(_Message, tag="abort", frozen=True, kw_only=True):
@@ -120,6 +135,7 @@ def prefill_message(
     deadline_s: float | None = None,
     decode_peer: str | None = None,
     logprob_start_len: int | None = None,
+    traceparent: str | None = None,
 ) -> Prefill:
     """A ``prefill`` from the request vocabulary; ``token_ids`` as ``pack_tokens`` takes them."""
     seed = UNSET if sampling.seed is None else sampling.seed
@@ -134,6 +150,7 @@ def prefill_message(
         deadline_s=UNSET if deadline_s is None else deadline_s,
         decode_peer=UNSET if decode_peer is None else decode_peer,
         logprob_start_len=UNSET if logprob_start_len is None else logprob_start_len,
+        trace_context=UNSET if traceparent is None else TraceContextField(traceparent=traceparent),
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from prefill_worker.ingress.header import MALFORMED, message_type, read_header
 from prefill_worker.ingress.messages import (
@@ -34,9 +34,10 @@ from prefill_worker.ingress.messages import (
     RejectCode,
     RouterMessage,
     Sampling,
+    TraceContextField,
     unpack_tokens,
 )
-from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams, TraceContext
 
 _SMALL_PROMPT = 64  # below this, a Python min/max beats numpy's call overhead
 _NEEDS_SWAP = sys.byteorder != "little"  # token_ids travel little-endian
@@ -190,7 +191,15 @@ def _admit_prefill(
         deadline,
         peer,
         logprob_start,
+        _trace_context(msg.trace_context),
     )
+
+
+def _trace_context(field: TraceContextField | UnsetType | None) -> TraceContext | None:
+    if not isinstance(field, TraceContextField):
+        return None
+    state = field.tracestate if isinstance(field.tracestate, str) else None
+    return TraceContext(field.traceparent, state)
 
 
 def _check_tokens(raw: bytes, limits: Limits) -> array:

@@ -224,6 +224,7 @@ class Engine:
             for req in batch.requests:
                 req.is_in_forward = False
             self._life.release_deferred()
+        self._observer.on_forward(batch.plan, *self._forward_clock.last_forward)
         return batch, output
 
     def _turn_transfers_until_done(self) -> None:

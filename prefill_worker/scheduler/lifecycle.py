@@ -97,11 +97,13 @@ class RequestLifecycle:
         num_tokens = len(message.token_ids)
         start = message.prompt_logprob_start
         assert start is None or 0 <= start <= num_tokens, f"{message.request_id!r}: {start}"
+        trace = message.trace_context
         sender = self._transfer.create_sender(
             message.bootstrap_room,
             message.request_id,
             num_tokens,
             allowed_peer=message.decode_peer,
+            traceparent=None if trace is None else trace.traceparent,
         )
         req = Request(message, sender)
         self.handoff.on_submit(req)

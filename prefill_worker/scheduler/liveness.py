@@ -57,6 +57,8 @@ class ForwardClock:
         self._recent: deque[tuple[float, int]] = deque(maxlen=window)
         self._state = Progress(last_sign_at=clock())
         self._cost: ForwardCost | None = None
+        # When the last forward that returned started and ended (read once it is collected).
+        self.last_forward = (0.0, 0.0)
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -82,7 +84,9 @@ class ForwardClock:
         seconds_per_token = before.seconds_per_token
         try:
             output = self._runner.run(plan)
-            seconds_per_token = self._measure(self._clock() - started, plan.num_tokens)
+            ended = self._clock()
+            self.last_forward = (started, ended)
+            seconds_per_token = self._measure(ended - started, plan.num_tokens)
             return output
         finally:
             self._state = Progress(self._clock(), None, seconds_per_token)

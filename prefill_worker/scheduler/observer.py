@@ -1,8 +1,8 @@
 """What the engine tells the rest of the process: outcomes, step timings and its load.
 
 ``OutcomeSink`` takes the one final ``Outcome`` per request (ingress turns it into a
-``result``). ``EngineObserver`` is the metrics seam (outcomes, steps, load, and every state
-move of a live request); ``NullObserver`` is the no-op default. The load itself
+``result``). ``EngineObserver`` is the metrics seam (outcomes, steps, forwards, load, and
+every state move of a live request); ``NullObserver`` is the no-op default. The load itself
 (``LoadSnapshot``) is shared vocabulary, in ``prefill_worker.load``.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
 
@@ -30,6 +31,11 @@ class EngineObserver(Protocol):
 
     def on_load(self, load: LoadSnapshot) -> None:
         """After a turn that changed the load (queue sizes, pages, aux rows)."""
+        ...
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        """After each forward batch was collected: it ran from ``started_at`` to ``ended_at``
+        (the engine's clock) and computed every chunk of ``plan`` (request traces' chunks)."""
         ...
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
@@ -53,6 +59,9 @@ class NullObserver:
         return None
 
     def on_load(self, load: LoadSnapshot) -> None:
+        return None
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
         return None
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:

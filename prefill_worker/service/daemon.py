@@ -67,6 +67,7 @@ from prefill_worker.service.supervisor import (
     ignore_stop_signals,
 )
 from prefill_worker.service.threads import ThreadWatch
+from prefill_worker.service.tracing import TracedInbox, start_tracer
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
 from prefill_worker.transfer.base import TransferBackend
@@ -101,10 +102,12 @@ class Daemon:
         self.notifier = SdNotifier.from_environ(env)
         self.threads = ThreadWatch()
         self.health.watch_threads(self.threads.stopped)
-        self.inbox = Inbox()
+        # Tracing first: the inbox tells it of each request (docs/observability.md).
+        self.tracer = start_tracer(config.tracing, self.metrics.on_trace_spans_dropped)
+        self._closers: list[tuple[str, Callable[[], None]]] = [("tracer", self.tracer.close)]
+        self.inbox: Inbox = TracedInbox(self.tracer)
         self.stop_requests = StopRequests()
         self._wake = self.stop_requests.wake
-        self._closers: list[tuple[str, Callable[[], None]]] = []
         self._engine: Engine | None = None
         self._engine_thread: EngineThread | None = None
         self._ingress: Ingress | None = None
@@ -173,7 +176,7 @@ class Daemon:
             self._start_kv_events()
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
         engine = make_engine(
-            cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache
+            cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache, self.tracer
         )
         self._engine = engine
         limits = (

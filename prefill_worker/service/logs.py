@@ -42,8 +42,8 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
-def log_outcome(logger: logging.Logger, outcome: Outcome) -> None:
-    """One line per request outcome, with its id and timings."""
+def log_outcome(logger: logging.Logger, outcome: Outcome, trace_id: str | None = None) -> None:
+    """One line per request outcome, with its id, timings and trace id (when traced)."""
     t = outcome.timings
     fields = {
         "request_id": outcome.request_id,
@@ -60,5 +60,7 @@ def log_outcome(logger: logging.Logger, outcome: Outcome) -> None:
     }
     if outcome.error:
         fields["error"] = outcome.error
+    if trace_id is not None:
+        fields["trace_id"] = trace_id
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     logger.info("request %s", text, extra=fields)

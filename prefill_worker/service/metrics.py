@@ -206,6 +206,12 @@ class WorkerMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.trace_spans_dropped = Counter(
+            "prefill_worker_trace_spans_dropped_total",
+            "Request-trace spans never exported (tracer queue full, export failed), by reason",
+            ["reason"],
+            registry=registry,
+        )
         self.warmup_seconds = Gauge(
             "prefill_worker_warmup_seconds",
             "Wall time of the warm-up forward at start-up",
@@ -324,6 +330,9 @@ class WorkerMetrics:
         """One forward's time on each rank of the tensor-parallel group (rank order)."""
         for rank, seconds in enumerate(seconds_by_rank):
             self.rank_forward_seconds.labels(rank=str(rank)).observe(seconds)
+
+    def on_trace_spans_dropped(self, reason: str, num_spans: int) -> None:
+        self.trace_spans_dropped.labels(reason).inc(num_spans)
 
     def on_reject(self, code: str) -> None:
         self.rejects.labels(code).inc()

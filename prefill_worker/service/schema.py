@@ -21,6 +21,7 @@ from prefill_worker.service.sections.engine import (
     SchedulerConfig,
 )
 from prefill_worker.service.sections.process import DaemonConfig, ParallelConfig
+from prefill_worker.service.sections.tracing import TracingConfig
 from prefill_worker.service.sections.transfer import PROTOCOLS, TransferConfig, protocols_of
 
 
@@ -38,6 +39,7 @@ class Config(Section):
     kv_events: KVEventsConfig = KVEventsConfig()
     parallel: ParallelConfig = ParallelConfig()
     daemon: DaemonConfig = DaemonConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _vllm_needs_the_http_front(self) -> Config:
@@ -82,6 +84,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "TracingConfig",
     "TransferConfig",
     "protocols_of",
 ]

@@ -44,6 +44,7 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
+from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.factory import (
@@ -334,6 +335,7 @@ def make_engine(
     sink: Callable[[Outcome], None],
     metrics: WorkerMetrics,
     prefix_cache: PrefixCache,
+    tracer: RequestTracer | None = None,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -356,7 +358,7 @@ def make_engine(
             sink,
             limits,
             overlap=cfg.scheduler.overlap,
-            observer=EngineEvents(metrics, log),
+            observer=EngineEvents(metrics, log, tracer),
         )
 
 

@@ -9,25 +9,34 @@ from __future__ import annotations
 
 import logging
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import Outcome, RequestState
 from prefill_worker.service.logs import log_outcome
 from prefill_worker.service.metrics import WorkerMetrics
+from prefill_worker.service.tracing import NullTracer, RequestTracer
 
 
 class EngineEvents:
-    """The engine's observer: metrics and the per-request log line (engine thread)."""
+    """The engine's observer: metrics, the request's trace and the per-request log line (engine
+    thread), which names the trace when there is one."""
 
-    def __init__(self, metrics: WorkerMetrics, log: logging.Logger) -> None:
+    def __init__(
+        self, metrics: WorkerMetrics, log: logging.Logger, tracer: RequestTracer | None = None
+    ) -> None:
         self._metrics, self._log = metrics, log
+        self._tracer = NullTracer() if tracer is None else tracer
 
     def on_outcome(self, outcome: Outcome) -> None:
         self._metrics.observe_outcome(outcome)
-        log_outcome(self._log, outcome)
+        log_outcome(self._log, outcome, self._tracer.finish(outcome))
 
     def on_step(self, duration_s: float, num_batch_tokens: int) -> None:
         if num_batch_tokens:
             self._metrics.observe_step(duration_s, num_batch_tokens)
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        self._tracer.on_forward(plan, started_at, ended_at)
 
     def on_load(self, load: LoadSnapshot) -> None:
         self._metrics.set_queue_sizes(load.queue_sizes())

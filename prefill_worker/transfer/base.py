@@ -113,10 +113,16 @@ class TransferBackend(Protocol):
         ...
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> KVSender:
         """A sender for ``room``; with ``allowed_peer`` (a decode agent name from the router),
-        only that peer's ``want`` may claim the room."""
+        only that peer's ``want`` may claim the room. ``traceparent``: the request's span, for
+        the decode's trace (a protocol that has no field for it drops it)."""
         ...
 
     def poll(self) -> None:

@@ -105,10 +105,15 @@ class DualBackend:
         }
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> KVSender:
         senders = [
-            b.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+            b.create_sender(room, request_id, num_prompt_tokens, allowed_peer, traceparent)
             for b in self._backends
         ]
         return DualSender(senders, self._names)

@@ -262,9 +262,18 @@ class GroupBackend:
         return self._local.endpoints
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> KVSender:
-        local = self._local.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+        """The leader's sender tells the decode (the followers' never do): only it carries
+        ``traceparent``."""
+        local = self._local.create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
         op = MirrorOp("create", room, request_id, num_prompt_tokens, allowed_peer)
         self._mirror.mirror(op)
         sender = GroupSender(room, local, self._mirror, self._mirrored)

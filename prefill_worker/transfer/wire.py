@@ -296,12 +296,15 @@ class Registered(_Message, frozen=True, tag="registered", kw_only=True):
 class Status(_Message, frozen=True, tag="status"):
     """Worker → decode: the one outcome of a ``want``. ``code`` (optional, absent when unset;
     older peers ignore it) names a refusal in a word a program can act on: ``unknown_peer``
-    means "register again, then repeat the want"."""
+    means "register again, then repeat the want". ``traceparent`` (optional, added with
+    request tracing) is the W3C context of the worker's span for the request, so that the
+    decode's spans can continue its trace (docs/observability.md)."""
 
     room: int
     status: StatusCode
     reason: str | None = None
     code: str | UnsetType = UNSET
+    traceparent: str | UnsetType = UNSET
 
 
 class Reject(_Message, frozen=True, tag="reject"):

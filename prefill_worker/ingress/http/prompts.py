@@ -15,6 +15,7 @@ daemon routes each outcome back by prefix (``is_front_id``).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import msgspec
 
@@ -26,12 +27,28 @@ from prefill_worker.ingress.validate import (
     check_logprob_start,
     check_token_ids,
 )
-from prefill_worker.request import PrefillRequest
+from prefill_worker.request import PrefillRequest, TraceContext
 
 ID_PREFIX = "http:"
 _MAX_ROOM = 2**63
 _ID_BYTES = 24  # JSON bytes per token id: six digits, a comma, pretty-printing's indentation
 _ids = msgspec.json.Decoder(list[int])
+# W3C trace context headers longer than these are not passed on (a traceparent is 55 chars;
+# tracestate's 32 entries fit in 512 as the recommendation asks of those who propagate it).
+MAX_TRACEPARENT_CHARS = 256
+MAX_TRACESTATE_CHARS = 512
+
+
+def trace_context_of(headers: Mapping[str, str]) -> TraceContext | None:
+    """The router's W3C ``traceparent``/``tracestate`` (smg sends them with
+    ``--enable-trace``), or None when absent or oversized; the tracer judges the format."""
+    parent = headers.get("traceparent")
+    if not parent or len(parent) > MAX_TRACEPARENT_CHARS:
+        return None
+    state = headers.get("tracestate")
+    if state is not None and len(state) > MAX_TRACESTATE_CHARS:
+        state = None
+    return TraceContext(parent, state)
 
 
 def is_front_id(request_id: str) -> bool:
@@ -49,11 +66,16 @@ class Admitter:
         self._max_ids_bytes = limits.max_prompt_tokens * _ID_BYTES + 64
         self._max_text_bytes = limits.max_prompt_tokens * (codec.max_token_bytes if codec else 0)
 
-    def admit(self, prompts: list[Prompt], arrival_time: float) -> list[PrefillRequest]:
-        """Every prompt as a request, or ``BadRequest`` for the first that is not valid."""
-        return [self._one(i, prompt, arrival_time) for i, prompt in enumerate(prompts)]
+    def admit(
+        self, prompts: list[Prompt], arrival_time: float, trace: TraceContext | None = None
+    ) -> list[PrefillRequest]:
+        """Every prompt as a request, or ``BadRequest`` for the first that is not valid;
+        ``trace`` is the HTTP request's trace context, shared by its prompts."""
+        return [self._one(i, prompt, arrival_time, trace) for i, prompt in enumerate(prompts)]
 
-    def _one(self, index: int, prompt: Prompt, arrival_time: float) -> PrefillRequest:
+    def _one(
+        self, index: int, prompt: Prompt, arrival_time: float, trace: TraceContext | None
+    ) -> PrefillRequest:
         where = f"prompt {index}: " if index else ""
         if not 0 <= prompt.bootstrap_room < _MAX_ROOM:
             raise BadRequest(f"{where}bootstrap_room must be in [0, 2**63)")
@@ -73,6 +95,7 @@ class Admitter:
             prompt.bootstrap_room,
             arrival_time,
             prompt_logprob_start=start,
+            trace_context=trace,
         )
 
     def _token_ids(self, prompt: Prompt) -> list[int]:

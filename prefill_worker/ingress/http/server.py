@@ -34,7 +34,7 @@ from prefill_worker.aio_site import ThreadedSite
 from prefill_worker.inbox import EngineMessage
 from prefill_worker.ingress.http import answers, probes, pull
 from prefill_worker.ingress.http.bodies import BadRequest, Prompt, read_completion, read_generate
-from prefill_worker.ingress.http.prompts import Admitter
+from prefill_worker.ingress.http.prompts import Admitter, trace_context_of
 from prefill_worker.ingress.http.text import TextCodec
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.load import TTFT_SLO_REJECT, LoadSource, ttft_slo_refusal
@@ -213,6 +213,7 @@ class HttpApi:
         Small bodies of ids stay on the event loop; texts and big bodies go to the executor,
         big bodies one at a time (their prompts' ids refer to the body until admitted)."""
         arrival_time = time.monotonic()
+        trace = trace_context_of(request.headers)
         size = request.content_length
         if size is not None and size > self._max_body_bytes:
             why = f"a body of {size} bytes; at most {self._max_body_bytes}"
@@ -220,13 +221,13 @@ class HttpApi:
         if size is not None and size <= _INLINE_BYTES:
             prompts, is_batch = read(await self._read(request), self._max_inflight)
             if all(p.text is None for p in prompts):
-                return prompts, is_batch, self._admitter.admit(prompts, arrival_time)
-            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+                return prompts, is_batch, self._admitter.admit(prompts, arrival_time, trace)
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time, trace)
             return prompts, is_batch, requests
         async with self._big_bodies:
             body = await self._read(request)
             prompts, is_batch = await self._off_loop(read, body, self._max_inflight)
-            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time)
+            requests = await self._off_loop(self._admitter.admit, prompts, arrival_time, trace)
             return prompts, is_batch, requests
 
     async def _read(self, request: web.Request) -> bytes:

@@ -11,6 +11,7 @@ receiver calls it under its lock.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,8 +28,12 @@ class RoomState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RoomStatus:
+    """A room's state. ``traceparent``: the W3C context of the worker's span for the request
+    (when the worker traces), for the decode's own spans to continue that trace."""
+
     state: RoomState
     reason: str | None = None
+    traceparent: str | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +45,7 @@ class RoomEntry:
     is_landed: bool = False  # the aux row's NIXL notification arrived
     is_resend_due: bool = False  # sent before a register the worker needed: send again after
     timed_out_reason: str | None = None  # past the deadline: aborted, failing once acked
+    traceparent: str | None = None  # the worker's span, from its status
 
 
 class RoomTable:
@@ -74,6 +80,8 @@ class RoomTable:
         """The room's one outcome (ignored once it has one)."""
         entry = self._rooms[room]
         if entry.status.state is RoomState.PENDING:
+            if entry.traceparent is not None:
+                status = dataclasses.replace(status, traceparent=entry.traceparent)
             entry.status = status
             self._on_end(room, status)
 
@@ -81,6 +89,8 @@ class RoomTable:
         entry = self._rooms[room]
         if entry.status.state is not RoomState.PENDING:
             return
+        if isinstance(msg.traceparent, str):
+            entry.traceparent = msg.traceparent
         if msg.status == "ok":
             entry.is_status_ok = True
             if entry.is_landed:

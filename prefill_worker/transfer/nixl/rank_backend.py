@@ -244,7 +244,12 @@ class RankBackend:
         return len(self._ranks) + len(self._leaving)
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> RankSender:
         return RankSender(self, room)
 

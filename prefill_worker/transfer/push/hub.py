@@ -69,12 +69,15 @@ class PushHub(Generic[P]):
         request_id: str,
         num_prompt_tokens: int,
         allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> PushSender[P]:
         """A sender for the room, bound to the acceptable claims waiting for it (the first,
         and the other ranks of its decode); ended at once when its decode aborted it or was
         refused before it came."""
         self.drain()  # a sender closed since the last turn gives its room back
-        sender = PushSender(self.ctx, room, request_id, num_prompt_tokens, allowed_peer)
+        sender = PushSender(
+            self.ctx, room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
         if room in self.senders:  # the request holding the room goes on untouched
             # No room number in the text: it reaches the outcome log, and rooms are capabilities.
             sender.fail("its bootstrap_room is already in use by another request")
@@ -301,9 +304,16 @@ class HubBackend(Generic[P]):
         return self._hub.counter.counts
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> KVSender:
-        return self._hub.create_sender(room, request_id, num_prompt_tokens, allowed_peer)
+        return self._hub.create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
 
     @property
     def num_open_senders(self) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Generic
 
 import numpy as np
+from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVLayout
 from prefill_worker.transfer import wire
@@ -91,11 +92,14 @@ class PushSender(Generic[P]):
         request_id: str,
         num_prompt_tokens: int,
         allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> None:
         self._ctx = ctx
         self.room, self.request_id = room, request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.allowed_peer = allowed_peer  # the only decode agent that may claim the room
+        # the request's span, in every status (the decode continues the trace from it)
+        self._traceparent = UNSET if traceparent is None else traceparent
         self.peers: list[P] = []  # the decode ranks bound, in order of their wants
         self.is_closed = False
         self._state = KVPoll.BOOTSTRAPPING
@@ -297,7 +301,7 @@ class PushSender(Generic[P]):
     ) -> None:
         """The status to every bound rank (or ``only`` that one). No rank yet: a `want` that
         comes later learns the reason (bind)."""
-        status = wire.Status(self.room, code, reason)
+        status = wire.Status(self.room, code, reason, traceparent=self._traceparent)
         confirming = self if confirm else None
         generation = self._ack_generation if code == "aborted" else None
         after = self._writes.pending()

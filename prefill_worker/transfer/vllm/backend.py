@@ -148,7 +148,12 @@ class VllmBackend:
     # -- the TransferBackend seam -------------------------------------------------------
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> KVSender:
         return VllmSender(self.desk, room, num_prompt_tokens)
 

@@ -46,7 +46,12 @@ class CapturingBackend(FakeBackend):
     kv_cache: KVCache
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> FakeSender:
         sender = CapturingSender(self, room, request_id, num_prompt_tokens)
         sender.kv_cache, sender.captured = self.kv_cache, {}

@@ -47,7 +47,12 @@ def rules() -> list[dict]:
 
 def dashboard_queries() -> list[str]:
     board = json.loads(DASHBOARD.read_text())
-    queries = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    queries = [
+        t["expr"]
+        for panel in board["panels"]
+        for t in panel["targets"]
+        if t["datasource"]["type"] == "prometheus"
+    ]
     queries += [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
     return queries
 

@@ -24,6 +24,7 @@ from prefill_worker.ingress.messages import (
     Reject,
     RejectCode,
     Result,
+    TraceContextField,
     decode_worker,
     encode,
     encode_outcome,
@@ -42,6 +43,7 @@ from prefill_worker.request import (
     PrefillRequest,
     SamplingParams,
     Timings,
+    TraceContext,
 )
 
 LIMITS = Limits(vocab_size=1000, max_prompt_tokens=64, max_pool_tokens=48)
@@ -274,6 +276,14 @@ def test_missing_field(field: str) -> None:
         ({"logprob_start_len": True}, "logprob_start_len"),
         ({"logprob_start_len": -2}, "logprob_start_len"),
         ({"logprob_start_len": 4}, "logprob_start_len"),  # beyond the 3-token prompt
+        ({"trace_context": "00-ab-cd-01"}, "trace_context"),
+        ({"trace_context": {"traceparent": 7}}, "trace_context.traceparent"),
+        ({"trace_context": {"traceparent": "t" * 257}}, "trace_context.traceparent"),
+        ({"trace_context": {"traceparent": "t", "tracestate": 1}}, "trace_context.tracestate"),
+        (
+            {"trace_context": {"traceparent": "t", "tracestate": "s" * 513}},
+            "trace_context.tracestate",
+        ),
     ],
 )
 def test_bad_field(changes: dict[str, Any], field: str) -> None:
@@ -373,6 +383,34 @@ def test_the_decode_peer_is_carried() -> None:
     req = decode_map(prefill_map(decode_peer="decode-agent-3"))
     assert isinstance(req, PrefillRequest) and req.decode_peer == "decode-agent-3"
     assert decode_map(prefill_map(decode_peer=None)).decode_peer is None
+
+
+def test_the_trace_context_is_carried_as_sent() -> None:
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    both = {"traceparent": parent, "tracestate": "smg=1,x=2"}
+    req = decode_map(prefill_map(trace_context=both))
+    assert isinstance(req, PrefillRequest)
+    assert req.trace_context == TraceContext(parent, "smg=1,x=2")
+    only_parent = decode_map(prefill_map(trace_context={"traceparent": parent}))
+    assert only_parent.trace_context == TraceContext(parent, None)
+    nil_state = {"traceparent": parent, "tracestate": None}
+    assert decode_map(prefill_map(trace_context=nil_state)).trace_context == TraceContext(parent)
+    assert decode_map(prefill_map(trace_context=None)).trace_context is None
+    assert decode_map(prefill_map()).trace_context is None
+    # the longest allowed values pass untouched (W3C's format is the tracer's to judge)
+    longest = {"traceparent": "t" * 256, "tracestate": "s" * 512}
+    assert decode_map(prefill_map(trace_context=longest)).trace_context == TraceContext(
+        "t" * 256, "s" * 512
+    )
+
+
+def test_prefill_message_sends_a_traceparent() -> None:
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    msg = prefill_message("r", [1, 2], 5, traceparent=parent)
+    assert msg.trace_context == TraceContextField(traceparent=parent)
+    assert prefill_message("r", [1, 2], 5).trace_context is UNSET
+    req = decode_router(encode(msg), LIMITS)
+    assert isinstance(req, PrefillRequest) and req.trace_context == TraceContext(parent)
 
 
 def test_prompt_logprobs_are_asked_by_position_and_come_back_packed() -> None:

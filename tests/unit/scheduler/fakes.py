@@ -136,6 +136,7 @@ class FakeSender:
         self.polls_to_success: int | None = backend.polls_to_success
         self.errors: list[str] = []
         self.allowed_peer: str | None = None
+        self.traceparent: str | None = None  # what create_sender was given
         self.send_raises: Exception | None = None  # set by a test: send_pages raises it
         self.poll_raises: Exception | None = None  # set by a test: poll raises it
         self.is_settled = True  # a follower's: no write of it can land (set by a test)
@@ -253,11 +254,17 @@ class FakeBackend:
     waited_s: float = 0.0  # time spent blocked in wait()
 
     def create_sender(
-        self, room: int, request_id: str, num_prompt_tokens: int, allowed_peer: str | None = None
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
     ) -> FakeSender:
         kind = MirroringFakeSender if self.mirror else FakeSender
         sender = kind(self, room, request_id, num_prompt_tokens)
         sender.allowed_peer = allowed_peer
+        sender.traceparent = traceparent
         self.senders[request_id] = sender
         self.all_senders.append(sender)
         return sender

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.inbox import Inbox
 from prefill_worker.load import CostSignals, LoadSnapshot
 from prefill_worker.request import (
@@ -20,6 +22,7 @@ from prefill_worker.request import (
     PrefillRequest,
     RequestState,
     SamplingParams,
+    TraceContext,
 )
 from prefill_worker.scheduler import Engine
 from prefill_worker.transfer.base import KVPoll
@@ -83,6 +86,7 @@ class Recorder:
         self.loads: list[LoadSnapshot] = []
         self.moves: list[tuple[str, str]] = []
         self.lookups: list[tuple[int, int]] = []
+        self.forwards: list[tuple[list[tuple[str, int, int]], float, float]] = []
 
     def on_outcome(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -92,6 +96,10 @@ class Recorder:
 
     def on_load(self, load: LoadSnapshot) -> None:
         self.loads.append(load)
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
+        chunks = [(c.request_id, c.start, c.end) for c in plan.chunks]
+        self.forwards.append((chunks, started_at, ended_at))
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:
         self.moves.append((src.value, dst.value))
@@ -134,6 +142,26 @@ def test_happy_path_walks_every_forward_edge(overlap: bool) -> None:
     rig.check_whole()
     assert rig.engine.outcome_counts[FinishReason.OK] == 1
     rig.engine.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_forward_is_told_with_its_chunks_and_when_it_ran(overlap: bool) -> None:
+    """What request traces draw their chunk spans from: every collected forward, its chunks
+    and the clock's reading when the runner started and returned (10 ms a token here)."""
+    recorder = Recorder()
+    rig = make_rig(overlap=overlap, chunk_size=16, max_batch_tokens=32, observer=recorder)
+    rig.runner.on_run = lambda plan: rig.clock.advance(0.01 * plan.num_tokens)
+    rig.prefill("a", 40)
+    rig.prefill("b", 8)
+    rig.run_until_idle()
+    chunks = [c for chunks, _, _ in recorder.forwards for c in chunks]
+    assert sorted(chunks) == [("a", 0, 16), ("a", 16, 32), ("a", 32, 40), ("b", 0, 8)]
+    for batch, started, ended in recorder.forwards:
+        tokens = sum(end - start for _, start, end in batch)
+        assert ended - started == pytest.approx(0.01 * tokens)
+    for (_, _, ended), (_, started, _) in itertools.pairwise(recorder.forwards):
+        assert started >= ended  # one forward at a time, in order
+    assert rig.outcome("a").status is OutcomeStatus.OK
 
 
 def test_logprob_not_asked_for_is_nan_in_aux_and_none_in_outcome() -> None:
@@ -361,6 +389,19 @@ def test_a_live_request_id_again_is_a_caller_bug() -> None:
     rig.prefill("a", 8)
     with pytest.raises(AssertionError, match="'a' is live"):
         rig.prefill("a", 4)
+
+
+def test_the_requests_trace_context_reaches_the_sender() -> None:
+    """For the decode's trace (docs/observability.md): the request's traceparent goes to the
+    sender, which puts it in its statuses."""
+    rig = make_rig(auto_want=False)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    rig.prefill("traced", 8, trace_context=TraceContext(parent, "k=v"))
+    rig.prefill("plain", 8)
+    assert rig.sender("traced").traceparent == parent
+    assert rig.sender("plain").traceparent is None
+    rig.engine.shutdown()
+    rig.check_whole()
 
 
 def test_the_decode_peer_named_by_the_router_reaches_the_sender() -> None:

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from prefill_worker.batch import BatchPlan
 from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import FinishReason, OutcomeStatus, RequestState
 from tests.unit.scheduler.fakes import RecordingEvents, Rig, expected_token, make_rig
@@ -30,6 +31,9 @@ class States:
         return None
 
     def on_load(self, load: LoadSnapshot) -> None:
+        return None
+
+    def on_forward(self, plan: BatchPlan, started_at: float, ended_at: float) -> None:
         return None
 
     def on_transition(self, request_id: str, src: RequestState, dst: RequestState) -> None:

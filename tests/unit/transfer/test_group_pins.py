@@ -38,6 +38,16 @@ def test_every_argument_of_a_new_sender_reaches_both_ranks() -> None:
         assert (sender.room, sender.num_tokens, sender.allowed_peer) == (5, 12, "decode-1")
 
 
+def test_the_traceparent_reaches_the_leaders_sender_only() -> None:
+    """The leader's sender tells the decode, so it alone carries the request's span."""
+    group = Group()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    group.backend.create_sender(5, "r5", 12, traceparent=parent)
+    group.step()
+    assert group.leader.senders["r5"].traceparent == parent
+    assert group.follower.senders["r5"].traceparent is None
+
+
 def test_pages_and_the_aux_row_reach_the_follower_as_the_leader_sent_them() -> None:
     group = Group(follower_succeeds=True)
     sender, mine, theirs = _opened(group)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.options import Hooks, NativeOptions, SglangOptions
 from prefill_worker.transfer.push.hub import HubBackend
 from prefill_worker.transfer.push.peer import Peer
+from prefill_worker.transfer.push.sender import Tell
 from prefill_worker.transfer.validate import BootstrapLimits
 from tests.unit.transfer.test_push_sender import Rig
 
@@ -49,3 +51,19 @@ def test_the_hub_gets_the_backends_options_and_counts_under_its_kind(
     assert f"{kind}: too_many_wants" in caplog.text
     hub.drop_peer(rig.peer, "gone")  # its agent is forgotten on the backend's own agent
     assert rig.agent.forgotten == [rig.peer.agent_name]
+
+
+def test_the_backend_hands_the_requests_traceparent_to_its_sender() -> None:
+    """For the decode's trace: what the engine gives ``create_sender`` is what the push
+    sender tells in its statuses (docs/observability.md)."""
+    rig = Rig("native")
+    backend = Backend(rig, "bootstrap", options("bootstrap", 7.5, 2))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = backend.create_sender(7, "req-7", 16, traceparent=parent)
+    plain = backend.create_sender(8, "req-8", 16)
+    for sender, room in ((traced, 7), (plain, 8)):
+        backend.hub.want(rig.peer, wire.Want.of(room, [3, 4, 5, 6], 2, 0))
+        sender.fail("boom")
+    told = {e.status.room: e.status for e in rig.ctx.events if isinstance(e, Tell)}
+    assert told[7].traceparent == parent
+    assert told[8].traceparent is msgspec.UNSET

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from prefill_worker.transfer import wire
@@ -155,3 +156,20 @@ def test_index_building_time_adds_up_over_posts(rig: Rig, monkeypatch: pytest.Mo
     sender.progress()
     # 1 s of index building per post (the writes' own prep time is real: microseconds)
     assert 2.0 <= sender.prep_s < 2.5 and 2.0 <= sender.prep_cpu_s < 2.5
+
+
+def test_every_status_carries_the_requests_traceparent(rig: Rig) -> None:
+    """For the decode's trace (docs/observability.md): the span the sender was given goes in
+    each status it tells."""
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = rig.hub.create_sender(7, "req-7", 16, traceparent=parent)
+    rig.hub.want(rig.peer, wire.Want.of(7, [3, 4, 5, 6], 2, 0))
+    traced.fail("boom")
+    [tell] = tells(rig)
+    assert (tell.status.status, tell.status.traceparent) == ("failed", parent)
+
+
+def test_a_sender_given_no_traceparent_leaves_it_out(rig: Rig) -> None:
+    rig.bound_sender().fail("boom")
+    [tell] = tells(rig)
+    assert tell.status.traceparent is msgspec.UNSET

@@ -7,6 +7,7 @@ import contextlib
 import re
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -170,6 +171,18 @@ def test_status_code_is_optional_on_the_wire() -> None:
     assert "code" not in plain
     old = msgpack.packb({"v": 1, "type": "status", "room": 3, "status": "failed", "reason": "x"})
     assert wire.decode(old) == wire.Status(3, "failed", "x")
+
+
+def test_status_traceparent_is_optional_on_the_wire() -> None:
+    """Added with request tracing: left out when unset, read when present, and a status
+    without it (an older worker's) still decodes."""
+    assert "traceparent" not in msgpack.unpackb(wire.encode(wire.Status(3, "ok")))
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    traced = wire.Status(3, "ok", traceparent=parent)
+    assert msgpack.unpackb(wire.encode(traced))["traceparent"] == parent
+    assert wire.decode(wire.encode(traced)) == traced
+    old = msgpack.packb({"v": 1, "type": "status", "room": 3, "status": "ok", "reason": None})
+    assert wire.decode(old).traceparent is msgspec.UNSET
 
 
 @given(st.binary(max_size=300))
