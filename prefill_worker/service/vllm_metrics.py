@@ -31,11 +31,13 @@ class VllmPullCollector(Collector):
         yield holds
         ignored = CounterMetricFamily(
             "prefill_worker_vllm_notifications_ignored",
-            "NIXL notifications from vLLM decodes that released nothing",
+            "NIXL notifications from vLLM decodes that released nothing: unknown hold, malformed, "
+            "or from an agent that is not the hold's reader (foreign)",
             labels=["why"],
         )
         ignored.add_metric(["unknown_hold"], counts.unknown_notifications)
         ignored.add_metric(["malformed"], counts.bad_notifications)
+        ignored.add_metric(["foreign"], counts.foreign_notifications)
         yield ignored
         yield CounterMetricFamily(
             "prefill_worker_vllm_heartbeats",

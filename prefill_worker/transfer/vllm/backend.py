@@ -163,9 +163,9 @@ class VllmBackend:
             notifs = self.agent.get_new_notifs()
         except NIXL_ERRORS:  # a decode's connection broke: its holds end at their leases
             notifs = {}
-        for messages in notifs.values():
+        for agent, messages in notifs.items():
             for message in messages:
-                self.desk.notify(message)
+                self.desk.notify(agent, message)
         self.desk.expire()
 
     def next_poll_at(self) -> float:

@@ -18,7 +18,7 @@ out the read grace after expiry (``holds``). ``close`` returns all of them.
 from __future__ import annotations
 
 import logging
-import uuid
+import secrets
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -94,8 +94,6 @@ class PullDesk:
         self._pool, self._clock, self._repacker = pool, clock, repacker
         self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
         self.identity = PullIdentity("", "", 0, 0)
-        self._id_prefix = uuid.uuid4().hex[:8]  # a restarted worker never matches old ids
-        self._num_holds = 0
         self.page_size = pool.page_size
         self.counts = StageCounts()
         self._bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
@@ -136,8 +134,7 @@ class PullDesk:
     def hold(self, room: int, blocks: tuple[int, ...], num_tokens: int) -> bool:
         """Hold the staged ``blocks`` and complete the room's ticket; False (blocks freed)
         when the ticket is gone: nobody will learn where they are."""
-        self._num_holds += 1
-        hold_id = f"pw-{self._id_prefix}-{self._num_holds}"
+        hold_id = f"pw-{secrets.token_hex(16)}"  # unguessable: holds.py says why
         params = pull_params(self.identity, hold_id, blocks, num_tokens)
         if not self.tickets.complete(room, params):
             self.staging.free(blocks)
@@ -145,13 +142,13 @@ class PullDesk:
         self.holds.hold(hold_id, blocks, self._clock())
         return True
 
-    def notify(self, message: bytes) -> None:
-        """One NIXL notification from a decode; a malformed one is counted, and logged at
-        most once per ``BAD_NOTIFICATION_LOG_S`` (any agent may send notifications)."""
+    def notify(self, agent: str, message: bytes) -> None:
+        """One NIXL notification from the decode agent ``agent``; a malformed one is counted,
+        and logged at most once per ``BAD_NOTIFICATION_LOG_S`` (any agent may send them)."""
         now = self._clock()
         try:
             text = message.decode(errors="replace")
-            self.staging.free(self.holds.notify(text, now))
+            self.staging.free(self.holds.notify(text, now, agent))
         except BadNotification as exc:
             self._bad_log.warning(now, "vllm: notification ignored: %s", exc)
 

@@ -13,14 +13,23 @@ still be reading, so expired blocks wait ``read_grace_s`` more (``expire`` hands
 Blocks a notification released are free at once: NIXL delivers a READ's notification only
 after its data has moved. Notifications naming an unknown hold (never held, or expired) are
 counted and ignored. Pure bookkeeping: no NIXL, no clock of its own (``now`` is passed in).
+
+Who may touch a hold. Any agent that loaded the worker's metadata can send notifications, so
+hold ids are unguessable (the desk makes them from 128 random bits) and a notification counts
+only from its hold's readers: the agent whose notification (a READ's or a heartbeat) named the
+hold first, and, for a hold read by several decode ranks (``consumers`` > 1), the first
+``consumers`` distinct agents; each of them counts once, so no agent can stand in for the
+others. Others are counted (``foreign``) and ignored. Heartbeats extend a hold to at most
+``MAX_LEASES`` leases after it was made.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HEARTBEAT_PREFIX = "HB:"
+MAX_LEASES = 10  # heartbeats keep a hold at most this many leases (vllm_lease_s) after it began
 
 
 class BadNotification(ValueError):
@@ -34,7 +43,19 @@ class Hold:
     hold_id: str
     block_ids: tuple[int, ...]
     expires_at: float
-    num_reads: int = 0
+    last_at: float  # heartbeats extend it no further
+    readers: list[str] = field(default_factory=list)  # agents that may notify, first first
+    num_readers: int = 1  # how many distinct agents may (a READ notification's consumers)
+    done: set[str] = field(default_factory=set)  # readers whose READ finished
+
+    def admits(self, agent: str) -> bool:
+        """Whether ``agent``'s notification counts for this hold (module docstring)."""
+        if agent in self.readers:
+            return True
+        if len(self.readers) < self.num_readers:
+            self.readers.append(agent)
+            return True
+        return False
 
 
 @dataclass(slots=True)
@@ -47,6 +68,7 @@ class HoldCounts:
     heartbeats: int = 0
     unknown_notifications: int = 0
     bad_notifications: int = 0
+    foreign_notifications: int = 0  # from an agent that is not the hold's reader
 
 
 class HoldTable:
@@ -73,22 +95,22 @@ class HoldTable:
         """Hold ``block_ids`` for ``hold_id`` (a new id); returns the lease's end."""
         assert hold_id not in self._holds, f"hold {hold_id!r} exists"
         expires_at = now + self.lease_s
-        self._holds[hold_id] = Hold(hold_id, block_ids, expires_at)
+        self._holds[hold_id] = Hold(hold_id, block_ids, expires_at, now + MAX_LEASES * self.lease_s)
         heapq.heappush(self._deadlines, (expires_at, hold_id))
         self.counts.held += 1
         return expires_at
 
-    def notify(self, message: str, now: float) -> list[int]:
-        """Apply one notification; the blocks it frees (empty if none). ``BadNotification``
-        when it has neither shape (counted)."""
+    def notify(self, message: str, now: float, agent: str) -> list[int]:
+        """Apply one notification from ``agent``; the blocks it frees (empty if none).
+        ``BadNotification`` when it has neither shape (counted)."""
         if message.startswith(HEARTBEAT_PREFIX):
-            self._heartbeat(message[len(HEARTBEAT_PREFIX) :].split(","), now)
+            self._heartbeat(message[len(HEARTBEAT_PREFIX) :].split(","), now, agent)
             return []
         hold_id, sep, consumers = message.rpartition(":")
         if not sep or not hold_id or not consumers.isdigit() or int(consumers) < 1:
             self.counts.bad_notifications += 1
             raise BadNotification(f"notification {message[:80]!r} is not <id>:<consumers>")
-        return self._read_done(hold_id, int(consumers))
+        return self._read_done(hold_id, int(consumers), agent)
 
     def expire(self, now: float) -> list[int]:
         """Leases past at ``now`` end (counted); returns blocks whose grace has passed too."""
@@ -118,22 +140,32 @@ class HoldTable:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _heartbeat(self, hold_ids: list[str], now: float) -> None:
+    def _heartbeat(self, hold_ids: list[str], now: float, agent: str) -> None:
         self.counts.heartbeats += 1
-        extended = now + self.extension_s
         for hold_id in hold_ids:
             hold = self._holds.get(hold_id)
-            if hold is not None and extended > hold.expires_at:
+            if hold is None:
+                continue
+            if not hold.admits(agent):
+                self.counts.foreign_notifications += 1
+                continue
+            extended = min(now + self.extension_s, hold.last_at)
+            if extended > hold.expires_at:
                 hold.expires_at = extended
                 heapq.heappush(self._deadlines, (extended, hold_id))
 
-    def _read_done(self, hold_id: str, consumers: int) -> list[int]:
+    def _read_done(self, hold_id: str, consumers: int, agent: str) -> list[int]:
         hold = self._holds.get(hold_id)
         if hold is None:
             self.counts.unknown_notifications += 1
             return []
-        hold.num_reads += 1
-        if hold.num_reads < consumers:
+        if not hold.done:  # the first READ names how many ranks read this hold
+            hold.num_readers = max(consumers, len(hold.readers))
+        if not hold.admits(agent) or agent in hold.done:
+            self.counts.foreign_notifications += 1
+            return []
+        hold.done.add(agent)
+        if len(hold.done) < hold.num_readers:
             return []
         del self._holds[hold_id]  # its heap entry is skipped when it comes up
         self.counts.released_by_reads += 1

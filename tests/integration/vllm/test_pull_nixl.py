@@ -178,13 +178,13 @@ def test_a_restart_registers_a_newer_generation_and_forgets_old_holds(
         assert new["remote_engine_id"] == old["remote_engine_id"]
         assert new["remote_registration_generation"] > old["remote_registration_generation"]
         assert new["remote_request_id"] != old["remote_request_id"]
-        restarted.desk.notify(f"{old['remote_request_id']}:1".encode())
+        restarted.desk.notify("d0", f"{old['remote_request_id']}:1".encode())
         assert restarted.desk.holds.counts.unknown_notifications == 1
         assert len(restarted.desk.holds) == 1
     finally:
         restarted.close()
     assert restarted.desk.staging.num_free == BLOCKS  # closing returned its held blocks
-    backend.desk.notify(f"{old['remote_request_id']}:1".encode())
+    backend.desk.notify("d0", f"{old['remote_request_id']}:1".encode())
     assert backend.desk.staging.num_free == BLOCKS
 
 

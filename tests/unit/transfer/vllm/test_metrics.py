@@ -22,10 +22,10 @@ def test_scrapes_follow_the_desk() -> None:
     _staged(desk, 1, 40)
     hold_id = desk.tickets.take(1)["remote_request_id"]  # type: ignore[index]
     assert registry.get_sample_value("prefill_worker_vllm_staging_blocks_used") == 2
-    desk.notify(f"HB:{hold_id}".encode())
-    desk.notify(b"nobody:1")
-    desk.notify(b"garbage")
-    desk.notify(f"{hold_id}:1".encode())
+    desk.notify("d0", f"HB:{hold_id}".encode())
+    desk.notify("d0", b"nobody:1")
+    desk.notify("d0", b"garbage")
+    desk.notify("d0", f"{hold_id}:1".encode())
     value = registry.get_sample_value
     assert value("prefill_worker_vllm_holds_total", {"outcome": "read"}) == 1
     assert value("prefill_worker_vllm_holds_total", {"outcome": "expired"}) == 0

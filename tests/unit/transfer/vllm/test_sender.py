@@ -75,7 +75,7 @@ def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
     assert torch.equal(block0[0, :16, 4:], pool[1, 1, 0, :, 0])  # V of layer 1, page 0
     assert desk.staging.num_free == BLOCKS - 2
     hold_id = params["remote_request_id"]
-    desk.notify(f"{hold_id}:1".encode())
+    desk.notify("d0", f"{hold_id}:1".encode())
     assert desk.staging.num_free == BLOCKS
 
 
@@ -85,7 +85,7 @@ def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
     _staged(desk, 5, 40)
     hold_id = desk.tickets.take(5)["remote_request_id"]  # type: ignore[index]
     clock.now += 20.0
-    desk.notify(f"HB:{hold_id}".encode())  # lease now ends at 140
+    desk.notify("d0", f"HB:{hold_id}".encode())  # lease now ends at 140
     clock.now = 135.0
     desk.expire()
     assert desk.staging.num_free == BLOCKS - 2
@@ -95,7 +95,7 @@ def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
     clock.now = 145.0
     desk.expire()
     assert desk.staging.num_free == BLOCKS
-    desk.notify(f"{hold_id}:1".encode())  # a late READ's notice: counted, no double free
+    desk.notify("d0", f"{hold_id}:1".encode())  # a late READ's notice: counted, no double free
     assert desk.holds.counts.unknown_notifications == 1 and desk.staging.num_free == BLOCKS
 
 
@@ -130,7 +130,7 @@ def test_staging_full_fails_with_the_numbers_and_close_returns_everything() -> N
     sender = VllmSender(desk, 2, 100)
     assert sender.poll() is KVPoll.FAILED
     assert "100 tokens need 4 blocks, 2 of 6 free" in (sender.failure_reason() or "")
-    desk.notify(b"\xff\xfe")  # not text: counted as malformed, ignored
+    desk.notify("d0", b"\xff\xfe")  # not text: counted as malformed, ignored
     assert desk.holds.counts.bad_notifications == 1
     desk.close()
     assert desk.staging.num_free == BLOCKS
