@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 _SERIAL = itertools.count()
+# The factor by which a child's start and stop may take longer than their timeouts say: 1 for
+# benches and scripts; the test suite sets its own (tests/patience.py, from tests/conftest.py).
+PATIENCE = 1.0
 
 
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -118,7 +121,9 @@ class ChildProcess:
     def wait_ready(
         self, timeout_s: float, on_log_line: Callable[[str], None] | None = None
     ) -> None:
-        """Block until READY=1, handing each new log line to ``on_log_line`` meanwhile."""
+        """Block until READY=1 (up to ``timeout_s`` times ``PATIENCE``), handing each new log
+        line to ``on_log_line`` meanwhile."""
+        timeout_s *= PATIENCE
         deadline = time.monotonic() + timeout_s
         while not self.is_ready():
             if on_log_line is not None:
@@ -137,11 +142,12 @@ class ChildProcess:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM and wait; a child that does not exit in time is killed."""
+        """SIGTERM and wait; a child that does not exit in time (``timeout_s`` times
+        ``PATIENCE``) is killed."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         try:
-            code = self.popen.wait(timeout_s)
+            code = self.popen.wait(timeout_s * PATIENCE)
         except subprocess.TimeoutExpired:
             self.popen.kill()
             code = self.popen.wait()

@@ -32,6 +32,7 @@ from prefill_worker.testing.launch import ChildProcess
 from prefill_worker.transfer import RoomState, RoomStatus
 from tests.checkpoints import COMMON, prompt
 from tests.integration.daemon.conftest import DECODE_PAGES, PAGE_SIZE, Decode, Worker
+from tests.patience import patient
 from tests.polling import wait_until
 
 Reply = Result | Reject
@@ -87,7 +88,7 @@ class Ledger:
 
     def wait_answered(self, timeout_s: float) -> None:
         with self.cond:
-            if not self.cond.wait_for(lambda: not self.unanswered(), timeout_s):
+            if not self.cond.wait_for(lambda: not self.unanswered(), patient(timeout_s)):
                 missing = self.unanswered()
                 raise AssertionError(f"{len(missing)} requests unanswered: {missing[:10]}")
 
@@ -164,9 +165,12 @@ class Router:
         conn, ledger = self.conn, self.ledger
         keys = [(conn, rid) for rid in request_ids]
         with ledger.cond:
-            if not ledger.cond.wait_for(lambda: all(k in ledger.replies for k in keys), timeout_s):
+            replied = ledger.cond.wait_for(
+                lambda: all(k in ledger.replies for k in keys), patient(timeout_s)
+            )
+            if not replied:
                 missing = [k[1] for k in keys if k not in ledger.replies]
-                raise AssertionError(f"no reply in {timeout_s} s for {missing[:10]}")
+                raise AssertionError(f"no reply in {patient(timeout_s)} s for {missing[:10]}")
             return {k[1]: ledger.replies[k][0] for k in keys if k[1] is not None}
 
     def ping(self, timeout_s: float = 10.0) -> Load:
@@ -174,8 +178,8 @@ class Router:
             nonce = next(self._nonces)
             self._sock.send(encode(Ping(nonce=nonce)))
         with self.ledger.cond:
-            if not self.ledger.cond.wait_for(lambda: nonce in self._pongs, timeout_s):
-                raise AssertionError(f"no pong in {timeout_s} s")
+            if not self.ledger.cond.wait_for(lambda: nonce in self._pongs, patient(timeout_s)):
+                raise AssertionError(f"no pong in {patient(timeout_s)} s")
             return self._pongs.pop(nonce)
 
     def reconnect(self) -> None:

@@ -126,7 +126,7 @@ def test_http_drain_with_the_admin_token(rig_factory: Callable[..., Rig], tmp_pa
     assert post_drain(rig, "Bearer not-the-token") == 403
     check_healthy(rig)
     assert post_drain(rig, "Bearer reliability-token") == 202
-    assert rig.worker.proc.wait(30) == 0  # drained, then a clean exit
+    assert rig.worker.wait_exit(30) == 0  # drained, then a clean exit
 
 
 def test_frames_far_over_the_limit_cost_no_decoding(rig: Rig) -> None:

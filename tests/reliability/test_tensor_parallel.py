@@ -59,20 +59,23 @@ from tests.integration.daemon.conftest import (
     wait_ready,
 )
 from tests.integration.transfer.test_bootstrap_guard import listening
+from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
 
 TOL = 1e-4
 TRANSFER_BYTES = "prefill_worker_transfer_bytes_total"
 DECODE_PEERS = "prefill_worker_tp_decode_peers"
-PEERS_SETTLE_S = 10.0  # a `bye` reaches the followers at the next exchange (heartbeat: 0.5 s)
+PEERS_SETTLE_S = patient(10.0)  # a `bye` reaches the followers at the next exchange (0.5 s)
 HEAD_PAGE_BYTES = 2 * NUM_LAYERS * PAGE_SIZE * HEAD_DIM * 4  # one head's K and V, a page, fp32
 TP_MODULE = "prefill_worker.testing.tp_ranks"
-STEP_TIMEOUT_S, HEARTBEAT_S = 3.0, 0.5
+# A short step timeout makes a stopped rank's test quick; on a busy machine a step of four
+# ranks on two cores takes longer, so it grows with the tests' patience (tests/patience.py).
+STEP_TIMEOUT_S, HEARTBEAT_S = patient(3.0), 0.5
 FAST = (f"parallel.step_timeout_s={STEP_TIMEOUT_S}", f"parallel.heartbeat_interval_s={HEARTBEAT_S}")
 # docs/parallelism.md: a dead rank is seen within the supervisor's period (0.25 s) or at the
 # next collective; a stopped one within heartbeat + step timeout; then the engine's shutdown.
-EXIT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + 5.0
+EXIT_BOUND_S = HEARTBEAT_S + STEP_TIMEOUT_S + patient(5.0)
 LONG = prompt(40, seed=1)  # 3 chunks of 16
 HIT = [*LONG[:32], *prompt(9, seed=2)]  # 8 cached pages of 4 tokens
 BATCH = [prompt(11 + 3 * i, seed=10 + i) for i in range(3)]

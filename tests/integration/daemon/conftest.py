@@ -23,6 +23,7 @@ from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import KVReceiver, RoomState, RoomStatus, describe_worker
 from tests.checkpoints import make_checkpoint
+from tests.patience import patient
 from tests.polling import wait_until
 
 __all__ = ["free_port", "wait_until"]  # re-exported for the daemon and e2e tests
@@ -65,6 +66,7 @@ class Worker:
             return exc.code, exc.read().decode()
 
     def wait_exit(self, timeout_s: float) -> int:
+        timeout_s = patient(timeout_s)
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
