@@ -110,8 +110,10 @@ TTFT_SLO_REJECT = "ttft_slo"  # the rejects counter's label value for an SLO ref
 
 def ttft_slo_refusal(costs: CostSignals, num_tokens: int, slo_s: float | None) -> str | None:
     """Why a request of ``num_tokens`` is refused under ``admission.ttft_slo_s``, or None.
-    No SLO, or no prediction yet (a cold worker): admitted."""
-    if slo_s is None:
+    No SLO, no prediction yet (a cold worker), or an idle worker (nothing queued or running:
+    refusing cannot make anything faster, and what it serves refreshes the signals):
+    admitted."""
+    if slo_s is None or costs.queued_tokens + costs.running_tokens == 0:
         return None
     predicted_s = costs.predicted_ttft_s(num_tokens)
     if predicted_s is None or predicted_s <= slo_s:

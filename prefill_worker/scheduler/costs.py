@@ -15,20 +15,26 @@ that are not compute take.
                      part (launches, the sampler, the LM head's last rows) that a short prompt
                      or a small batch pays in full; a plain tokens/s average charges it by the
                      token and misjudges both. While the window's forwards are all about the
-                     same size the line is not determined: then ``forward_s`` is 0 and the rate
-                     is tokens over seconds. A recent window follows the load. None until the
-                     first forward.
+                     same size the line is not determined: then the last determined line's
+                     rate is kept and only ``forward_s`` is refitted (a run of one-token
+                     forwards would otherwise turn their fixed part into a rate of a few
+                     hundred tokens/s); before any line was determined, ``forward_s`` is 0
+                     and the rate is tokens over seconds. A recent window follows the load.
+                     None until the first forward.
     arrival_tps      prompt tokens submitted per second over the last ``ARRIVAL_WINDOW_S``
                      (since start while younger): those that arrive during the forward in
                      flight are taken with a new request and join its forwards.
     handshake_s      the lowest tenth of the bootstrap waits (arrival to the decode's want as
-                     the engine saw it) of the last ``window`` requests that succeeded: the
+                     the engine saw it) of the last ``window`` requests that succeeded within
+                     ``SAMPLE_MAX_AGE_S`` (older ones age out, so a burst of late claims
+                     cannot pin it once it is over; none left: 0): the
                      decode's handshake. The engine sees a want only between forwards, so a
                      request that arrived while one ran waited for it as well; under load that
                      is most of them, and their median is the forward in flight, which the
                      backlog already charges. Those that found the engine idle, or arrived as
                      a forward ended, are the lowest: their wait is the handshake's own.
-    transfer_s       median time from their last chunk computed to their answer (the push).
+    transfer_s       median time from their last chunk computed to their answer (the push),
+                     aged out like ``handshake_s``.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prefill_worker.load import CostSignals
@@ -44,6 +50,7 @@ from prefill_worker.request import Outcome, OutcomeStatus
 from prefill_worker.scheduler.tracked import Request
 
 ARRIVAL_WINDOW_S = 10.0
+SAMPLE_MAX_AGE_S = 60.0  # a request's handshake and push times count this long after it ended
 HANDSHAKE_QUANTILE = 0.1  # the bootstrap waits' quantile taken as the decode's handshake
 
 
@@ -55,25 +62,37 @@ class ForwardCost:
     seconds_per_token: float
 
 
-def fit_forward_cost(forwards: Iterable[tuple[float, int]]) -> ForwardCost | None:
-    """The least-squares line through ``(seconds, tokens)`` forwards; tokens over seconds
-    (no fixed part) when the tokens span less than 2x or the line is not physical (a negative
-    slope or intercept: noise). None without a forward."""
+def fit_forward_cost(
+    forwards: Iterable[tuple[float, int]], known: ForwardCost | None = None
+) -> ForwardCost | None:
+    """The least-squares line through ``(seconds, tokens)`` forwards. When the tokens span
+    less than 2x the line is not determined: ``known`` (the last determined line) keeps its
+    rate and the fixed part is refitted; without one, tokens over seconds (no fixed part).
+    Tokens over seconds too when the line is not physical (a negative slope or intercept:
+    noise). None without a forward."""
     samples = list(forwards)
     if not samples:
         return None
     total_s, total_tokens = sum(s for s, _ in samples), sum(t for _, t in samples)
     average = ForwardCost(0.0, total_s / total_tokens)
     tokens = [t for _, t in samples]
-    if max(tokens) < 2 * min(tokens):
-        return average
     mean_s, mean_t = total_s / len(samples), total_tokens / len(samples)
+    if not is_determined(tokens):
+        if known is None:
+            return average
+        slope = known.seconds_per_token
+        return ForwardCost(max(0.0, mean_s - slope * mean_t), slope)
     spread = sum((t - mean_t) ** 2 for t in tokens)
     slope = sum((t - mean_t) * (s - mean_s) for s, t in samples) / spread
     intercept = mean_s - slope * mean_t
     if slope <= 0 or intercept < 0:
         return average
     return ForwardCost(intercept, slope)
+
+
+def is_determined(tokens: Sequence[int]) -> bool:
+    """Whether forwards of these sizes determine a line: they span at least 2x."""
+    return max(tokens) >= 2 * min(tokens)
 
 
 def _lowest(samples: Iterable[float], quantile: float) -> float:
@@ -118,8 +137,8 @@ class CostEstimator:
         self._clock = clock
         self._shape = (chunk_size, max_batch_tokens)
         self._arrivals = ArrivalRate(clock())
-        self._handshakes: deque[float] = deque(maxlen=window)
-        self._transfers: deque[float] = deque(maxlen=window)
+        # (ended at, bootstrap wait, push time) of the last ``window`` requests that succeeded
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._handshake_s = 0.0
         self._transfer_s = 0.0
 
@@ -127,10 +146,23 @@ class CostEstimator:
         """A request ended; one that succeeded adds its handshake and push times."""
         if outcome.status is not OutcomeStatus.OK:
             return
-        self._handshakes.append(outcome.timings.bootstrap_s)
-        self._transfers.append(outcome.timings.transfer_s)
-        self._handshake_s = _lowest(self._handshakes, HANDSHAKE_QUANTILE)
-        self._transfer_s = statistics.median(self._transfers)
+        timings = outcome.timings
+        self._recent.append((self._clock(), timings.bootstrap_s, timings.transfer_s))
+        self._summarize()
+
+    def _age_out(self, now: float) -> None:
+        """Drop the samples older than ``SAMPLE_MAX_AGE_S``."""
+        if self._recent and self._recent[0][0] < now - SAMPLE_MAX_AGE_S:
+            while self._recent and self._recent[0][0] < now - SAMPLE_MAX_AGE_S:
+                self._recent.popleft()
+            self._summarize()
+
+    def _summarize(self) -> None:
+        if not self._recent:
+            self._handshake_s = self._transfer_s = 0.0
+            return
+        self._handshake_s = _lowest((h for _, h, _ in self._recent), HANDSHAKE_QUANTILE)
+        self._transfer_s = statistics.median(t for _, _, t in self._recent)
 
     def signals(
         self,
@@ -141,6 +173,8 @@ class CostEstimator:
     ) -> CostSignals:
         """``cost``: the recent forwards' fit (``ForwardClock``); ``num_arrived_tokens``:
         prompt tokens submitted since start."""
+        now = self._clock()
+        self._age_out(now)
         running = sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefilling)
         rate, forward_s = None, 0.0
         if cost is not None and cost.seconds_per_token > 0:
@@ -152,7 +186,7 @@ class CostEstimator:
             handshake_s=self._handshake_s,
             transfer_s=self._transfer_s,
             forward_s=forward_s,
-            arrival_tps=self._arrivals.observe(self._clock(), num_arrived_tokens),
+            arrival_tps=self._arrivals.observe(now, num_arrived_tokens),
             chunk_size=self._shape[0],
             max_batch_tokens=self._shape[1],
         )

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefill_worker.batch import BatchOutput, BatchPlan, ModelRunner
-from prefill_worker.scheduler.costs import ForwardCost, fit_forward_cost
+from prefill_worker.scheduler.costs import ForwardCost, fit_forward_cost, is_determined
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,7 @@ class ForwardClock:
         self._recent: deque[tuple[float, int]] = deque(maxlen=window)
         self._state = Progress(last_sign_at=clock())
         self._cost: ForwardCost | None = None
+        self._line: ForwardCost | None = None  # the last fit of a window that determined one
         # When the last forward that returned started and ended (read once it is collected).
         self.last_forward = (0.0, 0.0)
 
@@ -93,7 +94,9 @@ class ForwardClock:
 
     def _measure(self, seconds: float, num_tokens: int) -> float:
         self._recent.append((seconds, max(num_tokens, 1)))
-        self._cost = fit_forward_cost(self._recent)
+        self._cost = fit_forward_cost(self._recent, self._line)
+        if is_determined([n for _, n in self._recent]):
+            self._line = self._cost  # the rate an undetermined window keeps
         total_s = sum(s for s, _ in self._recent)
         return total_s / sum(n for _, n in self._recent)
 

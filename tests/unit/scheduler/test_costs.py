@@ -16,12 +16,14 @@ from prefill_worker.request import (
     Timings,
 )
 from prefill_worker.scheduler.costs import (
+    SAMPLE_MAX_AGE_S,
     ArrivalRate,
     CostEstimator,
     ForwardCost,
     fit_forward_cost,
 )
 from prefill_worker.scheduler.tracked import Request
+from tests.clocks import FakeClock
 from tests.unit.scheduler.fakes import Rig, make_rig
 
 
@@ -141,7 +143,63 @@ def test_failed_requests_do_not_count() -> None:
     assert (signals.handshake_s, signals.transfer_s) == (1.0, 0.5)
 
 
+def test_handshake_and_push_times_age_out() -> None:
+    """A burst of late claims (bootstrap waits of 1.5 s) no longer pins the handshake once it
+    is SAMPLE_MAX_AGE_S old, even with no request since (issue #40: it pinned it for ever)."""
+    clock = FakeClock(0.0)
+    estimator = CostEstimator(clock)
+    for _ in range(12):
+        estimator.on_outcome(_outcome(1.5, 0.2))
+    clock.advance(10.0)
+    estimator.on_outcome(_outcome(0.01, 0.1))
+    assert estimator.signals(0, [], None).handshake_s == 1.5  # the lowest tenth: still late
+    clock.advance(SAMPLE_MAX_AGE_S - 10.0)
+    assert estimator.signals(0, [], None).handshake_s == 1.5  # the burst is exactly 60 s old
+    clock.advance(0.001)
+    signals = estimator.signals(0, [], None)
+    assert (signals.handshake_s, signals.transfer_s) == (0.01, 0.1)  # only the newer one left
+    clock.advance(10.0)
+    signals = estimator.signals(0, [], None)
+    assert (signals.handshake_s, signals.transfer_s) == (0.0, 0.0)  # none left
+
+
+def test_an_undetermined_window_keeps_the_last_lines_rate() -> None:
+    """Forwards of one size refit only the fixed part of a line determined before (issue #40:
+    70 one-token forwards made a 10k tokens/s worker's rate ~400 tokens/s)."""
+    line = ForwardCost(0.002, 0.0001)  # 10k tokens/s, 2 ms a forward
+    one_token = [(0.0025, 1)] * 70
+    cost = fit_forward_cost(one_token, line)
+    assert cost is not None and cost.seconds_per_token == 0.0001
+    assert cost.forward_s == pytest.approx(0.0024)
+    assert fit_forward_cost([(0.0001, 1)], line) == ForwardCost(0.0, 0.0001)  # never negative
+    determined = [(0.05 + 0.002 * t, t) for t in (16, 64)]
+    assert fit_forward_cost(determined, line) == pytest.approx(fit_forward_cost(determined))
+
+
+def test_the_engine_keeps_its_rate_through_a_run_of_one_token_forwards() -> None:
+    cost = [0.0001]
+    rig = _timed_rig(cost, chunk_size=64, max_batch_tokens=64)
+    rig.backend.auto_want = True
+    for i, n in enumerate([8, 16, 32, 64] * 4):
+        rig.prefill(f"mixed{i}", n)
+        rig.run_until_idle()
+    assert rig.engine.load.costs.prefill_rate_tps == pytest.approx(10_000.0)
+    for i in range(70):  # more than the window of one-token forwards
+        rig.prefill(f"one{i}", 1)
+        rig.run_until_idle()
+    assert rig.engine.load.costs.prefill_rate_tps == pytest.approx(10_000.0)
+
+
 # ---- the prediction ---------------------------------------------------------------------
+
+
+def test_an_idle_worker_is_never_refused_by_the_slo() -> None:
+    late = CostSignals(prefill_rate_tps=100.0, handshake_s=30.0, transfer_s=5.0)
+    assert late.predicted_ttft_s(10) == pytest.approx(35.1)
+    assert ttft_slo_refusal(late, 10, 1.0) is None  # idle: nothing to wait behind
+    busy = CostSignals(queued_tokens=1, prefill_rate_tps=100.0, handshake_s=30.0)
+    assert ttft_slo_refusal(busy, 10, 1.0) is not None
+    assert ttft_slo_refusal(CostSignals(running_tokens=1, prefill_rate_tps=1.0), 10, 1.0)
 
 
 def test_an_idle_worker_has_no_backlog_even_before_a_rate() -> None:
