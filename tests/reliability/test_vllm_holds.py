@@ -5,16 +5,36 @@
   any agent released that hold, so the next request reused its blocks while the victim's
   decode still meant to read them; forged ``HB:`` kept staging held past the lease. Now ids
   carry 128 random bits and a hold's notifications count only from its reader.
+- Finding 8: a pull naming a ``bootstrap_room`` took a pending native request's room (both
+  failed), and two pulls on one room both got 200. A pull names no room now (the worker draws
+  one, which only that request owns): one that does is refused 400.
 - Finding 9: each malformed notification was one WARNING line (before: 1,000 lines). Each is
   counted; the log says the first and then at most one line per ``BAD_NOTIFICATION_LOG_S``."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from prefill_worker.ingress.messages import Result
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.transfer import RoomState
 from prefill_worker.transfer.vllm.desk import BAD_NOTIFICATION_LOG_S
 from tests.checkpoints import prompt
-from tests.integration.daemon.test_vllm_pull import _metric, _prefill, _staging_used, pulled
+from tests.integration.daemon.test_vllm_pull import (
+    MODEL,
+    PROXY_ASK,
+    _metric,
+    _prefill,
+    _staging_used,
+    pulled,
+)
 from tests.integration.vllm.decode import PullDecode
 from tests.polling import wait_until
+from tests.reliability.harness import Ledger, LiveDecode, Router
 
 __all__ = ["pulled"]  # the module's worker and vLLM-shaped decode (test_vllm_pull.py)
 MALFORMED = ("prefill_worker_vllm_notifications_ignored_total", '{why="malformed"}')
@@ -61,3 +81,28 @@ def test_another_agent_can_neither_release_nor_keep_a_decodes_hold(pulled) -> No
         wait_until(lambda: _staging_used(worker) == 0, 10.0, "the reads' release")
     finally:
         thief.close()
+
+
+def test_a_pull_cannot_take_a_native_requests_room(pulled) -> None:
+    worker, api, _ = pulled
+    ledger = Ledger()
+    router, decode = Router(worker.ingress, ledger), LiveDecode(worker.bootstrap)
+    try:
+        room = 4_242_424_242
+        rid = router.send_prefill(prompt(9, seed=21), room)  # native, waiting for its decode
+        body = {"model": MODEL, "prompt": prompt(9, seed=22), "max_tokens": 1}
+        body |= {"kv_transfer_params": PROXY_ASK, "bootstrap_room": room}
+        request = urllib.request.Request(
+            f"{api}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 400 and b"bootstrap_room" in refused.value.read()
+        decode.want(room, 9)  # the native request's own decode (before: its room was failed)
+        reply = router.wait([rid])[rid]
+        assert isinstance(reply, Result) and reply.status is OutcomeStatus.OK, reply
+        assert decode.wait([room])[room].state is RoomState.DONE
+        decode.release(room)
+    finally:
+        router.close()
+        decode.close()

@@ -168,7 +168,9 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
     is_pull = req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode
     if is_pull and len(items) != 1:
         raise BadRequest("kv_transfer_params (a vLLM pull) takes one prompt, not a batch")
-    if is_pull and req.bootstrap_room is None:
+    if is_pull and req.bootstrap_room is not None:  # a room is one request's, of one protocol
+        raise BadRequest("bootstrap_room: a vLLM pull names none (the worker draws its room)")
+    if is_pull:
         rooms = [secrets.randbits(63)]  # no decode names it: a fresh capability per request
     else:
         rooms = _per_prompt("bootstrap_room", req.bootstrap_room, len(items), required=True)

@@ -38,9 +38,10 @@ class Tickets:
             return len(self._rooms)
 
     def open(self, room: int) -> bool:
-        """Mark ``room`` as a vLLM pull; False when ``max_open`` are open already."""
+        """Mark ``room`` as a vLLM pull; False when ``max_open`` are open already, or this
+        room is (a room is one request's)."""
         with self._lock:
-            if len(self._rooms) >= self._max_open:
+            if len(self._rooms) >= self._max_open or room in self._rooms:
                 return False
             self._rooms[room] = None
             return True

@@ -45,6 +45,15 @@ def test_a_pull_body_gets_a_room_and_is_marked() -> None:
     assert not plain[0].is_pull
     with pytest.raises(BadRequest, match="not a batch"):
         read_completion(json.dumps({**body, "prompt": [[1], [2]]}).encode(), 8)
+    with pytest.raises(BadRequest, match="names none"):  # a room is one request's
+        read_completion(json.dumps({**body, "bootstrap_room": 5}).encode(), 8)
+
+
+def test_a_room_has_one_ticket() -> None:
+    tickets = Tickets(4)
+    assert tickets.open(7) and not tickets.open(7)  # a second pull on the room: refused
+    assert len(tickets) == 1 and tickets.take(7) is None
+    assert tickets.open(7)  # free again once taken
 
 
 class Engine(threading.Thread):
