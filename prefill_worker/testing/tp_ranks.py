@@ -7,6 +7,8 @@ A test tool, never imported by the worker. ``python -m prefill_worker.testing.tp
 - ``--fail-rank R --fail-on MARKER``: rank R's forward raises ``RuntimeError`` for any batch
   holding a chunk of a request whose id contains MARKER (deterministic: the test names the
   request that fails, warm-up and other requests run normally);
+- ``--fail-how stop`` (with ``--fail-rank R --fail-on MARKER``): rank R stops itself
+  (SIGSTOP) at the start of such a forward instead, as a rank frozen mid-forward would be;
 - ``--dump-dir DIR``: every rank saves its whole KV pool at exit, as ``DIR/rank{R}.pt``
   (``{"k": [L][P, page_size, KV, D], "v": ...}``), so a test can compare the ranks' head
   slices with a TP-1 worker's pool;
@@ -38,12 +40,15 @@ from prefill_worker.service import cli, rank
 
 
 class FailingRunner:
-    def __init__(self, runner: ModelRunner, rank: int, marker: str) -> None:
-        self._runner, self._rank, self._marker = runner, rank, marker
+    def __init__(self, runner: ModelRunner, rank: int, marker: str, how: str = "raise") -> None:
+        self._runner, self._rank, self._marker, self._how = runner, rank, marker, how
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         if any(self._marker in chunk.request_id for chunk in plan.chunks):
-            raise RuntimeError(f"injected forward failure on rank {self._rank}")
+            if self._how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # the leader's collectives now wait
+            else:
+                raise RuntimeError(f"injected forward failure on rank {self._rank}")
         return self._runner.run(plan)
 
 
@@ -75,7 +80,8 @@ def builder(options: argparse.Namespace) -> Callable[..., Any]:
             if options.dump_on_signal:
                 dump_on_signal(kv_cache, path)
         if options.fail_on and options.fail_rank == rank_index:
-            return FailingRunner(runner, rank_index, options.fail_on), kv_cache, info
+            failing = FailingRunner(runner, rank_index, options.fail_on, options.fail_how)
+            return failing, kv_cache, info
         return runner, kv_cache, info
 
     return build_with_seams
@@ -85,6 +91,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="prefill_worker.testing.tp_ranks")
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-on", default="")
+    parser.add_argument("--fail-how", choices=["raise", "stop"], default="raise")
     parser.add_argument("--dump-dir", default="")
     parser.add_argument("--dump-on-signal", action="store_true")
     parser.add_argument("command", choices=["serve", "rank"])

@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,15 @@ class Followers:
             code = proc.poll()
             if code is not None:
                 return f"rank {rank} (pid {proc.pid}) exited with {code}"
+        return None
+
+    def first_stopped(self) -> str | None:
+        """``rank R (pid P) is stopped`` for the first follower the kernel holds stopped
+        (SIGSTOP, a debugger; state T or t in ``/proc``), else None. Such a rank answers
+        nothing, in a step or in the forward's own collectives, until it is continued."""
+        for rank, proc in enumerate(self._procs, start=1):
+            if _state(proc.pid) in ("T", "t"):
+                return f"rank {rank} (pid {proc.pid}) is stopped"
         return None
 
     def wait_for(self, work: Callable[[], T], timeout_s: float, what: str) -> T:
@@ -114,3 +124,13 @@ def die_with_parent(parent_pid: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent_pid:
         raise SystemExit(f"leader pid {parent_pid} is gone")
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from ``/proc/PID/stat`` (None where it cannot be read)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+    return fields[0] if fields else None

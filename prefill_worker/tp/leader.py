@@ -95,11 +95,14 @@ class LeaderGroup:
         return self.followers.first_dead() or self.channel.failure
 
     def stuck(self) -> str | None:
-        """For ``/livez``: a failed group, or ranks that have not answered a step for longer
-        than ``stuck_after_s``."""
+        """For ``/livez``: a failed group, a follower the kernel holds stopped, or ranks that
+        have not answered a step for longer than ``stuck_after_s``."""
         problem = self.problem()
         if problem is not None:
             return f"tensor-parallel group failed: {problem}"
+        stopped = self.followers.first_stopped()  # mid-forward too: no step need be waiting
+        if stopped is not None:
+            return f"a tensor-parallel {stopped}"
         waited_s = self.channel.waiting_for()
         if waited_s > self._stuck_after_s:
             return f"a tensor-parallel rank has not answered a step for {waited_s:.1f} s"

@@ -554,6 +554,34 @@ def test_a_stopped_follower_is_reported_stuck_and_stops_the_worker(
         session.close()
 
 
+def test_a_follower_stopped_mid_forward_is_reported_at_once(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    """Rank 1 stops itself (SIGSTOP) at the start of a forward: the leader is inside its own
+    share of that forward, waiting in the model's collectives, where no step waits on the
+    ranks (before: ``/livez`` said 200 until the collective timed out, ~step_timeout_s; docs
+    say about 1 s). The supervisor sees the rank's state at once; the group fails as one."""
+    args = ["--fail-rank", "1", "--fail-on", "freeze", "--fail-how", "stop"]
+    session = Session(start(tmp_path, checkpoint, 2, args=args))
+    (follower,) = rank_pids(session.worker.proc.pid)
+    try:
+        session.send(prompt(30, seed=5), "freeze-0")
+        wait_until(lambda: _state(follower) == "T", 30, "the rank to stop itself")
+        started_at = time.monotonic()
+        status, body = session.worker.http("/livez")
+        assert status == 503 and "rank 1" in body and "is stopped" in body, (status, body)
+        assert time.monotonic() - started_at < STEP_TIMEOUT_S
+        check_failed_as_one(session, ["freeze-0"], started_at)
+    finally:
+        if Path(f"/proc/{follower}").exists():
+            os.kill(follower, signal.SIGCONT)
+        session.close()
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
 def test_a_rank_whose_forward_raises_stops_the_worker(tmp_path: Path, checkpoint: Path) -> None:
     args = ["--fail-rank", "1", "--fail-on", "poison"]
     session = Session(start(tmp_path, checkpoint, 2, args=args))

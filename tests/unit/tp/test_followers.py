@@ -82,3 +82,19 @@ def test_a_follower_dies_with_its_killed_leader(tmp_path: Path) -> None:
         return state == "Z"
 
     wait_until(gone, 10, "the follower to die with its leader")
+
+
+def test_a_stopped_follower_is_named_until_it_is_continued() -> None:
+    proc = subprocess.Popen(["sleep", "60"])
+    followers = Followers([proc])
+    try:
+        assert followers.first_stopped() is None
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: followers.first_stopped() is not None, 5, "the stop seen")
+        assert followers.first_stopped() == f"rank 1 (pid {proc.pid}) is stopped"
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_until(lambda: followers.first_stopped() is None, 5, "the continue seen")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert followers.first_stopped() is None  # gone: nothing to read
