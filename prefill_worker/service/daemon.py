@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from prefill_worker import __version__
 from prefill_worker.batch import ModelRunner
@@ -35,6 +35,7 @@ from prefill_worker.model import KVCache, ModelInfo, build
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.fdlimit import raise_fd_limit
 from prefill_worker.service.group_startup import agree_group_loaded, lead_group, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
@@ -93,6 +94,7 @@ class Daemon:
         self._env, self._rank_command = env, rank_command
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
         self.registry = CollectorRegistry()
+        ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
         self.metrics = WorkerMetrics(self.registry)
         self.health = Health(
             config.metrics.livez_stale_s,
@@ -344,6 +346,7 @@ def run_daemon(
     rank_command: Sequence[str] | None = None,
 ) -> int:
     configure_logging(config.daemon.log_level, config.daemon.log_format)
+    raise_fd_limit()
     daemon = Daemon(
         config,
         os.environ if env is None else env,

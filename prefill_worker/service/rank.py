@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from prefill_worker.model import build
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
+from prefill_worker.service.fdlimit import raise_fd_limit
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
@@ -95,6 +96,7 @@ def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -
     die_with_parent(args.parent_pid)
     config = Config.model_validate_json(sys.stdin.buffer.read())
     configure_logging(config.daemon.log_level, config.daemon.log_format)
+    raise_fd_limit()
     placement = Placement(args.rank, args.world_size, args.rank, args.port, False)
     code = run_follower(config, placement, build_model)
     prepare_exit()

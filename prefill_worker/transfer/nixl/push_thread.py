@@ -32,6 +32,10 @@ from prefill_worker.transfer.nixl.poster import Prepare, prepped, release_handle
 log = logging.getLogger(__name__)
 
 _PROGRESS_S = 0.001  # writes in flight are checked this often (NIXL gives no fd)
+# While idle the agent is progressed this often anyway: UCX lets go of a TCP connection a
+# peer closed (its fd) only as its worker progresses (before: each one a raw client opened
+# and closed on the listener stayed an open fd for the process's life).
+_IDLE_PROGRESS_S = 1.0
 
 
 class _Phase(enum.Enum):
@@ -175,7 +179,8 @@ class PushThread:
         while True:
             with self._cv:
                 while not (self._is_stopping or self._control or self._posts or self._inflight):
-                    self._cv.wait()
+                    if not self._cv.wait(_IDLE_PROGRESS_S):
+                        self._progress_idle()
                 controls = list(self._control)
                 self._control.clear()
                 ticket = None
@@ -195,6 +200,16 @@ class PushThread:
             with self._cv:
                 if self._inflight and not (self._control or self._posts or self._is_stopping):
                     self._cv.wait(_PROGRESS_S)
+
+    def _progress_idle(self) -> None:
+        """Progress the agent with nothing in flight (``_IDLE_PROGRESS_S`` says why). The
+        worker's push agents receive no notifications, so reading them loses nothing."""
+        try:
+            self._agent.get_new_notifs()
+        except AssertionError:
+            raise
+        except Exception:  # best effort: a broken agent shows in the next write it posts
+            log.debug("idle progress of the NIXL agent failed", exc_info=True)
 
     def _run_one(self, control: Control) -> None:
         fn, args, future = control
