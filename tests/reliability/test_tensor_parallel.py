@@ -576,6 +576,7 @@ def test_a_follower_stopped_mid_forward_is_reported_at_once(
         if Path(f"/proc/{follower}").exists():
             os.kill(follower, signal.SIGCONT)
         session.close()
+        session.worker.child.kill()  # a failed check leaves no worker behind (exited: no-op)
 
 
 def _state(pid: int) -> str:
