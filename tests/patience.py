@@ -13,7 +13,10 @@ Where it applies: ``tests.polling.wait_until``; the harnesses' waits for replies
 exits (``tests/reliability/harness.py``, ``tests/integration/daemon/conftest.py``,
 ``tests/reliability/watch.py``); the child processes' start and stop
 (``prefill_worker.testing.launch.ChildProcess``, through its ``PATIENCE``, set by
-``tests/conftest.py``); and pytest-timeout's per-test limit.
+``tests/conftest.py``; the decode child's calls and the OTLP receiver's waits use the same
+``PATIENCE``); pytest-timeout's per-test limit; and each test's own bounded waits on another
+process or thread (HTTP and socket timeouts, ZMQ polls, ``Future.result``, ``Thread.join``,
+``Event.wait``), written ``patient(5)``, never a bare number.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from prefill_worker.testing import launch
+
 
 class DecodeError(RuntimeError):
     """The child refused a command or went away; the text carries its error and log."""
@@ -55,6 +57,7 @@ class JsonLineChild:
             self.popen.stdin.flush()
         except BrokenPipeError:
             raise DecodeError(self._failure(f"{op}: the decode is gone")) from None
+        timeout_s *= launch.PATIENCE  # the tests' factor for a busy machine (launch.py)
         deadline = time.monotonic() + timeout_s
         while True:
             line = self._read_line(deadline)

@@ -15,6 +15,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from prefill_worker.testing import launch
+
 TRACES_PATH = "/v1/traces"
 
 
@@ -85,7 +87,8 @@ class OtlpReceiver:
 
     def wait_for(self, predicate: Any, timeout_s: float = 30.0) -> list[ReceivedSpan]:
         """The spans once ``predicate(spans)`` holds (checked at each export that arrives);
-        AssertionError after ``timeout_s``."""
+        AssertionError after ``timeout_s`` (times ``launch.PATIENCE``, the tests' factor)."""
+        timeout_s *= launch.PATIENCE
         with self._arrived:
             if self._arrived.wait_for(lambda: predicate(self.spans), timeout_s):
                 return list(self.spans)

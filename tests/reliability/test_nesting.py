@@ -21,6 +21,7 @@ from prefill_worker.ingress.messages import Reject, RejectCode, Result, encode, 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import wire
 from tests.checkpoints import prompt
+from tests.patience import patient
 from tests.reliability.conftest import ProcStats, Rig, check_healthy
 
 DEPTH = 1000
@@ -101,7 +102,7 @@ def test_a_nested_message_to_the_bootstrap_port_is_refused(rig_factory) -> None:
             if i == NUM_ATTACKS // 2:
                 rig.decode.want(room, 9)  # the legitimate decode, in the middle of the attack
             attacker.send(frame)
-            assert attacker.poll(5000), "no reject from the worker"
+            assert attacker.poll(int(patient(5.0) * 1000)), "no reject from the worker"
             reply = wire.decode(attacker.recv())
             assert isinstance(reply, wire.Reject) and "nested deeper" in reply.reason, reply
     finally:

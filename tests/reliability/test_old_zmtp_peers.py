@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 
 from prefill_worker.testing.launch import free_port
+from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.harness import Rig, check_healthy, serve_fresh
 
@@ -22,7 +23,7 @@ BAD_MESSAGE = ("prefill_worker_bootstrap_rejects_total", {"reason": "bad_message
 
 def _send_raw(endpoint: str, data: bytes) -> socket.socket:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn = socket.create_connection((host, int(port)), timeout=patient(10))
     conn.sendall(data)
     return conn  # left open: the peer stays connected while the worker reads its frames
 

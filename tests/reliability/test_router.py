@@ -24,6 +24,7 @@ from prefill_worker.ingress.messages import (
 )
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import prompt
+from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.conftest import SharedWorker
 from tests.reliability.harness import VOCAB_SIZE, Rig, check_healthy
@@ -172,7 +173,7 @@ def post_drain(rig: Rig, authorization: str | None) -> int:
     if authorization is not None:
         request.add_header("Authorization", authorization)
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=patient(5)) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code

@@ -115,7 +115,7 @@ class RankedDecode:
             for rank, (k, v) in enumerate(self.pools)
         ]
         for receiver in self.receivers:
-            receiver.wait_registered(timeout_s=30)
+            receiver.wait_registered(timeout_s=patient(30))
         self.rooms: dict[int, list[int]] = {}
 
     @property

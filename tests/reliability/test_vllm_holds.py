@@ -33,6 +33,7 @@ from tests.integration.daemon.test_vllm_pull import (
     pulled,
 )
 from tests.integration.vllm.decode import PullDecode
+from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router
 
@@ -96,7 +97,7 @@ def test_a_pull_cannot_take_a_native_requests_room(pulled) -> None:
             f"{api}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=60)
+            urllib.request.urlopen(request, timeout=patient(60))
         assert refused.value.code == 400 and b"bootstrap_room" in refused.value.read()
         decode.want(room, 9)  # the native request's own decode (before: its room was failed)
         reply = router.wait([rid])[rid]

@@ -60,7 +60,7 @@ class Worker:
     def http(self, path: str, method: str = "GET") -> tuple[int, str]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", method=method)
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=patient(5)) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
@@ -164,7 +164,7 @@ class Decode:
             self.k, self.v, bootstrap, num_aux_rows=64, peer_timeout_s=peer_timeout_s
         )
         try:
-            self.receiver.wait_registered(timeout_s=30)
+            self.receiver.wait_registered(timeout_s=patient(30))
         except BaseException:  # a refused pool: its I/O thread would keep the process alive
             self.receiver.close()
             raise

@@ -12,6 +12,7 @@ from prefill_worker.ingress.client import RequestRejected
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Decode, free_port, wait_until
 from tests.integration.daemon.test_http_api import Api, api_settings, generate
+from tests.patience import patient
 
 
 def _rank(api: Api) -> dict:
@@ -56,7 +57,7 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
             assert (pong.queued_tokens, pong.backlog_s, pong.prefill_rate_tps) == (37, None, None)
             decode.want(7001, len(ids))
             assert decode.wait([7001])[7001].state.value == "done"  # turns the decode peer
-            status, body = held.result(timeout=60)
+            status, body = held.result(timeout=patient(60))
         assert status == 200, body
         warm = _rank(api)
         assert warm["prefill_rate_tokens_per_s"] > 0

@@ -22,6 +22,7 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import describe_worker
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, wait_until
+from tests.patience import patient
 
 LENGTHS = (5, 17, 40, 63)
 OK_REQUESTS = re.compile(r'^prefill_worker_requests_total\{reason="ok",status="ok"\} (\S+)$', re.M)
@@ -61,7 +62,7 @@ def test_requests_end_to_end(shared_worker, router_factory, checkpoint) -> None:
             for room, ids in prompts.items()
         }
         statuses = decode.wait(list(prompts))
-        results = {room: future.result(timeout=60) for room, future in futures.items()}
+        results = {room: future.result(timeout=patient(60)) for room, future in futures.items()}
     for room, ids in prompts.items():
         first_token, hf_kv = hf_reference(checkpoint, ids)
         result = results[room]
@@ -100,7 +101,7 @@ def test_sigterm_during_burst_drains(worker_factory, router_factory) -> None:
         for room, ids in prompts.items():
             decode.want(room, len(ids))
         statuses = decode.wait(list(prompts))
-        results = {room: future.result(timeout=60) for room, future in futures.items()}
+        results = {room: future.result(timeout=patient(60)) for room, future in futures.items()}
     assert all(r.status is OutcomeStatus.OK for r in results.values()), results
     assert all(s.state.value == "done" for s in statuses.values())
     assert worker.wait_exit(30) == 0
@@ -125,7 +126,7 @@ def test_drain_timeout_fails_what_is_left(worker_factory, router_factory) -> Non
         wait_until(lambda: router.ping().waiting == 1, 30, "request accepted")
         sent_at = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
-        result = future.result(timeout=30)
+        result = future.result(timeout=patient(30))
     assert result.status is OutcomeStatus.FAILED and "draining" in (result.error or "")
     assert worker.wait_exit(30) == 0
     assert time.monotonic() - sent_at < 15
@@ -140,7 +141,7 @@ def test_second_signal_forces(worker_factory, router_factory) -> None:
         worker.proc.send_signal(signal.SIGINT)
         wait_until(lambda: worker.http("/readyz")[0] == 503, 10, "draining")
         worker.proc.send_signal(signal.SIGINT)
-        result = future.result(timeout=30)
+        result = future.result(timeout=patient(30))
     assert result.status is OutcomeStatus.FAILED
     assert worker.wait_exit(20) == 1
 
@@ -177,7 +178,9 @@ def test_port_zero_config_publishes_its_endpoints(shared_worker, router_factory)
         assert not endpoints[name].endswith(":0")
     ready = next(n for n in child.notifications if n.startswith("READY=1"))
     assert all(str(endpoints[k]) in ready for k in ("ingress", "bootstrap", "http")), ready
-    with urllib.request.urlopen(f"http://{endpoints['http']}/readyz", timeout=5) as response:
+    with urllib.request.urlopen(
+        f"http://{endpoints['http']}/readyz", timeout=patient(5)
+    ) as response:
         assert json.loads(response.read()) == {"status": "ready", **endpoints}
     # The pool layout, for a decode to size its pool by: in /readyz and from `describe`.
     layout = describe_worker(endpoints["bootstrap"], 10.0)
@@ -189,7 +192,7 @@ def test_port_zero_config_publishes_its_endpoints(shared_worker, router_factory)
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(router.prefill, prompt(9, seed=7), 7)
         assert decode.wait([7])[7].state.value == "done"
-        assert future.result(timeout=60).status is OutcomeStatus.OK
+        assert future.result(timeout=patient(60)).status is OutcomeStatus.OK
     decode.close()
 
 

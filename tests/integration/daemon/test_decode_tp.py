@@ -23,6 +23,7 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, PAGE_SIZE
+from tests.patience import patient
 from tests.polling import wait_until
 
 NUM_TOKENS, NUM_PAGES = 23, 32  # 6 pages, the last one partial
@@ -46,7 +47,7 @@ class DecodeRank:
         self.receiver = KVReceiver.from_tensors(
             self.k, self.v, bootstrap, num_aux_rows=4, tp=tp, io_thread=True
         )
-        self.receiver.wait_registered(timeout_s=30)
+        self.receiver.wait_registered(timeout_s=patient(30))
         # Each rank its own scattered pages: a rank written into another's pages shows.
         self.pages = [NUM_PAGES - 1 - 3 * i - rank for i in range(-(-NUM_TOKENS // PAGE_SIZE))]
         self.slot = rank % 4

@@ -18,10 +18,11 @@ from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
+from tests.patience import patient
 
 
 def http_get(port: int, path: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=patient(5)) as response:
         return response.read().decode()
 
 
@@ -48,5 +49,5 @@ def test_the_daemon_serves_a_deepseek_v3_checkpoint(tmp_path: Path) -> None:
         assert warm_up and float(warm_up.group(1)) > 0
     finally:
         daemon.request_drain()
-        thread.join(timeout=120)
+        thread.join(timeout=patient(120))
     assert codes == [0]

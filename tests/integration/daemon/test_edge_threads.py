@@ -28,6 +28,7 @@ from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.sglang.control import ControlSocket
 from tests.integration.daemon.conftest import free_port, wait_until
 from tests.integration.daemon.test_readiness import tiny_daemon
+from tests.patience import patient
 
 
 class Injected(RuntimeError):
@@ -170,7 +171,9 @@ def test_a_killed_event_loop_thread_is_not_live(name: str, sites: list[ThreadedS
 
 def _get(port: int, path: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}{path}", timeout=patient(5)
+        ) as response:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -218,5 +221,5 @@ def test_the_daemon_is_not_live_once_its_ingress_thread_stops(checkpoint: Path) 
         assert body["stopped"] == ["ingress/ingress-io"]
     finally:
         daemon.request_drain()
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
     assert codes == [0]

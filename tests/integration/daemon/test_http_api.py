@@ -28,6 +28,7 @@ from prefill_worker.ingress.messages import unpack_logprobs
 from tests.checkpoints import hf_model, prompt
 from tests.integration.daemon.conftest import Decode, Worker, free_port, wait_until
 from tests.integration.daemon.test_daemon import hf_reference
+from tests.patience import patient
 
 MODEL_NAME = "tiny-llama"
 
@@ -288,7 +289,7 @@ def test_overloaded_is_429_and_nothing_hangs(worker_factory) -> None:
             assert status == 429 and body["error"]["code"] == "overloaded"
             # Its room is withdrawn: the decode learns it now, not at its own timeout.
             assert decode.wait([9002], timeout_s=3)[9002].state.value == "failed"
-            status, body = held.result(timeout=30)  # tiny-test: bootstrap_timeout_s 5
+            status, body = held.result(timeout=patient(30))  # tiny-test: bootstrap_timeout_s 5
         assert status == 500 and body["error"]["code"] == "bootstrap_timeout"
     finally:
         decode.close()
@@ -318,7 +319,7 @@ def test_draining_answers_503_on_health_and_requests(worker_factory) -> None:
             assert status == 503 and body["error"]["code"] == "draining"
             decode.want(9101, len(ids))  # the request in flight still finishes
             decode.wait([9101])
-            assert inflight.result(timeout=30)[0] == 200
+            assert inflight.result(timeout=patient(30))[0] == 200
         wait_until(lambda: "exit 0" in worker.child.log_tail(), 30, "the drain to end")
         assert time.monotonic() - drained_at >= 2.0
         assert _sigterm_until_exit(worker.proc, 30) == 0

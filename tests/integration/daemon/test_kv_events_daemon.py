@@ -19,6 +19,7 @@ from prefill_worker.kv_events.wire import END_OF_REPLAY_SEQ, seq_frame
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
+from tests.patience import patient
 
 CLEARED = {"type": "AllBlocksCleared"}
 
@@ -32,7 +33,7 @@ def tiny_config(checkpoint: Path, http_port: int, *extra: str):  # type: ignore[
 
 
 def http_get(port: int, path: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=patient(5)) as response:
         return response.read().decode()
 
 
@@ -88,7 +89,7 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
         dealer.send_multipart([b"", seq_frame(sink.first_seq)])
         replayed = []
         while not replayed or replayed[-1][2] != END_OF_REPLAY_SEQ:
-            assert dealer.poll(10_000), "no replay answer"
+            assert dealer.poll(int(patient(10.0) * 1000)), "no replay answer"
             replayed.append(dealer.recv_multipart())
         assert replayed[0][:3] == [b"", b"", seq_frame(sink.first_seq)]
         first_batch = msgspec.msgpack.decode(replayed[0][3])[1]
@@ -96,7 +97,7 @@ def test_daemon_publishes_announces_and_closes(checkpoint: Path) -> None:
     finally:
         ctx.destroy(linger=0)
         daemon.request_drain()
-        thread.join(timeout=120)
+        thread.join(timeout=patient(120))
     assert codes == [0]
     with zmq.Context() as probe_ctx:  # both sockets closed: their ports are free to bind
         for endpoint in (ready["kv_events"], ready["kv_events_replay"]):

@@ -44,6 +44,7 @@ from tests.integration.daemon.conftest import (
     wait_ready,
 )
 from tests.integration.model.conftest import hf_mla_forward
+from tests.patience import patient
 from tests.polling import wait_until
 
 TOL = 1e-4
@@ -80,7 +81,7 @@ class LatentDecode:
         ]
         try:
             for receiver in self.receivers:
-                receiver.wait_registered(timeout_s=30)
+                receiver.wait_registered(timeout_s=patient(30))
         except BaseException:
             self.close()
             raise

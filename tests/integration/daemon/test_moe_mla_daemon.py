@@ -36,6 +36,7 @@ from prefill_worker.kv_events.wire import (
 from prefill_worker.request import OutcomeStatus
 from tests.checkpoints import MOE_FAMILIES, hf_model, make_checkpoint, prompt
 from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker, start_worker, wait_until
+from tests.patience import patient
 
 NUM_POOL_PAGES = 32
 A = prompt(42, seed=2801)  # 3 chunks; 10 full pages cached after it
@@ -74,7 +75,7 @@ class Serving:
             dealer.send_multipart([b"", seq_frame(0)])
             events: list[KVEvent] = []
             while True:
-                assert dealer.poll(10_000), "no replay answer"
+                assert dealer.poll(int(patient(10.0) * 1000)), "no replay answer"
                 _, _, seq, payload = dealer.recv_multipart()
                 if seq == END_OF_REPLAY_SEQ:
                     return events

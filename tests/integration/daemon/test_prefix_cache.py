@@ -19,6 +19,7 @@ from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker
 from tests.integration.daemon.test_daemon import hf_reference
+from tests.patience import patient
 
 A = prompt(45, seed=701)
 E = prompt(64, seed=702)
@@ -43,7 +44,7 @@ def serve_one(
     with ThreadPoolExecutor(1) as pool:  # the decode side is driven here meanwhile
         future = pool.submit(router.prefill, ids, room, timeout_s=60)
         assert decode.wait([room])[room].state is RoomState.DONE
-        return future.result(timeout=60)
+        return future.result(timeout=patient(60))
 
 
 def check_landed(
@@ -97,7 +98,7 @@ def test_landed_pages_match_transformers_with_prefix_hits(
             706: pool.submit(router.prefill, f_ids, 706),
         }
         assert all(s.state is RoomState.DONE for s in decode.wait([705, 706]).values())
-        concurrent = {room: f.result(timeout=60) for room, f in futures.items()}
+        concurrent = {room: f.result(timeout=patient(60)) for room, f in futures.items()}
     check_landed(decode, checkpoint, 705, E, concurrent[705])
     check_landed(decode, checkpoint, 706, f_ids, concurrent[706])
     assert concurrent[706].num_prefix_hit_tokens <= 48

@@ -31,6 +31,7 @@ from tests.integration.daemon.conftest import (
     free_port,
     wait_until,
 )
+from tests.patience import patient
 
 NUM_REQUESTS = 3
 REQUESTS_TOTAL = "prefill_worker_requests_total{"
@@ -51,7 +52,7 @@ def need(tool: str) -> str:
 def query(port: int, expr: str) -> float | None:
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=patient(5)) as response:
             body = json.load(response)
     except OSError:
         return None
@@ -86,7 +87,7 @@ def test_real_prometheus_scrapes_the_worker(
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
         futures = [pool.submit(router.prefill, ids, room) for room, ids in prompts.items()]
         decode.wait(list(prompts))
-        assert all(f.result(timeout=60).status is OutcomeStatus.OK for f in futures)
+        assert all(f.result(timeout=patient(60)).status is OutcomeStatus.OK for f in futures)
 
     status, text = worker.http("/metrics")
     assert status == 200

@@ -12,6 +12,7 @@ from prefill_worker.model import build
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon, ModelBuilder
 from tests.integration.daemon.conftest import ROOT, free_port, wait_until
+from tests.patience import patient
 
 # For runners that break, hang or hold on a forward: a warm-up forward would meet it first
 # and stop (or hold) start-up.
@@ -45,7 +46,7 @@ def test_readyz_503_until_loaded_then_200_then_drain(checkpoint: Path, tmp_path:
     gate = threading.Event()
 
     def gated_build(*args, **kwargs):  # type: ignore[no-untyped-def]
-        assert gate.wait(60)
+        assert gate.wait(patient(60))
         return build(*args, **kwargs)
 
     http_port = free_port()
@@ -73,12 +74,12 @@ def test_readyz_503_until_loaded_then_200_then_drain(checkpoint: Path, tmp_path:
         assert _get(http_port, "/drain", "POST", "Bearer wrong") == 403
         assert health.is_ready and not health.is_draining
         assert _get(http_port, "/drain", "POST", "Bearer s3cret-token") == 202
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
         assert codes == [0]
     finally:
         gate.set()
         daemon.request_drain()
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
 
 
 def _get(port: int, path: str, method: str = "GET", authorization: str | None = None) -> int:
@@ -89,7 +90,7 @@ def _get(port: int, path: str, method: str = "GET", authorization: str | None = 
     if authorization is not None:
         request.add_header("Authorization", authorization)
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=patient(5)) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -132,12 +133,12 @@ def test_fatal_engine_error_fails_in_flight_and_exits_70(checkpoint: Path, route
         result = router_factory(ingress).prefill(prompt(12, seed=7), 7)
         assert result.status is OutcomeStatus.FAILED
         assert result.reason.value == "engine_error" and "device fell over" in (result.error or "")
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
         assert codes == [70]
         decode.close()
     finally:
         daemon.request_drain()
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
 
 
 def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) -> None:
@@ -151,7 +152,7 @@ def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) 
     class StuckRunner:
         def run(self, plan):  # type: ignore[no-untyped-def]
             entered.set()
-            release.wait(120)
+            release.wait(patient(120))
             raise RuntimeError("released at the end of the test")
 
     def stuck_build(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -174,17 +175,17 @@ def test_second_signal_leaves_a_stuck_forward(checkpoint: Path, router_factory) 
         with ThreadPoolExecutor(1) as pool:
             # Never answered (the forced stop leaves it): the pool waits out this timeout.
             pool.submit(router.prefill, prompt(12, seed=3), 3, timeout_s=1.0)
-            assert entered.wait(30), "the forward never started"
+            assert entered.wait(patient(30)), "the forward never started"
             daemon.on_stop_signal()
             wait_until(lambda: daemon.health.is_draining, 10, "draining")
             daemon.on_stop_signal()
-            thread.join(timeout=30)
+            thread.join(timeout=patient(30))
             assert codes == [1]
         decode.close()
     finally:
         release.set()
         daemon.request_drain()
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
 
 
 def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_factory) -> None:
@@ -208,7 +209,7 @@ def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_fa
 
         def run(self, plan):  # type: ignore[no-untyped-def]
             entered.set()
-            release.wait(120)
+            release.wait(patient(120))
             return self._runner.run(plan)
 
     def held_build(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -238,7 +239,7 @@ def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_fa
         router = router_factory(f"tcp://127.0.0.1:{ingress_port}")
         with ThreadPoolExecutor(1) as pool:
             result = pool.submit(router.prefill, prompt(12, seed=5), 5, timeout_s=60.0)
-            assert entered.wait(30), "the forward never started"
+            assert entered.wait(patient(30)), "the forward never started"
             seen = [(200, "live\n")]
 
             def is_silent() -> bool:  # the first answer that is not "live" is the one checked
@@ -252,13 +253,13 @@ def test_livez_tells_a_busy_forward_from_a_stuck_one(checkpoint: Path, router_fa
             assert "stuck: a forward of 12 tokens" in _livez(http_port)[1]
             release.set()
             decode.wait([5])
-            assert result.result(timeout=60).status is OutcomeStatus.OK
+            assert result.result(timeout=patient(60)).status is OutcomeStatus.OK
         assert _livez(http_port) == (200, "live\n")
         decode.close()
     finally:
         release.set()
         daemon.request_drain()
-        thread.join(timeout=30)
+        thread.join(timeout=patient(30))
     assert codes == [0]
 
 
@@ -267,7 +268,9 @@ def _livez(port: int) -> tuple[int, str]:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as response:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/livez", timeout=patient(5)
+        ) as response:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()

@@ -21,6 +21,7 @@ from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Decode, Worker, free_port, start_worker
 from tests.integration.daemon.test_http_api import api_settings
+from tests.patience import patient
 from tests.polling import wait_until
 
 ROUTER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -101,7 +102,7 @@ def _served(decode: Decode, room: int, num_tokens: int, send: Callable[[], Any])
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(send)
         decode.ended = decode.wait([room])  # type: ignore[attr-defined]
-        result = answer.result(timeout=60)
+        result = answer.result(timeout=patient(60))
     decode.close()
     return result
 
@@ -192,7 +193,7 @@ def test_a_refused_push_and_an_abort_are_errors_naming_their_reasons(
         answer = pool.submit(router.prefill, prompt(6, seed=7), aborted, request_id="gone")
         wait_until(lambda: _queued(worker) >= 1, 10.0, "the request held")
         router.abort("gone")
-        assert answer.result(timeout=30).status is OutcomeStatus.ABORTED
+        assert answer.result(timeout=patient(30)).status is OutcomeStatus.ABORTED
     root, _, _ = _tree(receiver, aborted)
     assert root.status_code == 2
     assert root.status_message.startswith("aborted_by_router"), root.status_message
@@ -228,7 +229,7 @@ def test_the_http_front_continues_the_traceparent_header(traced, receiver) -> No
     )
 
     def send() -> int:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=patient(60)) as response:
             return response.status
 
     assert _served(decode, room, len(ids), send) == 200

@@ -28,6 +28,7 @@ from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker, free_port, start_worker, wait_until
 from tests.integration.daemon.test_daemon import hf_reference
 from tests.integration.vllm.decode import PullDecode, handshake
+from tests.patience import patient
 
 MODEL = "tiny-llama"
 BLOCK = 32
@@ -89,7 +90,7 @@ def _prefill(api: str, ids: list[int]) -> dict[str, Any]:
     request = urllib.request.Request(
         f"{api}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=patient(60)) as response:
         assert response.status == 200
         return dict(json.loads(response.read()))
 

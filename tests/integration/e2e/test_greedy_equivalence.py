@@ -15,6 +15,7 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.peer_control import DecodePeerClient
 from tests.checkpoints import hf_model, prompt
 from tests.integration.e2e.conftest import start_peer_process
+from tests.patience import patient
 
 LENGTHS = (3, 16, 29, 47, 70)  # chunk_size 16, page_size 4: one chunk, several, ragged ends
 NUM_NEW_TOKENS = 20
@@ -45,7 +46,7 @@ def test_decode_continuation_equals_transformers_generate(worker, decode_peer, c
     with BlockingRouterClient(worker.ingress) as router, ThreadPoolExecutor(len(prompts)) as pool:
         futures = {room: pool.submit(router.prefill, ids, room) for room, ids in prompts.items()}
         generations = decode_peer.generate(prompts, NUM_NEW_TOKENS, timeout_s=60)
-        results = {room: future.result(timeout=60) for room, future in futures.items()}
+        results = {room: future.result(timeout=patient(60)) for room, future in futures.items()}
     assert decode_peer.is_idle
     decode_peer.pages.check_integrity()
     assert decode_peer.pages.num_free == decode_peer.pages.num_pages  # every page came back

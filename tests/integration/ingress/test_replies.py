@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from prefill_worker.ingress.replies import RouterSender
+from tests.patience import patient
 from tests.polling import wait_until
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -26,7 +27,7 @@ def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     dealer.setsockopt(zmq.RCVHWM, 2)
     dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
     dealer.send(b"hello")
-    assert router.poll(5000) and router.recv_multipart()[0] == b"r1"
+    assert router.poll(int(patient(5.0) * 1000)) and router.recv_multipart()[0] == b"r1"
     yield router, dealer
     ctx.destroy(linger=0)
 
@@ -43,7 +44,7 @@ def test_a_full_pipe_parks_replies_in_order(pair) -> None:  # type: ignore[no-un
 
     def drained() -> bool:
         sender.retry_parked()
-        while dealer.poll(0):
+        while dealer.poll(int(patient(0.0) * 1000)):
             got.append(dealer.recv())
         return len(got) == len(frames)
 

@@ -32,6 +32,7 @@ from prefill_worker.transfer import KVReceiver, RoomState
 from prefill_worker.transfer.native.backend import NixlBackend
 from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 from tests.integration.transfer.engine_thread import engine_thread
+from tests.patience import patient
 from tests.polling import wait_until
 
 PAGE_SIZE, CHUNK, NUM_PAGES = 16, 32, 32  # a batch holds one 20-token prompt (budget 20)
@@ -54,7 +55,7 @@ class GatedRunner:
     def run(self, plan: BatchPlan) -> BatchOutput:
         if any(chunk.request_id == self.held for chunk in plan.chunks):
             self.entered.set()
-            self.gate.wait(60)  # bounded: a broken test must not hang the suite
+            self.gate.wait(patient(60))  # bounded: a broken test must not hang the suite
         return self.runner.run(plan)
 
 
@@ -131,7 +132,7 @@ def test_the_decode_keeps_hearing_the_worker_through_a_long_forward(rig: Rig) ->
     rig.receiver.want(2, [2, 3], 1, 0)
     rig.inbox.put(prefill("fast", 20, 1))
     rig.inbox.put(prefill("slow", 20, 2))
-    assert rig.runner.entered.wait(30), "the held forward never started"
+    assert rig.runner.entered.wait(patient(30)), "the held forward never started"
     held_at = time.monotonic()
     # The first request's push ends while the second's forward is held, and it is answered.
     wait_until(lambda: rig.receiver.poll(1).state is RoomState.DONE, 30.0, "room 1 done")

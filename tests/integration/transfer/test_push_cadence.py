@@ -31,6 +31,7 @@ from prefill_worker.transfer.native.backend import NixlBackend
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.options import Hooks, NativeOptions, NixlOptions
 from tests.integration.transfer.engine_thread import engine_thread
+from tests.patience import patient
 from tests.polling import wait_until
 
 PAGE_SIZE, CHUNK, NUM_PAGES = 16, 32, 64
@@ -53,7 +54,7 @@ class GatedAgent:
 
     def transfer(self, handle: Any) -> str:
         self.num_held += 1
-        self.gate.wait(60)  # bounded: a broken test must not hang the suite
+        self.gate.wait(patient(60))  # bounded: a broken test must not hang the suite
         return str(self._agent.transfer(handle))
 
     def check_xfer_state(self, handle: Any) -> str:

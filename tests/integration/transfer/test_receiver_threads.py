@@ -25,6 +25,7 @@ from prefill_worker.transfer.nixl.agent import nixl_agent, nixl_agent_config
 from prefill_worker.transfer.wire import notif_tag
 from tests.integration.transfer.conftest import Worker, small_spec
 from tests.integration.transfer.peers import regions_over
+from tests.patience import patient
 from tests.polling import wait_until
 
 
@@ -129,7 +130,7 @@ def test_wait_blocks_until_the_room_ends_while_another_thread_does_the_io(
     with ThreadPoolExecutor(1) as pool:
         helper = pool.submit(worker_side)
         status = receiver.wait(1, timeout_s=10.0)
-        helper.result(timeout=10)
+        helper.result(timeout=patient(10))
     assert status.state is RoomState.DONE
     assert receiver.poll(1).state is RoomState.DONE
 
@@ -216,7 +217,7 @@ def test_an_engine_thread_wants_and_polls_while_the_io_thread_progresses(
             return len(done) == len(rooms)
 
         wait_until(all_done, 20.0, "every room DONE")
-        helper.result(timeout=10)
+        helper.result(timeout=patient(10))
     assert answered.is_set()
     with pytest.raises(KeyError, match="room 100 is not wanted"):
         receiver.poll(100)

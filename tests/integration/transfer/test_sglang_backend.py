@@ -25,6 +25,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.options import Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
 from tests.clocks import FakeClock
+from tests.patience import patient
 from tests.polling import wait_until
 
 CAPTURED = json.loads((Path(__file__).parents[2] / "unit/transfer/sglang_frames.json").read_text())
@@ -94,7 +95,9 @@ def decode(backend: SglangBackend) -> Iterator[FakeDecode]:
 def get(backend: SglangBackend, path: str, method: str = "GET") -> tuple[int, str]:
     url = f"http://{backend.bootstrap_endpoint}{path}"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, method=method), timeout=patient(5)
+        ) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
