@@ -25,7 +25,9 @@ that are not compute take.
                      (since start while younger): those that arrive during the forward in
                      flight are taken with a new request and join its forwards.
     handshake_s      the lowest tenth of the bootstrap waits (arrival to the decode's want as
-                     the engine saw it) of the last ``window`` requests that succeeded within
+                     the engine saw it) of the last ``window`` requests that succeeded,
+                     having computed at least one token (unclaimed, failed or zero-compute
+                     requests add nothing), within
                      ``SAMPLE_MAX_AGE_S`` (older ones age out, so a burst of late claims
                      cannot pin it once it is over; none left: 0): the
                      decode's handshake. The engine sees a want only between forwards, so a
@@ -143,8 +145,9 @@ class CostEstimator:
         self._transfer_s = 0.0
 
     def on_outcome(self, outcome: Outcome) -> None:
-        """A request ended; one that succeeded adds its handshake and push times."""
-        if outcome.status is not OutcomeStatus.OK:
+        """A request ended; one that succeeded and computed something adds its handshake and
+        push times (one that did no work predicts nothing about work)."""
+        if outcome.status is not OutcomeStatus.OK or outcome.num_computed_tokens == 0:
             return
         timings = outcome.timings
         self._recent.append((self._clock(), timings.bootstrap_s, timings.transfer_s))

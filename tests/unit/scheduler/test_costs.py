@@ -27,11 +27,13 @@ from tests.clocks import FakeClock
 from tests.unit.scheduler.fakes import Rig, make_rig
 
 
-def _outcome(bootstrap_s: float, transfer_s: float, ok: bool = True) -> Outcome:
+def _outcome(
+    bootstrap_s: float, transfer_s: float, ok: bool = True, num_computed: int = 10
+) -> Outcome:
     status = OutcomeStatus.OK if ok else OutcomeStatus.FAILED
     reason = FinishReason.OK if ok else FinishReason.TRANSFER_FAILED
     timings = Timings(bootstrap_s=bootstrap_s, transfer_s=transfer_s)
-    return Outcome("r", status, reason, 10, timings=timings)
+    return Outcome("r", status, reason, 10, timings=timings, num_computed_tokens=num_computed)
 
 
 def _request(num_tokens: int, num_computed: int) -> Request:
@@ -141,6 +143,18 @@ def test_failed_requests_do_not_count() -> None:
     estimator.on_outcome(_outcome(50.0, 50.0, ok=False))
     signals = estimator.signals(0, [], None)
     assert (signals.handshake_s, signals.transfer_s) == (1.0, 0.5)
+
+
+def test_requests_that_computed_nothing_do_not_count() -> None:
+    """A success that computed no token (its whole prompt a prefix hit) did no work: its wait
+    predicts nothing about a request that will."""
+    estimator = CostEstimator()
+    estimator.on_outcome(_outcome(1.5, 2.0, num_computed=0))
+    signals = estimator.signals(0, [], None)
+    assert (signals.handshake_s, signals.transfer_s) == (0.0, 0.0)
+    estimator.on_outcome(_outcome(0.02, 0.1, num_computed=1))
+    signals = estimator.signals(0, [], None)
+    assert (signals.handshake_s, signals.transfer_s) == (0.02, 0.1)
 
 
 def test_handshake_and_push_times_age_out() -> None:
