@@ -30,7 +30,8 @@ def _metric(text: str, name: str) -> float:
 def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factory) -> None:
     """A cold worker admits under any SLO (nothing to predict from) and reports its queued
     tokens; once a forward is measured, a request whose predicted TTFT exceeds the SLO (here
-    1 µs, so any) is refused on both fronts and counted as ``ttft_slo``."""
+    1 µs, so any) is refused on both fronts while work is queued, and counted as
+    ``ttft_slo`` (an idle worker admits it: tests/reliability/test_slo_admission.py)."""
     port = free_port()
     # Request 7001 waits for its decode while the test reads the queue: 60 s (tiny-test's 5 s)
     # so that no slow step of the test lets its bootstrap timeout end it first, and not
@@ -67,16 +68,23 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
         assert pong.prefill_rate_tps == pytest.approx(warm["prefill_rate_tokens_per_s"])
         assert pong.transfer_s == pytest.approx(warm["transfer_s"])
 
-        decode.want(7002, len(ids))
-        status, body = api.post("/generate", generate(ids, 7002))
-        assert status == 429 and body["error"]["code"] == "overloaded"
-        assert "predicted TTFT" in body["error"]["message"]
-        withdrawn = decode.wait([7002])[7002]  # by its reason, not within 3 s (was)
-        assert (withdrawn.state.value, withdrawn.reason) == ("failed", "aborted by the router")
-        with pytest.raises(RequestRejected) as refused:
-            router.prefill(ids, 7003)
-        assert refused.value.code == "overloaded"
-        assert "predicted TTFT" in refused.value.reject.message
+        with ThreadPoolExecutor(1) as pool:  # 7004 queued (no want yet): the worker is busy
+            held = pool.submit(api.post, "/generate", generate(ids, 7004))
+            wait_until(lambda: _rank(api)["queued_tokens"] == len(ids), 10, "queued tokens")
+            decode.want(7002, len(ids))
+            status, body = api.post("/generate", generate(ids, 7002))
+            assert status == 429 and body["error"]["code"] == "overloaded"
+            assert "predicted TTFT" in body["error"]["message"]
+            withdrawn = decode.wait([7002])[7002]  # by its reason, not within 3 s (was)
+            assert (withdrawn.state.value, withdrawn.reason) == ("failed", "aborted by the router")
+            with pytest.raises(RequestRejected) as refused:
+                router.prefill(ids, 7003)
+            assert refused.value.code == "overloaded"
+            assert "predicted TTFT" in refused.value.reject.message
+            decode.want(7004, len(ids))
+            assert decode.wait([7004])[7004].state.value == "done"
+            status, body = held.result(timeout=patient(60))
+            assert status == 200, body
 
         status, text = api.get("/metrics")
         assert status == 200
