@@ -154,10 +154,11 @@ class CostEstimator:
         self._summarize()
 
     def _age_out(self, now: float) -> None:
-        """Drop the samples older than ``SAMPLE_MAX_AGE_S``."""
-        if self._recent and self._recent[0][0] < now - SAMPLE_MAX_AGE_S:
-            while self._recent and self._recent[0][0] < now - SAMPLE_MAX_AGE_S:
-                self._recent.popleft()
+        """Drop the samples older than ``SAMPLE_MAX_AGE_S`` (and summarize what is left)."""
+        num_before = len(self._recent)
+        while self._recent and self._recent[0][0] < now - SAMPLE_MAX_AGE_S:
+            self._recent.popleft()
+        if len(self._recent) != num_before:
             self._summarize()
 
     def _summarize(self) -> None:

@@ -48,8 +48,9 @@ class Hold:
     num_readers: int = 1  # how many distinct agents may (a READ notification's consumers)
     done: set[str] = field(default_factory=set)  # readers whose READ finished
 
-    def admits(self, agent: str) -> bool:
-        """Whether ``agent``'s notification counts for this hold (module docstring)."""
+    def admit(self, agent: str) -> bool:
+        """Whether ``agent``'s notification counts for this hold: a reader's does, and an
+        agent is made one while the hold has fewer than ``num_readers`` (module docstring)."""
         if agent in self.readers:
             return True
         if len(self.readers) < self.num_readers:
@@ -146,7 +147,7 @@ class HoldTable:
             hold = self._holds.get(hold_id)
             if hold is None:
                 continue
-            if not hold.admits(agent):
+            if not hold.admit(agent):
                 self.counts.foreign_notifications += 1
                 continue
             extended = min(now + self.extension_s, hold.last_at)
@@ -161,7 +162,7 @@ class HoldTable:
             return []
         if not hold.done:  # the first READ names how many ranks read this hold
             hold.num_readers = max(consumers, len(hold.readers))
-        if not hold.admits(agent) or agent in hold.done:
+        if not hold.admit(agent) or agent in hold.done:
             self.counts.foreign_notifications += 1
             return []
         hold.done.add(agent)
