@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from prefill_worker.testing import launch
 from prefill_worker.testing.json_child import DecodeError, JsonLineChild
 
 CHILD = textwrap.dedent(
@@ -33,7 +34,7 @@ def test_a_late_answer_fails_its_call_only(tmp_path: Path) -> None:
     child = JsonLineChild([sys.executable, "-c", CHILD], {}, tmp_path / "child.log")
     try:
         with pytest.raises(DecodeError, match=r"slow: no answer within 0\.1 s"):
-            child.call("slow", timeout_s=0.1)
+            child.call("slow", timeout_s=0.1 / launch.PATIENCE)  # 0.1 s whatever the patience
         assert child.call("fast", timeout_s=60)["op"] == "fast"  # not slow's late answer
         assert child.call("after", timeout_s=60)["op"] == "after"
     finally:
