@@ -96,7 +96,10 @@ def test_signals_are_published_and_the_slo_refuses(worker_factory, router_factor
             10,
             "backlog gauge back to 0",
         )
-        predicted = _metric(text, 'prefill_worker_predicted_ttft_seconds{prompt_tokens="1024"}')
-        assert predicted > 1024 / warm["prefill_rate_tokens_per_s"]
+        # idle now, so nothing moves the snapshot: the prediction and the rate it came from are
+        # read from one scrape (the rate the first request left is stale by the later forwards)
+        idle = api.get("/metrics")[1]
+        predicted = _metric(idle, 'prefill_worker_predicted_ttft_seconds{prompt_tokens="1024"}')
+        assert predicted > 1024 / _metric(idle, "prefill_worker_prefill_rate_tokens_per_second")
     finally:
         decode.close()
