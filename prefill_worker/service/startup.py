@@ -350,6 +350,7 @@ def make_engine(
             optimistic_prefill=cfg.scheduler.optimistic_prefill,
             optimistic_attempts=cfg.scheduler.optimistic_attempts,
             optimistic_hold_s=cfg.scheduler.optimistic_hold_s,
+            optimistic_share=cfg.scheduler.optimistic_share,
         )
         return Engine(
             runner,

@@ -22,7 +22,7 @@ import math
 import select
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -167,6 +167,10 @@ class VllmBackend:
             for message in messages:
                 self.desk.notify(agent, message)
         self.desk.expire()
+
+    def take_claimed_rooms(self) -> Sequence[int]:
+        """A pull's ticket is open before its request exists: its sender is READY at once."""
+        return ()
 
     def next_poll_at(self) -> float:
         now = self.clock()
