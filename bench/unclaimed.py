@@ -66,6 +66,7 @@ class Bench:
         self.target = e2e.Target(ckpt, True, 512, workdir, extra)
         self.router: RouterClient = self.target.router
         self._rng = random.Random(11)
+        self.phases: list[tuple[float, float, float, float]] = []  # the legit requests'
 
     def tokens(self, num: int) -> list[int]:
         return [self._rng.randrange(e2e.SHAPE["vocab_size"]) for _ in range(num)]
@@ -79,7 +80,7 @@ class Bench:
         raise AssertionError("no prefill_worker_batch_tokens_sum on /metrics")
 
     async def legit(self, ids: list[int], want_first: bool) -> tuple[float, int]:
-        """(TTFT, prefix-hit tokens) of one claimed request."""
+        """(TTFT, prefix-hit tokens) of one claimed request; its phases in ``phases``."""
         room = random.getrandbits(63)
         sent = time.monotonic()
         if want_first:
@@ -88,6 +89,8 @@ class Bench:
             asyncio.get_running_loop().call_soon(self.target.peer.expect, room, ids, 1)
         result = await self.router.prefill(ids, room, timeout_s=300)
         assert result.status is OutcomeStatus.OK, result
+        t = result.timings
+        self.phases.append((t.queue_s, t.bootstrap_s, t.prefill_s, t.transfer_s))
         hits = result.num_prefix_hit_tokens
         return time.monotonic() - sent, hits if isinstance(hits, int) else 0
 
@@ -103,6 +106,7 @@ class Bench:
 async def claim_points(bench: Bench, sizes: tuple[int, ...], num_legit: int) -> list[dict]:
     lines = []
     for num in sizes:
+        bench.phases.clear()
         flood = await send_flood(bench, num)
         ttfts = [(await bench.legit(bench.tokens(LEGIT_TOKENS), i % 2 == 0))[0]
                  for i in range(num_legit)]  # fmt: skip
@@ -110,10 +114,16 @@ async def claim_points(bench: Bench, sizes: tuple[int, ...], num_legit: int) -> 
         lines.append({
             "name": "unclaimed", "scenario": "claim", "optimistic": bench.optimistic,
             "num_unclaimed": num, "ttft_p50_s": round(statistics.median(ttfts), 4),
-            "ttft_max_s": round(max(ttfts), 4),
+            "ttft_max_s": round(max(ttfts), 4), "phases_p50_s": phases_p50(bench),
         })  # fmt: skip
         print(json.dumps(lines[-1]), flush=True)
     return lines
+
+
+def phases_p50(bench: Bench) -> dict[str, float]:
+    """The legit requests' median seconds per phase (``result.timings``)."""
+    names = ("queue", "bootstrap", "prefill", "transfer")
+    return {n: round(statistics.median(p[i] for p in bench.phases), 4) for i, n in enumerate(names)}
 
 
 async def prefix_point(bench: Bench, num: int) -> dict:
@@ -121,6 +131,7 @@ async def prefix_point(bench: Bench, num: int) -> dict:
     for i in range(8):
         await bench.legit(prefix + bench.tokens(16), i % 2 == 0)
     before = bench.forwarded_tokens()
+    bench.phases.clear()
     flood = await send_flood(bench, num)
     samples = [await bench.legit(prefix + bench.tokens(16), i % 2 == 0) for i in range(16)]
     forwarded = bench.forwarded_tokens() - before
@@ -132,6 +143,7 @@ async def prefix_point(bench: Bench, num: int) -> dict:
         "num_unclaimed": num, "hits": f"{hits}/16",
         "ttft_p50_s": round(statistics.median(t for t, _ in samples), 4),
         "forwarded_ratio": round(forwarded / max(legit_computed, 1), 1),
+        "phases_p50_s": phases_p50(bench),
     }  # fmt: skip
     print(json.dumps(line), flush=True)
     return line
@@ -162,10 +174,10 @@ async def drop_flood(bench: Bench, flood: Flood) -> None:
     await bench.idle()
 
 
-async def run(ckpt: Path, tmp: Path, quick: bool) -> list[dict]:
+async def run(ckpt: Path, tmp: Path, quick: bool, modes: list[bool]) -> list[dict]:
     sizes = (0, 1000) if quick else (0, 1000, 4000)
     lines: list[dict] = []
-    for optimistic in (False, True):
+    for optimistic in modes:
         workdir = tmp / ("on" if optimistic else "off")
         workdir.mkdir()
         bench = Bench(ckpt, workdir, optimistic)
@@ -186,11 +198,13 @@ async def run(ckpt: Path, tmp: Path, quick: bool) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer points and requests")
+    parser.add_argument("--modes", default="off,on", help="optimistic modes to run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-unclaimed-") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = e2e.make_checkpoint(tmp / "ckpt")
-        lines = asyncio.run(run(ckpt, tmp, args.quick))
+        modes = [m == "on" for m in args.modes.split(",")]
+        lines = asyncio.run(run(ckpt, tmp, args.quick, modes))
     e2e.write_lines(lines, e2e.RESULTS / "unclaimed.jsonl", append=True)
     return 0
 

@@ -5,12 +5,13 @@ A waiting request starts only when all of its prompt's pages and an aux row are 
 mid-prefill eviction) and fewer than ``max_running_requests`` are prefilling. Strict FCFS:
 when the head of the queue has to wait, everyone behind it waits too.
 
-Claimed work first: a batch takes the chunks of claimed prefilling requests, then admits
-claimed waiting ones, and only then gives what is left to speculative work (optimistic
-prefill before the decode's claim), which may take at most ``optimistic_share`` of a batch's
-tokens, of the running requests and of the pool's pages, starts only while no claimed request
+Claimed work first: a batch takes the chunks of claimed prefilling requests and admits
+claimed waiting ones; only a batch with none of them goes to speculative work (optimistic
+prefill before the decode's claim), which takes at most ``optimistic_share`` of its tokens,
+of the running requests and of the pool's pages, starts nothing new while a claimed request
 waits, and evicts no page a claimed request left in the prefix cache (``kv.tables``). A flood
-of requests nobody claims can then neither delay a claimed one nor evict its prefix.
+of requests nobody claims then costs a claimed one at most the speculative forward in flight
+when it comes, and never its cached prefix.
 
 On admission the prompt is looked up in the prefix cache: the pages of its cached prefix are
 shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``). Idle cached
@@ -104,15 +105,17 @@ class Admission:
         claimed = [req for req in prefilling.values() if req.is_claimed]
         budget = self._continue(claimed, budget, chunks, owners)
         budget = self._admit(self._queues.head_waiting, budget, chunks, owners)
-        # speculative work gets what claimed work left, up to its share; it starts no new
-        # request while a claimed one waits (for pages, say), and what runs goes on (read
-        # after the admissions: a held one may have yielded to them)
+        if chunks:  # speculative work only fills forwards no claimed work needs
+            return self._scheduled(chunks, owners)
+        # up to its share; no new request while a claimed one waits (for pages, say), what
+        # runs goes on (read after the admissions: a held one may have yielded to them)
         unclaimed = [req for req in prefilling.values() if not req.is_claimed]
-        budget = self._continue(unclaimed, min(budget, self._spec_tokens), chunks, owners)
+        budget = self._continue(unclaimed, self._spec_tokens, chunks, owners)
         if self._queues.head_waiting() is None:
             self._admit(self._speculative_head, budget, chunks, owners)
-        if not chunks:
-            return None
+        return self._scheduled(chunks, owners) if chunks else None
+
+    def _scheduled(self, chunks: list[ChunkPlan], owners: list[Request]) -> ScheduledBatch:
         self._num_batches += 1
         return ScheduledBatch(BatchPlan(self._num_batches, tuple(chunks)), tuple(owners))
 

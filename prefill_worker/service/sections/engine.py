@@ -130,8 +130,8 @@ class SchedulerConfig(Section):
         gt=0,
         le=1,
         description="The most optimistic prefills (requests no decode has claimed yet) may take "
-        "of each forward's tokens, of max_running_requests and of the KV pages; they run after "
-        "claimed work and evict no prefix-cache page a claimed request left.",
+        "of a forward's tokens, of max_running_requests and of the KV pages; they run only in "
+        "forwards with no claimed work and evict no prefix-cache page a claimed request left.",
     )
     warmup_tokens: int = Field(
         256,

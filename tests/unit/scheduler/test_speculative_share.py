@@ -1,8 +1,9 @@
 """Speculative work (optimistic prefill before a decode claims the request) is bounded and
 comes after claimed work (#40 finding 5): claimed requests are admitted ahead of a flood of
-unclaimed ones; the flood takes at most ``optimistic_share`` of a forward's tokens, of the
-running requests and of the pages; and it evicts no prefix-cache page a claimed request left
-(the cache's trusted pages), so a legit user's prefix keeps hitting."""
+unclaimed ones and their forwards carry no speculative chunk; the flood takes at most
+``optimistic_share`` of a forward's tokens, of the running requests and of the pages; and it
+evicts no prefix-cache page a claimed request left (the cache's trusted pages), so a legit
+user's prefix keeps hitting."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def test_a_claimed_request_is_admitted_ahead_of_the_flood() -> None:
             break
     assert [o.request_id for o in rig.outcomes] == ["legit"]
     assert rig.outcomes[0].reason is FinishReason.OK
+    with_legit = [p for p in rig.runner.plans if any(c.request_id == "legit" for c in p.chunks)]
+    assert with_legit and all(len(p.chunks) == 1 for p in with_legit)  # no speculative beside it
 
 
 def test_a_flood_evicts_no_page_a_claimed_prefix_left() -> None:
