@@ -145,3 +145,45 @@ def test_a_claim_makes_a_speculative_requests_pages_trusted() -> None:
     assert table.try_reserve("spec", list(range(100, 116)), speculative=True) is None
     assert table.lookup(prompt).num_tokens == 8
     table.check_integrity()
+
+
+def test_a_speculative_store_at_the_cap_evicts_only_untrusted_pages() -> None:
+    pool = PagePool(8)
+    cache = PagePrefixCache(pool, PS, max_pages=2)
+    table = PageTable(pool, PS, cache)
+    trusted_prompt = [*range(8), 99]
+    assert table.try_reserve("claimed", trusted_prompt) is not None
+    table.commit("claimed", 8)
+    table.release("claimed")  # the cache is at its cap: 2 trusted idle pages
+    spec_prompt = [*range(100, 108), 99]
+    assert table.try_reserve("spec", spec_prompt, speculative=True) is not None
+    table.commit("spec", 8)  # at the cap, nothing untrusted to evict: not stored
+    assert table.lookup(spec_prompt).num_tokens == 0
+    assert table.lookup(trusted_prompt).num_tokens == 8
+    table.release("spec")
+    assert table.try_reserve("claimed2", spec_prompt) is not None
+    table.commit("claimed2", 8)  # a claimed store evicts the trusted pages
+    assert table.lookup(spec_prompt).num_tokens == 8
+    assert table.lookup(trusted_prompt).num_tokens == 0
+    table.release("claimed2")
+    table.check_integrity()
+
+
+def test_detached_pages_come_back_as_trusted_as_their_request() -> None:
+    pool = PagePool(4)
+    cache = PagePrefixCache(pool, PS)
+    table = PageTable(pool, PS, cache)
+    spec_prompt = [*range(8), 99]
+    assert table.try_reserve("spec", spec_prompt, speculative=True) is not None
+    table.commit("spec", 8)
+    table.free_detached(table.detach("spec"), trusted=False)  # an ended speculative request
+    assert table.try_reserve("spec2", list(range(100, 116)), speculative=True) is not None
+    assert table.lookup(spec_prompt).num_tokens == 0  # its pages were evictable by speculation
+    table.release("spec2")
+    claimed_prompt = [*range(200, 208), 99]
+    assert table.try_reserve("claimed", claimed_prompt) is not None
+    table.commit("claimed", 8)
+    table.free_detached(table.detach("claimed"))  # trusted by default
+    assert table.try_reserve("spec3", list(range(300, 316)), speculative=True) is None
+    assert table.lookup(claimed_prompt).num_tokens == 8
+    table.check_integrity()
