@@ -169,6 +169,9 @@ def decode_process(version: Version) -> SglangDecodeProcess:
 def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vLLM decode's model (``--model``): qwen3's head_dim 32 is one CPU_ATTN has; 2
     layers of 2 KV heads, what ``test_vllm_pull``'s minimal prefill registers too."""
+    installed = [v for v in VLLM_VERSIONS if (INTEROP_DIR / f"vllm-{v}" / ".installed").exists()]
+    if not installed:  # skip before writing anything (or starting a worker)
+        vllm_pythonpath(VLLM_VERSIONS[0])
     return make_checkpoint("qwen3", tmp_path_factory.mktemp("vllm-ckpt") / "qwen3")
 
 
