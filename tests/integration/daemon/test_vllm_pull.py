@@ -5,7 +5,9 @@ decode.py: the side channel's handshake, then NIXL READs with vLLM's notificatio
 gets transformers' K/V for every prompt length around vLLM's 32-token block over 4-token
 pages; a decode that never reads frees its blocks at the lease, a heartbeat keeps a hold past
 it, and the staging region is whole at the end (its metrics say so). Every prompt here is
-staged by the forward itself (the KV mirror: no prefix hit, claimed before its prefill).
+staged by the forward itself (the KV mirror: no prefix hit, claimed before its prefill). The
+worker traces to a real OTLP/HTTP receiver: a pull's request span continues the proxy's W3C
+``traceparent`` header.
 
 One worker for the module (start-ups are the cost here)."""
 
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from prefill_worker.testing.otlp import OtlpReceiver
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker, free_port, start_worker, wait_until
@@ -44,8 +47,15 @@ PROXY_ASK = {
 
 
 @pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    otlp = OtlpReceiver()
+    yield otlp
+    otlp.close()
+
+
+@pytest.fixture(scope="module")
 def pulled(
-    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
+    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, receiver: OtlpReceiver
 ) -> Iterator[tuple[Worker, str, PullDecode]]:
     api_port, side_port = free_port(), free_port(2)  # a side channel per vLLM version
     worker = start_worker(
@@ -61,6 +71,9 @@ def pulled(
         f"transfer.vllm_lease_s={LEASE_S}",
         "transfer.vllm_read_grace_s=0.5",
         "transfer.vllm_attention_backend=CPU_ATTN",
+        "tracing.enabled=true",
+        f"tracing.endpoint={receiver.endpoint}",
+        "tracing.schedule_delay_s=0.05",
     )
     try:
         worker.child.wait_ready(120)
@@ -83,13 +96,14 @@ def pulled(
         worker.child.kill()
 
 
-def _prefill(api: str, ids: list[int]) -> dict[str, Any]:
+def _prefill(api: str, ids: list[int], traceparent: str | None = None) -> dict[str, Any]:
     """The proxy's prefill request; the answer (200 asserted)."""
     body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "stream": False}
     body["kv_transfer_params"] = PROXY_ASK
-    request = urllib.request.Request(
-        f"{api}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if traceparent is not None:
+        headers["traceparent"] = traceparent
+    request = urllib.request.Request(f"{api}/v1/completions", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=patient(60)) as response:
         assert response.status == 200
         return dict(json.loads(response.read()))
@@ -169,3 +183,23 @@ def test_notification_only_lease_and_heartbeat(pulled: tuple[Worker, str, PullDe
     wait_until(lambda: _staging_used(worker) == 0, 10.0, "the read's release")
     assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="read"}') == reads + 2
     assert never["remote_request_id"] != kept["remote_request_id"]
+
+
+def test_a_pull_continues_the_proxys_trace(
+    pulled: tuple[Worker, str, PullDecode], receiver: OtlpReceiver
+) -> None:
+    worker, api, decode = pulled
+    trace, parent = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    params = _prefill(api, prompt(9, seed=9), f"00-{trace}-{parent}-01")["kv_transfer_params"]
+    decode.read(params["remote_block_ids"][0], f"{params['remote_request_id']}:1")
+    wait_until(lambda: _staging_used(worker) == 0, 10.0, "the read's release")
+
+    def has_root(spans: list[Any]) -> bool:
+        return any(s.trace_id == trace and s.parent_span_id == parent for s in spans)
+
+    spans = receiver.wait_for(has_root)
+    (root,) = [s for s in spans if s.trace_id == trace and s.parent_span_id == parent]
+    assert root.status_code == 1  # ok
+    assert root.attributes["rid"].startswith("http:")
+    children = {s.name for s in spans if s.parent_span_id == root.span_id}
+    assert {"prefill_forward", "prefill_transfer_kv_cache"} <= children

@@ -102,3 +102,15 @@ def test_a_request_waits_for_its_want_unless_given_optimistic_attempts() -> None
     queues.add(optimistic)
     assert queues.head_waiting() is None  # the claimed requests' queue
     assert queues.head_speculative() is optimistic
+
+
+def test_a_claimed_request_leaves_the_speculative_queue() -> None:
+    queues = RequestQueues()
+    optimistic = request("b", 4)
+    optimistic.attempts_left = 1
+    queues.add(optimistic)
+    assert queues.head_speculative() is optimistic
+    queues.move(optimistic, RequestState.WAITING)  # its decode claimed it
+    assert queues.head_speculative() is None  # its stale entry is dropped, not admitted twice
+    assert queues.head_waiting() is optimistic
+    queues.check_integrity()

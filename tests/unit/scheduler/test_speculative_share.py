@@ -187,3 +187,30 @@ def test_detached_pages_come_back_as_trusted_as_their_request() -> None:
     assert table.try_reserve("spec3", list(range(300, 316)), speculative=True) is None
     assert table.lookup(claimed_prompt).num_tokens == 8
     table.check_integrity()
+
+
+def test_a_speculative_request_ended_mid_forward_leaves_its_pages_untrusted() -> None:
+    rig = flood_rig(overlap=True, optimistic_share=1.0)
+    rig.prefill("spec", 16, token_ids=list(range(500, 516)))  # 4 pages, 2 chunks of 8
+    for _ in range(10):
+        rig.steps(1)
+        req = live(rig, "spec")
+        if req is not None and req.is_in_forward and req.num_scheduled_tokens == 16:
+            break
+    rig.abort("spec")  # its pages are freed once the forward is collected
+    rig.run_until_idle()
+    cache = rig.engine._table.cache
+    assert isinstance(cache, PagePrefixCache)
+    assert cache.num_evictable > 0
+    assert list(cache._untrusted) == list(cache._idle)  # nothing of it is trusted
+    rig.check_whole()
+
+
+def test_the_engine_forgets_a_claim_once_its_request_moves_on() -> None:
+    rig = flood_rig(optimistic=False)
+    rig.prefill("legit", 8)
+    rig.steps(1)
+    rig.sender("legit").want()
+    rig.run_until_idle()
+    assert rig.outcome("legit").reason is FinishReason.OK
+    assert not rig.engine._life._claimed  # no ended request kept for a claim
