@@ -67,3 +67,21 @@ def test_the_backend_hands_the_requests_traceparent_to_its_sender() -> None:
     told = {e.status.room: e.status for e in rig.ctx.events if isinstance(e, Tell)}
     assert told[7].traceparent == parent
     assert told[8].traceparent is msgspec.UNSET
+
+
+def test_the_backend_names_each_room_a_want_bound_once() -> None:
+    """``take_claimed_rooms``: what the engine polls first (#40 finding 4)."""
+    rig = Rig("native")
+    backend = Backend(rig, "bootstrap", options("bootstrap", 7.5, 4))
+    backend.hub.peers[rig.peer.identity] = rig.peer
+    first, second = backend.create_sender(7, "req-7", 16), backend.create_sender(8, "req-8", 16)
+    assert backend.take_claimed_rooms() == []
+    backend.hub.want(rig.peer, wire.Want.of(8, [3, 4, 5, 6], 2, 0))
+    backend.hub.want(rig.peer, wire.Want.of(9, [3, 4, 5, 6], 2, 0))  # no request yet: waits
+    assert backend.take_claimed_rooms() == [8]
+    assert backend.take_claimed_rooms() == []  # each once
+    backend.create_sender(9, "req-9", 16)  # bound as it is created
+    backend.hub.want(rig.peer, wire.Want.of(7, [3, 4, 5, 6], 2, 0))
+    assert backend.take_claimed_rooms() == [9, 7]
+    for sender in (first, second):
+        sender.fail("done")
