@@ -167,6 +167,11 @@ def load_model(
             info.moe_backend or "none (dense)",
             time.monotonic() - started,
         )
+        if info.state is not None:
+            raise ValueError(
+                f"{info.architecture} keeps linear-attention state beside its KV, which the "
+                "scheduler and the transfer protocols do not carry yet (docs/models.md)"
+            )
     return runner, kv_cache, info
 
 
