@@ -51,6 +51,13 @@ class LinearAttentionSpec:
         """Channels of the conv: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
 
+    def slot_bytes(self, conv_itemsize: int) -> int:
+        """One request's state over every linear layer: the conv window (``kernel - 1``
+        inputs of every channel, in the model's dtype) and the fp32 recurrent matrix."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * conv_itemsize
+        recurrent = self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+        return len(self.linear_layers) * (conv + recurrent)
+
     @property
     def full_layers(self) -> tuple[int, ...]:
         """The model's layers with K/V in the pool, in order (pool layer i is the i-th)."""

@@ -7,8 +7,8 @@ One allocation per tensor kind, layer-major, slots contiguous (SGLang's ``MambaP
 
 Slot s of linear layer l starts at ``base[l] + s * item_bytes``. ``conv`` holds the last
 ``kernel - 1`` inputs of the causal conv (q, k, v channels before the conv), ``recurrent``
-the gated delta rule's state matrix per value head after the last token written. Which slot
-a request holds is the scheduler's business (``kv.state_slots``); a chunk that starts a
+the gated delta rule's state matrix per value head after the last token written. A request's
+slot is its aux row (the scheduler holds both from admission to finish); a chunk that starts a
 prompt begins from zeros, whatever its slot held before.
 """
 
@@ -21,13 +21,6 @@ from prefill_worker.model.hf_linear import LinearAttentionSpec
 
 RECURRENT_DTYPE = torch.float32  # the delta rule's state is kept in fp32 (as FLA and SGLang)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def state_slot_bytes(spec: LinearAttentionSpec, dtype: torch.dtype) -> int:
-    """Bytes of one request's state over every linear layer (both tensors)."""
-    conv = spec.conv_dim * (spec.conv_kernel - 1) * dtype.itemsize
-    recurrent = spec.num_v_heads * spec.head_k_dim * spec.head_v_dim * RECURRENT_DTYPE.itemsize
-    return len(spec.linear_layers) * (conv + recurrent)
 
 
 class StateCache:

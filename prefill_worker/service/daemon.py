@@ -176,7 +176,7 @@ class Daemon:
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
-        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
+        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, info.state is None)
         engine = make_engine(
             cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache, self.tracer
         )

@@ -157,6 +157,7 @@ def load_model(
             memory_bytes=cfg.cache.memory_bytes,
             memory_fraction=cfg.cache.memory_fraction,
             num_threads=cfg.model.num_threads,
+            num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -169,8 +170,8 @@ def load_model(
         )
         if info.state is not None:
             raise ValueError(
-                f"{info.architecture} keeps linear-attention state beside its KV, which the "
-                "scheduler and the transfer protocols do not carry yet (docs/models.md)"
+                f"{info.architecture} keeps linear-attention state beside its KV, which no "
+                "transfer protocol carries to a decode yet (docs/models.md)"
             )
     return runner, kv_cache, info
 
@@ -202,11 +203,17 @@ def warm_up_model(
     log.info("warm-up: %d tokens in %.2f s", done.num_tokens, done.duration_s)
 
 
-def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:
-    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``."""
+def make_prefix_cache(
+    config: Config, pages: PagePool, events: CacheEventSink, can_share: bool = True
+) -> PrefixCache:
+    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``.
+    ``can_share`` False (a hybrid model: a hit would skip its linear layers' state, which
+    pages do not hold): none, whatever the configuration says."""
     cfg = config.cache
     with startup_step("prefix cache"):
-        if not cfg.prefix_caching:
+        if cfg.prefix_caching and not can_share:
+            log.info("prefix cache: off (a hybrid model's state is not in its pages)")
+        if not cfg.prefix_caching or not can_share:
             return NoPrefixCache(pages)
         return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
 
