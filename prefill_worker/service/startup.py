@@ -31,6 +31,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv.state_layout import StateComponent
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
@@ -62,6 +63,7 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.state_guard import StateGuard, refusal
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -168,11 +170,6 @@ def load_model(
             info.moe_backend or "none (dense)",
             time.monotonic() - started,
         )
-        if info.state is not None:
-            raise ValueError(
-                f"{info.architecture} keeps linear-attention state beside its KV, which no "
-                "transfer protocol carries to a decode yet (docs/models.md)"
-            )
     return runner, kv_cache, info
 
 
@@ -224,10 +221,13 @@ def start_transfer(
     metrics: WorkerMetrics,
     wake: Callable[[], None],
     is_live: Callable[[], bool],
+    state: StateComponent | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
-    (SGLang's ``/health`` fails with it)."""
+    (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
+    no protocol carries yet: each protocol's backend then refuses every claimed room with a
+    typed reason (``transfer.state_guard``)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -249,6 +249,16 @@ def start_transfer(
             for backend in backends.values():
                 backend.close()
             raise
+        if state is not None:
+            backends = {
+                name: StateGuard(backend, refusal(name, (state.kind,)))
+                for name, backend in backends.items()
+            }
+            log.warning(
+                "hybrid model: no protocol carries its %s state yet; every request is refused "
+                "when its decode claims it (state_unsupported)",
+                state.kind,
+            )
         return serve_protocols(backends, tickets, mirror_layers)
 
 

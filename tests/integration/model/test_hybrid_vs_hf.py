@@ -181,16 +181,21 @@ def test_tensor_parallel_is_refused_at_start(checkpoint):
         ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
 
 
-def test_the_daemon_refuses_a_hybrid_model_it_cannot_serve(checkpoint):
-    """Until the scheduler and a transfer protocol carry the state, start-up stops at the
-    model load with a configuration error that says why (never a worker that drops state)."""
+def test_the_daemon_loads_it_with_one_state_slot_per_aux_row(checkpoint):
+    """The daemon's model step sizes the state pool by ``cache.num_aux_rows`` and says what a
+    decode needs beside the KV list (the transfer refuses it: tests/integration/daemon)."""
+    from prefill_worker.kv.state_layout import LINEAR_STATE
     from prefill_worker.model import build
     from prefill_worker.service.config import load_config
-    from prefill_worker.service.startup import StartupError, load_model
+    from prefill_worker.service.startup import load_model
 
     root = Path(__file__).resolve().parents[3]
-    overrides = [f"model.path={checkpoint}", "cache.num_pages=8"]
+    overrides = [f"model.path={checkpoint}", "cache.num_pages=8", "cache.num_aux_rows=3"]
     config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
-    with pytest.raises(StartupError, match="keeps linear-attention state") as caught:
-        load_model(config, build)
-    assert caught.value.exit_code == 78 and caught.value.step == "model load"
+    runner, kv_cache, info = load_model(config, build)
+    assert info.state is not None
+    assert (info.state.kind, info.state.layer_ids, info.state.num_items) == (
+        LINEAR_STATE, LINEAR_LAYERS, 3
+    )  # fmt: skip
+    assert [t.name for t in info.state.tensors] == ["conv", "recurrent"]
+    assert runner.model.state.num_slots == 3 and kv_cache.layout.num_layers == 2  # type: ignore[union-attr]
