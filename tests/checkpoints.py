@@ -16,6 +16,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -88,7 +89,13 @@ CONFIGS["qwen3_next"] = lambda: Qwen3NextConfig(
     shared_expert_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[2],
     tie_word_embeddings=True,
 )  # fmt: skip
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+# Qwen3.5-MoE: every layer sparse (8 experts, top 2, renormalised, a gated shared expert).
+CONFIGS["qwen3_5_moe"] = lambda: Qwen3_5MoeTextConfig(
+    **{k: v for k, v in HYBRID_COMMON.items() if k != "intermediate_size"}, num_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+    tie_word_embeddings=False,
+)  # fmt: skip
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -168,7 +169,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         family=family,
         vocab_size=int(_need(raw, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_need(raw, "intermediate_size")),
+        intermediate_size=int(_need(raw, _dense_width_key(family))),
         num_layers=int(_need(raw, "num_hidden_layers")),
         num_heads=num_heads,
         num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or num_heads),
@@ -189,8 +190,13 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
     )
 
 
+def _dense_width_key(family: str) -> str:
+    """Qwen3.5-MoE has no dense MLP (every layer sparse): its width is an expert's."""
+    return "moe_intermediate_size" if family == "qwen3_5_moe" else "intermediate_size"
+
+
 def _has_experts(raw: Mapping[str, Any], family: str) -> bool:
-    if family == "qwen3_next":
+    if family in ("qwen3_next", "qwen3_5_moe"):
         return bool(raw.get("num_experts"))
     return family in ("qwen3_moe", "deepseek_v3")
 
@@ -233,7 +239,8 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         num_experts=num_experts,
         top_k=top_k,
         intermediate_size=int(_need(raw, "moe_intermediate_size")),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        # Qwen3.5-MoE's router always renormalises (its config has no such field)
+        norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_5_moe_text")),
     )
     if str(raw.get("model_type", "")).startswith("deepseek"):
         first_dense = int(raw.get("first_k_dense_replace") or 0)

@@ -15,7 +15,7 @@ from typing import Any
 
 from prefill_worker.kv.state_layout import FULL_ATTENTION, LINEAR_ATTENTION
 
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True, slots=True)
