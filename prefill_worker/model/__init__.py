@@ -29,9 +29,10 @@ from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, po
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
-from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
+from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
+from prefill_worker.model.sharding import check_model_shardable
 from prefill_worker.model.state_cache import StateCache
 
 __all__ = [
@@ -124,12 +125,7 @@ def build(
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
     experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
-    if declared.linear is not None and not tp.is_single:
-        raise ValueError(
-            f"{declared.architecture} (linear attention) runs at tensor parallel 1 only, "
-            f"not {tp.size}"
-        )
-    check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
+    check_model_shardable(declared, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)

@@ -182,6 +182,25 @@ def test_tensor_parallel_is_refused_at_start(checkpoint):
         ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
 
 
+def test_a_tp_group_is_refused_before_any_rank_starts(checkpoint, tmp_path):
+    """The daemon's TP start-up refuses a hybrid model as a configuration error (exit 78)
+    before it starts a follower (the rank command here would fail if it ran)."""
+    from prefill_worker.service.config import load_config
+    from prefill_worker.service.group_startup import start_tp_group
+    from prefill_worker.service.startup import StartupError
+    from prefill_worker.tp.group import Placement
+
+    root = Path(__file__).resolve().parents[3]
+    overrides = [f"model.path={checkpoint}", "cache.num_pages=8"]
+    config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
+    started = tmp_path / "started"
+    command = ["sh", "-c", f"touch {started}"]
+    with pytest.raises(StartupError, match="tensor parallel 1 only, not 2") as caught:
+        start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None)
+    assert caught.value.exit_code == 78 and caught.value.step == "tp group"
+    assert not started.exists()
+
+
 def test_the_daemon_loads_it_with_one_state_slot_per_aux_row(checkpoint):
     """The daemon's model step sizes the state pool by ``cache.num_aux_rows`` and says what a
     decode needs beside the KV list (the transfer refuses it: tests/integration/daemon)."""
