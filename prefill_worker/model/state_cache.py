@@ -1,6 +1,9 @@
 """The state pool's tensors: one slot per request of every linear-attention layer's state.
 
-One allocation per tensor kind, layer-major, slots contiguous (SGLang's ``MambaPool`` shape)::
+One allocation per tensor kind, layer-major, slots contiguous; a conv slot is the
+``causal_conv1d`` kernels' initial state (``[dim, width - 1]``, channel-major). Whether a
+decode's pool matches this byte for byte (SGLang's ``MambaPool``, vLLM's ``DS`` conv layout) is
+for the transfer that carries it to check, when one does::
 
     conv       [num_linear_layers, num_slots, conv_dim, conv_kernel - 1]      model dtype
     recurrent  [num_linear_layers, num_slots, num_v_heads, head_k_dim, head_v_dim]  fp32
@@ -19,7 +22,7 @@ import torch
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateComponent, StateTensor
 from prefill_worker.model.hf_linear import LinearAttentionSpec
 
-RECURRENT_DTYPE = torch.float32  # the delta rule's state is kept in fp32 (as FLA and SGLang)
+RECURRENT_DTYPE = torch.float32  # the delta rule's state is kept in fp32 (as FLA's kernels)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
