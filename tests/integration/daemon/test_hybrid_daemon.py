@@ -2,7 +2,8 @@
 NIXL): the worker starts and is ready, its published KV layout has the full-attention layers
 only, and a request is refused when its decode claims it, with a typed reason on both sides
 (``state_unsupported``: no protocol carries the linear layers' state yet), the decode's pages
-untouched. The worker stays up, serves the next request the same way, and drains to exit 0."""
+untouched. The worker stays up, serves the next request the same way, has every aux row
+(state slot) and page back, and drains to exit 0."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import make_checkpoint, prompt
-from tests.integration.daemon.conftest import Decode, start_worker
+from tests.integration.daemon.conftest import Decode, start_worker, wait_until
 
 
 def test_a_hybrid_request_is_refused_with_a_typed_reason(tmp_path: Path) -> None:
@@ -40,6 +41,13 @@ def test_a_hybrid_request_is_refused_with_a_typed_reason(tmp_path: Path) -> None
             assert all(not torch.any(layer) for layer in decode.k)  # nothing was written
         router.close()
         decode.close()
+
+        def pools_whole() -> bool:  # the aux rows are the state slots: all back
+            metrics = worker.http("/metrics")[1]
+            used = ("prefill_worker_aux_rows_used 0.0", "prefill_worker_kv_pages_used 0.0")
+            return all(line in metrics.splitlines() for line in used)
+
+        wait_until(pools_whole, 30, "every aux row (state slot) and page back")
         assert "state_unsupported" in worker.log()
         assert worker.child.stop() == 0, worker.log()
     finally:
