@@ -164,24 +164,23 @@ $(INTEROP)/sglang-%/.installed: | $(BIN)/python
 interop: interop-deps vllm-deps smg kv-events-deps
 	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q $(XDIST) -m interop tests/interop tests/smg
 
-# vLLM's own NixlConnector as the decode (tests/interop/vllm_decode.py), in a directory of its
-# own like SGLang's: vllm and xgrammar without their dependencies (with them they pull torch
-# 2.14 and ~10 GB of CUDA wheels), the tvm-ffi xgrammar 0.2.8 wants, the pure-Python imports
-# of the connector's import chain, and a `nixl` package re-exporting this venv's nixl_cu12
-# (never NIXL's `nixl` meta package). The child runs on this venv's python (torch 2.13 CPU)
-# with VLLM_TARGET_DEVICE=cpu.
-VLLM_VERSION := 0.33.0
-VLLM_DIR := $(INTEROP)/vllm-$(VLLM_VERSION)
-VLLM_DEPS := vllm==$(VLLM_VERSION) xgrammar==0.2.8 apache-tvm-ffi==0.1.11 cbor2==6.3.0 \
+# vLLM's own NixlConnector as the decode (tests/interop/vllm_decode.py), each version in a
+# directory of its own like SGLang's: vllm and xgrammar without their dependencies (with them
+# they pull torch 2.14 and ~10 GB of CUDA wheels), the tvm-ffi xgrammar 0.2.8 wants, the
+# pure-Python imports of the connector's import chain (the same pins serve 0.33 and 0.34), and
+# a `nixl` package re-exporting this venv's nixl_cu12 (never NIXL's `nixl` meta package). The
+# child runs on this venv's python (torch 2.13 CPU) with VLLM_TARGET_DEVICE=cpu.
+VLLM_VERSIONS := 0.33.0 0.34.0
+VLLM_DEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.11 cbor2==6.3.0 \
   openai-harmony==0.0.8 openai==3.57.0 sniffio==1.3.1 pybase64==1.5.1 cachetools==8.0.2 \
   cloudpickle==3.1.3 py-cpuinfo==9.0.0 fastapi==0.165.0 starlette==1.10.0 \
   opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1 einops==0.8.2
 .PHONY: vllm-deps
-vllm-deps: $(VLLM_DIR)/.installed
+vllm-deps: $(VLLM_VERSIONS:%=$(INTEROP)/vllm-%/.installed)
 
-$(VLLM_DIR)/.installed: tests/interop/vllm_shim/nixl/__init__.py | $(BIN)/python
+$(INTEROP)/vllm-%/.installed: tests/interop/vllm_shim/nixl/__init__.py | $(BIN)/python
 	rm -rf $(@D)
-	$(INTEROP_PIP) --target $(@D) $(VLLM_DEPS)
+	$(INTEROP_PIP) --target $(@D) vllm==$* $(VLLM_DEPS)
 	@! ls $(@D) | grep -iE '^(torch|nvidia|triton|nixl)' || { echo "torch/CUDA/nixl in $(@D)"; exit 1; }
 	cp -r tests/interop/vllm_shim/nixl $(@D)/nixl
 	@touch $@

@@ -111,7 +111,8 @@ class _Channel:
     """The side channel's place: the bench hands the registration to its decode itself."""
 
     def __init__(self, registration: Any) -> None:
-        self.registration, self.port = registration, 0
+        self.registration = registration
+        self.ports = dict.fromkeys(registration.versions, 0)
 
     def poll(self) -> int:
         return 0

@@ -46,6 +46,7 @@ _CACHE = [
     _S + "test_prefix_cache_model.py",
     _S + "test_prefix_cache_edges.py",
     _S + "test_engine_prefix_cache.py",
+    _S + "test_speculative_share.py",
 ]
 _EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
 _NESTED = "tests/unit/test_nested_decoders.py"

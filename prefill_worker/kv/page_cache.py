@@ -5,6 +5,8 @@ Torch-free. One entry per distinct block (``block_hash.py``), keyed by its chain
     blocks    block hash -> (page id, parent hash, packed tokens)     at most max_pages
     hash_of   page id    -> block hash
     idle      page ids the cache alone holds, least recently released first (the LRU)
+    trusted   page ids a claimed (not speculative) request released
+    untrusted the idle pages not trusted, in the same order: all speculative work may evict
 
     page refcount = requests using it + 1 (the cache)   refcount 1 <=> the page is idle
 
@@ -57,6 +59,8 @@ class PagePrefixCache:
         self._blocks: dict[int, _Block] = {}
         self._hash_of: dict[int, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()
+        self._trusted: set[int] = set()
+        self._untrusted: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_pages(self) -> int:
@@ -89,15 +93,27 @@ class PagePrefixCache:
         for page_id in page_ids:
             assert page_id in self._hash_of, f"page {page_id} is not cached"
             self._idle.pop(page_id, None)
+            self._untrusted.pop(page_id, None)
 
-    def release(self, page_ids: Sequence[int]) -> None:
+    def release(self, page_ids: Sequence[int], trusted: bool = True) -> None:
         self._pool.free(page_ids)
         for page_id in reversed(page_ids):
-            if page_id in self._hash_of and self._pool.refcount(page_id) == 1:
+            if page_id not in self._hash_of:
+                continue
+            if trusted:
+                self._trusted.add(page_id)
+            if self._pool.refcount(page_id) == 1:
                 self._idle[page_id] = None
+                if page_id not in self._trusted:
+                    self._untrusted[page_id] = None
 
     def store(
-        self, token_ids: Sequence[int], page_ids: Sequence[int], chain: tuple[int, ...], end: int
+        self,
+        token_ids: Sequence[int],
+        page_ids: Sequence[int],
+        chain: tuple[int, ...],
+        end: int,
+        speculative: bool = False,
     ) -> tuple[int, ...]:
         grown = list(chain)
         run: list[int] = []  # hashes of the pages stored just now, consecutive
@@ -111,7 +127,7 @@ class PagePrefixCache:
             if known is None:
                 if len(self._blocks) >= self.max_pages:  # at the cap: evict one idle page
                     run = self._report_stored(token_ids, grown, run)  # reported before it goes
-                    if self._evict(1) == 0:
+                    if self._evict(1, speculative) == 0:
                         break  # every cached page is in use
                 if parent is not None and parent not in self._blocks:
                     break  # its parent was another request's page, and it was evicted
@@ -123,13 +139,13 @@ class PagePrefixCache:
         self._report_stored(token_ids, grown, run)
         return tuple(grown)
 
-    def try_make_room(self, num_pages: int) -> bool:
+    def try_make_room(self, num_pages: int, speculative: bool = False) -> bool:
         short = num_pages - self._pool.num_free
         if short <= 0:
             return True
-        if short > len(self._idle):
+        if short > len(self._untrusted if speculative else self._idle):
             return False
-        self._evict(short)
+        self._evict(short, speculative)
         return True
 
     def reset(self) -> bool:
@@ -153,6 +169,9 @@ class PagePrefixCache:
             assert count >= 1, f"cached page {block.page_id} is free"
             assert (count == 1) == (block.page_id in self._idle), f"page {block.page_id}: {count}"
         assert all(page_id in self._hash_of for page_id in self._idle)
+        assert self._trusted <= self._hash_of.keys()
+        untrusted = [p for p in self._idle if p not in self._trusted]
+        assert list(self._untrusted) == untrusted, "the untrusted idle pages, in LRU order"
 
     # ---- internals --------------------------------------------------------------------
 
@@ -169,11 +188,17 @@ class PagePrefixCache:
         self._blocks[digest] = block
         self._hash_of[block.page_id] = digest
 
-    def _evict(self, num_pages: int, report: bool = True) -> int:
-        """Drop the cache's reference on the ``num_pages`` least recently idle pages."""
+    def _evict(self, num_pages: int, speculative: bool = False, report: bool = True) -> int:
+        """Drop the cache's reference on the ``num_pages`` least recently idle pages (only
+        untrusted ones for ``speculative`` work)."""
+        source, other = self._idle, self._untrusted
+        if speculative:
+            source, other = other, source
         page_ids, hashes = [], []
-        for _ in range(min(num_pages, len(self._idle))):
-            page_id, _ = self._idle.popitem(last=False)
+        for _ in range(min(num_pages, len(source))):
+            page_id, _ = source.popitem(last=False)
+            other.pop(page_id, None)
+            self._trusted.discard(page_id)
             digest = self._hash_of.pop(page_id)
             del self._blocks[digest]
             page_ids.append(page_id)

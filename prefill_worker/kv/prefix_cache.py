@@ -7,6 +7,10 @@ page belongs to exactly one request, as before the cache existed).
 Ownership rule for both: a page's pool refcount is the number of requests that use it, plus
 one while the cache holds it. The page table frees a request's pages through ``release`` (never
 ``PagePool.free``), so the cache sees a page become idle.
+
+Speculative work (a prefill before its decode claimed it: optimistic prefill) must not evict
+what claimed requests left: a cached page is *trusted* once a request that was not speculative
+released it, and speculative admission and storing evict only idle pages nobody trusts.
 """
 
 from __future__ import annotations
@@ -60,24 +64,32 @@ class PrefixCache(Protocol):
         """A request takes a reference on each of these cached pages (a hit)."""
         ...
 
-    def release(self, page_ids: Sequence[int]) -> None:
+    def release(self, page_ids: Sequence[int], trusted: bool = True) -> None:
         """A request drops its reference on each page; cached ones left idle become
-        evictable (the prompt's last pages first)."""
+        evictable (the prompt's last pages first). ``trusted``: the request was claimed (not
+        speculative): its cached pages are trusted from now on."""
         ...
 
     def store(
-        self, token_ids: Sequence[int], page_ids: Sequence[int], chain: tuple[int, ...], end: int
+        self,
+        token_ids: Sequence[int],
+        page_ids: Sequence[int],
+        chain: tuple[int, ...],
+        end: int,
+        speculative: bool = False,
     ) -> tuple[int, ...]:
         """Pages ``[len(chain), end)`` of a prompt now hold their complete K/V: cache the ones
         whose content is not cached yet. ``chain`` holds the block hashes of pages
         ``[0, len(chain))``, all cached. Returns the chain as far as pages are now cached;
         shorter than ``end`` means it broke (cap reached and nothing idle, a collision, an
-        evicted parent) and the caller stops storing this prompt."""
+        evicted parent) and the caller stops storing this prompt. ``speculative``: at the cap
+        only an untrusted idle page may make room."""
         ...
 
-    def try_make_room(self, num_pages: int) -> bool:
+    def try_make_room(self, num_pages: int, speculative: bool = False) -> bool:
         """Evict idle pages, least recently used first, until the pool has ``num_pages``
-        free; evicts nothing and answers False when even all idle pages would not do."""
+        free; evicts nothing and answers False when even all idle pages would not do.
+        ``speculative``: only idle pages nobody trusts count."""
         ...
 
     def reset(self) -> bool:
@@ -111,15 +123,20 @@ class NoPrefixCache:
     def acquire(self, page_ids: Sequence[int]) -> None:
         assert not page_ids, "nothing is cached"
 
-    def release(self, page_ids: Sequence[int]) -> None:
+    def release(self, page_ids: Sequence[int], trusted: bool = True) -> None:
         self._pool.free(page_ids)
 
     def store(
-        self, token_ids: Sequence[int], page_ids: Sequence[int], chain: tuple[int, ...], end: int
+        self,
+        token_ids: Sequence[int],
+        page_ids: Sequence[int],
+        chain: tuple[int, ...],
+        end: int,
+        speculative: bool = False,
     ) -> tuple[int, ...]:
         return chain
 
-    def try_make_room(self, num_pages: int) -> bool:
+    def try_make_room(self, num_pages: int, speculative: bool = False) -> bool:
         return self._pool.num_free >= num_pages
 
     def reset(self) -> bool:

@@ -9,7 +9,9 @@ prefix cache, the first pages may be a hit (shared, already computed)::
                  cached, refcount >= 2    allocated for this request; each enters the cache
                                           once ``commit`` says its K/V is complete
 
-Every page goes back through the cache's ``release``, so the cache sees pages go idle.
+Every page goes back through the cache's ``release``, so the cache sees pages go idle. A
+*speculative* request (optimistic prefill, before its decode claimed it) evicts and stores only
+what no claimed request trusts (``prefix_cache``) until ``claim``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _Held:
     token_ids: Sequence[int]
     chain: tuple[int, ...]  # block hashes of pages [0, len(chain)), all in the cache
     is_storing: bool = True  # False once the chain broke: this prompt stores no more pages
+    speculative: bool = False  # not claimed yet: evicts and trusts nothing
 
 
 class PageTable:
@@ -66,21 +69,33 @@ class PageTable:
         return self.cache.match(token_ids, max_hit_tokens)
 
     def try_reserve(
-        self, request_id: str, token_ids: Sequence[int], hit: PrefixHit = MISS
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hit: PrefixHit = MISS,
+        speculative: bool = False,
     ) -> tuple[int, ...] | None:
         """The hit's pages and new ones for the rest of the prompt, or None when the pool is
-        short even after evicting every idle cached page (then nothing changed)."""
+        short even after evicting every idle cached page it may (then nothing changed)."""
         assert request_id not in self._held, f"{request_id} already holds pages"
         num_new = num_pages_for(len(token_ids), self.page_size) - len(hit.page_ids)
         self.cache.acquire(hit.page_ids)  # first: the hit's own pages must not be evicted
-        if not self.cache.try_make_room(num_new):
+        if not self.cache.try_make_room(num_new, speculative):
             self.cache.release(hit.page_ids)
             return None
         new_ids = self.pool.try_alloc(num_new)
         assert new_ids is not None, "try_make_room promised the pages"
         page_ids = hit.page_ids + tuple(new_ids)
-        self._held[request_id] = _Held(page_ids, token_ids, hit.block_hashes)
+        self._held[request_id] = _Held(page_ids, token_ids, hit.block_hashes, True, speculative)
         return page_ids
+
+    def claim(self, request_id: str) -> None:
+        """The request is not speculative any more: its decode claimed it."""
+        self._held[request_id].speculative = False
+
+    def num_speculative_pages(self) -> int:
+        """Pages held by speculative requests (a shared page once per holder)."""
+        return sum(len(h.page_ids) for h in self._held.values() if h.speculative)
 
     def get(self, request_id: str) -> tuple[int, ...]:
         return self._held[request_id].page_ids
@@ -92,18 +107,22 @@ class PageTable:
         end = num_tokens // self.page_size
         if not held.is_storing or end <= len(held.chain):
             return
-        held.chain = self.cache.store(held.token_ids, held.page_ids, held.chain, end)
+        held.chain = self.cache.store(
+            held.token_ids, held.page_ids, held.chain, end, held.speculative
+        )
         held.is_storing = len(held.chain) == end
 
     def release(self, request_id: str) -> None:
-        self.cache.release(self._held.pop(request_id).page_ids)
+        held = self._held.pop(request_id)
+        self.cache.release(held.page_ids, trusted=not held.speculative)
 
     def detach(self, request_id: str) -> tuple[int, ...]:
         """Forget the request but keep its pages allocated; ``free_detached`` later."""
         return self._held.pop(request_id).page_ids
 
-    def free_detached(self, page_ids: Sequence[int]) -> None:
-        self.cache.release(page_ids)
+    def free_detached(self, page_ids: Sequence[int], trusted: bool = True) -> None:
+        """``trusted``: as ``release`` would have (the request was not speculative)."""
+        self.cache.release(page_ids, trusted)
 
     def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
         """Every page reference in the pool is one entry of this table (or of ``detached``),

@@ -5,6 +5,14 @@ A waiting request starts only when all of its prompt's pages and an aux row are 
 mid-prefill eviction) and fewer than ``max_running_requests`` are prefilling. Strict FCFS:
 when the head of the queue has to wait, everyone behind it waits too.
 
+Claimed work first: a batch takes the chunks of claimed prefilling requests and admits
+claimed waiting ones; only a batch with none of them goes to speculative work (optimistic
+prefill before the decode's claim), which takes at most ``optimistic_share`` of its tokens,
+of the running requests and of the pool's pages, starts nothing new while a claimed request
+waits, and evicts no page a claimed request left in the prefix cache (``kv.tables``). A flood
+of requests nobody claims then costs a claimed one at most the speculative forward in flight
+when it comes, and never its cached prefix.
+
 On admission the prompt is looked up in the prefix cache: the pages of its cached prefix are
 shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``). Idle cached
 pages are evicted only when the pages the request needs are not free otherwise. A request
@@ -71,6 +79,7 @@ class Admission:
         on_lookup: OnLookup = _ignore,
         make_room: MakeRoom = _no_room,
         on_admit: OnAdmit = _admitted,
+        optimistic_share: float = 1.0,
     ) -> None:
         if chunk_size < table.page_size or max_batch_tokens < table.page_size:
             raise ValueError(
@@ -85,19 +94,55 @@ class Admission:
         self._on_lookup = on_lookup
         self._make_room, self._on_admit = make_room, on_admit
         self._num_batches = 0
+        # speculative work's share (at least a page of tokens, one request, one prompt page)
+        self._spec_tokens = max(table.page_size, int(max_batch_tokens * optimistic_share))
+        self._spec_running = max(1, int(max_running_requests * optimistic_share))
+        self._spec_pages = max(1, int(table.pool.num_pages * optimistic_share))
 
     def next_batch(self) -> ScheduledBatch | None:
-        budget = self.max_batch_tokens
         chunks: list[ChunkPlan] = []
         owners: list[Request] = []
-        for req in self._queues.prefilling.values():
+        budget = self.max_batch_tokens
+        prefilling = self._queues.prefilling
+        claimed = [req for req in prefilling.values() if req.is_claimed]
+        budget = self._continue(claimed, budget, chunks, owners)
+        budget = self._admit(self._queues.head_waiting, budget, chunks, owners)
+        if chunks:  # speculative work only fills forwards no claimed work needs
+            return self._scheduled(chunks, owners)
+        # up to its share; no new request while a claimed one waits (for pages, say), what
+        # runs goes on (read after the admissions: a held one may have yielded to them)
+        unclaimed = [req for req in prefilling.values() if not req.is_claimed]
+        budget = self._continue(unclaimed, self._spec_tokens, chunks, owners)
+        if self._queues.head_waiting() is None:
+            self._admit(self._speculative_head, budget, chunks, owners)
+        return self._scheduled(chunks, owners) if chunks else None
+
+    def _scheduled(self, chunks: list[ChunkPlan], owners: list[Request]) -> ScheduledBatch:
+        self._num_batches += 1
+        return ScheduledBatch(BatchPlan(self._num_batches, tuple(chunks)), tuple(owners))
+
+    def _continue(
+        self, reqs: list[Request], budget: int, chunks: list[ChunkPlan], owners: list[Request]
+    ) -> int:
+        """The next chunk of each prefilling request in ``reqs`` while the budget lasts."""
+        for req in reqs:
             chunk = self._next_chunk(req, budget) if budget > 0 else None
             if chunk is not None:
                 chunks.append(chunk)
                 owners.append(req)
                 budget -= chunk.num_tokens
+        return budget
+
+    def _admit(
+        self,
+        head: Callable[[], Request | None],
+        budget: int,
+        chunks: list[ChunkPlan],
+        owners: list[Request],
+    ) -> int:
+        """Admit ``head()`` while the budget lasts and it can start; its first chunk."""
         while budget > 0 and self._can_start_more():
-            admitted = self._try_admit(budget)
+            admitted = self._try_admit(head, budget)
             if admitted is None:
                 break
             chunk = self._next_chunk(admitted, budget)
@@ -105,10 +150,19 @@ class Admission:
             chunks.append(chunk)
             owners.append(admitted)
             budget -= chunk.num_tokens
-        if not chunks:
+        return budget
+
+    def _speculative_head(self) -> Request | None:
+        """The head of the speculative queue while speculative work is under its share of
+        the running requests and of the pages."""
+        queues = self._queues
+        num_running = sum(1 for r in queues.prefilling.values() if not r.is_claimed)
+        num_running -= len(queues.held)
+        if num_running >= self._spec_running:
             return None
-        self._num_batches += 1
-        return ScheduledBatch(BatchPlan(self._num_batches, tuple(chunks)), tuple(owners))
+        if self._table.num_speculative_pages() >= self._spec_pages:
+            return None
+        return queues.head_speculative()
 
     def _can_start_more(self) -> bool:
         return self._queues.num_running < self.max_running_requests
@@ -140,33 +194,34 @@ class Admission:
         targets = req.token_ids[scored.start + 1 : scored.stop + 1]
         return dataclasses.replace(chunk, logprob_from=scored.start, logprob_token_ids=targets)
 
-    def _try_admit(self, budget: int) -> Request | None:
-        """The head of the waiting queue, moved to PREFILLING with its pages and aux row;
-        while they are short, held prefills yield theirs (``make_room``)."""
-        req = self._queues.head_waiting()
+    def _try_admit(self, head: Callable[[], Request | None], budget: int) -> Request | None:
+        """The head of a queue, moved to PREFILLING with its pages and aux row; while they
+        are short, held prefills yield theirs to a claimed request (``make_room``)."""
+        req = head()
         if req is None:
             return None
+        speculative = not req.is_claimed
         while True:
             hit = self._table.lookup(req.token_ids, req.max_prefix_hit_tokens)
             limit = min(self.chunk_size, budget)
             if chunk_end(hit.num_tokens, req.num_prompt_tokens, limit, self.page_size) is None:
                 return None
-            if self._try_start(req, hit):
+            if self._try_start(req, hit, speculative):
                 break
-            if not self._make_room():
+            if speculative or not self._make_room():
                 return None
         self._on_lookup(hit.num_query_tokens, hit.num_tokens)
         return req
 
-    def _try_start(self, req: Request, hit: PrefixHit) -> bool:
+    def _try_start(self, req: Request, hit: PrefixHit, speculative: bool) -> bool:
         aux_row = self._aux.try_alloc()
         if aux_row is None:
             return False
-        page_ids = self._table.try_reserve(req.request_id, req.token_ids, hit)
+        page_ids = self._table.try_reserve(req.request_id, req.token_ids, hit, speculative)
         if page_ids is None:
             self._aux.free(aux_row)
             return False
-        self._queues.pop_waiting()
+        self._queues.pop_admitted(req)
         self._on_admit(req)
         req.page_ids, req.aux_row, req.prefill_start_time = page_ids, aux_row, self._clock()
         req.num_prefix_hit_tokens = req.num_computed_tokens = hit.num_tokens

@@ -83,6 +83,7 @@ class Engine:
             on_lookup=self._observer.on_prefix_lookup,
             make_room=self._life.handoff.make_room,
             on_admit=self._life.handoff.on_admit,
+            optimistic_share=limits.optimistic_share,
         )
         self._forward_clock = ForwardClock(runner, clock)
         self._forward = make_forward(self._forward_clock, overlap)

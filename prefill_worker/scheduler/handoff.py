@@ -63,6 +63,7 @@ class Handoff:
         assert req.sender is not None and not req.is_claimed
         req.num_cached_tokens = req.sender.num_cached_tokens()
         req.ready_time = self._clock()
+        self._table.claim(req.request_id)  # its pages are no longer speculative
         num_pages = num_pages_for(req.num_computed_tokens, self.page_size)
         if num_pages:
             req.sender.send_pages(req.page_ids[:num_pages], 0)

@@ -4,7 +4,8 @@
 requests that a running forward may still write. The engine's loop calls it each turn::
 
     submit          a prefill (sender created, deadlines pushed) or an abort
-    poll_senders    a few bootstrap/waiting senders; every prefilling and transferring one
+    poll_senders    the claimed rooms' senders (the backend names them), a few more
+                    bootstrap/waiting ones; every prefilling and transferring one
     expire          deadlines that passed (bootstrap, transfer, per request)
     send_prefix_hits  a launched batch's new requests: their cached pages → send_pages
     consume         a collected forward: pages → prefix cache; its hand-off to the decode
@@ -76,7 +77,9 @@ class RequestLifecycle:
         self.bootstrap_timeout_s = limits.bootstrap_timeout_s
         self.transfer_timeout_s = limits.transfer_timeout_s
         self._poll_budget = limits.poll_budget
-        self._deferred: list[tuple[int, ...]] = []  # pages of ended requests a forward may write
+        self._claimed: dict[str, Request] = {}  # claimed, still BOOTSTRAPPING: looked at each turn
+        # pages of ended requests a forward may write, and whether they were claimed (trusted)
+        self._deferred: list[tuple[tuple[int, ...], bool]] = []
         self._unclosed: list[KVSender] = []  # their senders whose destination it may write
         self.handoff = Handoff(self.queues, table, aux, self.deadlines, clock, limits)
         self.outcome_counts: Counter[FinishReason] = Counter()
@@ -122,8 +125,22 @@ class RequestLifecycle:
             )
             if req.deadline_s is not None:
                 self.deadlines.push(req.arrival_time + req.deadline_s, DeadlineKind.REQUEST, req)
+            self._check_sender(req)  # a claim that came first, or a refusal: seen now
 
     def poll_senders(self) -> None:
+        """Per turn: the senders of rooms claimed since the last turn (and of the claimed ones
+        still bootstrapping), ``poll_budget`` more of the unclaimed ones round-robin (for their
+        failures: what no claim reports), the head of the admission queue, every running one.
+        The work grows with what happens, not with how many wait for their decode."""
+        by_room = self.queues.by_room
+        for room in self._transfer.take_claimed_rooms():
+            req = by_room.get(room)
+            if req is not None and req.state is RequestState.BOOTSTRAPPING:
+                self._claimed[req.request_id] = req
+        for req in list(self._claimed.values()):
+            self._check_sender(req)
+            if req.state is not RequestState.BOOTSTRAPPING:
+                del self._claimed[req.request_id]
         for req in self.queues.next_watched(self._poll_budget):
             self._check_sender(req)
         head = self.queues.head_waiting()
@@ -233,8 +250,8 @@ class RequestLifecycle:
         for sender in self._unclosed:
             sender.close()
         self._unclosed.clear()
-        for page_ids in self._deferred:
-            self._table.free_detached(page_ids)
+        for page_ids, trusted in self._deferred:
+            self._table.free_detached(page_ids, trusted)
         self._deferred.clear()
 
     def fail_all(self, reason: FinishReason, error: str) -> None:
@@ -272,7 +289,7 @@ class RequestLifecycle:
             req.aux_row = None
         if req.page_ids:
             if req.is_in_forward:
-                self._deferred.append(self._table.detach(req.request_id))
+                self._deferred.append((self._table.detach(req.request_id), req.is_claimed))
             else:
                 self._table.release(req.request_id)
         transfer_bytes = req.sender.written_bytes()
@@ -285,7 +302,7 @@ class RequestLifecycle:
 
     def check_integrity(self) -> None:
         self.queues.check_integrity()
-        self._table.check_integrity(self._deferred)
+        self._table.check_integrity(page_ids for page_ids, _ in self._deferred)
         self._aux.check_integrity()
         held = sum(1 for r in self.queues.live.values() if r.aux_row is not None)
         assert self._aux.num_rows - self._aux.num_free == held

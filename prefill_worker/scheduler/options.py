@@ -29,6 +29,7 @@ class EngineLimits:
     optimistic_prefill: bool = True  # prefill before the decode's want (``handoff``)
     optimistic_attempts: int = 2  # admissions before the want, then it waits as before
     optimistic_hold_s: float = 1.0  # a finished prefill waits this long for its want
+    optimistic_share: float = 0.25  # of a forward's tokens, running requests, pages (``admission``)
 
 
 @dataclass(frozen=True, slots=True)

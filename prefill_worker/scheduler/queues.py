@@ -5,9 +5,10 @@ Every state move of a live request goes through ``RequestQueues.move``, which ch
 move to ``on_move`` (the engine passes its observer's ``on_transition``)::
 
     live        request_id -> Request, every non-terminal request
-    waiting     deque, FCFS order: the admission queue, WAITING requests and, with optimistic
-                prefill, BOOTSTRAPPING ones with an attempt left (``Request.is_admissible``);
-                ended requests are dropped lazily at the head
+    waiting     deque, FCFS order: the admission queue of claimed requests (WAITING)
+    speculative deque, FCFS order: with optimistic prefill, the BOOTSTRAPPING requests with an
+                attempt left (``Request.is_admissible``), admitted only after the claimed
+                ones (``admission``); in both, entries that left are dropped at the head
     prefilling  request_id -> Request, admission order
     held        request_id -> Request, the PREFILLING ones whose prefill is done and whose
                 decode has not asked yet (optimistic prefill): oldest first
@@ -15,6 +16,8 @@ move to ``on_move`` (the engine passes its observer's ``on_transition``)::
     watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn
                 (O(poll budget) a turn); entries that left those states are dropped as the
                 ring reaches them, each once, and never count against the budget
+    by_room     bootstrap_room -> the live request that came first with it: a claim the
+                transfer backend reports by room finds its request without a scan
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ class RequestQueues:
         self._on_move = on_move
         self.live: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.speculative: deque[Request] = deque()
         self.prefilling: dict[str, Request] = {}
         self.inflight: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        self.by_room: dict[int, Request] = {}
         self._watch: deque[Request] = deque()
         self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
         self.num_waiting = 0
@@ -57,6 +62,7 @@ class RequestQueues:
         """A new request, in BOOTSTRAPPING."""
         assert req.state is RequestState.BOOTSTRAPPING and req.request_id not in self.live
         self.live[req.request_id] = req
+        self.by_room.setdefault(req.room, req)
         self.num_bootstrapping += 1
         self.num_queued_tokens += req.num_prompt_tokens
         self.num_arrived_tokens += req.num_prompt_tokens
@@ -81,9 +87,13 @@ class RequestQueues:
         return next(iter(self.held.values()), None)
 
     def _enqueue(self, req: Request) -> None:
-        if not req.is_queued:
-            req.is_queued = True
-            self.waiting.append(req)
+        if req.state is RequestState.WAITING:
+            if not req.is_queued:
+                req.is_queued = True
+                self.waiting.append(req)
+        elif not req.is_speculating:
+            req.is_speculating = True
+            self.speculative.append(req)
 
     def move(self, req: Request, state: RequestState) -> None:
         old = req.state
@@ -117,6 +127,8 @@ class RequestQueues:
         else:
             assert state.is_terminal
             del self.live[req.request_id]
+            if self.by_room.get(req.room) is req:
+                del self.by_room[req.room]
         self._on_move(req.request_id, old, state)
 
     def counts(self) -> dict[RequestState, int]:
@@ -129,16 +141,31 @@ class RequestQueues:
         }
 
     def head_waiting(self) -> Request | None:
-        """The oldest admissible request, or None."""
-        while self.waiting and not self.waiting[0].is_admissible:
-            self.waiting.popleft()  # an ended request: it leaves the queue only by popping
-        return self.waiting[0] if self.waiting else None
+        """The oldest claimed request waiting for admission, or None."""
+        waiting = self.waiting
+        while waiting and waiting[0].state is not RequestState.WAITING:
+            waiting.popleft()  # an ended request: it leaves the queue only by popping
+        return waiting[0] if waiting else None
 
-    def pop_waiting(self) -> Request:
-        req = self.waiting.popleft()
-        assert req.is_admissible
-        req.is_queued = False
-        return req
+    def head_speculative(self) -> Request | None:
+        """The oldest unclaimed request with an optimistic attempt left, or None."""
+        speculative = self.speculative
+        while speculative and not (
+            speculative[0].state is RequestState.BOOTSTRAPPING and speculative[0].is_admissible
+        ):
+            speculative.popleft().is_speculating = False  # claimed or ended since
+        return speculative[0] if speculative else None
+
+    def pop_admitted(self, req: Request) -> None:
+        """``req``, the head of its queue, is admitted."""
+        if req.state is RequestState.WAITING:
+            assert self.waiting[0] is req
+            self.waiting.popleft()
+            req.is_queued = False
+        else:
+            assert self.speculative[0] is req and req.is_admissible
+            self.speculative.popleft()
+            req.is_speculating = False
 
     def next_watched(self, budget: int) -> list[Request]:
         """Up to ``budget`` BOOTSTRAPPING/WAITING requests, round-robin across turns; the
@@ -161,11 +188,19 @@ class RequestQueues:
         waiting = [r for r in self.waiting if r.state is RequestState.WAITING]
         assert len(waiting) == self.num_waiting
         assert all(r.is_queued for r in self.waiting)
-        assert len(self.waiting) == len(set(map(id, self.waiting)))
-        assert all(r.is_queued for r in self.live.values() if r.is_admissible)
+        assert all(r.is_speculating for r in self.speculative)
+        for queue in (self.waiting, self.speculative):
+            assert len(queue) == len(set(map(id, queue)))
+        for req in self.live.values():
+            if req.state is RequestState.WAITING:
+                assert req.is_queued, req
+            elif req.is_admissible:
+                assert req.is_speculating, req
         for request_id, req in self.held.items():
             assert self.prefilling.get(request_id) is req and req.held_at is not None
         queued = sum(r.num_prompt_tokens for r in self.live.values() if r.state in _WATCHED)
         assert queued == self.num_queued_tokens, (queued, self.num_queued_tokens)
+        assert all(self.live.get(r.request_id) is r for r in self.by_room.values())
+        assert all(r.room in self.by_room for r in self.live.values())
         watched = {id(r) for r in self._watch if r.state in _WATCHED}
         assert all(id(r) in watched for r in self.live.values() if r.state in _WATCHED)

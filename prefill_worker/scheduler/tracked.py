@@ -51,6 +51,7 @@ class Request:
         "held_token",
         "is_in_forward",
         "is_queued",
+        "is_speculating",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prefix_hit_tokens",
@@ -103,6 +104,7 @@ class Request:
         self.attempts_left = 0
         self.num_retries = 0
         self.is_queued = False  # in the admission queue (``RequestQueues.waiting``)
+        self.is_speculating = False  # in ``RequestQueues.speculative``
         self.held_at: float | None = None
         self.held_token: SampledToken | None = None
 

@@ -240,7 +240,8 @@ def start_transfer(
             if "sglang" in cfg.protocols:
                 backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
             if "vllm" in cfg.protocols:
-                tickets = Tickets(config.http_api.max_inflight_requests)
+                versions = tuple(cfg.vllm_versions)
+                tickets = Tickets(config.http_api.max_inflight_requests, versions)
                 vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk))
@@ -308,6 +309,7 @@ def _vllm_options(config: Config) -> VllmOptions:
         read_grace_s=cfg.vllm_read_grace_s,
         engine_id=cfg.vllm_engine_id,
         identity=VllmIdentity(model, cfg.vllm_attention_backend),
+        versions=tuple(cfg.vllm_versions),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
     )
 
@@ -372,6 +374,7 @@ def make_engine(
             optimistic_prefill=cfg.scheduler.optimistic_prefill,
             optimistic_attempts=cfg.scheduler.optimistic_attempts,
             optimistic_hold_s=cfg.scheduler.optimistic_hold_s,
+            optimistic_share=cfg.scheduler.optimistic_share,
         )
         return Engine(
             runner,

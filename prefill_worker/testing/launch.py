@@ -42,8 +42,10 @@ def ephemeral_range() -> tuple[int, int]:
     return low, high
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1, free now, for a child to bind later.
+def free_port(count: int = 1) -> int:
+    """A TCP port on 127.0.0.1, free now, for a child to bind later; with ``count``, the first
+    of that many consecutive ones, all free (a worker binds a vLLM side channel per version
+    from its port on).
 
     Drawn at random from the ports just below the kernel's ephemeral range, never from it:
     between this check and the child's bind, any outgoing connection on the machine may take
@@ -52,13 +54,14 @@ def free_port() -> int:
     low, _ = ephemeral_range()
     first = max(1024, low - _NUM_CANDIDATE_PORTS)
     for _ in range(200):
-        port = _rng.randrange(first, low)
+        port = _rng.randrange(first, low - count + 1)
+        run = range(port, port + count)
         with _given_lock:
-            if port in _given or not _is_free(port):
+            if any(p in _given or not _is_free(p) for p in run):
                 continue
-            _given.add(port)
+            _given.update(run)
         return port
-    raise OSError(f"no free TCP port in {first}..{low - 1} after 200 tries")
+    raise OSError(f"no {count} free TCP ports in {first}..{low - 1} after 200 tries")
 
 
 def _is_free(port: int) -> bool:

@@ -129,6 +129,14 @@ class TransferBackend(Protocol):
         """Handshakes, transfer progress, heartbeats, deadlines; never blocks."""
         ...
 
+    def take_claimed_rooms(self) -> Sequence[int]:
+        """The rooms whose decode's `want` bound their existing sender since the last call,
+        each once: the engine polls those senders at once instead of waiting for its round
+        robin over every unclaimed request to reach them. A claim that came before its
+        request is not here (the sender is bound as it is created); a backend whose senders
+        are bound only then returns ()."""
+        ...
+
     def next_poll_at(self) -> float:
         """The earliest time (the backend's clock) ``poll`` has work no message starts."""
         ...

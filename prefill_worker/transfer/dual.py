@@ -122,6 +122,9 @@ class DualBackend:
         for backend in self._backends:
             backend.poll()
 
+    def take_claimed_rooms(self) -> Sequence[int]:
+        return [room for b in self._backends for room in b.take_claimed_rooms()]
+
     def next_poll_at(self) -> float:
         return min(b.next_poll_at() for b in self._backends)
 

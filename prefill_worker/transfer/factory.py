@@ -67,12 +67,12 @@ def make_vllm_backend(
     regions: KVRegions, options: VllmOptions, tickets: Tickets, hooks: Hooks = DEFAULT_HOOKS
 ) -> VllmBackend:
     """This worker as a vLLM prefill (``transfer/vllm``): the staging region registered with
-    a NIXL agent of its own, the side channel bound. ``StagingRefused`` (a ``ValueError``)
-    for a pool it cannot stage (MLA, device memory)."""
+    a NIXL agent of its own, a side channel bound per vLLM version served. ``StagingRefused``
+    (a ``ValueError``) for a pool it cannot stage (MLA, device memory)."""
     from prefill_worker.transfer.vllm.backend import VllmBackend
-    from prefill_worker.transfer.vllm.channel import serve_side_channel
+    from prefill_worker.transfer.vllm.channel import serve_side_channels
 
-    return VllmBackend(regions, options, tickets, serve_side_channel, hooks)
+    return VllmBackend(regions, options, tickets, serve_side_channels, hooks)
 
 
 def serve_protocols(

@@ -289,6 +289,11 @@ class GroupBackend:
             if sender.held_aux is None and sender.poll().is_terminal:
                 del self._holding[room]
 
+    def take_claimed_rooms(self) -> Sequence[int]:
+        """The leader's claims (a room whose followers' wants lag stays BOOTSTRAPPING: the
+        engine looks at a claimed room's request each turn until it moves)."""
+        return self._local.take_claimed_rooms()
+
     def _mirror_drops(self) -> None:
         """A ``drop`` of the mirrored decode ranks the local backend no longer has."""
         local = self._local

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
 
 if TYPE_CHECKING:
     from prefill_worker.curve import CurveServerKeys
@@ -79,6 +80,9 @@ class VllmOptions:
     read_grace_s: float = 5.0  # an expired hold's blocks wait this long before reuse
     engine_id: str | None = None  # None: a generated one
     identity: VllmIdentity = field(default_factory=VllmIdentity)
+    # The vLLM versions served (transfer.vllm.profiles), each on its own side channel from
+    # side_channel_port on; the first is the one a request naming none gets.
+    versions: tuple[str, ...] = DEFAULT_VERSIONS
     nixl: NixlOptions = field(default_factory=NixlOptions)
 
 

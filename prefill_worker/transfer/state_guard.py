@@ -104,6 +104,9 @@ class StateGuard:
     def next_poll_at(self) -> float:
         return self.inner.next_poll_at()
 
+    def take_claimed_rooms(self) -> Sequence[int]:
+        return self.inner.take_claimed_rooms()
+
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         self.inner.wait(timeout_s, wake_fd)
 

@@ -23,7 +23,7 @@ from prefill_worker.testing.launch import free_port
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import Worker, start_worker
-from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
 from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,16 +169,23 @@ def decode_process(version: Version) -> SglangDecodeProcess:
 def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vLLM decode's model (``--model``): qwen3's head_dim 32 is one CPU_ATTN has; 2
     layers of 2 KV heads, what ``test_vllm_pull``'s minimal prefill registers too."""
-    vllm_pythonpath()  # skip before writing anything
+    installed = [v for v in VLLM_VERSIONS if (INTEROP_DIR / f"vllm-{v}" / ".installed").exists()]
+    if not installed:  # skip before writing anything (or starting a worker)
+        vllm_pythonpath(VLLM_VERSIONS[0])
     return make_checkpoint("qwen3", tmp_path_factory.mktemp("vllm-ckpt") / "qwen3")
 
 
-@pytest.fixture(scope="session")
-def vllm_decode(vllm_checkpoint: Path) -> Iterator[VllmDecodeProcess]:
-    """vLLM 0.33's NixlConnector as a decode, started once for both vLLM modules (an import
-    of vLLM takes ~40 s). Its 64 blocks are never freed: the modules use ~30 together."""
-    log_path = vllm_checkpoint.parent / "decode.log"
-    process = VllmDecodeProcess(vllm_checkpoint, log_path, num_blocks=64)
+@pytest.fixture(scope="session", params=VLLM_VERSIONS)
+def vllm_decode(
+    vllm_checkpoint: Path, request: pytest.FixtureRequest
+) -> Iterator[VllmDecodeProcess]:
+    """vLLM's NixlConnector of each version as a decode, started once for both vLLM modules
+    (an import of vLLM takes ~40 s). Its 128 blocks are never freed: the modules use ~60
+    together."""
+    version = request.param
+    vllm_pythonpath(version)  # skip before starting anything
+    log_path = vllm_checkpoint.parent / f"decode-{version}.log"
+    process = VllmDecodeProcess(vllm_checkpoint, log_path, num_blocks=128, version=version)
     assert process.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"  # vLLM is up
     yield process
     process.close()

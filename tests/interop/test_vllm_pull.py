@@ -1,9 +1,10 @@
-"""vLLM 0.33's own NixlConnector (the decode half, ``vllm_decode``) against this repository's
-vLLM handshake (``transfer.vllm.handshake``) and a minimal prefill (``vllm_prefill``): the
-hash we compute equals vLLM's; vLLM pulls our LBHNC blocks byte-exact with no load errors
-and notifies us; a wrong hash fails the pull as vLLM's scheduler would see it (finished, its
-blocks in ``get_block_ids_with_load_errors()``); a waiting request's heartbeats reach us.
-One decode process, shared with ``test_vllm_worker`` (``conftest.vllm_decode``)."""
+"""vLLM's own NixlConnector of each version (the decode half, ``vllm_decode``: 0.33 and 0.34)
+against this repository's vLLM handshake (``transfer.vllm.handshake``, that version's
+``profiles`` row) and a minimal prefill (``vllm_prefill``): the hash we compute equals vLLM's;
+vLLM pulls our LBHNC blocks byte-exact with no load errors and notifies us; a wrong hash fails
+the pull as vLLM's scheduler would see it (finished, its blocks in
+``get_block_ids_with_load_errors()``); a waiting request's heartbeats reach us. One decode
+process, shared with ``test_vllm_worker`` (``conftest.vllm_decode``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
+from prefill_worker.transfer.vllm.profiles import PROFILES
 from tests.interop.vllm_decode import VllmDecodeProcess
 from tests.interop.vllm_prefill import MinimalPrefill
 from tests.polling import wait_until
@@ -55,7 +57,8 @@ def decode(vllm_decode: VllmDecodeProcess) -> VllmDecodeProcess:
     return vllm_decode
 
 
-def factors(model_dir: Path, **change: object) -> CompatFactors:
+def factors(model_dir: Path, version: str) -> CompatFactors:
+    """The decode's factors as a decode of ``version`` hashes them."""
     base = CompatFactors(
         model=str(model_dir),
         dtype="float32",
@@ -64,24 +67,32 @@ def factors(model_dir: Path, **change: object) -> CompatFactors:
         num_layers=NUM_LAYERS,
         attn_backend_name="CPU_ATTN",
     )
-    return CompatFactors(**{**{n: getattr(base, n) for n in base.__slots__}, **change})
+    return base.for_profile(PROFILES[version])
 
 
 @pytest.fixture
-def prefill(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[MinimalPrefill]:
+def prefill(
+    model_dir: Path, decode: VllmDecodeProcess, request: pytest.FixtureRequest
+) -> Iterator[MinimalPrefill]:
     """A prefill per test, each its own engine: vLLM keeps a handshaken engine's agent."""
     engine_id = f"prefill-{request.node.name}"
-    served = MinimalPrefill(engine_id, factors(model_dir), num_blocks=16, block_size=BLOCK_SIZE)
+    ours = factors(model_dir, decode.version)
+    served = MinimalPrefill(engine_id, ours, num_blocks=16, block_size=BLOCK_SIZE)
     yield served
     served.close()
 
 
 def test_our_hash_equals_vllms(decode: VllmDecodeProcess, model_dir: Path, tmp_path: Path) -> None:
-    assert decode.call("info")["compat_hash"] == compat_hash(factors(model_dir))
+    ours = factors(model_dir, decode.version)
+    assert decode.call("info")["compat_hash"] == compat_hash(ours)
+    others = [factors(model_dir, v) for v in PROFILES if v != decode.version]
+    assert all(compat_hash(other) != compat_hash(ours) for other in others)
     other = write_config(tmp_path / "wide", num_layers=3, num_kv_heads=4, head_dim=64)
     spec = {"model_dir": str(other), "dtype": "bfloat16", "attn_backend_name": "FLASH_ATTN"}
-    ours = CompatFactors(str(other), "bfloat16", num_kv_heads=4, head_size=64, num_layers=3)
-    assert decode.call("hash", spec=spec)["compat_hash"] == compat_hash(ours)
+    wide = CompatFactors(str(other), "bfloat16", num_kv_heads=4, head_size=64, num_layers=3)
+    assert decode.call("hash", spec=spec)["compat_hash"] == compat_hash(
+        wide.for_profile(PROFILES[decode.version])
+    )
 
 
 def test_vllm_pulls_our_blocks_byte_exact(
@@ -112,7 +123,7 @@ def test_a_wrong_hash_fails_the_pull_with_load_errors(
     decode: VllmDecodeProcess, model_dir: Path
 ) -> None:
     wrong = MinimalPrefill(
-        "prefill-wrong", factors(model_dir), 16, BLOCK_SIZE, hash_override="0" * 64
+        "prefill-wrong", factors(model_dir, decode.version), 16, BLOCK_SIZE, hash_override="0" * 64
     )
     try:
         params = wrong.kv_transfer_params("req-w", [1, 2], num_tokens=40)
@@ -122,6 +133,28 @@ def test_a_wrong_hash_fails_the_pull_with_load_errors(
     assert outcome["finished"]
     assert outcome["load_errors"] == sorted(outcome["blocks"]) and outcome["blocks"]
     assert wrong.side.stats.num_served == 1  # it answered; vLLM refused the hash
+
+
+def test_a_034_decode_refuses_metadata_without_region_members(
+    decode: VllmDecodeProcess, model_dir: Path
+) -> None:
+    """What the 0.34 profile adds is needed: the 0.34 hash over 0.33's metadata fields (no
+    ``region_members``) passes vLLM 0.34's hash check and fails its region pairing."""
+    if decode.version != "0.34.0":
+        pytest.skip("v16 metadata is 0.34's")
+    ours = factors(model_dir, decode.version)
+    old = MinimalPrefill("prefill-v15", ours, 16, BLOCK_SIZE, metadata_version="0.33.0")
+    try:
+        params = old.kv_transfer_params("req-v15", [1, 2], num_tokens=40)
+        outcome = decode.pull_and_wait("dec-v15", params)
+    finally:
+        old.close()
+    assert outcome["finished"]
+    assert outcome["load_errors"] == sorted(outcome["blocks"]) and outcome["blocks"]
+    assert old.side.stats.num_served == 1
+    assert "prefill-v15 did not advertise the layers of its KV regions" in (
+        decode.log_path.read_text(errors="replace")
+    )
 
 
 def test_a_waiting_request_heartbeats(decode: VllmDecodeProcess, prefill: MinimalPrefill) -> None:

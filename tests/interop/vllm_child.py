@@ -15,17 +15,20 @@ waits) the decode steps as vLLM's worker does once per engine step: ``bind_conne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import vllm.triton_utils as triton_utils
 from vllm.config import (
     CacheConfig,
     KVTransferConfig,
@@ -70,7 +73,21 @@ def vllm_config(spec: dict[str, Any]) -> VllmConfig:
         kv_buffer_device="cpu",
         engine_id=spec.get("engine_id", "vllm-decode"),
     )
-    return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=transfer)
+    with _no_triton_gate():
+        return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=transfer)
+
+
+@contextlib.contextmanager
+def _no_triton_gate() -> Iterator[None]:
+    """vLLM 0.34 refuses an x86 CPU config without triton-cpu (its model runner's kernels
+    need it); the connector alone runs no kernel, so the check is told Triton is there while
+    the config is built (0.33 only warned)."""
+    saved = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = saved
 
 
 def compat_hash(spec: dict[str, Any]) -> str:

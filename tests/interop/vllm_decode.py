@@ -1,8 +1,9 @@
-"""vLLM 0.33's own ``NixlConnector`` worker half as a decode, for the interop tests: the
-parent side (plain Python, no vLLM). The child (``tests/interop/vllm_child.py``) runs on this
-venv's python with ``PYTHONPATH`` = the repository and ``.interop/vllm-0.33.0`` (``make
-vllm-deps``: vLLM and its pure-Python imports without their dependencies, and a ``nixl``
-package re-exporting ``nixl_cu12``), ``VLLM_TARGET_DEVICE=cpu``.
+"""vLLM's own ``NixlConnector`` worker half as a decode (0.33 or 0.34, ``VLLM_VERSIONS``), for
+the interop tests: the parent side (plain Python, no vLLM). The child
+(``tests/interop/vllm_child.py``) runs on this venv's python with ``PYTHONPATH`` = the
+repository and ``.interop/vllm-<version>`` (``make vllm-deps``: vLLM and its pure-Python
+imports without their dependencies, and a ``nixl`` package re-exporting ``nixl_cu12``),
+``VLLM_TARGET_DEVICE=cpu``.
 
 Commands (one JSON line each; every reply has ``ok``, a failure ``error``; every wait has a
 deadline, so a test never hangs)::
@@ -38,8 +39,8 @@ from prefill_worker.testing.json_child import JsonLineChild
 from prefill_worker.testing.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_VERSION = "0.33.0"
-VLLM_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop")) / f"vllm-{VLLM_VERSION}"
+VLLM_VERSIONS = ("0.33.0", "0.34.0")  # the Makefile's VLLM_VERSIONS
+INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
 FILL_BYTE = 0xAB  # every byte of a fresh decode cache: what no READ leaves behind
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -51,13 +52,14 @@ VLLM_ENV = {
 }
 
 
-def vllm_pythonpath() -> list[Path]:
+def vllm_pythonpath(version: str) -> list[Path]:
     """The child's PYTHONPATH; skips the test when the environment is not installed."""
-    if not (VLLM_DIR / ".installed").exists():
+    directory = INTEROP_DIR / f"vllm-{version}"
+    if not (directory / ".installed").exists():
         pytest.skip(
-            f"vLLM {VLLM_VERSION} interop environment missing ({VLLM_DIR}): run `make vllm-deps`"
+            f"vLLM {version} interop environment missing ({directory}): run `make vllm-deps`"
         )
-    return [ROOT, VLLM_DIR]
+    return [ROOT, directory]
 
 
 class VllmDecodeProcess(JsonLineChild):
@@ -72,7 +74,9 @@ class VllmDecodeProcess(JsonLineChild):
         engine_id: str = "vllm-decode",
         block_size: int = 32,
         dtype: str = "float32",
+        version: str = VLLM_VERSIONS[0],
     ) -> None:
+        self.version = version
         spec = {
             "model_dir": str(model_dir),
             "num_blocks": num_blocks,
@@ -83,7 +87,7 @@ class VllmDecodeProcess(JsonLineChild):
             "dist_port": free_port(),
         }
         env = {**os.environ, **VLLM_ENV}
-        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath())
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath(version))
         argv = [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)]
         super().__init__(argv, env, log_path, cwd=ROOT)
 

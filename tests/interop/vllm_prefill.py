@@ -1,6 +1,6 @@
-"""A minimal prefill for vLLM decodes, made of ``transfer.vllm.handshake`` and a NIXL-registered
-CPU region of known bytes: what proves the decode harness and the handshake end to end
-without the worker.
+"""A minimal prefill for vLLM decodes, made of ``transfer.vllm.handshake`` (the metadata of the
+version ``factors`` name, ``profiles``) and a NIXL-registered CPU region of known bytes: what
+proves the decode harness and the handshake end to end without the worker.
 
 Per layer one contiguous region in vLLM's LBHNC layout, ``[num_blocks, kv_heads, block_size,
 2*head_dim]`` (K‖V per (head, token)), filled with seeded random bytes; one NIXL agent
@@ -20,12 +20,11 @@ import torch
 from prefill_worker.transfer.nixl.agent import make_agent
 from prefill_worker.transfer.vllm.handshake import (
     CompatFactors,
-    LayerRegion,
     SideChannel,
-    agent_metadata,
     compat_hash,
     encode_payload,
 )
+from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
 
 
 class MinimalPrefill:
@@ -37,6 +36,7 @@ class MinimalPrefill:
         block_size: int,
         seed: int = 0,
         hash_override: str | None = None,
+        metadata_version: str | None = None,  # the metadata's fields; None: the hash's version
     ) -> None:
         self.engine_id = engine_id
         shape = (num_blocks, factors.num_kv_heads, block_size, 2 * factors.head_size)
@@ -56,6 +56,7 @@ class MinimalPrefill:
             for i, t in enumerate(self.layers)
         ]
         meta = agent_metadata(
+            PROFILES[metadata_version or factors.vllm_version],
             engine_id,
             self.agent.get_agent_metadata(),
             regions,

@@ -157,7 +157,13 @@ def run_wave(rig: Rig, rng: random.Random, size: int) -> list[str]:
         if job.room is not None:
             status = rig.decode.wait([job.room])[job.room]
             ok = isinstance(reply, Result) and reply.status is OutcomeStatus.OK
-            assert (status.state is RoomState.DONE) == ok, (job, reply, status)
+            if ok and job.kind == "decode_abort":
+                # the decode's abort can race the end of the push: sent while the room was
+                # still PENDING at the decode (status "done" read, a write's notification
+                # not yet), it is acknowledged "aborted" after the worker answered ok
+                assert status.state in (RoomState.DONE, RoomState.ABORTED), (job, status)
+            else:
+                assert (status.state is RoomState.DONE) == ok, (job, reply, status)
             rig.decode.release(job.room)
     return labels
 

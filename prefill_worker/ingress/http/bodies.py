@@ -76,6 +76,9 @@ class PullAsk(msgspec.Struct, forbid_unknown_fields=False):
     send ``do_remote_decode`` true and the remote fields null."""
 
     do_remote_decode: bool = False
+    # Not vLLM's: the version of vLLM the decode runs, for a router that knows it (a worker
+    # serves each version on its own side channel); absent: the worker's default
+    vllm_version: str | None = None
 
 
 class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
@@ -113,6 +116,7 @@ class Prompt:
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool = False
     is_pull: bool = False  # a vLLM decode pulls its KV (the answer carries kv_transfer_params)
+    vllm_version: str | None = None  # a pull's: the version its decode runs (None: default)
 
 
 _generate = msgspec.json.Decoder(GenerateBody)
@@ -165,7 +169,9 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
     if req.n != 1:
         raise BadRequest("n > 1 is not supported by this prefill worker", "bad_sampling")
     items, _ = _items(req.prompt, max_prompts)
-    is_pull = req.kv_transfer_params is not None and req.kv_transfer_params.do_remote_decode
+    ask = req.kv_transfer_params
+    is_pull = ask is not None and ask.do_remote_decode
+    version = ask.vllm_version if ask is not None and is_pull else None
     if is_pull and len(items) != 1:
         raise BadRequest("kv_transfer_params (a vLLM pull) takes one prompt, not a batch")
     if is_pull and req.bootstrap_room is not None:  # a room is one request's, of one protocol
@@ -187,6 +193,7 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
             req.logprobs is not None,
             room,
             is_pull=is_pull,
+            vllm_version=version,
         )
         for item, room in zip(items, rooms, strict=True)
     ]

@@ -3,7 +3,8 @@ opened as a ticket before it enters the engine, and its answer carries the
 ``kv_transfer_params`` the vLLM backend recorded once the KV was staged (``transfer.vllm``:
 ``tickets`` says the whole exchange). A worker that does not serve vLLM decodes refuses such a
 request with 400 rather than answering without params (the proxy would send the decode a
-request it cannot serve).
+request it cannot serve), and so does one that names a vLLM version (``vllm_version``) this
+worker does not serve.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefill_worker.ingress.http.bodies import BadRequest, Prompt
+from prefill_worker.transfer.vllm.profiles import why_unserved
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 
@@ -24,8 +26,12 @@ def open_pulls(tickets: Tickets | None, prompts: Sequence[Prompt]) -> None:
     if tickets is None:
         why = "kv_transfer_params: this worker does not serve vLLM decodes (transfer.protocol)"
         raise BadRequest(why, "bad_field")
+    for prompt in pulls:
+        unserved = prompt.vllm_version and why_unserved(prompt.vllm_version, tickets.versions)
+        if unserved:
+            raise BadRequest(f"kv_transfer_params.vllm_version: {unserved}", "bad_field")
     for index, prompt in enumerate(pulls):
-        if not tickets.open(prompt.bootstrap_room):
+        if not tickets.open(prompt.bootstrap_room, prompt.vllm_version):
             close_pulls(tickets, pulls[:index])
             raise BadRequest("too many vLLM pulls in flight", "overloaded", status=429)
 

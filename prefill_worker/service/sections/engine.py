@@ -129,6 +129,14 @@ class SchedulerConfig(Section):
         description="How long a finished optimistic prefill keeps its pages for its decode's "
         "claim before it yields them to the prefix cache and is requeued.",
     )
+    optimistic_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="The most optimistic prefills (requests no decode has claimed yet) may take "
+        "of a forward's tokens, of max_running_requests and of the KV pages; they run only in "
+        "forwards with no claimed work and evict no prefix-cache page a claimed request left.",
+    )
     warmup_tokens: int = Field(
         256,
         ge=0,

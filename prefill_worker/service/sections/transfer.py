@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from prefill_worker.service.sections.base import Section
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PROFILES
 
 _ANY_ADDRESS = ("", "0.0.0.0", "::")
 
@@ -127,8 +128,15 @@ class TransferConfig(Section):
         5600,
         ge=0,
         le=65535,
-        description="Port of the vLLM side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT); 0 picks "
-        "a free one.",
+        description="Port of the vLLM side channel (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT) of the "
+        "first of vllm_versions; the next version's is this + 1, and so on. 0 picks free ones.",
+    )
+    vllm_versions: list[str] = Field(
+        list(DEFAULT_VERSIONS),
+        min_length=1,
+        description="The vLLM versions whose decodes this worker serves at once (each hashes its "
+        "version, so each has a side channel of its own). A prefill request names its decode's "
+        "in `kv_transfer_params.vllm_version`; one that names none gets the first (docs/vllm.md).",
     )
     vllm_block_size: int = Field(
         32,
@@ -176,6 +184,16 @@ class TransferConfig(Section):
     def _protocol_names(cls, protocol: str) -> str:
         protocols_of(protocol)
         return protocol
+
+    @field_validator("vllm_versions")
+    @classmethod
+    def _vllm_versions_known(cls, versions: list[str]) -> list[str]:
+        unknown = [v for v in versions if v not in PROFILES]
+        if unknown:
+            raise ValueError(f"vllm_versions: no profile for {unknown}; known: {list(PROFILES)}")
+        if len(set(versions)) != len(versions):
+            raise ValueError(f"vllm_versions: {versions} names a version twice")
+        return versions
 
     @field_validator("sglang_allowed_networks")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any, Generic
 
 from prefill_worker.transfer import wire
@@ -60,6 +61,7 @@ class PushHub(Generic[P]):
         self._reaper = HandleReaper()
         self._held: HeldTells[Tell[P]] = HeldTells(ctx.write_timeout_s)
         self.clock = ctx.clock
+        self.claimed: list[int] = []  # rooms bound by a want since the engine last looked
 
     # -- requests -----------------------------------------------------------------------
 
@@ -141,6 +143,12 @@ class PushHub(Generic[P]):
         if sender.poll() is KVPoll.READY:
             for bound in sender.peers:
                 bound.rooms.add(sender.room)
+            self.claimed.append(sender.room)
+
+    def take_claimed(self) -> list[int]:
+        """``TransferBackend.take_claimed_rooms``."""
+        claimed, self.claimed = self.claimed, []
+        return claimed
 
     def refuse_room(self, peer: P, room: int, refusal: Refusal) -> None:
         self.counter.count(refusal.reason, refusal.message, level=logging.DEBUG)  # rooms: private
@@ -314,6 +322,9 @@ class HubBackend(Generic[P]):
         return self._hub.create_sender(
             room, request_id, num_prompt_tokens, allowed_peer, traceparent
         )
+
+    def take_claimed_rooms(self) -> Sequence[int]:
+        return self._hub.take_claimed()
 
     @property
     def num_open_senders(self) -> int:

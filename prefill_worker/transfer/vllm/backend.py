@@ -22,7 +22,7 @@ import math
 import select
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,21 +65,22 @@ class PullRegistration:
     layout: StagingLayout  # layers, KV heads, head_dim, itemsize
     dtype: str  # the pool's, a key of kv.layout.DTYPE_ITEMSIZE
     identity: VllmIdentity
+    versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
 
 
-class SideChannel(Protocol):
-    """The decode-facing handshake server (``channel``), serving one registration; ``poll``
-    answers what is pending and never blocks."""
+class SideChannels(Protocol):
+    """The decode-facing handshake servers (``channel``), one per vLLM version of one
+    registration; ``poll`` answers what is pending and never blocks."""
 
     @property
-    def port(self) -> int: ...
+    def ports(self) -> Mapping[str, int]: ...  # version -> the port it is served on
 
     def poll(self) -> int: ...
 
     def close(self) -> None: ...
 
 
-SideChannelFactory = Callable[[str, int, PullRegistration], SideChannel]
+SideChannelFactory = Callable[[str, int, PullRegistration], SideChannels]
 
 
 class VllmBackend:
@@ -123,6 +124,7 @@ class VllmBackend:
             lay,
             regions.layout.dtype,
             options.identity,
+            options.versions,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port
@@ -130,12 +132,17 @@ class VllmBackend:
         except BaseException:
             self.agent.deregister_memory(self._registered)
             raise
-        self.desk.identity = PullIdentity(
-            engine_id, host, self._channel.port, registration.registration_generation
-        )
+        generation = registration.registration_generation
+        self.desk.identities = {
+            version: PullIdentity(engine_id, host, at, generation)
+            for version, at in self._channel.ports.items()
+        }
         self.registration = registration
-        self.bootstrap_endpoint = f"tcp://{host}:{self._channel.port}"
-        self.endpoints: Mapping[str, str] = {"vllm_side_channel": self.bootstrap_endpoint}
+        ports = self._channel.ports
+        self.bootstrap_endpoint = f"tcp://{host}:{ports[options.versions[0]]}"
+        self.endpoints: Mapping[str, str] = {
+            f"vllm_side_channel_{version}": f"tcp://{host}:{at}" for version, at in ports.items()
+        }
 
     @property
     def mirror_layers(self) -> tuple[np.ndarray, ...]:
@@ -167,6 +174,10 @@ class VllmBackend:
             for message in messages:
                 self.desk.notify(agent, message)
         self.desk.expire()
+
+    def take_claimed_rooms(self) -> Sequence[int]:
+        """A pull's ticket is open before its request exists: its sender is READY at once."""
+        return ()
 
     def next_poll_at(self) -> float:
         now = self.clock()

@@ -1,47 +1,63 @@
-"""The vLLM side channel as the backend starts it: ``handshake``'s ZMQ ROUTER, serving the
-compatibility hash and the ``NixlAgentMetadata`` of the staging registration (one LBHNC
-region per layer, one TP rank, dp index 0). The backend turns it in ``poll``."""
+"""The vLLM side channels as the backend starts them: one ``handshake.SideChannel`` (a ZMQ
+ROUTER) per vLLM version served, each answering ``get_meta_msg`` for rank (0, 0) with that
+version's compatibility hash and ``NixlAgentMetadata`` of the same staging registration (one
+LBHNC region per layer, one TP rank, dp index 0). The backend turns them in ``poll``.
+
+A decode's handshake names no version (``(b"get_meta_msg", pp_rank, tp_rank)`` in 0.33 and
+0.34 alike) and its hash check is exact, so one port cannot serve two versions: version ``i``
+of ``versions`` is served on ``port + i`` (port 0: each a port the kernel picks), and the
+answer a request gets names the port of the version it asked for (``desk.PullIdentity``).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prefill_worker.transfer.vllm.backend import PullRegistration
 from prefill_worker.transfer.vllm.handshake import (
     CompatFactors,
-    LayerRegion,
     SideChannel,
-    agent_metadata,
     compat_hash,
     encode_payload,
 )
+from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
 
 
-class BoundSideChannel:
-    """``handshake.SideChannel`` serving one payload, with the port it bound (port 0: the
-    kernel's pick)."""
+class VersionedSideChannels:
+    """One bound ``handshake.SideChannel`` per version; ``ports`` maps each version to the
+    port it bound."""
 
-    def __init__(self, host: str, port: int, payload: bytes) -> None:
-        self._channel = SideChannel(host, port, {(0, 0): payload})
-        self.port = self._channel.port
-
-    @property
-    def stats(self) -> object:
-        return self._channel.stats
+    def __init__(self, host: str, port: int, payloads: Mapping[str, bytes]) -> None:
+        self._channels: dict[str, SideChannel] = {}
+        try:
+            for index, (version, payload) in enumerate(payloads.items()):
+                at = port + index if port else 0
+                self._channels[version] = SideChannel(host, at, {(0, 0): payload})
+        except BaseException:
+            self.close()
+            raise
+        self.ports: Mapping[str, int] = {v: c.port for v, c in self._channels.items()}
 
     def poll(self) -> int:
-        return self._channel.poll()
+        return sum(channel.poll() for channel in self._channels.values())
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
 
-def serve_side_channel(host: str, port: int, registration: PullRegistration) -> BoundSideChannel:
-    """The side channel bound on ``host:port``, answering ``get_meta_msg`` for rank (0, 0)."""
-    return BoundSideChannel(host, port, handshake_payload(registration))
+def serve_side_channels(
+    host: str, port: int, registration: PullRegistration
+) -> VersionedSideChannels:
+    """The side channels bound from ``host:port`` on, one per ``registration.versions``."""
+    payloads = {v: handshake_payload(registration, v) for v in registration.versions}
+    return VersionedSideChannels(host, port, payloads)
 
 
-def handshake_payload(registration: PullRegistration) -> bytes:
-    """The reply a decode gets: the hash of our shape as the decodes see theirs, then the
-    metadata of the staging region."""
+def handshake_payload(registration: PullRegistration, version: str) -> bytes:
+    """The reply a decode of ``version`` gets: the hash of our shape as it sees its own, then
+    the metadata of the staging region in its version's fields."""
+    profile = PROFILES[version]
     lay, identity = registration.layout, registration.identity
     factors = CompatFactors(
         model=identity.model,
@@ -50,12 +66,13 @@ def handshake_payload(registration: PullRegistration) -> bytes:
         head_size=lay.head_dim,
         num_layers=lay.num_layers,
         attn_backend_name=identity.attention_backend,
-    )
+    ).for_profile(profile)
     layers = [
         LayerRegion(f"model.layers.{i}.self_attn.attn", addr, registration.block_bytes)
         for i, addr in enumerate(registration.region_base_addrs)
     ]
     metadata = agent_metadata(
+        profile,
         registration.engine_id,
         registration.agent_metadata,
         layers,

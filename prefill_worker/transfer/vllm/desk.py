@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +45,8 @@ class PullIdentity:
 def pull_params(
     identity: PullIdentity, hold_id: str, block_ids: Sequence[int], num_tokens: int
 ) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's own prefill sends them
-    (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
+    """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's and 0.34's own prefills
+    send them (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
     time, which vLLM reads only for decode-side blocks)."""
     return {
         "do_remote_prefill": True,
@@ -79,7 +79,8 @@ class StageCounts:
 
 
 class PullDesk:
-    """Stages, holds and frees; ``identity`` is set once the side channel is bound."""
+    """Stages, holds and frees; ``identities`` (one per vLLM version served, each naming its
+    own side channel) are set once the side channels are bound."""
 
     def __init__(
         self,
@@ -93,7 +94,7 @@ class PullDesk:
         self.staging, self.holds, self.tickets = staging, holds, tickets
         self._pool, self._clock, self._repacker = pool, clock, repacker
         self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
-        self.identity = PullIdentity("", "", 0, 0)
+        self.identities: Mapping[str, PullIdentity] = {}
         self.page_size = pool.page_size
         self.counts = StageCounts()
         self._bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
@@ -132,11 +133,14 @@ class PullDesk:
         return bool(self._repacks)
 
     def hold(self, room: int, blocks: tuple[int, ...], num_tokens: int) -> bool:
-        """Hold the staged ``blocks`` and complete the room's ticket; False (blocks freed)
-        when the ticket is gone: nobody will learn where they are."""
+        """Hold the staged ``blocks`` and complete the room's ticket with the params of the
+        vLLM version it asked for; False (blocks freed) when the ticket is gone: nobody will
+        learn where they are."""
+        version = self.tickets.version_of(room)
         hold_id = f"pw-{secrets.token_hex(16)}"  # unguessable: holds.py says why
-        params = pull_params(self.identity, hold_id, blocks, num_tokens)
-        if not self.tickets.complete(room, params):
+        identity = self.identities.get(version or "")
+        params = None if identity is None else pull_params(identity, hold_id, blocks, num_tokens)
+        if params is None or not self.tickets.complete(room, params):
             self.staging.free(blocks)
             return False
         self.holds.hold(hold_id, blocks, self._clock())

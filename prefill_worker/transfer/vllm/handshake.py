@@ -12,10 +12,10 @@ its first READ from an engine it asks that engine's side channel for the metadat
                                                        frame 2: msgpack(time.perf_counter())
 
 ``agent_metadata_bytes`` is vLLM's ``NixlAgentMetadata`` as msgspec encodes it (a map, keys
-in field order, connector version 15). The decode compares the hash with its own before it
-decodes the metadata; a mismatch fails its handshake. The second frame lets the decode
-estimate our clock, against which ``remote_blocks_expiry_time`` is stamped: it must be this
-process's ``perf_counter``.
+in field order; its fields per connector version in ``profiles``). The decode compares the
+hash with its own before it decodes the metadata; a mismatch fails its handshake. The second
+frame lets the decode estimate our clock, against which ``remote_blocks_expiry_time`` is
+stamped: it must be this process's ``perf_counter``.
 
 Hostile input: a message larger than ``MAX_REQUEST_BYTES``, of the wrong frame count, not the
 msgpack triple above, or for a rank this engine does not serve, is counted by reason and left
@@ -28,13 +28,13 @@ import hashlib
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import zmq
 
-VLLM_VERSION = "0.33.0"
-NIXL_CONNECTOR_VERSION = 15
+from prefill_worker.transfer.vllm.profiles import NixlAgentMetadata, VllmProfile
+
 GET_META_MSG = b"get_meta_msg"
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
 MAX_REQUEST_BYTES = 256  # the triple is ~20 bytes; anything larger is not a decode
@@ -42,7 +42,9 @@ MAX_REQUEST_BYTES = 256  # the triple is ~20 bytes; anything larger is not a dec
 
 @dataclass(frozen=True, slots=True)
 class CompatFactors:
-    """What vLLM 0.33 hashes (``compute_nixl_compatibility_hash``), as the decode sees it.
+    """What vLLM hashes (``compute_nixl_compatibility_hash``, the same factors in 0.33 and
+    0.34), as the decode sees it; ``vllm_version`` and ``connector_version`` are its
+    profile's (``for_profile``).
 
     ``model`` is the decode's model string (its ``--model``), ``dtype`` torch's name
     (``"float32"`` -> hashed as ``"torch.float32"``). ``attn_backend_name`` is the decode's:
@@ -58,13 +60,19 @@ class CompatFactors:
     cache_dtype: str = "auto"
     is_hma_enabled: bool = True
     transfer_mode: str = "pull"
-    vllm_version: str = VLLM_VERSION
-    connector_version: int = NIXL_CONNECTOR_VERSION
+    vllm_version: str = "0.33.0"
+    connector_version: int = 15
+
+    def for_profile(self, profile: VllmProfile) -> CompatFactors:
+        """These factors as a decode of ``profile``'s version hashes them."""
+        return replace(
+            self, vllm_version=profile.version, connector_version=profile.connector_version
+        )
 
 
 def compat_hash(factors: CompatFactors) -> str:
-    """SHA-256 hex of ``json.dumps(factors, sort_keys=True)``, vLLM 0.33's exact factors
-    (speculative decoding unsupported: its factor is ``None``)."""
+    """SHA-256 hex of ``json.dumps(factors, sort_keys=True)``, vLLM 0.33's and 0.34's exact
+    factors (speculative decoding unsupported: its factor is ``None``)."""
     items = {
         "vllm_version": factors.vllm_version,
         "nixl_connector_version": factors.connector_version,
@@ -82,34 +90,6 @@ def compat_hash(factors: CompatFactors) -> str:
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
 
 
-class NixlAgentMetadata(msgspec.Struct):
-    """vLLM 0.33's ``NixlAgentMetadata``: same field names, same order, same defaults, so
-    that msgspec writes the bytes vLLM's own encoder writes. One region per layer
-    (``kv_caches_base_addr``, ``block_lens``, ``block_strides``, ``region_*`` in step)."""
-
-    engine_id: str
-    agent_metadata: bytes
-    kv_caches_base_addr: list[int]
-    device_id: int
-    num_blocks: int
-    block_lens: list[int]
-    block_strides: list[int]
-    kv_cache_layout: str
-    block_size: int
-    ssm_sizes: tuple[int, int]
-    attn_backend_name: str
-    physical_blocks_per_logical_kv_block: int
-    region_num_blocks: list[int] | None = None
-    region_group_ids: list[int] | None = None
-    region_names: list[str] | None = None
-    region_mem_types: list[str] | None = None
-    dcp_size: int = 1
-    pcp_size: int = 1
-    ple_block_len: int | None = None
-    region_members: list[list[str]] = msgspec.field(default_factory=list)
-    packed_member_layouts: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
-
-
 class HandshakePayload(msgspec.Struct):
     """vLLM's ``NixlHandshakePayload``: the first reply frame."""
 
@@ -117,49 +97,8 @@ class HandshakePayload(msgspec.Struct):
     agent_metadata_bytes: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class LayerRegion:
-    """One registered layer, vLLM's LBHNC: ``[num_blocks, kv_heads, block_size, 2*head_dim]``,
-    K‖V per (head, token); block ``b`` at ``base_addr + b * block_bytes``."""
-
-    name: str
-    base_addr: int
-    block_bytes: int
-
-
-def agent_metadata(
-    engine_id: str,
-    agent_blob: bytes,
-    layers: list[LayerRegion],
-    num_blocks: int,
-    block_size: int,
-    attn_backend_name: str,
-    mem_type: str = "DRAM",
-) -> NixlAgentMetadata:
-    """The metadata of one TP rank whose layers are contiguous LBHNC regions (no mamba, no
-    PLE, no packed members; one KV-cache group), as vLLM's worker writes it for itself."""
-    return NixlAgentMetadata(
-        engine_id=engine_id,
-        agent_metadata=agent_blob,
-        kv_caches_base_addr=[layer.base_addr for layer in layers],
-        device_id=0,
-        num_blocks=num_blocks,
-        block_lens=[layer.block_bytes for layer in layers],
-        block_strides=[layer.block_bytes for layer in layers],
-        kv_cache_layout="LBHNC",
-        block_size=block_size,
-        ssm_sizes=(0, 0),
-        attn_backend_name=attn_backend_name,
-        physical_blocks_per_logical_kv_block=1,
-        region_num_blocks=[num_blocks] * len(layers),
-        region_group_ids=[0] * len(layers),
-        region_names=[layer.name for layer in layers],
-        region_mem_types=[mem_type] * len(layers),
-    )
-
-
 def encode_payload(compatibility_hash: str, metadata: NixlAgentMetadata) -> bytes:
-    """The first reply frame for one rank."""
+    """The first reply frame for one rank (``metadata`` as its profile's version has it)."""
     inner = msgspec.msgpack.encode(metadata)
     return msgspec.msgpack.encode(HandshakePayload(compatibility_hash, inner))
 

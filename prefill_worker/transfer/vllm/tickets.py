@@ -12,6 +12,9 @@ params; the front takes them when the request's outcome arrives::
     HTTP thread           open(room) ─▶ inbox            take(room) ─▶ the answer's params
     engine thread                     is_open(room)   complete(room, params)
 
+A ticket also says which vLLM version the request's decode runs (``versions``: those this
+worker serves, the first the default): the answer names that version's side channel.
+
 Thread-safe (one lock; every call is a dict operation). Bounded: at most ``max_open`` tickets
 (the front's in-flight cap), ``open`` refuses beyond it.
 """
@@ -22,29 +25,40 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
+
 Params = Mapping[str, Any]
 
 
 class Tickets:
     """Rooms opened for vLLM pulls, and their params once staged."""
 
-    def __init__(self, max_open: int) -> None:
+    def __init__(self, max_open: int, versions: tuple[str, ...] = DEFAULT_VERSIONS) -> None:
         self._lock = threading.Lock()
-        self._rooms: dict[int, Params | None] = {}
+        self._rooms: dict[int, tuple[str, Params | None]] = {}  # room -> (version, params)
         self._max_open = max_open
+        self.versions = versions  # served; a request naming none gets the first
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._rooms)
 
-    def open(self, room: int) -> bool:
-        """Mark ``room`` as a vLLM pull; False when ``max_open`` are open already, or this
-        room is (a room is one request's)."""
+    def open(self, room: int, version: str | None = None) -> bool:
+        """Mark ``room`` as a vLLM pull for a decode of ``version`` (one of ``versions``;
+        None: the first); False when ``max_open`` are open already, or this room is (a room
+        is one request's)."""
+        assert version is None or version in self.versions, version  # the front checked it
         with self._lock:
             if len(self._rooms) >= self._max_open or room in self._rooms:
                 return False
-            self._rooms[room] = None
+            self._rooms[room] = (version or self.versions[0], None)
             return True
+
+    def version_of(self, room: int) -> str | None:
+        """The vLLM version ``room``'s decode runs; None when its ticket is not open."""
+        with self._lock:
+            entry = self._rooms.get(room)
+            return None if entry is None else entry[0]
 
     def is_open(self, room: int) -> bool:
         with self._lock:
@@ -53,12 +67,14 @@ class Tickets:
     def complete(self, room: int, params: Params) -> bool:
         """Record the params for ``room``; False if its ticket was taken (the front gave up)."""
         with self._lock:
-            if room not in self._rooms:
+            entry = self._rooms.get(room)
+            if entry is None:
                 return False
-            self._rooms[room] = params
+            self._rooms[room] = (entry[0], params)
             return True
 
     def take(self, room: int) -> Params | None:
         """Close ``room``'s ticket; its params, or None if none were recorded."""
         with self._lock:
-            return self._rooms.pop(room, None)
+            entry = self._rooms.pop(room, None)
+            return None if entry is None else entry[1]

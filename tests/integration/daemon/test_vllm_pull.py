@@ -47,7 +47,7 @@ PROXY_ASK = {
 def pulled(
     tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
 ) -> Iterator[tuple[Worker, str, PullDecode]]:
-    api_port, side_port = free_port(), free_port()
+    api_port, side_port = free_port(), free_port(2)  # a side channel per vLLM version
     worker = start_worker(
         tmp_path_factory.mktemp("vllm-worker"),
         checkpoint,

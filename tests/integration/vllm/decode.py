@@ -14,7 +14,8 @@ import msgspec
 import numpy as np
 import zmq
 
-from prefill_worker.transfer.vllm.handshake import HandshakePayload, NixlAgentMetadata
+from prefill_worker.transfer.vllm.handshake import HandshakePayload
+from prefill_worker.transfer.vllm.profiles import NixlAgentMetadataV16 as NixlAgentMetadata
 from tests.polling import wait_until
 
 
@@ -38,6 +39,7 @@ def handshake(
     finally:
         sock.close()
     reply = msgspec.msgpack.decode(payload, type=HandshakePayload)
+    # v16's fields, a superset of v15's (a v15 payload decodes with layer_group_ids empty)
     meta = msgspec.msgpack.decode(reply.agent_metadata_bytes, type=NixlAgentMetadata)
     return reply.compatibility_hash, meta
 

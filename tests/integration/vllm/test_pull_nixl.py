@@ -20,8 +20,9 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.options import Hooks, NixlOptions, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.backend import VllmBackend
-from prefill_worker.transfer.vllm.channel import serve_side_channel
+from prefill_worker.transfer.vllm.channel import serve_side_channels
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
+from prefill_worker.transfer.vllm.profiles import PROFILES
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.integration.vllm.decode import PullDecode, handshake
 from tests.polling import wait_until
@@ -54,7 +55,7 @@ def served() -> Iterator[tuple[VllmBackend, torch.Tensor, Clock]]:
         KVRegions(lay, k, v, "cpu", 0, 0),
         options,
         Tickets(16),
-        serve_side_channel,
+        serve_side_channels,
         Hooks(clock=clock),
     )
     yield backend, pool, clock
@@ -74,6 +75,32 @@ def decode(served: tuple[VllmBackend, torch.Tensor, Clock]) -> Iterator[PullDeco
     d = PullDecode(meta)
     yield d
     d.close()
+
+
+def test_each_version_has_its_side_channel_hash_and_fields(
+    served: tuple[VllmBackend, torch.Tensor, Clock],
+) -> None:
+    """The first version (0.33) on the bootstrap endpoint, each one on the port its answers
+    name: its own hash (version and connector version in it), its own metadata fields (v16
+    names each region's layer and its group), the same registration behind both."""
+    backend = served[0]
+    want = CompatFactors(MODEL, "float32", H, D, L, attn_backend_name="CPU_ATTN")
+    endpoints = backend.endpoints
+    assert set(endpoints) == {"vllm_side_channel_0.33.0", "vllm_side_channel_0.34.0"}
+    assert backend.bootstrap_endpoint == endpoints["vllm_side_channel_0.33.0"]
+    metas = {}
+    for version, profile in PROFILES.items():
+        port = int(endpoints[f"vllm_side_channel_{version}"].rpartition(":")[2])
+        assert backend.desk.identities[version].side_channel_port == port
+        hash_, metas[version] = handshake("127.0.0.1", port, backend.poll)
+        assert hash_ == compat_hash(want.for_profile(profile)), version
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    v33, v34 = metas["0.33.0"], metas["0.34.0"]
+    assert v33.region_members == [] and v33.layer_group_ids == {}
+    assert v34.region_members == [[name] for name in names]
+    assert v34.layer_group_ids == dict.fromkeys(names, 0)
+    assert v33.kv_caches_base_addr == v34.kv_caches_base_addr
+    assert v33.agent_metadata == v34.agent_metadata
 
 
 def _polled(backend: VllmBackend, value: Callable[[], int]) -> Callable[[], int]:
@@ -171,7 +198,7 @@ def test_a_restart_registers_a_newer_generation_and_forgets_old_holds(
         "127.0.0.1", 0, BS, BLOCKS, engine_id=old["remote_engine_id"], nixl=backend_nixl()
     )
     restarted = VllmBackend(
-        KVRegions(lay, k, v, "cpu", 0, 0), options, Tickets(4), serve_side_channel
+        KVRegions(lay, k, v, "cpu", 0, 0), options, Tickets(4), serve_side_channels
     )
     try:
         new = _prefill(restarted, 900, 20, [4, 5])

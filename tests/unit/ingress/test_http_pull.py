@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -17,6 +18,7 @@ import pytest
 
 from prefill_worker.ingress.http import HttpApi, ServedModel
 from prefill_worker.ingress.http.bodies import BadRequest, read_completion
+from prefill_worker.ingress.http.pull import open_pulls
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.load import LoadSnapshot
 from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, PrefillRequest
@@ -63,6 +65,7 @@ class Engine(threading.Thread):
         super().__init__(daemon=True)
         self.inbox, self.tickets, self.front = inbox, tickets, front
         self.seen_open: list[bool] = []
+        self.seen_versions: list[str | None] = []
 
     def run(self) -> None:
         while (req := self.inbox.get()) is not None:
@@ -70,6 +73,7 @@ class Engine(threading.Thread):
                 continue
             is_open = self.tickets.is_open(req.bootstrap_room)
             self.seen_open.append(is_open)
+            self.seen_versions.append(self.tickets.version_of(req.bootstrap_room))
             if is_open:
                 self.tickets.complete(req.bootstrap_room, {"remote_request_id": "pw-1"})
             n = len(req.token_ids)
@@ -118,6 +122,38 @@ def test_the_answer_carries_the_params_and_the_ticket_closes(
     assert engine.seen_open == [True] and len(tickets) == 0
     status, plain = _post(f"{url}/v1/completions", {"prompt": [1], "bootstrap_room": 3})
     assert status == 200 and "kv_transfer_params" not in plain
+
+
+def test_a_pull_names_its_decodes_vllm_version_or_gets_the_default(
+    served: tuple[str, Tickets, Engine],
+) -> None:
+    """The ticket records the version asked (its answer names that version's side channel);
+    none asked: the first served; one not served (or unknown) is refused 400 with the
+    versions served, and no ticket stays open."""
+    url, tickets, engine = served
+    body = {"prompt": [1, 2, 3], "max_tokens": 1}
+    for version in ("0.34.0", None, "0.33.0"):
+        ask = {**PROXY_ASK, "vllm_version": version}
+        status, answer = _post(f"{url}/v1/completions", {**body, "kv_transfer_params": ask})
+        assert status == 200, answer
+    assert engine.seen_versions == ["0.34.0", "0.33.0", "0.33.0"]
+    for version in ("0.32.0", "0.34"):
+        ask = {**PROXY_ASK, "vllm_version": version}
+        status, answer = _post(f"{url}/v1/completions", {**body, "kv_transfer_params": ask})
+        assert status == 400, answer
+        assert f"vLLM {version}" in json.dumps(answer)
+        assert "serves vLLM 0.33.0, 0.34.0" in json.dumps(answer)
+    assert len(engine.seen_versions) == 3 and len(tickets) == 0
+
+
+def test_a_worker_of_one_version_refuses_the_other() -> None:
+    tickets = Tickets(4, ("0.34.0",))
+    assert tickets.open(1) and tickets.version_of(1) == "0.34.0"
+    assert tickets.take(1) is None and tickets.version_of(1) is None
+    with pytest.raises(BadRequest, match=re.escape("serves vLLM 0.34.0")):
+        body = {"prompt": [1], "kv_transfer_params": {**PROXY_ASK, "vllm_version": "0.33.0"}}
+        open_pulls(tickets, read_completion(json.dumps(body).encode(), 8))
+    assert len(tickets) == 0
 
 
 def test_a_worker_without_vllm_refuses_a_pull() -> None:

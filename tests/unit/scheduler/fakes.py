@@ -199,6 +199,7 @@ class FakeSender:
     def want(self, num_cached_tokens: int = 0) -> None:
         self.cached = num_cached_tokens
         self.state = KVPoll.READY
+        self.backend.claimed.append(self.room)  # as a hub reports a bound room
 
     def decode_abort(self) -> None:
         self.state = KVPoll.ABORTED
@@ -252,6 +253,7 @@ class FakeBackend:
     num_polls: int = 0
     num_waits: int = 0
     waited_s: float = 0.0  # time spent blocked in wait()
+    claimed: list[int] = field(default_factory=list)  # rooms wanted since the engine looked
 
     def create_sender(
         self,
@@ -271,6 +273,10 @@ class FakeBackend:
 
     def poll(self) -> None:
         self.num_polls += 1
+
+    def take_claimed_rooms(self) -> list[int]:
+        claimed, self.claimed = self.claimed, []
+        return claimed
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         """Sleeps on ``wake_fd``; while a scripted transfer counts polls down, only briefly."""
@@ -373,6 +379,7 @@ def make_rig(
     optimistic: bool = False,
     optimistic_attempts: int = 2,
     optimistic_hold_s: float = 1.0,
+    optimistic_share: float = 1.0,  # the tests before the share had all of it
     mirror: bool = False,
 ) -> Rig:
     clock = FakeClock()
@@ -400,6 +407,7 @@ def make_rig(
             optimistic_prefill=optimistic,
             optimistic_attempts=optimistic_attempts,
             optimistic_hold_s=optimistic_hold_s,
+            optimistic_share=optimistic_share,
         ),
         overlap=overlap,
         clock=clock,

@@ -98,6 +98,7 @@ def test_a_request_waits_for_its_want_unless_given_optimistic_attempts() -> None
     unclaimed, optimistic = request("a", 4), request("b", 4)
     optimistic.attempts_left = 1  # what Handoff.on_submit gives with optimistic prefill on
     queues.add(unclaimed)
-    assert queues.head_waiting() is None  # not admissible before its want
+    assert queues.head_waiting() is queues.head_speculative() is None  # not before its want
     queues.add(optimistic)
-    assert queues.head_waiting() is optimistic
+    assert queues.head_waiting() is None  # the claimed requests' queue
+    assert queues.head_speculative() is optimistic

@@ -14,6 +14,7 @@ import pytest
 
 from prefill_worker.request import AbortRequest, FinishReason, Outcome
 from prefill_worker.scheduler import Inbox, NullObserver
+from prefill_worker.transfer.base import KVPoll
 from tests.unit.scheduler.fakes import RecordingEvents, Rig, make_rig
 
 _TURN_POLLS = 32  # bootstrapping/waiting senders polled per turn, round-robin
@@ -73,11 +74,13 @@ def _record_waits(rig: Rig) -> list[tuple[float, int | None]]:
 
 
 def test_a_turn_polls_32_bootstrapping_senders_round_robin() -> None:
-    # Forty decode peers are ready at once: one turn looks at 32 of them, the next turn at
-    # the rest (a flood of rooms cannot make one turn poll them all).
-    rig = make_rig(max_running_requests=1, bootstrap_timeout_s=60.0)
+    # Forty senders turn ready without a claim their backend reports: one turn looks at 32
+    # of them, the next turn at the rest (a flood of rooms cannot make one turn poll them all).
+    rig = make_rig(max_running_requests=1, bootstrap_timeout_s=60.0, auto_want=False)
     for i in range(40):
         rig.prefill(f"r{i}", 4)
+    for i in range(40):
+        rig.sender(f"r{i}").state = KVPoll.READY  # not reported: only the round robin sees it
     rig.steps(1)
     assert rig.engine.load.num_bootstrapping == 40 - _TURN_POLLS
     assert rig.engine.load.num_waiting + rig.engine.load.num_prefilling == _TURN_POLLS
@@ -86,6 +89,34 @@ def test_a_turn_polls_32_bootstrapping_senders_round_robin() -> None:
     rig.run_until_idle()
     assert {o.reason for o in rig.outcomes} == {FinishReason.OK}
     rig.check_whole()
+
+
+def test_a_claim_is_seen_the_next_turn_however_many_wait_unclaimed() -> None:
+    # A thousand requests whose decode never comes: a claim the backend reports is polled
+    # the next turn, not when the round robin (32 a turn) reaches it (#40 finding 4).
+    rig = make_rig(bootstrap_timeout_s=600.0, auto_want=False)
+    for i in range(1000):
+        rig.prefill(f"idle{i}", 4)
+    rig.prefill("legit", 4)
+    rig.steps(3)
+    rig.sender("legit").want()
+    rig.steps(1)
+    assert rig.engine.load.num_bootstrapping == 1000
+    assert rig.engine.load.num_waiting + rig.engine.load.num_prefilling == 1
+    rig.steps(20)
+    assert [o.request_id for o in rig.outcomes] == ["legit"]
+
+
+def test_a_claim_that_came_first_is_seen_as_the_request_arrives() -> None:
+    rig = make_rig(bootstrap_timeout_s=600.0, auto_want=False)
+    for i in range(100):
+        rig.prefill(f"idle{i}", 4)
+    rig.steps(1)
+    rig.backend.auto_want = True  # the next sender is created bound (its want came first)
+    rig.prefill("legit", 4)
+    rig.steps(1)  # the round robin looks at idle0..31 (the ring's head) this turn
+    assert rig.engine.load.num_bootstrapping == 100
+    assert rig.engine.load.num_waiting + rig.engine.load.num_prefilling == 1
 
 
 def test_a_turn_takes_at_most_256_inbox_messages() -> None:

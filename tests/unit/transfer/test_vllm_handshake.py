@@ -1,6 +1,7 @@
-"""vLLM's handshake, prefill side (``transfer.vllm.handshake``): the hash against a value vLLM
-0.33 computed, the metadata's wire shape, and the side channel over real ZMQ, hostile input
-included. (tests/interop/test_vllm_handshake.py checks the same against vLLM itself.)"""
+"""vLLM's handshake, prefill side (``transfer.vllm.handshake``, ``profiles``): the hash against
+values vLLM 0.33 and 0.34 computed, the metadata's wire shape per version, and the side
+channel over real ZMQ, hostile input included. (tests/interop/test_vllm_pull.py checks the
+same against vLLM itself.)"""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ from prefill_worker.transfer.vllm.handshake import (
     DEFAULT_SIDE_CHANNEL_PORT,
     GET_META_MSG,
     CompatFactors,
-    LayerRegion,
     SideChannel,
-    agent_metadata,
     compat_hash,
     encode_payload,
     side_channel_port,
 )
+from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
 
 # vLLM 0.33.0's compute_nixl_compatibility_hash for a 2-layer llama config.json at /tmp/vmodel
 # (float32, 2 KV heads, head size 32), CPU_ATTN, default cache dtype, HMA on, pull.
@@ -35,6 +35,11 @@ FACTORS = CompatFactors(
     num_layers=2,
     attn_backend_name="CPU_ATTN",
 )
+# vLLM 0.34.0's compute_nixl_compatibility_hash (its decode connector's own compat_hash) for
+# a 2-layer qwen3 config.json at /tmp/smoke-0.34.0/qwen3 (float32, 2 KV heads, head size 32),
+# CPU_ATTN, default cache dtype, HMA on, pull.
+VLLM_034_HASH = "08cf9446d542e9443c1e1685f9b543ba78429db8fe23417a44139c06ec3a55b2"
+FACTORS_034 = CompatFactors("/tmp/smoke-0.34.0/qwen3", "float32", 2, 32, 2, "CPU_ATTN")
 # vLLM 0.33.0's NixlAgentMetadata fields, in order (msgspec writes a map in field order).
 VLLM_FIELDS = [
     "engine_id",
@@ -63,6 +68,9 @@ VLLM_FIELDS = [
 
 def test_hash_equals_vllms_for_the_same_config() -> None:
     assert compat_hash(FACTORS) == VLLM_HASH
+    assert compat_hash(FACTORS.for_profile(PROFILES["0.33.0"])) == VLLM_HASH
+    assert compat_hash(FACTORS_034.for_profile(PROFILES["0.34.0"])) == VLLM_034_HASH
+    assert compat_hash(FACTORS_034) != VLLM_034_HASH  # a 0.33 payload: a 0.34 decode refuses
     assert compat_hash(CompatFactors(**{**_fields(FACTORS), "dtype": "torch.float32"})) == (
         VLLM_HASH
     )
@@ -92,11 +100,11 @@ def _fields(factors: CompatFactors) -> dict[str, object]:
     return {name: getattr(factors, name) for name in CompatFactors.__slots__}
 
 
-def _metadata() -> bytes:
+def _metadata(version: str = "0.33.0") -> bytes:
     layers = [
         LayerRegion(f"model.layers.{i}.self_attn.attn", 4096 * (i + 1), 16384) for i in (0, 1)
     ]
-    meta = agent_metadata("prefill-0", b"blob", layers, 16, 32, "CPU_ATTN")
+    meta = agent_metadata(PROFILES[version], "prefill-0", b"blob", layers, 16, 32, "CPU_ATTN")
     return encode_payload(VLLM_HASH, meta)
 
 
@@ -118,6 +126,22 @@ def test_payload_carries_the_hash_and_vllms_metadata_fields_in_order() -> None:
     )
 
 
+def test_a_034_payload_names_each_regions_layer_and_its_group() -> None:
+    """vLLM 0.34 pairs regions by the layers both sides hold: it raises unless
+    ``region_members`` has one entry per region; ``layer_group_ids`` is new in v16."""
+    inner = msgspec.msgpack.decode(
+        msgspec.msgpack.decode(_metadata("0.34.0"))["agent_metadata_bytes"]
+    )
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    assert list(inner) == [*VLLM_FIELDS[:-1], "layer_group_ids", VLLM_FIELDS[-1]]
+    assert inner["region_members"] == [[name] for name in names]
+    assert inner["region_names"] == names
+    assert inner["layer_group_ids"] == dict.fromkeys(names, 0)
+    assert inner["kv_caches_base_addr"] == [4096, 8192]
+    v33 = msgspec.msgpack.decode(msgspec.msgpack.decode(_metadata())["agent_metadata_bytes"])
+    assert v33["region_members"] == [] and "layer_group_ids" not in v33
+
+
 def test_side_channel_port_adds_the_dp_index() -> None:
     assert side_channel_port(5600, 0) == 5600
     assert side_channel_port(5600, 3) == 5603
@@ -128,6 +152,18 @@ def test_the_side_channel_port_comes_from_config_with_vllms_default() -> None:
     assert TransferConfig(vllm_side_channel_port=6100).vllm_side_channel_port == 6100
     with pytest.raises(ValidationError, match="vllm_side_channel_port"):
         TransferConfig(vllm_side_channel_port=70000)
+
+
+def test_the_versions_served_come_from_config_and_each_must_have_a_profile() -> None:
+    assert TransferConfig().vllm_versions == ["0.33.0", "0.34.0"]
+    assert TransferConfig(vllm_versions=["0.34.0"]).vllm_versions == ["0.34.0"]
+    for bad, why in (
+        (["0.32.0"], "no profile for"),
+        (["0.34.0", "0.34.0"], "twice"),
+        ([], "at least 1"),
+    ):
+        with pytest.raises(ValidationError, match=why):
+            TransferConfig(vllm_versions=bad)
 
 
 @pytest.fixture

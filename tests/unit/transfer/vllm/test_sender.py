@@ -34,12 +34,15 @@ def _desk(clock: FakeClock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.T
     staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=BLOCKS))
     holds, tickets = HoldTable(30.0, 5.0), Tickets(8)
     desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker)
-    desk.identity = PullIdentity("engine-1", "10.0.0.1", 5600, 7)
+    desk.identities = {
+        "0.33.0": PullIdentity("engine-1", "10.0.0.1", 5600, 7),
+        "0.34.0": PullIdentity("engine-1", "10.0.0.1", 5601, 7),
+    }
     return desk, pool
 
 
-def _staged(desk: PullDesk, room: int, num_tokens: int) -> VllmSender:
-    assert desk.tickets.open(room)
+def _staged(desk: PullDesk, room: int, num_tokens: int, version: str | None = None) -> VllmSender:
+    assert desk.tickets.open(room, version)
     sender = VllmSender(desk, room, num_tokens)
     assert sender.poll() is KVPoll.READY
     num_pages = -(-num_tokens // 16)
@@ -77,6 +80,19 @@ def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
     hold_id = params["remote_request_id"]
     desk.notify("d0", f"{hold_id}:1".encode())
     assert desk.staging.num_free == BLOCKS
+
+
+def test_the_params_name_the_side_channel_of_the_version_asked() -> None:
+    """Each vLLM version is served on its own side channel: a ticket opened for 0.34 answers
+    with 0.34's port, one that names none with the first version's."""
+    desk, _ = _desk(FakeClock(100.0))
+    _staged(desk, 5, 10, "0.34.0")
+    _staged(desk, 6, 10)
+    asked, default = desk.tickets.take(5), desk.tickets.take(6)
+    assert asked is not None and default is not None
+    assert (asked["remote_port"], default["remote_port"]) == (5601, 5600)
+    assert asked["remote_engine_id"] == default["remote_engine_id"] == "engine-1"
+    assert asked["remote_request_id"] != default["remote_request_id"]
 
 
 def test_a_decode_that_never_reads_frees_at_the_lease_plus_grace() -> None:
