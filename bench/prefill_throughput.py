@@ -1,8 +1,10 @@
 """Prefill throughput: our runner against ``transformers`` on the same random checkpoint.
 
 One row per model family (``FAMILIES``): a dense Llama of realistic proportions (hidden
-1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8) and, once this build
-serves it, a DeepSeek-V3 (MLA attention, grouped sigmoid routing, a shared expert). For each,
+1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8), a DeepSeek-V3 (MLA
+attention, grouped sigmoid routing, a shared expert) and a Qwen3-Next (gated DeltaNet in 6
+of its 8 layers, both sides running the same torch delta rule; its FLOP count treats every
+layer as attention, so its MFU is indicative only). For each,
 in one process, same weights, dtype and threads, it times a mixed batch of 8 prompts (64 to
 2048 tokens): ours as one packed plan; HF one prompt at a time and as one padded batch (the
 faster is the baseline; HF's MoE experts run its default ``experts_implementation``). Also
@@ -78,6 +80,11 @@ ATTENTION = dict(num_attention_heads=16, num_key_value_heads=4)
 ATTENTION_QUICK = dict(num_attention_heads=8, num_key_value_heads=2)
 MOE = dict(num_experts_per_tok=8, moe_intermediate_size=256)
 MOE_QUICK = dict(num_experts_per_tok=4, moe_intermediate_size=128)
+LINEAR = dict(
+    linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+    linear_value_head_dim=64, norm_topk_prob=True,
+)  # fmt: skip
+LINEAR_QUICK = LINEAR | dict(linear_num_key_heads=4, linear_num_value_heads=8)
 FAMILIES = (
     Family(
         "llama", "LlamaForCausalLM", "LlamaConfig", DENSE | ATTENTION, DENSE_QUICK | ATTENTION_QUICK
@@ -129,6 +136,23 @@ FAMILIES = (
             topk_group=2,
             first_k_dense_replace=1,
         ),
+    ),
+    # The hybrid: gated DeltaNet in 3 of 4 layers (its state in per-request slots), gated
+    # full attention in the 4th, Qwen3-Next's MoE with a gated shared expert.
+    Family(
+        "qwen3_next",
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        DENSE
+        | ATTENTION
+        | MOE
+        | LINEAR
+        | dict(num_experts=64, head_dim=64, shared_expert_intermediate_size=512),
+        DENSE_QUICK
+        | ATTENTION_QUICK
+        | MOE_QUICK
+        | LINEAR_QUICK
+        | dict(num_experts=32, head_dim=64, shared_expert_intermediate_size=256),
     ),
 )
 
@@ -199,7 +223,8 @@ def plan_of(prompts: list[list[int]]) -> BatchPlan:
         count = -(-len(ids) // PAGE_SIZE)
         pages = list(range(next_page, next_page + count))
         next_page += count
-        chunks.append(ChunkPlan(f"r{i}", ids, 0, len(ids), pages, SamplingParams()))
+        chunk = ChunkPlan(f"r{i}", ids, 0, len(ids), pages, SamplingParams(), state_slot=i)
+        chunks.append(chunk)  # (a hybrid model's state slot; the others ignore it)
     return BatchPlan(0, tuple(chunks))
 
 

@@ -38,6 +38,10 @@ class ChunkPlan:
     # Where the forward also writes each token's K/V, beside its page (the sender's own
     # destination: ``transfer.base.MirroringSender``); () or one slot per token.
     mirror_slots: Sequence[int] = ()
+    # A hybrid model's state slot for this request: its aux row, held from admission to finish
+    # (a model without state ignores it). A chunk with ``start == 0`` begins from zero
+    # state, a later one from what the slot holds.
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -83,6 +83,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/kv/block_hash.py": _EVENTS,
     "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
     "prefill_worker/kv/cache_events.py": _EVENTS,
+    "prefill_worker/kv/state_layout.py": [_S + "test_state_slots.py"],
     "prefill_worker/kv/layout.py": [
         "tests/unit/transfer/test_pagemap.py",
         "tests/unit/transfer/test_layout_edges.py",

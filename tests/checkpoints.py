@@ -16,8 +16,11 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 COMMON = dict(
@@ -71,6 +74,28 @@ CONFIGS["deepseek_v3"] = lambda: DeepseekV3Config(
     num_experts_per_tok=4, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
     first_k_dense_replace=1, rope_scaling=YARN, tie_word_embeddings=False,
 )  # fmt: skip
+# The hybrids (gated DeltaNet + gated full attention): odd shapes (3 value heads per key head,
+# key and value head dims 12 and 10, a quarter of each attention head rotated), the kinds in
+# an irregular order; Qwen3-Next with 8 experts, top 2, a gated shared expert, layer 2 dense.
+HYBRID_COMMON = dict(
+    COMMON, num_hidden_layers=5, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+    linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                 "full_attention"],
+)  # fmt: skip
+CONFIGS["qwen3_5"] = lambda: Qwen3_5TextConfig(**HYBRID_COMMON, tie_word_embeddings=False)
+CONFIGS["qwen3_next"] = lambda: Qwen3NextConfig(
+    **HYBRID_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+    shared_expert_intermediate_size=40, norm_topk_prob=True, mlp_only_layers=[2],
+    tie_word_embeddings=True,
+)  # fmt: skip
+# Qwen3.5-MoE: every layer sparse (8 experts, top 2, renormalised, a gated shared expert).
+CONFIGS["qwen3_5_moe"] = lambda: Qwen3_5MoeTextConfig(
+    **{k: v for k, v in HYBRID_COMMON.items() if k != "intermediate_size"}, num_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+    tie_word_embeddings=False,
+)  # fmt: skip
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
@@ -96,6 +121,15 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 param.normal_(0.0, 0.15)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
+            if (
+                name.endswith(("layernorm.weight", "model.norm.weight"))
+                and family in HYBRID_FAMILIES
+            ):
+                param.normal_(0.0, 0.3)  # a (1 + weight) norm: the 1 must be added exactly once
+            if name.endswith("A_log"):  # slow decays: a state carries far (the carry matters)
+                param.copy_(torch.empty_like(param).uniform_(0.005, 0.05).log())
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(torch.rand_like(param) + 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # big enough to change choices
                 buffer.normal_(0.0, 0.3)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
+from prefill_worker.kv.state_layout import StateComponent
 from prefill_worker.model.attention import (
     AttentionBackend,
     create_backend,
@@ -28,8 +29,11 @@ from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, po
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
-from prefill_worker.model.parallel import SINGLE, TPGroup, check_shardable
+from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
+from prefill_worker.model.sharding import check_model_shardable
+from prefill_worker.model.state_cache import StateCache
 
 __all__ = [
     "CheckpointError",
@@ -44,6 +48,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STATE_SLOTS = 8  # a hybrid model's per-request state slots when none are asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,7 @@ class ModelInfo:
     attention_backend: str  # resolved: "sdpa" | "flashinfer"
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
+    state: StateComponent | None = None  # a hybrid model's linear-attention state pool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,13 +105,16 @@ def build(
     pool_layout: str = LAYER_MAJOR,
     tp: TPGroup = SINGLE,
     moe_backend: str = "auto",
+    num_state_slots: int = DEFAULT_STATE_SLOTS,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
     ``model.moe``'s registry). ``on_progress(bytes_read, bytes_total)`` follows the weights
     as they load. Under tensor parallelism (``tp``, a rank of its group) the rank
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
-    ``ModelInfo`` describes the whole model.
+    ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
+    state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
+    full-attention layers only; it runs at TP 1 only.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -115,16 +125,20 @@ def build(
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
     experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
-    check_shardable(declared.num_heads, declared.num_kv_heads, declared.intermediate_size, tp)
+    check_model_shardable(declared, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
     experts = create_moe_backend(experts_name, dev, torch_dtype)
-    model, attention = create_model(spec, weights, tp, experts, backend_name)
+    state = None
+    if spec.linear is not None:
+        state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
+        log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
+    model, attention = create_model(spec, weights, tp, experts, backend_name, state)
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
-        spec.num_layers,
+        len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         model.local.num_kv_heads,
         spec.head_dim,
         dtype_name,
@@ -144,19 +158,27 @@ def build(
     runner = Runner(model, kv_cache, attention)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
+    if state is not None:
+        info = dataclasses.replace(info, state=state.component())
     return runner, kv_cache, info
 
 
 def create_model(
     spec: ModelSpec,
-    weights: ModelWeights | MLAModelWeights,
+    weights: ModelWeights | MLAModelWeights | HybridModelWeights,
     tp: TPGroup,
     experts: ExpertsBackend,
     attention_backend: str,
-) -> tuple[CausalLM | DeepseekV3LM, AttentionBackend]:
+    state: StateCache | None = None,
+) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
-    (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply)."""
+    (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
+    family: over the state pool ``state``)."""
     device = weights.embed.device
+    if isinstance(weights, HybridModelWeights):
+        assert state is not None, "a hybrid model needs its state pool"
+        model = Qwen3NextLM(spec, weights, state, tp, experts)
+        return model, create_backend(attention_backend, device)
     if isinstance(weights, MLAModelWeights):
         assert spec.mla is not None  # MLA weights come from an MLA spec
         attention = create_mla_backend(attention_backend, device, spec.mla, weights.embed.dtype)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefill_worker.model.hf_linear import HYBRID_FAMILIES, LinearAttentionSpec, linear_spec
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -22,6 +24,9 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -95,6 +100,7 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
     has_score_bias: bool = False  # e_score_correction_bias (sigmoid scoring)
+    shared_expert_size: int = 0  # Qwen3-Next: one shared expert, gated by sigmoid(h @ w)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     moe: MoESpec | None = None  # None: every layer is dense
     mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
+    linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -162,7 +169,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         family=family,
         vocab_size=int(_need(raw, "vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(_need(raw, "intermediate_size")),
+        intermediate_size=int(_need(raw, _dense_width_key(family))),
         num_layers=int(_need(raw, "num_hidden_layers")),
         num_heads=num_heads,
         num_kv_heads=1 if mla else int(raw.get("num_key_value_heads") or num_heads),
@@ -174,12 +181,24 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         has_qkv_bias=True if family == "qwen2" else has_bias,
         has_o_bias=False if family == "qwen2" else has_bias,
         has_mlp_bias=bool(raw.get("mlp_bias", False)),
-        has_qk_norm=family in ("qwen3", "qwen3_moe"),
+        has_qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_eos(raw.get("eos_token_id")),
-        moe=moe_spec(raw) if family in ("qwen3_moe", "deepseek_v3") else None,
+        moe=moe_spec(raw) if _has_experts(raw, family) else None,
         mla=mla,
+        linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
     )
+
+
+def _dense_width_key(family: str) -> str:
+    """Qwen3.5-MoE has no dense MLP (every layer sparse): its width is an expert's."""
+    return "moe_intermediate_size" if family == "qwen3_5_moe" else "intermediate_size"
+
+
+def _has_experts(raw: Mapping[str, Any], family: str) -> bool:
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        return bool(raw.get("num_experts"))
+    return family in ("qwen3_moe", "deepseek_v3")
 
 
 def mla_spec(raw: Mapping[str, Any]) -> MLASpec:
@@ -220,7 +239,8 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         num_experts=num_experts,
         top_k=top_k,
         intermediate_size=int(_need(raw, "moe_intermediate_size")),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        # Qwen3.5-MoE's router always renormalises (its config has no such field)
+        norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_5_moe_text")),
     )
     if str(raw.get("model_type", "")).startswith("deepseek"):
         first_dense = int(raw.get("first_k_dense_replace") or 0)
@@ -246,7 +266,8 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
     dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
     step = int(raw.get("decoder_sparse_step") or 1)
     sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
-    return MoESpec(**common, sparse_layers=sparse)  # type: ignore[arg-type]
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    return MoESpec(**common, sparse_layers=sparse, shared_expert_size=shared)  # type: ignore[arg-type]
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.gdn import StateSpan
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
@@ -81,6 +82,7 @@ class ForwardInputs:
     logits_rows: torch.Tensor  # [R] int64, rows of the tokens whose logits are wanted
     logprob_rows: torch.Tensor | None = None  # [L] int64, rows scoring the next prompt token
     logprob_token_ids: torch.Tensor | None = None  # [L] int64, the token each of them scores
+    state_spans: tuple[StateSpan, ...] = ()  # a hybrid model's chunks and their state slots
 
 
 class ForwardOutput(NamedTuple):

@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (config.json + safetensors) into fused ``ModelWeights``.
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
-checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``). Every
+checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``, a hybrid
+one's through ``model.hybrid_loader``). Every
 expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
 shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
 and gate/up into another, so a layer runs four GEMMs.
@@ -29,10 +30,12 @@ from safetensors import safe_open
 
 from prefill_worker.model.deepseek import MLALayerWeights, MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
+from prefill_worker.model.hybrid_loader import fuse_hybrid, hybrid_shapes
 from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ _DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold, with its shape."""
+    if spec.linear is not None:
+        return hybrid_shapes(spec)
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -191,7 +196,7 @@ def load_checkpoint(
     device: torch.device,
     on_progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
-) -> tuple[ModelSpec, ModelWeights | MLAModelWeights]:
+) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
     ``CheckpointError`` on any problem."""
     root = Path(model_dir)
@@ -217,9 +222,13 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
     return on_read
 
 
-def fuse_weights(spec: ModelSpec, source: TensorSource) -> ModelWeights | MLAModelWeights:
+def fuse_weights(
+    spec: ModelSpec, source: TensorSource
+) -> ModelWeights | MLAModelWeights | HybridModelWeights:
     """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
-    ``MLAModelWeights``, else ``ModelWeights``)."""
+    ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``)."""
+    if spec.linear is not None:
+        return fuse_hybrid(spec, source.get)
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:

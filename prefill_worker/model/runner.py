@@ -27,9 +27,11 @@ from prefill_worker.batch import (
 )
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
 from prefill_worker.model.deepseek import DeepseekV3LM
+from prefill_worker.model.gdn import StateSpan
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.kv_mirror import MirrorTargets
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
+from prefill_worker.model.qwen3_next import Qwen3NextLM
 from prefill_worker.model.sampling import sample
 
 
@@ -43,12 +45,17 @@ class Packed(NamedTuple):
 
 class Runner:
     """Implements ``prefill_worker.batch.ModelRunner`` for every family (Llama's
-    ``CausalLM``, DeepSeek-V3's ``DeepseekV3LM``)."""
+    ``CausalLM``, DeepSeek-V3's ``DeepseekV3LM``, the Qwen3-Next/Qwen3.5 hybrid's
+    ``Qwen3NextLM``, whose chunks must each name a state slot)."""
 
     def __init__(
-        self, model: CausalLM | DeepseekV3LM, kv_cache: KVCache, attention: AttentionBackend
+        self,
+        model: CausalLM | DeepseekV3LM | Qwen3NextLM,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
     ) -> None:
         self.model = model
+        self.num_state_slots = model.state.num_slots if isinstance(model, Qwen3NextLM) else 0
         self.kv_cache = kv_cache
         self.attention = attention
         self.page_size = kv_cache.layout.page_size
@@ -115,8 +122,21 @@ class Runner:
                 logprob_rows=_to(logprob_rows, device),
                 logprob_token_ids=_to(logprob_ids, device),
             )
+        if self.num_state_slots:
+            inputs = dataclasses.replace(inputs, state_spans=self._state_spans(plan, spans))
         batch = AttentionBatch(tuple(spans), self.page_size, offset)
         return Packed(inputs, batch, _mirror_targets(plan, slots))
+
+    def _state_spans(self, plan: BatchPlan, spans: list[ChunkSpan]) -> tuple[StateSpan, ...]:
+        """Each chunk's rows and state slot (a hybrid model); one slot per chunk."""
+        out, seen = [], set()
+        for chunk, span in zip(plan.chunks, spans, strict=True):
+            slot = chunk.state_slot
+            if slot is None or not 0 <= slot < self.num_state_slots or slot in seen:
+                raise ValueError(f"chunk of {chunk.request_id}: bad state slot {slot}")
+            seen.add(slot)
+            out.append(StateSpan(span.q_start, span.q_end, slot, chunk.start == 0))
+        return tuple(out)
 
     def _logprob_rows(
         self, plan: BatchPlan, spans: list[ChunkSpan]

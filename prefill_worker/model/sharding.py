@@ -23,7 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prefill_worker.model.hf_config import ModelSpec
-from prefill_worker.model.parallel import TPGroup, even_range, kv_head_range, q_head_range
+from prefill_worker.model.parallel import (
+    TPGroup,
+    check_shardable,
+    even_range,
+    kv_head_range,
+    q_head_range,
+)
 
 Q_HEADS, KV_HEADS, EVEN = "q_heads", "kv_heads", "even"
 
@@ -122,6 +128,17 @@ def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
         num_kv_heads=len(kv_head_range(spec.num_kv_heads, tp)),
         intermediate_size=len(even_range(spec.intermediate_size, tp)),
     )
+
+
+def check_model_shardable(spec: ModelSpec, tp: TPGroup) -> None:
+    """Raise ``ValueError`` (a configuration problem) if ``spec`` cannot run at ``tp``: its
+    family has no split table (the hybrids: TP 1 only), or its heads or widths do not split."""
+    if not tp.is_single and spec.family not in FAMILY_SPLITS:
+        raise ValueError(
+            f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size} (family "
+            f"{spec.family!r} has no tensor-parallel split)"
+        )
+    check_shardable(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, tp)
 
 
 def split_of(family: str, name: str) -> Split:

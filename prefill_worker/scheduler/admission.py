@@ -18,7 +18,9 @@ shared, and its first chunk starts after them (``Request.num_prefix_hit_tokens``
 pages are evicted only when the pages the request needs are not free otherwise. A request
 asking for prompt logprobs takes no more of a hit than its logprob start (those positions'
 logits are needed), and each of its chunks names the prompt tokens its positions score.
-A chunk whose sender can take its K/V straight from the forward (``MirroringSender``, asked
+Each chunk names its request's aux row as its state slot (``ChunkPlan.state_slot``): a
+hybrid model keeps the request's linear-attention state there, held exactly as long as the
+aux row. A chunk whose sender can take its K/V straight from the forward (``MirroringSender``, asked
 as the chunk is planned) carries that sender's slots (``ChunkPlan.mirror_slots``).
 """
 
@@ -177,7 +179,14 @@ class Admission:
         tokens = req.token_ids[start:end]
         mirror = _mirror_slots(req, start, end)
         chunk = ChunkPlan(
-            req.request_id, tokens, start, end, req.page_ids, sampling, mirror_slots=mirror
+            req.request_id,
+            tokens,
+            start,
+            end,
+            req.page_ids,
+            sampling,
+            mirror_slots=mirror,
+            state_slot=req.aux_row,
         )
         scored = logprob_positions(req.prompt_logprob_start, start, end, num_tokens)
         if not scored:

@@ -65,6 +65,7 @@ def warm_up(
                 end,
                 page_ids,
                 _GREEDY if last else None,
+                state_slot=0,  # before any request: a hybrid model's first slot is free
             )
             output = runner.run(BatchPlan(batch_id, (chunk,)))
             errors = [s.error for s in output.sampled if s.error is not None]

@@ -8,6 +8,9 @@ Two kinds of pool row, per token and layer (docs/config.md, "KV arithmetic")::
     K/V (MHA, GQA; dense and MoE)   2 × num_kv_heads × head_dim values
     MLA latent (DeepSeek-V2/V3)     kv_lora_rank + qk_rope_head_dim values (512 + 64 = 576)
 
+A hybrid model (Qwen3-Next, Qwen3.5) has K/V rows for its full-attention layers only, and a
+fixed state per request (one slot per aux row) for its linear-attention layers.
+
 An MLA row is also shown beside the MHA cache it replaces (K and V of every head,
 ``2 × num_attention_heads × qk_nope_head_dim``: 32768 values for DeepSeek-V3, 56.9× the row).
 
@@ -25,6 +28,7 @@ from typing import Any
 
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
+from prefill_worker.model.hf_linear import LinearAttentionSpec
 from prefill_worker.service.schema import Config
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -102,7 +106,25 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
             f"(KV does not depend on them)"
         )
     _check_pool(config, shape, check)
+    if spec is not None and spec.linear is not None:
+        check.notes.append(_state_note(config, spec.linear, shape.torch_dtype))
     return check
+
+
+def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:
+    """The state pool's arithmetic: one slot per aux row, each every linear layer's state."""
+    dtype: str = config.model.dtype
+    if dtype == "auto":
+        dtype = torch_dtype if torch_dtype in DTYPE_ITEMSIZE else "float32"
+    slot = linear.slot_bytes(DTYPE_ITEMSIZE[dtype])
+    num_slots = config.cache.num_aux_rows
+    return (
+        f"state pool (hybrid): {len(linear.linear_layers)} linear-attention layers, "
+        f"{len(linear.full_layers)} full (the KV pool's); one slot per aux row: {num_slots} "
+        f"slots × {slot} bytes (conv {linear.conv_dim} × {linear.conv_kernel - 1} {dtype}, "
+        f"recurrent {linear.num_v_heads} × {linear.head_k_dim} × {linear.head_v_dim} float32, "
+        f"per layer) = {num_slots * slot / 2**30:.2f} GiB; the prefix cache is off"
+    )
 
 
 def pool_shape(spec: ModelSpec | None, raw: dict[str, Any] | None) -> PoolShape | None:
@@ -124,7 +146,7 @@ def pool_shape(spec: ModelSpec | None, raw: dict[str, Any] | None) -> PoolShape 
         return None
     return PoolShape(
         spec.architecture,
-        spec.num_layers,
+        len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         spec.num_kv_heads,
         spec.head_dim,
         spec.torch_dtype,

@@ -161,7 +161,7 @@ class Daemon:
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         with watch("transfer"):
             transfer = start_transfer(
-                cfg, regions, self.metrics, self.inbox.wake, self.health.is_live
+                cfg, regions, self.metrics, self.inbox.wake, self.health.is_live, info.state
             )
         self._closers.append(("transfer", transfer.backend.close))
         attach_kv_mirror(transfer, kv_cache)
@@ -176,7 +176,7 @@ class Daemon:
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
-        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events)
+        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, info.state is None)
         engine = make_engine(
             cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache, self.tracer
         )

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 from prefill_worker.model import CheckpointError
 from prefill_worker.model.hf_config import read_spec
-from prefill_worker.model.parallel import TPGroup, check_shardable
+from prefill_worker.model.parallel import TPGroup
+from prefill_worker.model.sharding import check_model_shardable
 from prefill_worker.service.config import Config
 from prefill_worker.service.startup import startup_step
 from prefill_worker.tp.channel import LeaderChannel
@@ -41,11 +42,9 @@ def start_tp_group(
     cfg = config.parallel
     with startup_step("tp group", (ValueError, CheckpointError)):
         # A model that does not split is refused before any rank starts (the rule's owner:
-        # model.parallel; each rank's build checks it again).
+        # model.sharding; each rank's build checks it again).
         spec = read_spec(config.model.path)
-        check_shardable(
-            spec.num_heads, spec.num_kv_heads, spec.intermediate_size, TPGroup(0, placement.size)
-        )
+        check_model_shardable(spec, TPGroup(0, placement.size))
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))
         followers = Followers([])

@@ -31,6 +31,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv.state_layout import StateComponent
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
@@ -62,6 +63,7 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.state_guard import StateGuard, refusal
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -157,6 +159,7 @@ def load_model(
             memory_bytes=cfg.cache.memory_bytes,
             memory_fraction=cfg.cache.memory_fraction,
             num_threads=cfg.model.num_threads,
+            num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -197,11 +200,17 @@ def warm_up_model(
     log.info("warm-up: %d tokens in %.2f s", done.num_tokens, done.duration_s)
 
 
-def make_prefix_cache(config: Config, pages: PagePool, events: CacheEventSink) -> PrefixCache:
-    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``."""
+def make_prefix_cache(
+    config: Config, pages: PagePool, events: CacheEventSink, can_share: bool = True
+) -> PrefixCache:
+    """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``.
+    ``can_share`` False (a hybrid model: a hit would skip its linear layers' state, which
+    pages do not hold): none, whatever the configuration says."""
     cfg = config.cache
     with startup_step("prefix cache"):
-        if not cfg.prefix_caching:
+        if cfg.prefix_caching and not can_share:
+            log.info("prefix cache: off (a hybrid model's state is not in its pages)")
+        if not cfg.prefix_caching or not can_share:
             return NoPrefixCache(pages)
         return PagePrefixCache(pages, cfg.page_size, cfg.prefix_cache_max_pages, events)
 
@@ -212,10 +221,13 @@ def start_transfer(
     metrics: WorkerMetrics,
     wake: Callable[[], None],
     is_live: Callable[[], bool],
+    state: StateComponent | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
-    (SGLang's ``/health`` fails with it)."""
+    (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
+    no protocol carries yet: each protocol's backend then refuses every claimed room with a
+    typed reason (``transfer.state_guard``)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -238,6 +250,16 @@ def start_transfer(
             for backend in backends.values():
                 backend.close()
             raise
+        if state is not None:
+            backends = {
+                name: StateGuard(backend, refusal(name, (state.kind,)))
+                for name, backend in backends.items()
+            }
+            log.warning(
+                "hybrid model: no protocol carries its %s state yet; every request is refused "
+                "when its decode claims it (state_unsupported)",
+                state.kind,
+            )
         return serve_protocols(backends, tickets, mirror_layers)
 
 

@@ -19,6 +19,7 @@ class MoEWeights:
     down: torch.Tensor  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2 I_s, hidden] (DeepSeek's shared experts)
     shared_down: torch.Tensor | None  # [hidden, I_s]
+    shared_gate: torch.Tensor | None = None  # [1, hidden] (Qwen3-Next: sigmoid(h @ w) scales it)
 
 
 class ExpertsBackend(Protocol):

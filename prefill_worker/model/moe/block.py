@@ -3,7 +3,9 @@
 Weights load from HF's per-expert tensors (``mlp.experts.{e}.gate_proj/up_proj/down_proj``)
 and are stacked once: ``gate_up [E, 2I, hidden]`` (each expert's gate rows, then its up
 rows) and ``down [E, hidden, I]``. DeepSeek's shared experts are a dense MLP
-(``mlp.shared_experts.*``) fused like the dense layers' (``[2 I_s, hidden]``, ``[hidden, I_s]``).
+(``mlp.shared_experts.*``) fused like the dense layers' (``[2 I_s, hidden]``, ``[hidden, I_s]``);
+Qwen3-Next's one shared expert (``mlp.shared_expert.*``) likewise, its output scaled per token
+by ``sigmoid(h @ shared_expert_gate)``.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate dimension
 (gate/up rows, down columns) and the whole router; the routed experts' partial sum and the
@@ -40,8 +42,10 @@ def moe_mlp(
     topk_weights, ids = route(h, weights.router, weights.score_bias, spec)
     out = backend.experts(h, topk_weights, ids, weights.gate_up, weights.down)
     if weights.shared_gate_up is not None and weights.shared_down is not None:
-        shared = silu_and_mul_(F.linear(h, weights.shared_gate_up))
-        out.add_(F.linear(shared, weights.shared_down))
+        shared = F.linear(silu_and_mul_(F.linear(h, weights.shared_gate_up)), weights.shared_down)
+        if weights.shared_gate is not None:
+            shared.mul_(F.linear(h, weights.shared_gate).sigmoid())
+        out.add_(shared)
     return all_reduce_(out, tp)
 
 
@@ -53,7 +57,14 @@ def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoE
         [torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]) for e in experts]
     )
     down = torch.stack([get(e + "down_proj.weight") for e in experts])
-    shared_gate_up = shared_down = None
+    shared_gate_up = shared_down = shared_gate = None
+    if spec.shared_expert_size:  # Qwen3-Next: one gated shared expert
+        shared = mlp + "shared_expert."
+        shared_gate_up = torch.cat(
+            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
+        )
+        shared_down = get(shared + "down_proj.weight")
+        shared_gate = get(mlp + "shared_expert_gate.weight")
     if spec.num_shared_experts:
         shared = mlp + "shared_experts."
         shared_gate_up = torch.cat(
@@ -68,6 +79,7 @@ def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoE
         down=down,
         shared_gate_up=shared_gate_up,
         shared_down=shared_down,
+        shared_gate=shared_gate,
     )
 
 
@@ -83,6 +95,11 @@ def moe_shapes(spec: MoESpec, hidden: int, mlp: str) -> dict[str, tuple[int, ...
         p, shared = mlp + "shared_experts.", inter * spec.num_shared_experts
         shapes |= {p + "gate_proj.weight": (shared, hidden), p + "up_proj.weight": (shared, hidden)}
         shapes[p + "down_proj.weight"] = (hidden, shared)
+    if spec.shared_expert_size:
+        p, shared = mlp + "shared_expert.", spec.shared_expert_size
+        shapes |= {p + "gate_proj.weight": (shared, hidden), p + "up_proj.weight": (shared, hidden)}
+        shapes[p + "down_proj.weight"] = (hidden, shared)
+        shapes[mlp + "shared_expert_gate.weight"] = (1, hidden)
     if spec.has_score_bias:
         shapes[mlp + "gate.e_score_correction_bias"] = (num_experts,)
     return shapes

@@ -58,7 +58,11 @@ class CacheConfig(Section):
         description="On CUDA: fraction of free device memory for KV when both above are unset.",
     )
     num_aux_rows: int = Field(
-        256, ge=1, description="Metadata rows (first token, logprob) for requests in flight."
+        256,
+        ge=1,
+        description="Metadata rows (first token, logprob) for requests in flight. A hybrid "
+        "model (Qwen3-Next, Qwen3.5) has one linear-attention state slot per row, often tens "
+        "of MiB each (`check-config` prints the bytes; docs/models.md).",
     )
     layout: Literal["layer_major", "page_major"] = Field(
         "layer_major",
