@@ -106,7 +106,7 @@ class Admission:
         prefilling = self._queues.prefilling
         claimed = [req for req in prefilling.values() if req.is_claimed]
         budget = self._continue(claimed, budget, chunks, owners)
-        budget = self._admit(self._queues.head_waiting, budget, chunks, owners)
+        self._admit(self._queues.head_waiting, budget, chunks, owners)
         if chunks:  # speculative work only fills forwards no claimed work needs
             return self._scheduled(chunks, owners)
         # up to its share; no new request while a claimed one waits (for pages, say), what
@@ -139,7 +139,7 @@ class Admission:
         budget: int,
         chunks: list[ChunkPlan],
         owners: list[Request],
-    ) -> int:
+    ) -> None:
         """Admit ``head()`` while the budget lasts and it can start; its first chunk."""
         while budget > 0 and self._can_start_more():
             admitted = self._try_admit(head, budget)
@@ -150,7 +150,6 @@ class Admission:
             chunks.append(chunk)
             owners.append(admitted)
             budget -= chunk.num_tokens
-        return budget
 
     def _speculative_head(self) -> Request | None:
         """The head of the speculative queue while speculative work is under its share of
@@ -200,7 +199,7 @@ class Admission:
         req = head()
         if req is None:
             return None
-        speculative = not req.is_claimed
+        speculative = req.state is RequestState.BOOTSTRAPPING  # not claimed yet
         while True:
             hit = self._table.lookup(req.token_ids, req.max_prefix_hit_tokens)
             limit = min(self.chunk_size, budget)

@@ -214,3 +214,45 @@ def test_the_engine_forgets_a_claim_once_its_request_moves_on() -> None:
     rig.run_until_idle()
     assert rig.outcome("legit").reason is FinishReason.OK
     assert not rig.engine._life._claimed  # no ended request kept for a claim
+
+
+def _computing(rig: Rig) -> list[str]:
+    queues = rig.engine._life.queues
+    return [r.request_id for r in queues.prefilling.values() if r.held_at is None]
+
+
+def test_the_running_share_counts_computing_requests_not_held_ones() -> None:
+    rig = flood_rig(
+        max_running_requests=4, optimistic_share=0.5, max_batch_tokens=64, optimistic_hold_s=600
+    )  # two speculative requests compute at once
+    for i in range(10):
+        rig.prefill(f"idle{i}", 32)  # 4 chunks each
+    most = 0
+    for _ in range(60):
+        rig.steps(1)
+        most = max(most, len(_computing(rig)))
+        assert len(_computing(rig)) <= 2
+    assert most == 2
+    assert len(rig.engine._life.queues.held) >= 4  # the held ones did not count
+
+
+def test_the_shares_are_at_least_one_request_and_one_page() -> None:
+    rig = flood_rig(max_running_requests=2, max_batch_tokens=64, optimistic_hold_s=600)  # 1
+    for i in range(4):
+        rig.prefill(f"idle{i}", 32)  # 4 chunks each
+    for _ in range(20):
+        rig.steps(1)
+        assert len(_computing(rig)) <= 1
+    rig = flood_rig(num_pages=3, optimistic_hold_s=600)  # 3 x 0.25 pages: one page
+    for i in range(4):
+        rig.prefill(f"idle{i}", 4)  # one page each
+    rig.steps(20)
+    assert rig.engine._life._table.num_speculative_pages() == 1  # one held, no second
+
+
+def test_the_page_share_stops_speculative_work_at_its_edge() -> None:
+    rig = flood_rig(optimistic_hold_s=600)  # 64 pages: 16 speculative
+    for i in range(10):
+        rig.prefill(f"idle{i}", 16)  # 4 pages each
+    rig.steps(80)
+    assert rig.engine._life._table.num_speculative_pages() == 16
