@@ -31,13 +31,15 @@ from tests.integration.daemon.test_vllm_pull import (
     _prefill,
     _staging_used,
     pulled,
+    receiver,
 )
 from tests.integration.vllm.decode import PullDecode
 from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router
 
-__all__ = ["pulled"]  # the module's worker and vLLM-shaped decode (test_vllm_pull.py)
+# the module's worker, its vLLM-shaped decode and the OTLP receiver it traces to
+__all__ = ["pulled", "receiver"]
 MALFORMED = ("prefill_worker_vllm_notifications_ignored_total", '{why="malformed"}')
 
 
