@@ -134,9 +134,9 @@ class RequestLifecycle:
         The work grows with what happens, not with how many wait for their decode."""
         by_room = self.queues.by_room
         for room in self._transfer.take_claimed_rooms():
-            req = by_room.get(room)
-            if req is not None and req.state is RequestState.BOOTSTRAPPING:
-                self._claimed[req.request_id] = req
+            for req in by_room.get(room, ()):
+                if req.state is RequestState.BOOTSTRAPPING:
+                    self._claimed[req.request_id] = req
         for req in list(self._claimed.values()):
             self._check_sender(req)
             if req.state is not RequestState.BOOTSTRAPPING:

@@ -16,8 +16,9 @@ move to ``on_move`` (the engine passes its observer's ``on_transition``)::
     watch ring  BOOTSTRAPPING and WAITING requests whose senders are polled a few per turn
                 (O(poll budget) a turn); entries that left those states are dropped as the
                 ring reaches them, each once, and never count against the budget
-    by_room     bootstrap_room -> the live request that came first with it: a claim the
-                transfer backend reports by room finds its request without a scan
+    by_room     bootstrap_room -> the live requests with it (one, but for a duplicate the
+                transfer backend refuses): a claim it reports by room finds its request
+                without a scan
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class RequestQueues:
         self.prefilling: dict[str, Request] = {}
         self.inflight: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
-        self.by_room: dict[int, Request] = {}
+        self.by_room: dict[int, list[Request]] = {}
         self._watch: deque[Request] = deque()
         self.num_bootstrapping = 0  # ints, not a dict keyed by state: Enum.__hash__ is slow
         self.num_waiting = 0
@@ -62,7 +63,7 @@ class RequestQueues:
         """A new request, in BOOTSTRAPPING."""
         assert req.state is RequestState.BOOTSTRAPPING and req.request_id not in self.live
         self.live[req.request_id] = req
-        self.by_room.setdefault(req.room, req)
+        self.by_room.setdefault(req.room, []).append(req)
         self.num_bootstrapping += 1
         self.num_queued_tokens += req.num_prompt_tokens
         self.num_arrived_tokens += req.num_prompt_tokens
@@ -127,7 +128,9 @@ class RequestQueues:
         else:
             assert state.is_terminal
             del self.live[req.request_id]
-            if self.by_room.get(req.room) is req:
+            same_room = self.by_room[req.room]
+            same_room.remove(req)
+            if not same_room:
                 del self.by_room[req.room]
         self._on_move(req.request_id, old, state)
 
@@ -200,7 +203,9 @@ class RequestQueues:
             assert self.prefilling.get(request_id) is req and req.held_at is not None
         queued = sum(r.num_prompt_tokens for r in self.live.values() if r.state in _WATCHED)
         assert queued == self.num_queued_tokens, (queued, self.num_queued_tokens)
-        assert all(self.live.get(r.request_id) is r for r in self.by_room.values())
-        assert all(r.room in self.by_room for r in self.live.values())
+        mapped = [r for reqs in self.by_room.values() for r in reqs]
+        assert all(reqs for reqs in self.by_room.values())
+        assert sorted(map(id, mapped)) == sorted(map(id, self.live.values()))
+        assert all(r.room == room for room, reqs in self.by_room.items() for r in reqs)
         watched = {id(r) for r in self._watch if r.state in _WATCHED}
         assert all(id(r) in watched for r in self.live.values() if r.state in _WATCHED)

@@ -299,3 +299,19 @@ def test_a_prefix_cache_that_fails_to_reset_at_shutdown_is_logged(
         rig.engine.shutdown()  # does not raise
     assert _errors(caplog) == [("prefix cache reset failed during shutdown", True)]
     assert rig.outcome("a").reason is FinishReason.OK
+
+
+def test_a_claim_finds_the_live_request_of_a_room_another_one_used() -> None:
+    # two live requests with one room (a backend that does not refuse the duplicate): the
+    # first ends; the second's claim is still found by its room
+    rig = make_rig(bootstrap_timeout_s=600.0, auto_want=False)
+    for i in range(100):
+        rig.prefill(f"idle{i}", 4)
+    rig.prefill("first", 4, bootstrap_room=7777)
+    rig.prefill("second", 4, bootstrap_room=7777)
+    rig.abort("first")
+    rig.steps(3)
+    rig.sender("second").want()
+    rig.steps(1)
+    assert rig.engine.load.num_bootstrapping == 100
+    rig.engine.check_integrity()
