@@ -256,3 +256,14 @@ def test_the_page_share_stops_speculative_work_at_its_edge() -> None:
         rig.prefill(f"idle{i}", 16)  # 4 pages each
     rig.steps(80)
     assert rig.engine._life._table.num_speculative_pages() == 16
+
+
+def test_a_yield_counts_its_request_back_among_the_bootstrapping() -> None:
+    rig = flood_rig(optimistic_hold_s=0.5)
+    for i in range(6):
+        rig.prefill(f"idle{i}", 8)
+    rig.steps(10)  # some finished and held, the rest still bootstrapping
+    rig.clock.advance(1.0)
+    rig.steps(1)  # the held ones yield: back to BOOTSTRAPPING beside the others
+    assert rig.engine.load.num_bootstrapping + rig.engine.load.num_prefilling == 6
+    rig.engine.check_integrity()
