@@ -115,10 +115,13 @@ def launch(
 
 def launch_tp(directory: Path, checkpoint: Path, tp_size: int) -> Served:
     """``launch`` at ``parallel.tp_size`` ``tp_size`` (pages of 16, fp32, layer-major, SGLang's
-    protocol), in ``directory`` (made if missing); not waited for."""
+    protocol), in ``directory`` (made if missing); not waited for. Optimistic prefill off: a
+    prompt's chunks are then the same whenever its decode's want comes (a speculative prefill
+    runs smaller chunks, within ``optimistic_share``, and fp32 K/V differ in their last bits
+    with the chunking), so two workers' or two requests' pages compare byte for byte."""
     directory.mkdir(exist_ok=True)
-    settings = f"parallel.tp_size={tp_size}"
-    return launch(directory, checkpoint, 16, "float32", "sglang", "layer_major", settings)
+    settings = (f"parallel.tp_size={tp_size}", "scheduler.optimistic_prefill=false")
+    return launch(directory, checkpoint, 16, "float32", "sglang", "layer_major", *settings)
 
 
 METRIC = re.compile(r"^(prefill_worker_(?:kv_pages|aux_rows)_used) (\S+)$", re.M)

@@ -267,3 +267,20 @@ def test_a_yield_counts_its_request_back_among_the_bootstrapping() -> None:
     rig.steps(1)  # the held ones yield: back to BOOTSTRAPPING beside the others
     assert rig.engine.load.num_bootstrapping + rig.engine.load.num_prefilling == 6
     rig.engine.check_integrity()
+
+
+def test_a_hit_on_untrusted_pages_takes_them_out_of_speculative_reach() -> None:
+    pool = PagePool(4)
+    cache = PagePrefixCache(pool, PS)
+    table = PageTable(pool, PS, cache)
+    prompt = [*range(8), 99]
+    assert table.try_reserve("spec", prompt, speculative=True) is not None
+    table.commit("spec", 8)
+    table.release("spec")  # 2 untrusted idle pages
+    hit = table.lookup(prompt)
+    assert table.try_reserve("claimed", prompt, hit) is not None  # uses them now
+    cache.check_integrity()
+    assert table.try_reserve("spec2", list(range(100, 108)), speculative=True) is None
+    assert table.lookup(prompt).num_tokens == 8  # in use: no speculative eviction took them
+    table.release("claimed")
+    table.check_integrity()
