@@ -34,6 +34,13 @@ def flood_rig(**kw: object) -> Rig:
     return make_rig(**options)
 
 
+def cached_table(num_pages: int, max_pages: int | None = None) -> PageTable:
+    """A page table over a pool of ``num_pages`` and a prefix cache (at most ``max_pages``):
+    ``table.pool``, ``table.cache``."""
+    pool = PagePool(num_pages)
+    return PageTable(pool, PS, PagePrefixCache(pool, PS, max_pages))
+
+
 def live(rig: Rig, request_id: str):  # type: ignore[no-untyped-def]
     return rig.engine._life.queues.live.get(request_id)
 
@@ -106,9 +113,7 @@ def test_a_flood_evicts_no_page_a_claimed_prefix_left() -> None:
 
 
 def test_speculative_eviction_takes_only_untrusted_idle_pages() -> None:
-    pool = PagePool(6)
-    cache = PagePrefixCache(pool, PS)
-    table = PageTable(pool, PS, cache)
+    table = cached_table(6)
     trusted_prompt, spec_prompt = [*list(range(8)), 99], [*list(range(100, 108)), 99]
     assert table.try_reserve("claimed", trusted_prompt) is not None  # 3 pages
     table.commit("claimed", 8)
@@ -116,15 +121,15 @@ def test_speculative_eviction_takes_only_untrusted_idle_pages() -> None:
     assert table.try_reserve("spec", spec_prompt, speculative=True) is not None  # 3 pages
     table.commit("spec", 8)
     table.release("spec")  # 2 cached pages, untrusted
-    assert cache.num_evictable == 4 and pool.num_free == 2
+    assert table.cache.num_evictable == 4 and table.pool.num_free == 2
     # speculative work needing 5 pages may evict only the 2 untrusted ones: refused, untouched
     assert table.try_reserve("spec2", list(range(200, 220)), speculative=True) is None
-    assert cache.num_evictable == 4
+    assert table.cache.num_evictable == 4
     assert table.try_reserve("spec3", list(range(300, 316)), speculative=True) is not None
     assert table.lookup(trusted_prompt).num_tokens == 8  # the trusted prefix survived
     assert table.lookup(spec_prompt).num_tokens == 0
     table.release("spec3")
-    cache.check_integrity()
+    table.cache.check_integrity()
     # a claimed request evicts least recently used first, trusted or not
     assert table.try_reserve("claimed2", list(range(400, 424))) is not None
     assert table.lookup(trusted_prompt).num_tokens == 0
@@ -133,9 +138,7 @@ def test_speculative_eviction_takes_only_untrusted_idle_pages() -> None:
 
 
 def test_a_claim_makes_a_speculative_requests_pages_trusted() -> None:
-    pool = PagePool(4)
-    cache = PagePrefixCache(pool, PS)
-    table = PageTable(pool, PS, cache)
+    table = cached_table(4)
     prompt = [*list(range(8)), 99]
     assert table.try_reserve("r", prompt, speculative=True) is not None
     table.claim("r")
@@ -148,9 +151,7 @@ def test_a_claim_makes_a_speculative_requests_pages_trusted() -> None:
 
 
 def test_a_speculative_store_at_the_cap_evicts_only_untrusted_pages() -> None:
-    pool = PagePool(8)
-    cache = PagePrefixCache(pool, PS, max_pages=2)
-    table = PageTable(pool, PS, cache)
+    table = cached_table(8, max_pages=2)
     trusted_prompt = [*range(8), 99]
     assert table.try_reserve("claimed", trusted_prompt) is not None
     table.commit("claimed", 8)
@@ -170,9 +171,7 @@ def test_a_speculative_store_at_the_cap_evicts_only_untrusted_pages() -> None:
 
 
 def test_detached_pages_come_back_as_trusted_as_their_request() -> None:
-    pool = PagePool(4)
-    cache = PagePrefixCache(pool, PS)
-    table = PageTable(pool, PS, cache)
+    table = cached_table(4)
     spec_prompt = [*range(8), 99]
     assert table.try_reserve("spec", spec_prompt, speculative=True) is not None
     table.commit("spec", 8)
@@ -270,16 +269,14 @@ def test_a_yield_counts_its_request_back_among_the_bootstrapping() -> None:
 
 
 def test_a_hit_on_untrusted_pages_takes_them_out_of_speculative_reach() -> None:
-    pool = PagePool(4)
-    cache = PagePrefixCache(pool, PS)
-    table = PageTable(pool, PS, cache)
+    table = cached_table(4)
     prompt = [*range(8), 99]
     assert table.try_reserve("spec", prompt, speculative=True) is not None
     table.commit("spec", 8)
     table.release("spec")  # 2 untrusted idle pages
     hit = table.lookup(prompt)
     assert table.try_reserve("claimed", prompt, hit) is not None  # uses them now
-    cache.check_integrity()
+    table.cache.check_integrity()
     assert table.try_reserve("spec2", list(range(100, 108)), speculative=True) is None
     assert table.lookup(prompt).num_tokens == 8  # in use: no speculative eviction took them
     table.release("claimed")
