@@ -58,3 +58,63 @@ class StateComponent:
     def slot_bytes(self) -> int:
         """Bytes of one item over every layer and tensor."""
         return len(self.layer_ids) * sum(t.item_bytes for t in self.tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class StateRegions:
+    """Where one side's pool of a component lives: ``base_addrs[t][l]`` is item 0 of tensor
+    ``t`` of the component's layer ``l``; item ``i`` is ``i * item_bytes`` after it. A
+    transfer describes it as one strided run per (tensor, layer), in that order::
+
+        run r = t * num_layers + l:  num_items items of tensors[t].item_bytes
+        item i of run r  ->  descriptor index r * num_items + i
+
+    Raises ``ValueError`` when the addresses do not fit the component."""
+
+    component: StateComponent
+    base_addrs: tuple[tuple[int, ...], ...]  # [tensor][layer]
+    device: str  # "cpu" or "cuda:N", as the KV pool's
+
+    def __post_init__(self) -> None:
+        num_layers, tensors = len(self.component.layer_ids), self.component.tensors
+        shape = tuple(len(addrs) for addrs in self.base_addrs)
+        if shape != (num_layers,) * len(tensors):
+            raise ValueError(
+                f"{self.component.kind}: one address per layer ({num_layers}) for each of its "
+                f"{len(tensors)} tensors; got {list(shape)}"
+            )
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """(base address, item bytes) of each run, in descriptor order."""
+        tensors = self.component.tensors
+        return tuple(
+            (addr, t.item_bytes)
+            for t, addrs in zip(tensors, self.base_addrs, strict=True)
+            for addr in addrs
+        )
+
+    def item_indices(self, item: int) -> tuple[int, ...]:
+        """The descriptor index of ``item`` in every run (one slot, whole)."""
+        num_items = self.component.num_items
+        return tuple(run * num_items + item for run in range(len(self.runs)))
+
+
+def mismatch(ours: StateComponent, theirs: StateComponent) -> str | None:
+    """Why a peer's component cannot receive ours byte for byte (kind, layers, each tensor's
+    name, item shape, dtype and bytes must be equal; item counts may differ), or None."""
+    if (theirs.kind, theirs.copy, theirs.when) != (ours.kind, ours.copy, ours.when):
+        return (
+            f"state component {theirs.kind!r} ({theirs.copy}, {theirs.when}) is not "
+            f"{ours.kind!r} ({ours.copy}, {ours.when})"
+        )
+    if theirs.layer_ids != ours.layer_ids:
+        theirs_ids, ours_ids = list(theirs.layer_ids), list(ours.layer_ids)
+        return f"{ours.kind}: layers {theirs_ids}, this worker's are {ours_ids}"
+    if theirs.tensors != ours.tensors:
+        return f"{ours.kind}: tensors {_tensors(theirs)}, this worker's are {_tensors(ours)}"
+    return None
+
+
+def _tensors(component: StateComponent) -> str:
+    return ", ".join(f"{t.name} {list(t.item_shape)} {t.dtype}" for t in component.tensors)

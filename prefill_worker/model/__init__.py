@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
-from prefill_worker.kv.state_layout import StateComponent
+from prefill_worker.kv.state_layout import StateComponent, StateRegions
 from prefill_worker.model.attention import (
     AttentionBackend,
     create_backend,
@@ -68,6 +68,7 @@ class ModelInfo:
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
     state: StateComponent | None = None  # a hybrid model's linear-attention state pool
+    state_regions: StateRegions | None = None  # where that pool's slots live (transfers)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -159,7 +160,8 @@ def build(
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     if state is not None:
-        info = dataclasses.replace(info, state=state.component())
+        regions = state.regions(kv_cache.device_name)
+        info = dataclasses.replace(info, state=regions.component, state_regions=regions)
     return runner, kv_cache, info
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from prefill_worker.kv.state_layout import LINEAR_STATE, StateComponent, StateTensor
+from prefill_worker.kv.state_layout import LINEAR_STATE, StateComponent, StateRegions, StateTensor
 from prefill_worker.model.hf_linear import LinearAttentionSpec
 
 RECURRENT_DTYPE = torch.float32  # the delta rule's state is kept in fp32 (as FLA's kernels)
@@ -68,6 +68,11 @@ class StateCache:
             ),
             num_items=self.num_slots,
         )
+
+    def regions(self, device: str) -> StateRegions:
+        """The component and where its slots live (``device`` as the KV pool names it), for
+        the transfer that sends them."""
+        return StateRegions(self.component(), self.base_addrs(), device)
 
 
 def _bytes(item: torch.Tensor) -> int:

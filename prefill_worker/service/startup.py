@@ -31,7 +31,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
-from prefill_worker.kv.state_layout import StateComponent
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
@@ -63,7 +63,7 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
-from prefill_worker.transfer.state_guard import StateGuard, refusal
+from prefill_worker.transfer.state_guard import STATE_CARRIERS, StateGuard, refusal
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -221,13 +221,13 @@ def start_transfer(
     metrics: WorkerMetrics,
     wake: Callable[[], None],
     is_live: Callable[[], bool],
-    state: StateComponent | None = None,
+    state: StateRegions | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
-    (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
-    no protocol carries yet: each protocol's backend then refuses every claimed room with a
-    typed reason (``transfer.state_guard``)."""
+    (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state pool, which the
+    native protocol sends beside the KV; every other protocol's backend then refuses each
+    claimed room with a typed reason (``transfer.state_guard``)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -236,7 +236,7 @@ def start_transfer(
         mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
-                backends["native"] = _native_backend(config, regions, hooks)
+                backends["native"] = _native_backend(config, regions, hooks, state)
             if "sglang" in cfg.protocols:
                 backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
             if "vllm" in cfg.protocols:
@@ -250,15 +250,16 @@ def start_transfer(
             for backend in backends.values():
                 backend.close()
             raise
-        if state is not None:
-            backends = {
-                name: StateGuard(backend, refusal(name, (state.kind,)))
-                for name, backend in backends.items()
-            }
+        refused = [name for name in backends if name not in STATE_CARRIERS]
+        if state is not None and refused:
+            kind = state.component.kind
+            for name in refused:
+                backends[name] = StateGuard(backends[name], refusal(name, (kind,)))
             log.warning(
-                "hybrid model: no protocol carries its %s state yet; every request is refused "
-                "when its decode claims it (state_unsupported)",
-                state.kind,
+                "hybrid model: the %s protocol(s) carry no %s state; each of their requests "
+                "is refused when its decode claims it (state_unsupported)",
+                ", ".join(refused),
+                kind,
             )
         return serve_protocols(backends, tickets, mirror_layers)
 
@@ -314,7 +315,9 @@ def _vllm_options(config: Config) -> VllmOptions:
     )
 
 
-def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> TransferBackend:
+def _native_backend(
+    config: Config, regions: KVRegions, hooks: Hooks, state: StateRegions | None
+) -> TransferBackend:
     cfg = config.transfer
     curve = None
     if cfg.curve_secret_key_file:
@@ -330,7 +333,7 @@ def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> Transfe
         limits=_limits(config),
         curve=curve,
     )
-    return make_backend(regions, options, hooks)
+    return make_backend(regions, options, hooks, state)
 
 
 def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:

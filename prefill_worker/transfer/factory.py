@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.dual import DualBackend
 from prefill_worker.transfer.options import (
@@ -42,14 +43,18 @@ class Transfer:
 
 
 def make_backend(
-    regions: KVRegions, options: NativeOptions, hooks: Hooks = DEFAULT_HOOKS
+    regions: KVRegions,
+    options: NativeOptions,
+    hooks: Hooks = DEFAULT_HOOKS,
+    state: StateRegions | None = None,
 ) -> TransferBackend:
     """The native backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
-    address, port 0 allowed). Raises ``OSError`` when the bootstrap address cannot be bound,
+    address, port 0 allowed); with ``state`` (a hybrid model's state pool) it sends each
+    request's state slot too. Raises ``OSError`` when the bootstrap address cannot be bound,
     and NIXL's own errors (or ``RuntimeError``) when no agent can be made."""
     from prefill_worker.transfer.native.backend import NixlBackend
 
-    return NixlBackend(regions, options, hooks)
+    return NixlBackend(regions, options, hooks, state)
 
 
 def make_sglang_backend(

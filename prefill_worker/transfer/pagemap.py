@@ -24,6 +24,8 @@ import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateComponent, StateRegions
+from prefill_worker.transfer.state_guard import STATE_UNSUPPORTED
 from prefill_worker.transfer.wire import Want
 
 
@@ -67,6 +69,28 @@ def check_want(
         return "dst_page_ids repeat a page"
     if not 0 <= want.dst_aux_slot < remote.num_aux_rows:
         return f"dst_aux_slot {want.dst_aux_slot} outside 0..{remote.num_aux_rows - 1}"
+    return None
+
+
+def check_want_state(
+    want: Want, local: StateComponent | None, remote: StateRegions | None
+) -> str | None:
+    """Why the ``want`` cannot receive this model's state (``local``; None: a model without
+    state, nothing to check) into the decode's pool (``remote``, as it registered), or None.
+    A decode that registered no state, or names no slot, is told ``state_unsupported``."""
+    if local is None:
+        return None
+    if remote is None:
+        return (
+            f"{STATE_UNSUPPORTED}: the decode registered no {local.kind} state, which this "
+            "model's decode needs beside the KV (hybrid models: docs/models.md)"
+        )
+    slot = want.dst_state_slot
+    if not isinstance(slot, int):
+        return f"{STATE_UNSUPPORTED}: the want names no dst_state_slot for the {local.kind} state"
+    num_items = remote.component.num_items
+    if not 0 <= slot < num_items:
+        return f"dst_state_slot {slot} outside 0..{num_items - 1}"
     return None
 
 

@@ -5,8 +5,8 @@ A hybrid model's decode needs, beside the KV list of the full-attention layers, 
 components (``kv.state_layout``: the linear layers' conv and recurrent state after the whole
 prompt). A decode that got the KV alone would run from zero state and produce wrong tokens
 without any error. So the daemon wraps the backend of every protocol that carries none of the
-model's component kinds (today: every protocol) in ``StateGuard``: once a decode of that
-protocol claims a room (its sender turns READY), the sender is failed with ``reason`` (which
+model's component kinds (all but ``STATE_CARRIERS``: native) in ``StateGuard``: once a decode
+of that protocol claims a room (its sender turns READY), the sender is failed with ``reason`` (which
 starts ``state_unsupported:``) before a byte is written. The decode gets ``status failed``
 with it; the request ends ``transfer_failed`` with it, counted like any transfer failure::
 
@@ -14,7 +14,7 @@ with it; the request ends ``transfer_failed`` with it, counted like any transfer
     guarded        BOOTSTRAPPING ... ───────┴─▶ inner.fail(reason) ─▶ FAILED, failure_reason
 
 Under ``DualBackend`` each protocol's backend is wrapped on its own, so a protocol that
-carries the state (none yet) would serve the same request's decode.
+carries the state (native) serves the same request's decode.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
 
 STATE_UNSUPPORTED = "state_unsupported"
+STATE_CARRIERS = frozenset({"native"})  # the protocols that send a state component
 
 
 def refusal(protocol: str, kinds: Sequence[str]) -> str:

@@ -33,6 +33,7 @@ from prefill_worker.kv.layout import (
     KVRegions,
     addresses_error,
 )
+from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 
 WIRE_VERSION = 1
 _FRAME_HEAD = struct.Struct("<4sB3sQ32s")
@@ -157,6 +158,61 @@ class WorkerTP(Struct, frozen=True):
     ranks: tuple[WorkerRank, ...]
 
 
+class StateTensorSpec(Struct, frozen=True):
+    """One tensor of a state component: one item's shape, dtype and bytes (``StateTensor``)."""
+
+    name: str
+    item_shape: tuple[int, ...]
+    dtype: Dtype
+    item_bytes: Positive
+
+
+class StatePool(Struct, frozen=True, kw_only=True):
+    """One typed state component (``kv.state_layout``) of a pool: what it is (``kind``, the
+    model layers it covers, its tensors, copied as ``copy`` ``when``) and, in ``register``,
+    where the decode's lives: ``base_addrs[t][l]`` is item 0 of tensor t of layer l, on the
+    register's ``device``. In ``described`` the worker's, without addresses."""
+
+    kind: str
+    layer_ids: tuple[int, ...]
+    tensors: tuple[StateTensorSpec, ...]
+    num_items: Positive
+    copy: str
+    when: str
+    base_addrs: tuple[tuple[int, ...], ...]  # [tensor][layer]; empty in ``described``
+
+    @classmethod
+    def of(
+        cls, component: StateComponent, base_addrs: tuple[tuple[int, ...], ...] = ()
+    ) -> StatePool:
+        tensors = tuple(
+            StateTensorSpec(t.name, t.item_shape, cast(Dtype, t.dtype), t.item_bytes)
+            for t in component.tensors
+        )
+        return cls(
+            kind=component.kind,
+            layer_ids=component.layer_ids,
+            tensors=tensors,
+            num_items=component.num_items,
+            copy=component.copy,
+            when=component.when,
+            base_addrs=base_addrs,
+        )
+
+    @property
+    def component(self) -> StateComponent:
+        tensors = tuple(
+            StateTensor(t.name, t.item_shape, t.dtype, t.item_bytes) for t in self.tensors
+        )
+        return StateComponent(
+            self.kind, self.layer_ids, tensors, self.num_items, self.copy, self.when
+        )
+
+    def regions(self, device: str) -> StateRegions:
+        """``ValueError`` when the addresses do not fit the component."""
+        return StateRegions(self.component, self.base_addrs, device)
+
+
 class Register(_Message, frozen=True, tag="register"):
     """Decode → worker, once per connection (again when told ``unknown_peer``): where the
     decode pool lives, and the framed NIXL agent metadata."""
@@ -174,11 +230,19 @@ class Register(_Message, frozen=True, tag="register"):
     compat_hash: str
     # Added after v1 (left out when unset, so v1 bytes are unchanged): a decode rank of TP > 1.
     tp: DecodeRank | UnsetType = UNSET
+    # Added with hybrid models: the decode's pools of state components (linear-attention
+    # state), on ``device``; a decode of a model without state leaves it out.
+    state: tuple[StatePool, ...] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout.to_kv(), self.k_base_addrs, self.v_base_addrs)
         if why is not None:
             raise ValueError(f"{why} - at `$.k_base_addrs`")
+        for pool in () if self.state is UNSET else self.state:
+            try:
+                pool.regions(self.device)
+            except ValueError as exc:
+                raise ValueError(f"{exc} - at `$.state`") from None
 
     @classmethod
     def of(
@@ -188,6 +252,7 @@ class Register(_Message, frozen=True, tag="register"):
         regions: KVRegions,
         compat_hash: str,
         tp: DecodeRank | UnsetType = UNSET,
+        state: tuple[StatePool, ...] | UnsetType = UNSET,
     ) -> Register:
         return cls(
             agent_name,
@@ -200,6 +265,7 @@ class Register(_Message, frozen=True, tag="register"):
             regions.num_aux_rows,
             compat_hash,
             tp,
+            state,
         )
 
     @property
@@ -225,6 +291,9 @@ class Want(_Message, frozen=True, tag="want"):
     packed_dst_page_ids: bytes = field(name="dst_page_ids")  # int32 little-endian
     dst_aux_slot: int
     num_cached_tokens: int
+    # Added with hybrid models: the decode's slot that receives the room's state components
+    # (every one of a register's ``state``); left out by a decode without state.
+    dst_state_slot: int | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if len(self.packed_dst_page_ids) % 4:
@@ -235,10 +304,15 @@ class Want(_Message, frozen=True, tag="want"):
 
     @classmethod
     def of(
-        cls, room: int, dst_page_ids: Sequence[int], dst_aux_slot: int, num_cached_tokens: int
+        cls,
+        room: int,
+        dst_page_ids: Sequence[int],
+        dst_aux_slot: int,
+        num_cached_tokens: int,
+        dst_state_slot: int | UnsetType = UNSET,
     ) -> Want:
         packed = np.asarray(dst_page_ids, dtype="<i4").tobytes()
-        return cls(room, packed, dst_aux_slot, num_cached_tokens)
+        return cls(room, packed, dst_aux_slot, num_cached_tokens, dst_state_slot)
 
     @property
     def num_dst_pages(self) -> int:
@@ -278,6 +352,9 @@ class Described(_Message, frozen=True, tag="described", kw_only=True):
     compat_hash: str
     peer_timeout_s: float
     heartbeat_interval_s: float
+    # Added with hybrid models: the state components a decode must register beside its KV
+    # pool (no addresses; ``num_items`` the worker's own slots); left out for other models.
+    state: tuple[StatePool, ...] | UnsetType = UNSET
 
 
 class Registered(_Message, frozen=True, tag="registered", kw_only=True):

@@ -46,7 +46,7 @@ def regions_from_tensors(
     if num_aux_rows < 1:
         raise ValueError(f"num_aux_rows must be at least 1 (got {num_aux_rows})")
     layout = _layout(k_caches, v_caches, pool_layout)
-    device = _pool_device(k_caches[0].device)
+    device = pool_device(k_caches[0].device)
     aux_addr, aux_buffer = _aux_rows(num_aux_rows, device)
     regions = KVRegions(  # raises ValueError when the addresses are not one such pool
         layout,
@@ -125,7 +125,7 @@ def _aux_rows(num_aux_rows: int, device: str) -> tuple[int, Any]:
     return int(pinned.data_ptr()), pinned
 
 
-def _pool_device(device: Any) -> str:
+def pool_device(device: Any) -> str:
     """A torch device as ``KVRegions.device`` names it: ``cpu`` or ``cuda:N``."""
     if device.type == "cpu":
         return "cpu"

@@ -3,13 +3,18 @@
 It registers the decode's KV pool and aux rows with its own NIXL agent (progress thread off),
 connects to the worker's bootstrap server and ``register``s. Then per request::
 
-    want(room, page_ids, aux_slot, num_cached_tokens)
+    want(room, page_ids, aux_slot, num_cached_tokens[, state_slot])
     poll(room)  ->  PENDING | DONE | FAILED(reason) | ABORTED     (never blocks)
     wait(room, timeout_s) / await wait_async(room)               (blocks / suspends)
     read_aux(aux_slot)                                           (once DONE)
     forget(room)
 
 DONE needs both the worker's ``status ok`` and the NIXL notification after the aux row.
+
+A hybrid model's decode also gives its state pool (``state``: ``StateRegions``, from
+``transfer.state_regions_from_tensors`` over the component ``describe_state`` names), on the
+KV pool's device; each ``want`` then names the ``state_slot`` the room's state (the linear
+layers' conv and recurrent state after the whole prompt) lands in, before the aux row.
 
 A decode of tensor-parallel size d > 1 runs one receiver per rank (``tp=(rank, d,
 num_kv_heads)``), each over its rank's pool of its KV heads (``kv.heads``), each wanting every
@@ -35,11 +40,13 @@ from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.decode.io import IOThread, Waiters
 from prefill_worker.transfer.decode.link import WorkerLink
 from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus, RoomTable
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
+from prefill_worker.transfer.nixl.state_lists import register_state
 
 
 class RegistrationError(RuntimeError):
@@ -64,10 +71,16 @@ class KVReceiver:
         clock: Callable[[], float] = time.monotonic,
         io_thread: bool = False,
         tp: tuple[int, int, int] | None = None,
+        state: StateRegions | None = None,
     ) -> None:
         """``tp``: (this rank, the decode's TP size, the model's KV heads) for a decode of
-        TP > 1; the pool must hold exactly this rank's heads (``ValueError`` otherwise)."""
-        self.regions = regions
+        TP > 1; the pool must hold exactly this rank's heads (``ValueError`` otherwise).
+        ``state``: a hybrid model's state pool, on the KV pool's device."""
+        if state is not None and state.device != regions.device:
+            raise ValueError(
+                f"the state pool is on {state.device}, the KV pool on {regions.device}"
+            )
+        self.regions, self.state = regions, state
         self._rank = None if tp is None else _decode_rank(regions, *tp)
         self.agent_name = agent_name or f"decode-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = peer_timeout_s
@@ -79,6 +92,7 @@ class KVReceiver:
         self._rooms = RoomTable(self._waiters.ended)
         self._agent = make_agent(self.agent_name, list(nixl_backends), ucx_net_devices)
         self._reg = register_regions(self._agent, regions)
+        self._state_reg = None if state is None else register_state(self._agent, state)
         self._link = WorkerLink(
             bootstrap_addr,
             self._register_msg,
@@ -150,21 +164,29 @@ class KVReceiver:
     # -- per request --------------------------------------------------------------------
 
     def want(
-        self, room: int, page_ids: Sequence[int], aux_slot: int, num_cached_tokens: int
+        self,
+        room: int,
+        page_ids: Sequence[int],
+        aux_slot: int,
+        num_cached_tokens: int,
+        state_slot: int | None = None,
     ) -> None:
         """Ask for the room's KV in ``page_ids`` (prompt pages from num_cached_tokens on; how
-        many: ``transfer.num_want_pages``). ``ValueError`` if the room is already wanted
-        (``forget`` it first), or a page or the aux slot is outside the pool."""
+        many: ``transfer.num_want_pages``) and, with a state pool, its state in
+        ``state_slot``. ``ValueError`` if the room is already wanted (``forget`` it first),
+        a page or a slot is outside its pool, or a state slot is missing or has no pool."""
         ids = [int(p) for p in page_ids]
         num_pages = self.regions.layout.num_pages
         if any(not 0 <= p < num_pages for p in ids):
             raise ValueError(f"room {room}: page ids must be in [0, {num_pages})")
         self._check_slot(aux_slot)
+        self._check_state_slot(room, state_slot)
         with self._lock:
             if room in self._rooms:
                 state = self._rooms.entry(room).status.state.value
                 raise ValueError(f"room {room} is already wanted ({state}); forget it first")
-            want = wire.Want.of(room, ids, aux_slot, num_cached_tokens)
+            dst_state = msgspec.UNSET if state_slot is None else state_slot
+            want = wire.Want.of(room, ids, aux_slot, num_cached_tokens, dst_state)
             self._rooms.add(room, want, self._clock() + self.room_timeout_s, wire.notif_tag(room))
             self._link.send_want(room, want)
         if self._io is not None:
@@ -240,6 +262,8 @@ class KVReceiver:
                 return
             self._is_closed = True
             self._link.close()
+            if self._state_reg is not None:
+                self._agent.deregister_memory(self._state_reg)
             deregister_regions(self._agent, self._reg)
 
     # -- internals (under the lock) -----------------------------------------------------
@@ -265,11 +289,23 @@ class KVReceiver:
         if not 0 <= aux_slot < self.regions.num_aux_rows:
             raise ValueError(f"aux_slot {aux_slot} outside 0..{self.regions.num_aux_rows - 1}")
 
+    def _check_state_slot(self, room: int, state_slot: int | None) -> None:
+        if self.state is None:
+            if state_slot is not None:
+                raise ValueError(f"room {room}: a state_slot, but this receiver has no state pool")
+            return
+        num_items = self.state.component.num_items
+        if state_slot is None or not 0 <= state_slot < num_items:
+            raise ValueError(f"room {room}: state_slot must be in [0, {num_items})")
+
     def _register_msg(self) -> wire.Register:
         metadata = wire.frame_metadata(self._agent.get_agent_metadata())
         compat = self.regions.layout.compat_hash()
         tp = msgspec.UNSET if self._rank is None else self._rank
-        return wire.Register.of(self.agent_name, metadata, self.regions, compat, tp)
+        state: tuple[wire.StatePool, ...] | msgspec.UnsetType = msgspec.UNSET
+        if self.state is not None:
+            state = (wire.StatePool.of(self.state.component, self.state.base_addrs),)
+        return wire.Register.of(self.agent_name, metadata, self.regions, compat, tp, state)
 
 
 def _decode_rank(regions: KVRegions, rank: int, tp_size: int, num_kv_heads: int) -> wire.DecodeRank:

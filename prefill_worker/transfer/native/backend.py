@@ -16,7 +16,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from msgspec import UNSET
+
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.desk import BootstrapDesk
@@ -30,6 +33,12 @@ from prefill_worker.transfer.nixl.agent import (
 from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from prefill_worker.transfer.nixl.state_lists import (
+    LOCAL_AGENT,
+    StateLists,
+    prep_state_list,
+    register_state,
+)
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NativeOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -45,8 +54,14 @@ class NixlBackend(HubBackend[Peer]):
     """Serves the native bootstrap protocol and drives all its transfers."""
 
     def __init__(
-        self, regions: KVRegions, options: NativeOptions, hooks: Hooks = DEFAULT_HOOKS
+        self,
+        regions: KVRegions,
+        options: NativeOptions,
+        hooks: Hooks = DEFAULT_HOOKS,
+        state: StateRegions | None = None,
     ) -> None:
+        """``state``: a hybrid model's state pool, each request's slot (its aux row) sent
+        whole after its last pages and before its aux row."""
         self.regions, self.options = regions, options
         self.agent_name = options.nixl.agent_name or f"prefill-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = options.peer_timeout_s
@@ -65,7 +80,13 @@ class NixlBackend(HubBackend[Peer]):
             nixl = options.nixl
             self.agent = make_agent(self.agent_name, list(nixl.backends), nixl.ucx_net_devices)
             self._reg = register_regions(self.agent, regions)
-            self.local_lists = prep_lists(self.agent, "NIXL_INIT_AGENT", regions)
+            self.local_lists = prep_lists(self.agent, LOCAL_AGENT, regions)
+            self._state_reg = None if state is None else register_state(self.agent, state)
+            self.state_lists = None
+            if state is not None:
+                self.state_lists = StateLists(
+                    state, prep_state_list(self.agent, LOCAL_AGENT, state)
+                )
         except BaseException:
             self._server.close()
             raise
@@ -80,7 +101,15 @@ class NixlBackend(HubBackend[Peer]):
         pages = PageLists(
             self.local_lists.kv, layout.num_regions, layout.region_page_bytes, head_bytes
         )
-        ctx = PushContext(self._poster, pages, layout, dialect, options.peer_timeout_s, clock)
+        ctx = PushContext(
+            self._poster,
+            pages,
+            layout,
+            dialect,
+            options.peer_timeout_s,
+            clock,
+            state=self.state_lists,
+        )
         self._start_hub(ctx, self.agent, refusals, "bootstrap", options, hooks)
         described = wire.Described(
             agent_name=self.agent_name,
@@ -88,6 +117,7 @@ class NixlBackend(HubBackend[Peer]):
             compat_hash=layout.compat_hash(),
             heartbeat_interval_s=options.heartbeat_interval_s,
             peer_timeout_s=options.peer_timeout_s,
+            state=UNSET if state is None else (wire.StatePool.of(state.component),),
         )
         self._desk = BootstrapDesk(
             self._hub,
@@ -98,6 +128,7 @@ class NixlBackend(HubBackend[Peer]):
             described,
             self._poster.run,
             regions,
+            None if state is None else state.component,
         )
         self._next_heartbeat = clock()
 
@@ -142,6 +173,9 @@ class NixlBackend(HubBackend[Peer]):
         self._hub.close()
         self._hub.ctx.pages.release_sliced()
         self.local_lists.release()
+        if self.state_lists is not None:
+            self.state_lists.prepped.release()
+            self.agent.deregister_memory(self._state_reg)
         deregister_regions(self.agent, self._reg)
         self._server.close()
 

@@ -25,12 +25,14 @@ from msgspec import UNSET, structs
 
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateComponent, StateRegions, mismatch
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, decode_rank_error, plan_rank
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, prep_lists
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, prep_local_slice, prep_slice_lists
+from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.validate import (
@@ -57,8 +59,10 @@ class BootstrapDesk:
         described: wire.Described,  # this worker, as `describe` and `registered` name it
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
+        state: StateComponent | None = None,  # a model with state: what a decode must hold
     ) -> None:
         self._hub, self._server, self._agent = hub, server, agent
+        self._state = state
         self._layout, self._limits, self._regions = layout, limits, regions
         self._described = described
         self._place = RankPlace(0, 1, layout.num_kv_heads)  # this worker's place: TP 1
@@ -126,6 +130,9 @@ class BootstrapDesk:
         refusal = check_register(msg, layout, self._limits)
         if refusal is not None:
             return self._refuse(identity, refusal, msg.agent_name)
+        state = self._decode_state(msg)
+        if isinstance(state, Refusal):
+            return self._refuse(identity, state, msg.agent_name)
         peers = self._hub.peers
         holder = next((p for p in peers.values() if p.agent_name == msg.agent_name), None)
         if holder is not None and holder.identity != identity:
@@ -152,7 +159,15 @@ class BootstrapDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
+        try:
+            state_lists = None if state is None else self._prep_state(name, state)
+        except NIXL_ERRORS as exc:
+            self._run(lists.release)
+            self._run(self._agent.remove_remote_agent, name)
+            why = f"NIXL cannot address the decode's state pool: {exc}"
+            return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
         peer = Peer(identity, name, msg.regions, lists, self._hub.clock(), head_slice=head_slice)
+        peer.state = state_lists
         peer.is_fed, peer.registration = is_fed, msg
         if msg.tp is not UNSET:
             peer.tp_rank, peer.tp_size = msg.tp.tp_rank, msg.tp.tp_size
@@ -183,6 +198,24 @@ class BootstrapDesk:
         if head_slice is None:
             return layout, None, False
         return layout, None if head_slice.is_whole_page else head_slice, True
+
+    def _decode_state(self, msg: wire.Register) -> StateRegions | Refusal | None:
+        """The decode's pool of our state component, as it registered it: None when this
+        model has none or the decode registered none (its wants are then refused
+        ``state_unsupported``); a refusal when it registered one we cannot write."""
+        if self._state is None or msg.state is UNSET:
+            return None
+        pools = [p for p in msg.state if p.kind == self._state.kind]
+        if len(pools) != 1:
+            count = f"register names {len(pools)} {self._state.kind} state pools; one is needed"
+            return Refusal(RejectReason.LAYOUT_MISMATCH, count)
+        why = mismatch(self._state, pools[0].component)
+        if why is not None:
+            return Refusal(RejectReason.LAYOUT_MISMATCH, f"state layout mismatch: {why}")
+        return pools[0].regions(msg.device)
+
+    def _prep_state(self, name: str, regions: StateRegions) -> StateLists:
+        return StateLists(regions, self._run(prep_state_list, self._agent, name, regions))
 
     def _prep_lists(
         self, name: str, regions: KVRegions, head_slice: HeadSlice | None

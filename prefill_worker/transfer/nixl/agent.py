@@ -143,10 +143,12 @@ def prep_lists(
     return PreppedLists(kv, aux)
 
 
-def forget_agent(agent: nixl_agent, name: str, lists: PreppedLists) -> None:
-    """Release a decode peer's prepared lists and remove its agent (errors logged: the peer
-    is gone either way)."""
+def forget_agent(agent: nixl_agent, name: str, lists: PreppedLists, *others: Any) -> None:
+    """Release a decode peer's prepared lists (``others``: more of its prepared lists, say its
+    state pool's) and remove its agent (errors logged: the peer is gone either way)."""
     lists.release()
+    for other in others:
+        other.release()
     try:
         agent.remove_remote_agent(name)
     except NIXL_ERRORS as exc:

@@ -215,7 +215,8 @@ class PushHub(Generic[P]):
             self.ctx.dialect.send(peer, self.ctx.dialect.dropped(room, reason))
         peer.rooms.clear()
         # On the transfer thread, after the releases of its writes queued above.
-        self.ctx.poster.run_later(forget_agent, self._agent, peer.agent_name, peer.lists)
+        others = () if peer.state is None else (peer.state.prepped,)
+        self.ctx.poster.run_later(forget_agent, self._agent, peer.agent_name, peer.lists, *others)
 
     def drop_stuck_peer(self, identity: bytes | None) -> None:
         peer = self.peers.get(identity or b"")

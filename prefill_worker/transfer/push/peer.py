@@ -9,6 +9,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import PreppedLists
+from prefill_worker.transfer.nixl.state_lists import StateLists
 
 
 @dataclass(eq=False)
@@ -33,6 +34,9 @@ class Peer:
     # status go to every rank all the same), and its `register`, for the other ranks.
     is_fed: bool = True
     registration: wire.Register | None = None
+    # A model with state: the decode's state pool as it registered it, its list prepared
+    # (None: it registered none, so its wants are refused ``state_unsupported``).
+    state: StateLists | None = None
 
 
 P = TypeVar("P", bound=Peer)  # a protocol's peer record

@@ -3,7 +3,9 @@
 Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named
-    send_aux         remembered; once no page write is in flight: the dialect's aux WRITE
+    send_aux         remembered; once no page write is in flight: the state slot's WRITE
+                     (a model with state: every run of the request's slot into the decode's
+                     ``dst_state_slot``), and once that landed the dialect's aux WRITE
     aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
@@ -36,8 +38,14 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.headplan import slice_indices
 from prefill_worker.transfer.nixl.poster import Write, WritePoster
+from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.nixl.writes import WriteSet
-from prefill_worker.transfer.pagemap import check_want, map_pages, region_indices
+from prefill_worker.transfer.pagemap import (
+    check_want,
+    check_want_state,
+    map_pages,
+    region_indices,
+)
 from prefill_worker.transfer.push.dialect import ABORTED_BY_DECODE, Dialect, PageLists
 from prefill_worker.transfer.push.peer import P
 
@@ -80,6 +88,9 @@ class PushContext(Generic[P]):
     write_timeout_s: float  # a write in flight this long fails its request
     clock: Callable[[], float]
     events: list[Tell[P] | Closed[P]] = field(default_factory=list)
+    # A model with state: its state pool (the request's slot is its aux row), written whole
+    # before the aux row into each decode's ``Peer.state``.
+    state: StateLists | None = None
 
 
 class PushSender(Generic[P]):
@@ -108,6 +119,7 @@ class PushSender(Generic[P]):
         self._num_ok_unconfirmed = 0  # `ok` Tells not yet confirmed delivered
         self._writes = WriteSet(ctx.write_timeout_s)
         self._aux_row: int | None = None
+        self._is_state_posted = ctx.state is None  # nothing to post without state
         self._is_aux_posted = False
         self._is_ok_told = False  # `ok` handed to the hub, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
@@ -234,6 +246,11 @@ class PushSender(Generic[P]):
             self._tell("failed", self._reason, only=peer)
             return
         reason = check_want(want, self.num_prompt_tokens, self._ctx.layout, peer.regions)
+        if reason is None:
+            state = self._ctx.state
+            local = None if state is None else state.regions.component
+            remote = None if peer.state is None else peer.state.regions
+            reason = check_want_state(want, local, remote)
         if reason is None and self._wants and want.num_cached_tokens != self.num_cached_tokens():
             reason = "the decode ranks' wants differ in num_cached_tokens"
         if reason is not None:
@@ -273,7 +290,9 @@ class PushSender(Generic[P]):
             self.fail(why)
         is_aux_due = self._state is KVPoll.TRANSFERRING and self._aux_row is not None
         if is_aux_due and not self._writes and not self._is_ok_told:
-            if not self._is_aux_posted:
+            if not self._is_state_posted:
+                self._post_state()
+            elif not self._is_aux_posted:
                 self._post_aux()
             else:
                 self._is_ok_told, self._num_ok_unconfirmed = True, len(self.peers)
@@ -327,6 +346,22 @@ class PushSender(Generic[P]):
         self._index_cpu_s += time.thread_time() - start_cpu
         write = self._ctx.poster.post(local_list, local, peer.lists.kv, remote, b"", num_bytes)
         self._writes.add(write, self._ctx.clock())
+
+    def _post_state(self) -> None:
+        """The request's state slot (its aux row), whole, into each decode's slot; the aux
+        row follows once it landed, so the room's notification means the state is there."""
+        state = self._ctx.state
+        assert state is not None and self._aux_row is not None
+        self._is_state_posted = True
+        local = state.indices(self._aux_row)
+        num_bytes = state.regions.component.slot_bytes
+        for peer, want in zip(self.peers, self._wants, strict=True):
+            assert peer.state is not None and isinstance(want.dst_state_slot, int)
+            remote = peer.state.indices(want.dst_state_slot)
+            write = self._ctx.poster.post(
+                state.prepped, local, peer.state.prepped, remote, b"", num_bytes
+            )
+            self._writes.add(write, self._ctx.clock())
 
     def _post_aux(self) -> None:
         assert self.peers and self._aux_row is not None

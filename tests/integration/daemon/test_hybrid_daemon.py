@@ -1,54 +1,163 @@
-"""A hybrid checkpoint (Qwen3.5) in the real daemon with a native decode (the decode SDK,
-NIXL): the worker starts and is ready, its published KV layout has the full-attention layers
-only, and a request is refused when its decode claims it, with a typed reason on both sides
-(``state_unsupported``: no protocol carries the linear layers' state yet), the decode's pages
-untouched. The worker stays up, serves the next request the same way, has every aux row
-(state slot) and page back, and drains to exit 0."""
+"""A hybrid checkpoint (Qwen3.5, Qwen3-Next) in the real daemon with native decodes (the decode
+SDK, real NIXL): the worker publishes its full-attention layers as the KV layout and its
+linear layers' state component (``describe_state``); a decode that registers a state pool
+beside its KV pool receives, per room, the full layers' K/V in its pages and every linear
+layer's conv and recurrent state after the whole prompt in the slot its ``want`` named,
+equal to transformers' within 1e-4: three prompts at once (batched), each longer than a chunk
+(chunked), into scattered pages and slots. A decode that registers no state pool is refused
+with a typed reason (``state_unsupported``) and gets no byte. Afterwards every aux row (state
+slot) and page is back and the worker drains to exit 0."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.kv.state_layout import StateComponent
 from prefill_worker.request import FinishReason, OutcomeStatus
-from prefill_worker.transfer import RoomState
-from tests.checkpoints import make_checkpoint, prompt
-from tests.integration.daemon.conftest import Decode, start_worker, wait_until
+from prefill_worker.transfer import (
+    KVReceiver,
+    RoomState,
+    describe_state,
+    describe_worker,
+    state_regions_from_tensors,
+)
+from tests.checkpoints import hf_model, make_checkpoint, prompt
+from tests.integration.daemon.conftest import (
+    DECODE_PAGES,
+    PAGE_SIZE,
+    Decode,
+    Worker,
+    decode_pool,
+    start_worker,
+    wait_until,
+)
+from tests.patience import patient
+
+TOL = 1e-4
+FULL_LAYERS, LINEAR_LAYERS = (1, 4), (0, 2, 3)  # tests/checkpoints.py: the hybrids' layer_types
+NUM_STATE_SLOTS = 6
+PROMPTS = {5301: 37, 5302: 50, 5303: 23}  # room: prompt tokens (chunks are 16)
+STATE_SLOTS = {5301: 4, 5302: 1, 5303: 5}
 
 
-def test_a_hybrid_request_is_refused_with_a_typed_reason(tmp_path: Path) -> None:
-    checkpoint = make_checkpoint("qwen3_5", tmp_path / "qwen3_5")
-    worker = start_worker(tmp_path, checkpoint, "cache.num_pages=32", "cache.num_aux_rows=4")
+class StateDecode(Decode):
+    """A decode with a state pool of the worker's component: per linear layer, conv and
+    recurrent ``[NUM_STATE_SLOTS, *item_shape]``, zeros."""
+
+    def __init__(self, bootstrap: str) -> None:
+        layout = describe_worker(bootstrap, 30.0)
+        (component,) = describe_state(bootstrap, 30.0)
+        self.component: StateComponent = component
+        self.k, self.v = decode_pool(
+            layout.kind, layout.num_kv_heads, layout.head_dim, layout.num_layers
+        )
+        self.state = [
+            [
+                torch.zeros((NUM_STATE_SLOTS, *t.item_shape), dtype=getattr(torch, t.dtype))
+                for _ in component.layer_ids
+            ]
+            for t in component.tensors
+        ]
+        regions = state_regions_from_tensors(component, self.state)
+        self.receiver = KVReceiver.from_tensors(
+            self.k, self.v, bootstrap, num_aux_rows=8, state=regions
+        )
+        self.receiver.wait_registered(timeout_s=patient(30))
+        self._next_page, self._next_slot, self.rooms = DECODE_PAGES - 1, 0, {}
+
+    def want_state(self, room: int, num_tokens: int, state_slot: int) -> None:
+        count = -(-num_tokens // PAGE_SIZE)
+        pages = [self._next_page - 2 * i for i in range(count)]  # scattered
+        self._next_page -= 2 * count
+        aux_slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.rooms[room] = (pages, aux_slot)
+        self.receiver.want(room, pages, aux_slot, 0, state_slot=state_slot)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_a_native_decode_receives_kv_and_state(tmp_path: Path, family: str) -> None:
+    checkpoint = make_checkpoint(family, tmp_path / family)
+    settings = ("cache.num_pages=64", "cache.num_aux_rows=4")
+    worker = start_worker(tmp_path, checkpoint, *settings)
     try:
         worker.child.wait_ready(120)
-        assert worker.http("/readyz")[0] == 200
-        decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
+        router = BlockingRouterClient(worker.ingress)
+        decode = StateDecode(worker.bootstrap)
         assert len(decode.k) == 2  # the KV list: the 2 full-attention layers of 5
-        for room in (4201, 4202):
-            ids = prompt(37, seed=room)
-            decode.want(room, len(ids))
-            with ThreadPoolExecutor(1) as pool:
-                sent = pool.submit(router.prefill, ids, room, timeout_s=60)
-                status = decode.wait([room])[room]
-                result = sent.result(60)
-            assert result.status is OutcomeStatus.FAILED, result
-            assert result.reason is FinishReason.TRANSFER_FAILED
-            assert str(result.error).startswith("state_unsupported: the native protocol")
-            assert status.state is RoomState.FAILED and "state_unsupported" in str(status.reason)
-            assert all(not torch.any(layer) for layer in decode.k)  # nothing was written
-        router.close()
+        assert decode.component.layer_ids == LINEAR_LAYERS
+        assert [t.name for t in decode.component.tensors] == ["conv", "recurrent"]
+        prompts = {room: prompt(n, seed=room) for room, n in PROMPTS.items()}
+        for room, ids in prompts.items():
+            decode.want_state(room, len(ids), STATE_SLOTS[room])
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            sent = {
+                r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()
+            }
+            statuses = decode.wait(list(prompts))
+            results = {room: future.result(60) for room, future in sent.items()}
+        model = hf_model(checkpoint)
+        for room, ids in prompts.items():
+            assert results[room].status is OutcomeStatus.OK, results[room]
+            assert statuses[room].state is RoomState.DONE, statuses[room]
+            check_against_transformers(model, decode, room, ids)
+        untouched = set(range(NUM_STATE_SLOTS)) - set(STATE_SLOTS.values())
+        for per_layer in decode.state:
+            assert all(not torch.any(t[slot]) for t in per_layer for slot in untouched)
         decode.close()
-
-        def pools_whole() -> bool:  # the aux rows are the state slots: all back
-            metrics = worker.http("/metrics")[1]
-            used = ("prefill_worker_aux_rows_used 0.0", "prefill_worker_kv_pages_used 0.0")
-            return all(line in metrics.splitlines() for line in used)
-
-        wait_until(pools_whole, 30, "every aux row (state slot) and page back")
-        assert "state_unsupported" in worker.log()
+        refuse_a_decode_without_state(worker, router)
+        router.close()
+        wait_until(lambda: pools_whole(worker), 30, "every aux row (state slot) and page back")
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
+
+
+def check_against_transformers(
+    model: torch.nn.Module, decode: StateDecode, room: int, ids: list[int]
+) -> None:
+    with torch.no_grad():
+        layers = model(torch.tensor([ids]), use_cache=True).past_key_values.layers
+    for pool_layer, layer in enumerate(FULL_LAYERS):
+        k, v = decode.kv(room, len(ids), pool_layer)
+        torch.testing.assert_close(k, layers[layer].keys[0].transpose(0, 1), atol=TOL, rtol=0)
+        torch.testing.assert_close(v, layers[layer].values[0].transpose(0, 1), atol=TOL, rtol=0)
+    conv, recurrent = decode.state
+    slot = STATE_SLOTS[room]
+    for slot_layer, layer in enumerate(LINEAR_LAYERS):
+        expected_conv = layers[layer].conv_states[0][0, :, 1:]
+        torch.testing.assert_close(conv[slot_layer][slot], expected_conv, atol=TOL, rtol=0)
+        expected = layers[layer].recurrent_states[0][0]
+        torch.testing.assert_close(recurrent[slot_layer][slot], expected, atol=TOL, rtol=0)
+
+
+def refuse_a_decode_without_state(worker: Worker, router: BlockingRouterClient) -> None:
+    """A decode with a KV pool only: its room fails ``state_unsupported``, nothing written."""
+    decode = Decode(worker.bootstrap)
+    ids = prompt(29, seed=5304)
+    decode.want(5304, len(ids))
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(router.prefill, ids, 5304, timeout_s=60)
+        status = decode.wait([5304])[5304]
+        result = sent.result(60)
+    assert result.status is OutcomeStatus.FAILED, result
+    assert result.reason is FinishReason.TRANSFER_FAILED
+    assert str(result.error).startswith("state_unsupported: the decode registered no")
+    assert status.state is RoomState.FAILED and "state_unsupported" in str(status.reason)
+    assert all(not torch.any(layer) for layer in decode.k)
+    decode.close()
+
+
+def pools_whole(worker: Worker) -> bool:
+    """The aux rows are the state slots: all back, and every page."""
+    metrics = worker.http("/metrics")[1]
+    used = ("prefill_worker_aux_rows_used 0.0", "prefill_worker_kv_pages_used 0.0")
+    return all(line in metrics.splitlines() for line in used)
