@@ -66,6 +66,7 @@ _BOOTSTRAP = [
 ]
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
+_STATE = _T + "test_push_state.py"  # a hybrid model's state on the native push
 _FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
 _GROUP = [
     _T + "test_group_backend.py",
@@ -83,7 +84,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/kv/block_hash.py": _EVENTS,
     "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
     "prefill_worker/kv/cache_events.py": _EVENTS,
-    "prefill_worker/kv/state_layout.py": [_S + "test_state_slots.py"],
+    "prefill_worker/kv/state_layout.py": [_S + "test_state_slots.py", _STATE],
     "prefill_worker/kv/layout.py": [
         "tests/unit/transfer/test_pagemap.py",
         "tests/unit/transfer/test_layout_edges.py",
@@ -111,6 +112,7 @@ MODULES: dict[str, list[str]] = {
         *_BOOTSTRAP,
         "tests/unit/transfer/test_schema_doc.py",
         _NESTED,
+        _STATE,
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
     "prefill_worker/ingress/header.py": [
@@ -135,6 +137,7 @@ MODULES: dict[str, list[str]] = {
         _SENDER,
         _T + "test_push_sender_pins.py",
         _T + "test_push_ranks.py",
+        _STATE,
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,
@@ -143,6 +146,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_hub_pins.py",
         _T + "test_hub_backend.py",
         _T + "test_push_ranks.py",
+        _STATE,
     ],
     "prefill_worker/transfer/sglang/frames.py": [*_FRAMES, _T + "test_sglang_mailbox.py"],
     "prefill_worker/transfer/sglang/accept.py": [
@@ -160,6 +164,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
+        _T + "test_native_desk_state.py",
     ],
     # The tensor-parallel group's transfer mirror and its agreement (issue #27).
     "prefill_worker/transfer/group.py": _GROUP,
