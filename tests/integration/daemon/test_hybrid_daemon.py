@@ -10,14 +10,18 @@ slot) and page is back and the worker drains to exit 0."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+import zmq
 
 from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.kv.state_layout import StateComponent
+from prefill_worker.kv_events.wire import END_OF_REPLAY_SEQ, seq_frame
 from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.transfer import (
     KVReceiver,
@@ -86,7 +90,14 @@ def family(request: pytest.FixtureRequest) -> str:
 
 def test_a_native_decode_receives_kv_and_state(tmp_path: Path, family: str) -> None:
     checkpoint = make_checkpoint(family, tmp_path / family)
-    settings = ("cache.num_pages=64", "cache.num_aux_rows=4")
+    settings = (
+        "cache.num_pages=64",
+        "cache.num_aux_rows=4",
+        "cache.prefix_caching=true",
+        "kv_events.enabled=true",
+        "kv_events.publish_bind=tcp://127.0.0.1:0",
+        "kv_events.replay_bind=tcp://127.0.0.1:0",
+    )
     worker = start_worker(tmp_path, checkpoint, *settings)
     try:
         worker.child.wait_ready(120)
@@ -116,6 +127,8 @@ def test_a_native_decode_receives_kv_and_state(tmp_path: Path, family: str) -> N
         refuse_a_decode_without_state(worker, router)
         router.close()
         wait_until(lambda: pools_whole(worker), 30, "every aux row (state slot) and page back")
+        events = published_events(worker)  # the run's first batch clears, then nothing stored
+        assert events and all(event == {"type": "AllBlocksCleared"} for event in events)
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
@@ -154,6 +167,27 @@ def refuse_a_decode_without_state(worker: Worker, router: BlockingRouterClient) 
     assert status.state is RoomState.FAILED and "state_unsupported" in str(status.reason)
     assert all(not torch.any(layer) for layer in decode.k)
     decode.close()
+
+
+def published_events(worker: Worker) -> list[dict[str, object]]:
+    """Every event the worker published so far, from its replay socket (oldest first)."""
+    endpoint = json.loads(worker.http("/readyz")[1])["kv_events_replay"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", seq_frame(0)])
+        events: list[dict[str, object]] = []
+        while True:
+            assert sock.poll(int(patient(10) * 1000)), "no replay answer"
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == END_OF_REPLAY_SEQ:
+                return events
+            events += msgspec.msgpack.decode(payload)[1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def pools_whole(worker: Worker) -> bool:
