@@ -56,10 +56,15 @@ def test_a_matching_state_pool_is_prepared_beside_the_kv() -> None:
 )
 def test_a_state_pool_that_differs_is_refused(state: tuple[wire.StatePool, ...], why: str) -> None:
     d = StateDesk()
+    waiting = d.hub.create_sender(7, "req-7", 16, allowed_peer="decode-1")
     answer = d.register(b"c1", state=state)
     assert not answer.is_ok and str(answer.reason).startswith(why), answer.reason
+    assert d.server.sent[-1][0] == b"c1"  # told on its own connection
     assert not d.hub.peers and not d.agent.added
     assert d.hub.counter.counts == {RejectReason.LAYOUT_MISMATCH.value: 1}
+    # the rooms the router named for that decode fail now: it will never ask for them
+    assert str(waiting.failure_reason()).startswith("registration refused: ")
+    assert d.hub.refusals.names.get("decode-1", d.rig.now) is not None
 
 
 def test_a_tensor_that_differs_is_refused() -> None:
@@ -95,8 +100,10 @@ def test_a_state_pool_nixl_cannot_address_refuses_the_registration() -> None:
         return prep(name, table, mem_type)
 
     d.agent.prep_xfer_dlist = third_refused  # type: ignore[method-assign]
+    waiting = d.hub.create_sender(7, "req-7", 16, allowed_peer="decode-1")
     answer = d.register(b"c1", state=(pool(),))
-    assert not answer.is_ok
+    assert not answer.is_ok and d.server.sent[-1][0] == b"c1"
     assert str(answer.reason).startswith("NIXL cannot address the decode's state pool")
+    assert str(waiting.failure_reason()).startswith("registration refused: NIXL cannot")
     assert not d.hub.peers and d.agent.removed == ["decode-1"]
     assert d.hub.counter.counts == {RejectReason.NIXL_REFUSED.value: 1}
