@@ -63,7 +63,7 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
-from prefill_worker.transfer.state_guard import STATE_CARRIERS, StateGuard, refusal
+from prefill_worker.transfer.state_guard import guard_backends
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -250,17 +250,15 @@ def start_transfer(
             for backend in backends.values():
                 backend.close()
             raise
-        refused = [name for name in backends if name not in STATE_CARRIERS]
-        if state is not None and refused:
-            kind = state.component.kind
-            for name in refused:
-                backends[name] = StateGuard(backends[name], refusal(name, (kind,)))
-            log.warning(
-                "hybrid model: the %s protocol(s) carry no %s state; each of their requests "
-                "is refused when its decode claims it (state_unsupported)",
-                ", ".join(refused),
-                kind,
-            )
+        if state is not None:
+            backends, refused = guard_backends(backends, state.component.kind)
+            if refused:
+                log.warning(
+                    "hybrid model: the %s protocol(s) carry no %s state; each of their "
+                    "requests is refused when its decode claims it (state_unsupported)",
+                    ", ".join(refused),
+                    state.component.kind,
+                )
         return serve_protocols(backends, tickets, mirror_layers)
 
 

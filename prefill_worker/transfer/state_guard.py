@@ -34,6 +34,19 @@ def refusal(protocol: str, kinds: Sequence[str]) -> str:
     )
 
 
+def guard_backends(
+    backends: Mapping[str, TransferBackend], kind: str
+) -> tuple[dict[str, TransferBackend], list[str]]:
+    """Each protocol's backend by name, those that carry no ``kind`` state (all but
+    ``STATE_CARRIERS``) wrapped in ``StateGuard``; and the names wrapped."""
+    refused = [name for name in backends if name not in STATE_CARRIERS]
+    guarded = {
+        name: StateGuard(backend, refusal(name, (kind,))) if name in refused else backend
+        for name, backend in backends.items()
+    }
+    return guarded, refused
+
+
 class RefusingSender:
     """A sender that fails with ``reason`` as soon as a decode claims its room."""
 

@@ -67,3 +67,19 @@ def test_an_unclaimed_room_waits_and_the_backend_passes_through() -> None:
     sender.fail("router gone")
     assert inner.senders["r"].worker_failure == "router gone"
     guard.close()
+
+
+def test_every_protocol_but_native_is_guarded() -> None:
+    """Native carries the state (its backend is left as it is); SGLang and vLLM do not."""
+    from prefill_worker.transfer.state_guard import guard_backends
+
+    native, sglang, vllm = object(), object(), object()  # nothing of them is called
+    backends = {"native": native, "sglang": sglang, "vllm": vllm}
+    guarded, refused = guard_backends(backends, "linear_state")  # type: ignore[arg-type]
+    assert refused == ["sglang", "vllm"] and guarded["native"] is native
+    for name, inner in (("sglang", sglang), ("vllm", vllm)):
+        wrapped = guarded[name]
+        assert isinstance(wrapped, StateGuard) and wrapped.inner is inner
+        assert wrapped.reason == refusal(name, ("linear_state",))
+        assert wrapped.reason.startswith(f"{STATE_UNSUPPORTED}: the {name} protocol carries no")
+    assert guard_backends({"native": native}, "linear_state") == ({"native": native}, [])  # type: ignore[arg-type, dict-item]
