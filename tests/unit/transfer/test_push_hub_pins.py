@@ -309,3 +309,16 @@ def test_a_hub_backend_counts_the_peers_it_dropped(rig: Rig) -> None:
     rig.hub.drop_peer(rig.peer, "decode peer left")
     rig.hub.drop_peer(odd, "decode peer left")
     assert backend.num_dropped_peers == 2 and not backend.has_peer("decode-1")
+
+
+def test_a_bound_sender_closed_leaves_no_gone_mark(rig: Rig) -> None:
+    """Only a sender no decode bound is remembered as gone (a late want learns why); one that
+    was bound leaves its room free: a new want for it waits for its request."""
+    sender = rig.bound_sender()
+    sender.close()
+    rig.hub.drain()
+    heard = len(rig.heard.said)
+    rig.hub.want(rig.peer, wire.Want.of(7, [3, 4, 5, 6], 2, 0))
+    rig.hub.drain()
+    assert len(rig.heard.said) == heard  # not refused: waiting for a request
+    assert 7 in rig.peer.unmatched
