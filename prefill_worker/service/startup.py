@@ -280,7 +280,12 @@ def _limits(config: Config) -> BootstrapLimits:
 def _sglang_options(config: Config) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
-    nixl = NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_sglang_ucx_net_devices)
+    nixl = NixlOptions(
+        agent_name,
+        tuple(cfg.nixl_backends),
+        cfg.resolved_sglang_ucx_net_devices,
+        config.tracing.enabled,
+    )
     return SglangOptions(
         cfg.sglang_bootstrap_bind,
         cfg.resolved_sglang_rank_ip,
@@ -326,7 +331,12 @@ def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> Transfe
         cfg.peer_timeout_s,
         cfg.heartbeat_interval_s,
         want_timeout_s=config.scheduler.bootstrap_timeout_s,
-        nixl=NixlOptions(cfg.agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        nixl=NixlOptions(
+            cfg.agent_name,
+            tuple(cfg.nixl_backends),
+            cfg.resolved_ucx_net_devices,
+            config.tracing.enabled,  # NIXL's telemetry for the transfer span
+        ),
         limits=_limits(config),
         curve=curve,
     )
