@@ -13,6 +13,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -96,6 +97,19 @@ CONFIGS["qwen3_5_moe"] = lambda: Qwen3_5MoeTextConfig(
     tie_word_embeddings=False,
 )  # fmt: skip
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# gpt-oss: sliding (window 24), full, sliding; 6 heads of 12 over 2 KV heads (q is 72 wide
+# in a hidden of 96), 5 experts, top 2, a SwiGLU clamp of 1 (it bites at these scales),
+# YaRN without truncation. hidden and the expert width are multiples of 32 (MXFP4 blocks).
+GPT_OSS_YARN = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64,
+}  # fmt: skip
+CONFIGS["gpt_oss"] = lambda: GptOssConfig(
+    **dict(COMMON, hidden_size=96, intermediate_size=64, num_hidden_layers=3,
+           num_attention_heads=6, max_position_embeddings=2048), head_dim=12,
+    num_local_experts=5, num_experts_per_tok=2, sliding_window=24, swiglu_limit=1.0,
+    rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False,
+)  # fmt: skip
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
@@ -126,6 +140,12 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 and family in HYBRID_FAMILIES
             ):
                 param.normal_(0.0, 0.3)  # a (1 + weight) norm: the 1 must be added exactly once
+            if name.endswith("self_attn.sinks"):  # sinks that take a share of the mass
+                param.normal_(0.0, 1.0)
+            if name.endswith("mlp.router.weight"):  # logits of the router bias's size
+                param.normal_(0.0, 0.1)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.normal_(0.0, 0.2)
             if name.endswith("A_log"):  # slow decays: a state carries far (the carry matters)
                 param.copy_(torch.empty_like(param).uniform_(0.005, 0.05).log())
             if name.endswith("linear_attn.norm.weight"):

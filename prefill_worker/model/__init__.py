@@ -23,7 +23,9 @@ from prefill_worker.model.attention import (
     resolve_backend_name,
     resolve_mla_backend_name,
 )
+from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
+from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
@@ -64,7 +66,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:N"
-    attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    attention_backend: str  # resolved: "sdpa" | "flashinfer" | "sinks" (gpt-oss's)
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
     state: StateComponent | None = None  # a hybrid model's linear-attention state pool
@@ -136,6 +138,8 @@ def build(
         state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
     model, attention = create_model(spec, weights, tp, experts, backend_name, state)
+    if isinstance(attention, SinkWindowBackend):
+        backend_name = SinkWindowBackend.name
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
@@ -165,16 +169,19 @@ def build(
 
 def create_model(
     spec: ModelSpec,
-    weights: ModelWeights | MLAModelWeights | HybridModelWeights,
+    weights: ModelWeights | MLAModelWeights | HybridModelWeights | GptOssModelWeights,
     tp: TPGroup,
     experts: ExpertsBackend,
     attention_backend: str,
     state: StateCache | None = None,
-) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM, AttentionBackend]:
+) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
-    family: over the state pool ``state``)."""
+    family: over the state pool ``state``; gpt-oss: ``attention.sinks``' torch backend,
+    whatever ``attention_backend`` names, the others having no sinks or windows)."""
     device = weights.embed.device
+    if isinstance(weights, GptOssModelWeights):
+        return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
         model = Qwen3NextLM(spec, weights, state, tp, experts)
