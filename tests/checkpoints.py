@@ -13,6 +13,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -110,6 +111,16 @@ CONFIGS["gpt_oss"] = lambda: GptOssConfig(
     num_local_experts=5, num_experts_per_tok=2, sliding_window=24, swiglu_limit=1.0,
     rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False,
 )  # fmt: skip
+# Gemma 3: sliding (window 24), full, sliding, sliding; 6 heads of 16 over 2 KV heads in a
+# hidden of 72; the global layers' rope linear x8 at base 1e6, the local ones' at 1e4;
+# query_pre_attn_scalar 20 (not head_dim); the (1 + weight) norms randomised.
+CONFIGS["gemma3"] = lambda: Gemma3TextConfig(
+    **dict(COMMON, hidden_size=72, intermediate_size=96, num_hidden_layers=4,
+           num_attention_heads=6), head_dim=16, sliding_window=24, query_pre_attn_scalar=20,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+)  # fmt: skip
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
@@ -131,13 +142,15 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 param.copy_(torch.rand_like(param) + 0.5)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(torch.rand_like(param) * 4 + 2)
+            if family == "gemma3" and name.endswith("norm.weight"):  # (1 + weight) norms;
+                param.normal_(0.0, 0.3)  # q/k ones of 3..7 would make a softmax of ~1e2 logits
             if name.endswith("mlp.gate.weight"):  # a router: spread, no near-ties
                 param.normal_(0.0, 0.15)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
-            if (
-                name.endswith(("layernorm.weight", "model.norm.weight"))
-                and family in HYBRID_FAMILIES
+            if name.endswith(("layernorm.weight", "model.norm.weight")) and family in (
+                *HYBRID_FAMILIES,
+                "gemma3",
             ):
                 param.normal_(0.0, 0.3)  # a (1 + weight) norm: the 1 must be added exactly once
             if name.endswith("self_attn.sinks"):  # sinks that take a share of the mass

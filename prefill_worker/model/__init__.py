@@ -25,11 +25,12 @@ from prefill_worker.model.attention import (
 )
 from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
+from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
-from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
@@ -169,19 +170,21 @@ def build(
 
 def create_model(
     spec: ModelSpec,
-    weights: ModelWeights | MLAModelWeights | HybridModelWeights | GptOssModelWeights,
+    weights: ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights,
     tp: TPGroup,
     experts: ExpertsBackend,
     attention_backend: str,
     state: StateCache | None = None,
-) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM, AttentionBackend]:
+) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
-    family: over the state pool ``state``; gpt-oss: ``attention.sinks``' torch backend,
+    family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
     whatever ``attention_backend`` names, the others having no sinks or windows)."""
     device = weights.embed.device
     if isinstance(weights, GptOssModelWeights):
         return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
+    if isinstance(weights, Gemma3ModelWeights):
+        return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
         model = Qwen3NextLM(spec, weights, state, tp, experts)

@@ -59,11 +59,13 @@ def whole(request_id: str, ids: list[int], pages: list[int]) -> ChunkPlan:
     return ChunkPlan(request_id, ids, 0, len(ids), pages, sampling, 0, tuple(ids[1:]))
 
 
-def assert_matches(kv_cache, pages: list[int], ids: list[int], hf) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Every layer's K/V in the pool equals transformers' where it keeps them; its logits."""
+def assert_matches(kv_cache, pages: list[int], ids: list[int], hf, full=(1,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Every layer's K/V in the pool equals transformers' where it keeps them (``full``:
+    the full layers, every position); its logits."""
     logits, kv = hf_forward(hf, ids)
     kept = [k.shape[0] for k, _ in kv]
-    assert kept == [min(len(ids), WINDOW - 1), len(ids), min(len(ids), WINDOW - 1)]
+    window_kept = min(len(ids), WINDOW - 1)
+    assert kept == [len(ids) if i in full else window_kept for i in range(len(kv))]
     for layer, (k_ref, v_ref) in enumerate(kv):
         k, v = paged_kv(kv_cache, pages, len(ids), layer)
         torch.testing.assert_close(k[-k_ref.shape[0] :], k_ref, atol=TOL, rtol=1e-5)
