@@ -157,8 +157,8 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 param.normal_(0.0, 1.0)
             if name.endswith("mlp.router.weight"):  # logits of the router bias's size
                 param.normal_(0.0, 0.1)
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                param.normal_(0.0, 0.2)
+            if family == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.normal_(0.0, 0.2)  # the SwiGLU clamp bites
             if name.endswith("A_log"):  # slow decays: a state carries far (the carry matters)
                 param.copy_(torch.empty_like(param).uniform_(0.005, 0.05).log())
             if name.endswith("linear_attn.norm.weight"):
