@@ -109,34 +109,36 @@ class GptOssLM:
         return forward_output(x, inputs, self._logits, block)
 
     def _moe(self, w: GptOssExperts, h: torch.Tensor) -> torch.Tensor:
-        """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``."""
-        top_k = self.sliding.top_k
+        """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``. The
+        ``T k`` (token, expert) pairs are sorted by expert, each expert runs over its rows
+        of the sorted copy, and the results go back to pair order to be summed per token."""
+        top_k, num_tokens = self.sliding.top_k, h.shape[0]
         logits = F.linear(h, w.router, w.router_bias)  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
-        out = torch.zeros_like(h)
-        flat = ids.flatten()  # [T k]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.sliding.num_experts).tolist()
-        tokens, picks = order // top_k, order
+        order = torch.argsort(ids.flatten(), stable=True)  # [T k]: pairs by expert
+        counts = torch.bincount(ids.flatten(), minlength=self.sliding.num_experts).tolist()
+        x = h[order // top_k]  # [T k, hidden], sorted
+        y = torch.empty_like(x)
         at = 0
         for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows, chosen = tokens[at : at + count], picks[at : at + count]
-            at += count
-            gate_up = F.linear(h[rows], w.gate_up[expert], w.gate_up_bias[expert])
-            hidden = self._clamped_swiglu(gate_up)
-            y = F.linear(hidden, w.down[expert], w.down_bias[expert])
-            out.index_add_(0, rows, y * weights.flatten()[chosen, None])
-        return out
+            if count:
+                rows = slice(at, at + count)
+                gate_up = F.linear(x[rows], w.gate_up[expert], w.gate_up_bias[expert])
+                hidden = self._clamped_swiglu_(gate_up)
+                torch.addmm(w.down_bias[expert], hidden, w.down[expert].t(), out=y[rows])
+                at += count
+        pairs = torch.empty_like(y)
+        pairs[order] = y  # [T k, hidden] in (token, slot) order
+        return torch.bmm(weights[:, None, :], pairs.view(num_tokens, top_k, -1))[:, 0]
 
-    def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _clamped_swiglu_(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[n, 2I] -> [n, I]``, computed in place in ``gate_up``'s halves."""
         gate, up = gate_up.chunk(2, dim=-1)
         limit = self.sliding.swiglu_limit
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.sliding.swiglu_alpha))
+        gate.clamp_(max=limit)
+        glu = gate.mul_(torch.sigmoid(gate * self.sliding.swiglu_alpha))
+        return up.clamp_(min=-limit, max=limit).add_(1.0).mul_(glu)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)

@@ -91,10 +91,15 @@ def _attend(
     if window is not None:
         seen &= keys[None, :] > queries[:, None] - window
     scores.masked_fill_(~seen, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)  # [H, n, 1]; finite: a query sees itself
     if sinks is not None:
-        sink = sinks.float()[:, None, None].expand(heads, q.shape[0], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]  # [H, n, m]
+        sink = sinks.float()[:, None, None]  # [H, 1, 1]
+        top = torch.maximum(top, sink)
+    probs = scores.sub_(top).exp_()  # in place: no second [H, n, m]
+    total = probs.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total.add_((sink - top).exp_())  # the sink's mass, dropped from the output
+    probs.div_(total)
     probs = probs.reshape(kv_heads, group * q.shape[0], k.shape[0])
     attended = torch.bmm(probs, vh).view(heads, q.shape[0], v.shape[2])  # [H, n, D]
     return attended.transpose(0, 1).to(q.dtype)
