@@ -71,6 +71,7 @@ class ModelInfo:
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
     state: StateComponent | None = None  # a hybrid model's linear-attention state pool
+    sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -165,6 +166,8 @@ def build(
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     if state is not None:
         info = dataclasses.replace(info, state=state.component())
+    if spec.sliding is not None:
+        info = dataclasses.replace(info, sliding_window=spec.sliding.window)
     return runner, kv_cache, info
 
 

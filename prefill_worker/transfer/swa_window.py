@@ -16,15 +16,20 @@ Two modes, after what the decode holds:
   ``get_attention_sliding_window_size`` is ``sliding_window - 1`` (a query sees itself and
   the ``window - 1`` keys before it).
 
-``window`` is not yet on any wire: until a protocol carries it (and is proven against the
-decode's own code), a decode that holds a hybrid SWA pool must be refused with
-``refusal(...)`` rather than sent the full pool.
+``window`` is not yet on any wire. ``guard_unproven`` wraps the backend of every protocol
+whose full-pool sends of a sliding-window model are not proven against its decode (every one
+but ``native``) in ``StateGuard``: each room is refused when its decode claims it, with
+``refusal(...)`` (``swa_unsupported: ...``), before a byte is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.state_guard import StateGuard
+
+PROVEN_PROTOCOLS = ("native",)  # full-pool sends of a sliding-window model, decode-tested
 FULL_POOL = "full_pool"
 WINDOW = "window"
 SWA_UNSUPPORTED = "swa_unsupported"
@@ -67,6 +72,14 @@ def pages_sent(
 
 def refusal(protocol: str) -> str:
     return (
-        f"{SWA_UNSUPPORTED}: the {protocol} protocol does not send a sliding-window model's "
-        "window pages to a decode that holds a hybrid SWA pool (docs/models.md)"
+        f"{SWA_UNSUPPORTED}: the {protocol} protocol's sends of a sliding-window model are not "
+        "proven against its decode; serve it over native (docs/models.md)"
     )
+
+
+def guard_unproven(backends: Mapping[str, TransferBackend]) -> dict[str, TransferBackend]:
+    """``backends`` with every protocol outside ``PROVEN_PROTOCOLS`` refusing its rooms."""
+    return {
+        name: backend if name in PROVEN_PROTOCOLS else StateGuard(backend, refusal(name))
+        for name, backend in backends.items()
+    }

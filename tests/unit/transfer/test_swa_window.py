@@ -58,3 +58,21 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="bad request span"):
         layer_pages(10, 16, 11, 4, WINDOW)
     assert refusal("sglang").startswith(f"{SWA_UNSUPPORTED}: the sglang protocol")
+
+
+def test_every_protocol_but_native_refuses_a_claimed_room():
+    from prefill_worker.kv.aux import AuxPool
+    from prefill_worker.kv.pages import PagePool
+    from prefill_worker.transfer.base import KVPoll
+    from prefill_worker.transfer.swa_window import guard_unproven
+    from tests.unit.scheduler.fakes import FakeBackend
+
+    inner = {n: FakeBackend(PagePool(8), AuxPool(2), auto_want=True) for n in ("native", "sglang")}
+    guarded = guard_unproven(inner)
+    assert guarded["native"] is inner["native"]
+    native, sglang = (guarded[n].create_sender(7, "r", 12) for n in ("native", "sglang"))
+    assert native.poll() is not KVPoll.FAILED
+    assert sglang.poll() is KVPoll.FAILED
+    assert sglang.failure_reason() == refusal("sglang")
+    assert inner["sglang"].senders["r"].worker_failure == refusal("sglang")
+    assert not inner["sglang"].senders["r"].sent
