@@ -2,7 +2,8 @@
 
 Planned like ``sdpa.SdpaBackend`` (once per batch, the chunks' spans), then called per layer
 with the layer's window (None: a full layer) and sink logits. A chunk's queries run in blocks
-of at most ``block_queries`` rows; a block at positions ``[a, b)`` reads from the pool only
+of at most ``block_queries`` rows (fewer where their fp32 scores would pass ``score_bytes``: a
+full layer of a long prompt); a block at positions ``[a, b)`` reads from the pool only
 the keys its window can see, positions ``[max(0, a - window + 1), b)`` (a full layer: from
 0), so a sliding layer never reads a page that fell out of every query's window. Per head::
 
@@ -27,14 +28,25 @@ class SinkWindowBackend:
 
     name = "sinks"
     block_queries = 1024
+    score_bytes = 256 << 20  # the [H, queries, keys] fp32 scores of one block, at most
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._spans: tuple[ChunkSpan, ...] = ()
+        self._pages: tuple[torch.Tensor, ...] = ()  # each span's page ids
         self._page_size = 1
 
     def plan(self, batch: AttentionBatch) -> None:
         self._spans, self._page_size = batch.spans, batch.page_size
+        self._pages = tuple(
+            torch.tensor(span.page_ids, dtype=torch.int64, device=self.device)
+            for span in batch.spans
+        )
+
+    def _block(self, keys: int, heads: int) -> int:
+        """Queries per block: ``block_queries``, fewer when their fp32 scores over ``keys``
+        keys (a full layer: the whole prefix) would pass ``score_bytes``."""
+        return max(1, min(self.block_queries, self.score_bytes // (4 * heads * (keys + 1))))
 
     def attend(
         self,
@@ -57,13 +69,13 @@ class SinkWindowBackend:
         sinks: torch.Tensor | None,  # [H] sink logits; None: no sink
         scale: float,
     ) -> None:
-        for span in self._spans:
-            for a in range(span.start, span.end, self.block_queries):
-                b = min(a + self.block_queries, span.end)
+        for span, pages in zip(self._spans, self._pages, strict=True):
+            step = self._block(span.end if window is None else window, q.shape[1])
+            for a in range(span.start, span.end, step):
+                b = min(a + step, span.end)
                 rows = slice(span.q_start + a - span.start, span.q_start + b - span.start)
                 first = 0 if window is None else max(0, a - window + 1)
                 keys = torch.arange(first, b, device=self.device)
-                pages = torch.tensor(span.page_ids, dtype=torch.int64, device=self.device)
                 at = (pages[keys // self._page_size], keys % self._page_size)
                 queries = torch.arange(a, b, device=self.device)
                 out[rows] = _attend(
