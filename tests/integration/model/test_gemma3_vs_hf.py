@@ -23,6 +23,7 @@ from tests.integration.model.conftest import ours, plan, scattered_pages
 from tests.integration.model.test_gpt_oss_vs_hf import (
     TOL,
     assert_matches,
+    bf16_within_hf_error,
     hf_forward,
     logprobs_of,
     num_pages,
@@ -102,3 +103,7 @@ def test_softcapping_and_other_activations_are_refused():
         spec_from_dict(base | {"final_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="hidden_activation 'gelu'"):
         spec_from_dict(base | {"hidden_activation": "gelu"})
+
+
+def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
+    bf16_within_hf_error(checkpoint, hf)

@@ -204,3 +204,19 @@ def test_tensor_parallel_is_refused_at_start(checkpoint):
 
     with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
         ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
+
+
+def bf16_within_hf_error(checkpoint: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """Ours in bf16 is no further from transformers' fp32 logits than twice transformers' own
+    bf16 run is (plus 1e-3)."""
+    runner, _, _ = ours(checkpoint, dtype="bfloat16")
+    ids = prompt(100, seed=3)
+    got = runner.compute_logits(plan(whole("a", ids, scattered_pages(0, num_pages(100)))))
+    reference, _ = hf_forward(hf, ids)
+    own, _ = hf_forward(hf_model(checkpoint, torch.bfloat16), ids)
+    hf_error = (own[-1] - reference[-1]).abs().max()
+    assert (got[0].float() - reference[-1]).abs().max() <= 2 * hf_error + 1e-3
+
+
+def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
+    bf16_within_hf_error(checkpoint, hf)
