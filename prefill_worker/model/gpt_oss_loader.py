@@ -140,12 +140,15 @@ def _gate_rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _dequantized(get: Get, name: str) -> torch.Tensor:
-    """``name``'s MXFP4 blocks and scales as ``[E, rows, cols]`` in the dtype ``get`` gives.
-    ``get`` casts the stored uint8 to that dtype, exactly (every byte is an integer below
-    257); the bytes are taken back from it."""
+    """``name``'s MXFP4 blocks and scales as ``[E, rows, cols]`` in the dtype ``get`` gives,
+    dequantized one expert at a time. ``get`` casts the stored uint8 to that dtype, exactly
+    (every byte is an integer below 257); the bytes are taken back from it."""
     like = get(name + "_scales")
     blocks, scales = get(name + "_blocks").to(torch.uint8), like.to(torch.int32) - 127
-    return dequantize_mxfp4(blocks, scales).to(like.dtype)
+    out = like.new_empty(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+    for expert in range(out.shape[0]):  # one expert's fp32 at a time (120b: 200 MB, not 8 GB)
+        out[expert] = dequantize_mxfp4(blocks[expert], scales[expert])
+    return out
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
