@@ -161,7 +161,13 @@ class Daemon:
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         with watch("transfer"):
             transfer = start_transfer(
-                cfg, regions, self.metrics, self.inbox.wake, self.health.is_live, info.state
+                cfg,
+                regions,
+                self.metrics,
+                self.inbox.wake,
+                self.health.is_live,
+                info.state,
+                info.sliding_window,
             )
         self._closers.append(("transfer", transfer.backend.close))
         attach_kv_mirror(transfer, kv_cache)

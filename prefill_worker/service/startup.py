@@ -64,6 +64,7 @@ from prefill_worker.transfer.options import (
     VllmOptions,
 )
 from prefill_worker.transfer.state_guard import StateGuard, refusal
+from prefill_worker.transfer.swa_window import guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -222,12 +223,14 @@ def start_transfer(
     wake: Callable[[], None],
     is_live: Callable[[], bool],
     state: StateComponent | None = None,
+    sliding_window: int | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
     no protocol carries yet: each protocol's backend then refuses every claimed room with a
-    typed reason (``transfer.state_guard``)."""
+    typed reason (``transfer.state_guard``). ``sliding_window``: a sliding-window model's,
+    whose rooms every protocol but native refuses likewise (``transfer.swa_window``)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -259,6 +262,11 @@ def start_transfer(
                 "hybrid model: no protocol carries its %s state yet; every request is refused "
                 "when its decode claims it (state_unsupported)",
                 state.kind,
+            )
+        if sliding_window is not None:
+            backends = guard_unproven(backends)
+            log.warning(
+                "sliding-window model: only the native protocol serves it (swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
 
