@@ -129,6 +129,7 @@ class ModelSpec:
     moe: MoESpec | None = None  # None: every layer is dense
     mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
     linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
+    num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -187,6 +188,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         moe=moe_spec(raw) if _has_experts(raw, family) else None,
         mla=mla,
         linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
+        num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla else 0,
     )
 
 
