@@ -42,6 +42,9 @@ class ChunkPlan:
     # (a model without state ignores it). A chunk with ``start == 0`` begins from zero
     # state, a later one from what the slot holds.
     state_slot: int | None = None
+    # The prompt token at ``end`` (None when the chunk ends the prompt): a draft model's
+    # input is the prompt shifted by one, so a chunk's last position reads it.
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
