@@ -62,11 +62,22 @@ class BatchPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftRow:
+    """A draft model's first proposal after the prompt (``model.draft``): what an SGLang
+    EAGLE/MTP decode reads as its first draft input."""
+
+    topk_p: tuple[float, ...]  # the draft's top-k probabilities, descending
+    topk_index: tuple[int, ...]  # their token ids
+    hidden: bytes  # the draft's last hidden state, little-endian, in the model's dtype
+
+
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     request_id: str
     token_id: int
     logprob: float  # log-probability of token_id under the unmodified (temperature 1) softmax
     error: str | None = None  # this row could not be sampled: its request fails, nothing else
+    draft: DraftRow | None = None  # with a draft model configured
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,12 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prefill_worker.batch import ChunkPlan
+from prefill_worker.model import build
 from prefill_worker.model.draft.mtp import MTPDraft, load_mtp, shifted_ids
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.hf_config import CheckpointError, read_spec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.request import SamplingParams
 from tests.checkpoints import make_checkpoint
-from tests.integration.model.conftest import PAGE_SIZE, hf_model, ours, plan, prompt
+from tests.integration.model.conftest import NUM_PAGES, PAGE_SIZE, hf_model, ours, plan, prompt
 from tests.integration.model.conftest import scattered_pages as pages_for
 
 TOL = 1e-4
@@ -200,3 +202,60 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused(checkpoints):
         load_mtp(donor, dataclasses.replace(spec, num_nextn_layers=0), torch.float32, cpu)
     with pytest.raises(CheckpointError, match=r"model\.layers\.4\.enorm\.weight is missing"):
         load_mtp(donor, dataclasses.replace(spec, num_nextn_layers=1), torch.float32, cpu)
+
+
+def build_drafting(path: Path, draft: str = "mtp"):  # type: ignore[no-untyped-def]
+    return build(
+        path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+        draft=draft, draft_topk=TOPK,
+    )  # fmt: skip
+
+
+def test_the_runner_runs_the_draft_after_every_chunk(checkpoints, hf, tensors):
+    """Through ``model.build(draft="mtp")``: two prompts in one batch, the second in two
+    chunks (its first chunk names the prompt token after it); each sampled token carries
+    the reference's proposal, the hidden state as the model's dtype's bytes."""
+    runner, kv_cache, _ = build_drafting(checkpoints[0])
+    assert isinstance(runner, DraftingRunner)
+    a, b = prompt(50, seed=21), prompt(75, seed=22)
+    pages_a, pages_b = pages_for(3, 4), pages_for(4, 5)
+    first_b = ChunkPlan("b", b[:32], 0, 32, pages_b, None, next_token_id=b[32])
+    runner.run(plan(first_b))
+    out = runner.run(
+        plan(
+            ChunkPlan("a", a, 0, len(a), pages_a, SamplingParams()),
+            ChunkPlan("b", b[32:], 32, len(b), pages_b, SamplingParams()),
+        )
+    )
+    for sampled, ids, pages in zip(out.sampled, (a, b), (pages_a, pages_b), strict=True):
+        first, topk_p, topk_index, hidden, rows = reference(hf, tensors, ids)
+        assert sampled.token_id == first and sampled.draft is not None
+        assert list(sampled.draft.topk_index) == topk_index.tolist()
+        torch.testing.assert_close(torch.tensor(sampled.draft.topk_p), topk_p, atol=TOL, rtol=0)
+        got = torch.frombuffer(bytearray(sampled.draft.hidden), dtype=torch.float32)
+        torch.testing.assert_close(got, hidden, atol=TOL, rtol=0)
+        torch.testing.assert_close(
+            pool_rows(runner.draft_kv, pages, len(ids)), rows, atol=TOL, rtol=0
+        )
+    assert kv_cache is runner.kv_cache and runner.draft_kv.layout.num_layers == 1
+
+
+def test_a_chunk_without_its_next_token_is_refused(checkpoints):
+    runner, _, _ = build_drafting(checkpoints[0])
+    ids = prompt(40, seed=23)
+    with pytest.raises(ValueError, match="no next token for the draft"):
+        runner.run(plan(ChunkPlan("c", ids[:16], 0, 16, pages_for(5, 3), None)))
+
+
+def test_without_a_draft_nothing_changes(checkpoints):
+    runner, _, _ = build_drafting(checkpoints[0], draft="none")
+    assert not isinstance(runner, DraftingRunner)
+    ids = prompt(20, seed=24)
+    out = runner.run(plan(ChunkPlan("d", ids, 0, 20, pages_for(6, 2), SamplingParams())))
+    assert out.sampled[0].draft is None
+
+
+def test_a_draft_needs_deepseek_v3(tmp_path):
+    llama = make_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="needs a DeepSeek-V3 model"):
+        build_drafting(llama)
