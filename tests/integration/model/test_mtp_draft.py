@@ -17,12 +17,11 @@ second chunk reads the first's draft rows back from the draft pool).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from prefill_worker.batch import ChunkPlan
 from prefill_worker.model import build
@@ -31,34 +30,19 @@ from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.hf_config import CheckpointError, read_spec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.request import SamplingParams
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import MTP, make_checkpoint, with_mtp_layer
 from tests.integration.model.conftest import NUM_PAGES, PAGE_SIZE, hf_model, ours, plan, prompt
 from tests.integration.model.conftest import scattered_pages as pages_for
 
 TOL = 1e-4
 TOPK = 4
-MTP = "model.layers.3."
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the target with its MTP layer, the 4-layer donor of that layer)."""
     root = tmp_path_factory.mktemp("mtp")
-    target = make_checkpoint("deepseek_v3", root / "target")
-    donor = make_checkpoint("deepseek_v3", root / "donor", num_hidden_layers=4)
-    tensors = load_file(target / "model.safetensors")
-    tensors |= {k: v for k, v in load_file(donor / "model.safetensors").items() if MTP in k}
-    g = torch.Generator().manual_seed(7)
-    hidden, vocab = tensors["model.norm.weight"].shape[0], tensors["lm_head.weight"].shape[0]
-    tensors["model.norm.weight"] = torch.rand(hidden, generator=g) + 0.5  # the target's
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{MTP}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
-    tensors[MTP + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
-    tensors[MTP + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.3
-    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
-    return target, donor
+    return with_mtp_layer(root), root / "donor"
 
 
 @pytest.fixture(scope="module")
