@@ -6,10 +6,12 @@ logits by far more than the comparison tolerances. Seeds are fixed per family.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -190,3 +192,25 @@ def add_byte_tokenizer(path: Path) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(path / "tokenizer.json"))
     return path
+
+
+MTP = "model.layers.3."  # the MTP layer of with_mtp_layer's 3-layer DeepSeek-V3
+
+
+def with_mtp_layer(root: Path) -> Path:
+    """A tiny DeepSeek-V3 under ``root / "target"`` with an MTP layer (its donor beside it)."""
+    target = make_checkpoint("deepseek_v3", root / "target")
+    donor = make_checkpoint("deepseek_v3", root / "donor", num_hidden_layers=4)
+    tensors = load_file(target / "model.safetensors")
+    tensors |= {k: v for k, v in load_file(donor / "model.safetensors").items() if MTP in k}
+    g = torch.Generator().manual_seed(7)
+    hidden, vocab = tensors["model.norm.weight"].shape[0], tensors["lm_head.weight"].shape[0]
+    tensors["model.norm.weight"] = torch.rand(hidden, generator=g) + 0.5  # the target's
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{MTP}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
+    tensors[MTP + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    tensors[MTP + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.3
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return target

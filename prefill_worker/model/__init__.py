@@ -25,6 +25,7 @@ from prefill_worker.model.attention import (
 )
 from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
+from prefill_worker.model.draft.build import num_draft_layers, with_draft
 from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
@@ -110,6 +111,8 @@ def build(
     tp: TPGroup = SINGLE,
     moe_backend: str = "auto",
     num_state_slots: int = DEFAULT_STATE_SLOTS,
+    draft: str = "none",
+    draft_topk: int = 1,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -118,7 +121,9 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only.
+    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
+    runs after the target with its own one-layer pool of as many pages (within the budget),
+    its first proposal top-``draft_topk``.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -152,7 +157,9 @@ def build(
         1,
         pool_layout,
     )
-    pages = pool_num_pages(one_page, dev, num_pages, memory_bytes, memory_fraction)
+    with_draft_layers = one_page.num_layers + num_draft_layers(draft)
+    budgeted = dataclasses.replace(one_page, num_layers=with_draft_layers)
+    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction)
     kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
     log.info(
         "KV pool (%s): %d pages of %d tokens, %d bytes",
@@ -161,7 +168,7 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = Runner(model, kv_cache, attention)
+    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     if state is not None:

@@ -140,6 +140,7 @@ class ModelSpec:
     mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
     linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
     sliding: SlidingSpec | None = None  # gpt-oss: its sliding layers, sinks, experts
+    num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -202,6 +203,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         mla=mla,
         linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
         sliding=sliding_spec(raw, family) if family in SLIDING_FAMILIES else None,
+        num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla else 0,
     )
 
 

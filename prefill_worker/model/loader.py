@@ -190,7 +190,27 @@ class _Reader:
 
 def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
     """Refuse a checkpoint with a missing tensor or a shape that disagrees with config.json."""
-    for name, shape in expected_shapes(spec).items():
+    check_shapes(expected_shapes(spec), reader)
+
+
+def open_tensors(
+    model_dir: str | Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> TensorSource:
+    """Rank ``tp.rank``'s slices of the checkpoint's tensors, once each of ``shapes`` is
+    found with its shape (``CheckpointError`` otherwise): for a part loaded on its own, as
+    a draft layer is (``model.draft``)."""
+    reader = _Reader(tensor_files(Path(model_dir)), dtype, device, spec, tp)
+    check_shapes(shapes, reader)
+    return reader
+
+
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], reader: _Reader) -> None:
+    for name, shape in shapes.items():
         if name not in reader.files:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint")
         found = reader.shape(name)

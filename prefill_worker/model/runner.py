@@ -67,7 +67,10 @@ class Runner:
         """Blocking: on return the pages hold the K/V (the transfer reads them next)."""
         if not plan.chunks:
             return BatchOutput(plan.batch_id, ())
-        out = self.forward(plan)
+        return self.outputs(plan, self.forward(plan))
+
+    def outputs(self, plan: BatchPlan, out: ForwardOutput) -> BatchOutput:
+        """Sample the chunks that end their prompt; split the prompt logprobs."""
         prompt_logprobs = _split_logprobs(plan, out.token_logprobs)
         wanted = [c for c in plan.chunks if c.sampling is not None]
         if not wanted:

@@ -32,6 +32,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import KVCache, ModelInfo, build
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -233,7 +234,10 @@ class Daemon:
         the runner every forward of the group goes through."""
         report = LoadReport(self.notifier.status)
         if placement is None:
-            return load_model(self.config, self._build_model, report)
+            runner, kv_cache, info = load_model(self.config, self._build_model, report)
+            if isinstance(runner, DraftingRunner):
+                runner.on_draft_forward = self.metrics.on_draft_forward
+            return runner, kv_cache, info
         tp, group, device = start_tp_group(
             self.config, placement, self._rank_command, self._wake.set
         )

@@ -161,6 +161,7 @@ def load_model(
             memory_fraction=cfg.cache.memory_fraction,
             num_threads=cfg.model.num_threads,
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
+            **_draft_args(cfg),
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -501,3 +502,10 @@ def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
     partial.replace(path)
+
+
+def _draft_args(config: Config) -> dict[str, object]:
+    """The draft's keywords to the builder, when one is configured."""
+    if config.model.draft == "none":
+        return {}
+    return {"draft": config.model.draft, "draft_topk": config.model.draft_topk}

@@ -39,6 +39,19 @@ class ModelConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."
     )
+    draft: Literal["none", "mtp"] = Field(
+        "none",
+        description="A draft model run after the target, for decodes that speculate (SGLang "
+        "EAGLE/MTP): `mtp` runs DeepSeek-V3's own MTP layer from the checkpoint (TP 1) over "
+        "every chunk, its KV in a one-layer pool within the KV budget, its first proposal "
+        "beside the first token (docs/models.md, 'MTP draft').",
+    )
+    draft_topk: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Draft proposals per request (SGLang's --speculative-eagle-topk).",
+    )
 
 
 class CacheConfig(Section):
