@@ -56,10 +56,31 @@ class Config(Section):
         or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
         leader's heads only."""
         protocols = self.transfer.protocols
-        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",)):
+        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",), ("vllm",)):
             raise ValueError(
                 f"transfer.protocol {self.transfer.protocol!r} at parallel.tp_size "
-                f"{self.parallel.tp_size}: a tensor-parallel worker serves native or sglang alone"
+                f"{self.parallel.tp_size}: a tensor-parallel worker serves native, sglang or "
+                "vllm alone"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_tp_stages_on_one_host(self) -> Config:
+        """At TP > 1 vLLM's blocks are a region the ranks share in memory and each rank's
+        forward writes its heads (docs/vllm.md, "Workers with TP > 1"): one host, and no
+        prefix-cache hit, whose tokens no forward writes."""
+        if self.parallel.tp_size == 1 or "vllm" not in self.transfer.protocols:
+            return self
+        where = f"transfer.protocol vllm at parallel.tp_size {self.parallel.tp_size}"
+        if self.parallel.interface is not None:
+            raise ValueError(
+                f"{where}: the ranks share the staging region in memory, so the group runs on "
+                "one host; unset parallel.interface"
+            )
+        if self.cache.prefix_caching:
+            raise ValueError(
+                f"{where}: a prefix-cache hit's tokens are written by no forward, and only "
+                "the forwards stage each rank's heads; set cache.prefix_caching false"
             )
         return self
 

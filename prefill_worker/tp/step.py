@@ -2,8 +2,9 @@
 
 A step is one of::
 
-    FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions;
-               whether a chunk samples, but not how: only the leader samples)
+    FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions,
+               KV mirror slots; whether a chunk samples, but not how: only the leader
+               samples)
     HEARTBEAT  nothing to run: proves every rank still answers while the worker is idle,
                and carries transfer ops when the group is otherwise free
     STOP       the leader is closing: followers leave their loop and exit 0
@@ -41,6 +42,7 @@ class _Chunk(msgspec.Struct, array_like=True, frozen=True):
     samples: bool
     logprob_from: int
     logprob_token_ids: list[int]
+    mirror_slots: list[int] = []  # where each token's K/V also goes: every rank's KV mirror
 
 
 class _Plan(msgspec.Struct, array_like=True, frozen=True):
@@ -91,6 +93,7 @@ def _plan_to_wire(plan: BatchPlan) -> _Plan:
             c.sampling is not None,
             c.logprob_from,
             list(c.logprob_token_ids),
+            list(c.mirror_slots),
         )
         for c in plan.chunks
     ]
@@ -108,6 +111,7 @@ def _plan_from_wire(wire: _Plan) -> BatchPlan:
             _FOLLOWER_SAMPLING if c.samples else None,
             c.logprob_from,
             tuple(c.logprob_token_ids),
+            tuple(c.mirror_slots),
         )
         for c in wire.chunks
     )

@@ -90,8 +90,12 @@ class PullDesk:
         tickets: Tickets,
         clock: Callable[[], float],
         repacker: Executor,
+        can_repack: bool = True,
     ) -> None:
+        """``can_repack`` False: ``pool`` holds some of the staged heads only (a
+        tensor-parallel rank's), so every token must come from the forwards' mirrors."""
         self.staging, self.holds, self.tickets = staging, holds, tickets
+        self.can_repack = can_repack
         self._pool, self._clock, self._repacker = pool, clock, repacker
         self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
         self.identities: Mapping[str, PullIdentity] = {}
@@ -115,6 +119,7 @@ class PullDesk:
     ) -> Future[int]:
         """The repack of prompt positions ``tokens`` (within the prompt pages ``page_ids``
         hold, from ``first_page``), queued behind the ones before it; its bytes when done."""
+        assert self.can_repack, "a repack from a pool that holds some of the heads"
         args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, tokens)
         future = self._repacker.submit(repack, *args)
         self._repacks.append(future)
