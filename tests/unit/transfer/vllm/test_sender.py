@@ -15,7 +15,7 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.holds import HoldTable
-from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.sender import NOT_MIRRORED, VllmSender
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
@@ -25,7 +25,9 @@ BLOCKS = 6
 REPACKER = ThreadPoolExecutor(1, thread_name_prefix="test-vllm-repack")  # as the backend's
 
 
-def _desk(clock: FakeClock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.Tensor]:
+def _desk(
+    clock: FakeClock, repacker: Any = REPACKER, can_repack: bool = True
+) -> tuple[PullDesk, torch.Tensor]:
     lay = KVLayout(2, 1, 4, "float32", 16, 8)
     pool = torch.randn(2, 2, 8, 16, 1, 4)
     k = tuple(pool[i, 0].data_ptr() for i in range(2))
@@ -33,7 +35,7 @@ def _desk(clock: FakeClock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.T
     regions = KVRegions(lay, k, v, "cpu", 0, 0)
     staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=BLOCKS))
     holds, tickets = HoldTable(30.0, 5.0), Tickets(8)
-    desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker)
+    desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker, can_repack)
     desk.identities = {
         "0.33.0": PullIdentity("engine-1", "10.0.0.1", 5600, 7),
         "0.34.0": PullIdentity("engine-1", "10.0.0.1", 5601, 7),
@@ -192,3 +194,27 @@ def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> 
         assert torch.equal(got, torch.cat([tokens[layer, 0], tokens[layer, 1]], dim=1))
     sender.close()
     repacker.shutdown()
+
+
+def test_a_tp_rank_s_desk_fails_tokens_no_forward_wrote_and_frees_the_blocks() -> None:
+    """At TP > 1 the pool holds some of the staged heads only: a sent page whose tokens no
+    forward mirrored (a prefix hit) fails the request, naming them, and queues no repack; a
+    fully mirrored one succeeds."""
+    tp_desk, _ = _desk(FakeClock(100.0), can_repack=False)
+    desk = tp_desk
+    assert tp_desk.tickets.open(1, None) and tp_desk.tickets.open(2, None)
+    hit, mirrored = VllmSender(tp_desk, 1, 40), VllmSender(tp_desk, 2, 20)
+    assert hit.poll() is KVPoll.READY and mirrored.poll() is KVPoll.READY
+    assert len(hit.mirror_slots(16, 40)) == 24  # tokens 0..15: a prefix hit
+    hit.send_pages([3, 4, 5], 0)
+    assert hit.poll() is KVPoll.FAILED and not tp_desk.has_repacks()
+    assert hit.failure_reason() == NOT_MIRRORED.format(16)
+    hit.send_aux(0)  # the engine may still send the row: nothing changes
+    assert hit.poll() is KVPoll.FAILED
+    assert desk.staging.num_free == BLOCKS - 3
+    hit.close()
+    assert desk.staging.num_free == BLOCKS - 1
+    mirrored.mirror_slots(0, 20)
+    mirrored.send_pages([6, 7], 0)
+    mirrored.send_aux(1)
+    assert mirrored.poll() is KVPoll.SUCCESS and tp_desk.counts.mirrored_tokens == 20
