@@ -252,7 +252,9 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
-        self._vllm_staging = lead_staging(self.config, kv_cache, info.num_kv_heads, placement.size)
+        self._vllm_staging = lead_staging(
+            self.config, kv_cache, info.num_kv_heads, placement.size, group.channel
+        )
         # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
         # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
         self.metrics.lead_group(placement.size)

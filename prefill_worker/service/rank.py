@@ -54,13 +54,14 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
         runner, kv_cache, info = load_model(config, build_model, tp=membership.tp, device=device)
         agree_loaded(kv_cache.layout.num_pages)
         heads = info.num_kv_heads
+        staging = follow_staging(config, kv_cache, heads, placement.rank, placement.size)
         steps: ModelRunner = runner
-        if not follow_staging(config, kv_cache, heads, placement.rank, placement.size):
+        if staging is not None and staging.heads is None:  # its head is another rank's
             steps = Unmirrored(runner)
         target = _transfer_target(config, kv_cache, heads, placement)
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
         try:
-            serve_steps(steps, channel, target)
+            serve_steps(steps, channel, target, staging)
         finally:
             if target is not None:
                 target.close()

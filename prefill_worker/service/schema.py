@@ -53,8 +53,9 @@ class Config(Section):
     @model_validator(mode="after")
     def _tp_serves_one_push_protocol(self) -> Config:
         """At TP > 1 only a desk that leads the group has every rank push its heads (native,
-        or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
-        leader's heads only."""
+        or SGLang's, alone: docs/parallelism.md), and vLLM's pulls read every rank's heads
+        from the region the group shares (alone: docs/vllm.md); any other choice would offer
+        decodes the leader's heads only."""
         protocols = self.transfer.protocols
         if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",), ("vllm",)):
             raise ValueError(
@@ -66,21 +67,14 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _vllm_tp_stages_on_one_host(self) -> Config:
-        """At TP > 1 vLLM's blocks are a region the ranks share in memory and each rank's
-        forward writes its heads (docs/vllm.md, "Workers with TP > 1"): one host, and no
-        prefix-cache hit, whose tokens no forward writes."""
-        if self.parallel.tp_size == 1 or "vllm" not in self.transfer.protocols:
-            return self
-        where = f"transfer.protocol vllm at parallel.tp_size {self.parallel.tp_size}"
-        if self.parallel.interface is not None:
+        """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
+        "Workers with TP > 1"): the group runs on one host."""
+        tp_size = self.parallel.tp_size
+        if tp_size > 1 and "vllm" in self.transfer.protocols and self.parallel.interface:
             raise ValueError(
-                f"{where}: the ranks share the staging region in memory, so the group runs on "
-                "one host; unset parallel.interface"
-            )
-        if self.cache.prefix_caching:
-            raise ValueError(
-                f"{where}: a prefix-cache hit's tokens are written by no forward, and only "
-                "the forwards stage each rank's heads; set cache.prefix_caching false"
+                f"transfer.protocol vllm at parallel.tp_size {tp_size}: the ranks share the "
+                "staging region in memory, so the group runs on one host; unset "
+                "parallel.interface"
             )
         return self
 

@@ -10,7 +10,8 @@ A step is one of::
     STOP       the leader is closing: followers leave their loop and exit 0
 
 Every step's body also carries the transfer ops queued since the last step and the rooms
-whose state the ranks agree on after it (``transfer/group.py``, ``tp/mirror.py``).
+whose state the ranks agree on after it (``transfer/group.py``, ``tp/mirror.py``), and the
+vLLM repacks each follower runs for its heads before the forward (``transfer/vllm/shared``).
 Torch-free; ``channel.py`` carries the bytes.
 """
 
@@ -25,6 +26,7 @@ import msgspec
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.request import SamplingParams
 from prefill_worker.transfer.group import MirrorOp
+from prefill_worker.transfer.vllm.shared import Stage
 
 
 class StepKind(enum.IntEnum):
@@ -54,6 +56,7 @@ class _Body(msgspec.Struct, array_like=True, frozen=True):
     plan: _Plan | None
     ops: list[MirrorOp]
     rooms: list[int]
+    stages: list[Stage] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class Step:
     plan: BatchPlan | None  # FORWARD only
     ops: Sequence[MirrorOp]
     rooms: Sequence[int]
+    stages: Sequence[Stage] = ()  # vLLM repacks each follower runs before the forward
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -69,17 +73,20 @@ _FOLLOWER_SAMPLING = SamplingParams()  # a follower only needs to know that a ch
 
 
 def encode_step(
-    plan: BatchPlan | None, ops: Sequence[MirrorOp] = (), rooms: Sequence[int] = ()
+    plan: BatchPlan | None,
+    ops: Sequence[MirrorOp] = (),
+    rooms: Sequence[int] = (),
+    stages: Sequence[Stage] = (),
 ) -> bytes:
     wire = None if plan is None else _plan_to_wire(plan)
-    return _encoder.encode(_Body(wire, list(ops), list(rooms)))
+    return _encoder.encode(_Body(wire, list(ops), list(rooms), list(stages)))
 
 
 def decode_step(data: bytes) -> Step:
     """The step as a follower runs it: the same forward inputs, a placeholder sampling."""
     body = _decoder.decode(data)
     plan = None if body.plan is None else _plan_from_wire(body.plan)
-    return Step(plan, body.ops, body.rooms)
+    return Step(plan, body.ops, body.rooms, body.stages)
 
 
 def _plan_to_wire(plan: BatchPlan) -> _Plan:

@@ -4,9 +4,11 @@ forwards write their KV head into the staging region the group shares, the leade
 serves it as one vLLM prefill rank, and vLLM pulls transformers' K/V (fp32, 1e-4) for
 prompts of 1, 31, 32, 33 and 300 tokens, each head byte-exact against the pool of the rank
 that computed it (each rank dumps its own pool on SIGUSR2); 8 requests prefilled at once,
-then pulled at once, each exact; every staging block back after. The worker runs with the
-prefix cache off (its configuration requires it at TP > 1) and optimistic prefill off (the
-chunks are the same whatever the timing, as in the other TP interop tests)."""
+then pulled at once, each exact; a decode of TP 2 (two vLLM processes, a head each) reads
+each rank's head and its two notifications end the hold; every staging block back after.
+A prompt that hits the worker's prefix cache mid-block is repacked by every rank (its own
+heads) and the rest mirrored, pulled exactly. The worker runs with optimistic prefill off
+(the chunks are the same whatever the timing, as in the other TP interop tests)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from prefill_worker.testing.launch import free_port
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker
 from tests.integration.daemon.test_daemon import hf_reference
@@ -34,7 +37,7 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
-from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess
+from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
@@ -53,7 +56,6 @@ def served(
         vllm_checkpoint,
         "transfer.protocol=vllm",
         f"parallel.tp_size={TP}",
-        "cache.prefix_caching=false",
         "scheduler.optimistic_prefill=false",
     )
     try:
@@ -127,6 +129,28 @@ def test_vllm_pulls_every_rank_s_heads_from_a_tp_worker(
     _staging_whole(worker)
 
 
+def test_a_prefix_hit_is_repacked_by_every_rank(
+    served: tuple[Worker, str, Path], vllm_decode: VllmDecodeProcess, tmp_path: Path
+) -> None:
+    """100 cached tokens (three blocks and 4 tokens of the fourth) repacked by both ranks,
+    each its head (the leader on its repack thread, the follower from a step's stage), the
+    40 computed ones mirrored by both forwards: vLLM reads all of them exactly."""
+    worker, api, checkpoint = served
+    decode = vllm_decode
+    base = prompt(200, seed=_seed(decode, 21))
+    first = _prefill(api, base, decode.version)
+    decode.call("pull", request_id="tp-base", params=first, num_local=0)  # releases it
+    assert decode.call("wait", request_id="tp-base", deadline_s=30)["load_errors"] == []
+    ids = base[:100] + prompt(40, seed=_seed(decode, 22))
+    before = _staged(worker)
+    outcome = decode.pull_and_wait("tp-hit-100", _prefill(api, ids, decode.version))
+    assert outcome["finished"] and outcome["load_errors"] == [], outcome
+    assert _staged(worker) == (before[0] + 40, before[1] + 100)
+    pulled = decode.blocks("tp-hit-100", tmp_path / "hit.npz")
+    _assert_transformers_kv(pulled, hf_reference(checkpoint, ids)[1], len(ids))
+    _staging_whole(worker)
+
+
 def test_eight_requests_at_once_from_a_tp_worker(
     served: tuple[Worker, str, Path], vllm_decode: VllmDecodeProcess, tmp_path: Path
 ) -> None:
@@ -144,4 +168,58 @@ def test_eight_requests_at_once_from_a_tp_worker(
         pulled = decode.blocks(f"tp-many-{i}", tmp_path / f"many-{i}.npz")
         _assert_transformers_kv(pulled, hf_reference(checkpoint, ids)[1], len(ids))
     _staging_whole(worker)
+    assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="expired"}') == 0
+
+
+@pytest.fixture(scope="module", params=VLLM_VERSIONS)
+def decode_tp2(
+    vllm_checkpoint: Path, request: pytest.FixtureRequest
+) -> Iterator[list[VllmDecodeProcess]]:
+    """vLLM's connector as a decode of TP 2: two processes, one gloo group, one KV head each."""
+    version = request.param
+    vllm_pythonpath(version)  # skip before starting anything
+    port = free_port()
+    ranks = [
+        VllmDecodeProcess(
+            vllm_checkpoint,
+            vllm_checkpoint.parent / f"decode-tp2-{version}-rank{rank}.log",
+            num_blocks=64,
+            engine_id=f"vllm-decode-tp2-{version}",
+            version=version,
+            tp=(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    try:
+        for decode in ranks:
+            assert decode.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"
+        yield ranks
+    finally:
+        for decode in ranks:
+            decode.close()
+
+
+def test_a_decode_of_tp_2_pulls_each_rank_s_head(
+    served: tuple[Worker, str, Path], decode_tp2: list[VllmDecodeProcess], tmp_path: Path
+) -> None:
+    """Each decode rank reads its head of every block (vLLM's decode TP > prefill TP path:
+    ``tp_size`` 1 in the answer) and notifies with 2 consumers: the hold ends once both read."""
+    worker, api, checkpoint = served
+    version = decode_tp2[0].version
+    for n in (1, 31, 32, 33, 300):
+        ids = prompt(n, seed=_seed(decode_tp2[0], 100 + n))
+        params = _prefill(api, ids, version)
+        for decode in decode_tp2:
+            decode.call("pull", request_id=f"tp2-{n}", params=params)
+        heads = []
+        for rank, decode in enumerate(decode_tp2):
+            outcome = decode.call("wait", timeout_s=90, request_id=f"tp2-{n}", deadline_s=60)
+            assert outcome["finished"] and outcome["load_errors"] == [], (rank, outcome)
+            heads.append(decode.blocks(f"tp2-{n}", tmp_path / f"tp2-{n}-{rank}.npz"))
+        pulled = {
+            name: np.concatenate([h[name] for h in heads], axis=1)  # [blocks, 2 heads, ...]
+            for name in heads[0]
+        }
+        _assert_transformers_kv(pulled, hf_reference(checkpoint, ids)[1], n)
+        _staging_whole(worker)  # both ranks' notifications: released, not expired
     assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="expired"}') == 0

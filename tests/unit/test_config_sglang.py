@@ -42,23 +42,17 @@ def test_a_tensor_parallel_worker_serves_one_protocol() -> None:
     assert load_config(None, env={}, overrides=["transfer.protocol=both"]).parallel.tp_size == 1
 
 
-def test_a_tensor_parallel_vllm_worker_is_one_host_with_no_prefix_cache() -> None:
-    """At TP > 1 vLLM's staging region is shared memory the forwards fill: one host (no
-    ``parallel.interface``), no prefix-cache hits (their tokens no forward writes)."""
+def test_a_tensor_parallel_vllm_worker_is_one_host() -> None:
+    """At TP > 1 vLLM's staging region is memory the ranks share: no ``parallel.interface``
+    (a group across hosts)."""
     flags = ["transfer.protocol=vllm", "parallel.tp_size=2", "http_api.enabled=true"]
-    config = load_config(None, env={}, overrides=[*flags, "cache.prefix_caching=false"])
+    config = load_config(None, env={}, overrides=flags)
     assert config.parallel.tp_size == 2 and config.transfer.protocols == ("vllm",)
-    refusals = {
-        "cache.prefix_caching=true": "set cache.prefix_caching false",
-        "parallel.interface=eth1": "unset parallel.interface",
-    }
-    for flag, why in refusals.items():
-        other = "cache.prefix_caching=false" if flag.startswith("parallel") else flag
-        with pytest.raises(ConfigError) as info:
-            load_config(None, env={}, overrides=[*flags, flag, other])
-        assert why in "\n".join(info.value.problems), flag
-    one = ["transfer.protocol=vllm", "http_api.enabled=true"]  # TP 1: the prefix cache stays
-    assert load_config(None, env={}, overrides=one).cache.prefix_caching
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=[*flags, "parallel.interface=eth1"])
+    assert "unset parallel.interface" in "\n".join(info.value.problems)
+    native = ["transfer.protocol=native", "parallel.tp_size=2", "parallel.interface=eth1"]
+    assert load_config(None, env={}, overrides=native).parallel.interface == "eth1"
 
 
 def test_an_unknown_protocol_is_refused() -> None:

@@ -106,8 +106,7 @@ class VllmBackend:
         holds = HoldTable(options.lease_s, options.read_grace_s)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
         pool = PoolViews(regions)
-        can_repack = group is None
-        self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, can_repack)
+        self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, group)
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -174,6 +173,7 @@ class VllmBackend:
         return VllmSender(self.desk, room, num_prompt_tokens)
 
     def poll(self) -> None:
+        self.desk.sync()  # at TP > 1: the followers' repacks go on a step now
         self._channel.poll()  # handshakes: a decode waits 5 s for its answer
         try:
             notifs = self.agent.get_new_notifs()

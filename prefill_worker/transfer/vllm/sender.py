@@ -8,13 +8,13 @@ The life of a sender (``transfer.base`` names the states)::
     send_pages × n                   TRANSFERRING   (a repack of what no forward wrote)
     send_aux, then every repack done SUCCESS        (blocks held under a lease; ticket done)
     no staging blocks free           FAILED         (the reason says how many were wanted)
-    pages no forward wrote, at TP > 1 FAILED        (no repack: the pool holds some heads only)
 
 A chunk planned once the blocks are taken is mirrored: the scheduler asks ``mirror_slots``
 and the forward writes the chunk's K/V into the blocks beside its pages, so its
 ``send_pages`` (after that forward) queues nothing. The positions of sent pages that no
 forward mirrored (a prefix-cache hit, chunks computed before the claim) are repacked off the
-engine thread (``desk``); ``poll`` completes the ticket, and with it the HTTP answer that
+engine thread (``desk``; at TP > 1 on every rank, each its own heads); ``poll`` completes
+the ticket, and with it the HTTP answer that
 lets a decode READ, only when all of them are done: a fully mirrored request answers right
 after its last forward. Until then the sender owns its staging blocks and ``close`` frees
 them, after waiting for a repack still writing into them (the engine closes a sender whose
@@ -31,11 +31,6 @@ from concurrent.futures import Future, wait
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.staging import block_slots
-
-NOT_MIRRORED = (
-    "{} prompt tokens were not written by this request's forwards (a prefix-cache hit?), and "
-    "a tensor-parallel worker stages vLLM's blocks by the forwards only"
-)
 
 
 class VllmSender:
@@ -70,23 +65,16 @@ class VllmSender:
         return block_slots(self._blocks, self._desk.staging.layout.block_size, start, end)
 
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        if self._state is KVPoll.FAILED:
-            return  # failed on pages it could not stage: the engine ends the request
         assert self._blocks is not None, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
         ps = self._desk.page_size
         sent = range(first_page * ps, min((first_page + len(page_ids)) * ps, self._num_tokens))
         gaps = _not_in(sent, self._mirrored)
-        if gaps and not self._desk.can_repack:
-            self.fail(NOT_MIRRORED.format(sum(map(len, gaps))))
-            return
         for tokens in gaps:
-            self._repacks.append(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
+            self._repacks.extend(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
         self._mirrored_bytes += self._desk.note_mirrored(len(sent) - sum(map(len, gaps)))
 
     def send_aux(self, aux_row: int) -> None:
-        if self._state is KVPoll.FAILED:
-            return
         assert self._blocks is not None, "send_aux before READY"
         self._state, self._is_aux_sent = KVPoll.TRANSFERRING, True
         self._try_hold()
@@ -94,6 +82,10 @@ class VllmSender:
     def _try_hold(self) -> None:
         """Once every repack is done: hold the blocks and complete the ticket."""
         if not all(f.done() for f in self._repacks):
+            return
+        errors = [e for e in (f.exception() for f in self._repacks) if e is not None]
+        if errors:  # at TP > 1 also: the group failed before a step carried the followers'
+            self.fail(f"a repack failed: {errors[0]}")
             return
         self._written = self._mirrored_bytes + sum(f.result() for f in self._repacks)
         blocks, self._blocks = self._blocks, None
@@ -119,7 +111,9 @@ class VllmSender:
     def close(self) -> None:
         for future in self._repacks:
             future.cancel()
-        wait(self._repacks)  # one still copying writes into the blocks: free them after it
+        # One still copying writes into the blocks (at TP > 1 also a follower's stage that a
+        # step already carries): free them after it.
+        wait([f for f in self._repacks if not f.cancelled()])
         if self._blocks is not None:
             self._desk.staging.free(self._blocks)
             self._blocks = None

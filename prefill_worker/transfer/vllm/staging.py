@@ -207,10 +207,12 @@ def repack(
     first_page: int,
     block_ids: Sequence[int],
     tokens: range,
+    heads: range | None = None,
 ) -> int:
     """Copy prompt positions ``tokens`` (within prompt pages [first_page, first_page +
     len(page_ids)), held in our pages ``page_ids``) into the request's staging ``block_ids``;
-    returns the bytes copied.
+    returns the bytes copied (of every head: at TP > 1 the group's). ``heads``: the staged
+    heads the pool holds (a tensor-parallel rank's); None: all.
 
     One pass, no gather: the tokens are cut where a page or a block ends, and each piece (at
     most ``min(page_size, block_size)`` tokens of one page and one block) is one strided copy
@@ -220,7 +222,9 @@ def repack(
     assert first_page * ps <= start and stop <= (first_page + len(page_ids)) * ps, tokens
     if stop <= start:
         return 0
-    dst = staging.all_rows()
+    dst = staging.all_rows()  # [layers, blocks, heads, block_size, 2]
+    if heads is not None:
+        dst = dst[:, :, heads.start : heads.stop]
     for t0, t1 in _pieces(start, stop, ps, bs):
         page, block = page_ids[t0 // ps - first_page], block_ids[t0 // bs]
         src_slots, dst_slots = slice(t0 % ps, t0 % ps + t1 - t0), slice(t0 % bs, t0 % bs + t1 - t0)
