@@ -4,7 +4,8 @@ One row per model family (``FAMILIES``): a dense Llama of realistic proportions 
 1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8), a DeepSeek-V3 (MLA
 attention, grouped sigmoid routing, a shared expert) and a Qwen3-Next (gated DeltaNet in 6
 of its 8 layers, both sides running the same torch delta rule; its FLOP count treats every
-layer as attention, so its MFU is indicative only). For each,
+layer as attention, so its MFU is indicative only) and a gpt-oss (sliding window 128 on every
+other layer, sinks, 64 experts, top 8; its FLOP count ignores the window). For each,
 in one process, same weights, dtype and threads, it times a mixed batch of 8 prompts (64 to
 2048 tokens): ours as one packed plan; HF one prompt at a time and as one padded batch (the
 faster is the baseline; HF's MoE experts run its default ``experts_implementation``). Also
@@ -153,6 +154,19 @@ FAMILIES = (
         | MOE_QUICK
         | LINEAR_QUICK
         | dict(num_experts=32, head_dim=64, shared_expert_intermediate_size=256),
+    ),
+    # gpt-oss: sliding (window 128) and full layers alternating, sinks, biased router, clamped
+    # SwiGLU experts (unquantized here: both sides run the same bf16/fp32 weights).
+    Family(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        DENSE
+        | ATTENTION
+        | dict(intermediate_size=256, num_local_experts=64, num_experts_per_tok=8, head_dim=64),
+        DENSE_QUICK
+        | ATTENTION_QUICK
+        | dict(intermediate_size=128, num_local_experts=32, num_experts_per_tok=4, head_dim=64),
     ),
 )
 

@@ -23,11 +23,14 @@ from prefill_worker.model.attention import (
     resolve_backend_name,
     resolve_mla_backend_name,
 )
+from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
+from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
+from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
-from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
@@ -64,10 +67,11 @@ class ModelInfo:
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:N"
-    attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    attention_backend: str  # resolved: "sdpa" | "flashinfer" | "sinks" (gpt-oss's)
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
     state: StateComponent | None = None  # a hybrid model's linear-attention state pool
+    sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -136,6 +140,8 @@ def build(
         state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
     model, attention = create_model(spec, weights, tp, experts, backend_name, state)
+    if isinstance(attention, SinkWindowBackend):
+        backend_name = SinkWindowBackend.name
     dtype_name = DTYPE_NAMES[torch_dtype]
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
@@ -160,21 +166,28 @@ def build(
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     if state is not None:
         info = dataclasses.replace(info, state=state.component())
+    if spec.sliding is not None:
+        info = dataclasses.replace(info, sliding_window=spec.sliding.window)
     return runner, kv_cache, info
 
 
 def create_model(
     spec: ModelSpec,
-    weights: ModelWeights | MLAModelWeights | HybridModelWeights,
+    weights: ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights,
     tp: TPGroup,
     experts: ExpertsBackend,
     attention_backend: str,
     state: StateCache | None = None,
-) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM, AttentionBackend]:
+) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
-    family: over the state pool ``state``)."""
+    family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
+    whatever ``attention_backend`` names, the others having no sinks or windows)."""
     device = weights.embed.device
+    if isinstance(weights, GptOssModelWeights):
+        return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
+    if isinstance(weights, Gemma3ModelWeights):
+        return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
         model = Qwen3NextLM(spec, weights, state, tp, experts)

@@ -2,7 +2,8 @@
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``, a hybrid
-one's through ``model.hybrid_loader``). Every
+one's through ``model.hybrid_loader``, gpt-oss's and Gemma 3's through
+``model.gpt_oss_loader`` and ``model.gemma3_loader``). Every
 expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
 shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
 and gate/up into another, so a layer runs four GEMMs.
@@ -29,6 +30,10 @@ import torch
 from safetensors import safe_open
 
 from prefill_worker.model.deepseek import MLALayerWeights, MLAModelWeights
+from prefill_worker.model.gemma3 import Gemma3ModelWeights
+from prefill_worker.model.gemma3_loader import fuse_gemma3, gemma3_shapes
+from prefill_worker.model.gpt_oss import GptOssModelWeights
+from prefill_worker.model.gpt_oss_loader import fuse_gpt_oss, gpt_oss_shapes
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hybrid_loader import fuse_hybrid, hybrid_shapes
 from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
@@ -40,6 +45,7 @@ from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
 log = logging.getLogger(__name__)
 
+SlidingWeights = GptOssModelWeights | Gemma3ModelWeights
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -55,6 +61,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold, with its shape."""
     if spec.linear is not None:
         return hybrid_shapes(spec)
+    if spec.sliding is not None:
+        return gemma3_shapes(spec) if spec.family == "gemma3" else gpt_oss_shapes(spec)
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -196,7 +204,7 @@ def load_checkpoint(
     device: torch.device,
     on_progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
-) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights]:
+) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
     ``CheckpointError`` on any problem."""
     root = Path(model_dir)
@@ -224,11 +232,14 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
 
 def fuse_weights(
     spec: ModelSpec, source: TensorSource
-) -> ModelWeights | MLAModelWeights | HybridModelWeights:
+) -> ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights:
     """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
     ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``)."""
     if spec.linear is not None:
         return fuse_hybrid(spec, source.get)
+    if spec.sliding is not None:
+        fuse = fuse_gemma3 if spec.family == "gemma3" else fuse_gpt_oss
+        return fuse(spec, source.get)
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:

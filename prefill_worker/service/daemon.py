@@ -170,6 +170,7 @@ class Daemon:
                 self.inbox.wake,
                 self.health.is_live,
                 info.state,
+                info.sliding_window,
                 self._vllm_staging,
             )
         self._closers.append(("transfer", transfer.backend.close))

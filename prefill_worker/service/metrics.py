@@ -263,9 +263,9 @@ class WorkerMetrics:
 
     def observe_outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.status.value, outcome.reason.value).inc()
-        self.transfer_bytes.inc(outcome.transfer_bytes)  # landed writes, failed requests too
+        self.transfer_bytes.inc(outcome.transfer.bytes)  # landed writes, failed requests too
         if self._group_size > 1:  # the leader's writes: the followers' come by the step
-            self.rank_write_bytes.labels(rank="0").inc(outcome.transfer_bytes)
+            self.rank_write_bytes.labels(rank="0").inc(outcome.transfer.bytes)
         self.prompt_tokens.inc(outcome.num_prompt_tokens)
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)

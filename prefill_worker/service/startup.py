@@ -64,6 +64,7 @@ from prefill_worker.transfer.options import (
     VllmOptions,
 )
 from prefill_worker.transfer.state_guard import StateGuard, refusal
+from prefill_worker.transfer.swa_window import guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -223,14 +224,17 @@ def start_transfer(
     wake: Callable[[], None],
     is_live: Callable[[], bool],
     state: StateComponent | None = None,
+    sliding_window: int | None = None,
     vllm_staging: GroupStaging | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
     no protocol carries yet: each protocol's backend then refuses every claimed room with a
-    typed reason (``transfer.state_guard``). ``vllm_staging``: at TP > 1, the region the
-    group shares (``service.vllm_group``), which the vLLM backend registers."""
+    typed reason (``transfer.state_guard``). ``sliding_window``: a sliding-window model's,
+    whose rooms every protocol but native refuses likewise (``transfer.swa_window``).
+    ``vllm_staging``: at TP > 1, the region the group shares (``service.vllm_group``), which
+    the vLLM backend registers."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -264,6 +268,11 @@ def start_transfer(
                 "when its decode claims it (state_unsupported)",
                 state.kind,
             )
+        if sliding_window is not None:
+            backends = guard_unproven(backends)
+            log.warning(
+                "sliding-window model: only the native protocol serves it (swa_unsupported)"
+            )
         return serve_protocols(backends, tickets, mirror_layers)
 
 
@@ -284,7 +293,12 @@ def _limits(config: Config) -> BootstrapLimits:
 def _sglang_options(config: Config) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
-    nixl = NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_sglang_ucx_net_devices)
+    nixl = NixlOptions(
+        agent_name,
+        tuple(cfg.nixl_backends),
+        cfg.resolved_sglang_ucx_net_devices,
+        config.tracing.enabled,
+    )
     return SglangOptions(
         cfg.sglang_bootstrap_bind,
         cfg.resolved_sglang_rank_ip,
@@ -330,7 +344,12 @@ def _native_backend(config: Config, regions: KVRegions, hooks: Hooks) -> Transfe
         cfg.peer_timeout_s,
         cfg.heartbeat_interval_s,
         want_timeout_s=config.scheduler.bootstrap_timeout_s,
-        nixl=NixlOptions(cfg.agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        nixl=NixlOptions(
+            cfg.agent_name,
+            tuple(cfg.nixl_backends),
+            cfg.resolved_ucx_net_devices,
+            config.tracing.enabled,  # NIXL's telemetry for the transfer span
+        ),
         limits=_limits(config),
         curve=curve,
     )

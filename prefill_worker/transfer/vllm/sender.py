@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.staging import block_slots
@@ -105,8 +106,8 @@ class VllmSender:
     def why_no_handshake(self) -> str | None:
         return None
 
-    def written_bytes(self) -> int:
-        return self._written
+    def transfer_stats(self) -> TransferStats:
+        return TransferStats(self._written)  # the decode READs: no writes of ours to count
 
     def close(self) -> None:
         for future in self._repacks:

@@ -79,7 +79,7 @@ def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
     assert params["remote_engine_id"] == "engine-1" and params["remote_port"] == 5600
     assert params["remote_registration_generation"] == 7
     assert params["transfer_mode"] == "pull" and params["do_remote_prefill"] is True
-    assert sender.written_bytes() == 33 * 2 * 2 * 4 * 4
+    assert sender.transfer_stats().bytes == 33 * 2 * 2 * 4 * 4
     block0 = torch.from_numpy(desk.staging.layer_view(1)[0].view("float32"))  # [H, 32, 2D]
     assert torch.equal(block0[0, :16, 4:], pool[1, 1, 0, :, 0])  # V of layer 1, page 0
     assert desk.staging.num_free == BLOCKS - 2
@@ -187,7 +187,7 @@ def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> 
     assert sender.poll() is KVPoll.TRANSFERRING and len(desk.holds) == 0
     repacker.gate.set()
     wait_until(lambda: sender.poll().is_terminal, what="the repacks end")
-    assert sender.poll() is KVPoll.SUCCESS and sender.written_bytes() == 40 * 2 * 2 * 4 * 4
+    assert sender.poll() is KVPoll.SUCCESS and sender.transfer_stats().bytes == 40 * 2 * 2 * 4 * 4
     params = desk.tickets.take(3)
     assert params is not None
     (blocks,) = params["remote_block_ids"]
