@@ -70,10 +70,12 @@ from prefill_worker.service.supervisor import (
 )
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.service.tracing import TracedInbox, start_tracer
+from prefill_worker.service.vllm_group import lead_staging
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.group import GroupBackend
+from prefill_worker.transfer.vllm.shared import GroupStaging
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -94,6 +96,7 @@ class Daemon:
         self._build_model = build_model
         self._env, self._rank_command = env, rank_command
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
+        self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
         self.metrics = WorkerMetrics(self.registry)
@@ -169,12 +172,17 @@ class Daemon:
                 self.health.is_live,
                 info.state,
                 info.sliding_window,
+                self._vllm_staging,
             )
         self._closers.append(("transfer", transfer.backend.close))
-        attach_kv_mirror(transfer, kv_cache)
+        if self._vllm_staging is None:  # at TP > 1 its heads of the shared region, attached
+            attach_kv_mirror(transfer, kv_cache)
         backend: TransferBackend = transfer.backend
         layout = kv_cache.layout
-        if self._group is not None:  # every sender mirrored to the followers, states agreed
+        # A vLLM pull needs nothing from the followers but their forwards' mirror writes,
+        # done when the leader's forward returns: its senders are not mirrored.
+        if self._group is not None and self._vllm_staging is None:
+            # every sender mirrored to the followers, states agreed
             assert placement is not None
             if lead_group(backend, placement.size, info.num_kv_heads):
                 layout = dataclasses.replace(layout, num_kv_heads=info.num_kv_heads)
@@ -249,6 +257,9 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        self._vllm_staging = lead_staging(
+            self.config, kv_cache, info.num_kv_heads, placement.size, group.channel
+        )
         # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
         # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
         self.metrics.lead_group(placement.size)

@@ -53,13 +53,28 @@ class Config(Section):
     @model_validator(mode="after")
     def _tp_serves_one_push_protocol(self) -> Config:
         """At TP > 1 only a desk that leads the group has every rank push its heads (native,
-        or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
-        leader's heads only."""
+        or SGLang's, alone: docs/parallelism.md), and vLLM's pulls read every rank's heads
+        from the region the group shares (alone: docs/vllm.md); any other choice would offer
+        decodes the leader's heads only."""
         protocols = self.transfer.protocols
-        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",)):
+        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",), ("vllm",)):
             raise ValueError(
                 f"transfer.protocol {self.transfer.protocol!r} at parallel.tp_size "
-                f"{self.parallel.tp_size}: a tensor-parallel worker serves native or sglang alone"
+                f"{self.parallel.tp_size}: a tensor-parallel worker serves native, sglang or "
+                "vllm alone"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_tp_stages_on_one_host(self) -> Config:
+        """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
+        "Workers with TP > 1"): the group runs on one host."""
+        tp_size = self.parallel.tp_size
+        if tp_size > 1 and "vllm" in self.transfer.protocols and self.parallel.interface:
+            raise ValueError(
+                f"transfer.protocol vllm at parallel.tp_size {tp_size}: the ranks share the "
+                "staging region in memory, so the group runs on one host; unset "
+                "parallel.interface"
             )
         return self
 

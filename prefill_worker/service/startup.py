@@ -66,6 +66,7 @@ from prefill_worker.transfer.options import (
 from prefill_worker.transfer.state_guard import StateGuard, refusal
 from prefill_worker.transfer.swa_window import guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -225,13 +226,16 @@ def start_transfer(
     is_live: Callable[[], bool],
     state: StateComponent | None = None,
     sliding_window: int | None = None,
+    vllm_staging: GroupStaging | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state component, which
     no protocol carries yet: each protocol's backend then refuses every claimed room with a
     typed reason (``transfer.state_guard``). ``sliding_window``: a sliding-window model's,
-    whose rooms every protocol but native refuses likewise (``transfer.swa_window``)."""
+    whose rooms every protocol but native refuses likewise (``transfer.swa_window``).
+    ``vllm_staging``: at TP > 1, the region the group shares (``service.vllm_group``), which
+    the vLLM backend registers."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -246,7 +250,8 @@ def start_transfer(
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
-                vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
+                options = _vllm_options(config)
+                vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk))
                 mirror_layers = vllm.mirror_layers
