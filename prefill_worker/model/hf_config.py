@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prefill_worker.model.hf_linear import HYBRID_FAMILIES, LinearAttentionSpec, linear_spec
+from prefill_worker.model.quant.spec import QuantSpec, quant_spec
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -129,6 +130,7 @@ class ModelSpec:
     moe: MoESpec | None = None  # None: every layer is dense
     mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
     linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
+    quant: QuantSpec | None = None  # FP8 weights (model.quant.spec); None: unquantized
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -187,6 +189,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         moe=moe_spec(raw) if _has_experts(raw, family) else None,
         mla=mla,
         linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
+        quant=quant_spec(raw),
     )
 
 
@@ -278,10 +281,6 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             f"architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only silu)")

@@ -2,7 +2,8 @@
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``, a hybrid
-one's through ``model.hybrid_loader``). Every
+one's through ``model.hybrid_loader``; FP8 weights are dequantized with their scales as they
+are read, ``model.quant.fp8``). Every
 expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
 shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
 and gate/up into another, so a layer runs four GEMMs.
@@ -35,6 +36,7 @@ from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.fp8 import check_scales, dequantize, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -154,22 +156,39 @@ class _Reader:
             num_elements *= size
         return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
 
+    def stored_dtype(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
         stored = self._read(name)
         if self.on_read is not None:
             self.on_read(stored.numel() * stored.element_size())
+        if is_fp8(stored):
+            stored = self._dequantize(name, stored)
         return stored.to(device=self.device, dtype=self.dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        dim, cut = self._cut(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
-        cut = shard_slice(self.spec, name, tuple(piece.get_shape()), self.tp)
         return piece[cut] if dim == 0 else piece[:, cut]
+
+    def _cut(self, name: str) -> tuple[int | None, slice]:
+        """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
+        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        if dim is None:
+            return None, slice(None)
+        return dim, shard_slice(self.spec, name, self.shape(name), self.tp)
+
+    def _dequantize(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        assert self.spec.quant is not None  # check_tensors refused FP8 without it
+        scale = self.spec.quant.scale_name(name)
+        dim, cut = self._cut(name)
+        return dequantize(stored, self._handle(scale).get_tensor(scale), self.spec.quant, dim, cut)
 
     def _handle(self, name: str) -> safe_open:
         path = self.files[name]
@@ -188,6 +207,8 @@ def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
         found = reader.shape(name)
         if found != shape:
             raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
+    shapes = expected_shapes(spec)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
 
 
 def load_checkpoint(
