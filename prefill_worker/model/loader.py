@@ -36,7 +36,8 @@ from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
-from prefill_worker.model.quant.fp8 import check_scales, dequantize, is_fp8
+from prefill_worker.model.quant.backends import create_fp8_backend
+from prefill_worker.model.quant.fp8 import check_scales, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -143,6 +144,7 @@ class _Reader:
         self.files, self.dtype, self.device = files, dtype, device
         self.spec, self.tp = spec, tp
         self.on_read: Callable[[int], None] | None = None
+        self.fp8 = create_fp8_backend()  # what an FP8 weight becomes (model.quant.backends)
         self._open: dict[Path, safe_open] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -188,7 +190,8 @@ class _Reader:
         assert self.spec.quant is not None  # check_tensors refused FP8 without it
         scale = self.spec.quant.scale_name(name)
         dim, cut = self._cut(name)
-        return dequantize(stored, self._handle(scale).get_tensor(scale), self.spec.quant, dim, cut)
+        scales = self._handle(scale).get_tensor(scale)
+        return self.fp8.prepare(stored, scales, self.spec.quant, dim, cut)
 
     def _handle(self, name: str) -> safe_open:
         path = self.files[name]
