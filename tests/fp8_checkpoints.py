@@ -82,9 +82,16 @@ def make_fp8_checkpoint(
     family: str, root: Path, block: tuple[int, int] | None = (128, 128), strategy: str = "block",
     **overrides: object,
 ) -> tuple[Path, Path]:  # fmt: skip
-    """(the FP8 checkpoint, its float32 reference): ``block`` for DeepSeek's format, else
-    ``strategy`` "channel" or "tensor" of ``compressed-tensors``."""
+    """(the FP8 checkpoint, its float32 reference) of a random ``family`` checkpoint: ``block``
+    for DeepSeek's format, else ``strategy`` "channel" or "tensor" of ``compressed-tensors``."""
     source = make_checkpoint(family, root / "source", **overrides)
+    return quantize_checkpoint(source, root, block, strategy)
+
+
+def quantize_checkpoint(
+    source: Path, root: Path, block: tuple[int, int] | None = (128, 128), strategy: str = "block"
+) -> tuple[Path, Path]:
+    """``root/fp8`` and ``root/reference`` from the single-file checkpoint ``source``."""
     fp8: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(source / "model.safetensors").items():
@@ -98,6 +105,7 @@ def make_fp8_checkpoint(
         else:
             fp8[name], fp8[stem + "weight_scale"] = quantize_channels(tensor, strategy == "tensor")
             reference[name] = fp8[name].float() * fp8[stem + "weight_scale"]
+        reference[name] = reference[name].to(tensor.dtype)
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = block_config(block) if block else compressed_config(strategy)
     return (

@@ -30,6 +30,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable
@@ -106,6 +107,7 @@ def build(
     tp: TPGroup = SINGLE,
     moe_backend: str = "auto",
     num_state_slots: int = DEFAULT_STATE_SLOTS,
+    kv_dtype: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -114,7 +116,8 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only.
+    full-attention layers only; it runs at TP 1 only. ``kv_dtype`` ``fp8_e4m3`` makes the
+    KV pool FP8 (``model.quant.kv``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -136,7 +139,8 @@ def build(
         state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
     model, attention = create_model(spec, weights, tp, experts, backend_name, state)
-    dtype_name = DTYPE_NAMES[torch_dtype]
+    dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
+    check_kv_backend(dtype_name, backend_name)
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         model.local.num_kv_heads,

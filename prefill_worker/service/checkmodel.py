@@ -30,6 +30,7 @@ from typing import Any
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.quant.kv import kv_dtype_name
 from prefill_worker.model.quant.memory import weight_note
 from prefill_worker.service.schema import Config
 
@@ -196,6 +197,7 @@ def _check_pool(config: Config, shape: PoolShape, check: ModelCheck) -> None:
     dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = shape.torch_dtype if shape.torch_dtype in DTYPE_ITEMSIZE else "float32"
+    dtype = kv_dtype_name(config.cache.kv_dtype, dtype)  # an FP8 pool: 1 byte a value
     cache = config.cache
     kind = MLA if shape.mla is not None else cache.layout
     one_page = KVLayout(

@@ -13,9 +13,9 @@ so every split the sharding table makes is served: each element is multiplied by
 the block it sits in, in the full tensor. The whole scale tensor is read (1/16384 of the
 weight at 128 × 128) and indexed by the slice's positions.
 
-Memory: the FP8 slice as read, one float32 copy of it times its expanded scale (transient,
-one tensor at a time), then the model's dtype: resident weights are 2 bytes per parameter in
-bf16, twice the FP8 checkpoint.
+Memory: the FP8 slice as read (1 byte per parameter), a float32 copy of it and the scales
+expanded to its shape (4 + 4 bytes), multiplied in place; transient, one tensor at a time. Then
+the model's dtype: resident weights are 2 bytes per parameter in bf16, twice the FP8 checkpoint.
 """
 
 from __future__ import annotations
@@ -87,14 +87,14 @@ def dequantize(
     values = weight.to(torch.float32)  # [rows, columns] of this rank
     factors = scale.to(torch.float32)
     if quant.strategy == TENSOR:
-        return values * factors.reshape(())
+        return values.mul_(factors.reshape(()))
     rows = _positions(values.shape[0], cut if dim == 0 else None)
     if quant.strategy == CHANNEL:
-        return values * factors[rows]  # [rows, 1]
+        return values.mul_(factors[rows])  # [rows, 1]
     assert quant.strategy == BLOCK and quant.block is not None
     columns = _positions(values.shape[1], cut if dim == 1 else None)
     block_rows, block_columns = quant.block
-    return values * factors[rows // block_rows][:, columns // block_columns]
+    return values.mul_(factors[rows // block_rows][:, columns // block_columns])  # [rows, cols]
 
 
 def _positions(length: int, cut: slice | None) -> torch.Tensor:

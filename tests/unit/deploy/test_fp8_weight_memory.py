@@ -76,3 +76,16 @@ def test_channel_scales_and_a_float32_model(tmp_path: Path, capsys) -> None:  # 
     # per rank: 6.95 B linear / 2 + the embeddings and lm_head whole (2 × 151936 × 4096 =
     # 1.245 B) + norms = 4.72 B × 4 bytes
     assert "resident per rank (TP 2) in float32: 17.58 GiB" in out
+
+
+def test_an_fp8_kv_pool_halves_the_bytes_per_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-8B's 36 layers × 2 × 8 KV heads × 128: 147456 bytes a token in bf16, 73728 in
+    FP8, so the same 48 GiB budget holds twice the pages."""
+    model = checkpoint(tmp_path, "qwen3-8b.json")
+    out = check("qwen3-8b-h100.yaml", f"model.path={model}", "cache.kv_dtype=fp8_e4m3",
+                capsys=capsys)  # fmt: skip
+    assert "36 layers, fp8_e4m3; KV per token per layer" in out
+    assert "2048 values, 2048 bytes; 73728 bytes of KV per token (36 layers)" in out
+    assert "43690 pages × 16 tokens = 699040 tokens, 48.00 GiB" in out
