@@ -2,10 +2,11 @@
 as the decode families cast it (scale 1.0: ``torch.float8_e4m3fn``, SGLang's
 ``set_kv_buffer``), and attention reads the FP8 pages back for a later chunk.
 
-Byte-exact: the FP8 pool's bytes equal transformers' K/V (and our own float32 pool's) cast to
-e4m3 (a chunk from position 0 attends over its fresh K/V, so the FP8 pool changes nothing the
-forward computes). Read back: a prompt in two chunks, whose second chunk attends over the first
-one's FP8 pages, gives the logits of a hand-built reference (the float32 run's K/V rounded
+Byte-exact: the FP8 pool's bytes equal our own float32 pool's K/V cast to e4m3 (a chunk from
+position 0 attends over its fresh K/V, so the FP8 pool changes nothing the forward computes),
+and transformers' K/V cast alike but for values at a rounding boundary (the adjacent code).
+Read back: a prompt in two chunks, whose second chunk attends over the first one's FP8 pages,
+gives the logits of a hand-built reference (the float32 run's K/V rounded
 through e4m3) and differs from the float32 pool's, so the rounding is really read.
 """
 
@@ -80,7 +81,16 @@ def test_pool_bytes_are_the_kv_cast_to_e4m3(checkpoint, pool_layout):
             wanted = [expected[:, None]] if family == "deepseek_v3" else list(expected)
             for stored, ours_plain, theirs in zip(got, plain, wanted, strict=True):
                 assert torch.equal(stored.view(torch.uint8), ours_plain.to(E4M3).view(torch.uint8))
-                assert torch.equal(stored.view(torch.uint8), theirs.to(E4M3).view(torch.uint8))
+                assert_adjacent(stored, theirs.to(E4M3))
+
+
+def assert_adjacent(stored: torch.Tensor, wanted: torch.Tensor) -> None:
+    """transformers' K/V cast alike: equal bytes, except where its float32 values and ours
+    (within 1e-4) straddle a rounding boundary: the adjacent e4m3 code, at most 1 in 1000."""
+    got, want = (t.view(torch.uint8).to(torch.int16) for t in (stored, wanted))
+    differ = got != want
+    assert ((got - want).abs()[differ] == 1).all()
+    assert int(differ.sum()) <= got.numel() // 1000
 
 
 def test_a_later_chunk_reads_the_fp8_pages_back(checkpoint):
