@@ -22,9 +22,13 @@ from safetensors.torch import load_file, save_file
 from tests.checkpoints import make_checkpoint
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-# The linear layers' weights (attention and MLP projections, experts, shared experts); not the
-# router (``mlp.gate.weight``), the embeddings, ``lm_head`` or any norm, as DeepSeek ships.
-QUANTIZED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """The linear layers' weights (attention, MLP, experts, shared experts, a hybrid's linear
+    attention projections); not the router (``mlp.gate.weight``), a shared expert's gate, the
+    embeddings, ``lm_head``, a conv or any norm, as the FP8 releases ship."""
+    return tensor.ndim == 2 and "_proj" in name and name.endswith(".weight")
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
@@ -96,7 +100,7 @@ def quantize_checkpoint(
     reference: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(source / "model.safetensors").items():
         fp8[name] = reference[name] = tensor
-        if not name.endswith(QUANTIZED_SUFFIXES):
+        if not is_quantized(name, tensor):
             continue
         stem = name.removesuffix("weight")
         if block is not None:

@@ -2,7 +2,8 @@
 per-tensor) through our loader and runner against ``transformers`` loading the same weights
 dequantized (``tests/fp8_checkpoints.py``), in float32.
 
-DeepSeek-V3 (MLA, MoE) and Qwen3 shapes; blocks smaller than 128 as well as 128 (on these tiny
+DeepSeek-V3 (MLA, MoE), Qwen3 and Qwen3-Next (a hybrid: its linear-attention projections in FP8
+too; logits only) shapes; blocks smaller than 128 as well as 128 (on these tiny
 matrices 128 is one partial block each), and blocks that the matrices' sizes do not divide, so
 the last block row and column are partial. The last token's logits and every layer's K/V (the
 MLA latent rows) are within 1e-4 of transformers'; the source checkpoint before quantization is
@@ -39,6 +40,7 @@ CASES = {
     "qwen3_block48": ("qwen3", (48, 48), "block"),
     "qwen3_channel": ("qwen3", None, "channel"),
     "qwen3_tensor": ("qwen3", None, "tensor"),
+    "qwen3_next_block16": ("qwen3_next", (16, 16), "block"),  # a hybrid: logits only
 }
 IDS = prompt(45, seed=1)
 
@@ -61,7 +63,15 @@ def test_logits_and_kv_match_transformers_on_the_dequantized_weights(case):
     family, fp8, reference = case
     runner, kv_cache, _ = ours(fp8)
     pages = scattered_pages(0, 3)
-    logits = runner.compute_logits(plan(chunk("a", IDS, 0, len(IDS), pages, last=True)))
+    whole = dataclasses.replace(chunk("a", IDS, 0, len(IDS), pages, last=True), state_slot=0)
+    logits = runner.compute_logits(plan(whole))
+    if family == "qwen3_next":  # its linear layers keep a state, not K/V: the logits say it
+        with torch.no_grad():
+            hf_logits = hf_model(reference)(torch.tensor([IDS])).logits[0]
+            source = hf_model(fp8.parent / "source")(torch.tensor([IDS])).logits[0]
+        torch.testing.assert_close(logits[0], hf_logits[-1], atol=TOL, rtol=0)
+        assert (source[-1] - hf_logits[-1]).abs().max() > 100 * TOL
+        return
     hf_logits, hf_kv = reference_forward(family, reference)
     torch.testing.assert_close(logits[0], hf_logits[-1], atol=TOL, rtol=0)
     for layer, expected in enumerate(hf_kv):
