@@ -19,6 +19,16 @@ Prints one JSON line per family and dtype::
      "hf_tok_s": ..., "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...,
      "kv_bytes_per_token": ...}
 
+``--quant fp8`` benches FP8 checkpoints instead (the rows say ``"quant": "fp8"``): the random
+checkpoint's linear layers quantized block-wise (128 × 128, float8_e4m3fn with
+``weight_scale_inv``, as DeepSeek ships them; ``tests/fp8_checkpoints.py``), ours loading that,
+``transformers`` the same weights dequantized (the worker dequantizes at load, so the forward's
+cost is the unquantized one; the row shows it). ``bench/results/fp8.jsonl`` holds a run of
+``--quick --family llama --family deepseek_v3 --dtype bfloat16 --repeats 2`` with and without
+``--quant fp8`` (2 shared cores under a mutation run: tok/s moved 2-3x between runs; only
+that the FP8 checkpoints load and run is the result), then ``bench/transfer_bandwidth.py``'s
+``--kv-dtypes bfloat16,fp8_e4m3`` rows.
+
 ``--family`` picks families (default: every one this build serves; a family whose
 architecture is not in ``hf_config.ARCHITECTURES`` is skipped with a note); ``--quick``
 shrinks the models and prompts for a smoke run; ``--profile`` prints a torch.profiler table
@@ -260,9 +270,11 @@ def hf_padded(model: torch.nn.Module, prompts: list[list[int]]) -> None:
 
 
 def measure(
-    family: str, path: Path, sizes: tuple[int, ...], dtype: str, repeats: int
-) -> dict[str, object]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    family: str, path: Path, sizes: tuple[int, ...], dtype: str, repeats: int,
+    hf_path: Path | None = None, quant: str = "none",
+) -> dict[str, object]:  # fmt: skip
+    """``hf_path``: the checkpoint ``transformers`` loads, when not ``path`` (FP8's reference)."""
+    hf = AutoModelForCausalLM.from_pretrained(hf_path or path, dtype=DTYPES[dtype]).eval()
     gen = torch.Generator().manual_seed(1)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in sizes]
@@ -296,6 +308,7 @@ def measure(
         "name": "prefill_throughput",
         "family": family,
         "dtype": dtype,
+        "quant": quant,
         "ours_tok_s": round(total / ours_s, 1),
         "hf_tok_s": round(total / hf_s, 1),
         "ratio": round(hf_s / ours_s, 3),
@@ -303,6 +316,15 @@ def measure(
         "mfu": round(prefill_flops(hf, sizes[-1]) / single_s / 1e9 / peak, 3),
         "kv_bytes_per_token": kv_bytes_per_token,
     }
+
+
+def fp8_checkpoint(source: Path, root: Path) -> tuple[Path, Path]:
+    """(``source`` quantized as DeepSeek ships FP8, its dequantized reference): the tests'
+    quantizer, from the repository root."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fp8_checkpoints import quantize_checkpoint
+
+    return quantize_checkpoint(source, root)
 
 
 def profile(path: Path, sizes: tuple[int, ...], dtype: str) -> None:
@@ -327,6 +349,7 @@ def main() -> int:
     parser.add_argument("--family", choices=[f.name for f in FAMILIES], action="append")
     parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant", choices=["none", "fp8"], default="none")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
     parser.add_argument("--profile", action="store_true", help="profile ours instead")
     args = parser.parse_args()
@@ -344,12 +367,15 @@ def main() -> int:
             )
             continue
         with tempfile.TemporaryDirectory(prefix="prefill-bench-") as tmp:
-            make_checkpoint(family.config(args.quick), Path(tmp))
+            path, hf_path = Path(tmp) / "source", None
+            make_checkpoint(family.config(args.quick), path)
+            if args.quant == "fp8":
+                path, hf_path = fp8_checkpoint(path, Path(tmp))
             for dtype in dtypes:
                 if args.profile:
-                    profile(Path(tmp), sizes, dtype)
+                    profile(path, sizes, dtype)
                     continue
-                row = measure(family.name, Path(tmp), sizes, dtype, args.repeats)
+                row = measure(family.name, path, sizes, dtype, args.repeats, hf_path, args.quant)
                 print(json.dumps(row), flush=True)
     return 0
 

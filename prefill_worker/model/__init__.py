@@ -34,6 +34,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable
@@ -113,6 +114,7 @@ def build(
     num_state_slots: int = DEFAULT_STATE_SLOTS,
     draft: str = "none",
     draft_topk: int = 1,
+    kv_dtype: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -123,7 +125,8 @@ def build(
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
     full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
     runs after the target with its own one-layer pool of as many pages (within the budget),
-    its first proposal top-``draft_topk``.
+    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
+    (``model.quant.kv``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -147,7 +150,8 @@ def build(
     model, attention = create_model(spec, weights, tp, experts, backend_name, state)
     if isinstance(attention, SinkWindowBackend):
         backend_name = SinkWindowBackend.name
-    dtype_name = DTYPE_NAMES[torch_dtype]
+    dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
+    check_kv_backend(dtype_name, backend_name)
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         model.local.num_kv_heads,

@@ -24,6 +24,7 @@ from prefill_worker.model.hf_sliding import (
     quant_method,
     sliding_spec,
 )
+from prefill_worker.model.quant.spec import QuantSpec, quant_spec
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -141,6 +142,7 @@ class ModelSpec:
     linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
     sliding: SlidingSpec | None = None  # gpt-oss: its sliding layers, sinks, experts
     num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
+    quant: QuantSpec | None = None  # FP8 weights (model.quant.spec); None: unquantized
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -204,7 +206,22 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
         sliding=sliding_spec(raw, family) if family in SLIDING_FAMILIES else None,
         num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla else 0,
+        quant=_weight_quant(raw, family),
     )
+
+
+def _weight_quant(raw: Mapping[str, Any], family: str) -> QuantSpec | None:
+    """FP8 weights the loader dequantizes (``model.quant``); gpt-oss's MXFP4 experts are its
+    own loader's (``model.gpt_oss_loader``), and the sliding-window families' loaders take no
+    FP8."""
+    if (family, quant_method(raw)) == ("gpt_oss", MXFP4):
+        return None
+    quant = quant_spec(raw)
+    if quant is not None and family in SLIDING_FAMILIES:
+        raise ValueError(
+            f"quantized {family} checkpoints ({quant_method(raw)!r}) are not supported"
+        )
+    return quant
 
 
 def _dense_width_key(family: str) -> str:
@@ -295,9 +312,6 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             f"architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    method = quant_method(raw)
-    if method is not None and (method, ARCHITECTURES[known[0]]) != (MXFP4, "gpt_oss"):
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported")
     act = raw.get("hidden_act", "silu")
     if act != "silu" and ARCHITECTURES[known[0]] != "gemma3":  # its hidden_activation: hf_sliding
         raise ValueError(f"hidden_act {act!r} is not supported (only silu)")

@@ -3,7 +3,8 @@
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``, a hybrid
 one's through ``model.hybrid_loader``, gpt-oss's and Gemma 3's through
-``model.gpt_oss_loader`` and ``model.gemma3_loader``). Every
+``model.gpt_oss_loader`` and ``model.gemma3_loader``; FP8 weights are dequantized with their
+scales as they are read, ``model.quant.fp8``). Every
 expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
 shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
 and gate/up into another, so a layer runs four GEMMs.
@@ -40,6 +41,8 @@ from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import create_fp8_backend
+from prefill_worker.model.quant.fp8 import check_scales, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -149,6 +152,7 @@ class _Reader:
         self.files, self.dtype, self.device = files, dtype, device
         self.spec, self.tp = spec, tp
         self.on_read: Callable[[int], None] | None = None
+        self.fp8 = create_fp8_backend()  # what an FP8 weight becomes (model.quant.backends)
         self._open: dict[Path, safe_open] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -162,22 +166,40 @@ class _Reader:
             num_elements *= size
         return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
 
+    def stored_dtype(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
         stored = self._read(name)
         if self.on_read is not None:
             self.on_read(stored.numel() * stored.element_size())
+        if is_fp8(stored):
+            stored = self._dequantize(name, stored)
         return stored.to(device=self.device, dtype=self.dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        dim, cut = self._cut(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
-        cut = shard_slice(self.spec, name, tuple(piece.get_shape()), self.tp)
         return piece[cut] if dim == 0 else piece[:, cut]
+
+    def _cut(self, name: str) -> tuple[int | None, slice]:
+        """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
+        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        if dim is None:
+            return None, slice(None)
+        return dim, shard_slice(self.spec, name, self.shape(name), self.tp)
+
+    def _dequantize(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        assert self.spec.quant is not None  # check_tensors refused FP8 without it
+        scale = self.spec.quant.scale_name(name)
+        dim, cut = self._cut(name)
+        scales = self._handle(scale).get_tensor(scale)
+        return self.fp8.prepare(stored, scales, self.spec.quant, dim, cut)
 
     def _handle(self, name: str) -> safe_open:
         path = self.files[name]
@@ -216,6 +238,8 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], reader: _Reader) -> None
         found = reader.shape(name)
         if found != shape:
             raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
+    shapes = expected_shapes(spec)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
 
 
 def load_checkpoint(

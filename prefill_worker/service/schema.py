@@ -78,6 +78,27 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _decodes_agree_on_the_kv_dtype(self) -> Config:
+        """An FP8 pool's pages land byte for byte in the decode's pool, so each protocol's
+        handshake must say so: SGLang decodes compare ``/route``'s ``kv_cache_dtype`` with
+        their ``--kv-cache-dtype``; the vLLM handshake hashes the model dtype and the cache
+        dtype, which this worker does not yet tell apart (it would offer FP8 bytes as bf16)."""
+        fp8, protocols = self.cache.kv_dtype == "fp8_e4m3", self.transfer.protocols
+        announced = self.transfer.sglang_kv_cache_dtype
+        if "sglang" in protocols and fp8 != (announced == "fp8_e4m3"):
+            raise ValueError(
+                f"cache.kv_dtype {self.cache.kv_dtype!r} with transfer.sglang_kv_cache_dtype "
+                f"{announced!r}: SGLang decodes read the pages as their --kv-cache-dtype says; "
+                f"set both to fp8_e4m3, or neither"
+            )
+        if fp8 and "vllm" in protocols:
+            raise ValueError(
+                "cache.kv_dtype fp8_e4m3 with transfer.protocol vllm: the vLLM handshake does "
+                "not carry an FP8 cache dtype yet; serve native or sglang"
+            )
+        return self
+
 
 SECTIONS: dict[str, type[Section]] = {
     name: field.annotation  # type: ignore[misc]

@@ -35,7 +35,7 @@ from prefill_worker.kv.state_layout import StateComponent
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
-from prefill_worker.model.kv_cache import TORCH_DTYPES
+from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
@@ -163,6 +163,7 @@ def load_model(
             num_threads=cfg.model.num_threads,
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
             **_draft_args(cfg),
+            kv_dtype=cfg.cache.kv_dtype,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -283,7 +284,7 @@ def attach_kv_mirror(transfer: Transfer, kv_cache: KVCache) -> None:
     if not transfer.mirror_layers:
         return
     with startup_step("kv mirror", (ValueError,)):
-        dtype = TORCH_DTYPES[kv_cache.layout.dtype]
+        dtype = KV_TORCH_DTYPES[kv_cache.layout.dtype]
         kv_cache.attach_mirror(KVMirror(transfer.mirror_layers, dtype))
 
 
