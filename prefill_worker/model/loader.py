@@ -212,7 +212,9 @@ class _Reader:
 
 def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
     """Refuse a checkpoint with a missing tensor or a shape that disagrees with config.json."""
-    check_shapes(expected_shapes(spec), reader)
+    shapes = expected_shapes(spec)
+    check_shapes(shapes, reader)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
 
 
 def open_tensors(
@@ -228,6 +230,7 @@ def open_tensors(
     a draft layer is (``model.draft``)."""
     reader = _Reader(tensor_files(Path(model_dir)), dtype, device, spec, tp)
     check_shapes(shapes, reader)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
     return reader
 
 
@@ -238,8 +241,6 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], reader: _Reader) -> None
         found = reader.shape(name)
         if found != shape:
             raise CheckpointError(f"tensor {name} has shape {list(found)}, expected {list(shape)}")
-    shapes = expected_shapes(spec)
-    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
 
 
 def load_checkpoint(
