@@ -4,7 +4,8 @@ One row per model family (``FAMILIES``): a dense Llama of realistic proportions 
 1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8), a DeepSeek-V3 (MLA
 attention, grouped sigmoid routing, a shared expert) and a Qwen3-Next (gated DeltaNet in 6
 of its 8 layers, both sides running the same torch delta rule; its FLOP count treats every
-layer as attention, so its MFU is indicative only). For each,
+layer as attention, so its MFU is indicative only) and a gpt-oss (sliding window 128 on every
+other layer, sinks, 64 experts, top 8; its FLOP count ignores the window). For each,
 in one process, same weights, dtype and threads, it times a mixed batch of 8 prompts (64 to
 2048 tokens): ours as one packed plan; HF one prompt at a time and as one padded batch (the
 faster is the baseline; HF's MoE experts run its default ``experts_implementation``). Also
@@ -17,6 +18,16 @@ Prints one JSON line per family and dtype::
     {"name": "prefill_throughput", "family": ..., "dtype": ..., "ours_tok_s": ...,
      "hf_tok_s": ..., "ratio": ..., "gemm_peak_gflops": ..., "mfu": ...,
      "kv_bytes_per_token": ...}
+
+``--quant fp8`` benches FP8 checkpoints instead (the rows say ``"quant": "fp8"``): the random
+checkpoint's linear layers quantized block-wise (128 × 128, float8_e4m3fn with
+``weight_scale_inv``, as DeepSeek ships them; ``tests/fp8_checkpoints.py``), ours loading that,
+``transformers`` the same weights dequantized (the worker dequantizes at load, so the forward's
+cost is the unquantized one; the row shows it). ``bench/results/fp8.jsonl`` holds a run of
+``--quick --family llama --family deepseek_v3 --dtype bfloat16 --repeats 2`` with and without
+``--quant fp8`` (2 shared cores under a mutation run: tok/s moved 2-3x between runs; only
+that the FP8 checkpoints load and run is the result), then ``bench/transfer_bandwidth.py``'s
+``--kv-dtypes bfloat16,fp8_e4m3`` rows.
 
 ``--family`` picks families (default: every one this build serves; a family whose
 architecture is not in ``hf_config.ARCHITECTURES`` is skipped with a note); ``--quick``
@@ -157,6 +168,19 @@ FAMILIES = (
         | LINEAR_QUICK
         | dict(num_experts=32, head_dim=64, shared_expert_intermediate_size=256),
     ),
+    # gpt-oss: sliding (window 128) and full layers alternating, sinks, biased router, clamped
+    # SwiGLU experts (unquantized here: both sides run the same bf16/fp32 weights).
+    Family(
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        DENSE
+        | ATTENTION
+        | dict(intermediate_size=256, num_local_experts=64, num_experts_per_tok=8, head_dim=64),
+        DENSE_QUICK
+        | ATTENTION_QUICK
+        | dict(intermediate_size=128, num_local_experts=32, num_experts_per_tok=4, head_dim=64),
+    ),
 )
 
 
@@ -249,9 +273,11 @@ def hf_padded(model: torch.nn.Module, prompts: list[list[int]]) -> None:
 
 
 def measure(
-    family: str, path: Path, sizes: tuple[int, ...], dtype: str, repeats: int
-) -> dict[str, object]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    family: str, path: Path, sizes: tuple[int, ...], dtype: str, repeats: int,
+    hf_path: Path | None = None, quant: str = "none",
+) -> dict[str, object]:  # fmt: skip
+    """``hf_path``: the checkpoint ``transformers`` loads, when not ``path`` (FP8's reference)."""
+    hf = AutoModelForCausalLM.from_pretrained(hf_path or path, dtype=DTYPES[dtype]).eval()
     gen = torch.Generator().manual_seed(1)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in sizes]
@@ -285,6 +311,7 @@ def measure(
         "name": "prefill_throughput",
         "family": family,
         "dtype": dtype,
+        "quant": quant,
         "ours_tok_s": round(total / ours_s, 1),
         "hf_tok_s": round(total / hf_s, 1),
         "ratio": round(hf_s / ours_s, 3),
@@ -292,6 +319,15 @@ def measure(
         "mfu": round(prefill_flops(hf, sizes[-1]) / single_s / 1e9 / peak, 3),
         "kv_bytes_per_token": kv_bytes_per_token,
     }
+
+
+def fp8_checkpoint(source: Path, root: Path) -> tuple[Path, Path]:
+    """(``source`` quantized as DeepSeek ships FP8, its dequantized reference): the tests'
+    quantizer, from the repository root."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fp8_checkpoints import quantize_checkpoint
+
+    return quantize_checkpoint(source, root)
 
 
 def profile(path: Path, sizes: tuple[int, ...], dtype: str) -> None:
@@ -316,6 +352,7 @@ def main() -> int:
     parser.add_argument("--family", choices=[f.name for f in FAMILIES], action="append")
     parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant", choices=["none", "fp8"], default="none")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
     parser.add_argument("--profile", action="store_true", help="profile ours instead")
     args = parser.parse_args()
@@ -333,12 +370,15 @@ def main() -> int:
             )
             continue
         with tempfile.TemporaryDirectory(prefix="prefill-bench-") as tmp:
-            make_checkpoint(family.config(args.quick), Path(tmp))
+            path, hf_path = Path(tmp) / "source", None
+            make_checkpoint(family.config(args.quick), path)
+            if args.quant == "fp8":
+                path, hf_path = fp8_checkpoint(path, Path(tmp))
             for dtype in dtypes:
                 if args.profile:
-                    profile(Path(tmp), sizes, dtype)
+                    profile(path, sizes, dtype)
                     continue
-                row = measure(family.name, Path(tmp), sizes, dtype, args.repeats)
+                row = measure(family.name, path, sizes, dtype, args.repeats, hf_path, args.quant)
                 print(json.dumps(row), flush=True)
     return 0
 

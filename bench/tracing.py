@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -178,12 +180,18 @@ async def run(ckpt: Path, workdir: Path, receiver: OtlpReceiver) -> dict:
 
 def main() -> int:
     receiver = OtlpReceiver()
+    load_before = os.getloadavg()[0]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-tracing-") as tmp_name:
             tmp = Path(tmp_name)
             line = asyncio.run(run(make_checkpoint(tmp / "ckpt"), tmp, receiver))
     finally:
         receiver.close()
+    # the machine's load around the run: rows taken on a busy machine are noise, not a verdict
+    line["loadavg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    line["nixl_telemetry"] = True  # tracing on captures NIXL's telemetry of every write
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    line["tree"] = tree.stdout.decode().strip()
     RESULTS.mkdir(parents=True, exist_ok=True)
     print(json.dumps(line), flush=True)
     with (RESULTS / "tracing.jsonl").open("a") as out:

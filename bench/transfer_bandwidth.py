@@ -30,6 +30,11 @@ what the memory system gives for such pieces at random places, the ceiling for a
 on the 2-core development VM (THP-backed pools) it measured 0.5-0.75 of the contiguous memcpy
 for 32 KiB pieces. With UCX over cma every piece is one process_vm_writev of one remote iovec.
 
+``--kv-dtypes bfloat16,fp8_e4m3`` adds the same pool in FP8 (``cache.kv_dtype: fp8_e4m3``: one
+byte per value, 16 KiB per page of one layer's K or V); every push row names its ``kv_dtype``
+and the ``bytes_per_token`` it moved (all layers' K and V), so an FP8 row's bytes are half a
+bf16 row's.
+
     python bench/transfer_bandwidth.py [--repeats 5] [--pool-layouts layer_major,page_major]
                                        [--push thread,inline] [--protocol push,vllm]
                                        [--paired-push after|before]
@@ -63,8 +68,8 @@ NUM_LOCAL_PAGES = 8192 // PAGE_SIZE
 NUM_DECODE_PAGES = NUM_LOCAL_PAGES + NUM_LOCAL_PAGES // 4
 
 
-def layout(num_pages: int, pool_layout: str) -> KVLayout:
-    return KVLayout(32, 8, 128, "bfloat16", PAGE_SIZE, num_pages, pool_layout)
+def layout(num_pages: int, pool_layout: str, kv_dtype: str = "bfloat16") -> KVLayout:
+    return KVLayout(32, 8, 128, kv_dtype, PAGE_SIZE, num_pages, pool_layout)
 
 
 def regions_over(lay: KVLayout, buf: np.ndarray, aux: AuxPool) -> KVRegions:
@@ -80,10 +85,10 @@ def regions_over(lay: KVLayout, buf: np.ndarray, aux: AuxPool) -> KVRegions:
     return KVRegions(lay, k, v, "cpu", aux.base_addr, aux.num_rows)
 
 
-def decode_main(conn: Connection, addr: str, pool_layout: str) -> None:
+def decode_main(conn: Connection, addr: str, pool_layout: str, kv_dtype: str) -> None:
     from prefill_worker.transfer import KVReceiver, RoomState
 
-    lay = layout(NUM_DECODE_PAGES, pool_layout)
+    lay = layout(NUM_DECODE_PAGES, pool_layout, kv_dtype)
     pool = np.ones(lay.pool_bytes, np.uint8)  # touched: no page faults
     aux = AuxPool(16)
     receiver = KVReceiver(regions_over(lay, pool, aux), addr, heartbeat_interval_s=0.2)
@@ -196,6 +201,7 @@ def main() -> None:
     parser.add_argument(
         "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
     )
+    parser.add_argument("--kv-dtypes", default="bfloat16", help="bfloat16, fp8_e4m3, or both")
     parser.add_argument("--protocol", default="push", help="push, vllm (pull rows), or both")
     parser.add_argument(
         "--paired-push",
@@ -209,9 +215,10 @@ def main() -> None:
     for pool_layout in args.pool_layouts.split(","):
         push_gb_s: dict[int, float] = {}  # the thread push's scattered rows, by tokens
         for push in args.push.split(",") if "push" in protocols else ():
-            rows = run_layout(pool_layout, push, args.repeats, chunk_pages)
-            if push == "thread":
-                push_gb_s = rows
+            for kv_dtype in args.kv_dtypes.split(","):
+                rows = run_layout(pool_layout, push, args.repeats, chunk_pages, kv_dtype)
+                if push == "thread" and kv_dtype == "bfloat16":
+                    push_gb_s = rows
         if "vllm" in protocols:
             run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s, args.paired_push)
     if "vllm" in protocols:  # the runner's speed with the mirror against without
@@ -240,13 +247,15 @@ def run_vllm(
     vllm_pull.run(runner, repeats, chunk_pages, push_gb_s, paired_push)
 
 
-def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> dict[int, float]:
-    """Every case for one pool layout, against a fresh worker and decode; the scattered
-    rows' GB/s by prompt length."""
+def run_layout(
+    pool_layout: str, push: str, repeats: int, chunk_pages: int, kv_dtype: str = "bfloat16"
+) -> dict[int, float]:
+    """Every case for one pool layout and KV dtype, against a fresh worker and decode; the
+    scattered rows' GB/s by prompt length."""
     from prefill_worker.transfer import make_backend
     from prefill_worker.transfer.options import NativeOptions
 
-    lay = layout(NUM_LOCAL_PAGES, pool_layout)
+    lay = layout(NUM_LOCAL_PAGES, pool_layout, kv_dtype)
     pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
     aux = AuxPool(16)
     row = aux.try_alloc()
@@ -258,7 +267,7 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> d
     )
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    args = (child, backend.bootstrap_endpoint, pool_layout)
+    args = (child, backend.bootstrap_endpoint, pool_layout, kv_dtype)
     proc = ctx.Process(target=decode_main, args=args, daemon=True)
     proc.start()
     while not conn.poll(0.001):
@@ -294,6 +303,8 @@ def run_layout(pool_layout: str, push: str, repeats: int, chunk_pages: int) -> d
                 line = {
                     "name": "transfer",
                     "pool_layout": pool_layout,
+                    "kv_dtype": kv_dtype,
+                    "bytes_per_token": nbytes // tokens,
                     "push": push,
                     "tokens": tokens,
                     "layout": kind,

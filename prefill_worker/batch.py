@@ -42,6 +42,9 @@ class ChunkPlan:
     # (a model without state ignores it). A chunk with ``start == 0`` begins from zero
     # state, a later one from what the slot holds.
     state_slot: int | None = None
+    # The prompt token at ``end`` (None when the chunk ends the prompt): a draft model's
+    # input is the prompt shifted by one, so a chunk's last position reads it.
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,11 +62,22 @@ class BatchPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftRow:
+    """A draft model's first proposal after the prompt (``model.draft``): what an SGLang
+    EAGLE/MTP decode reads as its first draft input."""
+
+    topk_p: tuple[float, ...]  # the draft's top-k probabilities, descending
+    topk_index: tuple[int, ...]  # their token ids
+    hidden: bytes  # the draft's last hidden state, little-endian, in the model's dtype
+
+
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     request_id: str
     token_id: int
     logprob: float  # log-probability of token_id under the unmodified (temperature 1) softmax
     error: str | None = None  # this row could not be sampled: its request fails, nothing else
+    draft: DraftRow | None = None  # with a draft model configured
 
 
 @dataclass(frozen=True, slots=True)

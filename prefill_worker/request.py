@@ -100,6 +100,19 @@ _ABORTS = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What a request's push moved, counted over its writes that landed: bytes, NIXL transfer
+    requests and their descriptors; with NIXL telemetry captured (``tracing.enabled``), the
+    post and transfer durations NIXL measured for them, summed (else None)."""
+
+    bytes: int = 0
+    writes: int = 0
+    descriptors: int = 0
+    nixl_post_s: float | None = None
+    nixl_xfer_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """First-token sampling. ``temperature == 0`` or ``top_k == 1`` is greedy."""
 
@@ -148,7 +161,7 @@ class Outcome:
     first_token_logprob: float | None = None
     error: str | None = None
     timings: Timings = Timings()
-    transfer_bytes: int = 0  # what the sender's writes that landed covered (KV runs, aux row)
+    transfer: TransferStats = TransferStats()  # the sender's writes that landed (KV runs, aux)
     num_prefix_hit_tokens: int = 0  # the prefix this worker's cache held (not computed)
     num_computed_tokens: int = 0  # prompt tokens this worker computed for the request
     # Prompt logprobs, only when asked and ok: the logprob of each prompt token at positions

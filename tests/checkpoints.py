@@ -6,13 +6,17 @@ logits by far more than the comparison tolerances. Seeds are fixed per family.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -96,6 +100,29 @@ CONFIGS["qwen3_5_moe"] = lambda: Qwen3_5MoeTextConfig(
     tie_word_embeddings=False,
 )  # fmt: skip
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# gpt-oss: sliding (window 24), full, sliding; 6 heads of 12 over 2 KV heads (q is 72 wide
+# in a hidden of 96), 5 experts, top 2, a SwiGLU clamp of 1 (it bites at these scales),
+# YaRN without truncation. hidden and the expert width are multiples of 32 (MXFP4 blocks).
+GPT_OSS_YARN = {
+    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64,
+}  # fmt: skip
+CONFIGS["gpt_oss"] = lambda: GptOssConfig(
+    **dict(COMMON, hidden_size=96, intermediate_size=64, num_hidden_layers=3,
+           num_attention_heads=6, max_position_embeddings=2048), head_dim=12,
+    num_local_experts=5, num_experts_per_tok=2, sliding_window=24, swiglu_limit=1.0,
+    rope_parameters=GPT_OSS_YARN, tie_word_embeddings=False,
+)  # fmt: skip
+# Gemma 3: sliding (window 24), full, sliding, sliding; 6 heads of 16 over 2 KV heads in a
+# hidden of 72; the global layers' rope linear x8 at base 1e6, the local ones' at 1e4;
+# query_pre_attn_scalar 20 (not head_dim); the (1 + weight) norms randomised.
+CONFIGS["gemma3"] = lambda: Gemma3TextConfig(
+    **dict(COMMON, hidden_size=72, intermediate_size=96, num_hidden_layers=4,
+           num_attention_heads=6), head_dim=16, sliding_window=24, query_pre_attn_scalar=20,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+)  # fmt: skip
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
@@ -117,15 +144,23 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
                 param.copy_(torch.rand_like(param) + 0.5)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.copy_(torch.rand_like(param) * 4 + 2)
+            if family == "gemma3" and name.endswith("norm.weight"):  # (1 + weight) norms;
+                param.normal_(0.0, 0.3)  # q/k ones of 3..7 would make a softmax of ~1e2 logits
             if name.endswith("mlp.gate.weight"):  # a router: spread, no near-ties
                 param.normal_(0.0, 0.15)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
-            if (
-                name.endswith(("layernorm.weight", "model.norm.weight"))
-                and family in HYBRID_FAMILIES
+            if name.endswith(("layernorm.weight", "model.norm.weight")) and family in (
+                *HYBRID_FAMILIES,
+                "gemma3",
             ):
                 param.normal_(0.0, 0.3)  # a (1 + weight) norm: the 1 must be added exactly once
+            if name.endswith("self_attn.sinks"):  # sinks that take a share of the mass
+                param.normal_(0.0, 1.0)
+            if name.endswith("mlp.router.weight"):  # logits of the router bias's size
+                param.normal_(0.0, 0.1)
+            if family == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                param.normal_(0.0, 0.2)  # the SwiGLU clamp bites
             if name.endswith("A_log"):  # slow decays: a state carries far (the carry matters)
                 param.copy_(torch.empty_like(param).uniform_(0.005, 0.05).log())
             if name.endswith("linear_attn.norm.weight"):
@@ -157,3 +192,25 @@ def add_byte_tokenizer(path: Path) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(path / "tokenizer.json"))
     return path
+
+
+MTP = "model.layers.3."  # the MTP layer of with_mtp_layer's 3-layer DeepSeek-V3
+
+
+def with_mtp_layer(root: Path) -> Path:
+    """A tiny DeepSeek-V3 under ``root / "target"`` with an MTP layer (its donor beside it)."""
+    target = make_checkpoint("deepseek_v3", root / "target")
+    donor = make_checkpoint("deepseek_v3", root / "donor", num_hidden_layers=4)
+    tensors = load_file(target / "model.safetensors")
+    tensors |= {k: v for k, v in load_file(donor / "model.safetensors").items() if MTP in k}
+    g = torch.Generator().manual_seed(7)
+    hidden, vocab = tensors["model.norm.weight"].shape[0], tensors["lm_head.weight"].shape[0]
+    tensors["model.norm.weight"] = torch.rand(hidden, generator=g) + 0.5  # the target's
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{MTP}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
+    tensors[MTP + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    tensors[MTP + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.3
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return target

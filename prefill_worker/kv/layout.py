@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}  # fp8: KV only
 LAYER_MAJOR = "layer_major"
 PAGE_MAJOR = "page_major"
 POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR)  # the layouts a K/V (MHA/GQA) pool may take

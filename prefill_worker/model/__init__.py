@@ -23,13 +23,18 @@ from prefill_worker.model.attention import (
     resolve_backend_name,
     resolve_mla_backend_name,
 )
+from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
+from prefill_worker.model.draft.build import num_draft_layers, with_draft
+from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
+from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
-from prefill_worker.model.loader import LoadProgress, load_checkpoint
+from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable
@@ -64,11 +69,12 @@ class ModelInfo:
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda:N"
-    attention_backend: str  # resolved: "sdpa" | "flashinfer"
+    attention_backend: str  # resolved: "sdpa" | "flashinfer" | "sinks" (gpt-oss's)
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
     state: StateComponent | None = None  # a hybrid model's linear-attention state pool
     state_regions: StateRegions | None = None  # where that pool's slots live (transfers)
+    sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +113,9 @@ def build(
     tp: TPGroup = SINGLE,
     moe_backend: str = "auto",
     num_state_slots: int = DEFAULT_STATE_SLOTS,
+    draft: str = "none",
+    draft_topk: int = 1,
+    kv_dtype: str = "auto",
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -115,7 +124,10 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only.
+    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
+    runs after the target with its own one-layer pool of as many pages (within the budget),
+    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
+    (``model.quant.kv``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -137,7 +149,10 @@ def build(
         state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
     model, attention = create_model(spec, weights, tp, experts, backend_name, state)
-    dtype_name = DTYPE_NAMES[torch_dtype]
+    if isinstance(attention, SinkWindowBackend):
+        backend_name = SinkWindowBackend.name
+    dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
+    check_kv_backend(dtype_name, backend_name)
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         model.local.num_kv_heads,
@@ -147,7 +162,9 @@ def build(
         1,
         pool_layout,
     )
-    pages = pool_num_pages(one_page, dev, num_pages, memory_bytes, memory_fraction)
+    with_draft_layers = one_page.num_layers + num_draft_layers(draft)
+    budgeted = dataclasses.replace(one_page, num_layers=with_draft_layers)
+    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction)
     kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
     log.info(
         "KV pool (%s): %d pages of %d tokens, %d bytes",
@@ -156,27 +173,34 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = Runner(model, kv_cache, attention)
+    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     if state is not None:
         regions = state.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
+    if spec.sliding is not None:
+        info = dataclasses.replace(info, sliding_window=spec.sliding.window)
     return runner, kv_cache, info
 
 
 def create_model(
     spec: ModelSpec,
-    weights: ModelWeights | MLAModelWeights | HybridModelWeights,
+    weights: ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights,
     tp: TPGroup,
     experts: ExpertsBackend,
     attention_backend: str,
     state: StateCache | None = None,
-) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM, AttentionBackend]:
+) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
-    family: over the state pool ``state``)."""
+    family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
+    whatever ``attention_backend`` names, the others having no sinks or windows)."""
     device = weights.embed.device
+    if isinstance(weights, GptOssModelWeights):
+        return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
+    if isinstance(weights, Gemma3ModelWeights):
+        return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
         model = Qwen3NextLM(spec, weights, state, tp, experts)

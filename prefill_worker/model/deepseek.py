@@ -78,9 +78,28 @@ class DeepseekV3LM:
     ) -> ForwardOutput:
         """Write every token's latent row into its pages; return the logits ``[R, vocab]``
         and the prompt logprobs ``[L]``."""
+        return self.forward_with_hidden(inputs, kv_cache, attention)[0]
+
+    def forward_with_hidden(
+        self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
+    ) -> tuple[ForwardOutput, torch.Tensor]:
+        """``forward``, and the final residual ``[T, hidden]`` before the norm (a draft
+        reads it, ``model.draft``)."""
+        x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
+        x = self.decode(x, inputs, kv_cache, attention)
+        block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
+        return forward_output(x, inputs, self._logits, block), x
+
+    def decode(
+        self,
+        x: torch.Tensor,  # [T, hidden], the residual, updated in place
+        inputs: ForwardInputs,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run every layer over the residual ``x``; the layers' latent rows go to the pool."""
         assert isinstance(attention, MLAAttentionBackend), "an MLA model needs the MLA backend"
         eps = self.spec.rms_norm_eps
-        x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, rope/2] each
         rope = (self.rotary, cos, sin)
         for index, layer in enumerate(self.weights.layers):
@@ -90,8 +109,7 @@ class DeepseekV3LM:
             x.add_(row_parallel(attn.reshape(x.shape[0], -1), layer.attn.o, None, self.tp))
             h = rms_norm(x, layer.post_norm, eps)
             x.add_(self._mlp(layer.mlp, h))
-        block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        return forward_output(x, inputs, self._logits, block)
+        return x
 
     def _mlp(self, mlp: DenseMLP | MoEWeights, h: torch.Tensor) -> torch.Tensor:
         if isinstance(mlp, MoEWeights):
@@ -100,6 +118,8 @@ class DeepseekV3LM:
         gate_up = F.linear(h, mlp.gate_up, mlp.gate_up_bias)
         return row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
-        return F.linear(last, self.weights.lm_head)
+        return F.linear(self.final_norm(hidden), self.weights.lm_head)

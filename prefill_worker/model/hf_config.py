@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from prefill_worker.model.hf_linear import HYBRID_FAMILIES, LinearAttentionSpec, linear_spec
+from prefill_worker.model.hf_sliding import (
+    MXFP4,
+    SLIDING_FAMILIES,
+    SlidingSpec,
+    global_rope_fields,
+    quant_method,
+    sliding_spec,
+)
+from prefill_worker.model.quant.spec import QuantSpec, quant_spec
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -27,6 +36,8 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Gemma3ForCausalLM": "gemma3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -129,6 +140,9 @@ class ModelSpec:
     moe: MoESpec | None = None  # None: every layer is dense
     mla: MLASpec | None = None  # None: grouped-query attention over K/V heads
     linear: LinearAttentionSpec | None = None  # a hybrid: its linear layers (hf_linear)
+    sliding: SlidingSpec | None = None  # gpt-oss: its sliding layers, sinks, experts
+    num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
+    quant: QuantSpec | None = None  # FP8 weights (model.quant.spec); None: unquantized
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -161,9 +175,12 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
     mla = mla_spec(raw) if family == "deepseek_v3" else None
     if mla is not None and has_bias:
         raise ValueError("attention_bias is not supported with multi-head latent attention")
-    rope = _rope(raw)
-    if rope.rope_type == "yarn" and mla is None:  # proven against transformers for MLA only
-        raise ValueError(f"rope type 'yarn' is not supported for {arch} (only DeepSeek-V3)")
+    rope = _rope(global_rope_fields(raw, family))
+    yarn_proven = mla is not None or family in SLIDING_FAMILIES  # against transformers
+    if rope.rope_type == "yarn" and not yarn_proven:
+        raise ValueError(
+            f"rope type 'yarn' is not supported for {arch} (only DeepSeek-V3, gpt-oss)"
+        )
     return ModelSpec(
         architecture=arch,
         family=family,
@@ -181,13 +198,30 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         has_qkv_bias=True if family == "qwen2" else has_bias,
         has_o_bias=False if family == "qwen2" else has_bias,
         has_mlp_bias=bool(raw.get("mlp_bias", False)),
-        has_qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES),
+        has_qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", *HYBRID_FAMILIES),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         eos_token_ids=_eos(raw.get("eos_token_id")),
         moe=moe_spec(raw) if _has_experts(raw, family) else None,
         mla=mla,
         linear=linear_spec(raw, family, int(head_dim)) if family in HYBRID_FAMILIES else None,
+        sliding=sliding_spec(raw, family) if family in SLIDING_FAMILIES else None,
+        num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla else 0,
+        quant=_weight_quant(raw, family),
     )
+
+
+def _weight_quant(raw: Mapping[str, Any], family: str) -> QuantSpec | None:
+    """FP8 weights the loader dequantizes (``model.quant``); gpt-oss's MXFP4 experts are its
+    own loader's (``model.gpt_oss_loader``), and the sliding-window families' loaders take no
+    FP8."""
+    if (family, quant_method(raw)) == ("gpt_oss", MXFP4):
+        return None
+    quant = quant_spec(raw)
+    if quant is not None and family in SLIDING_FAMILIES:
+        raise ValueError(
+            f"quantized {family} checkpoints ({quant_method(raw)!r}) are not supported"
+        )
+    return quant
 
 
 def _dense_width_key(family: str) -> str:
@@ -278,12 +312,8 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             f"architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantized checkpoints ({method!r}) are not supported")
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and ARCHITECTURES[known[0]] != "gemma3":  # its hidden_activation: hf_sliding
         raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
     return known[0]
 

@@ -36,11 +36,13 @@ import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
 from prefill_worker.model.kv_mirror import KVMirror, MirrorTargets, MirrorWrites, PoolRuns
+from prefill_worker.model.quant.kv import FP8_E4M3, to_pool
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+KV_TORCH_DTYPES = TORCH_DTYPES | {FP8_E4M3: torch.float8_e4m3fn}  # a pool may be FP8 too
 
 
 def pool_num_pages(
@@ -76,7 +78,7 @@ class KVCache:
         self.layout = layout
         self.device = device
         page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
-        dtype = TORCH_DTYPES[layout.dtype]
+        dtype = KV_TORCH_DTYPES[layout.dtype]
         self._mirror: tuple[KVMirror, PoolRuns] | None = None
         self._mirroring: MirrorWrites | None = None  # set by ``mirroring``, for one forward
         if layout.kind == MLA:
@@ -170,8 +172,8 @@ class KVCache:
         and queue the mirror's copy of them (``mirroring``). Indexed by (page, offset), so the
         strided page-major views need no copy."""
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+        self.k[layer].index_put_(index, to_pool(k, self.k[layer]))
+        self.v[layer].index_put_(index, to_pool(v, self.v[layer]))
         if self._mirroring is not None:
             self._mirroring.layer_written(layer)
 
@@ -182,8 +184,8 @@ class KVCache:
         then ``k_rope [T, rope_dim]``."""
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
         rank = latent.shape[-1]
-        self.k[layer][..., 0, :rank].index_put_(index, latent)
-        self.k[layer][..., 0, rank:].index_put_(index, k_rope)
+        self.k[layer][..., 0, :rank].index_put_(index, to_pool(latent, self.k[layer]))
+        self.k[layer][..., 0, rank:].index_put_(index, to_pool(k_rope, self.k[layer]))
 
     def read_page(self, layer: int, page_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one page, ``[page_size, KV, D]`` each (views)."""

@@ -35,7 +35,8 @@ def as_runs(t: torch.Tensor, run: np.dtype) -> np.ndarray:
 class KVMirror:
     """K‖V blocks per layer over host arrays ``[num_blocks, KV, block_size, 2 * D]`` (K then V
     per (head, token)) the cache does not own, indexed like the pool: row ``block *
-    block_size + offset`` of its ``[num_blocks, block_size, KV, D]`` views ``k[l]``/``v[l]``.
+    block_size + offset`` of its ``[num_blocks, block_size, KV, D]`` views ``k[l]``/``v[l]``
+    (``KV``: the heads it writes, all or a tensor-parallel rank's).
 
     Writes are numpy copies of whole ``D`` runs (one element each): a torch ``index_put_``
     into the strided views is an OpenMP loop, whose barriers stall for milliseconds per op on
@@ -43,20 +44,27 @@ class KVMirror:
     docs/vllm.md). A forward's writes run on the mirror's one thread (``submit``), numpy
     releasing the GIL while it copies."""
 
-    def __init__(self, layers: Sequence[np.ndarray], dtype: torch.dtype) -> None:
-        """``layers``' items are ``dtype``'s size (their numpy type is only a carrier)."""
-        num_blocks, heads, block_size, width = layers[0].shape
+    def __init__(
+        self, layers: Sequence[np.ndarray], dtype: torch.dtype, heads: range | None = None
+    ) -> None:
+        """``layers``' items are ``dtype``'s size (their numpy type is only a carrier).
+        ``heads``: the blocks' heads this mirror writes (a tensor-parallel rank's, its pool's
+        KV in order); None: all of them."""
+        num_blocks, num_heads, block_size, width = layers[0].shape
         assert all(a.shape == layers[0].shape and a.flags.c_contiguous for a in layers)
-        self.block_size, self.num_kv_heads, self.head_dim = block_size, heads, width // 2
+        heads = range(num_heads) if heads is None else heads
+        assert heads.step == 1 and 0 <= heads.start < heads.stop <= num_heads, heads
+        own = slice(heads.start, heads.stop)
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, len(heads), width // 2
         self.run = np.dtype(f"V{self.head_dim * layers[0].itemsize}")  # one head's K (or V)
-        shape = (num_blocks, heads, block_size, 2)
-        self._runs = tuple(a.view(self.run).reshape(shape) for a in layers)
+        shape = (num_blocks, num_heads, block_size, 2)
+        self._runs = tuple(a.view(self.run).reshape(shape)[:, own] for a in layers)
         paired = [
-            torch.from_numpy(a).view(dtype).view(num_blocks, heads, block_size, 2, width // 2)
+            torch.from_numpy(a).view(dtype).view(num_blocks, num_heads, block_size, 2, width // 2)
             for a in layers
         ]
-        self.k = tuple(p[..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
-        self.v = tuple(p[..., 1, :].permute(0, 2, 1, 3) for p in paired)
+        self.k = tuple(p[:, own, ..., 0, :].permute(0, 2, 1, 3) for p in paired)  # [N, bs, KV, D]
+        self.v = tuple(p[:, own, ..., 1, :].permute(0, 2, 1, 3) for p in paired)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-mirror")
 
     def index_of(self, slots: np.ndarray) -> MirrorIndex:

@@ -2,7 +2,9 @@
 
 Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json``)
 checkpoints are read (a DeepSeek-V3 one's MLA tensors through ``model.mla``, a hybrid
-one's through ``model.hybrid_loader``). Every
+one's through ``model.hybrid_loader``, gpt-oss's and Gemma 3's through
+``model.gpt_oss_loader`` and ``model.gemma3_loader``; FP8 weights are dequantized with their
+scales as they are read, ``model.quant.fp8``). Every
 expected tensor's presence and shape is checked before any is loaded; a missing tensor or a
 shape mismatch raises ``CheckpointError`` naming it. q/k/v are concatenated into one matrix
 and gate/up into another, so a layer runs four GEMMs.
@@ -29,17 +31,24 @@ import torch
 from safetensors import safe_open
 
 from prefill_worker.model.deepseek import MLALayerWeights, MLAModelWeights
+from prefill_worker.model.gemma3 import Gemma3ModelWeights
+from prefill_worker.model.gemma3_loader import fuse_gemma3, gemma3_shapes
+from prefill_worker.model.gpt_oss import GptOssModelWeights
+from prefill_worker.model.gpt_oss_loader import fuse_gpt_oss, gpt_oss_shapes
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hybrid_loader import fuse_hybrid, hybrid_shapes
 from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import create_fp8_backend
+from prefill_worker.model.quant.fp8 import check_scales, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
 log = logging.getLogger(__name__)
 
+SlidingWeights = GptOssModelWeights | Gemma3ModelWeights
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -55,6 +64,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor name the checkpoint must hold, with its shape."""
     if spec.linear is not None:
         return hybrid_shapes(spec)
+    if spec.sliding is not None:
+        return gemma3_shapes(spec) if spec.family == "gemma3" else gpt_oss_shapes(spec)
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -141,6 +152,7 @@ class _Reader:
         self.files, self.dtype, self.device = files, dtype, device
         self.spec, self.tp = spec, tp
         self.on_read: Callable[[int], None] | None = None
+        self.fp8 = create_fp8_backend()  # what an FP8 weight becomes (model.quant.backends)
         self._open: dict[Path, safe_open] = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -154,22 +166,40 @@ class _Reader:
             num_elements *= size
         return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
 
+    def stored_dtype(self, name: str) -> str:
+        return str(self._handle(name).get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
         stored = self._read(name)
         if self.on_read is not None:
             self.on_read(stored.numel() * stored.element_size())
+        if is_fp8(stored):
+            stored = self._dequantize(name, stored)
         return stored.to(device=self.device, dtype=self.dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        dim, cut = self._cut(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
-        cut = shard_slice(self.spec, name, tuple(piece.get_shape()), self.tp)
         return piece[cut] if dim == 0 else piece[:, cut]
+
+    def _cut(self, name: str) -> tuple[int | None, slice]:
+        """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
+        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        if dim is None:
+            return None, slice(None)
+        return dim, shard_slice(self.spec, name, self.shape(name), self.tp)
+
+    def _dequantize(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        assert self.spec.quant is not None  # check_tensors refused FP8 without it
+        scale = self.spec.quant.scale_name(name)
+        dim, cut = self._cut(name)
+        scales = self._handle(scale).get_tensor(scale)
+        return self.fp8.prepare(stored, scales, self.spec.quant, dim, cut)
 
     def _handle(self, name: str) -> safe_open:
         path = self.files[name]
@@ -182,7 +212,30 @@ class _Reader:
 
 def check_tensors(spec: ModelSpec, reader: _Reader) -> None:
     """Refuse a checkpoint with a missing tensor or a shape that disagrees with config.json."""
-    for name, shape in expected_shapes(spec).items():
+    shapes = expected_shapes(spec)
+    check_shapes(shapes, reader)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
+
+
+def open_tensors(
+    model_dir: str | Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> TensorSource:
+    """Rank ``tp.rank``'s slices of the checkpoint's tensors, once each of ``shapes`` is
+    found with its shape (``CheckpointError`` otherwise): for a part loaded on its own, as
+    a draft layer is (``model.draft``)."""
+    reader = _Reader(tensor_files(Path(model_dir)), dtype, device, spec, tp)
+    check_shapes(shapes, reader)
+    check_scales(spec.quant, shapes, reader.stored_dtype, reader.shape, reader.files)
+    return reader
+
+
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], reader: _Reader) -> None:
+    for name, shape in shapes.items():
         if name not in reader.files:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint")
         found = reader.shape(name)
@@ -196,7 +249,7 @@ def load_checkpoint(
     device: torch.device,
     on_progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
-) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights]:
+) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
     ``CheckpointError`` on any problem."""
     root = Path(model_dir)
@@ -224,11 +277,14 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
 
 def fuse_weights(
     spec: ModelSpec, source: TensorSource
-) -> ModelWeights | MLAModelWeights | HybridModelWeights:
+) -> ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights:
     """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
     ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``)."""
     if spec.linear is not None:
         return fuse_hybrid(spec, source.get)
+    if spec.sliding is not None:
+        fuse = fuse_gemma3 if spec.family == "gemma3" else fuse_gpt_oss
+        return fuse(spec, source.get)
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:

@@ -28,6 +28,8 @@ from prefill_worker.batch import (
 from prefill_worker.model.attention import AttentionBackend, AttentionBatch, ChunkSpan
 from prefill_worker.model.deepseek import DeepseekV3LM
 from prefill_worker.model.gdn import StateSpan
+from prefill_worker.model.gemma3 import Gemma3LM
+from prefill_worker.model.gpt_oss import GptOssLM
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.kv_mirror import MirrorTargets
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
@@ -50,7 +52,7 @@ class Runner:
 
     def __init__(
         self,
-        model: CausalLM | DeepseekV3LM | Qwen3NextLM,
+        model: CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM,
         kv_cache: KVCache,
         attention: AttentionBackend,
     ) -> None:
@@ -65,7 +67,10 @@ class Runner:
         """Blocking: on return the pages hold the K/V (the transfer reads them next)."""
         if not plan.chunks:
             return BatchOutput(plan.batch_id, ())
-        out = self.forward(plan)
+        return self.outputs(plan, self.forward(plan))
+
+    def outputs(self, plan: BatchPlan, out: ForwardOutput) -> BatchOutput:
+        """Sample the chunks that end their prompt; split the prompt logprobs."""
         prompt_logprobs = _split_logprobs(plan, out.token_logprobs)
         wanted = [c for c in plan.chunks if c.sampling is not None]
         if not wanted:

@@ -99,13 +99,25 @@ MLA: Mapping[str, Split] = {
     _LAYER + "self_attn.kv_b_proj.weight": Q_COLUMN,
     _LAYER + "self_attn.o_proj.weight": Q_ROW,
 }
+# DeepSeek-V3's MTP layer (``model.draft.mtp``) adds its input norms, the projection of
+# [embedding | hidden] and the shared head's norm and head: all replicated.
+NEXTN: Mapping[str, Split] = {
+    _LAYER + name: REPLICATED
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+    )
+}
 _EMBED_AND_DENSE_MLP = {name: split for name, split in DENSE.items() if "self_attn." not in name}
 FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "llama": DENSE,
     "qwen2": DENSE,
     "qwen3": DENSE,
     "qwen3_moe": {**DENSE, **MOE_EXPERTS},
-    "deepseek_v3": {**_EMBED_AND_DENSE_MLP, **MLA, **DEEPSEEK_MOE},
+    "deepseek_v3": {**_EMBED_AND_DENSE_MLP, **MLA, **DEEPSEEK_MOE, **NEXTN},
 }
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")

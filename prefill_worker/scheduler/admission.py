@@ -186,6 +186,7 @@ class Admission:
             sampling,
             mirror_slots=mirror,
             state_slot=req.aux_row,
+            next_token_id=req.token_ids[end] if end < num_tokens else None,
         )
         scored = logprob_positions(req.prompt_logprob_start, start, end, num_tokens)
         if not scored:

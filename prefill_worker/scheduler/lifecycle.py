@@ -292,8 +292,8 @@ class RequestLifecycle:
                 self._deferred.append((self._table.detach(req.request_id), req.is_claimed))
             else:
                 self._table.release(req.request_id)
-        transfer_bytes = req.sender.written_bytes()
-        self._emit(req.outcome(reason, error, req.finish_time, transfer_bytes))
+        transfer = req.sender.transfer_stats()
+        self._emit(req.outcome(reason, error, req.finish_time, transfer))
 
     def _emit(self, outcome: Outcome) -> None:
         self.outcome_counts[outcome.reason] += 1

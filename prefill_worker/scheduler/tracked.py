@@ -14,8 +14,11 @@ from prefill_worker.request import (
     PrefillRequest,
     RequestState,
     Timings,
+    TransferStats,
     check_edge,
 )
+
+NO_TRANSFER = TransferStats()  # nothing landed
 
 if TYPE_CHECKING:
     from prefill_worker.batch import SampledToken
@@ -176,7 +179,11 @@ class Request:
         )
 
     def outcome(
-        self, reason: FinishReason, error: str | None, now: float, transfer_bytes: int = 0
+        self,
+        reason: FinishReason,
+        error: str | None,
+        now: float,
+        transfer: TransferStats = NO_TRANSFER,
     ) -> Outcome:
         """The final answer for this request; the first token only when it succeeded."""
         is_ok = reason is FinishReason.OK
@@ -193,7 +200,7 @@ class Request:
             prompt_logprobs=_frozen(self.prompt_logprobs) if is_ok else None,
             error=error,
             timings=self.timings(now),
-            transfer_bytes=transfer_bytes,
+            transfer=transfer,
             prefill_retries=self.num_retries,
         )
 

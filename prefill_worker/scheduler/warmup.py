@@ -66,6 +66,7 @@ def warm_up(
                 page_ids,
                 _GREEDY if last else None,
                 state_slot=0,  # before any request: a hybrid model's first slot is free
+                next_token_id=None if last else token_ids[end],
             )
             output = runner.run(BatchPlan(batch_id, (chunk,)))
             errors = [s.error for s in output.sampled if s.error is not None]

@@ -1,6 +1,7 @@
 """What ``check-config`` can tell about a configuration from its checkpoint's ``config.json``,
 without loading weights or touching a device: the architecture is one we serve, weights are
-there, and the KV pool's arithmetic (values and bytes per token, per layer and in all, pages,
+there, their bytes (as shipped, FP8 and scales apart, and per rank: ``model.quant.memory``),
+and the KV pool's arithmetic (values and bytes per token, per layer and in all, pages,
 tokens) holds the longest prompt.
 
 Two kinds of pool row, per token and layer (docs/config.md, "KV arithmetic")::
@@ -29,6 +30,8 @@ from typing import Any
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.quant.kv import kv_dtype_name
+from prefill_worker.model.quant.memory import weight_note
 from prefill_worker.service.schema import Config
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -106,9 +109,23 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
             f"(KV does not depend on them)"
         )
     _check_pool(config, shape, check)
+    if spec is not None:
+        _note_weights(config, spec, check)
     if spec is not None and spec.linear is not None:
         check.notes.append(_state_note(config, spec.linear, shape.torch_dtype))
     return check
+
+
+def _note_weights(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
+    """The weights' bytes, as shipped (FP8 and scales apart) and as one rank holds them."""
+    stored = spec.torch_dtype if spec.torch_dtype in DTYPE_ITEMSIZE else "float32"
+    dtype: str = config.model.dtype
+    if dtype == "auto":
+        dtype = stored
+    note = weight_note(spec, DTYPE_ITEMSIZE[stored], dtype, DTYPE_ITEMSIZE[dtype],
+                       config.parallel.tp_size)  # fmt: skip
+    if note is not None:
+        check.notes.append(note)
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:
@@ -180,6 +197,7 @@ def _check_pool(config: Config, shape: PoolShape, check: ModelCheck) -> None:
     dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = shape.torch_dtype if shape.torch_dtype in DTYPE_ITEMSIZE else "float32"
+    dtype = kv_dtype_name(config.cache.kv_dtype, dtype)  # an FP8 pool: 1 byte a value
     cache = config.cache
     kind = MLA if shape.mla is not None else cache.layout
     one_page = KVLayout(

@@ -32,6 +32,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.model import KVCache, ModelInfo, build
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -69,10 +70,12 @@ from prefill_worker.service.supervisor import (
 )
 from prefill_worker.service.threads import ThreadWatch
 from prefill_worker.service.tracing import TracedInbox, start_tracer
+from prefill_worker.service.vllm_group import lead_staging
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.group import GroupBackend
+from prefill_worker.transfer.vllm.shared import GroupStaging
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -93,6 +96,7 @@ class Daemon:
         self._build_model = build_model
         self._env, self._rank_command = env, rank_command
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
+        self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
         self.metrics = WorkerMetrics(self.registry)
@@ -161,13 +165,24 @@ class Daemon:
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         with watch("transfer"):
             transfer = start_transfer(
-                cfg, regions, self.metrics, self.inbox.wake, self.health.is_live, info.state_regions
+                cfg,
+                regions,
+                self.metrics,
+                self.inbox.wake,
+                self.health.is_live,
+                info.state_regions,
+                info.sliding_window,
+                self._vllm_staging,
             )
         self._closers.append(("transfer", transfer.backend.close))
-        attach_kv_mirror(transfer, kv_cache)
+        if self._vllm_staging is None:  # at TP > 1 its heads of the shared region, attached
+            attach_kv_mirror(transfer, kv_cache)
         backend: TransferBackend = transfer.backend
         layout = kv_cache.layout
-        if self._group is not None:  # every sender mirrored to the followers, states agreed
+        # A vLLM pull needs nothing from the followers but their forwards' mirror writes,
+        # done when the leader's forward returns: its senders are not mirrored.
+        if self._group is not None and self._vllm_staging is None:
+            # every sender mirrored to the followers, states agreed
             assert placement is not None
             if lead_group(backend, placement.size, info.num_kv_heads):
                 layout = dataclasses.replace(layout, num_kv_heads=info.num_kv_heads)
@@ -227,7 +242,10 @@ class Daemon:
         the runner every forward of the group goes through."""
         report = LoadReport(self.notifier.status)
         if placement is None:
-            return load_model(self.config, self._build_model, report)
+            runner, kv_cache, info = load_model(self.config, self._build_model, report)
+            if isinstance(runner, DraftingRunner):
+                runner.on_draft_forward = self.metrics.on_draft_forward
+            return runner, kv_cache, info
         tp, group, device = start_tp_group(
             self.config, placement, self._rank_command, self._wake.set
         )
@@ -239,6 +257,9 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        self._vllm_staging = lead_staging(
+            self.config, kv_cache, info.num_kv_heads, placement.size, group.channel
+        )
         # From now on the followers wait for steps (bounded by parallel.step_timeout_s): the
         # rest of the start-up (warm-up, NIXL, the HTTP front) may take longer than that.
         self.metrics.lead_group(placement.size)

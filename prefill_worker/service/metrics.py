@@ -183,6 +183,12 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS_S,
             registry=registry,
         )
+        self.draft_forward_seconds = Histogram(
+            "prefill_worker_draft_forward_seconds",
+            "Wall time of the draft model's forward over one batch (model.draft), within the step",
+            buckets=STEP_BUCKETS_S,
+            registry=registry,
+        )
         self.batch_tokens = Histogram(
             "prefill_worker_batch_tokens",
             "Tokens in one forward batch",
@@ -263,9 +269,9 @@ class WorkerMetrics:
 
     def observe_outcome(self, outcome: Outcome) -> None:
         self.requests.labels(outcome.status.value, outcome.reason.value).inc()
-        self.transfer_bytes.inc(outcome.transfer_bytes)  # landed writes, failed requests too
+        self.transfer_bytes.inc(outcome.transfer.bytes)  # landed writes, failed requests too
         if self._group_size > 1:  # the leader's writes: the followers' come by the step
-            self.rank_write_bytes.labels(rank="0").inc(outcome.transfer_bytes)
+            self.rank_write_bytes.labels(rank="0").inc(outcome.transfer.bytes)
         self.prompt_tokens.inc(outcome.num_prompt_tokens)
         self.cached_tokens.inc(outcome.num_cached_tokens)
         self.prompt_length.observe(outcome.num_prompt_tokens)
@@ -290,6 +296,9 @@ class WorkerMetrics:
     def observe_step(self, duration_s: float, batch_tokens: int) -> None:
         self.step_seconds.observe(duration_s)
         self.batch_tokens.observe(batch_tokens)
+
+    def on_draft_forward(self, seconds: float) -> None:
+        self.draft_forward_seconds.observe(seconds)
 
     def set_queue_sizes(self, sizes: Mapping[str, int]) -> None:
         for state, count in sizes.items():

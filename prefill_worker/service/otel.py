@@ -10,6 +10,7 @@ end to end from its outcome's timings (SGLang's stage names)::
                               prefill_waiting ─┐ (admission queue)
                                                prefill_forward ──────┐ (chunks: tokens computed)
                                                                      prefill_transfer_kv_cache ──┐
+                                          (bytes, NIXL writes and descriptors, NIXL telemetry)
       chunked_prefill ×N            (each forward that computed a chunk: when the runner ran it)
 
 Threads: ``begin`` runs on the I/O side, ``finish`` on the engine thread and only enqueues
@@ -39,7 +40,13 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from prefill_worker.batch import BatchPlan
-from prefill_worker.request import FinishReason, Outcome, PrefillRequest, TraceContext
+from prefill_worker.request import (
+    FinishReason,
+    Outcome,
+    PrefillRequest,
+    TraceContext,
+    TransferStats,
+)
 from prefill_worker.service.sections.tracing import TracingConfig
 
 log = logging.getLogger("prefill_worker.service.otel")
@@ -251,8 +258,23 @@ def phase_attributes(name: str, outcome: Outcome) -> dict[str, int]:
     if name == "prefill_forward":
         return {"num_computed_tokens": outcome.num_computed_tokens}
     if name == "prefill_transfer_kv_cache":
-        return {"transfer_bytes": outcome.transfer_bytes}
+        return transfer_attributes(outcome.transfer)
     return {}
+
+
+def transfer_attributes(stats: TransferStats) -> dict[str, int]:
+    """The writes that landed; NIXL's own measure of them where it captured one (the summed
+    time NIXL took to post them and to move them, in microseconds)."""
+    attributes = {
+        "transfer_bytes": stats.bytes,
+        "transfer_writes": stats.writes,
+        "transfer_descriptors": stats.descriptors,
+    }
+    if stats.nixl_post_s is not None:
+        attributes["nixl_post_us"] = round(stats.nixl_post_s * 1e6)
+    if stats.nixl_xfer_s is not None:
+        attributes["nixl_xfer_us"] = round(stats.nixl_xfer_s * 1e6)
+    return attributes
 
 
 def outcome_status(outcome: Outcome) -> Status:

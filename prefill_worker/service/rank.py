@@ -5,7 +5,8 @@ Started by the leader (``tp/followers.py``) as ``python -m prefill_worker.servic
 on stdin, or reached from ``prefill-worker serve`` under torchrun when RANK is not 0. Where
 the worker serves one protocol, native or SGLang's, it pushes its own KV heads through its
 own NIXL agent (``transfer.nixl.rank_backend``), replaying the leader's senders
-(``tp.mirror``). It
+(``tp.mirror``); where it serves vLLM's, its forwards write its heads into the staging region
+the group shares (``service.vllm_group``). It
 ignores SIGTERM and SIGINT (a supervisor signals the whole process group; the leader drains
 and then sends the stop step) and dies with its leader. Exit codes: 0 after a stop step, 78
 for a configuration problem, 1 for anything else.
@@ -20,6 +21,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from prefill_worker.batch import ModelRunner
 from prefill_worker.model import build
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -28,6 +30,7 @@ from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
 from prefill_worker.service.teardown import prepare_exit
+from prefill_worker.service.vllm_group import Unmirrored, follow_staging
 from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.follower import serve_steps
 from prefill_worker.tp.followers import die_with_parent
@@ -50,10 +53,15 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
         membership = join(placement, device, tp_timeouts(config), None)
         runner, kv_cache, info = load_model(config, build_model, tp=membership.tp, device=device)
         agree_loaded(kv_cache.layout.num_pages)
-        target = _transfer_target(config, kv_cache, info.num_kv_heads, placement)
+        heads = info.num_kv_heads
+        staging = follow_staging(config, kv_cache, heads, placement.rank, placement.size)
+        steps: ModelRunner = runner
+        if staging is not None and staging.heads is None:  # its head is another rank's
+            steps = Unmirrored(runner)
+        target = _transfer_target(config, kv_cache, heads, placement)
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
         try:
-            serve_steps(runner, channel, target)
+            serve_steps(steps, channel, target, staging)
         finally:
             if target is not None:
                 target.close()

@@ -53,13 +53,49 @@ class Config(Section):
     @model_validator(mode="after")
     def _tp_serves_one_push_protocol(self) -> Config:
         """At TP > 1 only a desk that leads the group has every rank push its heads (native,
-        or SGLang's, alone: docs/parallelism.md); any other choice would offer decodes the
-        leader's heads only."""
+        or SGLang's, alone: docs/parallelism.md), and vLLM's pulls read every rank's heads
+        from the region the group shares (alone: docs/vllm.md); any other choice would offer
+        decodes the leader's heads only."""
         protocols = self.transfer.protocols
-        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",)):
+        if self.parallel.tp_size > 1 and protocols not in (("native",), ("sglang",), ("vllm",)):
             raise ValueError(
                 f"transfer.protocol {self.transfer.protocol!r} at parallel.tp_size "
-                f"{self.parallel.tp_size}: a tensor-parallel worker serves native or sglang alone"
+                f"{self.parallel.tp_size}: a tensor-parallel worker serves native, sglang or "
+                "vllm alone"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_tp_stages_on_one_host(self) -> Config:
+        """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
+        "Workers with TP > 1"): the group runs on one host."""
+        tp_size = self.parallel.tp_size
+        if tp_size > 1 and "vllm" in self.transfer.protocols and self.parallel.interface:
+            raise ValueError(
+                f"transfer.protocol vllm at parallel.tp_size {tp_size}: the ranks share the "
+                "staging region in memory, so the group runs on one host; unset "
+                "parallel.interface"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _decodes_agree_on_the_kv_dtype(self) -> Config:
+        """An FP8 pool's pages land byte for byte in the decode's pool, so each protocol's
+        handshake must say so: SGLang decodes compare ``/route``'s ``kv_cache_dtype`` with
+        their ``--kv-cache-dtype``; the vLLM handshake hashes the model dtype and the cache
+        dtype, which this worker does not yet tell apart (it would offer FP8 bytes as bf16)."""
+        fp8, protocols = self.cache.kv_dtype == "fp8_e4m3", self.transfer.protocols
+        announced = self.transfer.sglang_kv_cache_dtype
+        if "sglang" in protocols and fp8 != (announced == "fp8_e4m3"):
+            raise ValueError(
+                f"cache.kv_dtype {self.cache.kv_dtype!r} with transfer.sglang_kv_cache_dtype "
+                f"{announced!r}: SGLang decodes read the pages as their --kv-cache-dtype says; "
+                f"set both to fp8_e4m3, or neither"
+            )
+        if fp8 and "vllm" in protocols:
+            raise ValueError(
+                "cache.kv_dtype fp8_e4m3 with transfer.protocol vllm: the vLLM handshake does "
+                "not carry an FP8 cache dtype yet; serve native or sglang"
             )
         return self
 

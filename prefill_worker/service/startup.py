@@ -35,7 +35,7 @@ from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
-from prefill_worker.model.kv_cache import TORCH_DTYPES
+from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.request import Outcome
@@ -64,7 +64,9 @@ from prefill_worker.transfer.options import (
     VllmOptions,
 )
 from prefill_worker.transfer.state_guard import guard_backends
+from prefill_worker.transfer.swa_window import guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -160,6 +162,8 @@ def load_model(
             memory_fraction=cfg.cache.memory_fraction,
             num_threads=cfg.model.num_threads,
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
+            **_draft_args(cfg),
+            kv_dtype=cfg.cache.kv_dtype,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -222,12 +226,17 @@ def start_transfer(
     wake: Callable[[], None],
     is_live: Callable[[], bool],
     state: StateRegions | None = None,
+    sliding_window: int | None = None,
+    vllm_staging: GroupStaging | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state pool, which the
     native protocol sends beside the KV; every other protocol's backend then refuses each
-    claimed room with a typed reason (``transfer.state_guard``)."""
+    claimed room with a typed reason (``transfer.state_guard``). ``sliding_window``: a
+    sliding-window model's, whose rooms every protocol but native refuses likewise
+    (``transfer.swa_window``). ``vllm_staging``: at TP > 1, the region the group shares
+    (``service.vllm_group``), which the vLLM backend registers."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -242,7 +251,8 @@ def start_transfer(
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
-                vllm = make_vllm_backend(regions, _vllm_options(config), tickets, hooks)
+                options = _vllm_options(config)
+                vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk))
                 mirror_layers = vllm.mirror_layers
@@ -259,6 +269,11 @@ def start_transfer(
                     ", ".join(refused),
                     state.component.kind,
                 )
+        if sliding_window is not None:
+            backends = guard_unproven(backends)
+            log.warning(
+                "sliding-window model: only the native protocol serves it (swa_unsupported)"
+            )
         return serve_protocols(backends, tickets, mirror_layers)
 
 
@@ -268,7 +283,7 @@ def attach_kv_mirror(transfer: Transfer, kv_cache: KVCache) -> None:
     if not transfer.mirror_layers:
         return
     with startup_step("kv mirror", (ValueError,)):
-        dtype = TORCH_DTYPES[kv_cache.layout.dtype]
+        dtype = KV_TORCH_DTYPES[kv_cache.layout.dtype]
         kv_cache.attach_mirror(KVMirror(transfer.mirror_layers, dtype))
 
 
@@ -279,7 +294,12 @@ def _limits(config: Config) -> BootstrapLimits:
 def _sglang_options(config: Config) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
-    nixl = NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_sglang_ucx_net_devices)
+    nixl = NixlOptions(
+        agent_name,
+        tuple(cfg.nixl_backends),
+        cfg.resolved_sglang_ucx_net_devices,
+        config.tracing.enabled,
+    )
     return SglangOptions(
         cfg.sglang_bootstrap_bind,
         cfg.resolved_sglang_rank_ip,
@@ -327,7 +347,12 @@ def _native_backend(
         cfg.peer_timeout_s,
         cfg.heartbeat_interval_s,
         want_timeout_s=config.scheduler.bootstrap_timeout_s,
-        nixl=NixlOptions(cfg.agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        nixl=NixlOptions(
+            cfg.agent_name,
+            tuple(cfg.nixl_backends),
+            cfg.resolved_ucx_net_devices,
+            config.tracing.enabled,  # NIXL's telemetry for the transfer span
+        ),
         limits=_limits(config),
         curve=curve,
     )
@@ -484,3 +509,10 @@ def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
     partial.replace(path)
+
+
+def _draft_args(config: Config) -> dict[str, object]:
+    """The draft's keywords to the builder, when one is configured."""
+    if config.model.draft == "none":
+        return {}
+    return {"draft": config.model.draft, "draft_topk": config.model.draft_topk}

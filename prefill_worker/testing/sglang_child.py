@@ -40,7 +40,12 @@ _POLL_NAMES = {
     int(getattr(KVPoll, name)): name
     for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}  # fp8: SGLang stores its bytes as uint8
 
 
 def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
@@ -73,6 +78,7 @@ class Decode:
         self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
         self.is_mla = spec.get("kind") == "mla"
+        self.kv_cache_dtype = str(spec.get("kv_cache_dtype", "auto"))  # its --kv-cache-dtype
         self.pool = _kv_pool(spec, self.is_mla)
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
@@ -103,7 +109,7 @@ class Decode:
     def _kv_args(self) -> Any:
         args = KVArgs()
         args.engine_rank, args.pp_rank, args.system_dp_rank = self._engine_rank, 0, 0
-        args.kv_cache_dtype_str, args.kv_layout = "auto", None
+        args.kv_cache_dtype_str, args.kv_layout = self.kv_cache_dtype, None
         ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
         args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)

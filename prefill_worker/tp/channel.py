@@ -5,8 +5,9 @@ collectives run on NCCL: the step is a few kilobytes of msgpack)::
 
     leader                                   follower r
     broadcast header [kind, num_bytes] ───▶  receive header
-    broadcast payload uint8[num_bytes] ───▶  receive the body (plan, transfer ops, rooms)
-                                             apply the ops to its own backend
+    broadcast payload uint8[num_bytes] ───▶  receive the body (plan, transfer ops, rooms,
+                                             vLLM stages); apply the ops to its own
+                                             backend, run the stages (its heads)
     its forward (samples)                    its forward (its heads; no sampling)
     all_reduce SUM float64[size, 4]  ◀──▶    its row: [1.0, its forward seconds, the bytes
                                              its KV writes landed since its last answer,
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from prefill_worker.batch import BatchPlan
 from prefill_worker.tp.mirror import RankLink, no_opinion
 from prefill_worker.tp.step import Step, StepKind, decode_step, encode_step
+from prefill_worker.transfer.vllm.shared import StageQueue
 
 T = TypeVar("T")
 _HEADER = 2  # int64: kind, payload bytes
@@ -81,6 +83,7 @@ class LeaderChannel:
         self._group, self._size, self.clock = group, size, clock
         self.link, self._sync_interval_s = link or RankLink(), sync_interval_s
         self.link.try_exchange = self.try_sync
+        self.stages = StageQueue()  # vLLM repacks for the followers (transfer/vllm/shared)
         self._lock = threading.Lock()
         self._waiting_since: float | None = None  # an exchange waits on the other ranks
         self._is_closed = False
@@ -119,9 +122,10 @@ class LeaderChannel:
         if self.failure is not None or self._is_closed:
             raise GroupFailed(self.failure or "the group was stopped")
         ops, rooms = self.link.take()
+        stages, staged = self.stages.take()
         try:
             self._waiting_since = self.clock()
-            _send(self._group, kind, encode_step(plan, ops, rooms))
+            _send(self._group, kind, encode_step(plan, ops, rooms, stages))
             self._waiting_since = None  # the leader's own share is not a wait on ranks
             started = time.perf_counter()
             result = work() if work is not None else None
@@ -135,9 +139,11 @@ class LeaderChannel:
                 self.link.store(rooms, _agree(self._group, no_opinion(len(rooms))))
         except Exception as exc:
             self.failure = f"tensor-parallel step failed: {type(exc).__name__}: {exc}"
+            self.stages.fail(staged, GroupFailed(self.failure))
             raise GroupFailed(self.failure) from exc
         finally:
             self._waiting_since = None
+        self.stages.done(staged)  # every follower ran them before it answered
         self.last_exchange_at = self.clock()
         return result, replies
 

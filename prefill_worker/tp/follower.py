@@ -10,26 +10,41 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 from prefill_worker.batch import ModelRunner
 from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.mirror import MirrorTarget, no_opinion
 from prefill_worker.tp.step import StepKind
+from prefill_worker.transfer.vllm.shared import Stage
 
 log = logging.getLogger(__name__)
 
 
+class Stager(Protocol):
+    """This rank's share of the leader's vLLM repacks (``service.vllm_group``)."""
+
+    def apply(self, stages: Sequence[Stage]) -> None: ...
+
+
 def serve_steps(
-    runner: ModelRunner, channel: FollowerChannel, target: MirrorTarget | None = None
+    runner: ModelRunner,
+    channel: FollowerChannel,
+    target: MirrorTarget | None = None,
+    stager: Stager | None = None,
 ) -> None:
     """Returns at STOP; raises on any failure (the caller exits non-zero). ``target``: this
     rank's transfer backend, mirroring the leader's senders (None: no transfer here, no
-    opinion on any room)."""
+    opinion on any room). ``stager``: where a step's vLLM stages go (before its forward,
+    which may write the same blocks for a later request)."""
     while True:
         kind, step = channel.receive()
         if kind is StepKind.STOP or step is None:
             log.info("tensor parallel: stop step: leaving")
             return
+        if stager is not None and step.stages:
+            stager.apply(step.stages)
         if target is not None:
             target.apply(step.ops)
         forward_s = 0.0

@@ -2,14 +2,16 @@
 
 A step is one of::
 
-    FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions;
-               whether a chunk samples, but not how: only the leader samples)
+    FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions,
+               KV mirror slots; whether a chunk samples, but not how: only the leader
+               samples)
     HEARTBEAT  nothing to run: proves every rank still answers while the worker is idle,
                and carries transfer ops when the group is otherwise free
     STOP       the leader is closing: followers leave their loop and exit 0
 
 Every step's body also carries the transfer ops queued since the last step and the rooms
-whose state the ranks agree on after it (``transfer/group.py``, ``tp/mirror.py``).
+whose state the ranks agree on after it (``transfer/group.py``, ``tp/mirror.py``), and the
+vLLM repacks each follower runs for its heads before the forward (``transfer/vllm/shared``).
 Torch-free; ``channel.py`` carries the bytes.
 """
 
@@ -24,6 +26,7 @@ import msgspec
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.request import SamplingParams
 from prefill_worker.transfer.group import MirrorOp
+from prefill_worker.transfer.vllm.shared import Stage
 
 
 class StepKind(enum.IntEnum):
@@ -41,6 +44,7 @@ class _Chunk(msgspec.Struct, array_like=True, frozen=True):
     samples: bool
     logprob_from: int
     logprob_token_ids: list[int]
+    mirror_slots: list[int] = []  # where each token's K/V also goes: every rank's KV mirror
 
 
 class _Plan(msgspec.Struct, array_like=True, frozen=True):
@@ -52,6 +56,7 @@ class _Body(msgspec.Struct, array_like=True, frozen=True):
     plan: _Plan | None
     ops: list[MirrorOp]
     rooms: list[int]
+    stages: list[Stage] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +64,7 @@ class Step:
     plan: BatchPlan | None  # FORWARD only
     ops: Sequence[MirrorOp]
     rooms: Sequence[int]
+    stages: Sequence[Stage] = ()  # vLLM repacks each follower runs before the forward
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -67,17 +73,20 @@ _FOLLOWER_SAMPLING = SamplingParams()  # a follower only needs to know that a ch
 
 
 def encode_step(
-    plan: BatchPlan | None, ops: Sequence[MirrorOp] = (), rooms: Sequence[int] = ()
+    plan: BatchPlan | None,
+    ops: Sequence[MirrorOp] = (),
+    rooms: Sequence[int] = (),
+    stages: Sequence[Stage] = (),
 ) -> bytes:
     wire = None if plan is None else _plan_to_wire(plan)
-    return _encoder.encode(_Body(wire, list(ops), list(rooms)))
+    return _encoder.encode(_Body(wire, list(ops), list(rooms), list(stages)))
 
 
 def decode_step(data: bytes) -> Step:
     """The step as a follower runs it: the same forward inputs, a placeholder sampling."""
     body = _decoder.decode(data)
     plan = None if body.plan is None else _plan_from_wire(body.plan)
-    return Step(plan, body.ops, body.rooms)
+    return Step(plan, body.ops, body.rooms, body.stages)
 
 
 def _plan_to_wire(plan: BatchPlan) -> _Plan:
@@ -91,6 +100,7 @@ def _plan_to_wire(plan: BatchPlan) -> _Plan:
             c.sampling is not None,
             c.logprob_from,
             list(c.logprob_token_ids),
+            list(c.mirror_slots),
         )
         for c in plan.chunks
     ]
@@ -108,6 +118,7 @@ def _plan_from_wire(wire: _Plan) -> BatchPlan:
             _FOLLOWER_SAMPLING if c.samples else None,
             c.logprob_from,
             tuple(c.logprob_token_ids),
+            tuple(c.mirror_slots),
         )
         for c in wire.chunks
     )

@@ -25,6 +25,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+from prefill_worker.request import TransferStats
+
 
 class KVPoll(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
@@ -75,8 +77,9 @@ class KVSender(Protocol):
         registrations refused lately), for the bootstrap timeout's error; None when unknown."""
         ...
 
-    def written_bytes(self) -> int:
-        """Bytes of the writes that have landed so far (KV page runs and the aux row)."""
+    def transfer_stats(self) -> TransferStats:
+        """The writes that have landed so far (KV page runs and the aux row): their bytes,
+        NIXL requests, descriptors, and NIXL's telemetry of them where captured."""
         ...
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll, KVSender, MirroringSender, TransferBackend
 from prefill_worker.transfer.group import DropsPeers
 
@@ -63,8 +64,8 @@ class DualSender:
     def why_no_handshake(self) -> str | None:
         return next((r for s in self._senders if (r := s.why_no_handshake()) is not None), None)
 
-    def written_bytes(self) -> int:
-        return 0 if self._chosen is None else self._chosen.written_bytes()
+    def transfer_stats(self) -> TransferStats:
+        return TransferStats() if self._chosen is None else self._chosen.transfer_stats()
 
     def close(self) -> None:
         for sender in self._live():  # the others were closed when the room was taken

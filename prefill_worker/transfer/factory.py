@@ -28,6 +28,7 @@ from prefill_worker.transfer.vllm.tickets import Tickets
 
 if TYPE_CHECKING:
     from prefill_worker.transfer.vllm.backend import VllmBackend
+    from prefill_worker.transfer.vllm.shared import GroupStaging
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,11 @@ def make_sglang_backend(
 
 
 def make_vllm_backend(
-    regions: KVRegions, options: VllmOptions, tickets: Tickets, hooks: Hooks = DEFAULT_HOOKS
+    regions: KVRegions,
+    options: VllmOptions,
+    tickets: Tickets,
+    hooks: Hooks = DEFAULT_HOOKS,
+    group: GroupStaging | None = None,
 ) -> VllmBackend:
     """This worker as a vLLM prefill (``transfer/vllm``): the staging region registered with
     a NIXL agent of its own, a side channel bound per vLLM version served. ``StagingRefused``
@@ -77,7 +82,7 @@ def make_vllm_backend(
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.channel import serve_side_channels
 
-    return VllmBackend(regions, options, tickets, serve_side_channels, hooks)
+    return VllmBackend(regions, options, tickets, serve_side_channels, hooks, group)
 
 
 def serve_protocols(

@@ -51,11 +51,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
 
 if TYPE_CHECKING:  # importing the poster imports NIXL; this module stays free of it
-    from prefill_worker.transfer.nixl.poster import Write
+    from prefill_worker.transfer.nixl.poster import Telemetry, Write
 
 STATE_CODES: Mapping[KVPoll, int] = {
     KVPoll.PEER_LOST: 0,
@@ -144,7 +145,8 @@ class FollowerWrites:
     before a ``failed`` or ``aborted`` (module docstring). Each follower releases its own
     when the room's fail or close reaches it, so ``release`` has nothing to do here."""
 
-    num_bytes = 0
+    num_bytes = num_descs = 0  # not a write of the leader's agent: WriteSet counts none
+    telemetry: Telemetry | None = None
     prep_s = 0.0
     prep_cpu_s = 0.0
     is_refused = False
@@ -235,8 +237,8 @@ class GroupSender:
     def why_no_handshake(self) -> str | None:
         return self._local.why_no_handshake()
 
-    def written_bytes(self) -> int:
-        return self._local.written_bytes()
+    def transfer_stats(self) -> TransferStats:
+        return self._local.transfer_stats()  # this rank's writes (the others' are counted apart)
 
     def close(self) -> None:
         self.held_aux = None  # the row goes back to its pool now: it may be another's next

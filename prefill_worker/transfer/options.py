@@ -26,6 +26,7 @@ class NixlOptions:
     agent_name: str | None = None  # None: a generated one
     backends: tuple[str, ...] = ("UCX",)
     ucx_net_devices: str | None = None  # UCX's interfaces; None: UCX picks
+    capture_telemetry: bool = False  # NIXL measures each write (tracing's transfer span)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
 
 STATE_UNSUPPORTED = "state_unsupported"
@@ -78,8 +79,8 @@ class RefusingSender:
     def why_no_handshake(self) -> str | None:
         return self._inner.why_no_handshake()
 
-    def written_bytes(self) -> int:
-        return self._inner.written_bytes()
+    def transfer_stats(self) -> TransferStats:
+        return self._inner.transfer_stats()
 
     def close(self) -> None:
         self._inner.close()

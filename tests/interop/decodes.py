@@ -47,8 +47,13 @@ class SglangDecode:
         bootstrap: str,
         layout: KVLayout,
         num_aux_rows: int = 16,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        """``kv_cache_dtype``: its ``--kv-cache-dtype`` (None: ``fp8_e4m3`` for an FP8 pool,
+        else ``auto``)."""
         self.process, self.layout = process, layout
+        if kv_cache_dtype is None:
+            kv_cache_dtype = "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto"
         self.id = f"decode-{next(_IDS)}"
         self.rooms: dict[int, tuple[list[int], int]] = {}
         identity = process.call(
@@ -63,6 +68,7 @@ class SglangDecode:
             num_pages=layout.num_pages,
             num_aux_rows=num_aux_rows,
             kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.agent_name: str = identity["agent_name"]  # what its frames name it by
         self.ip: str = identity["ip"]

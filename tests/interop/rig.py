@@ -39,7 +39,7 @@ class PrefillRig:
             "127.0.0.1:0",
             "127.0.0.1",
             0,
-            "auto",
+            "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto",  # what /route announces
             write_timeout_s,
             5.0,
             nixl=NixlOptions(agent_name),

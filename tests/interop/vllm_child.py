@@ -4,12 +4,14 @@ engine. Runs only in the vLLM interop environment (``make vllm-deps``).
 
 One decode per process (vLLM's distributed state is process-global): a ``ModelConfig`` from
 a local ``config.json``, ``CacheConfig(block_size)`` with layout ``LBHNC``, a
+``ParallelConfig(tensor_parallel_size)`` (``tp_size``, default 1: a decode of TP d is d such
+processes, ``tp_rank`` 0..d-1, one ``dist_port``, each holding its ranks' KV heads), a
 ``KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
-kv_buffer_device="cpu")``, gloo ``init_distributed_environment(world_size=1)``, per layer a
-CPU tensor ``[num_blocks, kv_heads, block_size, 2*head_dim]`` (LBHNC, K‖V per (head,
-token)) filled with ``fill_byte``, ``register_kv_caches``. Every tick (and while a command
-waits) the decode steps as vLLM's worker does once per engine step: ``bind_connector_metadata``
-(new pulls, heartbeats when due), ``start_load_kv``, ``get_finished``,
+kv_buffer_device="cpu")``, gloo ``init_distributed_environment(world_size=tp_size)``, per
+layer a CPU tensor ``[num_blocks, kv_heads / tp_size, block_size, 2*head_dim]`` (LBHNC,
+K‖V per (head, token)) filled with ``fill_byte``, ``register_kv_caches``. Every tick (and
+while a command waits) the decode steps as vLLM's worker does once per engine step:
+``bind_connector_metadata`` (new pulls, heartbeats when due), ``start_load_kv``, ``get_finished``,
 ``get_block_ids_with_load_errors``, ``clear_connector_metadata``.
 """
 
@@ -33,6 +35,7 @@ from vllm.config import (
     CacheConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     VllmConfig,
     set_current_vllm_config,
 )
@@ -73,8 +76,14 @@ def vllm_config(spec: dict[str, Any]) -> VllmConfig:
         kv_buffer_device="cpu",
         engine_id=spec.get("engine_id", "vllm-decode"),
     )
+    parallel = ParallelConfig(tensor_parallel_size=spec.get("tp_size", 1))
     with _no_triton_gate():
-        return VllmConfig(model_config=model, cache_config=cache, kv_transfer_config=transfer)
+        return VllmConfig(
+            model_config=model,
+            cache_config=cache,
+            kv_transfer_config=transfer,
+            parallel_config=parallel,
+        )
 
 
 @contextlib.contextmanager
@@ -116,14 +125,15 @@ class Decode:
         self.config = vllm_config(spec)
         self._scope = set_current_vllm_config(self.config)
         self._scope.__enter__()  # for the life of the process, as a worker's is
+        self.tp_size, tp_rank = int(spec.get("tp_size", 1)), int(spec.get("tp_rank", 0))
         init_distributed_environment(
-            world_size=1,
-            rank=0,
+            world_size=self.tp_size,
+            rank=tp_rank,
             distributed_init_method=f"tcp://127.0.0.1:{spec['dist_port']}",
-            local_rank=0,
+            local_rank=tp_rank,
             backend="gloo",
         )
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(self.tp_size, 1)
         self.num_blocks = int(spec["num_blocks"])
         self.caches = self._make_caches(int(spec["fill_byte"]))
         self.connector = NixlConnector(self.config, KVConnectorRole.WORKER, self._kv_config())
@@ -138,7 +148,7 @@ class Decode:
         model = self.config.model_config
         return FullAttentionSpec(
             block_size=self.config.cache_config.block_size,
-            num_kv_heads=model.get_total_num_kv_heads(),
+            num_kv_heads=model.get_total_num_kv_heads() // self.tp_size,  # this rank's
             head_size=model.get_head_size(),
             dtype=model.dtype,
         )

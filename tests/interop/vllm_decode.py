@@ -75,8 +75,12 @@ class VllmDecodeProcess(JsonLineChild):
         block_size: int = 32,
         dtype: str = "float32",
         version: str = VLLM_VERSIONS[0],
+        tp: tuple[int, int, int] | None = None,
     ) -> None:
+        """``tp``: (rank, size, dist_port) of one rank of a decode of TP size (its ranks
+        share the port); None: TP 1."""
         self.version = version
+        rank, size, dist_port = tp or (0, 1, free_port())
         spec = {
             "model_dir": str(model_dir),
             "num_blocks": num_blocks,
@@ -84,7 +88,9 @@ class VllmDecodeProcess(JsonLineChild):
             "block_size": block_size,
             "dtype": dtype,
             "fill_byte": FILL_BYTE,
-            "dist_port": free_port(),
+            "dist_port": dist_port,
+            "tp_rank": rank,
+            "tp_size": size,
         }
         env = {**os.environ, **VLLM_ENV}
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath(version))

@@ -30,7 +30,7 @@ def test_a_wildcard_bind_needs_the_control_address() -> None:
     assert native.transfer.protocol == "native"
 
 
-def test_a_tensor_parallel_worker_serves_native_or_sglang_alone() -> None:
+def test_a_tensor_parallel_worker_serves_one_protocol() -> None:
     for protocol in ("native", "sglang"):
         flags = [f"transfer.protocol={protocol}", "parallel.tp_size=2"]
         assert load_config(None, env={}, overrides=flags).parallel.tp_size == 2
@@ -38,8 +38,21 @@ def test_a_tensor_parallel_worker_serves_native_or_sglang_alone() -> None:
         flags = [f"transfer.protocol={protocol}", "parallel.tp_size=2", "http_api.enabled=true"]
         with pytest.raises(ConfigError) as info:
             load_config(None, env={}, overrides=flags)
-        assert "serves native or sglang alone" in "\n".join(info.value.problems), protocol
+        assert "serves native, sglang or vllm alone" in "\n".join(info.value.problems), protocol
     assert load_config(None, env={}, overrides=["transfer.protocol=both"]).parallel.tp_size == 1
+
+
+def test_a_tensor_parallel_vllm_worker_is_one_host() -> None:
+    """At TP > 1 vLLM's staging region is memory the ranks share: no ``parallel.interface``
+    (a group across hosts)."""
+    flags = ["transfer.protocol=vllm", "parallel.tp_size=2", "http_api.enabled=true"]
+    config = load_config(None, env={}, overrides=flags)
+    assert config.parallel.tp_size == 2 and config.transfer.protocols == ("vllm",)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=[*flags, "parallel.interface=eth1"])
+    assert "unset parallel.interface" in "\n".join(info.value.problems)
+    native = ["transfer.protocol=native", "parallel.tp_size=2", "parallel.interface=eth1"]
+    assert load_config(None, env={}, overrides=native).parallel.interface == "eth1"
 
 
 def test_an_unknown_protocol_is_refused() -> None:

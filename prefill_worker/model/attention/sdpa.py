@@ -1,10 +1,12 @@
 """The reference attention backend: torch ``scaled_dot_product_attention``, CPU and CUDA.
 
 A chunk that starts at position 0 attends straight over its fresh q/k/v (no page gather,
-plain causal mask). A chunk with earlier positions gathers keys and values ``[0, end)`` from
-its pages by (page, offset), which reads the per-layer pool views of either pool layout in
-place, and uses a bottom-right-aligned causal mask: query ``i`` (position ``start + i``)
-sees keys ``j <= start + i``.
+plain causal mask). A chunk with earlier positions gathers the keys and values of its prefix
+``[0, start)`` from its pages by (page, offset), which reads the per-layer pool views of either
+pool layout in place, puts its own fresh ones after them, and uses a bottom-right-aligned
+causal mask: query ``i`` (position ``start + i``) sees keys ``j <= start + i``. Its own keys
+are the fresh ones, as SGLang's prefill merges ragged (fresh) and paged (prefix) attention:
+with an FP8 pool (``model.quant.kv``) only the prefix is read back rounded.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention.base import AttentionBatch, ChunkSpan
+from prefill_worker.model.quant.kv import from_pool
 
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
     q_start: int
     q_end: int
-    kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # [end] pages, [end] offsets; None: fresh
+    kv_rows: tuple[torch.Tensor, torch.Tensor] | None  # [start] pages, offsets; None: fresh
     mask: torch.Tensor | None  # [num_tokens, end] bool, True = may attend
 
 
@@ -36,11 +39,11 @@ class SdpaBackend:
     def _plan_span(self, span: ChunkSpan, page_size: int) -> _Planned:
         if span.start == 0:
             return _Planned(span.q_start, span.q_end, None, None)
-        positions = torch.arange(span.end)
-        pages = torch.tensor(span.page_ids, dtype=torch.int64)[positions // page_size]  # [end]
-        rows = (pages.to(self.device), (positions % page_size).to(self.device))
+        prefix = torch.arange(span.start)
+        pages = torch.tensor(span.page_ids, dtype=torch.int64)[prefix // page_size]  # [start]
+        rows = (pages.to(self.device), (prefix % page_size).to(self.device))
         query_pos = torch.arange(span.start, span.end)[:, None]
-        mask = positions[None, :] <= query_pos  # [n, end]
+        mask = torch.arange(span.end)[None, :] <= query_pos  # [n, end]
         return _Planned(span.q_start, span.q_end, rows, mask.to(self.device))
 
     def attend(
@@ -54,10 +57,10 @@ class SdpaBackend:
     ) -> None:
         for p in self._planned:
             qs = q[p.q_start : p.q_end]
-            if p.kv_rows is None:
-                ks, vs = k[p.q_start : p.q_end], v[p.q_start : p.q_end]
-            else:
-                ks, vs = k_pool[p.kv_rows], v_pool[p.kv_rows]  # [end, KV, D] each
+            ks, vs = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, KV, D] fresh
+            if p.kv_rows is not None:  # the prefix's, from the pages, first: [end, KV, D]
+                ks = torch.cat([from_pool(k_pool[p.kv_rows], q.dtype), ks])
+                vs = torch.cat([from_pool(v_pool[p.kv_rows], q.dtype), vs])
             out[p.q_start : p.q_end] = _sdpa(qs, ks, vs, p.mask)
 
 

@@ -8,13 +8,14 @@ import torch.nn.functional as F
 
 from prefill_worker.model.attention.sdpa import SdpaBackend
 from prefill_worker.model.hf_config import MLASpec
+from prefill_worker.model.quant.kv import from_pool
 
 
 class MLASdpaBackend(SdpaBackend):
     """The MLA attention backend (CPU and CUDA, torch SDPA): planned as ``SdpaBackend``
-    (fresh rows for a chunk from position 0; otherwise pool rows ``[0, end)`` and a
-    bottom-right causal mask), attending over decompressed latents. ``attend`` (K/V planes)
-    is not used: an MLA pool has none."""
+    (fresh rows for a chunk from position 0; otherwise the prefix's pool rows ``[0, start)``
+    and its own fresh rows, and a bottom-right causal mask), attending over decompressed
+    latents. ``attend`` (K/V planes) is not used: an MLA pool has none."""
 
     def attend_latent(
         self,
@@ -27,9 +28,10 @@ class MLASdpaBackend(SdpaBackend):
     ) -> None:
         heads, nope, rank = q.shape[1], spec.qk_nope_head_dim, spec.kv_lora_rank
         for p in self._planned:
-            # [m, r + rope]: this chunk's own rows, or rows [0, end) from its pages
-            fresh = rows[p.q_start : p.q_end]
-            chunk_rows = fresh if p.kv_rows is None else pool[p.kv_rows][:, 0]
+            # [m, r + rope]: the prefix's rows [0, start) from its pages, then its own fresh ones
+            chunk_rows = rows[p.q_start : p.q_end]
+            if p.kv_rows is not None:
+                chunk_rows = torch.cat([from_pool(pool[p.kv_rows][:, 0], q.dtype), chunk_rows])
             kv = F.linear(chunk_rows[:, :rank], kv_b).view(-1, heads, nope + spec.v_head_dim)
             k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
             k[..., :nope] = kv[..., :nope]

@@ -39,6 +39,19 @@ class ModelConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."
     )
+    draft: Literal["none", "mtp"] = Field(
+        "none",
+        description="A draft model run after the target, for decodes that speculate (SGLang "
+        "EAGLE/MTP): `mtp` runs DeepSeek-V3's own MTP layer from the checkpoint (TP 1) over "
+        "every chunk, its KV in a one-layer pool within the KV budget, its first proposal "
+        "beside the first token (docs/models.md, 'MTP draft').",
+    )
+    draft_topk: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Draft proposals per request (SGLang's --speculative-eagle-topk).",
+    )
 
 
 class CacheConfig(Section):
@@ -73,6 +86,13 @@ class CacheConfig(Section):
             "always gets the `mla` pool (one latent row per token and layer; docs/models.md) "
             "and refuses `page_major`."
         ),
+    )
+    kv_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV pool dtype: `auto` (the model's) or `fp8_e4m3` (one byte per value, "
+        "scale 1.0, as SGLang's and vLLM's FP8 KV caches; half the bytes a transfer moves). "
+        "Decodes must run the same (SGLang: `--kv-cache-dtype fp8_e4m3`); read back by the "
+        "sdpa attention backend only (docs/models.md).",
     )
     prefix_caching: bool = Field(
         True,

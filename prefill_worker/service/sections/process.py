@@ -44,7 +44,8 @@ class ParallelConfig(Section):
         le=64,
         description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
         "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
-        "Above 1, `transfer.protocol` must be native or sglang alone.",
+        "Above 1, `transfer.protocol` must be native, sglang or vllm alone (vllm: the group on "
+        "one host; docs/vllm.md).",
     )
     step_timeout_s: float = Field(
         10.0,

@@ -78,7 +78,12 @@ class NixlBackend(HubBackend[Peer]):
         self.endpoints = {"bootstrap": self.bootstrap_endpoint}
         try:
             nixl = options.nixl
-            self.agent = make_agent(self.agent_name, list(nixl.backends), nixl.ucx_net_devices)
+            self.agent = make_agent(
+                self.agent_name,
+                list(nixl.backends),
+                nixl.ucx_net_devices,
+                capture_telemetry=nixl.capture_telemetry,
+            )
             self._reg = register_regions(self.agent, regions)
             self.local_lists = prep_lists(self.agent, LOCAL_AGENT, regions)
             self._state_reg = None if state is None else register_state(self.agent, state)
@@ -189,4 +194,7 @@ class NixlBackend(HubBackend[Peer]):
 def _poster_factory(options: NativeOptions, hooks: Hooks) -> Callable[[Any], WritePoster]:
     if hooks.poster_factory is not None:
         return hooks.poster_factory
-    return PushThread if options.push_thread else InlinePoster
+    telemetry = options.nixl.capture_telemetry
+    if options.push_thread:
+        return lambda agent: PushThread(agent, telemetry=telemetry)
+    return lambda agent: InlinePoster(agent, telemetry)

@@ -55,6 +55,7 @@ def make_agent(
     backends: list[str],
     ucx_net_devices: str | None = None,
     progress_thread: bool = False,
+    capture_telemetry: bool = False,
 ) -> nixl_agent:
     """One agent; progress is driven by the owner's poll (check_xfer_state, get_new_notifs),
     or with ``progress_thread`` by NIXL's own thread too (an agent others READ from: over
@@ -62,9 +63,13 @@ def make_agent(
 
     ``ucx_net_devices`` (UCX_NET_DEVICES, e.g. ``lo`` or ``eth0``) picks the interfaces UCX
     opens its TCP listeners on; UCX reads it when the backend is created, here and only here.
-    NIXL's own listener (``enable_listen_thread``) stays off: metadata goes over bootstrap."""
+    NIXL's own listener (``enable_listen_thread``) stays off: metadata goes over bootstrap.
+    ``capture_telemetry``: NIXL measures each transfer (``poster.read_telemetry``)."""
     config = nixl_agent_config(
-        enable_prog_thread=progress_thread, enable_listen_thread=False, backends=list(backends)
+        enable_prog_thread=progress_thread,
+        enable_listen_thread=False,
+        backends=list(backends),
+        capture_telemetry=capture_telemetry,
     )
     if not ucx_net_devices:
         return nixl_agent(name, config)

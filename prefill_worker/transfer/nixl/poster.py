@@ -13,7 +13,8 @@ posted from the engine thread would stall the loop for the whole copy (docs/arch
 
 ``InlinePoster`` makes the same calls on the caller's thread (unit tests, the benchmark).
 A ``Write`` is settled once none of its bytes can land any more: only then may a failure be
-told.
+told. With ``telemetry`` (the agent made with ``capture_telemetry``) a write that finished
+DONE carries what NIXL measured of it (``read_telemetry``), read before its handle is released.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ log = logging.getLogger(__name__)
 
 
 Prepare = Callable[[Any], Any]  # agent -> an unposted transfer handle
+Telemetry = tuple[float, float]  # NIXL's (post, transfer) durations of one write, in seconds
 
 
 class Write(Protocol):
     """One posted write of KV pages or an aux row."""
 
     num_bytes: int
+    num_descs: int  # its descriptors (0: not a write of this agent's, say another rank's)
+    telemetry: Telemetry | None  # once DONE, when the poster captures it
     prep_s: float  # building its transfer request (make_prepped_xfer), wherever that ran
     prep_cpu_s: float  # the same in CPU time of the thread that ran it (no preemption)
 
@@ -76,9 +80,10 @@ class WritePoster(Protocol):
         """A WRITE between two prepared lists (``make_prepped_xfer``)."""
         ...
 
-    def post_with(self, prepare: Prepare, num_bytes: int) -> Write:
-        """A WRITE whose handle ``prepare(agent)`` makes where the agent lives (one made of
-        descriptors built per write, say); NIXL errors it raises fail the write."""
+    def post_with(self, prepare: Prepare, num_bytes: int, num_descs: int) -> Write:
+        """A WRITE of ``num_descs`` descriptors whose handle ``prepare(agent)`` makes where the
+        agent lives (one made of descriptors built per write, say); NIXL errors it raises fail
+        the write."""
         ...
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -99,6 +104,17 @@ def prepped(local: Any, lidx: Any, remote: Any, ridx: Any, notif: bytes) -> Prep
     return lambda agent: agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx, notif)
 
 
+def read_telemetry(agent: Any, handle: Any) -> Telemetry | None:
+    """NIXL's telemetry of a finished write (microseconds, as seconds); None when NIXL has
+    none for it."""
+    try:
+        measured = agent.get_xfer_telemetry(handle)
+    except NIXL_ERRORS as exc:
+        log.debug("no NIXL telemetry for a write: %s", exc)
+        return None
+    return measured.postDuration / 1e6, measured.xferDuration / 1e6
+
+
 def release_handle(handle: Any) -> bool:
     """Release a write handle; False (logged) when NIXL refuses."""
     try:
@@ -113,8 +129,10 @@ def release_handle(handle: Any) -> bool:
 
 
 class _InlineWrite:
-    def __init__(self, agent: Any, num_bytes: int) -> None:
+    def __init__(self, agent: Any, num_bytes: int, num_descs: int, telemetry: bool) -> None:
         self._agent, self.num_bytes, self.prep_s, self.prep_cpu_s = agent, num_bytes, 0.0, 0.0
+        self.num_descs, self._wants_telemetry = num_descs, telemetry
+        self.telemetry: Telemetry | None = None
         self.handle: Any = None
         self._error: str | None = None
         self._is_released = False
@@ -127,9 +145,12 @@ class _InlineWrite:
         if self._error is not None:
             return self._error
         try:
-            return str(self._agent.check_xfer_state(self.handle))
+            state = str(self._agent.check_xfer_state(self.handle))
         except NIXL_ERRORS as exc:
             return f"ERR ({exc})"
+        if state == "DONE" and self._wants_telemetry and self.telemetry is None:
+            self.telemetry = read_telemetry(self._agent, self.handle)
+        return state
 
     def release(self) -> None:
         if self.handle is None or self._is_released:
@@ -148,16 +169,17 @@ class InlinePoster:
     wake_fd = None
     needs_polling = True
 
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
+    def __init__(self, agent: Any, telemetry: bool = False) -> None:
+        self._agent, self._telemetry = agent, telemetry
 
     def post(
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
     ) -> Write:
-        return self.post_with(prepped(local, local_idx, remote, remote_idx, notif), num_bytes)
+        prepare = prepped(local, local_idx, remote, remote_idx, notif)
+        return self.post_with(prepare, num_bytes, len(local_idx))
 
-    def post_with(self, prepare: Prepare, num_bytes: int) -> Write:
-        write = _InlineWrite(self._agent, num_bytes)
+    def post_with(self, prepare: Prepare, num_bytes: int, num_descs: int) -> Write:
+        write = _InlineWrite(self._agent, num_bytes, num_descs, self._telemetry)
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             write.handle = prepare(self._agent)

@@ -27,7 +27,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
-from prefill_worker.transfer.nixl.poster import Prepare, prepped, release_handle
+from prefill_worker.transfer.nixl.poster import (
+    Prepare,
+    Telemetry,
+    prepped,
+    read_telemetry,
+    release_handle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +58,11 @@ _SETTLED = (_Phase.FINISHED, _Phase.RELEASED)
 class _Ticket:
     """A ``poster.Write`` whose NIXL calls all run on the transfer thread."""
 
-    def __init__(self, owner: PushThread, prepare: Prepare, num_bytes: int) -> None:
+    def __init__(self, owner: PushThread, prepare: Prepare, num_bytes: int, num_descs: int) -> None:
         self._owner = owner
         self.prepare = prepare  # agent -> handle, called on the transfer thread
-        self.num_bytes = num_bytes
+        self.num_bytes, self.num_descs = num_bytes, num_descs
+        self.telemetry: Telemetry | None = None  # set before status says DONE
         self.prep_s = self.prep_cpu_s = 0.0
         self.handle: Any = None
         self.status = "PROC"  # what state() says: PROC, DONE, ERR (...)
@@ -83,9 +90,13 @@ class PushThread:
     needs_polling = False
 
     def __init__(
-        self, agent: Any, name: str = "nixl-push", on_change: Callable[[], None] | None = None
+        self,
+        agent: Any,
+        name: str = "nixl-push",
+        on_change: Callable[[], None] | None = None,
+        telemetry: bool = False,  # the agent captures it: read each DONE write's
     ) -> None:
-        self._agent = agent
+        self._agent, self._telemetry = agent, telemetry
         self._on_change = on_change  # also told when a write changes state (any thread's wake)
         self._cv = threading.Condition()
         self._posts: collections.deque[_Ticket] = collections.deque()
@@ -107,10 +118,11 @@ class PushThread:
     def post(
         self, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes, num_bytes: int
     ) -> _Ticket:
-        return self.post_with(prepped(local, local_idx, remote, remote_idx, notif), num_bytes)
+        prepare = prepped(local, local_idx, remote, remote_idx, notif)
+        return self.post_with(prepare, num_bytes, len(local_idx))
 
-    def post_with(self, prepare: Prepare, num_bytes: int) -> _Ticket:
-        ticket = _Ticket(self, prepare, num_bytes)
+    def post_with(self, prepare: Prepare, num_bytes: int, num_descs: int) -> _Ticket:
+        ticket = _Ticket(self, prepare, num_bytes, num_descs)
         with self._cv:
             if self._is_stopping:
                 ticket.status = "ERR (the transfer thread has stopped)"
@@ -262,6 +274,8 @@ class PushThread:
 
     def _finish(self, ticket: _Ticket, status: str) -> None:
         """DONE or ERR: its handle is released here (a refusal is retried on ``release``)."""
+        if status == "DONE" and self._telemetry:
+            ticket.telemetry = read_telemetry(self._agent, ticket.handle)
         ticket.status = status
         if ticket.handle is None or release_handle(ticket.handle):
             ticket.phase = _Phase.FINISHED

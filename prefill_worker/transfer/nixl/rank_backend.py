@@ -43,6 +43,7 @@ from typing import Any
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
@@ -144,9 +145,9 @@ class RankSender:
     def why_no_handshake(self) -> str | None:
         return None
 
-    def written_bytes(self) -> int:
+    def transfer_stats(self) -> TransferStats:
         """The bytes of this rank's writes of the room that landed."""
-        return self._written_bytes
+        return TransferStats(self._written_bytes)
 
     def close(self) -> None:
         self.fail("the request ended before its transfer")

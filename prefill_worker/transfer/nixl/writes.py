@@ -1,7 +1,7 @@
 """One sender's writes (``poster.Write``): those in flight, each with its deadline, and those
 released but not yet settled::
 
-    add ─▶ in flight ──check: DONE──▶ counted (bytes, preparation time), released
+    add ─▶ in flight ──check: DONE──▶ counted (``stats``, preparation time), released
                      ──check: ERR───▶ released, the reason returned
                      ──release_all──▶ released (NIXL cancels it)
     released, not settled yet ─▶ kept until it settles: ``pending()`` lists it, so a
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.nixl.poster import Write
 
 
@@ -30,6 +31,9 @@ class WriteSet:
         self._inflight: list[_InFlight] = []
         self._unsettled: list[Write] = []
         self.written_bytes = 0  # what landed
+        self.num_writes = 0  # ... in how many of this agent's transfer requests
+        self.num_descs = 0  # ... of how many descriptors
+        self._telemetry: tuple[float, float] | None = None  # NIXL's (post, transfer) s, summed
         self.prep_s = 0.0  # building the finished writes' transfer requests
         self.prep_cpu_s = 0.0  # the same in CPU time of the threads that did it
 
@@ -50,7 +54,7 @@ class WriteSet:
             state = write.state()
             if state == "DONE":
                 self._inflight.remove(entry)
-                self.written_bytes += write.num_bytes
+                self._count(write)
                 self.prep_s += write.prep_s
                 self.prep_cpu_s += write.prep_cpu_s
                 self._settle(write)
@@ -62,6 +66,20 @@ class WriteSet:
                 why = why or f"write still in flight after {self.timeout_s:g} s"
         self._unsettled = [w for w in self._unsettled if not w.is_settled]
         return why
+
+    def stats(self) -> TransferStats:
+        """What landed so far."""
+        post_s, xfer_s = self._telemetry or (None, None)
+        return TransferStats(self.written_bytes, self.num_writes, self.num_descs, post_s, xfer_s)
+
+    def _count(self, write: Write) -> None:
+        self.written_bytes += write.num_bytes
+        if write.num_descs:  # one of this agent's requests (not the followers' stand-in)
+            self.num_writes += 1
+            self.num_descs += write.num_descs
+        if write.telemetry is not None:
+            post_s, xfer_s = self._telemetry or (0.0, 0.0)
+            self._telemetry = post_s + write.telemetry[0], xfer_s + write.telemetry[1]
 
     def release_all(self) -> None:
         """Release every write in flight (NIXL cancels them); unsettled ones are kept."""

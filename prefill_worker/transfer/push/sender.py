@@ -34,6 +34,7 @@ import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVLayout
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.headplan import slice_indices
@@ -141,9 +142,9 @@ class PushSender(Generic[P]):
         """The first rank bound (the only one of a TP-1 decode), or None."""
         return self.peers[0] if self.peers else None
 
-    def written_bytes(self) -> int:
-        """What landed: the descriptors of each DONE write (page runs and the aux row)."""
-        return self._writes.written_bytes
+    def transfer_stats(self) -> TransferStats:
+        """What landed: each DONE write (page runs and the aux row)."""
+        return self._writes.stats()
 
     @property
     def prep_s(self) -> float:

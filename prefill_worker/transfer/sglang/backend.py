@@ -62,14 +62,16 @@ class SglangBackend(HubBackend[SglangPeer]):
         agent_name = nixl.agent_name or f"prefill-sglang-{uuid.uuid4().hex[:12]}"
         try:
             self._start_io(regions, options)
-            local = LocalSide(regions, agent_name, list(nixl.backends), nixl.ucx_net_devices)
+            local = LocalSide(regions, agent_name, nixl)
         except BaseException:
             self._close_all()
             raise
         self._closers.append(local.close)
         self.agent = local.agent
         if hooks.poster_factory is None:
-            self._poster: WritePoster = PushThread(self.agent, "nixl-push-sglang", hooks.wake)
+            self._poster: WritePoster = PushThread(
+                self.agent, "nixl-push-sglang", hooks.wake, nixl.capture_telemetry
+            )
         else:
             self._poster = hooks.poster_factory(self.agent)
         # From here the transfer thread owns the agent; close() stops it before the closers.

@@ -74,7 +74,7 @@ class SglangDialect:
             remote_descs = agent.get_xfer_descs(remote, AUX_MEM_TYPE)
             return agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
 
-        return self._poster.post_with(prepare, aux.ROW_DTYPE.itemsize)
+        return self._poster.post_with(prepare, aux.ROW_DTYPE.itemsize, len(local))
 
     def why_no_handshake(self) -> str | None:
         return None  # a refused SGLang decode still sends its request: the room fails at once

@@ -13,6 +13,7 @@ import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
+from prefill_worker.transfer.options import NixlOptions
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, layer_view_table, mem_type
 from prefill_worker.transfer.sglang.aux import AuxStaging
 
@@ -22,11 +23,14 @@ log = logging.getLogger(__name__)
 class LocalSide:
     """Opened in full or not at all (what was opened is closed when a step fails)."""
 
-    def __init__(
-        self, regions: KVRegions, name: str, backends: list[str], net_devices: str | None
-    ) -> None:
+    def __init__(self, regions: KVRegions, name: str, nixl: NixlOptions) -> None:
         self._closers: list[Callable[[], None]] = []
-        self.agent: Any = make_agent(name, backends, net_devices)  # nixl_agent
+        self.agent: Any = make_agent(
+            name,
+            list(nixl.backends),
+            nixl.ucx_net_devices,
+            capture_telemetry=nixl.capture_telemetry,
+        )  # nixl_agent
         try:
             reg = register_regions(self.agent, regions)
             self._closers.append(lambda: deregister_regions(self.agent, reg))

@@ -36,6 +36,7 @@ from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, 
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingLayout,
@@ -93,13 +94,19 @@ class VllmBackend:
         tickets: Tickets,
         side_channel: SideChannelFactory,
         hooks: Hooks = DEFAULT_HOOKS,
+        group: GroupStaging | None = None,
     ) -> None:
+        """``group``: a tensor-parallel worker's shared region (``shared``), which this
+        backend registers and answers for as one prefill rank holding every KV head."""
         self.clock = hooks.clock
-        staging = StagingPool(staging_layout(regions, options.block_size, options.num_blocks))
+        heads = None if group is None else group.num_kv_heads
+        layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
+        staging = StagingPool(layout, None if group is None else group.buffer)
+        self.mirror_heads = None if group is None else group.heads
         holds = HoldTable(options.lease_s, options.read_grace_s)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
         pool = PoolViews(regions)
-        self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker)
+        self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, group)
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -148,7 +155,8 @@ class VllmBackend:
     def mirror_layers(self) -> tuple[np.ndarray, ...]:
         """The staging region per layer, ``[num_blocks, heads, block_size, 2 * head_dim]`` (the
         pool's itemsize): what the runner's KV mirror is built over, so that the forward writes
-        the blocks of the chunks the senders mirror (``sender.mirror_slots``)."""
+        the blocks of the chunks the senders mirror (``sender.mirror_slots``); at TP > 1 this
+        rank's heads of them (``mirror_heads``)."""
         staging = self.desk.staging
         return tuple(staging.layer_view(i) for i in range(staging.layout.num_layers))
 
@@ -165,6 +173,7 @@ class VllmBackend:
         return VllmSender(self.desk, room, num_prompt_tokens)
 
     def poll(self) -> None:
+        self.desk.sync()  # at TP > 1: the followers' repacks go on a step now
         self._channel.poll()  # handshakes: a decode waits 5 s for its answer
         try:
             notifs = self.agent.get_new_notifs()

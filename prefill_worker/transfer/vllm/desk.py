@@ -26,6 +26,7 @@ from typing import Any
 
 from prefill_worker.lograte import RateLimitedLog
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
+from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -90,8 +91,12 @@ class PullDesk:
         tickets: Tickets,
         clock: Callable[[], float],
         repacker: Executor,
+        group: GroupStaging | None = None,
     ) -> None:
+        """``group``: at TP > 1, the heads ``pool`` holds (this worker's repacks copy those)
+        and the followers' stages (they copy theirs)."""
         self.staging, self.holds, self.tickets = staging, holds, tickets
+        self._group = group
         self._pool, self._clock, self._repacker = pool, clock, repacker
         self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
         self.identities: Mapping[str, PullIdentity] = {}
@@ -112,15 +117,27 @@ class PullDesk:
 
     def begin_stage(
         self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], tokens: range
-    ) -> Future[int]:
+    ) -> list[Future[int]]:
         """The repack of prompt positions ``tokens`` (within the prompt pages ``page_ids``
-        hold, from ``first_page``), queued behind the ones before it; its bytes when done."""
-        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, tokens)
-        future = self._repacker.submit(repack, *args)
-        self._repacks.append(future)
+        hold, from ``first_page``), queued behind the ones before it; its bytes when done. At
+        TP > 1 also the followers' (``shared.Stage``), a second future."""
+        group = self._group
+        heads = None if group is None else group.heads
+        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, tokens, heads)
+        futures = [self._repacker.submit(repack, *args)]
+        if group is not None and group.stages is not None:
+            stage = Stage(list(page_ids), first_page, list(blocks), tokens.start, tokens.stop)
+            futures.append(group.stages.put(stage))
+        self._repacks.extend(futures)
         self.counts.repacks += 1
         self.counts.repacked_tokens += len(tokens)
-        return future
+        return futures
+
+    def sync(self) -> None:
+        """At TP > 1, followers' stages waiting for a step: send one now if none runs."""
+        group = self._group
+        if group is not None and group.stages is not None and group.stages.has_queued:
+            group.sync()
 
     def note_mirrored(self, num_tokens: int) -> int:
         """``num_tokens`` the forward wrote into a request's blocks were sent; their bytes."""

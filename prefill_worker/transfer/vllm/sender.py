@@ -13,7 +13,8 @@ A chunk planned once the blocks are taken is mirrored: the scheduler asks ``mirr
 and the forward writes the chunk's K/V into the blocks beside its pages, so its
 ``send_pages`` (after that forward) queues nothing. The positions of sent pages that no
 forward mirrored (a prefix-cache hit, chunks computed before the claim) are repacked off the
-engine thread (``desk``); ``poll`` completes the ticket, and with it the HTTP answer that
+engine thread (``desk``; at TP > 1 on every rank, each its own heads); ``poll`` completes
+the ticket, and with it the HTTP answer that
 lets a decode READ, only when all of them are done: a fully mirrored request answers right
 after its last forward. Until then the sender owns its staging blocks and ``close`` frees
 them, after waiting for a repack still writing into them (the engine closes a sender whose
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.staging import block_slots
@@ -70,7 +72,7 @@ class VllmSender:
         sent = range(first_page * ps, min((first_page + len(page_ids)) * ps, self._num_tokens))
         gaps = _not_in(sent, self._mirrored)
         for tokens in gaps:
-            self._repacks.append(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
+            self._repacks.extend(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
         self._mirrored_bytes += self._desk.note_mirrored(len(sent) - sum(map(len, gaps)))
 
     def send_aux(self, aux_row: int) -> None:
@@ -81,6 +83,10 @@ class VllmSender:
     def _try_hold(self) -> None:
         """Once every repack is done: hold the blocks and complete the ticket."""
         if not all(f.done() for f in self._repacks):
+            return
+        errors = [e for e in (f.exception() for f in self._repacks) if e is not None]
+        if errors:  # at TP > 1 also: the group failed before a step carried the followers'
+            self.fail(f"a repack failed: {errors[0]}")
             return
         self._written = self._mirrored_bytes + sum(f.result() for f in self._repacks)
         blocks, self._blocks = self._blocks, None
@@ -100,13 +106,15 @@ class VllmSender:
     def why_no_handshake(self) -> str | None:
         return None
 
-    def written_bytes(self) -> int:
-        return self._written
+    def transfer_stats(self) -> TransferStats:
+        return TransferStats(self._written)  # the decode READs: no writes of ours to count
 
     def close(self) -> None:
         for future in self._repacks:
             future.cancel()
-        wait(self._repacks)  # one still copying writes into the blocks: free them after it
+        # One still copying writes into the blocks (at TP > 1 also a follower's stage that a
+        # step already carries): free them after it.
+        wait([f for f in self._repacks if not f.cancelled()])
         if self._blocks is not None:
             self._desk.staging.free(self._blocks)
             self._blocks = None

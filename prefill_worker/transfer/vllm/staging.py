@@ -69,8 +69,11 @@ class StagingLayout:
         return -(-num_tokens // self.block_size)
 
 
-def staging_layout(regions: KVRegions, block_size: int, num_blocks: int) -> StagingLayout:
-    """The staging shape for this pool (``StagingRefused`` when it cannot be staged)."""
+def staging_layout(
+    regions: KVRegions, block_size: int, num_blocks: int, num_kv_heads: int | None = None
+) -> StagingLayout:
+    """The staging shape for this pool (``StagingRefused`` when it cannot be staged);
+    ``num_kv_heads``: the model's, where the pool holds a tensor-parallel rank's share."""
     lay = regions.layout
     if lay.kind == MLA:
         raise StagingRefused("kv layout mla: vLLM pulls are served for K/V pools only")
@@ -78,9 +81,8 @@ def staging_layout(regions: KVRegions, block_size: int, num_blocks: int) -> Stag
         raise StagingRefused(f"device {regions.device}: the vLLM repack runs on host pools only")
     if block_size < 1 or num_blocks < 1:
         raise StagingRefused(f"block_size ({block_size}) and num_blocks ({num_blocks}) >= 1")
-    return StagingLayout(
-        lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.itemsize, block_size, num_blocks
-    )
+    heads = lay.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return StagingLayout(lay.num_layers, heads, lay.head_dim, lay.itemsize, block_size, num_blocks)
 
 
 class StagingPool:
@@ -91,9 +93,15 @@ class StagingPool:
     order, on both sides, so where the decode's blocks are consecutive too, vLLM's one
     descriptor per block per layer becomes one per run (docs/vllm.md, "The READ")."""
 
-    def __init__(self, layout: StagingLayout) -> None:
+    def __init__(self, layout: StagingLayout, buffer: np.ndarray | None = None) -> None:
+        """``buffer``: uint8 memory of the region's size to use (a tensor-parallel group's
+        shared region, ``shared.py``); None: the pool's own."""
         self.layout = layout
-        self._buffer = np.zeros(layout.num_layers * layout.region_bytes, dtype=np.uint8)
+        size = layout.num_layers * layout.region_bytes
+        if buffer is None:
+            buffer = np.zeros(size, dtype=np.uint8)
+        assert buffer.dtype == np.uint8 and buffer.size == size, (buffer.dtype, buffer.size, size)
+        self._buffer = buffer
         base = self._buffer.ctypes.data
         self.region_base_addrs = tuple(
             base + i * layout.region_bytes for i in range(layout.num_layers)
@@ -199,10 +207,12 @@ def repack(
     first_page: int,
     block_ids: Sequence[int],
     tokens: range,
+    heads: range | None = None,
 ) -> int:
     """Copy prompt positions ``tokens`` (within prompt pages [first_page, first_page +
     len(page_ids)), held in our pages ``page_ids``) into the request's staging ``block_ids``;
-    returns the bytes copied.
+    returns the bytes copied (of every head: at TP > 1 the group's). ``heads``: the staged
+    heads the pool holds (a tensor-parallel rank's); None: all.
 
     One pass, no gather: the tokens are cut where a page or a block ends, and each piece (at
     most ``min(page_size, block_size)`` tokens of one page and one block) is one strided copy
@@ -212,7 +222,9 @@ def repack(
     assert first_page * ps <= start and stop <= (first_page + len(page_ids)) * ps, tokens
     if stop <= start:
         return 0
-    dst = staging.all_rows()
+    dst = staging.all_rows()  # [layers, blocks, heads, block_size, 2]
+    if heads is not None:
+        dst = dst[:, :, heads.start : heads.stop]
     for t0, t1 in _pieces(start, stop, ps, bs):
         page, block = page_ids[t0 // ps - first_page], block_ids[t0 // bs]
         src_slots, dst_slots = slice(t0 % ps, t0 % ps + t1 - t0), slice(t0 % bs, t0 % bs + t1 - t0)

@@ -19,7 +19,7 @@ from prefill_worker.request import FinishReason, OutcomeStatus
 from prefill_worker.testing.otlp import OtlpReceiver, ReceivedSpan
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import prompt
-from tests.integration.daemon.conftest import Decode, Worker, free_port, start_worker
+from tests.integration.daemon.conftest import PAGE_SIZE, Decode, Worker, free_port, start_worker
 from tests.integration.daemon.test_http_api import api_settings
 from tests.patience import patient
 from tests.polling import wait_until
@@ -141,7 +141,14 @@ def test_a_request_is_one_trace_under_the_routers_span(traced, receiver, router_
     assert total_s == pytest.approx(phases_s, abs=1e-5)
     forward, transfer = children[2], children[3]
     assert forward.attributes["num_computed_tokens"] == 37
+    # what landed: 10 pages of 4 tokens in tiny-test's 4 layer-major regions (2 layers, K and V)
+    # over three writes as the chunks were computed, and the aux row in a fourth; tracing on
+    # asks NIXL to measure each write, and the span has its sums
+    pages = -(-37 // PAGE_SIZE)
+    assert transfer.attributes["transfer_writes"] == 3 + 1
+    assert transfer.attributes["transfer_descriptors"] == pages * 4 + 1
     assert transfer.attributes["transfer_bytes"] > 0
+    assert transfer.attributes["nixl_post_us"] >= 0 and transfer.attributes["nixl_xfer_us"] >= 0
     # tiny-test's chunks are 16 tokens: each forward that computed one, inside the forward phase
     spans = [(c.attributes["start_token"], c.attributes["end_token"]) for c in chunks]
     assert spans == [(0, 16), (16, 32), (32, 37)]

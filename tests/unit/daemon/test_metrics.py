@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefill_worker.load import TTFT_SLO_REJECT, CostSignals
-from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings
+from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, Timings, TransferStats
 from prefill_worker.service.metrics import WorkerMetrics
 
 RANK_BYTES = "prefill_worker_tp_write_bytes_total"
@@ -29,7 +29,7 @@ def filled() -> tuple[CollectorRegistry, WorkerMetrics]:
         -0.5,
         None,
         Timings(0.01, 0.02, 0.3, 0.04),
-        transfer_bytes=4096,
+        transfer=TransferStats(4096),
         prefill_retries=2,
     )
     failed = Outcome("b", OutcomeStatus.FAILED, FinishReason.TRANSFER_TIMEOUT, 50, error="x")
@@ -101,7 +101,9 @@ def test_a_group_counts_every_ranks_writes_in_the_total_and_by_rank() -> None:
     metrics.lead_group(3)
     assert [value(registry, RANK_BYTES, rank=str(r)) for r in range(3)] == [0, 0, 0]
     metrics.on_rank_written((0, 300, 0))
-    metrics.observe_outcome(Outcome("a", OutcomeStatus.OK, FinishReason.OK, 4, transfer_bytes=500))
+    metrics.observe_outcome(
+        Outcome("a", OutcomeStatus.OK, FinishReason.OK, 4, transfer=TransferStats(500))
+    )
     metrics.on_rank_written((7, 200, 100))  # rank 0's entry is not a byte count
     assert [value(registry, RANK_BYTES, rank=str(r)) for r in range(3)] == [500, 500, 100]
     assert value(registry, "prefill_worker_transfer_bytes_total") == 1100

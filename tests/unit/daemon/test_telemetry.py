@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.load import LoadSnapshot
-from prefill_worker.request import FinishReason, Outcome, OutcomeStatus
+from prefill_worker.request import FinishReason, Outcome, OutcomeStatus, TransferStats
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents
 
@@ -20,7 +20,7 @@ def test_events_reach_metrics(caplog) -> None:
     written = 512 + AUX_ROW_BYTES
     with caplog.at_level(logging.INFO, logger="t"):
         events.on_outcome(
-            Outcome("req-9", OutcomeStatus.OK, FinishReason.OK, 4, transfer_bytes=written)
+            Outcome("req-9", OutcomeStatus.OK, FinishReason.OK, 4, transfer=TransferStats(written))
         )
     assert "request_id=req-9" in caplog.text and "status=ok" in caplog.text
     events.on_step(0.01, 0)  # an idle turn is not a batch

@@ -82,6 +82,28 @@ def test_every_row_in_order_and_nothing_outside_mirroring() -> None:
     assert np.array_equal(blocks[L - 1][1, :, :5, :D], _bits(k.transpose(0, 1)))
 
 
+@pytest.mark.parametrize("head", [0, 1])
+def test_a_rank_s_mirror_writes_its_own_head_of_the_shared_blocks(head: int) -> None:
+    """A tensor-parallel rank's pool holds one of the blocks' two heads: its mirror writes that
+    head of the named rows and leaves the other head (another rank's) alone."""
+    kv = KVCache(KVLayout(L, 1, D, "bfloat16", PS, PAGES, LAYER_MAJOR), torch.device("cpu"))
+    blocks = _blocks(2)
+    before = [b.copy() for b in blocks]
+    kv.attach_mirror(KVMirror(blocks, torch.bfloat16, range(head, head + 1)))
+    slots = torch.arange(4, 9)
+    mirror_slots = np.arange(2 * BS + 3, 2 * BS + 8)
+    k = v = torch.empty(0)
+    with kv.mirroring(MirrorTargets(slots.numpy(), mirror_slots)):
+        for layer in range(L):
+            k = torch.randn(5, 1, D).to(torch.bfloat16)
+            v = torch.randn(5, 1, D).to(torch.bfloat16)
+            kv.write(layer, slots, k, v)
+    want = before[L - 1].copy()
+    want[2, head, 3:8, :D] = _bits(k[:, 0])
+    want[2, head, 3:8, D:] = _bits(v[:, 0])
+    assert np.array_equal(blocks[L - 1], want)
+
+
 def test_a_mirror_that_does_not_fit_the_pool_is_refused() -> None:
     mla = KVCache(KVLayout(L, 1, D, "bfloat16", PS, PAGES, MLA), torch.device("cpu"))
     mirror = KVMirror(_blocks(), torch.bfloat16)

@@ -29,7 +29,7 @@ from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
-from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams
+from prefill_worker.request import AbortRequest, PrefillRequest, SamplingParams, TransferStats
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.observer import EngineObserver
 from prefill_worker.transfer.base import KVPoll
@@ -185,9 +185,9 @@ class FakeSender:
     def also_wait_for(self, writes: object) -> None:
         self.other_writes.append(writes)
 
-    def written_bytes(self) -> int:
+    def transfer_stats(self) -> TransferStats:
         """One byte per page sent, and one for the aux row: enough to see it counted."""
-        return len(self.prompt_pages_sent()) + len(self.aux)
+        return TransferStats(len(self.prompt_pages_sent()) + len(self.aux))
 
     def close(self) -> None:
         self._expect(not self.is_closed)

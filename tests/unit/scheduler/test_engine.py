@@ -571,7 +571,7 @@ def test_the_outcome_carries_the_bytes_its_sender_wrote() -> None:
     rig.prefill("a", 10)  # 3 pages of 4 tokens, then the aux row
     rig.run_until_idle()
     assert rig.outcome("a").reason is FinishReason.OK
-    assert rig.outcome("a").transfer_bytes == rig.sender("a").written_bytes() == 3 + 1
+    assert rig.outcome("a").transfer.bytes == rig.sender("a").transfer_stats().bytes == 3 + 1
     rig.check_whole()
 
 

@@ -103,3 +103,22 @@ def test_a_request_that_ends_early_reports_no_logprobs(when: str) -> None:
         assert out.reason is not FinishReason.OK and (reason is None or out.reason is reason)
         assert out.prompt_logprobs is None
     rig.check_whole()
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_each_chunk_names_the_prompt_token_after_it(prefix_cache: bool) -> None:
+    """``next_token_id`` (a draft's shifted input): the prompt token at the chunk's end, None
+    on the chunk that ends the prompt; chunks after a prefix hit too."""
+    rig = make_rig(page_size=PS, chunk_size=8, max_batch_tokens=16, prefix_cache=prefix_cache)
+    warm = rig.prefill("warm", 30, return_logprob=False)
+    rig.run_until_idle()
+    rig.prefill("again", 30, token_ids=list(warm.token_ids), return_logprob=False)
+    rig.run_until_idle()
+    tokens = list(warm.token_ids)
+    chunks = [c for p in rig.runner.plans for c in p.chunks]
+    assert {c.request_id for c in chunks} == {"warm", "again"}
+    for c in chunks:
+        want = tokens[c.end] if c.end < len(tokens) else None
+        assert c.next_token_id == want, (c.request_id, c.start, c.end)
+    assert sum(c.next_token_id is None for c in chunks) == 2
+    rig.check_whole()

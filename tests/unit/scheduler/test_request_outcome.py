@@ -11,6 +11,7 @@ from prefill_worker.request import (
     PrefillRequest,
     SamplingParams,
     Timings,
+    TransferStats,
 )
 from prefill_worker.scheduler.tracked import Request
 
@@ -56,4 +57,4 @@ def test_a_failed_request_reports_no_first_token() -> None:
     failed = req.outcome(FinishReason.TRANSFER_FAILED, "lost", now=11.0)
     assert (failed.first_token_id, failed.first_token_logprob) == (None, None)
     ok = req.outcome(FinishReason.OK, None, now=11.0)
-    assert (ok.first_token_id, ok.first_token_logprob, ok.transfer_bytes) == (5, -0.5, 0)
+    assert (ok.first_token_id, ok.first_token_logprob, ok.transfer) == (5, -0.5, TransferStats())

@@ -41,6 +41,8 @@ def test_the_prompt_goes_in_chunks_and_only_the_last_samples() -> None:
     assert all(len(c.page_ids) == 13 and c.page_ids == chunks[0].page_ids for c in chunks)
     assert all(0 <= t < 100 for c in chunks for t in c.token_ids)
     assert all(c.state_slot == 0 for c in chunks)  # a hybrid model's state: its first slot
+    prompt = [t for c in chunks for t in c.token_ids]
+    assert [c.next_token_id for c in chunks] == [prompt[16], prompt[32], prompt[48], None]
     assert done.num_tokens == 50 and done.duration_s >= 0
     assert pages.num_free == pages.num_pages
 

@@ -7,6 +7,7 @@ from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.request import SamplingParams
 from prefill_worker.tp.step import decode_step, encode_step
 from prefill_worker.transfer.group import MirrorOp
+from prefill_worker.transfer.vllm.shared import Stage
 
 
 def test_a_plan_round_trips_with_its_forward_inputs() -> None:
@@ -15,6 +16,7 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
         (
             ChunkPlan("a", (5, 6, 7), 16, 19, (3, 9, 1, 4, 8), None, 17, (7, 8)),
             ChunkPlan("b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3)),
+            ChunkPlan("c", (4, 4), 30, 32, (5, 6), None, mirror_slots=(70, 71)),
         ),
     )
     got = decode_step(encode_step(plan)).plan
@@ -27,6 +29,15 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
         assert (received.sampling is None) == (sent.sampling is None)
         assert received.logprob_from == sent.logprob_from
         assert tuple(received.logprob_token_ids) == tuple(sent.logprob_token_ids)
+        assert tuple(received.mirror_slots) == tuple(sent.mirror_slots)  # every rank mirrors
+
+
+def test_vllm_stages_round_trip_in_order() -> None:
+    """The leader's vLLM repacks each follower runs for its heads (``transfer/vllm/shared``)."""
+    stages = [Stage([4, 9], 2, [0, 1, 5], 70, 100), Stage([1], 0, [3], 0, 7)]
+    step = decode_step(encode_step(None, (), (), stages))
+    assert list(step.stages) == stages and step.plan is None
+    assert list(decode_step(encode_step(None)).stages) == []
 
 
 def test_ops_and_rooms_round_trip_in_order() -> None:

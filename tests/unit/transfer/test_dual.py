@@ -51,7 +51,7 @@ def test_an_abort_before_the_request_ends_it() -> None:
     native.decode_abort()
     assert dual.poll() is KVPoll.ABORTED
     assert sglang.is_closed and sglang.state is KVPoll.FAILED
-    assert dual.written_bytes() == 0
+    assert dual.transfer_stats().bytes == 0
 
 
 @dataclass

@@ -38,7 +38,14 @@ def test_an_unknown_kind_or_dtype_is_refused_naming_the_choices() -> None:
     assert str(kind.value) == "pool layout 'ring' is not one of layer_major, page_major, mla"
     with pytest.raises(ValueError) as dtype:
         dataclasses.replace(OURS, dtype="int8")
-    assert str(dtype.value) == "dtype 'int8' is not one of float32, bfloat16, float16"
+    assert str(dtype.value) == ("dtype 'int8' is not one of float32, bfloat16, float16, fp8_e4m3")
+
+
+def test_an_fp8_pool_is_one_byte_a_value_and_hashes_apart() -> None:
+    fp8 = dataclasses.replace(OURS, dtype="fp8_e4m3")
+    assert fp8.itemsize == 1 and fp8.page_bytes == 4 * 2 * 8 == OURS.page_bytes // 2
+    assert fp8.pool_bytes == OURS.pool_bytes // 2
+    assert fp8.compat_hash() != OURS.compat_hash()
 
 
 def test_page_major_addresses_that_do_not_interleave_are_refused() -> None:

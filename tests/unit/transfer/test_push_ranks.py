@@ -167,7 +167,7 @@ def test_a_lost_rank_takes_only_its_own_want(rig: Rig, lost: int) -> None:
 class Unsettled:
     """A write made elsewhere (another rank's), settled when the test says."""
 
-    num_bytes, prep_s, prep_cpu_s, is_refused = 0, 0.0, 0.0, False
+    num_bytes, num_descs, telemetry, prep_s, prep_cpu_s, is_refused = 0, 0, None, 0.0, 0.0, False
 
     def __init__(self) -> None:
         self.is_settled = False
@@ -261,4 +261,4 @@ def test_a_rank_fed_nothing_gets_no_page_write_and_a_sliced_write_counts_its_hea
     rig.land(0)
     sender.progress()
     num_runs = len(rig.agent.handles[0].args[2])
-    assert num_runs and sender.written_bytes() == num_runs * 2 * 32
+    assert num_runs and sender.transfer_stats().bytes == num_runs * 2 * 32

@@ -173,11 +173,11 @@ def test_a_chunked_push_ends_in_ok_and_counts_what_landed(rig: Rig) -> None:
     sender.send_aux(1)
     sender.progress()
     assert len(rig.agent.handles) == 2 and sender.needs_progress  # no aux while pages fly
-    assert sender.written_bytes() == 0  # nothing landed yet
+    assert sender.transfer_stats().bytes == 0  # nothing landed yet
     rig.land(0)
     rig.land(1)
     sender.progress()  # the pages landed: the aux row is posted
-    assert sender.written_bytes() == 4 * PAGE_RUN_BYTES and len(rig.agent.handles) == 3
+    assert sender.transfer_stats().bytes == 4 * PAGE_RUN_BYTES and len(rig.agent.handles) == 3
     rig.land(2)
     sender.progress()
     [tell] = rig.ctx.events
@@ -186,7 +186,7 @@ def test_a_chunked_push_ends_in_ok_and_counts_what_landed(rig: Rig) -> None:
     rig.hub.drain()
     assert rig.heard.said == [(7, "ok", None, None)]
     assert sender.poll() is KVPoll.SUCCESS
-    assert sender.written_bytes() == 4 * PAGE_RUN_BYTES + rig.aux_bytes
+    assert sender.transfer_stats().bytes == 4 * PAGE_RUN_BYTES + rig.aux_bytes
 
 
 def test_each_chunk_writes_its_pages_into_the_pages_the_decode_named(rig: Rig) -> None:
@@ -242,7 +242,7 @@ def test_close_with_a_write_in_flight_cancels_it_without_waiting(rig: Rig) -> No
     assert isinstance(tell, Tell) and tell.peer is rig.peer
     assert tell.status.status == "failed"
     assert closed == Closed(sender, ())
-    assert sender.written_bytes() == 0  # cancelled, never landed
+    assert sender.transfer_stats().bytes == 0  # cancelled, never landed
     rig.hub.drain()
     assert rig.heard.said == [(7, "failed", "the request ended before its transfer", None)]
     assert not rig.hub.senders and not rig.peer.rooms

@@ -173,7 +173,7 @@ def test_post_with_builds_the_handle_on_the_thread_and_tells_on_change() -> None
             owner.handles["aux"] = Handle("aux")
             return owner.handles["aux"]
 
-        write = thread.post_with(prepare, 64)
+        write = thread.post_with(prepare, 64, 1)
         wait_until(lambda: "aux" in agent.posted, 5.0, "the post")
         assert built_on == ["test-push"] and write.num_bytes == 64
         changes.clear()
@@ -184,7 +184,7 @@ def test_post_with_builds_the_handle_on_the_thread_and_tells_on_change() -> None
         def refuse(owner: Agent) -> Handle:
             raise NIXL_ERRORS[0]("no such descriptor")
 
-        bad = thread.post_with(refuse, 64)
+        bad = thread.post_with(refuse, 64, 1)
         wait_until(lambda: bad.state() != "PROC", 5.0, "the failure")
         assert "could not prepare the write: no such descriptor" in bad.state()
         assert bad.is_settled

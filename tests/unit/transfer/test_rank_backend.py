@@ -119,7 +119,7 @@ def test_only_the_decode_ranks_this_rank_feeds_are_written(rank: Any) -> None:
     assert len(agent.posted) == 1
     agent.states[0] = "DONE"
     assert sender.poll() is KVPoll.SUCCESS
-    assert sender.written_bytes() == 2 * HEAD_PAGE_BYTES  # whole pages of its one head
+    assert sender.transfer_stats().bytes == 2 * HEAD_PAGE_BYTES  # whole pages of its one head
 
 
 def test_a_landed_write_counts_its_bytes_for_the_room_and_the_rank(rank: Any) -> None:
@@ -133,13 +133,16 @@ def test_a_landed_write_counts_its_bytes_for_the_room_and_the_rank(rank: Any) ->
     assert sender.poll() is KVPoll.TRANSFERRING and backend.take_written_bytes() == 0
     agent.states[0] = agent.states[1] = "DONE"  # room 1's first page, room 2's three
     assert (sender.poll(), other.poll()) == (KVPoll.TRANSFERRING, KVPoll.TRANSFERRING)
-    assert (sender.written_bytes(), other.written_bytes()) == (HEAD_PAGE_BYTES, 3 * HEAD_PAGE_BYTES)
+    assert (sender.transfer_stats().bytes, other.transfer_stats().bytes) == (
+        HEAD_PAGE_BYTES,
+        3 * HEAD_PAGE_BYTES,
+    )
     assert backend.take_written_bytes() == 4 * HEAD_PAGE_BYTES
     assert backend.take_written_bytes() == 0  # taken: each byte reported once
     agent.states[2] = "DONE"
     sender.poll()
     sender.poll()  # a write counts once, however often polled
-    assert sender.written_bytes() == 2 * HEAD_PAGE_BYTES
+    assert sender.transfer_stats().bytes == 2 * HEAD_PAGE_BYTES
     assert backend.take_written_bytes() == HEAD_PAGE_BYTES
 
 
@@ -158,4 +161,4 @@ def test_a_failed_write_or_bind_fails_the_room_and_close_releases(rank: Any, how
     assert sender.poll() is KVPoll.FAILED and sender.failure_reason()
     sender.close()
     assert len(agent.released) == len(agent.posted)  # no write left in flight
-    assert sender.written_bytes() == backend.take_written_bytes() == 0  # nothing landed
+    assert sender.transfer_stats().bytes == backend.take_written_bytes() == 0  # nothing landed

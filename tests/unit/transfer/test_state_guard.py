@@ -57,7 +57,7 @@ def test_an_unclaimed_room_waits_and_the_backend_passes_through() -> None:
     assert guard.bootstrap_endpoint == inner.bootstrap_endpoint
     assert guard.endpoints == inner.endpoints
     assert guard.next_poll_at() == 12.5
-    assert (sender.num_cached_tokens(), sender.written_bytes()) == (0, 0)
+    assert (sender.num_cached_tokens(), sender.transfer_stats().bytes) == (0, 0)
     assert sender.why_no_handshake() == inner.senders["r"].why_no_handshake()
     inner.claimed = [8]
     assert guard.take_claimed_rooms() == [8] and guard.take_claimed_rooms() == []

@@ -4,6 +4,9 @@ a failed or overdue write gives the reason, released writes stay pending until t
 
 from __future__ import annotations
 
+import pytest
+
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.nixl.writes import WriteSet
 
 
@@ -11,8 +14,15 @@ class FakeWrite:
     """A ``poster.Write`` whose state the test sets; ``settles_on_release`` False models a
     release still under way on the transfer thread."""
 
-    def __init__(self, num_bytes: int = 10, settles_on_release: bool = True) -> None:
+    def __init__(
+        self,
+        num_bytes: int = 10,
+        settles_on_release: bool = True,
+        num_descs: int = 2,
+        telemetry: tuple[float, float] | None = None,
+    ) -> None:
         self.num_bytes, self.prep_s, self.prep_cpu_s = num_bytes, 0.5, 0.25
+        self.num_descs, self.telemetry = num_descs, telemetry
         self.status = "PROC"
         self.num_releases = 0
         self.settles_on_release = settles_on_release
@@ -70,3 +80,29 @@ def test_released_writes_stay_pending_until_they_settle() -> None:
     slow.settle()
     assert writes.check(now=1.0) is None
     assert writes.pending() == () and writes.unsettled() == ()
+
+
+def test_stats_count_this_agents_writes_their_descriptors_and_nixls_telemetry() -> None:
+    writes = WriteSet(timeout_s=5.0)
+    assert writes.stats() == TransferStats()
+    kv = FakeWrite(100, num_descs=8, telemetry=(0.001, 0.004))
+    aux = FakeWrite(32, num_descs=1, telemetry=(0.0005, 0.002))
+    others = FakeWrite(0, num_descs=0)  # another rank's writes, waited for as one: not counted
+    failed = FakeWrite(64, num_descs=4, telemetry=(1.0, 1.0))
+    for write in (kv, aux, others, failed):
+        writes.add(write, now=0.0)
+    kv.status = aux.status = others.status = "DONE"
+    failed.status = "ERR (remote gone)"
+    writes.check(now=1.0)
+    stats = writes.stats()
+    assert (stats.bytes, stats.writes, stats.descriptors) == (132, 2, 9)
+    assert stats.nixl_post_s == pytest.approx(0.0015) and stats.nixl_xfer_s == pytest.approx(0.006)
+
+
+def test_without_telemetry_the_stats_say_none_rather_than_zero() -> None:
+    writes = WriteSet(timeout_s=5.0)
+    write = FakeWrite(10, num_descs=3)
+    writes.add(write, now=0.0)
+    write.status = "DONE"
+    writes.check(now=0.5)
+    assert writes.stats() == TransferStats(10, 1, 3, None, None)

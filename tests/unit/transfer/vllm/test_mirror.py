@@ -67,7 +67,7 @@ def test_a_fully_mirrored_request_queues_no_repack_and_answers_at_once() -> None
     sender.send_aux(0)
     assert sender.poll() is KVPoll.SUCCESS and not desk.has_repacks()
     assert desk.counts == StageCounts(mirrored_tokens=NUM_TOKENS, repacked_tokens=0, repacks=0)
-    assert sender.written_bytes() == NUM_TOKENS * desk.staging.layout.token_bytes
+    assert sender.transfer_stats().bytes == NUM_TOKENS * desk.staging.layout.token_bytes
     _assert_staged(desk, pool, 3)
     assert sender.mirror_slots(0, 1) == ()  # held: the blocks are the decode's now
     sender.close()
@@ -91,7 +91,7 @@ def test_a_prefix_hit_repacks_exactly_the_hit_pages() -> None:
     repacker.gate.set()
     wait_until(lambda: sender.poll().is_terminal, what="the repack ends")
     assert sender.poll() is KVPoll.SUCCESS
-    assert sender.written_bytes() == NUM_TOKENS * desk.staging.layout.token_bytes
+    assert sender.transfer_stats().bytes == NUM_TOKENS * desk.staging.layout.token_bytes
     _assert_staged(desk, pool, 4)
     sender.close()
     repacker.shutdown()

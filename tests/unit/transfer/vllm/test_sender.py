@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
@@ -16,6 +17,7 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.shared import GroupStaging, Stage, StageQueue
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, staging_layout
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
@@ -25,15 +27,19 @@ BLOCKS = 6
 REPACKER = ThreadPoolExecutor(1, thread_name_prefix="test-vllm-repack")  # as the backend's
 
 
-def _desk(clock: FakeClock, repacker: Any = REPACKER) -> tuple[PullDesk, torch.Tensor]:
+def _desk(
+    clock: FakeClock, repacker: Any = REPACKER, group: GroupStaging | None = None
+) -> tuple[PullDesk, torch.Tensor]:
     lay = KVLayout(2, 1, 4, "float32", 16, 8)
     pool = torch.randn(2, 2, 8, 16, 1, 4)
     k = tuple(pool[i, 0].data_ptr() for i in range(2))
     v = tuple(pool[i, 1].data_ptr() for i in range(2))
     regions = KVRegions(lay, k, v, "cpu", 0, 0)
-    staging = StagingPool(staging_layout(regions, block_size=32, num_blocks=BLOCKS))
+    heads = None if group is None else group.num_kv_heads
+    layout = staging_layout(regions, block_size=32, num_blocks=BLOCKS, num_kv_heads=heads)
+    staging = StagingPool(layout, None if group is None else group.buffer)
     holds, tickets = HoldTable(30.0, 5.0), Tickets(8)
-    desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker)
+    desk = PullDesk(staging, PoolViews(regions), holds, tickets, clock, repacker, group)
     desk.identities = {
         "0.33.0": PullIdentity("engine-1", "10.0.0.1", 5600, 7),
         "0.34.0": PullIdentity("engine-1", "10.0.0.1", 5601, 7),
@@ -73,7 +79,7 @@ def test_params_name_the_staged_blocks_and_reads_free_them() -> None:
     assert params["remote_engine_id"] == "engine-1" and params["remote_port"] == 5600
     assert params["remote_registration_generation"] == 7
     assert params["transfer_mode"] == "pull" and params["do_remote_prefill"] is True
-    assert sender.written_bytes() == 33 * 2 * 2 * 4 * 4
+    assert sender.transfer_stats().bytes == 33 * 2 * 2 * 4 * 4
     block0 = torch.from_numpy(desk.staging.layer_view(1)[0].view("float32"))  # [H, 32, 2D]
     assert torch.equal(block0[0, :16, 4:], pool[1, 1, 0, :, 0])  # V of layer 1, page 0
     assert desk.staging.num_free == BLOCKS - 2
@@ -181,7 +187,7 @@ def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> 
     assert sender.poll() is KVPoll.TRANSFERRING and len(desk.holds) == 0
     repacker.gate.set()
     wait_until(lambda: sender.poll().is_terminal, what="the repacks end")
-    assert sender.poll() is KVPoll.SUCCESS and sender.written_bytes() == 40 * 2 * 2 * 4 * 4
+    assert sender.poll() is KVPoll.SUCCESS and sender.transfer_stats().bytes == 40 * 2 * 2 * 4 * 4
     params = desk.tickets.take(3)
     assert params is not None
     (blocks,) = params["remote_block_ids"]
@@ -192,3 +198,66 @@ def test_the_answer_waits_for_every_repack_and_then_the_blocks_hold_the_kv() -> 
         assert torch.equal(got, torch.cat([tokens[layer, 0], tokens[layer, 1]], dim=1))
     sender.close()
     repacker.shutdown()
+
+
+def _tp_desk(syncs: list[int]) -> tuple[PullDesk, StageQueue]:
+    """Rank 0's desk of a TP-2 worker: its pool holds head 0 of the staged 2."""
+    stages = StageQueue()
+    buffer = np.zeros(2 * BLOCKS * 2 * 32 * 2 * 4 * 4, dtype=np.uint8)  # L, blocks, H, bs, 2D
+    group = GroupStaging(buffer, 2, range(0, 1), stages, lambda: syncs.append(1))
+    return _desk(FakeClock(100.0), group=group)[0], stages
+
+
+def test_at_tp_2_a_repack_waits_for_the_followers_stage() -> None:
+    """A prefix hit's tokens: the leader repacks its head and queues a ``Stage`` for the
+    followers; the answer waits until the step that carried it was answered, and the desk
+    asks for a step while one is queued."""
+    syncs: list[int] = []
+    desk, stages = _tp_desk(syncs)
+    assert desk.tickets.open(1, None)
+    sender = VllmSender(desk, 1, 40)
+    assert sender.poll() is KVPoll.READY
+    sender.mirror_slots(16, 40)  # tokens 0..15: a prefix hit
+    sender.send_pages([3, 4, 5], 0)
+    sender.send_aux(0)
+    desk.sync()
+    assert syncs == [1] and stages.has_queued
+    wait_until(lambda: not desk.has_repacks() or stages.has_queued, what="the leader's repack")
+    assert sender.poll() is KVPoll.TRANSFERRING
+    taken, futures = stages.take()
+    assert taken == [Stage([3, 4, 5], 0, [0, 1], 0, 16)]
+    wait_until(lambda: REPACKER.submit(lambda: None).result() is None, what="repack thread")
+    assert sender.poll() is KVPoll.TRANSFERRING  # taken: the step is running
+    StageQueue.done(futures)
+    assert sender.poll() is KVPoll.SUCCESS
+    desk.sync()
+    assert syncs == [1]  # nothing queued: no step asked for
+
+
+def test_at_tp_2_a_failed_group_fails_the_request_and_a_cancelled_stage_is_dropped() -> None:
+    desk, stages = _tp_desk([])
+    assert desk.tickets.open(1, None) and desk.tickets.open(2, None)
+    failed, closed = VllmSender(desk, 1, 20), VllmSender(desk, 2, 20)
+    for sender in (failed, closed):
+        assert sender.poll() is KVPoll.READY
+        sender.send_pages([6, 7], 0)  # nothing mirrored: all 20 tokens repacked
+    taken, futures = stages.take()
+    assert [s.stop for s in taken] == [20, 20]
+    closing = threading.Thread(target=closed.close)  # its stage runs: close waits for it
+    closing.start()
+    failed.send_aux(0)
+    StageQueue.fail(futures[:1], RuntimeError("the group failed"))
+    wait_until(lambda: failed.poll() is KVPoll.FAILED, what="the failed stage")
+    assert failed.failure_reason() == "a repack failed: the group failed"
+    failed.close()
+    assert closing.is_alive() and desk.staging.num_free == BLOCKS - 1  # closed's still owned
+    StageQueue.done(futures[1:])
+    closing.join(10)
+    assert not closing.is_alive() and desk.staging.num_free == BLOCKS
+    assert desk.tickets.open(3, None)
+    dropped = VllmSender(desk, 3, 20)
+    assert dropped.poll() is KVPoll.READY
+    dropped.send_pages([6, 7], 0)
+    dropped.close()  # queued, not taken: cancelled, no follower copies it
+    assert stages.take() == ([], [])
+    assert desk.staging.num_free == BLOCKS

@@ -113,3 +113,29 @@ def test_mla_and_device_pools_are_refused() -> None:
     gpu = KVRegions(regions.layout, regions.k_base_addrs, regions.v_base_addrs, "cuda:0", 0, 0)
     with pytest.raises(StagingRefused, match="host"):
         staging_layout(gpu, 32, 4)
+
+
+def test_each_rank_repacks_its_heads_into_the_shared_blocks() -> None:
+    """At TP 2 each rank's pool holds one of the two heads: rank 1's repack writes head 1 of
+    the blocks and leaves head 0 alone; with rank 0's too the blocks are the whole model's."""
+    view, regions, _storage = _pool(LAYER_MAJOR, 16)
+    shared = StagingPool(staging_layout(regions, block_size=32, num_blocks=4))
+    page_ids, n = [7, 3, 30], 40
+    blocks = shared.try_allocate(2)
+    assert blocks is not None
+    rank_pools = []
+    for rank in (1, 0):
+        t = view[..., rank : rank + 1, :].contiguous()  # [L, 2, pages, ps, 1, D]
+        lay = KVLayout(L, 1, D, "bfloat16", 16, PAGES, LAYER_MAJOR)
+        k = tuple(t[i, 0].data_ptr() for i in range(L))
+        v = tuple(t[i, 1].data_ptr() for i in range(L))
+        rank_pools.append(t)
+        heads = range(rank, rank + 1)
+        pool = PoolViews(KVRegions(lay, k, v, "cpu", 0, 0))
+        repack(pool, shared, page_ids, 0, blocks, range(0, n), heads)
+        got = torch.stack([torch.from_numpy(shared.layer_view(i)[list(blocks)]) for i in range(L)])
+        want = _expected(view, page_ids, n, 32).view(torch.int16)
+        assert torch.equal(got.view(torch.int16)[:, :, rank], want[:, :, rank])
+        if rank == 1:
+            assert not got.view(torch.int16)[:, :, 0].any()  # rank 0's head: not yet written
+    assert torch.equal(got.view(torch.int16), want)

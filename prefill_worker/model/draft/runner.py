@@ -1,0 +1,120 @@
+"""The runner of a target with a draft model: the target's forward, its sampling, then the
+draft's extend over the same chunks (speculative decoding under PD).
+
+Per batch::
+
+    target forward (K/V into the target pool) -> final residual [T, hidden]
+    sample the chunks that end their prompt -> first tokens
+    draft ids = the batch's ids shifted by one per chunk; each chunk's last row takes the
+                prompt token after it (ChunkPlan.next_token_id) or, on the prompt's last
+                chunk, its sampled token
+    draft extend (its latent rows into the draft pool, at the target's slots)
+    each SampledToken carries the draft's proposal (batch.DraftRow)
+
+The draft runs on every chunk, not only the last, because its KV must cover the whole
+prompt; its cost is one more decoder layer and one LM head row per sampled chunk. A row
+that could not be sampled (its request fails) feeds token 0 to the draft, whose proposal
+for it is never sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from prefill_worker.batch import BatchOutput, BatchPlan, DraftRow, SampledToken
+from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.deepseek import DeepseekV3LM
+from prefill_worker.model.draft.mtp import DraftProposal, MTPDraft, shifted_ids
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.runner import Packed, Runner
+
+
+class DraftingRunner(Runner):
+    """A ``Runner`` over DeepSeek-V3 and its MTP draft, whose pool ``draft_kv`` (one layer,
+    as many pages as the target's) takes the draft's rows at the target's slots."""
+
+    def __init__(
+        self,
+        model: DeepseekV3LM,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        draft: MTPDraft,
+        draft_kv: KVCache,
+    ) -> None:
+        super().__init__(model, kv_cache, attention)
+        assert draft_kv.layout.num_pages == kv_cache.layout.num_pages, "slots are shared"
+        self.target, self.draft, self.draft_kv = model, draft, draft_kv
+        self.on_draft_forward: Callable[[float], None] | None = None  # seconds per batch
+
+    def run(self, plan: BatchPlan) -> BatchOutput:
+        if not plan.chunks:
+            return BatchOutput(plan.batch_id, ())
+        with torch.inference_mode():
+            packed = self.pack(plan)
+            self.attention.plan(packed.batch)
+            with self.kv_cache.mirroring(packed.mirror):
+                out, residual = self.target.forward_with_hidden(
+                    packed.inputs, self.kv_cache, self.attention
+                )
+        output = self.outputs(plan, out)
+        started = time.perf_counter()
+        rows = self._extend(plan, packed, residual, output.sampled)
+        if self.on_draft_forward is not None:
+            self.on_draft_forward(time.perf_counter() - started)
+        sampled = tuple(
+            dataclasses.replace(s, draft=row) for s, row in zip(output.sampled, rows, strict=True)
+        )
+        return dataclasses.replace(output, sampled=sampled)
+
+    def _extend(
+        self,
+        plan: BatchPlan,
+        packed: Packed,
+        residual: torch.Tensor,  # [T, hidden], the target's, before its final norm
+        sampled: tuple[SampledToken, ...],
+    ) -> list[DraftRow]:
+        device = self.kv_cache.device
+        ends = np.cumsum([c.num_tokens for c in plan.chunks], dtype=np.int64)
+        with torch.inference_mode():
+            inputs = dataclasses.replace(
+                packed.inputs,
+                input_ids=shifted_ids(
+                    packed.inputs.input_ids,
+                    torch.from_numpy(ends).to(device),
+                    torch.tensor(_next_ids(plan, sampled), dtype=torch.int64, device=device),
+                ),
+                logprob_rows=None,
+                logprob_token_ids=None,
+            )
+            states = self.target.final_norm(residual)
+            proposal = self.draft.extend(inputs, states, self.draft_kv, self.attention)
+            return _rows(proposal)
+
+
+def _next_ids(plan: BatchPlan, sampled: tuple[SampledToken, ...]) -> list[int]:
+    """Each chunk's token after its last: the next prompt token, or the sampled one."""
+    first = iter(sampled)
+    out = []
+    for chunk in plan.chunks:
+        if chunk.sampling is not None:
+            out.append(max(next(first).token_id, 0))  # -1: the row failed to sample
+        elif chunk.next_token_id is None:
+            raise ValueError(f"chunk of {chunk.request_id}: no next token for the draft")
+        else:
+            out.append(chunk.next_token_id)
+    return out
+
+
+def _rows(proposal: DraftProposal) -> list[DraftRow]:
+    topk_p = proposal.topk_p.tolist()
+    topk_index = proposal.topk_index.tolist()
+    hidden = proposal.hidden.contiguous().cpu().view(torch.uint8).numpy()  # [R, hidden bytes]
+    return [
+        DraftRow(tuple(p), tuple(i), h.tobytes())
+        for p, i, h in zip(topk_p, topk_index, hidden, strict=True)
+    ]

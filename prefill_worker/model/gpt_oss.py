@@ -1,0 +1,145 @@
+"""The decoder of gpt-oss over packed tokens: attention with biases and per-head sinks,
+sliding-window on the layers ``SlidingSpec`` names, YaRN RoPE, and a MoE MLP on every layer::
+
+    x = embed(ids)                                          [T, hidden]
+    per layer:  q, k, v = norm(x) @ Wqkv + b;  RoPE;  K/V into the pool (every layer)
+                x += attend(q, pool, window of the layer, sinks) @ Wo + bo
+                h = norm(x);  top-k of (h @ Wr + br), softmax over the k
+                x += sum_k w_k * (clamped_swiglu(h @ Wgu_e + bgu_e) @ Wd_e + bd_e)
+    logits = norm(x[rows]) @ Wlm                            [R, vocab]
+
+The clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+``(up + 1) * gate * sigmoid(alpha * gate)``. The experts run one at a time over the tokens
+routed to them (each expert's weights read once per layer). Same contract as
+``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'. Tensor
+parallelism is not built for this family (refused at start: no split table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefill_worker.model.attention import AttentionBackend
+from prefill_worker.model.attention.sinks import SinkWindowBackend
+from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.layers import Rotary, rms_norm
+from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
+from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.sharding import local_dims
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GptOssExperts:
+    router: torch.Tensor  # [E, hidden]
+    router_bias: torch.Tensor  # [E]
+    gate_up: torch.Tensor  # [E, 2I, hidden]: gate rows, then up rows
+    gate_up_bias: torch.Tensor  # [E, 2I]
+    down: torch.Tensor  # [E, hidden, I]
+    down_bias: torch.Tensor  # [E, hidden]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GptOssLayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KV) D, hidden]
+    qkv_bias: torch.Tensor  # [(H + 2 KV) D]
+    o: torch.Tensor  # [hidden, H D]
+    o_bias: torch.Tensor  # [hidden]
+    sinks: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [hidden]
+    experts: GptOssExperts
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GptOssModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[GptOssLayerWeights, ...]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]
+
+
+class GptOssLM:
+    """Forward pass only; owns its weights and rotary frequencies."""
+
+    logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
+
+    def __init__(self, spec: ModelSpec, weights: GptOssModelWeights, tp: TPGroup = SINGLE) -> None:
+        assert spec.sliding is not None, "GptOssLM needs a sliding spec"
+        if not tp.is_single:
+            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size}")
+        self.spec, self.sliding, self.tp = spec, spec.sliding, tp
+        self.weights = weights
+        self.dtype = weights.embed.dtype
+        self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
+        self.local = local_dims(spec, tp)
+        self.scale = spec.head_dim**-0.5
+
+    def forward(
+        self, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
+    ) -> ForwardOutput:
+        """Write every layer's K/V into the pages; return the logits ``[R, vocab]`` and the
+        prompt logprobs ``[L]``. ``attention`` is the ``SinkWindowBackend`` ``create_model``
+        pairs with this family."""
+        assert isinstance(attention, SinkWindowBackend), "gpt-oss attends with sinks"
+        spec, eps = self.spec, self.spec.rms_norm_eps
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
+        num_tokens = x.shape[0]
+        cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
+        q = x.new_empty(num_tokens, heads, dim)
+        k = x.new_empty(num_tokens, kv_heads, dim)
+        attn = torch.empty_like(q)
+        for index, layer in enumerate(self.weights.layers):
+            qkv = F.linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+            q_raw, k_raw, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            self.rotary.apply_into(q_raw.view(num_tokens, heads, dim), cos, sin, q)
+            self.rotary.apply_into(k_raw.view(num_tokens, kv_heads, dim), cos, sin, k)
+            kv_cache.write(index, inputs.slots, k, v.reshape(num_tokens, kv_heads, dim))
+            window = self.sliding.window_of(index)
+            attention.attend_window(
+                q, kv_cache.k[index], kv_cache.v[index], attn, window, layer.sinks, self.scale
+            )
+            x.add_(F.linear(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias))
+            x.add_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)))
+        block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
+        return forward_output(x, inputs, self._logits, block)
+
+    def _moe(self, w: GptOssExperts, h: torch.Tensor) -> torch.Tensor:
+        """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``. The
+        ``T k`` (token, expert) pairs are sorted by expert, each expert runs over its rows
+        of the sorted copy, and the results go back to pair order to be summed per token."""
+        top_k, num_tokens = self.sliding.top_k, h.shape[0]
+        logits = F.linear(h, w.router, w.router_bias)  # [T, E]
+        top, ids = torch.topk(logits, top_k, dim=-1)  # [T, k]
+        weights = torch.softmax(top, dim=-1)
+        order = torch.argsort(ids.flatten(), stable=True)  # [T k]: pairs by expert
+        counts = torch.bincount(ids.flatten(), minlength=self.sliding.num_experts).tolist()
+        x = h[order // top_k]  # [T k, hidden], sorted
+        y = torch.empty_like(x)
+        at = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(at, at + count)
+                gate_up = F.linear(x[rows], w.gate_up[expert], w.gate_up_bias[expert])
+                hidden = self._clamped_swiglu_(gate_up)
+                torch.addmm(w.down_bias[expert], hidden, w.down[expert].t(), out=y[rows])
+                at += count
+        pairs = torch.empty_like(y)
+        pairs[order] = y  # [T k, hidden] in (token, slot) order
+        return torch.bmm(weights[:, None, :], pairs.view(num_tokens, top_k, -1))[:, 0]
+
+    def _clamped_swiglu_(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[n, 2I] -> [n, I]``, computed in place in ``gate_up``'s halves."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        limit = self.sliding.swiglu_limit
+        gate.clamp_(max=limit)
+        glu = gate.mul_(torch.sigmoid(gate * self.sliding.swiglu_alpha))
+        return up.clamp_(min=-limit, max=limit).add_(1.0).mul_(glu)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
+        return F.linear(last, self.weights.lm_head)

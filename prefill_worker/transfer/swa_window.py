@@ -1,0 +1,85 @@
+"""Which of a request's pages each layer of a sliding-window model sends: the wire-facing
+choice of the ``swa`` component, kept apart so that the transfer's state-component seam calls
+it rather than restating it. Pure functions, no torch.
+
+Two modes, after what the decode holds:
+
+- ``full_pool``: the decode keeps every layer's K/V for every position (SGLang with hybrid
+  SWA memory off, vLLM without a sliding group): every layer sends the pages from the decode's
+  first missing page on, as a dense model does.
+- ``window``: the decode keeps a sliding layer's last window only (SGLang's hybrid SWA pool,
+  its ``swa`` state type): a sliding layer sends the pages covering
+  ``[window_start, seq_len)``, ``window_start = max(prefix_len, seq_len - window_tokens)``
+  rounded down to a page boundary, as SGLang 0.5.23's prefill builds its swa payload
+  (``disaggregation/prefill.py``, ``_swa_payload``); full layers send as in ``full_pool``.
+  ``window_tokens`` is what the decode's model keeps: SGLang's gpt-oss
+  ``get_attention_sliding_window_size`` is ``sliding_window - 1`` (a query sees itself and
+  the ``window - 1`` keys before it).
+
+``window`` is not yet on any wire. ``guard_unproven`` wraps the backend of every protocol
+whose full-pool sends of a sliding-window model are not proven against its decode (every one
+but ``native``) in ``StateGuard``: each room is refused when its decode claims it, with
+``refusal(...)`` (``swa_unsupported: ...``), before a byte is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.state_guard import StateGuard
+
+PROVEN_PROTOCOLS = ("native",)  # full-pool sends of a sliding-window model, decode-tested
+FULL_POOL = "full_pool"
+WINDOW = "window"
+SWA_UNSUPPORTED = "swa_unsupported"
+
+
+def decode_window_tokens(sliding_window: int) -> int:
+    """The tokens a decode's sliding layer keeps for a model whose config says
+    ``sliding_window`` (keys a query sees, itself included)."""
+    return sliding_window - 1
+
+
+def layer_pages(
+    seq_len: int,
+    page_size: int,
+    prefix_len: int,
+    window_tokens: int | None,
+    mode: str,
+) -> range:
+    """Indices into the request's page list that one layer sends: ``window_tokens`` None for
+    a full layer; ``prefix_len`` tokens the decode already holds (a prefix hit there)."""
+    if mode not in (FULL_POOL, WINDOW):
+        raise ValueError(f"unknown swa send mode {mode!r} (known: {FULL_POOL}, {WINDOW})")
+    if not 0 <= prefix_len <= seq_len or page_size < 1:
+        raise ValueError(f"bad request span: prefix {prefix_len}, length {seq_len}")
+    end = -(-seq_len // page_size)
+    first = prefix_len // page_size
+    if window_tokens is None or mode == FULL_POOL:
+        return range(first, end)
+    start = max(prefix_len, seq_len - window_tokens)
+    return range(start // page_size, end)
+
+
+def pages_sent(
+    windows: Sequence[int | None], seq_len: int, page_size: int, prefix_len: int, mode: str
+) -> int:
+    """Layer-pages a request sends over every layer (``windows``: each layer's
+    ``window_tokens``, None for a full layer); times one layer-page's bytes, its bytes."""
+    return sum(len(layer_pages(seq_len, page_size, prefix_len, w, mode)) for w in windows)
+
+
+def refusal(protocol: str) -> str:
+    return (
+        f"{SWA_UNSUPPORTED}: the {protocol} protocol's sends of a sliding-window model are not "
+        "proven against its decode; serve it over native (docs/models.md)"
+    )
+
+
+def guard_unproven(backends: Mapping[str, TransferBackend]) -> dict[str, TransferBackend]:
+    """``backends`` with every protocol outside ``PROVEN_PROTOCOLS`` refusing its rooms."""
+    return {
+        name: backend if name in PROVEN_PROTOCOLS else StateGuard(backend, refusal(name))
+        for name, backend in backends.items()
+    }

@@ -1,0 +1,60 @@
+"""gpt-oss (sliding-window and full layers, sinks) in the real daemon with a native decode
+(the decode SDK, NIXL), full-pool mode: its published KV layout has every layer, and a prompt
+longer than the window lands in the decode's pages with every full layer's K/V at every
+position and every sliding layer's over the last ``window - 1`` positions (all a decode
+reads) equal to transformers', beside the first token transformers picks. The pools are
+whole afterwards and the worker drains to exit 0."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.transfer import RoomState
+from tests.checkpoints import hf_model, make_checkpoint, prompt
+from tests.integration.daemon.conftest import Decode, start_worker, wait_until
+
+TOL = 1e-4
+
+
+def test_a_gpt_oss_prompt_lands_whole_at_a_native_decode(tmp_path: Path) -> None:
+    checkpoint = make_checkpoint("gpt_oss", tmp_path / "gpt_oss")
+    ids = prompt(70, seed=11)
+    with torch.no_grad():
+        out = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True)
+    worker = start_worker(tmp_path, checkpoint, "cache.num_pages=32")
+    try:
+        worker.child.wait_ready(120)
+        decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
+        assert len(decode.k) == 3  # every layer, sliding or full
+        decode.want(4301, len(ids))
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(router.prefill, ids, 4301, timeout_s=60)
+            status = decode.wait([4301])[4301]
+            result = sent.result(60)
+        assert result.status is OutcomeStatus.OK, result
+        assert status.state is RoomState.DONE, status
+        assert result.first_token_id == int(out.logits[0, -1].argmax())
+        for layer, cached in enumerate(out.cache.layers):
+            k_ref, v_ref = cached.keys[0].transpose(0, 1), cached.values[0].transpose(0, 1)
+            kept = k_ref.shape[0]
+            assert kept == (len(ids) if layer == 1 else 23)
+            k, v = decode.kv(4301, len(ids), layer)
+            torch.testing.assert_close(k[-kept:], k_ref, atol=TOL, rtol=1e-5)
+            torch.testing.assert_close(v[-kept:], v_ref, atol=TOL, rtol=1e-5)
+        router.close()
+        decode.close()
+
+        def pools_whole() -> bool:
+            metrics = worker.http("/metrics")[1]
+            used = ("prefill_worker_aux_rows_used 0.0", "prefill_worker_kv_pages_used 0.0")
+            return all(line in metrics.splitlines() for line in used)
+
+        wait_until(pools_whole, 30, "every aux row and page back")
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()

@@ -1,0 +1,222 @@
+"""gpt-oss through our runner against ``transformers`` (its eager attention: sinks, sliding
+mask), on a tiny random fp32 checkpoint (``tests/checkpoints.py``: layers sliding, full,
+sliding with a window of 24; 6 heads of 12 over 2 KV heads in a hidden of 96; 5 experts,
+top 2, the SwiGLU clamp at 1; YaRN untruncated; sinks and router spread wide).
+
+Prompts are longer than the window: a batch of two, a prompt in three chunks whose
+boundaries fall inside pages (a later chunk's window reaches into the earlier chunks' pages),
+and the same checkpoint with its experts shipped as MXFP4. The last token's logits, the
+prompt logprobs, every full layer's K/V at every position and every sliding layer's K/V
+over the positions transformers' sliding cache keeps (the last ``window - 1``: all a decode
+reads) equal transformers' within 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from prefill_worker.batch import ChunkPlan
+from prefill_worker.request import SamplingParams
+from tests.checkpoints import hf_model, make_checkpoint, prompt
+from tests.integration.model.conftest import PAGE_SIZE, ours, paged_kv, plan, scattered_pages
+
+TOL = 1e-4
+WINDOW = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):  # type: ignore[no-untyped-def]
+    return hf_model(checkpoint)
+
+
+def hf_forward(model, ids: list[int]):  # type: ignore[no-untyped-def]
+    """(logits [S, vocab], [(k, v)] per layer, each [kept, KV, D]: a sliding layer's last
+    ``window - 1`` positions, a full layer's all)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    kv = [(x.keys[0].transpose(0, 1), x.values[0].transpose(0, 1)) for x in out.cache.layers]
+    return out.logits[0].float(), kv
+
+
+def num_pages(length: int) -> int:
+    return -(-length // PAGE_SIZE)
+
+
+def whole(request_id: str, ids: list[int], pages: list[int]) -> ChunkPlan:
+    sampling = SamplingParams()
+    return ChunkPlan(request_id, ids, 0, len(ids), pages, sampling, 0, tuple(ids[1:]))
+
+
+def assert_matches(kv_cache, pages: list[int], ids: list[int], hf, full=(1,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Every layer's K/V in the pool equals transformers' where it keeps them (``full``:
+    the full layers, every position); its logits."""
+    logits, kv = hf_forward(hf, ids)
+    kept = [k.shape[0] for k, _ in kv]
+    window_kept = min(len(ids), WINDOW - 1)
+    assert kept == [len(ids) if i in full else window_kept for i in range(len(kv))]
+    for layer, (k_ref, v_ref) in enumerate(kv):
+        k, v = paged_kv(kv_cache, pages, len(ids), layer)
+        torch.testing.assert_close(k[-k_ref.shape[0] :], k_ref, atol=TOL, rtol=1e-5)
+        torch.testing.assert_close(v[-v_ref.shape[0] :], v_ref, atol=TOL, rtol=1e-5)
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, ids: list[int], start: int) -> torch.Tensor:
+    return logits[start:-1].log_softmax(-1).gather(1, torch.tensor(ids[start + 1 :])[:, None])[:, 0]
+
+
+def test_a_batch_of_two_prompts(checkpoint, hf):
+    runner, kv_cache, info = ours(checkpoint)
+    assert (info.architecture, info.attention_backend, kv_cache.layout.num_layers) == (
+        "GptOssForCausalLM", "sinks", 3
+    )  # fmt: skip
+    prompts = [prompt(100, seed=3), prompt(37, seed=4)]
+    pages = [scattered_pages(i, num_pages(len(p))) for i, p in enumerate(prompts)]
+    out = runner.run(plan(*(whole(f"r{i}", p, pages[i]) for i, p in enumerate(prompts))))
+    for i, ids in enumerate(prompts):
+        logits = assert_matches(kv_cache, pages[i], ids, hf)
+        assert out.sampled[i].token_id == int(logits[-1].argmax())
+        expected = float(logits[-1].log_softmax(-1).max())
+        assert out.sampled[i].logprob == pytest.approx(expected, abs=TOL)
+        got = torch.tensor(out.prompt_logprobs[i].logprobs)
+        torch.testing.assert_close(got, logprobs_of(logits, ids, 0), atol=TOL, rtol=0)
+
+
+def test_three_chunks_read_the_window_from_earlier_pages(checkpoint, hf):
+    runner, kv_cache, _ = ours(checkpoint)
+    ids = prompt(150, seed=5)
+    pages = scattered_pages(0, num_pages(len(ids)))
+    runner.run(plan(ChunkPlan("a", ids[:40], 0, 40, pages, None)))
+    runner.run(plan(ChunkPlan("a", ids[40:90], 40, 90, pages, None)))
+    last = ChunkPlan("a", ids[90:], 90, 150, pages, SamplingParams(), 90, tuple(ids[91:]))
+    out = runner.run(plan(last))
+    logits = assert_matches(kv_cache, pages, ids, hf)
+    assert out.sampled[0].token_id == int(logits[-1].argmax())
+    got = torch.tensor(out.prompt_logprobs[0].logprobs)
+    torch.testing.assert_close(got, logprobs_of(logits, ids, 90), atol=TOL, rtol=0)
+
+
+def test_a_long_prompt_in_query_blocks(checkpoint, hf):
+    """Query blocks smaller than the prompt (each reading only its window's keys; a full
+    layer's smaller still, its scores bounded) give the same logits as one block."""
+    runner, kv_cache, _ = ours(checkpoint)
+    runner.attention.block_queries = 16  # type: ignore[attr-defined]
+    runner.attention.score_bytes = 4 * 6 * 91 * 5  # a full layer: blocks of 5 queries
+    ids = prompt(90, seed=6)
+    pages = scattered_pages(2, num_pages(len(ids)))
+    logits = runner.compute_logits(plan(whole("a", ids, pages)))
+    expected = assert_matches(kv_cache, pages, ids, hf)[-1]
+    torch.testing.assert_close(logits[0], expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("change", ["no sinks", "no window", "no clamp", "no router bias"])
+def test_each_part_moves_the_logits(checkpoint, hf, change):
+    """Each of sinks, window, clamp and router bias changes the last logits by over 20
+    times the tolerance, so the comparisons above check it."""
+    runner, _, _ = ours(checkpoint)
+    model = runner.model
+    if change == "no sinks":
+        for layer in model.weights.layers:  # type: ignore[union-attr]
+            layer.sinks.fill_(-1e9)
+    elif change == "no window":
+        model.sliding = dataclasses.replace(model.sliding, window=10_000)  # type: ignore[union-attr]
+    elif change == "no clamp":
+        model.sliding = dataclasses.replace(model.sliding, swiglu_limit=1e9)  # type: ignore[union-attr]
+    else:
+        for layer in model.weights.layers:  # type: ignore[union-attr]
+            layer.experts.router_bias.zero_()
+    ids = prompt(100, seed=3)
+    logits, _ = hf_forward(hf, ids)
+    got = runner.compute_logits(plan(whole("a", ids, scattered_pages(0, num_pages(100)))))
+    assert (got[0] - logits[-1]).abs().max() > 20 * TOL
+
+
+def quantized(checkpoint: Path, root: Path) -> tuple[Path, Path]:
+    """The checkpoint with its experts as MXFP4 blocks and scales (``mxfp4/``), and the same
+    with those experts dequantized by transformers' own MXFP4 code (``reference/``)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    packed, reference = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = to_mxfp4(tensors[name].transpose(1, 2))  # [E, out, in] quantized
+        del packed[name]
+        packed |= {name + "_blocks": blocks, name + "_scales": scales}
+        reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = json.loads((checkpoint / "config.json").read_text())
+    out = []
+    for kind, weights in (("mxfp4", packed), ("reference", reference)):
+        path = root / kind
+        shutil.copytree(checkpoint, path)
+        save_file({n: t.contiguous() for n, t in weights.items()}, path / "model.safetensors")
+        if kind == "mxfp4":
+            quant = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn"],
+            }
+            (path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+        out.append(path)
+    return out[0], out[1]
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, rows, cols]`` -> (blocks ``[E, rows, cols/32, 16]``, scales ``[E, rows,
+    cols/32]``) uint8: each 32 values over a shared power of two, each the nearest FP4."""
+    from prefill_worker.model.gpt_oss_loader import FP4_VALUES
+
+    groups = w.unflatten(-1, (-1, 32))  # [E, rows, G, 32]
+    top = groups.abs().amax(-1).clamp_min(1e-30)
+    exponent = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    table = torch.tensor(FP4_VALUES)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # [E, rows, G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path):
+    packed, reference = quantized(checkpoint, tmp_path)
+    hf = hf_model(reference)
+    runner, kv_cache, _ = ours(packed)
+    ids = prompt(70, seed=7)
+    pages = scattered_pages(0, num_pages(len(ids)))
+    logits = runner.compute_logits(plan(whole("a", ids, pages)))
+    expected = assert_matches(kv_cache, pages, ids, hf)[-1]
+    torch.testing.assert_close(logits[0], expected, atol=TOL, rtol=0)
+    original, _ = hf_forward(hf_model(checkpoint), ids)
+    assert (original[-1] - logits[0]).abs().max() > 20 * TOL  # the quantization is real
+
+
+def test_tensor_parallel_is_refused_at_start(checkpoint):
+    from prefill_worker.model.parallel import TPGroup
+
+    with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
+        ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
+
+
+def bf16_within_hf_error(checkpoint: Path, hf) -> None:  # type: ignore[no-untyped-def]
+    """Ours in bf16 is no further from transformers' fp32 logits than twice transformers' own
+    bf16 run is (plus 1e-3)."""
+    runner, _, _ = ours(checkpoint, dtype="bfloat16")
+    ids = prompt(100, seed=3)
+    got = runner.compute_logits(plan(whole("a", ids, scattered_pages(0, num_pages(100)))))
+    reference, _ = hf_forward(hf, ids)
+    own, _ = hf_forward(hf_model(checkpoint, torch.bfloat16), ids)
+    hf_error = (own[-1] - reference[-1]).abs().max()
+    assert (got[0].float() - reference[-1]).abs().max() <= 2 * hf_error + 1e-3
+
+
+def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
+    bf16_within_hf_error(checkpoint, hf)
