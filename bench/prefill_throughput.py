@@ -36,9 +36,9 @@ of one forward of ours. Recorded rows:
 ``bench/results/prefill_throughput.jsonl`` (``--repeats 1``, 2 shared CPU cores; recorded
 before ``kv_bytes_per_token`` was added, except deepseek_v3's: its 8 layers x (256 + 32)
 latent values are 9216 bytes per token in fp32, the MLA arithmetic exactly). The
-qwen3_next rows name their command, tree and load: fp32 at full size 1.55x, ``--quick`` fp32
-1.62x and bf16 0.88x (below the 1.2x goal; not profiled: both sides run the same torch
-delta rule, so the linear layers leave less to win than attention does).
+qwen3_next rows name their command, tree and load: at full size fp32 1.55x and bf16 0.91x,
+``--quick`` fp32 1.62x and bf16 0.88x (bf16 below the 1.2x goal; not profiled: both sides run
+the same torch delta rule, so the linear layers leave less to win than attention does).
 """
 
 from __future__ import annotations
