@@ -86,7 +86,8 @@ def test_the_state_slot_goes_after_the_pages_and_before_the_aux_row(rig: Rig) ->
     sender.progress()
     rig.hub.drain()
     assert rig.heard.said == [(7, "ok", None, None)] and sender.poll() is KVPoll.SUCCESS
-    assert sender.transfer_stats().bytes == 4 * PAGE_RUN_BYTES + COMPONENT.slot_bytes + AUX_ROW_BYTES
+    landed = 4 * PAGE_RUN_BYTES + COMPONENT.slot_bytes + AUX_ROW_BYTES
+    assert sender.transfer_stats().bytes == landed
 
 
 @pytest.mark.parametrize(
