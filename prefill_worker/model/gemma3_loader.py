@@ -20,12 +20,7 @@ _NORMS = ("input", "post_attention", "pre_feedforward", "post_feedforward")
 def gemma3_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    shapes = spec.outer_shapes()
     for i in range(spec.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         shapes |= {f"{p}{n}_layernorm.weight": (hidden,) for n in _NORMS}

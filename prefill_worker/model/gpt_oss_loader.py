@@ -48,12 +48,7 @@ def gpt_oss_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     assert spec.sliding is not None
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out, experts = spec.num_heads * dim, spec.num_kv_heads * dim, spec.sliding.num_experts
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    shapes = spec.outer_shapes()
     for i in range(spec.num_layers):
         p, a, e = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         shapes |= {

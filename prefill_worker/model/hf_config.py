@@ -144,6 +144,17 @@ class ModelSpec:
     num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
     quant: QuantSpec | None = None  # FP8 weights (model.quant.spec); None: unquantized
 
+    def outer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The tensors around the layers every family's checkpoint holds: the embedding, the
+        final norm and, when not tied to the embedding, the LM head."""
+        shapes = {
+            "model.embed_tokens.weight": (self.vocab_size, self.hidden_size),
+            "model.norm.weight": (self.hidden_size,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, self.hidden_size)
+        return shapes
+
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
 

@@ -36,12 +36,7 @@ def hybrid_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor name a hybrid checkpoint must hold, with its shape."""
     assert spec.linear is not None
     lin, hidden = spec.linear, spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    shapes = spec.outer_shapes()
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)

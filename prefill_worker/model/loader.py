@@ -68,12 +68,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         return gemma3_shapes(spec) if spec.family == "gemma3" else gpt_oss_shapes(spec)
     hidden, inter, dim = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_out, kv_out = spec.num_heads * dim, spec.num_kv_heads * dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
+    shapes = spec.outer_shapes()
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         shapes |= {
