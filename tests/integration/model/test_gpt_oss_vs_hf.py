@@ -25,7 +25,14 @@ from safetensors.torch import load_file, save_file
 from prefill_worker.batch import ChunkPlan
 from prefill_worker.request import SamplingParams
 from tests.checkpoints import hf_model, make_checkpoint, prompt
-from tests.integration.model.conftest import PAGE_SIZE, ours, paged_kv, plan, scattered_pages
+from tests.integration.model.conftest import (
+    PAGE_SIZE,
+    hf_forward,
+    ours,
+    paged_kv,
+    plan,
+    scattered_pages,
+)
 
 TOL = 1e-4
 WINDOW = 24
@@ -41,15 +48,6 @@ def hf(checkpoint):  # type: ignore[no-untyped-def]
     return hf_model(checkpoint)
 
 
-def hf_forward(model, ids: list[int]):  # type: ignore[no-untyped-def]
-    """(logits [S, vocab], [(k, v)] per layer, each [kept, KV, D]: a sliding layer's last
-    ``window - 1`` positions, a full layer's all)."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    kv = [(x.keys[0].transpose(0, 1), x.values[0].transpose(0, 1)) for x in out.cache.layers]
-    return out.logits[0].float(), kv
-
-
 def num_pages(length: int) -> int:
     return -(-length // PAGE_SIZE)
 
@@ -61,7 +59,8 @@ def whole(request_id: str, ids: list[int], pages: list[int]) -> ChunkPlan:
 
 def assert_matches(kv_cache, pages: list[int], ids: list[int], hf, full=(1,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Every layer's K/V in the pool equals transformers' where it keeps them (``full``:
-    the full layers, every position); its logits."""
+    the full layers, every position; a sliding layer's cache keeps its last ``window - 1``);
+    its logits."""
     logits, kv = hf_forward(hf, ids)
     kept = [k.shape[0] for k, _ in kv]
     window_kept = min(len(ids), WINDOW - 1)
