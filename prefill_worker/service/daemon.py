@@ -73,6 +73,7 @@ from prefill_worker.service.tracing import TracedInbox, start_tracer
 from prefill_worker.service.vllm_group import lead_staging
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
+from prefill_worker.tp.secret import group_secret
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.group import GroupBackend
 from prefill_worker.transfer.vllm.shared import GroupStaging
@@ -96,6 +97,7 @@ class Daemon:
         self._build_model = build_model
         self._env, self._rank_command = env, rank_command
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
+        self._secret = b""  # at TP > 1: what every rank proves it holds (tp.secret)
         self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
@@ -131,11 +133,15 @@ class Daemon:
         try:
             cfg = self.config.parallel
             placement = Placement.from_environ(self._env, cfg.tp_size, cfg.interface)
+            if placement is not None:
+                self._secret = group_secret(
+                    placement.is_torchrun, placement.spans_hosts, cfg.group_secret_file
+                )
         except ValueError as exc:
             log.error("start-up failed at step 'tp group': %s", exc)
             return EX_CONFIG
         if placement is not None and not placement.is_leader:  # a torchrun follower
-            return run_follower(self.config, placement, self._build_model)
+            return run_follower(self.config, placement, self._build_model, self._secret)
         try:
             self._start(placement)
         except StartupError as exc:
@@ -250,7 +256,7 @@ class Daemon:
                 runner.on_draft_forward = self.metrics.on_draft_forward
             return runner, kv_cache, info
         tp, group, device = start_tp_group(
-            self.config, placement, self._rank_command, self._wake.set
+            self.config, placement, self._rank_command, self._wake.set, self._secret
         )
         self._group = group
         # Closed after the engine's shutdown (which may still run a forward on every rank).
