@@ -16,6 +16,7 @@ from prefill_worker.kv.pages import PagePool
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
+from prefill_worker.transfer.swa_window import SlidingLayers
 
 
 class PrefillRig:
@@ -29,7 +30,9 @@ class PrefillRig:
         num_aux_rows: int = 8,
         write_timeout_s: float = 5.0,
         hooks: Hooks = DEFAULT_HOOKS,
+        sliding: SlidingLayers | None = None,
     ) -> None:
+        """``sliding``: a sliding-window model's layers (``SglangOptions.sliding``)."""
         self.layout = layout
         rng = np.random.default_rng(seed)
         self.pool = rng.integers(0, 256, layout.pool_bytes, dtype=np.uint8)
@@ -43,6 +46,7 @@ class PrefillRig:
             write_timeout_s,
             5.0,
             nixl=NixlOptions(agent_name),
+            sliding=sliding,
         )
         self.backend = SglangBackend(self.regions(), options, hooks)
 
