@@ -18,8 +18,16 @@ import numpy as np
 import pytest
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.request import TransferStats
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
-from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
+from prefill_worker.transfer.sglang import aux
+from prefill_worker.transfer.swa_window import (
+    FULL_POOL,
+    WINDOW,
+    SlidingLayers,
+    layer_pages,
+    pages_sent,
+)
 from tests.interop.decodes import SglangDecode, dump
 from tests.interop.rig import PrefillRig, push
 
@@ -76,16 +84,27 @@ def test_hybrid_swa_memory_on_and_off(
         cases = [(tokens, 0, 2), (tokens, held, 3), (20, 0, 1)]
         rng = np.random.default_rng(3)
         for num_tokens, num_held, chunk_pages in cases:
+            landed_bytes = []
             for decode in (swa, dense):
                 room = int(rng.integers(1, 2**63))
                 decode.want(room, num_tokens, num_held * page_size)
-                _, src = push(worker, room, num_tokens, chunk_pages)
+                stats: list[TransferStats] = []
+                _, src = push(worker, room, num_tokens, chunk_pages, stats)
+                landed_bytes.append(stats[0].bytes - aux.ROW_DTYPE.itemsize)
                 assert decode.wait(room) == ("Success", None)
                 landed = dump(decode, room, tmp_path)
                 if decode is swa:
                     check_window(worker, landed, src, num_tokens, num_held, swa.swa_pages[room])
                 else:
                     check_layers(worker, landed, src, range(NUM_LAYERS), num_held)
+            # What landed is what the page choice (bench/swa_bytes.py's) counts, both modes.
+            windows = [WINDOW_TOKENS if i in SLIDING else None for i in range(NUM_LAYERS)]
+            layer_page = 2 * layout.page_bytes  # K and V
+            expected = [
+                pages_sent(windows, num_tokens, page_size, num_held * page_size, mode) * layer_page
+                for mode in (WINDOW, FULL_POOL)
+            ]
+            assert landed_bytes == expected
         assert swa.swa_pages and all(len(p) for p in swa.swa_pages.values())
     finally:
         worker.backend.close()
