@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from prefill_worker.kv.layout import KVLayout
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
 from prefill_worker.transfer.sglang.swa import (
@@ -27,6 +29,7 @@ from prefill_worker.transfer.sglang.swa import (
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
 from tests.unit.transfer import test_push_sender
+from tests.unit.transfer.test_sglang_desk import FakeAgent
 from tests.unit.transfer.test_sglang_desk import Rig as DeskRig
 from tests.unit.transfer.test_sglang_frames_pins import changed, packed_lists
 
@@ -156,10 +159,33 @@ def test_the_window_pages_ride_with_the_want() -> None:
 # -- through the desk -------------------------------------------------------------------
 
 
-def desk_rig(sliding: SlidingLayers | None = SLIDING) -> DeskRig:
-    rig = DeskRig(layout=LAYOUT)
-    rig.desk._sliding = sliding
-    return rig
+class Listed:
+    """A prepared list that knows whether it was released."""
+
+    def __init__(self, name: str, table: np.ndarray) -> None:
+        self.name, self.table, self.is_released = name, table, False
+
+    def release(self) -> None:
+        self.is_released = True
+
+
+class ListingAgent(FakeAgent):
+    """Keeps each list it prepares; refuses the ``fail_at``-th (0: none)."""
+
+    def __init__(self, fail_at: int = 0) -> None:
+        super().__init__()
+        self.lists: list[Listed] = []
+        self._fail_at = fail_at
+
+    def prep_xfer_dlist(self, name: str, table: Any, mem_type: str) -> Listed:  # type: ignore[override]
+        if len(self.lists) + 1 == self._fail_at:
+            raise NIXL_ERRORS[0]("no such memory")
+        self.lists.append(Listed(name, np.asarray(table)))
+        return self.lists[-1]
+
+
+def desk_rig(sliding: SlidingLayers | None = SLIDING, agent: FakeAgent | None = None) -> DeskRig:
+    return DeskRig(layout=LAYOUT, sliding=sliding, agent=agent)
 
 
 def test_the_desk_registers_a_swa_decode_with_its_state_pool_and_route() -> None:
@@ -177,6 +203,37 @@ def test_the_desk_registers_a_swa_decode_with_its_state_pool_and_route() -> None
     rig.send(request([8], [4]))  # two index lists: that room is refused
     rig.hub.drain()
     assert rig.rejects == ["unsupported"]
+
+
+def test_the_swa_pool_is_prepared_for_the_decode_agent() -> None:
+    agent = ListingAgent()
+    rig = desk_rig(agent=agent)
+    reg = swa_registration()
+    rig.send(reg)
+    [peer] = rig.peers.values()
+    kv, aux, swa = agent.lists
+    assert {kv.name, aux.name, swa.name} == {reg.agent_name}
+    assert peer.state is not None and peer.state.prepped is swa
+    # one strided row per buffer: its address, a page, the device, a page on, 9 pages
+    assert swa.table.tolist() == [[a, 512, 0, 512, 9] for a in SWA_PTRS]
+
+
+def test_a_swa_pool_nixl_cannot_address_refuses_the_decode() -> None:
+    agent = ListingAgent(fail_at=3)  # the KV list, the aux rows, then the SWA pool's
+    rig = desk_rig(agent=agent)
+    rig.send(swa_registration())
+    assert not rig.peers and rig.rejects == ["nixl_refused"]
+    assert all(listed.is_released for listed in agent.lists) and len(agent.lists) == 2
+    assert not agent.remote
+
+
+def test_a_refused_swa_decode_hears_why_on_its_request() -> None:
+    rig = desk_rig()
+    rig.send(swa_registration(f10=b"2", f11=b"0"))
+    assert not rig.peers and rig.rejects == ["unsupported"]
+    rig.send(request([8, 4]))
+    reason = rig.replies.sent[-1][1][4].decode()
+    assert reason.startswith("registration refused: a decode of attention TP 2 with a hybrid")
 
 
 def test_a_model_without_sliding_layers_refuses_the_swa_decode() -> None:
