@@ -282,8 +282,8 @@ def test_a_page_goes_in_parts_full_layers_then_the_window() -> None:
     _, local, local_idx, remote, remote_idx, _ = full.args
     assert (local, list(local_idx), list(remote_idx)) == ("kv", [18, 19, 50, 51], [5, 6, 21, 22])
     assert remote is rig.peer.lists.kv
-    _, local, local_idx, remote, remote_idx, _ = window.args
-    assert (local, remote) == ("kv", "swa")
+    _, local, local_idx, remote, remote_idx, notif = window.args
+    assert (local, remote, notif) == ("kv", "swa", b"")  # SGLang's decode hears KV_STATUS
     assert list(local_idx) == [2, 3, 34, 35] and list(remote_idx) == [5, 8, 14, 17]
     for i in range(3):
         rig.land(i)
@@ -314,3 +314,16 @@ def test_a_want_whose_window_does_not_fit_fails_the_room(
     rig.hub.want(rig.peer, want)
     assert sender.poll() is KVPoll.FAILED and why in str(sender.failure_reason())
     assert not rig.agent.handles
+
+
+def test_a_model_whose_every_layer_slides_sends_only_the_window() -> None:
+    rig = test_push_sender.Rig("sglang")
+    swa = StateComponent(SWA_KIND, (0, 1), (StateTensor("k", (4, 1, 8), "float32", 128),) * 2, 9)
+    rig.peer.state = StateLists(StateRegions(swa, ((100, 101), (200, 201)), "cpu"), "swa")
+    rig.peer.route = WindowRoute(SlidingLayers((0, 1), 2, 5), 16, 16, 9, 4)
+    sender = rig.hub.create_sender(7, "req-7", 16)
+    pages, window = (np.array(p, "<i4").tobytes() for p in ([3, 4, 5, 6], [5, 8]))
+    rig.hub.want(rig.peer, WindowWant(7, pages, 2, 0, packed_dst_window_pages=window))
+    sender.send_pages([0, 1, 2, 3], 0)
+    [write] = rig.agent.handles  # no full layer: nothing for the KV list
+    assert write.args[3] == "swa" and list(write.args[2]) == [2, 3, 18, 19, 34, 35, 50, 51]
