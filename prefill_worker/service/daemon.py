@@ -36,7 +36,7 @@ from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.fdlimit import raise_fd_limit
+from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
 from prefill_worker.service.group_startup import agree_group_loaded, lead_group, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
@@ -176,6 +176,9 @@ class Daemon:
                 self._vllm_staging,
             )
         self._closers.append(("transfer", transfer.backend.close))
+        guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)
+        if guard is not None:
+            self._closers.append(("nixl listener guard", guard.stop))
         if self._vllm_staging is None:  # at TP > 1 its heads of the shared region, attached
             attach_kv_mirror(transfer, kv_cache)
         backend: TransferBackend = transfer.backend

@@ -25,7 +25,7 @@ from prefill_worker.batch import ModelRunner
 from prefill_worker.model import build
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.fdlimit import raise_fd_limit
+from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
@@ -60,9 +60,12 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
             steps = Unmirrored(runner)
         target = _transfer_target(config, kv_cache, heads, placement)
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
+        guard = start_listener_guard(config.transfer.ucx_silent_close_s)  # its agent's listener
         try:
             serve_steps(steps, channel, target, staging)
         finally:
+            if guard is not None:
+                guard.stop()
             if target is not None:
                 target.close()
     except StartupError as exc:
