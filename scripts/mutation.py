@@ -67,7 +67,12 @@ _BOOTSTRAP = [
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
 _STATE = _T + "test_push_state.py"  # a hybrid model's state on the native push
-_FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
+_SWA = _T + "test_sglang_swa.py"  # a decode's hybrid SWA pool (SGLang's swa component)
+_FRAMES = [
+    _T + "test_sglang_frames.py",
+    _T + "test_sglang_frames_pins.py",
+    _T + "test_sglang_state_frames.py",
+]
 _GROUP = [
     _T + "test_group_backend.py",
     _T + "test_group_settle.py",
@@ -138,6 +143,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_push_ranks.py",
         _STATE,
+        _SWA,
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,
@@ -160,6 +166,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
         _T + "test_sglang_group_desk.py",
+        _SWA,
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

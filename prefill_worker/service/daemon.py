@@ -52,6 +52,7 @@ from prefill_worker.service.startup import (
     make_engine,
     make_pools,
     make_prefix_cache,
+    sliding_model,
     start_http,
     start_http_api,
     start_ingress,
@@ -177,7 +178,7 @@ class Daemon:
                 self.inbox.wake,
                 self.health.is_live,
                 info.state_regions,
-                info.sliding_window,
+                sliding_model(info),
                 self._vllm_staging,
             )
         self._closers.append(("transfer", transfer.backend.close))

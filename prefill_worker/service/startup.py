@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,8 +64,9 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 from prefill_worker.transfer.state_guard import guard_backends
-from prefill_worker.transfer.swa_window import guard_unproven
+from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -226,16 +228,17 @@ def start_transfer(
     wake: Callable[[], None],
     is_live: Callable[[], bool],
     state: StateRegions | None = None,
-    sliding_window: int | None = None,
+    sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state pool, which the
     native protocol sends beside the KV; every other protocol's backend then refuses each
-    claimed room with a typed reason (``transfer.state_guard``). ``sliding_window``: a
-    sliding-window model's, whose rooms every protocol but native refuses likewise
-    (``transfer.swa_window``). ``vllm_staging``: at TP > 1, the region the group shares
+    claimed room with a typed reason (``transfer.state_guard``). ``sliding``: a
+    sliding-window model's layers, whose rooms every protocol but native and SGLang refuses
+    likewise (``transfer.swa_window``); SGLang sends its window to a decode with a hybrid SWA
+    pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
     (``service.vllm_group``), which the vLLM backend registers."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
@@ -247,7 +250,8 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state)
             if "sglang" in cfg.protocols:
-                backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
+                sglang = _sglang_options(config, sglang_sliding(sliding))
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
@@ -269,10 +273,11 @@ def start_transfer(
                     ", ".join(refused),
                     state.component.kind,
                 )
-        if sliding_window is not None:
+        if sliding is not None:
             backends = guard_unproven(backends)
             log.warning(
-                "sliding-window model: only the native protocol serves it (swa_unsupported)"
+                "sliding-window model: only the native and sglang protocols serve it "
+                "(swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
 
@@ -291,7 +296,32 @@ def _limits(config: Config) -> BootstrapLimits:
     return BootstrapLimits(config.transfer.max_peer_pages, config.transfer.max_message_bytes)
 
 
-def _sglang_options(config: Config) -> SglangOptions:
+@dataclass(frozen=True, slots=True)
+class SlidingModel:
+    """A sliding-window model, as ``start_transfer`` needs it (``sliding_model``)."""
+
+    architecture: str
+    layers: SlidingLayers
+
+
+def sliding_model(info: ModelInfo) -> SlidingModel | None:
+    """The model's sliding layers and what a decode keeps of them; None for other models."""
+    if info.sliding_window is None:
+        return None
+    window = decode_window_tokens(info.sliding_window)
+    layers = SlidingLayers(info.sliding_layers, info.num_layers, window)
+    return SlidingModel(info.architecture, layers)
+
+
+def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
+    """What SGLang decodes get of a sliding model: its layers where SGLang runs the model on
+    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool)."""
+    if sliding is None or sliding.architecture not in HYBRID_SWA_ARCHITECTURES:
+        return None
+    return sliding.layers
+
+
+def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
     nixl = NixlOptions(
@@ -312,6 +342,7 @@ def _sglang_options(config: Config) -> SglangOptions:
         rejoin_s=cfg.sglang_rejoin_s,
         nixl=nixl,
         limits=_limits(config),
+        sliding=sliding,
     )
 
 

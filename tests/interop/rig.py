@@ -13,9 +13,11 @@ import numpy as np
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
+from prefill_worker.transfer.swa_window import SlidingLayers
 
 
 class PrefillRig:
@@ -29,7 +31,9 @@ class PrefillRig:
         num_aux_rows: int = 8,
         write_timeout_s: float = 5.0,
         hooks: Hooks = DEFAULT_HOOKS,
+        sliding: SlidingLayers | None = None,
     ) -> None:
+        """``sliding``: a sliding-window model's layers (``SglangOptions.sliding``)."""
         self.layout = layout
         rng = np.random.default_rng(seed)
         self.pool = rng.integers(0, 256, layout.pool_bytes, dtype=np.uint8)
@@ -43,6 +47,7 @@ class PrefillRig:
             write_timeout_s,
             5.0,
             nixl=NixlOptions(agent_name),
+            sliding=sliding,
         )
         self.backend = SglangBackend(self.regions(), options, hooks)
 
@@ -77,9 +82,16 @@ class PrefillRig:
         assert self.pages.num_free == self.pages.num_pages
 
 
-def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple[AuxRow, list[int]]:
+def push(
+    rig: PrefillRig,
+    room: int,
+    num_tokens: int,
+    chunk_pages: int,
+    stats: list[TransferStats] | None = None,
+) -> tuple[AuxRow, list[int]]:
     """The engine's part for one request: chunks of pages, then the aux row; until SUCCESS.
-    Returns the aux row and the worker pages that held the prompt."""
+    Returns the aux row and the worker pages that held the prompt; ``stats`` gets what
+    landed."""
     lay = rig.layout
     sender = rig.backend.create_sender(room, f"req-{room}", num_tokens)
     assert rig.drive(lambda: sender.poll() is not KVPoll.BOOTSTRAPPING)
@@ -96,6 +108,8 @@ def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple
     sender.send_aux(row)
     assert rig.drive(lambda: sender.poll().is_terminal)
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    if stats is not None:
+        stats.append(sender.transfer_stats())
     sender.close()
     rig.drive(lambda: rig.backend.num_open_senders == 0)
     rig.aux.free(row)

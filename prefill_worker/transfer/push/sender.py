@@ -167,8 +167,12 @@ class PushSender(Generic[P]):
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
             except ValueError as exc:
                 return self.fail(str(exc))
-            if len(src) and peer.is_fed:
+            if not len(src) or not peer.is_fed:
+                continue
+            if peer.route is None:
                 self._post_pages(peer, src, dst)
+            else:  # prompt page of src[0]: after the pages the decode holds
+                self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -252,6 +256,8 @@ class PushSender(Generic[P]):
             local = None if state is None else state.regions.component
             remote = None if peer.state is None else peer.state.regions
             reason = check_want_state(want, local, remote)
+        if reason is None and peer.route is not None:
+            reason = peer.route.check(want, self.num_prompt_tokens)
         if reason is None and self._wants and want.num_cached_tokens != self.num_cached_tokens():
             reason = "the decode ranks' wants differ in num_cached_tokens"
         if reason is not None:
@@ -347,6 +353,25 @@ class PushSender(Generic[P]):
         self._index_cpu_s += time.thread_time() - start_cpu
         write = self._ctx.poster.post(local_list, local, peer.lists.kv, remote, b"", num_bytes)
         self._writes.add(write, self._ctx.clock())
+
+    def _post_routed(
+        self, peer: P, want: wire.Want, src: np.ndarray, dst: np.ndarray, first_page: int
+    ) -> None:
+        """Each part of the pages where the peer's route sends it (whole pages)."""
+        assert peer.route is not None
+        for part in peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page):
+            if not len(part.local):
+                continue
+            if part.is_state:
+                assert peer.state is not None, "a route into a state pool the peer lacks"
+                remote_list = peer.state.prepped
+            else:
+                remote_list = peer.lists.kv
+            num_bytes = len(part.local) * self._ctx.pages.region_bytes
+            write = self._ctx.poster.post(
+                self._ctx.pages.local, part.local, remote_list, part.remote, b"", num_bytes
+            )
+            self._writes.add(write, self._ctx.clock())
 
     def _post_state(self) -> None:
         """The request's state slot (its aux row), whole, into each decode's slot; the aux

@@ -98,6 +98,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
+            options.sliding,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         self._control.start()
