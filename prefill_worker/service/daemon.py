@@ -47,6 +47,7 @@ from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
     StartupError,
+    attach_draft,
     attach_kv_mirror,
     load_model,
     make_engine,
@@ -173,6 +174,7 @@ class Daemon:
                 info.state_regions,
                 info.sliding_window,
                 self._vllm_staging,
+                attach_draft(runner, aux.num_rows),
             )
         self._closers.append(("transfer", transfer.backend.close))
         if self._vllm_staging is None:  # at TP > 1 its heads of the shared region, attached

@@ -27,6 +27,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
+from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
@@ -35,6 +36,7 @@ from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
@@ -48,6 +50,7 @@ from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEven
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.factory import (
     Transfer,
     make_backend,
@@ -228,6 +231,7 @@ def start_transfer(
     state: StateRegions | None = None,
     sliding_window: int | None = None,
     vllm_staging: GroupStaging | None = None,
+    draft: DraftSide | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -236,7 +240,9 @@ def start_transfer(
     claimed room with a typed reason (``transfer.state_guard``). ``sliding_window``: a
     sliding-window model's, whose rooms every protocol but native refuses likewise
     (``transfer.swa_window``). ``vllm_staging``: at TP > 1, the region the group shares
-    (``service.vllm_group``), which the vLLM backend registers."""
+    (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
+    pool and proposals (``attach_draft``), which the SGLang backend sends to decodes that
+    speculate."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -247,7 +253,8 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state)
             if "sglang" in cfg.protocols:
-                backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
+                sglang = _sglang_options(config)
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
@@ -509,6 +516,16 @@ def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
     partial.replace(path)
+
+
+def attach_draft(runner: object, num_aux_rows: int) -> DraftSide | None:
+    """A drafting runner's side of the push: its proposals kept by aux row from now on, and
+    its pool; None for a runner without a draft."""
+    if not isinstance(runner, DraftingRunner):
+        return None
+    rows = DraftRows(num_aux_rows, runner.hidden_bytes)
+    runner.draft_rows = rows
+    return DraftSide(runner.draft_kv.regions(rows.base_addr, rows.num_rows), rows)
 
 
 def _draft_args(config: Config) -> dict[str, object]:

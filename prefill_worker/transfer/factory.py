@@ -16,6 +16,7 @@ import numpy as np
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.dual import DualBackend
 from prefill_worker.transfer.options import (
     DEFAULT_HOOKS,
@@ -59,14 +60,18 @@ def make_backend(
 
 
 def make_sglang_backend(
-    regions: KVRegions, options: SglangOptions, hooks: Hooks = DEFAULT_HOOKS
+    regions: KVRegions,
+    options: SglangOptions,
+    hooks: Hooks = DEFAULT_HOOKS,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     """This worker as an SGLang prefill (``transfer/sglang``): the bootstrap routes and the
     control socket bound, a NIXL agent of its own. ``hooks.wake`` is called from the control
-    thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere)."""
+    thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere).
+    ``draft``: a draft model's pool and rows, for decodes that speculate."""
     from prefill_worker.transfer.sglang.backend import SglangBackend
 
-    return SglangBackend(regions, options, hooks)
+    return SglangBackend(regions, options, hooks, draft)
 
 
 def make_vllm_backend(

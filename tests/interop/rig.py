@@ -14,6 +14,7 @@ from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
 
@@ -29,6 +30,7 @@ class PrefillRig:
         num_aux_rows: int = 8,
         write_timeout_s: float = 5.0,
         hooks: Hooks = DEFAULT_HOOKS,
+        draft: DraftSide | None = None,
     ) -> None:
         self.layout = layout
         rng = np.random.default_rng(seed)
@@ -44,7 +46,7 @@ class PrefillRig:
             5.0,
             nixl=NixlOptions(agent_name),
         )
-        self.backend = SglangBackend(self.regions(), options, hooks)
+        self.backend = SglangBackend(self.regions(), options, hooks, draft)
 
     def regions(self) -> KVRegions:
         raise NotImplementedError
@@ -77,9 +79,16 @@ class PrefillRig:
         assert self.pages.num_free == self.pages.num_pages
 
 
-def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple[AuxRow, list[int]]:
-    """The engine's part for one request: chunks of pages, then the aux row; until SUCCESS.
-    Returns the aux row and the worker pages that held the prompt."""
+def push(
+    rig: PrefillRig,
+    room: int,
+    num_tokens: int,
+    chunk_pages: int,
+    on_aux_row: Callable[[int], None] = lambda row: None,
+) -> tuple[AuxRow, list[int]]:
+    """The engine's part for one request: chunks of pages, then the aux row (``on_aux_row``
+    called with it first: a draft's proposal goes there); until SUCCESS. Returns the aux
+    row and the worker pages that held the prompt."""
     lay = rig.layout
     sender = rig.backend.create_sender(room, f"req-{room}", num_tokens)
     assert rig.drive(lambda: sender.poll() is not KVPoll.BOOTSTRAPPING)
@@ -93,6 +102,7 @@ def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple
     computed = num_tokens - 3 * (room % 2)  # some rooms: 3 tokens from the prefix cache
     aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens(), 1, computed)
     rig.aux.write(row, aux)
+    on_aux_row(row)
     sender.send_aux(row)
     assert rig.drive(lambda: sender.poll().is_terminal)
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()

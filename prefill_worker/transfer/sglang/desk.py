@@ -49,6 +49,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_registration,
     check_request,
     check_source,
+    num_draft_entries,
     peer_regions,
     rank_slice,
     status_ranks,
@@ -78,8 +79,10 @@ class SglangDesk:
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
+        num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
+        self._num_draft_layers = num_draft_layers
         self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -130,12 +133,14 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        refusal = check_registration(reg, self._layout, self._limits, self._prefill_tp)
+        refusal = check_registration(
+            reg, self._layout, self._limits, self._prefill_tp, self._num_draft_layers
+        )
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
-            if held.regions != peer_regions(reg, self._layout):
+            if held.regions != peer_regions(reg, self._layout, self._num_draft_layers):
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
@@ -151,7 +156,7 @@ class SglangDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
-        regions = peer_regions(reg, self._layout)
+        regions = peer_regions(reg, self._layout, self._num_draft_layers)
         head_slice = rank_slice(reg, self._layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
@@ -176,6 +181,7 @@ class SglangDesk:
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
+            num_draft_entries=num_draft_entries(reg, self._layout),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
