@@ -256,13 +256,14 @@ def _check_features(reg: Registration, ours: KVLayout) -> Refusal | None:
 
 def _check_layout(reg: Registration, ours: KVLayout, num_draft_layers: int) -> Refusal | None:
     num_regions, extra = ours.planes * ours.num_layers, num_draft_entries(reg, ours)
-    if len(reg.kv_ptrs) < num_regions or not _is_draft_served(extra, ours.planes, num_draft_layers):
+    is_draft = _is_draft_served(extra, num_regions, ours.planes, num_draft_layers)
+    if len(reg.kv_ptrs) < num_regions or not is_draft:
         draft = f" and a draft of {num_draft_layers} layers" if num_draft_layers else ""
         return Refusal(
             RejectReason.LAYOUT_MISMATCH,
             f"decode registered {len(reg.kv_ptrs)} KV regions; this worker's model has "
             f"{ours.num_layers} layers{draft} ({num_regions} regions: {_planes(ours)} of "
-            "each, then any draft pool's)",
+            "each)",
         )
     # A draft pool this worker has no draft for is never written: only what is, is checked.
     written = num_regions + (ours.planes * num_draft_layers if extra else 0)
@@ -277,12 +278,14 @@ def _check_layout(reg: Registration, ours: KVLayout, num_draft_layers: int) -> R
     return None
 
 
-def _is_draft_served(extra: int, planes: int, num_draft_layers: int) -> bool:
-    """A decode's draft regions (``extra``) are whole layers, and this worker's draft's
-    when it has one (a worker without one serves a speculating decode its target's KV only,
-    as SGLang's prefill without speculative decoding does)."""
-    if extra % planes:
-        return False
+def _is_draft_served(extra: int, num_regions: int, planes: int, num_draft_layers: int) -> bool:
+    """A decode's draft regions (``extra``) are whole layers, fewer than the target's (a
+    draft is a layer or a few: twice the regions is another pool, K and V where we have
+    latents), and this worker's draft's when it has one (a worker without one serves a
+    speculating decode its target's KV only, as SGLang's prefill without speculative
+    decoding does)."""
+    if extra % planes or extra >= num_regions:
+        return extra == 0
     return extra == 0 or num_draft_layers == 0 or extra == planes * num_draft_layers
 
 
