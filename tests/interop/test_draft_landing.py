@@ -13,16 +13,24 @@ On the version's shared decode process, 0.5.23 only."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from prefill_worker.batch import DraftRow
+from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.kv.draft_rows import DraftRows
-from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
+from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from prefill_worker.transfer.draft import DraftSide
+from tests.checkpoints import hf_model, prompt, with_mtp_layer
+from tests.integration.model import test_mtp_draft
+from tests.interop.conftest import assert_pools_whole, launch
 from tests.interop.decodes import Landed, SglangDecode, new_room
 from tests.interop.rig import PrefillRig, push
 from tests.interop.test_mla_landing import NUM_LAYERS, mla_layout
@@ -142,3 +150,47 @@ def test_a_worker_without_a_draft_serves_a_speculating_decode_its_target(
         worker.check_whole()
     finally:
         worker.backend.close()
+
+
+def test_the_worker_sends_its_mtp_draft_to_a_speculating_decode(
+    latest: SglangDecodeProcess, tmp_path: Path
+) -> None:
+    """``prefill-worker serve`` with ``model.draft: mtp`` on a tiny DeepSeek-V3 with an MTP
+    layer: the engine's draft rows and draft pool reach the decode. Its draft pool rows past a
+    held page and its row's top-k and hidden state equal the reference written from the
+    model's definition (``test_mtp_draft.reference``) within 1e-4; the held page untouched."""
+    target = with_mtp_layer(tmp_path / "ckpt")
+    settings = ("model.draft=mtp", f"model.draft_topk={test_mtp_draft.TOPK}")
+    served = launch(tmp_path, target, 16, "float32", "sglang", "layer_major", *settings).ready()
+    client = BlockingRouterClient(served.worker.ingress)
+    try:
+        kv = json.loads(served.worker.http("/readyz")[1])["kv_layout"]
+        layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 128, MLA)
+        hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
+        speculates = (1, hidden_size, "float32")
+        decode = SglangDecode(latest, served.sglang, layout, 8, None, speculates)
+        ids, room, held = prompt(45, seed=8), new_room(), 16
+        decode.want(room, len(ids), held)
+        result = client.prefill(ids, room)
+        assert result.status is OutcomeStatus.OK, result
+        assert decode.wait(room) == ("Success", None)
+        landed = decode.landed(room, tmp_path)
+        hf = (hf_model(target), hf_model(tmp_path / "ckpt" / "donor"))
+        tensors = load_file(target / "model.safetensors")
+        first, topk_p, topk_index, hidden, rows = test_mtp_draft.reference(hf, tensors, ids)
+        assert landed.output_ids[0] == result.first_token_id == first
+        raw = landed.draft_k[0]
+        assert (raw[: held // 16] == FILL_BYTE).all(), "a held draft page was written"
+        got = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.float32)
+        got = got.view(-1, layout.head_dim)[held : len(ids)]
+        torch.testing.assert_close(got, rows[held:], atol=1e-4, rtol=0)
+        k = test_mtp_draft.TOPK
+        assert landed.topk_index.view("<i8")[:k].tolist() == topk_index.tolist()
+        got_p = torch.from_numpy(landed.topk_p.view("<f4")[:k].copy())
+        torch.testing.assert_close(got_p, topk_p, atol=1e-4, rtol=0)
+        got_hidden = torch.from_numpy(landed.hidden.view("<f4").copy())
+        torch.testing.assert_close(got_hidden, hidden, atol=1e-4, rtol=0)
+        assert_pools_whole(served.worker)
+    finally:
+        client.close()
+        served.worker.child.kill()
