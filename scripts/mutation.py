@@ -138,6 +138,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_push_ranks.py",
         _STATE,
+        _T + "test_push_draft.py",
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,
@@ -154,12 +155,14 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_accept_pins.py",
         _T + "test_sglang_group_desk.py",
         _T + "test_mla.py",
+        _T + "test_sglang_draft.py",
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
         _T + "test_sglang_group_desk.py",
+        _T + "test_sglang_draft.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

@@ -105,6 +105,7 @@ class Rig:
         is_rejoining: bool = False,
         regions: KVRegions | None = None,  # ours: a desk that slices heads prepares them
         layout: KVLayout = LAYOUT,  # the worker's pool
+        num_draft_layers: int = 0,  # the worker's draft's
     ) -> None:
         self.agent, self.replies = FakeAgent(), FakeReplies()
         self.now = 0.0
@@ -124,6 +125,7 @@ class Rig:
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
+            num_draft_layers=num_draft_layers,
         )
 
     @property

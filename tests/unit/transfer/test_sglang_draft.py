@@ -22,6 +22,8 @@ from prefill_worker.transfer.validate import RejectReason
 from tests.unit.transfer.test_mla import OURS as MLA_OURS
 from tests.unit.transfer.test_mla import mla_registration
 from tests.unit.transfer.test_sglang_accept import LIMITS, OURS, registration
+from tests.unit.transfer.test_sglang_desk import Rig as DeskRig
+from tests.unit.transfer.test_sglang_desk import registration as desk_registration
 
 PAGE = 512  # the captured decode's page bytes
 
@@ -118,3 +120,21 @@ def test_the_draft_layers_follow_the_targets_in_one_pool() -> None:
     paged = KVRegions(page_major, (0, 2 * PAGE), (PAGE, 3 * PAGE), "cpu", 7, 4)
     with pytest.raises(ValueError, match="layer-major or mla"):
         with_draft_layers(paged, draft)
+
+
+@pytest.mark.parametrize(("num_draft_layers", "num_layers"), [(1, 3), (0, 2)])
+def test_the_desk_keeps_a_speculating_decode_with_what_it_will_be_written(
+    num_draft_layers: int, num_layers: int
+) -> None:
+    """Its draft regions counted (its metadata rows are the speculating layout), its pool
+    the target's layers and, at a worker with a draft, the draft's; a repeat is the same."""
+    rig = DeskRig(num_draft_layers=num_draft_layers)
+    reg = dataclasses.replace(desk_registration(), **speculating(2))
+    rig.send(reg)
+    rig.send(reg)
+    peer = rig.peers[reg.agent_name]
+    assert peer.num_draft_entries == 2 and peer.regions.layout.num_layers == num_layers
+    assert rig.rejects == []
+    plain = desk_registration("plain-decode")
+    rig.send(dataclasses.replace(plain, endpoint=dataclasses.replace(plain.endpoint, port=1)))
+    assert rig.peers["plain-decode"].num_draft_entries == 0
