@@ -241,8 +241,8 @@ def start_transfer(
     sliding-window model's, whose rooms every protocol but native refuses likewise
     (``transfer.swa_window``). ``vllm_staging``: at TP > 1, the region the group shares
     (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
-    pool and proposals (``attach_draft``), which the SGLang backend sends to decodes that
-    speculate."""
+    pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
+    that speculate."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -251,7 +251,7 @@ def start_transfer(
         mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
-                backends["native"] = _native_backend(config, regions, hooks, state)
+                backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
                 sglang = _sglang_options(config)
                 backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
@@ -341,7 +341,11 @@ def _vllm_options(config: Config) -> VllmOptions:
 
 
 def _native_backend(
-    config: Config, regions: KVRegions, hooks: Hooks, state: StateRegions | None
+    config: Config,
+    regions: KVRegions,
+    hooks: Hooks,
+    state: StateRegions | None,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     cfg = config.transfer
     curve = None
@@ -363,7 +367,7 @@ def _native_backend(
         limits=_limits(config),
         curve=curve,
     )
-    return make_backend(regions, options, hooks, state)
+    return make_backend(regions, options, hooks, state, draft)
 
 
 def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:

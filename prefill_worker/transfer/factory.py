@@ -49,14 +49,17 @@ def make_backend(
     options: NativeOptions,
     hooks: Hooks = DEFAULT_HOOKS,
     state: StateRegions | None = None,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     """The native backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
     address, port 0 allowed); with ``state`` (a hybrid model's state pool) it sends each
-    request's state slot too. Raises ``OSError`` when the bootstrap address cannot be bound,
-    and NIXL's own errors (or ``RuntimeError``) when no agent can be made."""
+    request's state slot too, with ``draft`` (a draft model's pool and rows) the draft's
+    pages and row to decodes that registered a draft pool. Raises ``OSError`` when the
+    bootstrap address cannot be bound, and NIXL's own errors (or ``RuntimeError``) when no
+    agent can be made."""
     from prefill_worker.transfer.native.backend import NixlBackend
 
-    return NixlBackend(regions, options, hooks, state)
+    return NixlBackend(regions, options, hooks, state, draft)
 
 
 def make_sglang_backend(

@@ -13,7 +13,12 @@ import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer.draft import DraftSide, with_draft_layers
-from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
+from prefill_worker.transfer.nixl.agent import (
+    deregister_regions,
+    make_agent,
+    region_tables,
+    register_regions,
+)
 from prefill_worker.transfer.options import NixlOptions
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, layer_view_table, mem_type
 from prefill_worker.transfer.sglang.aux import AuxStaging, spec_row_dtype
@@ -56,8 +61,9 @@ class LocalSide:
             raise
 
     def _open_draft(self, regions: KVRegions, draft: DraftSide) -> None:
-        reg = register_regions(self.agent, draft.regions)
-        self._closers.append(lambda: deregister_regions(self.agent, reg))
+        kv, _ = region_tables(draft.regions)  # its rows are staged, never registered
+        reg = self.agent.register_memory(kv, mem_type(draft.regions.device))
+        self._closers.append(lambda: self.agent.deregister_memory(reg))
         row_dtype = spec_row_dtype(draft.rows.hidden_bytes)
         self.spec_staging = staging = AuxStaging(regions.num_aux_rows, row_dtype)
         table = np.array([[staging.base_addr, staging.num_bytes, 0]], np.uint64)

@@ -138,3 +138,15 @@ def test_the_desk_keeps_a_speculating_decode_with_what_it_will_be_written(
     plain = desk_registration("plain-decode")
     rig.send(dataclasses.replace(plain, endpoint=dataclasses.replace(plain.endpoint, port=1)))
     assert rig.peers["plain-decode"].num_draft_entries == 0
+
+
+def test_a_draft_of_two_layers_is_their_ks_then_their_vs() -> None:
+    ours = dataclasses.replace(OURS, num_layers=4)
+    ptrs = tuple((i + 1) << 20 for i in range(12))  # K0-3 V0-3, then the draft's K0 K1 V0 V1
+    reg = registration(kv_ptrs=ptrs, kv_item_lens=(PAGE,) * 12, mem_kinds=("DRAM",) * 12)
+    assert check_registration(reg, ours, LIMITS, num_draft_layers=2) is None
+    regions = peer_regions(reg, ours, 2)
+    assert regions.k_base_addrs == ptrs[:4] + ptrs[8:10]
+    assert regions.v_base_addrs == ptrs[4:8] + ptrs[10:12]
+    refusal = check_registration(reg, ours, LIMITS, num_draft_layers=1)
+    assert refusal is not None and "and a draft of 1 layers" in refusal.message
