@@ -113,6 +113,7 @@ MODULES: dict[str, list[str]] = {
         "tests/unit/transfer/test_schema_doc.py",
         _NESTED,
         _STATE,
+        _T + "test_native_draft.py",
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
     "prefill_worker/ingress/header.py": [
@@ -168,6 +169,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
         _T + "test_native_desk_state.py",
+        _T + "test_native_draft.py",
     ],
     # The tensor-parallel group's transfer mirror and its agreement (issue #27).
     "prefill_worker/transfer/group.py": _GROUP,
