@@ -125,7 +125,7 @@ class Rig:
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
-            num_draft_layers=num_draft_layers,
+            **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
         )
 
     @property

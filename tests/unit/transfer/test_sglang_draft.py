@@ -150,3 +150,10 @@ def test_a_draft_of_two_layers_is_their_ks_then_their_vs() -> None:
     assert regions.v_base_addrs == ptrs[4:8] + ptrs[10:12]
     refusal = check_registration(reg, ours, LIMITS, num_draft_layers=1)
     assert refusal is not None and "and a draft of 1 layers" in refusal.message
+
+
+def test_the_desk_of_a_drafting_worker_refuses_a_draft_pool_of_other_pages() -> None:
+    rig = DeskRig(num_draft_layers=1)
+    reg = dataclasses.replace(desk_registration(), **speculating(2, page=256))
+    rig.send(reg)
+    assert rig.peers == {} and rig.rejects == ["layout_mismatch"]
