@@ -101,4 +101,6 @@ def test_a_draft_that_is_not_the_workers_is_refused(offered: wire.DraftPool, why
     assert not answer.is_ok and str(answer.reason).startswith(f"draft mismatch: {why}")
     assert "this worker's draft has 1 layers and rows of 212 bytes" in str(answer.reason)
     assert not d.hub.peers and not d.agent.added
+    assert d.server.sent[-1][0] == b"c1"  # told on its own connection
+    assert d.hub.refusals.names.get("decode-1", d.rig.now) is not None  # its rooms hear why
     assert d.hub.counter.counts == {RejectReason.LAYOUT_MISMATCH.value: 1}
