@@ -118,6 +118,7 @@ MODULES: dict[str, list[str]] = {
         "tests/unit/transfer/test_schema_doc.py",
         _NESTED,
         _STATE,
+        _T + "test_native_draft.py",
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
     "prefill_worker/ingress/header.py": [
@@ -144,6 +145,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_ranks.py",
         _STATE,
         _SWA,
+        _T + "test_push_draft.py",
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,
@@ -160,6 +162,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_accept_pins.py",
         _T + "test_sglang_group_desk.py",
         _T + "test_mla.py",
+        _T + "test_sglang_draft.py",
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [
@@ -167,11 +170,13 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_desk_pins.py",
         _T + "test_sglang_group_desk.py",
         _SWA,
+        _T + "test_sglang_draft.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
         _T + "test_native_desk_state.py",
+        _T + "test_native_draft.py",
     ],
     # The tensor-parallel group's transfer mirror and its agreement (issue #27).
     "prefill_worker/transfer/group.py": _GROUP,

@@ -47,6 +47,7 @@ from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
     StartupError,
+    attach_draft,
     attach_kv_mirror,
     load_model,
     make_engine,
@@ -180,6 +181,7 @@ class Daemon:
                 info.state_regions,
                 sliding_model(info),
                 self._vllm_staging,
+                attach_draft(runner, aux.num_rows),
             )
         self._closers.append(("transfer", transfer.backend.close))
         guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)

@@ -28,6 +28,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
+from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
@@ -36,6 +37,7 @@ from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
@@ -49,6 +51,7 @@ from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEven
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.factory import (
     Transfer,
     make_backend,
@@ -230,6 +233,7 @@ def start_transfer(
     state: StateRegions | None = None,
     sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
+    draft: DraftSide | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -239,7 +243,9 @@ def start_transfer(
     sliding-window model's layers, whose rooms every protocol but native and SGLang refuses
     likewise (``transfer.swa_window``); SGLang sends its window to a decode with a hybrid SWA
     pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
-    (``service.vllm_group``), which the vLLM backend registers."""
+    (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
+    pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
+    that speculate."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -248,10 +254,10 @@ def start_transfer(
         mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
-                backends["native"] = _native_backend(config, regions, hooks, state)
+                backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
                 sglang = _sglang_options(config, sglang_sliding(sliding))
-                backends["sglang"] = make_sglang_backend(regions, sglang, hooks)
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
@@ -365,7 +371,11 @@ def _vllm_options(config: Config) -> VllmOptions:
 
 
 def _native_backend(
-    config: Config, regions: KVRegions, hooks: Hooks, state: StateRegions | None
+    config: Config,
+    regions: KVRegions,
+    hooks: Hooks,
+    state: StateRegions | None,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     cfg = config.transfer
     curve = None
@@ -387,7 +397,7 @@ def _native_backend(
         limits=_limits(config),
         curve=curve,
     )
-    return make_backend(regions, options, hooks, state)
+    return make_backend(regions, options, hooks, state, draft)
 
 
 def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
@@ -540,6 +550,16 @@ def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
     partial.replace(path)
+
+
+def attach_draft(runner: object, num_aux_rows: int) -> DraftSide | None:
+    """A drafting runner's side of the push: its proposals kept by aux row from now on, and
+    its pool; None for a runner without a draft."""
+    if not isinstance(runner, DraftingRunner):
+        return None
+    rows = DraftRows(num_aux_rows, runner.hidden_bytes)
+    runner.draft_rows = rows
+    return DraftSide(runner.draft_kv.regions(rows.base_addr, rows.num_rows), rows)
 
 
 def _draft_args(config: Config) -> dict[str, object]:

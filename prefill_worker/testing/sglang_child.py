@@ -109,10 +109,15 @@ class Decode:
         self.sliding_layers = list(spec.get("sliding_layers") or [])
         self.window_tokens = spec.get("window_tokens", 0)
         self.pool = _swa_pool(spec) if self.sliding_layers else _kv_pool(spec, self.is_mla)
+        # A speculating decode (``draft_layers`` > 0): its draft pool, the target's geometry,
+        # and metadata rows whose hidden state is ``spec_hidden_size`` values of ``spec_dtype``.
+        num_draft_layers = int(spec.get("draft_layers", 0))
+        draft_spec = {**spec, "num_layers": num_draft_layers}
+        self.draft_pool = _kv_pool(draft_spec, self.is_mla) if num_draft_layers else None
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
-            hidden_size=16,
-            hidden_states_dtype=torch.float32,
+            hidden_size=int(spec.get("spec_hidden_size", 16)),
+            hidden_states_dtype=_DTYPES[spec.get("spec_dtype", "float32")],
             max_sampling_mask_tokens=16,
         )
         mode = DisaggregationMode.DECODE
@@ -130,16 +135,18 @@ class Decode:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
         for _, buf in self._buffers():
             buf.view(torch.uint8).fill_(byte)
+        if self.draft_pool is not None:  # a hidden row no write may touch shows it
+            self.meta.output_hidden_states.view(torch.uint8).fill_(byte)
 
     def _buffers(self) -> list[tuple[str, Any]]:
         """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool; a hybrid
-        SWA pool's full layers, then its sliding layers as ("swa_k0", ...)."""
-        if self.is_mla:
-            return [(f"k{i}", buf) for i, buf in enumerate(self.pool.kv_buffer)]
+        SWA pool's full layers, then its sliding layers as ("swa_k0", ...); then a draft
+        pool's ("dk0", ...)."""
+        draft = [] if self.draft_pool is None else _named(self.draft_pool, self.is_mla, "d")
         if self.sliding_layers:
             full, swa = self.pool.full_kv_pool, self.pool.swa_kv_pool
-            return _mha_buffers(full, "") + _mha_buffers(swa, "swa_")
-        return _mha_buffers(self.pool, "")
+            return _named(full, False, "") + _named(swa, False, "swa_") + draft
+        return _named(self.pool, self.is_mla, "") + draft
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -147,8 +154,14 @@ class Decode:
         args.kv_cache_dtype_str, args.kv_layout = self.kv_cache_dtype, None
         ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
+        num_draft_entries = 0
+        if self.draft_pool is not None:  # appended after the target's, as decode.py does
+            draft_ptrs, draft_lens, draft_item_lens = self.draft_pool.get_contiguous_buf_infos()
+            ptrs, lens = list(ptrs) + draft_ptrs, list(lens) + draft_lens
+            item_lens, num_draft_entries = list(item_lens) + draft_item_lens, len(draft_ptrs)
+            args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
         args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
-        args.kv_layer_ids, args.num_draft_entries = [], 0
+        args.kv_layer_ids, args.num_draft_entries = [], num_draft_entries
         args.page_size = self.page_size
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         for name in (
@@ -231,6 +244,8 @@ class Decode:
         for name, value in zip(names, row[:4], strict=True):
             arrays[name] = value.numpy()
         arrays["bootstrap_room"] = row[-1].numpy()
+        for name, value in zip(("topk_p", "topk_index", "hidden"), row[9:12], strict=True):
+            arrays[name] = value.contiguous().view(torch.uint8).numpy()  # raw bytes
         np.savez(path, **arrays)  # type: ignore[arg-type]
         return {}
 
@@ -254,6 +269,15 @@ class Decode:
         ranks as the receiver asked (an MLA decode at a TP-2 prefill: two, its dummy's too)."""
         required = len(self.rooms[room][2].bootstrap_infos or ())
         return {"acked": bool(self.manager.is_abort_release_safe(room, required))}
+
+
+def _named(pool: Any, is_mla: bool, prefix: str) -> list[tuple[str, Any]]:
+    """("k0", K of layer 0), ... ("v0", ...) (the latents as k of an MLA pool); a draft
+    pool's as ("dk0", ...)."""
+    if is_mla:
+        return [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.kv_buffer)]
+    k = [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.k_buffer)]
+    return k + [(f"{prefix}v{i}", buf) for i, buf in enumerate(pool.v_buffer)]
 
 
 def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
@@ -293,11 +317,6 @@ def _swa_pool(spec: dict[str, Any]) -> Any:
         token_to_kv_pool_class=MHATokenToKVPool,
         enable_memory_saver=False,
     )
-
-
-def _mha_buffers(pool: Any, prefix: str) -> list[tuple[str, Any]]:
-    k = [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.k_buffer)]
-    return k + [(f"{prefix}v{i}", buf) for i, buf in enumerate(pool.v_buffer)]
 
 
 class Decodes:

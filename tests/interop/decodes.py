@@ -39,6 +39,14 @@ class Landed:
     logprob_val: np.ndarray
     logprob_idx: np.ndarray
     bootstrap_room: np.ndarray
+    # A speculating decode's: its draft pool's pages per layer (``draft_k``, ``draft_v``, as
+    # ``k`` and ``v``), and the row's output_topk_p, output_topk_index and
+    # output_hidden_states, raw bytes.
+    draft_k: list[np.ndarray]
+    draft_v: list[np.ndarray]
+    topk_p: np.ndarray
+    topk_index: np.ndarray
+    hidden: np.ndarray
 
 
 class SglangDecode:
@@ -50,10 +58,14 @@ class SglangDecode:
         num_aux_rows: int = 16,
         kv_cache_dtype: str | None = None,
         swa: tuple[tuple[int, ...], int, int] | None = None,
+        speculates: tuple[int, int, str] | None = None,
     ) -> None:
         """``kv_cache_dtype``: its ``--kv-cache-dtype`` (None: ``fp8_e4m3`` for an FP8 pool,
         else ``auto``). ``swa``: a hybrid SWA pool (sliding layers, window tokens, SWA pool
-        pages); ``layout`` then has every layer, of which the full ones make its KV pool."""
+        pages); ``layout`` then has every layer, of which the full ones make its KV pool.
+        ``speculates``: (draft pool layers, the draft's hidden size, its dtype), a decode
+        running EAGLE/MTP."""
+        draft_layers, spec_hidden_size, spec_dtype = speculates or (0, 16, "float32")
         self.process, self.layout = process, layout
         if kv_cache_dtype is None:
             kv_cache_dtype = "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto"
@@ -73,6 +85,9 @@ class SglangDecode:
             kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
             kv_cache_dtype=kv_cache_dtype,
             **swa_spec(swa),
+            draft_layers=draft_layers,
+            spec_hidden_size=spec_hidden_size,
+            spec_dtype=spec_dtype,
         )
         self.swa_pages: dict[int, list[int]] = {}  # per room, its window's SWA pool pages
         self.agent_name: str = identity["agent_name"]  # what its frames name it by
@@ -131,6 +146,11 @@ class SglangDecode:
             data["logprob_val"],
             data["logprob_idx"],
             data["bootstrap_room"],
+            [by_page(data[f"dk{i}"]) for i in range(n) if f"dk{i}" in data],
+            [by_page(data[f"dv{i}"]) for i in range(n) if f"dv{i}" in data],
+            data["topk_p"],
+            data["topk_index"],
+            data["hidden"],
         )
 
 

@@ -92,6 +92,17 @@ class PushContext(Generic[P]):
     # A model with state: its state pool (the request's slot is its aux row), written whole
     # before the aux row into each decode's ``Peer.state``.
     state: StateLists | None = None
+    # A draft model: our pool with the draft's layers after the target's
+    # (``transfer.draft``), for decodes whose pool holds them too (``Peer.regions`` of more
+    # layers than ``layout``): a chunk's pages go to both in one write.
+    draft_pages: PageLists | None = None
+
+    def pages_for(self, peer: P) -> PageLists:
+        """The list a peer's whole pages are written from."""
+        if peer.regions.layout.num_layers == self.layout.num_layers:
+            return self.pages
+        assert self.draft_pages is not None, "a peer with draft layers and no draft"
+        return self.draft_pages
 
 
 class PushSender(Generic[P]):
@@ -340,7 +351,8 @@ class PushSender(Generic[P]):
     def _post_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
         start, start_cpu = time.perf_counter(), time.thread_time()
         pages, head_slice = self._ctx.pages, peer.head_slice
-        if head_slice is None:  # whole pages
+        if head_slice is None:  # whole pages (a draft's too, when the peer holds them)
+            pages = self._ctx.pages_for(peer)
             local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
             remote = region_indices(dst, pages.num_regions, peer.regions.layout.num_pages)
             local_list, num_bytes = pages.local, len(local) * pages.region_bytes

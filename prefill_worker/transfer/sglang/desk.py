@@ -53,6 +53,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_registration,
     check_request,
     check_source,
+    num_draft_entries,
     peer_regions,
     rank_slice,
     status_ranks,
@@ -85,8 +86,10 @@ class SglangDesk:
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
         sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
+        num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
+        self._num_draft_layers = num_draft_layers
         self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -144,12 +147,14 @@ class SglangDesk:
             if isinstance(window, Refusal):
                 return self._refuse(reg.agent_name, window)
             reg, layout, swa = window.registration, window.layout, window.swa
-        refusal = check_registration(reg, layout, self._limits, self._prefill_tp)
+        refusal = check_registration(
+            reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
+        )
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
-            if held.regions != peer_regions(reg, layout):
+            if held.regions != peer_regions(reg, layout, self._num_draft_layers):
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
@@ -165,7 +170,7 @@ class SglangDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
-        regions = peer_regions(reg, layout)
+        regions = peer_regions(reg, layout, self._num_draft_layers)
         head_slice = rank_slice(reg, layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
@@ -192,6 +197,7 @@ class SglangDesk:
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
             state=state,
             route=window_route(self._sliding, self._layout, regions, state),
+            num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)

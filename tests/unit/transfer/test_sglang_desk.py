@@ -108,6 +108,7 @@ class Rig:
         layout: KVLayout = LAYOUT,  # the worker's pool
         sliding: SlidingLayers | None = None,  # a sliding-window model's layers
         agent: FakeAgent | None = None,
+        num_draft_layers: int = 0,  # the worker's draft's
     ) -> None:
         self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
@@ -128,6 +129,7 @@ class Rig:
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
             sliding=sliding,
+            **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
         )
 
     @property
