@@ -57,6 +57,7 @@ class SglangDecode:
         layout: KVLayout,
         num_aux_rows: int = 16,
         kv_cache_dtype: str | None = None,
+        *,
         swa: tuple[tuple[int, ...], int, int] | None = None,
         speculates: tuple[int, int, str] | None = None,
     ) -> None:

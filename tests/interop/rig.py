@@ -89,6 +89,7 @@ def push(
     room: int,
     num_tokens: int,
     chunk_pages: int,
+    *,
     stats: list[TransferStats] | None = None,
     on_aux_row: Callable[[int], None] = lambda row: None,
 ) -> tuple[AuxRow, list[int]]:

@@ -92,7 +92,9 @@ def serve(
     room, num_tokens = new_room(), 5 * PAGE - 3
     decode.want(room, num_tokens, held * PAGE)
     proposals: list[DraftRow] = []
-    _, src = push(worker, room, num_tokens, 2, lambda row: proposals.append(worker.propose(row)))
+    _, src = push(
+        worker, room, num_tokens, 2, on_aux_row=lambda row: proposals.append(worker.propose(row))
+    )
     assert decode.wait(room) == ("Success", None)
     landed = decode.landed(room, tmp_path)
     assert int(landed.bootstrap_room[0]) == room
@@ -114,7 +116,9 @@ def test_the_draft_kv_and_rows_land_in_a_speculating_decode(
 ) -> None:
     worker = DraftWorker(has_draft=True)
     try:
-        decode = SglangDecode(latest, worker.bootstrap, mla_layout(PAGE, 48), 8, None, SPECULATES)
+        decode = SglangDecode(
+            latest, worker.bootstrap, mla_layout(PAGE, 48), 8, speculates=SPECULATES
+        )
         for held in (0, 2):
             landed, src, draft = serve(worker, decode, held, tmp_path)
             assert draft is not None and len(landed.draft_k) == 1 and landed.draft_v == []
@@ -140,7 +144,9 @@ def test_a_worker_without_a_draft_serves_a_speculating_decode_its_target(
 ) -> None:
     worker = DraftWorker(has_draft=False)
     try:
-        decode = SglangDecode(latest, worker.bootstrap, mla_layout(PAGE, 48), 8, None, SPECULATES)
+        decode = SglangDecode(
+            latest, worker.bootstrap, mla_layout(PAGE, 48), 8, speculates=SPECULATES
+        )
         landed, src, _ = serve(worker, decode, 0, tmp_path)
         for layer in range(NUM_LAYERS):
             assert_pages(landed.k[layer], worker, layer, src, 0)
@@ -168,7 +174,7 @@ def test_the_worker_sends_its_mtp_draft_to_a_speculating_decode(
         layout = KVLayout(kv["num_layers"], 1, kv["head_dim"], "float32", 16, 128, MLA)
         hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
         speculates = (1, hidden_size, "float32")
-        decode = SglangDecode(latest, served.sglang, layout, 8, None, speculates)
+        decode = SglangDecode(latest, served.sglang, layout, 8, speculates=speculates)
         ids, room, held = prompt(45, seed=8), new_room(), 16
         decode.want(room, len(ids), held)
         result = client.prefill(ids, room)

@@ -89,7 +89,7 @@ def test_hybrid_swa_memory_on_and_off(
                 room = int(rng.integers(1, 2**63))
                 decode.want(room, num_tokens, num_held * page_size)
                 stats: list[TransferStats] = []
-                _, src = push(worker, room, num_tokens, chunk_pages, stats)
+                _, src = push(worker, room, num_tokens, chunk_pages, stats=stats)
                 landed_bytes.append(stats[0].bytes - aux.ROW_DTYPE.itemsize)
                 assert decode.wait(room) == ("Success", None)
                 landed = dump(decode, room, tmp_path)
