@@ -250,7 +250,8 @@ def start_transfer(
                 backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
-                tickets = Tickets(config.http_api.max_inflight_requests, versions)
+                modes = tuple(cfg.vllm_transfer_modes)
+                tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
                 options = _vllm_options(config)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
@@ -329,6 +330,7 @@ def _vllm_options(config: Config) -> VllmOptions:
         engine_id=cfg.vllm_engine_id,
         identity=VllmIdentity(model, cfg.vllm_attention_backend),
         versions=tuple(cfg.vllm_versions),
+        modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
     )
 
