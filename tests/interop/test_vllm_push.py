@@ -9,9 +9,9 @@ transformers' K/V (fp32, 1e-4) for 1, 31, 32, 33 and 300 tokens, byte-exact agai
 worker's own pool, every token staged by the forward; a prompt that hits the worker's prefix
 cache mid-block; 8 requests at once; a decode that registers before the prefill answers; a
 decode that had the first blocks cached (our last blocks land in its fewer blocks); a pull
-answer given to a push decode refused by vLLM's hash (its handshake with the pull side
-channel); a push request to a worker that serves only pull refused 400; the staging region
-and the pool whole after each. One worker for the module (both versions, both modes), one
+answer of a pull-only worker given to a push decode refused by vLLM's hash (it covers the
+mode), that worker refusing a push request 400; the staging region and the pool whole after
+each. One worker for the module (both versions, both modes), one
 push decode per version."""
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
-from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import FILL_BYTE, VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
@@ -190,8 +191,8 @@ def test_a_decode_may_register_first_or_have_a_prefix_cached(
     two of four blocks cached registers two, and gets our last two."""
     worker, api, checkpoint = pushed
     ids = prompt(100, seed=_seed(decode, 31))
-    warm, _ = _prefill(api, prompt(8, seed=_seed(decode, 30)), decode.version)
-    _pushed_ok(decode.push_and_wait(_, warm))
+    warm, warm_id = _prefill(api, prompt(8, seed=_seed(decode, 30)), decode.version)
+    _pushed_ok(decode.push_and_wait(warm_id, warm))
     external = secrets.token_hex(8)
     rid = f"cmpl-{external}-0-{secrets.token_hex(4)}"
     decode.call("push", request_id=rid, params={**warm, "remote_num_tokens": 100})
@@ -215,35 +216,34 @@ def test_a_decode_may_register_first_or_have_a_prefix_cached(
     _staging_whole(worker)
 
 
-def test_a_pull_answer_is_refused_by_a_push_decode_and_push_needs_serving(
+def test_a_pull_only_worker_refuses_push_and_a_push_decode_refuses_its_hash(
     pushed: tuple[Worker, str, Path], decode: VllmDecodeProcess, tmp_path: Path
 ) -> None:
-    """A pull answer names the pull side channel, whose hash covers "pull": the push decode's
-    handshake refuses it (its request fails; the worker's hold ends at its lease). A worker
-    serving pull only refuses a push request at once, naming the modes it serves."""
-    worker, api, _ = pushed
-    expired = _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="expired"}')
-    status, answer, rid = _post(api, prompt(40, seed=_seed(decode, 50)), decode.version, "pull")
-    assert status == 200 and answer["kv_transfer_params"]["transfer_mode"] == "pull"
-    outcome = decode.push_and_wait(rid, answer["kv_transfer_params"], timeout_s=20)
-    assert outcome["finished"] and outcome["load_errors"] == sorted(outcome["blocks"]), outcome
-    assert np.all(
-        decode.blocks(rid, tmp_path / "refused.npz")["model.layers.0.self_attn.attn"] == 0xAB
-    )
-    pull_only, pull_api = _start(tmp_path, pushed[2], pushed[2])
+    """A worker serving pull only refuses a push request at once (400, naming the modes it
+    serves); its pull answer given to a push decode is refused by vLLM's hash check (the
+    hash covers ``transfer_mode``): the decode's request fails, its blocks untouched, and
+    the worker's hold ends at its lease, staging whole. Once (the newest version): the
+    worker's side does not depend on it, and a worker start is the cost."""
+    if decode.version != VLLM_VERSIONS[-1]:
+        pytest.skip("run for the newest vLLM version only")
+    worker, api = _start(tmp_path, pushed[2], pushed[2])
     try:
-        pull_only.child.wait_ready(120)
-        status, answer, _ = _post(pull_api, prompt(8, seed=1), decode.version)
+        worker.child.wait_ready(120)
+        status, answer, _ = _post(api, prompt(8, seed=1), decode.version)
         assert status == 400 and "this worker serves pull" in json.dumps(answer), answer
-        assert pull_only.child.stop() == 0, pull_only.log()
+        status, answer, rid = _post(api, prompt(40, seed=_seed(decode, 50)), decode.version, "pull")
+        assert status == 200 and answer["kv_transfer_params"]["transfer_mode"] == "pull"
+        outcome = decode.push_and_wait(rid, answer["kv_transfer_params"])
+        assert outcome["finished"], outcome  # failed: vLLM reports it done, with nothing landed
+        raw = decode.blocks(rid, tmp_path / "refused.npz")["model.layers.0.self_attn.attn"]
+        assert np.all(raw == FILL_BYTE)
+        expired = '{outcome="expired"}'
+        wait_until(
+            lambda: _metric(worker, "prefill_worker_vllm_holds_total", expired) == 1,
+            30,
+            "the refused hold's lease",
+        )
+        _staging_whole(worker)
+        assert worker.child.stop() == 0, worker.log()
     finally:
-        pull_only.child.kill()
-    from tests.polling import wait_until
-
-    held = '{outcome="expired"}'
-    wait_until(
-        lambda: _metric(worker, "prefill_worker_vllm_holds_total", held) >= expired + 1,
-        30,
-        "the refused hold's lease",
-    )
-    _staging_whole(worker)
+        worker.child.kill()
