@@ -8,8 +8,11 @@ request the ``PUSH_REG`` notification and a wait for ``"<id>:1"``. One JSON line
 length::
 
     {"name": "transfer", "protocol": "vllm-push", "pool_layout", "tokens", "gb_s",
-     "memcpy_gb_s", "ratio", "native_push_gb_s", "vllm_push_vs_native", "descriptors",
-     "load_avg"}
+     "memcpy_gb_s", "ratio", "native_push_gb_s", "vllm_push_vs_native", "write_ms",
+     "registered_to_notified_ms", "descriptors", "load_avg"}
+
+``write_ms``: the WRITE alone, posted to settled on the worker's push thread;
+``registered_to_notified_ms``: what ``gb_s`` is computed from.
 
 ``gb_s``: the prompt's KV (every layer's K and V, the native rows' bytes) over the time from
 the decode sending its registration to the decode holding the worker's notification (the
@@ -142,11 +145,13 @@ def run(
         ready, decode_blocks = conn.recv()
         assert ready == "ready"
         lay = backend.desk.staging.layout
+        for layer in backend.mirror_layers:  # written, as the forwards write them
+            layer.view(np.uint8).fill(7)
         copy_dst = np.ones(lay.num_layers * decode_blocks * lay.block_bytes, np.uint8)
         room = 1
         for tokens in TOKENS:
             nbytes = tokens * lay.token_bytes
-            times, copies = [], []
+            times, copies, writes = [], [], []
             for _ in range(repeats + 1):  # the first is a warm-up (the worker's handshake)
                 room += 1
                 external = secrets.token_hex(8)
@@ -156,12 +161,15 @@ def run(
                 assert backend.desk.hold(room, blocks, tokens)
                 tickets.take(room)
                 local = _scattered(rng, decode_blocks, len(blocks))
+                assert backend.pusher is not None
+                written_s = backend.pusher.counts.write_s
                 conn.send(("push", f"cmpl-{external}-0-{secrets.token_hex(4)}", local))
                 while not conn.poll(0.0005):
                     backend.poll()
                 times.append(conn.recv())
-                while backend.pusher is not None and backend.pusher.busy:
+                while backend.pusher.busy:
                     backend.poll()
+                writes.append(backend.pusher.counts.write_s - written_s)
                 copies.append(_memcpy_s(pool, copy_dst, nbytes))
             gb_s = nbytes / statistics.median(times[1:]) / 1e9
             ref = nbytes / statistics.median(copies[1:]) / 1e9
@@ -178,6 +186,8 @@ def run(
                 "ratio": round(gb_s / ref, 3),
                 "native_push_gb_s": native,
                 "vllm_push_vs_native": None if not native else round(gb_s / native, 3),
+                "write_ms": round(statistics.median(writes[1:]) * 1e3, 3),
+                "registered_to_notified_ms": round(statistics.median(times[1:]) * 1e3, 3),
                 "descriptors": lay.num_layers * len(blocks),
                 "descriptor_bytes": lay.block_bytes,
                 "load_avg": round(os.getloadavg()[0], 2),

@@ -255,7 +255,7 @@ def start_transfer(
                 options = _vllm_options(config)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
-                metrics.registry.register(VllmPullCollector(vllm.desk))
+                metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
                 mirror_layers = vllm.mirror_layers
         except BaseException:
             for backend in backends.values():

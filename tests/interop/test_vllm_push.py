@@ -138,6 +138,7 @@ def test_vllm_push_lands_transformers_kv(
 ) -> None:
     worker, api, checkpoint = pushed
     staged = _staged(worker)
+    written = _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}')
     for n in (1, 31, 32, 33, 300):
         ids = prompt(n, seed=_seed(decode, n))
         params, rid = _prefill(api, ids, decode.version)
@@ -153,6 +154,7 @@ def test_vllm_push_lands_transformers_kv(
         assert _staged(worker) == (staged[0] + n, staged[1])  # the forward wrote every token
         staged = _staged(worker)
     _staging_whole(worker)
+    assert _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}') == written + 5
 
 
 def test_a_prefix_hit_mid_block_and_eight_at_once_are_pushed_exactly(

@@ -158,7 +158,8 @@ class VllmBackend:
         }
         self.registration = registration
         ports = self._channel.ports
-        self.bootstrap_endpoint = f"tcp://{host}:{ports[channel_key(options.versions[0])]}"
+        first = channel_key(options.versions[0], options.modes[0])
+        self.bootstrap_endpoint = f"tcp://{host}:{ports[first]}"
         self.pusher: VllmPusher | None = None
         if PUSH in options.modes:
             from prefill_worker.transfer.vllm.channel import our_hash  # it imports this module

@@ -81,6 +81,7 @@ class PushJob:
 class PushCounts:
     pushed: int = 0  # requests written
     pushed_bytes: int = 0
+    write_s: float = 0.0  # the WRITEs' time, posted to settled, all of them
     failed: Counter[str] = field(default_factory=Counter)  # why -> requests not written
 
 
@@ -298,6 +299,13 @@ class VllmPusher:
 
     def _post(self, remote: Any, local: list[int], ridx: list[int], notif: bytes) -> str:
         """On the write thread: the WRITE, waited for; "DONE" or why not."""
+        start = time.perf_counter()
+        try:
+            return self._post_and_wait(remote, local, ridx, notif)
+        finally:
+            self.counts.write_s += time.perf_counter() - start
+
+    def _post_and_wait(self, remote: Any, local: list[int], ridx: list[int], notif: bytes) -> str:
         agent = self._agent
         try:
             handle = agent.make_prepped_xfer("WRITE", self._local, local, remote, ridx, notif)
