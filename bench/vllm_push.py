@@ -58,7 +58,7 @@ def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) 
     lay = registration.layout
     num_blocks = max(TOKENS) // BLOCK_SIZE * 5 // 4  # as the native rows' decode pool
     blocks = np.ones(lay.num_layers * num_blocks * lay.block_bytes, np.uint8)  # touched
-    agent = make_agent("bench-vllm-push-decode", ["UCX"], "lo", progress_thread=True)
+    agent = make_agent("bench-vllm-push-decode", ["UCX"], "lo")  # as the pull bench decode
     region = num_blocks * lay.block_bytes
     bases = [int(blocks.ctypes.data) + i * region for i in range(lay.num_layers)]
     table = np.array([[b, region, 0] for b in bases], np.uint64)

@@ -43,37 +43,12 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
-from tests.interop.vllm_decode import FILL_BYTE, VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import FILL_BYTE, VLLM_VERSIONS, VllmDecodeProcess
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
 MODES = 'transfer.vllm_transfer_modes=["pull","push"]'
-
-
-@pytest.fixture(scope="module")
-def push_decodes(vllm_checkpoint: Path) -> Iterator[dict[str, VllmDecodeProcess]]:
-    """A push decode of each installed version, started together (each imports vLLM)."""
-    decodes = {}
-    try:
-        for version in VLLM_VERSIONS:
-            try:
-                vllm_pythonpath(version)
-            except pytest.skip.Exception:
-                continue
-            log = vllm_checkpoint.parent / f"push-decode-{version}.log"
-            decodes[version] = VllmDecodeProcess(
-                vllm_checkpoint,
-                log,
-                num_blocks=96,
-                engine_id=f"vllm-push-decode-{version}",
-                version=version,
-                transfer_mode="push",
-            )
-        yield decodes
-    finally:
-        for process in decodes.values():
-            process.close()
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +66,15 @@ def pushed(
 
 
 @pytest.fixture(params=VLLM_VERSIONS)
-def decode(push_decodes: dict[str, VllmDecodeProcess], request: Any) -> VllmDecodeProcess:
-    process = push_decodes.get(request.param)
+def decode(vllm_push_decodes: dict[str, VllmDecodeProcess], request: Any) -> VllmDecodeProcess:
+    return push_decode(vllm_push_decodes, request.param)
+
+
+def push_decode(decodes: dict[str, VllmDecodeProcess], version: str) -> VllmDecodeProcess:
+    """The session's push decode of ``version``, up (or the test skipped: not installed)."""
+    process = decodes.get(version)
     if process is None:
-        pytest.skip(f"vLLM {request.param} not installed")
+        pytest.skip(f"vLLM {version} not installed")
     assert process.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"
     return process
 
