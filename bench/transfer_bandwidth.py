@@ -39,6 +39,10 @@ bf16 row's.
                                        [--push thread,inline] [--protocol push,vllm]
                                        [--paired-push after|before]
 
+``--protocol vllm-push`` adds the vLLM-push rows (``"protocol": "vllm-push"``: the worker
+WRITEs staged blocks into a push decode's blocks on its registration, ``bench/vllm_push.py``),
+with ``push,vllm-push`` beside the native push's scattered rows (``vllm_push_vs_native``).
+
 ``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the request staged in
 vLLM's layout by the repack, ``"staging": "repack"``, and by the forward's KV mirror,
 ``"staging": "mirror"``, then a decode's READ of it, against the same memcpy, and with
@@ -202,7 +206,11 @@ def main() -> None:
         "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
     )
     parser.add_argument("--kv-dtypes", default="bfloat16", help="bfloat16, fp8_e4m3, or both")
-    parser.add_argument("--protocol", default="push", help="push, vllm (pull rows), or both")
+    parser.add_argument(
+        "--protocol",
+        default="push",
+        help="any of push, vllm (pull rows), vllm-push, comma-separated",
+    )
     parser.add_argument(
         "--paired-push",
         default="after",
@@ -221,6 +229,8 @@ def main() -> None:
                     push_gb_s = rows
         if "vllm" in protocols:
             run_vllm(pool_layout, args.repeats, chunk_pages, push_gb_s, args.paired_push)
+        if "vllm-push" in protocols:
+            run_vllm_push(pool_layout, args.repeats, push_gb_s)
     if "vllm" in protocols:  # the runner's speed with the mirror against without
         import kv_mirror
 
@@ -245,6 +255,16 @@ def run_vllm(
     for plane in (*runner.kv_cache.k, *runner.kv_cache.v):
         plane.normal_()  # touched, as the push rows' pools
     vllm_pull.run(runner, repeats, chunk_pages, push_gb_s, paired_push)
+
+
+def run_vllm_push(pool_layout: str, repeats: int, push_gb_s: dict[int, float]) -> None:
+    """The vLLM-push rows (``bench/vllm_push.py``) over the same pool shape."""
+    import vllm_push
+
+    lay = layout(NUM_LOCAL_PAGES, pool_layout)
+    pool = np.random.default_rng(0).integers(0, 256, lay.pool_bytes, np.uint8)
+    aux = AuxPool(16)
+    vllm_push.run(regions_over(lay, pool, aux), pool_layout, repeats, push_gb_s, pool)
 
 
 def run_layout(

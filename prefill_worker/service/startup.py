@@ -260,11 +260,12 @@ def start_transfer(
                 backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
-                tickets = Tickets(config.http_api.max_inflight_requests, versions)
+                modes = tuple(cfg.vllm_transfer_modes)
+                tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
                 options = _vllm_options(config)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
-                metrics.registry.register(VllmPullCollector(vllm.desk))
+                metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
                 mirror_layers = vllm.mirror_layers
         except BaseException:
             for backend in backends.values():
@@ -366,6 +367,7 @@ def _vllm_options(config: Config) -> VllmOptions:
         engine_id=cfg.vllm_engine_id,
         identity=VllmIdentity(model, cfg.vllm_attention_backend),
         versions=tuple(cfg.vllm_versions),
+        modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
     )
 

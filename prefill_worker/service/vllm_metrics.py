@@ -11,13 +11,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefill_worker.transfer.vllm.desk import PullDesk
+from prefill_worker.transfer.vllm.pusher import VllmPusher
+
+PUSH_FAILURES = ("handshake", "write", "blocks", "decode_tp")  # pusher.PushCounts.failed keys
 
 
 class VllmPullCollector(Collector):
-    """Registered by start-up when ``vllm`` is served."""
+    """Registered by start-up when ``vllm`` is served; ``pusher`` when push is too."""
 
-    def __init__(self, desk: PullDesk) -> None:
-        self._desk = desk
+    def __init__(self, desk: PullDesk, pusher: VllmPusher | None = None) -> None:
+        self._desk, self._pusher = desk, pusher
 
     def collect(self) -> Iterator[Metric]:
         counts, staging = self._desk.holds.counts, self._desk.staging
@@ -63,3 +66,26 @@ class VllmPullCollector(Collector):
             "staging blocks in the region",
             value=total,
         )
+        if self._pusher is not None:
+            yield from self._push_metrics(self._pusher)
+
+    def _push_metrics(self, pusher: VllmPusher) -> Iterator[Metric]:
+        pushes = CounterMetricFamily(
+            "prefill_worker_vllm_pushes",
+            "requests whose KV was WRITten into a vLLM push decode's blocks (written), or not, "
+            "by why (the decode refused at its handshake, the WRITE failed, its blocks not "
+            "ours to fill, a decode of TP > 1)",
+            labels=["outcome"],
+        )
+        pushes.add_metric(["written"], pusher.counts.pushed)
+        for why in PUSH_FAILURES:
+            pushes.add_metric([why], pusher.counts.failed[why])
+        yield pushes
+        ignored = CounterMetricFamily(
+            "prefill_worker_vllm_push_registrations_ignored",
+            "PUSH_REG notifications that started no WRITE, by why",
+            labels=["why"],
+        )
+        for why, count in sorted(self._desk.pushes.refused.items()):
+            ignored.add_metric([why], count)
+        yield ignored

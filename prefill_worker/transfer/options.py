@@ -88,6 +88,9 @@ class VllmOptions:
     # The vLLM versions served (transfer.vllm.profiles), each on its own side channel from
     # side_channel_port on; the first is the one a request naming none gets.
     versions: tuple[str, ...] = DEFAULT_VERSIONS
+    # vLLM's transfer modes served: "pull" (the decode READs), "push" (we WRITE into its
+    # blocks on its registration), each version a side channel per mode.
+    modes: tuple[str, ...] = ("pull",)
     nixl: NixlOptions = field(default_factory=NixlOptions)
 
 

@@ -192,3 +192,30 @@ def vllm_decode(
     assert process.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"  # vLLM is up
     yield process
     process.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_push_decodes(vllm_checkpoint: Path) -> Iterator[dict[str, VllmDecodeProcess]]:
+    """vLLM's NixlPushConnector of each installed version as a decode, started together
+    (each imports vLLM) once for the push tests (``test_vllm_push``, ``test_vllm_worker_tp``);
+    their 128 blocks are never freed: those modules use ~90 together."""
+    decodes = {}
+    try:
+        for version in VLLM_VERSIONS:
+            try:
+                vllm_pythonpath(version)
+            except pytest.skip.Exception:
+                continue
+            log = vllm_checkpoint.parent / f"push-decode-{version}.log"
+            decodes[version] = VllmDecodeProcess(
+                vllm_checkpoint,
+                log,
+                num_blocks=128,
+                engine_id=f"vllm-push-decode-{version}",
+                version=version,
+                transfer_mode="push",
+            )
+        yield decodes
+    finally:
+        for process in decodes.values():
+            process.close()

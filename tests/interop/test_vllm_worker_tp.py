@@ -7,8 +7,10 @@ that computed it (each rank dumps its own pool on SIGUSR2); 8 requests prefilled
 then pulled at once, each exact; a decode of TP 2 (two vLLM processes, a head each) reads
 each rank's head and its two notifications end the hold; every staging block back after.
 A prompt that hits the worker's prefix cache mid-block is repacked by every rank (its own
-heads) and the rest mirrored, pulled exactly. The worker runs with optimistic prefill off
-(the chunks are the same whatever the timing, as in the other TP interop tests)."""
+heads) and the rest mirrored, pulled exactly. vLLM's push decode of each version
+(``conftest.vllm_push_decodes``) gets the same prompts WRITten, both heads exact. The
+worker runs with optimistic prefill off (the chunks are the same whatever the timing, as in
+the other TP interop tests)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from prefill_worker.testing.launch import free_port
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker
 from tests.integration.daemon.test_daemon import hf_reference
+from tests.interop.test_vllm_push import _prefill as push_prefill
+from tests.interop.test_vllm_push import push_decode
 from tests.interop.test_vllm_worker import (
     BLOCK,
     PAGE,
@@ -57,6 +61,7 @@ def served(
         "transfer.protocol=vllm",
         f"parallel.tp_size={TP}",
         "scheduler.optimistic_prefill=false",
+        'transfer.vllm_transfer_modes=["pull","push"]',  # for the push test below
     )
     try:
         worker.child.wait_ready(180)
@@ -126,6 +131,35 @@ def test_vllm_pulls_every_rank_s_heads_from_a_tp_worker(
                 assert _in_pool(pool_v[layer], head[..., dim:], PAGE), f"V {where}"
         assert _staged(worker) == (staged[0] + n, staged[1])  # every token by the forwards
         staged = _staged(worker)
+    _staging_whole(worker)
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_vllm_push_writes_every_rank_s_heads_from_a_tp_worker(
+    served: tuple[Worker, str, Path],
+    vllm_push_decodes: dict[str, VllmDecodeProcess],
+    version: str,
+    tmp_path: Path,
+) -> None:
+    """vLLM's push decode (``test_vllm_push``) against the TP-2 worker: the WRITE of the
+    shared staging region carries both ranks' heads, transformers' K/V for each prompt, a
+    prompt that hits the prefix cache mid-block too (repacked by both ranks)."""
+    worker, api, checkpoint = served
+    decode = push_decode(vllm_push_decodes, version)
+    written = _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}')
+    base = prompt(200, seed=_seed(decode, 61))
+    for n, ids in [(n, prompt(n, seed=_seed(decode, 60 + n))) for n in (1, 31, 32, 33, 300)] + [
+        (140, base[:100] + prompt(40, seed=_seed(decode, 62)))
+    ]:
+        if n == 140:  # base's first 100 tokens in the prefix cache, then the hit
+            params, rid = push_prefill(api, base, version)
+            assert decode.push_and_wait(rid, params)["load_errors"] == []
+        params, rid = push_prefill(api, ids, version)
+        outcome = decode.push_and_wait(rid, params)
+        assert outcome["finished"] and outcome["load_errors"] == [], outcome
+        landed = decode.blocks(rid, tmp_path / f"push-{n}.npz")
+        _assert_transformers_kv(landed, hf_reference(checkpoint, ids)[1], n)
+    assert _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}') == written + 7
     _staging_whole(worker)
 
 

@@ -22,12 +22,14 @@ import json
 import os
 import select
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import vllm.triton_utils as triton_utils
@@ -40,7 +42,13 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+    NixlBaseConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlConnector,
+    NixlPushConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     HeartbeatInfo,
     NixlConnectorMetadata,
@@ -75,6 +83,7 @@ def vllm_config(spec: dict[str, Any]) -> VllmConfig:
         kv_role="kv_consumer",
         kv_buffer_device="cpu",
         engine_id=spec.get("engine_id", "vllm-decode"),
+        kv_connector_extra_config={"transfer_mode": spec.get("transfer_mode", "pull")},
     )
     parallel = ParallelConfig(tensor_parallel_size=spec.get("tp_size", 1))
     with _no_triton_gate():
@@ -136,13 +145,35 @@ class Decode:
         ensure_model_parallel_initialized(self.tp_size, 1)
         self.num_blocks = int(spec["num_blocks"])
         self.caches = self._make_caches(int(spec["fill_byte"]))
-        self.connector = NixlConnector(self.config, KVConnectorRole.WORKER, self._kv_config())
+        self.is_push = spec.get("transfer_mode", "pull") == "push"
+        kind = NixlPushConnector if self.is_push else NixlConnector
+        self.connector = kind(self.config, KVConnectorRole.WORKER, self._kv_config())
         self.connector.register_kv_caches(self.caches)
+        self.side_channel = ("127.0.0.1", int(spec.get("side_channel_port", 0)))
+        if self.is_push:
+            self._serve_side_channel()
+        self._registrations: dict[str, dict[str, Any]] = {}
         self._free = list(range(self.num_blocks))[::-1]  # handed out high ids first
         self.pulls: dict[str, Pull] = {}
         self.holds: dict[str, Hold] = {}
         self._pending: dict[str, tuple[list[int], dict[str, Any]]] = {}
         self.load_errors: set[int] = set()
+
+    def _serve_side_channel(self) -> None:
+        """A push decode's own side channel, where the prefill fetches its metadata before it
+        WRITEs: vLLM's scheduler-side listener, serving the worker's handshake payload."""
+        worker = self.connector.connector_worker
+        assert worker is not None and worker.xfer_handshake_metadata is not None
+        data = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+        ready, self._stop = threading.Event(), threading.Event()
+        host, port = self.side_channel
+        listener = threading.Thread(
+            target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+            args=(data, ready, self._stop, host, port),
+            daemon=True,
+        )
+        listener.start()
+        ready.wait()
 
     def _spec(self) -> FullAttentionSpec:
         model = self.config.model_config
@@ -199,6 +230,33 @@ class Decode:
         self._pending[request_id] = (local, params)
         return local
 
+    def push(self, request_id: str, params: dict[str, Any], num_local: int | None) -> list[int]:
+        """A push decode's request: blocks for the prompt's uncached tokens (``num_local``, or
+        the whole prompt), and the registration vLLM's push scheduler stashes for them
+        (``update_state_after_alloc``), sent to the prefill on the next step."""
+        block = self.config.cache_config.block_size
+        count = -(-params["remote_num_tokens"] // block) if num_local is None else num_local
+        if count > len(self._free):
+            raise ValueError(f"{count} blocks wanted; {len(self._free)} free")
+        local = [self._free.pop() for _ in range(count)][::-1]
+        self.pulls[request_id] = Pull(local)
+        host, port = self.side_channel
+        self._registrations[request_id] = {
+            "request_id": request_id,
+            "decode_engine_id": self.config.kv_transfer_config.engine_id,
+            "decode_host": host,
+            "decode_port": port,
+            "decode_tp_size": self.tp_size,
+            "local_block_ids": (local,),
+            "remote_engine_id": params["remote_engine_id"],
+            "remote_host": params["remote_host"],
+            "remote_port": params["remote_port"],
+            "remote_tp_size": params["tp_size"],
+            "remote_pp_size": params.get("pp_size", 1),
+        }
+        self._pending[request_id] = (local, {**params, "remote_block_ids": ()})
+        return local
+
     def hold(self, request_id: str, params: dict[str, Any], interval_s: float) -> None:
         info = HeartbeatInfo(
             req_ids={params["remote_request_id"]},
@@ -214,6 +272,9 @@ class Decode:
         for request_id, (local, params) in self._pending.items():
             meta.add_new_req_to_recv(request_id, (local,), params, awaiting_kvs=bool(local))
         self._pending.clear()
+        if self._registrations:
+            meta.push_registrations = dict(self._registrations)
+            self._registrations.clear()
         now = time.monotonic()
         for hold in self.holds.values():
             if now >= hold.next_at:
@@ -251,6 +312,9 @@ def _handle(decode: Decode, command: dict[str, Any]) -> dict[str, Any]:
         return decode.info()
     if op == "pull":
         local = decode.pull(command["request_id"], command["params"], command.get("num_local"))
+        return {"blocks": local}
+    if op == "push":
+        local = decode.push(command["request_id"], command["params"], command.get("num_local"))
         return {"blocks": local}
     if op == "wait":
         return _wait(decode, command["request_id"], float(command.get("deadline_s", 30.0)))

@@ -12,6 +12,8 @@ deadline, so a test never hangs)::
                                    attn_backend_name, block_bytes, num_blocks
     pull     request_id, params (a prefill's kv_transfer_params), num_local (optional;
              0 = a full local prefix hit, notification only)   -> blocks (local ids)
+    push     request_id, params, num_local (optional: the uncached blocks)   a push
+             decode's request: its PUSH_REG goes to the prefill on the next step -> blocks
     wait     request_id, timeout_s   -> finished, load_errors (local ids in
                                    get_block_ids_with_load_errors()), blocks
     dump     request_id, path    the request's local blocks per layer (raw bytes,
@@ -76,9 +78,11 @@ class VllmDecodeProcess(JsonLineChild):
         dtype: str = "float32",
         version: str = VLLM_VERSIONS[0],
         tp: tuple[int, int, int] | None = None,
+        transfer_mode: str = "pull",
     ) -> None:
         """``tp``: (rank, size, dist_port) of one rank of a decode of TP size (its ranks
-        share the port); None: TP 1."""
+        share the port); None: TP 1. ``transfer_mode`` "push": vLLM's ``NixlPushConnector``,
+        serving its own side channel (vLLM's listener) on a free port."""
         self.version = version
         rank, size, dist_port = tp or (0, 1, free_port())
         spec = {
@@ -91,6 +95,8 @@ class VllmDecodeProcess(JsonLineChild):
             "dist_port": dist_port,
             "tp_rank": rank,
             "tp_size": size,
+            "transfer_mode": transfer_mode,
+            "side_channel_port": free_port(),
         }
         env = {**os.environ, **VLLM_ENV}
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath(version))
@@ -102,6 +108,16 @@ class VllmDecodeProcess(JsonLineChild):
     ) -> dict[str, Any]:
         """Pull, then wait (the child's deadline, ours a little later) -> wait's reply."""
         self.call("pull", request_id=request_id, params=params)
+        return self.call(
+            "wait", timeout_s=timeout_s + 30, request_id=request_id, deadline_s=timeout_s
+        )
+
+    def push_and_wait(
+        self, request_id: str, params: dict[str, Any], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """A push decode's request: its blocks registered with the prefill, then wait (as
+        ``pull_and_wait``) for the prefill's WRITE and its notification."""
+        self.call("push", request_id=request_id, params=params)
         return self.call(
             "wait", timeout_s=timeout_s + 30, request_id=request_id, deadline_s=timeout_s
         )

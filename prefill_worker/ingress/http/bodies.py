@@ -79,6 +79,8 @@ class PullAsk(msgspec.Struct, forbid_unknown_fields=False):
     # Not vLLM's: the version of vLLM the decode runs, for a router that knows it (a worker
     # serves each version on its own side channel); absent: the worker's default
     vllm_version: str | None = None
+    # vLLM's: "push" when the decode runs vLLM's push connector (we WRITE into its blocks)
+    transfer_mode: str | None = None
 
 
 class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
@@ -98,6 +100,7 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=False):
     logit_bias: dict[str, float] | None = None
     bootstrap_room: IntOrList = None
     kv_transfer_params: PullAsk | None = None
+    request_id: str | None = None  # vLLM's: its id when no X-Request-Id header names one
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,8 @@ class Prompt:
     return_text_in_logprobs: bool = False
     is_pull: bool = False  # a vLLM decode pulls its KV (the answer carries kv_transfer_params)
     vllm_version: str | None = None  # a pull's: the version its decode runs (None: default)
+    vllm_mode: str | None = None  # a pull's: "push" when the decode is written to (None: pull)
+    request_id: str | None = None  # the body's ``request_id`` (a push matches the decode by it)
 
 
 _generate = msgspec.json.Decoder(GenerateBody)
@@ -172,6 +177,7 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
     ask = req.kv_transfer_params
     is_pull = ask is not None and ask.do_remote_decode
     version = ask.vllm_version if ask is not None and is_pull else None
+    mode = ask.transfer_mode if ask is not None and is_pull else None
     if is_pull and len(items) != 1:
         raise BadRequest("kv_transfer_params (a vLLM pull) takes one prompt, not a batch")
     if is_pull and req.bootstrap_room is not None:  # a room is one request's, of one protocol
@@ -194,6 +200,8 @@ def read_completion(body: bytes, max_prompts: int) -> list[Prompt]:
             room,
             is_pull=is_pull,
             vllm_version=version,
+            vllm_mode=mode,
+            request_id=req.request_id,
         )
         for item, room in zip(items, rooms, strict=True)
     ]

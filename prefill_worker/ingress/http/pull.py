@@ -13,13 +13,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefill_worker.ingress.http.bodies import BadRequest, Prompt
-from prefill_worker.transfer.vllm.profiles import why_unserved
+from prefill_worker.transfer.vllm.profiles import PULL, TRANSFER_MODES, why_unserved
+from prefill_worker.transfer.vllm.push import push_key
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 
-def open_pulls(tickets: Tickets | None, prompts: Sequence[Prompt]) -> None:
+def open_pulls(
+    tickets: Tickets | None, prompts: Sequence[Prompt], header_id: str | None = None
+) -> None:
     """Open a ticket per pull prompt; ``BadRequest`` (400, or 429 when too many are open)
-    when they cannot be served. Nothing stays open on failure."""
+    when they cannot be served. Nothing stays open on failure. ``header_id``: the request's
+    ``X-Request-Id`` (a push decode's registration names the id vLLM derives from it)."""
     pulls = [p for p in prompts if p.is_pull]
     if not pulls:
         return
@@ -30,10 +34,32 @@ def open_pulls(tickets: Tickets | None, prompts: Sequence[Prompt]) -> None:
         unserved = prompt.vllm_version and why_unserved(prompt.vllm_version, tickets.versions)
         if unserved:
             raise BadRequest(f"kv_transfer_params.vllm_version: {unserved}", "bad_field")
-    for index, prompt in enumerate(pulls):
-        if not tickets.open(prompt.bootstrap_room, prompt.vllm_version):
+    keys = [_push_key(tickets, p, header_id) for p in pulls]
+    for index, (prompt, key) in enumerate(zip(pulls, keys, strict=True)):
+        mode = prompt.vllm_mode or PULL
+        if not tickets.open(prompt.bootstrap_room, prompt.vllm_version, mode, key):
             close_pulls(tickets, pulls[:index])
             raise BadRequest("too many vLLM pulls in flight", "overloaded", status=429)
+
+
+def _push_key(tickets: Tickets, prompt: Prompt, header_id: str | None) -> str | None:
+    """A push prompt's ``push.push_key`` (None for a pull); ``BadRequest`` when the mode is
+    not served or no request id names the decode's registration."""
+    mode = prompt.vllm_mode or PULL
+    if mode not in TRANSFER_MODES or mode not in tickets.modes:
+        served = ", ".join(tickets.modes)
+        why = f"kv_transfer_params.transfer_mode: {mode!r}; this worker serves {served}"
+        raise BadRequest(why, "bad_field")
+    if mode == PULL:
+        return None
+    external = header_id or prompt.request_id
+    if not external:
+        why = (
+            "a vLLM push matches the decode's registration by request id: send X-Request-Id "
+            "(as vLLM's proxy does) or request_id"
+        )
+        raise BadRequest(why, "missing_field")
+    return push_key(external)
 
 
 def close_pulls(

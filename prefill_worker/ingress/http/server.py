@@ -170,7 +170,7 @@ class HttpApi:
     ) -> web.Response:
         try:
             prompts, is_batch, requests = await self._prepare(request, read)
-            pull.open_pulls(self._tickets, prompts)
+            pull.open_pulls(self._tickets, prompts, request.headers.get("X-Request-Id"))
         except BadRequest as exc:
             return self._refuse(exc.status, str(exc), exc.code)
         try:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from prefill_worker.service.sections.base import Section
-from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PROFILES
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PROFILES, TRANSFER_MODES
 
 _ANY_ADDRESS = ("", "0.0.0.0", "::")
 
@@ -145,6 +145,14 @@ class TransferConfig(Section):
         "version, so each has a side channel of its own). A prefill request names its decode's "
         "in `kv_transfer_params.vllm_version`; one that names none gets the first (docs/vllm.md).",
     )
+    vllm_transfer_modes: list[str] = Field(
+        ["pull"],
+        min_length=1,
+        description="vLLM's transfer modes served: `pull` (decodes READ staged KV) and `push` "
+        "(decodes running vLLM's push connector register their blocks and the worker WRITEs "
+        "into them). Each mode has its own side channels (its hash covers it): the pushes' "
+        "follow the pulls', one per version (docs/vllm.md).",
+    )
     vllm_block_size: int = Field(
         32,
         ge=1,
@@ -201,6 +209,13 @@ class TransferConfig(Section):
         if len(set(versions)) != len(versions):
             raise ValueError(f"vllm_versions: {versions} names a version twice")
         return versions
+
+    @field_validator("vllm_transfer_modes")
+    @classmethod
+    def _vllm_modes_known(cls, modes: list[str]) -> list[str]:
+        if not set(modes) <= set(TRANSFER_MODES) or len(set(modes)) != len(modes):
+            raise ValueError(f"vllm_transfer_modes: {modes}; each of {list(TRANSFER_MODES)} once")
+        return modes
 
     @field_validator("sglang_allowed_networks")
     @classmethod

@@ -35,6 +35,15 @@ from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.holds import HoldTable
+from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.push import (
+    PUSH_REG_PREFIX,
+    BadRegistration,
+    Early,
+    Expected,
+    read_registration,
+)
+from prefill_worker.transfer.vllm.pusher import PushJob, VllmPusher
 from prefill_worker.transfer.vllm.sender import VllmSender
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.staging import (
@@ -47,6 +56,7 @@ from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
 REPACK_POLL_S = 0.002  # while a repack runs: how soon its end lets the answer go
+PUSH_POLL_S = 0.001  # while a push waits for its registration or WRITE: how soon it moves
 _IDLE_POLL_S = 0.2  # idle: how soon a first handshake is answered
 
 
@@ -67,6 +77,7 @@ class PullRegistration:
     dtype: str  # the pool's, a key of kv.layout.DTYPE_ITEMSIZE
     identity: VllmIdentity
     versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
+    modes: tuple[str, ...] = (PULL,)  # and the transfer modes, a channel per version each
 
 
 class SideChannels(Protocol):
@@ -132,6 +143,7 @@ class VllmBackend:
             regions.layout.dtype,
             options.identity,
             options.versions,
+            options.modes,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port
@@ -141,12 +153,20 @@ class VllmBackend:
             raise
         generation = registration.registration_generation
         self.desk.identities = {
-            version: PullIdentity(engine_id, host, at, generation)
-            for version, at in self._channel.ports.items()
+            key: PullIdentity(engine_id, host, at, generation)
+            for key, at in self._channel.ports.items()
         }
         self.registration = registration
         ports = self._channel.ports
-        self.bootstrap_endpoint = f"tcp://{host}:{ports[options.versions[0]]}"
+        first = channel_key(options.versions[0], options.modes[0])
+        self.bootstrap_endpoint = f"tcp://{host}:{ports[first]}"
+        self.pusher: VllmPusher | None = None
+        if PUSH in options.modes:
+            from prefill_worker.transfer.vllm.channel import our_hash  # it imports this module
+
+            hashes = {v: our_hash(registration, v, PUSH) for v in options.versions}
+            base = staging.region_base_addrs
+            self.pusher = VllmPusher(self.agent, base, lay, hashes, staging.free, self.clock)
         self.endpoints: Mapping[str, str] = {
             f"vllm_side_channel_{version}": f"tcp://{host}:{at}" for version, at in ports.items()
         }
@@ -181,8 +201,39 @@ class VllmBackend:
             notifs = {}
         for agent, messages in notifs.items():
             for message in messages:
-                self.desk.notify(agent, message)
+                if message.startswith(PUSH_REG_PREFIX):
+                    self._on_registration(agent, message)
+                else:
+                    self.desk.notify(agent, message)
+        while self.desk.matched:
+            self._push(*self.desk.matched.pop())
         self.desk.expire()
+        if self.pusher is not None:
+            self.pusher.poll()
+
+    def _on_registration(self, agent: str, message: bytes) -> None:
+        """A push decode's registration: its request's WRITE, now or once it is held."""
+        book = self.desk.pushes
+        if self.pusher is None:
+            book.refused["push_not_served"] += 1
+            return
+        try:
+            reg = read_registration(message)
+        except BadRegistration as exc:
+            book.refused["malformed"] += 1
+            self.desk.bad_log.warning(self.clock(), "vllm: registration ignored: %s", exc)
+            return
+        wanted = book.registered(agent, reg, self.clock())
+        if wanted is not None:
+            self._push(wanted, Early(agent, reg, 0.0))
+
+    def _push(self, wanted: Expected, early: Early) -> None:
+        assert self.pusher is not None
+        blocks = self.desk.holds.take(wanted.hold_id)
+        if blocks is None:  # its lease passed first
+            self.desk.pushes.refused["expired"] += 1
+            return
+        self.pusher.push(PushJob(wanted.hold_id, blocks, early.registration, wanted.version))
 
     def take_claimed_rooms(self) -> Sequence[int]:
         """A pull's ticket is open before its request exists: its sender is READY at once."""
@@ -192,6 +243,8 @@ class VllmBackend:
         now = self.clock()
         if self.desk.has_repacks():
             return now + REPACK_POLL_S
+        if self.desk.pushes.expected or (self.pusher is not None and self.pusher.busy):
+            return now + PUSH_POLL_S
         if len(self.desk.holds):
             return now + NOTIFY_POLL_S
         deadline = self.desk.holds.next_deadline()
@@ -208,6 +261,8 @@ class VllmBackend:
         """Repacks end (queued ones cancelled), holds end (nothing reads a closed agent), the
         side channel and agent close."""
         self._repacker.shutdown(wait=True, cancel_futures=True)
+        if self.pusher is not None:
+            self.pusher.close()
         self.desk.close()
         try:
             self._channel.close()

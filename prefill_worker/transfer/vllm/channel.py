@@ -3,6 +3,9 @@ ROUTER) per vLLM version served, each answering ``get_meta_msg`` for rank (0, 0)
 version's compatibility hash and ``NixlAgentMetadata`` of the same staging registration (one
 LBHNC region per layer, one TP rank, dp index 0). The backend turns them in ``poll``.
 
+A push decode (vLLM's ``NixlPushConnector``) hashes ``transfer_mode`` "push": each version a
+worker pushes to gets a second channel, after the pulls' (``profiles.channel_key``).
+
 A decode's handshake names no version (``(b"get_meta_msg", pp_rank, tp_rank)`` in 0.33 and
 0.34 alike) and its hash check is exact, so one port cannot serve two versions: version ``i``
 of ``versions`` is served on ``port + i`` (port 0: each a port the kernel picks), and the
@@ -20,7 +23,13 @@ from prefill_worker.transfer.vllm.handshake import (
     compat_hash,
     encode_payload,
 )
-from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
+from prefill_worker.transfer.vllm.profiles import (
+    PROFILES,
+    PULL,
+    LayerRegion,
+    agent_metadata,
+    channel_key,
+)
 
 
 class VersionedSideChannels:
@@ -49,24 +58,22 @@ class VersionedSideChannels:
 def serve_side_channels(
     host: str, port: int, registration: PullRegistration
 ) -> VersionedSideChannels:
-    """The side channels bound from ``host:port`` on, one per ``registration.versions``."""
-    payloads = {v: handshake_payload(registration, v) for v in registration.versions}
+    """The side channels bound from ``host:port`` on, one per ``registration.versions`` and
+    mode (``registration.modes``: the pulls' first, on the ports they had before push was
+    served, then the pushes'), keyed by ``profiles.channel_key``."""
+    payloads = {
+        channel_key(v, mode): handshake_payload(registration, v, mode)
+        for mode in registration.modes
+        for v in registration.versions
+    }
     return VersionedSideChannels(host, port, payloads)
 
 
-def handshake_payload(registration: PullRegistration, version: str) -> bytes:
-    """The reply a decode of ``version`` gets: the hash of our shape as it sees its own, then
-    the metadata of the staging region in its version's fields."""
+def handshake_payload(registration: PullRegistration, version: str, mode: str = PULL) -> bytes:
+    """The reply a decode of ``version`` in ``mode`` gets: the hash of our shape as it sees
+    its own, then the metadata of the staging region in its version's fields."""
     profile = PROFILES[version]
-    lay, identity = registration.layout, registration.identity
-    factors = CompatFactors(
-        model=identity.model,
-        dtype=registration.dtype,
-        num_kv_heads=lay.num_kv_heads,
-        head_size=lay.head_dim,
-        num_layers=lay.num_layers,
-        attn_backend_name=identity.attention_backend,
-    ).for_profile(profile)
+    identity = registration.identity
     layers = [
         LayerRegion(f"model.layers.{i}.self_attn.attn", addr, registration.block_bytes)
         for i, addr in enumerate(registration.region_base_addrs)
@@ -80,4 +87,20 @@ def handshake_payload(registration: PullRegistration, version: str) -> bytes:
         registration.block_size,
         identity.attention_backend,
     )
-    return encode_payload(compat_hash(factors), metadata)
+    return encode_payload(our_hash(registration, version, mode), metadata)
+
+
+def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> str:
+    """vLLM's compatibility hash of our shape, as a decode of ``version`` in ``mode`` computes
+    its own (equal to it iff that decode may pair with us)."""
+    lay, identity = registration.layout, registration.identity
+    factors = CompatFactors(
+        model=identity.model,
+        dtype=registration.dtype,
+        num_kv_heads=lay.num_kv_heads,
+        head_size=lay.head_dim,
+        num_layers=lay.num_layers,
+        attn_backend_name=identity.attention_backend,
+        transfer_mode=mode,
+    ).for_profile(PROFILES[version])
+    return compat_hash(factors)

@@ -26,6 +26,8 @@ from typing import Any
 
 from prefill_worker.lograte import RateLimitedLog
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
+from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -44,11 +46,16 @@ class PullIdentity:
 
 
 def pull_params(
-    identity: PullIdentity, hold_id: str, block_ids: Sequence[int], num_tokens: int
+    identity: PullIdentity,
+    hold_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    mode: str = PULL,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's and 0.34's own prefills
     send them (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
-    time, which vLLM reads only for decode-side blocks)."""
+    time, which vLLM reads only for decode-side blocks); ``mode`` the decode's (a push decode
+    registers with the side channel named here, its push channel)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -63,7 +70,7 @@ def pull_params(
         "remote_num_tokens": num_tokens,
         "remote_blocks_expiry_time": None,
         "remote_registration_generation": identity.registration_generation,
-        "transfer_mode": "pull",
+        "transfer_mode": mode,
     }
 
 
@@ -99,10 +106,12 @@ class PullDesk:
         self._group = group
         self._pool, self._clock, self._repacker = pool, clock, repacker
         self._repacks: list[Future[int]] = []  # begun, pruned by has_repacks
-        self.identities: Mapping[str, PullIdentity] = {}
+        self.identities: Mapping[str, PullIdentity] = {}  # by profiles.channel_key
+        self.pushes = PushBook(holds.lease_s, max_early=staging.layout.num_blocks)
+        self.matched: list[tuple[Expected, Early]] = []  # push holds whose decode came first
         self.page_size = pool.page_size
         self.counts = StageCounts()
-        self._bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
+        self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
@@ -153,14 +162,21 @@ class PullDesk:
         """Hold the staged ``blocks`` and complete the room's ticket with the params of the
         vLLM version it asked for; False (blocks freed) when the ticket is gone: nobody will
         learn where they are."""
-        version = self.tickets.version_of(room)
+        ask = self.tickets.ask_of(room)
         hold_id = f"pw-{secrets.token_hex(16)}"  # unguessable: holds.py says why
-        identity = self.identities.get(version or "")
-        params = None if identity is None else pull_params(identity, hold_id, blocks, num_tokens)
-        if params is None or not self.tickets.complete(room, params):
+        identity = None if ask is None else self.identities.get(channel_key(ask.version, ask.mode))
+        params = None
+        if ask is not None and identity is not None:
+            params = pull_params(identity, hold_id, blocks, num_tokens, ask.mode)
+        if ask is None or params is None or not self.tickets.complete(room, params):
             self.staging.free(blocks)
             return False
-        self.holds.hold(hold_id, blocks, self._clock())
+        now = self._clock()
+        self.holds.hold(hold_id, blocks, now)
+        if ask.mode == PUSH and ask.push_key is not None:
+            pair = self.pushes.expect(ask.push_key, hold_id, ask.version, now)
+            if pair is not None:  # its decode registered already: the backend writes it
+                self.matched.append(pair)
         return True
 
     def notify(self, agent: str, message: bytes) -> None:
@@ -171,10 +187,12 @@ class PullDesk:
             text = message.decode(errors="replace")
             self.staging.free(self.holds.notify(text, now, agent))
         except BadNotification as exc:
-            self._bad_log.warning(now, "vllm: notification ignored: %s", exc)
+            self.bad_log.warning(now, "vllm: notification ignored: %s", exc)
 
     def expire(self) -> None:
         self.staging.free(self.holds.expire(self._clock()))
+        if self.pushes.expected:
+            self.pushes.forget_missing(self.holds.__contains__)
 
     def close(self) -> None:
         self.staging.free(self.holds.release_all())

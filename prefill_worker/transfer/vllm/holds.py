@@ -130,6 +130,12 @@ class HoldTable:
         times = [t for t, _ in self._deadlines[:1]] + [t for t, _ in self._quarantine]
         return min(times, default=None)
 
+    def take(self, hold_id: str) -> tuple[int, ...] | None:
+        """End ``hold_id`` and hand its blocks to the caller (a push writing them frees them
+        once its WRITE has settled); None when it is not held (expired, or never was)."""
+        hold = self._holds.pop(hold_id, None)  # its heap entry is skipped when it comes up
+        return None if hold is None else hold.block_ids
+
     def release_all(self) -> list[int]:
         """Every block held or waiting (at close: nothing reads a closed agent's memory)."""
         blocks = [b for hold in self._holds.values() for b in hold.block_ids]

@@ -102,6 +102,16 @@ DEFAULT_VERSIONS = ("0.33.0", "0.34.0")  # served unless configured otherwise; t
 # the one a request that names no version gets
 
 
+PULL, PUSH = "pull", "push"  # vLLM's transfer modes (its hash covers the mode)
+TRANSFER_MODES = (PULL, PUSH)
+
+
+def channel_key(version: str, mode: str = PULL) -> str:
+    """The name of the side channel a decode of ``version`` in ``mode`` handshakes with: the
+    version for a pull (as before push was served), ``<version>+push`` for a push."""
+    return version if mode == PULL else f"{version}+{mode}"
+
+
 def why_unserved(version: str, served: tuple[str, ...]) -> str | None:
     """None when ``version`` is one of ``served``; else why a request naming it is refused."""
     if version in served:

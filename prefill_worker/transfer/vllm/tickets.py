@@ -13,7 +13,9 @@ params; the front takes them when the request's outcome arrives::
     engine thread                     is_open(room)   complete(room, params)
 
 A ticket also says which vLLM version the request's decode runs (``versions``: those this
-worker serves, the first the default): the answer names that version's side channel.
+worker serves, the first the default): the answer names that version's side channel; and
+whether that decode pulls or is pushed to (``mode``; a push names the request id the decode's
+registration will carry, ``push_key``: ``push``).
 
 Thread-safe (one lock; every call is a dict operation). Bounded: at most ``max_open`` tickets
 (the front's in-flight cap), ``open`` refuses beyond it.
@@ -23,39 +25,63 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PULL
 
 Params = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a request's decode is: its vLLM version, its transfer mode, and (a push) the base
+    request id its registration will name."""
+
+    version: str
+    mode: str = PULL
+    push_key: str | None = None
 
 
 class Tickets:
     """Rooms opened for vLLM pulls, and their params once staged."""
 
-    def __init__(self, max_open: int, versions: tuple[str, ...] = DEFAULT_VERSIONS) -> None:
+    def __init__(
+        self,
+        max_open: int,
+        versions: tuple[str, ...] = DEFAULT_VERSIONS,
+        modes: tuple[str, ...] = (PULL,),
+    ) -> None:
         self._lock = threading.Lock()
-        self._rooms: dict[int, tuple[str, Params | None]] = {}  # room -> (version, params)
+        self._rooms: dict[int, tuple[Ask, Params | None]] = {}  # room -> (ask, params)
         self._max_open = max_open
         self.versions = versions  # served; a request naming none gets the first
+        self.modes = modes  # vLLM transfer modes served
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._rooms)
 
-    def open(self, room: int, version: str | None = None) -> bool:
-        """Mark ``room`` as a vLLM pull for a decode of ``version`` (one of ``versions``;
-        None: the first); False when ``max_open`` are open already, or this room is (a room
-        is one request's)."""
+    def open(
+        self, room: int, version: str | None = None, mode: str = PULL, push_key: str | None = None
+    ) -> bool:
+        """Mark ``room`` as a vLLM request for a decode of ``version`` (one of ``versions``;
+        None: the first) in ``mode``; False when ``max_open`` are open already, or this room
+        is (a room is one request's)."""
         assert version is None or version in self.versions, version  # the front checked it
         with self._lock:
             if len(self._rooms) >= self._max_open or room in self._rooms:
                 return False
-            self._rooms[room] = (version or self.versions[0], None)
+            self._rooms[room] = (Ask(version or self.versions[0], mode, push_key), None)
             return True
 
     def version_of(self, room: int) -> str | None:
         """The vLLM version ``room``'s decode runs; None when its ticket is not open."""
+        ask = self.ask_of(room)
+        return None if ask is None else ask.version
+
+    def ask_of(self, room: int) -> Ask | None:
+        """What ``room``'s decode is; None when its ticket is not open."""
         with self._lock:
             entry = self._rooms.get(room)
             return None if entry is None else entry[0]

@@ -1,0 +1,168 @@
+"""The push side's refusals, over a real ZMQ side channel and a fake agent (the WRITE itself
+is proved against vLLM's own push decode, tests/interop/test_vllm_push.py): a decode whose
+hash is not our push hash (a pull decode, another version), or whose blocks are not ours in
+shape, is refused with the reason and its request's blocks freed; so is a decode of TP > 1,
+one that registered more blocks than we staged, and one whose handshake never answers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefill_worker.transfer.vllm.handshake import SideChannel, encode_payload
+from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
+from prefill_worker.transfer.vllm.push import Registration
+from prefill_worker.transfer.vllm.pusher import (
+    LinkRefused,
+    PushJob,
+    VllmPusher,
+    check_metadata,
+    fetch_payload,
+)
+from prefill_worker.transfer.vllm.staging import StagingLayout
+from tests.polling import wait_until
+
+LAYOUT = StagingLayout(2, 2, 32, 4, 32, 8)  # 2 layers, 2 heads of 32 fp32, blocks of 32
+HASH = "a" * 64
+
+
+def _payload(
+    hash_: str = HASH, block_bytes: int = LAYOUT.block_bytes, version: str = "0.34.0"
+) -> bytes:
+    layers = [
+        LayerRegion(f"model.layers.{i}.self_attn.attn", 4096 * i, block_bytes) for i in range(2)
+    ]
+    meta = agent_metadata(PROFILES[version], "decode-1", b"blob", layers, 16, 32, "CPU_ATTN")
+    return encode_payload(hash_, meta)
+
+
+def test_our_hash_and_shape_are_accepted() -> None:
+    meta = check_metadata(_payload(), HASH, "0.34.0", "decode-1", LAYOUT)
+    assert meta.num_blocks == 16 and meta.agent_metadata == b"blob"
+    meta = check_metadata(_payload(version="0.33.0"), HASH, "0.33.0", "decode-1", LAYOUT)
+    assert meta.kv_cache_layout == "LBHNC"
+
+
+@pytest.mark.parametrize(
+    ("payload", "engine", "why"),
+    [
+        (_payload("b" * 64), "decode-1", "compatibility hash mismatch.*decode in pull mode"),
+        (_payload(block_bytes=LAYOUT.block_bytes // 2), "decode-1", "not ours in shape: blocks of"),
+        (_payload(), "decode-2", "engine id 'decode-1', registered as 'decode-2'"),
+        (b"\x01", "decode-1", "not vLLM's handshake payload"),
+    ],
+)
+def test_a_decode_not_ours_is_refused_with_the_reason(
+    payload: bytes, engine: str, why: str
+) -> None:
+    with pytest.raises(LinkRefused, match=why):
+        check_metadata(payload, HASH, "0.34.0", engine, LAYOUT)
+
+
+class _List:
+    def release(self) -> None:
+        pass
+
+
+class _Agent:
+    """What the pusher calls before a WRITE; no WRITE is made in these tests."""
+
+    def __init__(self) -> None:
+        self.loaded: list[bytes] = []
+
+    def prep_xfer_dlist(self, name: str, table: Any, mem: str) -> _List:
+        return _List()
+
+    def add_remote_agent(self, blob: bytes) -> str:
+        self.loaded.append(blob)
+        return "decode-agent"
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.loaded.remove(b"blob")
+
+
+@pytest.fixture
+def decode_channel() -> Iterator[SideChannel]:
+    """A decode's side channel answering with the wrong hash (a decode in pull mode)."""
+    channel = SideChannel("127.0.0.1", 0, {(0, 0): _payload("b" * 64)})
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [channel.serve(20) for _ in iter(stop.is_set, True)])
+    thread.start()
+    yield channel
+    stop.set()
+    thread.join()
+    channel.close()
+
+
+def _job(port: int, blocks: tuple[int, ...] = (0, 1), **reg: Any) -> PushJob:
+    fields = {
+        "request_id": "cmpl-x-0-00000000",
+        "decode_engine_id": "decode-1",
+        "decode_host": "127.0.0.1",
+        "decode_port": port,
+        "decode_tp_size": 1,
+        "local_block_ids": [[5, 6]],
+        **reg,
+    }
+    return PushJob("pw-1", blocks, Registration(**fields), "0.34.0")
+
+
+def _pusher(freed: list[int], agent: _Agent) -> VllmPusher:
+    return VllmPusher(agent, [0, 1 << 20], LAYOUT, {"0.34.0": HASH}, freed.extend, lambda: 0.0)
+
+
+def test_a_refused_decode_gets_no_write_and_its_blocks_come_back(
+    decode_channel: SideChannel,
+) -> None:
+    freed: list[int] = []
+    agent = _Agent()
+    pusher = _pusher(freed, agent)
+    pusher.push(_job(decode_channel.port))
+    pusher.push(_job(decode_channel.port, (2, 3)))  # the same decode: waits for the same link
+    assert pusher.busy and pusher.num_blocks_owned == 4
+    wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the handshake's refusal")
+    assert sorted(freed) == [0, 1, 2, 3] and pusher.counts.failed["handshake"] == 2
+    assert agent.loaded == []  # its agent never loaded
+    pusher.close()
+
+
+@pytest.mark.parametrize(
+    ("reg", "blocks", "why"),
+    [({"decode_tp_size": 2}, (0, 1), "decode_tp")],
+)
+def test_a_registration_not_served_frees_its_blocks_at_once(
+    reg: dict[str, Any], blocks: tuple[int, ...], why: str
+) -> None:
+    freed: list[int] = []
+    pusher = _pusher(freed, _Agent())
+    pusher.push(_job(1, blocks, **reg))
+    assert freed == list(blocks) and pusher.counts.failed[why] == 1 and not pusher.busy
+    pusher.close()
+
+
+def test_a_decode_with_more_blocks_than_staged_is_refused_after_its_link(
+    decode_channel: SideChannel,
+) -> None:
+    freed: list[int] = []
+    agent = _Agent()
+    pusher = VllmPusher(
+        agent, [0, 1 << 20], LAYOUT, {"0.34.0": "b" * 64}, freed.extend, lambda: 0.0
+    )
+    pusher.push(_job(decode_channel.port, (4,), local_block_ids=[[5, 6]]))
+    wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the link")
+    assert agent.loaded == [b"blob"]  # the hash was ours this time: its agent loaded
+    assert freed == [4] and pusher.counts.failed["blocks"] == 1
+    pusher.close()
+    assert agent.loaded == []  # forgotten at close
+
+
+def test_a_silent_side_channel_is_a_refusal_not_a_hang() -> None:
+    silent = SideChannel("127.0.0.1", 0, {})  # bound, never answers
+    try:
+        with pytest.raises(LinkRefused, match="handshake with"):
+            fetch_payload("127.0.0.1", silent.port, timeout_ms=100)
+    finally:
+        silent.close()
