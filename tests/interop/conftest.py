@@ -23,7 +23,12 @@ from prefill_worker.testing.launch import free_port
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import make_checkpoint
 from tests.integration.daemon.conftest import Worker, start_worker
-from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import (
+    VLLM_PUSH_VERSIONS,
+    VLLM_VERSIONS,
+    VllmDecodeProcess,
+    vllm_pythonpath,
+)
 from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,12 +201,13 @@ def vllm_decode(
 
 @pytest.fixture(scope="session")
 def vllm_push_decodes(vllm_checkpoint: Path) -> Iterator[dict[str, VllmDecodeProcess]]:
-    """vLLM's NixlPushConnector of each installed version as a decode, started together
+    """vLLM's NixlPushConnector of each installed version of ``VLLM_PUSH_VERSIONS`` (the
+    newest by default) as a decode, started together
     (each imports vLLM) once for the push tests (``test_vllm_push``, ``test_vllm_worker_tp``);
     their 128 blocks are never freed: those modules use ~90 together."""
     decodes = {}
     try:
-        for version in VLLM_VERSIONS:
+        for version in VLLM_PUSH_VERSIONS:
             try:
                 vllm_pythonpath(version)
             except pytest.skip.Exception:

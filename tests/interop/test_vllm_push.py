@@ -43,7 +43,12 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
-from tests.interop.vllm_decode import FILL_BYTE, VLLM_VERSIONS, VllmDecodeProcess
+from tests.interop.vllm_decode import (
+    FILL_BYTE,
+    VLLM_PUSH_VERSIONS,
+    VLLM_VERSIONS,
+    VllmDecodeProcess,
+)
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
@@ -65,7 +70,7 @@ def pushed(
         worker.child.kill()
 
 
-@pytest.fixture(params=VLLM_VERSIONS)
+@pytest.fixture(params=VLLM_PUSH_VERSIONS)
 def decode(vllm_push_decodes: dict[str, VllmDecodeProcess], request: Any) -> VllmDecodeProcess:
     return push_decode(vllm_push_decodes, request.param)
 

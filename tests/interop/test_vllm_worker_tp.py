@@ -41,7 +41,12 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
-from tests.interop.vllm_decode import VLLM_VERSIONS, VllmDecodeProcess, vllm_pythonpath
+from tests.interop.vllm_decode import (
+    VLLM_PUSH_VERSIONS,
+    VLLM_VERSIONS,
+    VllmDecodeProcess,
+    vllm_pythonpath,
+)
 from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
@@ -134,7 +139,7 @@ def test_vllm_pulls_every_rank_s_heads_from_a_tp_worker(
     _staging_whole(worker)
 
 
-@pytest.mark.parametrize("version", VLLM_VERSIONS)
+@pytest.mark.parametrize("version", VLLM_PUSH_VERSIONS)
 def test_vllm_push_writes_every_rank_s_heads_from_a_tp_worker(
     served: tuple[Worker, str, Path],
     vllm_push_decodes: dict[str, VllmDecodeProcess],

@@ -42,6 +42,9 @@ from prefill_worker.testing.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VERSIONS = ("0.33.0", "0.34.0")  # the Makefile's VLLM_VERSIONS
+# Push mode's decodes (each imports vLLM, ~1 min): the newest by default, to keep `make
+# interop` short; PW_VLLM_PUSH_VERSIONS="0.33.0 0.34.0" runs both (both passed when built).
+VLLM_PUSH_VERSIONS = tuple(os.environ.get("PW_VLLM_PUSH_VERSIONS", VLLM_VERSIONS[-1]).split())
 INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
 FILL_BYTE = 0xAB  # every byte of a fresh decode cache: what no READ leaves behind
 VLLM_ENV = {
