@@ -75,8 +75,8 @@ class ModelInfo:
     attention_backend: str  # resolved: "sdpa" | "flashinfer" | "sinks" (gpt-oss's)
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
-    state: StateComponent | None = None  # a hybrid model's linear-attention state pool
-    state_regions: StateRegions | None = None  # where that pool's slots live (transfers)
+    state: StateComponent | None = None  # a hybrid's state pool, a DSA model's index keys
+    state_regions: StateRegions | None = None  # where that pool's slots (pages) live
     sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
 
 
@@ -186,8 +186,9 @@ def build(
     runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
-    if state is not None:
-        regions = state.regions(kv_cache.device_name)
+    beside = state if state is not None else index_cache  # what a decode needs beside the KV
+    if beside is not None:
+        regions = beside.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
     if spec.sliding is not None:
         info = dataclasses.replace(info, sliding_window=spec.sliding.window)

@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from prefill_worker.kv.state_layout import (
+    EACH_CHUNK,
+    PAGES,
+    StateComponent,
+    StateRegions,
+    StateTensor,
+)
 from prefill_worker.model.hf_dsa import IndexerSpec
+
+INDEX_KEYS = "index_keys"  # the component's kind (SGLang's decode calls its pool "dsa")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class IndexCache:
@@ -56,6 +66,20 @@ class IndexCache:
 
     def base_addrs(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.keys)
+
+    def component(self) -> StateComponent:
+        """What a decode needs from this cache: the request's pages of every indexed layer,
+        written with each chunk's KV pages into the same decode pages (``PAGES``)."""
+        item_shape = (self.page_size, self.spec.head_dim)
+        tensor = StateTensor("index_k", item_shape, _DTYPE_NAMES[self.dtype], self.page_bytes)
+        num_pages = self.keys[0].shape[0] if self.keys else 0
+        return StateComponent(
+            INDEX_KEYS, self.spec.indexed_layers, (tensor,), num_pages, PAGES, EACH_CHUNK
+        )
+
+    def regions(self, device: str) -> StateRegions:
+        """The component and where its pages live (``device`` as the KV pool names it)."""
+        return StateRegions(self.component(), (self.base_addrs(),), device)
 
     def layer_keys(self, layer: int) -> torch.Tensor:
         """The ``[P, page_size, D]`` plane of model layer ``layer`` (an indexed one)."""

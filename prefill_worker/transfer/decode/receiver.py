@@ -40,7 +40,7 @@ from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVRegions
-from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.kv.state_layout import PAGES, StateRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.decode.io import IOThread, Waiters
 from prefill_worker.transfer.decode.link import WorkerLink
@@ -295,6 +295,10 @@ class KVReceiver:
                 raise ValueError(f"room {room}: a state_slot, but this receiver has no state pool")
             return
         num_items = self.state.component.num_items
+        if self.state.component.copy == PAGES:  # lands in the room's own pages
+            if state_slot is not None:
+                raise ValueError(f"room {room}: a paged state pool takes no state_slot")
+            return
         if state_slot is None or not 0 <= state_slot < num_items:
             raise ValueError(f"room {room}: state_slot must be in [0, {num_items})")
 

@@ -2,7 +2,9 @@
 
 Order of a successful push::
 
-    send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named
+    send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named (a
+                     paged state component, a DSA model's index keys: its pages too, into
+                     the same decode pages of its own pool)
     send_aux         remembered; once no page write is in flight: the state slot's WRITE
                      (a model with state: every run of the request's slot into the decode's
                      ``dst_state_slot``), and once that landed the dialect's aux WRITE
@@ -34,6 +36,7 @@ import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
@@ -120,7 +123,9 @@ class PushSender(Generic[P]):
         self._num_ok_unconfirmed = 0  # `ok` Tells not yet confirmed delivered
         self._writes = WriteSet(ctx.write_timeout_s)
         self._aux_row: int | None = None
-        self._is_state_posted = ctx.state is None  # nothing to post without state
+        # nothing to post at the end without state, or with a paged one (sent with the pages)
+        self._has_paged_state = ctx.state is not None and ctx.state.regions.component.copy == PAGES
+        self._is_state_posted = ctx.state is None or self._has_paged_state
         self._is_aux_posted = False
         self._is_ok_told = False  # `ok` handed to the hub, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
@@ -169,6 +174,8 @@ class PushSender(Generic[P]):
                 return self.fail(str(exc))
             if len(src) and peer.is_fed:
                 self._post_pages(peer, src, dst)
+                if self._has_paged_state:
+                    self._post_state_pages(peer, src, dst)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -346,6 +353,18 @@ class PushSender(Generic[P]):
         self._index_s += time.perf_counter() - start
         self._index_cpu_s += time.thread_time() - start_cpu
         write = self._ctx.poster.post(local_list, local, peer.lists.kv, remote, b"", num_bytes)
+        self._writes.add(write, self._ctx.clock())
+
+    def _post_state_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
+        """A paged component's pages (a DSA model's index keys) into the decode's pages the
+        chunk's KV went to, in the component's pool: one write with the chunk's."""
+        state = self._ctx.state
+        assert state is not None and peer.state is not None
+        local, remote = state.page_indices(src), peer.state.page_indices(dst)
+        num_bytes = len(src) * state.regions.component.slot_bytes
+        write = self._ctx.poster.post(
+            state.prepped, local, peer.state.prepped, remote, b"", num_bytes
+        )
         self._writes.add(write, self._ctx.clock())
 
     def _post_state(self) -> None:

@@ -23,6 +23,7 @@ from prefill_worker.request import SamplingParams
 from tests.checkpoints import DSA_FAMILIES, make_checkpoint
 from tests.integration.model.conftest import (
     PAGE_SIZE,
+    hf_index_keys,
     hf_mla_forward,
     hf_model,
     ours,
@@ -32,7 +33,6 @@ from tests.integration.model.conftest import (
 )
 
 TOL = 1e-4
-ROPE = 8  # qk_rope_head_dim: the roped part of each index key
 
 
 @pytest.fixture(scope="module", params=DSA_FAMILIES)
@@ -43,23 +43,6 @@ def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> Path:  # ty
 @pytest.fixture(scope="module")
 def hf(checkpoint):  # type: ignore[no-untyped-def]
     return hf_model(checkpoint)
-
-
-def hf_index_keys(model, ids: list[int]) -> dict[int, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """transformers' index keys ``[S, Di]`` per indexed layer, in our pool's order."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-    interleave = model.config.model_type == "glm_moe_dsa"
-    keys = {}
-    for layer, cached in enumerate(out.past_key_values.layers):
-        if not cached.is_indexer_initialized:
-            continue  # a shared layer: no indexer
-        k = cached.indexer_keys[0].clone()  # [S, Di]
-        if interleave:  # its rotated even elements first, then the odd ones
-            rot = k[:, :ROPE]
-            k[:, :ROPE] = torch.stack([rot[:, : ROPE // 2], rot[:, ROPE // 2 :]], -1).flatten(-2)
-        keys[layer] = k
-    return keys
 
 
 def num_pages(length: int) -> int:
