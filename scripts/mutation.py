@@ -138,6 +138,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_push_ranks.py",
         _STATE,
+        _T + "test_push_paged_state.py",
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,

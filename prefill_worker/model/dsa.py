@@ -80,7 +80,7 @@ class DeepseekV32LM(DeepseekV3LM):
         eps, mla, num_tokens = self.spec.rms_norm_eps, self.mla, x.shape[0]
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, rope/2] each
         rope = (self.rotary, cos, sin)
-        keep: tuple[torch.Tensor, ...] = ()
+        keep: tuple[torch.Tensor | None, ...] = ()  # per chunk (``DSASdpaBackend.select``)
         for index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, eps)
             q, rows, q_lora = mla_project(h, layer.attn, mla, eps, rope)
@@ -106,8 +106,8 @@ class DeepseekV32LM(DeepseekV3LM):
         slots: torch.Tensor,  # [T], the tokens' pool rows
         rope: tuple[Rotary, torch.Tensor, torch.Tensor],  # the rotary, cos and sin
         attention: DSASdpaBackend,
-    ) -> tuple[torch.Tensor, ...]:
-        """The layer's index keys into the cache; each chunk's keep mask ``[n, end]``."""
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The layer's index keys into the cache; each chunk's mask (``select``)."""
         rotary, cos, sin = rope
         spec, num_tokens, eps = self.indexer, h.shape[0], INDEX_NORM_EPS
         q = F.linear(q_lora, w.wq_b).view(num_tokens, spec.num_heads, spec.head_dim)

@@ -123,9 +123,7 @@ class PushSender(Generic[P]):
         self._num_ok_unconfirmed = 0  # `ok` Tells not yet confirmed delivered
         self._writes = WriteSet(ctx.write_timeout_s)
         self._aux_row: int | None = None
-        # nothing to post at the end without state, or with a paged one (sent with the pages)
-        self._has_paged_state = ctx.state is not None and ctx.state.regions.component.copy == PAGES
-        self._is_state_posted = ctx.state is None or self._has_paged_state
+        self._is_state_posted = ctx.state is None  # nothing to post without state
         self._is_aux_posted = False
         self._is_ok_told = False  # `ok` handed to the hub, waiting for confirm_ok
         self._is_ack_due = False  # the peer aborted; acknowledge once no write is in flight
@@ -133,6 +131,9 @@ class PushSender(Generic[P]):
         self._other_writes: tuple[Write, ...] = ()  # the room's writes made elsewhere
         self._index_s = 0.0  # building descriptor indices (engine thread)
         self._index_cpu_s = 0.0
+        # A paged state component (a DSA model's index keys) goes with the pages: none at the end.
+        self._has_paged_state = ctx.state is not None and ctx.state.regions.component.copy == PAGES
+        self._is_state_posted = self._is_state_posted or self._has_paged_state
 
     # -- KVSender -----------------------------------------------------------------------
 

@@ -18,9 +18,13 @@ import pytest
 import torch
 
 from prefill_worker.batch import ChunkPlan
+from prefill_worker.model import build
 from prefill_worker.model.hf_config import CheckpointError
 from prefill_worker.request import SamplingParams
+from prefill_worker.service.checkmodel import check_model
+from prefill_worker.service.config import load_config
 from tests.checkpoints import DSA_FAMILIES, make_checkpoint
+from tests.integration.daemon.conftest import ROOT
 from tests.integration.model.conftest import (
     PAGE_SIZE,
     hf_index_keys,
@@ -135,3 +139,21 @@ def test_without_a_low_rank_q_it_is_refused(tmp_path: Path):
     (path / "config.json").write_text(config)
     with pytest.raises(CheckpointError, match="q_lora_rank is missing"):
         ours(path)
+
+
+def test_the_index_cache_shares_the_kv_budget_as_check_config_counts_it(checkpoint):
+    """A page costs its MLA rows and its index keys (fp32: 3 layers × 40 + 3 × 24 values a
+    token for DeepSeek-V3.2, 3 × 40 + 2 × 24 for GLM-5): the pool built from a byte budget
+    and check-config's arithmetic agree on the page count."""
+    budget = 1_000_000
+    runner, kv_cache, _ = build(checkpoint, "float32", "cpu", page_size=16, memory_bytes=budget)
+    indexed = len(runner.model.index_cache.spec.indexed_layers)
+    per_page = 16 * 4 * (3 * 40 + indexed * 24)
+    assert kv_cache.layout.num_pages == budget // per_page
+    assert runner.model.index_cache.keys[0].shape == (budget // per_page, 16, 24)
+    overrides = [f"model.path={checkpoint}", "cache.page_size=16", "cache.num_pages=null"]
+    overrides.append(f"cache.memory_bytes={budget}")
+    config = load_config(ROOT / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
+    notes = check_model(config).notes
+    assert f"= {budget // per_page} pages" in " ".join(notes)
+    assert any(n.startswith(f"index cache (DSA): {indexed} indexed layers") for n in notes)
