@@ -10,6 +10,8 @@ import pytest
 from prefill_worker.model.dsa_loader import indexer_shapes
 from prefill_worker.model.hf_config import spec_from_dict
 from prefill_worker.model.hf_dsa import FULL, SHARED
+from prefill_worker.model.parallel import TPGroup
+from prefill_worker.model.sharding import check_model_shardable
 
 DEEPSEEK_V32_EXP = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -81,3 +83,10 @@ def test_glm5_indexer_kinds_follow_transformers(fields, kinds):
 def test_bad_indexer_fields_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         spec_from_dict(glm(**fields))
+
+
+def test_tensor_parallel_is_refused():
+    """No split table for the indexer yet: TP 1 only, said at start (exit 78)."""
+    spec = spec_from_dict(DEEPSEEK_V32_EXP)
+    with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
+        check_model_shardable(spec, TPGroup(0, 2))
