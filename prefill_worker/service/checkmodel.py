@@ -215,7 +215,7 @@ def _index_note(config: Config, spec: ModelSpec, page_bytes: int) -> str:
         f"index cache (DSA): {len(idx.indexed_layers)} indexed layers × index_head_dim "
         f"{idx.head_dim} = {page_bytes // config.cache.page_size} bytes per token beside the "
         f"KV, paged with it (in the KV budget below); each query attends to its top "
-        f"{idx.topk} keys; served to native decodes only, the prefix cache off"
+        f"{idx.topk} keys; served to native decodes only (their index pool beside the KV)"
     )
 
 

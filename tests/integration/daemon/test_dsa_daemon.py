@@ -5,9 +5,10 @@ page, ``describe_state``); a decode that registers an index pool beside its MLA 
 per room, every layer's latent rows in its pages and every indexed layer's index keys in the
 same pages of its index pool, equal to transformers' within 1e-4: three prompts at once
 (batched), each longer than a chunk (chunked) and than the indexer's top-k (12), into
-scattered pages. A decode without an index pool is refused with a typed reason
-(``state_unsupported``) and gets no byte. Afterwards every page and aux row is back and the
-worker drains to exit 0."""
+scattered pages, then a prompt whose first 32 tokens the worker's prefix cache serves (the
+index keys are in the pages, so a hit is a real one). A decode without an index pool is
+refused with a typed reason (``state_unsupported``) and gets no byte. Afterwards every page
+and aux row is back and the worker drains to exit 0."""
 
 from __future__ import annotations
 
@@ -76,9 +77,38 @@ class IndexDecode(Decode):
         return torch.cat([self.index[slot_layer][p] for p in pages])[:num_tokens]
 
 
+def check_landed(decode: IndexDecode, model: torch.nn.Module, room: int, ids: list[int]) -> None:
+    """Every layer's latent rows and every indexed layer's index keys, as transformers has them."""
+    _, rows = hf_mla_forward(model, ids)
+    for layer, expected in enumerate(rows):
+        landed = decode.latent_rows(room, len(ids), layer)
+        torch.testing.assert_close(landed, expected, atol=TOL, rtol=0)
+    for slot_layer, expected in enumerate(hf_index_keys(model, ids).values()):
+        landed = decode.index_keys(room, len(ids), slot_layer)
+        torch.testing.assert_close(landed, expected, atol=TOL, rtol=0)
+
+
+def serve_a_prefix_hit(
+    router: BlockingRouterClient, decode: IndexDecode, model: torch.nn.Module, prefix: list[int]
+) -> None:
+    """A prompt sharing a finished one's first 32 tokens: the worker's prefix cache serves
+    them (their latent rows and index keys read from its pages, not computed), and what lands
+    is still transformers' whole prompt."""
+    ids, room = prefix + prompt(13, seed=6304), 6304
+    decode.want(room, len(ids))
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(router.prefill, ids, room, timeout_s=60)
+        assert decode.wait([room])[room].state is RoomState.DONE
+        result = sent.result(60)
+    assert result.status is OutcomeStatus.OK, result
+    assert (result.num_prefix_hit_tokens, result.num_computed_tokens) == (32, 13)
+    check_landed(decode, model, room, ids)
+
+
 def test_a_native_decode_receives_the_mla_rows_and_the_index_keys(tmp_path: Path) -> None:
     checkpoint = make_checkpoint("deepseek_v32", tmp_path / "dsv32")
-    worker = start_worker(tmp_path, checkpoint, "cache.num_pages=64", "cache.num_aux_rows=4")
+    settings = ("cache.num_pages=64", "cache.num_aux_rows=4", "cache.prefix_caching=true")
+    worker = start_worker(tmp_path, checkpoint, *settings)
     try:
         worker.child.wait_ready(120)
         router = BlockingRouterClient(worker.ingress)
@@ -100,13 +130,8 @@ def test_a_native_decode_receives_the_mla_rows_and_the_index_keys(tmp_path: Path
         for room, ids in prompts.items():
             assert results[room].status is OutcomeStatus.OK, results[room]
             assert statuses[room].state is RoomState.DONE, statuses[room]
-            _, rows = hf_mla_forward(model, ids)
-            for layer, expected in enumerate(rows):
-                landed = decode.latent_rows(room, len(ids), layer)
-                torch.testing.assert_close(landed, expected, atol=TOL, rtol=0)
-            for slot_layer, expected in enumerate(hf_index_keys(model, ids).values()):
-                landed = decode.index_keys(room, len(ids), slot_layer)
-                torch.testing.assert_close(landed, expected, atol=TOL, rtol=0)
+            check_landed(decode, model, room, ids)
+        serve_a_prefix_hit(router, decode, model, prompts[6302][:32])
         used = {p for pages, _ in decode.rooms.values() for p in pages}
         unused = sorted(set(range(DECODE_PAGES)) - used)
         assert all(not torch.any(t[unused]) for t in decode.index)  # only the rooms' pages
