@@ -15,6 +15,8 @@ A hybrid model's decode also gives its state pool (``state``: ``StateRegions``, 
 ``transfer.state_regions_from_tensors`` over the component ``describe_state`` names), on the
 KV pool's device; each ``want`` then names the ``state_slot`` the room's state (the linear
 layers' conv and recurrent state after the whole prompt) lands in, before the aux row.
+A DSA model's (``index_keys``, copied as ``pages``) is a pool of as many pages as the KV
+pool: its wants name no ``state_slot``, the index keys land in the room's own page ids.
 
 A decode of tensor-parallel size d > 1 runs one receiver per rank (``tp=(rank, d,
 num_kv_heads)``), each over its rank's pool of its KV heads (``kv.heads``), each wanting every
