@@ -133,6 +133,12 @@ def test_the_indexer_choice_moves_the_logits(checkpoint, hf):
     assert (dense - prompt_logprobs(logits, ids, 0)).abs().max() > 100 * TOL
 
 
+def test_an_mtp_draft_is_refused(checkpoint):
+    """Its MTP layer has an indexer of its own, which the DeepSeek-V3 draft does not run."""
+    with pytest.raises(ValueError, match="draft 'mtp' needs a DeepSeek-V3 model, not"):
+        build(checkpoint, "float32", "cpu", page_size=16, num_pages=8, draft="mtp")
+
+
 def test_without_a_low_rank_q_it_is_refused(tmp_path: Path):
     path = make_checkpoint("deepseek_v32", tmp_path / "ckpt")
     config = (path / "config.json").read_text().replace('"q_lora_rank": 48', '"q_lora_rank": null')
