@@ -54,7 +54,7 @@ class DSASdpaBackend(MLASdpaBackend):
             keys = k_index[p.q_start : p.q_end]
             if p.kv_rows is not None:
                 keys = torch.cat([from_pool(index_pool[p.kv_rows], keys.dtype), keys])
-            q = q_index[p.q_start : p.q_end].float().mul_(scale)
+            q = q_index[p.q_start : p.q_end].float() * scale  # a copy: the caller's q stays
             masks.append(_top_keys(q, weights[p.q_start : p.q_end], keys.float(), topk))
         return tuple(masks)
 
