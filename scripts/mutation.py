@@ -67,7 +67,12 @@ _BOOTSTRAP = [
 _T = "tests/unit/transfer/"
 _SENDER = _T + "test_push_sender.py"  # the push engine, once per dialect (native, SGLang)
 _STATE = _T + "test_push_state.py"  # a hybrid model's state on the native push
-_FRAMES = [_T + "test_sglang_frames.py", _T + "test_sglang_frames_pins.py"]
+_SWA = _T + "test_sglang_swa.py"  # a decode's hybrid SWA pool (SGLang's swa component)
+_FRAMES = [
+    _T + "test_sglang_frames.py",
+    _T + "test_sglang_frames_pins.py",
+    _T + "test_sglang_state_frames.py",
+]
 _GROUP = [
     _T + "test_group_backend.py",
     _T + "test_group_settle.py",
@@ -113,6 +118,7 @@ MODULES: dict[str, list[str]] = {
         "tests/unit/transfer/test_schema_doc.py",
         _NESTED,
         _STATE,
+        _T + "test_native_draft.py",
     ],
     # The peer-input bounds every decoder above relies on (issue #24).
     "prefill_worker/ingress/header.py": [
@@ -138,6 +144,8 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_push_ranks.py",
         _STATE,
+        _SWA,
+        _T + "test_push_draft.py",
         _T + "test_push_paged_state.py",
     ],
     "prefill_worker/transfer/push/hub.py": [
@@ -155,17 +163,21 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_accept_pins.py",
         _T + "test_sglang_group_desk.py",
         _T + "test_mla.py",
+        _T + "test_sglang_draft.py",
         *_FRAMES,
     ],
     "prefill_worker/transfer/sglang/desk.py": [
         _T + "test_sglang_desk.py",
         _T + "test_sglang_desk_pins.py",
         _T + "test_sglang_group_desk.py",
+        _SWA,
+        _T + "test_sglang_draft.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
         _T + "test_native_desk_state.py",
+        _T + "test_native_draft.py",
     ],
     # The tensor-parallel group's transfer mirror and its agreement (issue #27).
     "prefill_worker/transfer/group.py": _GROUP,

@@ -78,6 +78,7 @@ class ModelInfo:
     state: StateComponent | None = None  # a hybrid's state pool, a DSA model's index keys
     state_regions: StateRegions | None = None  # where that pool's slots (pages) live
     sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
+    sliding_layers: tuple[int, ...] = ()  # which of its layers slide
 
 
 def resolve_device(name: str) -> torch.device:
@@ -191,7 +192,10 @@ def build(
         regions = beside.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
     if spec.sliding is not None:
-        info = dataclasses.replace(info, sliding_window=spec.sliding.window)
+        sliding = spec.sliding
+        info = dataclasses.replace(
+            info, sliding_window=sliding.window, sliding_layers=sliding.sliding_layers
+        )
     return runner, kv_cache, info
 
 

@@ -37,7 +37,7 @@ from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.fdlimit import raise_fd_limit
+from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
 from prefill_worker.service.group_startup import agree_group_loaded, lead_group, start_tp_group
 from prefill_worker.service.http import Health
 from prefill_worker.service.logs import configure_logging
@@ -48,11 +48,13 @@ from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
     StartupError,
+    attach_draft,
     attach_kv_mirror,
     load_model,
     make_engine,
     make_pools,
     make_prefix_cache,
+    sliding_model,
     start_http,
     start_http_api,
     start_ingress,
@@ -74,6 +76,7 @@ from prefill_worker.service.tracing import TracedInbox, start_tracer
 from prefill_worker.service.vllm_group import lead_staging
 from prefill_worker.tp.group import Placement
 from prefill_worker.tp.leader import GroupRunner, LeaderGroup
+from prefill_worker.tp.secret import group_secret
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.group import GroupBackend
 from prefill_worker.transfer.vllm.shared import GroupStaging
@@ -97,6 +100,7 @@ class Daemon:
         self._build_model = build_model
         self._env, self._rank_command = env, rank_command
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
+        self._secret = b""  # at TP > 1: what every rank proves it holds (tp.secret)
         self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
@@ -132,11 +136,15 @@ class Daemon:
         try:
             cfg = self.config.parallel
             placement = Placement.from_environ(self._env, cfg.tp_size, cfg.interface)
+            if placement is not None:
+                self._secret = group_secret(
+                    placement.is_torchrun, placement.spans_hosts, cfg.group_secret_file
+                )
         except ValueError as exc:
             log.error("start-up failed at step 'tp group': %s", exc)
             return EX_CONFIG
         if placement is not None and not placement.is_leader:  # a torchrun follower
-            return run_follower(self.config, placement, self._build_model)
+            return run_follower(self.config, placement, self._build_model, self._secret)
         try:
             self._start(placement)
         except StartupError as exc:
@@ -172,10 +180,14 @@ class Daemon:
                 self.inbox.wake,
                 self.health.is_live,
                 info.state_regions,
-                info.sliding_window,
+                sliding_model(info),
                 self._vllm_staging,
+                attach_draft(runner, aux.num_rows),
             )
         self._closers.append(("transfer", transfer.backend.close))
+        guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)
+        if guard is not None:
+            self._closers.append(("nixl listener guard", guard.stop))
         if self._vllm_staging is None:  # at TP > 1 its heads of the shared region, attached
             attach_kv_mirror(transfer, kv_cache)
         backend: TransferBackend = transfer.backend
@@ -250,7 +262,7 @@ class Daemon:
                 runner.on_draft_forward = self.metrics.on_draft_forward
             return runner, kv_cache, info
         tp, group, device = start_tp_group(
-            self.config, placement, self._rank_command, self._wake.set
+            self.config, placement, self._rank_command, self._wake.set, self._secret
         )
         self._group = group
         # Closed after the engine's shutdown (which may still run a forward on every rank).

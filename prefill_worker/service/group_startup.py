@@ -35,6 +35,7 @@ def start_tp_group(
     placement: Placement,
     rank_command: Sequence[str],
     on_failure: Callable[[], None],
+    secret: bytes,
 ) -> tuple[TPGroup, LeaderGroup, str]:
     """The leader's group: its followers started (outside torchrun), every rank joined
     within ``parallel.rendezvous_timeout_s``. Returns the model's ``TPGroup``, the group,
@@ -50,10 +51,12 @@ def start_tp_group(
         followers = Followers([])
         if store is not None:
             config_json = config.model_dump_json().encode()
-            followers = Followers.start(rank_command, config_json, placement.size, store.port)
+            followers = Followers.start(
+                rank_command, config_json, placement.size, store.port, secret
+            )
         try:
             membership = followers.wait_for(
-                lambda: join(placement, device, tp_timeouts(config), store),
+                lambda: join(placement, device, tp_timeouts(config), store, secret),
                 cfg.rendezvous_timeout_s,
                 "rendezvous",
             )

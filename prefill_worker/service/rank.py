@@ -25,7 +25,7 @@ from prefill_worker.batch import ModelRunner
 from prefill_worker.model import build
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
-from prefill_worker.service.fdlimit import raise_fd_limit
+from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
@@ -33,14 +33,16 @@ from prefill_worker.service.teardown import prepare_exit
 from prefill_worker.service.vllm_group import Unmirrored, follow_staging
 from prefill_worker.tp.channel import FollowerChannel
 from prefill_worker.tp.follower import serve_steps
-from prefill_worker.tp.followers import die_with_parent
+from prefill_worker.tp.followers import die_with_parent, read_stdin
 from prefill_worker.tp.group import Placement, agree_loaded, join, leave, rank_device
 from prefill_worker.tp.mirror import MirrorTarget
 
 log = logging.getLogger("prefill_worker.service.rank")
 
 
-def run_follower(config: Config, placement: Placement, build_model: ModelBuilder) -> int:
+def run_follower(
+    config: Config, placement: Placement, build_model: ModelBuilder, secret: bytes
+) -> int:
     """Serve as rank ``placement.rank`` until the leader's stop step (main thread only)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the leader drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -50,7 +52,7 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
         log.error("rank %d: %s", placement.rank, exc)
         return EX_CONFIG
     try:
-        membership = join(placement, device, tp_timeouts(config), None)
+        membership = join(placement, device, tp_timeouts(config), None, secret)
         runner, kv_cache, info = load_model(config, build_model, tp=membership.tp, device=device)
         agree_loaded(kv_cache.layout.num_pages)
         heads = info.num_kv_heads
@@ -60,9 +62,12 @@ def run_follower(config: Config, placement: Placement, build_model: ModelBuilder
             steps = Unmirrored(runner)
         target = _transfer_target(config, kv_cache, heads, placement)
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
+        guard = start_listener_guard(config.transfer.ucx_silent_close_s)  # its agent's listener
         try:
             serve_steps(steps, channel, target, staging)
         finally:
+            if guard is not None:
+                guard.stop()
             if target is not None:
                 target.close()
     except StartupError as exc:
@@ -102,11 +107,12 @@ def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -
         parser.add_argument(flag, type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
-    config = Config.model_validate_json(sys.stdin.buffer.read())
+    secret, config_json = read_stdin(sys.stdin.buffer.read())
+    config = Config.model_validate_json(config_json)
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     raise_fd_limit()
     placement = Placement(args.rank, args.world_size, args.rank, args.port, False)
-    code = run_follower(config, placement, build_model)
+    code = run_follower(config, placement, build_model, secret)
     prepare_exit()
     return code
 

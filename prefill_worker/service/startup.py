@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
+from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
@@ -35,6 +37,7 @@ from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
@@ -48,6 +51,7 @@ from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEven
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.factory import (
     Transfer,
     make_backend,
@@ -63,8 +67,9 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 from prefill_worker.transfer.state_guard import guard_backends
-from prefill_worker.transfer.swa_window import guard_unproven
+from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -227,17 +232,21 @@ def start_transfer(
     wake: Callable[[], None],
     is_live: Callable[[], bool],
     state: StateRegions | None = None,
-    sliding_window: int | None = None,
+    sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
+    draft: DraftSide | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
     (SGLang's ``/health`` fails with it). ``state``: a hybrid model's state pool, which the
     native protocol sends beside the KV; every other protocol's backend then refuses each
-    claimed room with a typed reason (``transfer.state_guard``). ``sliding_window``: a
-    sliding-window model's, whose rooms every protocol but native refuses likewise
-    (``transfer.swa_window``). ``vllm_staging``: at TP > 1, the region the group shares
-    (``service.vllm_group``), which the vLLM backend registers."""
+    claimed room with a typed reason (``transfer.state_guard``). ``sliding``: a
+    sliding-window model's layers, whose rooms every protocol but native and SGLang refuses
+    likewise (``transfer.swa_window``); SGLang sends its window to a decode with a hybrid SWA
+    pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
+    (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
+    pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
+    that speculate."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -246,9 +255,10 @@ def start_transfer(
         mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
-                backends["native"] = _native_backend(config, regions, hooks, state)
+                backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                backends["sglang"] = make_sglang_backend(regions, _sglang_options(config), hooks)
+                sglang = _sglang_options(config, sglang_sliding(sliding))
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions)
@@ -270,10 +280,11 @@ def start_transfer(
                     ", ".join(refused),
                     state.component.kind,
                 )
-        if sliding_window is not None:
+        if sliding is not None:
             backends = guard_unproven(backends)
             log.warning(
-                "sliding-window model: only the native protocol serves it (swa_unsupported)"
+                "sliding-window model: only the native and sglang protocols serve it "
+                "(swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
 
@@ -292,7 +303,32 @@ def _limits(config: Config) -> BootstrapLimits:
     return BootstrapLimits(config.transfer.max_peer_pages, config.transfer.max_message_bytes)
 
 
-def _sglang_options(config: Config) -> SglangOptions:
+@dataclass(frozen=True, slots=True)
+class SlidingModel:
+    """A sliding-window model, as ``start_transfer`` needs it (``sliding_model``)."""
+
+    architecture: str
+    layers: SlidingLayers
+
+
+def sliding_model(info: ModelInfo) -> SlidingModel | None:
+    """The model's sliding layers and what a decode keeps of them; None for other models."""
+    if info.sliding_window is None:
+        return None
+    window = decode_window_tokens(info.sliding_window)
+    layers = SlidingLayers(info.sliding_layers, info.num_layers, window)
+    return SlidingModel(info.architecture, layers)
+
+
+def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
+    """What SGLang decodes get of a sliding model: its layers where SGLang runs the model on
+    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool)."""
+    if sliding is None or sliding.architecture not in HYBRID_SWA_ARCHITECTURES:
+        return None
+    return sliding.layers
+
+
+def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
     nixl = NixlOptions(
@@ -313,6 +349,7 @@ def _sglang_options(config: Config) -> SglangOptions:
         rejoin_s=cfg.sglang_rejoin_s,
         nixl=nixl,
         limits=_limits(config),
+        sliding=sliding,
     )
 
 
@@ -335,7 +372,11 @@ def _vllm_options(config: Config) -> VllmOptions:
 
 
 def _native_backend(
-    config: Config, regions: KVRegions, hooks: Hooks, state: StateRegions | None
+    config: Config,
+    regions: KVRegions,
+    hooks: Hooks,
+    state: StateRegions | None,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     cfg = config.transfer
     curve = None
@@ -357,7 +398,7 @@ def _native_backend(
         limits=_limits(config),
         curve=curve,
     )
-    return make_backend(regions, options, hooks, state)
+    return make_backend(regions, options, hooks, state, draft)
 
 
 def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
@@ -510,6 +551,16 @@ def write_ready_file(path: Path, endpoints: Mapping[str, object]) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(dict(endpoints), indent=1) + "\n")
     partial.replace(path)
+
+
+def attach_draft(runner: object, num_aux_rows: int) -> DraftSide | None:
+    """A drafting runner's side of the push: its proposals kept by aux row from now on, and
+    its pool; None for a runner without a draft."""
+    if not isinstance(runner, DraftingRunner):
+        return None
+    rows = DraftRows(num_aux_rows, runner.hidden_bytes)
+    runner.draft_rows = rows
+    return DraftSide(runner.draft_kv.regions(rows.base_addr, rows.num_rows), rows)
 
 
 def _draft_args(config: Config) -> dict[str, object]:

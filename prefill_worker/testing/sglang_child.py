@@ -12,8 +12,9 @@ SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills 
 harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
 Per room: ``NixlKVReceiver(manager, bootstrap_addr, room)``, ``init``, ``send_metadata``.
 
-Version shims (0.5.20-0.5.23), all test-side: a ``ServerArgs`` published as the process's
-context, the parallel ranks that a launcher would set overridden (to 0, or to one rank of an
+Version shims (0.5.20-0.5.23), all test-side: state buffers registered as the host memory
+they are (``_state_in_host_memory``), a ``ServerArgs`` published as the process's context,
+the parallel ranks that a launcher would set overridden (to 0, or to one rank of an
 attention-TP group: ``attn_tp``, the process being that rank), and 0.5.20's DP-attention
 globals set to one rank. NIXL's progress threads (one per decode's agent) wake on events, not
 every millisecond (``nixl_progress``): a process holds many decodes.
@@ -51,6 +52,7 @@ _DTYPES = {
 def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
     """``attn_tp``: (rank, size) of this process in the decode's attention TP group."""
     wake_on_events_only()
+    _state_in_host_memory()
     args = ServerArgs(
         model_path=model_path,
         disaggregation_mode="decode",
@@ -70,6 +72,27 @@ def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
     return args
 
 
+def _state_in_host_memory() -> None:
+    """SGLang (0.5.23) registers its state buffers (a hybrid SWA pool's) with NIXL as VRAM
+    whatever memory they are in; here they are host tensors, which NIXL on a machine without
+    CUDA registers only as DRAM (as SGLang's KV buffers here, named DRAM by ``KVArgs``)."""
+    register = NixlKVManager.register_buffer_to_engine
+
+    def in_host_memory(manager: Any) -> None:
+        real = manager.agent.register_memory
+
+        def as_dram(addrs: Any, mem_kind: str, *args: Any, **kwargs: Any) -> Any:
+            return real(addrs, "DRAM" if mem_kind == "VRAM" else mem_kind, *args, **kwargs)
+
+        manager.agent.register_memory = as_dram
+        try:
+            register(manager)
+        finally:
+            manager.agent.register_memory = real
+
+    NixlKVManager.register_buffer_to_engine = in_host_memory
+
+
 class Decode:
     """One SGLang decode rank: its pools, its manager, its rooms."""
 
@@ -78,12 +101,23 @@ class Decode:
         self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
         self.is_mla = spec.get("kind") == "mla"
+        self._num_layers = spec["num_layers"]
         self.kv_cache_dtype = str(spec.get("kv_cache_dtype", "auto"))  # its --kv-cache-dtype
-        self.pool = _kv_pool(spec, self.is_mla)
+        # A hybrid SWA pool (``sliding_layers`` given): the full layers' pool, and the
+        # sliding layers' in ``swa_pages`` pages of their own, as SGLang's decode builds it
+        # for gpt-oss (``SWAKVPool``; its state component registered by ``setup_state_kv_args``).
+        self.sliding_layers = list(spec.get("sliding_layers") or [])
+        self.window_tokens = spec.get("window_tokens", 0)
+        self.pool = _swa_pool(spec) if self.sliding_layers else _kv_pool(spec, self.is_mla)
+        # A speculating decode (``draft_layers`` > 0): its draft pool, the target's geometry,
+        # and metadata rows whose hidden state is ``spec_hidden_size`` values of ``spec_dtype``.
+        num_draft_layers = int(spec.get("draft_layers", 0))
+        draft_spec = {**spec, "num_layers": num_draft_layers}
+        self.draft_pool = _kv_pool(draft_spec, self.is_mla) if num_draft_layers else None
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
-            hidden_size=16,
-            hidden_states_dtype=torch.float32,
+            hidden_size=int(spec.get("spec_hidden_size", 16)),
+            hidden_states_dtype=_DTYPES[spec.get("spec_dtype", "float32")],
             max_sampling_mask_tokens=16,
         )
         mode = DisaggregationMode.DECODE
@@ -92,19 +126,27 @@ class Decode:
         self._free_pages = list(range(spec["num_pages"] - 1, 0, -2))
         self._free_pages += list(range(spec["num_pages"] - 2, 0, -2))
         self._next_aux, self._num_aux_rows = 0, spec["num_aux_rows"]
+        swa_pages = spec.get("swa_pages", 0)
+        self._free_swa = list(range(swa_pages - 1, 0, -2)) + list(range(swa_pages - 2, 0, -2))
         self.rooms: dict[int, tuple[list[int], int, Any]] = {}
+        self.swa_rooms: dict[int, list[int]] = {}  # a hybrid SWA pool's window pages
 
     def fill(self, byte: int) -> None:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
         for _, buf in self._buffers():
             buf.view(torch.uint8).fill_(byte)
+        if self.draft_pool is not None:  # a hidden row no write may touch shows it
+            self.meta.output_hidden_states.view(torch.uint8).fill_(byte)
 
     def _buffers(self) -> list[tuple[str, Any]]:
-        """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool."""
-        if self.is_mla:
-            return [(f"k{i}", buf) for i, buf in enumerate(self.pool.kv_buffer)]
-        k = [(f"k{i}", buf) for i, buf in enumerate(self.pool.k_buffer)]
-        return k + [(f"v{i}", buf) for i, buf in enumerate(self.pool.v_buffer)]
+        """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool; a hybrid
+        SWA pool's full layers, then its sliding layers as ("swa_k0", ...); then a draft
+        pool's ("dk0", ...)."""
+        draft = [] if self.draft_pool is None else _named(self.draft_pool, self.is_mla, "d")
+        if self.sliding_layers:
+            full, swa = self.pool.full_kv_pool, self.pool.swa_kv_pool
+            return _named(full, False, "") + _named(swa, False, "swa_") + draft
+        return _named(self.pool, self.is_mla, "") + draft
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -112,8 +154,14 @@ class Decode:
         args.kv_cache_dtype_str, args.kv_layout = self.kv_cache_dtype, None
         ptrs, lens, item_lens = self.pool.get_contiguous_buf_infos()
         args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
+        num_draft_entries = 0
+        if self.draft_pool is not None:  # appended after the target's, as decode.py does
+            draft_ptrs, draft_lens, draft_item_lens = self.draft_pool.get_contiguous_buf_infos()
+            ptrs, lens = list(ptrs) + draft_ptrs, list(lens) + draft_lens
+            item_lens, num_draft_entries = list(item_lens) + draft_item_lens, len(draft_ptrs)
+            args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
         args.kv_data_mem_kinds = ["DRAM"] * len(ptrs)
-        args.kv_layer_ids, args.num_draft_entries = [], 0
+        args.kv_layer_ids, args.num_draft_entries = [], num_draft_entries
         args.page_size = self.page_size
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         for name in (
@@ -128,6 +176,10 @@ class Decode:
         ):
             setattr(args, name, [])
         args.is_hybrid_mla_backend, args.swa_kv_cache_layout = False, None
+        if self.sliding_layers:  # its state component, as SGLang's decode registers it
+            from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+            setup_state_kv_args(args, self.pool, None, total_kv_layers=self._num_layers)
         args.mla_compression_ratios, args.ib_device, args.gpu_id = None, None, 0
         return args
 
@@ -146,9 +198,31 @@ class Decode:
         receiver = NixlKVReceiver(self.manager, self.bootstrap, room)
         receiver.init(0)
         sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
-        receiver.send_metadata(sent, aux_index, None, prefix_len)
+        swa_pages = self._window_pages(num_tokens, prefix_len)
+        state = None if swa_pages is None else [np.asarray(swa_pages, dtype=np.int32)]
+        receiver.send_metadata(sent, aux_index, state, prefix_len)
         self.rooms[room] = (pages, aux_index, receiver)
-        return {"pages": pages, "aux_index": aux_index}
+        self.swa_rooms[room] = swa_pages or []
+        return {"pages": pages, "aux_index": aux_index, "swa_pages": swa_pages}
+
+    def _window_pages(self, num_tokens: int, prefix_len: int) -> list[int] | None:
+        """The SWA pool's pages for the window, as SGLang's decode names them
+        (``decode.py``, ``_swa_payload``): positions ``[floor_page(max(prefix, seq_len -
+        window)), seq_len)``, each given a page of the SWA pool (here scattered, from its
+        own free list, as its allocator's translation would give)."""
+        if not self.sliding_layers:
+            return None
+        from sglang.srt.mem_cache.common import kv_to_page_indices, page_align_floor
+
+        size = self.page_size
+        start = page_align_floor(max(prefix_len, num_tokens - self.window_tokens), size)
+        count = -(-(num_tokens - start) // size)
+        pages, self._free_swa = self._free_swa[:count], self._free_swa[count:]
+        # The window's token slots in the SWA pool (what the allocator's translation of the
+        # request's full-pool slots gives), then SGLang's own page reduction of them.
+        positions = torch.arange(start, num_tokens)
+        slots = torch.tensor(pages)[(positions - start) // size] * size + positions % size
+        return [int(p) for p in kv_to_page_indices(slots, size)]
 
     def poll(self, room: int) -> dict[str, Any]:
         state = int(self.rooms[room][2].poll())
@@ -162,13 +236,16 @@ class Decode:
         pages, aux_index, _ = self.rooms[room]
         arrays: dict[str, np.ndarray] = {}
         for name, buf in self._buffers():
-            by_page = buf.view(-1, self.page_size, *buf.shape[1:])[pages]
+            held = self.swa_rooms[room] if name.startswith("swa_") else pages
+            by_page = buf.view(-1, self.page_size, *buf.shape[1:])[held]
             arrays[name] = by_page.contiguous().view(torch.uint8).numpy()
         row = self.meta.get_buf(aux_index)
         names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
         for name, value in zip(names, row[:4], strict=True):
             arrays[name] = value.numpy()
         arrays["bootstrap_room"] = row[-1].numpy()
+        for name, value in zip(("topk_p", "topk_index", "hidden"), row[9:12], strict=True):
+            arrays[name] = value.contiguous().view(torch.uint8).numpy()  # raw bytes
         np.savez(path, **arrays)  # type: ignore[arg-type]
         return {}
 
@@ -176,6 +253,7 @@ class Decode:
         """A concluded room's pages go back (a test sending many rooms)."""
         pages, _, receiver = self.rooms.pop(room)
         self._free_pages += pages
+        self._free_swa += self.swa_rooms.pop(room)
         receiver.clear()
         return {}
 
@@ -193,6 +271,15 @@ class Decode:
         return {"acked": bool(self.manager.is_abort_release_safe(room, required))}
 
 
+def _named(pool: Any, is_mla: bool, prefix: str) -> list[tuple[str, Any]]:
+    """("k0", K of layer 0), ... ("v0", ...) (the latents as k of an MLA pool); a draft
+    pool's as ("dk0", ...)."""
+    if is_mla:
+        return [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.kv_buffer)]
+    k = [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.k_buffer)]
+    return k + [(f"{prefix}v{i}", buf) for i, buf in enumerate(pool.v_buffer)]
+
+
 def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
     """SGLang's KV pool for the spec; an MLA latent of ``head_dim`` values (split into
     ``kv_lora_rank`` and ``qk_rope_head_dim`` as any model would: only the sum shapes it)."""
@@ -206,6 +293,30 @@ def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
         )
     heads = spec["num_kv_heads"]
     return MHATokenToKVPool(num_tokens, page_size, dtype, heads, head_dim, num_layers, "cpu", False)
+
+
+def _swa_pool(spec: dict[str, Any]) -> Any:
+    """SGLang's hybrid SWA pool as its decode builds one for gpt-oss (``kv_cache_configurator``,
+    ``_build_hybrid_swa_kv_pool``): the full layers in ``num_pages`` pages, the sliding ones in
+    ``swa_pages``, each an ``MHATokenToKVPool``."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    page_size, num_layers = spec["page_size"], spec["num_layers"]
+    sliding = list(spec["sliding_layers"])
+    return SWAKVPool(
+        size=(spec["num_pages"] - 1) * page_size,
+        size_swa=(spec["swa_pages"] - 1) * page_size,
+        page_size=page_size,
+        dtype=_DTYPES[spec["dtype"]],
+        head_num=spec["num_kv_heads"],
+        head_dim=spec["head_dim"],
+        swa_attention_layer_ids=sliding,
+        full_attention_layer_ids=[i for i in range(num_layers) if i not in sliding],
+        device="cpu",
+        enable_kv_cache_copy=False,
+        token_to_kv_pool_class=MHATokenToKVPool,
+        enable_memory_saver=False,
+    )
 
 
 class Decodes:

@@ -1,12 +1,13 @@
 """The follower rank processes a leader starts, watches and stops.
 
 Each follower is ``command + [--rank R --world-size N --port P --parent-pid PID]`` with the
-resolved configuration as JSON on its stdin (no second reading of files or env). A follower
-dies with its leader whatever kills the leader: it asks the kernel for SIGKILL when its
-parent exits (``PR_SET_PDEATHSIG``, ``die_with_parent``) and checks the parent did not exit
-before it asked. The leader's waits on the group (rendezvous, the load barrier) run beside a
-watch of these processes, so a follower that exits while the leader waits fails the start at
-once instead of after a timeout.
+group's secret (``tp.secret``) and the resolved configuration as JSON on its stdin (no second
+reading of files or env; no other process can read a pipe, unlike argv). A follower dies
+with its leader whatever kills the leader: it asks the kernel for SIGKILL when its parent
+exits (``PR_SET_PDEATHSIG``, ``die_with_parent``) and checks the parent did not exit before
+it asked. The leader's waits on the group (rendezvous, the load barrier) run beside a watch
+of these processes, so a follower that exits while the leader waits fails the start at once
+instead of after a timeout.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ class Followers:
         self._procs = list(procs)  # index i: rank i + 1
 
     @staticmethod
-    def start(command: Sequence[str], config_json: bytes, size: int, port: int) -> Followers:
+    def start(
+        command: Sequence[str], config_json: bytes, size: int, port: int, secret: bytes
+    ) -> Followers:
+        """Each follower's stdin: the group's secret in hex on the first line, then the
+        configuration (``read_stdin``)."""
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(1, size):
@@ -43,7 +48,7 @@ class Followers:
                 proc = subprocess.Popen(args, stdin=subprocess.PIPE)
                 procs.append(proc)
                 assert proc.stdin is not None
-                proc.stdin.write(config_json)
+                proc.stdin.write(secret.hex().encode() + b"\n" + config_json)
                 proc.stdin.close()
         except BaseException:
             Followers(procs).kill()
@@ -134,3 +139,9 @@ def _state(pid: int) -> str | None:
         return None
     fields = stat.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
     return fields[0] if fields else None
+
+
+def read_stdin(data: bytes) -> tuple[bytes, bytes]:
+    """A follower's stdin (``Followers.start``): the group's secret and the configuration."""
+    line, _, config_json = data.partition(b"\n")
+    return bytes.fromhex(line.decode("ascii")), config_json

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from prefill_worker.model.parallel import TPGroup
+from prefill_worker.tp.secret import prove_membership
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"
@@ -52,6 +53,11 @@ class Placement:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def spans_hosts(self) -> bool:
+        """A torchrun group whose rendezvous is off loopback."""
+        return self.is_torchrun and self.interface != LOOPBACK_INTERFACE
 
     @staticmethod
     def from_environ(
@@ -141,9 +147,15 @@ def open_store(placement: Placement, timeouts: Timeouts) -> dist.TCPStore | None
 
 
 def join(
-    placement: Placement, device: str, timeouts: Timeouts, store: dist.TCPStore | None
+    placement: Placement,
+    device: str,
+    timeouts: Timeouts,
+    store: dist.TCPStore | None,
+    secret: bytes,
 ) -> Membership:
-    """Blocks until every rank joined (the leader bounds it from outside: ``followers``)."""
+    """Blocks until every rank joined (the leader bounds it from outside: ``followers``) and
+    proved it holds the group's ``secret`` (``secret.prove_membership``: ``GroupAuthError``
+    otherwise)."""
     backend = backend_for(device)
     # Read by gloo and NCCL when they make their sockets (torch has no argument for it).
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = placement.interface
@@ -160,10 +172,15 @@ def join(
             backend, store=store, rank=placement.rank, world_size=placement.size,
             timeout=_delta(timeouts.rendezvous_s),
         )  # fmt: skip
-    model_group = dist.new_group(backend=backend, timeout=_delta(timeouts.step_s))
-    control = model_group
-    if backend != "gloo":
-        control = dist.new_group(backend="gloo", timeout=_delta(timeouts.step_s))
+    try:
+        model_group = dist.new_group(backend=backend, timeout=_delta(timeouts.step_s))
+        control = model_group
+        if backend != "gloo":
+            control = dist.new_group(backend="gloo", timeout=_delta(timeouts.step_s))
+        prove_membership(secret, placement.rank, placement.size, control)
+    except BaseException:
+        leave()  # the process may start again (the daemon in a test's process)
+        raise
     return Membership(TPGroup(placement.rank, placement.size, model_group), control)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.dual import DualBackend
 from prefill_worker.transfer.options import (
     DEFAULT_HOOKS,
@@ -48,25 +49,32 @@ def make_backend(
     options: NativeOptions,
     hooks: Hooks = DEFAULT_HOOKS,
     state: StateRegions | None = None,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     """The native backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
     address, port 0 allowed); with ``state`` (a hybrid model's state pool) it sends each
-    request's state slot too. Raises ``OSError`` when the bootstrap address cannot be bound,
-    and NIXL's own errors (or ``RuntimeError``) when no agent can be made."""
+    request's state slot too, with ``draft`` (a draft model's pool and rows) the draft's
+    pages and row to decodes that registered a draft pool. Raises ``OSError`` when the
+    bootstrap address cannot be bound, and NIXL's own errors (or ``RuntimeError``) when no
+    agent can be made."""
     from prefill_worker.transfer.native.backend import NixlBackend
 
-    return NixlBackend(regions, options, hooks, state)
+    return NixlBackend(regions, options, hooks, state, draft)
 
 
 def make_sglang_backend(
-    regions: KVRegions, options: SglangOptions, hooks: Hooks = DEFAULT_HOOKS
+    regions: KVRegions,
+    options: SglangOptions,
+    hooks: Hooks = DEFAULT_HOOKS,
+    draft: DraftSide | None = None,
 ) -> TransferBackend:
     """This worker as an SGLang prefill (``transfer/sglang``): the bootstrap routes and the
     control socket bound, a NIXL agent of its own. ``hooks.wake`` is called from the control
-    thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere)."""
+    thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere).
+    ``draft``: a draft model's pool and rows, for decodes that speculate."""
     from prefill_worker.transfer.sglang.backend import SglangBackend
 
-    return SglangBackend(regions, options, hooks)
+    return SglangBackend(regions, options, hooks, draft)
 
 
 def make_vllm_backend(

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
 
@@ -58,6 +59,9 @@ class SglangOptions:
     rejoin_s: float = 0.0  # /health and /route answer 503 this long after the first turn
     nixl: NixlOptions = field(default_factory=NixlOptions)
     limits: BootstrapLimits = field(default_factory=BootstrapLimits)
+    # A sliding-window model whose SGLang decodes may hold a hybrid SWA pool (gpt-oss):
+    # those are sent the window (``sglang.swa``); None: every decode gets every layer's pages.
+    sliding: SlidingLayers | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,23 +16,39 @@ Two modes, after what the decode holds:
   ``get_attention_sliding_window_size`` is ``sliding_window - 1`` (a query sees itself and
   the ``window - 1`` keys before it).
 
-``window`` is not yet on any wire. ``guard_unproven`` wraps the backend of every protocol
-whose full-pool sends of a sliding-window model are not proven against its decode (every one
-but ``native``) in ``StateGuard``: each room is refused when its decode claims it, with
-``refusal(...)`` (``swa_unsupported: ...``), before a byte is written.
+SGLang's protocol sends ``window`` to a decode that registered a hybrid SWA pool
+(``transfer/sglang/swa.py``) and ``full_pool`` to one without. ``guard_unproven`` wraps the
+backend of every protocol whose sends of a sliding-window model are not proven against its
+decode (every one but ``PROVEN_PROTOCOLS``) in ``StateGuard``: each room is refused when its
+decode claims it, with ``refusal(...)`` (``swa_unsupported: ...``), before a byte is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.state_guard import StateGuard
 
-PROVEN_PROTOCOLS = ("native",)  # full-pool sends of a sliding-window model, decode-tested
+PROVEN_PROTOCOLS = ("native", "sglang")  # sends of a sliding-window model, decode-tested
 FULL_POOL = "full_pool"
 WINDOW = "window"
 SWA_UNSUPPORTED = "swa_unsupported"
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingLayers:
+    """A sliding-window model as a transfer sees it: which of its ``num_layers`` layers
+    slide, and ``window_tokens``, what a decode's sliding layer keeps of them."""
+
+    sliding: tuple[int, ...]
+    num_layers: int
+    window_tokens: int
+
+    @property
+    def full(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.sliding)
 
 
 def decode_window_tokens(sliding_window: int) -> int:

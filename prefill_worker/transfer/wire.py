@@ -15,6 +15,7 @@ before NIXL ever sees the bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -213,6 +214,31 @@ class StatePool(Struct, frozen=True, kw_only=True):
         return StateRegions(self.component, self.base_addrs, device)
 
 
+class DraftPool(Struct, frozen=True, kw_only=True):
+    """A speculating decode's draft model (``model.draft``), in ``register``: its pool's
+    layers, of the register's page geometry and device (one address per layer; no V for an
+    mla pool), and its rows for the draft's first proposal, one per aux row, ``row_bytes``
+    each in ``kv.draft_rows``'s format, in host memory."""
+
+    k_base_addrs: tuple[int, ...]
+    v_base_addrs: tuple[int, ...]
+    rows_base_addr: int
+    row_bytes: Positive
+
+    def regions(self, target: KVRegions) -> KVRegions:
+        """The draft's pool beside ``target`` (its aux fields: the rows); ``ValueError`` when
+        its addresses do not fit."""
+        layout = dataclasses.replace(target.layout, num_layers=len(self.k_base_addrs))
+        return KVRegions(
+            layout,
+            self.k_base_addrs,
+            self.v_base_addrs,
+            target.device,
+            self.rows_base_addr,
+            target.num_aux_rows,
+        )
+
+
 class Register(_Message, frozen=True, tag="register"):
     """Decode → worker, once per connection (again when told ``unknown_peer``): where the
     decode pool lives, and the framed NIXL agent metadata."""
@@ -233,11 +259,18 @@ class Register(_Message, frozen=True, tag="register"):
     # Added with hybrid models: the decode's pools of state components (linear-attention
     # state), on ``device``; a decode of a model without state leaves it out.
     state: tuple[StatePool, ...] | UnsetType = UNSET
+    # Added with drafts: a speculating decode's draft pool and rows; left out by the others.
+    draft: DraftPool | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout.to_kv(), self.k_base_addrs, self.v_base_addrs)
         if why is not None:
             raise ValueError(f"{why} - at `$.k_base_addrs`")
+        if self.draft is not UNSET:
+            try:
+                self.draft.regions(self.regions)
+            except ValueError as exc:
+                raise ValueError(f"{exc} - at `$.draft`") from None
         for pool in () if self.state is UNSET else self.state:
             try:
                 pool.regions(self.device)
@@ -253,6 +286,7 @@ class Register(_Message, frozen=True, tag="register"):
         compat_hash: str,
         tp: DecodeRank | UnsetType = UNSET,
         state: tuple[StatePool, ...] | UnsetType = UNSET,
+        draft: DraftPool | UnsetType = UNSET,
     ) -> Register:
         return cls(
             agent_name,
@@ -266,6 +300,7 @@ class Register(_Message, frozen=True, tag="register"):
             compat_hash,
             tp,
             state,
+            draft,
         )
 
     @property

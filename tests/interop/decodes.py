@@ -4,6 +4,7 @@ it: ask for a room, wait for SGLang's verdict, read what landed."""
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,6 +39,14 @@ class Landed:
     logprob_val: np.ndarray
     logprob_idx: np.ndarray
     bootstrap_room: np.ndarray
+    # A speculating decode's: its draft pool's pages per layer (``draft_k``, ``draft_v``, as
+    # ``k`` and ``v``), and the row's output_topk_p, output_topk_index and
+    # output_hidden_states, raw bytes.
+    draft_k: list[np.ndarray]
+    draft_v: list[np.ndarray]
+    topk_p: np.ndarray
+    topk_index: np.ndarray
+    hidden: np.ndarray
 
 
 class SglangDecode:
@@ -48,9 +57,15 @@ class SglangDecode:
         layout: KVLayout,
         num_aux_rows: int = 16,
         kv_cache_dtype: str | None = None,
+        swa: tuple[tuple[int, ...], int, int] | None = None,
+        speculates: tuple[int, int, str] | None = None,
     ) -> None:
         """``kv_cache_dtype``: its ``--kv-cache-dtype`` (None: ``fp8_e4m3`` for an FP8 pool,
-        else ``auto``)."""
+        else ``auto``). ``swa``: a hybrid SWA pool (sliding layers, window tokens, SWA pool
+        pages); ``layout`` then has every layer, of which the full ones make its KV pool.
+        ``speculates``: (draft pool layers, the draft's hidden size, its dtype), a decode
+        running EAGLE/MTP."""
+        draft_layers, spec_hidden_size, spec_dtype = speculates or (0, 16, "float32")
         self.process, self.layout = process, layout
         if kv_cache_dtype is None:
             kv_cache_dtype = "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto"
@@ -69,7 +84,12 @@ class SglangDecode:
             num_aux_rows=num_aux_rows,
             kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
             kv_cache_dtype=kv_cache_dtype,
+            **swa_spec(swa),
+            draft_layers=draft_layers,
+            spec_hidden_size=spec_hidden_size,
+            spec_dtype=spec_dtype,
         )
+        self.swa_pages: dict[int, list[int]] = {}  # per room, its window's SWA pool pages
         self.agent_name: str = identity["agent_name"]  # what its frames name it by
         self.ip: str = identity["ip"]
         self.port: int = identity["port"]
@@ -80,6 +100,7 @@ class SglangDecode:
             "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len
         )
         self.rooms[room] = (reply["pages"], reply["aux_index"])
+        self.swa_pages[room] = reply.get("swa_pages") or []
         return self.rooms[room]
 
     def state(self, room: int) -> tuple[str, str | None]:
@@ -125,7 +146,33 @@ class SglangDecode:
             data["logprob_val"],
             data["logprob_idx"],
             data["bootstrap_room"],
+            [by_page(data[f"dk{i}"]) for i in range(n) if f"dk{i}" in data],
+            [by_page(data[f"dv{i}"]) for i in range(n) if f"dv{i}" in data],
+            data["topk_p"],
+            data["topk_index"],
+            data["hidden"],
         )
+
+
+def swa_spec(swa: tuple[tuple[int, ...], int, int] | None) -> dict[str, object]:
+    if swa is None:
+        return {}
+    sliding, window_tokens, swa_pages = swa
+    return {"sliding_layers": list(sliding), "window_tokens": window_tokens, "swa_pages": swa_pages}
+
+
+def dump(decode: SglangDecode, room: int, tmp_path: Path) -> dict[str, np.ndarray]:
+    """The room's pages raw, per buffer name (``k0``.. ``v0``.. of its KV pool, ``swa_k0``..
+    of a hybrid SWA pool's window pages), each ``[pages, page_bytes]`` uint8."""
+    path = tmp_path / f"{decode.id}-{room}-raw.npz"
+    decode.process.call("dump", id=decode.id, room=room, path=str(path))
+    data = np.load(path)
+    sizes = {"swa_": len(decode.swa_pages[room]), "": len(decode.rooms[room][0])}
+    return {
+        name: data[name].reshape(sizes["swa_" if name.startswith("swa_") else ""], -1)
+        for name in data.files
+        if re.fullmatch(r"(swa_)?[kv][0-9]+", name)
+    }
 
 
 def wait_until_state(decode: SglangDecode, room: int, state: str, timeout_s: float) -> float:

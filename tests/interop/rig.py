@@ -13,9 +13,12 @@ import numpy as np
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, NixlOptions, SglangOptions
 from prefill_worker.transfer.sglang.backend import SglangBackend
+from prefill_worker.transfer.swa_window import SlidingLayers
 
 
 class PrefillRig:
@@ -29,7 +32,10 @@ class PrefillRig:
         num_aux_rows: int = 8,
         write_timeout_s: float = 5.0,
         hooks: Hooks = DEFAULT_HOOKS,
+        sliding: SlidingLayers | None = None,
+        draft: DraftSide | None = None,
     ) -> None:
+        """``sliding``: a sliding-window model's layers (``SglangOptions.sliding``)."""
         self.layout = layout
         rng = np.random.default_rng(seed)
         self.pool = rng.integers(0, 256, layout.pool_bytes, dtype=np.uint8)
@@ -43,8 +49,9 @@ class PrefillRig:
             write_timeout_s,
             5.0,
             nixl=NixlOptions(agent_name),
+            sliding=sliding,
         )
-        self.backend = SglangBackend(self.regions(), options, hooks)
+        self.backend = SglangBackend(self.regions(), options, hooks, draft)
 
     def regions(self) -> KVRegions:
         raise NotImplementedError
@@ -77,9 +84,17 @@ class PrefillRig:
         assert self.pages.num_free == self.pages.num_pages
 
 
-def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple[AuxRow, list[int]]:
-    """The engine's part for one request: chunks of pages, then the aux row; until SUCCESS.
-    Returns the aux row and the worker pages that held the prompt."""
+def push(
+    rig: PrefillRig,
+    room: int,
+    num_tokens: int,
+    chunk_pages: int,
+    stats: list[TransferStats] | None = None,
+    on_aux_row: Callable[[int], None] = lambda row: None,
+) -> tuple[AuxRow, list[int]]:
+    """The engine's part for one request: chunks of pages, then the aux row (``on_aux_row``
+    called with it first: a draft's proposal goes there); until SUCCESS. Returns the aux
+    row and the worker pages that held the prompt; ``stats`` gets what landed."""
     lay = rig.layout
     sender = rig.backend.create_sender(room, f"req-{room}", num_tokens)
     assert rig.drive(lambda: sender.poll() is not KVPoll.BOOTSTRAPPING)
@@ -93,9 +108,12 @@ def push(rig: PrefillRig, room: int, num_tokens: int, chunk_pages: int) -> tuple
     computed = num_tokens - 3 * (room % 2)  # some rooms: 3 tokens from the prefix cache
     aux = AuxRow(200 + room % 100, -0.25, num_tokens, sender.num_cached_tokens(), 1, computed)
     rig.aux.write(row, aux)
+    on_aux_row(row)
     sender.send_aux(row)
     assert rig.drive(lambda: sender.poll().is_terminal)
     assert sender.poll() is KVPoll.SUCCESS, sender.failure_reason()
+    if stats is not None:
+        stats.append(sender.transfer_stats())
     sender.close()
     rig.drive(lambda: rig.backend.num_open_senders == 0)
     rig.aux.free(row)

@@ -618,6 +618,36 @@ def test_a_group_that_cannot_run_is_refused_with_exit_78(
     assert not rank_pids(os.getpid())
 
 
+# A process that reaches the rendezvous store and joins as rank 1 without the group's secret
+# (it ignores the one the leader hands it on stdin and answers the challenge with its own).
+IMPOSTOR = """
+import sys, datetime
+import torch.distributed as dist
+from prefill_worker.tp.secret import prove_membership
+port = int(sys.argv[sys.argv.index("--port") + 1])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(60))
+dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+group = dist.new_group(backend="gloo")  # as a rank does
+try:
+    prove_membership(b"not the group's secret, guessed", 1, 2, group)
+except ValueError:
+    pass
+"""
+
+
+def test_a_process_that_joins_without_the_groups_secret_fails_the_start(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the store let any process join as a rank and the group started with it (it
+    would have been sent every step's plan). Now the leader names it and exits 78."""
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", "parallel.tp_size=2"]
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    impostor = [sys.executable, "-c", IMPOSTOR]
+    assert Daemon(config, env={}, rank_command=impostor).run() == 78
+    assert "rank(s) 1 of the group do not hold its secret" in caplog.text
+    assert not rank_pids(os.getpid())
+
+
 def test_a_rank_that_never_joins_fails_the_start_at_the_rendezvous_timeout(
     checkpoint: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from prefill_worker.kv.draft_rows import MAX_TOPK
 from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLALayerWeights, MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec
@@ -43,8 +44,6 @@ from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe import ExpertsBackend
 from prefill_worker.model.moe.block import fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
-
-MAX_TOPK = 16  # SGLang's output_topk_p / output_topk_index rows are 16 wide
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -9,7 +9,9 @@ Per batch::
                 prompt token after it (ChunkPlan.next_token_id) or, on the prompt's last
                 chunk, its sampled token
     draft extend (its latent rows into the draft pool, at the target's slots)
-    each SampledToken carries the draft's proposal (batch.DraftRow)
+    each SampledToken carries the draft's proposal (batch.DraftRow), which is also written
+                into ``draft_rows`` at the chunk's aux row (ChunkPlan.state_slot), where the
+                transfer backends read it (``kv.draft_rows``)
 
 The draft runs on every chunk, not only the last, because its KV must cover the whole
 prompt; its cost is one more decoder layer and one LM head row per sampled chunk. A row
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from prefill_worker.batch import BatchOutput, BatchPlan, DraftRow, SampledToken
+from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.model.attention import AttentionBackend
 from prefill_worker.model.deepseek import DeepseekV3LM
 from prefill_worker.model.draft.mtp import DraftProposal, MTPDraft, shifted_ids
@@ -50,6 +53,12 @@ class DraftingRunner(Runner):
         assert draft_kv.layout.num_pages == kv_cache.layout.num_pages, "slots are shared"
         self.target, self.draft, self.draft_kv = model, draft, draft_kv
         self.on_draft_forward: Callable[[float], None] | None = None  # seconds per batch
+        self.draft_rows: DraftRows | None = None  # the proposals by aux row, once attached
+
+    @property
+    def hidden_bytes(self) -> int:
+        """A proposal's hidden state, in bytes (the draft's hidden size x the model dtype)."""
+        return self.draft.spec.hidden_size * self.target.dtype.itemsize
 
     def run(self, plan: BatchPlan) -> BatchOutput:
         if not plan.chunks:
@@ -69,7 +78,17 @@ class DraftingRunner(Runner):
         sampled = tuple(
             dataclasses.replace(s, draft=row) for s, row in zip(output.sampled, rows, strict=True)
         )
+        self._keep(plan, sampled)
         return dataclasses.replace(output, sampled=sampled)
+
+    def _keep(self, plan: BatchPlan, sampled: tuple[SampledToken, ...]) -> None:
+        """Each sampled chunk's proposal into its aux row's draft row (not a failed one's)."""
+        if self.draft_rows is None:
+            return
+        ending = [c for c in plan.chunks if c.sampling is not None]
+        for chunk, token in zip(ending, sampled, strict=True):
+            if token.error is None and token.draft is not None and chunk.state_slot is not None:
+                self.draft_rows.write(chunk.state_slot, token.draft)
 
     def _extend(
         self,

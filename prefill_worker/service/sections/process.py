@@ -74,6 +74,14 @@ class ParallelConfig(Section):
         "on one host (the one `serve` starts, or torchrun on loopback) binds only loopback.",
     )
 
+    group_secret_file: str | None = Field(
+        None,
+        description="Under torchrun: a file holding the group's shared secret (16 bytes or "
+        "more, e.g. `openssl rand -hex 32`), the same on every host; each rank proves it holds "
+        "it before the group serves (the rendezvous store lets anyone who reaches it join). "
+        "Required across hosts; a group `serve` starts makes its own each start.",
+    )
+
     @model_validator(mode="after")
     def _heartbeat_below_timeout(self) -> ParallelConfig:
         if self.heartbeat_interval_s >= self.step_timeout_s:

@@ -70,6 +70,13 @@ class TransferConfig(Section):
         "interfaces UCX listens on and sends over. Unset: `lo` when bootstrap_bind is on "
         "127.0.0.1, else UCX's default (every interface).",
     )
+    ucx_silent_close_s: float = Field(
+        10.0,
+        ge=0,
+        description="A TCP connection on the NIXL/UCX listener that has sent nothing this long "
+        "is shut down (a UCX peer speaks at once; NIXL keeps silent ones open for ever, an fd "
+        "each); 0 keeps them.",
+    )
     protocol: str = Field(
         "native",
         description="Which decodes the worker serves: `native` (the bootstrap protocol of "

@@ -38,15 +38,18 @@ from typing import Any
 
 import msgspec
 
+from prefill_worker.batch import DraftRow
 from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import PAGES, StateRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.decode.draft import check_draft, draft_pool, register_draft
 from prefill_worker.transfer.decode.io import IOThread, Waiters
 from prefill_worker.transfer.decode.link import WorkerLink
 from prefill_worker.transfer.decode.rooms import RoomState, RoomStatus, RoomTable
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.agent import deregister_regions, make_agent, register_regions
 from prefill_worker.transfer.nixl.state_lists import register_state
 
@@ -74,10 +77,14 @@ class KVReceiver:
         io_thread: bool = False,
         tp: tuple[int, int, int] | None = None,
         state: StateRegions | None = None,
+        draft: DraftSide | None = None,
     ) -> None:
         """``tp``: (this rank, the decode's TP size, the model's KV heads) for a decode of
         TP > 1; the pool must hold exactly this rank's heads (``ValueError`` otherwise).
-        ``state``: a hybrid model's state pool, on the KV pool's device."""
+        ``state``: a hybrid model's state pool, on the KV pool's device. ``draft``: a
+        speculating decode's draft pool and rows (``decode.draft``; ``read_draft``)."""
+        if draft is not None:
+            check_draft(draft, regions)
         if state is not None and state.device != regions.device:
             raise ValueError(
                 f"the state pool is on {state.device}, the KV pool on {regions.device}"
@@ -95,6 +102,8 @@ class KVReceiver:
         self._agent = make_agent(self.agent_name, list(nixl_backends), ucx_net_devices)
         self._reg = register_regions(self._agent, regions)
         self._state_reg = None if state is None else register_state(self._agent, state)
+        self.draft = draft
+        self._draft_regs = [] if draft is None else register_draft(self._agent, draft)
         self._link = WorkerLink(
             bootstrap_addr,
             self._register_msg,
@@ -234,6 +243,12 @@ class KVReceiver:
         raw = ctypes.string_at(self.regions.aux_base_addr + aux_slot * AUX_ROW_BYTES, AUX_ROW_BYTES)
         return AuxRow.unpack(raw)
 
+    def read_draft(self, aux_slot: int) -> DraftRow | None:
+        """The worker's draft proposal for a DONE room (with a ``draft``; None when the worker
+        wrote none into the slot)."""
+        self._check_slot(aux_slot)
+        return None if self.draft is None else self.draft.rows.read(aux_slot)
+
     def forget(self, room: int) -> None:
         """Drop a finished room's status; ``ValueError`` while it is PENDING (abort it)."""
         with self._lock:
@@ -266,6 +281,8 @@ class KVReceiver:
             self._link.close()
             if self._state_reg is not None:
                 self._agent.deregister_memory(self._state_reg)
+            for reg in reversed(self._draft_regs):
+                self._agent.deregister_memory(reg)
             deregister_regions(self._agent, self._reg)
 
     # -- internals (under the lock) -----------------------------------------------------
@@ -311,7 +328,8 @@ class KVReceiver:
         state: tuple[wire.StatePool, ...] | msgspec.UnsetType = msgspec.UNSET
         if self.state is not None:
             state = (wire.StatePool.of(self.state.component, self.state.base_addrs),)
-        return wire.Register.of(self.agent_name, metadata, self.regions, compat, tp, state)
+        draft = msgspec.UNSET if self.draft is None else draft_pool(self.draft)
+        return wire.Register.of(self.agent_name, metadata, self.regions, compat, tp, state, draft)
 
 
 def _decode_rank(regions: KVRegions, rank: int, tp_size: int, num_kv_heads: int) -> wire.DecodeRank:

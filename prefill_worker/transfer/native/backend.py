@@ -21,9 +21,11 @@ from msgspec import UNSET
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.desk import BootstrapDesk
 from prefill_worker.transfer.native.dialect import NativeDialect
+from prefill_worker.transfer.native.draft import LocalDraft
 from prefill_worker.transfer.nixl.agent import (
     deregister_regions,
     make_agent,
@@ -59,9 +61,11 @@ class NixlBackend(HubBackend[Peer]):
         options: NativeOptions,
         hooks: Hooks = DEFAULT_HOOKS,
         state: StateRegions | None = None,
+        draft: DraftSide | None = None,
     ) -> None:
         """``state``: a hybrid model's state pool, each request's slot (its aux row) sent
-        whole after its last pages and before its aux row."""
+        whole after its last pages and before its aux row. ``draft``: a draft model's pool
+        and rows, for decodes that register a draft pool (``native.draft``)."""
         self.regions, self.options = regions, options
         self.agent_name = options.nixl.agent_name or f"prefill-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = options.peer_timeout_s
@@ -92,6 +96,7 @@ class NixlBackend(HubBackend[Peer]):
                 self.state_lists = StateLists(
                     state, prep_state_list(self.agent, LOCAL_AGENT, state)
                 )
+            self._draft = None if draft is None else LocalDraft(self.agent, regions, draft)
         except BaseException:
             self._server.close()
             raise
@@ -100,7 +105,8 @@ class NixlBackend(HubBackend[Peer]):
             ExpiringTable(REFUSED_KEEP_S, _MAX_REFUSED_NAMES), ExpiringTable(0.0, 1)
         )  # no room is refused here: a native decode never asks before it registers
         aux_list = self.local_lists.aux
-        dialect = NativeDialect(self._server, self._poster, aux_list, refusals.names, clock)
+        rows = None if draft is None else (regions.aux_base_addr, draft.rows)
+        dialect = NativeDialect(self._server, self._poster, aux_list, refusals.names, clock, rows)
         layout = regions.layout
         head_bytes = layout.head_dim * layout.itemsize
         pages = PageLists(
@@ -114,6 +120,7 @@ class NixlBackend(HubBackend[Peer]):
             options.peer_timeout_s,
             clock,
             state=self.state_lists,
+            draft_pages=None if self._draft is None else self._draft.page_lists(pages),
         )
         self._start_hub(ctx, self.agent, refusals, "bootstrap", options, hooks)
         described = wire.Described(
@@ -134,6 +141,7 @@ class NixlBackend(HubBackend[Peer]):
             self._poster.run,
             regions,
             None if state is None else state.component,
+            draft,
         )
         self._next_heartbeat = clock()
 
@@ -181,6 +189,8 @@ class NixlBackend(HubBackend[Peer]):
         if self.state_lists is not None:
             self.state_lists.prepped.release()
             self.agent.deregister_memory(self._state_reg)
+        if self._draft is not None:
+            self._draft.close()
         deregister_regions(self.agent, self._reg)
         self._server.close()
 

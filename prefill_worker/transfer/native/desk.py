@@ -27,9 +27,11 @@ from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, mismatch
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.headplan import HeadSlice, decode_rank_error, plan_rank
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
+from prefill_worker.transfer.native.draft import decode_draft
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists, prep_lists
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, prep_local_slice, prep_slice_lists
 from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
@@ -60,9 +62,10 @@ class BootstrapDesk:
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
         state: StateComponent | None = None,  # a model with state: what a decode must hold
+        draft: DraftSide | None = None,  # a draft model: its pool and rows (``native.draft``)
     ) -> None:
         self._hub, self._server, self._agent = hub, server, agent
-        self._state = state
+        self._state, self._draft = state, draft
         self._layout, self._limits, self._regions = layout, limits, regions
         self._described = described
         self._place = RankPlace(0, 1, layout.num_kv_heads)  # this worker's place: TP 1
@@ -133,6 +136,9 @@ class BootstrapDesk:
         state = self._decode_state(msg)
         if isinstance(state, Refusal):
             return self._refuse(identity, state, msg.agent_name)
+        regions = decode_draft(msg, self._draft)
+        if isinstance(regions, Refusal):
+            return self._refuse(identity, regions, msg.agent_name)
         peers = self._hub.peers
         holder = next((p for p in peers.values() if p.agent_name == msg.agent_name), None)
         if holder is not None and holder.identity != identity:
@@ -154,7 +160,7 @@ class BootstrapDesk:
             why = f"metadata names agent {name!r}, not {msg.agent_name!r}"
             return self._refuse(identity, Refusal(RejectReason.BAD_METADATA, why), msg.agent_name)
         try:
-            lists = self._prep_lists(name, msg.regions, head_slice if is_fed else None)
+            lists = self._prep_lists(name, regions, head_slice if is_fed else None)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode pool: {exc}"
@@ -166,7 +172,7 @@ class BootstrapDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's state pool: {exc}"
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
-        peer = Peer(identity, name, msg.regions, lists, self._hub.clock(), head_slice=head_slice)
+        peer = Peer(identity, name, regions, lists, self._hub.clock(), head_slice=head_slice)
         peer.state = state_lists
         peer.is_fed, peer.registration = is_fed, msg
         if msg.tp is not UNSET:

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - only where nixl-cu13 is what is instal
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.nixl.listeners import note_new_listeners
 from prefill_worker.transfer.pagemap import (
     AUX_MEM_TYPE,
     aux_descriptor_table,
@@ -71,17 +72,18 @@ def make_agent(
         backends=list(backends),
         capture_telemetry=capture_telemetry,
     )
-    if not ucx_net_devices:
-        return nixl_agent(name, config)
-    previous = os.environ.get("UCX_NET_DEVICES")
-    os.environ["UCX_NET_DEVICES"] = ucx_net_devices  # for this agent only: restored below
-    try:
-        return nixl_agent(name, config)
-    finally:
-        if previous is None:
-            del os.environ["UCX_NET_DEVICES"]
-        else:
-            os.environ["UCX_NET_DEVICES"] = previous
+    with note_new_listeners():  # UCX's TCP listeners: their silent connections are closed
+        if not ucx_net_devices:
+            return nixl_agent(name, config)
+        previous = os.environ.get("UCX_NET_DEVICES")
+        os.environ["UCX_NET_DEVICES"] = ucx_net_devices  # for this agent only: restored below
+        try:
+            return nixl_agent(name, config)
+        finally:
+            if previous is None:
+                del os.environ["UCX_NET_DEVICES"]
+            else:
+                os.environ["UCX_NET_DEVICES"] = previous
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
+
+import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import PreppedLists
 from prefill_worker.transfer.nixl.state_lists import StateLists
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedWrite:
+    """One write of a routed peer: descriptor indices into our page list and into the peer's
+    KV list (``is_state`` False) or its state pool's list (``Peer.state``, True)."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    is_state: bool
+
+
+class PageRoute(Protocol):
+    """A peer whose pool takes our page regions in parts (SGLang's hybrid SWA pool: the full
+    layers' into its KV list, the sliding layers' window pages into its state pool)."""
+
+    def check(self, want: wire.Want, num_prompt_tokens: int) -> str | None:
+        """Why the want cannot be served by this route, or None."""
+        ...
+
+    def writes(
+        self,
+        want: wire.Want,
+        num_prompt_tokens: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        first_page: int,
+    ) -> Sequence[RoutedWrite]:
+        """The writes of our pages ``src`` (prompt pages from ``first_page`` on) whose KV-list
+        pages are ``dst``."""
+        ...
 
 
 @dataclass(eq=False)
@@ -37,6 +71,9 @@ class Peer:
     # A model with state: the decode's state pool as it registered it, its list prepared
     # (None: it registered none, so its wants are refused ``state_unsupported``).
     state: StateLists | None = None
+    # A pool that takes our regions in parts (writes go where the route says); None: every
+    # region of each page into ``lists.kv``.
+    route: PageRoute | None = None
 
 
 P = TypeVar("P", bound=Peer)  # a protocol's peer record

@@ -95,6 +95,17 @@ class PushContext(Generic[P]):
     # A model with state: its state pool (the request's slot is its aux row), written whole
     # before the aux row into each decode's ``Peer.state``.
     state: StateLists | None = None
+    # A draft model: our pool with the draft's layers after the target's
+    # (``transfer.draft``), for decodes whose pool holds them too (``Peer.regions`` of more
+    # layers than ``layout``): a chunk's pages go to both in one write.
+    draft_pages: PageLists | None = None
+
+    def pages_for(self, peer: P) -> PageLists:
+        """The list a peer's whole pages are written from."""
+        if peer.regions.layout.num_layers == self.layout.num_layers:
+            return self.pages
+        assert self.draft_pages is not None, "a peer with draft layers and no draft"
+        return self.draft_pages
 
 
 class PushSender(Generic[P]):
@@ -173,10 +184,14 @@ class PushSender(Generic[P]):
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
             except ValueError as exc:
                 return self.fail(str(exc))
-            if len(src) and peer.is_fed:
+            if not len(src) or not peer.is_fed:
+                continue
+            if peer.route is None:
                 self._post_pages(peer, src, dst)
                 if self._has_paged_state:
                     self._post_state_pages(peer, src, dst)
+            else:  # prompt page of src[0]: after the pages the decode holds
+                self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
@@ -260,6 +275,8 @@ class PushSender(Generic[P]):
             local = None if state is None else state.regions.component
             remote = None if peer.state is None else peer.state.regions
             reason = check_want_state(want, local, remote)
+        if reason is None and peer.route is not None:
+            reason = peer.route.check(want, self.num_prompt_tokens)
         if reason is None and self._wants and want.num_cached_tokens != self.num_cached_tokens():
             reason = "the decode ranks' wants differ in num_cached_tokens"
         if reason is not None:
@@ -342,7 +359,8 @@ class PushSender(Generic[P]):
     def _post_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
         start, start_cpu = time.perf_counter(), time.thread_time()
         pages, head_slice = self._ctx.pages, peer.head_slice
-        if head_slice is None:  # whole pages
+        if head_slice is None:  # whole pages (a draft's too, when the peer holds them)
+            pages = self._ctx.pages_for(peer)
             local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
             remote = region_indices(dst, pages.num_regions, peer.regions.layout.num_pages)
             local_list, num_bytes = pages.local, len(local) * pages.region_bytes
@@ -367,6 +385,25 @@ class PushSender(Generic[P]):
             state.prepped, local, peer.state.prepped, remote, b"", num_bytes
         )
         self._writes.add(write, self._ctx.clock())
+
+    def _post_routed(
+        self, peer: P, want: wire.Want, src: np.ndarray, dst: np.ndarray, first_page: int
+    ) -> None:
+        """Each part of the pages where the peer's route sends it (whole pages)."""
+        assert peer.route is not None
+        for part in peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page):
+            if not len(part.local):
+                continue
+            if part.is_state:
+                assert peer.state is not None, "a route into a state pool the peer lacks"
+                remote_list = peer.state.prepped
+            else:
+                remote_list = peer.lists.kv
+            num_bytes = len(part.local) * self._ctx.pages.region_bytes
+            write = self._ctx.poster.post(
+                self._ctx.pages.local, part.local, remote_list, part.remote, b"", num_bytes
+            )
+            self._writes.add(write, self._ctx.clock())
 
     def _post_state(self) -> None:
         """The request's state slot (its aux row), whole, into each decode's slot; the aux

@@ -52,14 +52,18 @@ def server_info(page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1) -> d
 
 
 def check_registration(
-    reg: Registration, ours: KVLayout, limits: BootstrapLimits, prefill_tp_size: int = 1
+    reg: Registration,
+    ours: KVLayout,
+    limits: BootstrapLimits,
+    prefill_tp_size: int = 1,
+    num_draft_layers: int = 0,
 ) -> Refusal | None:
     """Why this decode rank cannot be a peer of this worker (attention TP
-    ``prefill_tp_size``), or None."""
+    ``prefill_tp_size``, a draft model of ``num_draft_layers`` pool layers), or None."""
     return (
         _check_parallel(reg, ours, prefill_tp_size)
         or _check_features(reg, ours)
-        or _check_layout(reg, rank_layout(reg, ours))
+        or _check_layout(reg, rank_layout(reg, ours), num_draft_layers)
         or _check_memory(reg, limits)
         or _check_aux(reg)
         or _check_metadata(reg, limits)
@@ -181,23 +185,31 @@ def rank_layout(reg: Registration, ours: KVLayout) -> KVLayout:
     )
 
 
-def peer_regions(reg: Registration, ours: KVLayout) -> KVRegions:
+def peer_regions(reg: Registration, ours: KVLayout, num_draft_layers: int = 0) -> KVRegions:
     """The decode pool of an accepted registration, as this worker's page arithmetic sees it:
     ``num_slots`` pages per region (page 0 is SGLang's padding page, never named), each page
     holding the rank's heads. SGLang's MHA pool is per layer K then V (layer-major); its MLA
-    pool one latent per layer (mla: ``kv_ptrs[n:]`` is empty)."""
+    pool one latent per layer (mla: no V). A speculating decode appends its draft pool's
+    regions (its K then V, or latents) after the target's; with a draft of this worker's
+    ``num_draft_layers`` they are the pool's layers after the target's (``transfer.draft``),
+    else they are left out (never written)."""
     n, num_heads = ours.num_layers, rank_layout(reg, ours).num_kv_heads
+    target, planes = ours.planes * n, ours.planes
+    k, v = reg.kv_ptrs[:n], reg.kv_ptrs[n:target]
+    d = num_draft_layers if num_draft_entries(reg, ours) == planes * num_draft_layers else 0
+    k, v = k + reg.kv_ptrs[target : target + d], v + reg.kv_ptrs[target + d : target + planes * d]
     kind = MLA if ours.kind == MLA else LAYER_MAJOR
-    layout = KVLayout(n, num_heads, ours.head_dim, ours.dtype, ours.page_size, reg.num_slots, kind)
-    device = "cpu" if _mem_kind(reg) == "DRAM" else f"cuda:{reg.gpu_id}"
-    return KVRegions(
-        layout,
-        reg.kv_ptrs[:n],
-        reg.kv_ptrs[n:],
-        device,
-        reg.aux_ptrs[0],
-        AUX_ROWS_BOUND,
+    layout = KVLayout(
+        n + d, num_heads, ours.head_dim, ours.dtype, ours.page_size, reg.num_slots, kind
     )
+    device = "cpu" if _mem_kind(reg) == "DRAM" else f"cuda:{reg.gpu_id}"
+    return KVRegions(layout, k, v, device, reg.aux_ptrs[0], AUX_ROWS_BOUND)
+
+
+def num_draft_entries(reg: Registration, ours: KVLayout) -> int:
+    """The KV regions a decode registered past the target's: its draft pool's (SGLang's
+    ``num_draft_entries``, a decode that speculates), 0 for one that does not."""
+    return max(0, len(reg.kv_ptrs) - ours.planes * ours.num_layers)
 
 
 def _mem_kind(reg: Registration) -> str:
@@ -242,16 +254,21 @@ def _check_features(reg: Registration, ours: KVLayout) -> Refusal | None:
     return None
 
 
-def _check_layout(reg: Registration, ours: KVLayout) -> Refusal | None:
-    num_regions = ours.planes * ours.num_layers
-    if len(reg.kv_ptrs) != num_regions:
+def _check_layout(reg: Registration, ours: KVLayout, num_draft_layers: int) -> Refusal | None:
+    num_regions, extra = ours.planes * ours.num_layers, num_draft_entries(reg, ours)
+    is_draft = _is_draft_served(extra, num_regions, ours.planes, num_draft_layers)
+    if len(reg.kv_ptrs) < num_regions or not is_draft:
+        draft = f" and a draft of {num_draft_layers} layers" if num_draft_layers else ""
         return Refusal(
             RejectReason.LAYOUT_MISMATCH,
             f"decode registered {len(reg.kv_ptrs)} KV regions; this worker's model has "
-            f"{ours.num_layers} layers ({num_regions} regions: {_planes(ours)} of each)",
+            f"{ours.num_layers} layers{draft} ({num_regions} regions: {_planes(ours)} of "
+            "each)",
         )
-    lens = {reg.kv_item_len, *reg.kv_item_lens}
-    if lens != {ours.page_bytes} or len(reg.kv_item_lens) not in (0, num_regions):
+    # A draft pool this worker has no draft for is never written: only what is, is checked.
+    written = num_regions + (ours.planes * num_draft_layers if extra else 0)
+    lens = {reg.kv_item_len, *reg.kv_item_lens[:written]}
+    if lens != {ours.page_bytes} or len(reg.kv_item_lens) not in (0, len(reg.kv_ptrs)):
         return Refusal(
             RejectReason.LAYOUT_MISMATCH,
             f"decode KV page is {sorted(lens)} bytes per region; this worker's is "
@@ -259,6 +276,17 @@ def _check_layout(reg: Registration, ours: KVLayout) -> Refusal | None:
             f"the page size, KV dtype or {_row(ours)} differ",
         )
     return None
+
+
+def _is_draft_served(extra: int, num_regions: int, planes: int, num_draft_layers: int) -> bool:
+    """A decode's draft regions (``extra``) are whole layers, fewer than the target's (a
+    draft is a layer or a few: twice the regions is another pool, K and V where we have
+    latents), and this worker's draft's when it has one (a worker without one serves a
+    speculating decode its target's KV only, as SGLang's prefill without speculative
+    decoding does)."""
+    if extra % planes or extra >= num_regions:
+        return extra == 0
+    return extra == 0 or num_draft_layers == 0 or extra == planes * num_draft_layers
 
 
 def _planes(ours: KVLayout) -> str:

@@ -82,6 +82,12 @@ def remote_descs(
     return np.stack([ptrs + np.uint64(slot) * lens, lens, np.zeros_like(lens)], axis=1)
 
 
+def without_hidden(descs: np.ndarray) -> np.ndarray:
+    """A row's [10, 3] descriptors but ``output_hidden_states``'s: what a worker without a
+    draft writes into a speculating decode, whose hidden row is as wide as its draft's."""
+    return np.delete(descs, AUX_BUFFER_NAMES.index("output_hidden_states"), axis=0)
+
+
 class AuxStaging:
     """One SGLang-format row per aux row of the worker, in host memory NIXL registers once
     (``row_dtype``: the default row, or ``spec_row_dtype``'s for speculating decodes)."""

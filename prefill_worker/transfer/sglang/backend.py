@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
@@ -48,7 +49,11 @@ class SglangBackend(HubBackend[SglangPeer]):
     """Serves SGLang's bootstrap routes and control socket; the hub drives the transfers."""
 
     def __init__(
-        self, regions: KVRegions, options: SglangOptions, hooks: Hooks = DEFAULT_HOOKS
+        self,
+        regions: KVRegions,
+        options: SglangOptions,
+        hooks: Hooks = DEFAULT_HOOKS,
+        draft: DraftSide | None = None,  # a draft model's pool and rows (``transfer.draft``)
     ) -> None:
         self.clock = clock = hooks.clock
         self.limits = options.limits
@@ -62,7 +67,7 @@ class SglangBackend(HubBackend[SglangPeer]):
         agent_name = nixl.agent_name or f"prefill-sglang-{uuid.uuid4().hex[:12]}"
         try:
             self._start_io(regions, options)
-            local = LocalSide(regions, agent_name, nixl)
+            local = LocalSide(regions, agent_name, nixl, draft)
         except BaseException:
             self._close_all()
             raise
@@ -76,13 +81,29 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster = hooks.poster_factory(self.agent)
         # From here the transfer thread owns the agent; close() stops it before the closers.
         rows = aux.AuxRowsView(regions.aux_base_addr, regions.num_aux_rows)
-        dialect = SglangDialect(self._replies, self._poster, local.staging, rows)
+        draft_rows = None if draft is None else draft.rows
+        dialect = SglangDialect(
+            self._replies, self._poster, local.staging, rows, local.spec_staging, draft_rows
+        )
         layout = regions.layout
         head_bytes = layout.head_dim * layout.itemsize
         pages = PageLists(
             local.kv_list, layout.planes * layout.num_layers, layout.page_bytes, head_bytes
         )
-        ctx = PushContext(self._poster, pages, layout, dialect, options.write_timeout_s, clock)
+        num_draft_layers = 0 if draft is None else draft.num_layers
+        draft_pages = None
+        if draft is not None:
+            num_regions = layout.planes * (layout.num_layers + num_draft_layers)
+            draft_pages = PageLists(local.draft_list, num_regions, layout.page_bytes, head_bytes)
+        ctx = PushContext(
+            self._poster,
+            pages,
+            layout,
+            dialect,
+            options.write_timeout_s,
+            clock,
+            draft_pages=draft_pages,
+        )
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
         refusals = Refusals(
             ExpiringTable(0.0, 1), ExpiringTable(options.want_timeout_s, _MAX_REFUSED_ROOMS)
@@ -98,6 +119,8 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
+            options.sliding,
+            num_draft_layers,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         self._control.start()

@@ -2,9 +2,11 @@
 registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the prefix
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
-Everything is checked before NIXL sees it (``sglang.accept``). SGLang has no answer to a
-registration, so a refused decode learns why on its first request (reasons kept per agent
-name, bounded); that request also fails the room's own request, now or when it comes.
+Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
+``sglang.swa``, whose route then splits each page's regions between its two pools). SGLang
+has no answer to a registration, so a refused decode learns why on its first request
+(reasons kept per agent name, bounded); that request also fails the room's own request, now
+or when it comes.
 
 Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
 proves that. The ip a frame names must be its connection's, and in
@@ -36,10 +38,12 @@ import numpy as np
 
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
+from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
@@ -49,6 +53,7 @@ from prefill_worker.transfer.sglang.accept import (
     check_registration,
     check_request,
     check_source,
+    num_draft_entries,
     peer_regions,
     rank_slice,
     status_ranks,
@@ -56,6 +61,8 @@ from prefill_worker.transfer.sglang.accept import (
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
+from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
+from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
@@ -78,8 +85,11 @@ class SglangDesk:
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
+        sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
+        num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
+        self._num_draft_layers = num_draft_layers
         self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -90,6 +100,7 @@ class SglangDesk:
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
+        self._sliding = sliding
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -130,12 +141,20 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        refusal = check_registration(reg, self._layout, self._limits, self._prefill_tp)
+        layout, swa = self._layout, None
+        if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
+            window = accept_window(reg, self._layout, self._sliding, self._limits)
+            if isinstance(window, Refusal):
+                return self._refuse(reg.agent_name, window)
+            reg, layout, swa = window.registration, window.layout, window.swa
+        refusal = check_registration(
+            reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
+        )
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
-            if held.regions != peer_regions(reg, self._layout):
+            if held.regions != peer_regions(reg, layout, self._num_draft_layers):
                 why = f"agent {reg.agent_name!r} is registered with another pool"
                 self._count(RejectReason.NAME_TAKEN, why)
             return None
@@ -151,11 +170,11 @@ class SglangDesk:
             self._run(self._agent.remove_remote_agent, name)
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
-        regions = peer_regions(reg, self._layout)
-        head_slice = rank_slice(reg, self._layout, self._prefill_tp)
+        regions = peer_regions(reg, layout, self._num_draft_layers)
+        head_slice = rank_slice(reg, layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
-            lists = self._run(self._prep, name, regions, reg.aux_ptrs, sliced)
+            lists, state = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, swa)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
@@ -176,6 +195,9 @@ class SglangDesk:
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
+            state=state,
+            route=window_route(self._sliding, self._layout, regions, state),
+            num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
@@ -212,22 +234,27 @@ class SglangDesk:
         regions: KVRegions,
         aux_ptrs: tuple[int, ...],
         head_slice: HeadSlice | None,
-    ) -> PreppedLists:
+        swa: StateRegions | None = None,
+    ) -> tuple[PreppedLists, StateLists | None]:
         """The decode pool's descriptor list, once (token runs of its heads when it holds part
-        of ours, and ours of the same heads the first time); and row 0 of each metadata
-        buffer, which NIXL checks against what the decode registered (rows are written per
-        request). Runs where the agent lives."""
+        of ours, and ours of the same heads the first time); row 0 of each metadata buffer,
+        which NIXL checks against what the decode registered (rows are written per request);
+        and its hybrid SWA pool's, when it has one. Runs where the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
             self._prep_local(head_slice)
             table = slice_table(regions, head_slice.dst_head_offset, head_slice.num_heads)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
+        lists = None
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
-            return PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
+            lists = PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
+            if swa is None:
+                return lists, None
+            return lists, StateLists(swa, prep_state_list(self._agent, name, swa))
         except BaseException:
-            kv.release()
+            (kv if lists is None else lists).release()
             raise
 
     def _prep_local(self, head_slice: HeadSlice) -> None:
@@ -255,10 +282,15 @@ class SglangDesk:
         peer.last_seen = self._hub.clock()
         if peer.tp_size < self._prefill_tp and self._is_copy(peer, req.room):
             return None
+        want: wire.Want | Refusal = req.want()
+        if peer.route is not None:  # its window pages are state indices (``sglang.swa``)
+            want = window_want(req)
+            req = dataclasses.replace(req, has_state=False)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:
             return None  # the real request carries the room (the module docstring)
-        want = req.want()
+        if isinstance(want, Refusal):
+            return self._hub.refuse_room(peer, req.room, want)
         refusal = refusal or check_want_size(want, self._layout, peer.regions.layout)
         if refusal is not None:
             return self._hub.refuse_room(peer, req.room, refusal)

@@ -10,7 +10,8 @@ page ids as packed int32, both little-endian (the host's order on x86 and ARM). 
                    tp_size, tp_rank, kv_item_len, state_item_lens, state_dims, staging_ptr,
                    staging_size, num_slots, mem_kinds ("DRAM,DRAM,..."), kv_item_lens (Q),
                    state_layer_ids, kv_layer_ids, dcp_size, dcp_rank, state_data_lens]
-                  24 frames up to 0.5.22, 25 from 0.5.23 (the last one added)
+                  24 frames up to 0.5.22, 25 from 0.5.23 (the last one added); the state
+                  fields are packed lists per component (``state_frames``)
     request       [b"NixlMsgGuard", room, ip, port, agent_name, page_ids (int32), aux_index,
                    required_dst_info_num, state_indices, decode_prefix_len, is_dummy]
     abort         [b"ABORT", room, ip, port(, generation)]
@@ -25,9 +26,17 @@ from __future__ import annotations
 import ipaddress
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.sglang.state_frames import (
+    StateBuffers,
+    StateFrameError,
+    registration_state,
+    request_state,
+)
 
 GUARD = b"NixlMsgGuard"
 ABORT_TAG = b"ABORT"
@@ -43,6 +52,8 @@ MAX_ROOM = 2**63  # rooms are 63-bit on both protocols
 _INT = re.compile(rb"-?[0-9]{1,20}")
 _MAX_AGENT_NAME = 255
 _NIXL_MD_MAGIC = b"nixlSerDes|Agent"
+T = TypeVar("T")
+S = TypeVar("S")
 
 
 class FrameError(ValueError):
@@ -82,6 +93,7 @@ class Registration:
     dcp_size: int
     has_state: bool  # state buffers (Mamba, SWA, DSA) registered
     has_staging: bool  # a staging buffer for heterogeneous TP
+    state: tuple[StateBuffers, ...] = ()  # its state components, in its own order
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,7 @@ class TransferRequest:
     has_state: bool
     decode_prefix_len: int  # prompt tokens the decode already holds
     is_dummy: bool
+    state_indices: tuple[tuple[int, ...], ...] = ()  # per state component, the decode's items
 
     def want(self) -> wire.Want:
         return wire.Want(self.room, self.packed_page_ids, self.aux_index, self.decode_prefix_len)
@@ -168,6 +181,7 @@ def _registration(f: list[bytes]) -> Registration:
     if len(f) not in NUM_REGISTRATION_FRAMES:
         raise FrameError(f"a registration has 24 or 25 frames, this one has {len(f)}")
     kv_ptrs = _u64s(f[6], "kv_ptrs")
+    state = _state(registration_state, f)
     return Registration(
         endpoint=_endpoint(f[2], f[3]),
         agent_name=_name(f[4]),
@@ -183,8 +197,9 @@ def _registration(f: list[bytes]) -> Registration:
         kv_item_lens=_u64s(f[19], "kv_item_lens"),
         kv_layer_ids=_u32s(f[21], "kv_layer_ids"),
         dcp_size=_int(f[22], "dcp_size", 1) if f[22] else 1,
-        has_state=any(f[i] for i in (8, 13, 14, 20, *range(24, len(f)))),
+        has_state=bool(state),
         has_staging=bool(f[15] or f[16]),
+        state=state,
     )
 
 
@@ -193,6 +208,7 @@ def _request(f: list[bytes]) -> TransferRequest:
         raise FrameError(f"a transfer request has 11 frames, this one has {len(f)}")
     if len(f[5]) % 4:
         raise FrameError(f"page_ids is not packed int32 ({len(f[5])} bytes)")
+    state_indices = _state(request_state, f[8])
     return TransferRequest(
         room=_room(f[1]),
         endpoint=_endpoint(f[2], f[3]),
@@ -200,9 +216,10 @@ def _request(f: list[bytes]) -> TransferRequest:
         packed_page_ids=f[5],
         aux_index=_int(f[6], "aux_index", 0, 2**31 - 1),
         required_dst_info_num=_int(f[7], "required_dst_info_num", 1),
-        has_state=_has_ints(f[8]),
+        has_state=any(state_indices),
         decode_prefix_len=_int(f[9], "decode_prefix_len", 0, 2**31 - 1),
         is_dummy=_int(f[10], "is_dummy", 0, 1) == 1,
+        state_indices=state_indices,
     )
 
 
@@ -261,14 +278,9 @@ def _u32s(raw: bytes, what: str) -> tuple[int, ...]:
     return struct.unpack(f"<{len(raw) // 4}I", raw)
 
 
-def _has_ints(packed: bytes) -> bool:
-    """True when SGLang's packed list of int lists (u32 count, u32 lengths, data) holds any
-    value; an empty frame and lists that are all empty are no state."""
-    if not packed:
-        return False
-    if len(packed) < 4:
-        raise FrameError("state_indices is truncated")
-    (count,) = struct.unpack_from("<I", packed)
-    if len(packed) < 4 + 4 * count:
-        raise FrameError("state_indices is truncated")
-    return any(struct.unpack_from(f"<{count}I", packed, 4))
+def _state(parse_state: Callable[[T], S], raw: T) -> S:
+    """A state field (``state_frames``), its error as a ``FrameError``."""
+    try:
+        return parse_state(raw)
+    except StateFrameError as exc:
+        raise FrameError(str(exc)) from None

@@ -61,11 +61,12 @@ class Worker:
         self.regions = regions_over(spec, self.pool, self.aux.base_addr)
         clock = options.pop("clock", time.monotonic)
         state = options.pop("state", None)  # a StateRegions: a hybrid model's state pool
+        draft = options.pop("draft", None)  # a DraftSide: a draft model's pool and rows
         hooks = Hooks(clock=clock, on_reject=options.pop("on_reject", None))
         nixl = NixlOptions(ucx_net_devices=options.pop("ucx_net_devices", None))
         bind = "tcp://127.0.0.1:0"
         native = NativeOptions(bind, PEER_TIMEOUT_S, 0.1, want_timeout_s, nixl, **options)
-        self.backend = make_backend(self.regions, native, hooks, state)
+        self.backend = make_backend(self.regions, native, hooks, state, draft)
 
     def alloc(self, num_pages: int) -> list[int]:
         pages = self.pages.try_alloc(num_pages)

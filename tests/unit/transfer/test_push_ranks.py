@@ -262,3 +262,15 @@ def test_a_rank_fed_nothing_gets_no_page_write_and_a_sliced_write_counts_its_hea
     sender.progress()
     num_runs = len(rig.agent.handles[0].args[2])
     assert num_runs and sender.transfer_stats().bytes == num_runs * 2 * 32
+
+
+def test_a_rank_fed_nothing_does_not_hold_back_the_next_ranks_writes() -> None:
+    rig = Rig("native")
+    r0, r1 = _ranks(rig)
+    r0.is_fed = False  # the first rank's heads come from another prefill rank
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    rig.hub.want(r0, _want(0))
+    rig.hub.want(r1, _want(1))
+    sender.send_pages([1, 2], 0)
+    [write] = rig.agent.handles
+    assert write.args[1] == "ours-1"  # rank 1's heads, written all the same

@@ -29,6 +29,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 
 CAPTURED = json.loads((Path(__file__).parent / "sglang_frames.json").read_text())
@@ -105,8 +106,11 @@ class Rig:
         is_rejoining: bool = False,
         regions: KVRegions | None = None,  # ours: a desk that slices heads prepares them
         layout: KVLayout = LAYOUT,  # the worker's pool
+        sliding: SlidingLayers | None = None,  # a sliding-window model's layers
+        agent: FakeAgent | None = None,
+        num_draft_layers: int = 0,  # the worker's draft's
     ) -> None:
-        self.agent, self.replies = FakeAgent(), FakeReplies()
+        self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
@@ -124,6 +128,8 @@ class Rig:
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
+            sliding=sliding,
+            **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
         )
 
     @property

@@ -106,10 +106,15 @@ def test_the_registrations_fields_are_read_from_their_frames() -> None:
     assert registration(f22=b"2", f23=b"").dcp_size == 2
 
 
-@pytest.mark.parametrize("index", [8, 13, 14, 20, 24])
-def test_any_state_frame_marks_a_hybrid_registration(index: int) -> None:
-    assert registration(**{f"f{index}": b"\x01"}).has_state
+def test_state_frames_mark_a_hybrid_registration() -> None:
+    """The state fields themselves are ``test_sglang_state_frames``'s."""
+    one = packed_lists([7], fmt="Q")
+    assert registration(f8=one, f13=packed_lists([64], fmt="I")).has_state
     assert not registration().has_state
+    assert not registration(f8=struct.pack("<I", 0)).has_state  # no components
+    for index in (8, 13, 14, 20, 24):  # one byte is no packed list: refused, not guessed
+        message = changed("registration", **{f"f{index}": b"\x01"})
+        assert "is truncated (1 bytes)" in refusal(message)
 
 
 @pytest.mark.parametrize(("f15", "f16"), [(b"\x01", b""), (b"", b"\x01")])
@@ -182,20 +187,25 @@ def test_short_messages_are_refused_as_what_they_start() -> None:
     )
 
 
-def packed_lists(*lists: list[int]) -> bytes:
-    """SGLang's packed list of int lists: u32 count, u32 lengths, then the values."""
+def packed_lists(*lists: list[int], fmt: str = "i") -> bytes:
+    """SGLang's ``pack_int_lists``: u32 count, u32 byte lengths, then the values."""
+    width = struct.calcsize(fmt)
     values = [v for lst in lists for v in lst]
-    return struct.pack(f"<I{len(lists)}I{len(values)}I", len(lists), *map(len, lists), *values)
+    lens = [width * len(lst) for lst in lists]
+    return struct.pack(f"<I{len(lists)}I{len(values)}{fmt}", len(lists), *lens, *values)
 
 
 def test_state_indices_are_read_as_sglang_packs_them() -> None:
     assert not request(f8=struct.pack("<I", 0)).has_state  # no lists
-    assert request(f8=struct.pack("<II", 1, 5)).has_state  # exactly as long as it says
     assert not request(f8=struct.pack("<III", 2, 0, 0)).has_state  # lists, all empty
-    assert request(f8=struct.pack("<III", 2, 0, 7)).has_state
+    req = request(f8=packed_lists([], [5, -1, 7]))
+    assert req.has_state and req.state_indices == ((), (5, -1, 7))
     assert request(f8=packed_lists([1], [])).has_state
     for truncated in (b"\x01\x00", struct.pack("<II", 3, 0), b"\xff\xff\xff\xff"):
-        assert refusal(changed("request", f8=truncated)) == "state_indices is truncated"
+        assert "state_indices" in refusal(changed("request", f8=truncated))
+    assert refusal(changed("request", f8=struct.pack("<II", 1, 5))) == (
+        "state_indices: its lists' lengths add up to 5 bytes, it carries 0"
+    )
 
 
 def nixl_metadata(name: bytes, length: int | None = None) -> bytes:

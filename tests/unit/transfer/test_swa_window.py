@@ -60,19 +60,22 @@ def test_bad_input_is_refused():
     assert refusal("sglang").startswith(f"{SWA_UNSUPPORTED}: the sglang protocol")
 
 
-def test_every_protocol_but_native_refuses_a_claimed_room():
+def test_every_protocol_but_native_and_sglang_refuses_a_claimed_room():
+    """vLLM's sends of a sliding-window model are not proven against its decode; SGLang's
+    are (tests/interop/test_swa_landing.py), in both of its decode's modes."""
     from prefill_worker.kv.aux import AuxPool
     from prefill_worker.kv.pages import PagePool
     from prefill_worker.transfer.base import KVPoll
     from prefill_worker.transfer.swa_window import guard_unproven
     from tests.unit.scheduler.fakes import FakeBackend
 
-    inner = {n: FakeBackend(PagePool(8), AuxPool(2), auto_want=True) for n in ("native", "sglang")}
+    names = ("native", "sglang", "vllm")
+    inner = {n: FakeBackend(PagePool(8), AuxPool(2), auto_want=True) for n in names}
     guarded = guard_unproven(inner)
-    assert guarded["native"] is inner["native"]
-    native, sglang = (guarded[n].create_sender(7, "r", 12) for n in ("native", "sglang"))
+    assert guarded["native"] is inner["native"] and guarded["sglang"] is inner["sglang"]
+    native, vllm = (guarded[n].create_sender(7, "r", 12) for n in ("native", "vllm"))
     assert native.poll() is not KVPoll.FAILED
-    assert sglang.poll() is KVPoll.FAILED
-    assert sglang.failure_reason() == refusal("sglang")
-    assert inner["sglang"].senders["r"].worker_failure == refusal("sglang")
-    assert not inner["sglang"].senders["r"].sent
+    assert vllm.poll() is KVPoll.FAILED
+    assert vllm.failure_reason() == refusal("vllm")
+    assert inner["vllm"].senders["r"].worker_failure == refusal("vllm")
+    assert not inner["vllm"].senders["r"].sent

@@ -1,0 +1,244 @@
+"""An SGLang decode with a hybrid SWA pool (its ``swa`` state component; gpt-oss): what such
+a decode registers and asks, checked, and where each page region of ours goes.
+
+SGLang 0.5.23 runs a hybrid sliding-window model on ``SWAKVPool`` (``mem_cache/
+swa_memory_pool.py``) unless started with ``--disable-hybrid-swa-memory``: its KV list holds
+the full-attention layers only (K of each, then V), and the sliding layers' K and V are one
+state component of page-sized items in a pool of their own, registered once
+(``setup_state_kv_args``: ``state_types [swa]``, one buffer per sliding layer's K then V, no
+dims or layer ids). Per request the decode names the full layers' pages as usual and, as
+``state_indices[0]``, the SWA pool's pages for the window, ``[floor_page(max(prefix,
+seq_len - window)), seq_len)`` (``decode.py``, ``_swa_payload``); the prefill writes its own
+window pages there, position by position (``prefill.py`` and ``nixl/conn.py``,
+``maybe_send_extra``). So from our one pool (every layer, every page)::
+
+    our region                        -> the decode's
+    K, V of a full layer, prompt page -> its KV list, the page the request names
+    K, V of a sliding layer, page q   -> its SWA pool, window page q - first window page
+                                         (pages before the window: not sent)
+
+Only gpt-oss among the served families runs on it (``HYBRID_SWA_ARCHITECTURES``, SGLang's
+``is_hybrid_swa_model``; Gemma 3 is not, so its decodes hold the full pool). A decode of
+attention TP > 1 with one (SGLang slices its SWA pages per head), an older decode (no
+``state_data_lens``: the pool's size unknown) or any other state layout is refused by name.
+A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as a dense model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions, StateTensor
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.nixl.state_lists import StateLists
+from prefill_worker.transfer.push.peer import RoutedWrite
+from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
+from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
+from prefill_worker.transfer.validate import (
+    BootstrapLimits,
+    Refusal,
+    RejectReason,
+    outside_address_space,
+)
+
+HYBRID_SWA_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
+SWA_KIND = "sliding_window_kv"  # SGLang's "swa" state type
+
+
+class WindowWant(wire.Want, frozen=True):
+    """A want whose decode holds a hybrid SWA pool: also the window's pages in that pool,
+    packed int32 like ``dst_page_ids``."""
+
+    packed_dst_window_pages: bytes = b""
+
+    @property
+    def dst_window_pages(self) -> np.ndarray:
+        return np.frombuffer(self.packed_dst_window_pages, dtype="<i4")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WindowPool:
+    """An accepted registration with a hybrid SWA pool: the registration as its KV list
+    alone (the full layers, no state) with our layout of those layers, to check and map as
+    any decode's; and its SWA pool, as a state component's regions."""
+
+    registration: Registration
+    layout: KVLayout
+    swa: StateRegions
+
+
+def accept_window(
+    reg: Registration, ours: KVLayout, sliding: SlidingLayers, limits: BootstrapLimits
+) -> WindowPool | Refusal:
+    """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers."""
+    if reg.tp_size != 1:
+        return _unsupported(
+            f"a decode of attention TP {reg.tp_size} with a hybrid SWA pool (SGLang slices "
+            "its SWA pages per head): run it at attention TP 1, or with "
+            "--disable-hybrid-swa-memory"
+        )
+    if len(reg.state) != 1:
+        return _unsupported(
+            f"the decode registered {len(reg.state)} state components; this model's decode "
+            "holds one (swa: its sliding layers' K and V)"
+        )
+    swa = reg.state[0]
+    num_buffers = 2 * len(sliding.sliding)
+    if swa.dims or swa.layer_ids:
+        return _unsupported("the decode's state component is not a hybrid SWA pool")
+    if len(swa.data_ptrs) != num_buffers or len(swa.item_lens) != num_buffers:
+        why = (
+            f"decode registered {len(swa.data_ptrs)} SWA buffers; this model has "
+            f"{len(sliding.sliding)} sliding layers ({num_buffers}: K and V of each)"
+        )
+        return Refusal(RejectReason.LAYOUT_MISMATCH, why)
+    if set(swa.item_lens) != {ours.page_bytes}:
+        why = (
+            f"decode SWA page is {sorted(set(swa.item_lens))} bytes; this worker's is "
+            f"{ours.page_bytes}: the page size, KV dtype or head layout differ"
+        )
+        return Refusal(RejectReason.LAYOUT_MISMATCH, why)
+    return _window_pool(reg, ours, sliding, limits)
+
+
+def _window_pool(
+    reg: Registration, ours: KVLayout, sliding: SlidingLayers, limits: BootstrapLimits
+) -> WindowPool | Refusal:
+    swa = reg.state[0]
+    if len(swa.data_lens) != len(swa.data_ptrs) or len(set(swa.data_lens)) != 1:
+        return _unsupported(
+            "the decode's SWA buffers come without one size for all (state_data_lens, sent "
+            "from SGLang 0.5.23 on)"
+        )
+    num_items = swa.data_lens[0] // ours.page_bytes
+    if not 1 <= num_items <= limits.max_peer_pages:
+        why = (
+            f"decode SWA pool of {num_items} pages; this worker takes 1 to "
+            f"{limits.max_peer_pages} (transfer.max_peer_pages)"
+        )
+        return Refusal(RejectReason.TOO_LARGE, why)
+    region_bytes = num_items * ours.page_bytes
+    refusal = outside_address_space("SWA region", [(a, region_bytes) for a in swa.data_ptrs])
+    if refusal is not None:
+        return refusal
+    full = dataclasses.replace(ours, num_layers=len(sliding.full))
+    page = (ours.page_size, ours.num_kv_heads, ours.head_dim)
+    tensors = tuple(StateTensor(n, page, ours.dtype, ours.page_bytes) for n in ("k", "v"))
+    component = StateComponent(SWA_KIND, sliding.sliding, tensors, num_items, PAGES)
+    half = len(sliding.sliding)
+    bases = (swa.data_ptrs[:half], swa.data_ptrs[half:])
+    device = "cpu" if reg.mem_kinds[:1] == ("DRAM",) else f"cuda:{reg.gpu_id}"
+    kv_only = dataclasses.replace(reg, has_state=False, state=())
+    return WindowPool(kv_only, full, StateRegions(component, bases, device))
+
+
+def window_want(req: TransferRequest) -> WindowWant | Refusal:
+    """The request's want with its SWA window pages (its one state component's indices)."""
+    if len(req.state_indices) != 1:
+        why = (
+            f"the request names {len(req.state_indices)} state index lists; a decode with a "
+            "hybrid SWA pool names one (its window pages)"
+        )
+        return _unsupported(why)
+    want = req.want()
+    window = np.asarray(req.state_indices[0], dtype="<i4").tobytes()
+    return WindowWant(
+        want.room,
+        want.packed_dst_page_ids,
+        want.dst_aux_slot,
+        want.num_cached_tokens,
+        packed_dst_window_pages=window,
+    )
+
+
+def window_route(
+    sliding: SlidingLayers | None, ours: KVLayout, peer: KVRegions, swa: StateLists | None
+) -> WindowRoute | None:
+    """Where a decode with a hybrid SWA pool (``swa``; None: it has none) takes each of our
+    regions; ``peer`` is its KV list."""
+    if swa is None or sliding is None:
+        return None
+    swa_pages = swa.regions.component.num_items
+    peer_pages = peer.layout.num_pages
+    return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, ours.page_size)
+
+
+class WindowRoute:
+    """``PageRoute`` of one decode with a hybrid SWA pool; ``local_pages`` is our pool's page
+    count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's."""
+
+    def __init__(
+        self,
+        sliding: SlidingLayers,
+        local_pages: int,
+        peer_pages: int,
+        swa_pages: int,
+        page_size: int,
+    ) -> None:
+        n = sliding.num_layers
+        self._full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
+        self._sliding = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
+        self._window_tokens, self._page_size = sliding.window_tokens, page_size
+        self._local_pages, self._peer_pages, self._swa_pages = local_pages, peer_pages, swa_pages
+
+    def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
+        """The prompt pages whose sliding layers the decode keeps."""
+        return layer_pages(
+            num_prompt_tokens,
+            self._page_size,
+            want.num_cached_tokens,
+            self._window_tokens,
+            WINDOW,
+        )
+
+    def check(self, want: wire.Want, num_prompt_tokens: int) -> str | None:
+        if not isinstance(want, WindowWant):
+            return "the request names no SWA pages, which the decode's hybrid SWA pool needs"
+        ids, needed = want.dst_window_pages, len(self.window(want, num_prompt_tokens))
+        if len(ids) != needed:
+            return f"the request names {len(ids)} SWA pages, the window needs {needed}"
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._swa_pages):
+            return f"SWA pages outside the decode's SWA pool of {self._swa_pages} pages"
+        if np.unique(ids).size != ids.size:
+            return "the request's SWA pages repeat a page"
+        return None
+
+    def writes(
+        self,
+        want: wire.Want,
+        num_prompt_tokens: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        first_page: int,
+    ) -> Sequence[RoutedWrite]:
+        assert isinstance(want, WindowWant), "checked at bind"
+        full = RoutedWrite(
+            _indices(self._full, self._local_pages, src),
+            _indices(np.arange(len(self._full)), self._peer_pages, dst),
+            is_state=False,
+        )
+        window = self.window(want, num_prompt_tokens)
+        offsets = np.arange(first_page, first_page + len(src)) - window.start
+        kept = offsets >= 0
+        swa_dst = want.dst_window_pages[offsets[kept]]
+        part = RoutedWrite(
+            _indices(self._sliding, self._local_pages, src[kept]),
+            _indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst),
+            is_state=True,
+        )
+        return (full, part)
+
+
+def _indices(regions: np.ndarray, num_pages: int, pages: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``pages`` in each of ``regions`` (a list of ``num_pages`` per
+    region), region-major, as ``pagemap.region_indices``."""
+    base = np.asarray(regions, dtype=np.int32) * np.int32(num_pages)
+    return np.add.outer(base, np.asarray(pages, dtype=np.int32)).ravel()
+
+
+def _unsupported(why: str) -> Refusal:
+    return Refusal(RejectReason.UNSUPPORTED, why)
