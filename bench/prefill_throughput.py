@@ -2,7 +2,9 @@
 
 One row per model family (``FAMILIES``): a dense Llama of realistic proportions (hidden
 1024, 8 layers, GQA 16/4, vocab 32k), a Qwen3-MoE (64 experts, top 8), a DeepSeek-V3 (MLA
-attention, grouped sigmoid routing, a shared expert) and a Qwen3-Next (gated DeltaNet in 6
+attention, grouped sigmoid routing, a shared expert), a DeepSeek-V3.2 (the same plus a DSA
+indexer per layer choosing each query's top 512 keys; its row's ``kv_bytes_per_token`` counts
+the index keys too) and a Qwen3-Next (gated DeltaNet in 6
 of its 8 layers, both sides running the same torch delta rule; its FLOP count treats every
 layer as attention, so its MFU is indicative only) and a gpt-oss (sliding window 128 on every
 other layer, sinks, 64 experts, top 8; its FLOP count ignores the window). For each,
@@ -38,7 +40,12 @@ before ``kv_bytes_per_token`` was added, except deepseek_v3's: its 8 layers x (2
 latent values are 9216 bytes per token in fp32, the MLA arithmetic exactly). The
 qwen3_next rows name their command, tree and load: at full size fp32 1.55x and bf16 0.91x,
 ``--quick`` fp32 1.62x and bf16 0.88x (bf16 below the 1.2x goal; not profiled: both sides run
-the same torch delta rule, so the linear layers leave less to win than attention does).
+the same torch delta rule, so the linear layers leave less to win than attention does). The
+deepseek_v32 rows (``--quick --repeats 2``, 2 shared cores under load 11-17): fp32 0.87x and
+bf16 1.88x scoring every query against every key of its chunk; fp32 2.10x and bf16 1.56x once
+queries that see no more than top-k keys are not scored and each block of queries is scored
+against the keys up to its last one only (the bf16 move is the load's: the change only removes
+work). Full size, bf16, ``--repeats 1`` under load 15-19: 0.86x (below the goal, not profiled).
 """
 
 from __future__ import annotations
@@ -149,6 +156,51 @@ FAMILIES = (
             n_group=4,
             topk_group=2,
             first_k_dense_replace=1,
+        ),
+    ),
+    # DeepSeek-V3.2 (DSA): DeepSeek-V3's shape plus a lightning indexer per layer choosing the
+    # top 512 keys (quick: 256) of each query, so the longer prompts attend sparsely.
+    Family(
+        "deepseek_v32",
+        "DeepseekV32ForCausalLM",
+        "DeepseekV32Config",
+        DENSE
+        | MOE
+        | dict(
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_routed_experts=64,
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            first_k_dense_replace=1,
+            index_topk=512,
+            index_n_heads=16,
+            index_head_dim=64,
+        ),
+        DENSE_QUICK
+        | MOE_QUICK
+        | dict(
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            n_routed_experts=32,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            index_topk=256,
+            index_n_heads=8,
+            index_head_dim=64,
         ),
     ),
     # The hybrid: gated DeltaNet in 3 of 4 layers (its state in per-request slots), gated
@@ -287,6 +339,9 @@ def measure(
     )
     pool = kv_cache.layout  # bytes per token: for MLA, check-config's latent arithmetic
     kv_bytes_per_token = pool.pool_bytes // (pool.num_pages * pool.page_size)
+    index_cache = getattr(runner.model, "index_cache", None)  # DSA: its index keys, beside
+    if index_cache is not None:
+        kv_bytes_per_token += index_cache.num_bytes // (pool.num_pages * pool.page_size)
     batch = plan_of(prompts)
     runner.run(plan_of(prompts[:2]))  # warm-up
     hf_one_by_one(hf, prompts[:2])

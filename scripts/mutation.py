@@ -146,6 +146,7 @@ MODULES: dict[str, list[str]] = {
         _STATE,
         _SWA,
         _T + "test_push_draft.py",
+        _T + "test_push_paged_state.py",
     ],
     "prefill_worker/transfer/push/hub.py": [
         _SENDER,

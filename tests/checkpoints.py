@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    DeepseekV32Config,
     Gemma3TextConfig,
+    GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -123,6 +125,21 @@ CONFIGS["gemma3"] = lambda: Gemma3TextConfig(
     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
 )  # fmt: skip
+# DeepSeek-V3.2 / GLM-5 (DSA): DeepSeek-V3's MLA and experts plus an indexer of 6 heads of 24
+# (8 of them roped) picking the top 12 keys, far fewer than the test prompts: past 12 tokens
+# every query attends to 12 keys only. GLM-5's layer 2 reuses layer 1's choice ("shared").
+DSA_COMMON = dict(
+    **dict(COMMON, num_hidden_layers=3, num_key_value_heads=4), q_lora_rank=48,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+    moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, index_topk=12,
+    index_head_dim=24, index_n_heads=6, tie_word_embeddings=False,
+)  # fmt: skip
+CONFIGS["deepseek_v32"] = lambda: DeepseekV32Config(
+    **DSA_COMMON, n_group=4, topk_group=2, rope_parameters=YARN
+)
+CONFIGS["glm_moe_dsa"] = lambda: GlmMoeDsaConfig(**DSA_COMMON, index_topk_pattern="FFS")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEEDS = {family: i for i, family in enumerate(CONFIGS)}
 
@@ -136,7 +153,7 @@ def make_checkpoint(family: str, path: Path, sharded: bool = False, **overrides:
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "wq_b.weight")):
                 param.mul_(20.0)
             if name.endswith("kv_a_proj_with_mqa.weight"):  # the roped key part: 20x
                 param[-config.qk_rope_head_dim :].mul_(20.0)  # type: ignore[attr-defined]

@@ -8,12 +8,14 @@ receive from it as one ``StateComponent``::
     full_attention      K/V of every token                KV pages      (the KV list itself)
     linear_attention    conv window + recurrent matrix    state slots   SLOT    last chunk
     sliding_attention   K/V of the last ``window`` tokens  window pages  PAGES   each chunk (later)
-    sparse indexer      an index key per token (MLA)      index pages   PAGES   each chunk (later)
+    sparse indexer      an index key per token (MLA)      index pages   PAGES   each chunk
 
 The KV list holds the full-attention layers only. A component's ``kind`` is the
 protocol-neutral name; each protocol maps it to its own (SGLang: ``mamba``, ``swa``, ``dsa``)
 and applies its own end-state rule (SGLang's decode wants the state after the whole prompt).
-Only the linear-attention kind is built today; the others are refused at start.
+The linear-attention kind and the sparse indexer's (``model.index_cache``: ``index_keys``, a
+page of it lands in the decode page its KV page does) are built; sliding windows are sent as
+full pages (``transfer.swa_window``).
 """
 
 from __future__ import annotations

@@ -23,12 +23,15 @@ from prefill_worker.model.attention import (
     resolve_backend_name,
     resolve_mla_backend_name,
 )
+from prefill_worker.model.attention.sdpa_dsa import DSASdpaBackend
 from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
 from prefill_worker.model.draft.build import num_draft_layers, with_draft
+from prefill_worker.model.dsa import DeepseekV32LM, DSAModelWeights
 from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
+from prefill_worker.model.index_cache import IndexCache
 from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
@@ -72,8 +75,8 @@ class ModelInfo:
     attention_backend: str  # resolved: "sdpa" | "flashinfer" | "sinks" (gpt-oss's)
     moe_backend: str | None  # resolved: "grouped" | "naive" | "flashinfer"; None: a dense model
     eos_token_ids: tuple[int, ...]
-    state: StateComponent | None = None  # a hybrid model's linear-attention state pool
-    state_regions: StateRegions | None = None  # where that pool's slots live (transfers)
+    state: StateComponent | None = None  # a hybrid's state pool, a DSA model's index keys
+    state_regions: StateRegions | None = None  # where that pool's slots (pages) live
     sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
     sliding_layers: tuple[int, ...] = ()  # which of its layers slide
 
@@ -149,9 +152,12 @@ def build(
     if spec.linear is not None:
         state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
-    model, attention = create_model(spec, weights, tp, experts, backend_name, state)
-    if isinstance(attention, SinkWindowBackend):
-        backend_name = SinkWindowBackend.name
+    index_cache = None  # a DSA model's index keys, paged beside the MLA pool
+    if spec.indexer is not None:
+        index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
+    model, attention = create_model(spec, weights, tp, experts, backend_name, state, index_cache)
+    if isinstance(attention, SinkWindowBackend | DSASdpaBackend):
+        backend_name = attention.name
     dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
     check_kv_backend(dtype_name, backend_name)
     one_page = KVLayout(
@@ -165,7 +171,11 @@ def build(
     )
     with_draft_layers = one_page.num_layers + num_draft_layers(draft)
     budgeted = dataclasses.replace(one_page, num_layers=with_draft_layers)
-    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction)
+    index_bytes = 0 if index_cache is None else index_cache.bytes_per_page
+    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction, index_bytes)
+    if index_cache is not None:
+        index_cache.allocate(pages)
+        log.info("index cache (DSA): %d bytes beside the pool", index_cache.num_bytes)
     kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
     log.info(
         "KV pool (%s): %d pages of %d tokens, %d bytes",
@@ -177,8 +187,9 @@ def build(
     runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
-    if state is not None:
-        regions = state.regions(kv_cache.device_name)
+    beside = state if state is not None else index_cache  # what a decode needs beside the KV
+    if beside is not None:
+        regions = beside.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
     if spec.sliding is not None:
         sliding = spec.sliding
@@ -195,12 +206,17 @@ def create_model(
     experts: ExpertsBackend,
     attention_backend: str,
     state: StateCache | None = None,
+    index_cache: IndexCache | None = None,
 ) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
     family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
-    whatever ``attention_backend`` names, the others having no sinks or windows)."""
+    whatever ``attention_backend`` names, the others having no sinks or windows; a DSA family:
+    ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``)."""
     device = weights.embed.device
+    if isinstance(weights, DSAModelWeights):
+        assert index_cache is not None, "a DSA model needs its index cache"
+        return DeepseekV32LM(spec, weights, index_cache, tp, experts), DSASdpaBackend(device)
     if isinstance(weights, GptOssModelWeights):
         return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, Gemma3ModelWeights):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefill_worker.model.hf_dsa import DSA_FAMILIES, IndexerSpec, indexer_spec
 from prefill_worker.model.hf_linear import HYBRID_FAMILIES, LinearAttentionSpec, linear_spec
 from prefill_worker.model.hf_sliding import (
     MXFP4,
@@ -38,7 +39,10 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
 }
+MLA_FAMILIES = ("deepseek_v3", *DSA_FAMILIES)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -143,6 +147,7 @@ class ModelSpec:
     sliding: SlidingSpec | None = None  # gpt-oss: its sliding layers, sinks, experts
     num_nextn_layers: int = 0  # DeepSeek-V3's MTP layers, stored after the last decoder layer
     quant: QuantSpec | None = None  # FP8 weights (model.quant.spec); None: unquantized
+    indexer: IndexerSpec | None = None  # DeepSeek-V3.2 / GLM-5's sparse attention (hf_dsa)
 
     def outer_shapes(self) -> dict[str, tuple[int, ...]]:
         """The tensors around the layers every family's checkpoint holds: the embedding, the
@@ -183,7 +188,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
     hidden = int(_need(raw, "hidden_size"))
     head_dim = raw.get("head_dim") or hidden // num_heads
     has_bias = bool(raw.get("attention_bias", False))
-    mla = mla_spec(raw) if family == "deepseek_v3" else None
+    mla = mla_spec(raw) if family in MLA_FAMILIES else None
     if mla is not None and has_bias:
         raise ValueError("attention_bias is not supported with multi-head latent attention")
     rope = _rope(global_rope_fields(raw, family))
@@ -218,6 +223,7 @@ def spec_from_dict(raw: Mapping[str, Any]) -> ModelSpec:
         sliding=sliding_spec(raw, family) if family in SLIDING_FAMILIES else None,
         num_nextn_layers=int(raw.get("num_nextn_predict_layers") or 0) if mla else 0,
         quant=_weight_quant(raw, family),
+        indexer=indexer_spec(raw, family) if family in DSA_FAMILIES else None,
     )
 
 
@@ -243,7 +249,7 @@ def _dense_width_key(family: str) -> str:
 def _has_experts(raw: Mapping[str, Any], family: str) -> bool:
     if family in ("qwen3_next", "qwen3_5_moe"):
         return bool(raw.get("num_experts"))
-    return family in ("qwen3_moe", "deepseek_v3")
+    return family in ("qwen3_moe", *MLA_FAMILIES)
 
 
 def mla_spec(raw: Mapping[str, Any]) -> MLASpec:
@@ -287,9 +293,12 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         # Qwen3.5-MoE's router always renormalises (its config has no such field)
         norm_topk_prob=bool(raw.get("norm_topk_prob", raw.get("model_type") == "qwen3_5_moe_text")),
     )
-    if str(raw.get("model_type", "")).startswith("deepseek"):
+    if str(raw.get("model_type", "")).startswith(("deepseek", "glm_moe_dsa")):
         first_dense = int(raw.get("first_k_dense_replace") or 0)
         freq = int(raw.get("moe_layer_freq") or 1)
+        kinds = raw.get("mlp_layer_types")  # DeepSeek-V3.2 / GLM-5 name them per layer
+        if kinds and len(kinds) != num_layers:
+            raise ValueError(f"mlp_layer_types has {len(kinds)} entries for {num_layers} layers")
         n_group = int(raw.get("n_group") or 1)
         if num_experts % n_group:
             raise ValueError(f"{num_experts} experts do not split into {n_group} groups")
@@ -299,7 +308,9 @@ def moe_spec(raw: Mapping[str, Any]) -> MoESpec:
         return MoESpec(
             **common,  # type: ignore[arg-type]
             sparse_layers=frozenset(
-                i for i in range(num_layers) if i >= first_dense and i % freq == 0
+                i
+                for i in range(num_layers)
+                if (kinds[i] == "sparse" if kinds else i >= first_dense and i % freq == 0)
             ),
             scoring="sigmoid",
             n_group=n_group,

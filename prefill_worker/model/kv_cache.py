@@ -51,10 +51,12 @@ def pool_num_pages(
     num_pages: int | None = None,
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
+    extra_page_bytes: int = 0,
 ) -> int:
     """Pages per layer from the first size given: a count, a byte budget, or (CUDA) a
-    fraction of the device memory free right now. ``layout.num_pages`` is ignored."""
-    bytes_per_page = layout.planes * layout.num_layers * layout.page_bytes  # every plane
+    fraction of the device memory free right now. ``layout.num_pages`` is ignored.
+    ``extra_page_bytes``: what each page also costs beside the pool (a DSA index cache)."""
+    bytes_per_page = layout.planes * layout.num_layers * layout.page_bytes + extra_page_bytes
     if num_pages is not None:
         count = num_pages
     elif memory_bytes is not None:

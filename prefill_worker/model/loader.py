@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from prefill_worker.model.deepseek import MLALayerWeights, MLAModelWeights
+from prefill_worker.model.dsa_loader import fuse_dsa, indexer_shapes
 from prefill_worker.model.gemma3 import Gemma3ModelWeights
 from prefill_worker.model.gemma3_loader import fuse_gemma3, gemma3_shapes
 from prefill_worker.model.gpt_oss import GptOssModelWeights
@@ -105,6 +106,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.has_qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (dim,)
             shapes[p + "self_attn.k_norm.weight"] = (dim,)
+    if spec.indexer is not None:
+        shapes |= indexer_shapes(spec)
     return shapes
 
 
@@ -284,7 +287,8 @@ def fuse_weights(
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:
         mla_layers = tuple(_mla_layer(spec, source, i) for i in range(spec.num_layers))
-        return MLAModelWeights(embed, mla_layers, source.get("model.norm.weight"), lm_head)
+        mla = MLAModelWeights(embed, mla_layers, source.get("model.norm.weight"), lm_head)
+        return mla if spec.indexer is None else fuse_dsa(spec, mla, source.get)
     layers = tuple(_layer(spec, source, i) for i in range(spec.num_layers))
     return ModelWeights(embed, layers, source.get("model.norm.weight"), lm_head)
 

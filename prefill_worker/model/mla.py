@@ -101,11 +101,29 @@ def mla_attention(
     backend: MLAAttentionBackend,
 ) -> torch.Tensor:
     """Write the tokens' latent rows into the pool; return the heads' outputs ``[T, H, v]``."""
-    rotary, cos, sin = rope
     kv_cache, layer, slots = cache
+    q, rows, _ = mla_project(h, w, spec, eps, rope)
+    kv_cache.write_latent(layer, slots, rows[:, : spec.kv_lora_rank], rows[:, spec.kv_lora_rank :])
+    out = q.new_empty(q.shape[0], q.shape[1], spec.v_head_dim)
+    backend.attend_latent(q, rows, kv_cache.k[layer], w.kv_b, spec, out)
+    return out
+
+
+def mla_project(
+    h: torch.Tensor,  # [T, hidden], the input-normed residual
+    w: MLAWeights,
+    spec: MLASpec,
+    eps: float,
+    rope: tuple[Rotary, torch.Tensor, torch.Tensor],  # the rotary, cos and sin [T, 1, rope/2]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The roped queries ``[T, H, nope + rope]``, the pool rows ``[T, r + rope]`` and the
+    low-rank q before ``q_b`` (``[T, q_lora_rank]``, a DSA indexer's input; None without)."""
+    rotary, cos, sin = rope
     num_tokens, rank, nope = h.shape[0], spec.kv_lora_rank, spec.qk_nope_head_dim
+    q_resid = None
     if w.q_a is not None and w.q_a_norm is not None:
-        q = F.linear(rms_norm(F.linear(h, w.q_a), w.q_a_norm, eps), w.q_b)
+        q_resid = rms_norm(F.linear(h, w.q_a), w.q_a_norm, eps)
+        q = F.linear(q_resid, w.q_b)
     else:
         q = F.linear(h, w.q_b)
     q = q.view(num_tokens, -1, spec.qk_head_dim)  # [T, H, nope + rope]
@@ -117,7 +135,4 @@ def mla_attention(
     q_rope = torch.empty_like(q[..., nope:])
     apply(q[..., nope:], cos, sin, q_rope)
     q[..., nope:] = q_rope
-    kv_cache.write_latent(layer, slots, rows[:, :rank], rows[:, rank:])
-    out = q.new_empty(num_tokens, q.shape[1], spec.v_head_dim)
-    backend.attend_latent(q, rows, kv_cache.k[layer], w.kv_b, spec, out)
-    return out
+    return q, rows, q_resid

@@ -108,7 +108,11 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
             f"shared, {len(moe.sparse_layers)} of {spec.num_layers} layers sparse "
             f"(KV does not depend on them)"
         )
-    _check_pool(config, shape, check)
+    index_bytes = 0
+    if spec is not None and spec.indexer is not None:
+        index_bytes = _index_page_bytes(config, spec, shape.torch_dtype)
+        check.notes.append(_index_note(config, spec, index_bytes))
+    _check_pool(config, shape, check, index_bytes)
     if spec is not None:
         _note_weights(config, spec, check)
     if spec is not None and spec.linear is not None:
@@ -193,7 +197,32 @@ def _raw_config(path: Path) -> dict[str, Any] | None:
     return raw if isinstance(raw, dict) else None
 
 
-def _check_pool(config: Config, shape: PoolShape, check: ModelCheck) -> None:
+def _index_page_bytes(config: Config, spec: ModelSpec, torch_dtype: str | None) -> int:
+    """A DSA model's index keys of one page, every indexed layer (the model's dtype: the
+    index cache is not quantized with the KV)."""
+    assert spec.indexer is not None
+    dtype: str = config.model.dtype
+    if dtype == "auto":
+        dtype = torch_dtype if torch_dtype in DTYPE_ITEMSIZE else "float32"
+    per_token = len(spec.indexer.indexed_layers) * spec.indexer.head_dim * DTYPE_ITEMSIZE[dtype]
+    return per_token * config.cache.page_size
+
+
+def _index_note(config: Config, spec: ModelSpec, page_bytes: int) -> str:
+    assert spec.indexer is not None
+    idx = spec.indexer
+    return (
+        f"index cache (DSA): {len(idx.indexed_layers)} indexed layers × index_head_dim "
+        f"{idx.head_dim} = {page_bytes // config.cache.page_size} bytes per token beside the "
+        f"KV, paged with it (in the KV budget below); each query attends to its top "
+        f"{idx.topk} keys; served to native decodes only (their index pool beside the KV)"
+    )
+
+
+def _check_pool(
+    config: Config, shape: PoolShape, check: ModelCheck, extra_page_bytes: int = 0
+) -> None:
+    """``extra_page_bytes``: what a page also costs beside the pool (a DSA index cache)."""
     dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = shape.torch_dtype if shape.torch_dtype in DTYPE_ITEMSIZE else "float32"
@@ -204,7 +233,7 @@ def _check_pool(config: Config, shape: PoolShape, check: ModelCheck) -> None:
         shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype, cache.page_size, 1, kind
     )
     check.notes.extend(_row_notes(shape, one_page))
-    bytes_per_page = one_page.pool_bytes  # every layer's K and V (or latent) of one page
+    bytes_per_page = one_page.pool_bytes + extra_page_bytes  # every layer's K and V (or latent)
     longest = min(config.scheduler.max_prompt_tokens, shape.max_position)
     if config.scheduler.max_prompt_tokens > shape.max_position:
         check.notes.append(

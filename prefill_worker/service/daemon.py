@@ -31,6 +31,7 @@ from prefill_worker.ingress.http import HttpApi, is_front_id
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
+from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.model import KVCache, ModelInfo, build
 from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
@@ -203,7 +204,9 @@ class Daemon:
         self.transfer_endpoints = transfer.endpoints
         with watch("kv events"):
             self._start_kv_events()
-        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, info.state is None)
+        # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
+        can_share = info.state is None or info.state.copy == PAGES
+        prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, can_share)
         engine = make_engine(
             cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache, self.tracer
         )

@@ -214,7 +214,8 @@ def make_prefix_cache(
 ) -> PrefixCache:
     """The prefix cache over the pool (``cache.prefix_caching``), reporting to ``events``.
     ``can_share`` False (a hybrid model: a hit would skip its linear layers' state, which
-    pages do not hold): none, whatever the configuration says."""
+    pages do not hold; a DSA model's index keys are in its pages, so it shares): none,
+    whatever the configuration says."""
     cfg = config.cache
     with startup_step("prefix cache"):
         if cfg.prefix_caching and not can_share:

@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from msgspec import UNSET
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
 from prefill_worker.kv.layout import KVLayout, KVRegions
-from prefill_worker.kv.state_layout import StateComponent, StateRegions
+from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions
 from prefill_worker.transfer.state_guard import STATE_UNSUPPORTED
 from prefill_worker.transfer.wire import Want
 
@@ -85,12 +86,24 @@ def check_want_state(
             f"{STATE_UNSUPPORTED}: the decode registered no {local.kind} state, which this "
             "model's decode needs beside the KV (hybrid models: docs/models.md)"
         )
+    if local.copy == PAGES:  # written into the want's own pages: they must be in its pool
+        return _check_state_pages(want, remote.component.num_items)
     slot = want.dst_state_slot
     if not isinstance(slot, int):
         return f"{STATE_UNSUPPORTED}: the want names no dst_state_slot for the {local.kind} state"
     num_items = remote.component.num_items
     if not 0 <= slot < num_items:
         return f"dst_state_slot {slot} outside 0..{num_items - 1}"
+    return None
+
+
+def _check_state_pages(want: Want, num_items: int) -> str | None:
+    """A paged component (a DSA model's index keys) lands in the want's ``dst_page_ids``."""
+    if want.dst_state_slot is not UNSET:
+        return "dst_state_slot: a paged state component lands in dst_page_ids, not a slot"
+    ids = want.dst_page_ids
+    if ids.size and int(ids.max()) >= num_items:
+        return f"dst_page_ids outside the decode's state pool of {num_items} pages"
     return None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.attention.sdpa import SdpaBackend
+from prefill_worker.model.attention.sdpa import SdpaBackend, _Planned
 from prefill_worker.model.hf_config import MLASpec
 from prefill_worker.model.quant.kv import from_pool
 
@@ -26,21 +26,35 @@ class MLASdpaBackend(SdpaBackend):
         spec: MLASpec,
         out: torch.Tensor,  # [T, H, v], written
     ) -> None:
-        heads, nope, rank = q.shape[1], spec.qk_nope_head_dim, spec.kv_lora_rank
         for p in self._planned:
-            # [m, r + rope]: the prefix's rows [0, start) from its pages, then its own fresh ones
-            chunk_rows = rows[p.q_start : p.q_end]
-            if p.kv_rows is not None:
-                chunk_rows = torch.cat([from_pool(pool[p.kv_rows][:, 0], q.dtype), chunk_rows])
-            kv = F.linear(chunk_rows[:, :rank], kv_b).view(-1, heads, nope + spec.v_head_dim)
-            k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
-            k[..., :nope] = kv[..., :nope]
-            k[..., nope:] = chunk_rows[:, None, rank:]
-            # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
-            qh, kh, vh = (
-                t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, kv[..., nope:])
-            )
-            attn = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=p.mask, is_causal=p.mask is None, scale=spec.softmax_scale
-            )
-            out[p.q_start : p.q_end] = attn[0].transpose(0, 1)
+            self._attend_chunk(p, q, rows, pool, kv_b, spec, p.mask, out)
+
+    @staticmethod
+    def _attend_chunk(
+        p: _Planned,
+        q: torch.Tensor,  # [T, H, nope + rope], RoPE applied
+        rows: torch.Tensor,  # [T, r + rope], this batch's fresh pool rows
+        pool: torch.Tensor,  # [P, page_size, 1, r + rope], rows written
+        kv_b: torch.Tensor,  # [H (nope + v), r]
+        spec: MLASpec,
+        mask: torch.Tensor | None,  # [n, end] bool, True = may attend; None: plain causal
+        out: torch.Tensor,  # [T, H, v], the chunk's rows written
+    ) -> None:
+        """One planned chunk's attention over its prefix's latents, under ``mask``."""
+        heads, nope, rank = q.shape[1], spec.qk_nope_head_dim, spec.kv_lora_rank
+        # [m, r + rope]: the prefix's rows [0, start) from its pages, then its own fresh ones
+        chunk_rows = rows[p.q_start : p.q_end]
+        if p.kv_rows is not None:
+            chunk_rows = torch.cat([from_pool(pool[p.kv_rows][:, 0], q.dtype), chunk_rows])
+        kv = F.linear(chunk_rows[:, :rank], kv_b).view(-1, heads, nope + spec.v_head_dim)
+        k = q.new_empty(kv.shape[0], heads, spec.qk_head_dim)  # [m, H, nope + rope]
+        k[..., :nope] = kv[..., :nope]
+        k[..., nope:] = chunk_rows[:, None, rank:]
+        # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
+        qh, kh, vh = (
+            t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, kv[..., nope:])
+        )
+        attn = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=spec.softmax_scale
+        )
+        out[p.q_start : p.q_end] = attn[0].transpose(0, 1)

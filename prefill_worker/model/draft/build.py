@@ -31,7 +31,8 @@ def with_draft(model_path: str | Path, runner: Runner, kind: str, topk: int) -> 
     if kind == "none":
         return runner
     model = runner.model
-    if not isinstance(model, DeepseekV3LM):
+    if not isinstance(model, DeepseekV3LM) or model.spec.indexer is not None:
+        # a DSA model's MTP layer has its own indexer, which the draft does not run
         raise ValueError(f"draft 'mtp' needs a DeepSeek-V3 model, not {model.spec.architecture}")
     if not model.tp.is_single:
         raise ValueError("draft 'mtp' runs at tensor parallelism 1 only")

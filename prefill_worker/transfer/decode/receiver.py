@@ -15,6 +15,8 @@ A hybrid model's decode also gives its state pool (``state``: ``StateRegions``, 
 ``transfer.state_regions_from_tensors`` over the component ``describe_state`` names), on the
 KV pool's device; each ``want`` then names the ``state_slot`` the room's state (the linear
 layers' conv and recurrent state after the whole prompt) lands in, before the aux row.
+A DSA model's (``index_keys``, copied as ``pages``) is a pool of as many pages as the KV
+pool: its wants name no ``state_slot``, the index keys land in the room's own page ids.
 
 A decode of tensor-parallel size d > 1 runs one receiver per rank (``tp=(rank, d,
 num_kv_heads)``), each over its rank's pool of its KV heads (``kv.heads``), each wanting every
@@ -41,7 +43,7 @@ from prefill_worker.curve import CurveClientKeys
 from prefill_worker.kv.aux import AUX_ROW_BYTES, AuxRow
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVRegions
-from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.kv.state_layout import PAGES, StateRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.decode.draft import check_draft, draft_pool, register_draft
 from prefill_worker.transfer.decode.io import IOThread, Waiters
@@ -312,6 +314,10 @@ class KVReceiver:
                 raise ValueError(f"room {room}: a state_slot, but this receiver has no state pool")
             return
         num_items = self.state.component.num_items
+        if self.state.component.copy == PAGES:  # lands in the room's own pages
+            if state_slot is not None:
+                raise ValueError(f"room {room}: a paged state pool takes no state_slot")
+            return
         if state_slot is None or not 0 <= state_slot < num_items:
             raise ValueError(f"room {room}: state_slot must be in [0, {num_items})")
 

@@ -45,6 +45,13 @@ class StateLists:
     regions: StateRegions
     prepped: Any  # nixl prepped descriptor list
 
+    def page_indices(self, pages: np.ndarray) -> np.ndarray:
+        """The descriptors of ``pages`` (a paged component: items are pages) in every run,
+        run after run: ``run * num_items + page``."""
+        runs = np.arange(len(self.regions.runs), dtype=np.int64)[:, None]
+        flat = runs * self.regions.component.num_items + np.asarray(pages, dtype=np.int64)
+        return flat.ravel().astype(np.int32)
+
     def indices(self, item: int) -> np.ndarray:
         """The descriptors of one slot, whole: one per (tensor, layer) run."""
         return np.asarray(self.regions.item_indices(item), dtype=np.int32)

@@ -2,7 +2,9 @@
 
 Order of a successful push::
 
-    send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named
+    send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named (a
+                     paged state component, a DSA model's index keys: its pages too, into
+                     the same decode pages of its own pool)
     send_aux         remembered; once no page write is in flight: the state slot's WRITE
                      (a model with state: every run of the request's slot into the decode's
                      ``dst_state_slot``), and once that landed the dialect's aux WRITE
@@ -34,6 +36,7 @@ import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
@@ -139,6 +142,9 @@ class PushSender(Generic[P]):
         self._other_writes: tuple[Write, ...] = ()  # the room's writes made elsewhere
         self._index_s = 0.0  # building descriptor indices (engine thread)
         self._index_cpu_s = 0.0
+        # A paged state component (a DSA model's index keys) goes with the pages: none at the end.
+        self._has_paged_state = ctx.state is not None and ctx.state.regions.component.copy == PAGES
+        self._is_state_posted = self._is_state_posted or self._has_paged_state
 
     # -- KVSender -----------------------------------------------------------------------
 
@@ -182,6 +188,8 @@ class PushSender(Generic[P]):
                 continue
             if peer.route is None:
                 self._post_pages(peer, src, dst)
+                if self._has_paged_state:
+                    self._post_state_pages(peer, src, dst)
             else:  # prompt page of src[0]: after the pages the decode holds
                 self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
 
@@ -364,6 +372,18 @@ class PushSender(Generic[P]):
         self._index_s += time.perf_counter() - start
         self._index_cpu_s += time.thread_time() - start_cpu
         write = self._ctx.poster.post(local_list, local, peer.lists.kv, remote, b"", num_bytes)
+        self._writes.add(write, self._ctx.clock())
+
+    def _post_state_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
+        """A paged component's pages (a DSA model's index keys) into the decode's pages the
+        chunk's KV went to, in the component's pool: one write with the chunk's."""
+        state = self._ctx.state
+        assert state is not None and peer.state is not None
+        local, remote = state.page_indices(src), peer.state.page_indices(dst)
+        num_bytes = len(src) * state.regions.component.slot_bytes
+        write = self._ctx.poster.post(
+            state.prepped, local, peer.state.prepped, remote, b"", num_bytes
+        )
         self._writes.add(write, self._ctx.clock())
 
     def _post_routed(

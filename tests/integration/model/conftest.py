@@ -52,6 +52,24 @@ def hf_mla_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-u
     return out.logits[0].float(), rows
 
 
+def hf_index_keys(model, ids: list[int]) -> dict[int, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """transformers' DSA index keys ``[S, Di]`` per indexed layer, in our pool's order (its
+    interleaved-rope indexer's rotated even elements first, then the odd ones; ours in place)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    interleave, rope = model.config.model_type == "glm_moe_dsa", model.config.qk_rope_head_dim
+    keys = {}
+    for layer, cached in enumerate(out.past_key_values.layers):
+        if not cached.is_indexer_initialized:
+            continue  # a shared layer: no indexer
+        k = cached.indexer_keys[0].clone()  # [S, Di]
+        if interleave:
+            rot = k[:, :rope]
+            k[:, :rope] = torch.stack([rot[:, : rope // 2], rot[:, rope // 2 :]], -1).flatten(-2)
+        keys[layer] = k
+    return keys
+
+
 def ours(path: Path, dtype: str = "float32", pool_layout: str = "layer_major", tp=SINGLE):  # type: ignore[no-untyped-def]
     return build(
         path,
