@@ -97,41 +97,46 @@ def ucx_ports() -> frozenset[int]:
         return frozenset(_ucx_ports)
 
 
-def _bytes_received(fd: int, inode: int) -> int | None:
-    """What the socket at ``fd`` has received, through a duplicate of it; None when ``fd`` is
-    no longer the socket ``inode`` (closed and reused since it was listed)."""
+@contextmanager
+def _same_socket(fd: int, inode: int) -> Iterator[socket.socket | None]:
+    """A duplicate of ``fd`` while it is still the socket ``inode`` (not closed and reused
+    since it was listed), else None; the duplicate is closed on leaving, ``fd`` never."""
     try:
         dup = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return None
+        yield None
+        return
     try:
-        if os.fstat(dup.fileno()).st_ino != inode:
-            return None
-        info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-        if len(info) < _BYTES_RECEIVED_OFFSET + _BYTES_RECEIVED.size:
-            return None  # a kernel before 4.1: never close what cannot be told apart
-        return int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_OFFSET)[0])
-    except OSError:
-        return None
+        yield dup if os.fstat(dup.fileno()).st_ino == inode else None
     finally:
-        dup.close()  # the duplicate only: ``fd`` stays open
+        dup.close()
+
+
+def _bytes_received(fd: int, inode: int) -> int | None:
+    """What the socket ``inode`` at ``fd`` has received; None when it cannot be told (gone,
+    or a kernel before 4.1: never close what cannot be told apart)."""
+    with _same_socket(fd, inode) as sock:
+        if sock is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            return None
+        if len(info) < _BYTES_RECEIVED_OFFSET + _BYTES_RECEIVED.size:
+            return None
+        return int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_OFFSET)[0])
 
 
 def _shut_down(fd: int, inode: int) -> bool:
-    """``shutdown(2)`` the socket at ``fd`` if it is still ``inode``; the fd stays UCX's."""
-    try:
-        dup = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        if os.fstat(dup.fileno()).st_ino != inode:
+    """``shutdown(2)`` the socket ``inode`` at ``fd``; the fd stays UCX's."""
+    with _same_socket(fd, inode) as sock:
+        if sock is None:
             return False
-        dup.shutdown(socket.SHUT_RDWR)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
         return True
-    except OSError:
-        return False
-    finally:
-        dup.close()
 
 
 class SilentConnections:
