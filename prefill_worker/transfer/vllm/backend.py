@@ -34,8 +34,9 @@ from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.holds import HoldTable
-from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.profiles import PROFILES, PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import (
     PUSH_REG_PREFIX,
     BadRegistration,
@@ -78,6 +79,22 @@ class PullRegistration:
     identity: VllmIdentity
     versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
     modes: tuple[str, ...] = (PULL,)  # and the transfer modes, a channel per version each
+
+
+def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> str:
+    """vLLM's compatibility hash of our shape, as a decode of ``version`` in ``mode`` computes
+    its own (equal to it iff that decode may pair with us)."""
+    lay, identity = registration.layout, registration.identity
+    factors = CompatFactors(
+        model=identity.model,
+        dtype=registration.dtype,
+        num_kv_heads=lay.num_kv_heads,
+        head_size=lay.head_dim,
+        num_layers=lay.num_layers,
+        attn_backend_name=identity.attention_backend,
+        transfer_mode=mode,
+    ).for_profile(PROFILES[version])
+    return compat_hash(factors)
 
 
 class SideChannels(Protocol):
@@ -162,8 +179,6 @@ class VllmBackend:
         self.bootstrap_endpoint = f"tcp://{host}:{ports[first]}"
         self.pusher: VllmPusher | None = None
         if PUSH in options.modes:
-            from prefill_worker.transfer.vllm.channel import our_hash  # it imports this module
-
             hashes = {v: our_hash(registration, v, PUSH) for v in options.versions}
             base = staging.region_base_addrs
             self.pusher = VllmPusher(self.agent, base, lay, hashes, staging.free, self.clock)

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prefill_worker.transfer.vllm.backend import PullRegistration
+from prefill_worker.transfer.vllm.backend import PullRegistration, our_hash
 from prefill_worker.transfer.vllm.handshake import (
-    CompatFactors,
     SideChannel,
-    compat_hash,
     encode_payload,
 )
 from prefill_worker.transfer.vllm.profiles import (
@@ -88,19 +86,3 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
         identity.attention_backend,
     )
     return encode_payload(our_hash(registration, version, mode), metadata)
-
-
-def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> str:
-    """vLLM's compatibility hash of our shape, as a decode of ``version`` in ``mode`` computes
-    its own (equal to it iff that decode may pair with us)."""
-    lay, identity = registration.layout, registration.identity
-    factors = CompatFactors(
-        model=identity.model,
-        dtype=registration.dtype,
-        num_kv_heads=lay.num_kv_heads,
-        head_size=lay.head_dim,
-        num_layers=lay.num_layers,
-        attn_backend_name=identity.attention_backend,
-        transfer_mode=mode,
-    ).for_profile(PROFILES[version])
-    return compat_hash(factors)
