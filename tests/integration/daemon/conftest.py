@@ -12,14 +12,17 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.request import Outcome
 from prefill_worker.testing.launch import ChildProcess, free_port
 from prefill_worker.transfer import KVReceiver, RoomState, RoomStatus, describe_worker
 from tests.checkpoints import make_checkpoint
@@ -230,3 +233,23 @@ def router_factory() -> Iterator[Callable[[str], BlockingRouterClient]]:
     yield factory
     for client in clients:
         client.close()
+
+
+class _Wanting(Protocol):
+    def want(self, room: int, num_tokens: int) -> None: ...
+
+    def wait(self, rooms: list[int]) -> Mapping[int, RoomStatus]: ...
+
+
+def prefill_claimed(
+    router: BlockingRouterClient, decode: _Wanting, prompts: Mapping[int, list[int]]
+) -> tuple[Mapping[int, RoomStatus], dict[int, Outcome]]:
+    """Each prompt's room wanted by ``decode`` first, then every prompt sent at once: the
+    rooms' statuses as the decode saw them and the router's outcomes."""
+    for room, ids in prompts.items():
+        decode.want(room, len(ids))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        sent = {r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()}
+        statuses = decode.wait(list(prompts))
+        results = {room: future.result(60) for room, future in sent.items()}
+    return statuses, results

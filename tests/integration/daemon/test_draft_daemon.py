@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from tests.integration.daemon.conftest import (
     DECODE_PAGES,
     Decode,
     decode_pool,
+    prefill_claimed,
     start_worker,
     wait_until,
 )
@@ -67,14 +67,7 @@ def test_a_native_decode_receives_the_mtp_draft(tmp_path: Path) -> None:
         hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
         decode = DraftDecode(worker.bootstrap, hidden_size)
         prompts = {room: prompt(n, seed=room) for room, n in PROMPTS.items()}
-        for room, ids in prompts.items():
-            decode.want(room, len(ids))
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            sent = {
-                r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()
-            }
-            statuses = decode.wait(list(prompts))
-            results = {room: future.result(60) for room, future in sent.items()}
+        statuses, results = prefill_claimed(router, decode, prompts)
         hf = (hf_model(target), hf_model(tmp_path / "ckpt" / "donor"))
         tensors = load_file(target / "model.safetensors")
         for room, ids in prompts.items():

@@ -33,6 +33,7 @@ from tests.integration.daemon.conftest import (
     PAGE_SIZE,
     Decode,
     decode_pool,
+    prefill_claimed,
     start_worker,
     wait_until,
 )
@@ -118,14 +119,7 @@ def test_a_native_decode_receives_the_mla_rows_and_the_index_keys(tmp_path: Path
         assert kind == ("index_keys", PAGES, (0, 1, 2))
         assert component.tensors[0].item_shape == (PAGE_SIZE, 24)
         prompts = {room: prompt(n, seed=room) for room, n in PROMPTS.items()}
-        for room, ids in prompts.items():
-            decode.want(room, len(ids))
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            sent = {
-                r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()
-            }
-            statuses = decode.wait(list(prompts))
-            results = {room: future.result(60) for room, future in sent.items()}
+        statuses, results = prefill_claimed(router, decode, prompts)
         model = hf_model(checkpoint)
         for room, ids in prompts.items():
             assert results[room].status is OutcomeStatus.OK, results[room]
