@@ -17,7 +17,6 @@ processes, for all cases."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,19 +32,17 @@ from tests.checkpoints import prompt
 from tests.interop.conftest import (
     HEAD_DIM,
     NUM_KV_HEADS,
-    VERSIONS,
     Served,
     launch_tp,
     sglang_path,
 )
 from tests.interop.decodes import Landed, SglangDecode, new_room
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.newest_sglang]
 
 PROMPT = prompt(37, seed=27)  # 3 pages of 16, several chunks, the last page partial
 TP_SIZE = 2
 TOL = 1e-4
-ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +71,6 @@ def rank_processes(
     sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[SglangDecodeProcess]]:
     """The decode's two attention-TP ranks, one process each (started together)."""
-    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
-        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
     path = sglang_path(sglang_version)
     tmp_path = tmp_path_factory.mktemp(f"ranks-{sglang_version}")
     processes = [
