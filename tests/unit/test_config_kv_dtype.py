@@ -37,10 +37,21 @@ def test_sglang_must_announce_what_the_pool_holds() -> None:
     assert "cache.kv_dtype 'auto' with transfer.sglang_kv_cache_dtype 'fp8_e4m3'" in wrong
 
 
-def test_vllm_is_refused_with_fp8() -> None:
-    why = problems("cache.kv_dtype=fp8_e4m3", "transfer.protocol=native,vllm",
-                   "http_api.enabled=true")  # fmt: skip
-    assert "the vLLM handshake does not carry an FP8 cache dtype yet" in why
+VLLM = ("transfer.protocol=native,vllm", "http_api.enabled=true")
+
+
+def test_vllm_decodes_must_hash_the_cache_dtype_the_pool_holds() -> None:
+    for name in ("fp8", "fp8_e4m3"):
+        flags = ["cache.kv_dtype=fp8_e4m3", *VLLM, f"transfer.vllm_kv_cache_dtype={name}"]
+        assert load_config(None, env={}, overrides=flags).transfer.vllm_kv_cache_dtype == name
+    silent = problems("cache.kv_dtype=fp8_e4m3", *VLLM)
+    assert "cache.kv_dtype 'fp8_e4m3' with transfer.vllm_kv_cache_dtype 'auto'" in silent
+    wrong = problems(*VLLM, "transfer.vllm_kv_cache_dtype=fp8")
+    assert "cache.kv_dtype 'auto' with transfer.vllm_kv_cache_dtype 'fp8'" in wrong
+    auto = problems("cache.kv_dtype=fp8_e4m3", *VLLM, "transfer.vllm_kv_cache_dtype=fp8",
+                    "model.dtype=auto")  # fmt: skip
+    assert "needs an explicit model.dtype" in auto
+    assert "vllm_kv_cache_dtype" in problems(*VLLM, "transfer.vllm_kv_cache_dtype=int8")
 
 
 def test_an_unknown_kv_dtype_is_refused() -> None:
