@@ -72,3 +72,32 @@ def test_a_native_decode_with_a_bf16_pool_is_refused_naming_both_dtypes() -> Non
     refused = refusal("bfloat16")
     assert refused is not None and refused.reason == RejectReason.LAYOUT_MISMATCH
     assert "dtype='bfloat16'" in refused.message and "dtype='fp8_e4m3'" in refused.message
+
+
+def test_a_native_decode_with_other_kv_scales_is_refused() -> None:
+    """Checkpoint KV scales (``model.quant.kv_scales``) are in the layout hash: a decode that
+    reads the FP8 pages with other scales (or none) is refused at registration."""
+    ours = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
+    frame = wire.frame_metadata(b"nixl metadata")
+
+    def refusal(scales: tuple[float, ...]):  # type: ignore[no-untyped-def]
+        theirs = dataclasses.replace(ours, num_pages=100, kv_scales=scales)
+        regions = KVRegions(theirs, (1 << 20, 2 << 20), (3 << 20, 4 << 20), "cpu", 5 << 20, 8)
+        msg = wire.Register.of("decode-1", frame, regions, theirs.compat_hash())
+        return check_register(msg, ours, BootstrapLimits())
+
+    assert refusal((0.5, 0.25, 1.0, 2.0)) is None
+    for other in ((), (0.5, 0.25, 2.0, 1.0)):
+        refused = refusal(other)
+        assert refused is not None and refused.reason == RejectReason.LAYOUT_MISMATCH
+        assert "kv_scales=(0.5, 0.25, 1.0, 2.0)" in refused.message
+
+
+def test_kv_scales_are_a_k_and_a_v_per_layer() -> None:
+    lay = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
+    assert lay.scales_of(0) == (0.5, 1.0) and lay.scales_of(1) == (0.25, 2.0)
+    assert KVLayout(2, 2, 8, "fp8_e4m3", 4, 24).scales_of(1) == (1.0, 1.0)
+    assert lay.summary()["kv_scales"] == [0.5, 0.25, 1.0, 2.0]
+    assert "kv_scales" not in KVLayout(2, 2, 8, "fp8_e4m3", 4, 24).summary()
+    with pytest.raises(ValueError, match="3 KV scales for 2 layers"):
+        KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0))
