@@ -111,7 +111,7 @@ class KVLayout:
     def summary(self) -> dict[str, str | int | list[float]]:
         """What a decode needs to size a pool that can register: every field (``num_pages``
         is this side's) and the hash (``/readyz`` publishes it as ``kv_layout``)."""
-        return {
+        out: dict[str, str | int | list[float]] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -120,7 +120,10 @@ class KVLayout:
             "num_pages": self.num_pages,
             "kind": self.kind,
             "compat_hash": self.compat_hash(),
-        } | ({"kv_scales": list(self.kv_scales)} if self.kv_scales else {})
+        }
+        if self.kv_scales:
+            out["kv_scales"] = list(self.kv_scales)
+        return out
 
     def compat_hash(self) -> str:
         """Equal on both sides iff pages can be copied byte for byte (num_pages may differ)
