@@ -91,13 +91,3 @@ def test_a_native_decode_with_other_kv_scales_is_refused() -> None:
         refused = refusal(other)
         assert refused is not None and refused.reason == RejectReason.LAYOUT_MISMATCH
         assert "kv_scales=(0.5, 0.25, 1.0, 2.0)" in refused.message
-
-
-def test_kv_scales_are_a_k_and_a_v_per_layer() -> None:
-    lay = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
-    assert lay.scales_of(0) == (0.5, 1.0) and lay.scales_of(1) == (0.25, 2.0)
-    assert KVLayout(2, 2, 8, "fp8_e4m3", 4, 24).scales_of(1) == (1.0, 1.0)
-    assert lay.summary()["kv_scales"] == [0.5, 0.25, 1.0, 2.0]
-    assert "kv_scales" not in KVLayout(2, 2, 8, "fp8_e4m3", 4, 24).summary()
-    with pytest.raises(ValueError, match="3 KV scales for 2 layers"):
-        KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0))

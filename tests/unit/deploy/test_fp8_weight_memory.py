@@ -53,7 +53,9 @@ def test_deepseek_v3_fp8_at_tp8(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ) in out
 
 
-def test_the_deepseek_v3_fp8_node_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_deepseek_v3_fp8_node_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """configs/deepseek-v3-fp8-8xh200.yaml (TP 8 from the file): its comments' arithmetic."""
     model = checkpoint(tmp_path, "deepseek-v3.json", quantization_config=DEEPSEEK_FP8)
     out = check("deepseek-v3-fp8-8xh200.yaml", f"model.path={model}", capsys=capsys)
