@@ -85,6 +85,8 @@ SCALED = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
 def test_kv_scales_are_a_k_and_a_v_per_layer_and_published() -> None:
     """An FP8 pool's checkpoint KV scales: every layer's K, then every V (docs/models.md)."""
     assert SCALED.scales_of(0) == (0.5, 1.0) and SCALED.scales_of(1) == (0.25, 2.0)
+    other = dataclasses.replace(SCALED, kv_scales=(1.0, 2.0, 3.0, 4.0))  # built in the test
+    assert other.scales_of(1) == (2.0, 4.0)
     assert dataclasses.replace(SCALED, kv_scales=()).scales_of(1) == (1.0, 1.0)
     assert SCALED.summary()["kv_scales"] == [0.5, 0.25, 1.0, 2.0]
     assert "kv_scales" not in dataclasses.replace(SCALED, kv_scales=()).summary()
