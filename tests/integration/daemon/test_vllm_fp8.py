@@ -15,10 +15,10 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
+from prefill_worker.transfer.vllm.profiles import PROFILES
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import free_port, start_worker
 from tests.integration.daemon.test_daemon import hf_reference
@@ -54,8 +54,9 @@ def test_a_vllm_decode_reads_the_fp8_bytes_of_the_forward(tmp_path: Path, checkp
         heads = config["num_key_value_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         layers = config["num_hidden_layers"]
-        fp8 = CompatFactors(MODEL, "float32", heads, head_dim, layers, "CPU_ATTN",
-                            cache_dtype="fp8", vllm_version="0.34.0", connector_version=16)  # fmt: skip
+        fp8 = CompatFactors(
+            MODEL, "float32", heads, head_dim, layers, "CPU_ATTN", cache_dtype="fp8"
+        ).for_profile(PROFILES["0.34.0"])
         hash_, meta = handshake("127.0.0.1", side_port)
         assert hash_ == compat_hash(fp8)
         assert meta.block_lens == [heads * BLOCK * 2 * head_dim] * layers  # 1 byte a value
