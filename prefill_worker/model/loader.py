@@ -57,6 +57,9 @@ LoadProgress = Callable[[int, int], None]
 """``on_progress(bytes_read, bytes_total)``: checkpoint bytes read so far, and in all."""
 
 # Bytes per element of the safetensors dtypes a checkpoint may store.
+# Tensors an fp16 model reads in fp32, as transformers keeps them (``_keep_in_fp32_modules``:
+# for fp16 only; a bf16 model has them in bf16): the DSA indexer's head weights.
+KEEP_IN_FP32 = (".indexer.weights_proj.weight",)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
 _DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -173,7 +176,9 @@ class _Reader:
             self.on_read(stored.numel() * stored.element_size())
         if is_fp8(stored):
             stored = self._dequantize(name, stored)
-        return stored.to(device=self.device, dtype=self.dtype)
+        is_kept = self.dtype == torch.float16 and name.endswith(KEEP_IN_FP32)
+        dtype = torch.float32 if is_kept else self.dtype
+        return stored.to(device=self.device, dtype=dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None

@@ -44,6 +44,7 @@ from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.rank import run_follower
 from prefill_worker.service.sdnotify import SdNotifier
+from prefill_worker.service.sglang_index import attach_sglang_index
 from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
@@ -169,6 +170,7 @@ class Daemon:
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
         runner, kv_cache, info = self._load(placement)
+        sglang_dsa = attach_sglang_index(cfg, runner, kv_cache.device_name)
         pages, aux = make_pools(cfg, kv_cache)
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
@@ -183,6 +185,7 @@ class Daemon:
                 sliding_model(info),
                 self._vllm_staging,
                 attach_draft(runner, aux.num_rows),
+                sglang_dsa,
             )
         self._closers.append(("transfer", transfer.backend.close))
         guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)

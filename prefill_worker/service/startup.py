@@ -235,6 +235,7 @@ def start_transfer(
     sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
     draft: DraftSide | None = None,
+    sglang_dsa: StateRegions | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -246,7 +247,8 @@ def start_transfer(
     pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
     (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
     pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
-    that speculate."""
+    that speculate. ``sglang_dsa``: a DSA model's index keys in SGLang's FP8 pages
+    (``service.sglang_index``), which the SGLang backend sends; its rooms are then served."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -258,7 +260,7 @@ def start_transfer(
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
                 sglang = _sglang_options(config, sglang_sliding(sliding))
-                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
@@ -273,7 +275,8 @@ def start_transfer(
                 backend.close()
             raise
         if state is not None:
-            backends, refused = guard_backends(backends, state.component.kind)
+            carriers = ("sglang",) if sglang_dsa is not None else ()
+            backends, refused = guard_backends(backends, state.component.kind, carriers)
             if refused:
                 log.warning(
                     "hybrid model: the %s protocol(s) carry no %s state; each of their "

@@ -6,7 +6,9 @@ harness decode comes in as an argument).
 Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
 V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), or for ``kind`` ``mla``
 ``MLATokenToKVPool`` (per layer one latent ``[pages * page_size + page_size, 1, head_dim]``,
-and the manager told ``is_mla_backend`` as an MLA decode's is), ``MetadataBuffers`` with
+and the manager told ``is_mla_backend`` as an MLA decode's is; ``dsa``: ``DSATokenToKVPool``,
+that MLA pool with an FP8 index buffer per layer ``[pages, page_size * 132]`` uint8, its
+``dsa`` state component registered by ``setup_state_kv_args``), ``MetadataBuffers`` with
 SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
 ``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads); the
 harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
@@ -100,7 +102,8 @@ class Decode:
         self.bootstrap = spec["bootstrap"]
         self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
-        self.is_mla = spec.get("kind") == "mla"
+        self.is_mla = spec.get("kind") in ("mla", "dsa")
+        self.is_dsa = spec.get("kind") == "dsa"  # its index pages: ``state_indices[0]``
         self._num_layers = spec["num_layers"]
         self.kv_cache_dtype = str(spec.get("kv_cache_dtype", "auto"))  # its --kv-cache-dtype
         # A hybrid SWA pool (``sliding_layers`` given): the full layers' pool, and the
@@ -108,7 +111,10 @@ class Decode:
         # for gpt-oss (``SWAKVPool``; its state component registered by ``setup_state_kv_args``).
         self.sliding_layers = list(spec.get("sliding_layers") or [])
         self.window_tokens = spec.get("window_tokens", 0)
-        self.pool = _swa_pool(spec) if self.sliding_layers else _kv_pool(spec, self.is_mla)
+        if self.is_dsa:
+            self.pool = _dsa_pool(spec)
+        else:
+            self.pool = _swa_pool(spec) if self.sliding_layers else _kv_pool(spec, self.is_mla)
         # A speculating decode (``draft_layers`` > 0): its draft pool, the target's geometry,
         # and metadata rows whose hidden state is ``spec_hidden_size`` values of ``spec_dtype``.
         num_draft_layers = int(spec.get("draft_layers", 0))
@@ -133,7 +139,7 @@ class Decode:
 
     def fill(self, byte: int) -> None:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
-        for _, buf in self._buffers():
+        for _, buf in self._buffers() + self._index_buffers():
             buf.view(torch.uint8).fill_(byte)
         if self.draft_pool is not None:  # a hidden row no write may touch shows it
             self.meta.output_hidden_states.view(torch.uint8).fill_(byte)
@@ -147,6 +153,12 @@ class Decode:
             full, swa = self.pool.full_kv_pool, self.pool.swa_kv_pool
             return _named(full, False, "") + _named(swa, False, "swa_") + draft
         return _named(self.pool, self.is_mla, "") + draft
+
+    def _index_buffers(self) -> list[tuple[str, Any]]:
+        """("ix0", the index buffer of layer 0), ...: a DSA pool's, ``[pages, page bytes]``."""
+        if not self.is_dsa:
+            return []
+        return [(f"ix{i}", buf) for i, buf in enumerate(self.pool.index_k_with_scale_buffer)]
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -176,7 +188,7 @@ class Decode:
         ):
             setattr(args, name, [])
         args.is_hybrid_mla_backend, args.swa_kv_cache_layout = False, None
-        if self.sliding_layers:  # its state component, as SGLang's decode registers it
+        if self.sliding_layers or self.is_dsa:  # its state component, as its decode registers it
             from sglang.srt.disaggregation.utils import setup_state_kv_args
 
             setup_state_kv_args(args, self.pool, None, total_kv_layers=self._num_layers)
@@ -200,6 +212,8 @@ class Decode:
         sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
         swa_pages = self._window_pages(num_tokens, prefix_len)
         state = None if swa_pages is None else [np.asarray(swa_pages, dtype=np.int32)]
+        if self.is_dsa:  # the index pages of the tokens after the prefix: the KV pages
+            state = [sent]
         receiver.send_metadata(sent, aux_index, state, prefix_len)
         self.rooms[room] = (pages, aux_index, receiver)
         self.swa_rooms[room] = swa_pages or []
@@ -239,6 +253,8 @@ class Decode:
             held = self.swa_rooms[room] if name.startswith("swa_") else pages
             by_page = buf.view(-1, self.page_size, *buf.shape[1:])[held]
             arrays[name] = by_page.contiguous().view(torch.uint8).numpy()
+        for name, buf in self._index_buffers():
+            arrays[name] = buf[pages].numpy()
         row = self.meta.get_buf(aux_index)
         names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
         for name, value in zip(names, row[:4], strict=True):
@@ -293,6 +309,26 @@ def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
         )
     heads = spec["num_kv_heads"]
     return MHATokenToKVPool(num_tokens, page_size, dtype, heads, head_dim, num_layers, "cpu", False)
+
+
+def _dsa_pool(spec: dict[str, Any]) -> Any:
+    """SGLang's DSA pool (DeepSeek-V3.2): an MLA latent of ``head_dim`` values and an index
+    buffer per layer, in ``num_pages`` pages of 64 tokens (the page size it requires)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    page_size, head_dim, rope = spec["page_size"], spec["head_dim"], spec["head_dim"] // 5
+    return DSATokenToKVPool(
+        size=(spec["num_pages"] - 1) * page_size,
+        page_size=page_size,
+        kv_lora_rank=head_dim - rope,
+        dtype=_DTYPES[spec["dtype"]],
+        qk_rope_head_dim=rope,
+        layer_num=spec["num_layers"],
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=head_dim,
+    )
 
 
 def _swa_pool(spec: dict[str, Any]) -> Any:

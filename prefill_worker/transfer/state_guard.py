@@ -36,11 +36,12 @@ def refusal(protocol: str, kinds: Sequence[str]) -> str:
 
 
 def guard_backends(
-    backends: Mapping[str, TransferBackend], kind: str
+    backends: Mapping[str, TransferBackend], kind: str, carriers: Sequence[str] = ()
 ) -> tuple[dict[str, TransferBackend], list[str]]:
     """Each protocol's backend by name, those that carry no ``kind`` state (all but
-    ``STATE_CARRIERS``) wrapped in ``StateGuard``; and the names wrapped."""
-    refused = [name for name in backends if name not in STATE_CARRIERS]
+    ``STATE_CARRIERS`` and ``carriers``: those that carry this model's, as SGLang a DSA
+    model's index keys) wrapped in ``StateGuard``; and the names wrapped."""
+    refused = [name for name in backends if name not in (*STATE_CARRIERS, *carriers)]
     guarded = {
         name: StateGuard(backend, refusal(name, (kind,))) if name in refused else backend
         for name, backend in backends.items()

@@ -60,12 +60,14 @@ class SglangDecode:
         *,
         swa: tuple[tuple[int, ...], int, int] | None = None,
         speculates: tuple[int, int, str] | None = None,
+        dsa: bool = False,
     ) -> None:
         """``kv_cache_dtype``: its ``--kv-cache-dtype`` (None: ``fp8_e4m3`` for an FP8 pool,
         else ``auto``). ``swa``: a hybrid SWA pool (sliding layers, window tokens, SWA pool
         pages); ``layout`` then has every layer, of which the full ones make its KV pool.
         ``speculates``: (draft pool layers, the draft's hidden size, its dtype), a decode
-        running EAGLE/MTP."""
+        running EAGLE/MTP. ``dsa``: SGLang's DSA pool (``layout`` an MLA one, pages of 64),
+        its FP8 index buffers registered as its ``dsa`` state component."""
         draft_layers, spec_hidden_size, spec_dtype = speculates or (0, 16, "float32")
         self.process, self.layout = process, layout
         if kv_cache_dtype is None:
@@ -83,7 +85,7 @@ class SglangDecode:
             head_dim=layout.head_dim,
             num_pages=layout.num_pages,
             num_aux_rows=num_aux_rows,
-            kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
+            kind="dsa" if dsa else layout.kind,  # mla: SGLang's MLA pool (the latent in k)
             kv_cache_dtype=kv_cache_dtype,
             **swa_spec(swa),
             draft_layers=draft_layers,

@@ -329,7 +329,7 @@ def _check_aux(reg: Registration) -> Refusal | None:
             f"decode registered {len(reg.aux_ptrs)} metadata buffers; this worker fills "
             f"SGLang's default {NUM_AUX_BUFFERS} ({', '.join(AUX_BUFFER_NAMES)}): turn off "
             "SGLANG_ENABLE_DISAGG_SAMPLING_MASK and --disaggregation-enable-kv-checksum "
-            "(DSA models are not served)"
+            "(nor a DSA model's MTP seed row: index_share_for_mtp_iteration)"
         )
     if not all(0 < addr < ADDRESS_SPACE for addr in reg.aux_ptrs):
         return Refusal(RejectReason.BAD_ADDRESS, "a metadata buffer address is 0")

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
@@ -37,6 +38,7 @@ from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
+from prefill_worker.transfer.sglang.dsa import open_local
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
@@ -54,6 +56,7 @@ class SglangBackend(HubBackend[SglangPeer]):
         options: SglangOptions,
         hooks: Hooks = DEFAULT_HOOKS,
         draft: DraftSide | None = None,  # a draft model's pool and rows (``transfer.draft``)
+        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
     ) -> None:
         self.clock = clock = hooks.clock
         self.limits = options.limits
@@ -73,6 +76,14 @@ class SglangBackend(HubBackend[SglangPeer]):
             raise
         self._closers.append(local.close)
         self.agent = local.agent
+        index_lists = None
+        if dsa is not None:
+            try:
+                index_lists, release = open_local(self.agent, dsa)
+            except BaseException:
+                self._close_all()
+                raise
+            self._closers.append(release)
         if hooks.poster_factory is None:
             self._poster: WritePoster = PushThread(
                 self.agent, "nixl-push-sglang", hooks.wake, nixl.capture_telemetry
@@ -102,6 +113,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             dialect,
             options.write_timeout_s,
             clock,
+            state=index_lists,
             draft_pages=draft_pages,
         )
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
@@ -121,6 +133,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             regions,
             options.sliding,
             num_draft_layers,
+            dsa,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         self._control.start()

@@ -3,7 +3,8 @@ registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` 
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
 Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
-``sglang.swa``, whose route then splits each page's regions between its two pools). SGLang
+``sglang.swa``, whose route then splits each page's regions between its two pools; a DSA
+decode's index pool, ``sglang.dsa``, which takes an index page with each KV page). SGLang
 has no answer to a registration, so a refused decode learns why on its first request
 (reasons kept per agent name, bounded); that request also fails the room's own request, now
 or when it comes.
@@ -61,6 +62,7 @@ from prefill_worker.transfer.sglang.accept import (
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
+from prefill_worker.transfer.sglang.dsa import accept_index_pool, index_want
 from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
@@ -87,6 +89,7 @@ class SglangDesk:
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
         sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
         num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
+        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
         self._num_draft_layers = num_draft_layers
@@ -101,6 +104,7 @@ class SglangDesk:
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
         self._sliding = sliding
+        self._dsa = dsa
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -147,6 +151,11 @@ class SglangDesk:
             if isinstance(window, Refusal):
                 return self._refuse(reg.agent_name, window)
             reg, layout, swa = window.registration, window.layout, window.swa
+        if self._dsa is not None:  # its index pool (``sglang.dsa``)
+            pool = accept_index_pool(reg, self._layout, self._dsa, self._limits)
+            if isinstance(pool, Refusal):
+                return self._refuse(reg.agent_name, pool)
+            reg, swa = pool.registration, pool.index
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -239,7 +248,8 @@ class SglangDesk:
         """The decode pool's descriptor list, once (token runs of its heads when it holds part
         of ours, and ours of the same heads the first time); row 0 of each metadata buffer,
         which NIXL checks against what the decode registered (rows are written per request);
-        and its hybrid SWA pool's, when it has one. Runs where the agent lives."""
+        and its state pool's (``swa``: a hybrid SWA pool, a DSA index pool), when it has one.
+        Runs where the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
@@ -285,6 +295,9 @@ class SglangDesk:
         want: wire.Want | Refusal = req.want()
         if peer.route is not None:  # its window pages are state indices (``sglang.swa``)
             want = window_want(req)
+            req = dataclasses.replace(req, has_state=False)
+        elif self._dsa is not None:  # its index pages are its KV pages (``sglang.dsa``)
+            want = index_want(req)
             req = dataclasses.replace(req, has_state=False)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:

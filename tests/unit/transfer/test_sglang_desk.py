@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.nixl.poster import InlinePoster
+from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
@@ -109,13 +111,15 @@ class Rig:
         sliding: SlidingLayers | None = None,  # a sliding-window model's layers
         agent: FakeAgent | None = None,
         num_draft_layers: int = 0,  # the worker's draft's
+        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages
     ) -> None:
         self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
         pages = PageLists(None, layout.num_regions, layout.page_bytes)
-        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now)
+        state = None if dsa is None else StateLists(dsa, FakeList())
+        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now, state=state)
         self.hub = RecordingHub(ctx, self.agent)
         self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
         self.rooms = self.hub.rooms
@@ -130,6 +134,7 @@ class Rig:
             regions=regions,
             sliding=sliding,
             **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
+            **({"dsa": dsa} if dsa is not None else {}),
         )
 
     @property
