@@ -22,10 +22,17 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from prefill_worker.transfer.nixl.state_lists import (
+    LOCAL_AGENT,
+    StateLists,
+    prep_state_list,
+    register_state,
+)
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -38,6 +45,8 @@ from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, Reply
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
+from prefill_worker.transfer.sglang.mamba_stage import StagingSender
+from prefill_worker.transfer.slot_stage import StagedState
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
 MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
@@ -73,6 +82,8 @@ class SglangBackend(HubBackend[SglangPeer]):
             raise
         self._closers.append(local.close)
         self.agent = local.agent
+        self._mamba = options.mamba
+        state = None if self._mamba is None else self._open_stage(self._mamba)
         if hooks.poster_factory is None:
             self._poster: WritePoster = PushThread(
                 self.agent, "nixl-push-sglang", hooks.wake, nixl.capture_telemetry
@@ -102,6 +113,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             dialect,
             options.write_timeout_s,
             clock,
+            state=state,
             draft_pages=draft_pages,
         )
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
@@ -121,6 +133,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             regions,
             options.sliding,
             num_draft_layers,
+            options.mamba,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         self._control.start()
@@ -145,6 +158,33 @@ class SglangBackend(HubBackend[SglangPeer]):
             "sglang_bootstrap": self._http.address,
             "sglang_control": self._control.endpoint.address,
         }
+
+    def _open_stage(self, mamba: StagedState) -> StateLists:
+        """The staging of our state slots in SGLang's layout, registered and listed (before
+        the transfer thread owns the agent)."""
+        regions = mamba.stage.regions()
+        reg = register_state(self.agent, regions)
+        self._closers.append(lambda: self.agent.deregister_memory(reg))
+        prepped = prep_state_list(self.agent, LOCAL_AGENT, regions)
+        self._closers.append(prepped.release)
+        return StateLists(regions, prepped)
+
+    def create_sender(
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
+    ) -> KVSender:
+        """The hub's sender; a hybrid model's stages the request's state slot (``sglang.mamba``)
+        when its aux row is handed over."""
+        sender = super().create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
+        if self._mamba is None:
+            return sender
+        return StagingSender(sender, self._mamba.stage)
 
     def lead_group(self, place: RankPlace) -> None:
         """Serve SGLang decodes for a TP group this backend is the leader (rank 0) of: its

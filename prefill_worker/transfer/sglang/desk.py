@@ -3,7 +3,9 @@ registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` 
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
 Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
-``sglang.swa``, whose route then splits each page's regions between its two pools). SGLang
+``sglang.swa``, whose route then splits each page's regions between its two pools; a
+hybrid linear-attention model's decode, ``sglang.mamba``, whose mamba pool takes our staged
+state slot). SGLang
 has no answer to a registration, so a refused decode learns why on its first request
 (reasons kept per agent name, bounded); that request also fails the room's own request, now
 or when it comes.
@@ -61,7 +63,9 @@ from prefill_worker.transfer.sglang.accept import (
 )
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
+from prefill_worker.transfer.sglang.mamba import accept_mamba, mamba_want
 from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
@@ -87,6 +91,7 @@ class SglangDesk:
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
         sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
         num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
+        mamba: StagedState | None = None,  # a hybrid model, whose decodes hold a mamba pool
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
         self._num_draft_layers = num_draft_layers
@@ -100,7 +105,7 @@ class SglangDesk:
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
-        self._sliding = sliding
+        self._sliding, self._mamba = sliding, mamba
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -141,12 +146,17 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        layout, swa = self._layout, None
+        layout, state = self._layout, None
         if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
             window = accept_window(reg, self._layout, self._sliding, self._limits)
             if isinstance(window, Refusal):
                 return self._refuse(reg.agent_name, window)
-            reg, layout, swa = window.registration, window.layout, window.swa
+            reg, layout, state = window.registration, window.layout, window.swa
+        elif self._mamba is not None:  # a mamba pool (``sglang.mamba``), or none at all
+            pool = accept_mamba(reg, self._layout, self._mamba, self._limits)
+            if isinstance(pool, Refusal):
+                return self._refuse(reg.agent_name, pool)
+            reg, state = pool.registration, pool.state
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -174,7 +184,7 @@ class SglangDesk:
         head_slice = rank_slice(reg, layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
-            lists, state = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, swa)
+            lists, prepped = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, state)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
@@ -195,8 +205,8 @@ class SglangDesk:
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
-            state=state,
-            route=window_route(self._sliding, self._layout, regions, state),
+            state=prepped,
+            route=window_route(self._sliding, self._layout, regions, prepped),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
@@ -234,12 +244,13 @@ class SglangDesk:
         regions: KVRegions,
         aux_ptrs: tuple[int, ...],
         head_slice: HeadSlice | None,
-        swa: StateRegions | None = None,
+        state: StateRegions | None = None,
     ) -> tuple[PreppedLists, StateLists | None]:
         """The decode pool's descriptor list, once (token runs of its heads when it holds part
         of ours, and ours of the same heads the first time); row 0 of each metadata buffer,
         which NIXL checks against what the decode registered (rows are written per request);
-        and its hybrid SWA pool's, when it has one. Runs where the agent lives."""
+        and its state pool's (a hybrid SWA pool, a mamba pool), when it has one. Runs where
+        the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
@@ -250,9 +261,9 @@ class SglangDesk:
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
             lists = PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
-            if swa is None:
+            if state is None:
                 return lists, None
-            return lists, StateLists(swa, prep_state_list(self._agent, name, swa))
+            return lists, StateLists(state, prep_state_list(self._agent, name, state))
         except BaseException:
             (kv if lists is None else lists).release()
             raise
@@ -285,6 +296,9 @@ class SglangDesk:
         want: wire.Want | Refusal = req.want()
         if peer.route is not None:  # its window pages are state indices (``sglang.swa``)
             want = window_want(req)
+            req = dataclasses.replace(req, has_state=False)
+        elif peer.state is not None:  # its mamba slot is the state index (``sglang.mamba``)
+            want = mamba_want(req)
             req = dataclasses.replace(req, has_state=False)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:
