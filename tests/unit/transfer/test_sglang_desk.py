@@ -15,6 +15,7 @@ from typing import Any
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer.nixl.poster import InlinePoster
+from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
@@ -29,6 +30,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -109,13 +111,15 @@ class Rig:
         sliding: SlidingLayers | None = None,  # a sliding-window model's layers
         agent: FakeAgent | None = None,
         num_draft_layers: int = 0,  # the worker's draft's
+        mamba: StagedState | None = None,  # a hybrid linear-attention model's staged state
+        state: StateLists | None = None,  # the worker's state pool, as the hub sends it
     ) -> None:
         self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
         pages = PageLists(None, layout.num_regions, layout.page_bytes)
-        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now)
+        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now, state=state)
         self.hub = RecordingHub(ctx, self.agent)
         self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
         self.rooms = self.hub.rooms
@@ -130,6 +134,7 @@ class Rig:
             regions=regions,
             sliding=sliding,
             **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
+            **({"mamba": mamba} if mamba is not None else {}),
         )
 
     @property
