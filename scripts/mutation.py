@@ -172,6 +172,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_group_desk.py",
         _SWA,
         _T + "test_sglang_draft.py",
+        _T + "test_sglang_mamba.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",
