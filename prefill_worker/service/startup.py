@@ -345,9 +345,12 @@ def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:
         return None
     cache, dtype = runner.model.state, config.transfer.sglang_mamba_conv_dtype
     layers, device = cache.spec.linear_layers, pool_device(cache.device)
-    stage = MambaStage(layers, cache.conv, cache.recurrent, dtype, device)
+    spec = cache.spec
+    groups = ((spec.key_dim, spec.num_k_heads),) * 2 + ((spec.value_dim, spec.num_v_heads),)
+    conv_groups = tuple(channels for channels, _ in groups)
+    stage = MambaStage(layers, cache.conv, cache.recurrent, dtype, device, conv_groups)
     log.info("sglang: mamba state staging, %d bytes beside the state pool", stage.num_bytes)
-    return StagedState(cache.spec.full_layers, stage)
+    return StagedState(spec.full_layers, stage, groups, spec.num_v_heads)
 
 
 def _sglang_options(

@@ -71,8 +71,9 @@ def mamba_pool(spec: dict[str, Any]) -> Any:
     """SGLang's pool for a hybrid linear-attention model (Qwen3.5, Qwen3-Next) as its decode
     builds one (``kv_cache_configurator``: ``HybridLinearKVPool`` over the full layers, with
     the ``MambaPool`` its ``HybridMambaDecodeReqToTokenPool`` makes of the config's
-    ``mamba2_cache_params``, here of the spec's shapes). The conv dtype is what the decode's
-    ``SGLANG_MAMBA_CONV_DTYPE`` (``conv_dtype``) makes it, the temporal float32."""
+    ``mamba2_cache_params``, here of the spec's shapes, for this process's attention-TP
+    rank). The conv dtype is what the decode's ``SGLANG_MAMBA_CONV_DTYPE`` (``conv_dtype``)
+    makes it, the temporal float32."""
     from sglang.srt.configs.mamba_utils import (
         Mamba2CacheParams,
         Mamba2StateShape,
@@ -82,8 +83,10 @@ def mamba_pool(spec: dict[str, Any]) -> Any:
 
     k_heads, v_heads, k_dim, v_dim, kernel = spec["linear_shape"]
     linear = list(spec["linear_layers"])
+    from sglang.srt.runtime_context import linear_attn_tp_size
+
     shape = Mamba2StateShape.create(
-        tp_world_size=1,
+        tp_world_size=linear_attn_tp_size(),  # as qwen3_next's mamba2_cache_params
         intermediate_size=v_dim * v_heads,
         n_groups=k_heads,
         num_heads=v_heads,

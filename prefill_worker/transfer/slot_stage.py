@@ -18,9 +18,10 @@ class SlotStage(Protocol):
         """The staging pool: one slot per aux row, in the decode's layout."""
         ...
 
-    def fill(self, slot: int) -> None:
-        """Stage our state slot ``slot`` (the state after the whole prompt), done before it
-        returns (the transfer reads it next)."""
+    def fill(self, slot: int, num_shares: int = 1) -> None:
+        """Stage our state slot ``slot`` (the state after the whole prompt) for a decode of
+        ``num_shares`` ranks (each rank's share of every item contiguous, rank after rank),
+        done before it returns (the transfer reads it next)."""
         ...
 
 
@@ -31,3 +32,7 @@ class StagedState:
 
     full_layers: tuple[int, ...]
     stage: SlotStage
+    # The heads each tensor's leading dim is split by across a decode's ranks: the conv's
+    # sub-blocks (q, k, v: each its channels and heads), then the temporal's value heads.
+    conv_groups: tuple[tuple[int, int], ...] = ()  # (channels, heads) per conv sub-block
+    num_value_heads: int = 1

@@ -173,6 +173,32 @@ def decode_process(version: Version) -> SglangDecodeProcess:
     return version.decode
 
 
+TP_SIZE = 2  # the decode's attention TP in the tests of decodes of TP > 1
+ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
+
+
+@pytest.fixture(scope="session")
+def rank_processes(
+    sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[SglangDecodeProcess]]:
+    """A decode's two attention-TP ranks, one process each (started together), for every
+    module that needs them (two SGLang imports cost about 1.5 min on CI's 2 cores); on the
+    newest pinned version (``PW_INTEROP_ALL=1``: on every one)."""
+    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
+        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
+    path = sglang_path(sglang_version)
+    tmp_path = tmp_path_factory.mktemp(f"ranks-{sglang_version}")
+    processes = [
+        SglangDecodeProcess(
+            sys.executable, path, checkpoint, tmp_path / f"rank{r}.log", attn_tp=(r, TP_SIZE)
+        )
+        for r in range(TP_SIZE)
+    ]
+    yield processes
+    for process in processes:
+        process.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vLLM decode's model (``--model``): qwen3's head_dim 32 is one CPU_ATTN has; 2

@@ -17,6 +17,7 @@ The worker's pages and aux rows (its state slots) are all back afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +34,7 @@ from prefill_worker.transfer import RoomState
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.daemon.conftest import PAGE_SIZE
 from tests.integration.daemon.test_hybrid_daemon import StateDecode
-from tests.interop.conftest import assert_pools_whole, launch
+from tests.interop.conftest import TP_SIZE, assert_pools_whole, launch
 from tests.interop.decodes import MambaSpec, SglangDecode, dump, dump_state, new_room
 
 pytestmark = pytest.mark.interop
@@ -47,10 +48,11 @@ PROMPTS = (70, 37)
 REJECTS = re.compile(r'^prefill_worker_bootstrap_rejects_total\{reason="(\w+)"\} (\S+)$', re.M)
 
 
-@pytest.fixture
-def served(sglang_version: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def served(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     if sglang_version != "0.5.23":
         pytest.skip("hybrid linear-attention models are proven against SGLang 0.5.23")
+    tmp_path = tmp_path_factory.mktemp("mamba-worker")
     checkpoint = make_checkpoint("qwen3_5", tmp_path / "qwen3_5")
     settings = (
         "scheduler.optimistic_prefill=false",  # the same chunks for every decode
@@ -99,6 +101,81 @@ def test_a_hybrid_models_state_lands_in_sglangs_mamba_pool(
     finally:
         client.close()
     assert_pools_whole(one.worker)
+
+
+def test_an_attention_tp_2_decode_gets_each_ranks_heads_of_the_state(
+    decode_process: SglangDecodeProcess,
+    rank_processes: list[SglangDecodeProcess],
+    served,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """Each rank of a decode of attention TP 2 (one KV head, half the linear heads: its q, k
+    and v conv channels and 3 of 6 value heads) gets its share, equal to transformers' and
+    byte for byte the TP-1 decode's of the same prompt."""
+    checkpoint, one = served
+    ids = prompt(PROMPTS[0], seed=77)
+    whole = KVLayout(len(FULL) + len(LINEAR), HEADS, DIM, "float32", PAGE, 128)
+    tp1 = SglangDecode(decode_process, one.sglang, whole, mamba=MambaSpec(LINEAR, SHAPE))
+    half = dataclasses.replace(whole, num_kv_heads=HEADS // TP_SIZE)
+    ranks = [
+        SglangDecode(p, one.sglang, half, mamba=MambaSpec(LINEAR, SHAPE)) for p in rank_processes
+    ]
+    client = BlockingRouterClient(one.worker.ingress)
+    try:
+        landed = [receive(client, [tp1], ids, tmp_path)[0], receive(client, ranks, ids, tmp_path)]
+    finally:
+        client.close()
+    (ref_kv, ref_state), per_rank = landed
+    with torch.no_grad():
+        layers = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True).past_key_values.layers
+    k_heads, v_heads, dk, dv, kernel = SHAPE
+    groups = (k_heads * dk, k_heads * dk, v_heads * dv)
+    for rank, (kv, state) in enumerate(per_rank):
+        n = len(ids)
+        for index, layer in enumerate(FULL):  # its KV head: transformers', the TP-1 decode's
+            got = as_fp32(kv[f"k{index}"]).view(-1, 1, DIM)[:n]
+            expected = layers[layer].keys[0][rank : rank + 1].transpose(0, 1)
+            torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
+            for plane in "kv":
+                mine = kv[f"{plane}{index}"].reshape(-1, 1, DIM * 4)[:n]
+                ref = ref_kv[f"{plane}{index}"].reshape(-1, HEADS, DIM * 4)[:n, rank : rank + 1]
+                assert np.array_equal(mine, ref), (rank, plane, index)
+        channels = torch.cat(
+            [
+                torch.arange(
+                    start + rank * (size // TP_SIZE), start + (rank + 1) * (size // TP_SIZE)
+                )
+                for start, size in zip((0, groups[0], 2 * groups[0]), groups, strict=True)
+            ]
+        )
+        heads = slice(rank * v_heads // TP_SIZE, (rank + 1) * v_heads // TP_SIZE)
+        for index, layer in enumerate(LINEAR):
+            conv = as_fp32(state[f"conv{index}"]).view(-1, kernel - 1)
+            expected = layers[layer].conv_states[0][0, :, 1:][channels]
+            torch.testing.assert_close(conv, expected, atol=TOL, rtol=0)
+            ref_conv = as_fp32(ref_state[f"conv{index}"]).view(-1, kernel - 1)[channels]
+            assert conv.numpy().tobytes() == ref_conv.numpy().tobytes()
+            temporal = as_fp32(state[f"temporal{index}"]).view(-1, dv, dk)
+            expected = layers[layer].recurrent_states[0][0][heads].transpose(-1, -2)
+            torch.testing.assert_close(temporal, expected, atol=TOL, rtol=0)
+            ref_temporal = as_fp32(ref_state[f"temporal{index}"]).view(v_heads, dv, dk)[heads]
+            assert temporal.numpy().tobytes() == ref_temporal.contiguous().numpy().tobytes()
+    assert_pools_whole(one.worker)
+
+
+def receive(
+    client: BlockingRouterClient, ranks: list[SglangDecode], ids: list[int], tmp_path: Path
+):  # type: ignore[no-untyped-def]
+    """One room into a decode of ``len(ranks)`` ranks: each rank's (KV pages, state slot),
+    once every rank's receiver said Success."""
+    room = new_room()
+    for rank in ranks:
+        rank.want(room, len(ids))
+    assert client.prefill(ids, room, timeout_s=60).status is OutcomeStatus.OK
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        states = list(pool.map(lambda rank: rank.wait(room), ranks))
+    assert states == [("Success", None)] * len(ranks)
+    return [(dump(rank, room, tmp_path), dump_state(rank, room, tmp_path)) for rank in ranks]
 
 
 def check_against_transformers(model, kv, state, ids) -> None:  # type: ignore[no-untyped-def]

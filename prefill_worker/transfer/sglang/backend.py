@@ -136,6 +136,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             options.mamba,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
+        self._closers.append(self._desk.release_shares)
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
@@ -179,7 +180,7 @@ class SglangBackend(HubBackend[SglangPeer]):
     ) -> KVSender:
         """The hub's sender; a hybrid model's stages the request's state slot (``sglang.mamba``)
         when its aux row is handed over."""
-        sender = super().create_sender(
+        sender = self._hub.create_sender(
             room, request_id, num_prompt_tokens, allowed_peer, traceparent
         )
         if self._mamba is None:

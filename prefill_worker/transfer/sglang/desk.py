@@ -45,7 +45,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
-from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
+from prefill_worker.transfer.nixl.state_lists import StateLists, prep_share, prep_state_list
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
@@ -106,6 +106,7 @@ class SglangDesk:
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
         self._sliding, self._mamba = sliding, mamba
+        self._shares: dict[tuple[int, int], StateLists] = {}  # (rank, TP size): ``_local_share``
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -146,7 +147,7 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        layout, state = self._layout, None
+        layout, state, share = self._layout, None, None
         if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
             window = accept_window(reg, self._layout, self._sliding, self._limits)
             if isinstance(window, Refusal):
@@ -157,6 +158,11 @@ class SglangDesk:
             if isinstance(pool, Refusal):
                 return self._refuse(reg.agent_name, pool)
             reg, state = pool.registration, pool.state
+            try:
+                share = self._local_share(reg, state)
+            except NIXL_ERRORS as exc:
+                why = f"NIXL cannot list our staged state for the decode: {exc}"
+                return self._refuse(reg.agent_name, Refusal(RejectReason.NIXL_REFUSED, why))
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -206,6 +212,7 @@ class SglangDesk:
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
             state=prepped,
+            local_state=share,
             route=window_route(self._sliding, self._layout, regions, prepped),
             num_draft_entries=num_draft_entries(reg, layout),
         )
@@ -267,6 +274,25 @@ class SglangDesk:
         except BaseException:
             (kv if lists is None else lists).release()
             raise
+
+    def _local_share(self, reg: frames.Registration, state: StateRegions) -> StateLists | None:
+        """For a mamba decode rank of attention TP > 1: the share of our staged slots it
+        takes (``state`` its pool, of that share), listed once per (rank, TP size); None at
+        TP 1 (whole slots)."""
+        if reg.tp_size == 1 or self._mamba is None:
+            return None
+        key = (reg.tp_rank, reg.tp_size)
+        if key not in self._shares:
+            staged = self._mamba.stage.regions()
+            share = self._run(prep_share, self._agent, staged, state.component, reg.tp_rank)
+            self._shares[key] = share
+        return self._shares[key]
+
+    def release_shares(self) -> None:
+        """The staged shares' lists (at close, before the agent)."""
+        for share in self._shares.values():
+            share.prepped.release()
+        self._shares.clear()
 
     def _prep_local(self, head_slice: HeadSlice) -> None:
         assert self._regions is not None, "a desk that slices heads needs our regions"

@@ -23,6 +23,13 @@ recurrent matrix transposed, the conv cast to ``transfer.sglang_mamba_conv_dtype
 staging slot per aux row (the request's state slot is its aux row, held until it finishes), and the
 staging slot is written. A decode of attention TP > 1 (SGLang slices the state per head), an
 older decode (no ``state_data_lens``) or any other pool is refused by name at registration.
+
+A decode of attention TP d > 1 (each rank holding 1/d of the heads: SGLang's
+``_send_mamba_state_slice`` from a prefill of TP 1) gets, per rank, its share of each item:
+the conv's q, k and v channels of its heads (``state_conv_shard_groups``) and the temporal's
+value heads. The stage then puts each rank's share of an item in one run, rank after rank
+(``fill(slot, d)``), so rank r is written one descriptor per (tensor, layer) from its share
+of our staging slot (``nixl.state_lists.prep_share``) into its whole slot.
 """
 
 from __future__ import annotations
@@ -57,13 +64,18 @@ class MambaPool:
 def accept_mamba(
     reg: Registration, ours: KVLayout, side: StagedState, limits: BootstrapLimits
 ) -> MambaPool | Refusal:
-    """The decode's mamba pool, or why it cannot take this model's state."""
-    staged = side.stage.regions().component
-    if reg.tp_size != 1:
+    """The decode rank's mamba pool (its share of every slot: ``rank_share``), or why it
+    cannot take this model's state."""
+    if not 0 <= reg.tp_rank < reg.tp_size:
+        return _unsupported(f"decode attention TP rank {reg.tp_rank} of {reg.tp_size}")
+    heads = [h for _, h in side.conv_groups] + [side.num_value_heads]
+    if any(h % reg.tp_size for h in heads):
         return _unsupported(
-            f"a decode of attention TP {reg.tp_size} with a mamba pool (SGLang slices the "
-            "linear layers' state per head): run it at attention TP 1"
+            f"a decode of attention TP {reg.tp_size} with a mamba pool: it does not split "
+            f"the linear layers' heads {heads} (conv q, k, v; temporal), which SGLang would "
+            "pad with extra key groups"
         )
+    staged = rank_share(side.stage.regions().component, reg.tp_size)
     if len(reg.state) != 1:
         return _unsupported(
             f"the decode registered {len(reg.state)} state components; this model's decode "
@@ -119,6 +131,21 @@ def _item_mismatch(tensor: StateTensor, got: list[int]) -> str:
         f"{list(tensor.item_shape)} {tensor.dtype} ({tensor.item_bytes} bytes): check the "
         f"model's shapes, and {knob}"
     )
+
+
+def rank_share(staged: StateComponent, num_ranks: int) -> StateComponent:
+    """What one decode rank of ``num_ranks`` holds of each slot: every tensor's leading dim
+    (conv channels, value heads) split evenly (a GDN conv's q, k and v each split on its own:
+    ``sglang.mamba_stage`` stages them rank after rank)."""
+    tensors = tuple(
+        dataclasses.replace(
+            t,
+            item_shape=(t.item_shape[0] // num_ranks, *t.item_shape[1:]),
+            item_bytes=t.item_bytes // num_ranks,
+        )
+        for t in staged.tensors
+    )
+    return dataclasses.replace(staged, tensors=tensors)
 
 
 def _mamba_pool(

@@ -9,7 +9,9 @@ is), in the decode's layout, registered once with NIXL as the SGLang backend's s
     temporal  per linear layer [slots, v_heads, head_v_dim, head_k_dim]   float32
               = ours [slots, v_heads, head_k_dim, head_v_dim], the last two transposed
 
-``fill(slot)`` copies our slot there (cast, transposed) on the engine thread, when the
+``fill(slot, d)`` copies our slot there (cast, transposed; for a decode of d ranks the
+conv's channels rank after rank: each rank's q, k, v shares, then the next rank's) on the
+engine thread, when the
 engine hands the request its aux row (``StagingSender.send_aux``: after the last chunk's
 forward, so the slot holds the state after the whole prompt), before any byte of it is
 written; a CUDA pool's copy is waited for before it returns.
@@ -18,6 +20,7 @@ written; a CUDA pool's copy is waited for before it returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -46,8 +49,12 @@ class MambaStage:
         recurrent: Sequence[torch.Tensor],
         conv_dtype: str,
         device: str,
+        conv_groups: tuple[int, ...] = (),
     ) -> None:
+        """``conv_groups``: the conv's channel sub-blocks (a GDN conv: q, k, v), each split
+        across a decode's ranks on its own; () for one block."""
         self._layer_ids, self._device = layer_ids, device
+        self._groups = conv_groups or (conv[0].shape[1],)
         self._conv, self._recurrent = tuple(conv), tuple(recurrent)
         dtype = CONV_DTYPES[conv_dtype]
         self.conv = tuple(torch.zeros(c.shape, dtype=dtype, device=c.device) for c in conv)
@@ -70,20 +77,42 @@ class MambaStage:
         bases = tuple(tuple(t.data_ptr() for t in ts) for ts in (self.conv, self.temporal))
         return StateRegions(component, bases, self._device)
 
-    def fill(self, slot: int) -> None:
+    def fill(self, slot: int, num_shares: int = 1) -> None:
+        channels = self._channels(num_shares)
         for ours, staged in zip(self._conv, self.conv, strict=True):
-            staged[slot].copy_(ours[slot])
+            staged[slot].copy_(ours[slot] if channels is None else ours[slot][channels])
         for ours, staged in zip(self._recurrent, self.temporal, strict=True):
             staged[slot].copy_(ours[slot].transpose(-1, -2))
         if self.conv[0].is_cuda:  # NIXL reads it next, outside any stream
             torch.cuda.current_stream(self.conv[0].device).synchronize()
+
+    def _channels(self, num_shares: int) -> torch.Tensor | None:
+        """Our conv channels rank after rank for ``num_shares`` ranks (each rank's share of
+        every sub-block, in order); None when that is our order (one rank)."""
+        if num_shares == 1:
+            return None
+        starts = [sum(self._groups[:i]) for i in range(len(self._groups))]
+        order = [
+            start + rank * (size // num_shares) + i
+            for rank in range(num_shares)
+            for start, size in zip(starts, self._groups, strict=True)
+            for i in range(size // num_shares)
+        ]
+        return torch.tensor(order, device=self._conv[0].device)
+
+
+class RankedSender(KVSender, Protocol):
+    """A sender that knows how many ranks its decode has (``PushSender``)."""
+
+    @property
+    def num_ranks(self) -> int: ...
 
 
 class StagingSender:
     """A sender whose request's state slot is staged (``stage``) when its aux row is handed
     over, just before the inner sender is; everything else is the inner sender's."""
 
-    def __init__(self, inner: KVSender, stage: SlotStage) -> None:
+    def __init__(self, inner: RankedSender, stage: SlotStage) -> None:
         self._inner, self._stage = inner, stage
 
     def poll(self) -> KVPoll:
@@ -97,7 +126,7 @@ class StagingSender:
 
     def send_aux(self, aux_row: int) -> None:
         if not self._inner.poll().is_terminal:
-            self._stage.fill(aux_row)
+            self._stage.fill(aux_row, self._inner.num_ranks)
         self._inner.send_aux(aux_row)
 
     def fail(self, reason: str) -> None:

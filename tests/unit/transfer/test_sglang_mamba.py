@@ -12,9 +12,11 @@ import struct
 import pytest
 import torch
 
+from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
 from prefill_worker.transfer.sglang.mamba import accept_mamba, mamba_want
@@ -41,10 +43,11 @@ def stage(conv_dtype: str = "float32", num_slots: int = 4) -> MambaStage:
     gen = torch.Generator().manual_seed(0)
     conv = [torch.randn((num_slots, CONV_DIM, 3), generator=gen) for _ in LINEAR]
     recurrent = [torch.randn((num_slots, HV, DK, DV), generator=gen) for _ in LINEAR]
-    return MambaStage(LINEAR, conv, recurrent, conv_dtype, "cpu")
+    return MambaStage(LINEAR, conv, recurrent, conv_dtype, "cpu", (24, 24, 60))
 
 
-SIDE = StagedState(FULL, stage())
+GROUPS = ((24, 2), (24, 2), (60, 6))  # q, k, v: channels and heads
+SIDE = StagedState(FULL, stage(), GROUPS, HV)
 
 
 def mamba_registration(**frames_at: bytes) -> Registration:
@@ -99,7 +102,22 @@ NO_STATE = {"f8": b"", "f13": b"", "f14": b"", "f20": b"", "f24": b""}
 @pytest.mark.parametrize(
     ("frames_at", "reason", "words"),
     [
-        ({"f10": b"2", "f11": b"0"}, RejectReason.UNSUPPORTED, "attention TP 2 with a mamba pool"),
+        (
+            {"f10": b"4", "f11": b"0"},
+            RejectReason.UNSUPPORTED,
+            "attention TP 4 with a mamba pool: it does not split the linear layers' heads [2, 2, 6",
+        ),
+        ({"f10": b"2", "f11": b"2"}, RejectReason.UNSUPPORTED, "attention TP rank 2 of 2"),
+        (
+            {"f10": b"2", "f11": b"0"},
+            RejectReason.LAYOUT_MISMATCH,
+            "split dims [108, 108, 108, 6, 6, 6], this model's [54, 54, 54, 3, 3, 3]",
+        ),
+        (
+            {"f10": b"2", "f11": b"0", "f14": b""},
+            RejectReason.LAYOUT_MISMATCH,
+            "stages [54, 3] float32 (648",
+        ),
         (NO_STATE, RejectReason.UNSUPPORTED, "registered 0 state components"),
         (
             {
@@ -239,9 +257,12 @@ def test_the_mamba_slot_rides_with_the_want() -> None:
 # -- through the desk -------------------------------------------------------------------
 
 
+OURS = KVRegions(LAYOUT, (0x100000, 0x200000), (0x300000, 0x400000), "cpu", 0x500000, 8)
+
+
 def desk_rig(agent: ListingAgent | None = None, mamba: StagedState | None = SIDE) -> DeskRig:
     ours = StateLists(SIDE.stage.regions(), "ours")
-    return DeskRig(layout=LAYOUT, agent=agent, mamba=mamba, state=ours)
+    return DeskRig(layout=LAYOUT, agent=agent, mamba=mamba, state=ours, regions=OURS)
 
 
 def test_the_desk_registers_a_mamba_decode_with_its_pool_prepared() -> None:
@@ -334,8 +355,9 @@ def test_the_staging_regions_are_the_decodes_layout_at_the_staged_tensors() -> N
 class Inner:
     """A sender that records what was asked of it."""
 
-    def __init__(self, poll: KVPoll = KVPoll.READY) -> None:
+    def __init__(self, poll: KVPoll = KVPoll.READY, num_ranks: int = 1) -> None:
         self.state, self.calls = poll, []  # type: ignore[var-annotated]
+        self.num_ranks = num_ranks  # its decode's ranks
 
     def poll(self) -> KVPoll:
         return self.state
@@ -367,22 +389,22 @@ class Inner:
 
 class Recording:
     def __init__(self) -> None:
-        self.filled: list[int] = []
+        self.filled: list[tuple[int, int]] = []
 
     def regions(self) -> StateRegions:
         raise AssertionError("not asked")
 
-    def fill(self, slot: int) -> None:
-        self.filled.append(slot)
+    def fill(self, slot: int, num_shares: int = 1) -> None:
+        self.filled.append((slot, num_shares))
 
 
 def test_the_slot_is_staged_when_the_aux_row_is_handed_over() -> None:
-    inner, staged = Inner(), Recording()
+    inner, staged = Inner(num_ranks=2), Recording()
     sender = StagingSender(inner, staged)
     sender.send_pages([4, 5], 1)
     assert staged.filled == []
-    sender.send_aux(3)
-    assert staged.filled == [3] and inner.calls == [("pages", [4, 5], 1), ("aux", 3)]
+    sender.send_aux(3)  # staged for its decode's 2 ranks
+    assert staged.filled == [(3, 2)] and inner.calls == [("pages", [4, 5], 1), ("aux", 3)]
     assert sender.poll() is KVPoll.READY and sender.num_cached_tokens() == 8
     assert (sender.failure_reason(), sender.why_no_handshake()) == ("why", "nobody")
     assert sender.transfer_stats().bytes == 5
@@ -395,3 +417,107 @@ def test_a_sender_that_already_ended_stages_nothing() -> None:
     inner, staged = Inner(KVPoll.FAILED), Recording()
     StagingSender(inner, staged).send_aux(3)
     assert staged.filled == [] and inner.calls == [("aux", 3)]
+
+
+# -- a decode of attention TP 2 ------------------------------------------------------------
+
+
+def rank_registration(rank: int, **frames_at: bytes) -> Registration:
+    """Rank ``rank`` of a decode of attention TP 2: one KV head (pages of 256 B), half of
+    each mamba item (conv [54, 3], temporal [3, 10, 12])."""
+    half = {
+        "f10": b"2",
+        "f11": b"%d" % rank,
+        "f12": b"256",
+        "f19": struct.pack("<4Q", *[256] * 4),
+        "f13": packed_lists([CONV_BYTES // 2] * 3 + [TEMPORAL_BYTES // 2] * 3, fmt="I"),
+        "f14": packed_lists([CONV_DIM // 2] * 3 + [HV // 2] * 3, fmt="I"),
+        "f24": packed_lists([CONV_BYTES // 2 * 9] * 3 + [TEMPORAL_BYTES // 2 * 9] * 3, fmt="Q"),
+    }
+    return mamba_registration(**{**half, **frames_at})
+
+
+def test_a_rank_of_attention_tp_2_holds_half_of_each_item() -> None:
+    pool = accept_mamba(rank_registration(1), LAYOUT, SIDE, BootstrapLimits())
+    assert not isinstance(pool, Refusal), pool
+    conv, temporal = pool.state.component.tensors
+    assert (conv.item_shape, conv.item_bytes) == ((CONV_DIM // 2, 3), CONV_BYTES // 2)
+    assert (temporal.item_shape, temporal.item_bytes) == ((HV // 2, DV, DK), TEMPORAL_BYTES // 2)
+    assert pool.state.component.num_items == 9
+
+
+def test_the_stage_puts_each_ranks_channels_together() -> None:
+    """Two ranks: rank 0's q, k, v channels (0..11, 24..35, 48..77), then rank 1's."""
+    ours = stage()
+    ours.fill(1, 2)
+    order = [*range(0, 12), *range(24, 36), *range(48, 78)]
+    order += [*range(12, 24), *range(36, 48), *range(78, 108)]
+    for layer in range(len(LINEAR)):
+        assert torch.equal(ours.conv[layer][1], ours._conv[layer][1][order])
+        assert torch.equal(ours.temporal[layer][1], ours._recurrent[layer][1].transpose(-1, -2))
+    ours.fill(1)  # one rank: our order
+    assert torch.equal(ours.conv[0][1], ours._conv[0][1])
+
+
+class ShareAgent(ListingAgent):
+    """Also lists our own memory (``NIXL_INIT_AGENT``); refuses those when ``fail_local``."""
+
+    def __init__(self, fail_local: bool = False) -> None:
+        super().__init__()
+        self.fail_local = fail_local
+
+    def prep_xfer_dlist(self, name, table, mem_type):  # type: ignore[no-untyped-def]
+        if name == "NIXL_INIT_AGENT" and self.fail_local:
+            raise NIXL_ERRORS[0]("no such memory")
+        return super().prep_xfer_dlist(name, table, mem_type)
+
+
+def test_each_rank_is_written_its_share_of_our_staged_slot() -> None:
+    agent = ShareAgent()
+    rig = desk_rig(agent)
+    staged = SIDE.stage.regions()
+    rig.send(rank_registration(0))
+    rig.send(rank_registration(1, **renamed("decode-rank-1"), f3=b"17001"))
+    assert len(rig.peers) == 2, rig.rejects
+    shares = [p.local_state for p in sorted(rig.peers.values(), key=lambda p: p.tp_rank)]
+    local = [
+        listed
+        for listed in agent.lists
+        if listed.name == "NIXL_INIT_AGENT" and listed.table.shape == (6, 5)
+    ]
+    assert len(local) == 2 and [s.prepped for s in shares if s is not None] == local
+    for rank, listed in enumerate(local):  # per run: its half of each of our 4 slots
+        sizes = [CONV_BYTES // 2] * 3 + [TEMPORAL_BYTES // 2] * 3
+        rows = [
+            [addr + rank * size, size, 0, 2 * size, 4]
+            for (addr, _), size in zip(staged.runs, sizes, strict=True)
+        ]
+        assert listed.table.tolist() == rows
+    share = shares[1]
+    assert share is not None and share.regions.component.num_items == 4
+    assert share.regions.component.slot_bytes == (CONV_BYTES + TEMPORAL_BYTES) // 2 * 3
+    rig.desk.release_shares()
+    assert all(listed.is_released for listed in local)
+
+
+def renamed(name: str) -> dict[str, bytes]:
+    """Frames 4 and 5 of the captured registration for an agent of another name."""
+    metadata, head = changed("registration")[5], b"nixlSerDes|Agent"
+    rest = metadata[24 + int.from_bytes(metadata[16:24], "little") :]
+    return {
+        "f4": name.encode(),
+        "f5": head + len(name).to_bytes(8, "little") + name.encode() + rest,
+    }
+
+
+def test_a_share_nixl_cannot_list_refuses_the_decode() -> None:
+    rig = desk_rig(ShareAgent(fail_local=True))
+    rig.send(rank_registration(0))
+    assert not rig.peers and rig.rejects == ["nixl_refused"]
+
+
+def test_a_tp_1_decode_takes_whole_slots() -> None:
+    rig = desk_rig()
+    rig.send(mamba_registration())
+    [peer] = rig.peers.values()
+    assert peer.local_state is None
