@@ -11,7 +11,10 @@ receiver. Two prompts over several chunks (70 and 37 tokens, chunks of 32) at on
   worker's own slot is what a native decode receives of the same prompt;
 - a decode whose conv state is bfloat16 (SGLANG_MAMBA_CONV_DTYPE unset) against this worker
   (``transfer.sglang_mamba_conv_dtype=float32``) is refused at registration by name and
-  counted; its room fails with the reason, and the other decodes go on.
+  counted; its room fails with the reason, and the other decodes go on;
+- a decode of attention TP 2 (two rank processes, shared with ``test_decode_tp.py``) gets
+  each rank its KV head and its share of the state (its q, k, v conv channels, 3 of the 6
+  value heads), equal to transformers' and byte for byte the TP-1 decode's.
 
 The worker's pages and aux rows (its state slots) are all back afterwards."""
 
