@@ -3,12 +3,11 @@ registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` 
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
 Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
-``sglang.swa``, whose route then splits each page's regions between its two pools; a
-hybrid linear-attention model's decode, ``sglang.mamba``, whose mamba pool takes our staged
-state slot). SGLang
-has no answer to a registration, so a refused decode learns why on its first request
-(reasons kept per agent name, bounded); that request also fails the room's own request, now
-or when it comes.
+``sglang.swa``, whose route then splits each page's regions between its two pools; a hybrid
+linear-attention model's decode, ``sglang.mamba``, whose mamba pool takes our staged state
+slot, or a rank's share of it). SGLang has no answer to a registration, so a refused decode
+learns why on its first request (reasons kept per agent name, bounded); that request also
+fails the room's own request, now or when it comes.
 
 Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
 proves that. The ip a frame names must be its connection's, and in
