@@ -153,7 +153,7 @@ class SglangDesk:
                 return self._refuse(reg.agent_name, window)
             reg, layout, state = window.registration, window.layout, window.swa
         elif self._mamba is not None:  # a mamba pool (``sglang.mamba``), or none at all
-            pool = accept_mamba(reg, self._layout, self._mamba, self._limits)
+            pool = accept_mamba(reg, self._mamba, self._limits)
             if isinstance(pool, Refusal):
                 return self._refuse(reg.agent_name, pool)
             reg, state = pool.registration, pool.state

@@ -38,7 +38,6 @@ import dataclasses
 
 import msgspec
 
-from prefill_worker.kv.layout import KVLayout
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
@@ -62,7 +61,7 @@ class MambaPool:
 
 
 def accept_mamba(
-    reg: Registration, ours: KVLayout, side: StagedState, limits: BootstrapLimits
+    reg: Registration, side: StagedState, limits: BootstrapLimits
 ) -> MambaPool | Refusal:
     """The decode rank's mamba pool (its share of every slot: ``rank_share``), or why it
     cannot take this model's state."""

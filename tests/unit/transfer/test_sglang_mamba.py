@@ -70,7 +70,7 @@ def mamba_registration(**frames_at: bytes) -> Registration:
 
 
 def test_a_mamba_registration_is_its_full_layers_and_a_pool_of_slots() -> None:
-    pool = accept_mamba(mamba_registration(), LAYOUT, SIDE, BootstrapLimits())
+    pool = accept_mamba(mamba_registration(), SIDE, BootstrapLimits())
     assert not isinstance(pool, Refusal), pool
     reg = pool.registration
     assert not reg.has_state and reg.state == () and reg.kv_layer_ids == ()
@@ -206,35 +206,35 @@ NO_STATE = {"f8": b"", "f13": b"", "f14": b"", "f20": b"", "f24": b""}
 def test_what_a_mamba_pool_must_be(
     frames_at: dict[str, bytes], reason: RejectReason, words: str
 ) -> None:
-    refusal = accept_mamba(mamba_registration(**frames_at), LAYOUT, SIDE, BootstrapLimits())
+    refusal = accept_mamba(mamba_registration(**frames_at), SIDE, BootstrapLimits())
     assert isinstance(refusal, Refusal), refusal
     assert refusal.reason is reason and words in refusal.message, refusal.message
 
 
 def test_the_temporal_refusal_names_the_ssm_dtype_and_the_conv_one_the_conv_dtype() -> None:
     conv = {"f13": packed_lists([CONV_BYTES // 2] * 3 + [TEMPORAL_BYTES] * 3, fmt="I")}
-    refusal = accept_mamba(mamba_registration(**conv), LAYOUT, SIDE, BootstrapLimits())
+    refusal = accept_mamba(mamba_registration(**conv), SIDE, BootstrapLimits())
     assert isinstance(refusal, Refusal) and "SGLANG_MAMBA_CONV_DTYPE" in refusal.message
     assert "transfer.sglang_mamba_conv_dtype" in refusal.message
     ssm = {"f13": packed_lists([CONV_BYTES] * 3 + [TEMPORAL_BYTES // 2] * 3, fmt="I")}
-    refusal = accept_mamba(mamba_registration(**ssm), LAYOUT, SIDE, BootstrapLimits())
+    refusal = accept_mamba(mamba_registration(**ssm), SIDE, BootstrapLimits())
     assert isinstance(refusal, Refusal) and "SGLANG_MAMBA_SSM_DTYPE" in refusal.message
 
 
 def test_a_decode_without_split_dims_is_taken_and_a_pool_past_the_bound_is_not() -> None:
     reg = mamba_registration(f14=packed_lists([], fmt="I"))
-    assert not isinstance(accept_mamba(reg, LAYOUT, SIDE, BootstrapLimits()), Refusal)
+    assert not isinstance(accept_mamba(reg, SIDE, BootstrapLimits()), Refusal)
     limits = dataclasses.replace(BootstrapLimits(), max_peer_pages=8)
-    refusal = accept_mamba(mamba_registration(), LAYOUT, SIDE, limits)
+    refusal = accept_mamba(mamba_registration(), SIDE, limits)
     assert isinstance(refusal, Refusal) and refusal.reason is RejectReason.TOO_LARGE
     assert "mamba pool of 9 slots; this worker takes 1 to 8" in refusal.message
     at_bound = dataclasses.replace(limits, max_peer_pages=9)
-    assert not isinstance(accept_mamba(mamba_registration(), LAYOUT, SIDE, at_bound), Refusal)
+    assert not isinstance(accept_mamba(mamba_registration(), SIDE, at_bound), Refusal)
 
 
 def test_a_vram_pool_is_on_the_decodes_gpu() -> None:
     reg = mamba_registration(f18=b"VRAM,VRAM,VRAM,VRAM", f9=b"3")
-    pool = accept_mamba(reg, LAYOUT, SIDE, BootstrapLimits())
+    pool = accept_mamba(reg, SIDE, BootstrapLimits())
     assert not isinstance(pool, Refusal) and pool.state.device == "cuda:3"
 
 
@@ -438,7 +438,7 @@ def rank_registration(rank: int, **frames_at: bytes) -> Registration:
 
 
 def test_a_rank_of_attention_tp_2_holds_half_of_each_item() -> None:
-    pool = accept_mamba(rank_registration(1), LAYOUT, SIDE, BootstrapLimits())
+    pool = accept_mamba(rank_registration(1), SIDE, BootstrapLimits())
     assert not isinstance(pool, Refusal), pool
     conv, temporal = pool.state.component.tensors
     assert (conv.item_shape, conv.item_bytes) == ((CONV_DIM // 2, 3), CONV_BYTES // 2)
@@ -514,6 +514,12 @@ def test_a_share_nixl_cannot_list_refuses_the_decode() -> None:
     rig = desk_rig(ShareAgent(fail_local=True))
     rig.send(rank_registration(0))
     assert not rig.peers and rig.rejects == ["nixl_refused"]
+    rig.send(request([8]))  # the decode hears why, by its name
+    reason = rig.replies.sent[-1][1][4].decode()
+    assert (
+        reason
+        == "registration refused: NIXL cannot list our staged state for the decode: no such memory"
+    )
 
 
 def test_a_tp_1_decode_takes_whole_slots() -> None:
