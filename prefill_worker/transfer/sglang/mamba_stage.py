@@ -55,6 +55,7 @@ class MambaStage:
         across a decode's ranks on its own; () for one block."""
         self._layer_ids, self._device = layer_ids, device
         self._groups = conv_groups or (conv[0].shape[1],)
+        self._orders: dict[int, torch.Tensor] = {}  # conv channel order per decode TP size
         self._conv, self._recurrent = tuple(conv), tuple(recurrent)
         dtype = CONV_DTYPES[conv_dtype]
         self.conv = tuple(torch.zeros(c.shape, dtype=dtype, device=c.device) for c in conv)
@@ -91,6 +92,8 @@ class MambaStage:
         every sub-block, in order); None when that is our order (one rank)."""
         if num_shares == 1:
             return None
+        if num_shares in self._orders:
+            return self._orders[num_shares]
         starts = [sum(self._groups[:i]) for i in range(len(self._groups))]
         order = [
             start + rank * (size // num_shares) + i
@@ -98,7 +101,8 @@ class MambaStage:
             for start, size in zip(starts, self._groups, strict=True)
             for i in range(size // num_shares)
         ]
-        return torch.tensor(order, device=self._conv[0].device)
+        self._orders[num_shares] = torch.tensor(order, device=self._conv[0].device)
+        return self._orders[num_shares]
 
 
 class RankedSender(KVSender, Protocol):

@@ -457,6 +457,8 @@ def test_the_stage_puts_each_ranks_channels_together() -> None:
         assert torch.equal(ours.temporal[layer][1], ours._recurrent[layer][1].transpose(-1, -2))
     ours.fill(1)  # one rank: our order
     assert torch.equal(ours.conv[0][1], ours._conv[0][1])
+    ours.fill(3, 2)  # the order again (kept)
+    assert torch.equal(ours.conv[2][3], ours._conv[2][3][order])
 
 
 class ShareAgent(ListingAgent):
