@@ -37,7 +37,8 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
-from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
+from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
+from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable
@@ -176,7 +177,9 @@ def build(
     if index_cache is not None:
         index_cache.allocate(pages)
         log.info("index cache (DSA): %d bytes beside the pool", index_cache.num_bytes)
-    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
+    scales = load_kv_scales(Path(model_path), spec) if dtype_name == FP8_E4M3 else None
+    kv_scales = () if scales is None else scales.flat()  # checkpoint K/V scales, FP8 only
+    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages, kv_scales=kv_scales), dev)
     log.info(
         "KV pool (%s): %d pages of %d tokens, %d bytes",
         pool_layout,

@@ -144,7 +144,8 @@ class CausalLM:
             for rows in blocks:
                 self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
             kv_cache.write(index, inputs.slots, k, v)
-            attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
+            pools = kv_cache.k[index], kv_cache.v[index]
+            attention.attend(q, k, v, *pools, attn, kv_cache.layout.scales_of(index))
             if isinstance(layer.mlp, MoEWeights):  # every expert's weights read once
                 for rows in blocks:
                     self._output(layer, x[rows], attn[rows])

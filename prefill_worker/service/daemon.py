@@ -124,7 +124,7 @@ class Daemon:
         self._engine_thread: EngineThread | None = None
         self._ingress: Ingress | None = None
         self._http_api: HttpApi | None = None  # the SGLang-compatible front, when enabled
-        self._kv_layout: dict[str, str | int] = {}
+        self._kv_layout: dict[str, str | int | list[float]] = {}
         self.transfer_endpoints: Mapping[str, str] = {}
         # Where the prefix cache reports its blocks: the KV-event publisher when
         # kv_events.enabled, else a sink that drops them.

@@ -393,7 +393,12 @@ def _vllm_options(config: Config) -> VllmOptions:
         lease_s=cfg.vllm_lease_s,
         read_grace_s=cfg.vllm_read_grace_s,
         engine_id=cfg.vllm_engine_id,
-        identity=VllmIdentity(model, cfg.vllm_attention_backend),
+        identity=VllmIdentity(
+            model,
+            cfg.vllm_attention_backend,
+            cfg.vllm_kv_cache_dtype,
+            config.model.dtype if cfg.vllm_kv_cache_dtype != "auto" else None,
+        ),
         versions=tuple(cfg.vllm_versions),
         modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),

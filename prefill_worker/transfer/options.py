@@ -75,6 +75,9 @@ class VllmIdentity:
 
     model: str = ""
     attention_backend: str = "FLASH_ATTN"  # CPU decodes: CPU_ATTN
+    cache_dtype: str = "auto"  # their kv_cache_dtype (vllm.profiles.CACHE_DTYPES), hashed as is
+    model_dtype: str | None = None  # their model dtype, hashed; None: the KV pool's (which is
+    # the model's unless the pool is FP8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from tests.checkpoints import prompt
 from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, TP_SIZE, Served, launch_tp
 from tests.interop.decodes import Landed, SglangDecode, new_room
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.newest_sglang]
 
 PROMPT = prompt(37, seed=27)  # 3 pages of 16, several chunks, the last page partial
 TOL = 1e-4

@@ -40,7 +40,7 @@ from tests.integration.daemon.test_hybrid_daemon import StateDecode
 from tests.interop.conftest import TP_SIZE, assert_pools_whole, launch
 from tests.interop.decodes import MambaSpec, SglangDecode, dump, dump_state, new_room
 
-pytestmark = pytest.mark.interop
+pytestmark = [pytest.mark.interop, pytest.mark.newest_sglang]
 
 TOL = 1e-4
 PAGE = PAGE_SIZE  # the native decode's (tests/integration/daemon/conftest.py)

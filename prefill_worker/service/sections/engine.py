@@ -90,7 +90,8 @@ class CacheConfig(Section):
     kv_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto",
         description="KV pool dtype: `auto` (the model's) or `fp8_e4m3` (one byte per value, "
-        "scale 1.0, as SGLang's and vLLM's FP8 KV caches; half the bytes a transfer moves). "
+        "scale 1.0 or the checkpoint's k_scale/v_scale, as SGLang's and vLLM's FP8 KV caches; "
+        "half the bytes a transfer moves). "
         "Decodes must run the same (SGLang: `--kv-cache-dtype fp8_e4m3`); read back by the "
         "sdpa attention backend only (docs/models.md).",
     )

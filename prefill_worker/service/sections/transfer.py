@@ -195,6 +195,12 @@ class TransferConfig(Section):
         description="The vLLM decodes' attention backend name, as their compatibility hash "
         "covers it: `FLASH_ATTN` on GPU, `CPU_ATTN` on CPU.",
     )
+    vllm_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="The vLLM decodes' `kv_cache_dtype`, as their compatibility hash covers it "
+        "(the string: `fp8` and `fp8_e4m3` do not pair); `fp8`/`fp8_e4m3` with "
+        "cache.kv_dtype fp8_e4m3 and an explicit model.dtype, `auto` otherwise (docs/models.md).",
+    )
     vllm_engine_id: str | None = Field(
         None,
         description="The engine id vLLM decodes know this worker by (`remote_engine_id`); "
