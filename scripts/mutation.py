@@ -173,6 +173,7 @@ MODULES: dict[str, list[str]] = {
         _SWA,
         _T + "test_sglang_draft.py",
         _T + "test_sglang_dsa.py",
+        _T + "test_sglang_mamba.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

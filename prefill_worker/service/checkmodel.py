@@ -145,6 +145,22 @@ def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | 
         f"slots × {slot} bytes (conv {linear.conv_dim} × {linear.conv_kernel - 1} {dtype}, "
         f"recurrent {linear.num_v_heads} × {linear.head_k_dim} × {linear.head_v_dim} float32, "
         f"per layer) = {num_slots * slot / 2**30:.2f} GiB; the prefix cache is off"
+        f"{_staging_note(config, linear)}"
+    )
+
+
+def _staging_note(config: Config, linear: LinearAttentionSpec) -> str:
+    """SGLang decodes' staging of the state slots (``sglang.mamba_stage``): as many slots, in
+    their conv dtype and layout; nothing without the SGLang protocol."""
+    if "sglang" not in config.transfer.protocols:
+        return ""
+    conv_dtype = config.transfer.sglang_mamba_conv_dtype
+    slot = linear.slot_bytes(DTYPE_ITEMSIZE[conv_dtype])
+    num_slots = config.cache.num_aux_rows
+    return (
+        f"; SGLang decodes' staging of it (conv in {conv_dtype}, "
+        f"transfer.sglang_mamba_conv_dtype): {num_slots} slots × {slot} bytes = "
+        f"{num_slots * slot / 2**30:.2f} GiB more"
     )
 
 

@@ -55,6 +55,7 @@ from prefill_worker.service.startup import (
     make_engine,
     make_pools,
     make_prefix_cache,
+    sglang_mamba,
     sliding_model,
     start_http,
     start_http_api,
@@ -186,6 +187,7 @@ class Daemon:
                 self._vllm_staging,
                 attach_draft(runner, aux.num_rows),
                 sglang_dsa,
+                sglang_mamba(cfg, runner),
             )
         self._closers.append(("transfer", transfer.backend.close))
         guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)

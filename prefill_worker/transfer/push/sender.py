@@ -7,7 +7,8 @@ Order of a successful push::
                      the same decode pages of its own pool)
     send_aux         remembered; once no page write is in flight: the state slot's WRITE
                      (a model with state: every run of the request's slot into the decode's
-                     ``dst_state_slot``), and once that landed the dialect's aux WRITE
+                     ``dst_state_slot``; a rank holding a share of it, ``Peer.local_state``,
+                     its share), and once that landed the dialect's aux WRITE
     aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
@@ -408,14 +409,13 @@ class PushSender(Generic[P]):
     def _post_state(self) -> None:
         """The request's state slot (its aux row), whole, into each decode's slot; the aux
         row follows once it landed, so the room's notification means the state is there."""
-        state = self._ctx.state
-        assert state is not None and self._aux_row is not None
+        assert self._ctx.state is not None and self._aux_row is not None
         self._is_state_posted = True
-        local = state.indices(self._aux_row)
-        num_bytes = state.regions.component.slot_bytes
         for peer, want in zip(self.peers, self._wants, strict=True):
             assert peer.state is not None and isinstance(want.dst_state_slot, int)
-            remote = peer.state.indices(want.dst_state_slot)
+            state = peer.local_state or self._ctx.state  # a rank's share, or whole slots
+            local, remote = state.indices(self._aux_row), peer.state.indices(want.dst_state_slot)
+            num_bytes = state.regions.component.slot_bytes
             write = self._ctx.poster.post(
                 state.prepped, local, peer.state.prepped, remote, b"", num_bytes
             )

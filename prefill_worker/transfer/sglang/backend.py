@@ -23,10 +23,17 @@ from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from prefill_worker.transfer.nixl.state_lists import (
+    LOCAL_AGENT,
+    StateLists,
+    prep_state_list,
+    register_state,
+)
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -40,6 +47,8 @@ from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.dsa import open_local
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
+from prefill_worker.transfer.sglang.mamba_stage import StagingSender
+from prefill_worker.transfer.slot_stage import StagedState
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
 MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
@@ -76,14 +85,17 @@ class SglangBackend(HubBackend[SglangPeer]):
             raise
         self._closers.append(local.close)
         self.agent = local.agent
-        index_lists = None
-        if dsa is not None:
-            try:
-                index_lists, release = open_local(self.agent, dsa)
-            except BaseException:
-                self._close_all()
-                raise
-            self._closers.append(release)
+        self._mamba = options.mamba
+        state = None  # a DSA model's index pages, or a hybrid model's staged state slots
+        try:
+            if dsa is not None:
+                state, release = open_local(self.agent, dsa)
+                self._closers.append(release)
+            elif self._mamba is not None:
+                state = self._open_stage(self._mamba)
+        except BaseException:
+            self._close_all()
+            raise
         if hooks.poster_factory is None:
             self._poster: WritePoster = PushThread(
                 self.agent, "nixl-push-sglang", hooks.wake, nixl.capture_telemetry
@@ -113,7 +125,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             dialect,
             options.write_timeout_s,
             clock,
-            state=index_lists,
+            state=state,
             draft_pages=draft_pages,
         )
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
@@ -134,8 +146,10 @@ class SglangBackend(HubBackend[SglangPeer]):
             options.sliding,
             num_draft_layers,
             dsa,
+            options.mamba,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
+        self._closers.append(self._desk.release_shares)
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
@@ -158,6 +172,33 @@ class SglangBackend(HubBackend[SglangPeer]):
             "sglang_bootstrap": self._http.address,
             "sglang_control": self._control.endpoint.address,
         }
+
+    def _open_stage(self, mamba: StagedState) -> StateLists:
+        """The staging of our state slots in SGLang's layout, registered and listed (before
+        the transfer thread owns the agent)."""
+        regions = mamba.stage.regions()
+        reg = register_state(self.agent, regions)
+        self._closers.append(lambda: self.agent.deregister_memory(reg))
+        prepped = prep_state_list(self.agent, LOCAL_AGENT, regions)
+        self._closers.append(prepped.release)
+        return StateLists(regions, prepped)
+
+    def create_sender(
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
+    ) -> KVSender:
+        """The hub's sender; a hybrid model's stages the request's state slot (``sglang.mamba``)
+        when its aux row is handed over."""
+        sender = self._hub.create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
+        if self._mamba is None:
+            return sender
+        return StagingSender(sender, self._mamba.stage)
 
     def lead_group(self, place: RankPlace) -> None:
         """Serve SGLang decodes for a TP group this backend is the leader (rank 0) of: its

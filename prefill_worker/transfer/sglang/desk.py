@@ -4,10 +4,11 @@ the decode holds), an ABORT is the peer's abort of a room; the hub does what bot
 
 Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
 ``sglang.swa``, whose route then splits each page's regions between its two pools; a DSA
-decode's index pool, ``sglang.dsa``, which takes an index page with each KV page). SGLang
-has no answer to a registration, so a refused decode learns why on its first request
-(reasons kept per agent name, bounded); that request also fails the room's own request, now
-or when it comes.
+decode's index pool, ``sglang.dsa``, which takes an index page with each KV page; a hybrid
+linear-attention model's decode, ``sglang.mamba``, whose mamba pool takes our staged state
+slot, or a rank's share of it). SGLang has no answer to a registration, so a refused decode
+learns why on its first request (reasons kept per agent name, bounded); that request also
+fails the room's own request, now or when it comes.
 
 Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
 proves that. The ip a frame names must be its connection's, and in
@@ -44,7 +45,7 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
-from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
+from prefill_worker.transfer.nixl.state_lists import StateLists, prep_share, prep_state_list
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
@@ -63,7 +64,9 @@ from prefill_worker.transfer.sglang.accept import (
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
 from prefill_worker.transfer.sglang.dsa import accept_index_pool, index_want
+from prefill_worker.transfer.sglang.mamba import accept_mamba, mamba_want
 from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
@@ -90,6 +93,7 @@ class SglangDesk:
         sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
         num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
         dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
+        mamba: StagedState | None = None,  # a hybrid model, whose decodes hold a mamba pool
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
         self._num_draft_layers = num_draft_layers
@@ -103,8 +107,8 @@ class SglangDesk:
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
-        self._sliding = sliding
-        self._dsa = dsa
+        self._sliding, self._dsa, self._mamba = sliding, dsa, mamba
+        self._shares: dict[tuple[int, int], StateLists] = {}  # (rank, TP size): ``_local_share``
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -145,17 +149,27 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        layout, swa = self._layout, None
+        layout, state, share = self._layout, None, None
         if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
             window = accept_window(reg, self._layout, self._sliding, self._limits)
             if isinstance(window, Refusal):
                 return self._refuse(reg.agent_name, window)
-            reg, layout, swa = window.registration, window.layout, window.swa
-        if self._dsa is not None:  # its index pool (``sglang.dsa``)
-            pool = accept_index_pool(reg, self._layout, self._dsa, self._limits)
+            reg, layout, state = window.registration, window.layout, window.swa
+        elif self._dsa is not None:  # its index pool (``sglang.dsa``)
+            index = accept_index_pool(reg, self._layout, self._dsa, self._limits)
+            if isinstance(index, Refusal):
+                return self._refuse(reg.agent_name, index)
+            reg, state = index.registration, index.index
+        elif self._mamba is not None:  # a mamba pool (``sglang.mamba``), or none at all
+            pool = accept_mamba(reg, self._mamba, self._limits)
             if isinstance(pool, Refusal):
                 return self._refuse(reg.agent_name, pool)
-            reg, swa = pool.registration, pool.index
+            reg, state = pool.registration, pool.state
+            try:
+                share = self._local_share(reg, state)
+            except NIXL_ERRORS as exc:
+                why = f"NIXL cannot list our staged state for the decode: {exc}"
+                return self._refuse(reg.agent_name, Refusal(RejectReason.NIXL_REFUSED, why))
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -183,7 +197,7 @@ class SglangDesk:
         head_slice = rank_slice(reg, layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
-            lists, state = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, swa)
+            lists, prepped = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, state)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
@@ -204,8 +218,9 @@ class SglangDesk:
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
-            state=state,
-            route=window_route(self._sliding, self._layout, regions, state),
+            state=prepped,
+            local_state=share,
+            route=window_route(self._sliding, self._layout, regions, prepped),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
@@ -243,13 +258,13 @@ class SglangDesk:
         regions: KVRegions,
         aux_ptrs: tuple[int, ...],
         head_slice: HeadSlice | None,
-        swa: StateRegions | None = None,
+        state: StateRegions | None = None,
     ) -> tuple[PreppedLists, StateLists | None]:
         """The decode pool's descriptor list, once (token runs of its heads when it holds part
         of ours, and ours of the same heads the first time); row 0 of each metadata buffer,
         which NIXL checks against what the decode registered (rows are written per request);
-        and its state pool's (``swa``: a hybrid SWA pool, a DSA index pool), when it has one.
-        Runs where the agent lives."""
+        and its state pool's (a hybrid SWA pool, a DSA index pool, a mamba pool), when it has
+        one. Runs where the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
@@ -260,12 +275,31 @@ class SglangDesk:
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
             lists = PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
-            if swa is None:
+            if state is None:
                 return lists, None
-            return lists, StateLists(swa, prep_state_list(self._agent, name, swa))
+            return lists, StateLists(state, prep_state_list(self._agent, name, state))
         except BaseException:
             (kv if lists is None else lists).release()
             raise
+
+    def _local_share(self, reg: frames.Registration, state: StateRegions) -> StateLists | None:
+        """For a mamba decode rank of attention TP > 1: the share of our staged slots it
+        takes (``state`` its pool, of that share), listed once per (rank, TP size); None at
+        TP 1 (whole slots)."""
+        if reg.tp_size == 1 or self._mamba is None:
+            return None
+        key = (reg.tp_rank, reg.tp_size)
+        if key not in self._shares:
+            staged = self._mamba.stage.regions()
+            share = self._run(prep_share, self._agent, staged, state.component, reg.tp_rank)
+            self._shares[key] = share
+        return self._shares[key]
+
+    def release_shares(self) -> None:
+        """The staged shares' lists (at close, before the agent)."""
+        for share in self._shares.values():
+            share.prepped.release()
+        self._shares.clear()
 
     def _prep_local(self, head_slice: HeadSlice) -> None:
         assert self._regions is not None, "a desk that slices heads needs our regions"
@@ -298,6 +332,9 @@ class SglangDesk:
             req = dataclasses.replace(req, has_state=False)
         elif self._dsa is not None:  # its index pages are its KV pages (``sglang.dsa``)
             want = index_want(req)
+            req = dataclasses.replace(req, has_state=False)
+        elif peer.state is not None:  # its mamba slot is the state index (``sglang.mamba``)
+            want = mamba_want(req)
             req = dataclasses.replace(req, has_state=False)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:

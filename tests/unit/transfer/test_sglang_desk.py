@@ -31,6 +31,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -112,13 +113,16 @@ class Rig:
         agent: FakeAgent | None = None,
         num_draft_layers: int = 0,  # the worker's draft's
         dsa: StateRegions | None = None,  # a DSA model's FP8 index pages
+        mamba: StagedState | None = None,  # a hybrid linear-attention model's staged state
+        state: StateLists | None = None,  # the worker's state pool, as the hub sends it
     ) -> None:
         self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
         pages = PageLists(None, layout.num_regions, layout.page_bytes)
-        state = None if dsa is None else StateLists(dsa, FakeList())
+        if dsa is not None:
+            state = StateLists(dsa, FakeList())
         ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now, state=state)
         self.hub = RecordingHub(ctx, self.agent)
         self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
@@ -135,6 +139,7 @@ class Rig:
             sliding=sliding,
             **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
             **({"dsa": dsa} if dsa is not None else {}),
+            **({"mamba": mamba} if mamba is not None else {}),
         )
 
     @property
