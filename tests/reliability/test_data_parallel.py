@@ -1,0 +1,144 @@
+"""An attention-DP worker: real rank processes (one gloo world) behind one ingress.
+
+The same requests, one at a time, to a DP-1 and a DP-2 worker (the tiny llama, fp32): the DP-2 worker places
+each on rank ``bootstrap_room % 2`` (both ranks serve), and native decodes, one on each rank's
+own bootstrap socket (``/readyz``'s ``dp_ranks``), receive KV byte for byte what the DP-1
+worker's decode received, with the same first tokens and logprobs (within 1e-4; each rank is a
+whole TP-1 worker, so the numbers are the same bits). Afterwards every rank's KV pages are
+free again (``prefill_worker_dp_kv_pages``). SIGTERM drains every rank: exit 0, no rank left.
+A rank killed under load fails the worker as a TP group does: exit 70, every request answered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefill_worker.request import OutcomeStatus
+from prefill_worker.transfer import RoomState
+from tests.checkpoints import prompt
+from tests.integration.daemon.conftest import Worker, start_worker, wait_ready
+from tests.patience import patient
+from tests.polling import wait_until
+from tests.reliability.harness import Ledger, LiveDecode, Router, scrape
+
+TOL = 1e-4
+PROMPTS = [prompt(9 + 5 * i, seed=30 + i) for i in range(4)]
+ROOMS = [101, 102, 103, 104]  # two on each rank of two
+
+
+def rank_bootstraps(worker: Worker) -> list[str]:
+    readyz = json.loads(worker.http("/readyz")[1])
+    ranks = readyz.get("dp_ranks", [])
+    return [worker.bootstrap, *(rank["bootstrap"] for rank in ranks)]
+
+
+def serve(worker: Worker) -> dict[int, tuple[object, list[torch.Tensor]]]:
+    """Each prompt to its room; the reply and the room's K and V pages (two layers)."""
+    bootstraps = rank_bootstraps(worker)
+    decodes = [LiveDecode(b) for b in bootstraps]
+    router = Router(worker.ingress, Ledger())
+    out = {}
+    try:
+        for room, tokens in zip(ROOMS, PROMPTS, strict=True):  # one at a time: each forward
+            decode = decodes[room % len(decodes)]  # is one prompt alone at any DP size
+            decode.want(room, len(tokens))
+            rid = router.send_prefill(tokens, room, return_logprob=True)
+            reply = router.wait([rid])[rid]
+            assert decode.wait([room])[room].state is RoomState.DONE
+            pages, _ = decode.rooms[room]
+            n = len(PROMPTS[ROOMS.index(room)])  # the last page's rest is the decode's own
+            kv = [torch.stack([cache[layer][p] for p in pages]).flatten(0, 1)[:n]
+                  for layer in range(2) for cache in (decode.k, decode.v)]  # fmt: skip
+            out[room] = reply, kv
+    finally:
+        router.close()
+        for decode in decodes:
+            decode.close()
+    return out
+
+
+def dp_pages(worker: Worker) -> dict[tuple[str, str], float]:
+    return {
+        (dict(labels)["dp_rank"], dict(labels)["kind"]): value
+        for (name, labels), value in scrape(worker).items()
+        if name == "prefill_worker_dp_kv_pages"
+    }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[dict]:
+    results = {}
+    for dp in (1, 2):
+        worker = start_worker(
+            tmp_path_factory.mktemp(f"dp{dp}"), checkpoint, f"parallel.dp_size={dp}"
+        )
+        try:
+            wait_ready(worker)
+            answers = serve(worker)
+            pages = dp_pages(worker) if dp > 1 else {}
+            if dp > 1:
+                wait_until(lambda: all_free(dp_pages(worker)), patient(10), "every rank's pages")
+                pages = dp_pages(worker)
+            placed = {
+                dict(labels)["dp_rank"]: value
+                for (name, labels), value in scrape(worker).items()
+                if name == "prefill_worker_dp_requests"
+            }
+        except BaseException:
+            worker.child.kill()
+            raise
+        assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
+        results[dp] = answers, pages, placed
+    yield results
+
+
+def all_free(pages: dict[tuple[str, str], float]) -> bool:
+    ranks = {rank for rank, _ in pages}
+    return bool(ranks) and all(pages[(r, "free")] == pages[(r, "total")] for r in ranks)
+
+
+def test_both_ranks_serve_the_dp1_first_tokens_and_kv(served: dict) -> None:
+    one, two = served[1][0], served[2][0]
+    for room in ROOMS:
+        (a, kv_a), (b, kv_b) = one[room], two[room]
+        assert a.status is OutcomeStatus.OK and b.status is OutcomeStatus.OK, (a, b)
+        assert a.first_token_id == b.first_token_id
+        assert abs(a.first_token_logprob - b.first_token_logprob) <= TOL
+        for x, y in zip(kv_a, kv_b, strict=True):
+            assert torch.equal(x, y), f"room {room}: KV differs by {(x - y).abs().max()}"
+
+
+def test_every_ranks_pool_is_whole_afterwards(served: dict) -> None:
+    pages = served[2][1]
+    assert {rank for rank, _ in pages} == {"0", "1"}
+    assert all_free(pages), pages
+
+
+def test_a_killed_rank_fails_the_worker_and_every_request_is_answered(
+    tmp_path: Path, checkpoint: Path
+) -> None:
+    worker = start_worker(tmp_path, checkpoint, "parallel.dp_size=2")
+    try:
+        wait_ready(worker)
+        rank_pid = json.loads(worker.http("/readyz")[1])["dp_ranks"][0]["pid"]
+        router = Router(worker.ingress, Ledger())
+        try:
+            rids = [router.send_prefill(prompt(12, seed=i), 500 + i) for i in range(4)]
+            os.kill(rank_pid, signal.SIGKILL)  # no decode claims them: all still in flight
+            started = time.monotonic()
+            replies = router.wait(rids, timeout_s=patient(30))
+        finally:
+            router.close()
+        assert worker.wait_exit(30) == 70, worker.log()
+        assert time.monotonic() - started < patient(15)
+        assert all(r.status is not OutcomeStatus.OK for r in replies.values()), replies
+    finally:
+        worker.child.kill()
