@@ -394,14 +394,11 @@ def run_daemon(
     *,
     build_model: ModelBuilder | None = None,
     rank_command: Sequence[str] | None = None,
+    kind: type[Daemon] = Daemon,
 ) -> int:
+    """``kind``: at ``parallel.dp_size`` > 1 the attention-DP leader (``cli`` picks it)."""
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     raise_fd_limit()
-    kind: type[Daemon] = Daemon
-    if config.parallel.dp_size > 1:
-        from prefill_worker.service.dp_leader import DpLeader
-
-        kind = DpLeader
     daemon = kind(
         config,
         os.environ if env is None else env,

@@ -1,12 +1,13 @@
 """An attention-DP worker: real rank processes (one gloo world) behind one ingress.
 
-The same requests, one at a time, to a DP-1 and a DP-2 worker (the tiny llama, fp32): the DP-2 worker places
-each on rank ``bootstrap_room % 2`` (both ranks serve), and native decodes, one on each rank's
-own bootstrap socket (``/readyz``'s ``dp_ranks``), receive KV byte for byte what the DP-1
-worker's decode received, with the same first tokens and logprobs (within 1e-4; each rank is a
-whole TP-1 worker, so the numbers are the same bits). Afterwards every rank's KV pages are
-free again (``prefill_worker_dp_kv_pages``). SIGTERM drains every rank: exit 0, no rank left.
-A rank killed under load fails the worker as a TP group does: exit 70, every request answered.
+The same requests, one at a time, to a DP-1 and a DP-2 worker (the tiny llama, fp32): the
+DP-2 worker places each on rank ``bootstrap_room % 2`` (both ranks serve), and native decodes,
+one on each rank's own bootstrap socket (``/readyz``'s ``dp_ranks``), receive KV byte for byte
+what the DP-1 worker's decode received, with the same first tokens and logprobs (within 1e-4;
+each rank is a whole TP-1 worker running the same one-prompt forwards). Afterwards every
+rank's KV pages are free again (``prefill_worker_dp_kv_pages``). SIGTERM drains every rank:
+exit 0. A rank killed under load fails the worker as a TP group does: exit 70, every request
+answered.
 """
 
 from __future__ import annotations
@@ -83,20 +84,15 @@ def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterat
         try:
             wait_ready(worker)
             answers = serve(worker)
-            pages = dp_pages(worker) if dp > 1 else {}
+            pages: dict[tuple[str, str], float] = {}
             if dp > 1:
-                wait_until(lambda: all_free(dp_pages(worker)), patient(10), "every rank's pages")
+                wait_until(lambda w=worker: all_free(dp_pages(w)), patient(10), "free pages")
                 pages = dp_pages(worker)
-            placed = {
-                dict(labels)["dp_rank"]: value
-                for (name, labels), value in scrape(worker).items()
-                if name == "prefill_worker_dp_requests"
-            }
         except BaseException:
             worker.child.kill()
             raise
         assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
-        results[dp] = answers, pages, placed
+        results[dp] = answers, pages
     yield results
 
 
