@@ -202,6 +202,7 @@ class Daemon:
             backend = GroupBackend(backend, self._group.channel.link)
         self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
         self.transfer_endpoints = transfer.endpoints
+        self._transfer_backend = transfer.backend  # an attention-DP leader leads its routes
         with watch("kv events"):
             self._start_kv_events()
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)

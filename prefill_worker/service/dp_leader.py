@@ -144,7 +144,22 @@ class DpLeader(Daemon):
             ):
                 raise TimeoutError(f"not every dp rank served within {timeout_s:g} s")
         known = ranks.relay.endpoints
+        self._lead_sglang([dict(self.transfer_endpoints), *(known[r] for r in sorted(known))])
         return {"dp_size": ranks.relay.dp_size, "dp_ranks": [known[r] for r in sorted(known)]}
+
+    def _lead_sglang(self, endpoints: list[Mapping[str, object]]) -> None:
+        """SGLang's routes on rank 0 name every rank's control socket, by its dp group."""
+        if self.config.transfer.protocols != ("sglang",):
+            return
+        from prefill_worker.transfer.sglang.backend import SglangBackend
+
+        backend = self._transfer_backend
+        assert isinstance(backend, SglangBackend), "sglang alone: the backend is its own"
+        infos: list[dict[str, object]] = []
+        for ends in endpoints:
+            host, _, port = str(ends["sglang_control"]).rpartition(":")
+            infos.append({"rank_ip": host.removeprefix("tcp://"), "rank_port": int(port)})
+        backend.lead_dp(infos, self.rooms.query)
 
     def _supervisor(self) -> Supervisor:
         assert self._engine is not None and self._engine_thread is not None
