@@ -4,16 +4,22 @@ The rule (docs/parallelism.md, "Which rank serves a request"): the rank the rout
 (``dp_rank``; SGLang's ``data_parallel_rank`` / ``disagg_prefill_dp_rank``) when it named one,
 else ``bootstrap_room % dp_size``. Not by load: a decode that was not told the rank finds it
 with no query when the worker advertises ``follow_bootstrap_room`` (as SGLang 0.5.23's decode
-does, ``_resolve_prefill_dp_rank``), and that holds only while the room alone decides. The
-rooms placed are kept (bounded, oldest forgotten first) so that ``/query_dp_ranks`` answers a
-decode that asks, and an explicit rank that differs from the room's rule can be told apart.
-No torch.
+does, ``_resolve_prefill_dp_rank``), and that holds only while the room alone decides. A
+decode that asks the wrong rank anyway has its room failed at once with the rank to ask
+(``rank_rule``). The rooms placed are kept (bounded, oldest forgotten first) so that
+``/query_dp_ranks`` answers a decode that asks. No torch.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.validate import Refusal, RejectReason
+
+log = logging.getLogger(__name__)
 
 
 class RankOutOfRange(ValueError):
@@ -27,6 +33,34 @@ def place(bootstrap_room: int, dp_size: int, named: int | None = None) -> int:
     if not 0 <= named < dp_size:
         raise RankOutOfRange(f"dp_rank {named} is not in [0, {dp_size})")
     return named
+
+
+def rank_rule(dp_rank: int, dp_size: int) -> Callable[[int], Refusal | None]:
+    """For rank ``dp_rank``'s transfer hub: why a decode's want for a room is another rank's
+    (the room's rule names another; its request never comes here), else None. The reason
+    names the rank to ask, and no room (rooms are capabilities; reasons reach logs)."""
+
+    def elsewhere(bootstrap_room: int) -> Refusal | None:
+        owner = bootstrap_room % dp_size
+        if owner == dp_rank:
+            return None
+        why = (
+            f"this room is served by attention-DP rank {owner} of {dp_size}, not rank "
+            f"{dp_rank}: ask that rank (SGLang: prefill_dp_rank {owner}, or /query_dp_ranks)"
+        )
+        return Refusal(RejectReason.WRONG_DP_RANK, why)
+
+    return elsewhere
+
+
+def serve_own_rooms(backend: TransferBackend, dp_rank: int, dp_size: int) -> None:
+    """Have the rank's hub refuse other ranks' rooms (native and SGLang's protocol alike)."""
+    from prefill_worker.transfer.push.hub import HubBackend
+
+    if isinstance(backend, HubBackend):
+        backend.serve_rooms_of(rank_rule(dp_rank, dp_size))
+    else:  # a wrapped backend (a hybrid model's state guard): wants for others wait instead
+        log.warning("dp rank %d: its backend cannot refuse other ranks' rooms", dp_rank)
 
 
 class RoomRanks:

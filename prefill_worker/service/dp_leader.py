@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from prefill_worker.dp.place import RoomRanks, place
+from prefill_worker.dp.place import RoomRanks, place, serve_own_rooms
 from prefill_worker.dp.relay import Relay
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.load import LoadSnapshot
@@ -144,6 +144,7 @@ class DpLeader(Daemon):
             ):
                 raise TimeoutError(f"not every dp rank served within {timeout_s:g} s")
         known = ranks.relay.endpoints
+        serve_own_rooms(self._transfer_backend, 0, ranks.relay.dp_size)
         self._lead_sglang([dict(self.transfer_endpoints), *(known[r] for r in sorted(known))])
         return {"dp_size": ranks.relay.dp_size, "dp_ranks": [known[r] for r in sorted(known)]}
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import cast
 
 from prefill_worker.dp.front import RankFront
+from prefill_worker.dp.place import serve_own_rooms
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
@@ -72,9 +73,11 @@ def rank_config(config: Config, dp_rank: int, device: str) -> Config:
 class RankDaemon(Daemon):
     """A whole TP-1 worker whose front is the link to its DP leader."""
 
-    def __init__(self, config: Config, env: Mapping[str, str], link: str, dp_rank: int) -> None:
+    def __init__(
+        self, config: Config, env: Mapping[str, str], link: str, dp_rank: int, dp_size: int
+    ) -> None:
         super().__init__(config, env)
-        self._link, self._dp_rank = link, dp_rank
+        self._link, self._dp_rank, self.config_dp_size = link, dp_rank, dp_size
         self._front: RankFront | None = None
 
     def _start_front(self, engine: Engine, limits: tuple[int, int, int]) -> Ingress:
@@ -82,6 +85,11 @@ class RankDaemon(Daemon):
         front = RankFront(self._link, self._dp_rank, self.inbox, load, self.request_drain)
         self._front = front
         return cast(Ingress, front)  # what the daemon asks of an ingress, duck-typed
+
+    def _more_endpoints(self) -> dict[str, object]:
+        size = self.config_dp_size
+        serve_own_rooms(self._transfer_backend, self._dp_rank, size)
+        return {}
 
     def _announce(self, http_port: int) -> None:
         super()._announce(http_port)
@@ -103,7 +111,8 @@ def run_rank(config: Config, placement: Placement, link: str, secret: bytes) -> 
     except Exception:
         log.exception("dp rank %d: joining the group failed", placement.rank)
         return 1
-    daemon = RankDaemon(rank_config(config, placement.rank, device), {}, link, placement.rank)
+    own = rank_config(config, placement.rank, device)
+    daemon = RankDaemon(own, {}, link, placement.rank, placement.size)
     codes: list[int] = []
     # Not on the main thread: the daemon leaves the signals alone (ignored above).
     thread = threading.Thread(target=lambda: codes.append(daemon.run()), name="dp-rank")

@@ -24,6 +24,7 @@ import torch
 
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import RoomState
+from prefill_worker.transfer.decode.ranks import rank_bootstrap
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker, start_worker, wait_ready
 from tests.patience import patient
@@ -35,35 +36,42 @@ PROMPTS = [prompt(9 + 5 * i, seed=30 + i) for i in range(4)]
 ROOMS = [101, 102, 103, 104]  # two on each rank of two
 
 
-def rank_bootstraps(worker: Worker) -> list[str]:
-    readyz = json.loads(worker.http("/readyz")[1])
-    ranks = readyz.get("dp_ranks", [])
-    return [worker.bootstrap, *(rank["bootstrap"] for rank in ranks)]
-
-
 def serve(worker: Worker) -> dict[int, tuple[object, list[torch.Tensor]]]:
-    """Each prompt to its room; the reply and the room's K and V pages (two layers)."""
-    bootstraps = rank_bootstraps(worker)
-    decodes = [LiveDecode(b) for b in bootstraps]
+    """Each prompt to its room, a native decode on the rank serving it (the SDK's
+    ``rank_bootstrap``); the reply and the room's K and V (two layers)."""
+    endpoints = json.loads(worker.http("/readyz")[1])
+    decodes: dict[str, LiveDecode] = {}
     router = Router(worker.ingress, Ledger())
     out = {}
     try:
         for room, tokens in zip(ROOMS, PROMPTS, strict=True):  # one at a time: each forward
-            decode = decodes[room % len(decodes)]  # is one prompt alone at any DP size
+            where = rank_bootstrap(endpoints, room)  # is one prompt alone at any DP size
+            decode = decodes.get(where) or decodes.setdefault(where, LiveDecode(where))
             decode.want(room, len(tokens))
             rid = router.send_prefill(tokens, room, return_logprob=True)
             reply = router.wait([rid])[rid]
             assert decode.wait([room])[room].state is RoomState.DONE
             pages, _ = decode.rooms[room]
-            n = len(PROMPTS[ROOMS.index(room)])  # the last page's rest is the decode's own
+            n = len(tokens)  # the last page's rest is the decode's own
             kv = [torch.stack([cache[layer][p] for p in pages]).flatten(0, 1)[:n]
                   for layer in range(2) for cache in (decode.k, decode.v)]  # fmt: skip
             out[room] = reply, kv
+        assert len(decodes) == endpoints.get("dp_size", 1)  # every rank served
+        if len(decodes) > 1:
+            out[0] = wrong_rank(decodes[endpoints["bootstrap"]]), []
     finally:
         router.close()
-        for decode in decodes:
+        for decode in decodes.values():
             decode.close()
     return out
+
+
+def wrong_rank(decode: LiveDecode) -> str | None:
+    """A want for rank 1's room sent to rank 0: its status, at once (no request sent)."""
+    decode.want(105, 8)
+    status = decode.wait([105], timeout_s=10)[105]
+    assert status.state is RoomState.FAILED, status
+    return status.reason
 
 
 def dp_pages(worker: Worker) -> dict[tuple[str, str], float]:
@@ -104,12 +112,17 @@ def all_free(pages: dict[tuple[str, str], float]) -> bool:
 def test_both_ranks_serve_the_dp1_first_tokens_and_kv(served: dict) -> None:
     one, two = served[1][0], served[2][0]
     for room in ROOMS:
-        (a, kv_a), (b, kv_b) = one[room], two[room]
+        (a, kv_a), (b, kv_b) = one[room], two[room]  # rank room % 2 of the DP-2 worker
         assert a.status is OutcomeStatus.OK and b.status is OutcomeStatus.OK, (a, b)
         assert a.first_token_id == b.first_token_id
         assert abs(a.first_token_logprob - b.first_token_logprob) <= TOL
         for x, y in zip(kv_a, kv_b, strict=True):
             assert torch.equal(x, y), f"room {room}: KV differs by {(x - y).abs().max()}"
+
+
+def test_a_want_on_the_wrong_rank_fails_at_once_naming_the_right_one(served: dict) -> None:
+    reason = served[2][0][0][0]
+    assert reason is not None and "served by attention-DP rank 1 of 2, not rank 0" in reason
 
 
 def test_every_ranks_pool_is_whole_afterwards(served: dict) -> None:
