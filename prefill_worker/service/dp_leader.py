@@ -75,6 +75,15 @@ class DpRanks:
         dead = self.followers.first_dead()
         return None if dead is None else f"attention-DP {dead}"
 
+    def stuck(self) -> str | None:
+        """For ``/livez``: a rank gone, or one the kernel holds stopped (its requests would
+        wait out their deadlines)."""
+        problem = self.problem()
+        if problem is not None:
+            return problem
+        stopped = self.followers.first_stopped()
+        return None if stopped is None else f"an attention-DP {stopped}"
+
     def is_busy(self) -> bool:
         return self.relay.num_inflight > 0
 
@@ -116,6 +125,7 @@ class DpLeader(Daemon):
             config_json = cfg.model_dump_json().encode()
             followers = Followers.start(command, config_json, size, store.port, secret)
             self._ranks = DpRanks(relay, followers, link_dir)
+            self.health.watch_group(self._ranks.stuck)
             followers.wait_for(
                 lambda: join(here, device, tp_timeouts(cfg), store, secret),
                 cfg.parallel.rendezvous_timeout_s,

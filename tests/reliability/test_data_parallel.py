@@ -6,8 +6,8 @@ one on each rank's own bootstrap socket (``/readyz``'s ``dp_ranks``), receive KV
 what the DP-1 worker's decode received, with the same first tokens and logprobs (within 1e-4;
 each rank is a whole TP-1 worker running the same one-prompt forwards). Afterwards every
 rank's KV pages are free again (``prefill_worker_dp_kv_pages``). SIGTERM drains every rank:
-exit 0. A rank killed under load fails the worker as a TP group does: exit 70, every request
-answered.
+exit 0. A rank stopped (SIGSTOP) is named by ``/livez`` (503) at once; killed with requests in
+flight, it fails the worker as a TP group does: exit 70, every request answered.
 """
 
 from __future__ import annotations
@@ -131,13 +131,17 @@ def test_every_ranks_pool_is_whole_afterwards(served: dict) -> None:
     assert all_free(pages), pages
 
 
-def test_a_killed_rank_fails_the_worker_and_every_request_is_answered(
+def test_a_stopped_rank_is_named_and_a_killed_one_fails_the_worker_answering_all(
     tmp_path: Path, checkpoint: Path
 ) -> None:
     worker = start_worker(tmp_path, checkpoint, "parallel.dp_size=2")
     try:
         wait_ready(worker)
         rank_pid = json.loads(worker.http("/readyz")[1])["dp_ranks"][0]["pid"]
+        os.kill(rank_pid, signal.SIGSTOP)  # /livez names a stopped rank at once
+        stuck = f"an attention-DP rank 1 (pid {rank_pid}) is stopped"
+        wait_until(lambda: stuck in worker.http("/livez")[1], patient(10), "/livez")
+        assert worker.http("/livez")[0] == 503
         router = Router(worker.ingress, Ledger())
         try:
             rids = [router.send_prefill(prompt(12, seed=i), 500 + i) for i in range(4)]
