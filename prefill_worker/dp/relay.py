@@ -5,7 +5,9 @@ user reaches it); rank r's DEALER connects with routing id ``r``. One I/O thread
 socket; callers on any thread queue frames (a deque and a wake pipe) and return at once. The
 relay keeps which rank holds each request in flight, so a router's abort goes where its
 request went, a drain waits for every rank's requests, and a failed group answers each of
-them once (``fail_inflight``). Outcomes go to ``on_outcome`` on the I/O thread.
+them once (``fail_inflight``). Outcomes go to ``on_outcome`` on the I/O thread. Frames for a
+rank that has not yet said it serves wait for its ``ready`` (a router may send before rank 0
+is ready, while a rank still loads).
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ class Relay:
         self._on_outcome = on_outcome
         self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frame for a gone rank raises
         self._sock.bind(self.endpoint)
         self._lock = threading.Lock()
         self._inflight: dict[str, Placed] = {}
         self._outbox: deque[tuple[int, bytes]] = deque()
+        # Frames for a rank that has not said it serves (its link may not be connected yet:
+        # a router may send before rank 0 is ready), sent once it has.
+        self._held: dict[int, list[bytes]] = {r: [] for r in range(1, dp_size)}
         self.loads: dict[int, LoadSnapshot] = {}
         self.endpoints: dict[int, dict[str, object]] = {}
         self._ready = threading.Condition(self._lock)
@@ -123,7 +129,16 @@ class Relay:
                 os.read(self._wake_r, 4096)
             while self._outbox:
                 dp_rank, frame = self._outbox.popleft()
-                self._sock.send_multipart([str(dp_rank).encode(), frame])
+                if dp_rank in self.endpoints:
+                    self._deliver(dp_rank, frame)
+                else:
+                    self._held[dp_rank].append(frame)
+
+    def _deliver(self, dp_rank: int, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([str(dp_rank).encode(), frame])
+        except zmq.ZMQError as exc:  # its link is gone: the watch fails the worker
+            log.warning("dp rank %d: a frame was not delivered: %s", dp_rank, exc)
 
     def _receive(self) -> None:
         while True:
@@ -145,4 +160,6 @@ class Relay:
             with self._ready:
                 self.endpoints[dp_rank] = message.endpoints
                 self._ready.notify_all()
+            for frame in self._held.pop(dp_rank, []):
+                self._deliver(dp_rank, frame)
             log.info("dp rank %d serving: %s", dp_rank, message.endpoints)
