@@ -84,23 +84,25 @@ def dp_pages(worker: Worker) -> dict[tuple[str, str], float]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[dict]:
+    """The DP-1 and DP-2 workers (started together), served in turn, then drained."""
+    workers = {
+        dp: start_worker(tmp_path_factory.mktemp(f"dp{dp}"), checkpoint, f"parallel.dp_size={dp}")
+        for dp in (1, 2)
+    }
     results = {}
-    for dp in (1, 2):
-        worker = start_worker(
-            tmp_path_factory.mktemp(f"dp{dp}"), checkpoint, f"parallel.dp_size={dp}"
-        )
-        try:
+    try:
+        for dp, worker in workers.items():
             wait_ready(worker)
             answers = serve(worker)
             pages: dict[tuple[str, str], float] = {}
             if dp > 1:
                 wait_until(lambda w=worker: all_free(dp_pages(w)), patient(10), "free pages")
                 pages = dp_pages(worker)
-        except BaseException:
-            worker.child.kill()
-            raise
-        assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
-        results[dp] = answers, pages
+            assert worker.child.stop() == 0, worker.log()  # SIGTERM drains every rank
+            results[dp] = answers, pages
+    finally:
+        for worker in workers.values():
+            worker.child.kill()  # no worker outlives a failed script
     yield results
 
 
