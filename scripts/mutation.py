@@ -153,6 +153,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_sglang_desk.py",
         _T + "test_push_hub_pins.py",
+        _T + "test_push_hub_dp.py",
         _T + "test_hub_backend.py",
         _T + "test_push_ranks.py",
         _STATE,

@@ -207,6 +207,7 @@ class Daemon:
             backend = GroupBackend(backend, self._group.channel.link)
         self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
         self.transfer_endpoints = transfer.endpoints
+        self._transfer_backend = transfer.backend  # an attention-DP leader leads its routes
         with watch("kv events"):
             self._start_kv_events()
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
@@ -222,9 +223,7 @@ class Daemon:
             pages.num_pages * cfg.cache.page_size,
         )
         with watch("ingress"):
-            self._ingress = start_ingress(
-                cfg, self.inbox, lambda: engine.load, limits, self.metrics, self.request_drain
-            )
+            self._ingress = self._start_front(engine, limits)
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
         if cfg.http_api.enabled:
@@ -288,6 +287,13 @@ class Daemon:
         group.start_heartbeat()
         return GroupRunner(runner, group.channel, self.metrics.on_rank_forward), kv_cache, info
 
+    def _start_front(self, engine: Engine, limits: tuple[int, int, int]) -> Ingress:
+        """Where requests come from: the router-facing ingress (a DP rank's daemon: its
+        link to the leader, ``service/dp_rank.py``)."""
+        load = lambda: engine.load  # noqa: E731
+        on_drain = self.request_drain
+        return start_ingress(self.config, self.inbox, load, limits, self.metrics, on_drain)
+
     def _start_kv_events(self) -> None:
         publisher = start_kv_events(self.config, self.metrics)
         if publisher is None:
@@ -313,7 +319,11 @@ class Daemon:
         if self._http_api is not None:
             api_host = cfg.http_api.bind.rpartition(":")[0] or "127.0.0.1"
             endpoints["http_api"] = f"{api_host}:{self._http_api.port}"
-        published: dict[str, object] = {**endpoints, "kv_layout": self._kv_layout}
+        published: dict[str, object] = {
+            **endpoints,
+            "kv_layout": self._kv_layout,
+            **self._more_endpoints(),
+        }
         self.health.endpoints = published
         if cfg.daemon.ready_file:
             ready_file = Path(cfg.daemon.ready_file)
@@ -327,6 +337,11 @@ class Daemon:
         where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
         self.notifier.ready(f"serving {cfg.model.path}: {where}")
         log.info("ready: %s", where)
+
+    def _more_endpoints(self) -> dict[str, object]:
+        """What else ``/readyz`` and the ready file publish (an attention-DP leader: its
+        ranks', ``service/dp_leader.py``)."""
+        return {}
 
     def _start_engine_thread(self, engine: Engine) -> None:
         self._engine_thread = EngineThread(engine, self.inbox, self._wake.set)
@@ -385,10 +400,12 @@ def run_daemon(
     *,
     build_model: ModelBuilder | None = None,
     rank_command: Sequence[str] | None = None,
+    kind: type[Daemon] = Daemon,
 ) -> int:
+    """``kind``: at ``parallel.dp_size`` > 1 the attention-DP leader (``cli`` picks it)."""
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     raise_fd_limit()
-    daemon = Daemon(
+    daemon = kind(
         config,
         os.environ if env is None else env,
         build_model or build,

@@ -24,6 +24,7 @@ every millisecond (``nixl_progress``): a process holds many decodes.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -233,15 +234,19 @@ class Decode:
         manager = self.manager
         return {"agent_name": manager.agent.name, "ip": manager.local_ip, "port": manager.rank_port}
 
-    def want(self, room: int, num_tokens: int, prefix_len: int) -> dict[str, Any]:
+    def want(
+        self, room: int, num_tokens: int, prefix_len: int, resolve: str | None = None
+    ) -> dict[str, Any]:
+        """``resolve``: how the prefill's DP rank is found (``dp_rank``, below); None: 0."""
         if not self.manager.try_ensure_parallel_info(self.bootstrap):
             raise RuntimeError(f"no prefill server info from {self.bootstrap}")
+        dp_rank = 0 if resolve is None else self.dp_rank(room, resolve)
         num_pages = -(-num_tokens // self.page_size)
         pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
         aux_index = self._next_aux % self._num_aux_rows  # rows are reused in turn
         self._next_aux += 1
         receiver = NixlKVReceiver(self.manager, self.bootstrap, room)
-        receiver.init(0)
+        receiver.init(dp_rank)
         sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
         swa_pages = self._window_pages(num_tokens, prefix_len)
         state = None if swa_pages is None else [np.asarray(swa_pages, dtype=np.int32)]
@@ -256,7 +261,38 @@ class Decode:
         self.rooms[room] = (pages, aux_index, receiver)
         self.swa_rooms[room] = swa_pages or []
         reply = {"pages": pages, "aux_index": aux_index, "swa_pages": swa_pages}
-        return {**reply, "mamba_slot": slot}
+        return {**reply, "mamba_slot": slot, "dp_rank": dp_rank}
+
+    def dp_rank(self, room: int, resolve: str) -> int:
+        """The prefill DP rank as SGLang's decode finds it: ``room`` by its own
+        ``DecodePreallocQueue._resolve_prefill_dp_rank`` (the server info's ``dp_size`` and
+        ``follow_bootstrap_room``), ``rank:R`` the same with the router's
+        ``disagg_prefill_dp_rank`` R, ``query`` by ``CommonKVReceiver.query_prefill_dp_ranks``
+        (repeated, as its pending queue does, until the worker placed the room: 10 s)."""
+        from types import SimpleNamespace
+
+        from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+        if resolve == "query":
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                ranks = CommonKVReceiver.query_prefill_dp_ranks(self.bootstrap, [room])
+                if str(room) in ranks:
+                    return int(ranks[str(room)])
+                time.sleep(0.02)
+            raise RuntimeError(f"room {room}: no prefill dp rank from {self.bootstrap}")
+        host, _, port = self.bootstrap.rpartition(":")
+        named = int(resolve.removeprefix("rank:")) if resolve.startswith("rank:") else None
+        req = SimpleNamespace(
+            bootstrap_host=host, bootstrap_port=int(port), bootstrap_room=room,
+            disagg_prefill_dp_rank=named,
+        )  # fmt: skip
+        queue = SimpleNamespace(kv_manager=self.manager)
+        rank = DecodePreallocQueue._resolve_prefill_dp_rank(queue, req)
+        if rank is None:
+            raise RuntimeError(f"room {room}: SGLang's decode would query for its dp rank")
+        return int(rank)
 
     def _window_pages(self, num_tokens: int, prefix_len: int) -> list[int] | None:
         """The SWA pool's pages for the window, as SGLang's decode names them
@@ -351,7 +387,10 @@ class Decodes:
             return decode.identity()
         decode = self._decodes[command.pop("id")]
         if op == "want":
-            return decode.want(command["room"], command["num_tokens"], command["prefix_len"])
+            resolve = command.get("resolve")
+            return decode.want(
+                command["room"], command["num_tokens"], command["prefix_len"], resolve
+            )
         if op == "poll":
             return decode.poll(command["room"])
         if op == "dump":

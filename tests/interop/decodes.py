@@ -77,6 +77,7 @@ class SglangDecode:
             kv_cache_dtype = "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto"
         self.id = f"decode-{next(_IDS)}"
         self.rooms: dict[int, tuple[list[int], int]] = {}
+        self.dp_ranks: dict[int, int] = {}  # per room, the prefill DP rank it asked
         identity = process.call(
             "new",
             id=self.id,
@@ -102,11 +103,17 @@ class SglangDecode:
         self.ip: str = identity["ip"]
         self.port: int = identity["port"]
 
-    def want(self, room: int, num_tokens: int, prefix_len: int = 0) -> tuple[list[int], int]:
-        """Bootstrap the room and send its transfer request: (all its pages, aux index)."""
+    def want(
+        self, room: int, num_tokens: int, prefix_len: int = 0, resolve: str | None = None
+    ) -> tuple[list[int], int]:
+        """Bootstrap the room and send its transfer request: (all its pages, aux index).
+        ``resolve``: how SGLang's decode finds the prefill's DP rank (``room``, ``query``,
+        ``rank:R``; ``sglang_child.Decode.dp_rank``), the rank then in ``dp_ranks``."""
+        fields = {} if resolve is None else {"resolve": resolve}
         reply = self.process.call(
-            "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len
+            "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len, **fields
         )
+        self.dp_ranks[room] = reply.get("dp_rank", 0)
         self.rooms[room] = (reply["pages"], reply["aux_index"])
         self.swa_pages[room] = reply.get("swa_pages") or []
         self.mamba_slots[room] = reply.get("mamba_slot")

@@ -47,6 +47,15 @@ class ParallelConfig(Section):
         "Above 1, `transfer.protocol` must be native, sglang or vllm alone (vllm: the group on "
         "one host; docs/vllm.md).",
     )
+    dp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Attention data-parallel ranks behind this worker, each with its own "
+        'scheduler, KV pool and decode-facing endpoints (docs/parallelism.md, "Attention data '
+        'parallelism"); `serve` starts ranks 1..N-1 itself, on one host. Above 1: '
+        "parallel.tp_size 1, `transfer.protocol` native or sglang alone, kv_events off.",
+    )
     step_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -208,6 +208,16 @@ class SglangBackend(HubBackend[SglangPeer]):
         self._http.lead(info, place.tp_size)
         self._desk.lead(place.tp_size, place.num_kv_heads)
 
+    def lead_dp(
+        self,
+        rank_infos: list[dict[str, object]],
+        query_rooms: Callable[[list[int]], dict[str, int]],
+    ) -> None:
+        """Serve SGLang decodes for an attention-DP worker whose rank 0 this backend is: its
+        routes name every rank's control socket (``BootstrapHttp.lead_dp``)."""
+        info = server_info(self._page_size, self._kv_cache_dtype, dp_size=len(rank_infos))
+        self._http.lead_dp(info, rank_infos, query_rooms)
+
     # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 
     def poll(self) -> None:
