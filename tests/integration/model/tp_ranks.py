@@ -59,8 +59,12 @@ def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
     return out_dir / f"{name}.tp{size}.{rank}.pt"
 
 
-def run_world(cases: Mapping[int, Mapping[str, Path]], prompts: Prompts, out_dir: Path) -> None:
-    """Run ``cases[size][name]`` (a checkpoint) at each TP size in one world of ranks."""
+Case = Path | tuple[Path, dict[str, object]]  # a checkpoint, or one with build()'s extra args
+
+
+def run_world(cases: Mapping[int, Mapping[str, Case]], prompts: Prompts, out_dir: Path) -> None:
+    """Run ``cases[size][name]`` (a checkpoint, with extra ``build`` arguments where a pair,
+    e.g. ``ep_size``) at each TP size in one world of ranks."""
     world = max(cases)
     assert all(world % size == 0 for size in cases)
     context = multiprocessing.get_context("forkserver")
@@ -86,7 +90,7 @@ def _rank_main(
     rank: int,
     world: int,
     port: int,
-    cases: dict[int, dict[str, Path]],
+    cases: dict[int, dict[str, Case]],
     prompts: Prompts,
     out_dir: Path,
 ) -> None:
@@ -121,10 +125,12 @@ def _my_group(rank: int, world: int, size: int) -> tuple[TPGroup, int]:
     return mine
 
 
-def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
+def _run_case(case: Case, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
+    path, extra = case if isinstance(case, tuple) else (case, {})
     runner, kv_cache, info = build(
-        path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
-    )
+        path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp,
+        **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
