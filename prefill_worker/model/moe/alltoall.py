@@ -3,18 +3,19 @@ NCCL on CUDA): the ``torch`` entry of the exchange registry (``model.moe.ep``).
 
 An exchange takes THIS rank's tokens (any count, different on every rank: attention-DP ranks
 will call it with their own batches) and returns their routed experts' weighted sum; the
-experts live whole on their owners (``placement.ExpertPlacement``)::
+experts live whole on their owners (``placement.ExpertPlacement``). Each token travels once
+to each rank that owns at least one of its k experts (not once per expert: at top 8 over 2
+ranks that is 2 rows, not 8), with its k slots rewritten for that rank (DeepEP's scheme)::
 
-    assignments (t, j) of the local tokens, sorted by (owner, owner's local expert)
-    counts      all_gather of each rank's per-expert count [E]   -> [N, E] on every rank
-                (so each rank knows what it sends to and receives from every other)
-    dispatch    all_to_all of the sorted rows [t k, hidden], variable splits
-    compute     the owner runs its experts over what it received (rows from rank s for
-                its local expert j: counts[s, j], in that order, so no ids travel)
-    combine     all_to_all of the expert outputs back, the reverse splits
-    sum         each returned row times its routing weight, index_add_ into its token
-
-The routing weights never leave their rank.
+    needs [t, N]    does token i use an expert of rank d
+    counts          all_to_all of each rank's row counts (one int per pair of ranks)
+    dispatch        all_to_all of the rows x[i], grouped by destination rank, and of
+                    their slots [rows, 2k] fp32: the owner's local expert id (-1: another
+                    rank's) and the routing weight
+    compute         the owner runs its experts over every valid (row, slot), weighted,
+                    summed per row
+    combine         all_to_all of the per-row sums back, the reverse splits; each is
+                    index_add_-ed into its token
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ class TorchAllToAll:
         self, rank: int, placement: ExpertPlacement, group: Any, device: torch.device
     ) -> None:
         self.rank, self.placement, self.group = rank, placement, group
-        by_owner = [e for r in range(placement.size) for e in placement.local_experts(r)]
-        self._sort_key = torch.empty(placement.num_experts, dtype=torch.int64, device=device)
-        self._sort_key[torch.tensor(by_owner, device=device)] = torch.arange(
-            placement.num_experts, device=device
-        )  # [E]: expert -> its place in owner-major order
         self._owner = torch.tensor(placement.owner, dtype=torch.int64, device=device)  # [E]
-        self._mine = torch.tensor(placement.local_experts(rank), dtype=torch.int64, device=device)
+        local = torch.zeros(placement.num_experts, dtype=torch.int64)
+        for rank_r in range(placement.size):
+            for index, expert in enumerate(placement.local_experts(rank_r)):
+                local[expert] = index
+        self._local_index = local.to(device)  # [E]: expert -> its index on its owner
 
     def dispatch_combine(
         self,
@@ -56,28 +56,29 @@ class TorchAllToAll:
     ) -> torch.Tensor:
         """``sum_j weights[i, j] * expert_{ids[i, j]}(x[i])`` for this rank's ``t`` tokens,
         each expert computed by its owner: ``[t, hidden]``."""
+        size = self.placement.size
+        owners = self._owner[ids]  # [t, k]
+        needs = torch.zeros(x.shape[0], size, dtype=torch.bool, device=x.device)
+        needs.scatter_(1, owners, True)  # [t, N]
+        dest, token = needs.t().nonzero(as_tuple=True)  # rows grouped by destination rank
+        send_splits = torch.bincount(dest, minlength=size)
+        recv_splits = self._exchange_counts(send_splits)
+        send, recv = send_splits.tolist(), recv_splits.tolist()
+        slot_ids = self._local_index[ids[token]].masked_fill(owners[token] != dest[:, None], -1)
+        slots = torch.cat([slot_ids.float(), weights[token].float()], dim=1)  # [S, 2k]
+        rows = self._exchange(x.index_select(0, token), recv, send)
+        rows_slots = self._exchange(slots, recv, send)
         top_k = ids.shape[1]
-        flat = ids.reshape(-1)  # [t k]
-        order = torch.argsort(self._sort_key[flat], stable=True)
-        token_of = order // top_k  # [t k]: the token of each sorted assignment
-        counts = self._all_counts(torch.bincount(flat, minlength=self.placement.num_experts))
-        send = torch.zeros(self.placement.size, dtype=torch.int64, device=x.device)
-        send.index_add_(0, self._owner, counts[self.rank])  # [N]: rows to each owner
-        mine = counts[:, self._mine]  # [N, E_local]: rows from each rank, per local expert
-        send_splits, recv_splits = send.tolist(), mine.sum(dim=1).tolist()
-        received = self._exchange(x.index_select(0, token_of), recv_splits, send_splits)
-        local_ids = torch.arange(len(self._mine), device=x.device).repeat(self.placement.size)
-        local_ids = local_ids.repeat_interleave(mine.reshape(-1))[:, None]  # [R, 1]
-        ones = torch.ones(local_ids.shape, dtype=x.dtype, device=x.device)
-        returned = self._exchange(experts(received, ones, local_ids), send_splits, recv_splits)
-        returned.mul_(weights.reshape(-1)[order, None])
-        return torch.zeros_like(x).index_add_(0, token_of, returned)
+        local_ids, local_weights = rows_slots[:, :top_k].long(), rows_slots[:, top_k:]
+        sums = run_local_experts(rows, local_weights, local_ids, experts)
+        back = self._exchange(sums, send, recv)
+        return torch.zeros_like(x).index_add_(0, token, back)
 
-    def _all_counts(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's per-expert assignment counts: ``[N, E]``."""
-        gathered = [torch.empty_like(local) for _ in range(self.placement.size)]
-        dist.all_gather(gathered, local, group=self.group)
-        return torch.stack(gathered)
+    def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:
+        """How many rows each rank sends this one (``send_splits`` of every rank, transposed)."""
+        recv_splits = torch.empty_like(send_splits)
+        dist.all_to_all_single(recv_splits, send_splits, group=self.group)
+        return recv_splits
 
     def _exchange(
         self, rows: torch.Tensor, recv_splits: list[int], send_splits: list[int]
@@ -85,3 +86,17 @@ class TorchAllToAll:
         out = rows.new_empty((sum(recv_splits), rows.shape[1]))
         dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=self.group)
         return out
+
+
+def run_local_experts(
+    rows: torch.Tensor,  # [R, hidden], received
+    weights: torch.Tensor,  # [R, k]
+    local_ids: torch.Tensor,  # [R, k] int64, this rank's expert index; -1: another rank's
+    experts: LocalExperts,
+) -> torch.Tensor:
+    """Every row's weighted sum over its slots that name this rank's experts: ``[R, hidden]``
+    (the other slots cost nothing: only valid (row, slot) pairs reach the experts)."""
+    row, slot = (local_ids >= 0).nonzero(as_tuple=True)
+    weight = weights[row, slot, None].to(rows.dtype)  # [A, 1]
+    out = experts(rows.index_select(0, row), weight, local_ids[row, slot, None])
+    return torch.zeros_like(rows).index_add_(0, row, out)

@@ -10,7 +10,7 @@ combine adds the ranks' sums back into each token::
 
     layout   = buffer.get_dispatch_layout(ids, E)
     recv_x, recv_ids, recv_w, _, handle, _ = buffer.dispatch(x, ids, w, *layout)
-    out      = experts(recv_x, recv_w masked where recv_ids < 0, recv_ids clamped)
+    out      = run_local_experts(recv_x, recv_w, recv_ids, experts)   (slots >= 0 only)
     combined = buffer.combine(out, handle)
 
 Tested on a GPU only (``tests/gpu/test_ep_deepep.py``); not run where this was written.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from prefill_worker.model.moe.alltoall import LocalExperts
+from prefill_worker.model.moe.alltoall import LocalExperts, run_local_experts
 from prefill_worker.model.moe.placement import ExpertPlacement, contiguous
 
 
@@ -56,9 +56,7 @@ class DeepEPExchange:
             is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert,
         )
-        foreign = recv_ids < 0
-        local_w = recv_w.masked_fill(foreign, 0.0).to(x.dtype)
-        out = experts(recv_x, local_w, recv_ids.masked_fill(foreign, 0))
+        out = run_local_experts(recv_x, recv_w, recv_ids, experts)
         combined, _, _ = buffer.combine(out, handle)
         return combined
 

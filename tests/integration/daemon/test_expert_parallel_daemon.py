@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
+from prefill_worker.service.checkmodel import ModelCheck, check_model
 from prefill_worker.service.config import load_config
 from prefill_worker.service.daemon import Daemon
 from tests.checkpoints import hf_model, make_checkpoint
@@ -89,3 +90,16 @@ def test_a_placement_that_cannot_run_is_refused_with_exit_78(
     assert Daemon(config, env={}).run() == 78
     assert says in caplog.text
     assert not rank_pids(os.getpid())
+
+
+def test_check_config_prints_each_rank_s_experts_or_the_reason(checkpoint: Path) -> None:
+    def check(*settings: str) -> ModelCheck:
+        flags = [f"model.path={checkpoint}", "parallel.tp_size=2", *settings]
+        return check_model(load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags))
+
+    notes = check("parallel.ep_size=2").notes
+    assert any("expert parallel 2: 8 of 16 routed experts per rank" in n for n in notes), notes
+    lopsided = check("parallel.ep_size=2", f"parallel.expert_placement={[0] * 15 + [1]}")
+    assert any("1 to 15 of 16 routed experts per rank" in n for n in lopsided.notes)
+    bad = check("parallel.ep_size=2", "parallel.expert_placement=[0,1]")
+    assert any("names 2 experts; the model routes 16" in p for p in bad.problems)
