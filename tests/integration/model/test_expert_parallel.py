@@ -8,6 +8,7 @@ top 4, a shared expert; MLA) run at TP 2, TP 2 / EP 2, TP 2 / EP 2 with an inter
 placement, and TP 4 / EP 4, plus an FP8 (block 32 × 32) DeepSeek-V3 at EP 2: every rank's
 last-token fp32 logits and every layer's KV (reassembled by the head rule; the MLA latent,
 the same on every rank) equal transformers' (TP 1's reference) and the TP-2 run's within 1e-4.
+The same world then runs the exchange alone with different token counts per rank.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from prefill_worker.model.parallel import gather_kv_heads
 from tests.checkpoints import make_checkpoint
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.integration.model.conftest import hf_forward, hf_mla_forward, hf_model, prompt
+from tests.integration.model.ep_exchange_ranks import TOKENS, check_exchange
+from tests.integration.model.ep_exchange_ranks import result_path as exchange_path
 from tests.integration.model.tp_ranks import SPLIT, Prompts, result_path, run_world
 
 TOL = 1e-4
@@ -63,7 +66,7 @@ def world(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
     cases: dict[int, dict[str, object]] = {2: {}, 4: {}}
     for name, (source, size, ep) in RUNS.items():
         cases[size][name] = (checkpoints[source][0], ep)
-    run_world(cases, PROMPTS, out)  # type: ignore[arg-type]
+    run_world(cases, PROMPTS, out, check_exchange)  # type: ignore[arg-type]
     return out
 
 
@@ -125,3 +128,14 @@ def test_first_tokens_agree(world):
         for key in KEYS:
             tokens = {n: int(results(world, n)[0][f"{key}_logits"].argmax()) for n in runs}
             assert len(set(tokens.values())) == 1, tokens
+
+
+def test_ranks_with_different_token_counts_get_their_experts_sums(world):
+    """The exchange alone, as attention-DP ranks will call it (``ep_exchange_ranks``): 5, 0,
+    3 and 2 tokens on the four ranks, each token's sum as one process holding every expert
+    computes it, the second call (the tokens reversed) too."""
+    for rank, count in enumerate(TOKENS):
+        saved = torch.load(exchange_path(world, rank))
+        assert saved["got"].shape == (count, 16)
+        torch.testing.assert_close(saved["got"], saved["want"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(saved["again"], saved["want"].flip(0), atol=1e-5, rtol=1e-5)

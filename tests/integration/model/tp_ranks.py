@@ -26,7 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -62,14 +62,21 @@ def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
 Case = Path | tuple[Path, dict[str, object]]  # a checkpoint, or one with build()'s extra args
 
 
-def run_world(cases: Mapping[int, Mapping[str, Case]], prompts: Prompts, out_dir: Path) -> None:
+def run_world(
+    cases: Mapping[int, Mapping[str, Case]],
+    prompts: Prompts,
+    out_dir: Path,
+    then: Callable[[int, int, Path], None] | None = None,
+) -> None:
     """Run ``cases[size][name]`` (a checkpoint, with extra ``build`` arguments where a pair,
-    e.g. ``ep_size``) at each TP size in one world of ranks."""
+    e.g. ``ep_size``) at each TP size in one world of ranks; then ``then(rank, world,
+    out_dir)`` on every rank, in the world group (a module-level function: it crosses the
+    forkserver)."""
     world = max(cases)
     assert all(world % size == 0 for size in cases)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
-    args = (world, free_port(), dict(cases), prompts, out_dir)
+    args = (world, free_port(), dict(cases), prompts, out_dir, then)
     ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(world)]
     for process in ranks:
         process.start()
@@ -93,6 +100,7 @@ def _rank_main(
     cases: dict[int, dict[str, Case]],
     prompts: Prompts,
     out_dir: Path,
+    then: Callable[[int, int, Path], None] | None,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback too
     torch.set_num_threads(1)
@@ -107,6 +115,8 @@ def _rank_main(
             for name in sorted(cases[size])[index :: world // size]:
                 saved = _run_case(cases[size][name], tp, prompts)
                 torch.save(saved, result_path(out_dir, name, size, tp.rank))
+        if then is not None:
+            then(rank, world, out_dir)
     finally:
         dist.destroy_process_group()
 
