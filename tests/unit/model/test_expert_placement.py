@@ -9,9 +9,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefill_worker.model.hf_config import ModelSpec, read_spec
-from prefill_worker.model.moe.ep import share
+from prefill_worker.model.moe.ep import (
+    EP_EXCHANGES,
+    has_deep_ep,
+    resolve_exchange_name,
+    share,
+)
 from prefill_worker.model.moe.memory import expert_bytes_per_rank, expert_note
 from prefill_worker.model.moe.placement import (
     ExpertPlacement,
@@ -108,3 +114,15 @@ def test_expert_bytes_per_rank(tmp_path):
     assert expert_bytes_per_rank(spec, lopsided, 2) == [7 * one * 2, one * 2]
     note = expert_note(spec, lopsided, "bfloat16", 2)
     assert "1 to 7 of 8 routed experts per rank" in note
+
+
+def test_the_exchange_registry_has_deepep_only_where_it_imports():
+    cpu = torch.device("cpu")
+    assert resolve_exchange_name("torch", cpu) == "torch"
+    assert ("deepep" in EP_EXCHANGES) == has_deep_ep()
+    if not has_deep_ep():
+        with pytest.raises(ValueError, match=re.escape("'deepep' (deep_ep is not installed here)")):
+            resolve_exchange_name("deepep", cpu)
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            resolve_exchange_name("deepep", cpu)
