@@ -98,11 +98,9 @@ def check_expert_parallel(
             f"parallel.ep_size {ep_size} must be 1 or parallel.tp_size ({tp_size}): experts "
             f"are placed over the tensor-parallel group's ranks"
         )
-    if spec.moe is None:
-        raise ValueError(f"parallel.ep_size {ep_size}: {spec.architecture} has no experts")
-    if spec.family not in EP_FAMILIES:
+    if spec.moe is None or spec.family not in EP_FAMILIES:
         raise ValueError(
-            f"parallel.ep_size {ep_size}: {spec.architecture} runs its experts at "
-            f"expert parallel 1 only (EP serves {', '.join(EP_FAMILIES)})"
+            f"parallel.ep_size {ep_size}: expert parallelism serves the MoE families "
+            f"{', '.join(EP_FAMILIES)}, not {spec.architecture} (family {spec.family!r})"
         )
     return make_placement(spec.moe.num_experts, ep_size, explicit)

@@ -83,9 +83,9 @@ def test_expert_parallel_is_1_or_the_group(tmp_path):
         ValueError, match=re.escape("expert_placement needs parallel.ep_size above 1")
     ):
         check_expert_parallel(spec, 2, 1, [0, 1] * 4)
-    with pytest.raises(ValueError, match="has no experts"):
-        check_expert_parallel(dataclasses.replace(spec, moe=None), 2, 2)
-    with pytest.raises(ValueError, match="expert parallel 1 only"):
+    with pytest.raises(ValueError, match="not Qwen3MoeForCausalLM \\(family 'qwen3'\\)"):
+        check_expert_parallel(dataclasses.replace(spec, moe=None, family="qwen3"), 2, 2)
+    with pytest.raises(ValueError, match="serves the MoE families qwen3_moe, deepseek_v3, not"):
         check_expert_parallel(moe_spec(tmp_path, "qwen3_next"), 2, 2)
 
 
