@@ -9,9 +9,10 @@ ranks that is 2 rows, not 8), with its k slots rewritten for that rank (DeepEP's
 
     needs [t, N]    does token i use an expert of rank d
     counts          all_to_all of each rank's row counts (one int per pair of ranks)
-    dispatch        all_to_all of the rows x[i], grouped by destination rank, and of
-                    their slots [rows, 2k] fp32: the owner's local expert id (-1: another
-                    rank's) and the routing weight
+    dispatch        all_to_all of the rows x[i], grouped by destination rank, each with
+                    its k slots: the owner's local expert id (-1: another rank's) and the
+                    routing weight, packed as 2k more columns: one all_to_all, in x's
+                    dtype where it holds the ids exactly (else in fp32)
     compute         the owner runs its experts over every valid (row, slot), weighted,
                     summed per row
     combine         all_to_all of the per-row sums back, the reverse splits; each is
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from prefill_worker.model.moe.placement import ExpertPlacement
+
+# The largest count of consecutive integers a dtype holds exactly (its mantissa's reach).
+_EXACT_INTS = {torch.float32: 1 << 24, torch.float16: 1 << 11, torch.bfloat16: 1 << 8}
 
 LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(rows [R, hidden], weights [R, k'], local ids [R, k'])`` -> ``[R, hidden]``: this
@@ -46,6 +50,7 @@ class TorchAllToAll:
             for index, expert in enumerate(placement.local_experts(rank_r)):
                 local[expert] = index
         self._local_index = local.to(device)  # [E]: expert -> its index on its owner
+        self._max_local = placement.max_local()
 
     def dispatch_combine(
         self,
@@ -65,14 +70,31 @@ class TorchAllToAll:
         recv_splits = self._exchange_counts(send_splits)
         send, recv = send_splits.tolist(), recv_splits.tolist()
         slot_ids = self._local_index[ids[token]].masked_fill(owners[token] != dest[:, None], -1)
-        slots = torch.cat([slot_ids.float(), weights[token].float()], dim=1)  # [S, 2k]
-        rows = self._exchange(x.index_select(0, token), recv, send)
-        rows_slots = self._exchange(slots, recv, send)
-        top_k = ids.shape[1]
-        local_ids, local_weights = rows_slots[:, :top_k].long(), rows_slots[:, top_k:]
+        rows, local_ids, local_weights = self._dispatch(x, token, slot_ids, weights, recv, send)
         sums = run_local_experts(rows, local_weights, local_ids, experts)
         back = self._exchange(sums, send, recv)
         return torch.zeros_like(x).index_add_(0, token, back)
+
+    def _dispatch(
+        self,
+        x: torch.Tensor,  # [t, hidden]
+        token: torch.Tensor,  # [S], the token of each row to send
+        slot_ids: torch.Tensor,  # [S, k] int64, the destination's local ids (-1: not its)
+        weights: torch.Tensor,  # [t, k]
+        recv: list[int],
+        send: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows, their slots' local ids and weights, as this rank receives them: one
+        all-to-all of ``[S, hidden + 2k]``, in x's dtype where it holds the local ids exactly
+        (bf16: up to 256 experts a rank; the weights are in x's dtype already), else fp32."""
+        top_k, hidden = slot_ids.shape[1], x.shape[1]
+        exact = self._max_local <= _EXACT_INTS.get(x.dtype, 0)
+        wire = x.dtype if exact else torch.float32
+        parts = (x[token], slot_ids, weights[token])
+        packed = torch.cat([part.to(wire) for part in parts], dim=1)  # [S, hidden + 2k]
+        got = self._exchange(packed, recv, send)
+        rows, slots = got[:, :hidden].to(x.dtype), got[:, hidden:]
+        return rows, slots[:, :top_k].long(), slots[:, top_k:]
 
     def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:
         """How many rows each rank sends this one (``send_splits`` of every rank, transposed)."""
