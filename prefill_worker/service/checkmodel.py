@@ -30,6 +30,8 @@ from typing import Any
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.moe.memory import expert_note
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.quant.kv import kv_dtype_name
 from prefill_worker.model.quant.memory import weight_note
 from prefill_worker.service.schema import Config
@@ -115,6 +117,7 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
     _check_pool(config, shape, check, index_bytes)
     if spec is not None:
         _note_weights(config, spec, check)
+        _check_experts(config, spec, check)
     if spec is not None and spec.linear is not None:
         check.notes.append(_state_note(config, spec.linear, shape.torch_dtype))
     return check
@@ -130,6 +133,20 @@ def _note_weights(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
                        config.parallel.tp_size)  # fmt: skip
     if note is not None:
         check.notes.append(note)
+
+
+def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
+    """Expert parallelism: the placement refused with its reason, or each rank's experts."""
+    par = config.parallel
+    try:
+        placement = check_expert_parallel(spec, par.tp_size, par.ep_size, par.expert_placement)
+    except ValueError as exc:
+        check.problems.append(str(exc))
+        return
+    if placement is not None:
+        dtype = config.model.dtype if config.model.dtype != "auto" else spec.torch_dtype
+        dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
+        check.notes.append(expert_note(spec, placement, dtype, DTYPE_ITEMSIZE[dtype]))
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:

@@ -173,6 +173,9 @@ def load_model(
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
             **_draft_args(cfg),
             kv_dtype=cfg.cache.kv_dtype,
+            ep_size=cfg.parallel.ep_size,
+            expert_placement=tuple(cfg.parallel.expert_placement),
+            ep_exchange=cfg.parallel.ep_exchange,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
