@@ -1,4 +1,4 @@
-"""The MTP draft's first proposal as SGLang 0.5.23's decode reads it (``mtp_child.py``, in a
+"""The MTP draft's first proposal as SGLang 0.5.23's decode reads it (``draft_child.py``, in a
 child with SGLang on its path): the worker's drafting runner serves a prompt on a tiny random
 DeepSeek-V3 with an MTP layer, its staging row (the speculating layout: the hidden state
 [hidden] fp32) lands buffer by buffer in SGLang's own ``MetadataBuffers`` (item sizes equal to
@@ -30,7 +30,7 @@ from tests.patience import patient
 
 pytestmark = pytest.mark.interop
 
-ROOM = 0x1234_5678_9ABC  # mtp_child.ROOM
+ROOM = 0x1234_5678_9ABC  # draft_child.ROOM
 
 
 def test_sglang_builds_its_draft_input_from_the_rows_we_wrote(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_sglang_builds_its_draft_input_from_the_rows_we_wrote(tmp_path: Path) ->
     ids = prompt(40, seed=31)
     env = sglang_env(ROOT, "0.5.23")
     child = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "interop" / "mtp_child.py"), str(target),
+        [sys.executable, str(ROOT / "tests" / "interop" / "draft_child.py"), str(target),
          str(test_mtp_draft.TOPK), ",".join(map(str, ids))],
         env=env, capture_output=True, text=True, timeout=patient(300), check=False,
     )  # fmt: skip
