@@ -168,10 +168,10 @@ def load_eagle(
         raise CheckpointError(f"{root}: a draft vocabulary of its own needs its lm_head.weight")
     source = open_tensors(root, config.spec, target.dtype, device, SINGLE, shapes)
     lm_head = source.get("lm_head.weight") if has_head else target.weights.lm_head
-    return _fuse(config, source, lm_head)
+    return fuse_eagle(config, source, lm_head)
 
 
-def _fuse(config: EagleConfig, r: TensorSource, lm_head: torch.Tensor) -> EagleWeights:
+def fuse_eagle(config: EagleConfig, r: TensorSource, lm_head: torch.Tensor) -> EagleWeights:
     p, is_3 = config.layer_prefix, config.kind == "eagle3"
     attn, mlp = p + "self_attn.", p + "mlp."
     return EagleWeights(
