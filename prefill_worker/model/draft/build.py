@@ -34,14 +34,13 @@ def with_draft(
     draft_path: str | Path | None = None,
 ) -> Runner:
     """``runner`` itself (``kind`` none), or a ``DraftingRunner`` over its target and the
-    draft; ``ValueError`` for a target the draft does not fit, ``CheckpointError`` for a
-    checkpoint without it."""
+    draft (under TP, the rank's slices of the draft, split like the target's: its pool holds
+    the rank's KV heads); ``ValueError`` for a target the draft does not fit,
+    ``CheckpointError`` for a checkpoint without it."""
     if kind not in DRAFT_KINDS:
         raise ValueError(f"draft {kind!r} is not one of {', '.join(DRAFT_KINDS)}")
     if kind == "none":
         return runner
-    if not runner.model.tp.is_single:
-        raise ValueError(f"draft {kind!r} runs at tensor parallelism 1 only")
     draft = (
         _mtp(model_path, runner, topk) if kind == "mtp" else _eagle(draft_path, runner, kind, topk)
     )

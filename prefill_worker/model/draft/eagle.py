@@ -49,7 +49,15 @@ from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
 from prefill_worker.model.loader import TensorSource, open_tensors, tensor_files
-from prefill_worker.model.parallel import SINGLE
+from prefill_worker.model.parallel import (
+    SINGLE,
+    TPGroup,
+    even_range,
+    kv_head_range,
+    q_head_range,
+    row_parallel,
+)
+from prefill_worker.model.sharding import local_dims
 
 EAGLE_KINDS = ("eagle", "eagle3")
 _LEGACY_LAYER = "midlayer."  # EAGLE-3's first checkpoints name the layer so (SGLang maps it)
@@ -154,8 +162,9 @@ def load_eagle(
     target: CausalLM,
     device: torch.device,
 ) -> EagleWeights:
-    """Read and check the draft's tensors (``CheckpointError`` for one missing or misshapen);
-    its LM head is its own where the checkpoint has one (EAGLE-3), else the target's."""
+    """Read and check the draft's tensors (``CheckpointError`` for one missing or misshapen),
+    whole (one layer), and keep the target's rank's slices (``target.tp``); the LM head is
+    the draft's own where the checkpoint has one (EAGLE-3), else the target's."""
     root = Path(draft_dir)
     names = tensor_files(root)
     if _LEGACY_LAYER + "post_attention_layernorm.weight" in names:
@@ -168,25 +177,42 @@ def load_eagle(
         raise CheckpointError(f"{root}: a draft vocabulary of its own needs its lm_head.weight")
     source = open_tensors(root, config.spec, target.dtype, device, SINGLE, shapes)
     lm_head = source.get("lm_head.weight") if has_head else target.weights.lm_head
-    return fuse_eagle(config, source, lm_head)
+    return fuse_eagle(config, source, lm_head, target.tp)
 
 
-def fuse_eagle(config: EagleConfig, r: TensorSource, lm_head: torch.Tensor) -> EagleWeights:
-    p, is_3 = config.layer_prefix, config.kind == "eagle3"
+def fuse_eagle(
+    config: EagleConfig, r: TensorSource, lm_head: torch.Tensor, tp: TPGroup = SINGLE
+) -> EagleWeights:
+    """The draft's tensors, by checkpoint name, fused; rank ``tp.rank``'s slices of the layer
+    (split like the target's: q/k/v and gate/up by rows, o and down by columns, the rest
+    replicated)."""
+    p, is_3, s = config.layer_prefix, config.kind == "eagle3", config.spec
     attn, mlp = p + "self_attn.", p + "mlp."
+    q = _heads(r.get(attn + "q_proj.weight"), q_head_range(s.num_heads, tp), s.head_dim)
+    kv = kv_head_range(s.num_kv_heads, tp)
+    k, v = (_heads(r.get(f"{attn}{n}_proj.weight"), kv, s.head_dim) for n in "kv")
+    heads = q_head_range(s.num_heads, tp)
+    o = r.get(attn + "o_proj.weight")[:, heads.start * s.head_dim : heads.stop * s.head_dim]
+    width = even_range(s.intermediate_size, tp)
+    gate, up = (r.get(f"{mlp}{n}_proj.weight")[width.start : width.stop] for n in ("gate", "up"))
     return EagleWeights(
         fc=r.get("fc.weight"),
         fc_bias=r.maybe("fc.bias", config.has_fc_bias),
         input_norm=r.maybe(p + "input_layernorm.weight", is_3),
         hidden_norm=r.maybe(p + "hidden_norm.weight", is_3),
-        qkv=torch.cat([r.get(f"{attn}{n}_proj.weight") for n in "qkv"]),
-        o=r.get(attn + "o_proj.weight"),
+        qkv=torch.cat([q, k, v]),
+        o=o.contiguous(),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([r.get(mlp + "gate_proj.weight"), r.get(mlp + "up_proj.weight")]),
-        down=r.get(mlp + "down_proj.weight"),
+        gate_up=torch.cat([gate, up]),
+        down=r.get(mlp + "down_proj.weight")[:, width.start : width.stop].contiguous(),
         norm=r.maybe("norm.weight", is_3),
         lm_head=lm_head,
     )
+
+
+def _heads(rows: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
+    """The rows of ``heads``, ``head_dim`` each."""
+    return rows[heads.start * head_dim : heads.stop * head_dim]
 
 
 class EagleDraft:
@@ -196,7 +222,8 @@ class EagleDraft:
     def __init__(self, config: EagleConfig, weights: EagleWeights, target: CausalLM, topk: int):
         if not 1 <= topk <= MAX_TOPK:
             raise ValueError(f"draft top-k {topk} is outside [1, {MAX_TOPK}]")
-        self.config, self.spec, self.topk = config, config.spec, topk
+        self.config, self.spec, self.topk, self.tp = config, config.spec, topk, target.tp
+        self.local = local_dims(config.spec, target.tp)  # this rank's heads and MLP width
         self.weights, self.embed = weights, target.weights.embed
         self.target_norm, self.target_eps = target.weights.norm, target.spec.rms_norm_eps
         self.rotary = Rotary(config.spec.rope, config.spec.head_dim, self.embed.device)
@@ -237,7 +264,7 @@ class EagleDraft:
             x = r
         r = r + self._attention(x, inputs, kv_cache, attention)
         gate_up = F.linear(rms_norm(r, w.post_norm, eps), w.gate_up)  # [T, 2 I]
-        r = r + F.linear(silu_and_mul_(gate_up), w.down)
+        r = r + row_parallel(silu_and_mul_(gate_up), w.down, None, self.tp)
         rows = r[inputs.logits_rows]  # [R, H]
         normed = rows if w.norm is None else rms_norm(rows, w.norm, eps)
         logits = F.linear(normed, w.lm_head).float()  # [R, draft vocab]
@@ -248,16 +275,16 @@ class EagleDraft:
         self, x: torch.Tensor, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
     ) -> torch.Tensor:
         """``o(attention(q, k, v))`` of ``x [T, in]``, the K/V into the pool's one layer."""
-        s, num_tokens = self.spec, x.shape[0]
-        q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        qkv = F.linear(x, self.weights.qkv)  # [T, (heads + 2 kv heads) D]
+        local, head_dim, num_tokens = self.local, self.spec.head_dim, x.shape[0]
+        q_dim, kv_dim = local.num_heads * head_dim, local.num_kv_heads * head_dim
+        qkv = F.linear(x, self.weights.qkv)  # [T, (heads + 2 kv heads) D], this rank's heads
         cos, sin = self.rotary.cos_sin(inputs.positions, x.dtype)
-        q = torch.empty(num_tokens, s.num_heads, s.head_dim, dtype=x.dtype, device=x.device)
-        k = torch.empty(num_tokens, s.num_kv_heads, s.head_dim, dtype=x.dtype, device=x.device)
+        q = x.new_empty(num_tokens, local.num_heads, head_dim)
+        k = x.new_empty(num_tokens, local.num_kv_heads, head_dim)
         self.rotary.apply_into(qkv[:, :q_dim].view(q.shape), cos, sin, q)
         self.rotary.apply_into(qkv[:, q_dim : q_dim + kv_dim].view(k.shape), cos, sin, k)
         v = qkv[:, q_dim + kv_dim :].reshape(k.shape)
         kv_cache.write(0, inputs.slots, k, v)
         out = torch.empty_like(q)
         attention.attend(q, k, v, kv_cache.k[0], kv_cache.v[0], out)
-        return F.linear(out.reshape(num_tokens, q_dim), self.weights.o)
+        return row_parallel(out.reshape(num_tokens, q_dim), self.weights.o, None, self.tp)
