@@ -1,14 +1,16 @@
-"""Child of ``test_mtp_aux.py`` and ``test_eagle_aux.py``, run with a pinned SGLang on its
+"""Child of ``test_draft_aux.py``, run with a pinned SGLang on its
 path: this worker's drafting runner serves a prompt, its SGLang staging row
 (``transfer.sglang.aux``, the speculating layout) is written buffer by buffer into SGLang's
 own ``MetadataBuffers`` at the descriptors a NIXL WRITE would use, then SGLang's decode reads
 the row as ``decode.py`` does and its ``build_eagle_disagg_draft_input`` builds the first draft
 input. Prints one JSON line.
 
-    python tests/interop/draft_child.py CHECKPOINT TOPK ID,ID,... [KIND DRAFT_PATH]
+    python tests/interop/draft_child.py '[{"kind": ..., "target": ..., "draft": ..., "topk": ...,
+                                           "ids": [...]}, ...]'
 
-KIND: ``mtp`` (the default, DeepSeek-V3's MTP layer), ``eagle`` or ``eagle3`` (a Llama target,
-its draft at DRAFT_PATH).
+One line per case, in order (SGLang is imported once for all). ``kind``: ``mtp``
+(DeepSeek-V3's MTP layer, ``draft`` null), ``eagle`` or ``eagle3`` (a Llama target, its draft
+checkpoint at ``draft``).
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ def decode_reads(buffers: MetadataBuffers, hf_config, vocab_size: int):  # type:
     return build_eagle_disagg_draft_input(batch, last, None), int(row[-1][0])
 
 
-def main() -> None:
-    path, topk, ids = sys.argv[1], int(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")]
-    kind, draft_path = (sys.argv[4], sys.argv[5]) if len(sys.argv) > 5 else ("mtp", None)
-    sampled, staging, hidden_size = serve(path, topk, ids, kind, draft_path)
+def run_case(case: dict) -> dict:  # type: ignore[type-arg]
+    """One case: {"kind", "target", "draft" (None for mtp), "topk", "ids"}."""
+    kind, path, draft_path, topk = case["kind"], case["target"], case["draft"], case["topk"]
+    sampled, staging, hidden_size = serve(path, topk, case["ids"], kind, draft_path)
     args = ServerArgs(
         model_path=path, disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
         device="cpu", speculative_algorithm="EAGLE3" if kind == "eagle3" else "EAGLE",
@@ -97,7 +99,7 @@ def main() -> None:
     arch = "DeepseekV3ForCausalLM" if kind == "mtp" else "LlamaForCausalLM"
     hf_config = SimpleNamespace(architectures=[arch])
     draft_input, room = decode_reads(buffers, hf_config, 320)
-    out = {
+    return {
         "first_token": sampled.token_id,
         "bonus_tokens": draft_input.bonus_tokens.tolist(),
         "topk_p": draft_input.topk_p.tolist(),
@@ -105,7 +107,11 @@ def main() -> None:
         "hidden_states": draft_input.hidden_states.tolist(),
         "room": room,
     }
-    print(json.dumps(out), flush=True)
+
+
+def main() -> None:
+    for case in json.loads(sys.argv[1]):
+        print(json.dumps(run_case(case)), flush=True)
 
 
 if __name__ == "__main__":
