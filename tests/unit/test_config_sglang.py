@@ -56,15 +56,16 @@ def test_a_tensor_parallel_vllm_worker_is_one_host() -> None:
 
 
 def test_a_draft_is_served_at_tp_1_only() -> None:
-    """The model runs a draft at TP 2, but only the leader's draft pool would be sent."""
+    """The model runs a draft at TP 2, but not every rank's draft pool would be sent."""
     draft = ["model.draft=eagle3", "model.draft_path=/drafts/eagle3"]
     config = load_config(None, env={}, overrides=draft)
     assert (config.model.draft, config.model.draft_path) == ("eagle3", "/drafts/eagle3")
     for kind in ("mtp", "eagle3"):
-        flags = [f"model.draft={kind}", "transfer.protocol=sglang", "parallel.tp_size=2"]
-        with pytest.raises(ConfigError) as info:
-            load_config(None, env={}, overrides=flags)
-        assert "at tensor parallelism 1 only" in "\n".join(info.value.problems), kind
+        for protocol in ("sglang", "native"):
+            flags = [f"model.draft={kind}", f"transfer.protocol={protocol}", "parallel.tp_size=2"]
+            with pytest.raises(ConfigError) as info:
+                load_config(None, env={}, overrides=flags)
+            assert "at tensor parallelism 1 only" in "\n".join(info.value.problems), kind
 
 
 def test_an_unknown_protocol_is_refused() -> None:

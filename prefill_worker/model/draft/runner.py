@@ -37,6 +37,7 @@ from prefill_worker.model.draft.mtp import DraftProposal, shifted_ids
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput
+from prefill_worker.model.parallel import broadcast_from_leader_
 from prefill_worker.model.runner import Packed, Runner
 
 
@@ -121,15 +122,19 @@ class DraftingRunner(Runner):
         states: torch.Tensor,  # [T, n hidden], what the draft reads of the target's
         sampled: tuple[SampledToken, ...],
     ) -> list[DraftRow]:
-        device = self.kv_cache.device
+        device, tp = self.kv_cache.device, self.target.tp
         ends = np.cumsum([c.num_tokens for c in plan.chunks], dtype=np.int64)
+        # Under TP only the leader samples (a follower's plan says that a chunk samples, not
+        # how, nor the prompt token after a chunk): every rank takes the leader's next ids.
+        next_ids = _next_ids(plan, sampled) if tp.rank == 0 else [0] * len(plan.chunks)
         with torch.inference_mode():
+            next_tensor = torch.tensor(next_ids, dtype=torch.int64, device=device)  # [C]
             inputs = dataclasses.replace(
                 packed.inputs,
                 input_ids=shifted_ids(
                     packed.inputs.input_ids,
                     torch.from_numpy(ends).to(device),
-                    torch.tensor(_next_ids(plan, sampled), dtype=torch.int64, device=device),
+                    broadcast_from_leader_(next_tensor, tp),
                 ),
                 logprob_rows=None,
                 logprob_token_ids=None,

@@ -46,6 +46,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.draft import with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
 from prefill_worker.transfer.pagemap import map_pages
@@ -197,11 +198,17 @@ class RankBackend:
         regions: KVRegions,
         write_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        draft: KVRegions | None = None,
     ) -> None:
+        """``draft``: this rank's draft pool (``model.draft``), written with the target's
+        pages into a decode rank that registered a draft pool (its layers after the
+        target's, ``transfer.draft.with_draft_layers``); any other gets the target's."""
         self.agent, self.place, self._regions = agent, place, regions
+        self._with_draft = None if draft is None else with_draft_layers(regions, draft)
         self.write_timeout_s, self.clock = write_timeout_s, clock
         self.page_size = regions.layout.page_size
-        kv_table, _ = region_tables(regions)  # the KV pool only: the aux rows are the leader's
+        # the KV pools only: the aux rows are the leader's
+        kv_table, _ = region_tables(regions if self._with_draft is None else self._with_draft)
         self._registration = agent.register_memory(kv_table, mem_type(regions.device))
         self._ranks: dict[str, _DecodeRank] = {}
         self._leaving: dict[str, _DecodeRank] = {}  # dropped, a write to it may still land
@@ -219,7 +226,7 @@ class RankBackend:
             if old is not None:
                 old.writer.close()
                 del self._writes[old.writer]
-        writer = RankWriter(self.agent, self.place, self._regions)
+        writer = RankWriter(self.agent, self.place, self._ours(msg.regions))
         dst_rank, dst_tp = (0, 1) if msg.tp is UNSET else (msg.tp.tp_rank, msg.tp.tp_size)
         try:
             metadata = wire.unframe_metadata(msg.metadata)
@@ -229,6 +236,14 @@ class RankBackend:
             writer.close()
             return
         self._ranks[msg.agent_name] = _DecodeRank(msg.agent_name, writer, name)
+
+    def _ours(self, theirs: KVRegions) -> KVRegions:
+        """Our pool as the decode rank's is laid out: with the draft's layers when it holds
+        a draft pool of them (the leader admitted it), else the target's."""
+        with_draft = self._with_draft
+        if with_draft is not None and theirs.layout.num_layers == with_draft.layout.num_layers:
+            return with_draft
+        return self._regions
 
     def drop_peer(self, agent_name: str) -> None:
         """The leader dropped the decode rank (its senders lost it first, releasing their
