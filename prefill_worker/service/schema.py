@@ -66,20 +66,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _a_draft_runs_at_tp_1(self) -> Config:
-        """The model runs a draft at any TP (each rank its slice, its KV heads) and each
-        follower can write its draft heads, but the leader's writes of head slices (a decode
-        of another TP size) and the native protocol's draft pool carry the leader's draft
-        heads only: a decode would get part of the draft's KV (docs/models.md, "MTP draft")."""
-        if self.model.draft != "none" and self.parallel.tp_size > 1:
-            raise ValueError(
-                f"model.draft {self.model.draft!r} at parallel.tp_size {self.parallel.tp_size}: "
-                "a draft is served at tensor parallelism 1 only (the ranks' draft pools are "
-                "not all sent yet)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _vllm_tp_stages_on_one_host(self) -> Config:
         """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
         "Workers with TP > 1"): the group runs on one host."""

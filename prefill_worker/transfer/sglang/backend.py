@@ -120,9 +120,11 @@ class SglangBackend(HubBackend[SglangPeer]):
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
             options.sliding,
-            num_draft_layers,
+            None if draft is None else draft.regions,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
+        if draft_pages is not None:
+            self._closers.append(draft_pages.release_sliced)
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
