@@ -44,9 +44,10 @@ class ModelConfig(Section):
         description="A draft model run after the target, for decodes that speculate (SGLang "
         "EAGLE/MTP): `mtp` runs DeepSeek-V3's own MTP layer from the checkpoint over every "
         "chunk (at any parallel.tp_size: each rank its slice and its draft heads), its KV in "
-        "a one-layer pool within the KV budget, its first proposal beside the first token (docs/models.md, 'MTP draft'); `eagle`, `eagle3` run the "
-        "EAGLE / EAGLE-3 draft at `draft_path` after a Llama-family target the same way "
-        "(docs/models.md, 'EAGLE drafts').",
+        "a one-layer pool within the KV budget, its first proposal beside the first token "
+        "(docs/models.md, 'MTP draft'); `eagle`, `eagle3` run the EAGLE / EAGLE-3 draft at "
+        "`draft_path` after a Llama-family target the same way (docs/models.md, 'EAGLE "
+        "drafts').",
     )
     draft_path: str | None = Field(
         None,
