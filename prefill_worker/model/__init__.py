@@ -127,6 +127,7 @@ def build(
     ep_size: int = 1,
     expert_placement: Sequence[int] = (),
     ep_exchange: str = "torch",
+    draft_path: str | Path | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -135,12 +136,13 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
-    runs after the target with its own one-layer pool of as many pages (within the budget),
-    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
-    (``model.quant.kv``). ``ep_size`` (1 or ``tp.size``) places the routed experts whole over
-    the group's ranks (``expert_placement``: one rank per expert, else contiguous) and moves
-    tokens to them through the ``ep_exchange`` (``model.moe.ep``).
+    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``;
+    ``eagle``, ``eagle3`` with its checkpoint at ``draft_path``) runs after the target with its
+    own one-layer pool of as many pages (within the budget), its first proposal
+    top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
+    ``ep_size`` (1 or ``tp.size``) places the routed experts whole over the group's ranks
+    (``expert_placement``: one rank per expert, else contiguous) and moves tokens to them
+    through the ``ep_exchange`` (``model.moe.ep``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -205,7 +207,8 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
+    runner = Runner(model, kv_cache, attention)
+    runner = with_draft(model_path, runner, draft, draft_topk, draft_path)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     beside = state if state is not None else index_cache  # what a decode needs beside the KV

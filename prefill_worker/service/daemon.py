@@ -104,6 +104,7 @@ class Daemon:
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
         self._secret = b""  # at TP > 1: what every rank proves it holds (tp.secret)
         self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
+        self._drafting: DraftingRunner | None = None  # this rank's runner, with a draft model
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
         self.metrics = WorkerMetrics(self.registry)
@@ -185,7 +186,7 @@ class Daemon:
                 info.state_regions,
                 sliding_model(info),
                 self._vllm_staging,
-                attach_draft(runner, aux.num_rows),
+                attach_draft(self._drafting, aux.num_rows),
                 sglang_dsa,
                 sglang_mamba(cfg, runner),
             )
@@ -256,14 +257,19 @@ class Daemon:
         log.info("edge threads supervised: %s", ", ".join(self.threads.watched()))
         self._announce(http.port)
 
+    def _watch_draft(self, runner: ModelRunner) -> None:
+        """A drafting runner: its forward time to the metrics, kept for the transfer."""
+        if isinstance(runner, DraftingRunner):
+            runner.on_draft_forward = self.metrics.on_draft_forward
+            self._drafting = runner
+
     def _load(self, placement: Placement | None) -> tuple[ModelRunner, KVCache, ModelInfo]:
         """This rank's model; at TP > 1 the group first (followers started, joined), and
         the runner every forward of the group goes through."""
         report = LoadReport(self.notifier.status)
         if placement is None:
             runner, kv_cache, info = load_model(self.config, self._build_model, report)
-            if isinstance(runner, DraftingRunner):
-                runner.on_draft_forward = self.metrics.on_draft_forward
+            self._watch_draft(runner)
             return runner, kv_cache, info
         tp, group, device = start_tp_group(
             self.config, placement, self._rank_command, self._wake.set, self._secret
@@ -276,6 +282,7 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        self._watch_draft(runner)  # the leader's: only its proposals are kept and sent
         self._vllm_staging = lead_staging(
             self.config, kv_cache, info.num_kv_heads, placement.size, group.channel
         )

@@ -608,4 +608,5 @@ def _draft_args(config: Config) -> dict[str, object]:
     """The draft's keywords to the builder, when one is configured."""
     if config.model.draft == "none":
         return {}
-    return {"draft": config.model.draft, "draft_topk": config.model.draft_topk}
+    model = config.model
+    return {"draft": model.draft, "draft_topk": model.draft_topk, "draft_path": model.draft_path}

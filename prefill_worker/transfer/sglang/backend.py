@@ -144,11 +144,13 @@ class SglangBackend(HubBackend[SglangPeer]):
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
             options.sliding,
-            num_draft_layers,
+            None if draft is None else draft.regions,
             dsa,
             options.mamba,
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
+        if draft_pages is not None:
+            self._closers.append(draft_pages.release_sliced)
         self._closers.append(self._desk.release_shares)
         self._control.start()
 

@@ -42,6 +42,7 @@ from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.draft import pool_into
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
@@ -91,12 +92,13 @@ class SglangDesk:
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
         sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
-        num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
+        draft: KVRegions | None = None,  # a draft model's pool (``transfer.draft``)
         dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
         mamba: StagedState | None = None,  # a hybrid model, whose decodes hold a mamba pool
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
-        self._num_draft_layers = num_draft_layers
+        self._draft = draft
+        self._num_draft_layers = 0 if draft is None else draft.layout.num_layers
         self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -268,7 +270,7 @@ class SglangDesk:
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
-            self._prep_local(head_slice)
+            self._prep_local(head_slice, regions)
             table = slice_table(regions, head_slice.dst_head_offset, head_slice.num_heads)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         lists = None
@@ -301,12 +303,15 @@ class SglangDesk:
             share.prepped.release()
         self._shares.clear()
 
-    def _prep_local(self, head_slice: HeadSlice) -> None:
+    def _prep_local(self, head_slice: HeadSlice, remote: KVRegions) -> None:
+        """Our token runs of the slice's heads, once: of the target's layers, or of the
+        target's and the draft's for a decode that holds a draft pool (``remote``)."""
         assert self._regions is not None, "a desk that slices heads needs our regions"
         key = (head_slice.src_head_offset, head_slice.num_heads)
-        local = self._hub.ctx.pages.sliced
+        local = self._hub.ctx.pages_into(remote).sliced
         if key not in local:
-            local[key] = prep_local_slice(self._agent, self._regions, *key)
+            ours = pool_into(self._regions, self._draft, remote)
+            local[key] = prep_local_slice(self._agent, ours, *key)
 
     def _refuse(self, agent_name: str, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration of {agent_name} refused: {refusal.message}")

@@ -100,6 +100,14 @@ class RecordingHub(PushHub[SglangPeer]):
         super().drop_peer(peer, reason)
 
 
+def draft_pool(layout: KVLayout, num_layers: int) -> KVRegions:
+    """A draft's pool of ``num_layers`` layers of ``layout``'s pages (MLA: latents only)."""
+    lay = dataclasses.replace(layout, num_layers=num_layers)
+    k = tuple((1 + i) << 40 for i in range(num_layers))
+    v = () if lay.kind == "mla" else tuple((9 + i) << 40 for i in range(num_layers))
+    return KVRegions(lay, k, v, "cpu", 0, 1)
+
+
 class Rig:
     """The desk over a real hub; NIXL and the reply sockets stand-ins."""
 
@@ -137,7 +145,7 @@ class Rig:
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
             sliding=sliding,
-            **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
+            draft=draft_pool(layout, num_draft_layers) if num_draft_layers else None,
             **({"dsa": dsa} if dsa is not None else {}),
             **({"mamba": mamba} if mamba is not None else {}),
         )
