@@ -42,6 +42,7 @@ from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
@@ -143,10 +144,10 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
-            options.sliding,
             None if draft is None else draft.regions,
-            dsa,
-            options.mamba,
+            StateComponents(
+                self.agent, self.limits, self._poster.run, options.sliding, dsa, options.mamba
+            ),
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
         if draft_pages is not None:

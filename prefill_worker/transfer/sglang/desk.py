@@ -2,13 +2,11 @@
 registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the prefix
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
-Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
-``sglang.swa``, whose route then splits each page's regions between its two pools; a DSA
-decode's index pool, ``sglang.dsa``, which takes an index page with each KV page; a hybrid
-linear-attention model's decode, ``sglang.mamba``, whose mamba pool takes our staged state
-slot, or a rank's share of it). SGLang has no answer to a registration, so a refused decode
-learns why on its first request (reasons kept per agent name, bounded); that request also
-fails the room's own request, now or when it comes.
+Everything is checked before NIXL sees it (``sglang.accept``; a hybrid model's state pool
+by its kind, ``sglang.components``: a hybrid SWA pool, a DSA index pool, a mamba pool). SGLang
+has no answer to a registration, so a refused decode learns why on its first request
+(reasons kept per agent name, bounded); that request also fails the room's own request, now
+or when it comes.
 
 Identity: a PULL socket's frame names its sender (agent name, ``ip:port``) and nothing in it
 proves that. The ip a frame names must be its connection's, and in
@@ -46,7 +44,7 @@ from prefill_worker.transfer.draft import pool_into
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
-from prefill_worker.transfer.nixl.state_lists import StateLists, prep_share, prep_state_list
+from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
 from prefill_worker.transfer.pagemap import AUX_MEM_TYPE, kv_descriptor_table, mem_type
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, RefusedRoom
@@ -62,13 +60,9 @@ from prefill_worker.transfer.sglang.accept import (
     status_ranks,
     target_ranks,
 )
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
-from prefill_worker.transfer.sglang.dsa import accept_index_pool, index_want
-from prefill_worker.transfer.sglang.mamba import accept_mamba, mamba_want
-from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
-from prefill_worker.transfer.slot_stage import StagedState
-from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
@@ -91,10 +85,8 @@ class SglangDesk:
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
-        sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
         draft: KVRegions | None = None,  # a draft model's pool (``transfer.draft``)
-        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
-        mamba: StagedState | None = None,  # a hybrid model, whose decodes hold a mamba pool
+        components: StateComponents | None = None,  # the model's state kind (None: no state)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
         self._draft = draft
@@ -109,8 +101,7 @@ class SglangDesk:
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
-        self._sliding, self._dsa, self._mamba = sliding, dsa, mamba
-        self._shares: dict[tuple[int, int], StateLists] = {}  # (rank, TP size): ``_local_share``
+        self._components = components or StateComponents(agent, limits, run_on_agent)
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -151,27 +142,10 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        layout, state, share = self._layout, None, None
-        if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
-            window = accept_window(reg, self._layout, self._sliding, self._limits)
-            if isinstance(window, Refusal):
-                return self._refuse(reg.agent_name, window)
-            reg, layout, state = window.registration, window.layout, window.swa
-        elif self._dsa is not None:  # its index pool (``sglang.dsa``)
-            index = accept_index_pool(reg, self._layout, self._dsa, self._limits)
-            if isinstance(index, Refusal):
-                return self._refuse(reg.agent_name, index)
-            reg, state = index.registration, index.index
-        elif self._mamba is not None:  # a mamba pool (``sglang.mamba``), or none at all
-            pool = accept_mamba(reg, self._mamba, self._limits)
-            if isinstance(pool, Refusal):
-                return self._refuse(reg.agent_name, pool)
-            reg, state = pool.registration, pool.state
-            try:
-                share = self._local_share(reg, state)
-            except NIXL_ERRORS as exc:
-                why = f"NIXL cannot list our staged state for the decode: {exc}"
-                return self._refuse(reg.agent_name, Refusal(RejectReason.NIXL_REFUSED, why))
+        accepted = self._components.accept(reg, self._layout)  # its state pool split off
+        if isinstance(accepted, Refusal):
+            return self._refuse(reg.agent_name, accepted)
+        reg, layout, state = accepted.registration, accepted.layout, accepted.state
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -221,8 +195,8 @@ class SglangDesk:
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
             state=prepped,
-            local_state=share,
-            route=window_route(self._sliding, self._layout, regions, prepped),
+            local_state=accepted.share,
+            route=self._components.route(self._layout, regions, prepped),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
@@ -284,24 +258,9 @@ class SglangDesk:
             (kv if lists is None else lists).release()
             raise
 
-    def _local_share(self, reg: frames.Registration, state: StateRegions) -> StateLists | None:
-        """For a mamba decode rank of attention TP > 1: the share of our staged slots it
-        takes (``state`` its pool, of that share), listed once per (rank, TP size); None at
-        TP 1 (whole slots)."""
-        if reg.tp_size == 1 or self._mamba is None:
-            return None
-        key = (reg.tp_rank, reg.tp_size)
-        if key not in self._shares:
-            staged = self._mamba.stage.regions()
-            share = self._run(prep_share, self._agent, staged, state.component, reg.tp_rank)
-            self._shares[key] = share
-        return self._shares[key]
-
     def release_shares(self) -> None:
         """The staged shares' lists (at close, before the agent)."""
-        for share in self._shares.values():
-            share.prepped.release()
-        self._shares.clear()
+        self._components.release()
 
     def _prep_local(self, head_slice: HeadSlice, remote: KVRegions) -> None:
         """Our token runs of the slice's heads, once: of the target's layers, or of the
@@ -331,16 +290,7 @@ class SglangDesk:
         peer.last_seen = self._hub.clock()
         if peer.tp_size < self._prefill_tp and self._is_copy(peer, req.room):
             return None
-        want: wire.Want | Refusal = req.want()
-        if peer.route is not None:  # its window pages are state indices (``sglang.swa``)
-            want = window_want(req)
-            req = dataclasses.replace(req, has_state=False)
-        elif self._dsa is not None:  # its index pages are its KV pages (``sglang.dsa``)
-            want = index_want(req)
-            req = dataclasses.replace(req, has_state=False)
-        elif peer.state is not None:  # its mamba slot is the state index (``sglang.mamba``)
-            want = mamba_want(req)
-            req = dataclasses.replace(req, has_state=False)
+        want, req = self._components.want(req, peer)  # its state indices read (``components``)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:
             return None  # the real request carries the room (the module docstring)

@@ -21,6 +21,7 @@ from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
 from prefill_worker.transfer.push.sender import PushContext
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.frames import (
@@ -144,10 +145,10 @@ class Rig:
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
-            sliding=sliding,
             draft=draft_pool(layout, num_draft_layers) if num_draft_layers else None,
-            **({"dsa": dsa} if dsa is not None else {}),
-            **({"mamba": mamba} if mamba is not None else {}),
+            components=StateComponents(
+                self.agent, BootstrapLimits(), sliding=sliding, dsa=dsa, mamba=mamba
+            ),
         )
 
     @property
