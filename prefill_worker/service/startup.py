@@ -71,6 +71,7 @@ from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 from prefill_worker.transfer.state_guard import guard_backends
 from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.groups import sliding_groups
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -263,7 +264,7 @@ def start_transfer(
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
                 tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
-                options = _vllm_options(config)
+                options = _vllm_options(config, sliding)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
@@ -284,7 +285,8 @@ def start_transfer(
         if sliding is not None:
             backends = guard_unproven(backends)
             log.warning(
-                "sliding-window model: only the native and sglang protocols serve it "
+                "sliding-window model: the native and sglang protocols serve it, and vLLM "
+                "0.34 pull decodes (its KV-cache groups); other protocols refuse each room "
                 "(swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
@@ -354,7 +356,7 @@ def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> Sgl
     )
 
 
-def _vllm_options(config: Config) -> VllmOptions:
+def _vllm_options(config: Config, sliding: SlidingModel | None = None) -> VllmOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
     model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
@@ -370,6 +372,9 @@ def _vllm_options(config: Config) -> VllmOptions:
         versions=tuple(cfg.vllm_versions),
         modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        groups=None
+        if sliding is None
+        else sliding_groups(sliding.layers, sliding.architecture, cfg.vllm_block_size),
     )
 
 

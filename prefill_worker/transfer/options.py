@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.groups import VllmGroups
 from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ class VllmOptions:
     # blocks on its registration), each version a side channel per mode.
     modes: tuple[str, ...] = ("pull",)
     nixl: NixlOptions = field(default_factory=NixlOptions)
+    # A sliding-window model's KV-cache groups as vLLM 0.34 builds them (transfer.vllm.groups);
+    # None: one group of every layer.
+    groups: VllmGroups | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.groups import VllmGroups, layer_names, one_group
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.profiles import PROFILES, PULL, PUSH, channel_key
@@ -79,6 +80,12 @@ class PullRegistration:
     identity: VllmIdentity
     versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
     modes: tuple[str, ...] = (PULL,)  # and the transfer modes, a channel per version each
+    groups: VllmGroups | None = None  # the layers' names and KV-cache groups (None: one)
+
+    @property
+    def layer_groups(self) -> VllmGroups:
+        """The layers' vLLM names and KV-cache groups (one group unless ``groups`` says)."""
+        return self.groups or one_group(layer_names(None, self.layout.num_layers))
 
 
 def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> str:
@@ -135,6 +142,7 @@ class VllmBackend:
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
         pool = PoolViews(regions)
         self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, group)
+        self.desk.groups = options.groups
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -161,6 +169,7 @@ class VllmBackend:
             options.identity,
             options.versions,
             options.modes,
+            options.groups,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port

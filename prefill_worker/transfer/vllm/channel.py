@@ -72,8 +72,9 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
     its own, then the metadata of the staging region in its version's fields."""
     profile = PROFILES[version]
     identity = registration.identity
+    groups = registration.layer_groups
     layers = [
-        LayerRegion(f"model.layers.{i}.self_attn.attn", addr, registration.block_bytes)
+        LayerRegion(groups.names[i], addr, registration.block_bytes, groups.layer_group[i])
         for i, addr in enumerate(registration.region_base_addrs)
     ]
     metadata = agent_metadata(

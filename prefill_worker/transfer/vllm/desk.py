@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_worker.lograte import RateLimitedLog
+from prefill_worker.transfer.vllm.groups import VllmGroups
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
-from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.profiles import PROFILES, PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
@@ -51,15 +52,18 @@ def pull_params(
     block_ids: Sequence[int],
     num_tokens: int,
     mode: str = PULL,
+    groups: VllmGroups | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's and 0.34's own prefills
-    send them (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
+    send them (one block list per KV-cache group: one unless ``groups`` says, a sliding group's
+    its window's; tensor, decode-context and pipeline parallel sizes 1; no expiry
     time, which vLLM reads only for decode-side blocks); ``mode`` the decode's (a push decode
     registers with the side channel named here, its push channel)."""
+    block_lists = [list(block_ids)] if groups is None else groups.block_ids(block_ids)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": block_lists,
         "remote_engine_id": identity.engine_id,
         "remote_request_id": hold_id,
         "remote_host": identity.side_channel_host,
@@ -110,8 +114,30 @@ class PullDesk:
         self.pushes = PushBook(holds.lease_s, max_early=staging.layout.num_blocks)
         self.matched: list[tuple[Expected, Early]] = []  # push holds whose decode came first
         self.page_size = pool.page_size
+        self.groups: VllmGroups | None = None  # a sliding-window model's KV-cache groups
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
+
+    def why_refused(self, room: int) -> str | None:
+        """Why ``room``'s decode cannot get this model's KV, before a block is taken: a
+        sliding-window model (``groups``) to a vLLM version or mode whose decode is not proven
+        to read its groups (``swa_unsupported``); None when it can."""
+        ask = self.tickets.ask_of(room)
+        if self.groups is None or ask is None:
+            return None
+        if not PROFILES[ask.version].serves_kv_groups:
+            served = [v for v in self.tickets.versions if PROFILES[v].serves_kv_groups]
+            return (
+                f"swa_unsupported: vLLM {ask.version} decodes get no sliding-window KV-cache "
+                f"groups from this worker; name vLLM {', '.join(served) or '0.34.0'} "
+                "(docs/vllm.md)"
+            )
+        if ask.mode != PULL:
+            return (
+                f"swa_unsupported: vLLM's {ask.mode} mode does not carry sliding-window KV-cache "
+                "groups here; pull (docs/vllm.md)"
+            )
+        return None
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
@@ -167,7 +193,7 @@ class PullDesk:
         identity = None if ask is None else self.identities.get(channel_key(ask.version, ask.mode))
         params = None
         if ask is not None and identity is not None:
-            params = pull_params(identity, hold_id, blocks, num_tokens, ask.mode)
+            params = pull_params(identity, hold_id, blocks, num_tokens, ask.mode, self.groups)
         if ask is None or params is None or not self.tickets.complete(room, params):
             self.staging.free(blocks)
             return False
