@@ -12,6 +12,7 @@ one decode for the module (the decode imports vLLM: ~1 min)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,17 +38,27 @@ from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
 pytestmark = pytest.mark.interop
 
 VERSION = "0.34.0"
-WINDOW = 24  # the checkpoint's sliding_window
+WINDOW = 24  # the checkpoints' sliding_window
 KEPT = WINDOW - 1  # the positions transformers' sliding cache keeps (all a decode reads)
-SLIDING, FULL = (0, 2), (1,)
-GROUP_OF = {0: 0, 2: 1, 1: 2}  # vLLM's groups: [L0] [L2] [L1]
 WINDOW_BLOCKS = -(-WINDOW // BLOCK) + 1  # vLLM's cdiv(sliding_window, block_size) + 1
+FAMILIES = {  # vLLM's layer name suffix, each layer's group (tests/checkpoints.py's layers)
+    "gpt_oss": ("attn.attn", {0: 0, 2: 1, 1: 2}),  # sliding, full, sliding: [L0] [L2] [L1]
+    "gemma3": ("self_attn.attn", {0: 0, 2: 1, 3: 2, 1: 3}),  # [L0] [L2] [L3] [L1]
+}
+# gpt-oss by default (each family is a decode process importing vLLM, ~1 min);
+# PW_VLLM_SWA_FAMILIES="gpt_oss gemma3" runs both, as they passed when this was built.
+RUN_FAMILIES = os.environ.get("PW_VLLM_SWA_FAMILIES", "gpt_oss").split()
+
+
+@pytest.fixture(scope="module", params=RUN_FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
     vllm_pythonpath(VERSION)  # skip before building anything
-    return make_checkpoint("gpt_oss", tmp_path_factory.mktemp("vllm-swa") / "gpt_oss")
+    return make_checkpoint(family, tmp_path_factory.mktemp("vllm-swa") / family)
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +93,23 @@ def _tokens(raw: np.ndarray, heads: int, dim: int) -> torch.Tensor:
 
 
 def test_vllm_pulls_the_full_layers_and_the_sliding_windows(
-    served: tuple[Worker, str], decode: VllmDecodeProcess, checkpoint: Path, tmp_path: Path
+    served: tuple[Worker, str],
+    decode: VllmDecodeProcess,
+    family: str,
+    checkpoint: Path,
+    tmp_path: Path,
 ) -> None:
     worker, api = served
+    suffix, group_of = FAMILIES[family]
+    full = max(group_of.values())  # the full layer's group: the last
     for n in (1, 33, 70, 150):
         ids = prompt(n, seed=300 + n)
         params = _prefill(api, ids, VERSION)
         num_blocks = -(-n // BLOCK)
         sent = params["remote_block_ids"]
-        assert [len(g) for g in sent] == [min(num_blocks, WINDOW_BLOCKS)] * 2 + [num_blocks]
+        window = min(num_blocks, WINDOW_BLOCKS)
+        want = [num_blocks if g == full else window for g in range(full + 1)]
+        assert [len(g) for g in sent] == want
         outcome = decode.pull_and_wait(f"swa-{n}", params)
         assert outcome["finished"] and outcome["load_errors"] == [], outcome
         pulled = decode.blocks(f"swa-{n}", tmp_path / f"{n}.npz")
@@ -98,10 +117,10 @@ def test_vllm_pulls_the_full_layers_and_the_sliding_windows(
         _, hf_kv = hf_reference(checkpoint, ids)
         for layer, (k_ref, v_ref) in enumerate(hf_kv):
             heads, dim = k_ref.shape[1], k_ref.shape[2]
-            tokens = _tokens(pulled[f"model.layers.{layer}.attn.attn"], heads, dim)
-            first = (num_blocks - len(sent[GROUP_OF[layer]])) * BLOCK  # the blocks' first token
+            tokens = _tokens(pulled[f"model.layers.{layer}.{suffix}"], heads, dim)
+            first = (num_blocks - len(sent[group_of[layer]])) * BLOCK  # the blocks' first token
             tokens = tokens[: n - first]
-            kept = min(n, KEPT) if layer in SLIDING else n  # what transformers keeps
+            kept = n if group_of[layer] == full else min(n, KEPT)  # what transformers keeps
             torch.testing.assert_close(tokens[-kept:, :, :dim], k_ref[-kept:], atol=1e-4, rtol=0)
             torch.testing.assert_close(tokens[-kept:, :, dim:], v_ref[-kept:], atol=1e-4, rtol=0)
             assert _in_pool(pool_k[layer], tokens[..., :dim], PAGE), f"K {n} layer {layer}"
