@@ -263,7 +263,8 @@ def start_transfer(
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
-                tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
+                max_open, needs_groups = config.http_api.max_inflight_requests, sliding is not None
+                tickets = Tickets(max_open, versions, modes, needs_kv_groups=needs_groups)
                 options = _vllm_options(config, sliding)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm

@@ -32,7 +32,7 @@ from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.state_guard import StateGuard
 
 # sends of a sliding-window model, decode-tested; vLLM's backend refuses the versions and
-# modes it has not proven itself (``transfer/vllm/groups.py``, ``desk.why_refused``)
+# modes it has not proven itself (``transfer/vllm/groups.py``, ``Tickets.why_refused``)
 PROVEN_PROTOCOLS = ("native", "sglang", "vllm")
 FULL_POOL = "full_pool"
 WINDOW = "window"

@@ -6,8 +6,8 @@ needs, 2 of 32 tokens here). The worker advertises each layer's group and answer
 list per group, a sliding group's its window's: vLLM pairs every region (its groups match
 ours, else it raises), reads with no load error, the full layer's every token and the sliding
 layers' window blocks byte for byte the worker's pool, transformers' K/V within 1e-4 (fp32)
-where transformers keeps them. A request naming vLLM 0.33 is refused before a block is taken
-(``swa_unsupported``, 500 with the reason); staging and pool whole after each. One worker and
+where transformers keeps them. A request naming vLLM 0.33 is refused by the HTTP front
+(``swa_unsupported``, 400 with the reason); staging and pool whole after each. One worker and
 one decode for the module (the decode imports vLLM: ~1 min)."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_vllm_pulls_the_full_layers_and_the_sliding_windows(
 def test_a_request_for_vllm_0_33_is_refused_with_the_reason(served: tuple[Worker, str]) -> None:
     worker, api = served
     status, answer = _post(api, prompt(40, seed=350), "0.33.0")
-    assert status == 500, answer  # transfer_failed, with the sender's reason
+    assert status == 400, answer  # before the engine sees it
     assert "swa_unsupported: vLLM 0.33.0 decodes get no sliding-window KV-cache groups" in str(
         answer
     ), answer

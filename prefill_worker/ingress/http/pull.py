@@ -4,7 +4,8 @@ opened as a ticket before it enters the engine, and its answer carries the
 ``tickets`` says the whole exchange). A worker that does not serve vLLM decodes refuses such a
 request with 400 rather than answering without params (the proxy would send the decode a
 request it cannot serve), and so does one that names a vLLM version (``vllm_version``) this
-worker does not serve.
+worker does not serve, or one whose decode cannot read this model (``Tickets.why_refused``: a
+sliding-window model to vLLM 0.33 or push mode).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def open_pulls(
         unserved = prompt.vllm_version and why_unserved(prompt.vllm_version, tickets.versions)
         if unserved:
             raise BadRequest(f"kv_transfer_params.vllm_version: {unserved}", "bad_field")
+        refused = tickets.why_refused(prompt.vllm_version, prompt.vllm_mode or PULL)
+        if refused:
+            raise BadRequest(f"kv_transfer_params: {refused}", "bad_field")
     keys = [_push_key(tickets, p, header_id) for p in pulls]
     for index, (prompt, key) in enumerate(zip(pulls, keys, strict=True)):
         mode = prompt.vllm_mode or PULL

@@ -27,7 +27,7 @@ from typing import Any
 from prefill_worker.lograte import RateLimitedLog
 from prefill_worker.transfer.vllm.groups import VllmGroups
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
-from prefill_worker.transfer.vllm.profiles import PROFILES, PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
@@ -117,27 +117,6 @@ class PullDesk:
         self.groups: VllmGroups | None = None  # a sliding-window model's KV-cache groups
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
-
-    def why_refused(self, room: int) -> str | None:
-        """Why ``room``'s decode cannot get this model's KV, before a block is taken: a
-        sliding-window model (``groups``) to a vLLM version or mode whose decode is not proven
-        to read its groups (``swa_unsupported``); None when it can."""
-        ask = self.tickets.ask_of(room)
-        if self.groups is None or ask is None:
-            return None
-        if not PROFILES[ask.version].serves_kv_groups:
-            served = [v for v in self.tickets.versions if PROFILES[v].serves_kv_groups]
-            return (
-                f"swa_unsupported: vLLM {ask.version} decodes get no sliding-window KV-cache "
-                f"groups from this worker; name vLLM {', '.join(served) or '0.34.0'} "
-                "(docs/vllm.md)"
-            )
-        if ask.mode != PULL:
-            return (
-                f"swa_unsupported: vLLM's {ask.mode} mode does not carry sliding-window KV-cache "
-                "groups here; pull (docs/vllm.md)"
-            )
-        return None
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))

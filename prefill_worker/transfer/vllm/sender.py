@@ -8,7 +8,6 @@ The life of a sender (``transfer.base`` names the states)::
     send_pages × n                   TRANSFERRING   (a repack of what no forward wrote)
     send_aux, then every repack done SUCCESS        (blocks held under a lease; ticket done)
     no staging blocks free           FAILED         (the reason says how many were wanted)
-    a decode not proven for the model FAILED        (``desk.why_refused``; no block taken)
 
 A chunk planned once the blocks are taken is mirrored: the scheduler asks ``mirror_slots``
 and the forward writes the chunk's K/V into the blocks beside its pages, so its
@@ -121,10 +120,6 @@ class VllmSender:
             self._blocks = None
 
     def _claim(self) -> None:
-        refused = self._desk.why_refused(self._room)
-        if refused is not None:
-            self.fail(refused)
-            return
         blocks = self._desk.try_allocate(self._num_tokens)
         if blocks is None:
             self.fail(self._desk.why_full(self._num_tokens))

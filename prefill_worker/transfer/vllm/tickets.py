@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PULL
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PROFILES, PULL
 
 Params = Mapping[str, Any]
 
@@ -51,8 +51,12 @@ class Tickets:
         max_open: int,
         versions: tuple[str, ...] = DEFAULT_VERSIONS,
         modes: tuple[str, ...] = (PULL,),
+        needs_kv_groups: bool = False,
     ) -> None:
+        """``needs_kv_groups``: the model is a sliding-window one, which only the decodes whose
+        reading of its KV-cache groups is proven can get (``why_refused``)."""
         self._lock = threading.Lock()
+        self.needs_kv_groups = needs_kv_groups
         self._rooms: dict[int, tuple[Ask, Params | None]] = {}  # room -> (ask, params)
         self._max_open = max_open
         self.versions = versions  # served; a request naming none gets the first
@@ -74,6 +78,27 @@ class Tickets:
                 return False
             self._rooms[room] = (Ask(version or self.versions[0], mode, push_key), None)
             return True
+
+    def why_refused(self, version: str | None, mode: str = PULL) -> str | None:
+        """Why a decode of ``version`` (None: the default) in ``mode`` cannot get this model's
+        KV (``swa_unsupported``: a sliding-window model, ``transfer/vllm/groups.py``, to a
+        version or mode not proven to read its KV-cache groups); None when it can."""
+        version = version or self.versions[0]
+        if not self.needs_kv_groups:
+            return None
+        if not PROFILES[version].serves_kv_groups:
+            served = [v for v in self.versions if PROFILES[v].serves_kv_groups]
+            return (
+                f"swa_unsupported: vLLM {version} decodes get no sliding-window KV-cache "
+                f"groups from this worker; name vLLM {', '.join(served) or '0.34.0'} "
+                "(docs/vllm.md)"
+            )
+        if mode != PULL:
+            return (
+                f"swa_unsupported: vLLM's {mode} mode does not carry sliding-window KV-cache "
+                "groups here; pull (docs/vllm.md)"
+            )
+        return None
 
     def version_of(self, room: int) -> str | None:
         """The vLLM version ``room``'s decode runs; None when its ticket is not open."""

@@ -1,15 +1,19 @@
 """A sliding-window model's KV-cache groups as vLLM 0.34 builds them (the layer-to-group rule
 of ``kv_cache_planning``, the window's blocks), what the handshake says of them, the answer's
 block list per group, and the refusal of a decode version or mode not proven to read them
-(before a staging block is taken). vLLM's own decode reading them: tests/interop/
+(400 at the HTTP front, before a ticket opens). vLLM's own decode reading them: tests/interop/
 test_vllm_hybrid.py."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import msgspec
 import pytest
 
-from prefill_worker.transfer.base import KVPoll
+from prefill_worker.ingress.http.bodies import BadRequest, read_completion
+from prefill_worker.ingress.http.pull import open_pulls
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.vllm.desk import pull_params
 from prefill_worker.transfer.vllm.groups import (
@@ -20,9 +24,10 @@ from prefill_worker.transfer.vllm.groups import (
     sliding_groups,
 )
 from prefill_worker.transfer.vllm.profiles import PROFILES, PUSH, LayerRegion, agent_metadata
-from prefill_worker.transfer.vllm.sender import VllmSender
+from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
-from tests.unit.transfer.vllm.test_sender import BLOCKS, _desk, _staged
+from tests.unit.ingress.test_http_pull import PROXY_ASK
+from tests.unit.transfer.vllm.test_sender import _desk, _staged
 
 W = 24  # a window of 24 tokens over blocks of 32: cdiv(24, 32) + 1 = 2 blocks
 S, F = W, FULL_ATTENTION
@@ -94,21 +99,19 @@ def test_the_answer_lists_blocks_per_group() -> None:
     ("version", "mode", "reason"),
     [
         ("0.33.0", "pull", "swa_unsupported: vLLM 0.33.0 decodes get no sliding-window"),
+        (None, "pull", "swa_unsupported: vLLM 0.33.0 decodes"),  # none named: the first served
         ("0.34.0", PUSH, "swa_unsupported: vLLM's push mode does not carry sliding-window"),
     ],
 )
-def test_a_decode_not_proven_to_read_the_groups_is_refused_before_a_block_is_taken(
-    version: str, mode: str, reason: str
+def test_a_decode_not_proven_to_read_the_groups_is_refused_400_before_a_ticket_opens(
+    version: str | None, mode: str, reason: str
 ) -> None:
-    desk, _ = _desk(FakeClock(100.0))
-    desk.groups = hma_groups([S, F], 32, ["a", "b"])
-    desk.tickets.modes = ("pull", PUSH)
-    assert desk.tickets.open(9, version, mode, "req-9" if mode == PUSH else None)
-    sender = VllmSender(desk, 9, 40)
-    assert sender.poll() is KVPoll.FAILED
-    assert (sender.failure_reason() or "").startswith(reason)
-    sender.close()
-    assert desk.staging.num_free == BLOCKS and desk.tickets.is_open(9)
-    assert desk.why_refused(1234) is None  # no ticket: not a vLLM pull (yet)
-    desk.groups = None
-    assert desk.why_refused(9) is None  # a model of one group: any version
+    tickets = Tickets(4, ("0.33.0", "0.34.0"), ("pull", PUSH), needs_kv_groups=True)
+    ask = {**PROXY_ASK, "transfer_mode": mode, **({"vllm_version": version} if version else {})}
+    body = {"prompt": [1, 2], "kv_transfer_params": ask, "request_id": "r"}
+    with pytest.raises(BadRequest, match=re.escape(reason)) as refused:
+        open_pulls(tickets, read_completion(json.dumps(body).encode(), 8))
+    assert refused.value.status == 400 and len(tickets) == 0
+    assert tickets.why_refused("0.34.0") is None
+    assert Tickets(4, ("0.33.0",)).why_refused("0.33.0") is None  # a model of one group
+    assert "name vLLM 0.34.0" in (tickets.why_refused("0.33.0") or "")
