@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.groups import VllmGroups
@@ -96,6 +97,9 @@ class VllmOptions:
     # A sliding-window model's KV-cache groups as vLLM 0.34 builds them (transfer.vllm.groups);
     # None: one group of every layer.
     groups: VllmGroups | None = None
+    # A hybrid model's linear-layer state pool, staged in vLLM's page layout beside the KV
+    # (transfer.vllm.state_staging); None: no linear layers.
+    state: StateRegions | None = None
 
 
 @dataclass(frozen=True, slots=True)

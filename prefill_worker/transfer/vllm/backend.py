@@ -52,8 +52,10 @@ from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingLayout,
     StagingPool,
+    StagingRefused,
     staging_layout,
 )
+from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
@@ -81,6 +83,8 @@ class PullRegistration:
     versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
     modes: tuple[str, ...] = (PULL,)  # and the transfer modes, a channel per version each
     groups: VllmGroups | None = None  # the layers' names and KV-cache groups (None: one)
+    state_base_addrs: tuple[int, ...] = ()  # one per linear layer (``state_staging``)
+    ssm_sizes: tuple[int, int] = (0, 0)  # a linear layer's (conv, recurrent) bytes
 
     @property
     def layer_groups(self) -> VllmGroups:
@@ -97,7 +101,7 @@ def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> 
         dtype=registration.dtype,
         num_kv_heads=lay.num_kv_heads,
         head_size=lay.head_dim,
-        num_layers=lay.num_layers,
+        num_layers=len(registration.layer_groups.names),  # every model layer
         attn_backend_name=identity.attention_backend,
         transfer_mode=mode,
     ).for_profile(PROFILES[version])
@@ -137,6 +141,12 @@ class VllmBackend:
         heads = None if group is None else group.num_kv_heads
         layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
         staging = StagingPool(layout, None if group is None else group.buffer)
+        self.state_staging: StateStaging | None = None  # a linear hybrid's state pages
+        if options.state is not None:
+            if group is not None:
+                raise StagingRefused("vLLM decodes of a linear-attention model: worker TP 1 only")
+            blocks, page_bytes = staging.layout.num_blocks, staging.layout.block_bytes
+            self.state_staging = StateStaging(options.state, blocks, page_bytes)
         self.mirror_heads = None if group is None else group.heads
         holds = HoldTable(options.lease_s, options.read_grace_s)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
@@ -156,6 +166,8 @@ class VllmBackend:
             [[a, lay.region_bytes, 0] for a in staging.region_base_addrs], dtype=np.uint64
         )
         self._registered = self.agent.register_memory(table, "DRAM")
+        self.desk.state_staging = state = self.state_staging
+        self._registered_state = None if state is None else state.register(self.agent)
         registration = PullRegistration(
             engine_id,
             self.agent.get_agent_metadata(),
@@ -170,12 +182,14 @@ class VllmBackend:
             options.versions,
             options.modes,
             options.groups,
+            () if state is None else state.region_base_addrs,
+            (0, 0) if state is None else state.page.ssm_sizes,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port
             self._channel = side_channel(host, port, registration)
         except BaseException:
-            self.agent.deregister_memory(self._registered)
+            self._deregister()
             raise
         generation = registration.registration_generation
         self.desk.identities = {
@@ -291,4 +305,9 @@ class VllmBackend:
         try:
             self._channel.close()
         finally:
-            self.agent.deregister_memory(self._registered)
+            self._deregister()
+
+    def _deregister(self) -> None:
+        self.agent.deregister_memory(self._registered)
+        if self._registered_state is not None:
+            self.agent.deregister_memory(self._registered_state)

@@ -73,9 +73,13 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
     profile = PROFILES[version]
     identity = registration.identity
     groups = registration.layer_groups
+    regions = [
+        *zip(groups.kv_layers, registration.region_base_addrs, strict=True),
+        *zip(groups.state_layers, registration.state_base_addrs, strict=True),
+    ]
     layers = [
         LayerRegion(groups.names[i], addr, registration.block_bytes, groups.layer_group[i])
-        for i, addr in enumerate(registration.region_base_addrs)
+        for i, addr in regions
     ]
     metadata = agent_metadata(
         profile,
@@ -85,5 +89,6 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
         registration.num_blocks,
         registration.block_size,
         identity.attention_backend,
+        ssm_sizes=registration.ssm_sizes,
     )
     return encode_payload(our_hash(registration, version, mode), metadata)

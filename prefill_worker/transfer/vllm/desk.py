@@ -31,6 +31,7 @@ from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
+from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,16 @@ class PullDesk:
         self.pushes = PushBook(holds.lease_s, max_early=staging.layout.num_blocks)
         self.matched: list[tuple[Expected, Early]] = []  # push holds whose decode came first
         self.page_size = pool.page_size
-        self.groups: VllmGroups | None = None  # a sliding-window model's KV-cache groups
+        self.groups: VllmGroups | None = None  # a hybrid model's KV-cache groups
+        self.state_staging: StateStaging | None = None  # its linear layers' state pages
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
+
+    def stage_state(self, slot: int, blocks: Sequence[int]) -> None:
+        """A hybrid model's request: its state slot into its last block's state pages (the
+        block its mamba groups name, ``groups``); nothing for other models."""
+        if self.state_staging is not None and blocks:
+            self.state_staging.write(slot, blocks[-1])
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))

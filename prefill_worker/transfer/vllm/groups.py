@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from prefill_worker.transfer.swa_window import SlidingLayers
 
 FULL_ATTENTION = None  # a layer's window in ``layer_windows``: no window
+LINEAR = "linear"  # a linear-attention (GDN) layer: vLLM's ``MambaSpec``, one state block
 
 # vLLM's attention layer names (its model files' prefixes), by architecture: the name each
 # region is advertised under, which the decode pairs by.
@@ -53,6 +54,12 @@ class VllmGroups:
     layer_group: tuple[int, ...]
     window_blocks: tuple[int | None, ...]
     names: tuple[str, ...]
+    state_layers: tuple[int, ...] = ()  # the linear layers (their state, not KV)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers of the KV list (the staging region's layers), in model order."""
+        return tuple(i for i in range(len(self.names)) if i not in self.state_layers)
 
     @property
     def num_groups(self) -> int:
@@ -69,27 +76,38 @@ def one_group(names: Sequence[str]) -> VllmGroups:
 
 
 def hma_groups(
-    layer_windows: Sequence[int | None], block_size: int, names: Sequence[str]
+    layer_windows: Sequence[int | str | None], block_size: int, names: Sequence[str]
 ) -> VllmGroups:
     """vLLM 0.34's groups of layers whose sliding window (the model config's
-    ``sliding_window``) is ``layer_windows[l]`` (``FULL_ATTENTION``: none)."""
+    ``sliding_window``) is ``layer_windows[l]`` (``FULL_ATTENTION``: none; ``LINEAR``: a
+    linear layer, whose group sends the one block holding its state)."""
     if len(names) != len(layer_windows) or block_size < 1:
         raise ValueError(f"{len(names)} names for {len(layer_windows)} layers")
-    buckets: dict[int | None, list[int]] = {}
+    buckets: dict[int | str | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         buckets.setdefault(window, []).append(layer)
     sizes = [len(layers) for layers in buckets.values()]
     group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
     layer_group = [0] * len(layer_windows)
-    windows: list[int | None] = []
+    windows: list[int | str | None] = []
     for window, layers in buckets.items():
         num_groups = -(-len(layers) // group_size)
         for i in range(num_groups):
             for layer in layers[i::num_groups]:
                 layer_group[layer] = len(windows)
             windows.append(window)
-    window_blocks = tuple(None if w is None else -(-w // block_size) + 1 for w in windows)
-    return VllmGroups(tuple(layer_group), window_blocks, tuple(names))
+    window_blocks = tuple(_blocks_kept(w, block_size) for w in windows)
+    state = tuple(i for i, w in enumerate(layer_windows) if w == LINEAR)
+    return VllmGroups(tuple(layer_group), window_blocks, tuple(names), state)
+
+
+def _blocks_kept(window: int | str | None, block_size: int) -> int | None:
+    if window is None:
+        return None
+    if window == LINEAR:
+        return 1  # vLLM's clip_ssm_state_blocks: the state-bearing block
+    assert isinstance(window, int)
+    return -(-window // block_size) + 1
 
 
 def sliding_groups(layers: SlidingLayers, architecture: str, block_size: int) -> VllmGroups:
@@ -98,3 +116,16 @@ def sliding_groups(layers: SlidingLayers, architecture: str, block_size: int) ->
     window = layers.window_tokens + 1
     windows = [window if i in layers.sliding else FULL_ATTENTION for i in range(layers.num_layers)]
     return hma_groups(windows, block_size, layer_names(architecture, layers.num_layers))
+
+
+def linear_groups(linear_layers: Sequence[int], num_layers: int, block_size: int) -> VllmGroups:
+    """vLLM 0.34's groups of a Qwen3-Next / Qwen3.5 model: ``linear_layers`` (model ids) are
+    its GDN layers (``model.layers.<i>.linear_attn``), the others full attention."""
+    kinds = [LINEAR if i in linear_layers else FULL_ATTENTION for i in range(num_layers)]
+    names = [
+        f"model.layers.{i}.linear_attn"
+        if i in linear_layers
+        else f"model.layers.{i}.self_attn.attn"
+        for i in range(num_layers)
+    ]
+    return hma_groups(kinds, block_size, names)

@@ -142,6 +142,7 @@ def agent_metadata(
     block_size: int,
     attn_backend_name: str,
     mem_type: str = "DRAM",
+    ssm_sizes: tuple[int, int] = (0, 0),
 ) -> NixlAgentMetadata:
     """The metadata of one TP rank whose layers are contiguous LBHNC regions (no mamba, no
     PLE, no packed members; each layer in its ``group``: 0 unless a sliding-window model's),
@@ -156,7 +157,7 @@ def agent_metadata(
         "block_strides": [layer.block_bytes for layer in layers],
         "kv_cache_layout": "LBHNC",
         "block_size": block_size,
-        "ssm_sizes": (0, 0),
+        "ssm_sizes": ssm_sizes,  # a hybrid's linear layers: (conv, recurrent) bytes
         "attn_backend_name": attn_backend_name,
         "physical_blocks_per_logical_kv_block": 1,
         "region_num_blocks": [num_blocks] * len(layers),

@@ -52,11 +52,24 @@ class Tickets:
         versions: tuple[str, ...] = DEFAULT_VERSIONS,
         modes: tuple[str, ...] = (PULL,),
         needs_kv_groups: bool = False,
+        has_linear_state: bool = False,
     ) -> None:
-        """``needs_kv_groups``: the model is a sliding-window one, which only the decodes whose
-        reading of its KV-cache groups is proven can get (``why_refused``)."""
+        """``needs_kv_groups``: the model is a hybrid one (sliding windows; with
+        ``has_linear_state``, linear-attention layers), which only the decodes whose reading
+        of its KV-cache groups is proven can get (``why_refused``). A linear model's pull
+        prompts are cut one token short (``prompt_backoff``): vLLM's decode of a model with
+        mamba layers loads the state after all but the last token and computes that one."""
         self._lock = threading.Lock()
-        self.needs_kv_groups = needs_kv_groups
+        self.needs_kv_groups = needs_kv_groups or has_linear_state
+        self.prompt_backoff = 1 if has_linear_state else 0
+        self._kind = (
+            ("state_unsupported", "linear-attention")
+            if has_linear_state
+            else (
+                "swa_unsupported",
+                "sliding-window",
+            )
+        )
         self._rooms: dict[int, tuple[Ask, Params | None]] = {}  # room -> (ask, params)
         self._max_open = max_open
         self.versions = versions  # served; a request naming none gets the first
@@ -86,17 +99,17 @@ class Tickets:
         version = version or self.versions[0]
         if not self.needs_kv_groups:
             return None
+        code, what = self._kind
         if not PROFILES[version].serves_kv_groups:
             served = [v for v in self.versions if PROFILES[v].serves_kv_groups]
             return (
-                f"swa_unsupported: vLLM {version} decodes get no sliding-window KV-cache "
-                f"groups from this worker; name vLLM {', '.join(served) or '0.34.0'} "
-                "(docs/vllm.md)"
+                f"{code}: vLLM {version} decodes get no {what} KV-cache groups from this "
+                f"worker; name vLLM {', '.join(served) or '0.34.0'} (docs/vllm.md)"
             )
         if mode != PULL:
             return (
-                f"swa_unsupported: vLLM's {mode} mode does not carry sliding-window KV-cache "
-                "groups here; pull (docs/vllm.md)"
+                f"{code}: vLLM's {mode} mode does not carry {what} KV-cache groups here; pull "
+                "(docs/vllm.md)"
             )
         return None
 

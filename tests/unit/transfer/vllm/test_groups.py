@@ -10,20 +10,26 @@ import json
 import re
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 
 from prefill_worker.ingress.http.bodies import BadRequest, read_completion
-from prefill_worker.ingress.http.pull import open_pulls
+from prefill_worker.ingress.http.pull import open_pulls, trim_pulls
+from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
+from prefill_worker.request import PrefillRequest, SamplingParams
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.vllm.desk import pull_params
 from prefill_worker.transfer.vllm.groups import (
     FULL_ATTENTION,
     hma_groups,
     layer_names,
+    linear_groups,
     one_group,
     sliding_groups,
 )
 from prefill_worker.transfer.vllm.profiles import PROFILES, PUSH, LayerRegion, agent_metadata
+from prefill_worker.transfer.vllm.state_staging import StatePage, StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
 from tests.unit.ingress.test_http_pull import PROXY_ASK
@@ -115,3 +121,61 @@ def test_a_decode_not_proven_to_read_the_groups_is_refused_400_before_a_ticket_o
     assert tickets.why_refused("0.34.0") is None
     assert Tickets(4, ("0.33.0",)).why_refused("0.33.0") is None  # a model of one group
     assert "name vLLM 0.34.0" in (tickets.why_refused("0.33.0") or "")
+
+
+def test_a_linear_model_s_groups_send_one_state_block_per_mamba_group() -> None:
+    groups = linear_groups((0, 2, 3), 5, 32)  # tiny Qwen3-Next: vLLM's [L0 L3] [L2] [L1 L4]
+    assert groups.layer_group == (0, 2, 1, 0, 2) and groups.window_blocks == (1, 1, None)
+    assert groups.kv_layers == (1, 4) and groups.state_layers == (0, 2, 3)
+    assert groups.names[0] == "model.layers.0.linear_attn"
+    assert groups.names[1] == "model.layers.1.self_attn.attn"
+    assert groups.block_ids([5, 6, 7]) == [[7], [7], [5, 6, 7]]
+
+
+def _state(num_slots: int = 3) -> tuple[StateRegions, torch.Tensor, torch.Tensor]:
+    conv = torch.randn(2, num_slots, 6, 3)  # [layers, slots, conv_dim, kernel - 1]
+    rec = torch.randn(2, num_slots, 2, 4, 5)  # [layers, slots, Hv, Dk, Dv]
+    tensors = (
+        StateTensor("conv", (6, 3), "float32", 6 * 3 * 4),
+        StateTensor("recurrent", (2, 4, 5), "float32", 2 * 4 * 5 * 4),
+    )
+    component = StateComponent("linear_state", (0, 2), tensors, num_slots)
+    addrs = tuple(tuple(t[i].data_ptr() for i in range(2)) for t in (conv, rec))
+    return StateRegions(component, addrs, "cpu"), conv, rec
+
+
+def test_the_state_lands_in_vllm_s_page_layout() -> None:
+    """conv as ours, the recurrent matrix [Hv, Dv, Dk] (ours transposed), padding untouched."""
+    state, conv, rec = _state()
+    staging = StateStaging(state, num_blocks=4, page_bytes=512)
+    assert staging.page == StatePage(72, 160, 512)
+    staging.write(slot=2, block=3)
+    for layer in range(2):
+        page = staging.page_view(layer, 3)
+        got_conv = torch.from_numpy(page[:72].copy().view(np.float32)).reshape(6, 3)
+        got_rec = torch.from_numpy(page[72:232].copy().view(np.float32)).reshape(2, 5, 4)
+        assert torch.equal(got_conv, conv[layer, 2])
+        assert torch.equal(got_rec, rec[layer, 2].transpose(1, 2))
+        assert not page[232:].any() and not staging.page_view(layer, 2).any()
+    with pytest.raises(ValueError, match="larger than a vLLM attention page"):
+        StateStaging(state, num_blocks=4, page_bytes=200)
+
+
+def test_a_vllm_pull_of_a_linear_model_is_cut_one_token_short() -> None:
+    tickets = Tickets(4, ("0.34.0",), has_linear_state=True)
+    body = {"prompt": [1, 2, 3], "kv_transfer_params": PROXY_ASK}
+    prompts = read_completion(json.dumps(body).encode(), 8)
+    plain = read_completion(json.dumps({"prompt": [1, 2, 3], "bootstrap_room": 5}).encode(), 8)
+    requests = [_request([1, 2, 3]), _request([1, 2, 3])]
+    trimmed = trim_pulls(tickets, [*prompts, *plain], requests)
+    assert list(trimmed[0].token_ids) == [1, 2] and list(trimmed[1].token_ids) == [1, 2, 3]
+    one = trim_pulls(tickets, prompts, [_request([9])])  # vLLM backs off only past one token
+    assert list(one[0].token_ids) == [9]
+    assert trim_pulls(Tickets(4), prompts, requests[:1]) == requests[:1]
+    assert "state_unsupported: vLLM 0.33.0" in (
+        Tickets(4, ("0.33.0", "0.34.0"), has_linear_state=True).why_refused(None) or ""
+    )
+
+
+def _request(ids: list[int]) -> PrefillRequest:
+    return PrefillRequest("r", ids, SamplingParams(), False, 1, 0.0)
