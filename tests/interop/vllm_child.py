@@ -206,7 +206,7 @@ class Decode:
         tensors = [
             KVCacheTensor(page * self.num_blocks, [name], page * self.num_blocks, page)
             for name in self.layer_names()
-        ]
+        ]  # a mamba layer's page is padded to the attention page (``vllm_child_groups``)
         if self.groups is not None:
             groups = self.groups.kv_cache_groups
         else:
@@ -218,7 +218,8 @@ class Decode:
         shape = (self.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
         caches = {}
         for name in self.layer_names():
-            cache = torch.empty(shape, dtype=spec.dtype)  # LBHNC: K‖V per (head, token)
+            mamba = None if self.groups is None else self.groups.cache(name, self.num_blocks)
+            cache = torch.empty(shape, dtype=spec.dtype) if mamba is None else mamba  # LBHNC
             cache.view(torch.uint8).fill_(fill_byte)
             caches[name] = cache
         return caches
