@@ -73,6 +73,7 @@ from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_toke
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.groups import VllmGroups, linear_groups, sliding_groups
 from prefill_worker.transfer.vllm.shared import GroupStaging
+from prefill_worker.transfer.vllm.state_staging import decode_ssm_dtype
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -393,6 +394,11 @@ def _vllm_options(
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
         groups=_vllm_groups(sliding, state, num_kv_layers, cfg.vllm_block_size),
         state=state,
+        state_ssm_dtype="float32"
+        if state is None
+        else decode_ssm_dtype(
+            cfg.vllm_mamba_ssm_dtype, config.model.path, state.component.tensors[0].dtype
+        ),
     )
 
 

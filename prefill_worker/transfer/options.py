@@ -100,6 +100,8 @@ class VllmOptions:
     # A hybrid model's linear-layer state pool, staged in vLLM's page layout beside the KV
     # (transfer.vllm.state_staging); None: no linear layers.
     state: StateRegions | None = None
+    # The decode's recurrent-state dtype (its mamba_ssm_cache_dtype, resolved), those pages'.
+    state_ssm_dtype: str = "float32"
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,7 +146,8 @@ class VllmBackend:
             if group is not None:
                 raise StagingRefused("vLLM decodes of a linear-attention model: worker TP 1 only")
             blocks, page_bytes = staging.layout.num_blocks, staging.layout.block_bytes
-            self.state_staging = StateStaging(options.state, blocks, page_bytes)
+            ssm_dtype = options.state_ssm_dtype
+            self.state_staging = StateStaging(options.state, blocks, page_bytes, ssm_dtype)
         self.mirror_heads = None if group is None else group.heads
         holds = HoldTable(options.lease_s, options.read_grace_s)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")

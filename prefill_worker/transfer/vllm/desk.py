@@ -120,11 +120,15 @@ class PullDesk:
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
 
-    def stage_state(self, slot: int, blocks: Sequence[int]) -> None:
+    def stage_state(self, slot: int, blocks: Sequence[int]) -> list[Future[int]]:
         """A hybrid model's request: its state slot into its last block's state pages (the
-        block its mamba groups name, ``groups``); nothing for other models."""
-        if self.state_staging is not None and blocks:
-            self.state_staging.write(slot, blocks[-1])
+        block its mamba groups name, ``groups``), queued behind its repacks (the slot and the
+        blocks stay the request's until its sender is closed); nothing for other models."""
+        if self.state_staging is None or not blocks:
+            return []
+        future = self._repacker.submit(self.state_staging.write, slot, blocks[-1])
+        self._repacks.append(future)
+        return [future]
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))

@@ -1,8 +1,9 @@
-"""A sliding-window model's KV-cache groups as vLLM 0.34 builds them (the layer-to-group rule
-of ``kv_cache_planning``, the window's blocks), what the handshake says of them, the answer's
-block list per group, and the refusal of a decode version or mode not proven to read them
-(400 at the HTTP front, before a ticket opens). vLLM's own decode reading them: tests/interop/
-test_vllm_hybrid.py."""
+"""A hybrid model's KV-cache groups as vLLM 0.34 builds them (the layer-to-group rule of
+``kv_cache_planning``; a sliding group's window's blocks, a mamba group's one state block),
+what the handshake says of them, the answer's block list per group, a linear model's pull cut
+one token short, and the refusal of a decode version or mode not proven to read them (400 at
+the HTTP front, before a ticket opens). vLLM's own decode reading them: tests/interop/
+test_vllm_hybrid.py, test_vllm_linear.py."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ import json
 import re
 
 import msgspec
-import numpy as np
 import pytest
-import torch
 
 from prefill_worker.ingress.http.bodies import BadRequest, read_completion
 from prefill_worker.ingress.http.pull import open_pulls, trim_pulls
-from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.request import PrefillRequest, SamplingParams
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.vllm.desk import pull_params
@@ -29,7 +27,6 @@ from prefill_worker.transfer.vllm.groups import (
     sliding_groups,
 )
 from prefill_worker.transfer.vllm.profiles import PROFILES, PUSH, LayerRegion, agent_metadata
-from prefill_worker.transfer.vllm.state_staging import StatePage, StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
 from tests.unit.ingress.test_http_pull import PROXY_ASK
@@ -130,35 +127,6 @@ def test_a_linear_model_s_groups_send_one_state_block_per_mamba_group() -> None:
     assert groups.names[0] == "model.layers.0.linear_attn"
     assert groups.names[1] == "model.layers.1.self_attn.attn"
     assert groups.block_ids([5, 6, 7]) == [[7], [7], [5, 6, 7]]
-
-
-def _state(num_slots: int = 3) -> tuple[StateRegions, torch.Tensor, torch.Tensor]:
-    conv = torch.randn(2, num_slots, 6, 3)  # [layers, slots, conv_dim, kernel - 1]
-    rec = torch.randn(2, num_slots, 2, 4, 5)  # [layers, slots, Hv, Dk, Dv]
-    tensors = (
-        StateTensor("conv", (6, 3), "float32", 6 * 3 * 4),
-        StateTensor("recurrent", (2, 4, 5), "float32", 2 * 4 * 5 * 4),
-    )
-    component = StateComponent("linear_state", (0, 2), tensors, num_slots)
-    addrs = tuple(tuple(t[i].data_ptr() for i in range(2)) for t in (conv, rec))
-    return StateRegions(component, addrs, "cpu"), conv, rec
-
-
-def test_the_state_lands_in_vllm_s_page_layout() -> None:
-    """conv as ours, the recurrent matrix [Hv, Dv, Dk] (ours transposed), padding untouched."""
-    state, conv, rec = _state()
-    staging = StateStaging(state, num_blocks=4, page_bytes=512)
-    assert staging.page == StatePage(72, 160, 512)
-    staging.write(slot=2, block=3)
-    for layer in range(2):
-        page = staging.page_view(layer, 3)
-        got_conv = torch.from_numpy(page[:72].copy().view(np.float32)).reshape(6, 3)
-        got_rec = torch.from_numpy(page[72:232].copy().view(np.float32)).reshape(2, 5, 4)
-        assert torch.equal(got_conv, conv[layer, 2])
-        assert torch.equal(got_rec, rec[layer, 2].transpose(1, 2))
-        assert not page[232:].any() and not staging.page_view(layer, 2).any()
-    with pytest.raises(ValueError, match="larger than a vLLM attention page"):
-        StateStaging(state, num_blocks=4, page_bytes=200)
 
 
 def test_a_vllm_pull_of_a_linear_model_is_cut_one_token_short() -> None:
