@@ -118,7 +118,10 @@ def _gdn_spec(config: Any, attn_page_bytes: int) -> MambaSpec:
         text.linear_value_head_dim,
         text.linear_conv_kernel_dim,
     )
-    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(model.dtype, "auto", "auto")
+    cache = config.cache_config  # the decode's --mamba-cache-dtype, --mamba-ssm-cache-dtype
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        model.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
+    )
     return MambaSpec(
         block_size=config.cache_config.block_size,
         shapes=shapes,
