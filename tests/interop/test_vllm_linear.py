@@ -173,9 +173,11 @@ def test_vllm_pulls_the_kv_and_the_state_one_token_short(
     worker, api, _ = served
     for n in (1, 2, 40, 70):  # a token, two, a chunk (16) and a block (32) past, several
         ids = prompt(n, seed=500 + n)
-        params = _prefill(api, ids, VERSION)
+        status, answer = _post(api, ids, VERSION)
+        assert status == 200, answer
+        params = answer["kv_transfer_params"]
         loaded = max(n - 1, 1)  # vLLM's decode computes the last token (of more than one)
-        assert params["remote_num_tokens"] == loaded
+        assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"] == loaded
         num_blocks = -(-loaded // BLOCK)
         assert [len(g) for g in params["remote_block_ids"]] == [1, 1, num_blocks]
         _assert_pulled(served, decode, ids, params, tmp_path)

@@ -62,14 +62,11 @@ class Tickets:
         self._lock = threading.Lock()
         self.needs_kv_groups = needs_kv_groups or has_linear_state
         self.prompt_backoff = 1 if has_linear_state else 0
-        self._kind = (
-            ("state_unsupported", "linear-attention")
-            if has_linear_state
-            else (
-                "swa_unsupported",
-                "sliding-window",
-            )
+        linear, sliding = (
+            ("state_unsupported", "linear-attention"),
+            ("swa_unsupported", "sliding-window"),
         )
+        self._kind = linear if has_linear_state else sliding  # why_refused's code and words
         self._rooms: dict[int, tuple[Ask, Params | None]] = {}  # room -> (ask, params)
         self._max_open = max_open
         self.versions = versions  # served; a request naming none gets the first
