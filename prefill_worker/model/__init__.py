@@ -37,6 +37,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import create_fp8_backend, select_fp8_backend
 from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
 from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
@@ -142,12 +143,17 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
-    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
+    fp8_name = select_fp8_backend(declared, dev)  # block_gemm: FP8 weights kept as shipped
+    kept = fp8_name == "block_gemm"
+    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype, kept)  # before loading
     check_model_shardable(declared, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
+    fp8 = create_fp8_backend(fp8_name)
+    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp, fp8)
+    if spec.quant is not None:
+        log.info("FP8 weights: %s (model.quant.backends)", fp8_name)
     experts = create_moe_backend(experts_name, dev, torch_dtype)
     state = None
     if spec.linear is not None:
