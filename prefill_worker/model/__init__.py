@@ -37,7 +37,11 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.parallel import SINGLE, TPGroup
-from prefill_worker.model.quant.backends import create_fp8_backend, select_fp8_backend
+from prefill_worker.model.quant.backends import (
+    Fp8WeightBackend,
+    create_fp8_backend,
+    select_fp8_backend,
+)
 from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
 from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
@@ -122,6 +126,7 @@ def build(
     draft: str = "none",
     draft_topk: int = 1,
     kv_dtype: str = "auto",
+    fp8_backend: Fp8WeightBackend | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -133,7 +138,9 @@ def build(
     full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
     runs after the target with its own one-layer pool of as many pages (within the budget),
     its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
-    (``model.quant.kv``).
+    (``model.quant.kv``). FP8 weights become what ``fp8_backend`` makes of them (None: the
+    registry's choice for the device, ``quant.backends.select_fp8_backend``: kept for the
+    block-scaled GEMM on a Hopper GPU, else dequantized at load).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -143,17 +150,16 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
-    fp8_name = select_fp8_backend(declared, dev)  # block_gemm: FP8 weights kept as shipped
-    kept = fp8_name == "block_gemm"
+    fp8 = fp8_backend or create_fp8_backend(select_fp8_backend(declared, dev))
+    kept = fp8.keeps_blocks and declared.quant is not None  # FP8 weights kept as shipped
     experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype, kept)  # before loading
     check_model_shardable(declared, tp)
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    fp8 = create_fp8_backend(fp8_name)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp, fp8)
     if spec.quant is not None:
-        log.info("FP8 weights: %s (model.quant.backends)", fp8_name)
+        log.info("FP8 weights: %s (model.quant.backends)", fp8.name)
     experts = create_moe_backend(experts_name, dev, torch_dtype)
     state = None
     if spec.linear is not None:

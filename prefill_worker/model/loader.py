@@ -51,7 +51,7 @@ from prefill_worker.model.quant.backends import (
 from prefill_worker.model.quant.block_gemm import Fp8BlockWeight
 from prefill_worker.model.quant.fp8 import FP8_STORED, check_scales, is_fp8
 from prefill_worker.model.quant.linear import Weight, cat_rows
-from prefill_worker.model.quant.placement import misaligned_cut
+from prefill_worker.model.quant.placement import dense_use, misaligned_cut
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -230,7 +230,7 @@ class _Reader:
         if not self.fp8.keeps_blocks or quant is None or self.tp.is_single:
             return
         for name, shape in shapes.items():
-            if len(shape) != 2 or self.stored_dtype(name) != FP8_STORED:
+            if len(shape) != 2 or dense_use(name) or self.stored_dtype(name) != FP8_STORED:
                 continue
             dim, cut = self._cut(name)
             reason = None if dim is None else misaligned_cut(quant, name, dim, cut, shape[dim])

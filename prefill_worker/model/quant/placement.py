@@ -28,9 +28,14 @@ def gemm_block(quant: QuantSpec | None) -> bool:
     return quant is not None and quant.strategy == BLOCK and quant.block == GEMM_BLOCK
 
 
+def dense_use(name: str) -> bool:
+    """Whether ``name``'s consumer takes a dense matrix only (dequantized whatever its shape)."""
+    return any(use in name for use in DENSE_USES)
+
+
 def kept_in_fp8(name: str, local_shape: tuple[int, ...]) -> bool:
     """Whether the GEMM keeps FP8 ``name`` (``local_shape``: this rank's slice) as shipped."""
-    if any(use in name for use in DENSE_USES) or len(local_shape) != 2:
+    if dense_use(name) or len(local_shape) != 2:
         return False
     return all(size % unit == 0 for size, unit in zip(local_shape, GEMM_BLOCK, strict=True))
 
