@@ -1,5 +1,5 @@
 """The block-scaled FP8 GEMM path wired into the model, on a CPU: a tiny DeepSeek-V3 FP8
-checkpoint in 128 × 128 blocks (DeepSeek's format; every projection whole blocks but
+checkpoint in 128 × 128 blocks (``tests/fp8_gemm_model.py``: every projection whole blocks but
 ``kv_a_proj_with_mqa``, 192 rows, as DeepSeek-V3's 576) loaded with the registry's CUDA choice
 (``block_gemm``) forced, its kernel swapped for a CPU stand-in (a unit seam: the kernel itself
 is tests/gpu/test_block_gemm_cuda.py's, the model on CUDA tests/gpu/test_fp8_model_cuda.py's).
@@ -23,9 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from prefill_worker.model import build
 from prefill_worker.model.deepseek import MLAModelWeights
 from prefill_worker.model.hf_config import CheckpointError, read_spec
 from prefill_worker.model.llama import DenseMLP
@@ -38,60 +36,17 @@ from prefill_worker.model.quant.backends import (
     create_fp8_backend,
     select_fp8_backend,
 )
-from prefill_worker.model.quant.block_gemm import Fp8BlockWeight, reference_linear
-from tests.fp8_checkpoints import make_fp8_checkpoint
-from tests.integration.model.conftest import NUM_PAGES, PAGE_SIZE, chunk, plan, prompt
+from prefill_worker.model.quant.block_gemm import Fp8BlockWeight
+from tests.checkpoints import prompt
+from tests.fp8_gemm_model import NUM_KEPT, Recorder, forward, make_checkpoint
 
-# DeepSeek-V3's structure at 128-block sizes: hidden 256, 4 heads of nope 64 + rope 64 (q_b
-# 512 rows), v 64 (o 256 columns: 128 a rank at TP 2), kv_lora 128, experts of 256.
-SHAPE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=128,
-             kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, qk_head_dim=128,
-             head_dim=64, v_head_dim=64, num_hidden_layers=2, n_routed_experts=8,
-             num_experts_per_tok=2, first_k_dense_replace=1)  # fmt: skip
 IDS = prompt(40, seed=5)
 CPU = torch.device("cpu")
 
 
-class Recorder:
-    """The kernel's stand-in: records each call's weight and shapes; ``exact`` multiplies by
-    the dequantized weight, else the kernel's own arithmetic (``reference_linear``)."""
-
-    def __init__(self, exact: bool) -> None:
-        self.exact = exact
-        self.calls: list[int] = []  # each call's weight (its data pointer)
-        self.errors: list[float] = []  # each inexact call's distance from the dequantized
-
-    def __call__(self, x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
-        assert x.ndim == 2 and x.shape[1] == w.shape[1] and w.weight.ndim == 2
-        assert w.weight.dtype == torch.float8_e4m3fn and w.scale_inv.dtype == torch.float32
-        assert w.scale_inv.shape == (w.shape[0] // 128, w.shape[1] // 128)
-        self.calls.append(w.weight.data_ptr())
-        exact = F.linear(x, w.dequantized(x.dtype))
-        if self.exact:
-            return exact
-        got = reference_linear(x, w).to(x.dtype)
-        self.errors.append(((got - exact).norm() / exact.norm()).item())
-        return got
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fp8_gemm")
-    return make_fp8_checkpoint("deepseek_v3", root, block=(128, 128), **SHAPE)[0]
-
-
-def forward(path: Path, fp8: BlockGemm | None) -> tuple[torch.Tensor, list[torch.Tensor], object]:
-    """(last logits, each layer's latent rows, the model's weights) of ``IDS`` (naive MoE:
-    every expert runs on every token, so every expert's GEMMs are called)."""
-    fp8_backend = fp8 or create_fp8_backend("dequantize")
-    runner, kv_cache, _ = build(path, dtype="float32", device="cpu", page_size=PAGE_SIZE,
-                                num_pages=NUM_PAGES, moe_backend="naive",
-                                fp8_backend=fp8_backend)  # fmt: skip
-    pages = list(range(-(-len(IDS) // PAGE_SIZE)))
-    whole = dataclasses.replace(chunk("a", IDS, 0, len(IDS), pages, last=True), state_slot=0)
-    logits = runner.compute_logits(plan(whole))[0]
-    rows = [torch.cat([kv_cache.k[layer][p] for p in pages])[: len(IDS), 0] for layer in (0, 1)]
-    return logits, rows, runner.model.weights  # type: ignore[attr-defined]
+    return make_checkpoint(tmp_path_factory.mktemp("fp8_gemm"))
 
 
 def kept_weights(weights: MLAModelWeights) -> dict[str, Fp8BlockWeight]:
@@ -114,11 +69,11 @@ def kept_weights(weights: MLAModelWeights) -> dict[str, Fp8BlockWeight]:
 
 
 def test_every_fp8_projection_runs_the_gemm_and_equals_the_dequantized_model(checkpoint):
-    want_logits, want_rows, _ = forward(checkpoint, None)
-    recorder = Recorder(exact=True)
-    logits, rows, weights = forward(checkpoint, BlockGemm(recorder))
-    kept = kept_weights(weights)  # type: ignore[arg-type]
-    assert len(kept) == 3 * 2 + 2 + 2 + 2 * 8  # attention ×2 layers, dense, shared, experts
+    want_logits, want_rows, _ = forward(checkpoint, create_fp8_backend("dequantize"), IDS)
+    recorder = Recorder()
+    logits, rows, weights = forward(checkpoint, BlockGemm(recorder), IDS)
+    kept = kept_weights(weights)
+    assert len(kept) == NUM_KEPT
     assert {w.weight.data_ptr() for w in kept.values()} <= set(recorder.calls)
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)
     for got, want in zip(rows, want_rows, strict=True):
@@ -130,16 +85,16 @@ def test_each_call_is_within_fp8_error_of_the_dequantized_linear(checkpoint):
     about 2.5% from the dequantized linear in norm (e4m3 keeps 3 mantissa bits). The whole
     model's logits are not compared: 40 tokens through a random model whose attention scores
     are scaled up (tests/checkpoints.py) amplify that error past any useful bound."""
-    recorder = Recorder(exact=False)
-    logits, _, _ = forward(checkpoint, BlockGemm(recorder))
-    assert len(recorder.errors) >= 3 * 2 + 2 + 2 + 2 * 8 and torch.isfinite(logits).all()
+    recorder = Recorder("reference")
+    logits, _, _ = forward(checkpoint, BlockGemm(recorder), IDS)
+    assert len(recorder.errors) >= NUM_KEPT and torch.isfinite(logits).all()
     assert min(recorder.errors) > 0.005 and max(recorder.errors) < 0.04, recorder.errors
 
 
 def test_tp2_ranks_keep_their_blocks_and_scales(checkpoint):
     for rank in range(2):
         tp = TPGroup(rank, 2)
-        gemm = BlockGemm(Recorder(exact=True))
+        gemm = BlockGemm(Recorder())
         _, kept = load_checkpoint(checkpoint, torch.float32, CPU, tp=tp, fp8=gemm)
         _, plain = load_checkpoint(checkpoint, torch.float32, CPU, tp=tp)
         assert isinstance(kept, MLAModelWeights) and isinstance(plain, MLAModelWeights)
