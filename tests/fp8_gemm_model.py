@@ -29,11 +29,15 @@ SHAPE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, 
              head_dim=64, v_head_dim=64, num_hidden_layers=2, n_routed_experts=8,
              num_experts_per_tok=2, first_k_dense_replace=1)  # fmt: skip
 NUM_KEPT = 3 * 2 + 2 + 2 + 2 * 8  # q_a/q_b/o × 2 layers, the dense MLP, the shared, 8 experts
+# Qwen2 (the Llama family, with q/k/v biases): 4 heads of 64 over 2 KV heads (q/k/v 256 + 128 +
+# 128 rows, fused), an MLP of 256; every projection whole blocks.
+LLAMA_SHAPE = dict(hidden_size=256, intermediate_size=256)
 PAGE_SIZE, NUM_PAGES = 16, 16
 
 
-def make_checkpoint(root: Path) -> Path:
-    return make_fp8_checkpoint("deepseek_v3", root, block=(128, 128), **SHAPE)[0]
+def make_checkpoint(root: Path, family: str = "deepseek_v3") -> Path:
+    shape = SHAPE if family == "deepseek_v3" else LLAMA_SHAPE
+    return make_fp8_checkpoint(family, root, block=(128, 128), **shape)[0]
 
 
 class Recorder:
@@ -78,7 +82,7 @@ def forward(
     chunk = ChunkPlan("a", ids, 0, len(ids), pages, SamplingParams())
     batch = BatchPlan(batch_id=0, chunks=(dataclasses.replace(chunk, state_slot=0),))
     logits = runner.compute_logits(batch)[0].float().cpu()
-    rows = [
+    rows = [  # an MLA pool's latent rows, or the first KV head's keys
         torch.cat([kv_cache.k[layer][p] for p in pages])[: len(ids), 0].float().cpu()
         for layer in range(len(kv_cache.k))
     ]

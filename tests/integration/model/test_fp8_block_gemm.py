@@ -12,6 +12,9 @@ is tests/gpu/test_block_gemm_cuda.py's, the model on CUDA tests/gpu/test_fp8_mod
   dequantizing path's (1e-5, float32); with the kernel's arithmetic (activations quantized
   per token in groups of 128, ``reference_linear``) each call is within FP8's error (< 4%)
   of the dequantized linear;
+* the Llama family (Qwen2: fused q/k/v with biases, the fused gate/up written into its
+  buffer) likewise: every projection kept and called, logits and K equal the dequantized
+  (the bias is added after the GEMM: K within 1e-4);
 * at TP 2 each rank's kept blocks and scales are its slice of the shipped ones (dequantized:
   the dequantizing rank's weight exactly); at TP 4 o's 128 columns cut a block: refused.
 """
@@ -80,13 +83,28 @@ def test_every_fp8_projection_runs_the_gemm_and_equals_the_dequantized_model(che
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_llama_family_model_runs_the_gemm_too(tmp_path):
+    path = make_checkpoint(tmp_path, "qwen2")
+    want_logits, want_keys, _ = forward(path, create_fp8_backend("dequantize"), IDS)
+    recorder = Recorder()
+    logits, keys, weights = forward(path, BlockGemm(recorder), IDS)
+    kept = [w for layer in weights.layers
+            for w in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)]  # fmt: skip
+    assert all(isinstance(w, Fp8BlockWeight) for w in kept) and len(kept) == 8
+    assert {w.weight.data_ptr() for w in kept} == set(recorder.calls)
+    assert all(layer.qkv_bias.dtype == torch.float32 for layer in weights.layers)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)
+    for got, want in zip(keys, want_keys, strict=True):  # keys of ~100: the bias added apart
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
 def test_each_call_is_within_fp8_error_of_the_dequantized_linear(checkpoint):
     """The kernel's arithmetic (e4m3 activations, 1 × 128 scales) in every call of a forward:
     about 2.5% from the dequantized linear in norm (e4m3 keeps 3 mantissa bits). The whole
-    model's logits are not compared: 40 tokens through a random model whose attention scores
+    model's logits are not compared: tokens through a random model whose attention scores
     are scaled up (tests/checkpoints.py) amplify that error past any useful bound."""
     recorder = Recorder("reference")
-    logits, _, _ = forward(checkpoint, BlockGemm(recorder), IDS)
+    logits, _, _ = forward(checkpoint, BlockGemm(recorder), IDS[:16])
     assert len(recorder.errors) >= NUM_KEPT and torch.isfinite(logits).all()
     assert min(recorder.errors) > 0.005 and max(recorder.errors) < 0.04, recorder.errors
 
