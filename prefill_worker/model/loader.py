@@ -51,7 +51,7 @@ from prefill_worker.model.quant.backends import (
 from prefill_worker.model.quant.block_gemm import Fp8BlockWeight
 from prefill_worker.model.quant.fp8 import FP8_STORED, check_scales, is_fp8
 from prefill_worker.model.quant.linear import Weight, cat_rows
-from prefill_worker.model.quant.placement import dense_use, misaligned_cut
+from prefill_worker.model.quant.placement import check_cuts
 from prefill_worker.model.qwen3_next import HybridModelWeights
 from prefill_worker.model.sharding import local_shape, shard_slice, split_of
 
@@ -224,18 +224,12 @@ class _Reader:
         return self.fp8.prepare(name, stored, scales, self.spec.quant, dim, cut)
 
     def check_cuts(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Refuse, before any tensor is read, an FP8 tensor whose rank slice cuts a scale
-        block where the FP8 backend keeps blocks (``placement.misaligned_cut``)."""
-        quant = self.spec.quant
-        if not self.fp8.keeps_blocks or quant is None or self.tp.is_single:
-            return
-        for name, shape in shapes.items():
-            if len(shape) != 2 or dense_use(name) or self.stored_dtype(name) != FP8_STORED:
-                continue
-            dim, cut = self._cut(name)
-            reason = None if dim is None else misaligned_cut(quant, name, dim, cut, shape[dim])
-            if reason is not None:
-                raise CheckpointError(reason)
+        """Where the FP8 backend keeps blocks: refuse a rank slice that cuts one."""
+        if self.fp8.keeps_blocks and self.spec.quant is not None and not self.tp.is_single:
+            check_cuts(self.spec.quant, shapes, self._stored_fp8, self._cut)
+
+    def _stored_fp8(self, name: str) -> bool:
+        return self.stored_dtype(name) == FP8_STORED
 
     def _handle(self, name: str) -> safe_open:
         path = self.files[name]

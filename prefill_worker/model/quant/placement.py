@@ -17,6 +17,9 @@ loader's check before any tensor is read): no rank could run whole blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
+from prefill_worker.model.hf_config import CheckpointError
 from prefill_worker.model.quant.spec import BLOCK, QuantSpec
 
 GEMM_BLOCK = (128, 128)  # the kernel's: 1 × 128 activation groups, 128 × 128 weight blocks
@@ -55,3 +58,21 @@ def misaligned_cut(quant: QuantSpec, name: str, dim: int, cut: slice, length: in
         f"(a tensor-parallel size that cuts on block boundaries serves it; on a CPU, or where "
         f"the GEMM is not selected, the weights are dequantized and every cut is served)"
     )
+
+
+def check_cuts(
+    quant: QuantSpec,
+    shapes: Mapping[str, tuple[int, ...]],
+    is_fp8: Callable[[str], bool],
+    cut_of: Callable[[str], tuple[int | None, slice]],
+) -> None:
+    """Refuse (``CheckpointError``, the reason) the first FP8 tensor of ``shapes`` the GEMM
+    would keep whose rank slice (``cut_of(name)``: the dimension cut, None for a replicated
+    one, and where) splits a scale block. The loader calls it before reading any tensor."""
+    for name, shape in shapes.items():
+        if len(shape) != 2 or dense_use(name) or not is_fp8(name):
+            continue
+        dim, cut = cut_of(name)
+        reason = None if dim is None else misaligned_cut(quant, name, dim, cut, shape[dim])
+        if reason is not None:
+            raise CheckpointError(reason)
