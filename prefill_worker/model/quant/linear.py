@@ -48,9 +48,8 @@ def cat_rows(pieces: Sequence[Weight]) -> Weight:
     if all(isinstance(p, Fp8BlockWeight) for p in pieces):
         fp8 = [p for p in pieces if isinstance(p, Fp8BlockWeight)]
         kernel = fp8[0].kernel
-        return Fp8BlockWeight(
-            torch.cat([p.weight for p in fp8]), torch.cat([p.scale_inv for p in fp8]), kernel
-        )
+        weight = _as_fp8(torch.cat([_bytes(p) for p in fp8]))
+        return Fp8BlockWeight(weight, torch.cat([p.scale_inv for p in fp8]), kernel)
     return torch.cat(_dense(pieces))
 
 
@@ -59,15 +58,23 @@ def stack(pieces: Sequence[Weight]) -> Weight:
     if all(isinstance(p, Fp8BlockWeight) for p in pieces):
         fp8 = [p for p in pieces if isinstance(p, Fp8BlockWeight)]
         kernel = fp8[0].kernel
-        return Fp8BlockWeight(
-            torch.stack([p.weight for p in fp8]), torch.stack([p.scale_inv for p in fp8]), kernel
-        )
+        weight = _as_fp8(torch.stack([_bytes(p) for p in fp8]))
+        return Fp8BlockWeight(weight, torch.stack([p.scale_inv for p in fp8]), kernel)
     return torch.stack(_dense(pieces))
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """``w`` as a plain matrix (an FP8 one dequantized to ``dtype``)."""
     return w.dequantized(dtype) if isinstance(w, Fp8BlockWeight) else w
+
+
+def _bytes(w: Fp8BlockWeight) -> torch.Tensor:
+    """The e4m3 values as bytes: cat and stack of uint8 run on every device and torch."""
+    return w.weight.view(torch.uint8)
+
+
+def _as_fp8(values: torch.Tensor) -> torch.Tensor:
+    return values.view(torch.float8_e4m3fn)
 
 
 def _dense(pieces: Sequence[Weight]) -> list[torch.Tensor]:
