@@ -34,6 +34,7 @@ class Matrix:
     split: int | None = None  # the dimension TP cuts; None: replicated
     is_linear: bool = True  # a projection (FP8 in a quantized checkpoint); False: kept as is
     dense_use: bool = False  # its consumer takes it dense (MLA's kv_b): the GEMM keeps no FP8
+    min_share: int = 0  # the least a rank holds of the split (K/V: one head when replicated)
 
     @property
     def num_params(self) -> int:
@@ -117,6 +118,9 @@ def weight_note(
         f"{_gib(memory.local_gemm_bytes(itemsize))} with the block-scaled FP8 GEMM "
         f"({memory.local_kept_params / 1e9:.2f} B parameters kept in FP8, the rest in {dtype})"
     )
+    refused = misaligned_split(spec, tp_size)
+    if refused is not None:
+        gemm = f"the block-scaled FP8 GEMM refuses TP {tp_size} at load: {refused}"
     if device == "cpu":
         return f"{shipped}; {resident}, dequantized at load (on a CPU; on a Hopper GPU {gemm})"
     return (
@@ -124,6 +128,25 @@ def weight_note(
         f"not selected (not compute capability 9.x, or torch without blockwise scaled_mm) "
         f"dequantized at load in {dtype}: {_gib(dense_bytes)}"
     )
+
+
+def misaligned_split(spec: ModelSpec, tp_size: int) -> str | None:
+    """Why the block-scaled GEMM refuses ``tp_size`` (a split FP8 matrix it would keep whose
+    rank share is not whole 128-blocks: the loader's ``placement.check_cuts``), else None."""
+    if not gemm_block(spec.quant) or tp_size == 1 or spec.linear is not None:
+        return None
+    for matrix in model_matrices(spec):
+        if matrix.split is None or not matrix.is_linear or matrix.dense_use:
+            continue
+        size = (matrix.rows, matrix.columns)[matrix.split]
+        share = max(-(-size // tp_size), matrix.min_share)
+        if share % GEMM_BLOCK[matrix.split]:
+            what = "rows" if matrix.split == 0 else "columns"
+            return (
+                f"a {matrix.rows} × {matrix.columns} matrix leaves {share} {what} a rank, not "
+                f"whole 128-blocks (a TP size that splits on block boundaries is served)"
+            )
+    return None
 
 
 def _gib(num_bytes: int) -> str:
@@ -192,7 +215,8 @@ def _attention(spec: ModelSpec) -> list[Matrix]:
     mla = spec.mla
     if mla is None:
         q, kv = heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        return [Matrix(q, hidden, n, 0), Matrix(kv, hidden, 2 * n, 0), Matrix(hidden, q, n, 1)]
+        kv_matrix = Matrix(kv, hidden, 2 * n, 0, min_share=spec.head_dim)
+        return [Matrix(q, hidden, n, 0), kv_matrix, Matrix(hidden, q, n, 1)]
     out = [
         Matrix(mla.latent_dim, hidden, n),  # kv_a_proj_with_mqa: replicated
         Matrix(

@@ -120,3 +120,21 @@ def test_an_fp8_kv_pool_halves_the_bytes_per_token(
     assert "36 layers, fp8_e4m3; KV per token per layer" in out
     assert "2048 values, 2048 bytes; 73728 bytes of KV per token (36 layers)" in out
     assert "43690 pages × 16 tokens = 699040 tokens, 48.00 GiB" in out
+
+
+def test_a_tp_size_that_cuts_a_block_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-4B-FP8's MLP width (9728) at TP 8: 1216 rows a rank, 9.5 blocks; the loader's
+    block GEMM refuses it (placement.check_cuts), which check-config says on CUDA."""
+    model = checkpoint(tmp_path, "qwen3-8b.json", quantization_config=DEEPSEEK_FP8,
+                       intermediate_size=9728)  # fmt: skip
+    out = check("qwen3-8b-h100.yaml", f"model.path={model}", "parallel.tp_size=8",
+                "transfer.protocol=sglang", capsys=capsys)  # fmt: skip
+    assert (
+        "on CUDA: the block-scaled FP8 GEMM refuses TP 8 at load: a 9728 × 4096 matrix leaves "
+        "1216 rows a rank, not whole 128-blocks"
+    ) in out
+    out = check("qwen3-8b-h100.yaml", f"model.path={model}", "parallel.tp_size=4",
+                "transfer.protocol=sglang", capsys=capsys)  # fmt: skip
+    assert "refuses" not in out and "with the block-scaled FP8 GEMM" in out
