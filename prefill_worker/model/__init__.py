@@ -199,7 +199,7 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
+    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk, fp8)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     beside = state if state is not None else index_cache  # what a decode needs beside the KV

@@ -44,6 +44,7 @@ from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe import ExpertsBackend
 from prefill_worker.model.moe.block import fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import Fp8WeightBackend
 from prefill_worker.model.quant.linear import Weight, linear
 
 
@@ -93,15 +94,17 @@ def load_mtp(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup = SINGLE,
+    fp8: Fp8WeightBackend | None = None,
 ) -> MTPWeights:
-    """Read and check the MTP layer (rank ``tp.rank``'s slices); ``CheckpointError`` when
-    the checkpoint has none or a tensor is missing or misshapen."""
+    """Read and check the MTP layer (rank ``tp.rank``'s slices; FP8 weights as ``fp8``
+    makes them, the target's backend); ``CheckpointError`` when the checkpoint has none or a
+    tensor is missing or misshapen."""
     if spec.mla is None or spec.moe is None or spec.num_nextn_layers < 1:
         raise CheckpointError(
             f"{spec.architecture}: the checkpoint has no MTP layer (num_nextn_predict_layers "
             f"is {spec.num_nextn_layers}); draft.kind 'mtp' needs DeepSeek-V3's"
         )
-    source = open_tensors(model_dir, spec, dtype, device, tp, mtp_shapes(spec))
+    source = open_tensors(model_dir, spec, dtype, device, tp, mtp_shapes(spec), fp8)
     return fuse_mtp(spec, source)
 
 
