@@ -51,9 +51,9 @@ def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) 
         SideChannel,
         encode_payload,
     )
+    from prefill_worker.transfer.vllm.link import fetch_payload
     from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
     from prefill_worker.transfer.vllm.push import PUSH_REG_PREFIX
-    from prefill_worker.transfer.vllm.pusher import fetch_payload
 
     lay = registration.layout
     num_blocks = max(TOKENS) // BLOCK_SIZE * 5 // 4  # as the native rows' decode pool
