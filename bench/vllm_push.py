@@ -40,6 +40,7 @@ import numpy as np
 BLOCK_SIZE = 32
 TOKENS = (1024, 8192)
 VERSION = "0.34.0"
+NOTIF_POLL_S = 0.0005  # how often the decode looks for the worker's notification
 
 
 def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) -> None:
@@ -102,10 +103,12 @@ def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) 
         start = time.perf_counter()
         agent.send_notif(prefill, PUSH_REG_PREFIX + msgspec.msgpack.encode(body))
         done = False
-        while not done:
-            channel.poll()
+        while not done:  # every 0.5 ms, as the native rows' decode polls between commands:
+            channel.poll()  # a decode spinning here took one of two cores from the WRITE
             for messages in agent.get_new_notifs().values():
                 done = done or want in messages
+            if not done:
+                time.sleep(NOTIF_POLL_S)
         conn.send(time.perf_counter() - start)
     channel.close()
     agent.deregister_memory(reg)
