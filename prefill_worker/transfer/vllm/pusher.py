@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WRITE_TIMEOUT_S = 60.0  # a WRITE not settled by then is given up (its blocks freed)
 _LOG_S = 10.0
+_Key = tuple[str, str, int]  # a link: the decode engine, the vLLM version, the decode's TP
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +94,9 @@ class VllmPusher:
         self._bases = tuple(region_base_addrs)
         table = local_slices(self._bases, layout, 1)  # whole blocks: entry l * num_blocks + b
         self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, "DRAM")
-        self._links: dict[tuple[str, str], DecodeLink] = {}
-        self._linking: dict[tuple[str, str], tuple[Future[DecodeLink], list[PushJob]]] = {}
-        self._writes: list[tuple[Future[str], PushJob, tuple[str, str]]] = []
+        self._links: dict[_Key, DecodeLink] = {}
+        self._linking: dict[_Key, tuple[Future[DecodeLink], list[PushJob]]] = {}
+        self._writes: list[tuple[Future[str], PushJob, _Key]] = []
         self._link_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-push-link")
         self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-push-write")
         self.counts = PushCounts()
@@ -116,7 +117,8 @@ class VllmPusher:
         why = tp_refusal(reg.decode_tp_size, self._layout.num_kv_heads)
         if why is not None:
             return self._fail(job, "decode_tp", why)
-        key = (reg.decode_engine_id, job.version)
+        # a decode engine restarted at another TP is another link (its ranks, its slices)
+        key = (reg.decode_engine_id, job.version, reg.decode_tp_size)
         link = self._links.get(key)
         if link is not None:
             return self._write(job, link, key)
@@ -189,7 +191,7 @@ class VllmPusher:
             self._agent, self._bases, self._layout, self._hashes[version], reg, version
         )
 
-    def _write(self, job: PushJob, link: DecodeLink, key: tuple[str, str]) -> None:
+    def _write(self, job: PushJob, link: DecodeLink, key: _Key) -> None:
         theirs = job.registration.block_ids()
         ours = job.blocks
         if not theirs or len(theirs) > len(ours):
@@ -262,7 +264,7 @@ class VllmPusher:
             return f"ERR ({exc})"
         return f"ERR ({states})"
 
-    def _drop_link(self, key: tuple[str, str]) -> None:
+    def _drop_link(self, key: _Key) -> None:
         link = self._links.pop(key, None)
         if link is None:
             return
