@@ -40,7 +40,7 @@ from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
-from prefill_worker.model.sharding import check_model_shardable
+from prefill_worker.model.sharding import check_model_shardable, local_linear
 from prefill_worker.model.state_cache import StateCache
 
 __all__ = [
@@ -128,10 +128,10 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``)
-    runs after the target with its own one-layer pool of as many pages (within the budget),
-    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
-    (``model.quant.kv``).
+    full-attention layers only (under TP, the rank's heads of both). A ``draft``
+    (``model.draft``: ``mtp``) runs after the target with its own one-layer pool of as many
+    pages (within the budget), its first proposal top-``draft_topk``. ``kv_dtype``
+    ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -150,7 +150,7 @@ def build(
     experts = create_moe_backend(experts_name, dev, torch_dtype)
     state = None
     if spec.linear is not None:
-        state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
+        state = StateCache(local_linear(spec.linear, tp), num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
     index_cache = None  # a DSA model's index keys, paged beside the MLA pool
     if spec.indexer is not None:

@@ -45,7 +45,7 @@ from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.backends import create_fp8_backend
 from prefill_worker.model.quant.fp8 import check_scales, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
-from prefill_worker.model.sharding import local_shape, shard_slice, split_of
+from prefill_worker.model.sharding import local_shape, shard_slice, shard_slices, split_of
 
 log = logging.getLogger(__name__)
 
@@ -179,11 +179,15 @@ class _Reader:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim, cut = self._cut(name)
+        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
-        return piece[cut] if dim == 0 else piece[:, cut]
+        runs = [
+            piece[cut] if dim == 0 else piece[:, cut]
+            for cut in shard_slices(self.spec, name, self.shape(name), self.tp)
+        ]  # one run, or a gated DeltaNet's q, k, v channel runs
+        return runs[0] if len(runs) == 1 else torch.cat(runs, dim)
 
     def _cut(self, name: str) -> tuple[int | None, slice]:
         """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""

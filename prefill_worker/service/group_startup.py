@@ -2,7 +2,8 @@
 under torchrun, found; every rank joined), and the barrier after every rank loaded.
 
 Like ``startup.py``'s steps, each runs inside ``startup_step``: a failure names the step,
-78 for configuration problems (a model that does not split, too few devices), 1 otherwise.
+78 for configuration problems (a model that does not split, a hybrid model's state that
+no transfer sends from more than one rank, too few devices), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from prefill_worker.model import CheckpointError
-from prefill_worker.model.hf_config import read_spec
+from prefill_worker.model.hf_config import ModelSpec, read_spec
 from prefill_worker.model.parallel import TPGroup
 from prefill_worker.model.sharding import check_model_shardable
 from prefill_worker.service.config import Config
@@ -46,6 +47,7 @@ def start_tp_group(
         # model.sharding; each rank's build checks it again).
         spec = read_spec(config.model.path)
         check_model_shardable(spec, TPGroup(0, placement.size))
+        check_state_transfer(spec, placement.size)
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))
         followers = Followers([])
@@ -68,6 +70,18 @@ def start_tp_group(
     heartbeat = Heartbeat(channel, cfg.heartbeat_interval_s, on_failure)
     group = LeaderGroup(channel, followers, heartbeat, cfg.heartbeat_interval_s)
     return membership.tp, group, device
+
+
+def check_state_transfer(spec: ModelSpec, tp_size: int) -> None:
+    """Refuse (``ValueError``: exit 78) a hybrid model at TP > 1: its model runs sharded
+    (each rank's state slots hold its heads), but no transfer sends a rank's slice of a
+    slot yet, and a decode must never get half a state."""
+    if tp_size > 1 and spec.linear is not None:
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size}: the transfer of a hybrid "
+            "model's linear-attention state from more than one rank is not built; run it "
+            "at tensor parallel 1"
+        )
 
 
 def agree_group_loaded(config: Config, group: LeaderGroup, num_pages: int) -> None:

@@ -18,6 +18,10 @@ tolerance. q/k weights are scaled x20, so a RoPE, mask, page or head-slicing bug
 by far more than the tolerance. One world of 4 processes starts once and runs every case
 (TP 2 on its two halves side by side). DeepSeek-V3 (MLA) runs at TP 2: the query heads
 split, the latent replicated, so every rank's pool holds the same rows, byte for byte.
+The hybrids (Qwen3.5 dense, Qwen3-Next MoE with its grouped in_proj_qkvz) run at TP 2: each
+rank holds one of the 2 linear key heads with its 3 value heads and one full-attention KV
+head; every full layer's K/V and every linear layer's conv window and recurrent state,
+reassembled from both ranks' slots (``gather_linear_state``), equal transformers'.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ PROMPTS = Prompts(LONG, SHORT, LONG[:SPLIT] + prompt(11, seed=3))
 ALL = [(size, name) for size, cases in CASES.items() for name in cases]
 # an MLA pool: no K/V heads, one latent row per token (its own test below; 4 KV heads = heads)
 CASES[2]["deepseek_v3"] = ("deepseek_v3", 4)
+HYBRIDS = ("qwen3_5", "qwen3_next")  # a state pool beside the KV: their own test below
+CASES[2] |= {family: (family, 2) for family in HYBRIDS}
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +143,44 @@ def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoin
             rows = [result[f"{key}_kv"][layer][0][:, 0] for result in results]  # [S, r + rope]
             assert all(torch.equal(rows[0], other) for other in rows[1:])
             torch.testing.assert_close(rows[0], expected, atol=TOL, rtol=1e-5)
+
+
+def hf_hybrid_forward(model: torch.nn.Module, ids: list[int]):  # type: ignore[no-untyped-def]
+    """(logits [S, vocab], [(k, v)] of each full layer [S, KV, D], [(conv [C, K-1],
+    recurrent [Hv, Dk, Dv])] of each linear layer); a slot keeps the last K-1 conv inputs."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    kv, state = [], []
+    for kind, layer in zip(model.config.layer_types, out.past_key_values.layers, strict=True):
+        if kind == "full_attention":
+            kv.append((layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)))
+        else:
+            state.append((layer.conv_states[0][0, :, 1:], layer.recurrent_states[0][0]))
+    return out.logits[0].float(), kv, state
+
+
+def gather_linear_state(per_rank: list[torch.Tensor], config) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """A conv window ``[C, K-1]`` from each rank's ``[C / size, K-1]``: every rank's channels
+    are its q, then k, then v runs; the whole is all q, all k, all v."""
+    size, key = len(per_rank), config.linear_num_key_heads * config.linear_key_head_dim
+    value = config.linear_num_value_heads * config.linear_value_head_dim
+    runs = [part.split([key // size, key // size, value // size]) for part in per_rank]
+    return torch.cat([runs[rank][block] for block in range(3) for rank in range(size)])
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_logits_kv_and_state_match_transformers(checkpoints, world, family):
+    model = hf_model(checkpoints[family])
+    results = rank_results(world, family, 2)
+    for key in ("long", "short"):  # chunked, and batched beside it (no hit: no prefix cache)
+        hf_logits, hf_kv, hf_state = hf_hybrid_forward(model, getattr(PROMPTS, key))
+        for result in results:
+            torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
+        check_head_kv(results, key, hf_kv, num_kv_heads=2)
+        for layer, (hf_conv, hf_recurrent) in enumerate(hf_state):
+            convs = [result[f"{key}_conv"][layer] for result in results]
+            recurrents = [result[f"{key}_recurrent"][layer] for result in results]
+            assert recurrents[0].shape[0] == model.config.linear_num_value_heads // 2
+            conv = gather_linear_state(convs, model.config)
+            torch.testing.assert_close(conv, hf_conv, atol=TOL, rtol=1e-5)
+            torch.testing.assert_close(torch.cat(recurrents), hf_recurrent, atol=TOL, rtol=1e-5)

@@ -16,6 +16,10 @@ right only if the runner reads the prefix back from the pool. Each rank saves th
 prompts' logits and its pool's K/V. Every join has a deadline; a rank left alive past it is
 killed, so a stuck collective fails the test instead of hanging it.
 
+A hybrid checkpoint (a state pool: Qwen3-Next, Qwen3.5) has no prefix hits, so its batch 1
+is long's rest alone; each request holds its own state slot (``SLOTS``), and each rank also
+saves every linear layer's conv window and recurrent state of long and short from its slots.
+
 Ranks come from a forkserver that has imported torch and the model once (a fresh interpreter
 per rank costs seconds on a loaded machine; forking the test process itself is unsafe once it
 has run OpenMP). This module imports nothing of transformers, for the same reason.
@@ -42,6 +46,7 @@ SPLIT = 32  # long is prefilled in two chunks, [0, 32) and the rest; hit shares 
 PAGE_SIZE, NUM_PAGES = 16, 16
 PAGES = {"long": [15, 11, 7], "short": [13, 9], "hit": [15, 11, 5]}  # scattered, descending
 DEADLINE_S = 180.0
+SLOTS = {"long": 0, "short": 1, "hit": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,8 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
     runner, kv_cache, info = build(
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
     )
+    if info.state is not None:
+        return _run_hybrid_case(runner, kv_cache, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
@@ -144,9 +151,27 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
     return saved
 
 
+def _run_hybrid_case(runner, kv_cache, prompts: Prompts) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    long, short = prompts.long, prompts.short
+    first = runner.compute_logits(
+        BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
+    )
+    second = runner.compute_logits(BatchPlan(1, (_chunk("long", long, SPLIT, len(long)),)))
+    state = runner.model.state
+    saved: dict[str, object] = {"short_logits": first[0].clone(), "long_logits": second[0].clone()}
+    for key, ids in (("long", long), ("short", short)):
+        layers = range(kv_cache.layout.num_layers)
+        saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], len(ids), i) for i in layers]
+        saved[f"{key}_conv"] = [conv[SLOTS[key]].clone() for conv in state.conv]
+        saved[f"{key}_recurrent"] = [rec[SLOTS[key]].clone() for rec in state.recurrent]
+    return saved
+
+
 def _chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
     sampling = SamplingParams() if end == len(ids) else None
-    return ChunkPlan(request_id, ids[start:end], start, end, PAGES[request_id], sampling)
+    slot = SLOTS[request_id]  # a model without a state pool ignores it
+    pages = PAGES[request_id]
+    return ChunkPlan(request_id, ids[start:end], start, end, pages, sampling, state_slot=slot)
 
 
 def _paged_kv(kv_cache, pages: list[int], length: int, layer: int):  # type: ignore[no-untyped-def]
