@@ -184,7 +184,7 @@ class _Reader:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
         runs = [
-            piece[cut] if dim == 0 else piece[:, cut]
+            piece[(slice(None),) * dim + (cut,)]
             for cut in shard_slices(self.spec, name, self.shape(name), self.tp)
         ]  # one run, or a gated DeltaNet's q, k, v channel runs
         return runs[0] if len(runs) == 1 else torch.cat(runs, dim)

@@ -142,6 +142,32 @@ SHARED_EXPERT: Mapping[str, Split] = {
     _LAYER + "mlp.shared_expert_gate.weight": REPLICATED,  # [1, hidden]: a scalar per token
 }
 _HYBRID = {**DENSE, **GATED_DELTA_NET, **MOE_EXPERTS, **SHARED_EXPERT}
+# gpt-oss (``model.gpt_oss_loader``): the attention as DENSE, its sinks by query head (one per
+# head); its experts, stored input-major and with gate/up interleaved per intermediate unit,
+# cut along the intermediate dimension (an even cut of the interleaved 2I keeps pairs whole;
+# MXFP4 blocks of the down projection: whole 32-value groups of it); the router replicated;
+# each expert's down bias is added once over the group, by rank 0 (``gpt_oss.GptOssLM``).
+_EXPERTS = _LAYER + "mlp.experts."
+GPT_OSS: Mapping[str, Split] = {
+    **DENSE,
+    _LAYER + "self_attn.sinks": Q_COLUMN,
+    _LAYER + "mlp.router.weight": REPLICATED,
+    _LAYER + "mlp.router.bias": REPLICATED,
+    _EXPERTS + "gate_up_proj": Split(2),  # [E, hidden, 2I]
+    _EXPERTS + "gate_up_proj_bias": Split(1),  # [E, 2I]
+    _EXPERTS + "down_proj": Split(1),  # [E, I, hidden]
+    _EXPERTS + "down_proj_bias": REPLICATED,  # [E, hidden]
+    _EXPERTS + "gate_up_proj_blocks": Split(1),  # [E, 2I, G, 16]
+    _EXPERTS + "gate_up_proj_scales": Split(1),  # [E, 2I, G]
+    _EXPERTS + "down_proj_blocks": Split(2),  # [E, hidden, I / 32, 16]
+    _EXPERTS + "down_proj_scales": Split(2),  # [E, hidden, I / 32]
+}
+# Gemma 3 (``model.gemma3_loader``): DENSE plus its two feed-forward norms, replicated.
+GEMMA3: Mapping[str, Split] = {
+    **DENSE,
+    _LAYER + "pre_feedforward_layernorm.weight": REPLICATED,
+    _LAYER + "post_feedforward_layernorm.weight": REPLICATED,
+}
 _EMBED_AND_DENSE_MLP = {name: split for name, split in DENSE.items() if "self_attn." not in name}
 FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "llama": DENSE,
@@ -152,6 +178,8 @@ FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "qwen3_next": _HYBRID,
     "qwen3_5": _HYBRID,
     "qwen3_5_moe": _HYBRID,
+    "gpt_oss": GPT_OSS,
+    "gemma3": GEMMA3,
 }
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
@@ -181,7 +209,7 @@ def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
 
 def check_model_shardable(spec: ModelSpec, tp: TPGroup) -> None:
     """Raise ``ValueError`` (a configuration problem) if ``spec`` cannot run at ``tp``: its
-    family has no split table (gpt-oss, Gemma 3, DSA: TP 1 only), or its heads or widths
+    family has no split table (DSA: TP 1 only), or its heads or widths
     (an expert's, a linear-attention layer's key heads) do not split."""
     if not tp.is_single and spec.family not in FAMILY_SPLITS:
         raise ValueError(

@@ -2,8 +2,8 @@
 under torchrun, found; every rank joined), and the barrier after every rank loaded.
 
 Like ``startup.py``'s steps, each runs inside ``startup_step``: a failure names the step,
-78 for configuration problems (a model that does not split, a hybrid model's state that
-no transfer sends from more than one rank, too few devices), 1 otherwise.
+78 for configuration problems (a model that does not split, what no transfer sends from
+more than one rank yet: ``check_group_transfer``, too few devices), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, ope
 from prefill_worker.tp.leader import Heartbeat, LeaderGroup
 from prefill_worker.tp.mirror import RankLink
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -47,7 +48,7 @@ def start_tp_group(
         # model.sharding; each rank's build checks it again).
         spec = read_spec(config.model.path)
         check_model_shardable(spec, TPGroup(0, placement.size))
-        check_state_transfer(spec, placement.size)
+        check_group_transfer(spec, placement.size, tuple(config.transfer.protocols))
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))
         followers = Followers([])
@@ -72,15 +73,25 @@ def start_tp_group(
     return membership.tp, group, device
 
 
-def check_state_transfer(spec: ModelSpec, tp_size: int) -> None:
-    """Refuse (``ValueError``: exit 78) a hybrid model at TP > 1: its model runs sharded
-    (each rank's state slots hold its heads), but no transfer sends a rank's slice of a
-    slot yet, and a decode must never get half a state."""
-    if tp_size > 1 and spec.linear is not None:
+def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ...]) -> None:
+    """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from more than one
+    rank yet, though the model runs sharded: a hybrid model's linear-attention state (each
+    rank's slots hold its heads; a decode must never get half a state), and a hybrid-SWA
+    model's window pages to SGLang decodes (routed by the leader alone). gpt-oss and
+    Gemma 3 over the native protocol send head slices of every page, as a dense model."""
+    if tp_size == 1:
+        return
+    if spec.linear is not None:
         raise ValueError(
             f"{spec.architecture} at tensor parallel {tp_size}: the transfer of a hybrid "
             "model's linear-attention state from more than one rank is not built; run it "
             "at tensor parallel 1"
+        )
+    if "sglang" in protocols and spec.architecture in HYBRID_SWA_ARCHITECTURES:
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size} over the sglang protocol: "
+            "sending its sliding layers' window pages from more than one rank is not built; "
+            "serve it over native, or at tensor parallel 1"
         )
 
 

@@ -18,6 +18,8 @@ tolerance. q/k weights are scaled x20, so a RoPE, mask, page or head-slicing bug
 by far more than the tolerance. One world of 4 processes starts once and runs every case
 (TP 2 on its two halves side by side). DeepSeek-V3 (MLA) runs at TP 2: the query heads
 split, the latent replicated, so every rank's pool holds the same rows, byte for byte.
+gpt-oss and Gemma 3 (6 query heads over 2 KV heads, windows of 24 under 45-token prompts) run
+at TP 2, their sliding layers' K/V compared over the positions transformers keeps.
 The hybrids (Qwen3.5 dense, Qwen3-Next MoE with its grouped in_proj_qkvz) run at TP 2: each
 rank holds one of the 2 linear key heads with its 3 value heads and one full-attention KV
 head; every full layer's K/V and every linear layer's conv window and recurrent state,
@@ -56,7 +58,8 @@ ALL = [(size, name) for size, cases in CASES.items() for name in cases]
 # an MLA pool: no K/V heads, one latent row per token (its own test below; 4 KV heads = heads)
 CASES[2]["deepseek_v3"] = ("deepseek_v3", 4)
 HYBRIDS = ("qwen3_5", "qwen3_next")  # a state pool beside the KV: their own test below
-CASES[2] |= {family: (family, 2) for family in HYBRIDS}
+SLIDING = ("gpt_oss", "gemma3")  # 6 heads: TP 2 only; transformers keeps a window's K/V
+CASES[2] |= {family: (family, 2) for family in (*HYBRIDS, *SLIDING)}
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +111,20 @@ def check_head_kv(results: list[dict], key: str, hf_kv: list, num_kv_heads: int)
             torch.testing.assert_close(whole, hf_part, atol=TOL, rtol=0)
 
 
+def check_window_kv(results: list[dict], key: str, hf_kv: list, num_kv_heads: int) -> None:
+    """As ``check_head_kv``, over the positions transformers keeps: every one of a full
+    layer, the last ``window - 1`` of a sliding layer (all a decode reads next)."""
+    for layer, (hf_k, hf_v) in enumerate(hf_kv):
+        for index, hf_part in ((0, hf_k), (1, hf_v)):
+            per_rank = [result[f"{key}_kv"][layer][index] for result in results]
+            whole = gather_kv_heads(per_rank, num_kv_heads)
+            torch.testing.assert_close(whole[-len(hf_part) :], hf_part, atol=TOL, rtol=0)
+
+
 # family -> its check of the ranks' pools, where not per-head K/V (check_head_kv's signature)
-KV_CHECKS: dict[str, Callable[[list[dict], str, list, int], None]] = {}
+KV_CHECKS: dict[str, Callable[[list[dict], str, list, int], None]] = dict.fromkeys(
+    SLIDING, check_window_kv
+)
 
 
 @pytest.mark.parametrize("key", ["long", "short", "hit"])
@@ -130,6 +145,13 @@ def test_each_rank_pool_holds_only_its_heads(world, size, name):
     for result in rank_results(world, name, size):
         k, v = result["long_kv"][0]
         assert k.shape == v.shape == (len(LONG), max(1, kv // size), k.shape[-1])
+
+
+@pytest.mark.parametrize("key", ["long", "short", "hit"])
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_window_families_match_transformers(world, reference, family, key):
+    """gpt-oss (sinks split by head, experts with their biases split) and Gemma 3 at TP 2."""
+    test_logits_and_kv_match_transformers(world, reference, 2, family, key)
 
 
 def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, world):

@@ -88,11 +88,17 @@ def full_spec(family: str, **overrides: object):  # type: ignore[no-untyped-def]
     arch["deepseek_v3"] = "DeepseekV3ForCausalLM"
     arch |= {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
     arch["qwen3_5_moe"] = "Qwen3_5MoeForCausalLM"
+    arch |= {"gpt_oss": "GptOssForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     hybrid = dict(HYBRID, shared_expert_intermediate_size=8 if family != "qwen3_5" else 0)
     hybrid |= moe if family != "qwen3_5" else {}
     extra = {"qwen3_moe": moe, "deepseek_v3": DEEPSEEK}.get(family, {})
     extra = hybrid if family.startswith(("qwen3_next", "qwen3_5")) else extra
+    sliding = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    if family == "gpt_oss":
+        extra = dict(sliding, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma3":
+        extra = sliding
     return spec_from_dict(
         {
             **extra,
