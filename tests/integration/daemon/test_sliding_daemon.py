@@ -3,13 +3,16 @@
 longer than the window lands in the decode's pages with every full layer's K/V at every
 position and every sliding layer's over the last ``window - 1`` positions (all a decode
 reads) equal to transformers', beside the first token transformers picks. The pools are
-whole afterwards and the worker drains to exit 0."""
+whole afterwards and the worker drains to exit 0. At TP 2 the same (each rank computes and
+writes its KV head, its 3 query heads' sinks and half of every expert, into one decode of
+TP 1)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
@@ -21,12 +24,24 @@ from tests.integration.daemon.conftest import Decode, start_worker, wait_until
 TOL = 1e-4
 
 
-def test_a_gpt_oss_prompt_lands_whole_at_a_native_decode(tmp_path: Path) -> None:
-    checkpoint = make_checkpoint("gpt_oss", tmp_path / "gpt_oss")
-    ids = prompt(70, seed=11)
+IDS = prompt(70, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The checkpoint, and transformers' output (with its cache) for ``IDS``."""
+    checkpoint = make_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt")
     with torch.no_grad():
-        out = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True)
-    worker = start_worker(tmp_path, checkpoint, "cache.num_pages=32")
+        return checkpoint, hf_model(checkpoint)(torch.tensor([IDS]), use_cache=True)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_gpt_oss_prompt_lands_whole_at_a_native_decode(
+    tmp_path: Path, reference, tp_size: int
+) -> None:  # type: ignore[no-untyped-def]
+    (checkpoint, out), ids = reference, IDS
+    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
+    worker = start_worker(tmp_path, checkpoint, *overrides)
     try:
         worker.child.wait_ready(120)
         decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
