@@ -169,12 +169,23 @@ GEMMA3: Mapping[str, Split] = {
     _LAYER + "post_feedforward_layernorm.weight": REPLICATED,
 }
 _EMBED_AND_DENSE_MLP = {name: split for name, split in DENSE.items() if "self_attn." not in name}
+_DEEPSEEK_V3 = {**_EMBED_AND_DENSE_MLP, **MLA, **DEEPSEEK_MOE, **NEXTN}
+# DeepSeek-V3.2 / GLM-5 (``model.dsa_loader``): DeepSeek-V3's table plus the lightning
+# indexer, replicated as SGLang and vLLM keep it (``ReplicatedLinear``): every rank computes
+# the same index keys and picks the same top-k, so the index cache is the same on every rank,
+# like the MLA latent it sits beside; only MLA's query heads split.
+DSA_INDEXER: Mapping[str, Split] = {
+    _LAYER + "self_attn.indexer." + name: REPLICATED
+    for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+}
 FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
     "llama": DENSE,
     "qwen2": DENSE,
     "qwen3": DENSE,
     "qwen3_moe": {**DENSE, **MOE_EXPERTS},
-    "deepseek_v3": {**_EMBED_AND_DENSE_MLP, **MLA, **DEEPSEEK_MOE, **NEXTN},
+    "deepseek_v3": _DEEPSEEK_V3,
+    "deepseek_v32": {**_DEEPSEEK_V3, **DSA_INDEXER},
+    "glm_moe_dsa": {**_DEEPSEEK_V3, **DSA_INDEXER},
     "qwen3_next": _HYBRID,
     "qwen3_5": _HYBRID,
     "qwen3_5_moe": _HYBRID,
@@ -209,7 +220,7 @@ def local_dims(spec: ModelSpec, tp: TPGroup) -> LocalDims:
 
 def check_model_shardable(spec: ModelSpec, tp: TPGroup) -> None:
     """Raise ``ValueError`` (a configuration problem) if ``spec`` cannot run at ``tp``: its
-    family has no split table (DSA: TP 1 only), or its heads or widths
+    family has no split table, or its heads or widths
     (an expert's, a linear-attention layer's key heads) do not split."""
     if not tp.is_single and spec.family not in FAMILY_SPLITS:
         raise ValueError(

@@ -198,7 +198,7 @@ def test_a_tp_group_is_refused_before_any_rank_starts(checkpoint, tmp_path):
     config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
     started = tmp_path / "started"
     command = ["sh", "-c", f"touch {started}"]
-    with pytest.raises(StartupError, match="state from more than one rank") as caught:
+    with pytest.raises(StartupError, match="linear-attention state from a tensor-paral") as caught:
         start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None, b"")
     assert caught.value.exit_code == 78 and caught.value.step == "tp group"
     assert not started.exists()

@@ -37,7 +37,13 @@ import torch
 
 from prefill_worker.model.parallel import gather_kv_heads
 from tests.checkpoints import make_checkpoint
-from tests.integration.model.conftest import hf_forward, hf_mla_forward, hf_model, prompt
+from tests.integration.model.conftest import (
+    hf_forward,
+    hf_index_keys,
+    hf_mla_forward,
+    hf_model,
+    prompt,
+)
 from tests.integration.model.tp_ranks import SPLIT, Prompts, result_path, run_world
 
 TOL = 1e-4
@@ -57,6 +63,7 @@ PROMPTS = Prompts(LONG, SHORT, LONG[:SPLIT] + prompt(11, seed=3))
 ALL = [(size, name) for size, cases in CASES.items() for name in cases]
 # an MLA pool: no K/V heads, one latent row per token (its own test below; 4 KV heads = heads)
 CASES[2]["deepseek_v3"] = ("deepseek_v3", 4)
+CASES[2]["deepseek_v32"] = ("deepseek_v32", 4)  # MLA + a replicated indexer (DSA)
 HYBRIDS = ("qwen3_5", "qwen3_next")  # a state pool beside the KV: their own test below
 SLIDING = ("gpt_oss", "gemma3")  # 6 heads: TP 2 only; transformers keeps a window's K/V
 CASES[2] |= {family: (family, 2) for family in (*HYBRIDS, *SLIDING)}
@@ -154,11 +161,22 @@ def test_sliding_window_families_match_transformers(world, reference, family, ke
     test_logits_and_kv_match_transformers(world, reference, 2, family, key)
 
 
-def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, world):
-    model = hf_model(checkpoints["deepseek_v3"])
-    results = rank_results(world, "deepseek_v3", 2)
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, world, family):
+    """DeepSeek-V3.2 (DSA) too: its indexer replicated, so each rank's index keys are the
+    same, byte for byte, and transformers' (top 12 of prompts up to 45 tokens: the choice
+    matters)."""
+    model = hf_model(checkpoints[family])
+    results = rank_results(world, family, 2)
     for key in ("long", "short", "hit"):
-        hf_logits, hf_rows = hf_mla_forward(model, getattr(PROMPTS, key))
+        ids = getattr(PROMPTS, key)
+        hf_logits, hf_rows = hf_mla_forward(model, ids)
+        for layer, expected in (
+            hf_index_keys(model, ids) if family == "deepseek_v32" else {}
+        ).items():
+            keys = [result[f"{key}_index"][layer] for result in results]
+            assert all(torch.equal(keys[0], other) for other in keys[1:])
+            torch.testing.assert_close(keys[0], expected, atol=TOL, rtol=1e-5)
         for result in results:
             torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
         for layer, expected in enumerate(hf_rows):

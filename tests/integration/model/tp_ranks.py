@@ -13,8 +13,9 @@ case's checkpoint at its ranks and runs the same three batches::
 ``hit`` shares long's first 32 tokens (two whole pages), so its chunk starts at 32 with
 those pages in front of its own, as the scheduler plans a hit: its logits and K/V are
 right only if the runner reads the prefix back from the pool. Each rank saves the three
-prompts' logits and its pool's K/V. Every join has a deadline; a rank left alive past it is
-killed, so a stuck collective fails the test instead of hanging it.
+prompts' logits and its pool's K/V (a DSA model: its index keys too). Every join has a
+deadline; a rank left alive past it is killed, so a stuck collective fails the test instead
+of hanging it.
 
 A hybrid checkpoint (a state pool: Qwen3-Next, Qwen3.5) has no prefix hits, so its batch 1
 is long's rest alone; each request holds its own state slot (``SLOTS``), and each rank also
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.kv.state_layout import LINEAR_STATE
 from prefill_worker.model import TPGroup, build
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.launch import free_port
@@ -130,7 +132,7 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
     runner, kv_cache, info = build(
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
     )
-    if info.state is not None:
+    if info.state is not None and info.state.kind == LINEAR_STATE:
         return _run_hybrid_case(runner, kv_cache, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
@@ -146,8 +148,12 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
         "long_logits": second[0].clone(),
         "hit_logits": second[1].clone(),
     }
+    index_cache = getattr(runner.model, "index_cache", None)  # a DSA model's index keys
     for key, length in lengths.items():
         saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], length, i) for i in layers]
+        if index_cache is not None:
+            indexed = index_cache.spec.indexed_layers
+            saved[f"{key}_index"] = {i: index_cache.read(i, PAGES[key], length) for i in indexed}
     return saved
 
 

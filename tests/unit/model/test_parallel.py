@@ -99,6 +99,10 @@ def full_spec(family: str, **overrides: object):  # type: ignore[no-untyped-def]
         extra = dict(sliding, num_local_experts=4, num_experts_per_tok=2)
     if family == "gemma3":
         extra = sliding
+    arch |= {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        index = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}
+        extra = dict(DEEPSEEK, model_type=family, **index)
     return spec_from_dict(
         {
             **extra,
