@@ -161,22 +161,33 @@ def test_sliding_window_families_match_transformers(world, reference, family, ke
     test_logits_and_kv_match_transformers(world, reference, 2, family, key)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
-def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(checkpoints, world, family):
+def no_index_keys(model: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("family", "keys", "index_keys"),
+    [
+        ("deepseek_v3", ("long", "short", "hit"), no_index_keys),
+        ("deepseek_v32", ("long", "hit"), hf_index_keys),  # both read index keys back
+    ],
+    ids=["deepseek_v3", "deepseek_v32"],
+)
+def test_mla_latent_is_the_same_on_every_rank_and_matches_transformers(
+    checkpoints, world, family, keys, index_keys
+):
     """DeepSeek-V3.2 (DSA) too: its indexer replicated, so each rank's index keys are the
     same, byte for byte, and transformers' (top 12 of prompts up to 45 tokens: the choice
     matters)."""
     model = hf_model(checkpoints[family])
     results = rank_results(world, family, 2)
-    for key in ("long", "short", "hit"):
+    for key in keys:
         ids = getattr(PROMPTS, key)
         hf_logits, hf_rows = hf_mla_forward(model, ids)
-        for layer, expected in (
-            hf_index_keys(model, ids) if family == "deepseek_v32" else {}
-        ).items():
-            keys = [result[f"{key}_index"][layer] for result in results]
-            assert all(torch.equal(keys[0], other) for other in keys[1:])
-            torch.testing.assert_close(keys[0], expected, atol=TOL, rtol=1e-5)
+        for layer, expected in index_keys(model, ids).items():
+            got = [result[f"{key}_index"][layer] for result in results]
+            assert all(torch.equal(got[0], other) for other in got[1:])
+            torch.testing.assert_close(got[0], expected, atol=TOL, rtol=1e-5)
         for result in results:
             torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
         for layer, expected in enumerate(hf_rows):
