@@ -1,11 +1,12 @@
-"""gpt-oss (sliding-window and full layers, sinks) in the real daemon with a native decode
-(the decode SDK, NIXL), full-pool mode: its published KV layout has every layer, and a prompt
+"""gpt-oss (sliding-window and full layers, sinks) and Gemma 3 (at TP 2) in the real daemon
+with a native decode (the decode SDK, NIXL), full-pool mode: its published KV layout has
+every layer, and a prompt
 longer than the window lands in the decode's pages with every full layer's K/V at every
 position and every sliding layer's over the last ``window - 1`` positions (all a decode
 reads) equal to transformers', beside the first token transformers picks. The pools are
 whole afterwards and the worker drains to exit 0. At TP 2 the same (each rank computes and
-writes its KV head, its 3 query heads' sinks and half of every expert, into one decode of
-TP 1)."""
+writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every expert), into
+one decode of TP 1)."""
 
 from __future__ import annotations
 
@@ -25,27 +26,36 @@ TOL = 1e-4
 
 
 IDS = prompt(70, seed=11)
+LAYERS = {"gpt_oss": 3, "gemma3": 4}  # layer 1 of each is full, the others slide (window 24)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """The checkpoint, and transformers' output (with its cache) for ``IDS``."""
-    checkpoint = make_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt")
-    with torch.no_grad():
-        return checkpoint, hf_model(checkpoint)(torch.tensor([IDS]), use_cache=True)
+def references(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``reference(family)``: the checkpoint, and transformers' output (with its cache)
+    for ``IDS``, made once per family."""
+    made: dict[str, tuple] = {}
+
+    def reference(family: str) -> tuple:
+        if family not in made:
+            checkpoint = make_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt")
+            with torch.no_grad():
+                made[family] = checkpoint, hf_model(checkpoint)(torch.tensor([IDS]), use_cache=True)
+        return made[family]
+
+    return reference
 
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_gpt_oss_prompt_lands_whole_at_a_native_decode(
-    tmp_path: Path, reference, tp_size: int
+@pytest.mark.parametrize(("family", "tp_size"), [("gpt_oss", 1), ("gpt_oss", 2), ("gemma3", 2)])
+def test_a_sliding_prompt_lands_whole_at_a_native_decode(
+    tmp_path: Path, references, family: str, tp_size: int
 ) -> None:  # type: ignore[no-untyped-def]
-    (checkpoint, out), ids = reference, IDS
+    (checkpoint, out), ids = references(family), IDS
     overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
     worker = start_worker(tmp_path, checkpoint, *overrides)
     try:
         worker.child.wait_ready(120)
         decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
-        assert len(decode.k) == 3  # every layer, sliding or full
+        assert len(decode.k) == LAYERS[family]  # every layer, sliding or full
         decode.want(4301, len(ids))
         with ThreadPoolExecutor(1) as pool:
             sent = pool.submit(router.prefill, ids, 4301, timeout_s=60)
