@@ -42,6 +42,7 @@ from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable, local_linear
 from prefill_worker.model.state_cache import StateCache
+from prefill_worker.model.state_gather import StateGather
 
 __all__ = [
     "CheckpointError",
@@ -128,7 +129,8 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only (under TP, the rank's heads of both). A ``draft``
+    full-attention layers only (under TP, the rank's heads of both; the leader also keeps the
+    finished prompts' slots whole, ``model.state_gather``, and describes those). A ``draft``
     (``model.draft``: ``mtp``) runs after the target with its own one-layer pool of as many
     pages (within the budget), its first proposal top-``draft_topk``. ``kv_dtype``
     ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
@@ -148,14 +150,18 @@ def build(
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
     spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
     experts = create_moe_backend(experts_name, dev, torch_dtype)
-    state = None
+    state = gather = None
     if spec.linear is not None:
         state = StateCache(local_linear(spec.linear, tp), num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
+        if not tp.is_single:  # the transfer sends whole slots: the leader gathers them
+            gather = StateGather(spec.linear, state, tp)
     index_cache = None  # a DSA model's index keys, paged beside the MLA pool
     if spec.indexer is not None:
         index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
-    model, attention = create_model(spec, weights, tp, experts, backend_name, state, index_cache)
+    model, attention = create_model(
+        spec, weights, tp, experts, backend_name, state, index_cache, gather
+    )
     if isinstance(attention, SinkWindowBackend | DSASdpaBackend):
         backend_name = attention.name
     dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
@@ -187,10 +193,13 @@ def build(
     runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
-    beside = state if state is not None else index_cache  # what a decode needs beside the KV
+    whole = gather.whole if gather is not None else state  # the leader's whole slots
+    beside = whole if whole is not None else index_cache  # what a decode needs beside the KV
     if beside is not None:
         regions = beside.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
+    elif gather is not None:  # a follower: the whole slots described, none held or sent here
+        info = dataclasses.replace(info, state=gather.component)
     if spec.sliding is not None:
         sliding = spec.sliding
         info = dataclasses.replace(
@@ -207,6 +216,7 @@ def create_model(
     attention_backend: str,
     state: StateCache | None = None,
     index_cache: IndexCache | None = None,
+    gather: StateGather | None = None,
 ) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
@@ -223,7 +233,7 @@ def create_model(
         return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
-        model = Qwen3NextLM(spec, weights, state, tp, experts)
+        model = Qwen3NextLM(spec, weights, state, tp, experts, gather)
         return model, create_backend(attention_backend, device)
     if isinstance(weights, MLAModelWeights):
         assert spec.mla is not None  # MLA weights come from an MLA spec

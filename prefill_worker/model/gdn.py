@@ -45,12 +45,14 @@ class GDNWeights:
 @dataclass(frozen=True, slots=True)
 class StateSpan:
     """One chunk of the packed batch: rows ``[q_start, q_end)``, its request's state slot,
-    and whether it starts the prompt (zero state) or continues it (the slot's state)."""
+    whether it starts the prompt (zero state) or continues it (the slot's state), and
+    whether it ends the prompt (its slot then holds the state a decode gets)."""
 
     q_start: int
     q_end: int
     slot: int
     is_first: bool
+    is_last: bool = False
 
 
 def gated_delta_net(

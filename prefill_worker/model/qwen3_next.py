@@ -20,7 +20,9 @@ Under tensor parallelism (``model.sharding``'s table) a rank runs its heads of e
 a linear layer's key heads and their value heads (its state pool holds those heads' conv
 channels and recurrent matrices, ``sharding.local_linear``), a full layer's query heads
 with their gates and its KV heads, its slice of every expert; the out, o and down
-projections are row-parallel (one all-reduce each), as ``model.parallel`` draws.
+projections are row-parallel (one all-reduce each), as ``model.parallel`` draws. After a
+forward the slots of the prompts it finished are gathered whole on the leader
+(``model.state_gather``), whose transfer sends them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
 from prefill_worker.model.sharding import local_dims, local_linear
 from prefill_worker.model.state_cache import StateCache
+from prefill_worker.model.state_gather import StateGather
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -86,8 +89,10 @@ class Qwen3NextLM:
         state: StateCache,
         tp: TPGroup = SINGLE,
         experts: ExpertsBackend | None = None,
+        gather: StateGather | None = None,
     ) -> None:
         assert spec.linear is not None, "Qwen3NextLM needs a hybrid spec"
+        self.gather = gather  # TP > 1: finished slots, whole, into the leader's pool
         self.spec, self.linear, self.tp, self.state = spec, local_linear(spec.linear, tp), tp, state
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
@@ -119,6 +124,8 @@ class Qwen3NextLM:
                 cache = (kv_cache, self._pool_layer[index], inputs.slots)
                 x.add_(self._attention(h, layer.mixer, cos, sin, cache, attention))
             x.add_(self._mlp(layer.mlp, rms_norm(x, layer.post_norm, eps)))
+        if self.gather is not None:
+            self.gather.gather(inputs.state_spans)
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 

@@ -23,7 +23,9 @@ at TP 2, their sliding layers' K/V compared over the positions transformers keep
 The hybrids (Qwen3.5 dense, Qwen3-Next MoE with its grouped in_proj_qkvz) run at TP 2: each
 rank holds one of the 2 linear key heads with its 3 value heads and one full-attention KV
 head; every full layer's K/V and every linear layer's conv window and recurrent state,
-reassembled from both ranks' slots (``gather_linear_state``), equal transformers'.
+reassembled from both ranks' slots (``gather_linear_state``), equal transformers', and so do
+the leader's whole slots (``model.state_gather``: what its transfer sends), gathered when a
+prompt ends (not after a chunk that does not end it), the whole component what it describes.
 """
 
 from __future__ import annotations
@@ -235,3 +237,12 @@ def test_hybrid_logits_kv_and_state_match_transformers(checkpoints, world, famil
             conv = gather_linear_state(convs, model.config)
             torch.testing.assert_close(conv, hf_conv, atol=TOL, rtol=1e-5)
             torch.testing.assert_close(torch.cat(recurrents), hf_recurrent, atol=TOL, rtol=1e-5)
+            whole_conv, whole_recurrent = results[0][f"{key}_whole"][layer]  # what it sends
+            torch.testing.assert_close(whole_conv, hf_conv, atol=TOL, rtol=1e-5)
+            torch.testing.assert_close(whole_recurrent, hf_recurrent, atol=TOL, rtol=1e-5)
+    assert all("long_whole" not in result for result in results[1:])  # the leader's alone
+    assert results[0]["long_whole_after_first"] is False  # gathered when the prompt ended
+    conv_dim = 2 * model.config.linear_num_key_heads * model.config.linear_key_head_dim + (
+        model.config.linear_num_value_heads * model.config.linear_value_head_dim
+    )
+    assert results[0]["state_shapes"][0] == (conv_dim, model.config.linear_conv_kernel_dim - 1)

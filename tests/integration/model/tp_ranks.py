@@ -19,7 +19,8 @@ of hanging it.
 
 A hybrid checkpoint (a state pool: Qwen3-Next, Qwen3.5) has no prefix hits, so its batch 1
 is long's rest alone; each request holds its own state slot (``SLOTS``), and each rank also
-saves every linear layer's conv window and recurrent state of long and short from its slots.
+saves every linear layer's conv window and recurrent state of long and short from its slots
+(the leader: also the whole slots it gathered, ``model.state_gather``).
 
 Ranks come from a forkserver that has imported torch and the model once (a fresh interpreter
 per rank costs seconds on a loaded machine; forking the test process itself is unsafe once it
@@ -133,7 +134,7 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
     )
     if info.state is not None and info.state.kind == LINEAR_STATE:
-        return _run_hybrid_case(runner, kv_cache, prompts)
+        return _run_hybrid_case(runner, kv_cache, info, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
@@ -157,19 +158,29 @@ def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
     return saved
 
 
-def _run_hybrid_case(runner, kv_cache, prompts: Prompts) -> dict[str, object]:  # type: ignore[no-untyped-def]
+def _run_hybrid_case(runner, kv_cache, info, prompts: Prompts) -> dict[str, object]:  # type: ignore[no-untyped-def]
     long, short = prompts.long, prompts.short
+    whole = runner.model.gather.whole  # the leader's gathered slots; None on a follower
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
     )
+    saved: dict[str, object] = {"short_logits": first[0].clone()}
+    if whole is not None:  # long's first chunk does not end its prompt: nothing gathered yet
+        saved["long_whole_after_first"] = any(t[SLOTS["long"]].any() for t in whole.conv)
+        saved["state_shapes"] = [t.item_shape for t in info.state.tensors]  # what it describes
     second = runner.compute_logits(BatchPlan(1, (_chunk("long", long, SPLIT, len(long)),)))
+    saved["long_logits"] = second[0].clone()
     state = runner.model.state
-    saved: dict[str, object] = {"short_logits": first[0].clone(), "long_logits": second[0].clone()}
     for key, ids in (("long", long), ("short", short)):
         layers = range(kv_cache.layout.num_layers)
         saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], len(ids), i) for i in layers]
         saved[f"{key}_conv"] = [conv[SLOTS[key]].clone() for conv in state.conv]
         saved[f"{key}_recurrent"] = [rec[SLOTS[key]].clone() for rec in state.recurrent]
+        if whole is not None:
+            saved[f"{key}_whole"] = [
+                (conv[SLOTS[key]].clone(), rec[SLOTS[key]].clone())
+                for conv, rec in zip(whole.conv, whole.recurrent, strict=True)
+            ]
     return saved
 
 
