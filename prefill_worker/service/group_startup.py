@@ -75,19 +75,25 @@ def start_tp_group(
 
 def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ...]) -> None:
     """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from more than one
-    rank yet, though the model runs sharded: a hybrid model's linear-attention state (each
-    rank's slots hold its heads; a decode must never get half a state), a DSA model's index
-    keys (the followers write no state component: a decode rank a follower feeds would get
-    none), and a hybrid-SWA
-    model's window pages to SGLang decodes (routed by the leader alone). gpt-oss and
-    Gemma 3 over the native protocol send head slices of every page, as a dense model."""
+    rank yet, though the model runs sharded: a DSA model's index keys (the followers write
+    no state component: a decode rank a follower feeds would get none), a hybrid model's
+    linear-attention state over any protocol but native (the leader gathers whole slots,
+    ``model.state_gather``, and only its native backend sends them; SGLang's and vLLM's
+    decodes of a group would get KV without state), and a hybrid-SWA model's window pages
+    to SGLang decodes (routed by the leader alone). gpt-oss and Gemma 3 over the native
+    protocol send head slices of every page, as a dense model."""
     if tp_size == 1:
         return
-    if spec.linear is not None or spec.indexer is not None:
-        what = "linear-attention state" if spec.linear is not None else "index keys (DSA)"
+    if spec.indexer is not None:
         raise ValueError(
-            f"{spec.architecture} at tensor parallel {tp_size}: the transfer of its {what} "
-            "from a tensor-parallel group is not built; run it at tensor parallel 1"
+            f"{spec.architecture} at tensor parallel {tp_size}: the transfer of its index "
+            "keys (DSA) from a tensor-parallel group is not built; run it at tensor parallel 1"
+        )
+    if spec.linear is not None and tuple(protocols) != ("native",):
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}: "
+            "a tensor-parallel group sends its linear-attention state to native decodes "
+            "only; serve it over native, or at tensor parallel 1"
         )
     if "sglang" in protocols and spec.architecture in HYBRID_SWA_ARCHITECTURES:
         raise ValueError(
