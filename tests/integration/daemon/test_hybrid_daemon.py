@@ -6,7 +6,8 @@ layer's conv and recurrent state after the whole prompt in the slot its ``want``
 equal to transformers' within 1e-4: three prompts at once (batched), each longer than a chunk
 (chunked), into scattered pages and slots. A decode that registers no state pool is refused
 with a typed reason (``state_unsupported``) and gets no byte. Afterwards every aux row (state
-slot) and page is back and the worker drains to exit 0."""
+slot) and page is back and the worker drains to exit 0. The same from a worker at TP 2
+(Qwen3-Next): each rank writes its KV head, the leader the slots it gathered whole."""
 
 from __future__ import annotations
 
