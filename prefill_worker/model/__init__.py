@@ -156,6 +156,8 @@ def build(
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
         if not tp.is_single:  # the transfer sends whole slots: the leader gathers them
             gather = StateGather(spec.linear, state, tp)
+            if gather.whole is not None:
+                log.info("whole state slots (sent): %d bytes", gather.whole.num_bytes)
     index_cache = None  # a DSA model's index keys, paged beside the MLA pool
     if spec.indexer is not None:
         index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
