@@ -45,6 +45,9 @@ class KVLayout:
     page_size: int
     num_pages: int
     kind: str = LAYER_MAJOR  # one of KV_KINDS
+    # An FP8 pool's checkpoint KV scales (model.quant.kv_scales): every layer's K scale, then
+    # every layer's V scale; a stored byte times its scale is the value. (): none (1.0).
+    kv_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KV_KINDS:
@@ -55,6 +58,16 @@ class KVLayout:
             )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_ITEMSIZE)}")
+        if self.kv_scales and len(self.kv_scales) != 2 * self.num_layers:
+            raise ValueError(
+                f"{len(self.kv_scales)} KV scales for {self.num_layers} layers (a K and a V each)"
+            )
+
+    def scales_of(self, layer: int) -> tuple[float, float]:
+        """Layer ``layer``'s (K, V) scales; (1.0, 1.0) without checkpoint scales."""
+        if not self.kv_scales:
+            return 1.0, 1.0
+        return self.kv_scales[layer], self.kv_scales[self.num_layers + layer]
 
     @property
     def itemsize(self) -> int:
@@ -95,10 +108,10 @@ class KVLayout:
         """K and V (or the latent) of every layer and page."""
         return self.num_regions * self.region_bytes
 
-    def summary(self) -> dict[str, str | int]:
+    def summary(self) -> dict[str, str | int | list[float]]:
         """What a decode needs to size a pool that can register: every field (``num_pages``
         is this side's) and the hash (``/readyz`` publishes it as ``kv_layout``)."""
-        return {
+        out: dict[str, str | int | list[float]] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
@@ -108,13 +121,19 @@ class KVLayout:
             "kind": self.kind,
             "compat_hash": self.compat_hash(),
         }
+        if self.kv_scales:
+            out["kv_scales"] = list(self.kv_scales)
+        return out
 
     def compat_hash(self) -> str:
-        """Equal on both sides iff pages can be copied byte for byte (num_pages may differ).
-        Layer-major keeps the key it had before page-major existed."""
+        """Equal on both sides iff pages can be copied byte for byte (num_pages may differ)
+        and read back alike (the KV scales). Layer-major without scales keeps the key it had
+        before page-major and scales existed."""
         key = f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.page_size}"
         if self.kind != LAYER_MAJOR:
             key += f"/{self.kind}"
+        if self.kv_scales:
+            key += "/scales=" + ",".join(repr(float(s)) for s in self.kv_scales)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,11 @@ from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, po
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
+from prefill_worker.model.moe.ep import EPGroup, create_ep_experts, resolve_exchange_name
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import SINGLE, TPGroup
-from prefill_worker.model.quant.kv import check_kv_backend, kv_dtype_name
+from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
+from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
 from prefill_worker.model.sharding import check_model_shardable, local_linear
@@ -121,6 +125,10 @@ def build(
     draft: str = "none",
     draft_topk: int = 1,
     kv_dtype: str = "auto",
+    ep_size: int = 1,
+    expert_placement: Sequence[int] = (),
+    ep_exchange: str = "torch",
+    draft_path: str | Path | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -131,9 +139,12 @@ def build(
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
     full-attention layers only (under TP, the rank's heads of both; the leader also keeps the
     finished prompts' slots whole, ``model.state_gather``, and describes those). A ``draft``
-    (``model.draft``: ``mtp``) runs after the target with its own one-layer pool of as many
-    pages (within the budget), its first proposal top-``draft_topk``. ``kv_dtype``
-    ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
+    (``model.draft``: ``mtp``; ``eagle``, ``eagle3`` with its checkpoint at ``draft_path``)
+    runs after the target with its own one-layer pool of as many pages (within the budget),
+    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
+    (``model.quant.kv``). ``ep_size`` (1 or ``tp.size``) places the routed experts whole over
+    the group's ranks (``expert_placement``: one rank per expert, else contiguous) and moves
+    tokens to them through the ``ep_exchange`` (``model.moe.ep``).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -145,11 +156,21 @@ def build(
     torch_dtype = resolve_dtype(dtype, declared)
     experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
     check_model_shardable(declared, tp)
+    placement = check_expert_parallel(declared, tp.size, ep_size, expert_placement)
+    if placement is not None:
+        resolve_exchange_name(ep_exchange, dev)
+        if draft != "none":
+            raise ValueError(f"draft {draft!r} does not run at parallel.ep_size {ep_size}")
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp)
-    experts = create_moe_backend(experts_name, dev, torch_dtype)
+    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp, placement)
+    experts: ExpertsBackend = create_moe_backend(experts_name, dev, torch_dtype)
+    if placement is not None:
+        ep = EPGroup(tp.rank, placement, tp.group)
+        experts = create_ep_experts(experts, ep_exchange, ep, dev)
+        log.info("expert parallel %d: rank %d holds experts %s", ep_size, tp.rank,
+                 list(placement.local_experts(tp.rank)))  # fmt: skip
     state = gather = None
     if spec.linear is not None:
         state = StateCache(local_linear(spec.linear, tp), num_state_slots, torch_dtype, dev)
@@ -184,7 +205,9 @@ def build(
     if index_cache is not None:
         index_cache.allocate(pages)
         log.info("index cache (DSA): %d bytes beside the pool", index_cache.num_bytes)
-    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages), dev)
+    scales = load_kv_scales(Path(model_path), spec) if dtype_name == FP8_E4M3 else None
+    kv_scales = () if scales is None else scales.flat()  # checkpoint K/V scales, FP8 only
+    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages, kv_scales=kv_scales), dev)
     log.info(
         "KV pool (%s): %d pages of %d tokens, %d bytes",
         pool_layout,
@@ -192,7 +215,8 @@ def build(
         page_size,
         kv_cache.layout.pool_bytes,
     )
-    runner = with_draft(model_path, Runner(model, kv_cache, attention), draft, draft_topk)
+    runner = Runner(model, kv_cache, attention)
+    runner = with_draft(model_path, runner, draft, draft_topk, draft_path)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     whole = gather.whole if gather is not None else state  # the leader's whole slots

@@ -6,6 +6,7 @@ over the keys a lightning indexer picks (DeepSeek sparse attention, DSA)::
                                 k_idx = LayerNorm(wk(h))                   [T, Di] -> index cache
                                 (the first qk_rope_head_dim of both roped)
                                 w     = weights_proj(h) * Hi ** -0.5      [T, Hi] fp32
+                                        (the projection in weights_proj's dtype, as transformers)
                                 keep  = top-k per query (``attention.sdpa_dsa``)
                 shared layer (GLM-5):  keep of the previous indexed layer
                 x += o(attention over the latents under keep);  x += mlp(norm(x))
@@ -45,7 +46,7 @@ class IndexerWeights:
     wk: torch.Tensor  # [Di, hidden]
     k_norm: torch.Tensor  # [Di]
     k_norm_bias: torch.Tensor  # [Di]
-    weights_proj: torch.Tensor  # [Hi, hidden], kept in fp32 (as transformers keeps it)
+    weights_proj: torch.Tensor  # [Hi, hidden], the model's dtype (fp16 models: fp32)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -174,8 +174,9 @@ class KVCache:
         and queue the mirror's copy of them (``mirroring``). Indexed by (page, offset), so the
         strided page-major views need no copy."""
         index = (slots // self.layout.page_size, slots % self.layout.page_size)
-        self.k[layer].index_put_(index, to_pool(k, self.k[layer]))
-        self.v[layer].index_put_(index, to_pool(v, self.v[layer]))
+        k_scale, v_scale = self.layout.scales_of(layer)  # checkpoint KV scales: FP8 only
+        self.k[layer].index_put_(index, to_pool(k, self.k[layer], k_scale))
+        self.v[layer].index_put_(index, to_pool(v, self.v[layer], v_scale))
         if self._mirroring is not None:
             self._mirroring.layer_written(layer)
 

@@ -127,7 +127,20 @@ class CausalLM:
     ) -> ForwardOutput:
         """Write every token's K/V into its pages; return the logits ``[R, vocab]`` and the
         prompt logprobs ``[L]``."""
+        return self.forward_with_states(inputs, kv_cache, attention, ())[0]
+
+    def forward_with_states(
+        self,
+        inputs: ForwardInputs,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        layers: tuple[int, ...],
+    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
+        """``forward``, and the residual stream ``[T, hidden]`` entering each of ``layers``
+        (``num_layers``: the final residual, before the norm), copies in that order (an
+        EAGLE draft reads them, ``model.draft``)."""
         spec, local, num_tokens = self.spec, self.local, inputs.input_ids.shape[0]
+        captured: dict[int, torch.Tensor] = {}
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
         # Reused by every layer: [T, heads, D] each.
@@ -141,10 +154,13 @@ class CausalLM:
             for r in range(0, num_tokens, self.block_tokens)
         ]
         for index, layer in enumerate(self.weights.layers):
+            if index in layers:
+                captured[index] = x.clone()
             for rows in blocks:
                 self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
             kv_cache.write(index, inputs.slots, k, v)
-            attention.attend(q, k, v, kv_cache.k[index], kv_cache.v[index], attn)
+            pools = kv_cache.k[index], kv_cache.v[index]
+            attention.attend(q, k, v, *pools, attn, kv_cache.layout.scales_of(index))
             if isinstance(layer.mlp, MoEWeights):  # every expert's weights read once
                 for rows in blocks:
                     self._output(layer, x[rows], attn[rows])
@@ -152,8 +168,9 @@ class CausalLM:
                 continue
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
+        captured[len(self.weights.layers)] = x
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        return forward_output(x, inputs, self._logits, block)
+        return forward_output(x, inputs, self._logits, block), [captured[i] for i in layers]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (final residual rows) -> logits ``[R, vocab]``."""

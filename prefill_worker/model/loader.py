@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -41,11 +41,18 @@ from prefill_worker.model.hybrid_loader import fuse_hybrid, hybrid_shapes
 from prefill_worker.model.llama import DenseMLP, LayerWeights, ModelWeights
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe.block import MoEWeights, fuse_moe, moe_shapes
+from prefill_worker.model.moe.placement import ExpertPlacement
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.backends import create_fp8_backend
 from prefill_worker.model.quant.fp8 import check_scales, is_fp8
 from prefill_worker.model.qwen3_next import HybridModelWeights
-from prefill_worker.model.sharding import local_shape, shard_slice, shard_slices, split_of
+from prefill_worker.model.sharding import (
+    local_shape,
+    routed_expert,
+    shard_slice,
+    shard_slices,
+    split_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,9 @@ LoadProgress = Callable[[int, int], None]
 """``on_progress(bytes_read, bytes_total)``: checkpoint bytes read so far, and in all."""
 
 # Bytes per element of the safetensors dtypes a checkpoint may store.
+# Tensors an fp16 model reads in fp32, as transformers keeps them (``_keep_in_fp32_modules``:
+# for fp16 only; a bf16 model has them in bf16): the DSA indexer's head weights.
+KEEP_IN_FP32 = (".indexer.weights_proj.weight",)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
 _DTYPE_BYTES |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -146,9 +156,11 @@ class _Reader:
         device: torch.device,
         spec: ModelSpec,
         tp: TPGroup = SINGLE,
+        experts: ExpertPlacement | None = None,
     ):
         self.files, self.dtype, self.device = files, dtype, device
         self.spec, self.tp = spec, tp
+        self.experts = experts  # expert parallelism: routed experts whole, on their owner
         self.on_read: Callable[[int], None] | None = None
         self.fp8 = create_fp8_backend()  # what an FP8 weight becomes (model.quant.backends)
         self._open: dict[Path, safe_open] = {}
@@ -159,8 +171,15 @@ class _Reader:
     def stored_bytes(self, name: str) -> int:
         """The size in its file of what this rank reads (0 for a dtype the table lacks)."""
         piece = self._handle(name).get_slice(name)
+        shape = tuple(piece.get_shape())
+        expert = routed_expert(name) if self.experts is not None else None
+        if expert is not None:
+            assert self.experts is not None
+            shape = shape if self.experts.owner[expert] == self.tp.rank else (0,)
+        else:
+            shape = local_shape(self.spec, name, shape, self.tp)
         num_elements = 1
-        for size in local_shape(self.spec, name, tuple(piece.get_shape()), self.tp):
+        for size in shape:
             num_elements *= size
         return num_elements * _DTYPE_BYTES.get(piece.get_dtype(), 0)
 
@@ -173,13 +192,15 @@ class _Reader:
             self.on_read(stored.numel() * stored.element_size())
         if is_fp8(stored):
             stored = self._dequantize(name, stored)
-        return stored.to(device=self.device, dtype=self.dtype)
+        is_kept = self.dtype == torch.float16 and name.endswith(KEEP_IN_FP32)
+        dtype = torch.float32 if is_kept else self.dtype
+        return stored.to(device=self.device, dtype=dtype)
 
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        dim, _ = self._cut(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
@@ -192,6 +213,8 @@ class _Reader:
     def _cut(self, name: str) -> tuple[int | None, slice]:
         """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
         dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
+        if self.experts is not None and routed_expert(name) is not None:
+            dim = None  # expert parallelism: the owner reads its experts whole
         if dim is None:
             return None, slice(None)
         return dim, shard_slice(self.spec, name, self.shape(name), self.tp)
@@ -251,17 +274,20 @@ def load_checkpoint(
     device: torch.device,
     on_progress: LoadProgress | None = None,
     tp: TPGroup = SINGLE,
+    experts: ExpertPlacement | None = None,
 ) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights]:
-    """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it); raises
+    """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it; under expert
+    parallelism, ``experts``, only the routed experts it owns, whole); raises
     ``CheckpointError`` on any problem."""
     root = Path(model_dir)
     spec = read_spec(root)
-    reader = _Reader(tensor_files(root), dtype, device, spec, tp)
+    reader = _Reader(tensor_files(root), dtype, device, spec, tp, experts)
     check_tensors(spec, reader)
     if on_progress is not None:
         total = sum(reader.stored_bytes(name) for name in expected_shapes(spec))
         reader.on_read = _counter(on_progress, total)
-    weights = fuse_weights(spec, reader)
+    local = None if experts is None else experts.local_experts(tp.rank)
+    weights = fuse_weights(spec, reader, local)
     log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
     return spec, weights
 
@@ -278,10 +304,11 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
 
 
 def fuse_weights(
-    spec: ModelSpec, source: TensorSource
+    spec: ModelSpec, source: TensorSource, local_experts: Sequence[int] | None = None
 ) -> ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights:
     """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
-    ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``)."""
+    ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``); a sparse
+    layer's routed experts: ``local_experts`` only, where given (expert parallelism)."""
     if spec.linear is not None:
         return fuse_hybrid(spec, source.get)
     if spec.sliding is not None:
@@ -290,25 +317,31 @@ def fuse_weights(
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:
-        mla_layers = tuple(_mla_layer(spec, source, i) for i in range(spec.num_layers))
+        mla_layers = tuple(
+            _mla_layer(spec, source, i, local_experts) for i in range(spec.num_layers)
+        )
         mla = MLAModelWeights(embed, mla_layers, source.get("model.norm.weight"), lm_head)
         return mla if spec.indexer is None else fuse_dsa(spec, mla, source.get)
-    layers = tuple(_layer(spec, source, i) for i in range(spec.num_layers))
+    layers = tuple(_layer(spec, source, i, local_experts) for i in range(spec.num_layers))
     return ModelWeights(embed, layers, source.get("model.norm.weight"), lm_head)
 
 
-def _mla_layer(spec: ModelSpec, r: TensorSource, index: int) -> MLALayerWeights:
+def _mla_layer(
+    spec: ModelSpec, r: TensorSource, index: int, experts: Sequence[int] | None = None
+) -> MLALayerWeights:
     assert spec.mla is not None
     p = f"model.layers.{index}."
     return MLALayerWeights(
         input_norm=r.get(p + "input_layernorm.weight"),
         attn=fuse_mla(spec.mla, r.get, p + "self_attn."),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
-        mlp=_mlp(spec, r, index, p + "mlp."),
+        mlp=_mlp(spec, r, index, p + "mlp.", experts),
     )
 
 
-def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
+def _layer(
+    spec: ModelSpec, r: TensorSource, index: int, experts: Sequence[int] | None = None
+) -> LayerWeights:
     p = f"model.layers.{index}."
     attn, mlp = p + "self_attn.", p + "mlp."
     qkv_bias = None
@@ -323,13 +356,15 @@ def _layer(spec: ModelSpec, r: TensorSource, index: int) -> LayerWeights:
         q_norm=r.maybe(attn + "q_norm.weight", spec.has_qk_norm),
         k_norm=r.maybe(attn + "k_norm.weight", spec.has_qk_norm),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
-        mlp=_mlp(spec, r, index, mlp),
+        mlp=_mlp(spec, r, index, mlp, experts),
     )
 
 
-def _mlp(spec: ModelSpec, r: TensorSource, index: int, mlp: str) -> DenseMLP | MoEWeights:
+def _mlp(
+    spec: ModelSpec, r: TensorSource, index: int, mlp: str, experts: Sequence[int] | None
+) -> DenseMLP | MoEWeights:
     if spec.moe is not None and spec.is_sparse(index):
-        return fuse_moe(spec.moe, r.get, mlp)
+        return fuse_moe(spec.moe, r.get, mlp, experts)
     gate_up_bias = None
     if spec.has_mlp_bias:
         gate_up_bias = torch.cat([r.get(mlp + "gate_proj.bias"), r.get(mlp + "up_proj.bias")])

@@ -115,6 +115,14 @@ def all_reduce_(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return partial
 
 
+def broadcast_from_leader_(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``tensor`` as the group's rank 0 holds it, on every rank, in place (what only the
+    leader knows, such as its sampled tokens). At TP 1 ``tensor`` itself."""
+    if not tp.is_single:
+        torch.distributed.broadcast(tensor, group=tp.group, group_src=0)
+    return tensor
+
+
 def gather_kv_heads(per_rank: Sequence[torch.Tensor], num_kv_heads: int) -> torch.Tensor:
     """The full ``[..., KV, D]`` from each rank's ``[..., local KV, D]`` (rank order), by
     ``kv_head_range``; replicas of a head must agree exactly. For tests and tools."""

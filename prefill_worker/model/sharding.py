@@ -194,6 +194,14 @@ FAMILY_SPLITS: Mapping[str, Mapping[str, Split]] = {
 }
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def routed_expert(name: str) -> int | None:
+    """The routed expert a tensor belongs to (``...mlp.experts.{e}....``), else None: under
+    expert parallelism such a tensor is read whole by its owner, by nobody else."""
+    found = _ROUTED_EXPERT.search(name)
+    return None if found is None else int(found.group(1))
 
 
 @dataclass(frozen=True, slots=True)

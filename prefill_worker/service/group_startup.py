@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from prefill_worker.model import CheckpointError
 from prefill_worker.model.hf_config import ModelSpec, read_spec
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import TPGroup
 from prefill_worker.model.sharding import check_model_shardable
 from prefill_worker.service.config import Config
@@ -48,6 +49,7 @@ def start_tp_group(
         # model.sharding; each rank's build checks it again).
         spec = read_spec(config.model.path)
         check_model_shardable(spec, TPGroup(0, placement.size))
+        check_expert_parallel(spec, placement.size, cfg.ep_size, config.parallel.expert_placement)
         check_group_transfer(spec, placement.size, tuple(config.transfer.protocols))
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))

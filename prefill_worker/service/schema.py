@@ -66,6 +66,25 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _dp_ranks_are_whole_workers(self) -> Config:
+        """Attention DP ranks (docs/parallelism.md): each a TP-1 worker pushing its own KV by
+        a protocol whose desk it runs itself; DP x TP, vLLM's pulls and one KV-event stream
+        per rank are not built."""
+        dp_size = self.parallel.dp_size
+        if dp_size == 1:
+            return self
+        if self.parallel.tp_size > 1:
+            raise ValueError(f"parallel.dp_size {dp_size} with tp_size > 1: not built yet")
+        if self.transfer.protocols not in (("native",), ("sglang",)):
+            raise ValueError(
+                f"transfer.protocol {self.transfer.protocol!r} at parallel.dp_size {dp_size}: "
+                "an attention-DP worker serves native or sglang alone"
+            )
+        if self.kv_events.enabled:
+            raise ValueError(f"kv_events.enabled at parallel.dp_size {dp_size}: not built yet")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_tp_stages_on_one_host(self) -> Config:
         """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
         "Workers with TP > 1"): the group runs on one host."""
@@ -82,8 +101,8 @@ class Config(Section):
     def _decodes_agree_on_the_kv_dtype(self) -> Config:
         """An FP8 pool's pages land byte for byte in the decode's pool, so each protocol's
         handshake must say so: SGLang decodes compare ``/route``'s ``kv_cache_dtype`` with
-        their ``--kv-cache-dtype``; the vLLM handshake hashes the model dtype and the cache
-        dtype, which this worker does not yet tell apart (it would offer FP8 bytes as bf16)."""
+        their ``--kv-cache-dtype``; vLLM decodes hash their model dtype and their
+        ``kv_cache_dtype`` (``transfer.vllm_kv_cache_dtype``)."""
         fp8, protocols = self.cache.kv_dtype == "fp8_e4m3", self.transfer.protocols
         announced = self.transfer.sglang_kv_cache_dtype
         if "sglang" in protocols and fp8 != (announced == "fp8_e4m3"):
@@ -92,12 +111,24 @@ class Config(Section):
                 f"{announced!r}: SGLang decodes read the pages as their --kv-cache-dtype says; "
                 f"set both to fp8_e4m3, or neither"
             )
-        if fp8 and "vllm" in protocols:
-            raise ValueError(
-                "cache.kv_dtype fp8_e4m3 with transfer.protocol vllm: the vLLM handshake does "
-                "not carry an FP8 cache dtype yet; serve native or sglang"
-            )
+        if "vllm" in protocols:
+            self._vllm_decodes_read_the_pool(fp8)
         return self
+
+    def _vllm_decodes_read_the_pool(self, fp8: bool) -> None:
+        """vLLM decodes hash their model dtype and their ``kv_cache_dtype`` string apart."""
+        cache_dtype = self.transfer.vllm_kv_cache_dtype
+        if fp8 != (cache_dtype != "auto"):
+            raise ValueError(
+                f"cache.kv_dtype {self.cache.kv_dtype!r} with transfer.vllm_kv_cache_dtype "
+                f"{cache_dtype!r}: vLLM decodes read the blocks as their kv_cache_dtype says; "
+                f"set fp8_e4m3 with fp8 (or fp8_e4m3), or auto with auto"
+            )
+        if fp8 and self.model.dtype == "auto":
+            raise ValueError(
+                "cache.kv_dtype fp8_e4m3 served to vLLM decodes needs an explicit model.dtype: "
+                "their compatibility hash covers the model dtype apart from the cache's"
+            )
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -41,6 +41,7 @@ from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.qwen3_next import Qwen3NextLM
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -51,6 +52,7 @@ from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEven
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.decode.pool import pool_device
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.factory import (
     Transfer,
@@ -67,8 +69,10 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.sglang.mamba_stage import MambaStage
 from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
-from prefill_worker.transfer.state_guard import guard_backends
+from prefill_worker.transfer.slot_stage import StagedState
+from prefill_worker.transfer.state_guard import STATE_CARRIERS, guard_backends
 from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.shared import GroupStaging
@@ -169,6 +173,9 @@ def load_model(
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
             **_draft_args(cfg),
             kv_dtype=cfg.cache.kv_dtype,
+            ep_size=cfg.parallel.ep_size,
+            expert_placement=tuple(cfg.parallel.expert_placement),
+            ep_exchange=cfg.parallel.ep_exchange,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -235,6 +242,8 @@ def start_transfer(
     sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
     draft: DraftSide | None = None,
+    sglang_dsa: StateRegions | None = None,
+    mamba: StagedState | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -246,7 +255,10 @@ def start_transfer(
     pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
     (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
     pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
-    that speculate."""
+    that speculate. ``sglang_dsa``: a DSA model's index keys in SGLang's FP8 pages
+    (``service.sglang_index``), which the SGLang backend sends; its rooms are then served.
+    ``mamba``: a hybrid model's state staged for SGLang decodes (``sglang_mamba``), which then
+    carry its state too."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -257,8 +269,8 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                sglang = _sglang_options(config, sglang_sliding(sliding))
-                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
+                sglang = _sglang_options(config, sglang_sliding(sliding), mamba)
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
@@ -273,7 +285,9 @@ def start_transfer(
                 backend.close()
             raise
         if state is not None:
-            backends, refused = guard_backends(backends, state.component.kind)
+            sglang_carries = sglang_dsa is not None or mamba is not None
+            carriers = STATE_CARRIERS | ({"sglang"} if sglang_carries else set())
+            backends, refused = guard_backends(backends, state.component.kind, carriers)
             if refused:
                 log.warning(
                     "hybrid model: the %s protocol(s) carry no %s state; each of their "
@@ -329,7 +343,26 @@ def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
     return sliding.layers
 
 
-def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> SglangOptions:
+def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:
+    """A hybrid linear-attention model's state slots staged in SGLang's mamba layout, when
+    SGLang decodes are served (``sglang.mamba``); None otherwise."""
+    if "sglang" not in config.transfer.protocols or not isinstance(runner, Runner):
+        return None
+    if not isinstance(runner.model, Qwen3NextLM):
+        return None
+    cache, dtype = runner.model.state, config.transfer.sglang_mamba_conv_dtype
+    layers, device = cache.spec.linear_layers, pool_device(cache.device)
+    spec = cache.spec
+    groups = ((spec.key_dim, spec.num_k_heads),) * 2 + ((spec.value_dim, spec.num_v_heads),)
+    conv_groups = tuple(channels for channels, _ in groups)
+    stage = MambaStage(layers, cache.conv, cache.recurrent, dtype, device, conv_groups)
+    log.info("sglang: mamba state staging, %d bytes beside the state pool", stage.num_bytes)
+    return StagedState(spec.full_layers, stage, groups, spec.num_v_heads)
+
+
+def _sglang_options(
+    config: Config, sliding: SlidingLayers | None = None, mamba: StagedState | None = None
+) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
     nixl = NixlOptions(
@@ -351,6 +384,7 @@ def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> Sgl
         nixl=nixl,
         limits=_limits(config),
         sliding=sliding,
+        mamba=mamba,
     )
 
 
@@ -366,7 +400,12 @@ def _vllm_options(config: Config) -> VllmOptions:
         lease_s=cfg.vllm_lease_s,
         read_grace_s=cfg.vllm_read_grace_s,
         engine_id=cfg.vllm_engine_id,
-        identity=VllmIdentity(model, cfg.vllm_attention_backend),
+        identity=VllmIdentity(
+            model,
+            cfg.vllm_attention_backend,
+            cfg.vllm_kv_cache_dtype,
+            config.model.dtype if cfg.vllm_kv_cache_dtype != "auto" else None,
+        ),
         versions=tuple(cfg.vllm_versions),
         modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
@@ -569,4 +608,5 @@ def _draft_args(config: Config) -> dict[str, object]:
     """The draft's keywords to the builder, when one is configured."""
     if config.model.draft == "none":
         return {}
-    return {"draft": config.model.draft, "draft_topk": config.model.draft_topk}
+    model = config.model
+    return {"draft": model.draft, "draft_topk": model.draft_topk, "draft_path": model.draft_path}

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
@@ -62,6 +63,9 @@ class SglangOptions:
     # A sliding-window model whose SGLang decodes may hold a hybrid SWA pool (gpt-oss):
     # those are sent the window (``sglang.swa``); None: every decode gets every layer's pages.
     sliding: SlidingLayers | None = None
+    # A hybrid linear-attention model (Qwen3.5, Qwen3-Next): its full layers and the stage of
+    # its state slots in SGLang's mamba layout (``sglang.mamba``); None: no state is sent.
+    mamba: StagedState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,9 @@ class VllmIdentity:
 
     model: str = ""
     attention_backend: str = "FLASH_ATTN"  # CPU decodes: CPU_ATTN
+    cache_dtype: str = "auto"  # their kv_cache_dtype (vllm.profiles.CACHE_DTYPES), hashed as is
+    model_dtype: str | None = None  # their model dtype, hashed; None: the KV pool's (which is
+    # the model's unless the pool is FP8)
 
 
 @dataclass(frozen=True, slots=True)

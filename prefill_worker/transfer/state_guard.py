@@ -20,6 +20,7 @@ carries the state (native) serves the same request's decode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
@@ -36,11 +37,14 @@ def refusal(protocol: str, kinds: Sequence[str]) -> str:
 
 
 def guard_backends(
-    backends: Mapping[str, TransferBackend], kind: str
+    backends: Mapping[str, TransferBackend],
+    kind: str,
+    carriers: AbstractSet[str] = STATE_CARRIERS,
 ) -> tuple[dict[str, TransferBackend], list[str]]:
     """Each protocol's backend by name, those that carry no ``kind`` state (all but
-    ``STATE_CARRIERS``) wrapped in ``StateGuard``; and the names wrapped."""
-    refused = [name for name in backends if name not in STATE_CARRIERS]
+    ``carriers``: ``STATE_CARRIERS``, and SGLang when it sends the model's state, a hybrid
+    linear-attention model's ``mamba``) wrapped in ``StateGuard``; and the names wrapped."""
+    refused = [name for name in backends if name not in carriers]
     guarded = {
         name: StateGuard(backend, refusal(name, (kind,))) if name in refused else backend
         for name, backend in backends.items()

@@ -5,6 +5,12 @@ installs them under ``.interop/``) runs as the decode in a child process
 Every test module here is marked ``interop`` and runs once per version (``PW_SGLANG_VERSIONS``,
 default the supported range); a version that is not installed skips with the command that
 installs it. ``make test`` leaves them out; ``make interop`` runs them.
+
+Tests marked ``newest_sglang`` (those of TP-2 workers and attention-TP-2 decodes) run on the
+newest version only: what differs between versions is the wire (the registration's frame
+count, the abort's generation), which the unmarked tests cover on every version, and each
+marked one starts rank processes. They skip at collection, so an older version starts none of
+their fixtures. ``PW_INTEROP_ALL=1`` runs every test on every version.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from tests.polling import wait_until
 ROOT = Path(__file__).resolve().parents[2]
 INTEROP_DIR = Path(os.environ.get("PW_INTEROP_DIR", ROOT / ".interop"))
 VERSIONS = os.environ.get("PW_SGLANG_VERSIONS", "0.5.20 0.5.22 0.5.23").split()
+EVERY_TEST_ON_EVERY_VERSION = os.environ.get("PW_INTEROP_ALL") == "1"
 STUBS = Path(__file__).resolve().parent / "stubs"
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 16  # tests/checkpoints.py, llama
 
@@ -49,6 +56,20 @@ def sglang_path(version: str) -> list[Path]:
             "run `make interop-deps`"
         )
     return [ROOT, target, deps, STUBS]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A ``newest_sglang`` test of an older version skips (module docstring)."""
+    if EVERY_TEST_ON_EVERY_VERSION:
+        return
+    skip = pytest.mark.skip(
+        reason="runs on the newest pinned version (PW_INTEROP_ALL=1: every one)"
+    )
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        version = callspec.params.get("sglang_version") if callspec else None
+        if version not in (None, VERSIONS[-1]) and item.get_closest_marker("newest_sglang"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -171,6 +192,29 @@ def decode_process(version: Version) -> SglangDecodeProcess:
     if version.decode.popen.poll() is not None:
         pytest.fail("the version's decode process is gone: the test that kills it runs last")
     return version.decode
+
+
+TP_SIZE = 2  # the decode's attention TP in the tests of decodes of TP > 1
+
+
+@pytest.fixture(scope="session")
+def rank_processes(
+    sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[SglangDecodeProcess]]:
+    """A decode's two attention-TP ranks, one process each (started together), for every
+    module that needs them (two SGLang imports cost about 1.5 min on CI's 2 cores); its tests
+    are marked ``newest_sglang``."""
+    path = sglang_path(sglang_version)
+    tmp_path = tmp_path_factory.mktemp(f"ranks-{sglang_version}")
+    processes = [
+        SglangDecodeProcess(
+            sys.executable, path, checkpoint, tmp_path / f"rank{r}.log", attn_tp=(r, TP_SIZE)
+        )
+        for r in range(TP_SIZE)
+    ]
+    yield processes
+    for process in processes:
+        process.close()
 
 
 @pytest.fixture(scope="session")

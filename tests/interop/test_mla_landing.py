@@ -19,7 +19,6 @@ cases on the newest pinned version (``PW_INTEROP_ALL=1``: every one), as
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,6 @@ from prefill_worker.testing.sglang_decode import FILL_BYTE, SglangDecodeProcess
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import hf_mla_forward
 from tests.interop.conftest import (
-    VERSIONS,
     Served,
     assert_pools_whole,
     launch,
@@ -52,7 +50,6 @@ pytestmark = pytest.mark.interop
 NUM_LAYERS, LATENT = 2, 48  # the latent: kv_lora_rank 32 + qk_rope_head_dim 16
 WORKER_PAGES = 64
 MLA_FAMILIES = ["deepseek_v3"]
-ALL_VERSIONS = os.environ.get("PW_INTEROP_ALL") == "1"
 
 
 class MlaWorker(PrefillRig):
@@ -233,6 +230,7 @@ def _abort(served: Served, decode_process: SglangDecodeProcess) -> None:
     assert decode.state(room)[0] == "Failed"
 
 
+@pytest.mark.newest_sglang
 @pytest.mark.parametrize("family", MLA_FAMILIES)
 def test_a_tp2_worker_serves_an_sglang_mla_decode_the_tp1_workers_latent(
     sglang_version: str, decode_process: SglangDecodeProcess, tmp_path: Path, family: str
@@ -244,8 +242,6 @@ def test_a_tp2_worker_serves_an_sglang_mla_decode_the_tp1_workers_latent(
     within 1e-4 of the largest value (the TP-2 forward sums its attention output across
     ranks in another order; layer 0's are byte for byte), the first token the same. An
     aborted room is acknowledged for both ranks; both workers' pools end whole."""
-    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
-        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
     checkpoint = make_checkpoint(family, tmp_path / family)
     started = [launch_tp(tmp_path / f"tp{tp}", checkpoint, tp) for tp in (1, 2)]
     try:
@@ -290,6 +286,7 @@ def _receive_latents(
     return result.first_token_id, landed
 
 
+@pytest.mark.newest_sglang
 @pytest.mark.parametrize("worker_tp", [1, 2], ids=["worker-tp1", "worker-tp2"])
 def test_an_attention_tp2_mla_decode_gets_the_whole_latent_on_each_rank(
     sglang_version: str,
@@ -306,8 +303,6 @@ def test_an_attention_tp2_mla_decode_gets_the_whole_latent_on_each_rank(
     from the TP-1 worker, within 1e-4 of the largest value from the TP-2 worker (its forward
     sums in another order); each rank says Success with the first token in its metadata
     row; the workers' pools end whole."""
-    if sglang_version != VERSIONS[-1] and not ALL_VERSIONS:
-        pytest.skip("runs on the newest pinned version (PW_INTEROP_ALL=1: on every one)")
     mla_checkpoint = make_checkpoint(MLA_FAMILIES[0], tmp_path / MLA_FAMILIES[0])
     started = [launch_tp(tmp_path / f"tp{tp}", mla_checkpoint, tp) for tp in sorted({1, worker_tp})]
     path = sglang_path(sglang_version)

@@ -58,6 +58,7 @@ from vllm.distributed.parallel_state import (
     ensure_model_parallel_initialized,
     init_distributed_environment,
 )
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -76,7 +77,9 @@ def vllm_config(spec: dict[str, Any]) -> VllmConfig:
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float32"),
     )
-    cache = CacheConfig(block_size=spec.get("block_size", 32))
+    cache = CacheConfig(
+        block_size=spec.get("block_size", 32), cache_dtype=spec.get("cache_dtype", "auto")
+    )
     cache.kv_cache_layout = "LBHNC"  # init=False in 0.33: the engine core resolves it
     transfer = KVTransferConfig(
         kv_connector="NixlConnector",
@@ -130,19 +133,29 @@ class Pull:
 
 
 class Decode:
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.config = vllm_config(spec)
-        self._scope = set_current_vllm_config(self.config)
-        self._scope.__enter__()  # for the life of the process, as a worker's is
+    def __init__(self, spec: dict[str, Any], is_first: bool = True) -> None:
+        """``is_first`` False: another decode in this process (``open``), of TP 1, sharing
+        the first one's distributed state; its config is current while it is built."""
+        self.spec, self.config = spec, vllm_config(spec)
         self.tp_size, tp_rank = int(spec.get("tp_size", 1)), int(spec.get("tp_rank", 0))
-        init_distributed_environment(
-            world_size=self.tp_size,
-            rank=tp_rank,
-            distributed_init_method=f"tcp://127.0.0.1:{spec['dist_port']}",
-            local_rank=tp_rank,
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(self.tp_size, 1)
+        if is_first:
+            self._scope = set_current_vllm_config(self.config)
+            self._scope.__enter__()  # for the life of the process, as a worker's is
+            init_distributed_environment(
+                world_size=self.tp_size,
+                rank=tp_rank,
+                distributed_init_method=f"tcp://127.0.0.1:{spec['dist_port']}",
+                local_rank=tp_rank,
+                backend="gloo",
+            )
+            ensure_model_parallel_initialized(self.tp_size, 1)
+            self._connect(spec)
+            return
+        assert self.tp_size == 1, "a second decode in the process is TP 1"
+        with set_current_vllm_config(self.config):
+            self._connect(spec)
+
+    def _connect(self, spec: dict[str, Any]) -> None:
         self.num_blocks = int(spec["num_blocks"])
         self.caches = self._make_caches(int(spec["fill_byte"]))
         self.is_push = spec.get("transfer_mode", "pull") == "push"
@@ -181,7 +194,7 @@ class Decode:
             block_size=self.config.cache_config.block_size,
             num_kv_heads=model.get_total_num_kv_heads() // self.tp_size,  # this rank's
             head_size=model.get_head_size(),
-            dtype=model.dtype,
+            dtype=kv_cache_dtype_str_to_dtype(self.config.cache_config.cache_dtype, model),
         )
 
     def layer_names(self) -> list[str]:
@@ -306,8 +319,14 @@ class Decode:
         np.savez(Path(path), **self.blocks(request_id))
 
 
-def _handle(decode: Decode, command: dict[str, Any]) -> dict[str, Any]:
+def _handle(decodes: dict[str, Decode], command: dict[str, Any]) -> dict[str, Any]:
+    """``command["decode"]``: which decode of this process (default the first, "main")."""
     op = command["op"]
+    if op == "open":  # another decode, its spec the first's with ``spec``'s changes
+        name = command["name"]
+        decodes[name] = Decode({**decodes["main"].spec, **command["spec"]}, is_first=False)
+        return {}
+    decode = decodes[command.get("decode", "main")]
     if op == "info":
         return decode.info()
     if op == "pull":
@@ -348,11 +367,12 @@ def main(spec_json: str) -> None:
     commands the decode keeps stepping (heartbeats of held requests go out)."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    decode = Decode(json.loads(spec_json))
+    decodes = {"main": Decode(json.loads(spec_json))}
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], TICK_S)
         if not ready:
-            decode.step()
+            for decode in decodes.values():
+                decode.step()
             continue
         line = sys.stdin.readline()
         if not line:
@@ -360,7 +380,7 @@ def main(spec_json: str) -> None:
         command = json.loads(line)
         call = command.pop("call", None)  # echoed: the parent drops late answers
         try:
-            reply = {"ok": True, **_handle(decode, command)}
+            reply = {"ok": True, **_handle(decodes, command)}
         except Exception as exc:  # the test reads the error; the child goes on
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps({**reply, "call": call}) + "\n")

@@ -21,8 +21,12 @@ deadline, so a test never hangs)::
     hold     request_id, params, interval_s   the request waits in the queue: vLLM's
                                    "HB:<remote_request_id>" heartbeats every interval_s
     release  request_id          stops the heartbeats
-    hash     spec (model_dir, dtype, block_size, attn_backend_name)   -> compat_hash:
-                                   vLLM's compute_nixl_compatibility_hash for that config
+    hash     spec (model_dir, dtype, block_size, attn_backend_name, cache_dtype)
+                                -> compat_hash: vLLM's compute_nixl_compatibility_hash
+    open     name, spec          another decode in the process (TP 1; vLLM's import and
+                                   distributed state shared), its spec the first's with
+                                   ``spec``'s changes (``cache_dtype``: its kv_cache_dtype,
+                                   ``engine_id``); a command with ``decode: name`` is its
     quit
 """
 
@@ -106,6 +110,11 @@ class VllmDecodeProcess(JsonLineChild):
         argv = [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)]
         super().__init__(argv, env, log_path, cwd=ROOT)
 
+    def open(self, name: str, **spec: Any) -> OpenedDecode:
+        """Another decode in this process (``open``), e.g. one with an FP8 cache."""
+        self.call("open", timeout_s=120, name=name, spec=spec)
+        return OpenedDecode(self, name)
+
     def pull_and_wait(
         self, request_id: str, params: dict[str, Any], timeout_s: float = 30.0
     ) -> dict[str, Any]:
@@ -127,6 +136,30 @@ class VllmDecodeProcess(JsonLineChild):
 
     def blocks(self, request_id: str, path: Path) -> dict[str, np.ndarray]:
         """The request's pulled blocks per layer (uint8 ``[n, heads, block_size, 2*dim*es]``)."""
+        self.call("dump", request_id=request_id, path=str(path))
+        with np.load(path) as npz:
+            return {name: npz[name] for name in npz.files}
+
+
+class OpenedDecode:
+    """A decode ``VllmDecodeProcess.open`` started beside the first: its commands carry its
+    name."""
+
+    def __init__(self, process: VllmDecodeProcess, name: str) -> None:
+        self.process, self.name = process, name
+
+    def call(self, op: str, timeout_s: float = 120.0, **fields: Any) -> dict[str, Any]:
+        return self.process.call(op, timeout_s, decode=self.name, **fields)
+
+    def pull_and_wait(
+        self, request_id: str, params: dict[str, Any], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        self.call("pull", request_id=request_id, params=params)
+        return self.call(
+            "wait", timeout_s=timeout_s + 30, request_id=request_id, deadline_s=timeout_s
+        )
+
+    def blocks(self, request_id: str, path: Path) -> dict[str, np.ndarray]:
         self.call("dump", request_id=request_id, path=str(path))
         with np.load(path) as npz:
             return {name: npz[name] for name in npz.files}

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from prefill_worker.model.quant.kv import UNSCALED
+
 if TYPE_CHECKING:
     from prefill_worker.model.hf_config import MLASpec
 
@@ -47,9 +49,11 @@ class AttentionBackend(Protocol):
         k_pool: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim], k written;
         v_pool: torch.Tensor,  # views whose page stride may span every layer (page-major)
         out: torch.Tensor,  # [T, num_heads, head_dim], written
+        scales: tuple[float, float] = UNSCALED,  # (K, V): a stored value times its scale
     ) -> None:
         """Causal attention of every chunk over its prompt prefix, into ``out``. The pools
-        are read in place (index them, never ``view`` or copy them whole)."""
+        are read in place (index them, never ``view`` or copy them whole); an FP8 pool's
+        values are multiplied by the layer's checkpoint ``scales`` (``model.quant.kv``)."""
 
 
 @runtime_checkable

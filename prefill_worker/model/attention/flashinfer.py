@@ -28,6 +28,7 @@ import flashinfer
 import torch
 
 from prefill_worker.model.attention.base import AttentionBatch
+from prefill_worker.model.quant.kv import UNSCALED
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 FA3_HEAD_DIMS = (64, 128, 256)
@@ -94,6 +95,7 @@ class FlashInferBackend:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         out: torch.Tensor,
+        scales: tuple[float, float] = UNSCALED,
     ) -> None:
         key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
         if self._planned_for != key:

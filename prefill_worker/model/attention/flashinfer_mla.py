@@ -60,7 +60,7 @@ class FlashInferMLABackend:
         self._batch, self._indices = batch, mla_indices(batch.spans)
         self._planned_for = None
 
-    def attend(self, *_: torch.Tensor) -> None:
+    def attend(self, *_: object) -> None:
         raise TypeError("an MLA pool has no K/V planes: call attend_latent")
 
     def attend_latent(

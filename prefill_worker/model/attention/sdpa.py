@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention.base import AttentionBatch, ChunkSpan
-from prefill_worker.model.quant.kv import from_pool
+from prefill_worker.model.quant.kv import UNSCALED, from_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +54,14 @@ class SdpaBackend:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         out: torch.Tensor,
+        scales: tuple[float, float] = UNSCALED,
     ) -> None:
         for p in self._planned:
             qs = q[p.q_start : p.q_end]
             ks, vs = k[p.q_start : p.q_end], v[p.q_start : p.q_end]  # [n, KV, D] fresh
             if p.kv_rows is not None:  # the prefix's, from the pages, first: [end, KV, D]
-                ks = torch.cat([from_pool(k_pool[p.kv_rows], q.dtype), ks])
-                vs = torch.cat([from_pool(v_pool[p.kv_rows], q.dtype), vs])
+                ks = torch.cat([from_pool(k_pool[p.kv_rows], q.dtype, scales[0]), ks])
+                vs = torch.cat([from_pool(v_pool[p.kv_rows], q.dtype, scales[1]), vs])
             out[p.q_start : p.q_end] = _sdpa(qs, ks, vs, p.mask)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from prefill_worker.model.attention.base import AttentionBatch, ChunkSpan
+from prefill_worker.model.quant.kv import UNSCALED
 
 
 class SinkWindowBackend:
@@ -56,6 +57,7 @@ class SinkWindowBackend:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         out: torch.Tensor,
+        scales: tuple[float, float] = UNSCALED,
     ) -> None:
         self.attend_window(q, k_pool, v_pool, out, None, None, q.shape[-1] ** -0.5)
 

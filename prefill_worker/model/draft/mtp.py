@@ -38,7 +38,7 @@ from prefill_worker.model.deepseek import DeepseekV3LM, MLALayerWeights, MLAMode
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import rms_norm
-from prefill_worker.model.llama import ForwardInputs
+from prefill_worker.model.llama import ForwardInputs, ForwardOutput
 from prefill_worker.model.loader import TensorSource, open_tensors
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe import ExpertsBackend
@@ -141,6 +141,18 @@ class MTPDraft:
         self.enorm, self.hnorm, self.eh_proj = weights.enorm, weights.hnorm, weights.eh_proj
         one_layer = MLAModelWeights(embed, (weights.layer,), weights.head_norm, weights.head)
         self.decoder = DeepseekV3LM(spec, one_layer, tp, experts)
+
+    def target_forward(
+        self,
+        target: DeepseekV3LM,
+        inputs: ForwardInputs,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+    ) -> tuple[ForwardOutput, torch.Tensor]:
+        """The target's forward, and the states this draft reads: its final hidden state
+        after its norm ``[T, hidden]``."""
+        out, residual = target.forward_with_hidden(inputs, kv_cache, attention)
+        return out, target.final_norm(residual)
 
     def extend(
         self,

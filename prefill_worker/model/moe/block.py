@@ -19,7 +19,7 @@ collective as a dense MLP's down projection)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +49,17 @@ def moe_mlp(
     return all_reduce_(out, tp)
 
 
-def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoEWeights:
+def fuse_moe(
+    spec: MoESpec,
+    get: Callable[[str], torch.Tensor],
+    mlp: str,
+    local_experts: Sequence[int] | None = None,
+) -> MoEWeights:
     """Stack the per-expert tensors under ``mlp`` (e.g. ``model.layers.3.mlp.``), as
-    ``get(name)`` reads them (this rank's slice of each), into ``MoEWeights``."""
-    experts = [f"{mlp}experts.{e}." for e in range(spec.num_experts)]
+    ``get(name)`` reads them (this rank's slice of each), into ``MoEWeights``; under
+    expert parallelism only ``local_experts`` (this rank's, whole), in that order."""
+    numbers = range(spec.num_experts) if local_experts is None else local_experts
+    experts = [f"{mlp}experts.{e}." for e in numbers]
     gate_up = torch.stack(
         [torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]) for e in experts]
     )

@@ -2,7 +2,9 @@
 at load, where a CUDA block-scaled FP8 GEMM plugs in.
 
 ``dequantize`` (any device; the only one registered) multiplies the FP8 slice by its scales
-and hands the model a weight in the model's dtype (``fp8.dequantize``). A GEMM backend would
+and hands the model a weight in the model's dtype (``fp8.dequantize``). The CUDA kernel such a
+backend calls is ``block_gemm.block_fp8_linear`` (not registered until the model's linear
+layers dispatch on its ``Fp8BlockWeight``). A GEMM backend would
 instead keep the FP8 bytes and the scales (1 byte per parameter plus 4 per block) and its
 ``prepare`` return a weight the model's linear layers dispatch on. Such a kernel works on
 whole blocks, so it also needs every rank's cut on a block boundary: ``misaligned_cut`` says

@@ -11,7 +11,8 @@ position 0 attends over its fresh K/V in the model's dtype, as SGLang's ragged p
 a later chunk or a prefix hit over the FP8 pages, upcast.
 
 Only the torch SDPA backends read FP8 pages back (on CPU and CUDA); FlashInfer is refused
-with the reason. Checkpoint-shipped ``k_scale``/``v_scale`` are not read: scale 1.0.
+with the reason. Checkpoint-shipped ``k_scale``/``v_scale`` (``kv_scales``) divide on the
+way in and multiply on the way out; without them the scale is 1.0.
 Torch-free to import (``check-config`` uses the names).
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 AUTO, FP8_E4M3 = "auto", "fp8_e4m3"
+UNSCALED = (1.0, 1.0)  # a layer's (K, V) scales when the checkpoint ships none
 KV_DTYPES = (AUTO, FP8_E4M3)
 
 
@@ -33,8 +35,20 @@ def kv_dtype_name(kv_dtype: str, model_dtype: str) -> str:
     return model_dtype if kv_dtype == AUTO else FP8_E4M3
 
 
+# Backends a model family picks for itself (``model.attention_backend`` does not change
+# them): DSA's sparse attention, gpt-oss's sinks. Neither reads an FP8 pool.
+FAMILY_BACKENDS = frozenset({"sdpa_dsa", "sinks"})
+
+
 def check_kv_backend(pool_dtype: str, attention_backend: str) -> None:
     """``ValueError`` when the attention backend cannot read the pool's dtype back."""
+    if pool_dtype == FP8_E4M3 and attention_backend in FAMILY_BACKENDS:
+        raise ValueError(
+            f"cache.kv_dtype fp8_e4m3 is not served for this model: its attention "
+            f"({attention_backend!r}, chosen by the model family whatever "
+            "model.attention_backend says) reads the pool in the model's dtype only: set "
+            "cache.kv_dtype auto"
+        )
     if pool_dtype == FP8_E4M3 and attention_backend != "sdpa":
         raise ValueError(
             f"cache.kv_dtype fp8_e4m3 is read back by the sdpa attention backend only, not "
@@ -42,12 +56,18 @@ def check_kv_backend(pool_dtype: str, attention_backend: str) -> None:
         )
 
 
-def to_pool(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+def to_pool(values: torch.Tensor, pool: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``values`` as the pool stores them (scale 1.0: the cast; a no-op for an unquantized
-    pool of the model's dtype)."""
-    return values.to(pool.dtype)
+    pool of the model's dtype). A checkpoint's ``scale`` (``kv_scales``): ``value / scale``
+    in float32, then the cast, as vLLM's cache kernel converts (one rounding; SGLang divides
+    in the model's dtype first, the same bytes for a float32 model)."""
+    if scale == 1.0:
+        return values.to(pool.dtype)
+    return (values.float() / scale).to(pool.dtype)
 
 
-def from_pool(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Pool values read back for attention in the model's ``dtype``."""
-    return values.to(dtype)
+def from_pool(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Pool values read back for attention in the model's ``dtype`` (times ``scale``)."""
+    if scale == 1.0:
+        return values.to(dtype)
+    return (values.float() * scale).to(dtype)

@@ -36,7 +36,14 @@ from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, 
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.holds import HoldTable
-from prefill_worker.transfer.vllm.profiles import PROFILES, PULL, PUSH, channel_key
+from prefill_worker.transfer.vllm.profiles import (
+    FP8_POOL,
+    PROFILES,
+    PULL,
+    PUSH,
+    cache_dtype_refusal,
+    channel_key,
+)
 from prefill_worker.transfer.vllm.push import (
     PUSH_REG_PREFIX,
     BadRegistration,
@@ -87,14 +94,29 @@ def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> 
     lay, identity = registration.layout, registration.identity
     factors = CompatFactors(
         model=identity.model,
-        dtype=registration.dtype,
+        dtype=identity.model_dtype or registration.dtype,
         num_kv_heads=lay.num_kv_heads,
         head_size=lay.head_dim,
         num_layers=lay.num_layers,
         attn_backend_name=identity.attention_backend,
+        cache_dtype=identity.cache_dtype,
         transfer_mode=mode,
     ).for_profile(PROFILES[version])
     return compat_hash(factors)
+
+
+def check_cache_dtype(identity: VllmIdentity, pool_dtype: str) -> None:
+    """``ValueError`` with the reason when the decodes ``identity`` describes cannot read a
+    pool of ``pool_dtype`` as theirs (their hash would differ from ours, or worse, agree)."""
+    if identity.model_dtype is None and pool_dtype == FP8_POOL:
+        raise ValueError(
+            "an FP8 KV pool served to vLLM decodes needs their model dtype (the hash covers "
+            "it apart from the cache dtype): set model.dtype"
+        )
+    model_dtype = identity.model_dtype or pool_dtype
+    reason = cache_dtype_refusal(identity.cache_dtype, pool_dtype, model_dtype)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 class SideChannels(Protocol):
@@ -126,6 +148,7 @@ class VllmBackend:
     ) -> None:
         """``group``: a tensor-parallel worker's shared region (``shared``), which this
         backend registers and answers for as one prefill rank holding every KV head."""
+        check_cache_dtype(options.identity, regions.layout.dtype)
         self.clock = hooks.clock
         heads = None if group is None else group.num_kv_heads
         layout = staging_layout(regions, options.block_size, options.num_blocks, heads)

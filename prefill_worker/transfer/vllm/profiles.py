@@ -106,6 +106,30 @@ PULL, PUSH = "pull", "push"  # vLLM's transfer modes (its hash covers the mode)
 TRANSFER_MODES = (PULL, PUSH)
 
 
+# A vLLM decode's ``kv_cache_dtype`` (``--kv-cache-dtype``) -> the pool it holds, as this
+# worker's ``kv.layout`` names a pool dtype. Both FP8 names make vLLM's float8_e4m3fn cache
+# (its ``reshape_and_cache`` writes ``k / k_scale`` converted round-to-nearest, saturating at
+# +-448): the worker's ``fp8_e4m3`` pool, byte for byte. "auto" is the model's dtype. vLLM
+# hashes the string itself (``cache_dtype`` in ``handshake.compat_hash``), so "fp8" and
+# "fp8_e4m3" decodes do not pair with each other: the worker hashes the one its decodes run.
+FP8_POOL = "fp8_e4m3"
+CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8": FP8_POOL, "fp8_e4m3": FP8_POOL}
+
+
+def cache_dtype_refusal(cache_dtype: str, pool_dtype: str, model_dtype: str) -> str | None:
+    """None when decodes running ``kv_cache_dtype`` ``cache_dtype`` read a pool of
+    ``pool_dtype`` (for a model of ``model_dtype``) as their own; else why they cannot."""
+    if cache_dtype not in CACHE_DTYPES:
+        return f"vLLM kv_cache_dtype {cache_dtype!r}: served are {', '.join(CACHE_DTYPES)}"
+    holds = CACHE_DTYPES[cache_dtype] or model_dtype
+    if holds == pool_dtype:
+        return None
+    return (
+        f"vLLM decodes with kv_cache_dtype {cache_dtype!r} hold a {holds} cache; this worker's "
+        f"KV pool is {pool_dtype}: their blocks would read our bytes as another dtype"
+    )
+
+
 def channel_key(version: str, mode: str = PULL) -> str:
     """The name of the side channel a decode of ``version`` in ``mode`` handshakes with: the
     version for a pull (as before push was served), ``<version>+push`` for a push."""

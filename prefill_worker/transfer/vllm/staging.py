@@ -33,7 +33,7 @@ import numpy as np
 
 from prefill_worker.kv.layout import MLA, KVRegions
 
-_UINT = {2: np.uint16, 4: np.uint32}  # bytes are moved, never read as numbers
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # bytes are moved, never read as numbers
 
 
 class StagingRefused(ValueError):

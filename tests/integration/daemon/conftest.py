@@ -98,6 +98,9 @@ def start_worker(
         f"ingress.bind={ingress}",
         f"transfer.bootstrap_bind={bootstrap}",
         f"metrics.bind=127.0.0.1:{http_port}",
+        # a TP group's ranks import torch before they meet: on a busy machine that outlasts
+        # the default's 60 s (a test that means a timeout sets its own, later, and wins)
+        f"parallel.rendezvous_timeout_s={patient(60):g}",
         *settings,
     ]
     args = [sys.executable, "-m", module, *module_args, "serve", "configs/tiny-test.yaml"]

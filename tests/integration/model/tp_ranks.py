@@ -32,7 +32,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -67,13 +67,24 @@ def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
     return out_dir / f"{name}.tp{size}.{rank}.pt"
 
 
-def run_world(cases: Mapping[int, Mapping[str, Path]], prompts: Prompts, out_dir: Path) -> None:
-    """Run ``cases[size][name]`` (a checkpoint) at each TP size in one world of ranks."""
+Case = Path | tuple[Path, dict[str, object]]  # a checkpoint, or one with build()'s extra args
+
+
+def run_world(
+    cases: Mapping[int, Mapping[str, Case]],
+    prompts: Prompts,
+    out_dir: Path,
+    then: Callable[[int, int, Path], None] | None = None,
+) -> None:
+    """Run ``cases[size][name]`` (a checkpoint, with extra ``build`` arguments where a pair,
+    e.g. ``ep_size``) at each TP size in one world of ranks; then ``then(rank, world,
+    out_dir)`` on every rank, in the world group (a module-level function: it crosses the
+    forkserver)."""
     world = max(cases)
     assert all(world % size == 0 for size in cases)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
-    args = (world, free_port(), dict(cases), prompts, out_dir)
+    args = (world, free_port(), dict(cases), prompts, out_dir, then)
     ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(world)]
     for process in ranks:
         process.start()
@@ -94,9 +105,10 @@ def _rank_main(
     rank: int,
     world: int,
     port: int,
-    cases: dict[int, dict[str, Path]],
+    cases: dict[int, dict[str, Case]],
     prompts: Prompts,
     out_dir: Path,
+    then: Callable[[int, int, Path], None] | None,
 ) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own sockets on the loopback too
     torch.set_num_threads(1)
@@ -111,6 +123,8 @@ def _rank_main(
             for name in sorted(cases[size])[index :: world // size]:
                 saved = _run_case(cases[size][name], tp, prompts)
                 torch.save(saved, result_path(out_dir, name, size, tp.rank))
+        if then is not None:
+            then(rank, world, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -129,10 +143,12 @@ def _my_group(rank: int, world: int, size: int) -> tuple[TPGroup, int]:
     return mine
 
 
-def _run_case(path: Path, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
+def _run_case(case: Case, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
+    path, extra = case if isinstance(case, tuple) else (case, {})
     runner, kv_cache, info = build(
-        path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp
-    )
+        path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp,
+        **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
     if info.state is not None and info.state.kind == LINEAR_STATE:
         return _run_hybrid_case(runner, kv_cache, info, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit

@@ -170,6 +170,20 @@ def test_check_config_sizes_the_state_pool(checkpoint: Path) -> None:
     )
 
 
+def test_check_config_sizes_the_staging_for_sglang_decodes(checkpoint: Path) -> None:
+    """With SGLang decodes, as many slots again in their layout, the conv in their dtype:
+    3 layers × (108 × 3 × 2 bytes of bfloat16 + 6 × 10 × 12 × 4) = 10584 bytes a slot."""
+    from prefill_worker.service.checkmodel import check_model
+
+    settings = ("cache.num_aux_rows=5", "model.dtype=float32", "transfer.protocol=sglang")
+    check = check_model(config_of(checkpoint, *settings, "cache.num_pages=128"))
+    [state] = [note for note in check.notes if note.startswith("state pool")]
+    assert state.endswith(
+        "; SGLang decodes' staging of it (conv in bfloat16, transfer.sglang_mamba_conv_dtype): "
+        "5 slots × 10584 bytes = 0.00 GiB more"
+    )
+
+
 def test_a_hybrid_model_gets_no_prefix_cache(checkpoint: Path) -> None:
     from prefill_worker.kv.cache_events import NullCacheEvents
     from prefill_worker.kv.prefix_cache import NoPrefixCache

@@ -53,6 +53,19 @@ def test_deepseek_v3_fp8_at_tp8(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ) in out
 
 
+def test_the_deepseek_v3_fp8_node_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """configs/deepseek-v3-fp8-8xh200.yaml (TP 8 from the file): its comments' arithmetic."""
+    model = checkpoint(tmp_path, "deepseek-v3.json", quantization_config=DEEPSEEK_FP8)
+    out = check("deepseek-v3-fp8-8xh200.yaml", f"model.path={model}", capsys=capsys)
+    assert "resident per rank (TP 8) in bfloat16: 160.94 GiB, dequantized at load" in out
+    assert "FP8 GEMM backend" in out and ": 82.31 GiB)" in out
+    assert "669.07 B FP8 = 623.12 GiB + scales 0.15 GiB + 1.96 B others = 3.65 GiB" in out
+    assert "70272 bytes of KV per token (61 layers)" in out
+    assert "30559 pages × 16 tokens = 488944 tokens, 32.00 GiB" in out
+
+
 def test_unquantized_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = checkpoint(tmp_path, "qwen3-8b.json")
     out = check("qwen3-8b-h100.yaml", f"model.path={model}", capsys=capsys)

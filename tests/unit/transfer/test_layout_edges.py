@@ -4,6 +4,7 @@ words of a refused layout (found unpinned by mutation testing, `make mutation`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 
@@ -76,3 +77,28 @@ def test_an_mla_pool_is_one_latent_plane_per_layer() -> None:
     assert regions.region_base_addrs == (4096, 8192)
     with pytest.raises(ValueError, match="no V"):
         KVRegions(small, (4096, 8192), (1, 2), "cpu", 0, 1)
+
+
+SCALED = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
+
+
+def test_kv_scales_are_a_k_and_a_v_per_layer_and_published() -> None:
+    """An FP8 pool's checkpoint KV scales: every layer's K, then every V (docs/models.md)."""
+    assert SCALED.scales_of(0) == (0.5, 1.0) and SCALED.scales_of(1) == (0.25, 2.0)
+    other = dataclasses.replace(SCALED, kv_scales=(1.0, 2.0, 3.0, 4.0))  # built in the test
+    assert other.scales_of(1) == (2.0, 4.0)
+    assert dataclasses.replace(SCALED, kv_scales=()).scales_of(1) == (1.0, 1.0)
+    assert SCALED.summary()["kv_scales"] == [0.5, 0.25, 1.0, 2.0]
+    assert "kv_scales" not in dataclasses.replace(SCALED, kv_scales=()).summary()
+    with pytest.raises(ValueError, match=r"^3 KV scales for 2 layers \(a K and a V each\)$"):
+        dataclasses.replace(SCALED, kv_scales=(0.5, 0.25, 1.0))
+    with pytest.raises(ValueError, match=r"^6 KV scales for 2 layers"):
+        dataclasses.replace(SCALED, kv_scales=(0.5,) * 6)
+
+
+def test_the_hash_covers_the_scales_as_docs_protocol_states() -> None:
+    """docs/protocol.md: ``/scales=`` and the comma-joined ``repr`` of each scale."""
+    key = "2/2/8/fp8_e4m3/4/scales=0.5,0.25,1.0,2.0"
+    assert SCALED.compat_hash() == hashlib.sha256(key.encode()).hexdigest()[:16]
+    unscaled = dataclasses.replace(SCALED, kv_scales=())
+    assert unscaled.compat_hash() == hashlib.sha256(b"2/2/8/fp8_e4m3/4").hexdigest()[:16]

@@ -1,0 +1,41 @@
+"""``check-config``'s arithmetic for the routed experts under expert parallelism (torch-free):
+how many bytes of experts each rank holds at EP N, beside what TP N alone would hold.
+
+    one expert          3 × moe_intermediate_size × hidden parameters (gate, up, down)
+    at TP N (EP 1)      every expert's 1/N slice on every rank: E × expert / N per layer
+    at EP N             rank r's experts whole: len(local_experts(r)) × expert per layer
+
+Contiguous placement gives every rank E/N experts, the same bytes as TP N; an explicit map
+may load one rank more than the others, and the largest rank is what must fit.
+"""
+
+from __future__ import annotations
+
+from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.moe.placement import ExpertPlacement
+
+GiB = 2**30
+
+
+def expert_bytes_per_rank(spec: ModelSpec, placement: ExpertPlacement, itemsize: int) -> list[int]:
+    """Each rank's routed-expert bytes (every sparse layer) at ``placement``, in rank order."""
+    assert spec.moe is not None
+    one = 3 * spec.moe.intermediate_size * spec.hidden_size * itemsize
+    num_sparse = len(spec.moe.sparse_layers)
+    return [len(placement.local_experts(rank)) * one * num_sparse for rank in range(placement.size)]
+
+
+def expert_note(spec: ModelSpec, placement: ExpertPlacement, dtype: str, itemsize: int) -> str:
+    """The line: experts per rank at EP N, the largest rank's bytes, and TP N's for contrast."""
+    assert spec.moe is not None
+    per_rank = expert_bytes_per_rank(spec, placement, itemsize)
+    size, num_experts = placement.size, spec.moe.num_experts
+    tp_bytes = -(-sum(per_rank) // size)
+    counts = sorted({len(placement.local_experts(rank)) for rank in range(size)})
+    held = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return (
+        f"expert parallel {size}: {held} of {num_experts} routed experts per rank, whole; "
+        f"routed experts per rank in {dtype}: up to {max(per_rank) / GiB:.2f} GiB (at TP "
+        f"{size} without EP: {tp_bytes / GiB:.2f} GiB, every expert's 1/{size}); the shared "
+        f"experts, attention and dense layers split as at TP {size}"
+    )
