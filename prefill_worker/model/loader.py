@@ -200,7 +200,7 @@ class _Reader:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim, _ = self._cut(name)
+        dim = self._dim(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
@@ -210,11 +210,15 @@ class _Reader:
         ]  # one run, or a gated DeltaNet's q, k, v channel runs
         return runs[0] if len(runs) == 1 else torch.cat(runs, dim)
 
+    def _dim(self, name: str) -> int | None:
+        """The dimension this rank's slice of ``name`` is cut along (None: whole)."""
+        if self.experts is not None and routed_expert(name) is not None:
+            return None  # expert parallelism: the owner reads its experts whole
+        return None if self.tp.is_single else split_of(self.spec.family, name).dim
+
     def _cut(self, name: str) -> tuple[int | None, slice]:
         """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
-        if self.experts is not None and routed_expert(name) is not None:
-            dim = None  # expert parallelism: the owner reads its experts whole
+        dim = self._dim(name)
         if dim is None:
             return None, slice(None)
         return dim, shard_slice(self.spec, name, self.shape(name), self.tp)
