@@ -33,7 +33,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
-from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
@@ -75,7 +75,9 @@ from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.state_guard import STATE_CARRIERS, guard_backends
 from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.groups import VllmGroups, linear_groups, sliding_groups
 from prefill_worker.transfer.vllm.shared import GroupStaging
+from prefill_worker.transfer.vllm.state_staging import decode_ssm_dtype
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -274,8 +276,13 @@ def start_transfer(
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
-                tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
-                options = _vllm_options(config)
+                max_open, needs_groups = config.http_api.max_inflight_requests, sliding is not None
+                linear = state is not None and state.component.kind == LINEAR_STATE
+                tickets = Tickets(
+                    max_open, versions, modes, needs_kv_groups=needs_groups, has_linear_state=linear
+                )
+                linear_state = state if linear else None
+                options = _vllm_options(config, sliding, linear_state, regions.layout.num_layers)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
@@ -287,6 +294,9 @@ def start_transfer(
         if state is not None:
             sglang_carries = sglang_dsa is not None or mamba is not None
             carriers = STATE_CARRIERS | ({"sglang"} if sglang_carries else set())
+            if linear_vllm(state, backends):  # vLLM 0.34 pulls carry a linear model's state
+                # (its mamba groups): its tickets refuse the other versions and modes
+                carriers = carriers | {"vllm"}
             backends, refused = guard_backends(backends, state.component.kind, carriers)
             if refused:
                 log.warning(
@@ -298,7 +308,8 @@ def start_transfer(
         if sliding is not None:
             backends = guard_unproven(backends)
             log.warning(
-                "sliding-window model: only the native and sglang protocols serve it "
+                "sliding-window model: the native and sglang protocols serve it, and vLLM "
+                "0.34 pull decodes (its KV-cache groups); other protocols refuse each room "
                 "(swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
@@ -388,7 +399,17 @@ def _sglang_options(
     )
 
 
-def _vllm_options(config: Config) -> VllmOptions:
+def linear_vllm(state: StateRegions, backends: Mapping[str, TransferBackend]) -> bool:
+    """Whether the vLLM backend serves this hybrid model's state (a linear-attention one)."""
+    return "vllm" in backends and state.component.kind == LINEAR_STATE
+
+
+def _vllm_options(
+    config: Config,
+    sliding: SlidingModel | None = None,
+    state: StateRegions | None = None,
+    num_kv_layers: int = 0,
+) -> VllmOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
     model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
@@ -409,7 +430,27 @@ def _vllm_options(config: Config) -> VllmOptions:
         versions=tuple(cfg.vllm_versions),
         modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        groups=_vllm_groups(sliding, state, num_kv_layers, cfg.vllm_block_size),
+        state=state,
+        state_ssm_dtype="float32"
+        if state is None
+        else decode_ssm_dtype(
+            cfg.vllm_mamba_ssm_dtype, config.model.path, state.component.tensors[0].dtype
+        ),
     )
+
+
+def _vllm_groups(
+    sliding: SlidingModel | None, state: StateRegions | None, num_kv_layers: int, block_size: int
+) -> VllmGroups | None:
+    """vLLM 0.34's KV-cache groups of a hybrid model (``transfer.vllm.groups``)."""
+    if sliding is not None:
+        return sliding_groups(sliding.layers, sliding.architecture, block_size)
+    if state is None:
+        return None
+    linear = state.component.layer_ids
+    num_layers = len(linear) + num_kv_layers
+    return linear_groups(linear, num_layers, block_size)
 
 
 def _native_backend(

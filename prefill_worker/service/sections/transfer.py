@@ -201,6 +201,13 @@ class TransferConfig(Section):
         "(the string: `fp8` and `fp8_e4m3` do not pair); `fp8`/`fp8_e4m3` with "
         "cache.kv_dtype fp8_e4m3 and an explicit model.dtype, `auto` otherwise (docs/models.md).",
     )
+    vllm_mamba_ssm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="A linear-attention hybrid's (Qwen3-Next, Qwen3.5) vLLM decodes' "
+        "`--mamba-ssm-cache-dtype`: the dtype their recurrent state pages hold (float32, "
+        "bfloat16, float16; vLLM checks none). `auto`: vLLM's default, the checkpoint's "
+        "`mamba_ssm_dtype` (Qwen3.5), else the model dtype (docs/vllm.md).",
+    )
     vllm_engine_id: str | None = Field(
         None,
         description="The engine id vLLM decodes know this worker by (`remote_engine_id`); "
