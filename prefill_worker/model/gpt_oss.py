@@ -11,13 +11,17 @@ sliding-window on the layers ``SlidingSpec`` names, YaRN RoPE, and a MoE MLP on 
 The clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``. The experts run one at a time over the tokens
 routed to them (each expert's weights read once per layer). Same contract as
-``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'. Tensor
-parallelism is not built for this family (refused at start: no split table).
+``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'.
+
+Under tensor parallelism (``sharding.GPT_OSS``) a rank runs its query heads with their sinks
+and its KV heads, and every expert's slice of the intermediate dimension; o is row-parallel
+(its bias added once, after the all-reduce), and the MoE block's partial sum is all-reduced
+once, each expert's down bias carried by rank 0's partial sum alone (the others' are zero).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +32,7 @@ from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
-from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_, row_parallel
 from prefill_worker.model.sharding import local_dims
 
 
@@ -69,10 +73,8 @@ class GptOssLM:
 
     def __init__(self, spec: ModelSpec, weights: GptOssModelWeights, tp: TPGroup = SINGLE) -> None:
         assert spec.sliding is not None, "GptOssLM needs a sliding spec"
-        if not tp.is_single:
-            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size}")
         self.spec, self.sliding, self.tp = spec, spec.sliding, tp
-        self.weights = weights
+        self.weights = weights if tp.rank == 0 else _without_down_bias(weights)
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)
@@ -85,8 +87,8 @@ class GptOssLM:
         prompt logprobs ``[L]``. ``attention`` is the ``SinkWindowBackend`` ``create_model``
         pairs with this family."""
         assert isinstance(attention, SinkWindowBackend), "gpt-oss attends with sinks"
-        spec, eps = self.spec, self.spec.rms_norm_eps
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        spec, eps, tp = self.spec, self.spec.rms_norm_eps, self.tp
+        heads, kv_heads, dim = self.local.num_heads, self.local.num_kv_heads, spec.head_dim
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         num_tokens = x.shape[0]
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
@@ -103,8 +105,8 @@ class GptOssLM:
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, layer.sinks, self.scale
             )
-            x.add_(F.linear(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias))
-            x.add_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)))
+            x.add_(row_parallel(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias, tp))
+            x.add_(all_reduce_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)), tp))
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 
@@ -143,3 +145,14 @@ class GptOssLM:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
         return F.linear(last, self.weights.lm_head)
+
+
+def _without_down_bias(weights: GptOssModelWeights) -> GptOssModelWeights:
+    """``weights`` with every expert's down bias zero: a rank other than 0 of a TP group,
+    whose partial sum must not add the bias a second time."""
+    return replace(weights, layers=tuple(_zero_down_bias(layer) for layer in weights.layers))
+
+
+def _zero_down_bias(layer: GptOssLayerWeights) -> GptOssLayerWeights:
+    experts = replace(layer.experts, down_bias=torch.zeros_like(layer.experts.down_bias))
+    return replace(layer, experts=experts)
