@@ -139,7 +139,9 @@ def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
     """Expert parallelism: the placement refused with its reason, or each rank's experts."""
     par = config.parallel
     try:
-        placement = check_expert_parallel(spec, par.tp_size, par.ep_size, par.expert_placement)
+        placement = check_expert_parallel(
+            spec, par.tp_size, par.ep_size, par.expert_placement, par.dp_size
+        )
     except ValueError as exc:
         check.problems.append(str(exc))
         return
