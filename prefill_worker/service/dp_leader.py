@@ -7,9 +7,11 @@ transfer endpoints) and the only router-facing one: the ZMQ ingress, the HTTP fr
 ``/metrics``, ``/readyz``. Its inbox (``DpInbox``) places each request (``dp.place``): its
 own go to its engine, the others' over the rank link (``dp.relay``), whose outcomes come back
 to the front that asked. The ranks are processes in one torch.distributed world (gloo; NCCL on
-CUDA) with the group's secret, as a tensor-parallel group's followers are; the world is idle
-for now (a later step runs the MoE's all-to-all across it). A rank that exits fails the
-worker (exit 70, every request in flight answered); SIGTERM drains every rank.
+CUDA) with the group's secret, as a tensor-parallel group's followers are. With the experts
+shared over the ranks (``parallel.ep_size`` = ``dp_size``) the world carries the MoE layers'
+all-to-all, every rank's forwards in lockstep (``dp.lockstep``: rank 0 calls each step, a rank
+with a plan rings its bell); otherwise it is idle. A rank that exits, or a lockstep that fails,
+fails the worker (exit 70, every request in flight answered); SIGTERM drains every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from prefill_worker.dp.place import RoomRanks, place, serve_own_rooms
 from prefill_worker.dp.relay import Relay
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.load import LoadSnapshot
-from prefill_worker.model import KVCache, ModelInfo
+from prefill_worker.model import CheckpointError, KVCache, ModelInfo
+from prefill_worker.model.hf_config import read_spec
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.request import AbortRequest, FinishReason, PrefillRequest
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import Config
@@ -127,6 +131,11 @@ class DpLeader(Daemon):
 
     def _start_ranks(self) -> None:
         cfg, size = self.config, self.config.parallel.dp_size
+        if shares_experts(cfg):
+            with startup_step("dp experts", (ValueError, CheckpointError)):
+                # refused before any rank starts (each rank's build checks it again)
+                spec, par = read_spec(cfg.model.path), cfg.parallel
+                check_expert_parallel(spec, 1, par.ep_size, par.expert_placement, size)
         with startup_step("dp ranks", (ValueError, OSError, RuntimeError, TimeoutError)):
             link_dir = tempfile.mkdtemp(prefix="prefill-worker-dp-")  # mode 0700
             relay = Relay(link_dir, size, self._reply)

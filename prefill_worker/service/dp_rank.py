@@ -8,9 +8,11 @@ and the resolved configuration on stdin (``tp.followers``). It dies with its lea
 (``PR_SET_PDEATHSIG``), joins the DP world over gloo (NCCL on CUDA) and proves it holds the
 secret (``tp.group.join``), then runs its own model, pools, engine and transfer endpoints
 (its own NIXL agent, native bootstrap socket, SGLang control socket) on ports the kernel picks;
-its front is the link (``dp.front.RankFront``). It ignores SIGTERM and SIGINT: the leader
-drains and then sends ``stop``. Exit codes as the daemon's: 0 after a stop, 78 for a
-configuration problem, 1 at start-up, 70 for a fatal engine error.
+its front is the link (``dp.front.RankFront``). With the experts shared over the DP ranks
+(``parallel.ep_size`` = ``dp_size``) its model holds its experts and every forward goes
+through the lockstep (``dp.lockstep``), whose failure fails the rank (exit 70). It ignores
+SIGTERM and SIGINT: the leader drains and then sends ``stop``. Exit codes as the daemon's: 0
+after a stop, 78 for a configuration problem, 1 at start-up, 70 for a fatal engine error.
 """
 
 from __future__ import annotations

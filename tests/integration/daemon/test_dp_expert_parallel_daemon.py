@@ -7,12 +7,14 @@ Requests one at a time on rank 0 (rank 1 idle), then on rank 1 (rank 0 idle, so 
 plan reaches rank 0 by the bell), then six at once over both ranks: native decodes on each
 rank's own bootstrap receive K and V within 1e-4 of the TP-1 runner's (the same checkpoint
 built in this process, one chunk per prompt), with its greedy first token and logprob. Every
-rank's KV pages are free afterwards; SIGTERM drains both ranks (exit 0). A rank that cannot
-take part (``ep_size`` not ``dp_size``) is refused when the configuration loads."""
+rank's KV pages are free afterwards; SIGTERM drains both ranks (exit 0). A placement that
+cannot run exits 78 before any rank starts; an ``ep_size`` other than ``dp_size`` is refused
+when the configuration loads."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import build
 from prefill_worker.request import OutcomeStatus, SamplingParams
 from prefill_worker.service.config import ConfigError, load_config
+from prefill_worker.service.dp_leader import DpLeader
 from prefill_worker.transfer import RoomState
 from prefill_worker.transfer.decode.ranks import rank_bootstrap
 from tests.checkpoints import make_checkpoint, prompt
@@ -32,6 +35,7 @@ from tests.patience import patient
 from tests.polling import wait_until
 from tests.reliability.harness import Ledger, LiveDecode, Router
 from tests.reliability.test_data_parallel import all_free, dp_pages
+from tests.reliability.test_tensor_parallel import rank_pids
 
 TOL = 1e-4
 NUM_LAYERS = 3
@@ -129,6 +133,17 @@ def test_every_rank_s_pool_is_whole_afterwards(served: dict) -> None:
     pages = served["pages"]
     assert {rank for rank, _ in pages} == {"0", "1"}
     assert all_free(pages), pages
+
+
+def test_a_placement_that_cannot_run_exits_78_before_any_rank_starts(
+    checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    flags = [f"model.path={checkpoint}", "metrics.bind=127.0.0.1:0", "parallel.dp_size=2",
+             "parallel.ep_size=2", f"parallel.expert_placement={[0] * 8}"]  # fmt: skip
+    config = load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+    assert DpLeader(config, env={}).run() == 78
+    assert "expert placement gives rank 1 no expert" in caplog.text
+    assert not rank_pids(os.getpid())
 
 
 def test_an_ep_size_that_is_not_the_dp_ranks_is_refused(checkpoint: Path) -> None:
