@@ -7,12 +7,14 @@ this rank's ``Lockstep`` (its ``ModelRunner``), and the ranks step together, eac
 decided by a vote that rank 0 calls::
 
     rank 0's step thread                       every other rank's step thread
-    wait: its own plan, a bell, or the         (waits in the vote, bounded by
+    wait: its own plan, a bell, or the         (waits in the call, bounded by
       heartbeat interval                         parallel.step_timeout_s)
-    vote: all_reduce([has a plan, stop])  <->  vote: all_reduce([has a plan, 0])
+    call: all_reduce([stop])              <->  call: all_reduce([0])
+    stop: every step thread ends
+    vote: all_reduce([has a plan])        <->  vote: all_reduce([has a plan])
     any plan: every rank runs a forward        its plan's, or an idle one (no tokens:
       (its plan's, or an idle one)               ``Runner.run_idle``, the exchanges only)
-    stop: every step thread ends               after a step, a plan still waiting rings
+                                               after a step, a plan still waiting rings
                                                  the bell again
 
 Rank 0 drives: the others wait in the vote, so a step starts as soon as rank 0 calls it,
@@ -24,11 +26,16 @@ lockstep fails, every forward waiting on it fails, and the worker fails as one (
 ``DpRanks.problem``, a rank's own supervisor). A forward that raises mid-way (the others
 may wait in its exchange) fails the lockstep likewise. A plan with no chunks needs no step.
 
-Why a vote each step and not the plans themselves: a rank's batch is its own (its attention
-and KV are local); all the others need to know is whether to run the exchanges, which an
-all-reduce of two integers says. SGLang's DP attention gathers each rank's token count at
-every scheduler turn for the same reason (idle batches on ranks without work); here the
-ranks that have nothing wait instead of polling.
+Why two rounds: a rank waiting in a single vote would have said "no plan" when it entered
+it, before its engine's next plan came, and the ranks' batches would alternate instead of
+running together; the first round is the moment every rank looks. For the same reason a rank
+whose own plan ran in the last step gives its engine up to ``GATHER_S`` to hand over the next
+one before it votes (the engine plans it during the forward, but the hand-over takes a few
+thread hops). Why a vote and not the plans themselves: a rank's batch is its own (its
+attention and KV are local); all the others need to know is whether to run the exchanges,
+which an all-reduce of one integer says. SGLang's DP attention gathers each rank's token
+count at every turn of each scheduler's (polling) loop, once its next batch is planned, for
+the same reason (idle batches on ranks without work); here ranks with nothing wait instead.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ from prefill_worker.batch import BatchOutput, BatchPlan
 log = logging.getLogger(__name__)
 
 BELL_NAME = "step-bell"
+# How long a rank whose own plan ran in the last step waits for its engine's next plan
+# before it votes (once: after a step without a plan of its own it votes at once).
+GATHER_S = 0.005
 
 
 class LockstepFailed(RuntimeError):
@@ -124,10 +134,14 @@ class Lockstep:
         bell: Bell,
         interval_s: float,
         on_failure: Any = None,
+        gather_s: float = GATHER_S,
     ) -> None:
         self._runner, self.rank, self._group, self._bell = runner, rank, group, bell
         self._interval_s, self._on_failure = interval_s, on_failure
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # a plan was handed over
+        self._gather_s = gather_s
+        self._was_busy = False  # the last step ran this rank's own plan
         self._job: _Job | None = None
         self._stopping = False
         self.failure: str | None = None
@@ -156,6 +170,7 @@ class Lockstep:
                 raise LockstepFailed(self.failure or "the attention-DP lockstep stopped")
             assert self._job is None, "one plan at a time"
             self._job = job
+            self._ready.notify_all()
         self._ring()
         job.done.wait()
         if job.error is not None:
@@ -190,22 +205,38 @@ class Lockstep:
                  self.rank, counts.busy, counts.idle, counts.votes)  # fmt: skip
 
     def _step(self) -> bool:
-        """One vote, and the step it decides; False once the ranks stop."""
+        """One vote, and the step it decides; False once the ranks stop. The vote has two
+        rounds: rank 0 calls it (the others wait in the first, which carries the stop), then
+        every rank says whether it has a plan *now*: a rank whose engine hands over its next
+        plan as rank 0's does (right after the last step) is in the same step, not the next."""
         if self.is_leader:
             self._wait_for_reason()
             self._bell.drain()
         with self._lock:
-            job, stop = self._job, self._stopping and self.is_leader
-        votes = torch.tensor([job is not None, stop], dtype=torch.int64)
+            stop = self._stopping and self.is_leader
+        call = torch.tensor([stop], dtype=torch.int64)
+        dist.all_reduce(call, group=self._group)
+        if call[0]:
+            return False
+        job = self._next_job()
+        votes = torch.tensor([job is not None], dtype=torch.int64)
         dist.all_reduce(votes, group=self._group)
         self.counts.votes += 1
-        if votes[1]:
-            return False
+        self._was_busy = job is not None and bool(votes[0])
         if votes[0]:
             self._forward(job)
         if not self.is_leader and self._job is not None:
             self._bell.ring()  # arrived during this step: rank 0 calls another
         return True
+
+    def _next_job(self) -> _Job | None:
+        """The plan this rank votes with; right after a step that ran its own plan, up to
+        ``gather_s`` for its engine's next one (handed over a few thread hops after the
+        last step: without the wait a busy rank's next batch would miss the step)."""
+        with self._ready:
+            if self._job is None and self._was_busy:
+                self._ready.wait_for(lambda: self._job is not None, self._gather_s)
+            return self._job
 
     def _wait_for_reason(self) -> None:
         """Rank 0: until its own plan, a bell, the stop, or the heartbeat interval."""
