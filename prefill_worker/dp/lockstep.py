@@ -9,7 +9,7 @@ decided by a vote that rank 0 calls::
     rank 0's step thread                       every other rank's step thread
     wait: its own plan, a bell, or the         (waits in the call, bounded by
       heartbeat interval                         parallel.step_timeout_s)
-    call: all_reduce([stop])              <->  call: all_reduce([0])
+    call: all_reduce([stop, wanted])      <->  call: all_reduce([0, 0])
     stop: every step thread ends
     vote: all_reduce([has a plan])        <->  vote: all_reduce([has a plan])
     any plan: every rank runs a forward        its plan's, or an idle one (no tokens:
@@ -30,8 +30,9 @@ Why two rounds: a rank waiting in a single vote would have said "no plan" when i
 it, before its engine's next plan came, and the ranks' batches would alternate instead of
 running together; the first round is the moment every rank looks. For the same reason a rank
 whose own plan ran in the last step gives its engine up to ``GATHER_S`` to hand over the next
-one before it votes (the engine plans it during the forward, but the hand-over takes a few
-thread hops). Why a vote and not the plans themselves: a rank's batch is its own (its
+one before it votes in a step rank 0 was asked for (the engine plans it during the forward,
+but the hand-over takes a few thread hops; a heartbeat waits for nothing and leaves that
+memory alone). Why a vote and not the plans themselves: a rank's batch is its own (its
 attention and KV are local); all the others need to know is whether to run the exchanges,
 which an all-reduce of one integer says. SGLang's DP attention gathers each rank's token
 count at every turn of each scheduler's (polling) loop, once its next batch is planned, for
@@ -95,10 +96,13 @@ class Bell:
         with contextlib.suppress(BlockingIOError, FileNotFoundError, ConnectionRefusedError):
             self._sock.sendto(b"s", self.path)
 
-    def drain(self) -> None:
+    def drain(self) -> int:
+        """Read every ring so far; how many there were."""
+        count = 0
         with contextlib.suppress(BlockingIOError):
             while self._sock.recv(64):
-                pass
+                count += 1
+        return count
 
     def close(self) -> None:
         self._sock.close()
@@ -144,6 +148,7 @@ class Lockstep:
         self._was_busy = False  # the last step ran this rank's own plan
         self._job: _Job | None = None
         self._stopping = False
+        self._abandoned = False  # stopped without a last vote (a rank is gone)
         self.failure: str | None = None
         self.counts = StepCounts()
         self._wake_r, self._wake_w = os.pipe()
@@ -178,11 +183,13 @@ class Lockstep:
         assert job.output is not None
         return job.output
 
-    def stop(self, timeout_s: float) -> None:
-        """Rank 0: a last step that ends every rank's step thread (skipped once failed).
-        Another rank: wait (bounded) for that step. Then the plan still waiting fails."""
+    def stop(self, timeout_s: float, vote: bool = True) -> None:
+        """Rank 0: a last step that ends every rank's step thread (``vote`` False, a rank
+        known dead: none, the thread ends at its next step). Another rank: wait (bounded) for
+        that step. Then the plan still waiting fails."""
         with self._lock:
             self._stopping = True
+            self._abandoned = not vote
         self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -209,32 +216,38 @@ class Lockstep:
         rounds: rank 0 calls it (the others wait in the first, which carries the stop), then
         every rank says whether it has a plan *now*: a rank whose engine hands over its next
         plan as rank 0's does (right after the last step) is in the same step, not the next."""
+        rang = 0
         if self.is_leader:
             self._wait_for_reason()
-            self._bell.drain()
+            rang = self._bell.drain()
         with self._lock:
             stop = self._stopping and self.is_leader
-        call = torch.tensor([stop], dtype=torch.int64)
+            want = self.is_leader and (rang > 0 or self._job is not None)  # else a heartbeat
+            if self._abandoned:
+                return False
+        call = torch.tensor([stop, want], dtype=torch.int64)
         dist.all_reduce(call, group=self._group)
         if call[0]:
             return False
-        job = self._next_job()
+        job = self._next_job(bool(call[1]))
         votes = torch.tensor([job is not None], dtype=torch.int64)
         dist.all_reduce(votes, group=self._group)
         self.counts.votes += 1
-        self._was_busy = job is not None and bool(votes[0])
+        if call[1] or votes[0]:  # a heartbeat with no plan anywhere is not a step
+            self._was_busy = job is not None
         if votes[0]:
             self._forward(job)
         if not self.is_leader and self._job is not None:
             self._bell.ring()  # arrived during this step: rank 0 calls another
         return True
 
-    def _next_job(self) -> _Job | None:
-        """The plan this rank votes with; right after a step that ran its own plan, up to
-        ``gather_s`` for its engine's next one (handed over a few thread hops after the
-        last step: without the wait a busy rank's next batch would miss the step)."""
+    def _next_job(self, wanted: bool) -> _Job | None:
+        """The plan this rank votes with; in a step some rank wants (not a heartbeat), right
+        after a step that ran its own plan, up to ``gather_s`` for its engine's next one
+        (handed over a few thread hops after the last step: without the wait a busy rank's
+        next batch would miss the step)."""
         with self._ready:
-            if self._job is None and self._was_busy:
+            if self._job is None and self._was_busy and wanted:
                 self._ready.wait_for(lambda: self._job is not None, self._gather_s)
             return self._job
 

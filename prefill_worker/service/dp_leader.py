@@ -103,14 +103,18 @@ class DpRanks:
         return self.relay.num_inflight > 0
 
     def close(self) -> None:
-        if self.problem() is not None:
+        is_whole = self.problem() is None
+        if not is_whole:
             self.relay.fail_inflight(FinishReason.ENGINE_ERROR, "an attention-DP rank failed")
         else:
             self.relay.fail_inflight(FinishReason.DRAINING, "the worker stopped")
+        grace_s = _GRACE_S
         if self.lockstep is not None:  # every rank's step thread ends before its stop
-            self.lockstep.stop(self._stop_s)
+            # failed: no last vote (a rank would not answer), and no rank can leave in order
+            self.lockstep.stop(self._stop_s if is_whole else 0.0, vote=is_whole)
+            grace_s = grace_s if is_whole else 0.0
         self.relay.stop_ranks()
-        self.followers.close(_GRACE_S)
+        self.followers.close(grace_s)
         self.relay.close()
         leave()
         shutil.rmtree(self._link_dir, ignore_errors=True)
