@@ -13,9 +13,11 @@ when the configuration loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,3 +152,35 @@ def test_an_ep_size_that_is_not_the_dp_ranks_is_refused(checkpoint: Path) -> Non
     flags = [f"model.path={checkpoint}", "parallel.dp_size=2", "parallel.ep_size=4"]
     with pytest.raises(ConfigError, match=r"ep_size 4 must be 1 or dp_size \(2\) x tp_size"):
         load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_fails_the_worker_as_one_answering_all(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Rank 1 stopped (SIGSTOP) with requests in flight on both ranks: rank 0's next vote
+    waits out ``parallel.step_timeout_s`` (2 s here), the lockstep fails, every request is
+    answered (failed) and the worker exits 70."""
+    worker = start_worker(
+        tmp_path, checkpoint, "parallel.dp_size=2", "parallel.ep_size=2",
+        "parallel.step_timeout_s=2", "parallel.heartbeat_interval_s=0.5",
+    )  # fmt: skip
+    rank_pid = 0
+    try:
+        wait_ready(worker)
+        rank_pid = json.loads(worker.http("/readyz")[1])["dp_ranks"][0]["pid"]
+        router = Router(worker.ingress, Ledger())
+        try:
+            rids = [router.send_prefill(prompt(40, seed=i), 600 + i) for i in range(6)]
+            os.kill(rank_pid, signal.SIGSTOP)  # no decode claims them: all still in flight
+            replies = router.wait(rids, timeout_s=patient(30))
+        finally:
+            router.close()
+        assert worker.wait_exit(30) == 70, worker.log()
+        assert all(r.status is not OutcomeStatus.OK for r in replies.values()), replies
+        assert "attention-DP lockstep failed on rank 0" in worker.child.log_path.read_text()
+    finally:
+        if rank_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank_pid, signal.SIGKILL)
+        worker.child.kill()
