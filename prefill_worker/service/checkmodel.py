@@ -148,7 +148,8 @@ def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
     if placement is not None:
         dtype = config.model.dtype if config.model.dtype != "auto" else spec.torch_dtype
         dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
-        check.notes.append(expert_note(spec, placement, dtype, DTYPE_ITEMSIZE[dtype]))
+        itemsize, dp = DTYPE_ITEMSIZE[dtype], par.dp_size > 1
+        check.notes.append(expert_note(spec, placement, dtype, itemsize, dp))
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:

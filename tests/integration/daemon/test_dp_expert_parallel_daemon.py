@@ -27,6 +27,7 @@ import torch
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import build
 from prefill_worker.request import OutcomeStatus, SamplingParams
+from prefill_worker.service.checkmodel import ModelCheck, check_model
 from prefill_worker.service.config import ConfigError, load_config
 from prefill_worker.service.dp_leader import DpLeader
 from prefill_worker.transfer import RoomState
@@ -146,6 +147,17 @@ def test_a_placement_that_cannot_run_exits_78_before_any_rank_starts(
     assert DpLeader(config, env={}).run() == 78
     assert "expert placement gives rank 1 no expert" in caplog.text
     assert not rank_pids(os.getpid())
+
+
+def test_check_config_prints_each_dp_rank_s_experts_or_the_reason(checkpoint: Path) -> None:
+    def check(*settings: str) -> ModelCheck:
+        flags = [f"model.path={checkpoint}", "parallel.dp_size=2", *settings]
+        return check_model(load_config(ROOT / "configs/tiny-test.yaml", env={}, overrides=flags))
+
+    notes = check("parallel.ep_size=2").notes
+    assert any("expert parallel 2: 4 of 8 routed experts per rank" in n for n in notes), notes
+    bad = check("parallel.ep_size=2", f"parallel.expert_placement={[1] * 8}")
+    assert any("gives rank 0 no expert" in p for p in bad.problems), bad.problems
 
 
 def test_an_ep_size_that_is_not_the_dp_ranks_is_refused(checkpoint: Path) -> None:

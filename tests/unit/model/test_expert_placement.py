@@ -103,6 +103,14 @@ def test_across_attention_dp_ranks_ep_size_is_1_or_the_dp_ranks(tmp_path):
         check_expert_parallel(dataclasses.replace(spec, moe=None, family="qwen3"), 1, 2, (), 2)
 
 
+def test_the_memory_note_over_dp_ranks_says_the_rest_is_whole(tmp_path):
+    spec = moe_spec(tmp_path)
+    note = expert_note(spec, contiguous(8, 2), "float32", 4, dp=True)
+    assert note.startswith("expert parallel 2: 4 of 8 routed experts per rank, whole;")
+    assert "whole on each of the 2 attention-DP ranks (at DP 2 without EP: every expert" in note
+    assert "TP" not in note
+
+
 def test_the_config_takes_ep_size_dp_size_and_refuses_dp_x_tp():
     flags = ["parallel.dp_size=2", "parallel.ep_size=2"]
     assert load_config(None, env={}, overrides=flags).parallel.ep_size == 2
