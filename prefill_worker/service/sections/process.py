@@ -112,7 +112,8 @@ class ParallelConfig(Section):
         "torch",
         description="At `ep_size` > 1: how tokens reach their experts' ranks: `torch` "
         "(torch.distributed all-to-all: gloo on CPU, NCCL on CUDA) or `deepep` (DeepEP's "
-        "normal kernels; CUDA, contiguous placement, where `deep_ep` is installed).",
+        "normal kernels; CUDA, contiguous placement, where `deep_ep` is installed; not across "
+        "attention-DP ranks).",
     )
 
     @model_validator(mode="after")
@@ -121,6 +122,11 @@ class ParallelConfig(Section):
             raise ValueError(
                 f"ep_size {self.ep_size} must be 1 or dp_size ({self.dp_size}) x tp_size "
                 f"({self.tp_size}): experts are placed over every attention-DP rank"
+            )
+        if self.dp_size > 1 and self.ep_size > 1 and self.ep_exchange != "torch":
+            raise ValueError(
+                f"ep_exchange {self.ep_exchange!r} at dp_size {self.dp_size}: across "
+                "attention-DP ranks only the torch all-to-all is built"
             )
         if self.dp_size == 1 and self.ep_size not in (1, self.tp_size):
             raise ValueError(

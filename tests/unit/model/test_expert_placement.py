@@ -118,6 +118,10 @@ def test_the_config_takes_ep_size_dp_size_and_refuses_dp_x_tp():
         load_config(None, env={}, overrides=["parallel.dp_size=2", "parallel.ep_size=4"])
     assert any("ep_size 4 must be 1 or dp_size (2) x tp_size (1)" in p for p in info.value.problems)
     with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=[*flags, "parallel.ep_exchange=deepep"])
+    says = "ep_exchange 'deepep' at dp_size 2: across attention-DP ranks only the torch"
+    assert any(says in p for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides=[*flags, "parallel.tp_size=2", "parallel.ep_size=4"])
     assert any("dp_size 2 with tp_size > 1: not built" in p for p in info.value.problems)
 
