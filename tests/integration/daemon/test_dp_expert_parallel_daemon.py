@@ -14,6 +14,7 @@ when the configuration loads."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -52,9 +53,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("dp-ep") / "qwen3_moe")
 
 
+@functools.cache
+def tp1_model(checkpoint: Path) -> tuple:
+    return build(checkpoint, dtype="float32", page_size=4, num_pages=32)
+
+
 def tp1(checkpoint: Path, tokens: list[int]) -> tuple[int, float, list[torch.Tensor]]:
-    """The TP-1 runner's greedy first token, its logprob, and K and V per layer."""
-    runner, kv_cache, _ = build(checkpoint, dtype="float32", page_size=4, num_pages=32)
+    """The TP-1 runner's greedy first token, its logprob, and K and V per layer (read back
+    before the next prompt overwrites its pages)."""
+    runner, kv_cache, _ = tp1_model(checkpoint)
     pages = list(range(-(-len(tokens) // 4)))
     chunk = ChunkPlan("r", tokens, 0, len(tokens), pages, SamplingParams())
     logits = runner.compute_logits(BatchPlan(0, (chunk,)))[0]

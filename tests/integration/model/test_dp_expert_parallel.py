@@ -55,10 +55,10 @@ def tp1(checkpoints: dict[str, Path]) -> dict[tuple[str, str], dict[str, object]
     """(family, prompt) -> the TP-1 runner's first token, logprob and K/V, the same plans."""
     out = {}
     for family, checkpoint in checkpoints.items():
-        for key, ids in prompts(max(SIZES)).items():
-            runner, kv_cache, info = build(
-                checkpoint, dtype="float32", page_size=PAGE_SIZE, num_pages=NUM_PAGES
-            )
+        runner, kv_cache, info = build(
+            checkpoint, dtype="float32", page_size=PAGE_SIZE, num_pages=NUM_PAGES
+        )
+        for key, ids in prompts(max(SIZES)).items():  # each read back before the next runs
             for plan in plans(key, ids):
                 sampled = runner.run(plan).sampled
             out[family, key] = {
