@@ -1,4 +1,4 @@
-"""Expert parallelism's cost: TP 2 / EP 2 against TP 2, same MoE model, same prompt, one run.
+"""Expert parallelism's cost: TP 2 / EP 2 and DP 2 / EP 2 against TP 2, same MoE model, one run.
 
 A random checkpoint of a scaled-down Qwen3-MoE shape (fp32; 4 layers, all sparse, hidden
 1024, 64 experts of intermediate 384, top 8, 16 heads, 4 KV heads), one prompt of
@@ -22,12 +22,24 @@ best EP round. Prints, and appends to ``bench/results/ep.json``::
 ``ratio`` is EP 2's throughput over TP 2's. Goal on a 2-core CPU: ratio >= 0.9 (the gain of
 EP is on GPUs, where whole experts make bigger GEMMs and DeepEP overlaps the exchange; here it
 must not lose). Compare within one run only.
+
+The same run then measures attention DP with the experts shared (``ep_size`` = ``dp_size``):
+a third group, DP 2 / EP 2, two rank processes each prefilling its own prompt (two prompts of
+``--prompt-tokens``) through the worker's lockstep (``dp.lockstep``: a vote, then both ranks'
+forwards, every sparse layer's tokens exchanged with the experts' owners), against the TP-2
+group prefilling the same two prompts as one batch, both stepped in the same rounds::
+
+    {"name": "ep", "ep": 2, "dp": 2, "ratio": ..., "all_to_all_share": ...,
+     "tokens_per_s": ..., "tp2_tokens_per_s": ..., "tokens": 2 x prompt, ...}
+
+Goal on CPU: that ``ratio`` (DP 2 / EP 2 over TP 2, the same tokens) >= 0.9.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -42,6 +54,8 @@ from typing import Any
 import torch
 
 from bench.tp import Setup, make_checkpoint, prompt_plan
+from prefill_worker.batch import BatchPlan
+from prefill_worker.dp.lockstep import Bell, Lockstep, bell_path
 from prefill_worker.model import TPGroup, build
 from prefill_worker.testing.launch import free_port
 
@@ -82,42 +96,56 @@ class ExchangeClock:
         return seconds
 
 
-def _worker(setup: Setup, ep_size: int, rank: int, port: int, conn: Connection) -> None:
-    """One rank: build, warm up, then one timed forward per ``"run"``, answering
-    ``(forward_s, exchange_s)``; ``"stop"`` ends it."""
+def _worker(setup: Setup, kind: str, rank: int, port: int, conn: Connection) -> None:
+    """One rank of ``kind`` (``tp2``, ``tp2_ep2``, ``dp2_ep2``): build, warm up, then one
+    timed forward per ``("run", plan)``, answering ``(forward_s, exchange_s)``; ``"stop"``
+    ends it. Plans: ``one`` (the first prompt), ``both`` (two prompts; a DP rank: its own)."""
     torch.set_num_threads(setup.num_threads)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=timedelta(seconds=300),
     )  # fmt: skip
-    tp = TPGroup(rank, 2, torch.distributed.group.WORLD)
-    pages = setup.num_prompts * -(-setup.prompt_tokens // PAGE_SIZE)
+    group = TPGroup(rank, 2, torch.distributed.new_group([0, 1]))  # the barrier has WORLD
+    pages = 2 * -(-setup.prompt_tokens // PAGE_SIZE)
+    where = {"dp": group} if kind == "dp2_ep2" else {"tp": group}
+    ep_size = 1 if kind == "tp2" else 2
     runner, _, info = build(setup.checkpoint, setup.dtype, "cpu", page_size=PAGE_SIZE,
-                            num_pages=pages, tp=tp, ep_size=ep_size)  # fmt: skip
-    plan = prompt_plan(setup, info.vocab_size)
+                            num_pages=pages, ep_size=ep_size, **where)  # fmt: skip
+    both = prompt_plan(dataclasses.replace(setup, num_prompts=2), info.vocab_size)
+    plans = {"one": prompt_plan(setup, info.vocab_size), "both": both}
+    forward: Any = runner
+    if kind == "dp2_ep2":  # each rank its own prompt, every forward in the lockstep
+        plans = {"both": BatchPlan(0, (both.chunks[rank],))}
+        bell = Bell(bell_path(setup.checkpoint), listen=rank == 0)
+        torch.distributed.barrier()  # rank 0's bell is bound before rank 1 rings it
+        forward = Lockstep(runner, rank, group.group, bell, interval_s=1.0)
+        forward.start()
     clock = ExchangeClock()
-    runner.run(plan)  # warm-up
+    for plan in plans.values():
+        forward.run(plan)  # warm-up
     conn.send("ready")
-    while conn.recv() == "run":
+    while (message := conn.recv()) != "stop":
         torch.distributed.barrier()
         clock.take_seconds()  # drop the warm-up's
         start = time.perf_counter()
-        runner.run(plan)
+        forward.run(plans[message[1]])
         conn.send((time.perf_counter() - start, clock.take_seconds()))
+    if isinstance(forward, Lockstep):
+        forward.stop(30.0)
     torch.distributed.destroy_process_group()
 
 
 class Group:
     """The two rank processes of one configuration, driven over pipes."""
 
-    def __init__(self, setup: Setup, ep_size: int, deadline: float) -> None:
+    def __init__(self, setup: Setup, kind: str, deadline: float) -> None:
         context = multiprocessing.get_context("spawn")
         self.deadline, self.conns, self.processes = deadline, [], []
         port = free_port()
         for rank in range(2):
             parent, child = context.Pipe()
-            args = (setup, ep_size, rank, port, child)
+            args = (setup, kind, rank, port, child)
             process = context.Process(target=_worker, args=args)
             process.start()
             self.conns.append(parent)
@@ -126,10 +154,10 @@ class Group:
     def wait_ready(self) -> None:
         assert self._receive() == ["ready"] * 2
 
-    def round(self) -> tuple[float, float]:
+    def round(self, plan: str) -> tuple[float, float]:
         """One timed forward: (slowest rank's seconds, mean exchange share)."""
         for conn in self.conns:
-            conn.send("run")
+            conn.send(("run", plan))
         times = self._receive()
         return max(t for t, _ in times), sum(c / t for t, c in times) / len(times)
 
@@ -152,34 +180,35 @@ class Group:
                 process.join(10)
 
 
-def measure(setup: Setup, repeats: int, deadline: float) -> dict[str, object]:
-    groups: dict[int, Group] = {}
-    best: dict[int, tuple[float, float]] = {}
+RUNS = (("tp2", "one"), ("tp2_ep2", "one"), ("tp2", "both"), ("dp2_ep2", "both"))
+
+
+def measure(setup: Setup, repeats: int, deadline: float) -> list[dict[str, object]]:
+    groups: dict[str, Group] = {}
+    best: dict[tuple[str, str], tuple[float, float]] = {}
     try:
-        for ep_size in (1, 2):  # one at a time: loading is memory- and CPU-bound
-            groups[ep_size] = Group(setup, ep_size, deadline)
-            groups[ep_size].wait_ready()
+        for kind in ("tp2", "tp2_ep2", "dp2_ep2"):  # one at a time: loading is memory-bound
+            groups[kind] = Group(setup, kind, deadline)
+            groups[kind].wait_ready()
         for _ in range(repeats):
-            for ep_size, group in groups.items():
-                seconds, share = group.round()
-                if ep_size not in best or seconds < best[ep_size][0]:
-                    best[ep_size] = (seconds, share)
+            for kind, plan in RUNS:
+                seconds, share = groups[kind].round(plan)
+                if (kind, plan) not in best or seconds < best[kind, plan][0]:
+                    best[kind, plan] = (seconds, share)
     finally:
         for group in groups.values():
             group.close()
-    tokens = setup.num_prompts * setup.prompt_tokens
-    return {
-        "name": "ep",
-        "ep": 2,
-        "ratio": round(best[1][0] / best[2][0], 3),
-        "all_to_all_share": round(best[2][1], 3),
-        "tokens_per_s": round(tokens / best[2][0], 1),
-        "tp2_tokens_per_s": round(tokens / best[1][0], 1),
-        "device": "cpu",
-        "dtype": setup.dtype,
-        "tokens": tokens,
-        "load_average": round(os.getloadavg()[0], 1),
-    }
+    rows = []
+    for kind, plan, extra in (("tp2_ep2", "one", {}), ("dp2_ep2", "both", {"dp": 2})):
+        tokens = setup.prompt_tokens * (2 if plan == "both" else 1)
+        (seconds, share), (tp2_seconds, _) = best[kind, plan], best["tp2", plan]
+        row = {"name": "ep", "ep": 2, **extra, "ratio": round(tp2_seconds / seconds, 3),
+               "all_to_all_share": round(share, 3), "tokens_per_s": round(tokens / seconds, 1),
+               "tp2_tokens_per_s": round(tokens / tp2_seconds, 1), "device": "cpu",
+               "dtype": setup.dtype, "tokens": tokens,
+               "load_average": round(os.getloadavg()[0], 1)}  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
@@ -193,10 +222,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ep-bench-") as tmp:
         make_checkpoint(QWEN3_MOE_SMALL, Path(tmp), torch.float32)
         setup = Setup(tmp, "cpu", "float32", args.prompt_tokens, 1, 1)
-        row = measure(setup, args.repeats, deadline)
-    print(json.dumps(row), flush=True)
+        rows = measure(setup, args.repeats, deadline)
     with args.out.open("a") as out:
-        out.write(json.dumps(row) + "\n")
+        for row in rows:
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
     return 0
 
 

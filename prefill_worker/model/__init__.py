@@ -135,6 +135,7 @@ def build(
     ep_exchange: str = "torch",
     draft_path: str | Path | None = None,
     fp8_backend: Fp8WeightBackend | None = None,
+    dp: TPGroup = SINGLE,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -150,8 +151,11 @@ def build(
     its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
     (``model.quant.kv``). ``ep_size`` (1 or ``tp.size``) places the routed experts whole over
     the group's ranks (``expert_placement``: one rank per expert, else contiguous) and moves
-    tokens to them through the ``ep_exchange`` (``model.moe.ep``). FP8 weights become what
-    ``fp8_backend`` makes of them (None: the registry's choice for the device,
+    tokens to them through the ``ep_exchange`` (``model.moe.ep``). ``dp``: an attention-DP
+    rank's place among the DP ranks and their process group; ``ep_size`` ``dp.size`` places
+    the experts over the DP ranks instead, each exchanging its own tokens (every rank's
+    forwards in lockstep, ``dp.lockstep``; ``Runner.run_idle`` when it has none). FP8 weights
+    become what ``fp8_backend`` makes of them (None: the registry's choice for the device,
     ``quant.backends.select_fp8_backend``: kept for the block-scaled GEMM on a Hopper GPU,
     else dequantized at load).
 
@@ -167,7 +171,7 @@ def build(
     kept = fp8.keeps_blocks and declared.quant is not None  # FP8 weights kept as shipped
     experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype, kept)  # before loading
     check_model_shardable(declared, tp)
-    placement = check_expert_parallel(declared, tp.size, ep_size, expert_placement)
+    placement = check_expert_parallel(declared, tp.size, ep_size, expert_placement, dp.size)
     if placement is not None:
         resolve_exchange_name(ep_exchange, dev)
         if draft != "none":
@@ -175,15 +179,18 @@ def build(
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp, placement, fp8)
+    ranks = dp if dp.size > 1 else tp  # the ranks the experts are placed over
+    spec, weights = load_checkpoint(
+        model_path, torch_dtype, dev, on_progress, tp, placement, fp8, ranks.rank
+    )
     if spec.quant is not None:
         log.info("FP8 weights: %s (model.quant.backends)", fp8.name)
     experts: ExpertsBackend = create_moe_backend(experts_name, dev, torch_dtype)
     if placement is not None:
-        ep = EPGroup(tp.rank, placement, tp.group)
+        ep = EPGroup(ranks.rank, placement, ranks.group, local_tokens=dp.size > 1)
         experts = create_ep_experts(experts, ep_exchange, ep, dev)
-        log.info("expert parallel %d: rank %d holds experts %s", ep_size, tp.rank,
-                 list(placement.local_experts(tp.rank)))  # fmt: skip
+        log.info("expert parallel %d: rank %d holds experts %s", ep_size, ranks.rank,
+                 list(placement.local_experts(ranks.rank)))  # fmt: skip
     state = gather = None
     if spec.linear is not None:
         state = StateCache(local_linear(spec.linear, tp), num_state_slots, torch_dtype, dev)

@@ -170,10 +170,12 @@ class _Reader:
         tp: TPGroup = SINGLE,
         experts: ExpertPlacement | None = None,
         fp8: Fp8WeightBackend | None = None,
+        ep_rank: int | None = None,
     ):
         self.files, self.dtype, self.device = files, dtype, device
         self.spec, self.tp = spec, tp
         self.experts = experts  # expert parallelism: routed experts whole, on their owner
+        self.ep_rank = tp.rank if ep_rank is None else ep_rank  # this rank among the owners
         self.on_read: Callable[[int], None] | None = None
         # What an FP8 weight becomes (model.quant.backends): the device and checkpoint decide.
         self.fp8 = fp8 or create_fp8_backend(select_fp8_backend(spec, device))
@@ -189,7 +191,7 @@ class _Reader:
         expert = routed_expert(name) if self.experts is not None else None
         if expert is not None:
             assert self.experts is not None
-            shape = shape if self.experts.owner[expert] == self.tp.rank else (0,)
+            shape = shape if self.experts.owner[expert] == self.ep_rank else (0,)
         else:
             shape = local_shape(self.spec, name, shape, self.tp)
         num_elements = 1
@@ -315,19 +317,21 @@ def load_checkpoint(
     tp: TPGroup = SINGLE,
     experts: ExpertPlacement | None = None,
     fp8: Fp8WeightBackend | None = None,
+    ep_rank: int | None = None,
 ) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it; under expert
-    parallelism, ``experts``, only the routed experts it owns, whole); raises
-    ``CheckpointError`` on any problem. ``fp8``: what FP8 weights become (None: the backend
+    parallelism, ``experts``, only the routed experts rank ``ep_rank`` owns, whole: by default
+    ``tp.rank``, an attention-DP rank's own otherwise); raises ``CheckpointError`` on any
+    problem. ``fp8``: what FP8 weights become (None: the backend
     ``quant.backends.select_fp8_backend`` picks for the device)."""
     root = Path(model_dir)
     spec = read_spec(root)
-    reader = _Reader(tensor_files(root), dtype, device, spec, tp, experts, fp8)
+    reader = _Reader(tensor_files(root), dtype, device, spec, tp, experts, fp8, ep_rank)
     check_tensors(spec, reader)
     if on_progress is not None:
         total = sum(reader.stored_bytes(name) for name in expected_shapes(spec))
         reader.on_read = _counter(on_progress, total)
-    local = None if experts is None else experts.local_experts(tp.rank)
+    local = None if experts is None else experts.local_experts(reader.ep_rank)
     weights = fuse_weights(spec, reader, local)
     log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
     return spec, weights

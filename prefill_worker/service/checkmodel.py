@@ -139,14 +139,17 @@ def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
     """Expert parallelism: the placement refused with its reason, or each rank's experts."""
     par = config.parallel
     try:
-        placement = check_expert_parallel(spec, par.tp_size, par.ep_size, par.expert_placement)
+        placement = check_expert_parallel(
+            spec, par.tp_size, par.ep_size, par.expert_placement, par.dp_size
+        )
     except ValueError as exc:
         check.problems.append(str(exc))
         return
     if placement is not None:
         dtype = config.model.dtype if config.model.dtype != "auto" else spec.torch_dtype
         dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
-        check.notes.append(expert_note(spec, placement, dtype, DTYPE_ITEMSIZE[dtype]))
+        itemsize, dp = DTYPE_ITEMSIZE[dtype], par.dp_size > 1
+        check.notes.append(expert_note(spec, placement, dtype, itemsize, dp))
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:

@@ -8,9 +8,11 @@ and the resolved configuration on stdin (``tp.followers``). It dies with its lea
 (``PR_SET_PDEATHSIG``), joins the DP world over gloo (NCCL on CUDA) and proves it holds the
 secret (``tp.group.join``), then runs its own model, pools, engine and transfer endpoints
 (its own NIXL agent, native bootstrap socket, SGLang control socket) on ports the kernel picks;
-its front is the link (``dp.front.RankFront``). It ignores SIGTERM and SIGINT: the leader
-drains and then sends ``stop``. Exit codes as the daemon's: 0 after a stop, 78 for a
-configuration problem, 1 at start-up, 70 for a fatal engine error.
+its front is the link (``dp.front.RankFront``). With the experts shared over the DP ranks
+(``parallel.ep_size`` = ``dp_size``) its model holds its experts and every forward goes
+through the lockstep (``dp.lockstep``), whose failure fails the rank (exit 70). It ignores
+SIGTERM and SIGINT: the leader drains and then sends ``stop``. Exit codes as the daemon's: 0
+after a stop, 78 for a configuration problem, 1 at start-up, 70 for a fatal engine error.
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import cast
 
+from prefill_worker.batch import ModelRunner
 from prefill_worker.dp.front import RankFront
+from prefill_worker.dp.lockstep import Bell, Lockstep, bell_path
 from prefill_worker.dp.place import serve_own_rooms
 from prefill_worker.ingress.zmq_front import Ingress
+from prefill_worker.model import KVCache, ModelInfo
 from prefill_worker.scheduler import Engine
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.daemon import Daemon
+from prefill_worker.service.dp_lockstep import LockstepWatch, load_in_lockstep, shares_experts
 from prefill_worker.service.fdlimit import raise_fd_limit
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
+from prefill_worker.service.startup import LoadReport
+from prefill_worker.service.supervisor import Serving, Supervisor
 from prefill_worker.service.teardown import prepare_exit
 from prefill_worker.tp.followers import die_with_parent, read_stdin
-from prefill_worker.tp.group import Placement, join, leave, rank_device
+from prefill_worker.tp.group import Membership, Placement, join, leave, rank_device
 
 log = logging.getLogger("prefill_worker.service.dp_rank")
 
@@ -74,11 +82,51 @@ class RankDaemon(Daemon):
     """A whole TP-1 worker whose front is the link to its DP leader."""
 
     def __init__(
-        self, config: Config, env: Mapping[str, str], link: str, dp_rank: int, dp_size: int
+        self,
+        config: Config,
+        env: Mapping[str, str],
+        link: str,
+        dp_rank: int,
+        dp_size: int,
+        membership: Membership | None = None,
     ) -> None:
         super().__init__(config, env)
         self._link, self._dp_rank, self.config_dp_size = link, dp_rank, dp_size
         self._front: RankFront | None = None
+        self._membership = membership  # the DP world (the experts' exchanges, the votes)
+        self._lockstep: Lockstep | None = None
+
+    def _load(self, placement: Placement | None) -> tuple[ModelRunner, KVCache, ModelInfo]:
+        """Experts shared over the DP ranks: every forward in lockstep with rank 0's."""
+        if not shares_experts(self.config):
+            return super()._load(placement)
+        assert self._membership is not None
+        link_dir = self._link.removeprefix("ipc://").rpartition("/")[0]
+        bell = Bell(bell_path(link_dir), listen=False)
+        report = LoadReport(self.notifier.status)
+        lockstep, kv_cache, info = load_in_lockstep(
+            self.config, self._build_model, report, self._membership, bell,
+            lambda work: work(), self._wake.set,
+        )  # fmt: skip
+        self._lockstep = lockstep
+        self._closers.append(("dp lockstep", self._stop_lockstep))
+        return lockstep, kv_cache, info
+
+    def _stop_lockstep(self) -> None:
+        """Rank 0 ended every step thread before its stop; after a failure, no wait."""
+        assert self._lockstep is not None
+        self._lockstep.stop(0.0 if self._lockstep.failure else 1.0)
+
+    def _supervisor(self) -> Supervisor:
+        if self._lockstep is None:
+            return super()._supervisor()
+        assert self._engine is not None and self._engine_thread is not None
+        watch = LockstepWatch(self._lockstep)
+        serving = Serving(
+            self._engine, self._engine_thread, self.inbox, self.ingress, self._http_api, watch
+        )
+        cfg, requests = self.config.daemon, self.stop_requests
+        return Supervisor(cfg, serving, requests, self.health, self.metrics, self.notifier)
 
     def _start_front(self, engine: Engine, limits: tuple[int, int, int]) -> Ingress:
         load = lambda: engine.load  # noqa: E731
@@ -107,12 +155,12 @@ def run_rank(config: Config, placement: Placement, link: str, secret: bytes) -> 
         log.error("dp rank %d: %s", placement.rank, exc)
         return EX_CONFIG
     try:
-        join(placement, device, tp_timeouts(config), None, secret)
+        membership = join(placement, device, tp_timeouts(config), None, secret)
     except Exception:
         log.exception("dp rank %d: joining the group failed", placement.rank)
         return 1
     own = rank_config(config, placement.rank, device)
-    daemon = RankDaemon(own, {}, link, placement.rank, placement.size)
+    daemon = RankDaemon(own, {}, link, placement.rank, placement.size, membership)
     codes: list[int] = []
     # Not on the main thread: the daemon leaves the signals alone (ignored above).
     thread = threading.Thread(target=lambda: codes.append(daemon.run()), name="dp-rank")

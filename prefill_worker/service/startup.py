@@ -152,12 +152,15 @@ def load_model(
     *,
     tp: TPGroup = SINGLE,
     device: str | None = None,
+    dp: TPGroup = SINGLE,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """This rank's shard (``tp``; TP 1: the whole model) on ``device`` (None: the
-    configured one)."""
+    configured one); ``dp``: an attention-DP rank's place, when the experts are placed over
+    the DP ranks (``parallel.ep_size`` = ``dp_size``)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
+        more = {"dp": dp} if dp.size > 1 else {}
         runner, kv_cache, info = build_model(
             cfg.model.path,
             on_progress=on_progress,
@@ -178,6 +181,7 @@ def load_model(
             ep_size=cfg.parallel.ep_size,
             expert_placement=tuple(cfg.parallel.expert_placement),
             ep_exchange=cfg.parallel.ep_exchange,
+            **more,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",

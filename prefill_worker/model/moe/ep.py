@@ -17,7 +17,8 @@ row is non-zero on one rank), so EP adds exactly the exchange's collectives to a
 ``ExpertParallelExperts`` is an experts backend (``model.moe``'s protocol) wrapping the
 chosen compute backend, so the block, the routing and the models do not change. An exchange's
 ``dispatch_combine`` takes any number of local tokens and a process group: attention-DP ranks
-(different batches per rank) call it as they are.
+(different batches per rank, ``EPGroup.local_tokens``) call it with all of theirs, and a rank
+with no batch calls it with none (``model.moe.idle``) whenever another rank runs a forward.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class EPGroup:
     rank: int
     placement: ExpertPlacement
     group: Any = None  # the torch.distributed process group (None: the default group)
+    # True: each rank's tokens are its own (attention-DP ranks), not replicated (a TP group)
+    local_tokens: bool = False
 
     @property
     def size(self) -> int:
@@ -98,7 +101,9 @@ def share(num_tokens: int, rank: int, size: int) -> slice:
 
 class ExpertParallelExperts:
     """An experts backend whose experts are this rank's only: computes this rank's share of
-    the tokens through ``exchange``, zeros elsewhere (the block's all-reduce sums them)."""
+    the tokens through ``exchange``, zeros elsewhere (the block's all-reduce sums them); with
+    ``ep.local_tokens`` (attention-DP ranks) every token is this rank's own and all of them
+    go through the exchange (no share, and at TP 1 no all-reduce)."""
 
     def __init__(self, inner: ExpertsBackend, exchange: Exchange, ep: EPGroup) -> None:
         self.inner, self.exchange, self.ep = inner, exchange, ep
@@ -118,6 +123,8 @@ class ExpertParallelExperts:
         def local(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return self.inner.experts(rows, w, local_ids, gate_up, down)
 
+        if self.ep.local_tokens:
+            return self.exchange.dispatch_combine(x, weights, ids, local)
         mine = share(x.shape[0], self.ep.rank, self.ep.size)
         out = torch.zeros_like(x)
         out[mine] = self.exchange.dispatch_combine(x[mine], weights[mine], ids[mine], local)

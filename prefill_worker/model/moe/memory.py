@@ -25,17 +25,26 @@ def expert_bytes_per_rank(spec: ModelSpec, placement: ExpertPlacement, itemsize:
     return [len(placement.local_experts(rank)) * one * num_sparse for rank in range(placement.size)]
 
 
-def expert_note(spec: ModelSpec, placement: ExpertPlacement, dtype: str, itemsize: int) -> str:
-    """The line: experts per rank at EP N, the largest rank's bytes, and TP N's for contrast."""
+def expert_note(
+    spec: ModelSpec, placement: ExpertPlacement, dtype: str, itemsize: int, dp: bool = False
+) -> str:
+    """The line: experts per rank at EP N, the largest rank's bytes, and TP N's for contrast
+    (``dp``: over attention-DP ranks, whose other weights are whole on every rank)."""
     assert spec.moe is not None
     per_rank = expert_bytes_per_rank(spec, placement, itemsize)
     size, num_experts = placement.size, spec.moe.num_experts
     tp_bytes = -(-sum(per_rank) // size)
     counts = sorted({len(placement.local_experts(rank)) for rank in range(size)})
     held = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    rest = (
+        f"the shared experts, attention and dense layers whole on each of the {size} "
+        f"attention-DP ranks (at DP {size} without EP: every expert on every rank, "
+        f"{sum(per_rank) / GiB:.2f} GiB)"
+        if dp
+        else f"(at TP {size} without EP: {tp_bytes / GiB:.2f} GiB, every expert's 1/{size}); "
+        f"the shared experts, attention and dense layers split as at TP {size}"
+    )
     return (
         f"expert parallel {size}: {held} of {num_experts} routed experts per rank, whole; "
-        f"routed experts per rank in {dtype}: up to {max(per_rank) / GiB:.2f} GiB (at TP "
-        f"{size} without EP: {tp_bytes / GiB:.2f} GiB, every expert's 1/{size}); the shared "
-        f"experts, attention and dense layers split as at TP {size}"
+        f"routed experts per rank in {dtype}: up to {max(per_rank) / GiB:.2f} GiB {rest}"
     )

@@ -84,16 +84,23 @@ def make_placement(num_experts: int, size: int, explicit: Sequence[int] = ()) ->
 
 
 def check_expert_parallel(
-    spec: ModelSpec, tp_size: int, ep_size: int, explicit: Sequence[int] = ()
+    spec: ModelSpec, tp_size: int, ep_size: int, explicit: Sequence[int] = (), dp_size: int = 1
 ) -> ExpertPlacement | None:
-    """The placement a worker of ``tp_size`` ranks runs ``spec``'s experts with at
-    ``ep_size`` (None: no expert parallelism); ``ValueError`` with the reason when it
-    cannot (a configuration problem, exit 78, before any rank starts)."""
+    """The placement a worker of ``dp_size`` attention ranks of ``tp_size`` ranks each runs
+    ``spec``'s experts with at ``ep_size`` (None: no expert parallelism); ``ValueError`` with
+    the reason when it cannot (a configuration problem, exit 78, before any rank starts).
+    The experts are placed over every rank: ``ep_size`` is ``tp_size`` (one TP group) or
+    ``dp_size`` (attention-DP ranks, each TP 1; DP x TP is not built)."""
     if ep_size == 1:
         if explicit:
             raise ValueError("parallel.expert_placement needs parallel.ep_size above 1")
         return None
-    if ep_size != tp_size:
+    if dp_size > 1 and ep_size != dp_size * tp_size:
+        raise ValueError(
+            f"parallel.ep_size {ep_size} must be 1 or parallel.dp_size ({dp_size}) x tp_size "
+            f"({tp_size}): experts are placed over every attention-DP rank"
+        )
+    if dp_size == 1 and ep_size != tp_size:
         raise ValueError(
             f"parallel.ep_size {ep_size} must be 1 or parallel.tp_size ({tp_size}): experts "
             f"are placed over the tensor-parallel group's ranks"

@@ -97,9 +97,11 @@ class ParallelConfig(Section):
         ge=1,
         le=64,
         description="Expert-parallel ranks for a mixture-of-experts model's routed experts: 1 "
-        "(each rank holds every expert, tensor-split) or `tp_size` (each rank holds whole "
-        "experts, `expert_placement`, and tokens reach them by all-to-all; "
-        "docs/parallelism.md). Qwen3-MoE and DeepSeek-V3 only.",
+        "(each rank holds every expert, tensor-split), `tp_size` (each rank of the TP group "
+        "holds whole experts, `expert_placement`, and tokens reach them by all-to-all) or, "
+        "at `dp_size` > 1, `dp_size` (the attention-DP ranks share the experts; their "
+        "forwards run in lockstep, idle ranks with none; docs/expert-parallelism.md). "
+        "Qwen3-MoE and DeepSeek-V3 only.",
     )
     expert_placement: list[int] = Field(
         [],
@@ -111,12 +113,23 @@ class ParallelConfig(Section):
         "torch",
         description="At `ep_size` > 1: how tokens reach their experts' ranks: `torch` "
         "(torch.distributed all-to-all: gloo on CPU, NCCL on CUDA) or `deepep` (DeepEP's "
-        "normal kernels; CUDA, contiguous placement, where `deep_ep` is installed).",
+        "normal kernels; CUDA, contiguous placement, where `deep_ep` is installed; not across "
+        "attention-DP ranks).",
     )
 
     @model_validator(mode="after")
     def _ep_is_the_group(self) -> ParallelConfig:
-        if self.ep_size not in (1, self.tp_size):
+        if self.dp_size > 1 and self.ep_size not in (1, self.dp_size * self.tp_size):
+            raise ValueError(
+                f"ep_size {self.ep_size} must be 1 or dp_size ({self.dp_size}) x tp_size "
+                f"({self.tp_size}): experts are placed over every attention-DP rank"
+            )
+        if self.dp_size > 1 and self.ep_size > 1 and self.ep_exchange != "torch":
+            raise ValueError(
+                f"ep_exchange {self.ep_exchange!r} at dp_size {self.dp_size}: across "
+                "attention-DP ranks only the torch all-to-all is built"
+            )
+        if self.dp_size == 1 and self.ep_size not in (1, self.tp_size):
             raise ValueError(
                 f"ep_size {self.ep_size} must be 1 or tp_size ({self.tp_size}): experts are "
                 f"placed over the tensor-parallel group's ranks"

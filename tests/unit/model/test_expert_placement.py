@@ -89,6 +89,43 @@ def test_expert_parallel_is_1_or_the_group(tmp_path):
         check_expert_parallel(moe_spec(tmp_path, "qwen3_next"), 2, 2)
 
 
+def test_across_attention_dp_ranks_ep_size_is_1_or_the_dp_ranks(tmp_path):
+    spec = moe_spec(tmp_path)
+    assert check_expert_parallel(spec, 1, 4, dp_size=4) == contiguous(8, 4)
+    assert check_expert_parallel(spec, 1, 1, dp_size=4) is None
+    assert check_expert_parallel(spec, 1, 2, [0, 1] * 4, 2) == ExpertPlacement((0, 1) * 4, 2)
+    says = "ep_size 2 must be 1 or parallel.dp_size (4) x tp_size (1): experts are placed over"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_expert_parallel(spec, 1, 2, dp_size=4)
+    with pytest.raises(ValueError, match="gives rank 1 no expert"):
+        check_expert_parallel(spec, 1, 2, [0] * 8, 2)
+    with pytest.raises(ValueError, match="serves the MoE families"):
+        check_expert_parallel(dataclasses.replace(spec, moe=None, family="qwen3"), 1, 2, (), 2)
+
+
+def test_the_memory_note_over_dp_ranks_says_the_rest_is_whole(tmp_path):
+    spec = moe_spec(tmp_path)
+    note = expert_note(spec, contiguous(8, 2), "float32", 4, dp=True)
+    assert note.startswith("expert parallel 2: 4 of 8 routed experts per rank, whole;")
+    assert "whole on each of the 2 attention-DP ranks (at DP 2 without EP: every expert" in note
+    assert "TP" not in note
+
+
+def test_the_config_takes_ep_size_dp_size_and_refuses_dp_x_tp():
+    flags = ["parallel.dp_size=2", "parallel.ep_size=2"]
+    assert load_config(None, env={}, overrides=flags).parallel.ep_size == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=["parallel.dp_size=2", "parallel.ep_size=4"])
+    assert any("ep_size 4 must be 1 or dp_size (2) x tp_size (1)" in p for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=[*flags, "parallel.ep_exchange=deepep"])
+    says = "ep_exchange 'deepep' at dp_size 2: across attention-DP ranks only the torch"
+    assert any(says in p for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=[*flags, "parallel.tp_size=2", "parallel.ep_size=4"])
+    assert any("dp_size 2 with tp_size > 1: not built" in p for p in info.value.problems)
+
+
 def test_the_config_refuses_an_ep_size_other_than_1_or_tp_size():
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides=["parallel.tp_size=4", "parallel.ep_size=2"])
