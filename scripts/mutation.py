@@ -176,6 +176,12 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_dsa.py",
         _T + "test_sglang_mamba.py",
     ],
+    "prefill_worker/transfer/sglang/components.py": [
+        _T + "test_sglang_desk.py",
+        _SWA,
+        _T + "test_sglang_dsa.py",
+        _T + "test_sglang_mamba.py",
+    ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",
         _T + "test_native_desk_tp.py",
