@@ -29,6 +29,7 @@ from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
 from prefill_worker.model.draft.build import num_draft_layers, with_draft
 from prefill_worker.model.dsa import DeepseekV32LM, DSAModelWeights
+from prefill_worker.model.gdn_rule import choose_delta_rule
 from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
@@ -83,6 +84,7 @@ class ModelInfo:
     state_regions: StateRegions | None = None  # where that pool's slots (pages) live
     sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
     sliding_layers: tuple[int, ...] = ()  # which of its layers slide
+    kernel_paths: tuple[str, ...] = ()  # "gdn=flashinfer (SM90)", "gdn=torch (why)", ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -220,7 +222,14 @@ def build(
         info = dataclasses.replace(
             info, sliding_window=sliding.window, sliding_layers=sliding.sliding_layers
         )
-    return runner, kv_cache, info
+    return runner, kv_cache, dataclasses.replace(info, kernel_paths=kernel_paths(model))
+
+
+def kernel_paths(model: object) -> tuple[str, ...]:
+    """Which kernel each of the model's optional CUDA paths runs and why (``ModelInfo``'s
+    ``kernel_paths``): the families that have one (Qwen3-Next's delta rule, gpt-oss's MXFP4
+    experts) say so in their ``kernel_paths``; the others have none."""
+    return tuple(getattr(model, "kernel_paths", ()))
 
 
 def create_model(
@@ -247,7 +256,9 @@ def create_model(
         return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
-        model = Qwen3NextLM(spec, weights, state, tp, experts)
+        assert spec.linear is not None  # hybrid weights come from a hybrid spec
+        rule, line = choose_delta_rule(attention_backend, device, weights.embed.dtype, spec.linear)
+        model = Qwen3NextLM(spec, weights, state, tp, experts, rule, (line,))
         return model, create_backend(attention_backend, device)
     if isinstance(weights, MLAModelWeights):
         assert spec.mla is not None  # MLA weights come from an MLA spec

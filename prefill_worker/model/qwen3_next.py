@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention import AttentionBackend
-from prefill_worker.model.gdn import GDNWeights, gated_delta_net
+from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, GDNWeights, gated_delta_net
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
@@ -81,11 +81,15 @@ class Qwen3NextLM:
         state: StateCache,
         tp: TPGroup = SINGLE,
         experts: ExpertsBackend | None = None,
+        delta_rule: DeltaRule = TORCH_RULE,
+        kernel_paths: tuple[str, ...] = (),
     ) -> None:
         assert spec.linear is not None, "Qwen3NextLM needs a hybrid spec"
         if not tp.is_single:
             raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only")
         self.spec, self.linear, self.tp, self.state = spec, spec.linear, tp, state
+        self.delta_rule = delta_rule  # gdn_rule's choice: torch, or flashinfer's kernel
+        self.kernel_paths = kernel_paths  # which, and why (ModelInfo.kernel_paths)
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
         self.weights = prepared_experts(weights, self.experts)
@@ -108,7 +112,11 @@ class Qwen3NextLM:
                 slot_layer = self._slot_layer[index]
                 conv, recurrent = self.state.conv[slot_layer], self.state.recurrent[slot_layer]
                 spans = inputs.state_spans
-                x.add_(gated_delta_net(h, layer.mixer, self.linear, eps, spans, conv, recurrent))
+                x.add_(
+                    gated_delta_net(
+                        h, layer.mixer, self.linear, eps, spans, conv, recurrent, self.delta_rule
+                    )
+                )
             else:
                 cache = (kv_cache, self._pool_layer[index], inputs.slots)
                 x.add_(self._attention(h, layer.mixer, cos, sin, cache, attention))

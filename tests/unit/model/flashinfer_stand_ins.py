@@ -6,6 +6,7 @@ its docs define them, computed in torch. A unit seam only: the kernels are prove
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -96,3 +97,43 @@ class PagedMLA:
             scores = (q_nope[lo:hi] @ ckv.T + q_pe[lo:hi] @ kpe.T) * scale  # [n, H, m]
             result[lo:hi] = _causal_softmax(scores, kv_lens[i]) @ ckv
         return result
+
+
+def gdn_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None, scale: float | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+    output: torch.Tensor | None = None, output_state: torch.Tensor | None = None,
+    state_checkpoints: torch.Tensor | None = None, checkpoint_cu_starts: Any = None,
+    checkpoint_every_n_tokens: int = 0,
+) -> Any:  # fmt: skip
+    """``flashinfer.gdn_prefill.chunk_gated_delta_rule``, token by token as its docs and
+    reference define it: ``g`` the decay itself (not its log), the state ``[N, H, V, K]``
+    (k last), GVA heads (``Hv`` a multiple of ``Hq == Hk``), q and k taken as given."""
+    assert cu_seqlens is not None, "cu_seqlens is required for varlen mode"
+    assert q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    assert g is not None and beta is not None and g.dtype == beta.dtype == torch.float32
+    heads, size = v.shape[1], q.shape[2]
+    assert q.shape[1] == k.shape[1] and heads % q.shape[1] == 0 and v.shape[2] == size
+    assert g.shape == beta.shape == (q.shape[0], heads)
+    bounds = cu_seqlens.tolist()
+    if initial_state is not None:
+        assert initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+        assert initial_state.shape == (len(bounds) - 1, heads, size, size)
+    scale = scale if scale else size**-0.5
+    rep = heads // q.shape[1]
+    qf, kf = (t.float().repeat_interleave(rep, dim=1) for t in (q, k))
+    out = torch.empty(q.shape[0], heads, size, dtype=q.dtype)
+    final = torch.empty(len(bounds) - 1, heads, size, size)
+    for n, (start, end) in enumerate(itertools.pairwise(bounds)):
+        s = torch.zeros(heads, size, size) if initial_state is None else initial_state[n].clone()
+        for t in range(start, end):  # s [H, V, K]
+            s = g[t][:, None, None] * s
+            old = torch.einsum("hvk,hk->hv", s, kf[t])
+            new = beta[t][:, None] * v[t].float() + (1 - beta[t][:, None]) * old
+            s = s + torch.einsum("hv,hk->hvk", new - old, kf[t])
+            out[t] = (scale * torch.einsum("hvk,hk->hv", s, qf[t])).to(q.dtype)
+        final[n] = s
+    return (out, final) if output_final_state else out

@@ -1,0 +1,151 @@
+"""Which delta rule a Gated DeltaNet layer runs (``gdn.DeltaRule``): ``torch`` (the chunked
+form in fp32, any device) or ``flashinfer`` (flashinfer 0.6.13's GDN prefill kernel,
+``flashinfer.gdn_prefill.chunk_gated_delta_rule``), and the conversions between our state
+slot and that kernel's state.
+
+The kernel takes the whole batch in one call (``cu_seqlens``), one initial state per span
+and returns one final state per span. Its contract differs from ours in three places, each
+converted here:
+
+    state     ours ``[Hv, Dk, Dv]`` (what the transfer sends); the kernel's ``[Hv, Dv, Dk]``
+              (k last): ``to_kernel_state`` / ``from_kernel_state`` transpose the last two
+    gate      ours ``g`` the log decay; the kernel's the decay itself, ``exp(g)``
+    q, k      it does not normalize them: l2-normalized here (as the torch path does)
+
+A span that starts its prompt starts from zeros; a later chunk from its slot; every span's
+final state goes back into its slot (the state carried from chunk to chunk is ours, so a
+pull or push reads the same bytes whichever rule ran).
+
+The kernel exists for SM90 (a JIT-built CUTLASS kernel) and SM100/SM103 (CuTe DSL; CUDA 13+
+and head size 128), half-precision q/k/v, one head size for q, k and v.
+``linear_rule_choice`` is the one place that decides; anything else runs the torch path,
+with the reason logged and in ``ModelInfo.kernel_paths``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, StateSpan, l2norm
+from prefill_worker.model.hf_linear import LinearAttentionSpec
+
+log = logging.getLogger(__name__)
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def to_kernel_state(state: torch.Tensor) -> torch.Tensor:
+    """Our ``[..., Hv, Dk, Dv]`` state as the kernel's ``[..., Hv, Dv, Dk]`` (a copy)."""
+    return state.transpose(-1, -2).contiguous()
+
+
+def from_kernel_state(state: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``[..., Hv, Dv, Dk]`` as our ``[..., Hv, Dk, Dv]`` (a view)."""
+    return state.transpose(-1, -2)
+
+
+def linear_rule_choice(
+    attention_backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    spec: LinearAttentionSpec,
+    capability: tuple[int, int] | None,
+    cuda_version: str | None,
+    installed: bool,
+) -> tuple[str, str]:
+    """``(name, why)``: ``flashinfer`` where its kernel applies (the attention backend is
+    flashinfer, CUDA, a supported arch, half precision, Dk == Dv), else ``torch`` and why."""
+    if attention_backend != "flashinfer" or device.type != "cuda":
+        return "torch", f"attention backend {attention_backend} on {device.type}"
+    if not installed:
+        return "torch", "flashinfer is not installed"
+    if dtype not in HALF:
+        return "torch", f"the kernel takes bf16/fp16, not {str(dtype).removeprefix('torch.')}"
+    if spec.head_k_dim != spec.head_v_dim:
+        return "torch", f"the kernel takes one head size, not Dk {spec.head_k_dim} != Dv"
+    major = capability[0] if capability is not None else 0
+    if major == 9:
+        return "flashinfer", "SM90"
+    if major == 10:
+        cuda_major = int(cuda_version.split(".")[0]) if cuda_version else 0
+        if cuda_major < 13:
+            return "torch", "its SM100 kernel needs CUDA 13+"
+        if spec.head_k_dim != 128:
+            return "torch", f"its SM100 kernel needs head size 128, not {spec.head_k_dim}"
+        return "flashinfer", "SM100"
+    sm = "unknown" if capability is None else f"SM{capability[0]}{capability[1]}"
+    return "torch", f"no GDN prefill kernel for {sm} (SM90 and SM100 only)"
+
+
+def choose_delta_rule(
+    attention_backend: str, device: torch.device, dtype: torch.dtype, spec: LinearAttentionSpec
+) -> tuple[DeltaRule, str]:
+    """The layer's ``DeltaRule`` on this host, and the line that says which and why."""
+    cuda = device.type == "cuda"
+    name, why = linear_rule_choice(
+        attention_backend,
+        device,
+        dtype,
+        spec,
+        torch.cuda.get_device_capability(device) if cuda else None,
+        torch.version.cuda,
+        cuda and importlib.util.find_spec("flashinfer") is not None,
+    )
+    line = f"gdn={name} ({why})"
+    if name == "torch" and cuda:
+        log.warning("Gated DeltaNet: the torch delta rule on CUDA: %s", why)
+    else:
+        log.info("Gated DeltaNet: the %s delta rule (%s)", name, why)
+    return (FlashInferDeltaRule() if name == "flashinfer" else TORCH_RULE), line
+
+
+class FlashInferDeltaRule:
+    """The batch's spans in one call of flashinfer's GDN prefill. ``kernel`` is
+    ``flashinfer.gdn_prefill.chunk_gated_delta_rule`` unless given (a unit seam)."""
+
+    name = "flashinfer"
+
+    def __init__(self, kernel: Callable[..., Any] | None = None) -> None:
+        if kernel is None:
+            from flashinfer.gdn_prefill import chunk_gated_delta_rule  # CUDA only
+
+            kernel = chunk_gated_delta_rule
+        self._kernel = kernel
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        spans: tuple[StateSpan, ...],
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        bounds = [0] + [span.q_end for span in spans]
+        starts = [span.q_start for span in spans]
+        assert starts == bounds[:-1] and bounds[-1] == q.shape[0], "spans must tile the batch"
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=q.device)
+        slots = torch.tensor([span.slot for span in spans], device=recurrent_state.device)
+        initial = to_kernel_state(recurrent_state[slots])  # [N, Hv, Dv, Dk]
+        for i, span in enumerate(spans):
+            if span.is_first:
+                initial[i].zero_()
+        out, final = self._kernel(
+            l2norm(q.float()).to(v.dtype).contiguous(),
+            l2norm(k.float()).to(v.dtype).contiguous(),
+            v.contiguous(),
+            g=g.float().exp().contiguous(),
+            beta=beta.float().contiguous(),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=initial,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+        )
+        recurrent_state[slots] = from_kernel_state(final).to(recurrent_state.dtype)
+        return out
