@@ -16,8 +16,9 @@ A span that starts its prompt starts from zeros; a later chunk from its slot; ev
 final state goes back into its slot (the state carried from chunk to chunk is ours, so a
 pull or push reads the same bytes whichever rule ran).
 
-The kernel exists for SM90 (a JIT-built CUTLASS kernel) and SM100/SM103 (CuTe DSL; CUDA 13+
-and head size 128), half-precision q/k/v, one head size for q, k and v.
+The kernel exists for SM90 (a JIT-built CUTLASS kernel, 64x64x128 tiles) and SM100/SM103
+(CuTe DSL; CUDA 13+), half-precision q/k/v, one head size of 128 for q, k and v (Qwen3-Next's
+and Qwen3.5's).
 ``linear_rule_choice`` is the one place that decides; anything else runs the torch path,
 with the reason logged and in ``ModelInfo.kernel_paths``.
 """
@@ -59,15 +60,17 @@ def linear_rule_choice(
     installed: bool,
 ) -> tuple[str, str]:
     """``(name, why)``: ``flashinfer`` where its kernel applies (the attention backend is
-    flashinfer, CUDA, a supported arch, half precision, Dk == Dv), else ``torch`` and why."""
+    flashinfer, CUDA, a supported arch, half precision, Dk == Dv == 128), else ``torch`` and
+    why."""
     if attention_backend != "flashinfer" or device.type != "cuda":
         return "torch", f"attention backend {attention_backend} on {device.type}"
     if not installed:
         return "torch", "flashinfer is not installed"
     if dtype not in HALF:
         return "torch", f"the kernel takes bf16/fp16, not {str(dtype).removeprefix('torch.')}"
-    if spec.head_k_dim != spec.head_v_dim:
-        return "torch", f"the kernel takes one head size, not Dk {spec.head_k_dim} != Dv"
+    if (spec.head_k_dim, spec.head_v_dim) != (128, 128):
+        dims = f"Dk {spec.head_k_dim}, Dv {spec.head_v_dim}"
+        return "torch", f"the kernel takes head size 128 for q, k and v, not {dims}"
     major = capability[0] if capability is not None else 0
     if major == 9:
         return "flashinfer", "SM90"
@@ -75,8 +78,6 @@ def linear_rule_choice(
         cuda_major = int(cuda_version.split(".")[0]) if cuda_version else 0
         if cuda_major < 13:
             return "torch", "its SM100 kernel needs CUDA 13+"
-        if spec.head_k_dim != 128:
-            return "torch", f"its SM100 kernel needs head size 128, not {spec.head_k_dim}"
         return "flashinfer", "SM100"
     sm = "unknown" if capability is None else f"SM{capability[0]}{capability[1]}"
     return "torch", f"no GDN prefill kernel for {sm} (SM90 and SM100 only)"
