@@ -39,6 +39,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.moe.ep import EPGroup, create_ep_experts, resolve_exchange_name
+from prefill_worker.model.moe.mxfp4 import mxfp4_experts_line
 from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
@@ -164,7 +165,15 @@ def build(
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    spec, weights = load_checkpoint(model_path, torch_dtype, dev, on_progress, tp, placement)
+    experts_paths: tuple[
+        str, ...
+    ] = ()  # gpt-oss: whether its MXFP4 experts stay as shipped, and why
+    if declared.sliding is not None and declared.family == "gpt_oss":
+        experts_paths = (mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding.mxfp4),)
+    keep = experts_paths[0].startswith("experts=flashinfer_mxfp4") if experts_paths else False
+    spec, weights = load_checkpoint(
+        model_path, torch_dtype, dev, on_progress, tp, placement, keep_mxfp4=keep
+    )
     experts: ExpertsBackend = create_moe_backend(experts_name, dev, torch_dtype)
     if placement is not None:
         ep = EPGroup(tp.rank, placement, tp.group)
@@ -178,7 +187,9 @@ def build(
     index_cache = None  # a DSA model's index keys, paged beside the MLA pool
     if spec.indexer is not None:
         index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
-    model, attention = create_model(spec, weights, tp, experts, backend_name, state, index_cache)
+    model, attention = create_model(
+        spec, weights, tp, experts, backend_name, state, index_cache, experts_paths
+    )
     if isinstance(attention, SinkWindowBackend | DSASdpaBackend):
         backend_name = attention.name
     dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
@@ -240,18 +251,20 @@ def create_model(
     attention_backend: str,
     state: StateCache | None = None,
     index_cache: IndexCache | None = None,
+    experts_paths: tuple[str, ...] = (),
 ) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
     family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
     whatever ``attention_backend`` names, the others having no sinks or windows; a DSA family:
-    ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``)."""
+    ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``; gpt-oss's
+    ``experts_paths``: ``moe.mxfp4.mxfp4_experts_line``'s, for ``ModelInfo.kernel_paths``)."""
     device = weights.embed.device
     if isinstance(weights, DSAModelWeights):
         assert index_cache is not None, "a DSA model needs its index cache"
         return DeepseekV32LM(spec, weights, index_cache, tp, experts), DSASdpaBackend(device)
     if isinstance(weights, GptOssModelWeights):
-        return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
+        return GptOssLM(spec, weights, tp, experts_paths), SinkWindowBackend(device)
     if isinstance(weights, Gemma3ModelWeights):
         return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):

@@ -1,0 +1,110 @@
+"""gpt-oss's MXFP4 experts kept as shipped, on the CPU: which host keeps them (and why the
+others dequantize), and the packing into the kernel's rows and padding checked against our
+dequantizer: the packed gate_up stack dequantizes to the up rows then the gate rows, each
+padded with zeros to a multiple of 128 rows and columns, the down stack to the down matrix
+padded likewise, the biases following their rows; and the loader, told to keep them, holds
+exactly that for a tiny MXFP4 checkpoint (bytes, not values: nothing dequantized). The
+kernel's own byte/scale interleave and the kernel are proven on a GPU
+(``tests/gpu/test_mxfp4_cuda.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefill_worker.model.gpt_oss import GptOssExperts, GptOssMxfp4Experts
+from prefill_worker.model.loader import load_checkpoint
+from prefill_worker.model.moe.mxfp4 import (
+    dequantize_mxfp4,
+    dequantize_stack,
+    mxfp4_experts_choice,
+    pack_down,
+    pack_gate_up,
+)
+from tests.checkpoints import make_checkpoint
+from tests.mxfp4_checkpoints import quantized, to_mxfp4
+
+CUDA, CPU, BF16 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "dtype", "mxfp4", "cap", "installed", "want"),
+    [
+        ("auto", CUDA, BF16, True, (9, 0), True, ("flashinfer", "SM90")),
+        ("flashinfer", CUDA, BF16, True, (9, 0), True, ("flashinfer", "SM90")),
+        ("grouped", CUDA, BF16, True, (9, 0), True, ("torch", "MoE backend grouped")),
+        ("auto", CUDA, torch.float16, True, (9, 0), True, ("torch", "not float16")),
+        ("auto", CUDA, BF16, True, (10, 0), True, ("torch", "SM100")),
+        ("auto", CUDA, BF16, True, (8, 9), True, ("torch", "SM89")),
+        ("auto", CUDA, BF16, True, (9, 0), False, ("torch", "not installed")),
+        ("auto", CUDA, BF16, False, (9, 0), True, ("torch", "not MXFP4")),
+        ("auto", CPU, BF16, True, None, False, ("torch", "on cpu")),
+    ],
+)
+def test_mxfp4_is_kept_only_where_the_kernel_runs(
+    backend, device, dtype, mxfp4, cap, installed, want
+):
+    name, why = mxfp4_experts_choice(backend, device, dtype, mxfp4, cap, installed)
+    assert name == want[0] and want[1] in why, (name, why)
+
+
+def _shipped(experts: int, rows: int, cols: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    blocks, scales = to_mxfp4(torch.randn(experts, rows, cols, generator=gen))
+    bias = torch.randn(experts, rows, generator=gen)
+    return blocks, scales, bias
+
+
+def _dequantized(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return dequantize_mxfp4(blocks, scales.to(torch.int32) - 127)
+
+
+@pytest.mark.parametrize(("inter", "hidden"), [(64, 96), (128, 256), (160, 32)])
+def test_gate_up_packs_as_up_rows_then_gate_rows_padded(inter, hidden):
+    blocks, scales, bias = _shipped(3, 2 * inter, hidden, seed=inter)
+    want = _dequantized(blocks, scales)  # [E, 2I, hidden], gate even rows, up odd rows
+    stack = pack_gate_up(blocks, scales, bias)
+    n_pad, k_pad = -(-inter // 128) * 128, -(-hidden // 128) * 128
+    assert stack.blocks.shape == (3, 2 * n_pad, k_pad // 2) and stack.blocks.dtype == torch.uint8
+    assert stack.scales.shape == (3, 2 * n_pad, k_pad // 32)
+    got = dequantize_stack(stack)
+    assert torch.equal(got[:, :inter, :hidden], want[:, 1::2])
+    assert torch.equal(got[:, n_pad : n_pad + inter, :hidden], want[:, 0::2])
+    assert torch.equal(stack.bias[:, :inter], bias[:, 1::2])
+    assert torch.equal(stack.bias[:, n_pad : n_pad + inter], bias[:, 0::2])
+    padding = torch.ones_like(got, dtype=torch.bool)
+    padding[:, :inter, :hidden] = padding[:, n_pad : n_pad + inter, :hidden] = False
+    assert not got[padding].any() and not stack.bias[:, inter:n_pad].any()
+
+
+@pytest.mark.parametrize(("inter", "hidden"), [(64, 96), (256, 128)])
+def test_down_packs_padded(inter, hidden):
+    blocks, scales, bias = _shipped(2, hidden, inter, seed=hidden)
+    stack = pack_down(blocks, scales, bias)
+    n_pad, k_pad = -(-inter // 128) * 128, -(-hidden // 128) * 128
+    got = dequantize_stack(stack)
+    assert got.shape == (2, k_pad, n_pad)
+    assert torch.equal(got[:, :hidden, :inter], _dequantized(blocks, scales))
+    assert got[:, hidden:].abs().sum() == 0 and got[:, :, inter:].abs().sum() == 0
+    assert torch.equal(stack.bias[:, :hidden], bias) and not stack.bias[:, hidden:].any()
+
+
+def test_the_loader_keeps_the_shipped_bytes_packed(tmp_path):
+    """The same MXFP4 checkpoint loaded both ways: the kept stacks dequantize to the
+    dequantized-at-load experts (gate rows first there, up rows first here)."""
+    packed, _ = quantized(make_checkpoint("gpt_oss", tmp_path / "ckpt"), tmp_path)
+    _, dense = load_checkpoint(packed, torch.float32, CPU)
+    _, kept = load_checkpoint(packed, torch.float32, CPU, keep_mxfp4=True)
+    for dense_layer, kept_layer in zip(dense.layers, kept.layers, strict=True):
+        d, k = dense_layer.experts, kept_layer.experts
+        assert isinstance(d, GptOssExperts) and isinstance(k, GptOssMxfp4Experts)
+        assert k.stacks is not None
+        gate_up, down = k.stacks
+        inter, hidden = d.down.shape[2], d.down.shape[1]
+        got = dequantize_stack(gate_up)
+        assert torch.equal(got[:, :inter, :hidden], d.gate_up[:, inter:])  # up
+        assert torch.equal(got[:, 128 : 128 + inter, :hidden], d.gate_up[:, :inter])  # gate
+        assert torch.equal(gate_up.bias[:, :inter], d.gate_up_bias[:, inter:])
+        assert torch.equal(dequantize_stack(down)[:, :hidden, :inter], d.down)
+        assert torch.equal(down.bias[:, :hidden], d.down_bias)
+        assert torch.equal(k.router, d.router)
