@@ -9,6 +9,9 @@ kernel's own byte/scale interleave and the kernel are proven on a GPU
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -108,3 +111,39 @@ def test_the_loader_keeps_the_shipped_bytes_packed(tmp_path):
         assert torch.equal(dequantize_stack(down)[:, :hidden, :inter], d.down)
         assert torch.equal(down.bias[:, :hidden], d.down_bias)
         assert torch.equal(k.router, d.router)
+
+
+def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(tmp_path, monkeypatch):
+    """The whole model on the CPU with its experts kept and run by a stand-in of flashinfer
+    0.6.13's W4A16 MoE (its signature, checks and reference semantics): the same logits as
+    the dequantized-at-load torch path, and ModelInfo says which path ran."""
+    from prefill_worker.batch import BatchPlan, ChunkPlan
+    from prefill_worker.model import build
+    from prefill_worker.model.moe import mxfp4
+    from prefill_worker.request import SamplingParams
+    from tests.checkpoints import prompt
+    from tests.unit.model import flashinfer_stand_ins
+
+    package = types.ModuleType("flashinfer")
+    fused = types.ModuleType("flashinfer.fused_moe")
+    for name in ("cutlass_fused_moe", "interleave_moe_weights_for_sm90_mixed_gemm",
+                 "interleave_moe_scales_for_sm90_mixed_gemm"):  # fmt: skip
+        setattr(fused, name, getattr(flashinfer_stand_ins, name))
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused)
+    packed, _ = quantized(make_checkpoint("gpt_oss", tmp_path / "ckpt"), tmp_path)
+    ids, pages = prompt(40, seed=5), [6, 2, 4]
+    logits = {}
+    for moe in ("grouped", "auto"):
+        if moe == "grouped":
+            monkeypatch.setattr(mxfp4, "mxfp4_experts_choice", lambda *_: ("torch", "asked"))
+        else:
+            monkeypatch.setattr(mxfp4, "mxfp4_experts_choice", lambda *_: ("flashinfer", "SI"))
+        runner, _, info = build(packed, "float32", "cpu", "sdpa", 16, num_pages=8, moe_backend=moe)
+        kept = isinstance(runner.model.weights.layers[0].experts, GptOssMxfp4Experts)
+        assert kept == (moe == "auto") and info.kernel_paths[0].startswith(
+            "experts=flashinfer_mxfp4 (SI)" if kept else "experts=torch (asked)"
+        )
+        chunk = ChunkPlan("a", ids, 0, 40, pages, SamplingParams())
+        logits[moe] = runner.compute_logits(BatchPlan(0, (chunk,)))[0]
+    torch.testing.assert_close(logits["auto"], logits["grouped"], atol=1e-4, rtol=1e-4)
