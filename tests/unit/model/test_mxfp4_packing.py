@@ -30,6 +30,13 @@ from tests.mxfp4_checkpoints import quantized, to_mxfp4
 CUDA, CPU, BF16 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16
 
 
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny gpt_oss checkpoint with its experts as MXFP4 (one per module)."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    return quantized(make_checkpoint("gpt_oss", root / "ckpt"), root)[0]
+
+
 @pytest.mark.parametrize(
     ("backend", "device", "dtype", "mxfp4", "cap", "installed", "want"),
     [
@@ -92,10 +99,9 @@ def test_down_packs_padded(inter, hidden):
     assert torch.equal(stack.bias[:, :hidden], bias) and not stack.bias[:, hidden:].any()
 
 
-def test_the_loader_keeps_the_shipped_bytes_packed(tmp_path):
+def test_the_loader_keeps_the_shipped_bytes_packed(packed):
     """The same MXFP4 checkpoint loaded both ways: the kept stacks dequantize to the
     dequantized-at-load experts (gate rows first there, up rows first here)."""
-    packed, _ = quantized(make_checkpoint("gpt_oss", tmp_path / "ckpt"), tmp_path)
     _, dense = load_checkpoint(packed, torch.float32, CPU)
     _, kept = load_checkpoint(packed, torch.float32, CPU, keep_mxfp4=True)
     for dense_layer, kept_layer in zip(dense.layers, kept.layers, strict=True):
@@ -113,7 +119,7 @@ def test_the_loader_keeps_the_shipped_bytes_packed(tmp_path):
         assert torch.equal(k.router, d.router)
 
 
-def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(tmp_path, monkeypatch):
+def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(packed, monkeypatch):
     """The whole model on the CPU with its experts kept and run by a stand-in of flashinfer
     0.6.13's W4A16 MoE (its signature, checks and reference semantics): the same logits as
     the dequantized-at-load torch path, and ModelInfo says which path ran."""
@@ -131,7 +137,6 @@ def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(tmp_path, monkeypat
         setattr(fused, name, getattr(flashinfer_stand_ins, name))
     monkeypatch.setitem(sys.modules, "flashinfer", package)
     monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused)
-    packed, _ = quantized(make_checkpoint("gpt_oss", tmp_path / "ckpt"), tmp_path)
     ids, pages = prompt(40, seed=5), [6, 2, 4]
     logits = {}
     for moe in ("grouped", "auto"):
@@ -147,3 +152,53 @@ def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(tmp_path, monkeypat
         chunk = ChunkPlan("a", ids, 0, 40, pages, SamplingParams())
         logits[moe] = runner.compute_logits(BatchPlan(0, (chunk,)))[0]
     torch.testing.assert_close(logits["auto"], logits["grouped"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        (["model.device=cpu"], "here: dequantized (kept as shipped only on CUDA"),
+        (["model.device=cuda", "model.dtype=bfloat16"], "here: kept as shipped on an SM90"),
+    ],
+)
+def test_check_config_states_the_experts_memory(packed, overrides, where):
+    """gpt-oss's expert bytes three ways (the tiny one: 3 layers of 5 experts, hidden 96,
+    intermediate 64; kept as shipped both padded to 128), and which applies."""
+    from prefill_worker.service.checkmodel import check_model
+    from prefill_worker.service.config import load_config
+    from tests.integration.daemon.conftest import ROOT
+
+    config = load_config(
+        ROOT / "configs" / "tiny-test.yaml", env={}, overrides=[f"model.path={packed}", *overrides]
+    )
+    notes = [n for n in check_model(config).notes if n.startswith("gpt-oss experts (MXFP4)")]
+    assert len(notes) == 1 and where in notes[0], notes
+
+
+def test_the_expert_note_of_gpt_oss_120b(packed):
+    """gpt-oss-120b's sizes (36 layers of 128 experts, hidden and intermediate 2880: 2944
+    padded): 4.25 bits a parameter shipped, 16 dequantized in bf16, 2944^2 / 2880^2 more kept."""
+    import dataclasses
+
+    from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.model.hf_sliding import SlidingSpec
+    from prefill_worker.model.moe.memory import mxfp4_expert_note
+
+    tiny = read_spec(packed)
+    spec = dataclasses.replace(tiny, hidden_size=2880, intermediate_size=2880, num_layers=36)
+    sliding = dataclasses.replace(spec.sliding, num_experts=128)
+    spec = dataclasses.replace(spec, sliding=sliding)
+    assert isinstance(spec.sliding, SlidingSpec)
+    params, padded = 36 * 128 * 3 * 2880**2, 36 * 128 * 3 * 2944**2
+    biases = 36 * 128 * 3 * 2880 * 2
+    shipped = params // 2 + params // 32 + biases
+    kept = padded // 2 + padded // 32 + 36 * 128 * 3 * 2944 * 2
+    dense = (params + 36 * 128 * 3 * 2880) * 2
+    note = mxfp4_expert_note(spec, "bfloat16", 2, may_keep=True)
+    assert note == (
+        f"gpt-oss experts (MXFP4): {shipped / 2**30:.2f} GiB as shipped; resident "
+        f"{dense / 2**30:.2f} GiB dequantized at load in bfloat16, {kept / 2**30:.2f} GiB kept "
+        "as shipped (flashinfer's W4A16 MoE, padded to 128); here: kept as shipped on an SM90 "
+        "GPU with flashinfer installed, dequantized elsewhere"
+    )
+    assert 56 < shipped / 2**30 < 57 and 213 < dense / 2**30 < 214  # 120b: ~61 GB of experts
