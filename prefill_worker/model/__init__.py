@@ -42,6 +42,11 @@ from prefill_worker.model.moe.ep import EPGroup, create_ep_experts, resolve_exch
 from prefill_worker.model.moe.mxfp4 import mxfp4_experts_line
 from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import (
+    Fp8WeightBackend,
+    create_fp8_backend,
+    select_fp8_backend,
+)
 from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_name
 from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
@@ -131,6 +136,7 @@ def build(
     expert_placement: Sequence[int] = (),
     ep_exchange: str = "torch",
     draft_path: str | Path | None = None,
+    fp8_backend: Fp8WeightBackend | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -145,7 +151,10 @@ def build(
     top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
     ``ep_size`` (1 or ``tp.size``) places the routed experts whole over the group's ranks
     (``expert_placement``: one rank per expert, else contiguous) and moves tokens to them
-    through the ``ep_exchange`` (``model.moe.ep``).
+    through the ``ep_exchange`` (``model.moe.ep``). FP8 weights become what ``fp8_backend``
+    makes of them (None: the registry's choice for the device,
+    ``quant.backends.select_fp8_backend``: kept for the block-scaled GEMM on a Hopper GPU,
+    else dequantized at load).
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -155,7 +164,9 @@ def build(
     backend_name = resolve_backend_name(attention_backend, dev)
     declared = read_spec(model_path)
     torch_dtype = resolve_dtype(dtype, declared)
-    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype)  # fails before loading
+    fp8 = fp8_backend or create_fp8_backend(select_fp8_backend(declared, dev))
+    kept = fp8.keeps_blocks and declared.quant is not None  # FP8 weights kept as shipped
+    experts_name = resolve_moe_backend_name(moe_backend, dev, torch_dtype, kept)  # before loading
     check_model_shardable(declared, tp)
     placement = check_expert_parallel(declared, tp.size, ep_size, expert_placement)
     if placement is not None:
@@ -165,15 +176,15 @@ def build(
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
-    experts_paths: tuple[
-        str, ...
-    ] = ()  # gpt-oss: whether its MXFP4 experts stay as shipped, and why
+    experts_paths: tuple[str, ...] = ()  # gpt-oss: its MXFP4 experts kept or not, and why
     if declared.sliding is not None and declared.family == "gpt_oss":
         experts_paths = (mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding.mxfp4),)
     keep = experts_paths[0].startswith("experts=flashinfer_mxfp4") if experts_paths else False
     spec, weights = load_checkpoint(
-        model_path, torch_dtype, dev, on_progress, tp, placement, keep_mxfp4=keep
+        model_path, torch_dtype, dev, on_progress, tp, placement, fp8, keep_mxfp4=keep
     )
+    if spec.quant is not None:
+        log.info("FP8 weights: %s (model.quant.backends)", fp8.name)
     experts: ExpertsBackend = create_moe_backend(experts_name, dev, torch_dtype)
     if placement is not None:
         ep = EPGroup(tp.rank, placement, tp.group)
@@ -221,7 +232,7 @@ def build(
         kv_cache.layout.pool_bytes,
     )
     runner = Runner(model, kv_cache, attention)
-    runner = with_draft(model_path, runner, draft, draft_topk, draft_path)
+    runner = with_draft(model_path, runner, draft, draft_topk, draft_path, fp8)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
     beside = state if state is not None else index_cache  # what a decode needs beside the KV

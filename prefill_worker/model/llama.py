@@ -38,6 +38,7 @@ from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.quant.linear import Weight, linear, linear_into
 from prefill_worker.model.sharding import local_dims
 
 
@@ -46,9 +47,9 @@ class LayerWeights:
     """One layer's weights; under TP, this rank's slices (H, KV, I: the rank's counts)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
+    qkv: Weight  # [(H + 2 KV) * D, hidden] (FP8 kept: an Fp8BlockWeight, quant.linear)
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) * D]
-    o: torch.Tensor  # [hidden, H * D]
+    o: Weight  # [hidden, H * D]
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [D] (qwen3)
     k_norm: torch.Tensor | None
@@ -58,9 +59,9 @@ class LayerWeights:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DenseMLP:
-    gate_up: torch.Tensor  # [2 I, hidden], gate rows first
+    gate_up: Weight  # [2 I, hidden], gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, I]
+    down: Weight  # [hidden, I]
     down_bias: torch.Tensor | None
 
 
@@ -188,7 +189,7 @@ class CausalLM:
         v_out: torch.Tensor,
     ) -> None:
         eps = self.spec.rms_norm_eps
-        qkv = F.linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+        qkv = linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
         q = qkv[:, : self._q_dim].view(q_out.shape)
         k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].view(k_out.shape)
         v_out.copy_(qkv[:, self._q_dim + self._kv_dim :].view(v_out.shape))
@@ -217,10 +218,7 @@ class CausalLM:
         mlp = layer.mlp
         assert isinstance(mlp, DenseMLP)
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
-        if mlp.gate_up_bias is None:
-            torch.mm(h, mlp.gate_up.t(), out=gate_up)
-        else:
-            torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
+        linear_into(h, mlp.gate_up, mlp.gate_up_bias, gate_up)
         x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
 
 

@@ -40,6 +40,7 @@ from prefill_worker.model.llama import (
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.linear import linear
 from prefill_worker.model.sharding import local_dims
 from prefill_worker.model.state_cache import StateCache
 
@@ -163,7 +164,7 @@ class Qwen3NextLM:
         if isinstance(mlp, MoEWeights):
             assert self.spec.moe is not None  # the loader builds MoEWeights only then
             return moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp)
-        return F.linear(silu_and_mul_(F.linear(h, mlp.gate_up)), mlp.down)
+        return linear(silu_and_mul_(linear(h, mlp.gate_up)), mlp.down)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)

@@ -132,7 +132,7 @@ def _note_weights(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
     if dtype == "auto":
         dtype = stored
     note = weight_note(spec, DTYPE_ITEMSIZE[stored], dtype, DTYPE_ITEMSIZE[dtype],
-                       config.parallel.tp_size)  # fmt: skip
+                       config.parallel.tp_size, config.model.device)  # fmt: skip
     if note is not None:
         check.notes.append(note)
 

@@ -12,6 +12,7 @@ from prefill_worker.model.draft.mtp import MTPDraft, load_mtp
 from prefill_worker.model.draft.runner import Draft, DraftingRunner
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.llama import CausalLM
+from prefill_worker.model.quant.backends import Fp8WeightBackend
 from prefill_worker.model.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -32,18 +33,21 @@ def with_draft(
     kind: str,
     topk: int,
     draft_path: str | Path | None = None,
+    fp8: Fp8WeightBackend | None = None,
 ) -> Runner:
     """``runner`` itself (``kind`` none), or a ``DraftingRunner`` over its target and the
     draft (under TP, the rank's slices of the draft, split like the target's: its pool holds
-    the rank's KV heads); ``ValueError`` for a target the draft does not fit,
-    ``CheckpointError`` for a checkpoint without it."""
+    the rank's KV heads; an MTP draft's FP8 weights as ``fp8``, the target's backend, makes
+    them); ``ValueError`` for a target the draft does not fit, ``CheckpointError`` for a
+    checkpoint without it."""
     if kind not in DRAFT_KINDS:
         raise ValueError(f"draft {kind!r} is not one of {', '.join(DRAFT_KINDS)}")
     if kind == "none":
         return runner
-    draft = (
-        _mtp(model_path, runner, topk) if kind == "mtp" else _eagle(draft_path, runner, kind, topk)
-    )
+    if kind == "mtp":
+        draft = _mtp(model_path, runner, topk, fp8)
+    else:
+        draft = _eagle(draft_path, runner, kind, topk)
     draft_kv = KVCache(
         dataclasses.replace(runner.kv_cache.layout, num_layers=1), runner.kv_cache.device
     )
@@ -51,12 +55,13 @@ def with_draft(
     return DraftingRunner(runner.model, runner.kv_cache, runner.attention, draft, draft_kv)
 
 
-def _mtp(model_path: str | Path, runner: Runner, topk: int) -> Draft:
+def _mtp(model_path: str | Path, runner: Runner, topk: int, fp8: Fp8WeightBackend | None) -> Draft:
     model = runner.model
     if not isinstance(model, DeepseekV3LM) or model.spec.indexer is not None:
         # a DSA model's MTP layer has its own indexer, which the draft does not run
         raise ValueError(f"draft 'mtp' needs a DeepSeek-V3 model, not {model.spec.architecture}")
-    weights = load_mtp(model_path, model.spec, model.dtype, runner.kv_cache.device, model.tp)
+    device = runner.kv_cache.device
+    weights = load_mtp(model_path, model.spec, model.dtype, device, model.tp, fp8)
     return MTPDraft(model.spec, weights, model.weights.embed, topk, model.tp, model.experts)
 
 

@@ -32,6 +32,7 @@ import torch
 from prefill_worker.model.moe.alltoall import LocalExperts, TorchAllToAll
 from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
 from prefill_worker.model.moe.placement import ExpertPlacement
+from prefill_worker.model.quant.linear import Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +112,8 @@ class ExpertParallelExperts:
         x: torch.Tensor,  # [T, hidden], replicated on every rank
         weights: torch.Tensor,  # [T, k]
         ids: torch.Tensor,  # [T, k] int64, global expert ids
-        gate_up: torch.Tensor,  # [E_local, 2I, hidden]: this rank's experts, whole
-        down: torch.Tensor,  # [E_local, hidden, I]
+        gate_up: Weight,  # [E_local, 2I, hidden]: this rank's experts, whole
+        down: Weight,  # [E_local, hidden, I]
     ) -> torch.Tensor:
         def local(rows: torch.Tensor, w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             return self.inner.experts(rows, w, local_ids, gate_up, down)

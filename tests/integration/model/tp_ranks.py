@@ -32,9 +32,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import TPGroup, build
+from prefill_worker.model.quant.backends import BlockGemm
+from prefill_worker.model.quant.block_gemm import Fp8BlockWeight
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.launch import free_port
 
@@ -60,6 +63,19 @@ def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
 
 
 Case = Path | tuple[Path, dict[str, object]]  # a checkpoint, or one with build()'s extra args
+GEMM_SUFFIX = "+block_gemm"  # a case so named loads its FP8 with ``block_gemm_on_cpu``
+
+
+def block_gemm_on_cpu(calls: list[int]) -> BlockGemm:
+    """The registry's CUDA path (FP8 kept as shipped, ``quant.backends.BlockGemm``) with the
+    kernel swapped for the dequantized linear (each call's N appended to ``calls``): the
+    wiring at TP > 1 on a CPU."""
+
+    def kernel(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
+        calls.append(w.shape[0])
+        return F.linear(x, w.dequantized(x.dtype))
+
+    return BlockGemm(kernel)
 
 
 def run_world(
@@ -69,7 +85,8 @@ def run_world(
     then: Callable[[int, int, Path], None] | None = None,
 ) -> None:
     """Run ``cases[size][name]`` (a checkpoint, with extra ``build`` arguments where a pair,
-    e.g. ``ep_size``) at each TP size in one world of ranks; then ``then(rank, world,
+    e.g. ``ep_size``; a name ending in ``GEMM_SUFFIX``: on the block-GEMM path,
+    ``block_gemm_on_cpu``) at each TP size in one world of ranks; then ``then(rank, world,
     out_dir)`` on every rank, in the world group (a module-level function: it crosses the
     forkserver)."""
     world = max(cases)
@@ -113,7 +130,7 @@ def _rank_main(
         for size in sorted(cases):
             tp, index = _my_group(rank, world, size)
             for name in sorted(cases[size])[index :: world // size]:
-                saved = _run_case(cases[size][name], tp, prompts)
+                saved = _run_case(cases[size][name], tp, prompts, name.endswith(GEMM_SUFFIX))
                 torch.save(saved, result_path(out_dir, name, size, tp.rank))
         if then is not None:
             then(rank, world, out_dir)
@@ -135,11 +152,13 @@ def _my_group(rank: int, world: int, size: int) -> tuple[TPGroup, int]:
     return mine
 
 
-def _run_case(case: Case, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
+def _run_case(case: Case, tp: TPGroup, prompts: Prompts, gemm: bool) -> dict[str, object]:
     path, extra = case if isinstance(case, tuple) else (case, {})
+    calls: list[int] = []  # the block GEMM's calls (gemm: every FP8 projection's)
+    fp8 = block_gemm_on_cpu(calls) if gemm else None
     runner, kv_cache, info = build(
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp,
-        **extra,  # type: ignore[arg-type]
+        fp8_backend=fp8, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
@@ -154,6 +173,7 @@ def _run_case(case: Case, tp: TPGroup, prompts: Prompts) -> dict[str, object]:
         "short_logits": first[0].clone(),
         "long_logits": second[0].clone(),
         "hit_logits": second[1].clone(),
+        "gemm_calls": len(calls),
     }
     for key, length in lengths.items():
         saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], length, i) for i in layers]
