@@ -97,12 +97,41 @@ def choose_delta_rule(
         torch.version.cuda,
         cuda and importlib.util.find_spec("flashinfer") is not None,
     )
+    rule: DeltaRule = TORCH_RULE
+    if name == "flashinfer":
+        rule, why = probed(FlashInferDeltaRule, spec, device, dtype, why)
+        name = rule.name
     line = f"gdn={name} ({why})"
     if name == "torch" and cuda:
         log.warning("Gated DeltaNet: the torch delta rule on CUDA: %s", why)
     else:
         log.info("Gated DeltaNet: the %s delta rule (%s)", name, why)
-    return (FlashInferDeltaRule() if name == "flashinfer" else TORCH_RULE), line
+    return rule, line
+
+
+def probed(
+    make: Callable[[], DeltaRule],
+    spec: LinearAttentionSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    why: str,
+) -> tuple[DeltaRule, str]:
+    """``make()``'s rule once it ran a start-up probe (65 tokens over one head group: the
+    import, a JIT build, a launch), or the torch rule and why it did not."""
+    hk, rep, dk, dv = 1, spec.num_v_heads // spec.num_k_heads, spec.head_k_dim, spec.head_v_dim
+    try:
+        rule = make()
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k = (torch.randn(65, hk, dk, generator=gen, device=device, dtype=dtype) for _ in "qk")
+        v = torch.randn(65, rep, dv, generator=gen, device=device, dtype=dtype)
+        g, beta = -torch.rand(65, rep, device=device), torch.rand(65, rep, device=device)
+        state = torch.zeros(1, rep, dk, dv, device=device)
+        out = rule(q, k, v, g, beta.to(dtype), (StateSpan(0, 65, 0, True),), state)
+        if not bool(out.float().isfinite().all()):
+            raise RuntimeError("non-finite output")
+    except Exception as exc:
+        return TORCH_RULE, f"the kernel failed its start-up probe: {exc!r}"[:300]
+    return rule, why
 
 
 class FlashInferDeltaRule:

@@ -15,6 +15,7 @@ from prefill_worker.model.gdn_rule import (
     choose_delta_rule,
     from_kernel_state,
     linear_rule_choice,
+    probed,
     to_kernel_state,
 )
 from prefill_worker.model.hf_linear import LinearAttentionSpec
@@ -100,3 +101,16 @@ def test_flashinfer_rule_refuses_spans_that_do_not_tile_the_batch():
     slots = torch.zeros(2, 4, 16, 16)
     with pytest.raises(AssertionError, match="tile"):
         FlashInferDeltaRule(gdn_prefill)(q, k, v, g, beta, (StateSpan(2, 10, 0, True),), slots)
+
+
+def test_a_kernel_that_fails_its_start_up_probe_leaves_the_torch_rule():
+    """A kernel that cannot build or launch here (a JIT without a compiler, say) is found at
+    start, not at the first request: the torch rule, and why."""
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("nvcc not found")
+
+    rule, why = probed(lambda: FlashInferDeltaRule(broken), _spec(16, 16), CPU, BF16, "SM90")
+    assert rule is TORCH_RULE and "start-up probe" in why and "nvcc not found" in why
+    rule, why = probed(lambda: FlashInferDeltaRule(gdn_prefill), _spec(16, 16), CPU, BF16, "SM90")
+    assert rule.name == "flashinfer" and why == "SM90"
