@@ -39,7 +39,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.moe.ep import EPGroup, create_ep_experts, resolve_exchange_name
-from prefill_worker.model.moe.mxfp4 import mxfp4_experts_line
+from prefill_worker.model.moe.flashinfer_mxfp4 import mxfp4_experts_line
 from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.backends import (
@@ -178,7 +178,7 @@ def build(
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
     experts_paths: tuple[str, ...] = ()  # gpt-oss: its MXFP4 experts kept or not, and why
     if declared.sliding is not None and declared.family == "gpt_oss":
-        experts_paths = (mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding.mxfp4),)
+        experts_paths = (mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding),)
     keep = experts_paths[0].startswith("experts=flashinfer_mxfp4") if experts_paths else False
     spec, weights = load_checkpoint(
         model_path, torch_dtype, dev, on_progress, tp, placement, fp8, keep_mxfp4=keep
@@ -269,7 +269,8 @@ def create_model(
     family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
     whatever ``attention_backend`` names, the others having no sinks or windows; a DSA family:
     ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``; gpt-oss's
-    ``experts_paths``: ``moe.mxfp4.mxfp4_experts_line``'s, for ``ModelInfo.kernel_paths``)."""
+    ``experts_paths``: ``moe.flashinfer_mxfp4.mxfp4_experts_line``'s, for
+    ``ModelInfo.kernel_paths``)."""
     device = weights.embed.device
     if isinstance(weights, DSAModelWeights):
         assert index_cache is not None, "a DSA model needs its index cache"

@@ -3,6 +3,9 @@
 weights), the clamped SwiGLU in the kernel (per expert ``alpha``, ``beta`` = 1 for the
 ``up + 1``, ``limit``), both biases. One call per layer over the routed (token, expert) pairs.
 
+``mxfp4_experts_line`` decides, before the weights load, whether they stay as shipped:
+``mxfp4.mxfp4_experts_choice``, then a start-up probe of the kernel (one tiny layer: the
+import, a JIT build, a launch), a failure leaving the dequantized path with the reason.
 ``prepare`` takes the packed stacks (``mxfp4.pack_*``: the kernel's rows and padding) and
 applies the kernel's byte and scale interleave once, on the GPU. The routing stays the
 model's (top-k of the router's logits, softmax over the k). CUDA only: imported when chosen
@@ -11,12 +14,23 @@ model's (top-k of the router's logits, softmax over the k). CUDA only: imported 
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from prefill_worker.model.moe.mxfp4 import MXFP4_BLOCK, Mxfp4Stack
+from prefill_worker.model.hf_sliding import SlidingSpec
+from prefill_worker.model.moe.mxfp4 import (
+    MXFP4_BLOCK,
+    Mxfp4Stack,
+    mxfp4_experts_choice,
+    pack_down,
+    pack_gate_up,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -94,3 +108,51 @@ class FlashInferMxfp4Experts:
             output=out,
         )
         return out[:, :hidden]
+
+
+def mxfp4_experts_line(
+    moe_backend: str, device: torch.device, dtype: torch.dtype, sliding: SlidingSpec
+) -> str:
+    """gpt-oss's experts path on this host, as a line: ``experts=flashinfer_mxfp4 (why)`` or
+    ``experts=torch (why)`` (``ModelInfo.kernel_paths``); logged."""
+    cuda = device.type == "cuda"
+    name, why = mxfp4_experts_choice(
+        moe_backend,
+        device,
+        dtype,
+        sliding.mxfp4,
+        torch.cuda.get_device_capability(device) if cuda else None,
+        cuda and importlib.util.find_spec("flashinfer") is not None,
+    )
+    if name == "flashinfer":
+        failure = probe(device, sliding)
+        name, why = ("flashinfer_mxfp4", why) if failure is None else ("torch", failure)
+    if cuda and sliding.mxfp4 and name == "torch":
+        log.warning("gpt-oss experts: dequantized at load on CUDA: %s", why)
+    else:
+        log.info("gpt-oss experts: %s (%s)", name, why)
+    return f"experts={name} ({why})"
+
+
+def probe(device: torch.device, sliding: SlidingSpec) -> str | None:
+    """None once the kernel ran one tiny layer (2 experts, hidden and intermediate 128) to
+    finite values; else why not."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def shipped(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            blocks = torch.randint(0, 256, (2, rows, 4, 16), generator=gen, device=device)
+            scales = torch.randint(118, 123, (2, rows, 4), generator=gen, device=device)
+            bias = torch.zeros(2, rows, device=device, dtype=torch.bfloat16)
+            return blocks.to(torch.uint8), scales.to(torch.uint8), bias
+
+        kernel = FlashInferMxfp4Experts(sliding.swiglu_alpha, sliding.swiglu_limit)
+        w = kernel.prepare(pack_gate_up(*shipped(256)), pack_down(*shipped(128)))
+        h = torch.randn(3, 128, generator=gen, device=device).to(torch.bfloat16)
+        ids = torch.tensor([[0, 1]] * 3, device=device)
+        out = kernel(h, torch.full((3, 2), 0.5, device=device), ids, w)
+        if not bool(out.float().isfinite().all()):
+            return "the W4A16 kernel gave non-finite values in its start-up probe"
+    except Exception as exc:
+        return f"the W4A16 kernel failed its start-up probe: {exc!r}: dequantized at load"[:300]
+    return None

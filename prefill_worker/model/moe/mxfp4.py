@@ -23,13 +23,9 @@ the GPU at start-up (``flashinfer_mxfp4``).
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 MXFP4_BLOCK = 32
 FP4_VALUES = (
@@ -94,28 +90,6 @@ def mxfp4_experts_choice(
         sm = "unknown" if capability is None else f"SM{capability[0]}{capability[1]}"
         return "torch", f"flashinfer's MXFP4 W4A16 MoE is SM90's; {sm}: dequantized at load"
     return "flashinfer", "SM90, MXFP4 experts kept as shipped"
-
-
-def mxfp4_experts_line(
-    moe_backend: str, device: torch.device, dtype: torch.dtype, mxfp4: bool
-) -> str:
-    """gpt-oss's experts path on this host (``mxfp4_experts_choice``), as a line:
-    ``experts=flashinfer_mxfp4 (why)`` or ``experts=torch (why)``; logged."""
-    cuda = device.type == "cuda"
-    name, why = mxfp4_experts_choice(
-        moe_backend,
-        device,
-        dtype,
-        mxfp4,
-        torch.cuda.get_device_capability(device) if cuda else None,
-        cuda and importlib.util.find_spec("flashinfer") is not None,
-    )
-    name = "flashinfer_mxfp4" if name == "flashinfer" else name
-    if cuda and mxfp4 and name == "torch":
-        log.warning("gpt-oss experts: dequantized at load on CUDA: %s", why)
-    else:
-        log.info("gpt-oss experts: %s (%s)", name, why)
-    return f"experts={name} ({why})"
 
 
 def pack_gate_up(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor) -> Mxfp4Stack:

@@ -125,25 +125,22 @@ def test_gpt_oss_with_kept_experts_through_a_kernel_stand_in(packed, monkeypatch
     the dequantized-at-load torch path, and ModelInfo says which path ran."""
     from prefill_worker.batch import BatchPlan, ChunkPlan
     from prefill_worker.model import build
-    from prefill_worker.model.moe import mxfp4
+    from prefill_worker.model.moe import flashinfer_mxfp4
     from prefill_worker.request import SamplingParams
     from tests.checkpoints import prompt
-    from tests.unit.model import flashinfer_stand_ins
 
-    package = types.ModuleType("flashinfer")
-    fused = types.ModuleType("flashinfer.fused_moe")
-    for name in ("cutlass_fused_moe", "interleave_moe_weights_for_sm90_mixed_gemm",
-                 "interleave_moe_scales_for_sm90_mixed_gemm"):  # fmt: skip
-        setattr(fused, name, getattr(flashinfer_stand_ins, name))
-    monkeypatch.setitem(sys.modules, "flashinfer", package)
-    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused)
+    _stand_in_flashinfer(monkeypatch)
     ids, pages = prompt(40, seed=5), [6, 2, 4]
     logits = {}
     for moe in ("grouped", "auto"):
         if moe == "grouped":
-            monkeypatch.setattr(mxfp4, "mxfp4_experts_choice", lambda *_: ("torch", "asked"))
+            monkeypatch.setattr(
+                flashinfer_mxfp4, "mxfp4_experts_choice", lambda *_: ("torch", "asked")
+            )
         else:
-            monkeypatch.setattr(mxfp4, "mxfp4_experts_choice", lambda *_: ("flashinfer", "SI"))
+            monkeypatch.setattr(
+                flashinfer_mxfp4, "mxfp4_experts_choice", lambda *_: ("flashinfer", "SI")
+            )
         runner, _, info = build(packed, "float32", "cpu", "sdpa", 16, num_pages=8, moe_backend=moe)
         kept = isinstance(runner.model.weights.layers[0].experts, GptOssMxfp4Experts)
         assert kept == (moe == "auto") and info.kernel_paths[0].startswith(
@@ -202,3 +199,39 @@ def test_the_expert_note_of_gpt_oss_120b(packed):
         "GPU with flashinfer installed, dequantized elsewhere"
     )
     assert 56 < shipped / 2**30 < 57 and 213 < dense / 2**30 < 214  # 120b: ~61 GB of experts
+
+
+def _stand_in_flashinfer(monkeypatch, **replace: object) -> None:
+    """``flashinfer.fused_moe`` as ``flashinfer_stand_ins``' (``replace`` swaps any)."""
+    from tests.unit.model import flashinfer_stand_ins
+
+    package = types.ModuleType("flashinfer")
+    fused = types.ModuleType("flashinfer.fused_moe")
+    for name in ("cutlass_fused_moe", "interleave_moe_weights_for_sm90_mixed_gemm",
+                 "interleave_moe_scales_for_sm90_mixed_gemm"):  # fmt: skip
+        setattr(fused, name, replace.get(name, getattr(flashinfer_stand_ins, name)))
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused)
+
+
+def test_the_kernel_is_probed_before_the_experts_are_kept(packed, monkeypatch):
+    """A kernel that fails its start-up probe (no compiler for its JIT, say) leaves the
+    experts dequantized, and says why; one that runs keeps them."""
+    from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.model.moe import flashinfer_mxfp4
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("nvcc not found")
+
+    sliding = read_spec(packed).sliding
+    assert sliding is not None
+    monkeypatch.setattr(flashinfer_mxfp4, "mxfp4_experts_choice", lambda *_: ("flashinfer", "SM90"))
+    _stand_in_flashinfer(monkeypatch)
+    assert flashinfer_mxfp4.mxfp4_experts_line("auto", CPU, BF16, sliding) == (
+        "experts=flashinfer_mxfp4 (SM90)"
+    )
+    _stand_in_flashinfer(monkeypatch, cutlass_fused_moe=broken)
+    line = flashinfer_mxfp4.mxfp4_experts_line("auto", CPU, BF16, sliding)
+    assert line.startswith("experts=torch (the W4A16 kernel failed its start-up probe") and (
+        "nvcc not found" in line
+    )
