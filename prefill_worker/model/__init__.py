@@ -51,8 +51,9 @@ from prefill_worker.model.quant.kv import FP8_E4M3, check_kv_backend, kv_dtype_n
 from prefill_worker.model.quant.kv_scales import load_kv_scales
 from prefill_worker.model.qwen3_next import HybridModelWeights, Qwen3NextLM
 from prefill_worker.model.runner import Runner
-from prefill_worker.model.sharding import check_model_shardable
+from prefill_worker.model.sharding import check_model_shardable, local_linear
 from prefill_worker.model.state_cache import StateCache
+from prefill_worker.model.state_gather import StateGather
 
 __all__ = [
     "CheckpointError",
@@ -145,14 +146,15 @@ def build(
     loads its slices and its pool holds its KV heads only (``parallel.kv_head_range``);
     ``ModelInfo`` describes the whole model. A hybrid model (linear attention) also gets a
     state pool of ``num_state_slots`` per-request slots, and its KV pool holds its
-    full-attention layers only; it runs at TP 1 only. A ``draft`` (``model.draft``: ``mtp``;
-    ``eagle``, ``eagle3`` with its checkpoint at ``draft_path``) runs after the target with its
-    own one-layer pool of as many pages (within the budget), its first proposal
-    top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8 (``model.quant.kv``).
-    ``ep_size`` (1 or ``tp.size``) places the routed experts whole over the group's ranks
-    (``expert_placement``: one rank per expert, else contiguous) and moves tokens to them
-    through the ``ep_exchange`` (``model.moe.ep``). FP8 weights become what ``fp8_backend``
-    makes of them (None: the registry's choice for the device,
+    full-attention layers only (under TP, the rank's heads of both; the leader also keeps the
+    finished prompts' slots whole, ``model.state_gather``, and describes those). A ``draft``
+    (``model.draft``: ``mtp``; ``eagle``, ``eagle3`` with its checkpoint at ``draft_path``)
+    runs after the target with its own one-layer pool of as many pages (within the budget),
+    its first proposal top-``draft_topk``. ``kv_dtype`` ``fp8_e4m3`` makes the KV pool FP8
+    (``model.quant.kv``). ``ep_size`` (1 or ``tp.size``) places the routed experts whole over
+    the group's ranks (``expert_placement``: one rank per expert, else contiguous) and moves
+    tokens to them through the ``ep_exchange`` (``model.moe.ep``). FP8 weights become what
+    ``fp8_backend`` makes of them (None: the registry's choice for the device,
     ``quant.backends.select_fp8_backend``: kept for the block-scaled GEMM on a Hopper GPU,
     else dequantized at load).
 
@@ -178,7 +180,9 @@ def build(
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
     experts_paths: tuple[str, ...] = ()  # gpt-oss: its MXFP4 experts kept or not, and why
     if declared.sliding is not None and declared.family == "gpt_oss":
-        experts_paths = (mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding),)
+        experts_paths = (
+            mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding, tp.size),
+        )
     keep = experts_paths[0].startswith("experts=flashinfer_mxfp4") if experts_paths else False
     spec, weights = load_checkpoint(
         model_path, torch_dtype, dev, on_progress, tp, placement, fp8, keep_mxfp4=keep
@@ -191,15 +195,19 @@ def build(
         experts = create_ep_experts(experts, ep_exchange, ep, dev)
         log.info("expert parallel %d: rank %d holds experts %s", ep_size, tp.rank,
                  list(placement.local_experts(tp.rank)))  # fmt: skip
-    state = None
+    state = gather = None
     if spec.linear is not None:
-        state = StateCache(spec.linear, num_state_slots, torch_dtype, dev)
+        state = StateCache(local_linear(spec.linear, tp), num_state_slots, torch_dtype, dev)
         log.info("state pool: %d slots, %d bytes", num_state_slots, state.num_bytes)
+        if not tp.is_single:  # the transfer sends whole slots: the leader gathers them
+            gather = StateGather(spec.linear, state, tp)
+            if gather.whole is not None:
+                log.info("whole state slots (sent): %d bytes", gather.whole.num_bytes)
     index_cache = None  # a DSA model's index keys, paged beside the MLA pool
     if spec.indexer is not None:
         index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
     model, attention = create_model(
-        spec, weights, tp, experts, backend_name, state, index_cache, experts_paths
+        spec, weights, tp, experts, backend_name, state, index_cache, gather, experts_paths
     )
     if isinstance(attention, SinkWindowBackend | DSASdpaBackend):
         backend_name = attention.name
@@ -235,10 +243,13 @@ def build(
     runner = with_draft(model_path, runner, draft, draft_topk, draft_path, fp8)
     moe_name = experts_name if spec.moe is not None else None
     info = _info(spec, one_page.dtype, kv_cache.device_name, backend_name, moe_name)
-    beside = state if state is not None else index_cache  # what a decode needs beside the KV
+    whole = gather.whole if gather is not None else state  # the leader's whole slots
+    beside = whole if whole is not None else index_cache  # what a decode needs beside the KV
     if beside is not None:
         regions = beside.regions(kv_cache.device_name)
         info = dataclasses.replace(info, state=regions.component, state_regions=regions)
+    elif gather is not None:  # a follower: the whole slots described, none held or sent here
+        info = dataclasses.replace(info, state=gather.component)
     if spec.sliding is not None:
         sliding = spec.sliding
         info = dataclasses.replace(
@@ -262,6 +273,7 @@ def create_model(
     attention_backend: str,
     state: StateCache | None = None,
     index_cache: IndexCache | None = None,
+    gather: StateGather | None = None,
     experts_paths: tuple[str, ...] = (),
 ) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
@@ -283,7 +295,7 @@ def create_model(
         assert state is not None, "a hybrid model needs its state pool"
         assert spec.linear is not None  # hybrid weights come from a hybrid spec
         rule, line = choose_delta_rule(attention_backend, device, weights.embed.dtype, spec.linear)
-        model = Qwen3NextLM(spec, weights, state, tp, experts, rule, (line,))
+        model = Qwen3NextLM(spec, weights, state, tp, experts, gather, rule, (line,))
         return model, create_backend(attention_backend, device)
     if isinstance(weights, MLAModelWeights):
         assert spec.mla is not None  # MLA weights come from an MLA spec

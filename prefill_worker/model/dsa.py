@@ -12,9 +12,10 @@ over the keys a lightning indexer picks (DeepSeek sparse attention, DSA)::
                 x += o(attention over the latents under keep);  x += mlp(norm(x))
 
 The indexer's keys live in the ``IndexCache`` beside the MLA pool (same pages), so a later
-chunk or a prefix hit reads both back. Runs at tensor parallel 1 (the family has no split
-table); the indexer is transformers' arithmetic (unquantized, no Hadamard rotation: an
-orthogonal transform that leaves the scores as they are).
+chunk or a prefix hit reads both back. Under tensor parallelism only MLA's query heads split
+(``sharding.DSA_INDEXER``): the indexer is replicated, so every rank writes the same index
+keys and keeps the same top-k. The indexer is transformers' arithmetic (unquantized, no
+Hadamard rotation: an orthogonal transform that leaves the scores as they are).
 """
 
 from __future__ import annotations

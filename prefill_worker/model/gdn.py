@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
 
 CHUNK = 64  # the delta rule's block of tokens
 
@@ -46,12 +47,14 @@ class GDNWeights:
 @dataclass(frozen=True, slots=True)
 class StateSpan:
     """One chunk of the packed batch: rows ``[q_start, q_end)``, its request's state slot,
-    and whether it starts the prompt (zero state) or continues it (the slot's state)."""
+    whether it starts the prompt (zero state) or continues it (the slot's state), and
+    whether it ends the prompt (its slot then holds the state a decode gets)."""
 
     q_start: int
     q_end: int
     slot: int
     is_first: bool
+    is_last: bool = False
 
 
 class DeltaRule(Protocol):
@@ -110,9 +113,12 @@ def gated_delta_net(
     spans: tuple[StateSpan, ...],
     conv_state: torch.Tensor,  # [S, conv_dim, K - 1], this layer's slots
     recurrent_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
+    tp: TPGroup = SINGLE,
     rule: DeltaRule = TORCH_RULE,
 ) -> torch.Tensor:
-    """The layer's output ``[T, hidden]``; each span's slots updated in place."""
+    """The layer's output ``[T, hidden]``; each span's slots updated in place. Under tensor
+    parallelism ``spec`` and ``w`` are the rank's heads (``sharding.local_linear``): every
+    step but the out projection is per head, and that one is row-parallel (one all-reduce)."""
     num_tokens, hv, dv = h.shape[0], spec.num_v_heads, spec.head_v_dim
     mixed, z, b, a = F.linear(h, w.in_proj).split([spec.conv_dim, spec.value_dim, hv, hv], -1)
     beta = b.sigmoid()  # [T, Hv]
@@ -133,7 +139,7 @@ def gated_delta_net(
         recurrent_state,
     )
     normed = gated_rms_norm(core.to(h.dtype), z.reshape(num_tokens, hv, dv), w.norm, eps)
-    return F.linear(normed.reshape(num_tokens, spec.value_dim), w.out)
+    return row_parallel(normed.reshape(num_tokens, spec.value_dim), w.out, None, tp)
 
 
 def causal_conv(

@@ -11,16 +11,19 @@ sliding-window on the layers ``SlidingSpec`` names, YaRN RoPE, and a MoE MLP on 
 The clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``. The experts run one at a time over the tokens
 routed to them (each expert's weights read once per layer), or, for MXFP4 experts kept as
-shipped (``GptOssMxfp4Experts``: an SM90 GPU with flashinfer, ``moe.mxfp4``'s choice), in
-one call of flashinfer's W4A16 MoE per layer (``moe.flashinfer_mxfp4``). Same contract as
-``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'. Tensor
-parallelism is not built for this family (refused at start: no split table).
+shipped (``GptOssMxfp4Experts``: an SM90 GPU with flashinfer at TP 1, ``moe.mxfp4``'s
+choice), in one call of flashinfer's W4A16 MoE per layer (``moe.flashinfer_mxfp4``). Same
+contract as ``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'.
+
+Under tensor parallelism (``sharding.GPT_OSS``) a rank runs its query heads with their sinks
+and its KV heads, and every expert's slice of the intermediate dimension; o is row-parallel
+(its bias added once, after the all-reduce), and the MoE block's partial sum is all-reduced
+once, each expert's down bias carried by rank 0's partial sum alone (the others' are zero).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ from prefill_worker.model.layers import Rotary, rms_norm
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
 from prefill_worker.model.moe.flashinfer_mxfp4 import FlashInferMxfp4Experts, PreparedMxfp4
 from prefill_worker.model.moe.mxfp4 import Mxfp4Stack
-from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_, row_parallel
 from prefill_worker.model.sharding import local_dims
 
 
@@ -91,18 +94,16 @@ class GptOssLM:
         kernel_paths: tuple[str, ...] = (),
     ) -> None:
         assert spec.sliding is not None, "GptOssLM needs a sliding spec"
-        if not tp.is_single:
-            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size}")
         self.spec, self.sliding, self.tp = spec, spec.sliding, tp
         self.kernel_paths = kernel_paths  # which experts path, and why (ModelInfo.kernel_paths)
         self.mxfp4: FlashInferMxfp4Experts | None = None
         if any(isinstance(layer.experts, GptOssMxfp4Experts) for layer in weights.layers):
+            assert tp.is_single, "MXFP4 experts are kept at tensor parallel 1 only"
             self.mxfp4 = FlashInferMxfp4Experts(
                 spec.sliding.swiglu_alpha, spec.sliding.swiglu_limit
             )
-            layers = tuple(map(self._prepared, weights.layers))
-            weights = dataclasses.replace(weights, layers=layers)
-        self.weights = weights
+            weights = replace(weights, layers=tuple(map(self._prepared, weights.layers)))
+        self.weights = weights if tp.rank == 0 else _without_down_bias(weights)
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)
@@ -115,8 +116,8 @@ class GptOssLM:
         prompt logprobs ``[L]``. ``attention`` is the ``SinkWindowBackend`` ``create_model``
         pairs with this family."""
         assert isinstance(attention, SinkWindowBackend), "gpt-oss attends with sinks"
-        spec, eps = self.spec, self.spec.rms_norm_eps
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        spec, eps, tp = self.spec, self.spec.rms_norm_eps, self.tp
+        heads, kv_heads, dim = self.local.num_heads, self.local.num_kv_heads, spec.head_dim
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         num_tokens = x.shape[0]
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
@@ -133,8 +134,8 @@ class GptOssLM:
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, layer.sinks, self.scale
             )
-            x.add_(F.linear(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias))
-            x.add_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)))
+            x.add_(row_parallel(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias, tp))
+            x.add_(all_reduce_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)), tp))
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 
@@ -145,8 +146,8 @@ class GptOssLM:
             return layer
         assert self.mxfp4 is not None
         prepared = self.mxfp4.prepare(*experts.stacks)
-        kept = dataclasses.replace(experts, stacks=None, prepared=prepared)
-        return dataclasses.replace(layer, experts=kept)
+        kept = replace(experts, stacks=None, prepared=prepared)
+        return replace(layer, experts=kept)
 
     def _moe(self, w: GptOssExperts | GptOssMxfp4Experts, h: torch.Tensor) -> torch.Tensor:
         """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``. The
@@ -186,3 +187,16 @@ class GptOssLM:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
         return F.linear(last, self.weights.lm_head)
+
+
+def _without_down_bias(weights: GptOssModelWeights) -> GptOssModelWeights:
+    """``weights`` with every expert's down bias zero: a rank other than 0 of a TP group,
+    whose partial sum must not add the bias a second time."""
+    return replace(weights, layers=tuple(_zero_down_bias(layer) for layer in weights.layers))
+
+
+def _zero_down_bias(layer: GptOssLayerWeights) -> GptOssLayerWeights:
+    if not isinstance(layer.experts, GptOssExperts):  # kept MXFP4: TP 1 only
+        return layer
+    experts = replace(layer.experts, down_bias=torch.zeros_like(layer.experts.down_bias))
+    return replace(layer, experts=experts)

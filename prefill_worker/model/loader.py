@@ -54,7 +54,13 @@ from prefill_worker.model.quant.fp8 import FP8_STORED, check_scales, is_fp8
 from prefill_worker.model.quant.linear import Weight, cat_rows
 from prefill_worker.model.quant.placement import check_cuts
 from prefill_worker.model.qwen3_next import HybridModelWeights
-from prefill_worker.model.sharding import local_shape, routed_expert, shard_slice, split_of
+from prefill_worker.model.sharding import (
+    local_shape,
+    routed_expert,
+    shard_slice,
+    shard_slices,
+    split_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,17 +224,25 @@ class _Reader:
         return self.get(name) if needed else None
 
     def _read(self, name: str) -> torch.Tensor:
-        dim, cut = self._cut(name)
+        dim = self._dim(name)
         if dim is None:
             return self._handle(name).get_tensor(name)
         piece = self._handle(name).get_slice(name)
-        return piece[cut] if dim == 0 else piece[:, cut]
+        runs = [
+            piece[(slice(None),) * dim + (cut,)]
+            for cut in shard_slices(self.spec, name, self.shape(name), self.tp)
+        ]  # one run, or a gated DeltaNet's q, k, v channel runs
+        return runs[0] if len(runs) == 1 else torch.cat(runs, dim)
+
+    def _dim(self, name: str) -> int | None:
+        """The dimension this rank's slice of ``name`` is cut along (None: whole)."""
+        if self.experts is not None and routed_expert(name) is not None:
+            return None  # expert parallelism: the owner reads its experts whole
+        return None if self.tp.is_single else split_of(self.spec.family, name).dim
 
     def _cut(self, name: str) -> tuple[int | None, slice]:
         """The dimension this rank's slice of ``name`` is cut along (None: whole), and where."""
-        dim = None if self.tp.is_single else split_of(self.spec.family, name).dim
-        if self.experts is not None and routed_expert(name) is not None:
-            dim = None  # expert parallelism: the owner reads its experts whole
+        dim = self._dim(name)
         if dim is None:
             return None, slice(None)
         return dim, shard_slice(self.spec, name, self.shape(name), self.tp)

@@ -140,7 +140,8 @@ class Runner:
             if slot is None or not 0 <= slot < self.num_state_slots or slot in seen:
                 raise ValueError(f"chunk of {chunk.request_id}: bad state slot {slot}")
             seen.add(slot)
-            out.append(StateSpan(span.q_start, span.q_end, slot, chunk.start == 0))
+            is_last = chunk.sampling is not None  # the chunk that ends the prompt
+            out.append(StateSpan(span.q_start, span.q_end, slot, chunk.start == 0, is_last))
         return tuple(out)
 
     def _logprob_rows(

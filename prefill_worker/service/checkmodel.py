@@ -178,6 +178,20 @@ def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | 
         f"recurrent {linear.num_v_heads} × {linear.head_k_dim} × {linear.head_v_dim} float32, "
         f"per layer) = {num_slots * slot / 2**30:.2f} GiB; the prefix cache is off"
         f"{_staging_note(config, linear)}"
+        f"{_group_state_note(config, num_slots * slot)}"
+    )
+
+
+def _group_state_note(config: Config, pool_bytes: int) -> str:
+    """At TP > 1: each rank's pool holds its heads (1/N of each slot, ``sharding.
+    local_linear``), and rank 0 also the whole slots it sends (``model.state_gather``)."""
+    tp = config.parallel.tp_size
+    if tp == 1:
+        return ""
+    return (
+        f"; at tensor parallel {tp} each rank's pool holds its heads, "
+        f"{pool_bytes // tp / 2**30:.2f} GiB, and rank 0 also the whole slots it sends, "
+        f"{pool_bytes / 2**30:.2f} GiB more"
     )
 
 

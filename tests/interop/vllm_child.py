@@ -174,8 +174,10 @@ class Decode:
             self.groups.attach(self.config, kv_config)
         self.connector.register_kv_caches(self.caches)
         self.side_channel = ("127.0.0.1", int(spec.get("side_channel_port", 0)))
-        if self.is_push:
-            self._serve_side_channel()
+        # at TP > 1 rank 0 serves every rank's payload once gathered (``serve``), as vLLM's
+        # scheduler serves its workers'
+        if self.is_push and self.tp_size == 1:
+            self.serve_side_channel([self.handshake_payload()])
         self._registrations: dict[str, dict[str, Any]] = {}
         self._free = list(range(self.num_blocks))[::-1]  # handed out high ids first
         self.pulls: dict[str, Pull] = {}
@@ -183,12 +185,17 @@ class Decode:
         self._pending: dict[str, tuple[tuple[list[int], ...], dict[str, Any]]] = {}
         self.load_errors: set[int] = set()
 
-    def _serve_side_channel(self) -> None:
-        """A push decode's own side channel, where the prefill fetches its metadata before it
-        WRITEs: vLLM's scheduler-side listener, serving the worker's handshake payload."""
+    def handshake_payload(self) -> bytes:
+        """This rank's handshake payload, as its worker hands it to vLLM's scheduler."""
         worker = self.connector.connector_worker
         assert worker is not None and worker.xfer_handshake_metadata is not None
-        data = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+        return msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
+
+    def serve_side_channel(self, payloads: list[bytes]) -> None:
+        """A push decode's own side channel, where the prefill fetches its metadata before it
+        WRITEs: vLLM's scheduler-side listener, serving each rank's handshake payload (tp
+        rank i: ``payloads[i]``; a decode of TP d gathers its ranks' into one listener)."""
+        data = {(0, rank): payload for rank, payload in enumerate(payloads)}
         ready, self._stop = threading.Event(), threading.Event()
         host, port = self.side_channel
         listener = threading.Thread(
@@ -377,6 +384,11 @@ def _handle(decodes: dict[str, Decode], command: dict[str, Any]) -> dict[str, An
         return {}
     if op == "hash":
         return {"compat_hash": compat_hash(command["spec"])}
+    if op == "meta":  # a push decode rank's handshake payload, for rank 0's ``serve``
+        return {"payload": decode.handshake_payload().hex()}
+    if op == "serve":  # rank 0 of a push decode of TP > 1: every rank's payload, one channel
+        decode.serve_side_channel([bytes.fromhex(p) for p in command["payloads"]])
+        return {}
     if op == "quit":
         return {}
     raise ValueError(f"unknown op {op!r}")

@@ -111,7 +111,11 @@ class FlashInferMxfp4Experts:
 
 
 def mxfp4_experts_line(
-    moe_backend: str, device: torch.device, dtype: torch.dtype, sliding: SlidingSpec
+    moe_backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    sliding: SlidingSpec,
+    tp_size: int = 1,
 ) -> str:
     """gpt-oss's experts path on this host, as a line: ``experts=flashinfer_mxfp4 (why)`` or
     ``experts=torch (why)`` (``ModelInfo.kernel_paths``); logged."""
@@ -123,6 +127,7 @@ def mxfp4_experts_line(
         sliding.mxfp4,
         torch.cuda.get_device_capability(device) if cuda else None,
         cuda and importlib.util.find_spec("flashinfer") is not None,
+        tp_size,
     )
     if name == "flashinfer":
         failure = probe(device, sliding)

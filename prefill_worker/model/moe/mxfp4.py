@@ -73,16 +73,20 @@ def mxfp4_experts_choice(
     mxfp4: bool,
     capability: tuple[int, int] | None,
     installed: bool,
+    tp_size: int = 1,
 ) -> tuple[str, str]:
     """``(name, why)``: ``flashinfer`` (the experts kept as MXFP4 on the device, run by its
     W4A16 MoE) for an MXFP4 checkpoint with ``moe_backend`` auto or flashinfer on an SM90
-    GPU in bf16 with flashinfer installed; else ``torch`` (dequantized at load) and why."""
+    GPU in bf16 with flashinfer installed, at tensor parallel 1; else ``torch`` (dequantized
+    at load) and why."""
     if not mxfp4:
         return "torch", "the checkpoint's experts are not MXFP4"
     if moe_backend not in ("auto", "flashinfer") or device.type != "cuda":
         return "torch", f"MoE backend {moe_backend} on {device.type}: dequantized at load"
     if not installed:
         return "torch", "flashinfer is not installed: dequantized at load"
+    if tp_size != 1:
+        return "torch", f"tensor parallel {tp_size}: dequantized at load (kept at TP 1 only)"
     if dtype != torch.bfloat16:
         name = str(dtype).removeprefix("torch.")
         return "torch", f"the W4A16 kernel runs in bfloat16, not {name}: dequantized at load"

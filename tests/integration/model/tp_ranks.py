@@ -13,8 +13,14 @@ case's checkpoint at its ranks and runs the same three batches::
 ``hit`` shares long's first 32 tokens (two whole pages), so its chunk starts at 32 with
 those pages in front of its own, as the scheduler plans a hit: its logits and K/V are
 right only if the runner reads the prefix back from the pool. Each rank saves the three
-prompts' logits and its pool's K/V. Every join has a deadline; a rank left alive past it is
-killed, so a stuck collective fails the test instead of hanging it.
+prompts' logits and its pool's K/V (a DSA model: its index keys too). Every join has a
+deadline; a rank left alive past it is killed, so a stuck collective fails the test instead
+of hanging it.
+
+A hybrid checkpoint (a state pool: Qwen3-Next, Qwen3.5) has no prefix hits, so its batch 1
+is long's rest alone; each request holds its own state slot (``SLOTS``), and each rank also
+saves every linear layer's conv window and recurrent state of long and short from its slots
+(the leader: also the whole slots it gathered, ``model.state_gather``).
 
 Ranks come from a forkserver that has imported torch and the model once (a fresh interpreter
 per rank costs seconds on a loaded machine; forking the test process itself is unsafe once it
@@ -35,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.kv.state_layout import LINEAR_STATE
 from prefill_worker.model import TPGroup, build
 from prefill_worker.model.quant.backends import BlockGemm
 from prefill_worker.model.quant.block_gemm import Fp8BlockWeight
@@ -45,6 +52,7 @@ SPLIT = 32  # long is prefilled in two chunks, [0, 32) and the rest; hit shares 
 PAGE_SIZE, NUM_PAGES = 16, 16
 PAGES = {"long": [15, 11, 7], "short": [13, 9], "hit": [15, 11, 5]}  # scattered, descending
 DEADLINE_S = 180.0
+SLOTS = {"long": 0, "short": 1, "hit": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +168,8 @@ def _run_case(case: Case, tp: TPGroup, prompts: Prompts, gemm: bool) -> dict[str
         path, dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES, tp=tp,
         fp8_backend=fp8, **extra,  # type: ignore[arg-type]
     )  # fmt: skip
+    if info.state is not None and info.state.kind == LINEAR_STATE:
+        return _run_hybrid_case(runner, kv_cache, info, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
@@ -175,14 +185,46 @@ def _run_case(case: Case, tp: TPGroup, prompts: Prompts, gemm: bool) -> dict[str
         "hit_logits": second[1].clone(),
         "gemm_calls": len(calls),
     }
+    index_cache = getattr(runner.model, "index_cache", None)  # a DSA model's index keys
     for key, length in lengths.items():
         saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], length, i) for i in layers]
+        if index_cache is not None:
+            indexed = index_cache.spec.indexed_layers
+            saved[f"{key}_index"] = {i: index_cache.read(i, PAGES[key], length) for i in indexed}
+    return saved
+
+
+def _run_hybrid_case(runner, kv_cache, info, prompts: Prompts) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    long, short = prompts.long, prompts.short
+    whole = runner.model.gather.whole  # the leader's gathered slots; None on a follower
+    first = runner.compute_logits(
+        BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
+    )
+    saved: dict[str, object] = {"short_logits": first[0].clone()}
+    if whole is not None:  # long's first chunk does not end its prompt: nothing gathered yet
+        saved["long_whole_after_first"] = any(t[SLOTS["long"]].any() for t in whole.conv)
+        saved["state_shapes"] = [t.item_shape for t in info.state.tensors]  # what it describes
+    second = runner.compute_logits(BatchPlan(1, (_chunk("long", long, SPLIT, len(long)),)))
+    saved["long_logits"] = second[0].clone()
+    state = runner.model.state
+    for key, ids in (("long", long), ("short", short)):
+        layers = range(kv_cache.layout.num_layers)
+        saved[f"{key}_kv"] = [_paged_kv(kv_cache, PAGES[key], len(ids), i) for i in layers]
+        saved[f"{key}_conv"] = [conv[SLOTS[key]].clone() for conv in state.conv]
+        saved[f"{key}_recurrent"] = [rec[SLOTS[key]].clone() for rec in state.recurrent]
+        if whole is not None:
+            saved[f"{key}_whole"] = [
+                (conv[SLOTS[key]].clone(), rec[SLOTS[key]].clone())
+                for conv, rec in zip(whole.conv, whole.recurrent, strict=True)
+            ]
     return saved
 
 
 def _chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
     sampling = SamplingParams() if end == len(ids) else None
-    return ChunkPlan(request_id, ids[start:end], start, end, PAGES[request_id], sampling)
+    slot = SLOTS[request_id]  # a model without a state pool ignores it
+    pages = PAGES[request_id]
+    return ChunkPlan(request_id, ids[start:end], start, end, pages, sampling, state_slot=slot)
 
 
 def _paged_kv(kv_cache, pages: list[int], length: int, layer: int):  # type: ignore[no-untyped-def]

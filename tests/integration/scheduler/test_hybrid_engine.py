@@ -162,6 +162,12 @@ def test_check_config_sizes_the_state_pool(checkpoint: Path) -> None:
     assert any("bytes of KV per token (2 layers)" in note for note in check.notes)
     built = build(checkpoint, dtype="float32", num_pages=8, num_state_slots=5)
     assert built[0].model.state.num_bytes == 5 * 12528  # type: ignore[union-attr]
+    settings = ("cache.num_aux_rows=5000", "model.dtype=float32", "parallel.tp_size=2")
+    (state,) = [n for n in check_model(config_of(checkpoint, *settings)).notes if "state" in n]
+    assert state.endswith(  # 5000 × 12528 bytes = 0.06 GiB; each rank half, rank 0 whole too
+        "at tensor parallel 2 each rank's pool holds its heads, 0.03 GiB, and rank 0 also the "
+        "whole slots it sends, 0.06 GiB more"
+    )
 
 
 def test_check_config_sizes_the_staging_for_sglang_decodes(checkpoint: Path) -> None:

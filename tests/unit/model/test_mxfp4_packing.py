@@ -56,6 +56,9 @@ def test_mxfp4_is_kept_only_where_the_kernel_runs(
 ):
     name, why = mxfp4_experts_choice(backend, device, dtype, mxfp4, cap, installed)
     assert name == want[0] and want[1] in why, (name, why)
+    if name == "flashinfer":  # and at tensor parallel 1 only
+        name, why = mxfp4_experts_choice(backend, device, dtype, mxfp4, cap, installed, 2)
+        assert name == "torch" and "tensor parallel 2" in why
 
 
 def _shipped(experts: int, rows: int, cols: int, seed: int):
