@@ -29,6 +29,7 @@ from prefill_worker.model.attention.sinks import SinkWindowBackend
 from prefill_worker.model.deepseek import DeepseekV3LM, MLAModelWeights
 from prefill_worker.model.draft.build import num_draft_layers, with_draft
 from prefill_worker.model.dsa import DeepseekV32LM, DSAModelWeights
+from prefill_worker.model.gdn_rule import choose_delta_rule
 from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
@@ -38,6 +39,7 @@ from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
 from prefill_worker.model.moe.ep import EPGroup, create_ep_experts, resolve_exchange_name
+from prefill_worker.model.moe.flashinfer_mxfp4 import mxfp4_experts_line
 from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import SINGLE, TPGroup
 from prefill_worker.model.quant.backends import (
@@ -89,6 +91,7 @@ class ModelInfo:
     state_regions: StateRegions | None = None  # where that pool's slots (pages) live
     sliding_window: int | None = None  # a sliding-window model's window (gpt-oss, Gemma 3)
     sliding_layers: tuple[int, ...] = ()  # which of its layers slide
+    kernel_paths: tuple[str, ...] = ()  # "gdn=flashinfer (SM90)", "gdn=torch (why)", ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -179,9 +182,15 @@ def build(
     if declared.mla is not None:
         pool_layout = _mla_pool(pool_layout)
         backend_name = resolve_mla_backend_name(backend_name, declared.mla, torch_dtype)
+    experts_paths: tuple[str, ...] = ()  # gpt-oss: its MXFP4 experts kept or not, and why
+    if declared.sliding is not None and declared.family == "gpt_oss":
+        experts_paths = (
+            mxfp4_experts_line(moe_backend, dev, torch_dtype, declared.sliding, tp.size),
+        )
+    keep = experts_paths[0].startswith("experts=flashinfer_mxfp4") if experts_paths else False
     ranks = dp if dp.size > 1 else tp  # the ranks the experts are placed over
     spec, weights = load_checkpoint(
-        model_path, torch_dtype, dev, on_progress, tp, placement, fp8, ranks.rank
+        model_path, torch_dtype, dev, on_progress, tp, placement, fp8, ranks.rank, keep
     )
     if spec.quant is not None:
         log.info("FP8 weights: %s (model.quant.backends)", fp8.name)
@@ -203,7 +212,7 @@ def build(
     if spec.indexer is not None:
         index_cache = IndexCache(spec.indexer, page_size, torch_dtype, dev)
     model, attention = create_model(
-        spec, weights, tp, experts, backend_name, state, index_cache, gather
+        spec, weights, tp, experts, backend_name, state, index_cache, gather, experts_paths
     )
     if isinstance(attention, SinkWindowBackend | DSASdpaBackend):
         backend_name = attention.name
@@ -251,7 +260,14 @@ def build(
         info = dataclasses.replace(
             info, sliding_window=sliding.window, sliding_layers=sliding.sliding_layers
         )
-    return runner, kv_cache, info
+    return runner, kv_cache, dataclasses.replace(info, kernel_paths=kernel_paths(model))
+
+
+def kernel_paths(model: object) -> tuple[str, ...]:
+    """Which kernel each of the model's optional CUDA paths runs and why (``ModelInfo``'s
+    ``kernel_paths``): the families that have one (Qwen3-Next's delta rule, gpt-oss's MXFP4
+    experts) say so in their ``kernel_paths``; the others have none."""
+    return tuple(getattr(model, "kernel_paths", ()))
 
 
 def create_model(
@@ -263,23 +279,28 @@ def create_model(
     state: StateCache | None = None,
     index_cache: IndexCache | None = None,
     gather: StateGather | None = None,
+    experts_paths: tuple[str, ...] = (),
 ) -> tuple[CausalLM | DeepseekV3LM | Qwen3NextLM | GptOssLM | Gemma3LM, AttentionBackend]:
     """The family's decoder over loaded ``weights`` and the attention backend it runs with
     (an MLA family: ``MLA_BACKENDS``' of that name, where its kernels apply; a hybrid
     family: over the state pool ``state``; gpt-oss, Gemma 3: ``attention.sinks``' torch backend,
     whatever ``attention_backend`` names, the others having no sinks or windows; a DSA family:
-    ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``)."""
+    ``attention.sdpa_dsa``'s, writing its index keys into ``index_cache``; gpt-oss's
+    ``experts_paths``: ``moe.flashinfer_mxfp4.mxfp4_experts_line``'s, for
+    ``ModelInfo.kernel_paths``)."""
     device = weights.embed.device
     if isinstance(weights, DSAModelWeights):
         assert index_cache is not None, "a DSA model needs its index cache"
         return DeepseekV32LM(spec, weights, index_cache, tp, experts), DSASdpaBackend(device)
     if isinstance(weights, GptOssModelWeights):
-        return GptOssLM(spec, weights, tp), SinkWindowBackend(device)
+        return GptOssLM(spec, weights, tp, experts_paths), SinkWindowBackend(device)
     if isinstance(weights, Gemma3ModelWeights):
         return Gemma3LM(spec, weights, tp), SinkWindowBackend(device)
     if isinstance(weights, HybridModelWeights):
         assert state is not None, "a hybrid model needs its state pool"
-        model = Qwen3NextLM(spec, weights, state, tp, experts, gather)
+        assert spec.linear is not None  # hybrid weights come from a hybrid spec
+        rule, line = choose_delta_rule(attention_backend, device, weights.embed.dtype, spec.linear)
+        model = Qwen3NextLM(spec, weights, state, tp, experts, gather, rule, (line,))
         return model, create_backend(attention_backend, device)
     if isinstance(weights, MLAModelWeights):
         assert spec.mla is not None  # MLA weights come from an MLA spec

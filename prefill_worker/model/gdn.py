@@ -16,12 +16,14 @@ its slot holding the state after its last token (state carried from chunk to chu
 
 The delta rule is the chunked form (``chunk_gated_delta_rule``: 64-token blocks, a
 triangular solve inside each, a sequential scan across them), transformers' torch path in
-fp32; a CUDA kernel is a later addition behind the same function.
+fp32 (``TorchDeltaRule``); ``gdn_rule`` chooses it or flashinfer's prefill kernel
+(``DeltaRule``: the whole batch in one call, the states converted to and from its layout).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +57,54 @@ class StateSpan:
     is_last: bool = False
 
 
+class DeltaRule(Protocol):
+    """How a layer's delta rule runs over the packed batch (``gdn_rule``'s registry: the
+    torch path here, flashinfer's prefill kernel on a GPU that has it)."""
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hk, Dk], after the conv, not normalized
+        k: torch.Tensor,  # [T, Hk, Dk]
+        v: torch.Tensor,  # [T, Hv, Dv]
+        g: torch.Tensor,  # [T, Hv] fp32, log decay
+        beta: torch.Tensor,  # [T, Hv]
+        spans: tuple[StateSpan, ...],
+        recurrent_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, each span's slot updated
+    ) -> torch.Tensor:  # [T, Hv, Dv]
+        ...
+
+
+class TorchDeltaRule:
+    """Each span through ``chunk_gated_delta_rule`` in turn, from its slot's state."""
+
+    name = "torch"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        spans: tuple[StateSpan, ...],
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        core = v.new_empty(v.shape)
+        for span in spans:
+            rows = slice(span.q_start, span.q_end)
+            state = recurrent_state[span.slot]
+            if span.is_first:
+                state.zero_()
+            out = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
+            core[rows] = out.to(v.dtype)
+        return core
+
+
+TORCH_RULE = TorchDeltaRule()
+
+
 def gated_delta_net(
     h: torch.Tensor,  # [T, hidden], the normed residual
     w: GDNWeights,
@@ -64,33 +114,31 @@ def gated_delta_net(
     conv_state: torch.Tensor,  # [S, conv_dim, K - 1], this layer's slots
     recurrent_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
     tp: TPGroup = SINGLE,
+    rule: DeltaRule = TORCH_RULE,
 ) -> torch.Tensor:
-    """The layer's output ``[T, hidden]``; each span's slot updated in place. Under tensor
+    """The layer's output ``[T, hidden]``; each span's slots updated in place. Under tensor
     parallelism ``spec`` and ``w`` are the rank's heads (``sharding.local_linear``): every
     step but the out projection is per head, and that one is row-parallel (one all-reduce)."""
     num_tokens, hv, dv = h.shape[0], spec.num_v_heads, spec.head_v_dim
     mixed, z, b, a = F.linear(h, w.in_proj).split([spec.conv_dim, spec.value_dim, hv, hv], -1)
     beta = b.sigmoid()  # [T, Hv]
     g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] fp32
-    core = h.new_empty(num_tokens, hv, dv)
+    x = torch.empty_like(mixed)
     for span in spans:
         rows = slice(span.q_start, span.q_end)
-        x = causal_conv(mixed[rows], w.conv, conv_state[span.slot], span.is_first)
-        q, k, v = x.split([spec.key_dim, spec.key_dim, spec.value_dim], -1)
-        n = x.shape[0]
-        state = recurrent_state[span.slot]
-        if span.is_first:
-            state.zero_()
-        out = chunk_gated_delta_rule(
-            q.reshape(n, spec.num_k_heads, spec.head_k_dim),
-            k.reshape(n, spec.num_k_heads, spec.head_k_dim),
-            v.reshape(n, hv, dv),
-            g[rows],
-            beta[rows],
-            state,
-        )
-        core[rows] = out.to(h.dtype)
-    normed = gated_rms_norm(core, z.reshape(num_tokens, hv, dv), w.norm, eps)
+        x[rows] = causal_conv(mixed[rows], w.conv, conv_state[span.slot], span.is_first)
+    q, k, v = x.split([spec.key_dim, spec.key_dim, spec.value_dim], -1)
+    heads_k, dim_k = spec.num_k_heads, spec.head_k_dim
+    core = rule(
+        q.reshape(num_tokens, heads_k, dim_k),
+        k.reshape(num_tokens, heads_k, dim_k),
+        v.reshape(num_tokens, hv, dv),
+        g,
+        beta,
+        spans,
+        recurrent_state,
+    )
+    normed = gated_rms_norm(core.to(h.dtype), z.reshape(num_tokens, hv, dv), w.norm, eps)
     return row_parallel(normed.reshape(num_tokens, spec.value_dim), w.out, None, tp)
 
 
@@ -116,7 +164,7 @@ def gated_rms_norm(
     return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
@@ -131,8 +179,8 @@ def chunk_gated_delta_rule(
     """The gated delta rule over one sequence: ``[n, Hv, Dv]`` fp32 outputs."""
     n, num_v_heads = v.shape[0], v.shape[1]
     rep = num_v_heads // q.shape[1]
-    q = _l2norm(q.float()).repeat_interleave(rep, dim=1)  # [n, Hv, Dk]
-    k = _l2norm(k.float()).repeat_interleave(rep, dim=1)
+    q = l2norm(q.float()).repeat_interleave(rep, dim=1)  # [n, Hv, Dk]
+    k = l2norm(k.float()).repeat_interleave(rep, dim=1)
     q = q * q.shape[-1] ** -0.5
     pad = (CHUNK - n % CHUNK) % CHUNK
     # [Hv, C, CHUNK, D] each; decay and beta [Hv, C, CHUNK]

@@ -10,8 +10,10 @@ sliding-window on the layers ``SlidingSpec`` names, YaRN RoPE, and a MoE MLP on 
 
 The clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``. The experts run one at a time over the tokens
-routed to them (each expert's weights read once per layer). Same contract as
-``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'.
+routed to them (each expert's weights read once per layer), or, for MXFP4 experts kept as
+shipped (``GptOssMxfp4Experts``: an SM90 GPU with flashinfer at TP 1, ``moe.mxfp4``'s
+choice), in one call of flashinfer's W4A16 MoE per layer (``moe.flashinfer_mxfp4``). Same
+contract as ``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'.
 
 Under tensor parallelism (``sharding.GPT_OSS``) a rank runs its query heads with their sinks
 and its KV heads, and every expert's slice of the intermediate dimension; o is row-parallel
@@ -32,6 +34,8 @@ from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
+from prefill_worker.model.moe.flashinfer_mxfp4 import FlashInferMxfp4Experts, PreparedMxfp4
+from prefill_worker.model.moe.mxfp4 import Mxfp4Stack
 from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_, row_parallel
 from prefill_worker.model.sharding import local_dims
 
@@ -47,6 +51,17 @@ class GptOssExperts:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class GptOssMxfp4Experts:
+    """The experts as shipped (``stacks``: gate_up's and down's, packed for the kernel), then,
+    once ``GptOssLM`` prepared them on the GPU, ``prepared`` in their place."""
+
+    router: torch.Tensor  # [E, hidden]
+    router_bias: torch.Tensor  # [E]
+    stacks: tuple[Mxfp4Stack, Mxfp4Stack] | None
+    prepared: PreparedMxfp4 | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GptOssLayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2 KV) D, hidden]
@@ -55,7 +70,7 @@ class GptOssLayerWeights:
     o_bias: torch.Tensor  # [hidden]
     sinks: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [hidden]
-    experts: GptOssExperts
+    experts: GptOssExperts | GptOssMxfp4Experts
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,9 +86,23 @@ class GptOssLM:
 
     logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
-    def __init__(self, spec: ModelSpec, weights: GptOssModelWeights, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: GptOssModelWeights,
+        tp: TPGroup = SINGLE,
+        kernel_paths: tuple[str, ...] = (),
+    ) -> None:
         assert spec.sliding is not None, "GptOssLM needs a sliding spec"
         self.spec, self.sliding, self.tp = spec, spec.sliding, tp
+        self.kernel_paths = kernel_paths  # which experts path, and why (ModelInfo.kernel_paths)
+        self.mxfp4: FlashInferMxfp4Experts | None = None
+        if any(isinstance(layer.experts, GptOssMxfp4Experts) for layer in weights.layers):
+            assert tp.is_single, "MXFP4 experts are kept at tensor parallel 1 only"
+            self.mxfp4 = FlashInferMxfp4Experts(
+                spec.sliding.swiglu_alpha, spec.sliding.swiglu_limit
+            )
+            weights = replace(weights, layers=tuple(map(self._prepared, weights.layers)))
         self.weights = weights if tp.rank == 0 else _without_down_bias(weights)
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
@@ -110,7 +139,17 @@ class GptOssLM:
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 
-    def _moe(self, w: GptOssExperts, h: torch.Tensor) -> torch.Tensor:
+    def _prepared(self, layer: GptOssLayerWeights) -> GptOssLayerWeights:
+        """The layer with its packed experts in the kernel's interleave (the packed copy let go)."""
+        experts = layer.experts
+        if not isinstance(experts, GptOssMxfp4Experts) or experts.stacks is None:
+            return layer
+        assert self.mxfp4 is not None
+        prepared = self.mxfp4.prepare(*experts.stacks)
+        kept = replace(experts, stacks=None, prepared=prepared)
+        return replace(layer, experts=kept)
+
+    def _moe(self, w: GptOssExperts | GptOssMxfp4Experts, h: torch.Tensor) -> torch.Tensor:
         """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``. The
         ``T k`` (token, expert) pairs are sorted by expert, each expert runs over its rows
         of the sorted copy, and the results go back to pair order to be summed per token."""
@@ -118,6 +157,9 @@ class GptOssLM:
         logits = F.linear(h, w.router, w.router_bias)  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
+        if isinstance(w, GptOssMxfp4Experts):
+            assert self.mxfp4 is not None and w.prepared is not None
+            return self.mxfp4(h, weights, ids, w.prepared)
         order = torch.argsort(ids.flatten(), stable=True)  # [T k]: pairs by expert
         counts = torch.bincount(ids.flatten(), minlength=self.sliding.num_experts).tolist()
         x = h[order // top_k]  # [T k, hidden], sorted
@@ -154,5 +196,7 @@ def _without_down_bias(weights: GptOssModelWeights) -> GptOssModelWeights:
 
 
 def _zero_down_bias(layer: GptOssLayerWeights) -> GptOssLayerWeights:
+    if not isinstance(layer.experts, GptOssExperts):  # kept MXFP4: TP 1 only
+        return layer
     experts = replace(layer.experts, down_bias=torch.zeros_like(layer.experts.down_bias))
     return replace(layer, experts=experts)

@@ -318,12 +318,14 @@ def load_checkpoint(
     experts: ExpertPlacement | None = None,
     fp8: Fp8WeightBackend | None = None,
     ep_rank: int | None = None,
+    keep_mxfp4: bool = False,
 ) -> tuple[ModelSpec, ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights]:
     """Read, check and fuse a checkpoint (rank ``tp.rank``'s slices of it; under expert
     parallelism, ``experts``, only the routed experts rank ``ep_rank`` owns, whole: by default
-    ``tp.rank``, an attention-DP rank's own otherwise); raises ``CheckpointError`` on any
-    problem. ``fp8``: what FP8 weights become (None: the backend
-    ``quant.backends.select_fp8_backend`` picks for the device)."""
+    ``tp.rank``, an attention-DP rank's own otherwise; gpt-oss's MXFP4 experts kept as shipped
+    where ``keep_mxfp4``); raises ``CheckpointError`` on any problem. ``fp8``: what FP8
+    weights become (None: the backend ``quant.backends.select_fp8_backend`` picks for the
+    device)."""
     root = Path(model_dir)
     spec = read_spec(root)
     reader = _Reader(tensor_files(root), dtype, device, spec, tp, experts, fp8, ep_rank)
@@ -332,7 +334,7 @@ def load_checkpoint(
         total = sum(reader.stored_bytes(name) for name in expected_shapes(spec))
         reader.on_read = _counter(on_progress, total)
     local = None if experts is None else experts.local_experts(reader.ep_rank)
-    weights = fuse_weights(spec, reader, local)
+    weights = fuse_weights(spec, reader, local, keep_mxfp4)
     log.info("loaded %s: %d layers, %s on %s", spec.architecture, spec.num_layers, dtype, device)
     return spec, weights
 
@@ -349,7 +351,10 @@ def _counter(on_progress: LoadProgress, total: int) -> Callable[[int], None]:
 
 
 def fuse_weights(
-    spec: ModelSpec, source: TensorSource, local_experts: Sequence[int] | None = None
+    spec: ModelSpec,
+    source: TensorSource,
+    local_experts: Sequence[int] | None = None,
+    keep_mxfp4: bool = False,
 ) -> ModelWeights | MLAModelWeights | HybridModelWeights | SlidingWeights:
     """The checkpoint's tensors, by HF name, fused into the model's weights (an MLA family's
     ``MLAModelWeights``, a hybrid's ``HybridModelWeights``, else ``ModelWeights``); a sparse
@@ -357,8 +362,9 @@ def fuse_weights(
     if spec.linear is not None:
         return fuse_hybrid(spec, source.get)
     if spec.sliding is not None:
-        fuse = fuse_gemma3 if spec.family == "gemma3" else fuse_gpt_oss
-        return fuse(spec, source.get)
+        if spec.family == "gemma3":
+            return fuse_gemma3(spec, source.get)
+        return fuse_gpt_oss(spec, source.get, keep_mxfp4)
     embed = source.get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight")
     if spec.mla is not None:

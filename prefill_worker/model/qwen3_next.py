@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention import AttentionBackend
-from prefill_worker.model.gdn import GDNWeights, gated_delta_net
+from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, GDNWeights, gated_delta_net
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
@@ -91,10 +91,14 @@ class Qwen3NextLM:
         tp: TPGroup = SINGLE,
         experts: ExpertsBackend | None = None,
         gather: StateGather | None = None,
+        delta_rule: DeltaRule = TORCH_RULE,
+        kernel_paths: tuple[str, ...] = (),
     ) -> None:
         assert spec.linear is not None, "Qwen3NextLM needs a hybrid spec"
         self.gather = gather  # TP > 1: finished slots, whole, into the leader's pool
         self.spec, self.linear, self.tp, self.state = spec, local_linear(spec.linear, tp), tp, state
+        self.delta_rule = delta_rule  # gdn_rule's choice: torch, or flashinfer's kernel
+        self.kernel_paths = kernel_paths  # which, and why (ModelInfo.kernel_paths)
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
         self.weights = prepared_experts(weights, self.experts)
@@ -118,8 +122,9 @@ class Qwen3NextLM:
                 conv, recurrent = self.state.conv[slot_layer], self.state.recurrent[slot_layer]
                 spans = inputs.state_spans
                 mixed = gated_delta_net(
-                    h, layer.mixer, self.linear, eps, spans, conv, recurrent, self.tp
-                )
+                    h, layer.mixer, self.linear, eps, spans, conv, recurrent, self.tp,
+                    self.delta_rule,
+                )  # fmt: skip
                 x.add_(mixed)
             else:
                 cache = (kv_cache, self._pool_layer[index], inputs.slots)

@@ -30,7 +30,7 @@ from typing import Any
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hf_linear import LinearAttentionSpec
-from prefill_worker.model.moe.memory import expert_note
+from prefill_worker.model.moe.memory import expert_note, mxfp4_expert_note
 from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.quant.kv import kv_dtype_name
 from prefill_worker.model.quant.memory import weight_note
@@ -120,6 +120,8 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
         _check_experts(config, spec, check)
     if spec is not None and spec.linear is not None:
         check.notes.append(_state_note(config, spec.linear, shape.torch_dtype))
+    if spec is not None and spec.sliding is not None and spec.sliding.mxfp4:
+        check.notes.append(_mxfp4_note(config, spec))
     return check
 
 
@@ -150,6 +152,19 @@ def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
         dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
         itemsize, dp = DTYPE_ITEMSIZE[dtype], par.dp_size > 1
         check.notes.append(expert_note(spec, placement, dtype, itemsize, dp))
+
+
+def _mxfp4_note(config: Config, spec: ModelSpec) -> str:
+    """gpt-oss's MXFP4 experts: their bytes shipped, dequantized and kept, and which applies."""
+    model = config.model
+    dtype = model.dtype if model.dtype != "auto" else spec.torch_dtype
+    dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
+    may_keep = (
+        model.device != "cpu"
+        and dtype == "bfloat16"
+        and model.moe_backend in ("auto", "flashinfer")
+    )
+    return mxfp4_expert_note(spec, dtype, DTYPE_ITEMSIZE[dtype], may_keep)
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:

@@ -48,3 +48,32 @@ def expert_note(
         f"expert parallel {size}: {held} of {num_experts} routed experts per rank, whole; "
         f"routed experts per rank in {dtype}: up to {max(per_rank) / GiB:.2f} GiB {rest}"
     )
+
+
+def mxfp4_expert_note(spec: ModelSpec, dtype: str, itemsize: int, may_keep: bool) -> str:
+    """gpt-oss's MXFP4 experts (every layer): as shipped, dequantized at load in ``dtype``,
+    and kept as shipped (``model.moe.mxfp4``: hidden and intermediate padded to 128, the
+    biases in bf16), and which applies: kept where ``may_keep`` (CUDA, bf16, MoE backend
+    auto/flashinfer) on an SM90 GPU with flashinfer installed, else dequantized."""
+    assert spec.sliding is not None
+    experts, inter, hidden = spec.sliding.num_experts, spec.intermediate_size, spec.hidden_size
+    num_layers = spec.num_layers
+
+    def stored(n: int, k: int) -> int:  # params at 4 bits, a scale byte per 32, bf16 biases
+        params = experts * 3 * n * k
+        return num_layers * (params // 2 + params // 32 + experts * (2 * n + k) * 2)
+
+    n_pad, k_pad = -(-inter // 128) * 128, -(-hidden // 128) * 128
+    shipped, kept = stored(inter, hidden), stored(n_pad, k_pad)
+    dense = num_layers * experts * (3 * inter * hidden + 2 * inter + hidden) * itemsize
+    where = (
+        "kept as shipped on an SM90 GPU with flashinfer installed, dequantized elsewhere"
+        if may_keep
+        else "dequantized (kept as shipped only on CUDA in bfloat16, MoE backend auto or "
+        "flashinfer, an SM90 GPU with flashinfer)"
+    )
+    return (
+        f"gpt-oss experts (MXFP4): {shipped / GiB:.2f} GiB as shipped; resident "
+        f"{dense / GiB:.2f} GiB dequantized at load in {dtype}, {kept / GiB:.2f} GiB kept as "
+        f"shipped (flashinfer's W4A16 MoE, padded to 128); here: {where}"
+    )
