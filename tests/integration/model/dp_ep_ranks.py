@@ -16,10 +16,8 @@ the test instead of hanging it.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from prefill_worker.dp.lockstep import Bell, Lockstep, bell_path
 from prefill_worker.model import TPGroup, build
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.launch import free_port
+from tests.integration.model.tp_ranks import spawn_ranks
 
 SPLIT, PAGE_SIZE, NUM_PAGES = 32, 16, 16
 PAGES = {"long": [15, 11, 7], "short": [13, 9], "own": [5, 3]}
@@ -67,24 +66,9 @@ def result_path(out_dir: Path, name: str, size: int, rank: int) -> Path:
 
 def run_world(cases: dict[int, list[tuple[str, Path]]], out_dir: Path) -> None:
     """``cases[size]``: (name, checkpoint) per DP ``size`` group (size 2: one per group)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
     bells = tempfile.mkdtemp(prefix="dp-ep-bells-")
     args = (free_port(), cases, out_dir, bells)
-    ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(WORLD)]
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        for process in ranks:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
-    codes = [process.exitcode for process in ranks]
-    assert codes == [0] * WORLD, f"rank exit codes {codes} (None: killed at the deadline)"
+    spawn_ranks(_rank_main, WORLD, args, __name__, DEADLINE_S)
 
 
 def _rank_main(

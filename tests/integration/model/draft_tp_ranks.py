@@ -6,9 +6,7 @@ Imports nothing of transformers (the ranks come from a forkserver, as in ``tp_ra
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from prefill_worker.batch import BatchPlan, ChunkPlan
 from prefill_worker.model import TPGroup, build
 from prefill_worker.request import SamplingParams
 from prefill_worker.testing.launch import free_port
+from tests.integration.model.tp_ranks import spawn_ranks
 
 SIZE, PAGE_SIZE, NUM_PAGES, TOPK, SPLIT = 2, 16, 16, 4, 32
 PAGES = {"a": [15, 11, 7, 3], "b": [14, 10, 6, 2, 12]}  # scattered, descending
@@ -31,23 +30,8 @@ def result_path(out_dir: Path, name: str, rank: int) -> Path:
 def run_ranks(cases: dict[str, tuple[str, Path, Path | None]], prompts: dict[str, list[int]],
               out_dir: Path) -> None:  # fmt: skip
     """``cases[name]``: (draft kind, target, draft checkpoint or None), each at TP 2."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
     args = (free_port(), cases, prompts, out_dir)
-    ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(SIZE)]
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        for process in ranks:
-            process.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
-    codes = [process.exitcode for process in ranks]
-    assert codes == [0] * SIZE, f"rank exit codes {codes} (None: killed at the deadline)"
+    spawn_ranks(_rank_main, SIZE, args, __name__, DEADLINE_S)
 
 
 def _rank_main(rank: int, port: int, cases: dict[str, tuple[str, Path, Path | None]],

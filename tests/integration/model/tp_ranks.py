@@ -99,13 +99,23 @@ def run_world(
     forkserver)."""
     world = max(cases)
     assert all(world % size == 0 for size in cases)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "prefill_worker.model", __name__])
     args = (world, free_port(), dict(cases), prompts, out_dir, then)
-    ranks = [context.Process(target=_rank_main, args=(rank, *args)) for rank in range(world)]
+    spawn_ranks(_rank_main, world, args, __name__)
+
+
+def spawn_ranks(
+    target: Callable[..., None], world: int, args: tuple[object, ...], module: str,
+    deadline_s: float = DEADLINE_S,
+) -> None:  # fmt: skip
+    """``target(rank, *args)`` in ``world`` processes from a forkserver that imported
+    ``module`` (``target``'s, so that no rank imports transformers); each must exit 0 within
+    ``deadline_s`` (one left running is killed)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "prefill_worker.model", module])
+    ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(world)]
     for process in ranks:
         process.start()
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     try:
         for process in ranks:
             process.join(max(0.0, deadline - time.monotonic()))
