@@ -30,8 +30,7 @@ from prefill_worker.kv.state_layout import (
     StateRegions,
     StateTensor,
 )
-from prefill_worker.request import TransferStats
-from prefill_worker.transfer.base import KVPoll, KVSender
+from prefill_worker.transfer.base import ForwardingSender, KVSender
 from prefill_worker.transfer.slot_stage import SlotStage
 
 CONV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -112,41 +111,18 @@ class RankedSender(KVSender, Protocol):
     def num_ranks(self) -> int: ...
 
 
-class StagingSender:
+class StagingSender(ForwardingSender):
     """A sender whose request's state slot is staged (``stage``) when its aux row is handed
     over, just before the inner sender is; everything else is the inner sender's."""
 
     def __init__(self, inner: RankedSender, stage: SlotStage) -> None:
-        self._inner, self._stage = inner, stage
-
-    def poll(self) -> KVPoll:
-        return self._inner.poll()
-
-    def num_cached_tokens(self) -> int:
-        return self._inner.num_cached_tokens()
-
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        self._inner.send_pages(page_ids, first_page)
+        super().__init__(inner)
+        self._ranked, self._stage = inner, stage
 
     def send_aux(self, aux_row: int) -> None:
         if not self._inner.poll().is_terminal:
-            self._stage.fill(aux_row, self._inner.num_ranks)
+            self._stage.fill(aux_row, self._ranked.num_ranks)
         self._inner.send_aux(aux_row)
-
-    def fail(self, reason: str) -> None:
-        self._inner.fail(reason)
-
-    def failure_reason(self) -> str | None:
-        return self._inner.failure_reason()
-
-    def why_no_handshake(self) -> str | None:
-        return self._inner.why_no_handshake()
-
-    def transfer_stats(self) -> TransferStats:
-        return self._inner.transfer_stats()
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 def _name(dtype: torch.dtype) -> str:
