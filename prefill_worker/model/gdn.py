@@ -14,9 +14,14 @@ and for all tokens again ``out = (rmsnorm(o) * silu(z)) @ Wout``. A chunk that s
 prompt begins from zero state; a later chunk from what its slot holds, and every chunk leaves
 its slot holding the state after its last token (state carried from chunk to chunk).
 
-The delta rule is the chunked form (``chunk_gated_delta_rule``: 64-token blocks, a
+The delta rule is the chunked form (``packed_gated_delta_rule``: 64-token blocks, a
 triangular solve inside each, a sequential scan across them), transformers' torch path in
-fp32; a CUDA kernel is a later addition behind the same function.
+fp32, run for every chunk of the batch at once: the blocks of all of them in one tensor, so
+the intra-block work is one set of batched ops and the scan takes as many steps as the
+longest chunk has blocks (each step over the chunks still running), where one chunk at a
+time took a step per block of every chunk; the two triangular solves share one call. Same
+arithmetic per block, so the results are transformers' (full size, fp32: bit for bit on the
+bench's 8 prompts). A CUDA kernel is a later addition behind the same function.
 """
 
 from __future__ import annotations
@@ -66,24 +71,26 @@ def gated_delta_net(
     mixed, z, b, a = F.linear(h, w.in_proj).split([spec.conv_dim, spec.value_dim, hv, hv], -1)
     beta = b.sigmoid()  # [T, Hv]
     g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] fp32
-    core = h.new_empty(num_tokens, hv, dv)
+    x = torch.empty_like(mixed)  # [T, conv_dim], each chunk convolved with its own state
     for span in spans:
         rows = slice(span.q_start, span.q_end)
-        x = causal_conv(mixed[rows], w.conv, conv_state[span.slot], span.is_first)
-        q, k, v = x.split([spec.key_dim, spec.key_dim, spec.value_dim], -1)
-        n = x.shape[0]
-        state = recurrent_state[span.slot]
+        x[rows] = causal_conv(mixed[rows], w.conv, conv_state[span.slot], span.is_first)
+    q, k, v = x.split([spec.key_dim, spec.key_dim, spec.value_dim], -1)
+    slots = torch.tensor([span.slot for span in spans], dtype=torch.long, device=h.device)
+    states = recurrent_state[slots]  # [B, Hv, Dk, Dv]: one per chunk (the runner's slots differ)
+    for i, span in enumerate(spans):
         if span.is_first:
-            state.zero_()
-        out = chunk_gated_delta_rule(
-            q.reshape(n, spec.num_k_heads, spec.head_k_dim),
-            k.reshape(n, spec.num_k_heads, spec.head_k_dim),
-            v.reshape(n, hv, dv),
-            g[rows],
-            beta[rows],
-            state,
-        )
-        core[rows] = out.to(h.dtype)
+            states[i].zero_()
+    core = packed_gated_delta_rule(
+        q.reshape(num_tokens, spec.num_k_heads, spec.head_k_dim),
+        k.reshape(num_tokens, spec.num_k_heads, spec.head_k_dim),
+        v.reshape(num_tokens, hv, dv),
+        g,
+        beta,
+        [(span.q_start, span.q_end) for span in spans],
+        states,
+    ).to(h.dtype)
+    recurrent_state[slots] = states
     normed = gated_rms_norm(core, z.reshape(num_tokens, hv, dv), w.norm, eps)
     return F.linear(normed.reshape(num_tokens, spec.value_dim), w.out)
 
@@ -114,44 +121,72 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def chunk_gated_delta_rule(
-    q: torch.Tensor,  # [n, Hk, Dk]
-    k: torch.Tensor,  # [n, Hk, Dk]
-    v: torch.Tensor,  # [n, Hv, Dv]
-    g: torch.Tensor,  # [n, Hv] fp32, log decay (<= 0)
-    beta: torch.Tensor,  # [n, Hv]
-    state: torch.Tensor,  # [Hv, Dk, Dv] fp32: read as S0, left as the final state
+def packed_gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, Dk], the sequences packed
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv] fp32, log decay (<= 0)
+    beta: torch.Tensor,  # [T, Hv]
+    bounds: list[tuple[int, int]],  # each sequence's rows [start, end)
+    states: torch.Tensor,  # [B, Hv, Dk, Dv] fp32, one per sequence: read as S0, left final
 ) -> torch.Tensor:
-    """The gated delta rule over one sequence: ``[n, Hv, Dv]`` fp32 outputs."""
-    n, num_v_heads = v.shape[0], v.shape[1]
+    """The gated delta rule over several sequences at once: ``[T, Hv, Dv]`` fp32 outputs.
+
+    Each sequence is cut into ``CHUNK``-token blocks (its last one zero-padded, as
+    transformers pads); the blocks of every sequence are laid out step by step (the first
+    block of each, then the second of those that have one, ...; the longest sequences
+    first), so the intra-block work runs once over all blocks and the scan across blocks
+    takes one step per block of the longest sequence, each step over the sequences still
+    running (a prefix of the states)."""
+    num_tokens, num_v_heads = v.shape[0], v.shape[1]
     rep = num_v_heads // q.shape[1]
-    q = _l2norm(q.float()).repeat_interleave(rep, dim=1)  # [n, Hv, Dk]
-    k = _l2norm(k.float()).repeat_interleave(rep, dim=1)
-    q = q * q.shape[-1] ** -0.5
-    pad = (CHUNK - n % CHUNK) % CHUNK
-    # [Hv, C, CHUNK, D] each; decay and beta [Hv, C, CHUNK]
-    q, k, v = (F.pad(t.transpose(0, 1).float(), (0, 0, 0, pad)) for t in (q, k, v))
-    beta, decay = (F.pad(t.t().float(), (0, pad)) for t in (beta, g))
-    q, k, v = (t.reshape(num_v_heads, -1, CHUNK, t.shape[-1]) for t in (q, k, v))
-    beta, decay = beta.reshape(num_v_heads, -1, CHUNK), decay.reshape(num_v_heads, -1, CHUNK)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = decay.cumsum(dim=-1)  # [Hv, C, CHUNK]
+    blocks = [-(-(end - start) // CHUNK) for start, end in bounds]
+    order = sorted(range(len(bounds)), key=lambda i: -blocks[i])  # stable: longest first
+    active = [sum(1 for i in order if blocks[i] > step) for step in range(max(blocks, default=0))]
+    # src[j]: the token at padded position j of the block layout (num_tokens: a zero row)
+    src: list[int] = []
+    for step, count in enumerate(active):
+        for i in order[:count]:
+            first = bounds[i][0] + step * CHUNK
+            rows = range(first, min(first + CHUNK, bounds[i][1]))
+            src.extend(rows)
+            src.extend([num_tokens] * (CHUNK - len(rows)))
+    index = torch.tensor(src, dtype=torch.long, device=q.device)
+    num_blocks = len(src) // CHUNK
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [N, Hv, CHUNK, ...]
+        padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index]
+        return padded.view(num_blocks, CHUNK, *t.shape[1:]).transpose(1, 2)
+
+    qf = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    kf = _l2norm(k.float())
+    qb, kb = (blocked(t).repeat_interleave(rep, dim=1) for t in (qf, kf))  # [N, Hv, C, Dk]
+    vb = blocked(v.float())  # [N, Hv, C, Dv]
+    beta_b, decay = blocked(beta.float()), blocked(g.float())  # [N, Hv, C]
+    k_beta = kb * beta_b[..., None]
+    cum = decay.cumsum(dim=-1)  # [N, Hv, C]
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise  # unit lower triangular after the solve
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, C, 1, 1]
-    out = torch.empty_like(new_v)  # [Hv, C, CHUNK, Dv]
-    s = state
-    for i in range(q.shape[1]):
-        v_new = new_v[:, i] - k_cum[:, i] @ s
-        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
-        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    state.copy_(s)
-    return out.reshape(num_v_heads, -1, v.shape[-1])[:, :n].transpose(0, 1)
+    system = (k_beta @ kb.transpose(-1, -2)) * pairwise  # unit lower triangular after the solve
+    intra = (qb @ kb.transpose(-1, -2)) * pairwise
+    dv = vb.shape[-1]
+    rhs = torch.cat([vb * beta_b[..., None], k_beta * cum.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    new_v, k_cum = solved[..., :dv], solved[..., dv:]
+    qb = qb * cum.exp()[..., None]
+    kb_t = (kb * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [N, Hv, Dk, C]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+    out = torch.empty_like(new_v)  # [N, Hv, C, Dv]
+    s = states[order] if order != list(range(len(order))) else states.clone()
+    lo = 0
+    for count in active:
+        hi, live = lo + count, s[:count]
+        v_new = new_v[lo:hi] - k_cum[lo:hi] @ live
+        out[lo:hi] = qb[lo:hi] @ live + intra[lo:hi] @ v_new
+        s[:count] = live * chunk_decay[lo:hi] + kb_t[lo:hi] @ v_new
+        lo = hi
+    states[order] = s
+    # back to token order: position of each token in the block layout
+    where = torch.zeros(num_tokens + 1, dtype=torch.long, device=q.device)
+    where[index] = torch.arange(len(src), device=q.device)
+    return out.transpose(1, 2).reshape(-1, num_v_heads, dv)[where[:num_tokens]]
