@@ -19,9 +19,10 @@ triangular solve inside each, a sequential scan across them), transformers' torc
 fp32, run for every chunk of the batch at once: the blocks of all of them in one tensor, so
 the intra-block work is one set of batched ops and the scan takes as many steps as the
 longest chunk has blocks (each step over the chunks still running), where one chunk at a
-time took a step per block of every chunk; the two triangular solves share one call. Same
-arithmetic per block, so the results are transformers' (full size, fp32: bit for bit on the
-bench's 8 prompts). A CUDA kernel is a later addition behind the same function.
+time took a step per block of every chunk. The triangular solves are one product with the
+block's inverse (``_unit_lower_inverse``: batched GEMMs, where torch's batched solve ran a
+LAPACK call per block). transformers' arithmetic per block, rounded differently (full size,
+fp32: within 6e-8 of it). A CUDA kernel is a later addition behind the same function.
 """
 
 from __future__ import annotations
@@ -121,6 +122,39 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
+def _diagonal_blocks(a: torch.Tensor, size: int) -> torch.Tensor:
+    """``a [..., n, n]`` -> its diagonal ``size``-square blocks ``[..., n / size, size, size]``."""
+    m = a.shape[-1] // size
+    blocks = a.reshape(*a.shape[:-2], m, size, m, size).diagonal(dim1=-4, dim2=-2)
+    return blocks.permute(*range(a.dim() - 2), -1, -3, -2)  # [..., m, size, size]
+
+
+def _unit_lower_inverse(a: torch.Tensor, leaf: int = 16) -> torch.Tensor:
+    """The inverse of ``a [..., n, n]``, unit lower triangular (its strict upper part and
+    diagonal are not read; ``n`` a power of two times ``leaf``), by blocks: the diagonal
+    ``leaf`` blocks by forward substitution, then pairs merged up to ``n`` with
+    ``[[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``. Batched GEMMs only, where
+    a batched ``solve_triangular`` runs one small LAPACK solve per matrix (its CPU time was
+    most of the rule's)."""
+    n = a.shape[-1]
+    size = min(leaf, n)
+    diag = _diagonal_blocks(a, size)  # [..., m, s, s]
+    inv = torch.zeros_like(diag)
+    inv[..., 0, 0] = 1.0
+    for i in range(1, size):  # row i of the inverse from the rows above it
+        inv[..., i, :i] = -(diag[..., i : i + 1, :i] @ inv[..., :i, :i])[..., 0, :]
+        inv[..., i, i] = 1.0
+    while size < n:
+        pairs = _diagonal_blocks(a, 2 * size)  # [..., m / 2, 2s, 2s]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        merged = torch.zeros_like(pairs)
+        merged[..., :size, :size] = first
+        merged[..., size:, size:] = second
+        merged[..., size:, :size] = -((second @ pairs[..., size:, :size]) @ first)
+        inv, size = merged, 2 * size
+    return inv[..., 0, :, :]
+
+
 def packed_gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk], the sequences packed
     k: torch.Tensor,  # [T, Hk, Dk]
@@ -171,7 +205,7 @@ def packed_gated_delta_rule(
     intra = (qb @ kb.transpose(-1, -2)) * pairwise
     dv = vb.shape[-1]
     rhs = torch.cat([vb * beta_b[..., None], k_beta * cum.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    solved = _unit_lower_inverse(system) @ rhs
     new_v, k_cum = solved[..., :dv], solved[..., dv:]
     qb = qb * cum.exp()[..., None]
     kb_t = (kb * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [N, Hv, Dk, C]
