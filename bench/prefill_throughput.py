@@ -46,11 +46,14 @@ bf16 1.88x scoring every query against every key of its chunk; fp32 2.10x and bf
 queries that see no more than top-k keys are not scored and each block of queries is scored
 against the keys up to its last one only (the bf16 move is the load's: the change only removes
 work). Full size, bf16, ``--repeats 1`` under load 15-19: 0.86x (below the goal, not profiled).
-Later rows (branch hybrid-perf): gpt_oss full size bf16 2.38x; the gated delta rule packed
-over the batch's chunks with a blockwise inverse for its solves (3x less CPU time per
-DeltaNet layer on one 2048-token prompt, profiled) and MLA's v padded to k's head dim (the
-CPU flash kernel) were measured at full size under CPU pressure so high that ours' single
-batch run took 10-80x its 2048-token time; those rows say so and are not ratios.
+Later rows (branch hybrid-perf): gpt_oss full size bf16 2.38x; qwen3_next full size bf16
+7.51x (``--repeats 2``, load 4-7) once the gated delta rule runs packed over the batch's
+chunks with a blockwise inverse for its solves (3x less CPU time per DeltaNet layer on one
+2048-token prompt, profiled; transformers' rule spends half its time in batched
+``solve_triangular``, which contention slows most, so this ratio moves with the load). Two
+``--repeats 1`` rows (qwen3_next, deepseek_v32 with MLA's v padded to k's head dim for the CPU
+flash kernel) were taken beside each other under CPU pressure so high that ours' one batch run
+took 48-80x its 2048-token time; those rows say so and are not ratios.
 """
 
 from __future__ import annotations
