@@ -53,7 +53,7 @@ chunks with a blockwise inverse for its solves (3x less CPU time per DeltaNet la
 ``solve_triangular``, which contention slows most, so this ratio moves with the load). Two
 ``--repeats 1`` rows (qwen3_next, deepseek_v32 with MLA's v padded to k's head dim for the CPU
 flash kernel) were taken beside each other under CPU pressure so high that ours' one batch run
-took 48-80x its 2048-token time; those rows say so and are not ratios.
+took 40-80x its 2048-token time; those rows say so and are not ratios.
 """
 
 from __future__ import annotations
