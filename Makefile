@@ -174,7 +174,11 @@ VLLM_VERSIONS := 0.33.0 0.34.0
 VLLM_DEPS := xgrammar==0.2.8 apache-tvm-ffi==0.1.11 cbor2==6.3.0 \
   openai-harmony==0.0.8 openai==3.57.0 sniffio==1.3.1 pybase64==1.5.1 cachetools==8.0.2 \
   cloudpickle==3.1.3 py-cpuinfo==9.0.0 fastapi==0.165.0 starlette==1.10.0 \
-  opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1 einops==0.8.2
+  opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1 einops==0.8.2 \
+  compressed-tensors==0.20.0 loguru==0.7.3
+# (compressed-tensors and loguru: vLLM imports them to inspect a GDN model, Qwen3-Next, whose
+# ModelConfig tests/interop/test_vllm_linear.py builds; an environment built before them skips
+# that test: rm .interop/vllm-*/.installed and rerun make vllm-deps)
 .PHONY: vllm-deps
 vllm-deps: $(VLLM_VERSIONS:%=$(INTEROP)/vllm-%/.installed)
 

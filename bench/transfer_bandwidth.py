@@ -42,6 +42,9 @@ bf16 row's.
 ``--protocol vllm-push`` adds the vLLM-push rows (``"protocol": "vllm-push"``: the worker
 WRITEs staged blocks into a push decode's blocks on its registration, ``bench/vllm_push.py``),
 with ``push,vllm-push`` beside the native push's scattered rows (``vllm_push_vs_native``).
+``--protocol push,vllm-push --interleave`` runs the two pushes alternately, request by
+request, instead (``bench/vllm_push_pair.py``: the native scattered thread push and the vLLM
+push, medians and the median of per-pair ratios), what a loaded machine leaves comparable.
 
 ``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the request staged in
 vLLM's layout by the repack, ``"staging": "repack"``, and by the forward's KV mirror,
@@ -217,9 +220,21 @@ def main() -> None:
         choices=("after", "before"),
         help="the vLLM mirror rows' paired push: after their READs, or before (bench/vllm_pull.py)",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with push,vllm-push: the two pushes alternately (bench/vllm_push_pair.py)",
+    )
     args = parser.parse_args()
     protocols = args.protocol.split(",")
     chunk_pages = args.chunk_tokens // PAGE_SIZE
+    if args.interleave:
+        import vllm_push_pair
+
+        assert set(protocols) == {"push", "vllm-push"}, "--interleave: --protocol push,vllm-push"
+        for pool_layout in args.pool_layouts.split(","):
+            vllm_push_pair.run_pair(pool_layout, args.repeats, chunk_pages)
+        return
     for pool_layout in args.pool_layouts.split(","):
         push_gb_s: dict[int, float] = {}  # the thread push's scattered rows, by tokens
         for push in args.push.split(",") if "push" in protocols else ():

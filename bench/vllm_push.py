@@ -40,6 +40,7 @@ import numpy as np
 BLOCK_SIZE = 32
 TOKENS = (1024, 8192)
 VERSION = "0.34.0"
+NOTIF_POLL_S = 0.0005  # how often the decode looks for the worker's notification
 
 
 def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) -> None:
@@ -51,9 +52,9 @@ def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) 
         SideChannel,
         encode_payload,
     )
+    from prefill_worker.transfer.vllm.link import fetch_payload
     from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
     from prefill_worker.transfer.vllm.push import PUSH_REG_PREFIX
-    from prefill_worker.transfer.vllm.pusher import fetch_payload
 
     lay = registration.layout
     num_blocks = max(TOKENS) // BLOCK_SIZE * 5 // 4  # as the native rows' decode pool
@@ -102,13 +103,82 @@ def decode_main(conn: Connection, registration: Any, push_hash: str, port: int) 
         start = time.perf_counter()
         agent.send_notif(prefill, PUSH_REG_PREFIX + msgspec.msgpack.encode(body))
         done = False
-        while not done:
-            channel.poll()
+        while not done:  # every 0.5 ms, as the native rows' decode polls between commands:
+            channel.poll()  # a decode spinning here took one of two cores from the WRITE
             for messages in agent.get_new_notifs().values():
                 done = done or want in messages
+            if not done:
+                time.sleep(NOTIF_POLL_S)
         conn.send(time.perf_counter() - start)
     channel.close()
     agent.deregister_memory(reg)
+
+
+class Rig:
+    """The worker's ``VllmBackend`` serving push over ``regions`` and a decode process as in
+    the module docstring, the decode handshaken: ``once`` pushes one request."""
+
+    def __init__(self, regions: Any) -> None:
+        from prefill_worker.transfer.options import NixlOptions, VllmOptions
+        from prefill_worker.transfer.vllm.backend import VllmBackend
+        from prefill_worker.transfer.vllm.channel import our_hash, serve_side_channels
+        from prefill_worker.transfer.vllm.profiles import PUSH
+        from prefill_worker.transfer.vllm.tickets import Tickets
+
+        nixl = NixlOptions(None, ("UCX",), "lo")
+        num_blocks = max(TOKENS) // BLOCK_SIZE
+        options = VllmOptions(
+            "127.0.0.1", 0, BLOCK_SIZE, num_blocks, versions=(VERSION,), modes=(PUSH,), nixl=nixl
+        )
+        self.tickets = Tickets(4, (VERSION,), (PUSH,))
+        self.backend = backend = VllmBackend(regions, options, self.tickets, serve_side_channels)
+        push_hash = our_hash(backend.registration, VERSION, PUSH)
+        port = backend.desk.identities[f"{VERSION}+push"].side_channel_port
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        args = (child_conn, backend.registration, push_hash, port)
+        self.child = ctx.Process(target=decode_main, args=args, daemon=True)
+        self.child.start()
+        self.rng = np.random.default_rng(7)
+        self.room = 1
+        while not self.conn.poll(0.001):
+            backend.poll()  # the decode's handshake
+        ready, self.decode_blocks = self.conn.recv()
+        assert ready == "ready"
+        for layer in backend.mirror_layers:  # written, as the forwards write them
+            layer.view(np.uint8).fill(7)
+        self.layout = backend.desk.staging.layout
+
+    def once(self, tokens: int) -> tuple[float, float]:
+        """(seconds from the decode's registration to its notification, the WRITE's
+        seconds) for one request of ``tokens`` held as a finished one is."""
+        from prefill_worker.transfer.vllm.profiles import PUSH
+        from prefill_worker.transfer.vllm.push import push_key
+
+        backend, pusher = self.backend, self.backend.pusher
+        assert pusher is not None
+        self.room += 1
+        external = secrets.token_hex(8)
+        assert self.tickets.open(self.room, VERSION, PUSH, push_key(external))
+        blocks = backend.desk.try_allocate(tokens)
+        assert blocks is not None
+        assert backend.desk.hold(self.room, blocks, tokens)
+        self.tickets.take(self.room)
+        local = _scattered(self.rng, self.decode_blocks, len(blocks))
+        written_s, pushed = pusher.counts.write_s, pusher.counts.pushed
+        self.conn.send(("push", f"cmpl-{external}-0-{secrets.token_hex(4)}", local))
+        while not self.conn.poll(0.0005):
+            backend.poll()
+        elapsed = self.conn.recv()
+        while pusher.busy:
+            backend.poll()
+        assert pusher.counts.pushed == pushed + 1
+        return elapsed, pusher.counts.write_s - written_s
+
+    def close(self) -> None:
+        self.conn.send(("exit",))
+        self.child.join(10)
+        self.backend.close()
 
 
 def run(
@@ -117,59 +187,17 @@ def run(
     """One row per prompt length (module docstring), printed."""
     import json
 
-    from prefill_worker.transfer.options import NixlOptions, VllmOptions
-    from prefill_worker.transfer.vllm.backend import VllmBackend
-    from prefill_worker.transfer.vllm.channel import our_hash, serve_side_channels
-    from prefill_worker.transfer.vllm.profiles import PUSH
-    from prefill_worker.transfer.vllm.push import push_key
-    from prefill_worker.transfer.vllm.tickets import Tickets
-
-    nixl = NixlOptions(None, ("UCX",), "lo")
-    num_blocks = max(TOKENS) // BLOCK_SIZE
-    options = VllmOptions(
-        "127.0.0.1", 0, BLOCK_SIZE, num_blocks, versions=(VERSION,), modes=(PUSH,), nixl=nixl
-    )
-    tickets = Tickets(4, (VERSION,), (PUSH,))
-    backend = VllmBackend(regions, options, tickets, serve_side_channels)
-    push_hash = our_hash(backend.registration, VERSION, PUSH)
-    port = backend.desk.identities[f"{VERSION}+push"].side_channel_port
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    args = (child_conn, backend.registration, push_hash, port)
-    child = ctx.Process(target=decode_main, args=args, daemon=True)
-    child.start()
-    rng = np.random.default_rng(7)
+    rig = Rig(regions)
+    lay = rig.layout
+    copy_dst = np.ones(lay.num_layers * rig.decode_blocks * lay.block_bytes, np.uint8)
     try:
-        while not conn.poll(0.001):
-            backend.poll()  # the decode's handshake
-        ready, decode_blocks = conn.recv()
-        assert ready == "ready"
-        lay = backend.desk.staging.layout
-        for layer in backend.mirror_layers:  # written, as the forwards write them
-            layer.view(np.uint8).fill(7)
-        copy_dst = np.ones(lay.num_layers * decode_blocks * lay.block_bytes, np.uint8)
-        room = 1
         for tokens in TOKENS:
             nbytes = tokens * lay.token_bytes
             times, copies, writes = [], [], []
             for _ in range(repeats + 1):  # the first is a warm-up (the worker's handshake)
-                room += 1
-                external = secrets.token_hex(8)
-                assert tickets.open(room, VERSION, PUSH, push_key(external))
-                blocks = backend.desk.try_allocate(tokens)
-                assert blocks is not None
-                assert backend.desk.hold(room, blocks, tokens)
-                tickets.take(room)
-                local = _scattered(rng, decode_blocks, len(blocks))
-                assert backend.pusher is not None
-                written_s = backend.pusher.counts.write_s
-                conn.send(("push", f"cmpl-{external}-0-{secrets.token_hex(4)}", local))
-                while not conn.poll(0.0005):
-                    backend.poll()
-                times.append(conn.recv())
-                while backend.pusher.busy:
-                    backend.poll()
-                writes.append(backend.pusher.counts.write_s - written_s)
+                elapsed, write_s = rig.once(tokens)
+                times.append(elapsed)
+                writes.append(write_s)
                 copies.append(_memcpy_s(pool, copy_dst, nbytes))
             gb_s = nbytes / statistics.median(times[1:]) / 1e9
             ref = nbytes / statistics.median(copies[1:]) / 1e9
@@ -188,16 +216,13 @@ def run(
                 "vllm_push_vs_native": None if not native else round(gb_s / native, 3),
                 "write_ms": round(statistics.median(writes[1:]) * 1e3, 3),
                 "registered_to_notified_ms": round(statistics.median(times[1:]) * 1e3, 3),
-                "descriptors": lay.num_layers * len(blocks),
+                "descriptors": lay.num_layers * tokens // BLOCK_SIZE,
                 "descriptor_bytes": lay.block_bytes,
                 "load_avg": round(os.getloadavg()[0], 2),
             }
-            assert backend.pusher is not None and backend.pusher.counts.pushed > 0
             print(json.dumps(row), flush=True)
     finally:
-        conn.send(("exit",))
-        child.join(10)
-        backend.close()
+        rig.close()
 
 
 def _scattered(rng: np.random.Generator, num_total: int, n: int) -> list[int]:

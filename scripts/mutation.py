@@ -153,6 +153,7 @@ MODULES: dict[str, list[str]] = {
         _T + "test_push_sender_pins.py",
         _T + "test_sglang_desk.py",
         _T + "test_push_hub_pins.py",
+        _T + "test_push_hub_dp.py",
         _T + "test_hub_backend.py",
         _T + "test_push_ranks.py",
         _STATE,
@@ -172,6 +173,14 @@ MODULES: dict[str, list[str]] = {
         _T + "test_sglang_group_desk.py",
         _SWA,
         _T + "test_sglang_draft.py",
+        _T + "test_sglang_dsa.py",
+        _T + "test_sglang_mamba.py",
+    ],
+    "prefill_worker/transfer/sglang/components.py": [
+        _T + "test_sglang_desk.py",
+        _SWA,
+        _T + "test_sglang_dsa.py",
+        _T + "test_sglang_mamba.py",
     ],
     "prefill_worker/transfer/native/desk.py": [
         _T + "test_native_desk.py",

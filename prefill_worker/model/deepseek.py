@@ -34,6 +34,7 @@ from prefill_worker.model.mla import MLAWeights, mla_attention
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.quant.linear import linear
 from prefill_worker.model.sharding import local_dims
 
 
@@ -115,7 +116,7 @@ class DeepseekV3LM:
         if isinstance(mlp, MoEWeights):
             assert self.spec.moe is not None  # the loader builds MoEWeights only then
             return moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp)
-        gate_up = F.linear(h, mlp.gate_up, mlp.gate_up_bias)
+        gate_up = linear(h, mlp.gate_up, mlp.gate_up_bias)
         return row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

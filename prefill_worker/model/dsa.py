@@ -6,14 +6,16 @@ over the keys a lightning indexer picks (DeepSeek sparse attention, DSA)::
                                 k_idx = LayerNorm(wk(h))                   [T, Di] -> index cache
                                 (the first qk_rope_head_dim of both roped)
                                 w     = weights_proj(h) * Hi ** -0.5      [T, Hi] fp32
+                                        (the projection in weights_proj's dtype, as transformers)
                                 keep  = top-k per query (``attention.sdpa_dsa``)
                 shared layer (GLM-5):  keep of the previous indexed layer
                 x += o(attention over the latents under keep);  x += mlp(norm(x))
 
 The indexer's keys live in the ``IndexCache`` beside the MLA pool (same pages), so a later
-chunk or a prefix hit reads both back. Runs at tensor parallel 1 (the family has no split
-table); the indexer is transformers' arithmetic (unquantized, no Hadamard rotation: an
-orthogonal transform that leaves the scores as they are).
+chunk or a prefix hit reads both back. Under tensor parallelism only MLA's query heads split
+(``sharding.DSA_INDEXER``): the indexer is replicated, so every rank writes the same index
+keys and keeps the same top-k. The indexer is transformers' arithmetic (unquantized, no
+Hadamard rotation: an orthogonal transform that leaves the scores as they are).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class IndexerWeights:
     wk: torch.Tensor  # [Di, hidden]
     k_norm: torch.Tensor  # [Di]
     k_norm_bias: torch.Tensor  # [Di]
-    weights_proj: torch.Tensor  # [Hi, hidden], kept in fp32 (as transformers keeps it)
+    weights_proj: torch.Tensor  # [Hi, hidden], the model's dtype (fp16 models: fp32)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

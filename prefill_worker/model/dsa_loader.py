@@ -6,7 +6,10 @@ Per indexed layer, under ``model.layers.N.self_attn.indexer.``::
     wq_b.weight          [index_n_heads * index_head_dim, q_lora_rank]
     wk.weight            [index_head_dim, hidden]
     k_norm.weight/bias   [index_head_dim]
-    weights_proj.weight  [index_n_heads, hidden]    read in fp32 (transformers keeps it so)
+    weights_proj.weight  [index_n_heads, hidden]    the model's dtype; an fp16 model's in
+                                                    fp32 (``loader.KEEP_IN_FP32``), as
+                                                    transformers keeps it; the projection
+                                                    runs in its dtype (``model.dsa``)
 """
 
 from __future__ import annotations
@@ -57,5 +60,5 @@ def _indexer(get: Callable[[str], torch.Tensor], p: str) -> IndexerWeights:
         wk=get(p + "wk.weight"),
         k_norm=get(p + "k_norm.weight"),
         k_norm_bias=get(p + "k_norm.bias"),
-        weights_proj=get(p + "weights_proj.weight").float(),
+        weights_proj=get(p + "weights_proj.weight"),
     )

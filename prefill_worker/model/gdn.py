@@ -22,17 +22,21 @@ longest chunk has blocks (each step over the chunks still running), where one ch
 time took a step per block of every chunk. The triangular solves are one product with the
 block's inverse (``_unit_lower_inverse``: batched GEMMs, where torch's batched solve ran a
 LAPACK call per block). transformers' arithmetic per block, rounded differently (full size,
-fp32: within 6e-8 of it). A CUDA kernel is a later addition behind the same function.
+fp32: within 6e-8 of it).
+``TorchDeltaRule`` runs it; ``gdn_rule`` chooses it or flashinfer's prefill kernel
+(``DeltaRule``: the whole batch in one call, the states converted to and from its layout).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
 
 CHUNK = 64  # the delta rule's block of tokens
 
@@ -50,12 +54,62 @@ class GDNWeights:
 @dataclass(frozen=True, slots=True)
 class StateSpan:
     """One chunk of the packed batch: rows ``[q_start, q_end)``, its request's state slot,
-    and whether it starts the prompt (zero state) or continues it (the slot's state)."""
+    whether it starts the prompt (zero state) or continues it (the slot's state), and
+    whether it ends the prompt (its slot then holds the state a decode gets)."""
 
     q_start: int
     q_end: int
     slot: int
     is_first: bool
+    is_last: bool = False
+
+
+class DeltaRule(Protocol):
+    """How a layer's delta rule runs over the packed batch (``gdn_rule``'s registry: the
+    torch path here, flashinfer's prefill kernel on a GPU that has it)."""
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hk, Dk], after the conv, not normalized
+        k: torch.Tensor,  # [T, Hk, Dk]
+        v: torch.Tensor,  # [T, Hv, Dv]
+        g: torch.Tensor,  # [T, Hv] fp32, log decay
+        beta: torch.Tensor,  # [T, Hv]
+        spans: tuple[StateSpan, ...],
+        recurrent_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32, each span's slot updated
+    ) -> torch.Tensor:  # [T, Hv, Dv]
+        ...
+
+
+class TorchDeltaRule:
+    """Every span at once through ``packed_gated_delta_rule``, each from its slot's state."""
+
+    name = "torch"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        spans: tuple[StateSpan, ...],
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        slots = torch.tensor([span.slot for span in spans], dtype=torch.long, device=q.device)
+        states = recurrent_state[slots]  # [B, Hv, Dk, Dv]: one per span (the slots differ)
+        for i, span in enumerate(spans):
+            if span.is_first:
+                states[i].zero_()
+        bounds = [(span.q_start, span.q_end) for span in spans]
+        core = packed_gated_delta_rule(q, k, v, g, beta, bounds, states).to(v.dtype)
+        recurrent_state[slots] = states
+        return core
+
+
+TORCH_RULE = TorchDeltaRule()
 
 
 def gated_delta_net(
@@ -66,34 +120,33 @@ def gated_delta_net(
     spans: tuple[StateSpan, ...],
     conv_state: torch.Tensor,  # [S, conv_dim, K - 1], this layer's slots
     recurrent_state: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
+    tp: TPGroup = SINGLE,
+    rule: DeltaRule = TORCH_RULE,
 ) -> torch.Tensor:
-    """The layer's output ``[T, hidden]``; each span's slot updated in place."""
+    """The layer's output ``[T, hidden]``; each span's slots updated in place. Under tensor
+    parallelism ``spec`` and ``w`` are the rank's heads (``sharding.local_linear``): every
+    step but the out projection is per head, and that one is row-parallel (one all-reduce)."""
     num_tokens, hv, dv = h.shape[0], spec.num_v_heads, spec.head_v_dim
     mixed, z, b, a = F.linear(h, w.in_proj).split([spec.conv_dim, spec.value_dim, hv, hv], -1)
     beta = b.sigmoid()  # [T, Hv]
     g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)  # [T, Hv] fp32
-    x = torch.empty_like(mixed)  # [T, conv_dim], each chunk convolved with its own state
+    x = torch.empty_like(mixed)
     for span in spans:
         rows = slice(span.q_start, span.q_end)
         x[rows] = causal_conv(mixed[rows], w.conv, conv_state[span.slot], span.is_first)
     q, k, v = x.split([spec.key_dim, spec.key_dim, spec.value_dim], -1)
-    slots = torch.tensor([span.slot for span in spans], dtype=torch.long, device=h.device)
-    states = recurrent_state[slots]  # [B, Hv, Dk, Dv]: one per chunk (the runner's slots differ)
-    for i, span in enumerate(spans):
-        if span.is_first:
-            states[i].zero_()
-    core = packed_gated_delta_rule(
-        q.reshape(num_tokens, spec.num_k_heads, spec.head_k_dim),
-        k.reshape(num_tokens, spec.num_k_heads, spec.head_k_dim),
+    heads_k, dim_k = spec.num_k_heads, spec.head_k_dim
+    core = rule(
+        q.reshape(num_tokens, heads_k, dim_k),
+        k.reshape(num_tokens, heads_k, dim_k),
         v.reshape(num_tokens, hv, dv),
         g,
         beta,
-        [(span.q_start, span.q_end) for span in spans],
-        states,
-    ).to(h.dtype)
-    recurrent_state[slots] = states
-    normed = gated_rms_norm(core, z.reshape(num_tokens, hv, dv), w.norm, eps)
-    return F.linear(normed.reshape(num_tokens, spec.value_dim), w.out)
+        spans,
+        recurrent_state,
+    )
+    normed = gated_rms_norm(core.to(h.dtype), z.reshape(num_tokens, hv, dv), w.norm, eps)
+    return row_parallel(normed.reshape(num_tokens, spec.value_dim), w.out, None, tp)
 
 
 def causal_conv(
@@ -118,7 +171,7 @@ def gated_rms_norm(
     return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
@@ -192,8 +245,8 @@ def packed_gated_delta_rule(
         padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index]
         return padded.view(num_blocks, CHUNK, *t.shape[1:]).transpose(1, 2)
 
-    qf = _l2norm(q.float()) * q.shape[-1] ** -0.5
-    kf = _l2norm(k.float())
+    qf = l2norm(q.float()) * q.shape[-1] ** -0.5
+    kf = l2norm(k.float())
     qb, kb = (blocked(t).repeat_interleave(rep, dim=1) for t in (qf, kf))  # [N, Hv, C, Dk]
     vb = blocked(v.float())  # [N, Hv, C, Dv]
     beta_b, decay = blocked(beta.float()), blocked(g.float())  # [N, Hv, C]

@@ -10,7 +10,9 @@ in the order ``SlidingSpec.layer_kinds`` gives, each with its own RoPE base::
 
 Every RMSNorm of the checkpoint scales by ``1 + weight``; the loader adds the 1 once. The
 softmax scale is ``query_pre_attn_scalar ** -0.5``. Same contract as ``llama.CausalLM``; the
-attention backend is ``attention.sinks``' (no sinks here). TP 1 only (no split table).
+attention backend is ``attention.sinks``' (no sinks here). Under tensor parallelism
+(``sharding.GEMMA3``) a rank runs its query and KV heads and its slice of the MLP; o and down
+are row-parallel, so the post-attention and post-feed-forward norms see the whole sums.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from prefill_worker.model.hf_config import ModelSpec, RopeSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
-from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
 from prefill_worker.model.sharding import local_dims
 
 
@@ -59,8 +61,6 @@ class Gemma3LM:
 
     def __init__(self, spec: ModelSpec, weights: Gemma3ModelWeights, tp: TPGroup = SINGLE) -> None:
         assert spec.sliding is not None and spec.sliding.local_rope_theta is not None
-        if not tp.is_single:
-            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size}")
         self.spec, self.sliding, self.tp, self.weights = spec, spec.sliding, tp, weights
         self.dtype, device = weights.embed.dtype, weights.embed.device
         self.rotary = Rotary(spec.rope, spec.head_dim, device)
@@ -76,7 +76,7 @@ class Gemma3LM:
         """Write every layer's K/V into the pages; return the logits and prompt logprobs."""
         assert isinstance(attention, SinkWindowBackend), "Gemma 3 attends with windows"
         spec, eps = self.spec, self.spec.rms_norm_eps
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        heads, kv_heads, dim = self.local.num_heads, self.local.num_kv_heads, spec.head_dim
         x = F.embedding(inputs.input_ids, self.weights.embed) * self.embed_scale
         num_tokens = x.shape[0]
         tables = {
@@ -100,11 +100,11 @@ class Gemma3LM:
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, None, self.scale
             )
-            out = F.linear(attn.view(num_tokens, heads * dim), layer.o)
+            out = row_parallel(attn.view(num_tokens, heads * dim), layer.o, None, self.tp)
             x.add_(rms_norm(out, layer.post_attn_norm, eps))
             h = F.linear(rms_norm(x, layer.pre_ffw_norm, eps), layer.gate_up)
             gate, up = h.chunk(2, dim=-1)
-            mlp = F.linear(F.gelu(gate, approximate="tanh") * up, layer.down)
+            mlp = row_parallel(F.gelu(gate, approximate="tanh") * up, layer.down, None, self.tp)
             x.add_(rms_norm(mlp, layer.post_ffw_norm, eps))
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)

@@ -10,14 +10,20 @@ sliding-window on the layers ``SlidingSpec`` names, YaRN RoPE, and a MoE MLP on 
 
 The clamped SwiGLU: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
 ``(up + 1) * gate * sigmoid(alpha * gate)``. The experts run one at a time over the tokens
-routed to them (each expert's weights read once per layer). Same contract as
-``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'. Tensor
-parallelism is not built for this family (refused at start: no split table).
+routed to them (each expert's weights read once per layer), or, for MXFP4 experts kept as
+shipped (``GptOssMxfp4Experts``: an SM90 GPU with flashinfer at TP 1, ``moe.mxfp4``'s
+choice), in one call of flashinfer's W4A16 MoE per layer (``moe.flashinfer_mxfp4``). Same
+contract as ``llama.CausalLM`` (``forward``); the attention backend is ``attention.sinks``'.
+
+Under tensor parallelism (``sharding.GPT_OSS``) a rank runs its query heads with their sinks
+and its KV heads, and every expert's slice of the intermediate dimension; o is row-parallel
+(its bias added once, after the all-reduce), and the MoE block's partial sum is all-reduced
+once, each expert's down bias carried by rank 0's partial sum alone (the others' are zero).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +34,9 @@ from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
 from prefill_worker.model.llama import ForwardInputs, ForwardOutput, forward_output
-from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.moe.flashinfer_mxfp4 import FlashInferMxfp4Experts, PreparedMxfp4
+from prefill_worker.model.moe.mxfp4 import Mxfp4Stack
+from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_, row_parallel
 from prefill_worker.model.sharding import local_dims
 
 
@@ -43,6 +51,17 @@ class GptOssExperts:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class GptOssMxfp4Experts:
+    """The experts as shipped (``stacks``: gate_up's and down's, packed for the kernel), then,
+    once ``GptOssLM`` prepared them on the GPU, ``prepared`` in their place."""
+
+    router: torch.Tensor  # [E, hidden]
+    router_bias: torch.Tensor  # [E]
+    stacks: tuple[Mxfp4Stack, Mxfp4Stack] | None
+    prepared: PreparedMxfp4 | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class GptOssLayerWeights:
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(H + 2 KV) D, hidden]
@@ -51,7 +70,7 @@ class GptOssLayerWeights:
     o_bias: torch.Tensor  # [hidden]
     sinks: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [hidden]
-    experts: GptOssExperts
+    experts: GptOssExperts | GptOssMxfp4Experts
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -67,12 +86,24 @@ class GptOssLM:
 
     logprob_block_bytes = 64 << 20  # the fp32 logits of one block of prompt-logprob rows
 
-    def __init__(self, spec: ModelSpec, weights: GptOssModelWeights, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: GptOssModelWeights,
+        tp: TPGroup = SINGLE,
+        kernel_paths: tuple[str, ...] = (),
+    ) -> None:
         assert spec.sliding is not None, "GptOssLM needs a sliding spec"
-        if not tp.is_single:
-            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only, not {tp.size}")
         self.spec, self.sliding, self.tp = spec, spec.sliding, tp
-        self.weights = weights
+        self.kernel_paths = kernel_paths  # which experts path, and why (ModelInfo.kernel_paths)
+        self.mxfp4: FlashInferMxfp4Experts | None = None
+        if any(isinstance(layer.experts, GptOssMxfp4Experts) for layer in weights.layers):
+            assert tp.is_single, "MXFP4 experts are kept at tensor parallel 1 only"
+            self.mxfp4 = FlashInferMxfp4Experts(
+                spec.sliding.swiglu_alpha, spec.sliding.swiglu_limit
+            )
+            weights = replace(weights, layers=tuple(map(self._prepared, weights.layers)))
+        self.weights = weights if tp.rank == 0 else _without_down_bias(weights)
         self.dtype = weights.embed.dtype
         self.rotary = Rotary(spec.rope, spec.head_dim, weights.embed.device)
         self.local = local_dims(spec, tp)
@@ -85,8 +116,8 @@ class GptOssLM:
         prompt logprobs ``[L]``. ``attention`` is the ``SinkWindowBackend`` ``create_model``
         pairs with this family."""
         assert isinstance(attention, SinkWindowBackend), "gpt-oss attends with sinks"
-        spec, eps = self.spec, self.spec.rms_norm_eps
-        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        spec, eps, tp = self.spec, self.spec.rms_norm_eps, self.tp
+        heads, kv_heads, dim = self.local.num_heads, self.local.num_kv_heads, spec.head_dim
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         num_tokens = x.shape[0]
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
@@ -103,12 +134,22 @@ class GptOssLM:
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, layer.sinks, self.scale
             )
-            x.add_(F.linear(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias))
-            x.add_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)))
+            x.add_(row_parallel(attn.view(num_tokens, heads * dim), layer.o, layer.o_bias, tp))
+            x.add_(all_reduce_(self._moe(layer.experts, rms_norm(x, layer.post_norm, eps)), tp))
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 
-    def _moe(self, w: GptOssExperts, h: torch.Tensor) -> torch.Tensor:
+    def _prepared(self, layer: GptOssLayerWeights) -> GptOssLayerWeights:
+        """The layer with its packed experts in the kernel's interleave (the packed copy let go)."""
+        experts = layer.experts
+        if not isinstance(experts, GptOssMxfp4Experts) or experts.stacks is None:
+            return layer
+        assert self.mxfp4 is not None
+        prepared = self.mxfp4.prepare(*experts.stacks)
+        kept = replace(experts, stacks=None, prepared=prepared)
+        return replace(layer, experts=kept)
+
+    def _moe(self, w: GptOssExperts | GptOssMxfp4Experts, h: torch.Tensor) -> torch.Tensor:
         """``h [T, hidden]`` -> the routed experts' weighted sum ``[T, hidden]``. The
         ``T k`` (token, expert) pairs are sorted by expert, each expert runs over its rows
         of the sorted copy, and the results go back to pair order to be summed per token."""
@@ -116,6 +157,9 @@ class GptOssLM:
         logits = F.linear(h, w.router, w.router_bias)  # [T, E]
         top, ids = torch.topk(logits, top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)
+        if isinstance(w, GptOssMxfp4Experts):
+            assert self.mxfp4 is not None and w.prepared is not None
+            return self.mxfp4(h, weights, ids, w.prepared)
         order = torch.argsort(ids.flatten(), stable=True)  # [T k]: pairs by expert
         counts = torch.bincount(ids.flatten(), minlength=self.sliding.num_experts).tolist()
         x = h[order // top_k]  # [T k, hidden], sorted
@@ -143,3 +187,16 @@ class GptOssLM:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)
         return F.linear(last, self.weights.lm_head)
+
+
+def _without_down_bias(weights: GptOssModelWeights) -> GptOssModelWeights:
+    """``weights`` with every expert's down bias zero: a rank other than 0 of a TP group,
+    whose partial sum must not add the bias a second time."""
+    return replace(weights, layers=tuple(_zero_down_bias(layer) for layer in weights.layers))
+
+
+def _zero_down_bias(layer: GptOssLayerWeights) -> GptOssLayerWeights:
+    if not isinstance(layer.experts, GptOssExperts):  # kept MXFP4: TP 1 only
+        return layer
+    experts = replace(layer.experts, down_bias=torch.zeros_like(layer.experts.down_bias))
+    return replace(layer, experts=experts)

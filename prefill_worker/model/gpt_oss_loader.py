@@ -8,7 +8,9 @@ input-major. As shipped (``quantization_config.quant_method == "mxfp4"``):
 byte, low nibble first, and ``_scales [E, rows, cols/32]`` uint8, one power-of-two exponent
 (biased by 127) per 32 values; rows are the output features. Both are turned into
 ``[E, out, in]`` matrices at load (MXFP4 dequantized once: ``fp4 * 2 ** (scale - 127)``),
-and the interleaved gate/up rows (gate even, up odd) into gate rows then up rows.
+and the interleaved gate/up rows (gate even, up odd) into gate rows then up rows; or, where
+``keep_mxfp4`` (``moe.mxfp4``'s choice: flashinfer's W4A16 MoE on an SM90 GPU), kept as
+shipped in ``GptOssMxfp4Experts``, packed into the rows and padding that kernel wants.
 """
 
 from __future__ import annotations
@@ -17,30 +19,24 @@ from collections.abc import Callable
 
 import torch
 
-from prefill_worker.model.gpt_oss import GptOssExperts, GptOssLayerWeights, GptOssModelWeights
+from prefill_worker.model.gpt_oss import (
+    GptOssExperts,
+    GptOssLayerWeights,
+    GptOssModelWeights,
+    GptOssMxfp4Experts,
+)
 from prefill_worker.model.hf_config import ModelSpec
+from prefill_worker.model.moe.mxfp4 import (
+    FP4_VALUES,
+    MXFP4_BLOCK,
+    dequantize_mxfp4,
+    pack_down,
+    pack_gate_up,
+)
+
+__all__ = ["FP4_VALUES", "fuse_gpt_oss", "gpt_oss_shapes"]
 
 Get = Callable[[str], torch.Tensor]
-
-MXFP4_BLOCK = 32  # values per scale
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 
 
 def gpt_oss_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -87,14 +83,14 @@ def _mxfp4_shapes(name: str, experts: int, rows: int, cols: int) -> dict[str, tu
     }
 
 
-def fuse_gpt_oss(spec: ModelSpec, get: Get) -> GptOssModelWeights:
+def fuse_gpt_oss(spec: ModelSpec, get: Get, keep_mxfp4: bool = False) -> GptOssModelWeights:
     embed = get("model.embed_tokens.weight")
     lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
-    layers = tuple(_layer(spec, get, i) for i in range(spec.num_layers))
+    layers = tuple(_layer(spec, get, i, keep_mxfp4) for i in range(spec.num_layers))
     return GptOssModelWeights(embed, layers, get("model.norm.weight"), lm_head)
 
 
-def _layer(spec: ModelSpec, get: Get, index: int) -> GptOssLayerWeights:
+def _layer(spec: ModelSpec, get: Get, index: int, keep_mxfp4: bool) -> GptOssLayerWeights:
     p = f"model.layers.{index}."
     a = p + "self_attn."
     return GptOssLayerWeights(
@@ -105,7 +101,7 @@ def _layer(spec: ModelSpec, get: Get, index: int) -> GptOssLayerWeights:
         o_bias=get(a + "o_proj.bias"),
         sinks=get(a + "sinks"),
         post_norm=get(p + "post_attention_layernorm.weight"),
-        experts=_experts(spec, get, p + "mlp."),
+        experts=_kept(get, p + "mlp.") if keep_mxfp4 else _experts(spec, get, p + "mlp."),
     )
 
 
@@ -128,6 +124,19 @@ def _experts(spec: ModelSpec, get: Get, m: str) -> GptOssExperts:
     )
 
 
+def _kept(get: Get, m: str) -> GptOssMxfp4Experts:
+    """The MXFP4 stacks as shipped, packed for the kernel (``get``'s cast of the bytes undone,
+    exactly, as ``_dequantized`` does)."""
+    e = m + "experts."
+
+    def stack(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raw = (get(e + name + "_blocks"), get(e + name + "_scales"))
+        return raw[0].to(torch.uint8), raw[1].to(torch.uint8), get(e + name + "_bias")
+
+    stacks = (pack_gate_up(*stack("gate_up_proj")), pack_down(*stack("down_proj")))
+    return GptOssMxfp4Experts(get(m + "router.weight"), get(m + "router.bias"), stacks)
+
+
 def _gate_rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Interleaved gate/up (gate at even indices of ``dim``) as gate half, then up half."""
     gate, up = t.unflatten(dim, (-1, 2)).unbind(dim + 1)
@@ -144,12 +153,3 @@ def _dequantized(get: Get, name: str) -> torch.Tensor:
     for expert in range(out.shape[0]):  # one expert's fp32 at a time (120b: 200 MB, not 8 GB)
         out[expert] = dequantize_mxfp4(blocks[expert], scales[expert])
     return out
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-    """``blocks [..., G, 16]`` uint8 and ``exponents [..., G]`` (unbiased) -> ``[..., G 32]``
-    fp32: value ``2 i`` is the low nibble of byte ``i``, ``2 i + 1`` its high nibble."""
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)
-    values = values.flatten(-2)  # [..., G, 32]
-    return torch.ldexp(values, exponents[..., None].float()).flatten(-2)

@@ -151,9 +151,12 @@ def ungroup_qkvz(
     lin: LinearAttentionSpec, qkvz: torch.Tensor, ba: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """Qwen3-Next's per-key-head interleaved rows as ``(q, k, v, z, b, a)`` row blocks, each
-    holding every head in order (value head ``g * r + j`` is group g's j-th, r = Hv / Hk)."""
-    hk, r = lin.num_k_heads, lin.num_v_heads // lin.num_k_heads
+    holding every head in order (value head ``g * r + j`` is group g's j-th, r = Hv / Hk).
+    Under tensor parallelism ``qkvz`` holds the rank's key-head groups only (``sharding``):
+    the count of groups is read from its rows."""
+    r = lin.num_v_heads // lin.num_k_heads
     dk, rv = lin.head_k_dim, r * lin.head_v_dim
+    hk = qkvz.shape[0] // (2 * dk + 2 * rv)
     grouped = qkvz.view(hk, 2 * dk + 2 * rv, -1)  # [Hk, q k v z rows, hidden]
     q, k, v, z = grouped.split([dk, dk, rv, rv], dim=1)
     b, a = ba.view(hk, 2 * r, -1).split([r, r], dim=1)

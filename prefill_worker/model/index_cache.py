@@ -8,7 +8,8 @@ Page p of indexed layer i starts at ``base_addrs[i] + p * page_bytes``. A row is
 transformers' indexer caches (``k_norm(wk(h))``, its first ``qk_rope_head_dim`` values
 rotated; GLM-5's interleaved pairs written back in place, as the MLA pool's rope part), in
 the model's dtype: transformers keeps it unquantized (SGLang's FP8 index cache with one
-scale per token is a decode-side layout, not this pool's).
+scale per token is a decode-side layout, not this pool's: ``model.index_fp8`` keeps it beside
+this cache when SGLang decodes are served, written with each ``write``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prefill_worker.kv.state_layout import (
     StateTensor,
 )
 from prefill_worker.model.hf_dsa import IndexerSpec
+from prefill_worker.model.index_fp8 import IndexPages
 
 INDEX_KEYS = "index_keys"  # the component's kind (SGLang's decode calls its pool "dsa")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,6 +41,7 @@ class IndexCache:
         self._storage = torch.empty(0, dtype=dtype, device=device)
         self.keys: tuple[torch.Tensor, ...] = ()  # each [P, ps, D], once allocated
         self._slot_of_layer = {layer: i for i, layer in enumerate(spec.indexed_layers)}
+        self.fp8_pages: IndexPages | None = None  # SGLang's layout of the keys (``keep_fp8``)
 
     @property
     def bytes_per_page(self) -> int:
@@ -58,6 +61,15 @@ class IndexCache:
     @property
     def num_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
+
+    def keep_fp8(self) -> IndexPages:
+        """From now on every ``write`` also lands in SGLang's FP8 layout, in as many pages
+        (``model.index_fp8``); once, after ``allocate``."""
+        assert self.keys and self.fp8_pages is None, "after allocate, once"
+        num_pages = self.keys[0].shape[0]
+        layers = self.spec.indexed_layers
+        self.fp8_pages = IndexPages(layers, num_pages, self.page_size, self.device)
+        return self.fp8_pages
 
     @property
     def page_bytes(self) -> int:
@@ -89,6 +101,8 @@ class IndexCache:
         """Store ``keys [T, D]`` of model layer ``layer`` at flat rows ``slots [T]``."""
         plane = self.layer_keys(layer)
         plane.index_put_((slots // self.page_size, slots % self.page_size), keys.to(plane.dtype))
+        if self.fp8_pages is not None:
+            self.fp8_pages.write(self._slot_of_layer[layer], slots, keys)
 
     def read(self, layer: int, page_ids: list[int], length: int) -> torch.Tensor:
         """Keys of positions ``[0, length)`` held in ``page_ids`` (a copy): ``[length, D]``."""

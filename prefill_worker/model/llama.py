@@ -38,6 +38,7 @@ from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
 from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.quant.linear import Weight, linear, linear_into
 from prefill_worker.model.sharding import local_dims
 
 
@@ -46,9 +47,9 @@ class LayerWeights:
     """One layer's weights; under TP, this rank's slices (H, KV, I: the rank's counts)."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KV) * D, hidden]
+    qkv: Weight  # [(H + 2 KV) * D, hidden] (FP8 kept: an Fp8BlockWeight, quant.linear)
     qkv_bias: torch.Tensor | None  # [(H + 2 KV) * D]
-    o: torch.Tensor  # [hidden, H * D]
+    o: Weight  # [hidden, H * D]
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [D] (qwen3)
     k_norm: torch.Tensor | None
@@ -58,9 +59,9 @@ class LayerWeights:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DenseMLP:
-    gate_up: torch.Tensor  # [2 I, hidden], gate rows first
+    gate_up: Weight  # [2 I, hidden], gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, I]
+    down: Weight  # [hidden, I]
     down_bias: torch.Tensor | None
 
 
@@ -127,7 +128,20 @@ class CausalLM:
     ) -> ForwardOutput:
         """Write every token's K/V into its pages; return the logits ``[R, vocab]`` and the
         prompt logprobs ``[L]``."""
+        return self.forward_with_states(inputs, kv_cache, attention, ())[0]
+
+    def forward_with_states(
+        self,
+        inputs: ForwardInputs,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        layers: tuple[int, ...],
+    ) -> tuple[ForwardOutput, list[torch.Tensor]]:
+        """``forward``, and the residual stream ``[T, hidden]`` entering each of ``layers``
+        (``num_layers``: the final residual, before the norm), copies in that order (an
+        EAGLE draft reads them, ``model.draft``)."""
         spec, local, num_tokens = self.spec, self.local, inputs.input_ids.shape[0]
+        captured: dict[int, torch.Tensor] = {}
         x = F.embedding(inputs.input_ids, self.weights.embed)  # [T, hidden], the residual
         cos, sin = self.rotary.cos_sin(inputs.positions, self.dtype)  # [T, 1, D/2] each
         # Reused by every layer: [T, heads, D] each.
@@ -141,6 +155,8 @@ class CausalLM:
             for r in range(0, num_tokens, self.block_tokens)
         ]
         for index, layer in enumerate(self.weights.layers):
+            if index in layers:
+                captured[index] = x.clone()
             for rows in blocks:
                 self._qkv(layer, x[rows], cos[rows], sin[rows], q[rows], k[rows], v[rows])
             kv_cache.write(index, inputs.slots, k, v)
@@ -153,8 +169,9 @@ class CausalLM:
                 continue
             for rows in blocks:
                 self._output_and_mlp(layer, x[rows], attn[rows], gate_up)
+        captured[len(self.weights.layers)] = x
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
-        return forward_output(x, inputs, self._logits, block)
+        return forward_output(x, inputs, self._logits, block), [captured[i] for i in layers]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (final residual rows) -> logits ``[R, vocab]``."""
@@ -172,7 +189,7 @@ class CausalLM:
         v_out: torch.Tensor,
     ) -> None:
         eps = self.spec.rms_norm_eps
-        qkv = F.linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
+        qkv = linear(rms_norm(x, layer.input_norm, eps), layer.qkv, layer.qkv_bias)
         q = qkv[:, : self._q_dim].view(q_out.shape)
         k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].view(k_out.shape)
         v_out.copy_(qkv[:, self._q_dim + self._kv_dim :].view(v_out.shape))
@@ -201,10 +218,7 @@ class CausalLM:
         mlp = layer.mlp
         assert isinstance(mlp, DenseMLP)
         gate_up = buffer[: x.shape[0]]  # [B, 2I]
-        if mlp.gate_up_bias is None:
-            torch.mm(h, mlp.gate_up.t(), out=gate_up)
-        else:
-            torch.addmm(mlp.gate_up_bias, h, mlp.gate_up.t(), out=gate_up)
+        linear_into(h, mlp.gate_up, mlp.gate_up_bias, gate_up)
         x.add_(row_parallel(silu_and_mul_(gate_up), mlp.down, mlp.down_bias, self.tp))
 
 

@@ -37,25 +37,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from prefill_worker.model.attention.base import MLAAttentionBackend
 from prefill_worker.model.hf_config import MLASpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm
+from prefill_worker.model.quant.linear import Weight, linear
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MLAWeights:
     """One layer's MLA weights; under TP, q_b/kv_b/o hold this rank's heads (H: its count)."""
 
-    q_a: torch.Tensor | None  # [q_lora_rank, hidden]; None: no low-rank q
+    q_a: Weight | None  # [q_lora_rank, hidden]; None: no low-rank q
     q_a_norm: torch.Tensor | None  # [q_lora_rank]
-    q_b: torch.Tensor  # [H (nope + rope), q_lora_rank], or q_proj [H (nope + rope), hidden]
-    kv_a: torch.Tensor  # [r + rope, hidden]
+    q_b: Weight  # [H (nope + rope), q_lora_rank], or q_proj [H (nope + rope), hidden]
+    kv_a: Weight  # [r + rope, hidden]
     kv_a_norm: torch.Tensor  # [r]
-    kv_b: torch.Tensor  # [H (nope + v), r]
-    o: torch.Tensor  # [hidden, H v]
+    kv_b: torch.Tensor  # [H (nope + v), r]; dense (the attention backends split it per head)
+    o: Weight  # [hidden, H v]
 
 
 def mla_shapes(spec: MLASpec, hidden: int, heads: int, attn: str) -> dict[str, tuple[int, ...]]:
@@ -77,17 +77,24 @@ def mla_shapes(spec: MLASpec, hidden: int, heads: int, attn: str) -> dict[str, t
     }
 
 
-def fuse_mla(spec: MLASpec, get: Callable[[str], torch.Tensor], attn: str) -> MLAWeights:
-    """A layer's MLA tensors under ``attn``, as ``get(name)`` reads them (this rank's slice)."""
+def fuse_mla(
+    spec: MLASpec,
+    get: Callable[[str], torch.Tensor],
+    attn: str,
+    linear_weight: Callable[[str], Weight] | None = None,
+) -> MLAWeights:
+    """A layer's MLA tensors under ``attn``, as ``get(name)`` reads them (this rank's slice;
+    the projections that run through ``quant.linear`` as ``linear_weight`` does, if given)."""
     low_rank = spec.q_lora_rank is not None
+    lin = linear_weight or get
     return MLAWeights(
-        q_a=get(attn + "q_a_proj.weight") if low_rank else None,
+        q_a=lin(attn + "q_a_proj.weight") if low_rank else None,
         q_a_norm=get(attn + "q_a_layernorm.weight") if low_rank else None,
-        q_b=get(attn + ("q_b_proj.weight" if low_rank else "q_proj.weight")),
-        kv_a=get(attn + "kv_a_proj_with_mqa.weight"),
+        q_b=lin(attn + ("q_b_proj.weight" if low_rank else "q_proj.weight")),
+        kv_a=lin(attn + "kv_a_proj_with_mqa.weight"),
         kv_a_norm=get(attn + "kv_a_layernorm.weight"),
         kv_b=get(attn + "kv_b_proj.weight"),
-        o=get(attn + "o_proj.weight"),
+        o=lin(attn + "o_proj.weight"),
     )
 
 
@@ -122,12 +129,12 @@ def mla_project(
     num_tokens, rank, nope = h.shape[0], spec.kv_lora_rank, spec.qk_nope_head_dim
     q_resid = None
     if w.q_a is not None and w.q_a_norm is not None:
-        q_resid = rms_norm(F.linear(h, w.q_a), w.q_a_norm, eps)
-        q = F.linear(q_resid, w.q_b)
+        q_resid = rms_norm(linear(h, w.q_a), w.q_a_norm, eps)
+        q = linear(q_resid, w.q_b)
     else:
-        q = F.linear(h, w.q_b)
+        q = linear(h, w.q_b)
     q = q.view(num_tokens, -1, spec.qk_head_dim)  # [T, H, nope + rope]
-    compressed = F.linear(h, w.kv_a)  # [T, r + rope]
+    compressed = linear(h, w.kv_a)  # [T, r + rope]
     rows = torch.empty_like(compressed)  # the pool rows: [latent | roped key]
     rows[:, :rank] = rms_norm(compressed[:, :rank], w.kv_a_norm, eps)
     apply = rotary.apply_interleaved_into if spec.rope_interleave else rotary.apply_into

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from prefill_worker.kv import heads
+from prefill_worker.model.quant.linear import Weight, linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +96,13 @@ def check_shardable(num_heads: int, num_kv_heads: int, intermediate: int, tp: TP
 
 
 def row_parallel(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, tp: TPGroup
 ) -> torch.Tensor:
     """``x [T, in/size] @ weight[out, in/size].T``, summed over the ranks, plus ``bias``.
-    At TP 1 exactly ``F.linear(x, weight, bias)``."""
+    At TP 1 exactly ``linear(x, weight, bias)`` (``quant.linear``: dense or FP8 kept)."""
     if tp.is_single:
-        return F.linear(x, weight, bias)
-    out = F.linear(x, weight)  # [T, out], this rank's partial sum
+        return linear(x, weight, bias)
+    out = linear(x, weight)  # [T, out], this rank's partial sum
     torch.distributed.all_reduce(out, group=tp.group)
     return out if bias is None else out.add_(bias)
 
@@ -113,6 +113,14 @@ def all_reduce_(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if not tp.is_single:
         torch.distributed.all_reduce(partial, group=tp.group)
     return partial
+
+
+def broadcast_from_leader_(tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """``tensor`` as the group's rank 0 holds it, on every rank, in place (what only the
+    leader knows, such as its sampled tokens). At TP 1 ``tensor`` itself."""
+    if not tp.is_single:
+        torch.distributed.broadcast(tensor, group=tp.group, group_src=0)
+    return tensor
 
 
 def gather_kv_heads(per_rank: Sequence[torch.Tensor], num_kv_heads: int) -> torch.Tensor:

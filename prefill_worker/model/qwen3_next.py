@@ -14,8 +14,15 @@ block with one sigmoid-gated shared expert::
 
 The checkpoints' RMSNorms scale by ``1 + weight``; the loader adds the 1 once, so the norms
 here are the Llama family's. Same contract as ``llama.CausalLM`` (``forward``); the runner
-passes each chunk's state slot in ``ForwardInputs.state_spans``. Tensor parallelism is not
-built for this family (the daemon refuses TP > 1 for it at start).
+passes each chunk's state slot in ``ForwardInputs.state_spans``.
+
+Under tensor parallelism (``model.sharding``'s table) a rank runs its heads of every layer:
+a linear layer's key heads and their value heads (its state pool holds those heads' conv
+channels and recurrent matrices, ``sharding.local_linear``), a full layer's query heads
+with their gates and its KV heads, its slice of every expert; the out, o and down
+projections are row-parallel (one all-reduce each), as ``model.parallel`` draws. After a
+forward the slots of the prompts it finished are gathered whole on the leader
+(``model.state_gather``), whose transfer sends them.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.model.attention import AttentionBackend
-from prefill_worker.model.gdn import GDNWeights, gated_delta_net
+from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, GDNWeights, gated_delta_net
 from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import Rotary, rms_norm, silu_and_mul_
@@ -39,9 +46,11 @@ from prefill_worker.model.llama import (
 )
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend
 from prefill_worker.model.moe.block import MoEWeights, moe_mlp
-from prefill_worker.model.parallel import SINGLE, TPGroup
-from prefill_worker.model.sharding import local_dims
+from prefill_worker.model.parallel import SINGLE, TPGroup, row_parallel
+from prefill_worker.model.quant.linear import linear
+from prefill_worker.model.sharding import local_dims, local_linear
 from prefill_worker.model.state_cache import StateCache
+from prefill_worker.model.state_gather import StateGather
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,11 +90,15 @@ class Qwen3NextLM:
         state: StateCache,
         tp: TPGroup = SINGLE,
         experts: ExpertsBackend | None = None,
+        gather: StateGather | None = None,
+        delta_rule: DeltaRule = TORCH_RULE,
+        kernel_paths: tuple[str, ...] = (),
     ) -> None:
         assert spec.linear is not None, "Qwen3NextLM needs a hybrid spec"
-        if not tp.is_single:
-            raise ValueError(f"{spec.architecture} runs at tensor parallel 1 only")
-        self.spec, self.linear, self.tp, self.state = spec, spec.linear, tp, state
+        self.gather = gather  # TP > 1: finished slots, whole, into the leader's pool
+        self.spec, self.linear, self.tp, self.state = spec, local_linear(spec.linear, tp), tp, state
+        self.delta_rule = delta_rule  # gdn_rule's choice: torch, or flashinfer's kernel
+        self.kernel_paths = kernel_paths  # which, and why (ModelInfo.kernel_paths)
         self.dtype = weights.embed.dtype
         self.experts = experts or create_moe_backend("auto", weights.embed.device, self.dtype)
         self.weights = prepared_experts(weights, self.experts)
@@ -108,11 +121,17 @@ class Qwen3NextLM:
                 slot_layer = self._slot_layer[index]
                 conv, recurrent = self.state.conv[slot_layer], self.state.recurrent[slot_layer]
                 spans = inputs.state_spans
-                x.add_(gated_delta_net(h, layer.mixer, self.linear, eps, spans, conv, recurrent))
+                mixed = gated_delta_net(
+                    h, layer.mixer, self.linear, eps, spans, conv, recurrent, self.tp,
+                    self.delta_rule,
+                )  # fmt: skip
+                x.add_(mixed)
             else:
                 cache = (kv_cache, self._pool_layer[index], inputs.slots)
                 x.add_(self._attention(h, layer.mixer, cos, sin, cache, attention))
             x.add_(self._mlp(layer.mlp, rms_norm(x, layer.post_norm, eps)))
+        if self.gather is not None:
+            self.gather.gather(inputs.state_spans)
         block = max(1, self.logprob_block_bytes // (4 * self.spec.vocab_size))
         return forward_output(x, inputs, self._logits, block)
 
@@ -128,8 +147,8 @@ class Qwen3NextLM:
         spec, eps, (kv_cache, pool_layer, slots) = self.spec, self.spec.rms_norm_eps, cache
         num_tokens, heads, kv_heads, dim = (
             h.shape[0],
-            spec.num_heads,
-            spec.num_kv_heads,
+            self.local.num_heads,
+            self.local.num_kv_heads,
             spec.head_dim,
         )
         qkv = F.linear(h, w.qkv)
@@ -142,7 +161,7 @@ class Qwen3NextLM:
         out = torch.empty_like(q)
         attention.attend(q, k, v, kv_cache.k[pool_layer], kv_cache.v[pool_layer], out)
         gate = q_gate[..., dim:].sigmoid()  # [T, H, D]
-        return F.linear((out * gate).reshape(num_tokens, heads * dim), w.o)
+        return row_parallel((out * gate).reshape(num_tokens, heads * dim), w.o, None, self.tp)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, heads, D]`` with its first ``rotary_dim`` rotated, the rest as it was."""
@@ -155,7 +174,7 @@ class Qwen3NextLM:
         if isinstance(mlp, MoEWeights):
             assert self.spec.moe is not None  # the loader builds MoEWeights only then
             return moe_mlp(h, mlp, self.spec.moe, self.experts, self.tp)
-        return F.linear(silu_and_mul_(F.linear(h, mlp.gate_up)), mlp.down)
+        return row_parallel(silu_and_mul_(linear(h, mlp.gate_up)), mlp.down, None, self.tp)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         last = rms_norm(hidden, self.weights.norm, self.spec.rms_norm_eps)

@@ -33,6 +33,7 @@ from prefill_worker.model.gpt_oss import GptOssLM
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.kv_mirror import MirrorTargets
 from prefill_worker.model.llama import CausalLM, ForwardInputs, ForwardOutput
+from prefill_worker.model.moe.idle import idle_moe
 from prefill_worker.model.qwen3_next import Qwen3NextLM
 from prefill_worker.model.sampling import sample
 
@@ -68,6 +69,11 @@ class Runner:
         if not plan.chunks:
             return BatchOutput(plan.batch_id, ())
         return self.outputs(plan, self.forward(plan))
+
+    def run_idle(self) -> int:
+        """A forward of no tokens (``model.moe.idle``): an attention-DP rank's step under
+        expert parallelism while another rank runs a batch; the sparse layers run."""
+        return idle_moe(self.model)
 
     def outputs(self, plan: BatchPlan, out: ForwardOutput) -> BatchOutput:
         """Sample the chunks that end their prompt; split the prompt logprobs."""
@@ -140,7 +146,8 @@ class Runner:
             if slot is None or not 0 <= slot < self.num_state_slots or slot in seen:
                 raise ValueError(f"chunk of {chunk.request_id}: bad state slot {slot}")
             seen.add(slot)
-            out.append(StateSpan(span.q_start, span.q_end, slot, chunk.start == 0))
+            is_last = chunk.sampling is not None  # the chunk that ends the prompt
+            out.append(StateSpan(span.q_start, span.q_end, slot, chunk.start == 0, is_last))
         return tuple(out)
 
     def _logprob_rows(

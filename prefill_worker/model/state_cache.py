@@ -48,6 +48,16 @@ class StateCache:
         self.recurrent: tuple[torch.Tensor, ...] = tuple(self._recurrent)  # each [S, Hv, Dk, Dv]
 
     @property
+    def stacked_conv(self) -> torch.Tensor:
+        """Every layer's conv slots, ``[L, S, conv_dim, K - 1]``."""
+        return self._conv
+
+    @property
+    def stacked_recurrent(self) -> torch.Tensor:
+        """Every layer's recurrent slots, ``[L, S, Hv, Dk, Dv]`` fp32."""
+        return self._recurrent
+
+    @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._conv, self._recurrent))
 
@@ -58,16 +68,7 @@ class StateCache:
     def component(self) -> StateComponent:
         """What a decode needs from this pool: every linear layer's slot, sent whole with
         the last chunk."""
-        conv, recurrent = self.conv[0][0], self.recurrent[0][0]
-        return StateComponent(
-            kind=LINEAR_STATE,
-            layer_ids=self.spec.linear_layers,
-            tensors=(
-                StateTensor("conv", tuple(conv.shape), _DTYPE_NAMES[conv.dtype], _bytes(conv)),
-                StateTensor("recurrent", tuple(recurrent.shape), "float32", _bytes(recurrent)),
-            ),
-            num_items=self.num_slots,
-        )
+        return linear_component(self.spec, self.num_slots, self._conv.dtype)
 
     def regions(self, device: str) -> StateRegions:
         """The component and where its slots live (``device`` as the KV pool names it), for
@@ -75,5 +76,20 @@ class StateCache:
         return StateRegions(self.component(), self.base_addrs(), device)
 
 
-def _bytes(item: torch.Tensor) -> int:
-    return item.numel() * item.element_size()
+def linear_component(
+    spec: LinearAttentionSpec, num_slots: int, conv_dtype: torch.dtype
+) -> StateComponent:
+    """The component a pool of ``num_slots`` slots of ``spec``'s heads holds."""
+    conv = (spec.conv_dim, spec.conv_kernel - 1)
+    recurrent = (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
+    conv_bytes = spec.conv_dim * (spec.conv_kernel - 1) * conv_dtype.itemsize
+    recurrent_bytes = spec.num_v_heads * spec.head_k_dim * spec.head_v_dim * 4
+    return StateComponent(
+        kind=LINEAR_STATE,
+        layer_ids=spec.linear_layers,
+        tensors=(
+            StateTensor("conv", conv, _DTYPE_NAMES[conv_dtype], conv_bytes),
+            StateTensor("recurrent", recurrent, "float32", recurrent_bytes),
+        ),
+        num_items=num_slots,
+    )

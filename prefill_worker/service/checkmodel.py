@@ -30,6 +30,8 @@ from typing import Any
 from prefill_worker.kv.layout import DTYPE_ITEMSIZE, MLA, KVLayout
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.hf_linear import LinearAttentionSpec
+from prefill_worker.model.moe.memory import expert_note, mxfp4_expert_note
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.quant.kv import kv_dtype_name
 from prefill_worker.model.quant.memory import weight_note
 from prefill_worker.service.schema import Config
@@ -115,8 +117,11 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
     _check_pool(config, shape, check, index_bytes)
     if spec is not None:
         _note_weights(config, spec, check)
+        _check_experts(config, spec, check)
     if spec is not None and spec.linear is not None:
         check.notes.append(_state_note(config, spec.linear, shape.torch_dtype))
+    if spec is not None and spec.sliding is not None and spec.sliding.mxfp4:
+        check.notes.append(_mxfp4_note(config, spec))
     return check
 
 
@@ -127,9 +132,39 @@ def _note_weights(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
     if dtype == "auto":
         dtype = stored
     note = weight_note(spec, DTYPE_ITEMSIZE[stored], dtype, DTYPE_ITEMSIZE[dtype],
-                       config.parallel.tp_size)  # fmt: skip
+                       config.parallel.tp_size, config.model.device)  # fmt: skip
     if note is not None:
         check.notes.append(note)
+
+
+def _check_experts(config: Config, spec: ModelSpec, check: ModelCheck) -> None:
+    """Expert parallelism: the placement refused with its reason, or each rank's experts."""
+    par = config.parallel
+    try:
+        placement = check_expert_parallel(
+            spec, par.tp_size, par.ep_size, par.expert_placement, par.dp_size
+        )
+    except ValueError as exc:
+        check.problems.append(str(exc))
+        return
+    if placement is not None:
+        dtype = config.model.dtype if config.model.dtype != "auto" else spec.torch_dtype
+        dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
+        itemsize, dp = DTYPE_ITEMSIZE[dtype], par.dp_size > 1
+        check.notes.append(expert_note(spec, placement, dtype, itemsize, dp))
+
+
+def _mxfp4_note(config: Config, spec: ModelSpec) -> str:
+    """gpt-oss's MXFP4 experts: their bytes shipped, dequantized and kept, and which applies."""
+    model = config.model
+    dtype = model.dtype if model.dtype != "auto" else spec.torch_dtype
+    dtype = dtype if dtype in DTYPE_ITEMSIZE else "float32"
+    may_keep = (
+        model.device != "cpu"
+        and dtype == "bfloat16"
+        and model.moe_backend in ("auto", "flashinfer")
+    )
+    return mxfp4_expert_note(spec, dtype, DTYPE_ITEMSIZE[dtype], may_keep)
 
 
 def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | None) -> str:
@@ -145,6 +180,36 @@ def _state_note(config: Config, linear: LinearAttentionSpec, torch_dtype: str | 
         f"slots × {slot} bytes (conv {linear.conv_dim} × {linear.conv_kernel - 1} {dtype}, "
         f"recurrent {linear.num_v_heads} × {linear.head_k_dim} × {linear.head_v_dim} float32, "
         f"per layer) = {num_slots * slot / 2**30:.2f} GiB; the prefix cache is off"
+        f"{_staging_note(config, linear)}"
+        f"{_group_state_note(config, num_slots * slot)}"
+    )
+
+
+def _group_state_note(config: Config, pool_bytes: int) -> str:
+    """At TP > 1: each rank's pool holds its heads (1/N of each slot, ``sharding.
+    local_linear``), and rank 0 also the whole slots it sends (``model.state_gather``)."""
+    tp = config.parallel.tp_size
+    if tp == 1:
+        return ""
+    return (
+        f"; at tensor parallel {tp} each rank's pool holds its heads, "
+        f"{pool_bytes // tp / 2**30:.2f} GiB, and rank 0 also the whole slots it sends, "
+        f"{pool_bytes / 2**30:.2f} GiB more"
+    )
+
+
+def _staging_note(config: Config, linear: LinearAttentionSpec) -> str:
+    """SGLang decodes' staging of the state slots (``sglang.mamba_stage``): as many slots, in
+    their conv dtype and layout; nothing without the SGLang protocol."""
+    if "sglang" not in config.transfer.protocols:
+        return ""
+    conv_dtype = config.transfer.sglang_mamba_conv_dtype
+    slot = linear.slot_bytes(DTYPE_ITEMSIZE[conv_dtype])
+    num_slots = config.cache.num_aux_rows
+    return (
+        f"; SGLang decodes' staging of it (conv in {conv_dtype}, "
+        f"transfer.sglang_mamba_conv_dtype): {num_slots} slots × {slot} bytes = "
+        f"{num_slots * slot / 2**30:.2f} GiB more"
     )
 
 

@@ -146,10 +146,12 @@ def _drain(config: Config) -> int:
 def _serve(
     config: Config, build_model: Callable[..., Any] | None, rank_command: Sequence[str] | None
 ) -> int:
-    from prefill_worker.service.daemon import run_daemon
+    from prefill_worker.service.daemon import Daemon, run_daemon
+    from prefill_worker.service.dp_leader import DpLeader
     from prefill_worker.service.teardown import prepare_exit
 
-    code = run_daemon(config, build_model=build_model, rank_command=rank_command)
+    kind = DpLeader if config.parallel.dp_size > 1 else Daemon
+    code = run_daemon(config, build_model=build_model, rank_command=rank_command, kind=kind)
     prepare_exit()  # serve is a process's main: what is left is the interpreter's teardown
     return code
 

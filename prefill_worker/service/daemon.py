@@ -44,6 +44,7 @@ from prefill_worker.service.logs import configure_logging
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.rank import run_follower
 from prefill_worker.service.sdnotify import SdNotifier
+from prefill_worker.service.sglang_index import attach_sglang_index
 from prefill_worker.service.startup import (
     LoadReport,
     ModelBuilder,
@@ -54,6 +55,7 @@ from prefill_worker.service.startup import (
     make_engine,
     make_pools,
     make_prefix_cache,
+    sglang_mamba,
     sliding_model,
     start_http,
     start_http_api,
@@ -102,6 +104,7 @@ class Daemon:
         self._group: LeaderGroup | None = None  # at TP > 1: the follower ranks
         self._secret = b""  # at TP > 1: what every rank proves it holds (tp.secret)
         self._vllm_staging: GroupStaging | None = None  # at TP > 1 with vLLM: shared staging
+        self._drafting: DraftingRunner | None = None  # this rank's runner, with a draft model
         self.registry = CollectorRegistry()
         ProcessCollector(namespace="prefill_worker", registry=self.registry)  # fds, memory
         self.metrics = WorkerMetrics(self.registry)
@@ -169,6 +172,7 @@ class Daemon:
         self._closers.append(("http", http.stop))
         log.info("http on %s:%d", cfg.metrics.bind.rpartition(":")[0], http.port)
         runner, kv_cache, info = self._load(placement)
+        sglang_dsa = attach_sglang_index(cfg, runner, kv_cache.device_name)
         pages, aux = make_pools(cfg, kv_cache)
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
@@ -182,7 +186,9 @@ class Daemon:
                 info.state_regions,
                 sliding_model(info),
                 self._vllm_staging,
-                attach_draft(runner, aux.num_rows),
+                attach_draft(self._drafting, aux.num_rows),
+                sglang_dsa,
+                sglang_mamba(cfg, runner),
             )
         self._closers.append(("transfer", transfer.backend.close))
         guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)
@@ -202,6 +208,7 @@ class Daemon:
             backend = GroupBackend(backend, self._group.channel.link)
         self._kv_layout = layout.summary()  # published: a decode sizes its pool by it
         self.transfer_endpoints = transfer.endpoints
+        self._transfer_backend = transfer.backend  # an attention-DP leader leads its routes
         with watch("kv events"):
             self._start_kv_events()
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
@@ -217,9 +224,7 @@ class Daemon:
             pages.num_pages * cfg.cache.page_size,
         )
         with watch("ingress"):
-            self._ingress = start_ingress(
-                cfg, self.inbox, lambda: engine.load, limits, self.metrics, self.request_drain
-            )
+            self._ingress = self._start_front(engine, limits)
         # Closed before the engine's pools go: it flushes the last replies.
         self._closers.append(("ingress", self._ingress.close))
         if cfg.http_api.enabled:
@@ -252,14 +257,19 @@ class Daemon:
         log.info("edge threads supervised: %s", ", ".join(self.threads.watched()))
         self._announce(http.port)
 
+    def _watch_draft(self, runner: ModelRunner) -> None:
+        """A drafting runner: its forward time to the metrics, kept for the transfer."""
+        if isinstance(runner, DraftingRunner):
+            runner.on_draft_forward = self.metrics.on_draft_forward
+            self._drafting = runner
+
     def _load(self, placement: Placement | None) -> tuple[ModelRunner, KVCache, ModelInfo]:
         """This rank's model; at TP > 1 the group first (followers started, joined), and
         the runner every forward of the group goes through."""
         report = LoadReport(self.notifier.status)
         if placement is None:
             runner, kv_cache, info = load_model(self.config, self._build_model, report)
-            if isinstance(runner, DraftingRunner):
-                runner.on_draft_forward = self.metrics.on_draft_forward
+            self._watch_draft(runner)
             return runner, kv_cache, info
         tp, group, device = start_tp_group(
             self.config, placement, self._rank_command, self._wake.set, self._secret
@@ -272,6 +282,7 @@ class Daemon:
             self.config, self._build_model, report, tp=tp, device=device
         )
         agree_group_loaded(self.config, group, kv_cache.layout.num_pages)
+        self._watch_draft(runner)  # the leader's: only its proposals are kept and sent
         self._vllm_staging = lead_staging(
             self.config, kv_cache, info.num_kv_heads, placement.size, group.channel
         )
@@ -282,6 +293,13 @@ class Daemon:
         group.channel.on_decode_peers = self.metrics.on_rank_decode_peers
         group.start_heartbeat()
         return GroupRunner(runner, group.channel, self.metrics.on_rank_forward), kv_cache, info
+
+    def _start_front(self, engine: Engine, limits: tuple[int, int, int]) -> Ingress:
+        """Where requests come from: the router-facing ingress (a DP rank's daemon: its
+        link to the leader, ``service/dp_rank.py``)."""
+        load = lambda: engine.load  # noqa: E731
+        on_drain = self.request_drain
+        return start_ingress(self.config, self.inbox, load, limits, self.metrics, on_drain)
 
     def _start_kv_events(self) -> None:
         publisher = start_kv_events(self.config, self.metrics)
@@ -308,7 +326,11 @@ class Daemon:
         if self._http_api is not None:
             api_host = cfg.http_api.bind.rpartition(":")[0] or "127.0.0.1"
             endpoints["http_api"] = f"{api_host}:{self._http_api.port}"
-        published: dict[str, object] = {**endpoints, "kv_layout": self._kv_layout}
+        published: dict[str, object] = {
+            **endpoints,
+            "kv_layout": self._kv_layout,
+            **self._more_endpoints(),
+        }
         self.health.endpoints = published
         if cfg.daemon.ready_file:
             ready_file = Path(cfg.daemon.ready_file)
@@ -322,6 +344,11 @@ class Daemon:
         where = ", ".join(f"{k} {v}" for k, v in endpoints.items() if k != "pid")
         self.notifier.ready(f"serving {cfg.model.path}: {where}")
         log.info("ready: %s", where)
+
+    def _more_endpoints(self) -> dict[str, object]:
+        """What else ``/readyz`` and the ready file publish (an attention-DP leader: its
+        ranks', ``service/dp_leader.py``)."""
+        return {}
 
     def _start_engine_thread(self, engine: Engine) -> None:
         self._engine_thread = EngineThread(engine, self.inbox, self._wake.set)
@@ -380,10 +407,12 @@ def run_daemon(
     *,
     build_model: ModelBuilder | None = None,
     rank_command: Sequence[str] | None = None,
+    kind: type[Daemon] = Daemon,
 ) -> int:
+    """``kind``: at ``parallel.dp_size`` > 1 the attention-DP leader (``cli`` picks it)."""
     configure_logging(config.daemon.log_level, config.daemon.log_format)
     raise_fd_limit()
-    daemon = Daemon(
+    daemon = kind(
         config,
         os.environ if env is None else env,
         build_model or build,

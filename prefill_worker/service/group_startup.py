@@ -2,7 +2,8 @@
 under torchrun, found; every rank joined), and the barrier after every rank loaded.
 
 Like ``startup.py``'s steps, each runs inside ``startup_step``: a failure names the step,
-78 for configuration problems (a model that does not split, too few devices), 1 otherwise.
+78 for configuration problems (a model that does not split, what no transfer sends from
+more than one rank yet: ``check_group_transfer``, too few devices), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from prefill_worker.model import CheckpointError
-from prefill_worker.model.hf_config import read_spec
+from prefill_worker.model.hf_config import ModelSpec, read_spec
+from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.parallel import TPGroup
 from prefill_worker.model.sharding import check_model_shardable
 from prefill_worker.service.config import Config
@@ -22,6 +24,7 @@ from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, ope
 from prefill_worker.tp.leader import Heartbeat, LeaderGroup
 from prefill_worker.tp.mirror import RankLink
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -46,6 +49,8 @@ def start_tp_group(
         # model.sharding; each rank's build checks it again).
         spec = read_spec(config.model.path)
         check_model_shardable(spec, TPGroup(0, placement.size))
+        check_expert_parallel(spec, placement.size, cfg.ep_size, config.parallel.expert_placement)
+        check_group_transfer(spec, placement.size, tuple(config.transfer.protocols))
         device = rank_device(config.model.device, placement)
         store = open_store(placement, tp_timeouts(config))
         followers = Followers([])
@@ -68,6 +73,36 @@ def start_tp_group(
     heartbeat = Heartbeat(channel, cfg.heartbeat_interval_s, on_failure)
     group = LeaderGroup(channel, followers, heartbeat, cfg.heartbeat_interval_s)
     return membership.tp, group, device
+
+
+def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ...]) -> None:
+    """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from more than one
+    rank yet, though the model runs sharded: a DSA model's index keys (the followers write
+    no state component: a decode rank a follower feeds would get none), a hybrid model's
+    linear-attention state over any protocol but native (the leader gathers whole slots,
+    ``model.state_gather``, and only its native backend sends them; SGLang's and vLLM's
+    decodes of a group would get KV without state), and a hybrid-SWA model's window pages
+    to SGLang decodes (routed by the leader alone). gpt-oss and Gemma 3 over the native
+    protocol send head slices of every page, as a dense model."""
+    if tp_size == 1:
+        return
+    if spec.indexer is not None:
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size}: the transfer of its index "
+            "keys (DSA) from a tensor-parallel group is not built; run it at tensor parallel 1"
+        )
+    if spec.linear is not None and tuple(protocols) != ("native",):
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}: "
+            "a tensor-parallel group sends its linear-attention state to native decodes "
+            "only; serve it over native, or at tensor parallel 1"
+        )
+    if "sglang" in protocols and spec.architecture in HYBRID_SWA_ARCHITECTURES:
+        raise ValueError(
+            f"{spec.architecture} at tensor parallel {tp_size} over the sglang protocol: "
+            "sending its sliding layers' window pages from more than one rank is not built; "
+            "serve it over native, or at tensor parallel 1"
+        )
 
 
 def agree_group_loaded(config: Config, group: LeaderGroup, num_pages: int) -> None:

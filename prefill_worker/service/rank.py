@@ -22,7 +22,9 @@ import uuid
 from collections.abc import Sequence
 
 from prefill_worker.batch import ModelRunner
+from prefill_worker.kv.layout import KVRegions
 from prefill_worker.model import build
+from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
@@ -60,7 +62,8 @@ def run_follower(
         steps: ModelRunner = runner
         if staging is not None and staging.heads is None:  # its head is another rank's
             steps = Unmirrored(runner)
-        target = _transfer_target(config, kv_cache, heads, placement)
+        draft = runner.draft_kv.regions(0, 0) if isinstance(runner, DraftingRunner) else None
+        target = _transfer_target(config, kv_cache, heads, placement, draft)
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
         guard = start_listener_guard(config.transfer.ucx_silent_close_s)  # its agent's listener
         try:
@@ -81,10 +84,15 @@ def run_follower(
 
 
 def _transfer_target(
-    config: Config, kv_cache: KVCache, num_kv_heads: int, placement: Placement
+    config: Config,
+    kv_cache: KVCache,
+    num_kv_heads: int,
+    placement: Placement,
+    draft: KVRegions | None = None,
 ) -> MirrorTarget | None:
     """This rank's own transfer backend behind the mirror, for the native protocol or
-    SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md)."""
+    SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md),
+    with its draft pool (``model.draft``) beside its target pool."""
     cfg = config.transfer
     if cfg.protocols not in (("native",), ("sglang",)):
         return None
@@ -98,7 +106,7 @@ def _transfer_target(
     agent = make_agent(name, list(cfg.nixl_backends), devices)
     place = RankPlace(placement.rank, placement.size, num_kv_heads)
     regions = kv_cache.regions(0, 0)  # the aux rows are the leader's
-    return MirrorTarget(RankBackend(agent, place, regions, cfg.peer_timeout_s))
+    return MirrorTarget(RankBackend(agent, place, regions, cfg.peer_timeout_s, draft=draft))
 
 
 def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -> int:

@@ -66,6 +66,25 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _dp_ranks_are_whole_workers(self) -> Config:
+        """Attention DP ranks (docs/parallelism.md): each a TP-1 worker pushing its own KV by
+        a protocol whose desk it runs itself; DP x TP, vLLM's pulls and one KV-event stream
+        per rank are not built."""
+        dp_size = self.parallel.dp_size
+        if dp_size == 1:
+            return self
+        if self.parallel.tp_size > 1:
+            raise ValueError(f"parallel.dp_size {dp_size} with tp_size > 1: not built yet")
+        if self.transfer.protocols not in (("native",), ("sglang",)):
+            raise ValueError(
+                f"transfer.protocol {self.transfer.protocol!r} at parallel.dp_size {dp_size}: "
+                "an attention-DP worker serves native or sglang alone"
+            )
+        if self.kv_events.enabled:
+            raise ValueError(f"kv_events.enabled at parallel.dp_size {dp_size}: not built yet")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_tp_stages_on_one_host(self) -> Config:
         """At TP > 1 vLLM's blocks are a region the ranks share in memory (docs/vllm.md,
         "Workers with TP > 1"): the group runs on one host."""

@@ -33,7 +33,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
-from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
@@ -41,6 +41,7 @@ from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.model.kv_cache import KV_TORCH_DTYPES
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.qwen3_next import Qwen3NextLM
 from prefill_worker.request import Outcome
 from prefill_worker.scheduler import Engine, EngineKV, EngineLimits
 from prefill_worker.scheduler.warmup import warm_up
@@ -51,6 +52,7 @@ from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEven
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
 from prefill_worker.transfer.base import TransferBackend
+from prefill_worker.transfer.decode.pool import pool_device
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.factory import (
     Transfer,
@@ -67,11 +69,15 @@ from prefill_worker.transfer.options import (
     VllmIdentity,
     VllmOptions,
 )
+from prefill_worker.transfer.sglang.mamba_stage import MambaStage
 from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
-from prefill_worker.transfer.state_guard import guard_backends
+from prefill_worker.transfer.slot_stage import StagedState
+from prefill_worker.transfer.state_guard import STATE_CARRIERS, guard_backends
 from prefill_worker.transfer.swa_window import SlidingLayers, decode_window_tokens, guard_unproven
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.groups import VllmGroups, linear_groups, sliding_groups
 from prefill_worker.transfer.vllm.shared import GroupStaging
+from prefill_worker.transfer.vllm.state_staging import decode_ssm_dtype
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 # The daemon's logger: start-up lines keep the name they had before the steps moved here.
@@ -146,12 +152,15 @@ def load_model(
     *,
     tp: TPGroup = SINGLE,
     device: str | None = None,
+    dp: TPGroup = SINGLE,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """This rank's shard (``tp``; TP 1: the whole model) on ``device`` (None: the
-    configured one)."""
+    configured one); ``dp``: an attention-DP rank's place, when the experts are placed over
+    the DP ranks (``parallel.ep_size`` = ``dp_size``)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
         started = time.monotonic()
+        more = {"dp": dp} if dp.size > 1 else {}
         runner, kv_cache, info = build_model(
             cfg.model.path,
             on_progress=on_progress,
@@ -169,6 +178,10 @@ def load_model(
             num_state_slots=cfg.cache.num_aux_rows,  # a hybrid's state slot is the aux row
             **_draft_args(cfg),
             kv_dtype=cfg.cache.kv_dtype,
+            ep_size=cfg.parallel.ep_size,
+            expert_placement=tuple(cfg.parallel.expert_placement),
+            ep_exchange=cfg.parallel.ep_exchange,
+            **more,
         )
         log.info(
             "model %s (%s, %s, attention %s, experts %s) loaded in %.1f s",
@@ -235,6 +248,8 @@ def start_transfer(
     sliding: SlidingModel | None = None,
     vllm_staging: GroupStaging | None = None,
     draft: DraftSide | None = None,
+    sglang_dsa: StateRegions | None = None,
+    mamba: StagedState | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -246,7 +261,10 @@ def start_transfer(
     pool (``transfer.sglang.swa``). ``vllm_staging``: at TP > 1, the region the group shares
     (``service.vllm_group``), which the vLLM backend registers. ``draft``: a draft model's
     pool and proposals (``attach_draft``), which the SGLang and native backends send to decodes
-    that speculate."""
+    that speculate. ``sglang_dsa``: a DSA model's index keys in SGLang's FP8 pages
+    (``service.sglang_index``), which the SGLang backend sends; its rooms are then served.
+    ``mamba``: a hybrid model's state staged for SGLang decodes (``sglang_mamba``), which then
+    carry its state too."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -257,13 +275,18 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                sglang = _sglang_options(config, sglang_sliding(sliding))
-                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft)
+                sglang = _sglang_options(config, sglang_sliding(sliding), mamba)
+                backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
                 modes = tuple(cfg.vllm_transfer_modes)
-                tickets = Tickets(config.http_api.max_inflight_requests, versions, modes)
-                options = _vllm_options(config)
+                max_open, needs_groups = config.http_api.max_inflight_requests, sliding is not None
+                linear = state is not None and state.component.kind == LINEAR_STATE
+                tickets = Tickets(
+                    max_open, versions, modes, needs_kv_groups=needs_groups, has_linear_state=linear
+                )
+                linear_state = state if linear else None
+                options = _vllm_options(config, sliding, linear_state, regions.layout.num_layers)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
@@ -273,7 +296,12 @@ def start_transfer(
                 backend.close()
             raise
         if state is not None:
-            backends, refused = guard_backends(backends, state.component.kind)
+            sglang_carries = sglang_dsa is not None or mamba is not None
+            carriers = STATE_CARRIERS | ({"sglang"} if sglang_carries else set())
+            if linear_vllm(state, backends):  # vLLM 0.34 pulls carry a linear model's state
+                # (its mamba groups): its tickets refuse the other versions and modes
+                carriers = carriers | {"vllm"}
+            backends, refused = guard_backends(backends, state.component.kind, carriers)
             if refused:
                 log.warning(
                     "hybrid model: the %s protocol(s) carry no %s state; each of their "
@@ -284,7 +312,8 @@ def start_transfer(
         if sliding is not None:
             backends = guard_unproven(backends)
             log.warning(
-                "sliding-window model: only the native and sglang protocols serve it "
+                "sliding-window model: the native and sglang protocols serve it, and vLLM "
+                "0.34 pull decodes (its KV-cache groups); other protocols refuse each room "
                 "(swa_unsupported)"
             )
         return serve_protocols(backends, tickets, mirror_layers)
@@ -329,7 +358,26 @@ def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
     return sliding.layers
 
 
-def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> SglangOptions:
+def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:
+    """A hybrid linear-attention model's state slots staged in SGLang's mamba layout, when
+    SGLang decodes are served (``sglang.mamba``); None otherwise."""
+    if "sglang" not in config.transfer.protocols or not isinstance(runner, Runner):
+        return None
+    if not isinstance(runner.model, Qwen3NextLM):
+        return None
+    cache, dtype = runner.model.state, config.transfer.sglang_mamba_conv_dtype
+    layers, device = cache.spec.linear_layers, pool_device(cache.device)
+    spec = cache.spec
+    groups = ((spec.key_dim, spec.num_k_heads),) * 2 + ((spec.value_dim, spec.num_v_heads),)
+    conv_groups = tuple(channels for channels, _ in groups)
+    stage = MambaStage(layers, cache.conv, cache.recurrent, dtype, device, conv_groups)
+    log.info("sglang: mamba state staging, %d bytes beside the state pool", stage.num_bytes)
+    return StagedState(spec.full_layers, stage, groups, spec.num_v_heads)
+
+
+def _sglang_options(
+    config: Config, sliding: SlidingLayers | None = None, mamba: StagedState | None = None
+) -> SglangOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-sglang"
     nixl = NixlOptions(
@@ -351,10 +399,21 @@ def _sglang_options(config: Config, sliding: SlidingLayers | None = None) -> Sgl
         nixl=nixl,
         limits=_limits(config),
         sliding=sliding,
+        mamba=mamba,
     )
 
 
-def _vllm_options(config: Config) -> VllmOptions:
+def linear_vllm(state: StateRegions, backends: Mapping[str, TransferBackend]) -> bool:
+    """Whether the vLLM backend serves this hybrid model's state (a linear-attention one)."""
+    return "vllm" in backends and state.component.kind == LINEAR_STATE
+
+
+def _vllm_options(
+    config: Config,
+    sliding: SlidingModel | None = None,
+    state: StateRegions | None = None,
+    num_kv_layers: int = 0,
+) -> VllmOptions:
     cfg = config.transfer
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
     model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
@@ -375,7 +434,27 @@ def _vllm_options(config: Config) -> VllmOptions:
         versions=tuple(cfg.vllm_versions),
         modes=tuple(cfg.vllm_transfer_modes),
         nixl=NixlOptions(agent_name, tuple(cfg.nixl_backends), cfg.resolved_ucx_net_devices),
+        groups=_vllm_groups(sliding, state, num_kv_layers, cfg.vllm_block_size),
+        state=state,
+        state_ssm_dtype="float32"
+        if state is None
+        else decode_ssm_dtype(
+            cfg.vllm_mamba_ssm_dtype, config.model.path, state.component.tensors[0].dtype
+        ),
     )
+
+
+def _vllm_groups(
+    sliding: SlidingModel | None, state: StateRegions | None, num_kv_layers: int, block_size: int
+) -> VllmGroups | None:
+    """vLLM 0.34's KV-cache groups of a hybrid model (``transfer.vllm.groups``)."""
+    if sliding is not None:
+        return sliding_groups(sliding.layers, sliding.architecture, block_size)
+    if state is None:
+        return None
+    linear = state.component.layer_ids
+    num_layers = len(linear) + num_kv_layers
+    return linear_groups(linear, num_layers, block_size)
 
 
 def _native_backend(
@@ -574,4 +653,5 @@ def _draft_args(config: Config) -> dict[str, object]:
     """The draft's keywords to the builder, when one is configured."""
     if config.model.draft == "none":
         return {}
-    return {"draft": config.model.draft, "draft_topk": config.model.draft_topk}
+    model = config.model
+    return {"draft": model.draft, "draft_topk": model.draft_topk, "draft_path": model.draft_path}

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import Protocol
 
 from prefill_worker.inbox import Inbox
 from prefill_worker.ingress.http import HttpApi
@@ -28,7 +29,6 @@ from prefill_worker.service.http import Health
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.schema import DaemonConfig
 from prefill_worker.service.sdnotify import SdNotifier
-from prefill_worker.tp.leader import LeaderGroup
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -112,6 +112,15 @@ class EngineThread:
         return self._thread.is_alive()
 
 
+class RankGroup(Protocol):
+    """The other ranks behind this worker, as the supervisor watches them: a TP group's
+    followers (``tp.leader.LeaderGroup``) or attention-DP ranks (``dp_leader.DpRanks``)."""
+
+    def problem(self) -> str | None: ...
+
+    def is_busy(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Serving:
     """What start-up left running, for the supervisor to watch and stop."""
@@ -121,7 +130,7 @@ class Serving:
     inbox: Inbox
     ingress: Ingress
     http_api: HttpApi | None  # the SGLang-compatible front, when enabled
-    group: LeaderGroup | None  # at TP > 1: the follower ranks
+    group: RankGroup | None  # at TP > 1 the follower ranks; at DP > 1 the other DP ranks
 
 
 class Supervisor:
@@ -154,7 +163,7 @@ class Supervisor:
             if self._engine_thread.error is not None:
                 return self._fatal()
             if self._group is not None and self._group.problem() is not None:
-                log.error("tensor-parallel group failed: %s", self._group.problem())
+                log.error("rank group failed: %s", self._group.problem())
                 return self._stop(FinishReason.ENGINE_ERROR, EX_SOFTWARE)
             if self._requests.is_forced:
                 log.warning("second signal: stopping now")
@@ -202,7 +211,8 @@ class Supervisor:
         deadline = checked_at + 1.0
         while self._engine.last_turn_at <= checked_at and time.monotonic() < deadline:
             self._wake.wait(0.005)
-        return self.inbox.empty() and self._engine.load.num_live == 0
+        is_group_idle = self._group is None or not self._group.is_busy()
+        return self.inbox.empty() and self._engine.load.num_live == 0 and is_group_idle
 
     def _stop(self, reason: FinishReason, code: int) -> int:
         self._refuse_new()

@@ -74,7 +74,7 @@ class VllmPullCollector(Collector):
             "prefill_worker_vllm_pushes",
             "requests whose KV was WRITten into a vLLM push decode's blocks (written), or not, "
             "by why (the decode refused at its handshake, the WRITE failed, its blocks not "
-            "ours to fill, a decode of TP > 1)",
+            "ours to fill, a decode TP that does not divide the KV heads)",
             labels=["outcome"],
         )
         pushes.add_metric(["written"], pusher.counts.pushed)

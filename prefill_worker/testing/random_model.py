@@ -53,6 +53,9 @@ class RandomTensors:
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
         return out.normal_(0.0, 0.02, generator=self.generator)
 
+    def linear(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
     def maybe(self, name: str, needed: bool) -> torch.Tensor | None:
         return self.get(name) if needed else None
 

@@ -6,7 +6,9 @@ harness decode comes in as an argument).
 Per decode (``Decodes.handle({"op": "new", ...})``): ``MHATokenToKVPool`` (per layer, K and
 V ``[pages * page_size + page_size, heads, dim]``, page 0 padding), or for ``kind`` ``mla``
 ``MLATokenToKVPool`` (per layer one latent ``[pages * page_size + page_size, 1, head_dim]``,
-and the manager told ``is_mla_backend`` as an MLA decode's is), ``MetadataBuffers`` with
+and the manager told ``is_mla_backend`` as an MLA decode's is; ``dsa``: ``DSATokenToKVPool``,
+that MLA pool with an FP8 index buffer per layer ``[pages, page_size * 132]`` uint8, its
+``dsa`` state component registered by ``setup_state_kv_args``), ``MetadataBuffers`` with
 SGLang's defaults (the ten buffers), a ``KVArgs`` filled as ``decode.py`` fills it, and a
 ``NixlKVManager`` in decode mode (it starts SGLang's own listener and heartbeat threads); the
 harness's decodes (``Decodes``) then fill their KV pool with a byte no write leaves behind.
@@ -22,6 +24,7 @@ every millisecond (``nixl_progress``): a process holds many decodes.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -31,22 +34,23 @@ from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode, MetadataBuffers
 from sglang.srt.layers import dp_attention
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.server_args import ServerArgs
 
 from prefill_worker.testing.nixl_progress import wake_on_events_only
+from prefill_worker.testing.sglang_pools import (
+    DTYPES,
+    dsa_pool,
+    kv_pool,
+    mamba_pool,
+    named,
+    swa_pool,
+)
 
 _HELD: list[Any] = []
 _POLL_NAMES = {
     int(getattr(KVPoll, name)): name
     for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")
 }
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}  # fp8: SGLang stores its bytes as uint8
 
 
 def publish(model_path: str, attn_tp: tuple[int, int] = (0, 1)) -> Any:
@@ -100,7 +104,8 @@ class Decode:
         self.bootstrap = spec["bootstrap"]
         self._engine_rank = engine_rank  # its attention TP rank
         self.page_size = spec["page_size"]
-        self.is_mla = spec.get("kind") == "mla"
+        self.is_mla = spec.get("kind") in ("mla", "dsa")
+        self.is_dsa = spec.get("kind") == "dsa"  # its index pages: ``state_indices[0]``
         self._num_layers = spec["num_layers"]
         self.kv_cache_dtype = str(spec.get("kv_cache_dtype", "auto"))  # its --kv-cache-dtype
         # A hybrid SWA pool (``sliding_layers`` given): the full layers' pool, and the
@@ -108,16 +113,26 @@ class Decode:
         # for gpt-oss (``SWAKVPool``; its state component registered by ``setup_state_kv_args``).
         self.sliding_layers = list(spec.get("sliding_layers") or [])
         self.window_tokens = spec.get("window_tokens", 0)
-        self.pool = _swa_pool(spec) if self.sliding_layers else _kv_pool(spec, self.is_mla)
+        # A hybrid linear-attention model's pool (``linear_layers`` given): the full layers'
+        # KV and a ``MambaPool`` of ``mamba_slots`` slots (``sglang_pools.mamba_pool``).
+        self.linear_layers = list(spec.get("linear_layers") or [])
+        if self.is_dsa:
+            self.pool = dsa_pool(spec)
+        elif self.sliding_layers:
+            self.pool = swa_pool(spec)
+        elif self.linear_layers:
+            self.pool = mamba_pool(spec)
+        else:
+            self.pool = kv_pool(spec, self.is_mla)
         # A speculating decode (``draft_layers`` > 0): its draft pool, the target's geometry,
         # and metadata rows whose hidden state is ``spec_hidden_size`` values of ``spec_dtype``.
         num_draft_layers = int(spec.get("draft_layers", 0))
         draft_spec = {**spec, "num_layers": num_draft_layers}
-        self.draft_pool = _kv_pool(draft_spec, self.is_mla) if num_draft_layers else None
+        self.draft_pool = kv_pool(draft_spec, self.is_mla) if num_draft_layers else None
         self.meta = MetadataBuffers(
             spec["num_aux_rows"],
             hidden_size=int(spec.get("spec_hidden_size", 16)),
-            hidden_states_dtype=_DTYPES[spec.get("spec_dtype", "float32")],
+            hidden_states_dtype=DTYPES[spec.get("spec_dtype", "float32")],
             max_sampling_mask_tokens=16,
         )
         mode = DisaggregationMode.DECODE
@@ -130,10 +145,15 @@ class Decode:
         self._free_swa = list(range(swa_pages - 1, 0, -2)) + list(range(swa_pages - 2, 0, -2))
         self.rooms: dict[int, tuple[list[int], int, Any]] = {}
         self.swa_rooms: dict[int, list[int]] = {}  # a hybrid SWA pool's window pages
+        slots = int(spec.get("mamba_slots", 0))  # scattered, as the pages; slot 0 never named
+        self._free_mamba = list(range(slots - 1, 0, -2)) + list(range(slots - 2, 0, -2))
+        self.mamba_rooms: dict[int, int] = {}  # a mamba pool's slot per room
 
     def fill(self, byte: int) -> None:
         """Every byte of the KV pool: what no write leaves behind (a test reads it back)."""
-        for _, buf in self._buffers():
+        for _, buf in self._buffers() + self._index_buffers():
+            buf.view(torch.uint8).fill_(byte)
+        for _, buf in self._mamba_buffers():
             buf.view(torch.uint8).fill_(byte)
         if self.draft_pool is not None:  # a hidden row no write may touch shows it
             self.meta.output_hidden_states.view(torch.uint8).fill_(byte)
@@ -142,11 +162,29 @@ class Decode:
         """("k0", K of layer 0), ... ("v0", ...): the latents as k of an MLA pool; a hybrid
         SWA pool's full layers, then its sliding layers as ("swa_k0", ...); then a draft
         pool's ("dk0", ...)."""
-        draft = [] if self.draft_pool is None else _named(self.draft_pool, self.is_mla, "d")
+        draft = [] if self.draft_pool is None else named(self.draft_pool, self.is_mla, "d")
         if self.sliding_layers:
             full, swa = self.pool.full_kv_pool, self.pool.swa_kv_pool
-            return _named(full, False, "") + _named(swa, False, "swa_") + draft
-        return _named(self.pool, self.is_mla, "") + draft
+            return named(full, False, "") + named(swa, False, "swa_") + draft
+        if self.linear_layers:
+            return named(self.pool.full_kv_pool, False, "") + draft
+        return named(self.pool, self.is_mla, "") + draft
+
+    def _mamba_buffers(self) -> list[tuple[str, Any]]:
+        """("conv0", conv state of linear layer 0, ``[slots + 1, conv_dim, kernel - 1]``),
+        ..., ("temporal0", ``[slots + 1, v_heads, head_v_dim, head_k_dim]``), ...: a mamba
+        pool's, as its decode's kernels read them; none for other pools."""
+        if not self.linear_layers:
+            return []
+        cache = self.pool.mamba_pool.mamba_cache
+        conv = [(f"conv{i}", t) for i, t in enumerate(cache.conv[0])]
+        return conv + [(f"temporal{i}", t) for i, t in enumerate(cache.temporal)]
+
+    def _index_buffers(self) -> list[tuple[str, Any]]:
+        """("ix0", the index buffer of layer 0), ...: a DSA pool's, ``[pages, page bytes]``."""
+        if not self.is_dsa:
+            return []
+        return [(f"ix{i}", buf) for i, buf in enumerate(self.pool.index_k_with_scale_buffer)]
 
     def _kv_args(self) -> Any:
         args = KVArgs()
@@ -176,9 +214,17 @@ class Decode:
         ):
             setattr(args, name, [])
         args.is_hybrid_mla_backend, args.swa_kv_cache_layout = False, None
-        if self.sliding_layers:  # its state component, as SGLang's decode registers it
-            from sglang.srt.disaggregation.utils import setup_state_kv_args
+        if self.sliding_layers or self.linear_layers or self.is_dsa:  # its state, as SGLang's
+            # decode has it
+            from sglang.srt.disaggregation.utils import build_kv_layer_ids, setup_state_kv_args
 
+            if not self.is_dsa:  # the full layers' ids (a DSA pool's KV list is every layer)
+                args.kv_layer_ids = build_kv_layer_ids(
+                    token_to_kv_pool=self.pool,
+                    draft_token_to_kv_pool=None,
+                    num_draft_entries=0,
+                    num_hidden_layers=self._num_layers,
+                )
             setup_state_kv_args(args, self.pool, None, total_kv_layers=self._num_layers)
         args.mla_compression_ratios, args.ib_device, args.gpu_id = None, None, 0
         return args
@@ -188,22 +234,65 @@ class Decode:
         manager = self.manager
         return {"agent_name": manager.agent.name, "ip": manager.local_ip, "port": manager.rank_port}
 
-    def want(self, room: int, num_tokens: int, prefix_len: int) -> dict[str, Any]:
+    def want(
+        self, room: int, num_tokens: int, prefix_len: int, resolve: str | None = None
+    ) -> dict[str, Any]:
+        """``resolve``: how the prefill's DP rank is found (``dp_rank``, below); None: 0."""
         if not self.manager.try_ensure_parallel_info(self.bootstrap):
             raise RuntimeError(f"no prefill server info from {self.bootstrap}")
+        dp_rank = 0 if resolve is None else self.dp_rank(room, resolve)
         num_pages = -(-num_tokens // self.page_size)
         pages, self._free_pages = self._free_pages[:num_pages], self._free_pages[num_pages:]
         aux_index = self._next_aux % self._num_aux_rows  # rows are reused in turn
         self._next_aux += 1
         receiver = NixlKVReceiver(self.manager, self.bootstrap, room)
-        receiver.init(0)
+        receiver.init(dp_rank)
         sent = np.asarray(pages[prefix_len // self.page_size :], dtype=np.int32)
         swa_pages = self._window_pages(num_tokens, prefix_len)
         state = None if swa_pages is None else [np.asarray(swa_pages, dtype=np.int32)]
+        slot = None
+        if self.is_dsa:  # the index pages of the tokens after the prefix: the KV pages
+            state = [sent]
+        if self.linear_layers:  # one slot of its mamba pool (``decode.py``, ``_mamba_payload``)
+            slot = self._free_mamba.pop(0)
+            state = [np.asarray([slot], dtype=np.int64)]
+            self.mamba_rooms[room] = slot
         receiver.send_metadata(sent, aux_index, state, prefix_len)
         self.rooms[room] = (pages, aux_index, receiver)
         self.swa_rooms[room] = swa_pages or []
-        return {"pages": pages, "aux_index": aux_index, "swa_pages": swa_pages}
+        reply = {"pages": pages, "aux_index": aux_index, "swa_pages": swa_pages}
+        return {**reply, "mamba_slot": slot, "dp_rank": dp_rank}
+
+    def dp_rank(self, room: int, resolve: str) -> int:
+        """The prefill DP rank as SGLang's decode finds it: ``room`` by its own
+        ``DecodePreallocQueue._resolve_prefill_dp_rank`` (the server info's ``dp_size`` and
+        ``follow_bootstrap_room``), ``rank:R`` the same with the router's
+        ``disagg_prefill_dp_rank`` R, ``query`` by ``CommonKVReceiver.query_prefill_dp_ranks``
+        (repeated, as its pending queue does, until the worker placed the room: 10 s)."""
+        from types import SimpleNamespace
+
+        from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+
+        if resolve == "query":
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                ranks = CommonKVReceiver.query_prefill_dp_ranks(self.bootstrap, [room])
+                if str(room) in ranks:
+                    return int(ranks[str(room)])
+                time.sleep(0.02)
+            raise RuntimeError(f"room {room}: no prefill dp rank from {self.bootstrap}")
+        host, _, port = self.bootstrap.rpartition(":")
+        named = int(resolve.removeprefix("rank:")) if resolve.startswith("rank:") else None
+        req = SimpleNamespace(
+            bootstrap_host=host, bootstrap_port=int(port), bootstrap_room=room,
+            disagg_prefill_dp_rank=named,
+        )  # fmt: skip
+        queue = SimpleNamespace(kv_manager=self.manager)
+        rank = DecodePreallocQueue._resolve_prefill_dp_rank(queue, req)
+        if rank is None:
+            raise RuntimeError(f"room {room}: SGLang's decode would query for its dp rank")
+        return int(rank)
 
     def _window_pages(self, num_tokens: int, prefix_len: int) -> list[int] | None:
         """The SWA pool's pages for the window, as SGLang's decode names them
@@ -239,6 +328,10 @@ class Decode:
             held = self.swa_rooms[room] if name.startswith("swa_") else pages
             by_page = buf.view(-1, self.page_size, *buf.shape[1:])[held]
             arrays[name] = by_page.contiguous().view(torch.uint8).numpy()
+        for name, buf in self._index_buffers():
+            arrays[name] = buf[pages].numpy()
+        for name, buf in self._mamba_buffers():  # the room's slot, raw
+            arrays[name] = buf[self.mamba_rooms[room]].contiguous().view(torch.uint8).numpy()
         row = self.meta.get_buf(aux_index)
         names = ("output_ids", "cached_tokens", "logprob_val", "logprob_idx")
         for name, value in zip(names, row[:4], strict=True):
@@ -254,6 +347,8 @@ class Decode:
         pages, _, receiver = self.rooms.pop(room)
         self._free_pages += pages
         self._free_swa += self.swa_rooms.pop(room)
+        if room in self.mamba_rooms:
+            self._free_mamba.append(self.mamba_rooms.pop(room))
         receiver.clear()
         return {}
 
@@ -269,54 +364,6 @@ class Decode:
         ranks as the receiver asked (an MLA decode at a TP-2 prefill: two, its dummy's too)."""
         required = len(self.rooms[room][2].bootstrap_infos or ())
         return {"acked": bool(self.manager.is_abort_release_safe(room, required))}
-
-
-def _named(pool: Any, is_mla: bool, prefix: str) -> list[tuple[str, Any]]:
-    """("k0", K of layer 0), ... ("v0", ...) (the latents as k of an MLA pool); a draft
-    pool's as ("dk0", ...)."""
-    if is_mla:
-        return [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.kv_buffer)]
-    k = [(f"{prefix}k{i}", buf) for i, buf in enumerate(pool.k_buffer)]
-    return k + [(f"{prefix}v{i}", buf) for i, buf in enumerate(pool.v_buffer)]
-
-
-def _kv_pool(spec: dict[str, Any], is_mla: bool) -> Any:
-    """SGLang's KV pool for the spec; an MLA latent of ``head_dim`` values (split into
-    ``kv_lora_rank`` and ``qk_rope_head_dim`` as any model would: only the sum shapes it)."""
-    dtype = _DTYPES[spec["dtype"]]
-    page_size, num_layers, head_dim = spec["page_size"], spec["num_layers"], spec["head_dim"]
-    num_tokens = (spec["num_pages"] - 1) * page_size  # SGLang adds the padding page
-    if is_mla:
-        rope = head_dim // 3
-        return MLATokenToKVPool(
-            num_tokens, page_size, dtype, head_dim - rope, rope, num_layers, "cpu", False
-        )
-    heads = spec["num_kv_heads"]
-    return MHATokenToKVPool(num_tokens, page_size, dtype, heads, head_dim, num_layers, "cpu", False)
-
-
-def _swa_pool(spec: dict[str, Any]) -> Any:
-    """SGLang's hybrid SWA pool as its decode builds one for gpt-oss (``kv_cache_configurator``,
-    ``_build_hybrid_swa_kv_pool``): the full layers in ``num_pages`` pages, the sliding ones in
-    ``swa_pages``, each an ``MHATokenToKVPool``."""
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    page_size, num_layers = spec["page_size"], spec["num_layers"]
-    sliding = list(spec["sliding_layers"])
-    return SWAKVPool(
-        size=(spec["num_pages"] - 1) * page_size,
-        size_swa=(spec["swa_pages"] - 1) * page_size,
-        page_size=page_size,
-        dtype=_DTYPES[spec["dtype"]],
-        head_num=spec["num_kv_heads"],
-        head_dim=spec["head_dim"],
-        swa_attention_layer_ids=sliding,
-        full_attention_layer_ids=[i for i in range(num_layers) if i not in sliding],
-        device="cpu",
-        enable_kv_cache_copy=False,
-        token_to_kv_pool_class=MHATokenToKVPool,
-        enable_memory_saver=False,
-    )
 
 
 class Decodes:
@@ -340,7 +387,10 @@ class Decodes:
             return decode.identity()
         decode = self._decodes[command.pop("id")]
         if op == "want":
-            return decode.want(command["room"], command["num_tokens"], command["prefix_len"])
+            resolve = command.get("resolve")
+            return decode.want(
+                command["room"], command["num_tokens"], command["prefix_len"], resolve
+            )
         if op == "poll":
             return decode.poll(command["room"])
         if op == "dump":

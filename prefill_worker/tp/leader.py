@@ -94,6 +94,10 @@ class LeaderGroup:
         while it is whole."""
         return self.followers.first_dead() or self.channel.failure
 
+    def is_busy(self) -> bool:
+        """Never: the leader's engine holds every request of the group."""
+        return False
+
     def stuck(self) -> str | None:
         """For ``/livez``: a failed group, a follower the kernel holds stopped, or ranks that
         have not answered a step for longer than ``stuck_after_s``."""

@@ -3,8 +3,8 @@
 A step is one of::
 
     FORWARD    a batch's forward inputs: the ``BatchPlan`` (page ids, tokens, positions,
-               KV mirror slots; whether a chunk samples, but not how: only the leader
-               samples)
+               KV mirror slots, a hybrid model's state slots; whether a chunk samples,
+               but not how: only the leader samples)
     HEARTBEAT  nothing to run: proves every rank still answers while the worker is idle,
                and carries transfer ops when the group is otherwise free
     STOP       the leader is closing: followers leave their loop and exit 0
@@ -45,6 +45,7 @@ class _Chunk(msgspec.Struct, array_like=True, frozen=True):
     logprob_from: int
     logprob_token_ids: list[int]
     mirror_slots: list[int] = []  # where each token's K/V also goes: every rank's KV mirror
+    state_slot: int | None = None  # a hybrid model's state slot: every rank's pool holds its heads
 
 
 class _Plan(msgspec.Struct, array_like=True, frozen=True):
@@ -101,6 +102,7 @@ def _plan_to_wire(plan: BatchPlan) -> _Plan:
             c.logprob_from,
             list(c.logprob_token_ids),
             list(c.mirror_slots),
+            c.state_slot,
         )
         for c in plan.chunks
     ]
@@ -119,6 +121,7 @@ def _plan_from_wire(wire: _Plan) -> BatchPlan:
             c.logprob_from,
             tuple(c.logprob_token_ids),
             tuple(c.mirror_slots),
+            c.state_slot,
         )
         for c in wire.chunks
     )

@@ -88,6 +88,41 @@ class KVSender(Protocol):
         ...
 
 
+class ForwardingSender:
+    """A sender that is ``inner`` in everything a subclass does not override: the base of a
+    sender that wraps another (``state_guard.RefusingSender``, ``sglang.mamba_stage``)."""
+
+    def __init__(self, inner: KVSender) -> None:
+        self._inner = inner
+
+    def poll(self) -> KVPoll:
+        return self._inner.poll()
+
+    def num_cached_tokens(self) -> int:
+        return self._inner.num_cached_tokens()
+
+    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+        self._inner.send_pages(page_ids, first_page)
+
+    def send_aux(self, aux_row: int) -> None:
+        self._inner.send_aux(aux_row)
+
+    def fail(self, reason: str) -> None:
+        self._inner.fail(reason)
+
+    def failure_reason(self) -> str | None:
+        return self._inner.failure_reason()
+
+    def why_no_handshake(self) -> str | None:
+        return self._inner.why_no_handshake()
+
+    def transfer_stats(self) -> TransferStats:
+        return self._inner.transfer_stats()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 @runtime_checkable
 class MirroringSender(Protocol):
     """A sender whose destination the forward can write as it writes the pool's pages."""

@@ -51,3 +51,12 @@ def with_draft_layers(target: KVRegions, draft: KVRegions) -> KVRegions:
         k_base_addrs=target.k_base_addrs + draft.k_base_addrs,
         v_base_addrs=target.v_base_addrs + draft.v_base_addrs,
     )
+
+
+def pool_into(target: KVRegions, draft: KVRegions | None, remote: KVRegions) -> KVRegions:
+    """Our pool as a decode pool ``remote`` is written from: ``target``'s layers, then
+    ``draft``'s when ``remote`` holds more layers than the target (a decode that holds a draft
+    pool, which its desk admitted only for this draft), else ``target`` alone."""
+    if draft is None or remote.layout.num_layers == target.layout.num_layers:
+        return target
+    return with_draft_layers(target, draft)

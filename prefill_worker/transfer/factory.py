@@ -67,14 +67,16 @@ def make_sglang_backend(
     options: SglangOptions,
     hooks: Hooks = DEFAULT_HOOKS,
     draft: DraftSide | None = None,
+    dsa: StateRegions | None = None,
 ) -> TransferBackend:
     """This worker as an SGLang prefill (``transfer/sglang``): the bootstrap routes and the
     control socket bound, a NIXL agent of its own. ``hooks.wake`` is called from the control
     thread whenever a message arrives (the engine's inbox, when it sleeps elsewhere).
-    ``draft``: a draft model's pool and rows, for decodes that speculate."""
+    ``draft``: a draft model's pool and rows, for decodes that speculate. ``dsa``: a DSA
+    model's index keys in SGLang's FP8 pages (``model.index_fp8``), sent with each page."""
     from prefill_worker.transfer.sglang.backend import SglangBackend
 
-    return SglangBackend(regions, options, hooks, draft)
+    return SglangBackend(regions, options, hooks, draft, dsa)
 
 
 def make_vllm_backend(

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
+from prefill_worker.transfer.vllm.groups import VllmGroups
 from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS
 
 if TYPE_CHECKING:
@@ -62,6 +65,9 @@ class SglangOptions:
     # A sliding-window model whose SGLang decodes may hold a hybrid SWA pool (gpt-oss):
     # those are sent the window (``sglang.swa``); None: every decode gets every layer's pages.
     sliding: SlidingLayers | None = None
+    # A hybrid linear-attention model (Qwen3.5, Qwen3-Next): its full layers and the stage of
+    # its state slots in SGLang's mamba layout (``sglang.mamba``); None: no state is sent.
+    mamba: StagedState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,14 @@ class VllmOptions:
     # blocks on its registration), each version a side channel per mode.
     modes: tuple[str, ...] = ("pull",)
     nixl: NixlOptions = field(default_factory=NixlOptions)
+    # A sliding-window model's KV-cache groups as vLLM 0.34 builds them (transfer.vllm.groups);
+    # None: one group of every layer.
+    groups: VllmGroups | None = None
+    # A hybrid model's linear-layer state pool, staged in vLLM's page layout beside the KV
+    # (transfer.vllm.state_staging); None: no linear layers.
+    state: StateRegions | None = None
+    # The decode's recurrent-state dtype (its mamba_ssm_cache_dtype, resolved), those pages'.
+    state_ssm_dtype: str = "float32"
 
 
 @dataclass(frozen=True, slots=True)

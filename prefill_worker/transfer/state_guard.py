@@ -20,9 +20,9 @@ carries the state (native) serves the same request's decode.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
-from prefill_worker.request import TransferStats
-from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+from prefill_worker.transfer.base import ForwardingSender, KVPoll, KVSender, TransferBackend
 
 STATE_UNSUPPORTED = "state_unsupported"
 STATE_CARRIERS = frozenset({"native"})  # the protocols that send a state component
@@ -36,11 +36,14 @@ def refusal(protocol: str, kinds: Sequence[str]) -> str:
 
 
 def guard_backends(
-    backends: Mapping[str, TransferBackend], kind: str
+    backends: Mapping[str, TransferBackend],
+    kind: str,
+    carriers: AbstractSet[str] = STATE_CARRIERS,
 ) -> tuple[dict[str, TransferBackend], list[str]]:
     """Each protocol's backend by name, those that carry no ``kind`` state (all but
-    ``STATE_CARRIERS``) wrapped in ``StateGuard``; and the names wrapped."""
-    refused = [name for name in backends if name not in STATE_CARRIERS]
+    ``carriers``: ``STATE_CARRIERS``, and SGLang when it sends the model's state, a hybrid
+    linear-attention model's ``mamba``) wrapped in ``StateGuard``; and the names wrapped."""
+    refused = [name for name in backends if name not in carriers]
     guarded = {
         name: StateGuard(backend, refusal(name, (kind,))) if name in refused else backend
         for name, backend in backends.items()
@@ -48,11 +51,12 @@ def guard_backends(
     return guarded, refused
 
 
-class RefusingSender:
+class RefusingSender(ForwardingSender):
     """A sender that fails with ``reason`` as soon as a decode claims its room."""
 
     def __init__(self, inner: KVSender, reason: str) -> None:
-        self._inner, self._reason = inner, reason
+        super().__init__(inner)
+        self._reason = reason
 
     def poll(self) -> KVPoll:
         status = self._inner.poll()
@@ -61,29 +65,11 @@ class RefusingSender:
         self._inner.fail(self._reason)  # READY (or later): the claim came, nothing sent yet
         return KVPoll.FAILED
 
-    def num_cached_tokens(self) -> int:
-        return self._inner.num_cached_tokens()
-
     def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
         raise AssertionError("a refusing sender sends no pages")
 
     def send_aux(self, aux_row: int) -> None:
         raise AssertionError("a refusing sender sends no aux row")
-
-    def fail(self, reason: str) -> None:
-        self._inner.fail(reason)
-
-    def failure_reason(self) -> str | None:
-        return self._inner.failure_reason()
-
-    def why_no_handshake(self) -> str | None:
-        return self._inner.why_no_handshake()
-
-    def transfer_stats(self) -> TransferStats:
-        return self._inner.transfer_stats()
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 class StateGuard:

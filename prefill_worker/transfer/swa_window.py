@@ -5,7 +5,7 @@ it rather than restating it. Pure functions, no torch.
 Two modes, after what the decode holds:
 
 - ``full_pool``: the decode keeps every layer's K/V for every position (SGLang with hybrid
-  SWA memory off, vLLM without a sliding group): every layer sends the pages from the decode's
+  SWA memory off): every layer sends the pages from the decode's
   first missing page on, as a dense model does.
 - ``window``: the decode keeps a sliding layer's last window only (SGLang's hybrid SWA pool,
   its ``swa`` state type): a sliding layer sends the pages covering
@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.state_guard import StateGuard
 
-PROVEN_PROTOCOLS = ("native", "sglang")  # sends of a sliding-window model, decode-tested
+# sends of a sliding-window model, decode-tested; vLLM's backend refuses the versions and
+# modes it has not proven itself (``transfer/vllm/groups.py``, ``Tickets.why_refused``)
+PROVEN_PROTOCOLS = ("native", "sglang", "vllm")
 FULL_POOL = "full_pool"
 WINDOW = "window"
 SWA_UNSUPPORTED = "swa_unsupported"

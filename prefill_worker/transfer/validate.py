@@ -57,6 +57,7 @@ class RejectReason(enum.Enum):
     NETWORK_NOT_ALLOWED = "network_not_allowed"  # outside transfer.sglang_allowed_networks
     ADDRESS_TAKEN = "address_taken"  # a live SGLang decode is registered at that ip:port
     FOREIGN_AGENT = "foreign_agent"  # a request names an agent registered at another ip:port
+    WRONG_DP_RANK = "wrong_dp_rank"  # a room another attention-DP rank of the worker serves
 
 
 @dataclass(frozen=True, slots=True)

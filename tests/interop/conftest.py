@@ -194,6 +194,29 @@ def decode_process(version: Version) -> SglangDecodeProcess:
     return version.decode
 
 
+TP_SIZE = 2  # the decode's attention TP in the tests of decodes of TP > 1
+
+
+@pytest.fixture(scope="session")
+def rank_processes(
+    sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[SglangDecodeProcess]]:
+    """A decode's two attention-TP ranks, one process each (started together), for every
+    module that needs them (two SGLang imports cost about 1.5 min on CI's 2 cores); its tests
+    are marked ``newest_sglang``."""
+    path = sglang_path(sglang_version)
+    tmp_path = tmp_path_factory.mktemp(f"ranks-{sglang_version}")
+    processes = [
+        SglangDecodeProcess(
+            sys.executable, path, checkpoint, tmp_path / f"rank{r}.log", attn_tp=(r, TP_SIZE)
+        )
+        for r in range(TP_SIZE)
+    ]
+    yield processes
+    for process in processes:
+        process.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The vLLM decode's model (``--model``): qwen3's head_dim 32 is one CPU_ATTN has; 2

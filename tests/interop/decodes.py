@@ -60,18 +60,24 @@ class SglangDecode:
         *,
         swa: tuple[tuple[int, ...], int, int] | None = None,
         speculates: tuple[int, int, str] | None = None,
+        dsa: bool = False,
+        mamba: MambaSpec | None = None,
     ) -> None:
         """``kv_cache_dtype``: its ``--kv-cache-dtype`` (None: ``fp8_e4m3`` for an FP8 pool,
         else ``auto``). ``swa``: a hybrid SWA pool (sliding layers, window tokens, SWA pool
         pages); ``layout`` then has every layer, of which the full ones make its KV pool.
         ``speculates``: (draft pool layers, the draft's hidden size, its dtype), a decode
-        running EAGLE/MTP."""
+        running EAGLE/MTP. ``dsa``: SGLang's DSA pool (``layout`` an MLA one, pages of 64),
+        its FP8 index buffers registered as its ``dsa`` state component. ``mamba``: a hybrid
+        linear-attention model's pool (its full layers' KV and a ``MambaPool``); ``layout``
+        then has every layer."""
         draft_layers, spec_hidden_size, spec_dtype = speculates or (0, 16, "float32")
         self.process, self.layout = process, layout
         if kv_cache_dtype is None:
             kv_cache_dtype = "fp8_e4m3" if layout.dtype == "fp8_e4m3" else "auto"
         self.id = f"decode-{next(_IDS)}"
         self.rooms: dict[int, tuple[list[int], int]] = {}
+        self.dp_ranks: dict[int, int] = {}  # per room, the prefill DP rank it asked
         identity = process.call(
             "new",
             id=self.id,
@@ -83,25 +89,34 @@ class SglangDecode:
             head_dim=layout.head_dim,
             num_pages=layout.num_pages,
             num_aux_rows=num_aux_rows,
-            kind=layout.kind,  # mla: SGLang's MLA pool (the latent in k, no v)
+            kind="dsa" if dsa else layout.kind,  # mla: SGLang's MLA pool (the latent in k)
             kv_cache_dtype=kv_cache_dtype,
             **swa_spec(swa),
+            **({} if mamba is None else mamba.spec()),
             draft_layers=draft_layers,
             spec_hidden_size=spec_hidden_size,
             spec_dtype=spec_dtype,
         )
         self.swa_pages: dict[int, list[int]] = {}  # per room, its window's SWA pool pages
+        self.mamba_slots: dict[int, int | None] = {}  # per room, its mamba pool slot
         self.agent_name: str = identity["agent_name"]  # what its frames name it by
         self.ip: str = identity["ip"]
         self.port: int = identity["port"]
 
-    def want(self, room: int, num_tokens: int, prefix_len: int = 0) -> tuple[list[int], int]:
-        """Bootstrap the room and send its transfer request: (all its pages, aux index)."""
+    def want(
+        self, room: int, num_tokens: int, prefix_len: int = 0, resolve: str | None = None
+    ) -> tuple[list[int], int]:
+        """Bootstrap the room and send its transfer request: (all its pages, aux index).
+        ``resolve``: how SGLang's decode finds the prefill's DP rank (``room``, ``query``,
+        ``rank:R``; ``sglang_child.Decode.dp_rank``), the rank then in ``dp_ranks``."""
+        fields = {} if resolve is None else {"resolve": resolve}
         reply = self.process.call(
-            "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len
+            "want", id=self.id, room=room, num_tokens=num_tokens, prefix_len=prefix_len, **fields
         )
+        self.dp_ranks[room] = reply.get("dp_rank", 0)
         self.rooms[room] = (reply["pages"], reply["aux_index"])
         self.swa_pages[room] = reply.get("swa_pages") or []
+        self.mamba_slots[room] = reply.get("mamba_slot")
         return self.rooms[room]
 
     def state(self, room: int) -> tuple[str, str | None]:
@@ -153,6 +168,33 @@ class SglangDecode:
             data["topk_index"],
             data["hidden"],
         )
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A decode's mamba pool: the model's linear layers, their shapes (key heads, value
+    heads, key and value head dims, conv kernel), its SGLANG_MAMBA_CONV_DTYPE and its slots."""
+
+    linear_layers: tuple[int, ...]
+    shape: tuple[int, int, int, int, int]
+    conv_dtype: str = "float32"
+    num_slots: int = 8
+
+    def spec(self) -> dict[str, object]:
+        return {
+            "linear_layers": list(self.linear_layers),
+            "linear_shape": list(self.shape),
+            "conv_dtype": self.conv_dtype,
+            "mamba_slots": self.num_slots,
+        }
+
+
+def dump_state(decode: SglangDecode, room: int, tmp_path: Path) -> dict[str, np.ndarray]:
+    """The room's mamba slot raw, per buffer name (``conv0``.., ``temporal0``..), uint8."""
+    path = tmp_path / f"{decode.id}-{room}-state.npz"
+    decode.process.call("dump", id=decode.id, room=room, path=str(path))
+    data = np.load(path)
+    return {n: data[n] for n in data.files if re.fullmatch(r"(conv|temporal)[0-9]+", n)}
 
 
 def swa_spec(swa: tuple[tuple[int, ...], int, int] | None) -> dict[str, object]:

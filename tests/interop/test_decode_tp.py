@@ -17,7 +17,6 @@ processes, for all cases."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,19 +28,12 @@ from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.testing.sglang_decode import SglangDecodeProcess
 from tests.checkpoints import prompt
-from tests.interop.conftest import (
-    HEAD_DIM,
-    NUM_KV_HEADS,
-    Served,
-    launch_tp,
-    sglang_path,
-)
+from tests.interop.conftest import HEAD_DIM, NUM_KV_HEADS, TP_SIZE, Served, launch_tp
 from tests.interop.decodes import Landed, SglangDecode, new_room
 
 pytestmark = [pytest.mark.interop, pytest.mark.newest_sglang]
 
 PROMPT = prompt(37, seed=27)  # 3 pages of 16, several chunks, the last page partial
-TP_SIZE = 2
 TOL = 1e-4
 
 
@@ -64,24 +56,6 @@ def routers(workers: list[Served]) -> Iterator[list[BlockingRouterClient]]:
     yield clients
     for client in clients:
         client.close()
-
-
-@pytest.fixture(scope="module")
-def rank_processes(
-    sglang_version: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[SglangDecodeProcess]]:
-    """The decode's two attention-TP ranks, one process each (started together)."""
-    path = sglang_path(sglang_version)
-    tmp_path = tmp_path_factory.mktemp(f"ranks-{sglang_version}")
-    processes = [
-        SglangDecodeProcess(
-            sys.executable, path, checkpoint, tmp_path / f"rank{r}.log", attn_tp=(r, TP_SIZE)
-        )
-        for r in range(TP_SIZE)
-    ]
-    yield processes
-    for process in processes:
-        process.close()
 
 
 def _prefill(router: BlockingRouterClient, room: int) -> int:

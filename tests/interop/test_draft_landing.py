@@ -158,15 +158,19 @@ def test_a_worker_without_a_draft_serves_a_speculating_decode_its_target(
         worker.backend.close()
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
 def test_the_worker_sends_its_mtp_draft_to_a_speculating_decode(
-    latest: SglangDecodeProcess, tmp_path: Path
+    latest: SglangDecodeProcess, tmp_path: Path, tp_size: int
 ) -> None:
     """``prefill-worker serve`` with ``model.draft: mtp`` on a tiny DeepSeek-V3 with an MTP
     layer: the engine's draft rows and draft pool reach the decode. Its draft pool rows past a
     held page and its row's top-k and hidden state equal the reference written from the
-    model's definition (``test_mtp_draft.reference``) within 1e-4; the held page untouched."""
+    model's definition (``test_mtp_draft.reference``) within 1e-4; the held page untouched.
+    At TP 2 every rank holds the whole latent of the target's and the draft's layers, and the
+    leader alone writes them into the TP-1 decode (``transfer.headplan``)."""
     target = with_mtp_layer(tmp_path / "ckpt")
     settings = ("model.draft=mtp", f"model.draft_topk={test_mtp_draft.TOPK}")
+    settings += (f"parallel.tp_size={tp_size}",)
     served = launch(tmp_path, target, 16, "float32", "sglang", "layer_major", *settings).ready()
     client = BlockingRouterClient(served.worker.ingress)
     try:

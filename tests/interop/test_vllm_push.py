@@ -10,9 +10,10 @@ worker's own pool, every token staged by the forward; a prompt that hits the wor
 cache mid-block; 8 requests at once; a decode that registers before the prefill answers; a
 decode that had the first blocks cached (our last blocks land in its fewer blocks); a pull
 answer of a pull-only worker given to a push decode refused by vLLM's hash (it covers the
-mode), that worker refusing a push request 400; the staging region and the pool whole after
-each. One worker for the module (both versions, both modes), one
-push decode per version."""
+mode), that worker refusing a push request 400; a push decode of TP 2 (vLLM's heterogeneous
+TP: two processes of the connector, a KV head each, one side channel) getting each rank its
+head; the staging region and the pool whole after each. One worker for the module (both
+versions, both modes), one push decode per version."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefill_worker.testing.launch import free_port
 from tests.checkpoints import prompt
 from tests.integration.daemon.conftest import Worker
 from tests.integration.daemon.test_daemon import hf_reference
@@ -48,6 +50,7 @@ from tests.interop.vllm_decode import (
     VLLM_PUSH_VERSIONS,
     VLLM_VERSIONS,
     VllmDecodeProcess,
+    vllm_pythonpath,
 )
 from tests.polling import wait_until
 
@@ -234,3 +237,76 @@ def test_a_pull_only_worker_refuses_push_and_a_push_decode_refuses_its_hash(
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
+
+
+@pytest.fixture(scope="module")
+def push_decode_tp2(vllm_checkpoint: Path) -> Iterator[list[VllmDecodeProcess]]:
+    """vLLM's NixlPushConnector of the newest push version as a decode of TP 2: two
+    processes in one gloo group, a KV head each, both naming one side channel that rank 0
+    serves with both ranks' handshake payloads (what vLLM's scheduler-side listener serves)."""
+    version = VLLM_PUSH_VERSIONS[-1]
+    vllm_pythonpath(version)  # skip before starting anything
+    dist_port, side_channel = free_port(), free_port()
+    ranks = [
+        VllmDecodeProcess(
+            vllm_checkpoint,
+            vllm_checkpoint.parent / f"push-decode-tp2-{version}-rank{rank}.log",
+            num_blocks=32,
+            engine_id=f"vllm-push-decode-tp2-{version}",
+            version=version,
+            tp=(rank, 2, dist_port),
+            transfer_mode="push",
+            side_channel_port=side_channel,
+        )
+        for rank in range(2)
+    ]
+    try:
+        payloads = [decode.call("meta", timeout_s=300)["payload"] for decode in ranks]
+        ranks[0].call("serve", payloads=payloads)
+        yield ranks
+    finally:
+        for decode in ranks:
+            decode.close()
+
+
+def test_a_push_decode_of_tp_2_gets_each_rank_its_head(
+    pushed: tuple[Worker, str, Path], push_decode_tp2: list[VllmDecodeProcess], tmp_path: Path
+) -> None:
+    """Both decode ranks register the request (``decode_tp_size`` 2); the worker (TP 1)
+    handshakes both ranks and WRITEs each its head of every block ("<id>:1" to each): rank r
+    holds head r of transformers' K/V, byte-exact against the worker's pool; one push per
+    request, the second rank's registration not counted as ignored."""
+    worker, api, checkpoint = pushed
+    version = push_decode_tp2[0].version
+    written = _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}')
+    ignored = _ignored(worker)
+    for n in (1, 33, 300):
+        ids = prompt(n, seed=7000 + n)
+        params, rid = _prefill(api, ids, version)
+        for decode in push_decode_tp2:
+            decode.call("push", request_id=rid, params=params)
+        heads = []
+        for rank, decode in enumerate(push_decode_tp2):
+            outcome = decode.call("wait", timeout_s=90, request_id=rid, deadline_s=60)
+            assert outcome["finished"] and outcome["load_errors"] == [], (rank, outcome)
+            landed = decode.blocks(rid, tmp_path / f"tp2-{n}-{rank}.npz")
+            assert all(raw.shape[1] == 1 for raw in landed.values())  # one head a rank
+            heads.append(landed)
+        both = {name: np.concatenate([h[name] for h in heads], axis=1) for name in heads[0]}
+        pool_k, pool_v = _pool(worker)
+        for layer, tokens in enumerate(
+            _assert_transformers_kv(both, hf_reference(checkpoint, ids)[1], n)
+        ):
+            dim = tokens.shape[-1] // 2
+            assert _in_pool(pool_k[layer], tokens[..., :dim], PAGE), f"K {n} layer {layer}"
+            assert _in_pool(pool_v[layer], tokens[..., dim:], PAGE), f"V {n} layer {layer}"
+        _staging_whole(worker)
+    assert _metric(worker, "prefill_worker_vllm_pushes_total", '{outcome="written"}') == written + 3
+    assert _ignored(worker) == ignored
+
+
+def _ignored(worker: Worker) -> float:
+    """Every registration the worker ignored so far, whatever why."""
+    _, text = worker.http("/metrics")
+    name = "prefill_worker_vllm_push_registrations_ignored_total{"
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

@@ -13,6 +13,10 @@ K‖V per (head, token)) filled with ``fill_byte``, ``register_kv_caches``. Ever
 while a command waits) the decode steps as vLLM's worker does once per engine step:
 ``bind_connector_metadata`` (new pulls, heartbeats when due), ``start_load_kv``, ``get_finished``,
 ``get_block_ids_with_load_errors``, ``clear_connector_metadata``.
+
+A model with sliding-window layers (gpt-oss, Gemma 3) gets vLLM 0.34's hybrid KV-cache groups
+(``vllm_child_groups``): each layer's spec, the groups from vLLM's own planner, a pull's
+blocks per group clipped by vLLM's own scheduler half (a sliding group: its window's).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
 )
+
+from tests.interop.vllm_child_groups import SlidingGroups
 
 TICK_S = 0.01  # between commands, one engine step per tick
 
@@ -128,8 +134,9 @@ class Hold:
 
 @dataclass
 class Pull:
-    local_block_ids: list[int]
+    local_block_ids: list[int]  # every block, all groups
     is_finished: bool = False
+    by_group: tuple[list[int], ...] = ()  # a sliding-window model's, per KV-cache group
 
 
 class Decode:
@@ -157,27 +164,38 @@ class Decode:
 
     def _connect(self, spec: dict[str, Any]) -> None:
         self.num_blocks = int(spec["num_blocks"])
+        self.groups = SlidingGroups.of(self.config)  # None: one group of every layer
         self.caches = self._make_caches(int(spec["fill_byte"]))
         self.is_push = spec.get("transfer_mode", "pull") == "push"
         kind = NixlPushConnector if self.is_push else NixlConnector
-        self.connector = kind(self.config, KVConnectorRole.WORKER, self._kv_config())
+        kv_config = self._kv_config()
+        self.connector = kind(self.config, KVConnectorRole.WORKER, kv_config)
+        if self.groups is not None:
+            self.groups.attach(self.config, kv_config)
         self.connector.register_kv_caches(self.caches)
         self.side_channel = ("127.0.0.1", int(spec.get("side_channel_port", 0)))
-        if self.is_push:
-            self._serve_side_channel()
+        # at TP > 1 rank 0 serves every rank's payload once gathered (``serve``), as vLLM's
+        # scheduler serves its workers'
+        if self.is_push and self.tp_size == 1:
+            self.serve_side_channel([self.handshake_payload()])
         self._registrations: dict[str, dict[str, Any]] = {}
         self._free = list(range(self.num_blocks))[::-1]  # handed out high ids first
         self.pulls: dict[str, Pull] = {}
         self.holds: dict[str, Hold] = {}
-        self._pending: dict[str, tuple[list[int], dict[str, Any]]] = {}
+        self._pending: dict[str, tuple[tuple[list[int], ...], dict[str, Any]]] = {}
         self.load_errors: set[int] = set()
 
-    def _serve_side_channel(self) -> None:
-        """A push decode's own side channel, where the prefill fetches its metadata before it
-        WRITEs: vLLM's scheduler-side listener, serving the worker's handshake payload."""
+    def handshake_payload(self) -> bytes:
+        """This rank's handshake payload, as its worker hands it to vLLM's scheduler."""
         worker = self.connector.connector_worker
         assert worker is not None and worker.xfer_handshake_metadata is not None
-        data = {(0, 0): msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)}
+        return msgspec.msgpack.Encoder().encode(worker.xfer_handshake_metadata)
+
+    def serve_side_channel(self, payloads: list[bytes]) -> None:
+        """A push decode's own side channel, where the prefill fetches its metadata before it
+        WRITEs: vLLM's scheduler-side listener, serving each rank's handshake payload (tp
+        rank i: ``payloads[i]``; a decode of TP d gathers its ranks' into one listener)."""
+        data = {(0, rank): payload for rank, payload in enumerate(payloads)}
         ready, self._stop = threading.Event(), threading.Event()
         host, port = self.side_channel
         listener = threading.Thread(
@@ -198,6 +216,8 @@ class Decode:
         )
 
     def layer_names(self) -> list[str]:
+        if self.groups is not None:
+            return list(self.groups.specs)
         num_layers = self.config.model_config.get_total_num_hidden_layers()
         return [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
 
@@ -206,8 +226,11 @@ class Decode:
         tensors = [
             KVCacheTensor(page * self.num_blocks, [name], page * self.num_blocks, page)
             for name in self.layer_names()
-        ]
-        groups = [KVCacheGroupSpec(self.layer_names(), self._spec())]
+        ]  # a mamba layer's page is padded to the attention page (``vllm_child_groups``)
+        if self.groups is not None:
+            groups = self.groups.kv_cache_groups
+        else:
+            groups = [KVCacheGroupSpec(self.layer_names(), self._spec())]
         return KVCacheConfig(self.num_blocks, tensors, groups, kv_cache_layout="LBHNC")
 
     def _make_caches(self, fill_byte: int) -> dict[str, torch.Tensor]:
@@ -215,7 +238,8 @@ class Decode:
         shape = (self.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
         caches = {}
         for name in self.layer_names():
-            cache = torch.empty(shape, dtype=spec.dtype)  # LBHNC: K‖V per (head, token)
+            mamba = None if self.groups is None else self.groups.cache(name, self.num_blocks)
+            cache = torch.empty(shape, dtype=spec.dtype) if mamba is None else mamba  # LBHNC
             cache.view(torch.uint8).fill_(fill_byte)
             caches[name] = cache
         return caches
@@ -235,12 +259,19 @@ class Decode:
     def pull(self, request_id: str, params: dict[str, Any], num_local: int | None) -> list[int]:
         """Blocks for the request (scattered, from the top), its pull bound on the next step;
         ``num_local=0`` is a full local prefix hit (vLLM only notifies the prefill)."""
+        if self.groups is not None and num_local is None:
+            by_group = self.groups.allocate(params["remote_num_tokens"], self._free)
+            local = [block for group in by_group for block in group]
+            self.pulls[request_id] = Pull(local, by_group=by_group)
+            self._pending[request_id] = (by_group, params)
+            return local
         count = len(params["remote_block_ids"][0]) if num_local is None else num_local
         if count > len(self._free):
             raise ValueError(f"{count} blocks wanted; {len(self._free)} free")
         local = [self._free.pop() for _ in range(count)][::-1]
         self.pulls[request_id] = Pull(local, is_finished=count == 0)
-        self._pending[request_id] = (local, params)
+        groups = 1 if self.groups is None else len(self.groups.kv_cache_groups)
+        self._pending[request_id] = ((local,) + ([],) * (groups - 1), params)
         return local
 
     def push(self, request_id: str, params: dict[str, Any], num_local: int | None) -> list[int]:
@@ -267,7 +298,7 @@ class Decode:
             "remote_tp_size": params["tp_size"],
             "remote_pp_size": params.get("pp_size", 1),
         }
-        self._pending[request_id] = (local, {**params, "remote_block_ids": ()})
+        self._pending[request_id] = ((local,), {**params, "remote_block_ids": ()})
         return local
 
     def hold(self, request_id: str, params: dict[str, Any], interval_s: float) -> None:
@@ -283,7 +314,8 @@ class Decode:
         """One engine step of vLLM's worker, as far as the connector sees it."""
         meta = NixlConnectorMetadata()
         for request_id, (local, params) in self._pending.items():
-            meta.add_new_req_to_recv(request_id, (local,), params, awaiting_kvs=bool(local))
+            awaiting = any(local)
+            meta.add_new_req_to_recv(request_id, local, params, awaiting_kvs=awaiting)
         self._pending.clear()
         if self._registrations:
             meta.push_registrations = dict(self._registrations)
@@ -308,12 +340,16 @@ class Decode:
         return {"finished": pull.is_finished, "load_errors": errors, "blocks": pull.local_block_ids}
 
     def blocks(self, request_id: str) -> dict[str, np.ndarray]:
-        """The request's local blocks per layer, in its block order, as raw bytes."""
-        index = torch.tensor(self.pulls[request_id].local_block_ids, dtype=torch.long)
-        return {
-            name: cache.index_select(0, index).contiguous().view(torch.uint8).numpy()
-            for name, cache in self.caches.items()
-        }
+        """The request's local blocks per layer (its group's), in its block order, raw bytes."""
+        pull = self.pulls[request_id]
+        out = {}
+        for name, cache in self.caches.items():
+            ids = pull.local_block_ids
+            if pull.by_group and self.groups is not None:
+                ids = pull.by_group[self.groups.group_of[name]]
+            index = torch.tensor(ids, dtype=torch.long)
+            out[name] = cache.index_select(0, index).contiguous().view(torch.uint8).numpy()
+        return out
 
     def dump(self, request_id: str, path: str) -> None:
         np.savez(Path(path), **self.blocks(request_id))
@@ -348,6 +384,11 @@ def _handle(decodes: dict[str, Decode], command: dict[str, Any]) -> dict[str, An
         return {}
     if op == "hash":
         return {"compat_hash": compat_hash(command["spec"])}
+    if op == "meta":  # a push decode rank's handshake payload, for rank 0's ``serve``
+        return {"payload": decode.handshake_payload().hex()}
+    if op == "serve":  # rank 0 of a push decode of TP > 1: every rank's payload, one channel
+        decode.serve_side_channel([bytes.fromhex(p) for p in command["payloads"]])
+        return {}
     if op == "quit":
         return {}
     raise ValueError(f"unknown op {op!r}")

@@ -23,6 +23,9 @@ deadline, so a test never hangs)::
     release  request_id          stops the heartbeats
     hash     spec (model_dir, dtype, block_size, attn_backend_name, cache_dtype)
                                 -> compat_hash: vLLM's compute_nixl_compatibility_hash
+    meta                         -> payload: a push decode rank's handshake payload (hex)
+    serve    payloads            rank 0 of a push decode of TP > 1 serves every rank's
+                                   payload (hex, in rank order) on its side channel
     open     name, spec          another decode in the process (TP 1; vLLM's import and
                                    distributed state shared), its spec the first's with
                                    ``spec``'s changes (``cache_dtype``: its kv_cache_dtype,
@@ -86,10 +89,13 @@ class VllmDecodeProcess(JsonLineChild):
         version: str = VLLM_VERSIONS[0],
         tp: tuple[int, int, int] | None = None,
         transfer_mode: str = "pull",
+        side_channel_port: int | None = None,
     ) -> None:
         """``tp``: (rank, size, dist_port) of one rank of a decode of TP size (its ranks
         share the port); None: TP 1. ``transfer_mode`` "push": vLLM's ``NixlPushConnector``,
-        serving its own side channel (vLLM's listener) on a free port."""
+        serving its own side channel (vLLM's listener) on ``side_channel_port`` (default a
+        free port); at TP > 1 every rank names the same port and rank 0 serves it once
+        given every rank's ``meta`` (``serve``)."""
         self.version = version
         rank, size, dist_port = tp or (0, 1, free_port())
         spec = {
@@ -103,7 +109,7 @@ class VllmDecodeProcess(JsonLineChild):
             "tp_rank": rank,
             "tp_size": size,
             "transfer_mode": transfer_mode,
-            "side_channel_port": free_port(),
+            "side_channel_port": side_channel_port or free_port(),
         }
         env = {**os.environ, **VLLM_ENV}
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath(version))

@@ -55,6 +55,18 @@ def test_a_tensor_parallel_vllm_worker_is_one_host() -> None:
     assert load_config(None, env={}, overrides=native).parallel.interface == "eth1"
 
 
+def test_a_draft_is_served_at_any_tp() -> None:
+    """Every rank writes its draft heads beside its target heads (docs/models.md)."""
+    draft = ["model.draft=eagle3", "model.draft_path=/drafts/eagle3"]
+    config = load_config(None, env={}, overrides=draft)
+    assert (config.model.draft, config.model.draft_path) == ("eagle3", "/drafts/eagle3")
+    for kind in ("mtp", "eagle3"):
+        for protocol in ("sglang", "native"):
+            flags = [f"model.draft={kind}", f"transfer.protocol={protocol}", "parallel.tp_size=2"]
+            config = load_config(None, env={}, overrides=flags)
+            assert (config.model.draft, config.parallel.tp_size) == (kind, 2)
+
+
 def test_an_unknown_protocol_is_refused() -> None:
     with pytest.raises(ConfigError):
         load_config(None, env={}, overrides=["transfer.protocol=mooncake"])

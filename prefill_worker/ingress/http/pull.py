@@ -4,15 +4,18 @@ opened as a ticket before it enters the engine, and its answer carries the
 ``tickets`` says the whole exchange). A worker that does not serve vLLM decodes refuses such a
 request with 400 rather than answering without params (the proxy would send the decode a
 request it cannot serve), and so does one that names a vLLM version (``vllm_version``) this
-worker does not serve.
+worker does not serve, or one whose decode cannot read this model (``Tickets.why_refused``: a
+sliding-window model to vLLM 0.33 or push mode).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefill_worker.ingress.http.bodies import BadRequest, Prompt
+from prefill_worker.request import PrefillRequest
 from prefill_worker.transfer.vllm.profiles import PULL, TRANSFER_MODES, why_unserved
 from prefill_worker.transfer.vllm.push import push_key
 from prefill_worker.transfer.vllm.tickets import Tickets
@@ -34,12 +37,39 @@ def open_pulls(
         unserved = prompt.vllm_version and why_unserved(prompt.vllm_version, tickets.versions)
         if unserved:
             raise BadRequest(f"kv_transfer_params.vllm_version: {unserved}", "bad_field")
+        refused = tickets.why_refused(prompt.vllm_version, prompt.vllm_mode or PULL)
+        if refused:
+            raise BadRequest(f"kv_transfer_params: {refused}", "bad_field")
     keys = [_push_key(tickets, p, header_id) for p in pulls]
     for index, (prompt, key) in enumerate(zip(pulls, keys, strict=True)):
         mode = prompt.vllm_mode or PULL
         if not tickets.open(prompt.bootstrap_room, prompt.vllm_version, mode, key):
             close_pulls(tickets, pulls[:index])
             raise BadRequest("too many vLLM pulls in flight", "overloaded", status=429)
+
+
+def trim_pulls(
+    tickets: Tickets | None, prompts: Sequence[Prompt], requests: list[PrefillRequest]
+) -> list[PrefillRequest]:
+    """The engine's requests, each pull's prompt cut ``tickets.prompt_backoff`` tokens short
+    when it is longer (a linear-attention model: vLLM's decode loads the KV and state of all
+    but its last token and computes that one itself, as vLLM's own prefill leaves it)."""
+    backoff = 0 if tickets is None else tickets.prompt_backoff
+    if not backoff:
+        return requests
+    return [
+        _trimmed(r, backoff) if p.is_pull else r for p, r in zip(prompts, requests, strict=True)
+    ]
+
+
+def _trimmed(request: PrefillRequest, backoff: int) -> PrefillRequest:
+    num_tokens = len(request.token_ids)
+    if num_tokens <= backoff:
+        return request
+    start = request.prompt_logprob_start
+    start = None if start is None else min(start, num_tokens - backoff)
+    tokens = request.token_ids[: num_tokens - backoff]
+    return dataclasses.replace(request, token_ids=tokens, prompt_logprob_start=start)
 
 
 def _push_key(tickets: Tickets, prompt: Prompt, header_id: str | None) -> str | None:

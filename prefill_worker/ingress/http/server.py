@@ -171,6 +171,7 @@ class HttpApi:
         try:
             prompts, is_batch, requests = await self._prepare(request, read)
             pull.open_pulls(self._tickets, prompts, request.headers.get("X-Request-Id"))
+            requests = pull.trim_pulls(self._tickets, prompts, requests)
         except BadRequest as exc:
             return self._refuse(exc.status, str(exc), exc.code)
         try:

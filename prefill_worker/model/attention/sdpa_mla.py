@@ -51,9 +51,12 @@ class MLASdpaBackend(SdpaBackend):
         k[..., :nope] = kv[..., :nope]
         k[..., nope:] = chunk_rows[:, None, rank:]
         v = kv[..., nope:]  # [m, H, v]
-        if v.shape[-1] != k.shape[-1] and v.device.type == "cpu":
+        if v.shape[-1] != k.shape[-1] and v.device.type == "cpu" and v.dtype != torch.float32:
             # The CPU's flash kernel wants one head dim for q, k and v (else SDPA falls back
-            # to math, ~4x slower at 1k tokens): v padded with zeros, which add nothing.
+            # to math, ~4x slower at 1k tokens): v padded with zeros, which add nothing. Only
+            # in 16-bit dtypes (where it accumulates in fp32, as math does not): fp32 keeps
+            # the math path, whose rounding the 1e-4 checks against transformers hold (the
+            # flash kernel's blocked softmax was seen 1.2e-4 off a TP-2 MLA latent).
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
         # [1, H, len, D]: 4-D, so that the CPU's flash kernel runs (3-D falls back to math)
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[p.q_start : p.q_end], k, v))

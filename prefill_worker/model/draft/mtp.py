@@ -38,19 +38,21 @@ from prefill_worker.model.deepseek import DeepseekV3LM, MLALayerWeights, MLAMode
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec
 from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.model.layers import rms_norm
-from prefill_worker.model.llama import ForwardInputs
+from prefill_worker.model.llama import ForwardInputs, ForwardOutput
 from prefill_worker.model.loader import TensorSource, open_tensors
 from prefill_worker.model.mla import fuse_mla, mla_shapes
 from prefill_worker.model.moe import ExpertsBackend
 from prefill_worker.model.moe.block import fuse_moe, moe_shapes
 from prefill_worker.model.parallel import SINGLE, TPGroup
+from prefill_worker.model.quant.backends import Fp8WeightBackend
+from prefill_worker.model.quant.linear import Weight, linear
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MTPWeights:
     enorm: torch.Tensor  # [hidden]
     hnorm: torch.Tensor  # [hidden]
-    eh_proj: torch.Tensor  # [hidden, 2 hidden]: columns [embedding | target hidden]
+    eh_proj: Weight  # [hidden, 2 hidden]: columns [embedding | target hidden]
     layer: MLALayerWeights
     head_norm: torch.Tensor  # [hidden], shared_head.norm
     head: torch.Tensor  # [vocab, hidden], shared_head.head
@@ -92,15 +94,17 @@ def load_mtp(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup = SINGLE,
+    fp8: Fp8WeightBackend | None = None,
 ) -> MTPWeights:
-    """Read and check the MTP layer (rank ``tp.rank``'s slices); ``CheckpointError`` when
-    the checkpoint has none or a tensor is missing or misshapen."""
+    """Read and check the MTP layer (rank ``tp.rank``'s slices; FP8 weights as ``fp8``
+    makes them, the target's backend); ``CheckpointError`` when the checkpoint has none or a
+    tensor is missing or misshapen."""
     if spec.mla is None or spec.moe is None or spec.num_nextn_layers < 1:
         raise CheckpointError(
             f"{spec.architecture}: the checkpoint has no MTP layer (num_nextn_predict_layers "
             f"is {spec.num_nextn_layers}); draft.kind 'mtp' needs DeepSeek-V3's"
         )
-    source = open_tensors(model_dir, spec, dtype, device, tp, mtp_shapes(spec))
+    source = open_tensors(model_dir, spec, dtype, device, tp, mtp_shapes(spec), fp8)
     return fuse_mtp(spec, source)
 
 
@@ -109,14 +113,14 @@ def fuse_mtp(spec: ModelSpec, source: TensorSource) -> MTPWeights:
     p = mtp_prefix(spec)
     layer = MLALayerWeights(
         input_norm=source.get(p + "input_layernorm.weight"),
-        attn=fuse_mla(spec.mla, source.get, p + "self_attn."),
+        attn=fuse_mla(spec.mla, source.get, p + "self_attn.", source.linear),
         post_norm=source.get(p + "post_attention_layernorm.weight"),
-        mlp=fuse_moe(spec.moe, source.get, p + "mlp."),
+        mlp=fuse_moe(spec.moe, source.get, p + "mlp.", linear_weight=source.linear),
     )
     return MTPWeights(
         enorm=source.get(p + "enorm.weight"),
         hnorm=source.get(p + "hnorm.weight"),
-        eh_proj=source.get(p + "eh_proj.weight"),
+        eh_proj=source.linear(p + "eh_proj.weight"),
         layer=layer,
         head_norm=source.get(p + "shared_head.norm.weight"),
         head=source.get(p + "shared_head.head.weight"),
@@ -142,6 +146,18 @@ class MTPDraft:
         one_layer = MLAModelWeights(embed, (weights.layer,), weights.head_norm, weights.head)
         self.decoder = DeepseekV3LM(spec, one_layer, tp, experts)
 
+    def target_forward(
+        self,
+        target: DeepseekV3LM,
+        inputs: ForwardInputs,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+    ) -> tuple[ForwardOutput, torch.Tensor]:
+        """The target's forward, and the states this draft reads: its final hidden state
+        after its norm ``[T, hidden]``."""
+        out, residual = target.forward_with_hidden(inputs, kv_cache, attention)
+        return out, target.final_norm(residual)
+
     def extend(
         self,
         inputs: ForwardInputs,  # the shifted ids; the target's positions, slots, logits_rows
@@ -153,7 +169,7 @@ class MTPDraft:
         eps = self.spec.rms_norm_eps
         e = rms_norm(F.embedding(inputs.input_ids, self.embed), self.enorm, eps)
         h = rms_norm(target_hidden, self.hnorm, eps)
-        x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
+        x = linear(torch.cat([e, h], dim=-1), self.eh_proj)  # [T, hidden]
         x = self.decoder.decode(x, inputs, kv_cache, attention)
         hidden = self.decoder.final_norm(x[inputs.logits_rows])  # [R, hidden]
         logits = F.linear(hidden, self.decoder.weights.lm_head).float()  # [R, vocab]

@@ -3,7 +3,8 @@ draft's extend over the same chunks (speculative decoding under PD).
 
 Per batch::
 
-    target forward (K/V into the target pool) -> final residual [T, hidden]
+    target forward (K/V into the target pool) -> the states the draft reads [T, n hidden]
+                (MTP, EAGLE: the final hidden state after the norm; EAGLE-3: three layers')
     sample the chunks that end their prompt -> first tokens
     draft ids = the batch's ids shifted by one per chunk; each chunk's last row takes the
                 prompt token after it (ChunkPlan.next_token_id) or, on the prompt's last
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,22 +33,45 @@ import torch
 from prefill_worker.batch import BatchOutput, BatchPlan, DraftRow, SampledToken
 from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.model.attention import AttentionBackend
-from prefill_worker.model.deepseek import DeepseekV3LM
-from prefill_worker.model.draft.mtp import DraftProposal, MTPDraft, shifted_ids
+from prefill_worker.model.draft.mtp import DraftProposal, shifted_ids
+from prefill_worker.model.hf_config import ModelSpec
 from prefill_worker.model.kv_cache import KVCache
+from prefill_worker.model.llama import ForwardInputs, ForwardOutput
+from prefill_worker.model.parallel import broadcast_from_leader_
 from prefill_worker.model.runner import Packed, Runner
 
 
+class Draft(Protocol):
+    """A draft model: what it reads from the target's forward, and its extend over it
+    (``mtp.MTPDraft``, ``eagle.EagleDraft``)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...  # its hidden size is the proposal's hidden state's
+
+    def target_forward(
+        self, target: Any, inputs: ForwardInputs, kv_cache: KVCache, attention: AttentionBackend
+    ) -> tuple[ForwardOutput, torch.Tensor]: ...
+
+    def extend(
+        self,
+        inputs: ForwardInputs,
+        states: torch.Tensor,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+    ) -> DraftProposal: ...
+
+
 class DraftingRunner(Runner):
-    """A ``Runner`` over DeepSeek-V3 and its MTP draft, whose pool ``draft_kv`` (one layer,
-    as many pages as the target's) takes the draft's rows at the target's slots."""
+    """A ``Runner`` over a target and its draft (DeepSeek-V3's MTP layer, an EAGLE draft of
+    a Llama), whose pool ``draft_kv`` (one layer, as many pages as the target's) takes the
+    draft's rows at the target's slots."""
 
     def __init__(
         self,
-        model: DeepseekV3LM,
+        model: Any,  # the target: what ``draft.target_forward`` takes
         kv_cache: KVCache,
         attention: AttentionBackend,
-        draft: MTPDraft,
+        draft: Draft,
         draft_kv: KVCache,
     ) -> None:
         super().__init__(model, kv_cache, attention)
@@ -67,12 +92,12 @@ class DraftingRunner(Runner):
             packed = self.pack(plan)
             self.attention.plan(packed.batch)
             with self.kv_cache.mirroring(packed.mirror):
-                out, residual = self.target.forward_with_hidden(
-                    packed.inputs, self.kv_cache, self.attention
+                out, states = self.draft.target_forward(
+                    self.target, packed.inputs, self.kv_cache, self.attention
                 )
         output = self.outputs(plan, out)
         started = time.perf_counter()
-        rows = self._extend(plan, packed, residual, output.sampled)
+        rows = self._extend(plan, packed, states, output.sampled)
         if self.on_draft_forward is not None:
             self.on_draft_forward(time.perf_counter() - started)
         sampled = tuple(
@@ -94,23 +119,26 @@ class DraftingRunner(Runner):
         self,
         plan: BatchPlan,
         packed: Packed,
-        residual: torch.Tensor,  # [T, hidden], the target's, before its final norm
+        states: torch.Tensor,  # [T, n hidden], what the draft reads of the target's
         sampled: tuple[SampledToken, ...],
     ) -> list[DraftRow]:
-        device = self.kv_cache.device
+        device, tp = self.kv_cache.device, self.target.tp
         ends = np.cumsum([c.num_tokens for c in plan.chunks], dtype=np.int64)
+        # Under TP only the leader samples (a follower's plan says that a chunk samples, not
+        # how, nor the prompt token after a chunk): every rank takes the leader's next ids.
+        next_ids = _next_ids(plan, sampled) if tp.rank == 0 else [0] * len(plan.chunks)
         with torch.inference_mode():
+            next_tensor = torch.tensor(next_ids, dtype=torch.int64, device=device)  # [C]
             inputs = dataclasses.replace(
                 packed.inputs,
                 input_ids=shifted_ids(
                     packed.inputs.input_ids,
                     torch.from_numpy(ends).to(device),
-                    torch.tensor(_next_ids(plan, sampled), dtype=torch.int64, device=device),
+                    broadcast_from_leader_(next_tensor, tp),
                 ),
                 logprob_rows=None,
                 logprob_token_ids=None,
             )
-            states = self.target.final_norm(residual)
             proposal = self.draft.extend(inputs, states, self.draft_kv, self.attention)
             return _rows(proposal)
 

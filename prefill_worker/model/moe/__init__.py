@@ -1,7 +1,9 @@
 """Mixture-of-experts compute behind a lazy registry, as attention's: ``grouped`` (tokens
 grouped by expert, torch ops; any device), ``flashinfer`` (its fused CUTLASS MoE; CUDA,
 bf16/fp16), ``naive`` (every expert over every token: the benchmark's baseline) and ``auto``
-(``flashinfer`` on CUDA when importable and the dtype is half precision, else ``grouped``).
+(``flashinfer`` on CUDA when importable and the dtype is half precision, else ``grouped``;
+``grouped`` when the experts are kept in FP8 for the block-scaled GEMM, which it calls once
+per expert: flashinfer's fused MoE takes bf16/fp16 stacks).
 The configuration's ``model.moe_backend`` names one; ``resolve_moe_backend_name`` is the one
 place that decides what ``auto`` means and whether a choice fits the device.
 
@@ -59,11 +61,21 @@ def has_flashinfer_moe() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_moe_backend_name(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_moe_backend_name(
+    name: str, device: torch.device, dtype: torch.dtype, fp8_experts: bool = False
+) -> str:
     """``auto`` -> ``flashinfer`` on CUDA in bf16/fp16 when importable, else ``grouped``;
-    checks an explicit choice against the device and dtype (``ValueError``)."""
+    checks an explicit choice against the device and dtype (``ValueError``). ``fp8_experts``:
+    the experts stay FP8 (``quant.backends``' ``block_gemm``), which only ``grouped`` and
+    ``naive`` run."""
+    if name == "flashinfer" and fp8_experts:
+        raise ValueError(
+            "MoE backend 'flashinfer' takes bf16/fp16 experts, but this FP8 checkpoint's "
+            "experts are kept in FP8 for the block-scaled GEMM: use moe_backend auto or grouped"
+        )
     if name == "auto":
         usable = device.type == "cuda" and dtype in HALF and has_flashinfer_moe()
+        usable = usable and not fp8_experts
         return "flashinfer" if usable else "grouped"
     if name not in MOE_BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r} (known: auto, {', '.join(MOE_BACKENDS)})")

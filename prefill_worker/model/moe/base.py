@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from prefill_worker.model.quant.linear import Weight
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class MoEWeights:
@@ -15,10 +17,10 @@ class MoEWeights:
 
     router: torch.Tensor  # [E, hidden]
     score_bias: torch.Tensor | None  # [E] fp32 (DeepSeek-V3's e_score_correction_bias)
-    gate_up: torch.Tensor  # [E, 2I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
-    shared_gate_up: torch.Tensor | None  # [2 I_s, hidden] (DeepSeek's shared experts)
-    shared_down: torch.Tensor | None  # [hidden, I_s]
+    gate_up: Weight  # [E, 2I, hidden] (FP8 kept: one Fp8BlockWeight stack, quant.linear)
+    down: Weight  # [E, hidden, I]
+    shared_gate_up: Weight | None  # [2 I_s, hidden] (DeepSeek's shared experts)
+    shared_down: Weight | None  # [hidden, I_s]
     shared_gate: torch.Tensor | None = None  # [1, hidden] (Qwen3-Next: sigmoid(h @ w) scales it)
 
 
@@ -34,6 +36,6 @@ class ExpertsBackend(Protocol):
         x: torch.Tensor,  # [T, hidden]
         weights: torch.Tensor,  # [T, k], x's dtype
         ids: torch.Tensor,  # [T, k] int64
-        gate_up: torch.Tensor,  # [E, 2I, hidden], gate rows first
-        down: torch.Tensor,  # [E, hidden, I]
+        gate_up: Weight,  # [E, 2I, hidden], gate rows first
+        down: Weight,  # [E, hidden, I]
     ) -> torch.Tensor: ...

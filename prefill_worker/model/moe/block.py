@@ -19,7 +19,7 @@ collective as a dense MLP's down projection)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from prefill_worker.model.layers import silu_and_mul_
 from prefill_worker.model.moe.base import ExpertsBackend, MoEWeights
 from prefill_worker.model.moe.routing import route
 from prefill_worker.model.parallel import SINGLE, TPGroup, all_reduce_
+from prefill_worker.model.quant.linear import Weight, cat_rows, linear, stack
 
 
 def moe_mlp(
@@ -42,35 +43,44 @@ def moe_mlp(
     topk_weights, ids = route(h, weights.router, weights.score_bias, spec)
     out = backend.experts(h, topk_weights, ids, weights.gate_up, weights.down)
     if weights.shared_gate_up is not None and weights.shared_down is not None:
-        shared = F.linear(silu_and_mul_(F.linear(h, weights.shared_gate_up)), weights.shared_down)
+        shared = linear(silu_and_mul_(linear(h, weights.shared_gate_up)), weights.shared_down)
         if weights.shared_gate is not None:
             shared.mul_(F.linear(h, weights.shared_gate).sigmoid())
         out.add_(shared)
     return all_reduce_(out, tp)
 
 
-def fuse_moe(spec: MoESpec, get: Callable[[str], torch.Tensor], mlp: str) -> MoEWeights:
+def fuse_moe(
+    spec: MoESpec,
+    get: Callable[[str], torch.Tensor],
+    mlp: str,
+    local_experts: Sequence[int] | None = None,
+    linear_weight: Callable[[str], Weight] | None = None,
+) -> MoEWeights:
     """Stack the per-expert tensors under ``mlp`` (e.g. ``model.layers.3.mlp.``), as
-    ``get(name)`` reads them (this rank's slice of each), into ``MoEWeights``."""
-    experts = [f"{mlp}experts.{e}." for e in range(spec.num_experts)]
-    gate_up = torch.stack(
-        [torch.cat([get(e + "gate_proj.weight"), get(e + "up_proj.weight")]) for e in experts]
+    ``get(name)`` reads them (this rank's slice of each), into ``MoEWeights``; under
+    expert parallelism only ``local_experts`` (this rank's, whole), in that order. The
+    experts' and shared experts' projections as ``linear_weight`` reads them, if given (FP8
+    kept)."""
+    lin = linear_weight or get
+    numbers = range(spec.num_experts) if local_experts is None else local_experts
+    experts = [f"{mlp}experts.{e}." for e in numbers]
+    gate_up = stack(
+        [cat_rows([lin(e + "gate_proj.weight"), lin(e + "up_proj.weight")]) for e in experts]
     )
-    down = torch.stack([get(e + "down_proj.weight") for e in experts])
-    shared_gate_up = shared_down = shared_gate = None
+    down = stack([lin(e + "down_proj.weight") for e in experts])
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
+    shared_gate = None
     if spec.shared_expert_size:  # Qwen3-Next: one gated shared expert
         shared = mlp + "shared_expert."
-        shared_gate_up = torch.cat(
-            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
-        )
-        shared_down = get(shared + "down_proj.weight")
+        shared_gate_up = cat_rows([lin(shared + n + "_proj.weight") for n in ("gate", "up")])
+        shared_down = lin(shared + "down_proj.weight")
         shared_gate = get(mlp + "shared_expert_gate.weight")
     if spec.num_shared_experts:
         shared = mlp + "shared_experts."
-        shared_gate_up = torch.cat(
-            [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]
-        )
-        shared_down = get(shared + "down_proj.weight")
+        shared_gate_up = cat_rows([lin(shared + n + "_proj.weight") for n in ("gate", "up")])
+        shared_down = lin(shared + "down_proj.weight")
     score_bias = get(mlp + "gate.e_score_correction_bias").float() if spec.has_score_bias else None
     return MoEWeights(
         router=get(mlp + "gate.weight"),

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from prefill_worker.model.moe.base import MoEWeights
+from prefill_worker.model.quant.linear import Weight
 
 
 class FlashInferExperts:
@@ -27,7 +28,10 @@ class FlashInferExperts:
         self._fused_moe = cutlass_fused_moe
 
     def prepare(self, weights: MoEWeights) -> MoEWeights:
-        """The stacks in the kernel's order: ``[up | gate]`` rows per expert."""
+        """The stacks in the kernel's order: ``[up | gate]`` rows per expert. Experts kept in
+        FP8 (``quant.linear``) are the grouped backend's: ``build`` never pairs them with this."""
+        if not isinstance(weights.gate_up, torch.Tensor):
+            raise ValueError("the flashinfer MoE backend takes bf16/fp16 experts, not FP8 blocks")
         gate, up = weights.gate_up.chunk(2, dim=1)
         return dataclasses.replace(weights, gate_up=torch.cat([up, gate], dim=1).contiguous())
 
@@ -36,8 +40,8 @@ class FlashInferExperts:
         x: torch.Tensor,
         weights: torch.Tensor,
         ids: torch.Tensor,
-        gate_up: torch.Tensor,  # [E, 2I, hidden], prepared: up rows first
-        down: torch.Tensor,
+        gate_up: Weight,  # [E, 2I, hidden], prepared: up rows first
+        down: Weight,
     ) -> torch.Tensor:
         out = self._fused_moe(
             input=x.contiguous(),

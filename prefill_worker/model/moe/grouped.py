@@ -15,6 +15,7 @@ import torch
 
 from prefill_worker.model.layers import silu_and_mul_
 from prefill_worker.model.moe.base import MoEWeights
+from prefill_worker.model.quant.linear import Weight, linear, linear_into
 
 
 class TorchGroupedExperts:
@@ -31,8 +32,8 @@ class TorchGroupedExperts:
         x: torch.Tensor,  # [T, hidden]
         weights: torch.Tensor,  # [T, k], x's dtype
         ids: torch.Tensor,  # [T, k] int64
-        gate_up: torch.Tensor,  # [E, 2I, hidden], gate rows first
-        down: torch.Tensor,  # [E, hidden, I]
+        gate_up: Weight,  # [E, 2I, hidden], gate rows first (FP8: one block GEMM an expert)
+        down: Weight,  # [E, hidden, I]
     ) -> torch.Tensor:
         """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``: ``[T, hidden]``."""
         top_k = ids.shape[1]
@@ -47,8 +48,8 @@ class TorchGroupedExperts:
             if count == 0:
                 continue
             block = slice(start, start + count)
-            hidden = silu_and_mul_(rows[block] @ gate_up[expert].t())  # [n, I]
-            torch.mm(hidden, down[expert].t(), out=out_rows[block])
+            hidden = silu_and_mul_(linear(rows[block], gate_up[expert]))  # [n, I]
+            linear_into(hidden, down[expert], None, out_rows[block])
             start += count
         out_rows.mul_(weights.reshape(-1)[order, None])
         out = torch.zeros_like(x)

@@ -12,6 +12,7 @@ import torch
 
 from prefill_worker.model.layers import silu_and_mul_
 from prefill_worker.model.moe.base import MoEWeights
+from prefill_worker.model.quant.linear import Weight, linear
 
 
 class NaiveExperts:
@@ -28,13 +29,13 @@ class NaiveExperts:
         x: torch.Tensor,
         weights: torch.Tensor,
         ids: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: Weight,
+        down: Weight,
     ) -> torch.Tensor:
         dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
         dense.scatter_(1, ids, weights)  # [T, E], the weight of each expert for each token
         out = torch.zeros_like(x)
         for expert in range(gate_up.shape[0]):
-            hidden = silu_and_mul_(x @ gate_up[expert].t())
-            out.addcmul_(hidden @ down[expert].t(), dense[:, expert, None])
+            hidden = silu_and_mul_(linear(x, gate_up[expert]))
+            out.addcmul_(linear(hidden, down[expert]), dense[:, expert, None])
         return out

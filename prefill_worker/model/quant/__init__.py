@@ -3,6 +3,10 @@ checkpoints ship them, read with their scales and turned into what the model com
 
 ``spec`` (torch-free) reads a config's ``quantization_config`` into a ``QuantSpec``;
 ``fp8`` checks each FP8 tensor's scale and dequantizes this rank's slice of it;
-``backends`` is the registry a CUDA FP8 GEMM plugs into. The loader calls these through two
-small hooks (``check_scales`` after the shape check, ``dequantize`` after each read).
+``backends`` is the registry that decides what an FP8 weight becomes (dequantized, or kept
+as shipped for ``block_gemm``'s block-scaled FP8 GEMM on a Hopper GPU), ``placement``
+(torch-free) which weights the GEMM keeps, ``linear`` the one call the model's layers make
+over either; ``memory`` (torch-free) is ``check-config``'s arithmetic of the same. The loader
+calls these through small hooks (``check_scales`` and ``check_cuts`` before any read, the
+backend's ``prepare`` after each).
 """

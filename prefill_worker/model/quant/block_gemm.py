@@ -19,15 +19,18 @@ outer-dimension-major (column-major), their leading dimension padded to a multip
 same arithmetic in float32 on any device: what the kernel is checked against (gpu-marked
 tests) and what CPU unit tests check the quantization and the layouts with.
 
-Not yet wired into the model's linear layers (they take dense weights: fused q/k/v and
-gate/up are concatenated tensors): ``backends.select_fp8_backend`` reports this kernel's
-availability, and the loader keeps dequantizing until the layers dispatch on an
-``Fp8BlockWeight``. FlashInfer's groupwise FP8 GEMM is not used (its scale-layout contract
-differs between releases); where torch lacks the blockwise kernel, nothing is selected.
+The model's linear layers run it through ``quant.linear.linear``: the loader's ``block_gemm``
+backend (``quant.backends``, chosen on a Hopper GPU) keeps each FP8 weight as an
+``Fp8BlockWeight`` carrying its ``kernel`` (this module's ``block_fp8_linear``; a test puts a
+CPU stand-in there). Stacked MoE experts are one ``Fp8BlockWeight`` with a leading expert
+dimension, indexed per expert. FlashInfer's groupwise FP8 GEMM is not used (its scale-layout
+contract differs between releases); where torch lacks the blockwise kernel, the loader
+dequantizes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,22 +40,49 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 _MIN_AMAX = 1e-12  # an all-zero group gets a tiny scale, not a division by zero
 
 
-@dataclass(frozen=True, slots=True)
+Kernel = Callable[[torch.Tensor, "Fp8BlockWeight"], torch.Tensor]
+"""``kernel(x [M, K], w)`` -> ``x @ Wᵀ`` ``[M, N]`` in ``x``'s dtype."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Fp8BlockWeight:
-    """A linear layer's weight as shipped: ``weight [N, K]`` float8_e4m3fn and
-    ``scale_inv [ceil(N/128), ceil(K/128)]`` float32 (the factor that multiplies it back)."""
+    """A linear layer's weight as shipped: ``weight [..., N, K]`` float8_e4m3fn and
+    ``scale_inv [..., ceil(N/128), ceil(K/128)]`` float32 (the factor that multiplies it back),
+    a leading dimension for stacked experts; ``kernel`` multiplies by it (None: the CUDA
+    kernel, ``block_fp8_linear``)."""
 
     weight: torch.Tensor
     scale_inv: torch.Tensor
+    kernel: Kernel | None = None
 
     def __post_init__(self) -> None:
-        rows, columns = self.weight.shape
-        want = (-(-rows // GROUP), -(-columns // GROUP))
+        *lead, rows, columns = self.weight.shape
+        want = (*lead, -(-rows // GROUP), -(-columns // GROUP))
         if tuple(self.scale_inv.shape) != want:
             raise ValueError(
-                f"a [{rows}, {columns}] FP8 weight needs scales of {list(want)}, "
+                f"a {list(self.weight.shape)} FP8 weight needs scales of {list(want)}, "
                 f"got {list(self.scale_inv.shape)}"
             )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __getitem__(self, expert: int) -> Fp8BlockWeight:
+        """One expert's weight of a stack."""
+        return Fp8BlockWeight(self.weight[expert], self.scale_inv[expert], self.kernel)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` -> ``x @ Wᵀ`` ``[M, N]`` in ``x``'s dtype, on ``kernel``."""
+        if self.kernel is None:
+            return block_fp8_linear(x, self, x.dtype)
+        return self.kernel(x, self)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W`` = FP8 × the scale of each element's block, in ``dtype`` (one matrix)."""
+        rows, columns = self.weight.shape
+        factors = self.scale_inv.float().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
+        return (self.weight.float() * factors[:rows, :columns]).to(dtype)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,9 +115,7 @@ def reference_linear(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
     x8, sx = act_quant(x)
     columns = x.shape[1]
     x_values = x8.float() * sx.repeat_interleave(GROUP, dim=1)[:, :columns]
-    factors = w.scale_inv.float().repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
-    rows = w.weight.shape[0]
-    return x_values @ (w.weight.float() * factors[:rows, :columns]).t()
+    return x_values @ w.dequantized().t()
 
 
 def find_kernel() -> str | None:

@@ -35,8 +35,20 @@ def kv_dtype_name(kv_dtype: str, model_dtype: str) -> str:
     return model_dtype if kv_dtype == AUTO else FP8_E4M3
 
 
+# Backends a model family picks for itself (``model.attention_backend`` does not change
+# them): DSA's sparse attention, gpt-oss's sinks. Neither reads an FP8 pool.
+FAMILY_BACKENDS = frozenset({"sdpa_dsa", "sinks"})
+
+
 def check_kv_backend(pool_dtype: str, attention_backend: str) -> None:
     """``ValueError`` when the attention backend cannot read the pool's dtype back."""
+    if pool_dtype == FP8_E4M3 and attention_backend in FAMILY_BACKENDS:
+        raise ValueError(
+            f"cache.kv_dtype fp8_e4m3 is not served for this model: its attention "
+            f"({attention_backend!r}, chosen by the model family whatever "
+            "model.attention_backend says) reads the pool in the model's dtype only: set "
+            "cache.kv_dtype auto"
+        )
     if pool_dtype == FP8_E4M3 and attention_backend != "sdpa":
         raise ValueError(
             f"cache.kv_dtype fp8_e4m3 is read back by the sdpa attention backend only, not "

@@ -39,12 +39,20 @@ class ModelConfig(Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; unset leaves torch's default."
     )
-    draft: Literal["none", "mtp"] = Field(
+    draft: Literal["none", "mtp", "eagle", "eagle3"] = Field(
         "none",
         description="A draft model run after the target, for decodes that speculate (SGLang "
-        "EAGLE/MTP): `mtp` runs DeepSeek-V3's own MTP layer from the checkpoint (TP 1) over "
-        "every chunk, its KV in a one-layer pool within the KV budget, its first proposal "
-        "beside the first token (docs/models.md, 'MTP draft').",
+        "EAGLE/MTP): `mtp` runs DeepSeek-V3's own MTP layer from the checkpoint over every "
+        "chunk (at any parallel.tp_size: each rank its slice and its draft heads), its KV in "
+        "a one-layer pool within the KV budget, its first proposal beside the first token "
+        "(docs/models.md, 'MTP draft'); `eagle`, `eagle3` run the EAGLE / EAGLE-3 draft at "
+        "`draft_path` after a Llama-family target the same way (docs/models.md, 'EAGLE "
+        "drafts').",
+    )
+    draft_path: str | None = Field(
+        None,
+        description="The draft checkpoint's directory (SGLang's --speculative-draft-model-path), "
+        "for draft `eagle` and `eagle3`.",
     )
     draft_topk: int = Field(
         1,

@@ -45,7 +45,17 @@ class ParallelConfig(Section):
         description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
         "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
         "Above 1, `transfer.protocol` must be native, sglang or vllm alone (vllm: the group on "
-        "one host; docs/vllm.md).",
+        "one host; docs/vllm.md); native for a hybrid linear-attention model (Qwen3-Next, "
+        "Qwen3.5: docs/parallelism.md).",
+    )
+    dp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Attention data-parallel ranks behind this worker, each with its own "
+        'scheduler, KV pool and decode-facing endpoints (docs/parallelism.md, "Attention data '
+        'parallelism"); `serve` starts ranks 1..N-1 itself, on one host. Above 1: '
+        "parallel.tp_size 1, `transfer.protocol` native or sglang alone, kv_events off.",
     )
     step_timeout_s: float = Field(
         10.0,
@@ -81,6 +91,50 @@ class ParallelConfig(Section):
         "it before the group serves (the rendezvous store lets anyone who reaches it join). "
         "Required across hosts; a group `serve` starts makes its own each start.",
     )
+
+    ep_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Expert-parallel ranks for a mixture-of-experts model's routed experts: 1 "
+        "(each rank holds every expert, tensor-split), `tp_size` (each rank of the TP group "
+        "holds whole experts, `expert_placement`, and tokens reach them by all-to-all) or, "
+        "at `dp_size` > 1, `dp_size` (the attention-DP ranks share the experts; their "
+        "forwards run in lockstep, idle ranks with none; docs/expert-parallelism.md). "
+        "Qwen3-MoE and DeepSeek-V3 only.",
+    )
+    expert_placement: list[int] = Field(
+        [],
+        description="At `ep_size` > 1: the rank holding each routed expert, one entry per "
+        "expert (every rank at least one); empty: contiguous (rank r holds experts "
+        "[r E / N, (r + 1) E / N)).",
+    )
+    ep_exchange: Literal["torch", "deepep"] = Field(
+        "torch",
+        description="At `ep_size` > 1: how tokens reach their experts' ranks: `torch` "
+        "(torch.distributed all-to-all: gloo on CPU, NCCL on CUDA) or `deepep` (DeepEP's "
+        "normal kernels; CUDA, contiguous placement, where `deep_ep` is installed; not across "
+        "attention-DP ranks).",
+    )
+
+    @model_validator(mode="after")
+    def _ep_is_the_group(self) -> ParallelConfig:
+        if self.dp_size > 1 and self.ep_size not in (1, self.dp_size * self.tp_size):
+            raise ValueError(
+                f"ep_size {self.ep_size} must be 1 or dp_size ({self.dp_size}) x tp_size "
+                f"({self.tp_size}): experts are placed over every attention-DP rank"
+            )
+        if self.dp_size > 1 and self.ep_size > 1 and self.ep_exchange != "torch":
+            raise ValueError(
+                f"ep_exchange {self.ep_exchange!r} at dp_size {self.dp_size}: across "
+                "attention-DP ranks only the torch all-to-all is built"
+            )
+        if self.dp_size == 1 and self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"ep_size {self.ep_size} must be 1 or tp_size ({self.tp_size}): experts are "
+                f"placed over the tensor-parallel group's ranks"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_below_timeout(self) -> ParallelConfig:

@@ -104,6 +104,13 @@ class TransferConfig(Section):
         description="What `/route` announces as `kv_cache_dtype`; SGLang decodes refuse a "
         "prefill whose string differs from their `--kv-cache-dtype`.",
     )
+    sglang_mamba_conv_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="A hybrid model (Qwen3.5, Qwen3-Next): the dtype SGLang decodes keep the "
+        "linear layers' conv state in (their SGLANG_MAMBA_CONV_DTYPE, bfloat16 unless set); "
+        "this worker stages each request's conv state in it before writing it (docs/sglang.md, "
+        "Hybrid models). A decode whose conv slot is another size is refused.",
+    )
     sglang_health_stale_s: float = Field(
         30.0,
         gt=0,
@@ -193,6 +200,13 @@ class TransferConfig(Section):
         description="The vLLM decodes' `kv_cache_dtype`, as their compatibility hash covers it "
         "(the string: `fp8` and `fp8_e4m3` do not pair); `fp8`/`fp8_e4m3` with "
         "cache.kv_dtype fp8_e4m3 and an explicit model.dtype, `auto` otherwise (docs/models.md).",
+    )
+    vllm_mamba_ssm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="A linear-attention hybrid's (Qwen3-Next, Qwen3.5) vLLM decodes' "
+        "`--mamba-ssm-cache-dtype`: the dtype their recurrent state pages hold (float32, "
+        "bfloat16, float16; vLLM checks none). `auto`: vLLM's default, the checkpoint's "
+        "`mamba_ssm_dtype` (Qwen3.5), else the model dtype (docs/vllm.md).",
     )
     vllm_engine_id: str | None = Field(
         None,

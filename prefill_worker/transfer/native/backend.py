@@ -185,6 +185,8 @@ class NixlBackend(HubBackend[Peer]):
     def close(self) -> None:
         self._hub.close()
         self._hub.ctx.pages.release_sliced()
+        if self._hub.ctx.draft_pages is not None:
+            self._hub.ctx.draft_pages.release_sliced()
         self.local_lists.release()
         if self.state_lists is not None:
             self.state_lists.prepped.release()

@@ -27,7 +27,7 @@ from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, mismatch
 from prefill_worker.transfer import wire
-from prefill_worker.transfer.draft import DraftSide
+from prefill_worker.transfer.draft import DraftSide, pool_into
 from prefill_worker.transfer.headplan import HeadSlice, decode_rank_error, plan_rank
 from prefill_worker.transfer.native.bootstrap import BootstrapServer
 from prefill_worker.transfer.native.dialect import UNKNOWN_PEER
@@ -226,14 +226,18 @@ class BootstrapDesk:
     def _prep_lists(
         self, name: str, regions: KVRegions, head_slice: HeadSlice | None
     ) -> PreppedLists:
-        """The decode rank's lists (and, the first time a slice needs it, ours)."""
+        """The decode rank's lists (and, the first time a slice needs it, ours: token runs of
+        the target's layers, or of the target's and the draft's for a decode that holds a
+        draft pool)."""
         if head_slice is None:
             return self._run(prep_lists, self._agent, name, regions)
         assert self._regions is not None, "a desk that slices heads needs our regions"
         key = (head_slice.src_head_offset, head_slice.num_heads)
-        local = self._hub.ctx.pages.sliced
+        local = self._hub.ctx.pages_into(regions).sliced  # a draft's layers too, if it has them
         if key not in local:
-            local[key] = self._run(prep_local_slice, self._agent, self._regions, *key)
+            draft = None if self._draft is None else self._draft.regions
+            ours = pool_into(self._regions, draft, regions)
+            local[key] = self._run(prep_local_slice, self._agent, ours, *key)
         args = (head_slice.dst_head_offset, head_slice.num_heads)
         return self._run(prep_slice_lists, self._agent, name, regions, *args)
 

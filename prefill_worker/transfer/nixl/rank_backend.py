@@ -46,6 +46,7 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.draft import pool_into, with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
 from prefill_worker.transfer.pagemap import map_pages
@@ -197,11 +198,16 @@ class RankBackend:
         regions: KVRegions,
         write_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        draft: KVRegions | None = None,
     ) -> None:
-        self.agent, self.place, self._regions = agent, place, regions
+        """``draft``: this rank's draft pool (``model.draft``), written with the target's
+        pages into a decode rank that registered a draft pool (its layers after the
+        target's, ``transfer.draft.with_draft_layers``); any other gets the target's."""
+        self.agent, self.place, self._regions, self._draft = agent, place, regions, draft
+        both = regions if draft is None else with_draft_layers(regions, draft)
         self.write_timeout_s, self.clock = write_timeout_s, clock
         self.page_size = regions.layout.page_size
-        kv_table, _ = region_tables(regions)  # the KV pool only: the aux rows are the leader's
+        kv_table, _ = region_tables(both)  # the KV pools only: the aux rows are the leader's
         self._registration = agent.register_memory(kv_table, mem_type(regions.device))
         self._ranks: dict[str, _DecodeRank] = {}
         self._leaving: dict[str, _DecodeRank] = {}  # dropped, a write to it may still land
@@ -219,16 +225,31 @@ class RankBackend:
             if old is not None:
                 old.writer.close()
                 del self._writes[old.writer]
-        writer = RankWriter(self.agent, self.place, self._regions)
         dst_rank, dst_tp = (0, 1) if msg.tp is UNSET else (msg.tp.tp_rank, msg.tp.tp_size)
         try:
+            theirs = self._decode_pool(msg)
+            ours = pool_into(self._regions, self._draft, theirs)
+        except ValueError as exc:  # the leader checked it; its rooms' binds fail
+            log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
+            return
+        writer = RankWriter(self.agent, self.place, ours)
+        try:
             metadata = wire.unframe_metadata(msg.metadata)
-            name = writer.add_peer(metadata, msg.regions, dst_rank, dst_tp)
+            name = writer.add_peer(metadata, theirs, dst_rank, dst_tp)
         except _WRITE_ERRORS as exc:  # the leader checked it; its rooms' binds fail
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
             return
         self._ranks[msg.agent_name] = _DecodeRank(msg.agent_name, writer, name)
+
+    def _decode_pool(self, msg: wire.Register) -> KVRegions:
+        """The decode rank's pool as this rank writes it: with its draft pool's layers after
+        the target's when it registered one (a native `register` names it apart; SGLang's,
+        carried as a native one, has them among its regions already) and this rank has a
+        draft (the leader admitted the decode for this draft, ``native.draft``)."""
+        if self._draft is None or msg.draft is UNSET:
+            return msg.regions
+        return with_draft_layers(msg.regions, msg.draft.regions(msg.regions))
 
     def drop_peer(self, agent_name: str) -> None:
         """The leader dropped the decode rank (its senders lost it first, releasing their

@@ -7,12 +7,13 @@ each decode's (the remote list a slot is written into).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.kv.state_layout import StateComponent, StateRegions
 from prefill_worker.transfer.pagemap import device_id, mem_type
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"
@@ -36,6 +37,28 @@ def register_state(agent: Any, regions: StateRegions) -> Any:
 def prep_state_list(agent: Any, agent_name: str, regions: StateRegions) -> Any:
     """The pool's prepared list; ``agent_name`` ``LOCAL_AGENT`` for our own."""
     return agent.prep_xfer_dlist(agent_name, state_table(regions), mem_type(regions.device))
+
+
+def prep_share(agent: Any, regions: StateRegions, share: StateComponent, rank: int) -> StateLists:
+    """Our pool's share ``rank`` of every item, for a decode rank that holds ``share`` of each
+    (its tensors' items a fraction of ours, shares rank after rank within an item): a list of
+    one strided row per run, each share an item apart, so descriptor ``run * num_items +
+    item`` is that item's share (``StateLists.indices``, as for whole items)."""
+    dev, num_items = device_id(regions.device), regions.component.num_items
+    sizes = [t.item_bytes for t in share.tensors for _ in share.layer_ids]
+    rows = [
+        [addr + rank * size, size, dev, stride, num_items]
+        for (addr, stride), size in zip(regions.runs, sizes, strict=True)
+    ]
+    table = np.array(rows, dtype=np.uint64).reshape(len(rows), 5)
+    prepped = agent.prep_xfer_dlist(LOCAL_AGENT, table, mem_type(regions.device))
+    num_layers = len(share.layer_ids)
+    bases = tuple(
+        tuple(row[0] for row in rows[t * num_layers : (t + 1) * num_layers])
+        for t in range(len(share.tensors))
+    )
+    component = dataclasses.replace(share, num_items=num_items)
+    return StateLists(StateRegions(component, bases, regions.device), prepped)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 from prefill_worker.transfer import wire
@@ -62,6 +62,8 @@ class PushHub(Generic[P]):
         self._held: HeldTells[Tell[P]] = HeldTells(ctx.write_timeout_s)
         self.clock = ctx.clock
         self.claimed: list[int] = []  # rooms bound by a want since the engine last looked
+        # At attention DP > 1: why a room is another rank's (docs/parallelism.md), else None.
+        self.elsewhere: Callable[[int], Refusal | None] = _served_here
 
     # -- requests -----------------------------------------------------------------------
 
@@ -117,6 +119,9 @@ class PushHub(Generic[P]):
             if not sender.accepts_rank(peer):
                 return self.refuse_room(peer, room, self.why_not(sender, peer))
             return self.bind(sender, peer, want)
+        elsewhere = self.elsewhere(room)
+        if elsewhere is not None:  # its request never comes here: fail it now, with the rank
+            return self.refuse_room(peer, room, elsewhere)
         gone = self.rooms.gone(room)
         if gone is not None:
             if gone.allowed_peer not in (None, peer.agent_name):
@@ -283,6 +288,11 @@ class PushHub(Generic[P]):
             self.rooms.mark_gone(sender.room, gone)
 
 
+def _served_here(room: int) -> Refusal | None:
+    """One rank serves every room (attention DP 1)."""
+    return None
+
+
 class HubBackend(Generic[P]):
     """What a backend driven by a hub answers alike: new senders, and what tests and metrics
     read. A protocol's backend adds its sockets, threads and desk."""
@@ -306,6 +316,11 @@ class HubBackend(Generic[P]):
             ctx, agent, counter, refusals, options.want_timeout_s, limits.max_unmatched_wants
         )
         return self._hub
+
+    def serve_rooms_of(self, elsewhere: Callable[[int], Refusal | None]) -> None:
+        """At attention DP > 1: a decode's want for a room ``elsewhere`` names another rank
+        for is refused at once with that reason (its request never comes to this rank)."""
+        self._hub.elsewhere = elsewhere
 
     @property
     def reject_counts(self) -> dict[str, int]:

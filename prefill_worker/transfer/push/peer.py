@@ -71,6 +71,10 @@ class Peer:
     # A model with state: the decode's state pool as it registered it, its list prepared
     # (None: it registered none, so its wants are refused ``state_unsupported``).
     state: StateLists | None = None
+    # A decode rank that holds a share of each slot (SGLang's mamba pool at attention TP > 1):
+    # the list of that share of our (staged) slots, its writes' source; None: whole slots
+    # from the context's state pool.
+    local_state: StateLists | None = None
     # A pool that takes our regions in parts (writes go where the route says); None: every
     # region of each page into ``lists.kv``.
     route: PageRoute | None = None

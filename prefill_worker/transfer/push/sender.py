@@ -7,7 +7,8 @@ Order of a successful push::
                      the same decode pages of its own pool)
     send_aux         remembered; once no page write is in flight: the state slot's WRITE
                      (a model with state: every run of the request's slot into the decode's
-                     ``dst_state_slot``), and once that landed the dialect's aux WRITE
+                     ``dst_state_slot``; a rank holding a share of it, ``Peer.local_state``,
+                     its share), and once that landed the dialect's aux WRITE
     aux landed       Tell(`ok`, confirm=sender); the hub sends it and calls
                      ``confirm_ok(delivered)``  ->  SUCCESS (or FAILED when unreachable)
 
@@ -27,6 +28,7 @@ flight.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from typing import Generic
 import numpy as np
 from msgspec import UNSET
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
@@ -101,11 +103,22 @@ class PushContext(Generic[P]):
     draft_pages: PageLists | None = None
 
     def pages_for(self, peer: P) -> PageLists:
-        """The list a peer's whole pages are written from."""
-        if peer.regions.layout.num_layers == self.layout.num_layers:
+        """The lists a peer's pages are written from (whole pages, or its heads' token runs
+        in ``sliced``)."""
+        return self.pages_into(peer.regions)
+
+    def pages_into(self, remote: KVRegions) -> PageLists:
+        """The lists our pages are written from into the decode pool ``remote``: with the
+        draft's layers when it holds them too."""
+        if remote.layout.num_layers == self.layout.num_layers:
             return self.pages
         assert self.draft_pages is not None, "a peer with draft layers and no draft"
         return self.draft_pages
+
+    def layout_for(self, peer: P) -> KVLayout:
+        """Our pool's layout as ``pages_for(peer)`` addresses it: the peer's layer count (the
+        target's, or the target's and the draft's), our heads."""
+        return dataclasses.replace(self.layout, num_layers=peer.regions.layout.num_layers)
 
 
 class PushSender(Generic[P]):
@@ -358,14 +371,14 @@ class PushSender(Generic[P]):
 
     def _post_pages(self, peer: P, src: np.ndarray, dst: np.ndarray) -> None:
         start, start_cpu = time.perf_counter(), time.thread_time()
-        pages, head_slice = self._ctx.pages, peer.head_slice
-        if head_slice is None:  # whole pages (a draft's too, when the peer holds them)
-            pages = self._ctx.pages_for(peer)
+        # a draft's layers too, when the peer holds them
+        pages, head_slice = self._ctx.pages_for(peer), peer.head_slice
+        if head_slice is None:  # whole pages
             local = region_indices(src, pages.num_regions, self._ctx.layout.num_pages)
             remote = region_indices(dst, pages.num_regions, peer.regions.layout.num_pages)
             local_list, num_bytes = pages.local, len(local) * pages.region_bytes
         else:  # this rank's heads of every token
-            local = slice_indices(src, self._ctx.layout)
+            local = slice_indices(src, self._ctx.layout_for(peer))
             remote = slice_indices(dst, peer.regions.layout)
             local_list = pages.sliced[(head_slice.src_head_offset, head_slice.num_heads)]
             num_bytes = len(local) * head_slice.num_heads * pages.head_bytes
@@ -408,14 +421,13 @@ class PushSender(Generic[P]):
     def _post_state(self) -> None:
         """The request's state slot (its aux row), whole, into each decode's slot; the aux
         row follows once it landed, so the room's notification means the state is there."""
-        state = self._ctx.state
-        assert state is not None and self._aux_row is not None
+        assert self._ctx.state is not None and self._aux_row is not None
         self._is_state_posted = True
-        local = state.indices(self._aux_row)
-        num_bytes = state.regions.component.slot_bytes
         for peer, want in zip(self.peers, self._wants, strict=True):
             assert peer.state is not None and isinstance(want.dst_state_slot, int)
-            remote = peer.state.indices(want.dst_state_slot)
+            state = peer.local_state or self._ctx.state  # a rank's share, or whole slots
+            local, remote = state.indices(self._aux_row), peer.state.indices(want.dst_state_slot)
+            num_bytes = state.regions.component.slot_bytes
             write = self._ctx.poster.post(
                 state.prepped, local, peer.state.prepped, remote, b"", num_bytes
             )

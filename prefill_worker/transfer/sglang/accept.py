@@ -36,14 +36,17 @@ _MEM_KINDS = {"DRAM", "VRAM"}
 AUX_ROWS_BOUND = 2**31 - 1
 
 
-def server_info(page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1) -> dict[str, object]:
+def server_info(
+    page_size: int, kv_cache_dtype: str, attn_tp_size: int = 1, dp_size: int = 1
+) -> dict[str, object]:
     """``GET /route`` with every rank -1: exactly the keys every decode in 0.5.20-0.5.23
     accepts (it builds a dataclass from them; an unknown key is fatal on older decodes).
-    ``attn_tp_size``: the worker's TP size (its ranks' control sockets are all the leader's)."""
+    ``attn_tp_size``: the worker's TP size (its ranks' control sockets are all the leader's);
+    ``dp_size``: its attention-DP ranks (each its own control socket)."""
     return {
         "attn_tp_size": attn_tp_size,
         "attn_cp_size": 1,
-        "dp_size": 1,
+        "dp_size": dp_size,
         "pp_size": 1,
         "page_size": page_size,
         "kv_cache_dtype": kv_cache_dtype,
@@ -329,7 +332,7 @@ def _check_aux(reg: Registration) -> Refusal | None:
             f"decode registered {len(reg.aux_ptrs)} metadata buffers; this worker fills "
             f"SGLang's default {NUM_AUX_BUFFERS} ({', '.join(AUX_BUFFER_NAMES)}): turn off "
             "SGLANG_ENABLE_DISAGG_SAMPLING_MASK and --disaggregation-enable-kv-checksum "
-            "(DSA models are not served)"
+            "(nor a DSA model's MTP seed row: index_share_for_mtp_iteration)"
         )
     if not all(0 < addr < ADDRESS_SPACE for addr in reg.aux_ptrs):
         return Refusal(RejectReason.BAD_ADDRESS, "a metadata buffer address is 0")

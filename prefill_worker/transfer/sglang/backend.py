@@ -22,10 +22,18 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.draft import DraftSide
 from prefill_worker.transfer.nixl.poster import WritePoster
 from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from prefill_worker.transfer.nixl.state_lists import (
+    LOCAL_AGENT,
+    StateLists,
+    prep_state_list,
+    register_state,
+)
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, SglangOptions
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import HubBackend
@@ -34,10 +42,14 @@ from prefill_worker.transfer.push.sender import PushContext
 from prefill_worker.transfer.sglang import aux
 from prefill_worker.transfer.sglang.accept import server_info
 from prefill_worker.transfer.sglang.bootstrap_http import BootstrapHttp
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.control import ControlSocket, Mailbox, ReplySockets
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
+from prefill_worker.transfer.sglang.dsa import open_local
 from prefill_worker.transfer.sglang.local import LocalSide, close_all
+from prefill_worker.transfer.sglang.mamba_stage import StagingSender
+from prefill_worker.transfer.slot_stage import StagedState
 
 MAX_PEERS = 256  # registered decode ranks kept; idle ones past it are evicted
 MAX_REGISTRATIONS_PER_TURN = 4  # each loads NIXL metadata; the rest wait for the next turn
@@ -54,6 +66,7 @@ class SglangBackend(HubBackend[SglangPeer]):
         options: SglangOptions,
         hooks: Hooks = DEFAULT_HOOKS,
         draft: DraftSide | None = None,  # a draft model's pool and rows (``transfer.draft``)
+        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages (``sglang.dsa``)
     ) -> None:
         self.clock = clock = hooks.clock
         self.limits = options.limits
@@ -73,6 +86,17 @@ class SglangBackend(HubBackend[SglangPeer]):
             raise
         self._closers.append(local.close)
         self.agent = local.agent
+        self._mamba = options.mamba
+        state = None  # a DSA model's index pages, or a hybrid model's staged state slots
+        try:
+            if dsa is not None:
+                state, release = open_local(self.agent, dsa)
+                self._closers.append(release)
+            elif self._mamba is not None:
+                state = self._open_stage(self._mamba)
+        except BaseException:
+            self._close_all()
+            raise
         if hooks.poster_factory is None:
             self._poster: WritePoster = PushThread(
                 self.agent, "nixl-push-sglang", hooks.wake, nixl.capture_telemetry
@@ -102,6 +126,7 @@ class SglangBackend(HubBackend[SglangPeer]):
             dialect,
             options.write_timeout_s,
             clock,
+            state=state,
             draft_pages=draft_pages,
         )
         # Names are never refused for a room here: an SGLang decode asks, and hears why.
@@ -119,10 +144,15 @@ class SglangBackend(HubBackend[SglangPeer]):
             self._poster.run,
             [ipaddress.ip_network(n) for n in options.allowed_networks],
             regions,
-            options.sliding,
-            num_draft_layers,
+            None if draft is None else draft.regions,
+            StateComponents(
+                self.agent, self.limits, self._poster.run, options.sliding, dsa, options.mamba
+            ),
         )
         self._closers.append(pages.release_sliced)  # before the local side (closed last first)
+        if draft_pages is not None:
+            self._closers.append(draft_pages.release_sliced)
+        self._closers.append(self._desk.release_shares)
         self._control.start()
 
     def _start_io(self, regions: KVRegions, options: SglangOptions) -> None:
@@ -146,6 +176,33 @@ class SglangBackend(HubBackend[SglangPeer]):
             "sglang_control": self._control.endpoint.address,
         }
 
+    def _open_stage(self, mamba: StagedState) -> StateLists:
+        """The staging of our state slots in SGLang's layout, registered and listed (before
+        the transfer thread owns the agent)."""
+        regions = mamba.stage.regions()
+        reg = register_state(self.agent, regions)
+        self._closers.append(lambda: self.agent.deregister_memory(reg))
+        prepped = prep_state_list(self.agent, LOCAL_AGENT, regions)
+        self._closers.append(prepped.release)
+        return StateLists(regions, prepped)
+
+    def create_sender(
+        self,
+        room: int,
+        request_id: str,
+        num_prompt_tokens: int,
+        allowed_peer: str | None = None,
+        traceparent: str | None = None,
+    ) -> KVSender:
+        """The hub's sender; a hybrid model's stages the request's state slot (``sglang.mamba``)
+        when its aux row is handed over."""
+        sender = self._hub.create_sender(
+            room, request_id, num_prompt_tokens, allowed_peer, traceparent
+        )
+        if self._mamba is None:
+            return sender
+        return StagingSender(sender, self._mamba.stage)
+
     def lead_group(self, place: RankPlace) -> None:
         """Serve SGLang decodes for a TP group this backend is the leader (rank 0) of: its
         routes and control socket answer for every rank (``SglangDesk.lead``)."""
@@ -153,6 +210,16 @@ class SglangBackend(HubBackend[SglangPeer]):
         info = server_info(self._page_size, self._kv_cache_dtype, place.tp_size)
         self._http.lead(info, place.tp_size)
         self._desk.lead(place.tp_size, place.num_kv_heads)
+
+    def lead_dp(
+        self,
+        rank_infos: list[dict[str, object]],
+        query_rooms: Callable[[list[int]], dict[str, int]],
+    ) -> None:
+        """Serve SGLang decodes for an attention-DP worker whose rank 0 this backend is: its
+        routes name every rank's control socket (``BootstrapHttp.lead_dp``)."""
+        info = server_info(self._page_size, self._kv_cache_dtype, dp_size=len(rank_infos))
+        self._http.lead_dp(info, rank_infos, query_rooms)
 
     # -- the TransferBackend seam (create_sender: HubBackend) ---------------------------
 

@@ -39,6 +39,8 @@ class BootstrapHttp:
         self._server_info = json.dumps(server_info)
         self._rank_info = json.dumps(rank_info)
         self._num_ranks = 1
+        self._dp_ranks: list[str] = [self._rank_info]  # each attention-DP rank's rank_info
+        self._query_rooms: Callable[[list[int]], dict[str, int]] = lambda rooms: {}
         self._is_healthy = is_healthy
         self._is_open = is_open
         self._site = ThreadedSite("sglang-http")
@@ -62,9 +64,23 @@ class BootstrapHttp:
         decode asking earlier, outside any router, could see TP 1)."""
         self._server_info, self._num_ranks = json.dumps(server_info), num_ranks
 
+    def lead_dp(
+        self,
+        server_info: dict[str, object],
+        rank_infos: list[dict[str, object]],
+        query_rooms: Callable[[list[int]], dict[str, int]],
+    ) -> None:
+        """Answer for an attention-DP worker (docs/parallelism.md): ``server_info`` names its
+        ``dp_size``, ``rank_infos[r]`` is rank r's control socket (``prefill_port_table``'s
+        entry for dp group r), and ``/query_dp_ranks`` asks ``query_rooms``."""
+        self._server_info = json.dumps(server_info)
+        self._dp_ranks = [json.dumps(info) for info in rank_infos]
+        self._query_rooms = query_rooms
+
     def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_route("*", "/route", self._route)
+        app.router.add_post("/query_dp_ranks", self._query_dp_ranks)
         app.router.add_get("/health", self._health)
         return app
 
@@ -80,12 +96,22 @@ class BootstrapHttp:
         if ranks == [-1] * 4:
             return _json(self._server_info)
         dp, cp, tp, pp = ranks
-        if dp == cp == pp == 0 and 0 <= tp < self._num_ranks:
-            return _json(self._rank_info)
+        if 0 <= dp < len(self._dp_ranks) and cp == pp == 0 and 0 <= tp < self._num_ranks:
+            return _json(self._dp_ranks[dp])
         why = (
             f"no prefill rank {ranks}: this worker has attention-TP ranks 0..{self._num_ranks - 1}"
         )
         return web.Response(status=404, text=why + "\n")
+
+    async def _query_dp_ranks(self, request: web.Request) -> web.Response:
+        """SGLang's ``POST /query_dp_ranks``: each known room (of ``bootstrap_rooms``) to the
+        attention-DP rank it was placed on; unknown rooms are left out."""
+        try:
+            body = await request.json()
+            rooms = [int(room) for room in body["bootstrap_rooms"]]
+        except (ValueError, KeyError, TypeError):
+            return web.Response(status=400, text="bootstrap_rooms: a list of integers\n")
+        return _json(json.dumps(self._query_rooms(rooms)))
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self._is_open():

@@ -2,8 +2,8 @@
 registration is a peer, a transfer request is a ``want`` (``decode_prefix_len`` is the prefix
 the decode holds), an ABORT is the peer's abort of a room; the hub does what both protocols do.
 
-Everything is checked before NIXL sees it (``sglang.accept``; a decode's hybrid SWA pool,
-``sglang.swa``, whose route then splits each page's regions between its two pools). SGLang
+Everything is checked before NIXL sees it (``sglang.accept``; a hybrid model's state pool
+by its kind, ``sglang.components``: a hybrid SWA pool, a DSA index pool, a mamba pool). SGLang
 has no answer to a registration, so a refused decode learns why on its first request
 (reasons kept per agent name, bounded); that request also fails the room's own request, now
 or when it comes.
@@ -40,6 +40,7 @@ from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer import wire
+from prefill_worker.transfer.draft import pool_into
 from prefill_worker.transfer.headplan import HeadSlice, slice_table
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, PreppedLists
 from prefill_worker.transfer.nixl.rank_writer import prep_local_slice
@@ -59,10 +60,9 @@ from prefill_worker.transfer.sglang.accept import (
     status_ranks,
     target_ranks,
 )
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
-from prefill_worker.transfer.sglang.swa import accept_window, window_route, window_want
-from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
@@ -85,11 +85,12 @@ class SglangDesk:
         run_on_agent: Callable[..., Any] = lambda fn, *args: fn(*args),
         allowed_networks: Sequence[Network] = (),
         regions: KVRegions | None = None,  # our pool, for decode ranks holding fewer heads
-        sliding: SlidingLayers | None = None,  # a model whose decodes may hold a hybrid SWA pool
-        num_draft_layers: int = 0,  # a draft model's pool layers (``transfer.draft``)
+        draft: KVRegions | None = None,  # a draft model's pool (``transfer.draft``)
+        components: StateComponents | None = None,  # the model's state kind (None: no state)
     ) -> None:
         self._hub, self._agent, self._replies = hub, agent, replies
-        self._num_draft_layers = num_draft_layers
+        self._draft = draft
+        self._num_draft_layers = 0 if draft is None else draft.layout.num_layers
         self._regions = regions
         self._allowed_networks = tuple(allowed_networks)
         self._run = run_on_agent  # where the agent lives (the transfer thread), waiting
@@ -100,7 +101,7 @@ class SglangDesk:
         self._refused_rooms = hub.refusals.rooms
         self._is_rejoining = is_rejoining  # the rejoin window after start (``backend``)
         self._prefill_tp = 1  # this worker's TP size (``lead``)
-        self._sliding = sliding
+        self._components = components or StateComponents(agent, limits, run_on_agent)
 
     def lead(self, tp_size: int, num_kv_heads: int) -> None:
         """Answer for a TP group of ``tp_size`` ranks whose leader (rank 0) this is: a decode
@@ -141,12 +142,10 @@ class SglangDesk:
     # -- registration -------------------------------------------------------------------
 
     def _register(self, reg: frames.Registration) -> None:
-        layout, swa = self._layout, None
-        if reg.has_state and self._sliding is not None:  # a hybrid SWA pool (``sglang.swa``)
-            window = accept_window(reg, self._layout, self._sliding, self._limits)
-            if isinstance(window, Refusal):
-                return self._refuse(reg.agent_name, window)
-            reg, layout, swa = window.registration, window.layout, window.swa
+        accepted = self._components.accept(reg, self._layout)  # its state pool split off
+        if isinstance(accepted, Refusal):
+            return self._refuse(reg.agent_name, accepted)
+        reg, layout, state = accepted.registration, accepted.layout, accepted.state
         refusal = check_registration(
             reg, layout, self._limits, self._prefill_tp, self._num_draft_layers
         )
@@ -174,7 +173,7 @@ class SglangDesk:
         head_slice = rank_slice(reg, layout, self._prefill_tp)
         sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
-            lists, state = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, swa)
+            lists, prepped = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, state)
         except NIXL_ERRORS as exc:
             self._run(self._agent.remove_remote_agent, name)
             why = f"NIXL cannot address the decode's buffers: {exc}"
@@ -195,8 +194,9 @@ class SglangDesk:
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
-            state=state,
-            route=window_route(self._sliding, self._layout, regions, state),
+            state=prepped,
+            local_state=accepted.share,
+            route=self._components.route(self._layout, regions, prepped),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
@@ -234,35 +234,43 @@ class SglangDesk:
         regions: KVRegions,
         aux_ptrs: tuple[int, ...],
         head_slice: HeadSlice | None,
-        swa: StateRegions | None = None,
+        state: StateRegions | None = None,
     ) -> tuple[PreppedLists, StateLists | None]:
         """The decode pool's descriptor list, once (token runs of its heads when it holds part
         of ours, and ours of the same heads the first time); row 0 of each metadata buffer,
         which NIXL checks against what the decode registered (rows are written per request);
-        and its hybrid SWA pool's, when it has one. Runs where the agent lives."""
+        and its state pool's (a hybrid SWA pool, a DSA index pool, a mamba pool), when it has
+        one. Runs where the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
         else:
-            self._prep_local(head_slice)
+            self._prep_local(head_slice, regions)
             table = slice_table(regions, head_slice.dst_head_offset, head_slice.num_heads)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         lists = None
         try:
             first_rows = aux.remote_descs(aux_ptrs, 0).astype(np.uint64)
             lists = PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
-            if swa is None:
+            if state is None:
                 return lists, None
-            return lists, StateLists(swa, prep_state_list(self._agent, name, swa))
+            return lists, StateLists(state, prep_state_list(self._agent, name, state))
         except BaseException:
             (kv if lists is None else lists).release()
             raise
 
-    def _prep_local(self, head_slice: HeadSlice) -> None:
+    def release_shares(self) -> None:
+        """The staged shares' lists (at close, before the agent)."""
+        self._components.release()
+
+    def _prep_local(self, head_slice: HeadSlice, remote: KVRegions) -> None:
+        """Our token runs of the slice's heads, once: of the target's layers, or of the
+        target's and the draft's for a decode that holds a draft pool (``remote``)."""
         assert self._regions is not None, "a desk that slices heads needs our regions"
         key = (head_slice.src_head_offset, head_slice.num_heads)
-        local = self._hub.ctx.pages.sliced
+        local = self._hub.ctx.pages_into(remote).sliced
         if key not in local:
-            local[key] = prep_local_slice(self._agent, self._regions, *key)
+            ours = pool_into(self._regions, self._draft, remote)
+            local[key] = prep_local_slice(self._agent, ours, *key)
 
     def _refuse(self, agent_name: str, refusal: Refusal) -> None:
         self._count(refusal.reason, f"registration of {agent_name} refused: {refusal.message}")
@@ -282,10 +290,7 @@ class SglangDesk:
         peer.last_seen = self._hub.clock()
         if peer.tp_size < self._prefill_tp and self._is_copy(peer, req.room):
             return None
-        want: wire.Want | Refusal = req.want()
-        if peer.route is not None:  # its window pages are state indices (``sglang.swa``)
-            want = window_want(req)
-            req = dataclasses.replace(req, has_state=False)
+        want, req = self._components.want(req, peer)  # its state indices read (``components``)
         refusal = check_request(req, peer.tp_size, self._prefill_tp, self._is_mla)
         if refusal is None and req.is_dummy:
             return None  # the real request carries the room (the module docstring)

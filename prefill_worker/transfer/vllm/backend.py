@@ -34,6 +34,7 @@ from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.groups import VllmGroups, layer_names, one_group
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.holds import HoldTable
 from prefill_worker.transfer.vllm.profiles import (
@@ -58,8 +59,10 @@ from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingLayout,
     StagingPool,
+    StagingRefused,
     staging_layout,
 )
+from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
@@ -86,6 +89,14 @@ class PullRegistration:
     identity: VllmIdentity
     versions: tuple[str, ...]  # the vLLM versions served (``profiles``), each on its channel
     modes: tuple[str, ...] = (PULL,)  # and the transfer modes, a channel per version each
+    groups: VllmGroups | None = None  # the layers' names and KV-cache groups (None: one)
+    state_base_addrs: tuple[int, ...] = ()  # one per linear layer (``state_staging``)
+    ssm_sizes: tuple[int, int] = (0, 0)  # a linear layer's (conv, recurrent) bytes
+
+    @property
+    def layer_groups(self) -> VllmGroups:
+        """The layers' vLLM names and KV-cache groups (one group unless ``groups`` says)."""
+        return self.groups or one_group(layer_names(None, self.layout.num_layers))
 
 
 def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> str:
@@ -97,7 +108,7 @@ def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> 
         dtype=identity.model_dtype or registration.dtype,
         num_kv_heads=lay.num_kv_heads,
         head_size=lay.head_dim,
-        num_layers=lay.num_layers,
+        num_layers=len(registration.layer_groups.names),  # every model layer
         attn_backend_name=identity.attention_backend,
         cache_dtype=identity.cache_dtype,
         transfer_mode=mode,
@@ -153,11 +164,19 @@ class VllmBackend:
         heads = None if group is None else group.num_kv_heads
         layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
         staging = StagingPool(layout, None if group is None else group.buffer)
+        self.state_staging: StateStaging | None = None  # a linear hybrid's state pages
+        if options.state is not None:
+            if group is not None:
+                raise StagingRefused("vLLM decodes of a linear-attention model: worker TP 1 only")
+            blocks, page_bytes = staging.layout.num_blocks, staging.layout.block_bytes
+            ssm_dtype = options.state_ssm_dtype
+            self.state_staging = StateStaging(options.state, blocks, page_bytes, ssm_dtype)
         self.mirror_heads = None if group is None else group.heads
         holds = HoldTable(options.lease_s, options.read_grace_s)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
         pool = PoolViews(regions)
         self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, group)
+        self.desk.groups = options.groups
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -171,6 +190,8 @@ class VllmBackend:
             [[a, lay.region_bytes, 0] for a in staging.region_base_addrs], dtype=np.uint64
         )
         self._registered = self.agent.register_memory(table, "DRAM")
+        self.desk.state_staging = state = self.state_staging
+        self._registered_state = None if state is None else state.register(self.agent)
         registration = PullRegistration(
             engine_id,
             self.agent.get_agent_metadata(),
@@ -184,12 +205,15 @@ class VllmBackend:
             options.identity,
             options.versions,
             options.modes,
+            options.groups,
+            () if state is None else state.region_base_addrs,
+            (0, 0) if state is None else state.page.ssm_sizes,
         )
         try:
             host, port = options.side_channel_host, options.side_channel_port
             self._channel = side_channel(host, port, registration)
         except BaseException:
-            self.agent.deregister_memory(self._registered)
+            self._deregister()
             raise
         generation = registration.registration_generation
         self.desk.identities = {
@@ -305,4 +329,9 @@ class VllmBackend:
         try:
             self._channel.close()
         finally:
-            self.agent.deregister_memory(self._registered)
+            self._deregister()
+
+    def _deregister(self) -> None:
+        self.agent.deregister_memory(self._registered)
+        if self._registered_state is not None:
+            self.agent.deregister_memory(self._registered_state)

@@ -72,9 +72,14 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
     its own, then the metadata of the staging region in its version's fields."""
     profile = PROFILES[version]
     identity = registration.identity
+    groups = registration.layer_groups
+    regions = [
+        *zip(groups.kv_layers, registration.region_base_addrs, strict=True),
+        *zip(groups.state_layers, registration.state_base_addrs, strict=True),
+    ]
     layers = [
-        LayerRegion(f"model.layers.{i}.self_attn.attn", addr, registration.block_bytes)
-        for i, addr in enumerate(registration.region_base_addrs)
+        LayerRegion(groups.names[i], addr, registration.block_bytes, groups.layer_group[i])
+        for i, addr in regions
     ]
     metadata = agent_metadata(
         profile,
@@ -84,5 +89,6 @@ def handshake_payload(registration: PullRegistration, version: str, mode: str = 
         registration.num_blocks,
         registration.block_size,
         identity.attention_backend,
+        ssm_sizes=registration.ssm_sizes,
     )
     return encode_payload(our_hash(registration, version, mode), metadata)

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefill_worker.lograte import RateLimitedLog
+from prefill_worker.transfer.vllm.groups import VllmGroups
 from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
 from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
+from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 log = logging.getLogger(__name__)
@@ -51,15 +53,18 @@ def pull_params(
     block_ids: Sequence[int],
     num_tokens: int,
     mode: str = PULL,
+    groups: VllmGroups | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill answer, as vLLM 0.33's and 0.34's own prefills
-    send them (one KV-cache group; tensor, decode-context and pipeline parallel sizes 1; no expiry
+    send them (one block list per KV-cache group: one unless ``groups`` says, a sliding group's
+    its window's; tensor, decode-context and pipeline parallel sizes 1; no expiry
     time, which vLLM reads only for decode-side blocks); ``mode`` the decode's (a push decode
     registers with the side channel named here, its push channel)."""
+    block_lists = [list(block_ids)] if groups is None else groups.block_ids(block_ids)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": block_lists,
         "remote_engine_id": identity.engine_id,
         "remote_request_id": hold_id,
         "remote_host": identity.side_channel_host,
@@ -110,8 +115,20 @@ class PullDesk:
         self.pushes = PushBook(holds.lease_s, max_early=staging.layout.num_blocks)
         self.matched: list[tuple[Expected, Early]] = []  # push holds whose decode came first
         self.page_size = pool.page_size
+        self.groups: VllmGroups | None = None  # a hybrid model's KV-cache groups
+        self.state_staging: StateStaging | None = None  # its linear layers' state pages
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
+
+    def stage_state(self, slot: int, blocks: Sequence[int]) -> list[Future[int]]:
+        """A hybrid model's request: its state slot into its last block's state pages (the
+        block its mamba groups name, ``groups``), queued behind its repacks (the slot and the
+        blocks stay the request's until its sender is closed); nothing for other models."""
+        if self.state_staging is None or not blocks:
+            return []
+        future = self._repacker.submit(self.state_staging.write, slot, blocks[-1])
+        self._repacks.append(future)
+        return [future]
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
         return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
@@ -167,7 +184,7 @@ class PullDesk:
         identity = None if ask is None else self.identities.get(channel_key(ask.version, ask.mode))
         params = None
         if ask is not None and identity is not None:
-            params = pull_params(identity, hold_id, blocks, num_tokens, ask.mode)
+            params = pull_params(identity, hold_id, blocks, num_tokens, ask.mode, self.groups)
         if ask is None or params is None or not self.tickets.complete(room, params):
             self.staging.free(blocks)
             return False

@@ -89,13 +89,15 @@ class VllmProfile:
     version: str  # vLLM's ``__version__``: hashed
     connector_version: int  # its ``NIXL_CONNECTOR_VERSION``: hashed
     names_region_layers: bool  # advertise ``region_members`` and ``layer_group_ids`` (v16)
+    # serves a sliding-window model's KV-cache groups (``groups``; proven against its decode)
+    serves_kv_groups: bool = False
 
 
 PROFILES: dict[str, VllmProfile] = {
     p.version: p
     for p in (
         VllmProfile("0.33.0", 15, names_region_layers=False),
-        VllmProfile("0.34.0", 16, names_region_layers=True),
+        VllmProfile("0.34.0", 16, names_region_layers=True, serves_kv_groups=True),
     )
 }
 DEFAULT_VERSIONS = ("0.33.0", "0.34.0")  # served unless configured otherwise; the first is
@@ -152,6 +154,7 @@ class LayerRegion:
     name: str
     base_addr: int
     block_bytes: int
+    group: int = 0  # the layer's KV-cache group (``groups``)
 
 
 def agent_metadata(
@@ -163,10 +166,11 @@ def agent_metadata(
     block_size: int,
     attn_backend_name: str,
     mem_type: str = "DRAM",
+    ssm_sizes: tuple[int, int] = (0, 0),
 ) -> NixlAgentMetadata:
     """The metadata of one TP rank whose layers are contiguous LBHNC regions (no mamba, no
-    PLE, no packed members; one KV-cache group, 0), as a vLLM worker of ``profile``'s version
-    writes it for itself."""
+    PLE, no packed members; each layer in its ``group``: 0 unless a sliding-window model's),
+    as a vLLM worker of ``profile``'s version writes it for itself."""
     fields: dict[str, Any] = {
         "engine_id": engine_id,
         "agent_metadata": agent_blob,
@@ -177,11 +181,11 @@ def agent_metadata(
         "block_strides": [layer.block_bytes for layer in layers],
         "kv_cache_layout": "LBHNC",
         "block_size": block_size,
-        "ssm_sizes": (0, 0),
+        "ssm_sizes": ssm_sizes,  # a hybrid's linear layers: (conv, recurrent) bytes
         "attn_backend_name": attn_backend_name,
         "physical_blocks_per_logical_kv_block": 1,
         "region_num_blocks": [num_blocks] * len(layers),
-        "region_group_ids": [0] * len(layers),
+        "region_group_ids": [layer.group for layer in layers],
         "region_names": [layer.name for layer in layers],
         "region_mem_types": [mem_type] * len(layers),
     }
@@ -190,5 +194,5 @@ def agent_metadata(
     return NixlAgentMetadataV16(
         **fields,
         region_members=[[layer.name] for layer in layers],
-        layer_group_ids={layer.name: 0 for layer in layers},
+        layer_group_ids={layer.name: layer.group for layer in layers},
     )

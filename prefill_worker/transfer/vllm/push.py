@@ -16,11 +16,16 @@ proxy, so both have ``cmpl-<X-Request-Id>-0``). The HTTP front records that base
 push request (``push_key``); ``PushBook`` matches a registration to its hold by it, in
 either order (a decode may register before the prefill has finished).
 
+A decode of TP d > 1 registers from each of its ranks (vLLM's push worker sends the
+scheduler's one registration from every rank to the prefill rank it handshook: here, ours):
+the first to arrive is matched, and one WRITE per rank follows it (``pusher``); the other
+d - 1, from the same decode engine, are its siblings and change nothing.
+
 Who may register: any agent that handshook the side channel can send a registration, and the
-request id is not a secret, so the first registration of a held request wins; later ones are
-counted (``duplicate``) and ignored. As with vLLM's own prefill, the side channel belongs on
-a network only the decodes reach (docs/vllm.md). Pure bookkeeping, no NIXL, no clock of its
-own.
+request id is not a secret, so the first registration of a held request wins; later ones
+beyond its siblings are counted (``duplicate``) and ignored. As with vLLM's own prefill, the
+side channel belongs on a network only the decodes reach (docs/vllm.md). Pure bookkeeping,
+no NIXL, no clock of its own.
 """
 
 from __future__ import annotations
@@ -101,10 +106,22 @@ class Expected:
 
 @dataclass(slots=True)
 class Early:
-    """A registration that came before its request was held."""
+    """A registration that came before its request was held (and how many of its decode's
+    ranks registered it so far)."""
 
     agent: str
     registration: Registration
+    expires_at: float
+    ranks: int = 1
+
+
+@dataclass(slots=True)
+class Siblings:
+    """A matched registration of a decode of TP > 1: its other ranks' registrations to come
+    (``left``), from ``engine_id``, until ``expires_at``."""
+
+    engine_id: str
+    left: int
     expires_at: float
 
 
@@ -117,6 +134,7 @@ class PushBook:
     max_early: int
     expected: dict[str, Expected] = field(default_factory=dict)
     early: dict[str, Early] = field(default_factory=dict)
+    siblings: dict[str, Siblings] = field(default_factory=dict)
     refused: Counter[str] = field(default_factory=Counter)  # why -> registrations ignored
 
     def expect(
@@ -131,6 +149,7 @@ class PushBook:
         wanted = Expected(hold_id, version)
         early = self.early.pop(key, None)
         if early is not None and early.expires_at > now:
+            self._await_siblings(key, early.registration, early.ranks, now)
             return wanted, early
         self.expected[key] = wanted
         return None
@@ -139,10 +158,20 @@ class PushBook:
         """The held request ``reg`` names (taken: it is matched once), or None (kept for a
         request not held yet, or counted)."""
         key = base_request_id(reg.request_id)
+        self.prune(now)
+        if self._is_sibling(self.siblings.get(key), reg):
+            self.siblings[key].left -= 1
+            if not self.siblings[key].left:
+                del self.siblings[key]
+            return None
         wanted = self.expected.pop(key, None) or self.expected.pop(reg.request_id, None)
         if wanted is not None:
+            self._await_siblings(key, reg, 1, now)
             return wanted
-        self.prune(now)
+        early = self.early.get(key)
+        if early is not None and self._another_rank(early, reg):
+            early.ranks += 1  # another rank of the decode that came first
+            return None
         if key in self.early or len(self.early) >= self.max_early:
             self.refused["duplicate" if key in self.early else "too_many_early"] += 1
             return None
@@ -159,3 +188,20 @@ class PushBook:
         for key in [k for k, e in self.early.items() if e.expires_at <= now]:
             del self.early[key]
             self.refused["unmatched"] += 1
+        for key in [k for k, s in self.siblings.items() if s.expires_at <= now]:
+            del self.siblings[key]
+
+    def _await_siblings(self, key: str, reg: Registration, ranks: int, now: float) -> None:
+        left = reg.decode_tp_size - ranks
+        if left > 0:
+            self.siblings[key] = Siblings(reg.decode_engine_id, left, now + self.lease_s)
+
+    @staticmethod
+    def _another_rank(early: Early, reg: Registration) -> bool:
+        first = early.registration
+        same = first.decode_engine_id == reg.decode_engine_id
+        return same and early.ranks < first.decode_tp_size
+
+    @staticmethod
+    def _is_sibling(siblings: Siblings | None, reg: Registration) -> bool:
+        return siblings is not None and siblings.engine_id == reg.decode_engine_id

@@ -77,6 +77,7 @@ class VllmSender:
 
     def send_aux(self, aux_row: int) -> None:
         assert self._blocks is not None, "send_aux before READY"
+        self._repacks.extend(self._desk.stage_state(aux_row, self._blocks))  # slot = aux row
         self._state, self._is_aux_sent = KVPoll.TRANSFERRING, True
         self._try_hold()
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PULL
+from prefill_worker.transfer.vllm.profiles import DEFAULT_VERSIONS, PROFILES, PULL
 
 Params = Mapping[str, Any]
 
@@ -51,8 +51,22 @@ class Tickets:
         max_open: int,
         versions: tuple[str, ...] = DEFAULT_VERSIONS,
         modes: tuple[str, ...] = (PULL,),
+        needs_kv_groups: bool = False,
+        has_linear_state: bool = False,
     ) -> None:
+        """``needs_kv_groups``: the model is a hybrid one (sliding windows; with
+        ``has_linear_state``, linear-attention layers), which only the decodes whose reading
+        of its KV-cache groups is proven can get (``why_refused``). A linear model's pull
+        prompts are cut one token short (``prompt_backoff``): vLLM's decode of a model with
+        mamba layers loads the state after all but the last token and computes that one."""
         self._lock = threading.Lock()
+        self.needs_kv_groups = needs_kv_groups or has_linear_state
+        self.prompt_backoff = 1 if has_linear_state else 0
+        linear, sliding = (
+            ("state_unsupported", "linear-attention"),
+            ("swa_unsupported", "sliding-window"),
+        )
+        self._kind = linear if has_linear_state else sliding  # why_refused's code and words
         self._rooms: dict[int, tuple[Ask, Params | None]] = {}  # room -> (ask, params)
         self._max_open = max_open
         self.versions = versions  # served; a request naming none gets the first
@@ -74,6 +88,27 @@ class Tickets:
                 return False
             self._rooms[room] = (Ask(version or self.versions[0], mode, push_key), None)
             return True
+
+    def why_refused(self, version: str | None, mode: str = PULL) -> str | None:
+        """Why a decode of ``version`` (None: the default) in ``mode`` cannot get this model's
+        KV (``swa_unsupported``: a sliding-window model, ``transfer/vllm/groups.py``, to a
+        version or mode not proven to read its KV-cache groups); None when it can."""
+        version = version or self.versions[0]
+        if not self.needs_kv_groups:
+            return None
+        code, what = self._kind
+        if not PROFILES[version].serves_kv_groups:
+            served = [v for v in self.versions if PROFILES[v].serves_kv_groups]
+            return (
+                f"{code}: vLLM {version} decodes get no {what} KV-cache groups from this "
+                f"worker; name vLLM {', '.join(served) or '0.34.0'} (docs/vllm.md)"
+            )
+        if mode != PULL:
+            return (
+                f"{code}: vLLM's {mode} mode does not carry {what} KV-cache groups here; pull "
+                "(docs/vllm.md)"
+            )
+        return None
 
     def version_of(self, room: int) -> str | None:
         """The vLLM version ``room``'s decode runs; None when its ticket is not open."""

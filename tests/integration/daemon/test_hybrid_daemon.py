@@ -6,7 +6,8 @@ layer's conv and recurrent state after the whole prompt in the slot its ``want``
 equal to transformers' within 1e-4: three prompts at once (batched), each longer than a chunk
 (chunked), into scattered pages and slots. A decode that registers no state pool is refused
 with a typed reason (``state_unsupported``) and gets no byte. Afterwards every aux row (state
-slot) and page is back and the worker drains to exit 0."""
+slot) and page is back and the worker drains to exit 0. The same from a worker at TP 2
+(Qwen3-Next): each rank writes its KV head, the leader the slots it gathered whole."""
 
 from __future__ import annotations
 
@@ -102,28 +103,7 @@ def test_a_native_decode_receives_kv_and_state(tmp_path: Path, family: str) -> N
     try:
         worker.child.wait_ready(120)
         router = BlockingRouterClient(worker.ingress)
-        decode = StateDecode(worker.bootstrap)
-        assert len(decode.k) == 2  # the KV list: the 2 full-attention layers of 5
-        assert decode.component.layer_ids == LINEAR_LAYERS
-        assert [t.name for t in decode.component.tensors] == ["conv", "recurrent"]
-        prompts = {room: prompt(n, seed=room) for room, n in PROMPTS.items()}
-        for room, ids in prompts.items():
-            decode.want_state(room, len(ids), STATE_SLOTS[room])
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            sent = {
-                r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()
-            }
-            statuses = decode.wait(list(prompts))
-            results = {room: future.result(60) for room, future in sent.items()}
-        model = hf_model(checkpoint)
-        for room, ids in prompts.items():
-            assert results[room].status is OutcomeStatus.OK, results[room]
-            assert statuses[room].state is RoomState.DONE, statuses[room]
-            check_against_transformers(model, decode, room, ids)
-        untouched = set(range(NUM_STATE_SLOTS)) - set(STATE_SLOTS.values())
-        for per_layer in decode.state:
-            assert all(not torch.any(t[slot]) for t in per_layer for slot in untouched)
-        decode.close()
+        serve_prompts_and_check(worker, router, checkpoint)
         refuse_a_decode_without_state(worker, router)
         router.close()
         wait_until(lambda: pools_whole(worker), 30, "every aux row (state slot) and page back")
@@ -132,6 +112,53 @@ def test_a_native_decode_receives_kv_and_state(tmp_path: Path, family: str) -> N
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
+
+
+def test_a_tp2_worker_sends_whole_state_slots(tmp_path: Path) -> None:
+    """At TP 2 each rank holds one of the 2 linear key heads (with its 3 value heads) and one
+    of the 2 KV heads; both ranks write their KV head into a native decode of TP 1, and the
+    leader sends each request's state slot whole (gathered from both ranks when the prompt
+    ended, ``model.state_gather``): what a TP-1 worker sends, within 1e-4 of transformers'.
+    The refused decode's room, the pools and the drain as at TP 1."""
+    checkpoint = make_checkpoint("qwen3_next", tmp_path / "qwen3_next")
+    settings = ("cache.num_pages=64", "cache.num_aux_rows=4", "parallel.tp_size=2")
+    worker = start_worker(tmp_path, checkpoint, *settings)
+    try:
+        worker.child.wait_ready(120)
+        router = BlockingRouterClient(worker.ingress)
+        serve_prompts_and_check(worker, router, checkpoint)
+        refuse_a_decode_without_state(worker, router)
+        router.close()
+        wait_until(lambda: pools_whole(worker), 30, "every aux row (state slot) and page back")
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()
+
+
+def serve_prompts_and_check(worker: Worker, router: BlockingRouterClient, checkpoint: Path) -> None:
+    """``PROMPTS`` at once (batched, chunked) into a state decode's scattered pages and slots:
+    each room's full layers' K/V and linear layers' state equal transformers', the slots no
+    room named untouched."""
+    decode = StateDecode(worker.bootstrap)
+    assert len(decode.k) == 2  # the KV list: the 2 full-attention layers of 5
+    assert decode.component.layer_ids == LINEAR_LAYERS
+    assert [t.name for t in decode.component.tensors] == ["conv", "recurrent"]
+    prompts = {room: prompt(n, seed=room) for room, n in PROMPTS.items()}
+    for room, ids in prompts.items():
+        decode.want_state(room, len(ids), STATE_SLOTS[room])
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        sent = {r: pool.submit(router.prefill, ids, r, timeout_s=60) for r, ids in prompts.items()}
+        statuses = decode.wait(list(prompts))
+        results = {room: future.result(60) for room, future in sent.items()}
+    model = hf_model(checkpoint)
+    for room, ids in prompts.items():
+        assert results[room].status is OutcomeStatus.OK, results[room]
+        assert statuses[room].state is RoomState.DONE, statuses[room]
+        check_against_transformers(model, decode, room, ids)
+    untouched = set(range(NUM_STATE_SLOTS)) - set(STATE_SLOTS.values())
+    for per_layer in decode.state:
+        assert all(not torch.any(t[slot]) for t in per_layer for slot in untouched)
+    decode.close()
 
 
 def check_against_transformers(

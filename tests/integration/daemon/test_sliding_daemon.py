@@ -1,15 +1,19 @@
-"""gpt-oss (sliding-window and full layers, sinks) in the real daemon with a native decode
-(the decode SDK, NIXL), full-pool mode: its published KV layout has every layer, and a prompt
+"""gpt-oss (sliding-window and full layers, sinks) and Gemma 3 (at TP 2) in the real daemon
+with a native decode (the decode SDK, NIXL), full-pool mode: its published KV layout has
+every layer, and a prompt
 longer than the window lands in the decode's pages with every full layer's K/V at every
 position and every sliding layer's over the last ``window - 1`` positions (all a decode
 reads) equal to transformers', beside the first token transformers picks. The pools are
-whole afterwards and the worker drains to exit 0."""
+whole afterwards and the worker drains to exit 0. At TP 2 the same (each rank computes and
+writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every expert), into
+one decode of TP 1)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from prefill_worker.ingress.client import BlockingRouterClient
@@ -21,16 +25,37 @@ from tests.integration.daemon.conftest import Decode, start_worker, wait_until
 TOL = 1e-4
 
 
-def test_a_gpt_oss_prompt_lands_whole_at_a_native_decode(tmp_path: Path) -> None:
-    checkpoint = make_checkpoint("gpt_oss", tmp_path / "gpt_oss")
-    ids = prompt(70, seed=11)
-    with torch.no_grad():
-        out = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True)
-    worker = start_worker(tmp_path, checkpoint, "cache.num_pages=32")
+IDS = prompt(70, seed=11)
+LAYERS = {"gpt_oss": 3, "gemma3": 4}  # layer 1 of each is full, the others slide (window 24)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """``reference(family)``: the checkpoint, and transformers' output (with its cache)
+    for ``IDS``, made once per family."""
+    made: dict[str, tuple] = {}
+
+    def reference(family: str) -> tuple:
+        if family not in made:
+            checkpoint = make_checkpoint(family, tmp_path_factory.mktemp(family) / "ckpt")
+            with torch.no_grad():
+                made[family] = checkpoint, hf_model(checkpoint)(torch.tensor([IDS]), use_cache=True)
+        return made[family]
+
+    return reference
+
+
+@pytest.mark.parametrize(("family", "tp_size"), [("gpt_oss", 1), ("gpt_oss", 2), ("gemma3", 2)])
+def test_a_sliding_prompt_lands_whole_at_a_native_decode(
+    tmp_path: Path, references, family: str, tp_size: int
+) -> None:  # type: ignore[no-untyped-def]
+    (checkpoint, out), ids = references(family), IDS
+    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
+    worker = start_worker(tmp_path, checkpoint, *overrides)
     try:
         worker.child.wait_ready(120)
         decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
-        assert len(decode.k) == 3  # every layer, sliding or full
+        assert len(decode.k) == LAYERS[family]  # every layer, sliding or full
         decode.want(4301, len(ids))
         with ThreadPoolExecutor(1) as pool:
             sent = pool.submit(router.prefill, ids, 4301, timeout_s=60)

@@ -163,3 +163,28 @@ def test_the_index_cache_shares_the_kv_budget_as_check_config_counts_it(checkpoi
     notes = check_model(config).notes
     assert f"= {budget // per_page} pages" in " ".join(notes)
     assert any(n.startswith(f"index cache (DSA): {indexed} indexed layers") for n in notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_indexer_head_weights_have_transformers_dtype(checkpoint, dtype):
+    """transformers keeps ``indexer.weights_proj`` in fp32 in an fp16 model
+    (``_keep_in_fp32_modules``) and in bf16 in a bf16 one, and projects in that dtype: ours
+    are its values and dtype exactly (fp16: not rounded through fp16)."""
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    runner, _, _ = build(checkpoint, name, "cpu", page_size=16, num_pages=8)
+    theirs = hf_model(checkpoint, dtype)
+    for layer in runner.model.indexer.indexed_layers:
+        want = theirs.model.layers[layer].self_attn.indexer.weights_proj.weight
+        got = runner.model.indexers[layer].weights_proj
+        assert got.dtype == want.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+        assert torch.equal(got, want)
+        assert torch.equal(got, want.to(dtype)) == (dtype == torch.bfloat16)
+
+
+def test_an_fp8_pool_is_refused_for_what_it_is(checkpoint):
+    """The DSA attention is the family's own: the refusal points at cache.kv_dtype, not at an
+    attention backend that would change nothing."""
+    with pytest.raises(ValueError, match=r"set cache\.kv_dtype auto") as refused:
+        build(checkpoint, "float32", "cpu", page_size=16, num_pages=8, kv_dtype="fp8_e4m3")
+    assert "sdpa_dsa" in str(refused.value)
+    assert "model.attention_backend sdpa" not in str(refused.value)

@@ -14,13 +14,10 @@ reads) equal transformers' within 1e-4.
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from prefill_worker.batch import ChunkPlan
 from prefill_worker.request import SamplingParams
@@ -33,6 +30,7 @@ from tests.integration.model.conftest import (
     plan,
     scattered_pages,
 )
+from tests.mxfp4_checkpoints import quantized
 
 TOL = 1e-4
 WINDOW = 24
@@ -142,49 +140,6 @@ def test_each_part_moves_the_logits(checkpoint, hf, change):
     assert (got[0] - logits[-1]).abs().max() > 20 * TOL
 
 
-def quantized(checkpoint: Path, root: Path) -> tuple[Path, Path]:
-    """The checkpoint with its experts as MXFP4 blocks and scales (``mxfp4/``), and the same
-    with those experts dequantized by transformers' own MXFP4 code (``reference/``)."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    tensors = load_file(checkpoint / "model.safetensors")
-    packed, reference = dict(tensors), dict(tensors)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = to_mxfp4(tensors[name].transpose(1, 2))  # [E, out, in] quantized
-        del packed[name]
-        packed |= {name + "_blocks": blocks, name + "_scales": scales}
-        reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    config = json.loads((checkpoint / "config.json").read_text())
-    out = []
-    for kind, weights in (("mxfp4", packed), ("reference", reference)):
-        path = root / kind
-        shutil.copytree(checkpoint, path)
-        save_file({n: t.contiguous() for n, t in weights.items()}, path / "model.safetensors")
-        if kind == "mxfp4":
-            quant = {
-                "quant_method": "mxfp4",
-                "modules_to_not_convert": ["model.layers.*.self_attn"],
-            }
-            (path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
-        out.append(path)
-    return out[0], out[1]
-
-
-def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [E, rows, cols]`` -> (blocks ``[E, rows, cols/32, 16]``, scales ``[E, rows,
-    cols/32]``) uint8: each 32 values over a shared power of two, each the nearest FP4."""
-    from prefill_worker.model.gpt_oss_loader import FP4_VALUES
-
-    groups = w.unflatten(-1, (-1, 32))  # [E, rows, G, 32]
-    top = groups.abs().amax(-1).clamp_min(1e-30)
-    exponent = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent)[..., None]
-    table = torch.tensor(FP4_VALUES)
-    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # [E, rows, G, 32]
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
-
-
 def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path):
     packed, reference = quantized(checkpoint, tmp_path)
     hf = hf_model(reference)
@@ -198,11 +153,31 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path
     assert (original[-1] - logits[0]).abs().max() > 20 * TOL  # the quantization is real
 
 
-def test_tensor_parallel_is_refused_at_start(checkpoint):
+@pytest.mark.parametrize("form", ["unquantized", "mxfp4"])
+def test_a_tp_rank_loads_its_heads_sinks_and_expert_slices(checkpoint, tmp_path, form):
+    """Rank 1 of 2 (no process group: loading has no collective) holds its 3 query heads'
+    sinks and every expert's second half of the intermediate dimension, gate/up pairs and
+    biases kept together, read from either form of the experts (MXFP4: whole 32-value groups
+    of the down projection); the down bias and router whole. The logits at TP 2:
+    tests/integration/model/test_tensor_parallel.py. 6 heads do not split over 4."""
+    from prefill_worker.model.loader import load_checkpoint
     from prefill_worker.model.parallel import TPGroup
 
-    with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
-        ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
+    path = checkpoint if form == "unquantized" else quantized(checkpoint, tmp_path)[0]
+    cpu = torch.device("cpu")
+    _, whole_model = load_checkpoint(path, torch.float32, cpu, None, TPGroup())
+    _, part = load_checkpoint(path, torch.float32, cpu, None, TPGroup(1, 2))
+    for full, mine in zip(whole_model.layers, part.layers, strict=True):  # type: ignore[union-attr]
+        assert torch.equal(mine.sinks, full.sinks[3:])
+        e, f = mine.experts, full.experts
+        gate, up = f.gate_up.chunk(2, dim=1)  # [E, I, hidden] each
+        assert torch.equal(e.gate_up, torch.cat([gate[:, 32:], up[:, 32:]], dim=1))
+        bias_gate, bias_up = f.gate_up_bias.chunk(2, dim=1)
+        assert torch.equal(e.gate_up_bias, torch.cat([bias_gate[:, 32:], bias_up[:, 32:]], 1))
+        assert torch.equal(e.down, f.down[:, :, 32:])
+        assert torch.equal(e.down_bias, f.down_bias) and torch.equal(e.router, f.router)
+    with pytest.raises(ValueError, match="6 attention heads do not split over 4"):
+        ours(checkpoint, tp=TPGroup(rank=0, size=4, group=None))
 
 
 def bf16_within_hf_error(checkpoint: Path, hf) -> None:  # type: ignore[no-untyped-def]
@@ -219,3 +194,16 @@ def bf16_within_hf_error(checkpoint: Path, hf) -> None:  # type: ignore[no-untyp
 
 def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
     bf16_within_hf_error(checkpoint, hf)
+
+
+def test_a_tp_group_is_refused_only_for_sglang_decodes(checkpoint):
+    """At TP 2 the native protocol sends head slices of every page (as for a dense model);
+    SGLang's hybrid SWA window is routed by the leader alone, so that is refused at start."""
+    from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.service.group_startup import check_group_transfer
+
+    spec = read_spec(checkpoint)
+    check_group_transfer(spec, 2, ("native",))
+    check_group_transfer(spec, 1, ("sglang",))
+    with pytest.raises(ValueError, match="window pages from more than one rank"):
+        check_group_transfer(spec, 2, ("sglang",))

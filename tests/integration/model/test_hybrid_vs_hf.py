@@ -175,27 +175,33 @@ def test_the_moe_layers_route_and_the_shared_expert_is_gated(checkpoint, hf):
     assert (got[0] - logits[-1]).abs().max() > 20 * TOL
 
 
-def test_tensor_parallel_is_refused_at_start(checkpoint):
+def test_a_tp_size_that_does_not_split_the_key_heads_is_refused_at_start(checkpoint):
+    """2 linear key heads split over 2 ranks (tests/integration/model/test_tensor_parallel.py
+    runs it), not over 4."""
     from prefill_worker.model.parallel import TPGroup
 
-    with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
-        ours(checkpoint, tp=TPGroup(rank=0, size=2, group=None))
+    with pytest.raises(ValueError, match="2 linear-attention key heads do not split over 4"):
+        ours(checkpoint, tp=TPGroup(rank=0, size=4, group=None))
 
 
-def test_a_tp_group_is_refused_before_any_rank_starts(checkpoint, tmp_path):
-    """The daemon's TP start-up refuses a hybrid model as a configuration error (exit 78)
-    before it starts a follower (the rank command here would fail if it ran)."""
+def test_a_tp_group_over_sglang_is_refused_before_any_rank_starts(checkpoint, tmp_path):
+    """The daemon's TP start-up refuses a hybrid model over any protocol but native (here
+    SGLang's; vLLM's alike, ``check_group_transfer``) as a configuration error (exit 78)
+    before it starts a follower (the rank command here would fail if it ran): the group's
+    leader gathers whole state slots, which only its native backend sends
+    (tests/integration/daemon/test_hybrid_daemon.py serves it at TP 2)."""
     from prefill_worker.service.config import load_config
     from prefill_worker.service.group_startup import start_tp_group
     from prefill_worker.service.startup import StartupError
     from prefill_worker.tp.group import Placement
 
     root = Path(__file__).resolve().parents[3]
-    overrides = [f"model.path={checkpoint}", "cache.num_pages=8"]
+    overrides = [f"model.path={checkpoint}", "cache.num_pages=8", "transfer.protocol=sglang"]
     config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
     started = tmp_path / "started"
     command = ["sh", "-c", f"touch {started}"]
-    with pytest.raises(StartupError, match="tensor parallel 1 only, not 2") as caught:
+    refusal = "over sglang: a tensor-parallel group sends its linear-attention state to native"
+    with pytest.raises(StartupError, match=refusal) as caught:
         start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None, b"")
     assert caught.value.exit_code == 78 and caught.value.step == "tp group"
     assert not started.exists()

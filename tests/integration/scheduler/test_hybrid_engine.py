@@ -162,6 +162,26 @@ def test_check_config_sizes_the_state_pool(checkpoint: Path) -> None:
     assert any("bytes of KV per token (2 layers)" in note for note in check.notes)
     built = build(checkpoint, dtype="float32", num_pages=8, num_state_slots=5)
     assert built[0].model.state.num_bytes == 5 * 12528  # type: ignore[union-attr]
+    settings = ("cache.num_aux_rows=5000", "model.dtype=float32", "parallel.tp_size=2")
+    (state,) = [n for n in check_model(config_of(checkpoint, *settings)).notes if "state" in n]
+    assert state.endswith(  # 5000 × 12528 bytes = 0.06 GiB; each rank half, rank 0 whole too
+        "at tensor parallel 2 each rank's pool holds its heads, 0.03 GiB, and rank 0 also the "
+        "whole slots it sends, 0.06 GiB more"
+    )
+
+
+def test_check_config_sizes_the_staging_for_sglang_decodes(checkpoint: Path) -> None:
+    """With SGLang decodes, as many slots again in their layout, the conv in their dtype:
+    3 layers × (108 × 3 × 2 bytes of bfloat16 + 6 × 10 × 12 × 4) = 10584 bytes a slot."""
+    from prefill_worker.service.checkmodel import check_model
+
+    settings = ("cache.num_aux_rows=5", "model.dtype=float32", "transfer.protocol=sglang")
+    check = check_model(config_of(checkpoint, *settings, "cache.num_pages=128"))
+    [state] = [note for note in check.notes if note.startswith("state pool")]
+    assert state.endswith(
+        "; SGLang decodes' staging of it (conv in bfloat16, transfer.sglang_mamba_conv_dtype): "
+        "5 slots × 10584 bytes = 0.00 GiB more"
+    )
 
 
 def test_a_hybrid_model_gets_no_prefix_cache(checkpoint: Path) -> None:

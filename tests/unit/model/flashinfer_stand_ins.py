@@ -6,6 +6,7 @@ its docs define them, computed in torch. A unit seam only: the kernels are prove
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -96,3 +97,106 @@ class PagedMLA:
             scores = (q_nope[lo:hi] @ ckv.T + q_pe[lo:hi] @ kpe.T) * scale  # [n, H, m]
             result[lo:hi] = _causal_softmax(scores, kv_lens[i]) @ ckv
         return result
+
+
+def gdn_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None, scale: float | None = None,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+    output: torch.Tensor | None = None, output_state: torch.Tensor | None = None,
+    state_checkpoints: torch.Tensor | None = None, checkpoint_cu_starts: Any = None,
+    checkpoint_every_n_tokens: int = 0,
+) -> Any:  # fmt: skip
+    """``flashinfer.gdn_prefill.chunk_gated_delta_rule``, token by token as its docs and
+    reference define it: ``g`` the decay itself (not its log), the state ``[N, H, V, K]``
+    (k last), GVA heads (``Hv`` a multiple of ``Hq == Hk``), q and k taken as given."""
+    assert cu_seqlens is not None, "cu_seqlens is required for varlen mode"
+    assert q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    assert g is not None and beta is not None and g.dtype == beta.dtype == torch.float32
+    heads, size = v.shape[1], q.shape[2]
+    assert q.shape[1] == k.shape[1] and heads % q.shape[1] == 0 and v.shape[2] == size
+    assert g.shape == beta.shape == (q.shape[0], heads)
+    bounds = cu_seqlens.tolist()
+    if initial_state is not None:
+        assert initial_state.dtype == torch.float32 and initial_state.is_contiguous()
+        assert initial_state.shape == (len(bounds) - 1, heads, size, size)
+    scale = scale if scale else size**-0.5
+    rep = heads // q.shape[1]
+    qf, kf = (t.float().repeat_interleave(rep, dim=1) for t in (q, k))
+    out = torch.empty(q.shape[0], heads, size, dtype=q.dtype)
+    final = torch.empty(len(bounds) - 1, heads, size, size)
+    for n, (start, end) in enumerate(itertools.pairwise(bounds)):
+        s = torch.zeros(heads, size, size) if initial_state is None else initial_state[n].clone()
+        for t in range(start, end):  # s [H, V, K]
+            s = g[t][:, None, None] * s
+            old = torch.einsum("hvk,hk->hv", s, kf[t])
+            new = beta[t][:, None] * v[t].float() + (1 - beta[t][:, None]) * old
+            s = s + torch.einsum("hv,hk->hvk", new - old, kf[t])
+            out[t] = (scale * torch.einsum("hvk,hk->hv", s, qf[t])).to(q.dtype)
+        final[n] = s
+    return (out, final) if output_final_state else out
+
+
+def interleave_moe_weights_for_sm90_mixed_gemm(weight: torch.Tensor, quant_type: str = "fp4"):
+    """``flashinfer.fused_moe``'s byte interleave (a layout only the CUDA kernel reads): the
+    identity here, with its checks."""
+    assert weight.dtype == torch.uint8 and weight.dim() == 3 and quant_type == "fp4"
+    return weight.clone()
+
+
+def interleave_moe_scales_for_sm90_mixed_gemm(scales: torch.Tensor, group_size: int = 32):
+    """``[E, rows, K/32]`` -> ``[E, K/128, rows * 4]``, as flashinfer 0.6.13 documents it."""
+    assert scales.dtype == torch.uint8 and scales.dim() == 3 and group_size == 32
+    e, rows, groups = scales.shape
+    assert groups % 4 == 0, "K must be a multiple of 128"
+    return scales.reshape(e, rows, groups // 4, 4).permute(0, 2, 1, 3).reshape(e, -1, rows * 4)
+
+
+def cutlass_fused_moe(
+    input: torch.Tensor, token_selected_experts: torch.Tensor, token_final_scales: torch.Tensor,
+    fc1_expert_weights: torch.Tensor, fc2_expert_weights: torch.Tensor,
+    output_dtype: torch.dtype, quant_scales: list[torch.Tensor],
+    fc1_expert_biases: torch.Tensor | None = None, fc2_expert_biases: torch.Tensor | None = None,
+    input_sf: Any = None, swiglu_alpha: torch.Tensor | None = None,
+    swiglu_beta: torch.Tensor | None = None, swiglu_limit: torch.Tensor | None = None,
+    tp_size: int = 1, tp_rank: int = 0, ep_size: int = 1, ep_rank: int = 0,
+    cluster_size: int = 1, cluster_rank: int = 0, output: torch.Tensor | None = None,
+    enable_alltoall: bool = False, use_deepseek_fp8_block_scale: bool = False,
+    use_w4_group_scaling: bool = False, use_mxfp8_act_scaling: bool = False,
+    min_latency_mode: bool = False, use_packed_weights: bool = False,
+    tune_max_num_tokens: int = 8192, enable_pdl: bool | None = None,
+    activation_type: Any = None, swizzled_input_sf: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """``flashinfer.fused_moe.cutlass_fused_moe``'s W4A16 path (``use_w4_group_scaling``) by
+    its reference: fc1 ``[E, 2N, K/2]`` MXFP4 with the up rows first, the scales interleaved
+    as above, the SwiGLU ``gate * sigmoid(alpha gate) * (up + beta)`` after clamping gate
+    at ``limit`` and up to ``+-limit``, both biases, the k outputs weighted and summed."""
+    from prefill_worker.model.moe.mxfp4 import dequantize_mxfp4
+
+    assert use_w4_group_scaling and fc1_expert_weights.dtype == torch.uint8
+    assert token_selected_experts.dtype == torch.int32 and token_final_scales.dtype == torch.float32
+    assert output is not None and output.shape == input.shape and input.is_contiguous()
+    assert swiglu_alpha is not None and swiglu_beta is not None and swiglu_limit is not None
+
+    def dense(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        e, rows, half = weight.shape
+        s = scales.view(torch.uint8).reshape(e, half // 64, rows, 4).permute(0, 2, 1, 3)
+        s = s.reshape(e, rows, half // 16).to(torch.int32) - 127
+        return dequantize_mxfp4(weight.reshape(e, rows, half // 16, 16), s)
+
+    w1, w2 = dense(fc1_expert_weights, quant_scales[0]), dense(fc2_expert_weights, quant_scales[1])
+    x = input.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(token_selected_experts[t].tolist()):
+            h = w1[e] @ x[t] + (0 if fc1_expert_biases is None else fc1_expert_biases[e].float())
+            up, gate = h.chunk(2)
+            limit = float(swiglu_limit[e])
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            act = gate * torch.sigmoid(swiglu_alpha[e] * gate) * (up + swiglu_beta[e])
+            y = w2[e] @ act + (0 if fc2_expert_biases is None else fc2_expert_biases[e].float())
+            out[t] += token_final_scales[t, j] * y
+    output.copy_(out.to(output_dtype))
+    return output

@@ -10,8 +10,9 @@ import pytest
 from prefill_worker.model.dsa_loader import indexer_shapes
 from prefill_worker.model.hf_config import spec_from_dict
 from prefill_worker.model.hf_dsa import FULL, SHARED
+from prefill_worker.model.loader import expected_shapes
 from prefill_worker.model.parallel import TPGroup
-from prefill_worker.model.sharding import check_model_shardable
+from prefill_worker.model.sharding import REPLICATED, check_model_shardable, split_of
 
 DEEPSEEK_V32_EXP = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -85,8 +86,25 @@ def test_bad_indexer_fields_are_refused(fields, message):
         spec_from_dict(glm(**fields))
 
 
-def test_tensor_parallel_is_refused():
-    """No split table for the indexer yet: TP 1 only, said at start (exit 78)."""
+def test_the_indexer_is_replicated_and_only_mla_heads_split():
+    """As SGLang and vLLM run it (``ReplicatedLinear``): every indexer tensor whole on every
+    rank; MLA's q_b rows split by query head. The logits at TP 2:
+    tests/integration/model/test_tensor_parallel.py."""
     spec = spec_from_dict(DEEPSEEK_V32_EXP)
-    with pytest.raises(ValueError, match="runs at tensor parallel 1 only, not 2"):
-        check_model_shardable(spec, TPGroup(0, 2))
+    check_model_shardable(spec, TPGroup(0, 2))
+    for name in expected_shapes(spec):
+        split = split_of(spec.family, name)
+        if ".indexer." in name:
+            assert split == REPLICATED, name
+    assert split_of(spec.family, "model.layers.3.self_attn.q_b_proj.weight").dim == 0
+
+
+def test_a_tp_worker_refuses_it_at_start():
+    """The model splits, but no follower writes index pages: the daemon's group refuses it
+    (exit 78) rather than let a decode rank fed by a follower miss its index keys."""
+    from prefill_worker.service.group_startup import check_group_transfer
+
+    spec = spec_from_dict(DEEPSEEK_V32_EXP)
+    check_group_transfer(spec, 1, ("native",))
+    with pytest.raises(ValueError, match=r"index keys \(DSA\) from a tensor-parallel group"):
+        check_group_transfer(spec, 2, ("native",))

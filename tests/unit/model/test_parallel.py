@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,9 +19,12 @@ from prefill_worker.model.sharding import (
     FAMILY_SPLITS,
     REPLICATED,
     LocalDims,
+    check_model_shardable,
     local_dims,
+    local_linear,
     local_shape,
     shard_slice,
+    shard_slices,
     split_of,
 )
 
@@ -69,13 +74,35 @@ DEEPSEEK = {
     "v_head_dim": 12, "attention_bias": False,
 }  # fmt: skip
 
+# A hybrid (gated DeltaNet + full attention): 2 key heads of 6, 6 value heads of 4, kernel 4.
+HYBRID = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 6,
+    "linear_value_head_dim": 4, "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+}  # fmt: skip
+
 
 def full_spec(family: str, **overrides: object):  # type: ignore[no-untyped-def]
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     arch["qwen3_moe"] = "Qwen3MoeForCausalLM"
     arch["deepseek_v3"] = "DeepseekV3ForCausalLM"
+    arch |= {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+    arch["qwen3_5_moe"] = "Qwen3_5MoeForCausalLM"
+    arch |= {"gpt_oss": "GptOssForCausalLM", "gemma3": "Gemma3ForCausalLM"}
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    hybrid = dict(HYBRID, shared_expert_intermediate_size=8 if family != "qwen3_5" else 0)
+    hybrid |= moe if family != "qwen3_5" else {}
     extra = {"qwen3_moe": moe, "deepseek_v3": DEEPSEEK}.get(family, {})
+    extra = hybrid if family.startswith(("qwen3_next", "qwen3_5")) else extra
+    sliding = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    if family == "gpt_oss":
+        extra = dict(sliding, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma3":
+        extra = sliding
+    arch |= {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        index = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}
+        extra = dict(DEEPSEEK, model_type=family, **index)
     return spec_from_dict(
         {
             **extra,
@@ -160,3 +187,21 @@ def test_gather_kv_heads_reassembles_and_checks_replicas():
         gather_kv_heads([full[:, 0:1], full[:, 0:1] + 1, full[:, 1:2], full[:, 1:2]], 2)
     with pytest.raises(ValueError, match="holds 2 KV heads, not 1"):
         gather_kv_heads([full, full], 2)
+
+
+def test_a_gated_delta_net_splits_by_heads_its_qkv_channels_in_three_runs():
+    """Key dim 12 (2 heads of 6), value dim 24: rank 1 of 2 holds the second key head's q
+    and k channels and the last three value heads' v channels, concatenated."""
+    spec, tp = full_spec("qwen3_5"), TPGroup(1, 2)
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    assert shard_slices(spec, conv, (48, 1, 4), tp) == (slice(6, 12), slice(18, 24), slice(36, 48))
+    assert local_shape(spec, conv, (48, 1, 4), tp) == (24, 1, 4)
+    assert local_shape(spec, "model.layers.0.linear_attn.out_proj.weight", (64, 24), tp) == (64, 12)
+    with pytest.raises(ValueError, match="three runs"):
+        shard_slice(spec, conv, (48, 1, 4), tp)
+    assert local_linear(spec.linear, tp) == replace(spec.linear, num_k_heads=1, num_v_heads=3)
+
+
+def test_key_heads_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match="2 linear-attention key heads do not split over 4"):
+        check_model_shardable(full_spec("qwen3_next"), TPGroup(0, 4))

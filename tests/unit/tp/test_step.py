@@ -15,7 +15,9 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
         7,
         (
             ChunkPlan("a", (5, 6, 7), 16, 19, (3, 9, 1, 4, 8), None, 17, (7, 8)),
-            ChunkPlan("b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3)),
+            ChunkPlan(
+                "b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3), state_slot=3
+            ),
             ChunkPlan("c", (4, 4), 30, 32, (5, 6), None, mirror_slots=(70, 71)),
         ),
     )
@@ -30,6 +32,7 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
         assert received.logprob_from == sent.logprob_from
         assert tuple(received.logprob_token_ids) == tuple(sent.logprob_token_ids)
         assert tuple(received.mirror_slots) == tuple(sent.mirror_slots)  # every rank mirrors
+        assert received.state_slot == sent.state_slot  # a hybrid: every rank's pool, its heads
 
 
 def test_vllm_stages_round_trip_in_order() -> None:

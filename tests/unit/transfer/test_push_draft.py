@@ -1,6 +1,7 @@
 """A draft beside the target in the push engine, against the scripted NIXL agent of
 test_push_sender.py: a decode whose pool holds the draft's layers is written from the list of
-our pool with them (``PushContext.draft_pages``), one without from the target's; the SGLang
+our pool with them (``PushContext.draft_pages``; token runs of our heads of both into a
+decode rank of another TP size), one without from the target's; the SGLang
 dialect's metadata row for each pairing of a speculating or plain decode and a worker with
 or without a draft (docs/models.md, "MTP draft")."""
 
@@ -15,8 +16,10 @@ import pytest
 from prefill_worker.batch import DraftRow
 from prefill_worker.kv.aux import AuxPool, AuxRow
 from prefill_worker.kv.draft_rows import DraftRows
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.headplan import plan_rank, slice_indices
 from prefill_worker.transfer.nixl.agent import PreppedLists
 from prefill_worker.transfer.nixl.poster import InlinePoster
 from prefill_worker.transfer.push.dialect import PageLists
@@ -55,8 +58,9 @@ class DraftRig:
         dialect = SglangDialect(
             Sink(self.heard.sglang), poster, self.staging, view, self.spec, rows
         )  # type: ignore[arg-type]
-        pages = PageLists("kv", LAYOUT.num_regions, LAYOUT.region_page_bytes)
-        both = PageLists("kv+draft", 6, LAYOUT.region_page_bytes) if has_draft else None
+        head_bytes = LAYOUT.head_dim * LAYOUT.itemsize  # one head of one token
+        pages = PageLists("kv", LAYOUT.num_regions, LAYOUT.region_page_bytes, head_bytes)
+        both = PageLists("kv+draft", 6, LAYOUT.region_page_bytes, head_bytes) if has_draft else None
         self.ctx: PushContext[Any] = PushContext(
             poster, pages, LAYOUT, dialect, 5.0, lambda: self.now, draft_pages=both
         )
@@ -136,3 +140,28 @@ def test_a_worker_without_a_draft_leaves_a_speculating_decodes_hidden_row_alone(
     expected = [rig.peer.aux_ptrs[i] + 2 * aux.ITEM_BYTES[i] for i in written]
     assert [int(a) for a in remote_descs[:, 0]] == expected
     assert sender.transfer_stats().bytes == 4 * LAYOUT.region_page_bytes + 1600 - 64
+
+
+def test_a_decode_of_another_tp_size_gets_our_draft_heads_with_our_target_heads() -> None:
+    """Rank 0 of a TP-2 worker (one of 2 KV heads) into a TP-1 decode holding the draft's
+    layer: token runs of our head in the target's 2 layers and the draft's, from our token-run
+    list of the pool with the draft's layers, at the decode's head 0."""
+    (head_slice,) = plan_rank(2, 0, 2, 1)
+    theirs = KVLayout(3, 2, 8, "float32", 4, 16)  # 2 target layers and the draft's, 2 heads
+    regions = KVRegions(
+        theirs, (1 << 20, 2 << 20, 3 << 20), (4 << 20, 5 << 20, 6 << 20), "cpu", 0, 4
+    )
+    rig = DraftRig(True, regions, 2)
+    rig.peer.head_slice = head_slice
+    assert rig.ctx.draft_pages is not None
+    rig.ctx.pages.sliced[(0, 1)] = "kv runs"
+    rig.ctx.draft_pages.sliced[(0, 1)] = "kv+draft runs"
+    sender, page, _ = rig.pushed()
+    _, local, local_idx, _, remote_idx, _ = page
+    assert local == "kv+draft runs"
+    assert len(local_idx) == len(remote_idx) == 2 * 3 * LAYOUT.page_size  # K, V of 3 layers
+    assert list(local_idx) == list(slice_indices(np.array([9]), WITH_DRAFT.layout))
+    assert list(remote_idx) == list(slice_indices(np.array([3]), theirs))
+    assert rig.spec is not None
+    run_bytes = LAYOUT.head_dim * LAYOUT.itemsize  # one head of one token
+    assert sender.transfer_stats().bytes == len(local_idx) * run_bytes + rig.spec.row_dtype.itemsize

@@ -183,3 +183,34 @@ def test_state_pools_round_trip_on_the_wire() -> None:
         )
     )
     assert "state" not in described
+
+
+def test_a_rank_holding_a_share_of_the_slot_is_written_its_share(rig: Rig) -> None:
+    """A decode rank of attention TP 2 (SGLang's mamba pool): its share of our slot, from the
+    list of that share (``Peer.local_state``), into its whole slot, with the share's bytes."""
+    half = StateComponent(
+        LINEAR_STATE,
+        (0, 2, 3),
+        (
+            StateTensor("conv", (3, 3), "float32", 36),
+            StateTensor("recurrent", (1, 3, 4), "float32", 48),
+        ),
+        4,
+    )
+    share = StateRegions(half, ((1036, 2036, 3036), (4048, 5048, 6048)), "cpu")
+    rig.peer.local_state = StateLists(share, "share-1")
+    sender = bind(rig)
+    sender.send_pages([0, 1, 2, 3], 0)
+    sender.send_aux(1)
+    rig.land(0)
+    sender.progress()
+    [_, state] = rig.agent.handles
+    _, local, local_idx, remote, remote_idx, _ = state.args
+    assert local == "share-1" and remote is rig.peer.state.prepped  # type: ignore[union-attr]
+    assert list(local_idx) == [1, 5, 9, 13, 17, 21] and list(remote_idx) == [7, 16, 25, 34, 43, 52]
+    rig.land(1)
+    sender.progress()
+    rig.land(2)
+    sender.progress()
+    landed = 4 * PAGE_RUN_BYTES + half.slot_bytes + AUX_ROW_BYTES
+    assert sender.transfer_stats().bytes == landed

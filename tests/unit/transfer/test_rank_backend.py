@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
@@ -162,3 +163,57 @@ def test_a_failed_write_or_bind_fails_the_room_and_close_releases(rank: Any, how
     sender.close()
     assert len(agent.released) == len(agent.posted)  # no write left in flight
     assert sender.transfer_stats().bytes == backend.take_written_bytes() == 0  # nothing landed
+
+
+def pool(num_layers: int, num_heads: int, base: int) -> KVRegions:
+    layout = KVLayout(num_layers, num_heads, HEAD_DIM, "float32", PAGE_SIZE, PAGES, LAYER_MAJOR)
+    step, n = layout.region_bytes, num_layers
+    k = tuple(base + i * step for i in range(n))
+    v = tuple(base + (n + i) * step for i in range(n))
+    return KVRegions(layout, k, v, "cpu", 0x900000, 4)
+
+
+def test_a_draft_pool_is_written_into_a_decode_rank_that_holds_one() -> None:
+    """A follower with a draft pool (``model.draft``): into a decode rank that registered a
+    draft pool (one layer more) its pages go with the draft's layer, its K and V regions
+    after the target's; into one without, the target's alone."""
+    agent = FakeAgent()
+    draft = pool(1, 1, 0x800000)
+    backend = RankBackend(agent, RankPlace(1, 2, 2), regions(1), 5.0, FakeClock(0.0), draft=draft)
+    rank = wire.DecodeRank(0, 1, 0, 2)
+    for name, num_layers in (("plain", LAYERS), ("spec", LAYERS + 1)):
+        theirs = pool(num_layers, 2, 0x100000)
+        metadata = wire.frame_metadata(name.encode())
+        compat = theirs.layout.compat_hash()
+        backend.add_peer(wire.Register.of(name, metadata, theirs, compat, rank))
+        sender = backend.create_sender(1, "r", 8)
+        sender.bind([name], [wire.Want.of(1, [7], 0, 0)])
+        sender.send_pages([3], 0)
+    (_, plain_src, plain_dst), (_, spec_src, spec_dst) = agent.posted
+    assert len(plain_src) == len(plain_dst) == 2 * LAYERS * PAGE_SIZE  # a token run per head
+    assert len(spec_src) == len(spec_dst) == 2 * (LAYERS + 1) * PAGE_SIZE  # K, V of the draft too
+
+
+def test_a_native_decode_names_its_draft_pool_apart_and_gets_the_draft_heads_too() -> None:
+    """A native `register` (mirrored as the decode sent it) names its draft pool in ``draft``,
+    its regions the target's: this rank's draft heads go beside its target heads all the
+    same, into the draft pool's addresses; a decode that registered none gets the target's."""
+    agent = FakeAgent()
+    draft = pool(1, 1, 0x800000)
+    backend = RankBackend(agent, RankPlace(1, 2, 2), regions(1), 5.0, FakeClock(0.0), draft=draft)
+    rank = wire.DecodeRank(0, 1, 0, 2)
+    theirs = pool(LAYERS, 2, 0x100000)
+    spec = wire.DraftPool(
+        k_base_addrs=(0x700000,), v_base_addrs=(0x780000,), rows_base_addr=0x600000, row_bytes=64
+    )
+    for name, their_draft in (("plain", msgspec.UNSET), ("spec", spec)):
+        metadata = wire.frame_metadata(name.encode())
+        compat = theirs.layout.compat_hash()
+        msg = wire.Register.of(name, metadata, theirs, compat, rank, draft=their_draft)
+        backend.add_peer(msg)
+        sender = backend.create_sender(1, "r", 8)
+        sender.bind([name], [wire.Want.of(1, [7], 0, 0)])
+        sender.send_pages([3], 0)
+    (_, plain_src, plain_dst), (_, spec_src, spec_dst) = agent.posted
+    assert len(plain_src) == len(plain_dst) == 2 * LAYERS * PAGE_SIZE  # a token run per head
+    assert len(spec_src) == len(spec_dst) == 2 * (LAYERS + 1) * PAGE_SIZE  # K, V of the draft too

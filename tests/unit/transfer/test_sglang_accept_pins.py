@@ -112,7 +112,7 @@ def refused(reg: Registration) -> Refusal:
             "output_token_logprobs_idx, output_top_logprobs_val, output_top_logprobs_idx, "
             "output_topk_p, output_topk_index, output_hidden_states, bootstrap_room): turn off "
             "SGLANG_ENABLE_DISAGG_SAMPLING_MASK and --disaggregation-enable-kv-checksum "
-            "(DSA models are not served)",
+            "(nor a DSA model's MTP seed row: index_share_for_mtp_iteration)",
         ),
         (
             {"aux_ptrs": (1,) * 9 + (2**64,)},

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from prefill_worker.kv.layout import KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.nixl.poster import InlinePoster
+from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.dialect import PageLists
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals, RejectCounter
 from prefill_worker.transfer.push.sender import PushContext
+from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.desk import SglangDesk
 from prefill_worker.transfer.sglang.dialect import SglangDialect, SglangPeer
 from prefill_worker.transfer.sglang.frames import (
@@ -29,6 +32,7 @@ from prefill_worker.transfer.sglang.frames import (
     TransferRequest,
     parse,
 )
+from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits
 
@@ -97,6 +101,14 @@ class RecordingHub(PushHub[SglangPeer]):
         super().drop_peer(peer, reason)
 
 
+def draft_pool(layout: KVLayout, num_layers: int) -> KVRegions:
+    """A draft's pool of ``num_layers`` layers of ``layout``'s pages (MLA: latents only)."""
+    lay = dataclasses.replace(layout, num_layers=num_layers)
+    k = tuple((1 + i) << 40 for i in range(num_layers))
+    v = () if lay.kind == "mla" else tuple((9 + i) << 40 for i in range(num_layers))
+    return KVRegions(lay, k, v, "cpu", 0, 1)
+
+
 class Rig:
     """The desk over a real hub; NIXL and the reply sockets stand-ins."""
 
@@ -109,13 +121,18 @@ class Rig:
         sliding: SlidingLayers | None = None,  # a sliding-window model's layers
         agent: FakeAgent | None = None,
         num_draft_layers: int = 0,  # the worker's draft's
+        dsa: StateRegions | None = None,  # a DSA model's FP8 index pages
+        mamba: StagedState | None = None,  # a hybrid linear-attention model's staged state
+        state: StateLists | None = None,  # the worker's state pool, as the hub sends it
     ) -> None:
         self.agent, self.replies = agent or FakeAgent(), FakeReplies()
         self.now = 0.0
         poster = InlinePoster(self.agent)
         dialect = SglangDialect(self.replies, poster, None, None)  # type: ignore[arg-type]
         pages = PageLists(None, layout.num_regions, layout.page_bytes)
-        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now)
+        if dsa is not None:
+            state = StateLists(dsa, FakeList())
+        ctx = PushContext(poster, pages, layout, dialect, 5.0, lambda: self.now, state=state)
         self.hub = RecordingHub(ctx, self.agent)
         self.rejects, self.dropped = self.hub.rejects, self.hub.dropped
         self.rooms = self.hub.rooms
@@ -128,8 +145,10 @@ class Rig:
             is_rejoining=lambda: is_rejoining,
             allowed_networks=[ipaddress.ip_network(n) for n in allowed_networks],
             regions=regions,
-            sliding=sliding,
-            **({"num_draft_layers": num_draft_layers} if num_draft_layers else {}),
+            draft=draft_pool(layout, num_draft_layers) if num_draft_layers else None,
+            components=StateComponents(
+                self.agent, BootstrapLimits(), sliding=sliding, dsa=dsa, mamba=mamba
+            ),
         )
 
     @property

@@ -291,3 +291,37 @@ def test_an_mla_decode_of_attention_tp_2_is_served_at_tp_1_and_2_and_refused_at_
     wide.desk.lead(4, 1)
     wide.send(reg)
     assert wide.rejects == ["unsupported"] and reg.agent_name not in wide.peers
+
+
+def test_an_attention_dp_worker_names_each_ranks_socket_and_answers_room_queries(
+    routes: BootstrapHttp,
+) -> None:
+    """``prefill_port_table[dp_group]`` as SGLang 0.5.23's decode fills it from ``/route``,
+    and ``/query_dp_ranks`` from the rooms rank 0 placed (docs/parallelism.md)."""
+    placed = {10: 0, 11: 1}
+    infos: list[dict[str, object]] = [{"rank_port": 7}, {"rank_port": 9}]
+    routes.lead_dp(server_info(4, "auto", dp_size=2), infos, lambda rooms: {
+        str(room): placed[room] for room in rooms if room in placed
+    })  # fmt: skip
+    status, info = _route(routes, -1, -1)
+    assert status == 200 and isinstance(info, dict)
+    assert info["dp_size"] == 2 and info["follow_bootstrap_room"] is True
+    assert _route(routes, 0, 0) == (200, {"rank_port": 7})
+    url = f"http://{routes.address}/route?prefill_dp_rank=1&prefill_cp_rank=0"
+    with urllib.request.urlopen(f"{url}&target_pp_rank=0&target_tp_rank=0", timeout=5) as reply:
+        assert json.loads(reply.read()) == {"rank_port": 9}
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(url.replace("dp_rank=1", "dp_rank=2") + "&target_pp_rank=0"
+                               "&target_tp_rank=0", timeout=5)  # fmt: skip
+    assert missing.value.code == 404
+    ask = urllib.request.Request(
+        f"http://{routes.address}/query_dp_ranks",
+        data=json.dumps({"bootstrap_rooms": [11, 10, 12]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(ask, timeout=5) as reply:
+        assert json.loads(reply.read()) == {"11": 1, "10": 0}
+    bad = urllib.request.Request(ask.full_url, data=b'{"bootstrap_rooms": "x"}')
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=5)
+    assert refused.value.code == 400

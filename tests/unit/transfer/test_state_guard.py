@@ -83,3 +83,14 @@ def test_every_protocol_but_native_is_guarded() -> None:
         assert wrapped.reason == refusal(name, ("linear_state",))
         assert wrapped.reason.startswith(f"{STATE_UNSUPPORTED}: the {name} protocol carries no")
     assert guard_backends({"native": native}, "linear_state") == ({"native": native}, [])  # type: ignore[arg-type, dict-item]
+
+
+def test_sglang_is_left_alone_when_it_carries_the_state() -> None:
+    """A hybrid linear-attention model whose state SGLang decodes take staged (``mamba``)."""
+    from prefill_worker.transfer.state_guard import STATE_CARRIERS, guard_backends
+
+    native, sglang, vllm = object(), object(), object()
+    backends = {"native": native, "sglang": sglang, "vllm": vllm}
+    carriers = STATE_CARRIERS | {"sglang"}
+    guarded, refused = guard_backends(backends, "linear_state", carriers)  # type: ignore[arg-type]
+    assert refused == ["vllm"] and guarded["sglang"] is sglang and guarded["native"] is native

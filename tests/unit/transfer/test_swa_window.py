@@ -60,22 +60,23 @@ def test_bad_input_is_refused():
     assert refusal("sglang").startswith(f"{SWA_UNSUPPORTED}: the sglang protocol")
 
 
-def test_every_protocol_but_native_and_sglang_refuses_a_claimed_room():
-    """vLLM's sends of a sliding-window model are not proven against its decode; SGLang's
-    are (tests/interop/test_swa_landing.py), in both of its decode's modes."""
+def test_a_protocol_not_proven_refuses_a_claimed_room():
+    """SGLang's sends of a sliding-window model are proven against its decode
+    (tests/interop/test_swa_landing.py), vLLM 0.34's too (tests/interop/test_vllm_hybrid.py:
+    its backend refuses other versions itself); a protocol outside them is refused."""
     from prefill_worker.kv.aux import AuxPool
     from prefill_worker.kv.pages import PagePool
     from prefill_worker.transfer.base import KVPoll
     from prefill_worker.transfer.swa_window import guard_unproven
     from tests.unit.scheduler.fakes import FakeBackend
 
-    names = ("native", "sglang", "vllm")
+    names = ("native", "sglang", "vllm", "other")
     inner = {n: FakeBackend(PagePool(8), AuxPool(2), auto_want=True) for n in names}
     guarded = guard_unproven(inner)
-    assert guarded["native"] is inner["native"] and guarded["sglang"] is inner["sglang"]
-    native, vllm = (guarded[n].create_sender(7, "r", 12) for n in ("native", "vllm"))
+    assert all(guarded[n] is inner[n] for n in ("native", "sglang", "vllm"))
+    native, other = (guarded[n].create_sender(7, "r", 12) for n in ("native", "other"))
     assert native.poll() is not KVPoll.FAILED
-    assert vllm.poll() is KVPoll.FAILED
-    assert vllm.failure_reason() == refusal("vllm")
-    assert inner["vllm"].senders["r"].worker_failure == refusal("vllm")
-    assert not inner["vllm"].senders["r"].sent
+    assert other.poll() is KVPoll.FAILED
+    assert other.failure_reason() == refusal("other")
+    assert inner["other"].senders["r"].worker_failure == refusal("other")
+    assert not inner["other"].senders["r"].sent

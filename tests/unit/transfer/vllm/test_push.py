@@ -18,6 +18,7 @@ from prefill_worker.transfer.vllm.push import (
     PUSH_REG_PREFIX,
     BadRegistration,
     PushBook,
+    Registration,
     base_request_id,
     push_key,
     read_registration,
@@ -144,3 +145,38 @@ def test_a_push_the_worker_cannot_serve_is_refused(
     with pytest.raises(BadRequest, match=why) as caught:
         open_pulls(tickets, [prompt], header)
     assert caught.value.status == 400 and len(tickets) == 0
+
+
+def test_every_rank_of_a_tp_2_decode_registers_and_the_first_serves_them_all() -> None:
+    """vLLM's push decode of TP 2 sends its registration from each rank: the first matches,
+    the other rank's is its sibling (neither matched again nor counted), in either order;
+    a third, or another engine's, is not a sibling; a sibling never sent is forgotten."""
+    book = PushBook(lease_s=30.0, max_early=8)
+
+    def reg(rid: str, engine: str = "decode-1") -> Registration:
+        body = {**REG, "request_id": f"cmpl-{rid}-0-0123abcd", "decode_tp_size": 2}
+        return read_registration(_notif({**body, "decode_engine_id": engine}))
+
+    assert book.expect("cmpl-a-0", "pw-1", "0.34.0", 0.0) is None
+    wanted = book.registered("rank-0", reg("a"), 1.0)
+    assert wanted is not None and wanted.hold_id == "pw-1"
+    assert book.registered("rank-1", reg("a"), 1.0) is None
+    assert not book.early and not book.siblings and not book.refused
+    assert book.registered("rank-2", reg("a"), 1.0) is None and "cmpl-a-0" in book.early
+
+    assert book.registered("rank-0", reg("b"), 2.0) is None  # both before the hold
+    assert book.registered("rank-1", reg("b"), 2.0) is None
+    assert book.early["cmpl-b-0"].ranks == 2 and not book.refused
+    pair = book.expect("cmpl-b-0", "pw-2", "0.34.0", 3.0)
+    assert pair is not None and pair[0].hold_id == "pw-2" and not book.siblings
+
+    assert book.registered("rank-0", reg("c"), 4.0) is None  # one before, one after
+    assert book.expect("cmpl-c-0", "pw-3", "0.34.0", 5.0) is not None
+    assert book.registered("rank-1", reg("c"), 6.0) is None and not book.siblings
+
+    assert book.expect("cmpl-d-0", "pw-4", "0.34.0", 7.0) is None
+    assert book.registered("rank-0", reg("d"), 7.0) is not None
+    assert book.registered("x", reg("d", engine="decode-2"), 7.0) is None  # not its sibling
+    assert "cmpl-d-0" in book.early and "cmpl-d-0" in book.siblings
+    book.prune(40.0)
+    assert not book.siblings and book.refused["unmatched"] == 2  # a's third, d's stranger

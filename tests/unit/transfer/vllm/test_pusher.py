@@ -2,7 +2,10 @@
 is proved against vLLM's own push decode, tests/interop/test_vllm_push.py): a decode whose
 hash is not our push hash (a pull decode, another version), or whose blocks are not ours in
 shape, is refused with the reason and its request's blocks freed; so is a decode of TP > 1,
-one that registered more blocks than we staged, and one whose handshake never answers."""
+one that registered more blocks than we staged, and one whose handshake never answers. A
+decode of TP 2 is linked rank by rank and each rank gets one WRITE of its heads' slices of
+our blocks (the fake agent records the lists and WRITEs; vLLM's own TP-2 push decode landing
+them is tests/interop/test_vllm_worker_tp.py); one of TP 3 for our 2 heads is refused."""
 
 from __future__ import annotations
 
@@ -13,15 +16,10 @@ from typing import Any
 import pytest
 
 from prefill_worker.transfer.vllm.handshake import SideChannel, encode_payload
+from prefill_worker.transfer.vllm.link import LinkRefused, check_metadata, fetch_payload
 from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
 from prefill_worker.transfer.vllm.push import Registration
-from prefill_worker.transfer.vllm.pusher import (
-    LinkRefused,
-    PushJob,
-    VllmPusher,
-    check_metadata,
-    fetch_payload,
-)
+from prefill_worker.transfer.vllm.pusher import PushJob, VllmPusher
 from prefill_worker.transfer.vllm.staging import StagingLayout
 from tests.polling import wait_until
 
@@ -30,12 +28,15 @@ HASH = "a" * 64
 
 
 def _payload(
-    hash_: str = HASH, block_bytes: int = LAYOUT.block_bytes, version: str = "0.34.0"
+    hash_: str = HASH,
+    block_bytes: int = LAYOUT.block_bytes,
+    version: str = "0.34.0",
+    blob: bytes = b"blob",
 ) -> bytes:
     layers = [
         LayerRegion(f"model.layers.{i}.self_attn.attn", 4096 * i, block_bytes) for i in range(2)
     ]
-    meta = agent_metadata(PROFILES[version], "decode-1", b"blob", layers, 16, 32, "CPU_ATTN")
+    meta = agent_metadata(PROFILES[version], "decode-1", blob, layers, 16, 32, "CPU_ATTN")
     return encode_payload(hash_, meta)
 
 
@@ -63,25 +64,43 @@ def test_a_decode_not_ours_is_refused_with_the_reason(
 
 
 class _List:
+    def __init__(self, name: str, table: Any) -> None:
+        self.name, self.table = name, table
+
     def release(self) -> None:
         pass
 
 
 class _Agent:
-    """What the pusher calls before a WRITE; no WRITE is made in these tests."""
+    """What the pusher calls: the lists it prepares and the WRITEs it posts are recorded
+    (every WRITE is DONE at once); nothing is copied."""
 
     def __init__(self) -> None:
         self.loaded: list[bytes] = []
+        self.writes: list[tuple[_List, list[int], _List, list[int], bytes]] = []
 
     def prep_xfer_dlist(self, name: str, table: Any, mem: str) -> _List:
-        return _List()
+        return _List(name, table)
 
     def add_remote_agent(self, blob: bytes) -> str:
         self.loaded.append(blob)
-        return "decode-agent"
+        return blob.decode()
 
     def remove_remote_agent(self, name: str) -> None:
-        self.loaded.remove(b"blob")
+        self.loaded.remove(name.encode())
+
+    def make_prepped_xfer(
+        self, op: str, local: _List, lidx: Any, remote: _List, ridx: Any, notif: bytes
+    ) -> int:
+        assert op == "WRITE"
+        self.writes.append((local, list(lidx), remote, list(ridx), notif))
+        return len(self.writes)
+
+    def transfer(self, handle: int) -> str:
+        return "DONE"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        pass
 
 
 @pytest.fixture
@@ -131,7 +150,7 @@ def test_a_refused_decode_gets_no_write_and_its_blocks_come_back(
 
 @pytest.mark.parametrize(
     ("reg", "blocks", "why"),
-    [({"decode_tp_size": 2}, (0, 1), "decode_tp")],
+    [({"decode_tp_size": 3}, (0, 1), "decode_tp"), ({"decode_tp_size": 0}, (2,), "decode_tp")],
 )
 def test_a_registration_not_served_frees_its_blocks_at_once(
     reg: dict[str, Any], blocks: tuple[int, ...], why: str
@@ -166,3 +185,47 @@ def test_a_silent_side_channel_is_a_refusal_not_a_hang() -> None:
             fetch_payload("127.0.0.1", silent.port, timeout_ms=100)
     finally:
         silent.close()
+
+
+def test_a_decode_of_tp_2_gets_each_rank_its_heads_of_our_blocks() -> None:
+    """Both ranks' metadata fetched over one side channel; rank r's WRITE goes from the r-th
+    half of each of our blocks (one of our two heads) to its own blocks, with "<id>:1"."""
+    half = LAYOUT.block_bytes // 2
+    ranks = {(0, r): _payload(block_bytes=half, blob=f"rank-{r}".encode()) for r in range(2)}
+    channel = SideChannel("127.0.0.1", 0, ranks)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [channel.serve(20) for _ in iter(stop.is_set, True)])
+    thread.start()
+    freed: list[int] = []
+    agent = _Agent()
+    pusher = _pusher(freed, agent)
+    try:
+        pusher.push(_job(channel.port, (1, 2), decode_tp_size=2, local_block_ids=[[5, 9]]))
+        wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the link and WRITEs")
+    finally:
+        stop.set()
+        thread.join()
+        channel.close()
+    assert agent.loaded == [b"rank-0", b"rank-1"] and pusher.counts.pushed == 1
+    assert sorted(freed) == [1, 2]
+    assert [(w[2].name, w[4]) for w in agent.writes] == [
+        ("rank-0", b"cmpl-x-0-00000000:1"),
+        ("rank-1", b"cmpl-x-0-00000000:1"),
+    ]
+    bases = (0, 1 << 20)
+    for rank, (local, lidx, remote, ridx, _) in enumerate(agent.writes):
+        rows = local.table[lidx]
+        want = [
+            bases[layer] + b * LAYOUT.block_bytes + rank * half for layer in (0, 1) for b in (1, 2)
+        ]
+        assert rows[:, 0].tolist() == want and set(rows[:, 1].tolist()) == {half}
+        assert [remote.table[i][0] for i in ridx] == [
+            4096 * layer + b * half for layer in (0, 1) for b in (5, 9)
+        ]
+    pusher.close()
+    assert agent.loaded == []
+
+
+def test_a_rank_holding_whole_blocks_is_not_a_rank_of_tp_2() -> None:
+    with pytest.raises(LinkRefused, match="1/2 of a block: a rank's heads"):
+        check_metadata(_payload(), HASH, "0.34.0", "decode-1", LAYOUT, 2)
