@@ -46,6 +46,16 @@ bf16 1.88x scoring every query against every key of its chunk; fp32 2.10x and bf
 queries that see no more than top-k keys are not scored and each block of queries is scored
 against the keys up to its last one only (the bf16 move is the load's: the change only removes
 work). Full size, bf16, ``--repeats 1`` under load 15-19: 0.86x (below the goal, not profiled).
+Later rows (branch hybrid-perf): gpt_oss full size bf16 2.38x; qwen3_next full size bf16
+1.31x on nearly idle cores and 7.51x at load 4-7 (``--repeats 2``) once the gated delta rule
+runs packed over the batch's chunks with a blockwise inverse for its solves (3x less CPU
+time per DeltaNet layer on one 2048-token prompt, profiled; transformers' rule spends half
+its time in batched ``solve_triangular``, which contention slows most, so this ratio moves
+with the load); deepseek_v32 full size bf16 1.81x (``--repeats 2``, load 5-7) with MLA's v
+padded to k's head dim so the CPU flash kernel runs under the indexer's mask. Two
+``--repeats 1`` rows (qwen3_next, deepseek_v32) were taken beside each other under CPU
+pressure so high that ours' one batch run took 40-80x its 2048-token time; those rows say so
+and are not ratios.
 """
 
 from __future__ import annotations

@@ -14,9 +14,16 @@ and for all tokens again ``out = (rmsnorm(o) * silu(z)) @ Wout``. A chunk that s
 prompt begins from zero state; a later chunk from what its slot holds, and every chunk leaves
 its slot holding the state after its last token (state carried from chunk to chunk).
 
-The delta rule is the chunked form (``chunk_gated_delta_rule``: 64-token blocks, a
+The delta rule is the chunked form (``packed_gated_delta_rule``: 64-token blocks, a
 triangular solve inside each, a sequential scan across them), transformers' torch path in
-fp32 (``TorchDeltaRule``); ``gdn_rule`` chooses it or flashinfer's prefill kernel
+fp32, run for every chunk of the batch at once: the blocks of all of them in one tensor, so
+the intra-block work is one set of batched ops and the scan takes as many steps as the
+longest chunk has blocks (each step over the chunks still running), where one chunk at a
+time took a step per block of every chunk. The triangular solves are one product with the
+block's inverse (``_unit_lower_inverse``: batched GEMMs, where torch's batched solve ran a
+LAPACK call per block). transformers' arithmetic per block, rounded differently (full size,
+fp32: within 6e-8 of it).
+``TorchDeltaRule`` runs it; ``gdn_rule`` chooses it or flashinfer's prefill kernel
 (``DeltaRule``: the whole batch in one call, the states converted to and from its layout).
 """
 
@@ -77,7 +84,7 @@ class DeltaRule(Protocol):
 
 
 class TorchDeltaRule:
-    """Each span through ``chunk_gated_delta_rule`` in turn, from its slot's state."""
+    """Every span at once through ``packed_gated_delta_rule``, each from its slot's state."""
 
     name = "torch"
 
@@ -91,14 +98,14 @@ class TorchDeltaRule:
         spans: tuple[StateSpan, ...],
         recurrent_state: torch.Tensor,
     ) -> torch.Tensor:
-        core = v.new_empty(v.shape)
-        for span in spans:
-            rows = slice(span.q_start, span.q_end)
-            state = recurrent_state[span.slot]
+        slots = torch.tensor([span.slot for span in spans], dtype=torch.long, device=q.device)
+        states = recurrent_state[slots]  # [B, Hv, Dk, Dv]: one per span (the slots differ)
+        for i, span in enumerate(spans):
             if span.is_first:
-                state.zero_()
-            out = chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state)
-            core[rows] = out.to(v.dtype)
+                states[i].zero_()
+        bounds = [(span.q_start, span.q_end) for span in spans]
+        core = packed_gated_delta_rule(q, k, v, g, beta, bounds, states).to(v.dtype)
+        recurrent_state[slots] = states
         return core
 
 
@@ -168,44 +175,105 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def chunk_gated_delta_rule(
-    q: torch.Tensor,  # [n, Hk, Dk]
-    k: torch.Tensor,  # [n, Hk, Dk]
-    v: torch.Tensor,  # [n, Hv, Dv]
-    g: torch.Tensor,  # [n, Hv] fp32, log decay (<= 0)
-    beta: torch.Tensor,  # [n, Hv]
-    state: torch.Tensor,  # [Hv, Dk, Dv] fp32: read as S0, left as the final state
+def _diagonal_blocks(a: torch.Tensor, size: int) -> torch.Tensor:
+    """``a [..., n, n]`` -> its diagonal ``size``-square blocks ``[..., n / size, size, size]``."""
+    m = a.shape[-1] // size
+    blocks = a.reshape(*a.shape[:-2], m, size, m, size).diagonal(dim1=-4, dim2=-2)
+    return blocks.permute(*range(a.dim() - 2), -1, -3, -2)  # [..., m, size, size]
+
+
+def _unit_lower_inverse(a: torch.Tensor, leaf: int = 16) -> torch.Tensor:
+    """The inverse of ``a [..., n, n]``, unit lower triangular (its strict upper part and
+    diagonal are not read; ``n`` a power of two times ``leaf``), by blocks: the diagonal
+    ``leaf`` blocks by forward substitution, then pairs merged up to ``n`` with
+    ``[[A, 0], [C, B]]^-1 = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``. Batched GEMMs only, where
+    a batched ``solve_triangular`` runs one small LAPACK solve per matrix (its CPU time was
+    most of the rule's)."""
+    n = a.shape[-1]
+    size = min(leaf, n)
+    diag = _diagonal_blocks(a, size)  # [..., m, s, s]
+    inv = torch.zeros_like(diag)
+    inv[..., 0, 0] = 1.0
+    for i in range(1, size):  # row i of the inverse from the rows above it
+        inv[..., i, :i] = -(diag[..., i : i + 1, :i] @ inv[..., :i, :i])[..., 0, :]
+        inv[..., i, i] = 1.0
+    while size < n:
+        pairs = _diagonal_blocks(a, 2 * size)  # [..., m / 2, 2s, 2s]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        merged = torch.zeros_like(pairs)
+        merged[..., :size, :size] = first
+        merged[..., size:, size:] = second
+        merged[..., size:, :size] = -((second @ pairs[..., size:, :size]) @ first)
+        inv, size = merged, 2 * size
+    return inv[..., 0, :, :]
+
+
+def packed_gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, Dk], the sequences packed
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv] fp32, log decay (<= 0)
+    beta: torch.Tensor,  # [T, Hv]
+    bounds: list[tuple[int, int]],  # each sequence's rows [start, end)
+    states: torch.Tensor,  # [B, Hv, Dk, Dv] fp32, one per sequence: read as S0, left final
 ) -> torch.Tensor:
-    """The gated delta rule over one sequence: ``[n, Hv, Dv]`` fp32 outputs."""
-    n, num_v_heads = v.shape[0], v.shape[1]
+    """The gated delta rule over several sequences at once: ``[T, Hv, Dv]`` fp32 outputs.
+
+    Each sequence is cut into ``CHUNK``-token blocks (its last one zero-padded, as
+    transformers pads); the blocks of every sequence are laid out step by step (the first
+    block of each, then the second of those that have one, ...; the longest sequences
+    first), so the intra-block work runs once over all blocks and the scan across blocks
+    takes one step per block of the longest sequence, each step over the sequences still
+    running (a prefix of the states)."""
+    num_tokens, num_v_heads = v.shape[0], v.shape[1]
     rep = num_v_heads // q.shape[1]
-    q = l2norm(q.float()).repeat_interleave(rep, dim=1)  # [n, Hv, Dk]
-    k = l2norm(k.float()).repeat_interleave(rep, dim=1)
-    q = q * q.shape[-1] ** -0.5
-    pad = (CHUNK - n % CHUNK) % CHUNK
-    # [Hv, C, CHUNK, D] each; decay and beta [Hv, C, CHUNK]
-    q, k, v = (F.pad(t.transpose(0, 1).float(), (0, 0, 0, pad)) for t in (q, k, v))
-    beta, decay = (F.pad(t.t().float(), (0, pad)) for t in (beta, g))
-    q, k, v = (t.reshape(num_v_heads, -1, CHUNK, t.shape[-1]) for t in (q, k, v))
-    beta, decay = beta.reshape(num_v_heads, -1, CHUNK), decay.reshape(num_v_heads, -1, CHUNK)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = decay.cumsum(dim=-1)  # [Hv, C, CHUNK]
+    blocks = [-(-(end - start) // CHUNK) for start, end in bounds]
+    order = sorted(range(len(bounds)), key=lambda i: -blocks[i])  # stable: longest first
+    active = [sum(1 for i in order if blocks[i] > step) for step in range(max(blocks, default=0))]
+    # src[j]: the token at padded position j of the block layout (num_tokens: a zero row)
+    src: list[int] = []
+    for step, count in enumerate(active):
+        for i in order[:count]:
+            first = bounds[i][0] + step * CHUNK
+            rows = range(first, min(first + CHUNK, bounds[i][1]))
+            src.extend(rows)
+            src.extend([num_tokens] * (CHUNK - len(rows)))
+    index = torch.tensor(src, dtype=torch.long, device=q.device)
+    num_blocks = len(src) // CHUNK
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [N, Hv, CHUNK, ...]
+        padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index]
+        return padded.view(num_blocks, CHUNK, *t.shape[1:]).transpose(1, 2)
+
+    qf = l2norm(q.float()) * q.shape[-1] ** -0.5
+    kf = l2norm(k.float())
+    qb, kb = (blocked(t).repeat_interleave(rep, dim=1) for t in (qf, kf))  # [N, Hv, C, Dk]
+    vb = blocked(v.float())  # [N, Hv, C, Dv]
+    beta_b, decay = blocked(beta.float()), blocked(g.float())  # [N, Hv, C]
+    k_beta = kb * beta_b[..., None]
+    cum = decay.cumsum(dim=-1)  # [N, Hv, C]
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise  # unit lower triangular after the solve
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, C, 1, 1]
-    out = torch.empty_like(new_v)  # [Hv, C, CHUNK, Dv]
-    s = state
-    for i in range(q.shape[1]):
-        v_new = new_v[:, i] - k_cum[:, i] @ s
-        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
-        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    state.copy_(s)
-    return out.reshape(num_v_heads, -1, v.shape[-1])[:, :n].transpose(0, 1)
+    system = (k_beta @ kb.transpose(-1, -2)) * pairwise  # unit lower triangular after the solve
+    intra = (qb @ kb.transpose(-1, -2)) * pairwise
+    dv = vb.shape[-1]
+    rhs = torch.cat([vb * beta_b[..., None], k_beta * cum.exp()[..., None]], dim=-1)
+    solved = _unit_lower_inverse(system) @ rhs
+    new_v, k_cum = solved[..., :dv], solved[..., dv:]
+    qb = qb * cum.exp()[..., None]
+    kb_t = (kb * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [N, Hv, Dk, C]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+    out = torch.empty_like(new_v)  # [N, Hv, C, Dv]
+    s = states[order] if order != list(range(len(order))) else states.clone()
+    lo = 0
+    for count in active:
+        hi, live = lo + count, s[:count]
+        v_new = new_v[lo:hi] - k_cum[lo:hi] @ live
+        out[lo:hi] = qb[lo:hi] @ live + intra[lo:hi] @ v_new
+        s[:count] = live * chunk_decay[lo:hi] + kb_t[lo:hi] @ v_new
+        lo = hi
+    states[order] = s
+    # back to token order: position of each token in the block layout
+    where = torch.zeros(num_tokens + 1, dtype=torch.long, device=q.device)
+    where[index] = torch.arange(len(src), device=q.device)
+    return out.transpose(1, 2).reshape(-1, num_v_heads, dv)[where[:num_tokens]]
