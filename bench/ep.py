@@ -38,10 +38,8 @@ Goal on CPU: that ``ratio`` (DP 2 / EP 2 over TP 2, the same tokens) >= 0.9.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -53,11 +51,10 @@ from typing import Any
 
 import torch
 
-from bench.tp import Setup, make_checkpoint, prompt_plan
+from bench.tp import Group, Setup, make_checkpoint, prompt_plan
 from prefill_worker.batch import BatchPlan
 from prefill_worker.dp.lockstep import Bell, Lockstep, bell_path
 from prefill_worker.model import TPGroup, build
-from prefill_worker.testing.launch import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_SIZE = 16
@@ -136,50 +133,6 @@ def _worker(setup: Setup, kind: str, rank: int, port: int, conn: Connection) -> 
     torch.distributed.destroy_process_group()
 
 
-class Group:
-    """The two rank processes of one configuration, driven over pipes."""
-
-    def __init__(self, setup: Setup, kind: str, deadline: float) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.deadline, self.conns, self.processes = deadline, [], []
-        port = free_port()
-        for rank in range(2):
-            parent, child = context.Pipe()
-            args = (setup, kind, rank, port, child)
-            process = context.Process(target=_worker, args=args)
-            process.start()
-            self.conns.append(parent)
-            self.processes.append(process)
-
-    def wait_ready(self) -> None:
-        assert self._receive() == ["ready"] * 2
-
-    def round(self, plan: str) -> tuple[float, float]:
-        """One timed forward: (slowest rank's seconds, mean exchange share)."""
-        for conn in self.conns:
-            conn.send(("run", plan))
-        times = self._receive()
-        return max(t for t, _ in times), sum(c / t for t, c in times) / len(times)
-
-    def _receive(self) -> list[Any]:
-        answers = []
-        for conn, process in zip(self.conns, self.processes, strict=True):
-            if not conn.poll(max(0.0, self.deadline - time.monotonic())):
-                raise TimeoutError(f"{process.name}: no answer before the deadline")
-            answers.append(conn.recv())
-        return answers
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):  # already gone: the join below kills or reaps it
-                conn.send("stop")
-        for process in self.processes:
-            process.join(max(1.0, self.deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join(10)
-
-
 RUNS = (("tp2", "one"), ("tp2_ep2", "one"), ("tp2", "both"), ("dp2_ep2", "both"))
 
 
@@ -188,11 +141,12 @@ def measure(setup: Setup, repeats: int, deadline: float) -> list[dict[str, objec
     best: dict[tuple[str, str], tuple[float, float]] = {}
     try:
         for kind in ("tp2", "tp2_ep2", "dp2_ep2"):  # one at a time: loading is memory-bound
-            groups[kind] = Group(setup, kind, deadline)
+            args = lambda rank, port, conn, kind=kind: (setup, kind, rank, port, conn)  # noqa: E731
+            groups[kind] = Group(2, _worker, args, deadline)
             groups[kind].wait_ready()
         for _ in range(repeats):
             for kind, plan in RUNS:
-                seconds, share = groups[kind].round(plan)
+                seconds, share = groups[kind].round(("run", plan))
                 if (kind, plan) not in best or seconds < best[kind, plan][0]:
                     best[kind, plan] = (seconds, share)
     finally:

@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -194,15 +195,24 @@ def _worker(setup: Setup, rank: int, size: int, port: int, conn: Connection) -> 
 
 
 class Group:
-    """The process(es) of one configuration (TP ``size``), driven over pipes."""
+    """The ``size`` rank processes of one configuration, driven over pipes: each runs
+    ``worker(*args(rank, port, conn))`` (``port`` the group's rendezvous, ``conn`` its pipe),
+    answers "ready", then one (seconds, collective seconds) per message until "stop".
+    ``bench/ep.py`` drives its configurations with it too."""
 
-    def __init__(self, setup: Setup, size: int, deadline: float) -> None:
+    def __init__(
+        self,
+        size: int,
+        worker: Callable[..., None],
+        args: Callable[[int, int, Connection], tuple[Any, ...]],
+        deadline: float,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self.deadline, self.conns, self.processes = deadline, [], []
         port = free_port()
         for rank in range(size):
             parent, child = context.Pipe()
-            process = context.Process(target=_worker, args=(setup, rank, size, port, child))
+            process = context.Process(target=worker, args=args(rank, port, child))
             process.start()
             self.conns.append(parent)
             self.processes.append(process)
@@ -210,10 +220,11 @@ class Group:
     def wait_ready(self) -> None:
         assert self._receive() == ["ready"] * len(self.conns)
 
-    def round(self) -> tuple[float, float]:
-        """One timed forward: (slowest rank's seconds, mean collective share)."""
+    def round(self, message: object = "run") -> tuple[float, float]:
+        """One timed forward (``message`` tells the ranks which): (slowest rank's seconds,
+        mean collective share)."""
         for conn in self.conns:
-            conn.send("run")
+            conn.send(message)
         times = self._receive()
         return max(t for t, _ in times), sum(c / t for t, c in times) / len(times)
 
@@ -236,6 +247,10 @@ class Group:
                 process.join(10)
 
 
+def _tp_group(setup: Setup, size: int, deadline: float) -> Group:
+    return Group(size, _worker, lambda rank, port, conn: (setup, rank, size, port, conn), deadline)
+
+
 def measure(
     setup: Setup, sizes: list[int], repeats: int, deadline: float
 ) -> list[dict[str, object]]:
@@ -243,10 +258,10 @@ def measure(
               for size in sizes}  # fmt: skip
     groups: dict[int, Group] = {}
     try:
-        groups[1] = Group(setup, 1, deadline)
+        groups[1] = _tp_group(setup, 1, deadline)
         groups[1].wait_ready()  # one at a time: loading is memory- and CPU-bound
         for size in sizes:
-            groups[size] = Group(ranked[size], size, deadline)
+            groups[size] = _tp_group(ranked[size], size, deadline)
             groups[size].wait_ready()
         best: dict[int, tuple[float, float]] = {}
         for _ in range(repeats):
