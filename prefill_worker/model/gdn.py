@@ -98,11 +98,7 @@ class TorchDeltaRule:
         spans: tuple[StateSpan, ...],
         recurrent_state: torch.Tensor,
     ) -> torch.Tensor:
-        slots = torch.tensor([span.slot for span in spans], dtype=torch.long, device=q.device)
-        states = recurrent_state[slots]  # [B, Hv, Dk, Dv]: one per span (the slots differ)
-        for i, span in enumerate(spans):
-            if span.is_first:
-                states[i].zero_()
+        slots, states = initial_states(recurrent_state, spans)
         bounds = [(span.q_start, span.q_end) for span in spans]
         core = packed_gated_delta_rule(q, k, v, g, beta, bounds, states).to(v.dtype)
         recurrent_state[slots] = states
@@ -110,6 +106,20 @@ class TorchDeltaRule:
 
 
 TORCH_RULE = TorchDeltaRule()
+
+
+def initial_states(
+    recurrent_state: torch.Tensor, spans: tuple[StateSpan, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spans' slots and a copy of their recurrent states ``[B, Hv, Dk, Dv]``, one per span
+    (the slots differ), zero for a prompt's first chunk (its slot held an earlier request's):
+    where each delta rule starts."""
+    slots = torch.tensor([span.slot for span in spans], device=recurrent_state.device)
+    states = recurrent_state[slots]
+    for i, span in enumerate(spans):
+        if span.is_first:
+            states[i].zero_()
+    return slots, states
 
 
 def gated_delta_net(

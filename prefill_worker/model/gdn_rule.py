@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, StateSpan, l2norm
+from prefill_worker.model.gdn import TORCH_RULE, DeltaRule, StateSpan, initial_states, l2norm
 from prefill_worker.model.hf_linear import LinearAttentionSpec
 
 log = logging.getLogger(__name__)
@@ -161,11 +161,8 @@ class FlashInferDeltaRule:
         starts = [span.q_start for span in spans]
         assert starts == bounds[:-1] and bounds[-1] == q.shape[0], "spans must tile the batch"
         cu_seqlens = torch.tensor(bounds, dtype=torch.int64, device=q.device)
-        slots = torch.tensor([span.slot for span in spans], device=recurrent_state.device)
-        initial = to_kernel_state(recurrent_state[slots])  # [N, Hv, Dv, Dk]
-        for i, span in enumerate(spans):
-            if span.is_first:
-                initial[i].zero_()
+        slots, states = initial_states(recurrent_state, spans)
+        initial = to_kernel_state(states)  # [N, Hv, Dv, Dk]
         out, final = self._kernel(
             l2norm(q.float()).to(v.dtype).contiguous(),
             l2norm(k.float()).to(v.dtype).contiguous(),
