@@ -203,7 +203,9 @@ docs:
 DYNAMO_ENV := .interop/dynamo
 DYNAMO_REQUIREMENTS := tests/interop/dynamo-requirements.txt
 KV_EVENTS_INTEROP_TESTS := tests/interop/test_dynamo_indexer.py \
-  tests/interop/test_worker_feeds_dynamo_indexer.py tests/interop/test_kv_events_restart.py
+  tests/interop/test_worker_feeds_dynamo_indexer.py tests/interop/test_kv_events_restart.py \
+  tests/interop/test_vllm_kv_events.py
+# (test_vllm_kv_events.py runs vLLM 0.34's own event code: it skips without `make vllm-deps`)
 
 .PHONY: kv-events-deps kv-events-interop
 kv-events-deps: $(DYNAMO_ENV)/.installed

@@ -2,8 +2,9 @@
 
 Threads::
 
-    engine     blocks_stored / blocks_removed / all_cleared: make the event, queue it, return
-               (never blocks; a full queue drops the event and counts it)
+    engine     blocks_stored / blocks_removed / all_cleared: make the event (one per announced
+               KV-cache group), queue it, return (never blocks; a full queue drops the event
+               and counts it)
     kv-events  every ``batch_interval_s``: the queued events become one KVEventBatch (vLLM's
                wire, ``wire.py``), sent on PUB as [topic, seq, payload] and kept for replay;
                replay requests on the ROUTER socket are answered in between (``replay.py``)
@@ -28,8 +29,10 @@ import zmq
 
 from prefill_worker.kv_events.replay import ReplayBuffer, ReplayOutcome, answer
 from prefill_worker.kv_events.wire import (
+    DENSE,
     AllBlocksCleared,
     BlockStored,
+    EventGroup,
     KVEvent,
     block_removed,
     block_stored,
@@ -80,7 +83,9 @@ class NullKVEventsObserver:
 
 class KVEventPublisher:
     """Implements ``kv.cache_events.CacheEventSink``; ``start()`` binds, ``close()`` flushes.
-    ``first_seq`` is the sequence number of the run's first batch."""
+    ``first_seq`` is the sequence number of the run's first batch. ``groups``: the model's
+    full-attention KV-cache groups, each of which a cached page's block is announced in (vLLM
+    publishes a block once per group holding it; the cache's pages hold every layer)."""
 
     def __init__(
         self,
@@ -94,8 +99,12 @@ class KVEventPublisher:
         idle_interval_s: float = 1.0,
         first_seq: int | None = None,
         observer: KVEventsObserver | None = None,
+        groups: Sequence[EventGroup] = DENSE,
     ) -> None:
         """``first_seq``: None takes ``first_seq_now()``."""
+        if not groups:
+            raise ValueError("kv events announce at least one KV-cache group")
+        self._groups = tuple(groups)
         self._binds = (publish_bind, replay_bind)
         self._topic = topic.encode()
         self._max_queued_events = max_queued_events
@@ -173,12 +182,14 @@ class KVEventPublisher:
         token_ids: Sequence[int],
         block_size: int,
     ) -> None:
-        self._enqueue(
-            block_stored(list(block_hashes), parent_block_hash, list(token_ids), block_size)
-        )
+        hashes, tokens = list(block_hashes), list(token_ids)
+        for group in self._groups:
+            self._enqueue(block_stored(hashes, parent_block_hash, tokens, block_size, group))
 
     def blocks_removed(self, block_hashes: Sequence[int]) -> None:
-        self._enqueue(block_removed(list(block_hashes)))
+        hashes = list(block_hashes)
+        for group in self._groups:
+            self._enqueue(block_removed(hashes, group))
 
     def all_cleared(self) -> None:
         self._enqueue(AllBlocksCleared())

@@ -32,6 +32,7 @@ from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
 from prefill_worker.kv.state_layout import PAGES
+from prefill_worker.kv_events.wire import EventGroup
 from prefill_worker.model import KVCache, ModelInfo, build
 from prefill_worker.model.draft.runner import DraftingRunner
 from prefill_worker.request import Outcome
@@ -51,6 +52,7 @@ from prefill_worker.service.startup import (
     StartupError,
     attach_draft,
     attach_kv_mirror,
+    kv_event_groups,
     load_model,
     make_engine,
     make_pools,
@@ -210,7 +212,7 @@ class Daemon:
         self.transfer_endpoints = transfer.endpoints
         self._transfer_backend = transfer.backend  # an attention-DP leader leads its routes
         with watch("kv events"):
-            self._start_kv_events()
+            self._start_kv_events(kv_event_groups(info, kv_cache.layout))
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
         can_share = info.state is None or info.state.copy == PAGES
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, can_share)
@@ -301,8 +303,8 @@ class Daemon:
         on_drain = self.request_drain
         return start_ingress(self.config, self.inbox, load, limits, self.metrics, on_drain)
 
-    def _start_kv_events(self) -> None:
-        publisher = start_kv_events(self.config, self.metrics)
+    def _start_kv_events(self, groups: tuple[EventGroup, ...]) -> None:
+        publisher = start_kv_events(self.config, self.metrics, groups)
         if publisher is None:
             return
         # Closed after the engine's shutdown, so the cache's last events still go out.

@@ -29,12 +29,13 @@ from prefill_worker.ingress.zmq_front import CurveServerKeys, Ingress
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.cache_events import CacheEventSink
 from prefill_worker.kv.draft_rows import DraftRows
-from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
+from prefill_worker.kv_events.wire import DENSE, FULL_ATTENTION, MLA_ATTENTION, EventGroup
 from prefill_worker.load import LoadSource
 from prefill_worker.model import CheckpointError, KVCache, LoadProgress, ModelInfo, Runner
 from prefill_worker.model.draft.runner import DraftingRunner
@@ -487,8 +488,27 @@ def _native_backend(
     return make_backend(regions, options, hooks, state, draft)
 
 
-def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher | None:
-    """The KV-event publisher, bound and publishing; None when ``kv_events.enabled`` is off."""
+def kv_event_groups(info: ModelInfo, layout: KVLayout) -> tuple[EventGroup, ...]:
+    """The KV-cache groups the KV events announce a cached page in: the model's full-attention
+    groups, numbered as a vLLM 0.34 decode numbers them (``_vllm_groups``); a model of one
+    kind of layer is group 0. A sliding group's page is no reusable prefix (its early
+    positions leave the window) and a linear group holds state, not KV: neither is announced
+    (docs/kv-events.md, "KV-cache groups")."""
+    kind = MLA_ATTENTION if layout.kind == MLA else FULL_ATTENTION
+    linear = info.state_regions
+    if linear is not None and linear.component.kind != LINEAR_STATE:
+        linear = None  # a DSA model's index keys live in its pages: one MLA group
+    groups = _vllm_groups(sliding_model(info), linear, layout.num_layers, layout.page_size)
+    if groups is None:
+        return (EventGroup(0, kind),)
+    return tuple(EventGroup(g, kind) for g in groups.full_groups)
+
+
+def start_kv_events(
+    config: Config, metrics: WorkerMetrics, groups: tuple[EventGroup, ...] = DENSE
+) -> KVEventPublisher | None:
+    """The KV-event publisher, bound and publishing, announcing ``groups``
+    (``kv_event_groups``); None when ``kv_events.enabled`` is off."""
     cfg = config.kv_events
     if not cfg.enabled:
         return None
@@ -500,6 +520,7 @@ def start_kv_events(config: Config, metrics: WorkerMetrics) -> KVEventPublisher 
             max_queued_events=cfg.max_queued_events,
             num_replay_batches=cfg.num_replay_batches,
             observer=KVEventsTelemetry(metrics),
+            groups=groups,
         )
         publisher.start()
     return publisher

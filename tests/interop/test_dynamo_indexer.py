@@ -5,10 +5,14 @@ sequence number to a plain ZMQ client. Skipped, saying why, without `make kv-eve
 
 The events are the prefix cache's calls (``CacheEventSink``) made here by hand, with a
 deterministic hash chain like the cache's; a running worker feeding the indexer is
-``test_worker_feeds_dynamo_indexer.py``."""
+``test_worker_feeds_dynamo_indexer.py``. The indexer's publisher announces a sliding-window
+model whose full-attention layers vLLM 0.34 splits into groups 1 and 2 (each block stored and
+removed twice, naming a group that is not 0): Dynamo 1.6.1 reads vLLM 0.34's group fields and
+still scores exactly the blocks stored (a dense model's group 0: the worker's test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -19,12 +23,20 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from prefill_worker.kv.layout import KVLayout
 from prefill_worker.kv_events import KVEventPublisher
-from prefill_worker.kv_events.wire import END_OF_REPLAY_SEQ, BlockStored, KVEventBatch
+from prefill_worker.kv_events.wire import (
+    DENSE,
+    END_OF_REPLAY_SEQ,
+    BlockStored,
+    EventGroup,
+    KVEventBatch,
+)
+from prefill_worker.model import ModelInfo
 from prefill_worker.service.config import Config
 from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.schema import KVEventsConfig
-from prefill_worker.service.startup import start_kv_events
+from prefill_worker.service.startup import kv_event_groups, start_kv_events
 from tests.checkpoints import prompt
 from tests.interop.dynamo import DynamoIndexer, dynamo_python
 from tests.polling import wait_until
@@ -35,7 +47,7 @@ BLOCK = 16
 WORKER = 1
 TOPIC = "kv@prefill-worker"
 MARKER = 2**63 + 5
-MARKER_EVENT = {"type": "BlockRemoved", "block_hashes": [MARKER], "medium": "GPU"}
+MARKER_EVENT = {"type": "BlockRemoved", "block_hashes": [MARKER], "medium": "GPU", "group_idx": 0}
 
 
 def chain(token_ids: list[int], parent: int | None = None) -> list[int]:
@@ -59,9 +71,19 @@ def eventually(condition: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-@pytest.fixture
-def publisher() -> Iterator[KVEventPublisher]:
-    dynamo_python()  # skip before binding anything
+def two_full_groups() -> tuple[EventGroup, ...]:
+    """Layers sliding, full, full, sliding, full, full: vLLM's groups [L0 L3] [L1 L4] [L2 L5]."""
+    info = ModelInfo(
+        "GptOssForCausalLM", 128, 512, 6, 8, 2, 64, 128, "float32", "cpu", "sdpa", None, (2,)
+    )
+    info = dataclasses.replace(info, sliding_window=32, sliding_layers=(0, 3))
+    groups = kv_event_groups(info, KVLayout(6, 2, 64, "float32", BLOCK, 8))
+    assert [g.idx for g in groups] == [1, 2]
+    return groups
+
+
+def make_publisher(groups: tuple[EventGroup, ...]) -> KVEventPublisher:
+    """Built as the daemon builds it."""
     config = Config(
         kv_events=KVEventsConfig(
             enabled=True,
@@ -70,8 +92,23 @@ def publisher() -> Iterator[KVEventPublisher]:
             topic=TOPIC,
         )
     )
-    started = start_kv_events(config, WorkerMetrics(CollectorRegistry()))
+    started = start_kv_events(config, WorkerMetrics(CollectorRegistry()), groups)
     assert isinstance(started, KVEventPublisher)
+    return started
+
+
+@pytest.fixture
+def publisher() -> Iterator[KVEventPublisher]:
+    dynamo_python()  # skip before binding anything
+    started = make_publisher(two_full_groups())
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def dense_publisher() -> Iterator[KVEventPublisher]:
+    """One event per call: the replay test counts batches."""
+    started = make_publisher(DENSE)  # a dense model's group 0
     yield started
     started.close()
 
@@ -139,26 +176,26 @@ def test_all_blocks_cleared_empties_the_index(publisher, indexer) -> None:
     assert all(indexer.overlap_blocks(ids) == {} for ids in prompts)
 
 
-def test_replay_resends_from_a_sequence_number(publisher) -> None:
+def test_replay_resends_from_a_sequence_number(dense_publisher) -> None:
     """A plain DEALER asks the replay socket from the sequence number of the second of three
     batches; it gets that batch and the third, frame for frame as published (then whatever
     the idle publisher sent since: empty batches), then the end."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(publisher.endpoint)
+    sub.connect(dense_publisher.endpoint)
     dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(publisher.replay_endpoint)
+    dealer.connect(dense_publisher.replay_endpoint)
     try:
         while not sub.poll(50):  # subscribed once a probe arrives; the marker ends the probes
-            publisher.all_cleared()
-        publisher.blocks_removed([MARKER])
+            dense_publisher.all_cleared()
+        dense_publisher.blocks_removed([MARKER])
         while MARKER_EVENT not in msgspec.msgpack.decode(sub.recv_multipart()[2])[1]:
             pass
         live = []
         for seed in (10, 11, 12):  # one batch each: the next is queued once this one arrived
             ids = prompt(BLOCK, seed=seed)
-            publisher.blocks_stored(chain(ids), None, ids, BLOCK)
+            dense_publisher.blocks_stored(chain(ids), None, ids, BLOCK)
             live.append(next_stored(sub))
         assert [frames[0] for frames in live] == [TOPIC.encode()] * 3
         seqs = [int.from_bytes(frames[1], "big") for frames in live]

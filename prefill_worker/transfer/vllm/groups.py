@@ -65,6 +65,11 @@ class VllmGroups:
     def num_groups(self) -> int:
         return len(self.window_blocks)
 
+    @property
+    def full_groups(self) -> tuple[int, ...]:
+        """The full-attention groups (every block kept): the ones whose blocks are a prefix."""
+        return tuple(g for g, n in enumerate(self.window_blocks) if n is None)
+
     def block_ids(self, blocks: Sequence[int]) -> list[list[int]]:
         """``remote_block_ids``: a request's staging blocks (in prompt order) per group."""
         return [list(blocks) if n is None else list(blocks[-n:]) for n in self.window_blocks]

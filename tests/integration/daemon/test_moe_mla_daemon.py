@@ -50,6 +50,7 @@ class Serving:
     decode: Decode
     router: BlockingRouterClient
     replay: str
+    kind: str  # vLLM's kind of the model's KV-cache group: what its events name
 
     def serve(self, ids: list[int], room: int, logprob_start_len: int | None = None) -> Result:
         self.decode.want(room, len(ids))
@@ -101,7 +102,8 @@ def serving(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servi
         assert status == 200, ready
         replay = json.loads(ready)["kv_events_replay"]
         decode, router = Decode(worker.bootstrap), BlockingRouterClient(worker.ingress)
-        yield Serving(worker, checkpoint, decode, router, replay)
+        kind = "mla_attention" if family == "deepseek_v3" else "full_attention"
+        yield Serving(worker, checkpoint, decode, router, replay, kind)
         router.close()
         decode.close()
         assert worker.child.stop() == 0, worker.log()
@@ -128,13 +130,15 @@ def check_against_hf(serving: Serving, ids: list[int], result: Result, start: in
     assert got == pytest.approx(prompt_lp[start:], abs=1e-4)
 
 
-def stored_chain(events: list[KVEvent]) -> dict[int, tuple[int | None, list[int]]]:
-    """block hash -> (its parent, its tokens), over every stored event (block size checked)."""
+def stored_chain(events: list[KVEvent], kind: str) -> dict[int, tuple[int | None, list[int]]]:
+    """block hash -> (its parent, its tokens), over every stored event (block size checked, and
+    the model's one KV-cache group, of ``kind``)."""
     chain: dict[int, tuple[int | None, list[int]]] = {}
     for event in events:
         if not isinstance(event, BlockStored):
             continue
         assert event.block_size == PAGE_SIZE
+        assert (event.group_idx, event.kv_cache_spec_kind) == (0, kind)  # vLLM's names
         parent, tokens = event.parent_block_hash, event.token_ids
         assert len(tokens) == PAGE_SIZE * len(event.block_hashes)
         for i, digest in enumerate(event.block_hashes):
@@ -147,11 +151,11 @@ def assert_stored(serving: Serving, ids: list[int]) -> None:
     """Every full page of ``ids`` was reported stored, chained to the one before it."""
     hashes = block_hashes(ids, PAGE_SIZE)
     wait_until(
-        lambda: set(hashes) <= set(stored_chain(serving.events())),
+        lambda: set(hashes) <= set(stored_chain(serving.events(), serving.kind)),
         30,
         "the prompt's stored blocks",
     )
-    chain = stored_chain(serving.events())
+    chain = stored_chain(serving.events(), serving.kind)
     for i, digest in enumerate(hashes):
         parent, tokens = chain[digest]
         assert parent == (hashes[i - 1] if i else None)

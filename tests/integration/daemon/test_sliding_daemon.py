@@ -6,7 +6,9 @@ position and every sliding layer's over the last ``window - 1`` positions (all a
 reads) equal to transformers', beside the first token transformers picks. The pools are
 whole afterwards and the worker drains to exit 0. At TP 2 the same (each rank computes and
 writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every expert), into
-one decode of TP 1)."""
+one decode of TP 1). The KV events name only the model's full-attention KV-cache group, as
+vLLM 0.34 numbers the groups (gpt-oss [L0] [L2] [L1]: group 2; Gemma 3 [L0] [L2] [L3] [L1]:
+group 3): a sliding page is no reusable prefix."""
 
 from __future__ import annotations
 
@@ -21,12 +23,19 @@ from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import RoomState
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.daemon.conftest import Decode, start_worker, wait_until
+from tests.integration.daemon.test_hybrid_daemon import published_events
 
 TOL = 1e-4
 
 
 IDS = prompt(70, seed=11)
 LAYERS = {"gpt_oss": 3, "gemma3": 4}  # layer 1 of each is full, the others slide (window 24)
+FULL_GROUP = {"gpt_oss": 2, "gemma3": 3}  # vLLM 0.34's group of layer 1
+KV_EVENTS = (
+    "kv_events.enabled=true",
+    "kv_events.publish_bind=tcp://127.0.0.1:0",
+    "kv_events.replay_bind=tcp://127.0.0.1:0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
     tmp_path: Path, references, family: str, tp_size: int
 ) -> None:  # type: ignore[no-untyped-def]
     (checkpoint, out), ids = references(family), IDS
-    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
+    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}", *KV_EVENTS)
     worker = start_worker(tmp_path, checkpoint, *overrides)
     try:
         worker.child.wait_ready(120)
@@ -80,6 +89,13 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
             return all(line in metrics.splitlines() for line in used)
 
         wait_until(pools_whole, 30, "every aux row and page back")
+        stored = [e for e in published_events(worker) if e["type"] == "BlockStored"]
+        assert {(e["group_idx"], e["kv_cache_spec_kind"]) for e in stored} == {
+            (FULL_GROUP[family], "full_attention")
+        }
+        assert not any("kv_cache_spec_sliding_window" in e for e in stored)
+        tokens = [t for e in stored for t in e["token_ids"]]
+        assert tokens == ids[: len(ids) // 4 * 4]  # every full page of 4, once
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()

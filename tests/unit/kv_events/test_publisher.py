@@ -22,6 +22,7 @@ from prefill_worker.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventGroup,
     KVEventBatch,
     seq_frame,
 )
@@ -32,6 +33,7 @@ from tests.polling import wait_until
 LOCAL = "tcp://127.0.0.1:0"
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 _MARKERS = itertools.count(10**12)
+DENSE_STORED = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}  # the default group
 
 
 class Recorder:
@@ -154,14 +156,41 @@ def test_events_arrive_in_order_as_vllm_frames(make) -> None:
         expected_seq += 1
     assert received == [
         AllBlocksCleared(),  # the run's first BlockStored comes after one
-        BlockStored([11, 22], None, list(range(8)), 4, None, "GPU", None),
-        BlockStored([33], 22, [8, 9, 10, 11], 4, None, "GPU", None),
-        BlockRemoved([33], "GPU"),
+        BlockStored([11, 22], None, list(range(8)), 4, None, "GPU", None, **DENSE_STORED),
+        BlockStored([33], 22, [8, 9, 10, 11], 4, None, "GPU", None, **DENSE_STORED),
+        BlockRemoved([33], "GPU", group_idx=0),
         AllBlocksCleared(),
     ]
     wait_until(lambda: recorder.published >= 5, what="published count")
     assert not recorder.dropped
     sub.close()
+
+
+def test_each_block_is_announced_in_every_group_given(make) -> None:
+    """A model whose full-attention layers vLLM splits into groups 1 and 3 (MLA here): each
+    store and removal once per group, in the groups' order, naming group and kind."""
+    groups = (EventGroup(1, "mla_attention"), EventGroup(3, "mla_attention"))
+    publisher = make(groups=groups)
+    sub = Subscriber(publisher.endpoint)
+    sub.sync(publisher)
+    publisher.blocks_stored([5], None, [1, 2, 3, 4], 4)
+    publisher.blocks_removed([5])
+    received: list[object] = []
+    while len(received) < 4:
+        received += [e for e in sub.recv()[2].events if not isinstance(e, AllBlocksCleared)]
+    mla = {"kv_cache_spec_kind": "mla_attention"}
+    assert received == [
+        BlockStored([5], None, [1, 2, 3, 4], 4, None, "GPU", None, group_idx=1, **mla),
+        BlockStored([5], None, [1, 2, 3, 4], 4, None, "GPU", None, group_idx=3, **mla),
+        BlockRemoved([5], "GPU", group_idx=1),
+        BlockRemoved([5], "GPU", group_idx=3),
+    ]
+    sub.close()
+
+
+def test_a_publisher_announces_some_group() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        KVEventPublisher(LOCAL, None, groups=())
 
 
 def test_replay_resends_held_batches_from_a_sequence_number(make) -> None:
@@ -192,7 +221,7 @@ def test_a_bad_replay_request_fails_alone(make) -> None:
     wait_until(lambda: recorder.replays["bad_request"] == 1, what="the bad request counted")
     assert events_of(client.replay(publisher.first_seq)) == [
         [AllBlocksCleared()],
-        [AllBlocksCleared(), BlockRemoved([4], "GPU")],
+        [AllBlocksCleared(), BlockRemoved([4], "GPU", group_idx=0)],
     ]
     wait_until(lambda: recorder.replays["served"] == 1, what="the good request counted")
     assert recorder.replays == Counter(bad_request=1, served=1)
@@ -229,9 +258,12 @@ def test_a_new_run_clears_subscribers_until_it_stores_a_block(make) -> None:
     client = ReplayClient(publisher.replay_endpoint)
     assert events_of(client.replay(publisher.first_seq)) == [
         [AllBlocksCleared()],
-        [AllBlocksCleared(), BlockRemoved([7], "GPU")],
-        [AllBlocksCleared(), BlockStored([8], None, [1, 2, 3, 4], 4, None, "GPU", None)],
-        [BlockRemoved([8], "GPU")],
+        [AllBlocksCleared(), BlockRemoved([7], "GPU", group_idx=0)],
+        [
+            AllBlocksCleared(),
+            BlockStored([8], None, [1, 2, 3, 4], 4, None, "GPU", None, **DENSE_STORED),
+        ],
+        [BlockRemoved([8], "GPU", group_idx=0)],
     ]
     client.close()
 
@@ -294,7 +326,10 @@ def test_a_full_queue_drops_new_events_then_tells_subscribers_to_clear(make) -> 
     client = ReplayClient(publisher.replay_endpoint)
     start_clear, first, drop_clear = events_of(client.replay(publisher.first_seq))
     assert start_clear == [AllBlocksCleared()]
-    assert first == [AllBlocksCleared(), *(BlockRemoved([b], "GPU") for b in (0, 1, 2))]
+    assert first == [
+        AllBlocksCleared(),
+        *(BlockRemoved([b], "GPU", group_idx=0) for b in (0, 1, 2)),
+    ]
     assert drop_clear == [AllBlocksCleared()]
     client.close()
 
@@ -313,8 +348,8 @@ def test_an_event_that_cannot_be_encoded_is_dropped_alone(make) -> None:
         [AllBlocksCleared()],
         [
             AllBlocksCleared(),
-            BlockRemoved([1], "GPU"),
-            BlockStored([3], None, [0, 1, 2, 3], 4, None, "GPU", None),
+            BlockRemoved([1], "GPU", group_idx=0),
+            BlockStored([3], None, [0, 1, 2, 3], 4, None, "GPU", None, **DENSE_STORED),
         ],
     ]
     client.close()
@@ -334,7 +369,7 @@ def test_close_sends_what_is_queued_and_drops_what_comes_after(make) -> None:
         assert seq > marker_seq
         events += batch.events
     # nothing was stored in this run, so the batch opens with a clear
-    assert events == [AllBlocksCleared(), BlockRemoved([5], "GPU"), AllBlocksCleared()]
+    assert events == [AllBlocksCleared(), BlockRemoved([5], "GPU", group_idx=0), AllBlocksCleared()]
     assert not recorder.dropped
     num_published = recorder.published
     publisher.blocks_removed([6])
