@@ -200,14 +200,12 @@ class PushSender(Generic[P]):
                 return self.fail(str(exc))
             if not len(src):
                 continue
+            if peer.is_fed and peer.route is None:
+                self._post_pages(peer, src, dst)
+            elif peer.is_fed:  # prompt page of src[0]: after the pages the decode holds
+                self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
             if self._has_paged_state:  # into every decode rank, whoever writes its KV
                 self._post_state_pages(peer, src, dst)
-            if not peer.is_fed:
-                continue
-            if peer.route is None:
-                self._post_pages(peer, src, dst)
-            else:  # prompt page of src[0]: after the pages the decode holds
-                self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:
