@@ -76,32 +76,36 @@ def start_tp_group(
 
 
 def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ...]) -> None:
-    """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from more than one
-    rank yet, though the model runs sharded: a DSA model's index keys (the followers write
-    no state component: a decode rank a follower feeds would get none), a hybrid model's
-    linear-attention state over any protocol but native (the leader gathers whole slots,
-    ``model.state_gather``, and only its native backend sends them; SGLang's and vLLM's
-    decodes of a group would get KV without state), and a hybrid-SWA model's window pages
-    to SGLang decodes (routed by the leader alone). gpt-oss and Gemma 3 over the native
-    protocol send head slices of every page, as a dense model."""
+    """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from a
+    tensor-parallel group yet, though the model runs sharded; one condition per protocol and
+    kind (a group serves one protocol: ``service.schema``). Served: a DSA model's index keys
+    to SGLang decodes (every rank holds them; the leader writes them into every decode rank),
+    a linear-attention hybrid's state to native and SGLang decodes (the leader gathers whole
+    slots, ``model.state_gather``, and writes each decode rank its state or its share), and
+    gpt-oss's and Gemma 3's pages to native decodes (head slices of every page, as a dense
+    model's). Refused below: the rest."""
     if tp_size == 1:
         return
-    if spec.indexer is not None:
+    where = f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}"
+    if spec.indexer is not None and "native" in protocols:
         raise ValueError(
-            f"{spec.architecture} at tensor parallel {tp_size}: the transfer of its index "
-            "keys (DSA) from a tensor-parallel group is not built; run it at tensor parallel 1"
+            f"{where}: native decodes' index keys (DSA) from a tensor-parallel group are not "
+            "proven; serve it over sglang, or at tensor parallel 1"
         )
-    if spec.linear is not None and tuple(protocols) != ("native",):
+    if spec.indexer is not None and "vllm" in protocols:
         raise ValueError(
-            f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}: "
-            "a tensor-parallel group sends its linear-attention state to native decodes "
-            "only; serve it over native, or at tensor parallel 1"
+            f"{where}: the transfer of its index keys (DSA) to vLLM decodes is not built; "
+            "serve it over sglang, or at tensor parallel 1"
         )
-    if "sglang" in protocols and spec.architecture in HYBRID_SWA_ARCHITECTURES:
+    if spec.linear is not None and "vllm" in protocols:
         raise ValueError(
-            f"{spec.architecture} at tensor parallel {tp_size} over the sglang protocol: "
-            "sending its sliding layers' window pages from more than one rank is not built; "
-            "serve it over native, or at tensor parallel 1"
+            f"{where}: a tensor-parallel group sends its linear-attention state to native "
+            "and SGLang decodes only; serve it over one of those, or at tensor parallel 1"
+        )
+    if spec.architecture in HYBRID_SWA_ARCHITECTURES and "sglang" in protocols:
+        raise ValueError(
+            f"{where}: sending its sliding layers' window pages from more than one rank is "
+            "not built; serve it over native, or at tensor parallel 1"
         )
 
 

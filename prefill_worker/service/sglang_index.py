@@ -12,6 +12,7 @@ from prefill_worker.model import Runner
 from prefill_worker.model.dsa import DeepseekV32LM
 from prefill_worker.model.index_fp8 import can_hold
 from prefill_worker.service.config import Config
+from prefill_worker.tp.leader import local_runner
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,10 @@ log = logging.getLogger(__name__)
 def attach_sglang_index(config: Config, runner: ModelRunner, device: str) -> StateRegions | None:
     """The FP8 index pages' regions (``device`` as the KV pool names it) when SGLang decodes
     are served a DSA model whose index keys SGLang's pool holds (128 values); else None, and
-    such a model's SGLang rooms stay refused (``transfer.state_guard``)."""
+    such a model's SGLang rooms stay refused (``transfer.state_guard``). A TP group's leader
+    keeps them alone: every rank computes the same index keys (the indexer is replicated),
+    and the leader's SGLang backend writes them into every decode rank."""
+    runner = local_runner(runner)
     if "sglang" not in config.transfer.protocols or not isinstance(runner, Runner):
         return None
     model = runner.model

@@ -52,6 +52,7 @@ from prefill_worker.service.metrics import WorkerMetrics
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
+from prefill_worker.tp.leader import local_runner
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.decode.pool import pool_device
 from prefill_worker.transfer.draft import DraftSide
@@ -361,12 +362,19 @@ def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
 
 def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:
     """A hybrid linear-attention model's state slots staged in SGLang's mamba layout, when
-    SGLang decodes are served (``sglang.mamba``); None otherwise."""
+    SGLang decodes are served (``sglang.mamba``); None otherwise. A TP group's leader stages
+    from its pool of whole slots (``model.state_gather``, filled before the engine hands the
+    request its aux row), and its SGLang backend alone writes every decode rank its state (its
+    share at attention TP > 1); the followers write their KV heads only."""
+    runner = local_runner(runner)
     if "sglang" not in config.transfer.protocols or not isinstance(runner, Runner):
         return None
-    if not isinstance(runner.model, Qwen3NextLM):
+    model = runner.model
+    if not isinstance(model, Qwen3NextLM):
         return None
-    cache, dtype = runner.model.state, config.transfer.sglang_mamba_conv_dtype
+    cache = model.state if model.gather is None else model.gather.whole
+    assert cache is not None, "the leader holds the whole slots"
+    dtype = config.transfer.sglang_mamba_conv_dtype
     layers, device = cache.spec.linear_layers, pool_device(cache.device)
     spec = cache.spec
     groups = ((spec.key_dim, spec.num_k_heads),) * 2 + ((spec.value_dim, spec.num_v_heads),)

@@ -26,9 +26,12 @@ RankSeconds = Callable[[tuple[float, ...]], None]  # each rank's forward seconds
 
 
 class GroupRunner:
-    """A ``ModelRunner`` that runs each plan on every rank of the group."""
+    """A ``ModelRunner`` that runs each plan on every rank of the group. ``local`` is the
+    leader's own runner (its shard, its pools): what start-up reads the leader's model from
+    (the hybrid state's whole slots, a DSA model's index pages), never run directly."""
 
     def __init__(self, runner: ModelRunner, channel: LeaderChannel, on_forward: RankSeconds):
+        self.local = runner
         self._runner, self._channel, self._on_forward = runner, channel, on_forward
 
     def run(self, plan: BatchPlan) -> BatchOutput:
@@ -38,6 +41,11 @@ class GroupRunner:
         self._on_forward(replies.forward_s)
         assert output is not None
         return output
+
+
+def local_runner(runner: ModelRunner) -> ModelRunner:
+    """The leader's own runner behind a group's (``GroupRunner.local``); at TP 1 ``runner``."""
+    return runner.local if isinstance(runner, GroupRunner) else runner
 
 
 class Heartbeat:

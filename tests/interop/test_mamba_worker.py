@@ -14,9 +14,11 @@ receiver. Two prompts over several chunks (70 and 37 tokens, chunks of 32) at on
   counted; its room fails with the reason, and the other decodes go on;
 - a decode of attention TP 2 (two rank processes, shared with ``test_decode_tp.py``) gets
   each rank its KV head and its share of the state (its q, k, v conv channels, 3 of the 6
-  value heads), equal to transformers' and byte for byte the TP-1 decode's.
+  value heads), equal to transformers' and byte for byte the TP-1 decode's;
+- the same two decode shapes from a worker of TP 2 (SGLang's protocol alone; its leader
+  writes the state from its gathered whole slots, each rank its KV head): the same checks.
 
-The worker's pages and aux rows (its state slots) are all back afterwards."""
+The workers' pages and aux rows (their state slots) are all back afterwards."""
 
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ REJECTS = re.compile(r'^prefill_worker_bootstrap_rejects_total\{reason="(\w+)"\}
 
 
 @pytest.fixture(scope="module")
-def served(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def workers(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The worker at TP 1 (native and SGLang) and at TP 2 (SGLang: a group serves one
+    protocol), started together; each waited for by the fixture that serves it."""
     if sglang_version != "0.5.23":
         pytest.skip("hybrid linear-attention models are proven against SGLang 0.5.23")
     tmp_path = tmp_path_factory.mktemp("mamba-worker")
@@ -63,11 +67,30 @@ def served(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # ty
         "transfer.sglang_mamba_conv_dtype=float32",
     )
     one = launch(tmp_path, checkpoint, PAGE, "float32", "native,sglang", "layer_major", *settings)
+    (tmp_path / "tp2").mkdir()
+    group = launch(
+        tmp_path / "tp2", checkpoint, PAGE, "float32", "sglang", "layer_major", *settings,
+        f"parallel.tp_size={TP_SIZE}",
+    )  # fmt: skip
     try:
-        yield checkpoint, one.ready()
-        assert one.worker.child.stop() == 0, one.worker.log()
+        yield checkpoint, one, group
+        for started in (one, group):
+            assert started.worker.child.stop() == 0, started.worker.log()
     finally:
         one.worker.child.kill()
+        group.worker.child.kill()
+
+
+@pytest.fixture(scope="module")
+def served(workers):  # type: ignore[no-untyped-def]
+    checkpoint, one, _ = workers
+    return checkpoint, one.ready()
+
+
+@pytest.fixture(scope="module")
+def served_tp2(workers):  # type: ignore[no-untyped-def]
+    checkpoint, _, group = workers
+    return checkpoint, group.ready()
 
 
 def test_a_hybrid_models_state_lands_in_sglangs_mamba_pool(
@@ -128,7 +151,44 @@ def test_an_attention_tp_2_decode_gets_each_ranks_heads_of_the_state(
         landed = [receive(client, [tp1], ids, tmp_path)[0], receive(client, ranks, ids, tmp_path)]
     finally:
         client.close()
-    (ref_kv, ref_state), per_rank = landed
+    check_ranks(checkpoint, *landed, ids)
+    assert_pools_whole(one.worker)
+
+
+def test_a_tp_2_worker_sends_decodes_of_attention_tp_1_and_2_their_state(
+    decode_process: SglangDecodeProcess,
+    rank_processes: list[SglangDecodeProcess],
+    served_tp2,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    """A worker of TP 2 (each rank one KV head and half the linear heads; the leader gathers
+    whole slots, ``model.state_gather``, and alone writes the state): a decode of attention
+    TP 1 gets every KV head (one from each rank) and the whole state, equal to transformers';
+    each rank of a decode of attention TP 2 its KV head (from the worker rank of that head)
+    and its share of the state, equal to transformers' and byte for byte the TP-1 decode's."""
+    checkpoint, group = served_tp2
+    ids = prompt(PROMPTS[0], seed=78)
+    whole = KVLayout(len(FULL) + len(LINEAR), HEADS, DIM, "float32", PAGE, 128)
+    tp1 = SglangDecode(decode_process, group.sglang, whole, mamba=MambaSpec(LINEAR, SHAPE))
+    half = dataclasses.replace(whole, num_kv_heads=HEADS // TP_SIZE)
+    ranks = [
+        SglangDecode(p, group.sglang, half, mamba=MambaSpec(LINEAR, SHAPE)) for p in rank_processes
+    ]
+    client = BlockingRouterClient(group.worker.ingress)
+    try:
+        landed = [receive(client, [tp1], ids, tmp_path)[0], receive(client, ranks, ids, tmp_path)]
+    finally:
+        client.close()
+    check_against_transformers(hf_model(checkpoint), *landed[0], ids)
+    check_ranks(checkpoint, *landed, ids)
+    assert_pools_whole(group.worker)
+
+
+def check_ranks(checkpoint, reference, per_rank, ids) -> None:  # type: ignore[no-untyped-def]
+    """Each rank's (KV pages, state slot) of a decode of attention TP 2: its KV head and its
+    share of the state equal transformers' and, byte for byte, the TP-1 decode's
+    (``reference``) of the same prompt."""
+    ref_kv, ref_state = reference
     with torch.no_grad():
         layers = hf_model(checkpoint)(torch.tensor([ids]), use_cache=True).past_key_values.layers
     k_heads, v_heads, dk, dv, kernel = SHAPE
@@ -163,7 +223,6 @@ def test_an_attention_tp_2_decode_gets_each_ranks_heads_of_the_state(
             torch.testing.assert_close(temporal, expected, atol=TOL, rtol=0)
             ref_temporal = as_fp32(ref_state[f"temporal{index}"]).view(v_heads, dv, dk)[heads]
             assert temporal.numpy().tobytes() == ref_temporal.contiguous().numpy().tobytes()
-    assert_pools_whole(one.worker)
 
 
 def receive(

@@ -4,7 +4,8 @@ Order of a successful push::
 
     send_pages × n   WRITE K,V of the chunk's pages into the pages the decode named (a
                      paged state component, a DSA model's index keys: its pages too, into
-                     the same decode pages of its own pool)
+                     the same decode pages of its own pool, also into a decode rank whose
+                     KV another rank of a TP group writes: every rank holds the same keys)
     send_aux         remembered; once no page write is in flight: the state slot's WRITE
                      (a model with state: every run of the request's slot into the decode's
                      ``dst_state_slot``; a rank holding a share of it, ``Peer.local_state``,
@@ -197,14 +198,14 @@ class PushSender(Generic[P]):
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
             except ValueError as exc:
                 return self.fail(str(exc))
-            if not len(src) or not peer.is_fed:
+            if not len(src):
                 continue
-            if peer.route is None:
+            if peer.is_fed and peer.route is None:
                 self._post_pages(peer, src, dst)
-                if self._has_paged_state:
-                    self._post_state_pages(peer, src, dst)
-            else:  # prompt page of src[0]: after the pages the decode holds
+            elif peer.is_fed:  # prompt page of src[0]: after the pages the decode holds
                 self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
+            if self._has_paged_state:  # into every decode rank, whoever writes its KV
+                self._post_state_pages(peer, src, dst)
 
     def send_aux(self, aux_row: int) -> None:
         if not self._state.is_terminal:

@@ -17,9 +17,15 @@ names for the KV, in the same order. So from our pools::
 and the push writes an index page with its KV page, as a native decode's index keys
 (``transfer.push.sender``, a ``PAGES`` component). Refused by name: a decode with no index
 pool, one that registered another component beside it (``dsa_tail``: SGLang's pooled index
-keys, ``index_kpool`` > 1), one of attention TP > 1 (not proven), an index pool whose page is
-not ours (page size, index head), or that holds fewer pages than its KV pool, or is past
-``transfer.max_peer_pages``; a request whose index pages are not its KV pages.
+keys, ``index_kpool`` > 1), an index pool whose page is not ours (page size, index head), or
+that holds fewer pages than its KV pool, or is past ``transfer.max_peer_pages``; a request
+whose index pages are not its KV pages.
+
+A decode of attention TP d > 1 holds the whole latent and the whole index pool on each rank
+(neither is split by heads: SGLang's indexer is replicated), so each rank registers as above
+and is written every index page; so is each rank of ours at TP > 1 (the indexer replicated
+here too), and the leader alone writes them, into every decode rank, whichever rank writes
+that decode rank's latent (``push.sender``; the MLA plan of ``transfer.headplan``).
 """
 
 from __future__ import annotations
@@ -73,8 +79,6 @@ def accept_index_pool(
             f"the decode registered {len(reg.state)} state components; a DSA decode holds one "
             "(dsa; SGLang's pooled index keys, index_kpool > 1 with dsa_tail, are not served)"
         )
-    if reg.tp_size != 1:
-        return _unsupported(f"a DSA decode of attention TP {reg.tp_size}: run it at TP 1")
     dsa = reg.state[0]
     if dsa.dims or dsa.layer_ids:
         return _unsupported("the decode's state component is not a DSA index pool")

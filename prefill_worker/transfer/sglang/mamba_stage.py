@@ -20,7 +20,7 @@ written; a CUDA pool's copy is waited for before it returns.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,7 +30,9 @@ from prefill_worker.kv.state_layout import (
     StateRegions,
     StateTensor,
 )
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import ForwardingSender, KVSender
+from prefill_worker.transfer.nixl.poster import Write
 from prefill_worker.transfer.slot_stage import SlotStage
 
 CONV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -105,15 +107,22 @@ class MambaStage:
 
 
 class RankedSender(KVSender, Protocol):
-    """A sender that knows how many ranks its decode has (``PushSender``)."""
+    """A sender that knows how many ranks its decode has, and which decode ranks it is bound
+    to (``PushSender``; ``transfer.group.Bound``)."""
 
     @property
     def num_ranks(self) -> int: ...
 
+    def bound(self) -> Sequence[tuple[Any, wire.Want]]: ...
+
+    def also_wait_for(self, writes: Write) -> None: ...
+
 
 class StagingSender(ForwardingSender):
     """A sender whose request's state slot is staged (``stage``) when its aux row is handed
-    over, just before the inner sender is; everything else is the inner sender's."""
+    over, just before the inner sender is; everything else is the inner sender's, what a TP
+    group's mirror asks of it too (``bound``, ``also_wait_for``: the followers write their
+    KV heads beside it, ``transfer.group``)."""
 
     def __init__(self, inner: RankedSender, stage: SlotStage) -> None:
         super().__init__(inner)
@@ -123,6 +132,12 @@ class StagingSender(ForwardingSender):
         if not self._inner.poll().is_terminal:
             self._stage.fill(aux_row, self._ranked.num_ranks)
         self._inner.send_aux(aux_row)
+
+    def bound(self) -> Sequence[tuple[Any, wire.Want]]:
+        return self._ranked.bound()
+
+    def also_wait_for(self, writes: Write) -> None:
+        self._ranked.also_wait_for(writes)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,7 +1,8 @@
 """A paged state component on the native push (a DSA model's index keys): each chunk's pages of
 it go with the chunk's KV pages, into the same decode pages of the decode's own pool of it, one
 write per chunk; nothing is written for it at the end (no slot), so the aux row follows the
-pages directly. A want naming a state slot, or pages the decode's pool of it lacks, is refused
+pages directly; a decode rank whose KV another rank of a TP group writes gets them too. A
+want naming a state slot, or pages the decode's pool of it lacks, is refused
 before a byte is written. Against the scripted agent of ``test_push_sender``."""
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def test_each_chunk_writes_its_index_pages_into_the_decode_pages_of_its_kv(rig: 
     assert rig.agent.handles[4].args[1] == "aux"
     # two chunks of 2 pages: K/V of 2 layers (512 bytes a page), index keys of 3 layers
     assert sender.transfer_stats().bytes == 2 * 2 * (PAGE_RUN_BYTES + 3 * 384)
+
+
+def test_a_decode_rank_another_rank_feeds_still_gets_the_index_pages(rig: Rig) -> None:
+    """A TP group's leader whose head plan leaves a decode rank's KV to a follower (an MLA
+    decode rank of attention TP 2: its latent from worker rank 1) writes it the index pages
+    all the same: every rank of ours holds the same keys, and only the leader sends them."""
+    rig.peer.is_fed = False
+    sender = bind(rig, [3, 4, 5, 6])
+    sender.send_pages([8, 1], 0)
+    [index] = rig.agent.handles  # no K/V write: only the index pages
+    assert (index.args[1], index.args[3]) == ("index", "decode-index")
+    assert list(index.args[4]) == [3, 4, 19, 20, 35, 36]
 
 
 def test_a_decode_prefix_skips_its_index_pages_as_its_kv_pages(rig: Rig) -> None:

@@ -57,6 +57,16 @@ def test_a_dsa_registration_is_its_mla_pool_and_an_index_pool() -> None:
     assert pool.index.base_addrs == (tuple(IX_PTRS),) and pool.index.device == "cpu"
 
 
+def test_each_rank_of_an_attention_tp_2_decode_holds_the_whole_index_pool() -> None:
+    """Neither the latent nor the index keys split by attention TP: rank 1 of 2 registers
+    (and is accepted with) the same index pool as a decode of TP 1."""
+    reg = dsa_registration(f10=b"2", f11=b"1")
+    assert (reg.tp_size, reg.tp_rank) == (2, 1)
+    pool = accept_index_pool(reg, LAYOUT, ours(), BootstrapLimits())
+    assert not isinstance(pool, Refusal), pool
+    assert pool.index.base_addrs == (tuple(IX_PTRS),) and pool.index.component.num_items == 17
+
+
 def test_a_layer_without_an_indexer_has_a_buffer_of_no_pages() -> None:
     """GLM-5's shared layers: SGLang keeps their place with a buffer of no items."""
     reg = dsa_registration(f13=packed_lists([528, 0], fmt="I"))
@@ -84,7 +94,6 @@ NO_STATE = {"f8": b"", "f13": b"", "f14": b"", "f20": b"", "f24": b""}
             RejectReason.UNSUPPORTED,
             "registered 2 state components",
         ),
-        ({"f10": b"2", "f11": b"0"}, RejectReason.UNSUPPORTED, "DSA decode of attention TP 2"),
         ({"f14": packed_lists([4], fmt="I")}, RejectReason.UNSUPPORTED, "not a DSA index pool"),
         (
             {"f13": packed_lists([512, 512], fmt="I")},

@@ -386,6 +386,12 @@ class Inner:
     def close(self) -> None:
         self.calls.append(("close",))
 
+    def bound(self):  # type: ignore[no-untyped-def]
+        return [("peer", "want")]
+
+    def also_wait_for(self, writes) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("wait for", writes))
+
 
 class Recording:
     def __init__(self) -> None:
@@ -529,3 +535,16 @@ def test_a_tp_1_decode_takes_whole_slots() -> None:
     rig.send(mamba_registration())
     [peer] = rig.peers.values()
     assert peer.local_state is None
+
+
+def test_a_tp_groups_mirror_sees_the_decode_ranks_it_is_bound_to() -> None:
+    """At TP > 1 the group's mirror binds the followers' writes to the decode ranks the
+    leader's sender is bound to (``transfer.group.Bound``); a staging sender that hid them
+    let the followers write no KV head while the room still succeeded."""
+    from prefill_worker.transfer.group import Bound
+
+    inner = Inner()
+    sender = StagingSender(inner, Recording())
+    assert isinstance(sender, Bound) and sender.bound() == [("peer", "want")]
+    sender.also_wait_for("writes")  # type: ignore[arg-type]
+    assert inner.calls == [("wait for", "writes")]
