@@ -79,11 +79,13 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
     """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from more than one
     rank yet, though the model runs sharded: a DSA model's index keys (the followers write
     no state component: a decode rank a follower feeds would get none), a hybrid model's
-    linear-attention state over any protocol but native (the leader gathers whole slots,
-    ``model.state_gather``, and only its native backend sends them; SGLang's and vLLM's
-    decodes of a group would get KV without state), and a hybrid-SWA model's window pages
-    to SGLang decodes (routed by the leader alone). gpt-oss and Gemma 3 over the native
-    protocol send head slices of every page, as a dense model."""
+    linear-attention state over any protocol but native or vllm alone (the leader gathers
+    whole slots, ``model.state_gather``; its native backend sends them, its vLLM backend
+    stages them in vLLM's page layout; SGLang's decodes of a group would get KV without
+    state), and a hybrid-SWA model's window pages to SGLang decodes (routed by the leader
+    alone). gpt-oss and Gemma 3 over the native protocol send head slices of every page, as
+    a dense model; over vllm the group's shared staging holds every head, as for a dense
+    model (docs/vllm.md, "Workers with TP > 1")."""
     if tp_size == 1:
         return
     if spec.indexer is not None:
@@ -91,11 +93,12 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
             f"{spec.architecture} at tensor parallel {tp_size}: the transfer of its index "
             "keys (DSA) from a tensor-parallel group is not built; run it at tensor parallel 1"
         )
-    if spec.linear is not None and tuple(protocols) != ("native",):
+    if spec.linear is not None and tuple(protocols) not in (("native",), ("vllm",)):
         raise ValueError(
             f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}: "
             "a tensor-parallel group sends its linear-attention state to native decodes "
-            "only; serve it over native, or at tensor parallel 1"
+            "and vLLM 0.34 pull decodes only; serve it over native or vllm, or at tensor "
+            "parallel 1"
         )
     if "sglang" in protocols and spec.architecture in HYBRID_SWA_ARCHITECTURES:
         raise ValueError(

@@ -197,13 +197,15 @@ def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
 
 
 def test_a_tp_group_is_refused_only_for_sglang_decodes(checkpoint):
-    """At TP 2 the native protocol sends head slices of every page (as for a dense model);
-    SGLang's hybrid SWA window is routed by the leader alone, so that is refused at start."""
+    """At TP 2 the native protocol sends head slices of every page (as for a dense model) and
+    vLLM's decodes read every rank's heads from the shared staging region; SGLang's hybrid
+    SWA window is routed by the leader alone, so that is refused at start."""
     from prefill_worker.model.hf_config import read_spec
     from prefill_worker.service.group_startup import check_group_transfer
 
     spec = read_spec(checkpoint)
     check_group_transfer(spec, 2, ("native",))
+    check_group_transfer(spec, 2, ("vllm",))
     check_group_transfer(spec, 1, ("sglang",))
     with pytest.raises(ValueError, match="window pages from more than one rank"):
         check_group_transfer(spec, 2, ("sglang",))

@@ -185,13 +185,15 @@ def test_a_tp_size_that_does_not_split_the_key_heads_is_refused_at_start(checkpo
 
 
 def test_a_tp_group_over_sglang_is_refused_before_any_rank_starts(checkpoint, tmp_path):
-    """The daemon's TP start-up refuses a hybrid model over any protocol but native (here
-    SGLang's; vLLM's alike, ``check_group_transfer``) as a configuration error (exit 78)
-    before it starts a follower (the rank command here would fail if it ran): the group's
-    leader gathers whole state slots, which only its native backend sends
-    (tests/integration/daemon/test_hybrid_daemon.py serves it at TP 2)."""
+    """The daemon's TP start-up refuses a hybrid model over any protocol but native or vLLM
+    (here SGLang's, ``check_group_transfer``) as a configuration error (exit 78) before it
+    starts a follower (the rank command here would fail if it ran): the group's leader
+    gathers whole state slots, which only its native and vLLM backends send
+    (tests/integration/daemon/test_hybrid_daemon.py serves it at TP 2 to native decodes,
+    tests/interop/test_vllm_worker_tp.py to vLLM's)."""
+    from prefill_worker.model.hf_config import read_spec
     from prefill_worker.service.config import load_config
-    from prefill_worker.service.group_startup import start_tp_group
+    from prefill_worker.service.group_startup import check_group_transfer, start_tp_group
     from prefill_worker.service.startup import StartupError
     from prefill_worker.tp.group import Placement
 
@@ -201,6 +203,7 @@ def test_a_tp_group_over_sglang_is_refused_before_any_rank_starts(checkpoint, tm
     started = tmp_path / "started"
     command = ["sh", "-c", f"touch {started}"]
     refusal = "over sglang: a tensor-parallel group sends its linear-attention state to native"
+    check_group_transfer(read_spec(checkpoint), 2, ("vllm",))  # the leader stages whole slots
     with pytest.raises(StartupError, match=refusal) as caught:
         start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None, b"")
     assert caught.value.exit_code == 78 and caught.value.step == "tp group"
