@@ -8,9 +8,15 @@ then pulled at once, each exact; a decode of TP 2 (two vLLM processes, a head ea
 each rank's head and its two notifications end the hold; every staging block back after.
 A prompt that hits the worker's prefix cache mid-block is repacked by every rank (its own
 heads) and the rest mirrored, pulled exactly. vLLM's push decode of each version
-(``conftest.vllm_push_decodes``) gets the same prompts WRITten, both heads exact. The
-worker runs with optimistic prefill off (the chunks are the same whatever the timing, as in
-the other TP interop tests)."""
+(``conftest.vllm_push_decodes``) gets the same prompts WRITten, both heads exact, and a push
+decode of TP 2 (opened beside the pull decode of TP 2) gets each rank its head.
+
+The hybrids at worker TP 2, into vLLM 0.34 decodes of TP 1 (opened beside the session's
+decode) and TP 2 (beside the module's): gpt-oss (each KV-cache group's blocks, a sliding
+group's its window's) and Qwen3-Next (the prompt cut one token short; each decode rank's
+share of every state page, byte for byte its worker rank's own share), checked by
+``vllm_hybrid_checks``. The workers run with optimistic prefill off (the chunks are the same
+whatever the timing, as in the other TP interop tests)."""
 
 from __future__ import annotations
 
@@ -386,7 +392,7 @@ def _assert_gdn_pulls(
     together: transformers' after ``ids[:-1]``, and byte for byte each worker rank's share
     of one state slot); every block, page and slot back."""
     worker, api, checkpoint = served
-    for n in (2, 40, 70):
+    for n in (2, 70):  # one token loaded; three blocks over several chunks
         ids = prompt(n, seed=900 + n + 10 * len(ranks))
         params = _prefill(api, ids, HYBRID)
         loaded = ids[:-1]
