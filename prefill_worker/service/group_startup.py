@@ -80,10 +80,12 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
     tensor-parallel group yet, though the model runs sharded; one condition per protocol and
     kind (a group serves one protocol: ``service.schema``). Served: a DSA model's index keys
     to SGLang decodes (every rank holds them; the leader writes them into every decode rank),
-    a linear-attention hybrid's state to native and SGLang decodes (the leader gathers whole
-    slots, ``model.state_gather``, and writes each decode rank its state or its share), and
-    gpt-oss's and Gemma 3's pages to native decodes (head slices of every page, as a dense
-    model's). Refused below: the rest."""
+    a linear-attention hybrid's state to native, SGLang and vLLM 0.34 decodes (the leader
+    gathers whole slots, ``model.state_gather``, and writes each decode rank its state or its
+    share; its vLLM backend stages them in vLLM's page layout), and gpt-oss's and Gemma 3's
+    pages to native decodes (head slices of every page, as a dense model's) and vLLM decodes
+    (the group's shared staging holds every head: docs/vllm.md, "Workers with TP > 1").
+    Refused below: the rest."""
     if tp_size == 1:
         return
     where = f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}"
@@ -96,11 +98,6 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
         raise ValueError(
             f"{where}: the transfer of its index keys (DSA) to vLLM decodes is not built; "
             "serve it over sglang, or at tensor parallel 1"
-        )
-    if spec.linear is not None and "vllm" in protocols:
-        raise ValueError(
-            f"{where}: a tensor-parallel group sends its linear-attention state to native "
-            "and SGLang decodes only; serve it over one of those, or at tensor parallel 1"
         )
     if spec.architecture in HYBRID_SWA_ARCHITECTURES and "sglang" in protocols:
         raise ValueError(

@@ -10,8 +10,9 @@ A test tool, never imported by the worker. ``python -m prefill_worker.testing.tp
 - ``--fail-how stop`` (with ``--fail-rank R --fail-on MARKER``): rank R stops itself
   (SIGSTOP) at the start of such a forward instead, as a rank frozen mid-forward would be;
 - ``--dump-dir DIR``: every rank saves its whole KV pool at exit, as ``DIR/rank{R}.pt``
-  (``{"k": [L][P, page_size, KV, D], "v": ...}``), so a test can compare the ranks' head
-  slices with a TP-1 worker's pool;
+  (``{"k": [L][P, page_size, KV, D], "v": ...}``; a hybrid model's also its own state pool,
+  ``"conv"`` ``[L, slots, C / N, K - 1]`` and ``"recurrent"`` ``[L, slots, Hv / N, Dk, Dv]``,
+  this rank's heads), so a test can compare the ranks' head slices with a TP-1 worker's pool;
 - ``--dump-on-signal`` (with ``--dump-dir``): also on each SIGUSR2, while it serves (written
   aside, then renamed: the file appears whole), so a test can read the pool of a live worker
   after a request, before later requests reuse its pages. Only a worker with no request in
@@ -52,7 +53,8 @@ class FailingRunner:
         return self._runner.run(plan)
 
 
-def dump_pool(kv_cache: KVCache, path: Path) -> None:
+def dump_pool(kv_cache: KVCache, path: Path, state: Any = None) -> None:
+    """``state``: a hybrid model's ``StateCache`` (this rank's heads), dumped beside."""
     layout = kv_cache.layout
     pages = range(layout.num_pages)
     k, v = [], []
@@ -60,14 +62,18 @@ def dump_pool(kv_cache: KVCache, path: Path) -> None:
         both = [kv_cache.read_page(layer, page) for page in pages]
         k.append(torch.stack([pair[0] for pair in both]).clone())
         v.append(torch.stack([pair[1] for pair in both]).clone())
+    dump: dict[str, Any] = {"k": k, "v": v}
+    if state is not None:
+        dump["conv"] = state.stacked_conv.clone()
+        dump["recurrent"] = state.stacked_recurrent.clone()
     partial = path.with_suffix(".partial")
-    torch.save({"k": k, "v": v}, partial)
+    torch.save(dump, partial)
     os.replace(partial, path)
 
 
-def dump_on_signal(kv_cache: KVCache, path: Path) -> None:
+def dump_on_signal(kv_cache: KVCache, path: Path, state: Any = None) -> None:
     """SIGUSR2 dumps the pool (a handler of the main thread, where the daemon builds it)."""
-    signal.signal(signal.SIGUSR2, lambda *_: dump_pool(kv_cache, path))
+    signal.signal(signal.SIGUSR2, lambda *_: dump_pool(kv_cache, path, state))
 
 
 def builder(options: argparse.Namespace) -> Callable[..., Any]:
@@ -76,9 +82,10 @@ def builder(options: argparse.Namespace) -> Callable[..., Any]:
         rank_index = kwargs["tp"].rank
         if options.dump_dir:
             path = Path(options.dump_dir) / f"rank{rank_index}.pt"
-            atexit.register(dump_pool, kv_cache, path)
+            state = getattr(getattr(runner, "model", None), "state", None)  # a hybrid's
+            atexit.register(dump_pool, kv_cache, path, state)
             if options.dump_on_signal:
-                dump_on_signal(kv_cache, path)
+                dump_on_signal(kv_cache, path, state)
         if options.fail_on and options.fail_rank == rank_index:
             failing = FailingRunner(runner, rank_index, options.fail_on, options.fail_how)
             return failing, kv_cache, info

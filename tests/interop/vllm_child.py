@@ -141,8 +141,9 @@ class Pull:
 
 class Decode:
     def __init__(self, spec: dict[str, Any], is_first: bool = True) -> None:
-        """``is_first`` False: another decode in this process (``open``), of TP 1, sharing
-        the first one's distributed state; its config is current while it is built."""
+        """``is_first`` False: another decode in this process (``open``), of the first one's
+        TP size and rank, sharing its distributed state (vLLM's TP group is the process's);
+        its config is current while it is built."""
         self.spec, self.config = spec, vllm_config(spec)
         self.tp_size, tp_rank = int(spec.get("tp_size", 1)), int(spec.get("tp_rank", 0))
         if is_first:
@@ -158,7 +159,6 @@ class Decode:
             ensure_model_parallel_initialized(self.tp_size, 1)
             self._connect(spec)
             return
-        assert self.tp_size == 1, "a second decode in the process is TP 1"
         with set_current_vllm_config(self.config):
             self._connect(spec)
 
@@ -359,8 +359,10 @@ def _handle(decodes: dict[str, Decode], command: dict[str, Any]) -> dict[str, An
     """``command["decode"]``: which decode of this process (default the first, "main")."""
     op = command["op"]
     if op == "open":  # another decode, its spec the first's with ``spec``'s changes
-        name = command["name"]
-        decodes[name] = Decode({**decodes["main"].spec, **command["spec"]}, is_first=False)
+        name, spec = command["name"], command["spec"]
+        if {"tp_rank", "tp_size", "dist_port"} & set(spec):
+            raise ValueError("a decode opened beside the first shares its TP rank and group")
+        decodes[name] = Decode({**decodes["main"].spec, **spec}, is_first=False)
         return {}
     decode = decodes[command.get("decode", "main")]
     if op == "info":

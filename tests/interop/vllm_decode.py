@@ -26,10 +26,12 @@ deadline, so a test never hangs)::
     meta                         -> payload: a push decode rank's handshake payload (hex)
     serve    payloads            rank 0 of a push decode of TP > 1 serves every rank's
                                    payload (hex, in rank order) on its side channel
-    open     name, spec          another decode in the process (TP 1; vLLM's import and
-                                   distributed state shared), its spec the first's with
-                                   ``spec``'s changes (``cache_dtype``: its kv_cache_dtype,
-                                   ``engine_id``); a command with ``decode: name`` is its
+    open     name, spec          another decode in the process (the first's TP rank of
+                                   its TP size; vLLM's import and distributed state
+                                   shared), its spec the first's with ``spec``'s changes
+                                   (``cache_dtype``: its kv_cache_dtype, ``engine_id``,
+                                   ``model_dir``, ``transfer_mode``, ``side_channel_port``);
+                                   a command with ``decode: name`` is its
     quit
 """
 

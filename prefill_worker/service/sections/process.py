@@ -45,8 +45,8 @@ class ParallelConfig(Section):
         description="Tensor-parallel ranks behind this worker; `serve` starts them itself "
         "(under torchrun, RANK/WORLD_SIZE decide instead). Must split the attention heads. "
         "Above 1, `transfer.protocol` must be native, sglang or vllm alone (vllm: the group on "
-        "one host; docs/vllm.md); native for a hybrid linear-attention model (Qwen3-Next, "
-        "Qwen3.5: docs/parallelism.md).",
+        "one host; docs/vllm.md); native or vllm for a hybrid linear-attention model "
+        "(Qwen3-Next, Qwen3.5: docs/parallelism.md).",
     )
     dp_size: int = Field(
         1,

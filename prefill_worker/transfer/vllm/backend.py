@@ -59,7 +59,6 @@ from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingLayout,
     StagingPool,
-    StagingRefused,
     staging_layout,
 )
 from prefill_worker.transfer.vllm.state_staging import StateStaging
@@ -165,9 +164,7 @@ class VllmBackend:
         layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
         staging = StagingPool(layout, None if group is None else group.buffer)
         self.state_staging: StateStaging | None = None  # a linear hybrid's state pages
-        if options.state is not None:
-            if group is not None:
-                raise StagingRefused("vLLM decodes of a linear-attention model: worker TP 1 only")
+        if options.state is not None:  # at TP > 1 the leader's whole slots (state_gather)
             blocks, page_bytes = staging.layout.num_blocks, staging.layout.block_bytes
             ssm_dtype = options.state_ssm_dtype
             self.state_staging = StateStaging(options.state, blocks, page_bytes, ssm_dtype)

@@ -184,28 +184,17 @@ def test_a_tp_size_that_does_not_split_the_key_heads_is_refused_at_start(checkpo
         ours(checkpoint, tp=TPGroup(rank=0, size=4, group=None))
 
 
-def test_a_tp_group_over_vllm_is_refused_before_any_rank_starts(checkpoint, tmp_path):
-    """The daemon's TP start-up refuses a hybrid model over vLLM's protocol
-    (``check_group_transfer``) as a configuration error (exit 78) before it starts a
-    follower (the rank command here would fail if it ran): the group's leader gathers whole
-    state slots, which its native and SGLang backends send (tests/integration/daemon/
-    test_hybrid_daemon.py, tests/interop/test_mamba_worker.py serve it at TP 2)."""
-    from prefill_worker.service.config import load_config
-    from prefill_worker.service.group_startup import start_tp_group
-    from prefill_worker.service.startup import StartupError
-    from prefill_worker.tp.group import Placement
+def test_a_tp_group_serves_its_state_over_every_protocol(checkpoint):
+    """At TP 2 the group's leader gathers whole state slots (``model.state_gather``), which
+    its native, SGLang and vLLM backends all send (tests/integration/daemon/
+    test_hybrid_daemon.py, tests/interop/test_mamba_worker.py and test_vllm_worker_tp.py serve
+    it at TP 2), so ``check_group_transfer`` refuses none of them."""
+    from prefill_worker.model.hf_config import read_spec
+    from prefill_worker.service.group_startup import check_group_transfer
 
-    root = Path(__file__).resolve().parents[3]
-    overrides = [f"model.path={checkpoint}", "cache.num_pages=8", "transfer.protocol=vllm"]
-    overrides.append("http_api.enabled=true")
-    config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
-    started = tmp_path / "started"
-    command = ["sh", "-c", f"touch {started}"]
-    refusal = "over vllm: a tensor-parallel group sends its linear-attention state to native"
-    with pytest.raises(StartupError, match=refusal) as caught:
-        start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None, b"")
-    assert caught.value.exit_code == 78 and caught.value.step == "tp group"
-    assert not started.exists()
+    spec = read_spec(checkpoint)
+    for protocol in ("native", "sglang", "vllm"):
+        check_group_transfer(spec, 2, (protocol,))
 
 
 def test_the_daemon_loads_it_with_one_state_slot_per_aux_row(checkpoint):
