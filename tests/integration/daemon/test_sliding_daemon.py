@@ -89,13 +89,23 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
             return all(line in metrics.splitlines() for line in used)
 
         wait_until(pools_whole, 30, "every aux row and page back")
-        stored = [e for e in published_events(worker) if e["type"] == "BlockStored"]
+        full_pages = len(ids) // 4
+
+        def stored_events() -> list[dict[str, object]]:
+            return [e for e in published_events(worker) if e["type"] == "BlockStored"]
+
+        def stored_tokens() -> int:
+            return sum(len(e["token_ids"]) for e in stored_events())  # type: ignore[arg-type]
+
+        # the publisher thread sends a batch after the cache stored it: wait for the last one
+        wait_until(lambda: stored_tokens() >= full_pages * 4, 30, "every full page's event")
+        stored = stored_events()
         assert {(e["group_idx"], e["kv_cache_spec_kind"]) for e in stored} == {
             (FULL_GROUP[family], "full_attention")
         }
         assert not any("kv_cache_spec_sliding_window" in e for e in stored)
         tokens = [t for e in stored for t in e["token_ids"]]
-        assert tokens == ids[: len(ids) // 4 * 4]  # every full page of 4, once
+        assert tokens == ids[: full_pages * 4]  # every full page of 4, once
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
