@@ -68,6 +68,12 @@ class SlidingPageTable:
         assert page_size > 0 and window > 0 and chunk_size > 0
         self.pool, self.page_size, self.window = pool, page_size, window
         self.quota = max_pages_per_request(window, chunk_size, page_size)
+        if self.quota > pool.num_pages:
+            raise ValueError(
+                f"cache.sliding_pages {pool.num_pages}: one request's window and two chunks "
+                f"need {self.quota} (window {window}, chunk_size {chunk_size}, page_size "
+                f"{page_size})"
+            )
         self._held: dict[str, _Sliding] = {}
         self._unspent = 0  # quotas not yet allocated, summed over requests
 
@@ -78,10 +84,6 @@ class SlidingPageTable:
     def num_available_pages(self) -> int:
         """Free pages no running request's quota already counts on."""
         return self.pool.num_free - self._unspent
-
-    def can_ever_fit(self) -> bool:
-        """False when the pool cannot hold even one request's quota."""
-        return self.quota <= self.pool.num_pages
 
     def try_reserve(self, request_id: str, num_tokens: int) -> bool:
         """Count the request's quota against the pool; False (nothing changed) when short."""

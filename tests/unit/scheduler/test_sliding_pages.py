@@ -85,6 +85,7 @@ def test_overlapped_chunks_always_find_their_window(
     pool = PagePool(sliding_pool_pages(window, chunk, PS, len(prompts)))
     table = SlidingPageTable(pool, PS, window, chunk)
     in_flight: dict[str, int] = {}  # request -> end of its chunk in the forward
+    written: dict[str, tuple[int, ...]] = {}  # request -> its entries as its last chunk wrote
     progress = {f"r{i}": 0 for i in range(len(prompts))}
     lengths = {f"r{i}": n for i, n in enumerate(prompts)}
     for rid, n in lengths.items():
@@ -96,6 +97,9 @@ def test_overlapped_chunks_always_find_their_window(
             entries = table.pages_for(rid, start, end)
             for pos in range(max(0, start - window + 1), end):
                 assert entries[pos // PS] != NO_PAGE, (rid, pos)
+            for pos in range(max(0, start - window + 1), start):  # the same page as written
+                assert entries[pos // PS] == written[rid][pos // PS], (rid, pos)
+            written[rid] = entries
             planned[rid] = end
         for rid, end in in_flight.items():  # the previous forward is consumed
             table.chunk_done(rid, end)
