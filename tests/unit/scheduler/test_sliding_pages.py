@@ -3,6 +3,7 @@ pages once no later query sees them, never runs short inside its quota, returns 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,19 +72,50 @@ def test_release_mid_prefill_returns_held_pages_and_quota() -> None:
     table.check_integrity()
 
 
+@pytest.mark.parametrize(("page_size", "window", "chunk_size"), [(0, 1, 1), (1, 0, 1), (1, 1, 0)])
+def test_a_size_of_0_is_refused(page_size: int, window: int, chunk_size: int) -> None:
+    with pytest.raises(AssertionError):
+        SlidingPageTable(PagePool(64), page_size, window, chunk_size)
+
+
+def test_page_size_1_holds_exactly_the_window() -> None:
+    pool = PagePool(16)
+    table = SlidingPageTable(pool, 1, window=3, chunk_size=2)
+    assert table.try_reserve("r", 8)
+    assert NO_PAGE not in table.pages_for("r", 0, 2)
+    table.chunk_done("r", 2)  # later queries see positions >= 0: nothing freed
+    assert NO_PAGE not in table.get("r")
+    entries = table.pages_for("r", 2, 4)
+    assert NO_PAGE not in entries and len(entries) == 4
+    table.chunk_done("r", 4)  # later queries see >= 2
+    assert [p == NO_PAGE for p in table.get("r")] == [True, True, False, False]
+    table.release("r")
+    table.check_integrity()
+
+
+def test_integrity_names_a_leaked_sliding_page() -> None:
+    pool = PagePool(16)
+    table = SlidingPageTable(pool, PS, window=3, chunk_size=4)
+    pool.try_alloc(1)
+    with pytest.raises(AssertionError, match=r"^a sliding page leaked$"):
+        table.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
+    page_size=st.sampled_from([1, PS]),
     window=st.integers(1, 20),
-    chunk=st.integers(1, 3).map(lambda n: n * PS),
+    chunk=st.integers(1, 3),
     prompts=st.lists(st.integers(1, 60), min_size=1, max_size=4),
 )
 def test_overlapped_chunks_always_find_their_window(
-    window: int, chunk: int, prompts: list[int]
+    page_size: int, window: int, chunk: int, prompts: list[int]
 ) -> None:
     """Requests advance one chunk per step, the next chunk planned before the previous one is
     consumed (overlapped forwards): every chunk finds ``[start - window + 1, end)`` held."""
-    pool = PagePool(sliding_pool_pages(window, chunk, PS, len(prompts)))
-    table = SlidingPageTable(pool, PS, window, chunk)
+    chunk *= page_size
+    pool = PagePool(sliding_pool_pages(window, chunk, page_size, len(prompts)))
+    table = SlidingPageTable(pool, page_size, window, chunk)
     in_flight: dict[str, int] = {}  # request -> end of its chunk in the forward
     written: dict[str, tuple[int, ...]] = {}  # request -> its entries as its last chunk wrote
     progress = {f"r{i}": 0 for i in range(len(prompts))}
@@ -96,9 +128,9 @@ def test_overlapped_chunks_always_find_their_window(
             end = min(start + chunk, lengths[rid])
             entries = table.pages_for(rid, start, end)
             for pos in range(max(0, start - window + 1), end):
-                assert entries[pos // PS] != NO_PAGE, (rid, pos)
+                assert entries[pos // page_size] != NO_PAGE, (rid, pos)
             for pos in range(max(0, start - window + 1), start):  # the same page as written
-                assert entries[pos // PS] == written[rid][pos // PS], (rid, pos)
+                assert entries[pos // page_size] == written[rid][pos // page_size], (rid, pos)
             written[rid] = entries
             planned[rid] = end
         for rid, end in in_flight.items():  # the previous forward is consumed
@@ -108,7 +140,7 @@ def test_overlapped_chunks_always_find_their_window(
     for rid, end in in_flight.items():
         table.chunk_done(rid, end)
         tail = [i for i, p in enumerate(table.get(rid)) if p != NO_PAGE]
-        assert tail == list(range(max(0, end - window + 1) // PS, -(-end // PS)))
+        assert tail == list(range(max(0, end - window + 1) // page_size, -(-end // page_size)))
     for rid in lengths:
         table.release(rid)
     assert pool.num_free == pool.num_pages
