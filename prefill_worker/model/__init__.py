@@ -243,10 +243,10 @@ def build(
     with_draft_layers = num_pooled + num_draft_layers(draft)
     budgeted = dataclasses.replace(one_page, num_layers=with_draft_layers)
     index_bytes = 0 if index_cache is None else index_cache.bytes_per_page
-    if space is not None:
-        reserved = 2 * len(space.layers) * space.num_pages * one_page.page_bytes
-        memory_bytes = None if memory_bytes is None else memory_bytes - reserved
-    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction, index_bytes)
+    reserved = 0 if space is None else 2 * len(space.layers) * space.num_pages * one_page.page_bytes
+    pages = pool_num_pages(
+        budgeted, dev, num_pages, memory_bytes, memory_fraction, index_bytes, reserved
+    )
     if index_cache is not None:
         index_cache.allocate(pages)
         log.info("index cache (DSA): %d bytes beside the pool", index_cache.num_bytes)

@@ -62,20 +62,22 @@ def pool_num_pages(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     extra_page_bytes: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages per layer from the first size given: a count, a byte budget, or (CUDA) a
     fraction of the device memory free right now. ``layout.num_pages`` is ignored.
-    ``extra_page_bytes``: what each page also costs beside the pool (a DSA index cache)."""
+    ``extra_page_bytes``: what each page also costs beside the pool (a DSA index cache);
+    ``reserved_bytes``: what a budget gives another pool first (a windowed sliding pool)."""
     bytes_per_page = layout.planes * layout.num_layers * layout.page_bytes + extra_page_bytes
     if num_pages is not None:
         count = num_pages
     elif memory_bytes is not None:
-        count = memory_bytes // bytes_per_page
+        count = (memory_bytes - reserved_bytes) // bytes_per_page
     elif memory_fraction is not None:
         if device.type != "cuda":
             raise ValueError("cache.memory_fraction needs a CUDA device; set num_pages instead")
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        count = int(free_bytes * memory_fraction) // bytes_per_page
+        count = (int(free_bytes * memory_fraction) - reserved_bytes) // bytes_per_page
     else:
         raise ValueError("set one of num_pages, memory_bytes or memory_fraction")
     if count < 1:
@@ -141,13 +143,10 @@ class KVCache:
         self._sliding_storage = torch.zeros(  # [L_sliding, 2, P_sliding, page_size, KV, D]
             (len(sliding.layers), 2, sliding.num_pages, *page), dtype=dtype, device=self.device
         )
-        k: list[torch.Tensor] = [self._storage[0, 0]] * layout.num_layers  # placeholders
-        v = list(k)
-        for i, layer in enumerate(full):
-            k[layer], v[layer] = self._storage[i, 0], self._storage[i, 1]
-        for i, layer in enumerate(sliding.layers):
-            k[layer], v[layer] = self._sliding_storage[i, 0], self._sliding_storage[i, 1]
-        self.k, self.v = tuple(k), tuple(v)
+        planes = {layer: self._storage[i] for i, layer in enumerate(full)}  # [2, P, ...]
+        planes |= {layer: self._sliding_storage[i] for i, layer in enumerate(sliding.layers)}
+        self.k = tuple(planes[layer][0] for layer in range(layout.num_layers))
+        self.v = tuple(planes[layer][1] for layer in range(layout.num_layers))
 
     @property
     def num_bytes(self) -> int:

@@ -124,6 +124,12 @@ def test_a_windowed_pool_holds_the_sliding_layers_apart(family):
     )
     with pytest.raises(ValueError, match="no transfer regions"):
         kv_cache.regions(0, 1)
+    budget = kv_cache.num_bytes + 5 * layer_bytes * len(full)  # room for 5 more full pages
+    _, sized, _ = build(
+        path, dtype="float32", page_size=PAGE_SIZE, num_pages=None, memory_bytes=budget,
+        sliding_pages=table.pool.num_pages,
+    )  # fmt: skip
+    assert sized.layout.num_pages == NUM_PAGES + 5  # the sliding pool's bytes taken first
     ids = prompt(40, seed=1)
     bare = ChunkPlan("a", ids[:16], 0, 16, scattered_pages(0, 3), None)
     with pytest.raises(ValueError, match=r"sliding pages 0\.\.0 needed"):
