@@ -153,8 +153,10 @@ class PageTable:
 
     def detach(self, request_id: str) -> tuple[int, ...]:
         """Forget the request but keep its pages allocated; ``free_detached`` later. Its
-        sliding pages go back now: only its own forward and sender read them, and their next
-        owner's first write comes in a later forward, after the one in flight."""
+        sliding pages go back now: no other request reads them before writing them (a
+        chunk's new entries lie at or after its page-aligned start, written by its own
+        forward, which runs after the one in flight), and the forward in flight, which may
+        read a page already handed out again, computes rows the engine drops."""
         if self.sliding is not None:
             self.sliding.release(request_id)
         return self._held.pop(request_id).page_ids
