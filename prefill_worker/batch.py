@@ -45,6 +45,10 @@ class ChunkPlan:
     # The prompt token at ``end`` (None when the chunk ends the prompt): a draft model's
     # input is the prompt shifted by one, so a chunk's last position reads it.
     next_token_id: int | None = None
+    # A windowed sliding pool's entries (``kv.sliding``): one per prompt page up to ``end``,
+    # the sliding layers' page of it or -1 where none is held (below the window); () with a
+    # full pool, where the sliding layers share ``page_ids``.
+    sliding_page_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:

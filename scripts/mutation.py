@@ -48,6 +48,7 @@ _CACHE = [
     _S + "test_engine_prefix_cache.py",
     _S + "test_speculative_share.py",
 ]
+_SLIDING = [_S + "test_sliding_pages.py", _S + "test_page_table_sliding.py"]
 _EVENTS = ["tests/unit/kv_events", _S + "test_prefix_cache.py", _S + "test_prefix_cache_edges.py"]
 _NESTED = "tests/unit/test_nested_decoders.py"
 _INGRESS = [
@@ -85,7 +86,8 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/kv/page_cache.py": _CACHE,
     "prefill_worker/kv/prefix_cache.py": [*_CACHE, _S + "test_engine.py"],
     "prefill_worker/kv/pages.py": _POOL,
-    "prefill_worker/kv/tables.py": [*_POOL, *_CACHE, _S + "test_page_table_edges.py"],
+    "prefill_worker/kv/tables.py": [*_POOL, *_CACHE, _S + "test_page_table_edges.py", *_SLIDING],
+    "prefill_worker/kv/sliding.py": _SLIDING,
     "prefill_worker/kv/block_hash.py": _EVENTS,
     "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
     "prefill_worker/kv/cache_events.py": _EVENTS,

@@ -9,9 +9,12 @@ prefix cache, the first pages may be a hit (shared, already computed)::
                  cached, refcount >= 2    allocated for this request; each enters the cache
                                           once ``commit`` says its K/V is complete
 
-Every page goes back through the cache's ``release``, so the cache sees pages go idle. A
-*speculative* request (optimistic prefill, before its decode claimed it) evicts and stores only
-what no claimed request trusts (``prefix_cache``) until ``claim``.
+Every page goes back through the cache's ``release``, so the cache sees pages go idle. With a
+windowed sliding pool (``kv.sliding``) the table also owns each request's sliding entries:
+reserved with its pages, grown per planned chunk (``sliding_pages_for``), trimmed after each
+chunk (``chunk_done``) and released with its pages on every path. A *speculative* request
+(optimistic prefill, before its decode claimed it) evicts and stores only what no claimed
+request trusts (``prefix_cache``) until ``claim``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import MISS, NoPrefixCache, PrefixCache, PrefixHit
+from prefill_worker.kv.sliding import SlidingPageTable
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:
@@ -41,11 +45,21 @@ class PageTable:
     """request_id → its pages, in prompt order; reserves from and releases to one pool,
     through one prefix cache (``NoPrefixCache`` when none is given)."""
 
-    def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        cache: PrefixCache | None = None,
+        sliding: SlidingPageTable | None = None,
+    ) -> None:
         assert page_size > 0
+        assert sliding is None or cache is None or isinstance(cache, NoPrefixCache), (
+            "a windowed sliding pool bypasses the prefix cache (docs/prefix-cache.md)"
+        )
         self.pool = pool
         self.page_size = page_size
         self.cache: PrefixCache = cache or NoPrefixCache(pool)
+        self.sliding = sliding
         self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
@@ -79,9 +93,14 @@ class PageTable:
         short even after evicting every idle cached page it may (then nothing changed)."""
         assert request_id not in self._held, f"{request_id} already holds pages"
         num_new = num_pages_for(len(token_ids), self.page_size) - len(hit.page_ids)
+        sliding = self.sliding
+        if sliding is not None and not sliding.try_reserve(request_id, len(token_ids)):
+            return None
         self.cache.acquire(hit.page_ids)  # first: the hit's own pages must not be evicted
         if not self.cache.try_make_room(num_new, speculative):
             self.cache.release(hit.page_ids)
+            if sliding is not None:
+                sliding.release(request_id)
             return None
         new_ids = self.pool.try_alloc(num_new)
         assert new_ids is not None, "try_make_room promised the pages"
@@ -100,6 +119,20 @@ class PageTable:
     def get(self, request_id: str) -> tuple[int, ...]:
         return self._held[request_id].page_ids
 
+    def sliding_pages_for(self, request_id: str, start: int, end: int) -> tuple[int, ...]:
+        """The request's sliding entries for a chunk ``[start, end)`` (``kv.sliding``); ()
+        without a windowed sliding pool."""
+        if self.sliding is None:
+            return ()
+        return self.sliding.pages_for(request_id, start, end)
+
+    def chunk_done(self, request_id: str, next_start: int) -> None:
+        """The forward of the chunk ending at ``next_start`` ran: its full pages may be
+        shared (``commit``), and sliding pages no later query sees go back."""
+        self.commit(request_id, next_start)
+        if self.sliding is not None:
+            self.sliding.chunk_done(request_id, next_start)
+
     def commit(self, request_id: str, num_tokens: int) -> None:
         """The K/V of prompt positions ``[0, num_tokens)`` is complete: its full pages may
         be shared from now on."""
@@ -115,9 +148,17 @@ class PageTable:
     def release(self, request_id: str) -> None:
         held = self._held.pop(request_id)
         self.cache.release(held.page_ids, trusted=not held.speculative)
+        if self.sliding is not None:
+            self.sliding.release(request_id)
 
     def detach(self, request_id: str) -> tuple[int, ...]:
-        """Forget the request but keep its pages allocated; ``free_detached`` later."""
+        """Forget the request but keep its pages allocated; ``free_detached`` later. Its
+        sliding pages go back now: no other request reads them before writing them (a
+        chunk's new entries lie at or after its page-aligned start, written by its own
+        forward, which runs after the one in flight), and the forward in flight, which may
+        read a page already handed out again, computes rows the engine drops."""
+        if self.sliding is not None:
+            self.sliding.release(request_id)
         return self._held.pop(request_id).page_ids
 
     def free_detached(self, page_ids: Sequence[int], trusted: bool = True) -> None:
@@ -134,3 +175,5 @@ class PageTable:
             assert held[page_id] == self.pool.refcount(page_id), f"page {page_id} leaked"
         self.pool.check_integrity()
         self.cache.check_integrity()
+        if self.sliding is not None:
+            self.sliding.check_integrity()

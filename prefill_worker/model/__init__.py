@@ -34,7 +34,13 @@ from prefill_worker.model.gemma3 import Gemma3LM, Gemma3ModelWeights
 from prefill_worker.model.gpt_oss import GptOssLM, GptOssModelWeights
 from prefill_worker.model.hf_config import CheckpointError, ModelSpec, read_spec
 from prefill_worker.model.index_cache import IndexCache
-from prefill_worker.model.kv_cache import DTYPE_NAMES, TORCH_DTYPES, KVCache, pool_num_pages
+from prefill_worker.model.kv_cache import (
+    DTYPE_NAMES,
+    TORCH_DTYPES,
+    KVCache,
+    SlidingSpace,
+    pool_num_pages,
+)
 from prefill_worker.model.llama import CausalLM, ModelWeights
 from prefill_worker.model.loader import LoadProgress, SlidingWeights, load_checkpoint
 from prefill_worker.model.moe import ExpertsBackend, create_moe_backend, resolve_moe_backend_name
@@ -139,6 +145,7 @@ def build(
     draft_path: str | Path | None = None,
     fp8_backend: Fp8WeightBackend | None = None,
     dp: TPGroup = SINGLE,
+    sliding_pages: int | None = None,
 ) -> tuple[Runner, KVCache, ModelInfo]:
     """Load the checkpoint, allocate the KV pool (``pool_layout``: ``kv.layout``'s kinds),
     pick the attention backend (and, for a MoE family, the experts' backend ``moe_backend``,
@@ -161,6 +168,10 @@ def build(
     become what ``fp8_backend`` makes of them (None: the registry's choice for the device,
     ``quant.backends.select_fp8_backend``: kept for the block-scaled GEMM on a Hopper GPU,
     else dequantized at load).
+
+    ``sliding_pages`` (a sliding-window model): its sliding layers get their own page space
+    of that many pages (``cache.sliding_pool: windowed``, ``kv_cache.SlidingSpace``), taken
+    from the budget first; None: every layer in the one pool.
 
     Raises ``CheckpointError`` for an unusable checkpoint and ``ValueError`` for a bad
     setting (both are configuration problems: exit 78)."""
@@ -227,22 +238,29 @@ def build(
         1,
         pool_layout,
     )
-    with_draft_layers = one_page.num_layers + num_draft_layers(draft)
+    space = _sliding_space(spec, sliding_pages)
+    num_pooled = one_page.num_layers - (len(space.layers) if space is not None else 0)
+    with_draft_layers = num_pooled + num_draft_layers(draft)
     budgeted = dataclasses.replace(one_page, num_layers=with_draft_layers)
     index_bytes = 0 if index_cache is None else index_cache.bytes_per_page
-    pages = pool_num_pages(budgeted, dev, num_pages, memory_bytes, memory_fraction, index_bytes)
+    reserved = 0 if space is None else 2 * len(space.layers) * space.num_pages * one_page.page_bytes
+    pages = pool_num_pages(
+        budgeted, dev, num_pages, memory_bytes, memory_fraction, index_bytes, reserved
+    )
     if index_cache is not None:
         index_cache.allocate(pages)
         log.info("index cache (DSA): %d bytes beside the pool", index_cache.num_bytes)
     scales = load_kv_scales(Path(model_path), spec) if dtype_name == FP8_E4M3 else None
     kv_scales = () if scales is None else scales.flat()  # checkpoint K/V scales, FP8 only
-    kv_cache = KVCache(dataclasses.replace(one_page, num_pages=pages, kv_scales=kv_scales), dev)
+    kv_layout = dataclasses.replace(one_page, num_pages=pages, kv_scales=kv_scales)
+    kv_cache = KVCache(kv_layout, dev, space)
     log.info(
-        "KV pool (%s): %d pages of %d tokens, %d bytes",
+        "KV pool (%s): %d pages of %d tokens%s, %d bytes",
         pool_layout,
         pages,
         page_size,
-        kv_cache.layout.pool_bytes,
+        "" if space is None else f", the sliding layers' {space.num_pages} pages beside",
+        kv_cache.num_bytes,
     )
     runner = Runner(model, kv_cache, attention)
     runner = with_draft(model_path, runner, draft, draft_topk, draft_path, fp8)
@@ -261,6 +279,17 @@ def build(
             info, sliding_window=sliding.window, sliding_layers=sliding.sliding_layers
         )
     return runner, kv_cache, dataclasses.replace(info, kernel_paths=kernel_paths(model))
+
+
+def _sliding_space(spec: ModelSpec, sliding_pages: int | None) -> SlidingSpace | None:
+    """The sliding layers' own page space of ``sliding_pages`` pages; None without one."""
+    if sliding_pages is None:
+        return None
+    if spec.sliding is None:
+        raise ValueError("cache.sliding_pool windowed: the model has no sliding-window layers")
+    if sliding_pages < 1:
+        raise ValueError(f"cache.sliding_pages {sliding_pages}: a sliding pool needs a page")
+    return SlidingSpace(spec.sliding.sliding_layers, sliding_pages)
 
 
 def kernel_paths(model: object) -> tuple[str, ...]:

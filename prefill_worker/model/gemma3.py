@@ -96,7 +96,8 @@ class Gemma3LM:
             k_normed = rms_norm(k_raw.reshape(num_tokens, kv_heads, dim), layer.k_norm, eps)
             rotary.apply_into(q_normed, cos, sin, q)
             rotary.apply_into(k_normed, cos, sin, k)
-            kv_cache.write(index, inputs.slots, k, v.reshape(num_tokens, kv_heads, dim))
+            slots = inputs.slots_of(window)
+            kv_cache.write(index, slots, k, v.reshape(num_tokens, kv_heads, dim))
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, None, self.scale
             )

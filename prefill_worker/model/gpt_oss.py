@@ -129,8 +129,9 @@ class GptOssLM:
             q_raw, k_raw, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             self.rotary.apply_into(q_raw.view(num_tokens, heads, dim), cos, sin, q)
             self.rotary.apply_into(k_raw.view(num_tokens, kv_heads, dim), cos, sin, k)
-            kv_cache.write(index, inputs.slots, k, v.reshape(num_tokens, kv_heads, dim))
             window = self.sliding.window_of(index)
+            slots = inputs.slots_of(window)
+            kv_cache.write(index, slots, k, v.reshape(num_tokens, kv_heads, dim))
             attention.attend_window(
                 q, kv_cache.k[index], kv_cache.v[index], attn, window, layer.sinks, self.scale
             )

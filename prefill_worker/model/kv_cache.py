@@ -16,6 +16,15 @@ of the storage (never a copy): page p of layer l at ``k_base_addrs[l] + p *
 page_stride_bytes``, one page itself contiguous. Writers and attention index them by (page,
 offset), which works for any page stride.
 
+A sliding-window model's pool may keep its sliding layers in their own page space
+(``cache.sliding_pool: windowed``, docs/models.md "The sliding-window pool"): then the storage
+above holds the full layers only, and a second one the sliding layers, with its own page
+count (``SlidingSpace``); ``k[l]``/``v[l]`` of a sliding layer is a view of that one, indexed
+by the request's sliding pages (``kv.sliding``)::
+
+    windowed     storage  [L_full, 2, num_pages, page_size, KV, D]        layer_major only
+                 sliding  [L_sliding, 2, sliding_pages, page_size, KV, D]
+
 Under tensor parallelism each rank owns its own pool, and ``num_kv_heads`` (KV above) is the
 rank's local count: the heads ``model.parallel.kv_head_range`` gives it, in order.
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -52,20 +62,22 @@ def pool_num_pages(
     memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     extra_page_bytes: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages per layer from the first size given: a count, a byte budget, or (CUDA) a
     fraction of the device memory free right now. ``layout.num_pages`` is ignored.
-    ``extra_page_bytes``: what each page also costs beside the pool (a DSA index cache)."""
+    ``extra_page_bytes``: what each page also costs beside the pool (a DSA index cache);
+    ``reserved_bytes``: what a budget gives another pool first (a windowed sliding pool)."""
     bytes_per_page = layout.planes * layout.num_layers * layout.page_bytes + extra_page_bytes
     if num_pages is not None:
         count = num_pages
     elif memory_bytes is not None:
-        count = memory_bytes // bytes_per_page
+        count = (memory_bytes - reserved_bytes) // bytes_per_page
     elif memory_fraction is not None:
         if device.type != "cuda":
             raise ValueError("cache.memory_fraction needs a CUDA device; set num_pages instead")
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        count = int(free_bytes * memory_fraction) // bytes_per_page
+        count = (int(free_bytes * memory_fraction) - reserved_bytes) // bytes_per_page
     else:
         raise ValueError("set one of num_pages, memory_bytes or memory_fraction")
     if count < 1:
@@ -73,16 +85,31 @@ def pool_num_pages(
     return count
 
 
+@dataclass(frozen=True, slots=True)
+class SlidingSpace:
+    """The sliding layers' own page space: which layers, and how many pages it has."""
+
+    layers: tuple[int, ...]
+    num_pages: int
+
+
 class KVCache:
     """Owns the K/V pool of every layer; the runner writes pages, transfer reads them."""
 
-    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, device: torch.device, sliding: SlidingSpace | None = None
+    ) -> None:
         self.layout = layout
         self.device = device
+        self.sliding = sliding
         page = (layout.page_size, layout.num_kv_heads, layout.head_dim)
         dtype = KV_TORCH_DTYPES[layout.dtype]
         self._mirror: tuple[KVMirror, PoolRuns] | None = None
         self._mirroring: MirrorWrites | None = None  # set by ``mirroring``, for one forward
+        self._sliding_storage: torch.Tensor | None = None
+        if sliding is not None:
+            self._split(layout, sliding, page, dtype)
+            return
         if layout.kind == MLA:
             self._storage = torch.zeros(  # [L, P, page_size, 1, D]
                 (layout.num_layers, layout.num_pages, *page), dtype=dtype, device=device
@@ -103,9 +130,37 @@ class KVCache:
         self.k = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
         self.v = tuple(per_layer[:, 1])
 
+    def _split(
+        self, layout: KVLayout, sliding: SlidingSpace, page: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
+        """The full layers in the pool's storage, the sliding ones in their own."""
+        if layout.kind != LAYER_MAJOR:
+            raise ValueError(f"a windowed sliding pool is layer_major (not {layout.kind})")
+        full = [i for i in range(layout.num_layers) if i not in sliding.layers]
+        self._storage = torch.zeros(  # [L_full, 2, P, page_size, KV, D]
+            (len(full), 2, layout.num_pages, *page), dtype=dtype, device=self.device
+        )
+        self._sliding_storage = torch.zeros(  # [L_sliding, 2, P_sliding, page_size, KV, D]
+            (len(sliding.layers), 2, sliding.num_pages, *page), dtype=dtype, device=self.device
+        )
+        planes = {layer: self._storage[i] for i, layer in enumerate(full)}  # [2, P, ...]
+        planes |= {layer: self._sliding_storage[i] for i, layer in enumerate(sliding.layers)}
+        self.k = tuple(planes[layer][0] for layer in range(layout.num_layers))
+        self.v = tuple(planes[layer][1] for layer in range(layout.num_layers))
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes the pool holds, both page spaces of a windowed sliding pool."""
+        held = self._storage.numel() * self._storage.element_size()
+        if self._sliding_storage is not None:
+            held += self._sliding_storage.numel() * self._sliding_storage.element_size()
+        return held
+
     def attach_mirror(self, mirror: KVMirror) -> None:
         """From now on a forward may also write ``mirror`` (once, at start-up)."""
         lay = self.layout
+        if self.sliding is not None:
+            raise ValueError("a windowed sliding pool has no mirror (cache.sliding_pool full)")
         if lay.kind == MLA:
             raise ValueError("kv layout mla: an MLA pool has no K and V planes to mirror")
         want = (lay.num_layers, lay.num_kv_heads, lay.head_dim)
@@ -159,7 +214,10 @@ class KVCache:
         return f"cuda:{device.index}" if device.type == "cuda" else "cpu"
 
     def regions(self, aux_base_addr: int, num_aux_rows: int) -> KVRegions:
-        """The pool's ``KVRegions``, with the aux rows the daemon allocated."""
+        """The pool's ``KVRegions``, with the aux rows the daemon allocated. A windowed
+        sliding pool has none yet: no transfer reads its sliding page space (docs/models.md)."""
+        if self.sliding is not None:
+            raise ValueError("a windowed sliding pool (cache.sliding_pool) has no transfer regions")
         return KVRegions(
             layout=self.layout,
             k_base_addrs=self.k_base_addrs,

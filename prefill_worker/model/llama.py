@@ -84,6 +84,12 @@ class ForwardInputs:
     logprob_rows: torch.Tensor | None = None  # [L] int64, rows scoring the next prompt token
     logprob_token_ids: torch.Tensor | None = None  # [L] int64, the token each of them scores
     state_spans: tuple[StateSpan, ...] = ()  # a hybrid model's chunks and their state slots
+    sliding_slots: torch.Tensor | None = None  # [T] int64, rows of a windowed sliding pool
+
+    def slots_of(self, window: int | None) -> torch.Tensor:
+        """Where a layer of ``window`` (None: a full layer) writes: a windowed sliding
+        pool's rows for a sliding layer, else the pool's."""
+        return self.slots if window is None or self.sliding_slots is None else self.sliding_slots
 
 
 class ForwardOutput(NamedTuple):

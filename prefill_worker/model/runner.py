@@ -7,6 +7,8 @@ whose ``sampling`` is set, i.e. the chunks that end their prompt, and prompt log
 the positions a chunk names (``logprob_from``, ``logprob_token_ids``): a batch where no chunk
 asks builds nothing for them. The tokens of chunks with ``mirror_slots`` are also copied to
 the KV cache's mirror, at those slots, during the same forward (``KVCache.mirroring``).
+With a windowed sliding pool every chunk also names its sliding entries, and each token's row
+there (``ForwardInputs.sliding_slots``) is found the same way from them.
 """
 
 from __future__ import annotations
@@ -104,16 +106,17 @@ class Runner:
                 return self.model.forward(packed.inputs, self.kv_cache, self.attention)
 
     def pack(self, plan: BatchPlan) -> Packed:
-        spans, ids, positions, slots, rows = [], [], [], [], []
+        spans, ids, positions, slots, rows, sliding = [], [], [], [], [], []
         offset = 0
         for chunk in plan.chunks:
             span = self._span(chunk, offset)
             pos = np.arange(chunk.start, chunk.end, dtype=np.int64)
-            pages = np.asarray(span.page_ids, dtype=np.int64)
             spans.append(span)
             ids.append(np.asarray(chunk.token_ids, dtype=np.int64))
             positions.append(pos)
-            slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+            slots.append(self._rows(span.page_ids, pos))
+            if span.sliding_page_ids:
+                sliding.append(self._rows(span.sliding_page_ids, pos))
             offset += chunk.num_tokens
             if chunk.sampling is not None:
                 rows.append(offset - 1)
@@ -135,6 +138,8 @@ class Runner:
             )
         if self.num_state_slots:
             inputs = dataclasses.replace(inputs, state_spans=self._state_spans(plan, spans))
+        if sliding:
+            inputs = dataclasses.replace(inputs, sliding_slots=_to(np.concatenate(sliding), device))
         batch = AttentionBatch(tuple(spans), self.page_size, offset)
         return Packed(inputs, batch, _mirror_targets(plan, slots))
 
@@ -176,7 +181,32 @@ class Runner:
         if len(chunk.page_ids) < num_pages:
             raise ValueError(f"chunk of {chunk.request_id}: {num_pages} pages needed")
         page_ids = tuple(int(p) for p in chunk.page_ids[:num_pages])
-        return ChunkSpan(offset, offset + chunk.num_tokens, chunk.start, chunk.end, page_ids)
+        sliding = self._sliding_entries(chunk, num_pages)
+        return ChunkSpan(
+            offset, offset + chunk.num_tokens, chunk.start, chunk.end, page_ids, sliding
+        )
+
+    def _sliding_entries(self, chunk: ChunkPlan, num_pages: int) -> tuple[int, ...]:
+        """The chunk's sliding entries: one per page with a windowed sliding pool (every
+        page its window reads or writes held), none with a full one."""
+        space = self.kv_cache.sliding
+        if space is None:
+            if chunk.sliding_page_ids:
+                raise ValueError(f"chunk of {chunk.request_id}: sliding pages, no sliding pool")
+            return ()
+        entries = tuple(int(p) for p in chunk.sliding_page_ids[:num_pages])
+        window = self.model.spec.sliding.window if self.model.spec.sliding else 1
+        first = max(0, chunk.start - window + 1) // self.page_size
+        if len(entries) < num_pages or not all(0 <= p < space.num_pages for p in entries[first:]):
+            raise ValueError(
+                f"chunk of {chunk.request_id}: sliding pages {first}..{num_pages - 1} needed"
+            )
+        return entries
+
+    def _rows(self, page_ids: tuple[int, ...], positions: np.ndarray) -> np.ndarray:
+        """Each position's pool row: ``page_ids[pos // page_size] * page_size + offset``."""
+        pages = np.asarray(page_ids, dtype=np.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
 
 def _mirror_targets(plan: BatchPlan, pool_slots: list[np.ndarray]) -> MirrorTargets | None:

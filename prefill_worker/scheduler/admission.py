@@ -187,6 +187,7 @@ class Admission:
             mirror_slots=mirror,
             state_slot=req.aux_row,
             next_token_id=req.token_ids[end] if end < num_tokens else None,
+            sliding_page_ids=self._table.sliding_pages_for(req.request_id, start, end),
         )
         scored = logprob_positions(req.prompt_logprob_start, start, end, num_tokens)
         if not scored:

@@ -235,7 +235,8 @@ class RequestLifecycle:
 
     def _consume_chunk(self, chunk: ChunkPlan, req: Request, token: SampledToken | None) -> None:
         req.num_computed_tokens = chunk.end
-        self._table.commit(req.request_id, chunk.end)  # its full pages are complete: shareable
+        # its full pages are complete (shareable); sliding pages before its window go back
+        self._table.chunk_done(req.request_id, chunk.end)
         if chunk.sampling is None:
             return self.handoff.chunk_done(req, chunk.start // self.page_size, None)
         assert token is not None, f"no sampled token for {req.request_id!r}"

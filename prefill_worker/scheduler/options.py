@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.prefix_cache import PrefixCache
+from prefill_worker.kv.sliding import SlidingPageTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +36,10 @@ class EngineLimits:
 @dataclass(frozen=True, slots=True)
 class EngineKV:
     """The page pool and aux rows the engine allocates from; ``prefix_cache`` is over
-    ``pages`` (None: no prefix cache)."""
+    ``pages`` (None: no prefix cache); ``sliding``: a windowed sliding pool's bookkeeping
+    (``kv.sliding``; None: the sliding layers share ``pages``)."""
 
     pages: PagePool
     aux: AuxPool
     prefix_cache: PrefixCache | None = None
+    sliding: SlidingPageTable | None = None

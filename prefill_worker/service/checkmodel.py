@@ -22,6 +22,7 @@ checkpoint was not; ``check-config --require-model`` makes the absence an error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,12 @@ from prefill_worker.model.moe.placement import check_expert_parallel
 from prefill_worker.model.quant.kv import kv_dtype_name
 from prefill_worker.model.quant.memory import weight_note
 from prefill_worker.service.schema import Config
+from prefill_worker.service.sliding_pool import (
+    WINDOWED,
+    sliding_pool_note,
+    sliding_pool_problem,
+    sliding_pool_size,
+)
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -114,7 +121,8 @@ def check_model(config: Config, require_model: bool = False) -> ModelCheck:
     if spec is not None and spec.indexer is not None:
         index_bytes = _index_page_bytes(config, spec, shape.torch_dtype)
         check.notes.append(_index_note(config, spec, index_bytes))
-    _check_pool(config, shape, check, index_bytes)
+    shape, reserved = _windowed(config, spec, shape, check)
+    _check_pool(config, shape, check, index_bytes, reserved)
     if spec is not None:
         _note_weights(config, spec, check)
         _check_experts(config, spec, check)
@@ -284,10 +292,39 @@ def _index_note(config: Config, spec: ModelSpec, page_bytes: int) -> str:
     )
 
 
+def _windowed(
+    config: Config, spec: ModelSpec | None, shape: PoolShape, check: ModelCheck
+) -> tuple[PoolShape, int]:
+    """With ``cache.sliding_pool`` windowed: the pool's shape without the sliding layers and
+    the bytes their own pool takes from the budget first (its note, or the problem)."""
+    if config.cache.sliding_pool != WINDOWED or spec is None:
+        return shape, 0
+    if spec.sliding is None:
+        check.problems.append("cache.sliding_pool windowed: the model has no sliding layers")
+        return shape, 0
+    size = sliding_pool_size(config, spec.sliding)
+    dtype = shape.torch_dtype if config.model.dtype == "auto" else config.model.dtype
+    dtype = kv_dtype_name(config.cache.kv_dtype, dtype or "float32")
+    layer_page_bytes = (
+        config.cache.page_size * shape.num_kv_heads * shape.head_dim * DTYPE_ITEMSIZE[dtype]
+    )
+    check.notes.append(sliding_pool_note(size, layer_page_bytes, config.cache.page_size))
+    problem = sliding_pool_problem(size)
+    if problem is not None:
+        check.problems.append(problem)
+    reserved = size.num_pages * size.bytes_per_page(layer_page_bytes)
+    return dataclasses.replace(shape, num_layers=size.num_full_layers), reserved
+
+
 def _check_pool(
-    config: Config, shape: PoolShape, check: ModelCheck, extra_page_bytes: int = 0
+    config: Config,
+    shape: PoolShape,
+    check: ModelCheck,
+    extra_page_bytes: int = 0,
+    reserved_bytes: int = 0,
 ) -> None:
-    """``extra_page_bytes``: what a page also costs beside the pool (a DSA index cache)."""
+    """``extra_page_bytes``: what a page also costs beside the pool (a DSA index cache);
+    ``reserved_bytes``: what the budget gives first to another pool (a windowed sliding one)."""
     dtype: str = config.model.dtype
     if dtype == "auto":
         dtype = shape.torch_dtype if shape.torch_dtype in DTYPE_ITEMSIZE else "float32"
@@ -307,9 +344,10 @@ def _check_pool(
         )
     num_pages = cache.num_pages
     if num_pages is None and cache.memory_bytes is not None:
-        num_pages = cache.memory_bytes // bytes_per_page
+        num_pages = (cache.memory_bytes - reserved_bytes) // bytes_per_page
+        less = f" - {reserved_bytes} (sliding pool)" if reserved_bytes else ""
         check.notes.append(
-            f"KV budget: {cache.memory_bytes} bytes / {bytes_per_page} bytes per page of "
+            f"KV budget: {cache.memory_bytes}{less} bytes / {bytes_per_page} bytes per page of "
             f"{cache.page_size} tokens = {num_pages} pages"
         )
     if num_pages is None:

@@ -49,6 +49,7 @@ from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
+from prefill_worker.service.sliding_pool import REFUSED, WINDOWED
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
@@ -161,6 +162,8 @@ def load_model(
     the DP ranks (``parallel.ep_size`` = ``dp_size``)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
+        if cfg.cache.sliding_pool == WINDOWED:
+            raise ValueError(REFUSED)
         started = time.monotonic()
         more = {"dp": dp} if dp.size > 1 else {}
         runner, kv_cache, info = build_model(

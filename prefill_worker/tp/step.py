@@ -46,6 +46,7 @@ class _Chunk(msgspec.Struct, array_like=True, frozen=True):
     logprob_token_ids: list[int]
     mirror_slots: list[int] = []  # where each token's K/V also goes: every rank's KV mirror
     state_slot: int | None = None  # a hybrid model's state slot: every rank's pool holds its heads
+    sliding_page_ids: list[int] = []  # a windowed sliding pool's entries (``kv.sliding``)
 
 
 class _Plan(msgspec.Struct, array_like=True, frozen=True):
@@ -103,6 +104,7 @@ def _plan_to_wire(plan: BatchPlan) -> _Plan:
             list(c.logprob_token_ids),
             list(c.mirror_slots),
             c.state_slot,
+            list(c.sliding_page_ids),
         )
         for c in plan.chunks
     ]
@@ -122,6 +124,7 @@ def _plan_from_wire(wire: _Plan) -> BatchPlan:
             tuple(c.logprob_token_ids),
             tuple(c.mirror_slots),
             c.state_slot,
+            sliding_page_ids=tuple(c.sliding_page_ids),
         )
         for c in wire.chunks
     )

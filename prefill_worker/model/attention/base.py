@@ -28,6 +28,9 @@ class ChunkSpan:
     start: int
     end: int
     page_ids: tuple[int, ...]  # exactly ceil(end / page_size) pages
+    # a windowed sliding pool's entries, as many (-1: not held, below every window); ()
+    # with a full pool: the sliding layers read ``page_ids``
+    sliding_page_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ the keys its window can see, positions ``[max(0, a - window + 1), b)`` (a full l
     out = p v
 
 computed in fp32 whatever the model's dtype. The chunk's fresh K/V are in the pool already
-(the model writes them before it attends), so every key comes from the pool.
+(the model writes them before it attends), so every key comes from the pool. With a windowed
+sliding pool (``kv.sliding``) a sliding layer's pool is the sliding one and its pages are the
+span's ``sliding_page_ids``: the keys it reads are all held there (-1 entries lie below them).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SinkWindowBackend:
         self.device = device
         self._spans: tuple[ChunkSpan, ...] = ()
         self._pages: tuple[torch.Tensor, ...] = ()  # each span's page ids
+        self._sliding_pages: tuple[torch.Tensor, ...] | None = None  # a windowed pool's
         self._page_size = 1
 
     def plan(self, batch: AttentionBatch) -> None:
@@ -43,6 +46,12 @@ class SinkWindowBackend:
             torch.tensor(span.page_ids, dtype=torch.int64, device=self.device)
             for span in batch.spans
         )
+        self._sliding_pages = None
+        if batch.spans and batch.spans[0].sliding_page_ids:
+            self._sliding_pages = tuple(
+                torch.tensor(span.sliding_page_ids, dtype=torch.int64, device=self.device)
+                for span in batch.spans
+            )
 
     def _block(self, keys: int, heads: int) -> int:
         """Queries per block: ``block_queries``, fewer when their fp32 scores over ``keys``
@@ -71,7 +80,10 @@ class SinkWindowBackend:
         sinks: torch.Tensor | None,  # [H] sink logits; None: no sink
         scale: float,
     ) -> None:
-        for span, pages in zip(self._spans, self._pages, strict=True):
+        by_span = self._pages
+        if window is not None and self._sliding_pages is not None:
+            by_span = self._sliding_pages  # a sliding layer of a windowed pool
+        for span, pages in zip(self._spans, by_span, strict=True):
             step = self._block(span.end if window is None else window, q.shape[1])
             for a in range(span.start, span.end, step):
                 b = min(a + step, span.end)

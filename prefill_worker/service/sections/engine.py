@@ -115,6 +115,23 @@ class CacheConfig(Section):
         "cached pages are evicted, least recently used first, when requests need them).",
     )
 
+    sliding_pool: Literal["full", "windowed"] = Field(
+        "full",
+        description="A sliding-window model's (gpt-oss, Gemma 3) sliding layers: `full` keeps "
+        "their K/V for every position in the one pool (what every decode can take); "
+        "`windowed` gives them their own page space holding only the window each still needs "
+        "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
+        "cache). The transfers do not read that space yet, so the worker refuses `windowed` "
+        "at start; `check-config` shows its arithmetic (docs/models.md, 'The sliding-window "
+        "pool').",
+    )
+    sliding_pages: int | None = Field(
+        None,
+        ge=1,
+        description="Pages of the `windowed` sliding pool; unset: one quota (window - 1 plus "
+        "two chunks, in pages) per `scheduler.max_running_requests`.",
+    )
+
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:
         if self.num_pages is None and self.memory_bytes is None and self.memory_fraction is None:

@@ -69,6 +69,10 @@ CASES[2]["deepseek_v32"] = ("deepseek_v32", 4)  # MLA + a replicated indexer (DS
 HYBRIDS = ("qwen3_5", "qwen3_next")  # a state pool beside the KV: their own test below
 SLIDING = ("gpt_oss", "gemma3")  # 6 heads: TP 2 only; transformers keeps a window's K/V
 CASES[2] |= {family: (family, 2) for family in (*HYBRIDS, *SLIDING)}
+# gpt-oss with a windowed sliding pool (cache.sliding_pool): two requests' quotas of pages
+WINDOWED, SLIDING_PAGES = "gpt_oss_windowed", 14
+CASES[2][WINDOWED] = ("gpt_oss", 2)
+EXTRA = {WINDOWED: {"sliding_pages": SLIDING_PAGES}}  # build()'s extra arguments, per case
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def world(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case at every TP size, run once by one world of ranks: their results."""
     out = tmp_path_factory.mktemp("tp")
-    cases = {size: {name: checkpoints[name] for name in names} for size, names in CASES.items()}
+    cases = {
+        size: {name: (checkpoints[name], EXTRA.get(name, {})) for name in names}
+        for size, names in CASES.items()
+    }
     run_world(cases, PROMPTS, out)
     return out
 
@@ -161,6 +168,20 @@ def test_each_rank_pool_holds_only_its_heads(world, size, name):
 def test_sliding_window_families_match_transformers(world, reference, family, key):
     """gpt-oss (sinks split by head, experts with their biases split) and Gemma 3 at TP 2."""
     test_logits_and_kv_match_transformers(world, reference, 2, family, key)
+
+
+def test_a_windowed_sliding_pool_matches_transformers_at_tp_2(world, reference):
+    """gpt-oss at TP 2 with its sliding layers in their own page space: each rank plans the
+    same entries, long's early sliding pages go back after its first chunk; the logits and
+    every layer's K/V where transformers keeps it are the same."""
+    results = rank_results(world, WINDOWED, 2)
+    for key in ("long", "short"):
+        hf_logits, hf_kv = reference(WINDOWED, key)
+        for result in results:
+            torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
+        check_window_kv(results, key, hf_kv, 2)
+    # the last windows: long's pages 1 and 2, short's 0 and 1
+    assert {result["sliding_pages_held"] for result in results} == {4}
 
 
 def no_index_keys(model: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:

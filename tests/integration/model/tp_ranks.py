@@ -17,6 +17,11 @@ prompts' logits and its pool's K/V (a DSA model: its index keys too). Every join
 deadline; a rank left alive past it is killed, so a stuck collective fails the test instead
 of hanging it.
 
+A case built with a windowed sliding pool (``sliding_pages`` among its extra arguments) has no
+prefix hits either: long in two chunks beside short, each rank planning the same sliding
+entries (``kv.sliding``), long's early sliding pages freed after its first chunk; its sliding
+layers' K/V is read back through the entries (unheld pages as zeros).
+
 A hybrid checkpoint (a state pool: Qwen3-Next, Qwen3.5) has no prefix hits, so its batch 1
 is long's rest alone; each request holds its own state slot (``SLOTS``), and each rank also
 saves every linear layer's conv window and recurrent state of long and short from its slots
@@ -29,6 +34,7 @@ has run OpenMP). This module imports nothing of transformers, for the same reaso
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -41,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from prefill_worker.batch import BatchPlan, ChunkPlan
+from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.sliding import NO_PAGE, SlidingPageTable
 from prefill_worker.kv.state_layout import LINEAR_STATE
 from prefill_worker.model import TPGroup, build
 from prefill_worker.model.quant.backends import BlockGemm
@@ -180,6 +188,8 @@ def _run_case(case: Case, tp: TPGroup, prompts: Prompts, gemm: bool) -> dict[str
     )  # fmt: skip
     if info.state is not None and info.state.kind == LINEAR_STATE:
         return _run_hybrid_case(runner, kv_cache, info, prompts)
+    if kv_cache.sliding is not None:
+        return _run_windowed_case(runner, kv_cache, info, prompts)
     long, short, hit = prompts.long, prompts.short, prompts.hit
     first = runner.compute_logits(
         BatchPlan(0, (_chunk("long", long, 0, SPLIT), _chunk("short", short, 0, len(short))))
@@ -230,6 +240,35 @@ def _run_hybrid_case(runner, kv_cache, info, prompts: Prompts) -> dict[str, obje
     return saved
 
 
+def _run_windowed_case(runner, kv_cache, info, prompts: Prompts) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    window = info.sliding_window
+    table = SlidingPageTable(PagePool(kv_cache.sliding.num_pages), PAGE_SIZE, window, SPLIT)
+    long, short = prompts.long, prompts.short
+    assert table.try_reserve("long", len(long)) and table.try_reserve("short", len(short))
+
+    def chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
+        entries = table.pages_for(request_id, start, end)
+        return dataclasses.replace(_chunk(request_id, ids, start, end), sliding_page_ids=entries)
+
+    batch0 = (chunk("long", long, 0, SPLIT), chunk("short", short, 0, len(short)))
+    first = runner.compute_logits(BatchPlan(0, batch0))
+    later = chunk("long", long, SPLIT, len(long))  # planned before batch 0 is trimmed
+    table.chunk_done("long", SPLIT)
+    table.chunk_done("short", len(short))
+    second = runner.compute_logits(BatchPlan(1, (later,)))
+    table.chunk_done("long", len(long))
+    saved: dict[str, object] = {"short_logits": first[0].clone(), "long_logits": second[0].clone()}
+    for key, ids in (("long", long), ("short", short)):
+        saved[f"{key}_kv"] = [
+            _paged_kv(kv_cache, list(table.get(key)), len(ids), i)
+            if i in info.sliding_layers
+            else _paged_kv(kv_cache, PAGES[key], len(ids), i)
+            for i in range(info.num_layers)
+        ]
+    saved["sliding_pages_held"] = table.pool.num_used
+    return saved
+
+
 def _chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
     sampling = SamplingParams() if end == len(ids) else None
     slot = SLOTS[request_id]  # a model without a state pool ignores it
@@ -239,9 +278,13 @@ def _chunk(request_id: str, ids: list[int], start: int, end: int) -> ChunkPlan:
 
 def _paged_kv(kv_cache, pages: list[int], length: int, layer: int):  # type: ignore[no-untyped-def]
     """This rank's K and V of positions [0, length): ``[length, local KV, D]`` each (an MLA
-    pool: its latent rows alone, ``[length, 1, r + rope]``)."""
-    k = torch.cat([kv_cache.k[layer][p] for p in pages])[:length]
+    pool: its latent rows alone, ``[length, 1, r + rope]``; a page ``NO_PAGE``: zeros)."""
+    k = torch.cat([_page(kv_cache.k[layer], p) for p in pages])[:length]
     if not kv_cache.v:
         return (k.clone(),)
-    v = torch.cat([kv_cache.v[layer][p] for p in pages])[:length]
+    v = torch.cat([_page(kv_cache.v[layer], p) for p in pages])[:length]
     return k.clone(), v.clone()
+
+
+def _page(plane: torch.Tensor, page_id: int) -> torch.Tensor:
+    return torch.zeros_like(plane[0]) if page_id == NO_PAGE else plane[page_id]

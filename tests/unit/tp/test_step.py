@@ -19,6 +19,7 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
                 "b", (1, 2), 0, 2, (2,), SamplingParams(temperature=0.7, seed=3), state_slot=3
             ),
             ChunkPlan("c", (4, 4), 30, 32, (5, 6), None, mirror_slots=(70, 71)),
+            ChunkPlan("d", (1,), 40, 41, (1, 2, 3), None, sliding_page_ids=(-1, 4, 0)),
         ),
     )
     got = decode_step(encode_step(plan)).plan
@@ -33,6 +34,7 @@ def test_a_plan_round_trips_with_its_forward_inputs() -> None:
         assert tuple(received.logprob_token_ids) == tuple(sent.logprob_token_ids)
         assert tuple(received.mirror_slots) == tuple(sent.mirror_slots)  # every rank mirrors
         assert received.state_slot == sent.state_slot  # a hybrid: every rank's pool, its heads
+        assert tuple(received.sliding_page_ids) == tuple(sent.sliding_page_ids)  # windowed
 
 
 def test_vllm_stages_round_trip_in_order() -> None:

@@ -1,0 +1,63 @@
+"""``cache.sliding_pool``: the windowed sliding pool's size and bytes (for ``check-config``),
+and the start-up rule that refuses it while no transfer reads it (docs/models.md, "The
+sliding-window pool"). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefill_worker.kv.sliding import max_pages_per_request
+from prefill_worker.model.hf_sliding import SlidingSpec
+from prefill_worker.service.schema import Config
+
+WINDOWED = "windowed"
+REFUSED = (
+    "cache.sliding_pool windowed: the transfers (native, SGLang's swa component, vLLM's "
+    "sliding group) do not read the sliding layers' own page space yet, so a windowed worker "
+    "would send its decodes the wrong pages; use sliding_pool full (docs/models.md, 'The "
+    "sliding-window pool')"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingPoolSize:
+    """A windowed sliding pool: its pages, each request's quota, the layers it holds."""
+
+    num_pages: int
+    quota: int  # pages one prefilling request may hold
+    num_sliding_layers: int
+    num_full_layers: int
+
+    def bytes_per_page(self, layer_page_bytes: int) -> int:
+        """K and V of every sliding layer for one of its pages (``layer_page_bytes``: one
+        layer's K, or V, page)."""
+        return 2 * self.num_sliding_layers * layer_page_bytes
+
+
+def sliding_pool_size(config: Config, sliding: SlidingSpec) -> SlidingPoolSize:
+    """``cache.sliding_pages``, or one quota per ``scheduler.max_running_requests``."""
+    cache, sched = config.cache, config.scheduler
+    quota = max_pages_per_request(sliding.window, sched.chunk_size, cache.page_size)
+    num_pages = cache.sliding_pages or quota * sched.max_running_requests
+    num_sliding = len(sliding.sliding_layers)
+    return SlidingPoolSize(num_pages, quota, num_sliding, len(sliding.layer_kinds) - num_sliding)
+
+
+def sliding_pool_note(size: SlidingPoolSize, layer_page_bytes: int, page_size: int) -> str:
+    num_bytes = size.num_pages * size.bytes_per_page(layer_page_bytes)
+    return (
+        f"sliding pool (windowed): {size.num_sliding_layers} sliding layers × {size.num_pages} "
+        f"pages of {page_size} tokens (quota {size.quota} pages a request: window - 1 and two "
+        f"chunks) = {num_bytes / 2**30:.2f} GiB beside the pool, which holds the "
+        f"{size.num_full_layers} full layers only; no prefix cache"
+    )
+
+
+def sliding_pool_problem(size: SlidingPoolSize) -> str | None:
+    """Why the pool cannot serve one request, or None."""
+    if size.num_pages >= size.quota:
+        return None
+    return (
+        f"cache.sliding_pages {size.num_pages}: one request's window and two chunks need "
+        f"{size.quota} pages"
+    )
