@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import PrefixCache
 
 
@@ -34,9 +35,10 @@ class EngineLimits:
 
 @dataclass(frozen=True, slots=True)
 class EngineKV:
-    """The page pool and aux rows the engine allocates from; ``prefix_cache`` is over
-    ``pages`` (None: no prefix cache)."""
+    """The page pool and aux rows the engine allocates from; ``prefix_cache`` and ``pins``
+    are over ``pages`` (None: no prefix cache, no pins)."""
 
     pages: PagePool
     aux: AuxPool
     prefix_cache: PrefixCache | None = None
+    pins: PagePins | None = None  # pages transfers keep past their requests (kv.pins)

@@ -61,7 +61,7 @@ def dump_pool(kv_cache: KVCache, path: Path) -> None:
         k.append(torch.stack([pair[0] for pair in both]).clone())
         v.append(torch.stack([pair[1] for pair in both]).clone())
     partial = path.with_suffix(".partial")
-    torch.save({"k": k, "v": v}, partial)
+    torch.save({"k": k, "v": v, "mirror": kv_cache.has_mirror}, partial)
     os.replace(partial, path)
 
 
