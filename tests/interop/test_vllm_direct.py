@@ -47,6 +47,7 @@ def direct(
 ) -> Iterator[tuple[Worker, str, Path]]:
     tmp = tmp_path_factory.mktemp("vllm-direct-worker")
     settings = (MODES, "cache.layout=vllm_blocks", f"cache.page_size={BLOCK}")
+    settings += (f"scheduler.chunk_size={BLOCK}",)  # chunks end on a page: a chunk a page
     worker, api = _start(tmp, vllm_checkpoint, vllm_checkpoint, *settings)
     try:
         worker.child.wait_ready(120)
