@@ -90,3 +90,17 @@ def test_check_integrity_counts_pins_and_catches_a_leaked_reference() -> None:
     pool.incref(pages)  # a reference nobody accounts for
     with pytest.raises(AssertionError, match="leaked"):
         table.check_integrity()
+
+
+def test_pins_no_table_bound_free_to_the_pool_itself() -> None:
+    """Unbound (no prefix cache over the pool: a bench's pins), an unpin frees the page."""
+    pool = PagePool(4)
+    pins = PagePins(pool)
+    page = pool.try_alloc(1)
+    assert page is not None
+    pins.pin(page)
+    pool.free(page)  # its owner lets go: the pin holds it
+    assert pool.num_free == 3 and pins.num_pinned == 1
+    pins.unpin(page)
+    assert pool.num_free == 4 and pins.num_pinned == 0
+    pool.check_integrity()
