@@ -36,6 +36,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from prefill_worker.kv.layout import LAYER_MAJOR, MLA, VLLM_BLOCKS, KVLayout, KVRegions
@@ -99,9 +100,7 @@ class KVCache:
             self._storage = torch.zeros(  # [L, P, KV, page_size, 2D]: vLLM's LBHNC
                 (layout.num_layers, *blocks), dtype=dtype, device=device
             )
-            d = layout.head_dim
-            self.k = tuple(s[..., :d].transpose(1, 2) for s in self._storage)  # [P, ps, KV, D]
-            self.v = tuple(s[..., d:].transpose(1, 2) for s in self._storage)
+            self._set_block_views()
             return
         if layout.kind == LAYER_MAJOR:
             self._storage = torch.zeros(  # [L, 2, P, page_size, KV, D]
@@ -115,6 +114,29 @@ class KVCache:
             per_layer = self._storage.permute(1, 2, 0, 3, 4, 5)  # [L, 2, P, ...], a view
         self.k = tuple(per_layer[:, 0])  # each [P, ps, KV, D]
         self.v = tuple(per_layer[:, 1])
+
+    def share_storage(self, buffer: np.ndarray, num_kv_heads: int, heads: range) -> None:
+        """A ``vllm_blocks`` pool moves into ``buffer`` (uint8, ``[L, P, num_kv_heads,
+        page_size, 2D]`` of the pool's dtype: a tensor-parallel group's shared pool, every
+        rank its own ``heads`` of it), keeping what it holds (once, at start-up, before the
+        pool's addresses are handed out). The K/V views then stride over the whole group's
+        heads; ``regions`` no longer describes the pool (the group's pool is described by
+        the leader, ``transfer.vllm.direct``)."""
+        lay = self.layout
+        if lay.kind != VLLM_BLOCKS or len(heads) != lay.num_kv_heads:
+            raise ValueError(f"a {lay.kind} pool of {lay.num_kv_heads} heads into heads {heads}")
+        dtype = KV_TORCH_DTYPES[lay.dtype]
+        whole = torch.from_numpy(buffer).view(dtype)
+        shape = (lay.num_layers, lay.num_pages, num_kv_heads, lay.page_size, 2 * lay.head_dim)
+        mine = whole.view(shape)[:, :, heads.start : heads.stop]
+        mine.copy_(self._storage)
+        self._storage = mine
+        self._set_block_views()
+
+    def _set_block_views(self) -> None:
+        d = self.layout.head_dim
+        self.k = tuple(s[..., :d].transpose(1, 2) for s in self._storage)  # [P, ps, KV, D]
+        self.v = tuple(s[..., d:].transpose(1, 2) for s in self._storage)
 
     def attach_mirror(self, mirror: KVMirror) -> None:
         """From now on a forward may also write ``mirror`` (once, at start-up)."""

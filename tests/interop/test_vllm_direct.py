@@ -33,6 +33,7 @@ from tests.interop.test_vllm_worker import (
     _staging_whole,
     _start,
 )
+from tests.interop.test_vllm_worker_tp import _rank_pids
 from tests.interop.vllm_decode import VLLM_PUSH_VERSIONS, VLLM_VERSIONS, VllmDecodeProcess
 from tests.polling import wait_until
 
@@ -62,13 +63,15 @@ def decode(vllm_push_decodes: dict[str, VllmDecodeProcess], request: Any) -> Vll
     return push_decode(vllm_push_decodes, request.param)
 
 
-def _lbhnc_pool(worker: Worker) -> tuple[list[torch.Tensor], bool]:
-    """The worker's pool now as vLLM's blocks per layer, ``[pages, heads, 32, 2 * dim]`` bytes
-    (rebuilt from the dump's per-page K and V), and whether a KV mirror is attached."""
-    dump = worker.child.log_path.parent / "rank0.pt"
+def _lbhnc_pool(
+    worker: Worker, rank: int = 0, pid: int | None = None
+) -> tuple[list[torch.Tensor], bool]:
+    """Rank ``rank``'s pool now as vLLM's blocks per layer, ``[pages, heads, 32, 2 * dim]``
+    bytes (rebuilt from its dump's per-page K and V), and whether a KV mirror is attached."""
+    dump = worker.child.log_path.parent / f"rank{rank}.pt"
     dump.unlink(missing_ok=True)
-    os.kill(worker.child.popen.pid, signal.SIGUSR2)
-    wait_until(dump.exists, 30.0, "the worker's pool dump")
+    os.kill(worker.child.popen.pid if pid is None else pid, signal.SIGUSR2)
+    wait_until(dump.exists, 30.0, f"rank {rank}'s pool dump")
     pool = torch.load(dump)
     blocks = [
         torch.cat([k.transpose(1, 2), v.transpose(1, 2)], dim=-1).contiguous().view(torch.uint8)
@@ -77,15 +80,22 @@ def _lbhnc_pool(worker: Worker) -> tuple[list[torch.Tensor], bool]:
     return blocks, bool(pool["mirror"])
 
 
-def _from_the_pool(worker: Worker, landed: dict[str, np.ndarray], pages: list[int]) -> None:
-    """Each landed block is, byte for byte, the pool page of the same place in the answer."""
-    blocks, mirrored = _lbhnc_pool(worker)
-    assert not mirrored, "a KV mirror is attached to a vllm_blocks pool"
-    for layer, pool in enumerate(blocks):
-        raw = landed[f"model.layers.{layer}.self_attn.attn"]
-        got = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8)
-        want = pool[pages].reshape(got.shape)
-        assert torch.equal(got, want), f"layer {layer}: a block is not its pool page"
+def _from_the_pool(
+    worker: Worker, landed: dict[str, np.ndarray], pages: list[int], pids: list[int] | None = None
+) -> None:
+    """Each landed block is, byte for byte, the pool page of the same place in the answer: at
+    TP > 1 (``pids``: every rank's process) rank r's head r of it."""
+    ranks = [None] if pids is None else pids
+    for rank, pid in enumerate(ranks):
+        blocks, mirrored = _lbhnc_pool(worker, rank, pid)
+        assert not mirrored, f"a KV mirror is attached to rank {rank}'s vllm_blocks pool"
+        for layer, pool in enumerate(blocks):
+            raw = landed[f"model.layers.{layer}.self_attn.attn"]
+            got = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8)
+            heads = pool.shape[1]
+            got = got.view(got.shape[0], -1, *pool.shape[2:])[:, rank * heads : (rank + 1) * heads]
+            want = pool[pages]
+            assert torch.equal(got, want), f"layer {layer} rank {rank}: not its pool page"
 
 
 def test_vllm_push_writes_the_pool_pages_themselves(
@@ -150,3 +160,42 @@ def test_a_pull_reads_the_pool_pages_themselves(
     _from_the_pool(worker, pulled, params["remote_block_ids"][0])
     _staging_whole(worker)  # the READ's notification unpinned the pages
     assert _metric(worker, "prefill_worker_vllm_holds_total", '{outcome="read"}') >= 1
+
+
+@pytest.fixture(scope="module")
+def direct_tp2(
+    tmp_path_factory: pytest.TempPathFactory, vllm_checkpoint: Path
+) -> Iterator[tuple[Worker, str, Path]]:
+    """The same pool at worker TP 2: each rank's pool is its head of the group's pool, in
+    memory the ranks share, which the leader's agent registers (``service.vllm_group``)."""
+    tmp = tmp_path_factory.mktemp("vllm-direct-worker-tp2")
+    settings = (MODES, "cache.layout=vllm_blocks", f"cache.page_size={BLOCK}")
+    settings += (f"scheduler.chunk_size={BLOCK}", "transfer.protocol=vllm", "parallel.tp_size=2")
+    settings += ("scheduler.optimistic_prefill=false",)
+    worker, api = _start(tmp, vllm_checkpoint, vllm_checkpoint, *settings)
+    try:
+        worker.child.wait_ready(180)
+        yield worker, api, vllm_checkpoint
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()
+
+
+def test_a_tp_2_worker_pushes_every_rank_s_head_from_its_pool(
+    direct_tp2: tuple[Worker, str, Path], decode: VllmDecodeProcess, tmp_path: Path
+) -> None:
+    """Both ranks' heads WRITten straight from the group's pool: head r of every landed block
+    is rank r's own pool page, byte for byte; nothing staged, no mirror on either rank."""
+    worker, api, checkpoint = direct_tp2
+    assert _metric(worker, "prefill_worker_vllm_staging_blocks_capacity") == 0
+    pids = _rank_pids(worker)
+    staged = _staged(worker)
+    for n in (1, 31, 32, 33, 300):
+        ids = prompt(n, seed=_seed(decode, 800 + n))
+        params, rid = _prefill(api, ids, decode.version)
+        _pushed_ok(decode.push_and_wait(rid, params))
+        landed = decode.blocks(rid, tmp_path / f"tp2-{n}.npz")
+        _assert_transformers_kv(landed, hf_reference(checkpoint, ids)[1], n)
+        _from_the_pool(worker, landed, params["remote_block_ids"][0], pids)
+        assert _staged(worker) == staged
+        _staging_whole(worker)

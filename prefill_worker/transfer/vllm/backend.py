@@ -166,18 +166,18 @@ class VllmBackend:
         """``group``: a tensor-parallel worker's shared region (``shared``), which this
         backend registers and answers for as one prefill rank holding every KV head.
         ``pins``: the engine's page pins, with which a ``vllm_blocks`` pool is served
-        straight from its pages (``direct``; at TP 1: at TP > 1 the shared region)."""
+        straight from its pages (``direct``; at TP > 1 ``group`` is the group's pool)."""
         check_cache_dtype(options.identity, regions.layout.dtype)
         self.clock = hooks.clock
         heads = None if group is None else group.num_kv_heads
         staging: StagingPool | PoolBlocks
         self.direct: PoolBlocks | None = None  # the pool is the blocks: no staging region
-        if is_direct(regions) and group is None:
+        if is_direct(regions):
             if pins is None:
                 raise StagingRefused("a vllm_blocks pool served without the engine's page pins")
             if options.state is not None:
                 raise StagingRefused("kv layout vllm_blocks: a linear-attention model's state")
-            staging = self.direct = PoolBlocks(regions, options.block_size, pins)
+            staging = self.direct = PoolBlocks(regions, options.block_size, pins, group)
             log.info("vllm: decodes served from the vllm_blocks pool itself (no staging region)")
         else:
             layout = staging_layout(regions, options.block_size, options.num_blocks, heads)

@@ -2,10 +2,12 @@
 ``vllm_blocks``, ``[L, P, KV, page_size, 2 * D]``) is its own staging region, no copy of it.
 
 A page of one layer is one vLLM block of that layer, one contiguous run (page size = the
-decodes' block size), so the pool's per-layer regions are registered with the vLLM backend's
-agent and handed out on the side channels as vLLM's ``LBHNC`` regions: a push WRITEs, and a
-pull READs, one descriptor per page per layer, straight from the pages the forward wrote (no
-staging region, no KV mirror, no repack). docs/vllm.md, "A pool in vLLM's layout".
+decodes' block size; at TP > 1 the group's pool, every rank's heads of it, in memory the
+ranks share: ``service.vllm_group``), so the pool's per-layer regions are registered with
+the vLLM backend's agent and handed out on the side channels as vLLM's ``LBHNC`` regions:
+a push WRITEs, and a pull READs, one descriptor per page per layer, straight from the pages
+the forward wrote (no staging region, no KV mirror, no repack).
+docs/vllm.md, "A pool in vLLM's layout".
 
 The blocks a request's answer names are its own pool pages, in prompt order. Its sender pins
 each page as it is handed over (``kv.pins``: one more reference, taken while the request holds
@@ -23,6 +25,7 @@ from prefill_worker.kv.pins import PagePins
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
+from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.staging import StagingLayout, StagingRefused, staging_layout
 
 
@@ -37,7 +40,15 @@ class PoolBlocks:
     pool's layer ``l``; ``free`` unpins. Blocks are never allocated here: a request's are the
     pages it already holds (``DirectSender``)."""
 
-    def __init__(self, regions: KVRegions, block_size: int, pins: PagePins) -> None:
+    def __init__(
+        self,
+        regions: KVRegions,
+        block_size: int,
+        pins: PagePins,
+        group: GroupStaging | None = None,
+    ) -> None:
+        """``group``: a tensor-parallel group's shared pool (``service.vllm_group``: every
+        rank's pool moved into its heads of it), which the blocks are then, every head."""
         lay = regions.layout
         if lay.kind != VLLM_BLOCKS:
             raise StagingRefused(f"kv layout {lay.kind}: the pool is not in vLLM's blocks")
@@ -50,9 +61,16 @@ class PoolBlocks:
             raise StagingRefused(
                 f"pins over {pins.pool.num_pages} pages; the pool has {lay.num_pages}"
             )
-        self.layout: StagingLayout = staging_layout(regions, block_size, lay.num_pages)
-        assert self.layout.region_bytes == lay.region_bytes, (self.layout, lay)
-        self.region_base_addrs: tuple[int, ...] = regions.region_base_addrs  # K‖V per layer
+        heads = None if group is None else group.num_kv_heads
+        self.layout: StagingLayout = staging_layout(regions, block_size, lay.num_pages, heads)
+        if group is None:
+            assert self.layout.region_bytes == lay.region_bytes, (self.layout, lay)
+            self.region_base_addrs: tuple[int, ...] = regions.region_base_addrs  # K‖V a layer
+        else:
+            size = self.layout.num_layers * self.layout.region_bytes
+            assert group.buffer.size == size, (group.buffer.size, size)
+            base, step = int(group.buffer.ctypes.data), self.layout.region_bytes
+            self.region_base_addrs = tuple(base + i * step for i in range(lay.num_layers))
         self._pins = pins
 
     @property
