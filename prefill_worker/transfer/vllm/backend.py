@@ -1,8 +1,9 @@
 """The transfer backend vLLM decodes pull from: this worker as a vLLM prefill.
 
 It owns a NIXL agent with the staging region registered (``staging``: one region per layer,
-vLLM's ``LBHNC`` blocks; a ``vllm_blocks`` pool registers itself instead, ``direct``) and the side channel where decodes fetch that agent's metadata
-(``handshake``: a ZMQ ROUTER answering ``get_meta_msg``). It never writes: the decode READs
+vLLM's ``LBHNC`` blocks; a ``vllm_blocks`` pool registers itself instead, ``direct``) and
+the side channel where decodes fetch that agent's metadata (``handshake``: a ZMQ ROUTER
+answering ``get_meta_msg``). It never writes: the decode READs
 the blocks named in the HTTP answer's ``kv_transfer_params`` and sends a notification when
 done. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
 leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
