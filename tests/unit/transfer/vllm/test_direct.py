@@ -5,8 +5,10 @@ them; the page table is whole after each."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.direct import DirectSender, PoolBlocks, is_direct
 from prefill_worker.transfer.vllm.holds import HoldTable
+from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.staging import PoolViews, StagingRefused
 from prefill_worker.transfer.vllm.tickets import Tickets
 from tests.clocks import FakeClock
@@ -173,3 +176,18 @@ def test_pools_not_in_vllm_blocks_or_of_another_block_size_are_refused() -> None
     assert not is_direct(other.regions(0, 1))
     with pytest.raises(StagingRefused, match="not in vLLM's blocks"):
         PoolBlocks(other.regions(0, 1), PS, pins)
+
+
+def test_at_tp_2_the_blocks_are_the_group_s_shared_pool_every_head() -> None:
+    """A tensor-parallel group's pool (``service.vllm_group``): the blocks cover every head,
+    one region per layer in the shared buffer, a page of a layer one run of all of them."""
+    group_layout = KVLayout(2, 4, 8, "float32", PS, PAGES, VLLM_BLOCKS)  # 2 heads a rank
+    rank0 = KVCache(dataclasses.replace(group_layout, num_kv_heads=2), torch.device("cpu"))
+    buffer = np.zeros(group_layout.pool_bytes, np.uint8)
+    rank0.share_storage(buffer, 4, range(0, 2))
+    group = GroupStaging(buffer, 4, range(0, 2))
+    blocks = PoolBlocks(rank0.regions(0, 1), PS, PagePins(PagePool(PAGES)), group)
+    lay = blocks.layout
+    assert (lay.num_kv_heads, lay.block_bytes) == (4, 4 * PS * 2 * 8 * 4)
+    assert blocks.region_base_addrs == (buffer.ctypes.data, buffer.ctypes.data + lay.region_bytes)
+    assert rank0.k_base_addrs[1] == blocks.region_base_addrs[1]  # rank 0's heads come first
