@@ -136,8 +136,8 @@ class DirectSender:
         self._pages = {}
         if extra:
             self._blocks.free(extra)
-        self._desk.counts.pool_tokens += self._num_tokens
         if self._desk.hold(self._room, blocks, self._num_tokens):  # frees them if not
+            self._desk.counts.pool_tokens += self._num_tokens
             self._state = KVPoll.SUCCESS
         else:
             self.fail("the HTTP request gave up before its KV was staged")

@@ -139,6 +139,7 @@ def test_a_front_that_gave_up_or_pages_never_handed_over_unpin_at_once() -> None
     sender.send_aux(0)
     assert sender.poll() is KVPoll.FAILED
     assert sender.failure_reason() == "the HTTP request gave up before its KV was staged"
+    assert rig.desk.counts.pool_tokens == 0  # nothing served
     rig.finish(1, sender)
     assert rig.pins.num_pinned == 0
     sender, pages = rig.sender(2, list(range(1, 10)))
