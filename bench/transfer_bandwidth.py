@@ -45,6 +45,9 @@ with ``push,vllm-push`` beside the native push's scattered rows (``vllm_push_vs_
 ``--protocol push,vllm-push --interleave`` runs the two pushes alternately, request by
 request, instead (``bench/vllm_push_pair.py``: the native scattered thread push and the vLLM
 push, medians and the median of per-pair ratios), what a loaded machine leaves comparable.
+With ``--pool-layouts vllm_blocks`` the pool is vLLM's blocks (pages of 32 tokens): the
+vLLM push WRITEs the pool's pages themselves (``"source": "pool"``, no staging region) and
+the native push sends the same pool into a native decode pool of the same layout.
 
 ``--protocol vllm`` adds the vLLM-pull rows (``"protocol": "vllm"``: the request staged in
 vLLM's layout by the repack, ``"staging": "repack"``, and by the forward's KV mirror,
@@ -68,22 +71,40 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
-from prefill_worker.kv.layout import LAYER_MAJOR, POOL_LAYOUTS, KVLayout, KVRegions
+from prefill_worker.kv.layout import (
+    LAYER_MAJOR,
+    PAGE_MAJOR,
+    POOL_LAYOUTS,
+    VLLM_BLOCKS,
+    KVLayout,
+    KVRegions,
+)
 
 PAGE_SIZE = 16
 NUM_LOCAL_PAGES = 8192 // PAGE_SIZE
 NUM_DECODE_PAGES = NUM_LOCAL_PAGES + NUM_LOCAL_PAGES // 4
 
 
+VLLM_PAGE_SIZE = 32  # a vllm_blocks pool's page: one vLLM block (the vLLM rows' block size)
+
+
 def layout(num_pages: int, pool_layout: str, kv_dtype: str = "bfloat16") -> KVLayout:
-    return KVLayout(32, 8, 128, kv_dtype, PAGE_SIZE, num_pages, pool_layout)
+    """``num_pages`` pages of ``PAGE_SIZE`` tokens' worth: a vllm_blocks pool holds the same
+    tokens in pages of ``VLLM_PAGE_SIZE``."""
+    page_size = VLLM_PAGE_SIZE if pool_layout == VLLM_BLOCKS else PAGE_SIZE
+    count = num_pages * PAGE_SIZE // page_size
+    return KVLayout(32, 8, 128, kv_dtype, page_size, count, pool_layout)
 
 
 def regions_over(lay: KVLayout, buf: np.ndarray, aux: AuxPool) -> KVRegions:
     """The pool at the start of ``buf``: K of each layer, then V of each layer (layer-major),
-    or page after page of every layer's K and V (page-major)."""
+    page after page of every layer's K and V (page-major), or each layer's K‖V blocks
+    (vllm_blocks: V one head_dim after K)."""
     base = int(buf.ctypes.data)
-    if lay.kind == LAYER_MAJOR:
+    if lay.kind == VLLM_BLOCKS:
+        k = tuple(base + i * lay.region_bytes for i in range(lay.num_layers))
+        v = tuple(a + lay.head_dim * lay.itemsize for a in k)
+    elif lay.kind == LAYER_MAJOR:
         starts = [base + i * lay.region_bytes for i in range(2 * lay.num_layers)]
         k, v = tuple(starts[: lay.num_layers]), tuple(starts[lay.num_layers :])
     else:
@@ -167,7 +188,13 @@ class _Timed:
 
 
 def push_once(
-    backend, conn: Connection, room: int, src: list[int], dst: list[int], chunk_pages: int
+    backend,
+    conn: Connection,
+    room: int,
+    src: list[int],
+    dst: list[int],
+    chunk_pages: int,
+    page_size: int = PAGE_SIZE,
 ) -> tuple[float, tuple[float, float], float]:
     """(seconds from first chunk to status ok, (prep seconds, prep CPU seconds), longest
     engine-thread call) for one request."""
@@ -175,7 +202,7 @@ def push_once(
 
     conn.send(("want", room, dst, 0, 0))
     assert conn.recv() == "ok"
-    sender = backend.create_sender(room, f"bench-{room}", len(src) * PAGE_SIZE)
+    sender = backend.create_sender(room, f"bench-{room}", len(src) * page_size)
     while sender.poll() is not KVPoll.READY:
         backend.poll()
         assert not sender.poll().is_terminal, sender.failure_reason()
@@ -204,7 +231,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="prompt tokens per chunk")
-    parser.add_argument("--pool-layouts", default=",".join(POOL_LAYOUTS))
+    parser.add_argument(
+        "--pool-layouts",
+        default=",".join((LAYER_MAJOR, PAGE_MAJOR)),
+        help=f"of {', '.join(POOL_LAYOUTS)}; {VLLM_BLOCKS} with --interleave only",
+    )
     parser.add_argument(
         "--push", default="thread", help="thread (the worker's) or inline (before #17), or both"
     )

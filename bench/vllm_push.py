@@ -118,7 +118,12 @@ class Rig:
     """The worker's ``VllmBackend`` serving push over ``regions`` and a decode process as in
     the module docstring, the decode handshaken: ``once`` pushes one request."""
 
-    def __init__(self, regions: Any) -> None:
+    def __init__(self, regions: Any, direct: bool = False) -> None:
+        """``direct``: ``regions`` is a vllm_blocks pool, served from its pages themselves
+        (``transfer/vllm/direct.py``): each request pins scattered pages of it, as a
+        finished request's pages are pinned, and the WRITE's end unpins them."""
+        from prefill_worker.kv.pages import PagePool
+        from prefill_worker.kv.pins import PagePins
         from prefill_worker.transfer.options import NixlOptions, VllmOptions
         from prefill_worker.transfer.vllm.backend import VllmBackend
         from prefill_worker.transfer.vllm.channel import our_hash, serve_side_channels
@@ -131,7 +136,17 @@ class Rig:
             "127.0.0.1", 0, BLOCK_SIZE, num_blocks, versions=(VERSION,), modes=(PUSH,), nixl=nixl
         )
         self.tickets = Tickets(4, (VERSION,), (PUSH,))
-        self.backend = backend = VllmBackend(regions, options, self.tickets, serve_side_channels)
+        self.pages: PagePool | None = None
+        pins = None
+        if direct:  # every page in use, as requests' pages are: pins go on top
+            self.pages = PagePool(regions.layout.num_pages)
+            assert self.pages.try_alloc(regions.layout.num_pages) is not None
+            pins = PagePins(self.pages)
+        self.pins = pins
+        self.backend = backend = VllmBackend(
+            regions, options, self.tickets, serve_side_channels, pins=pins
+        )
+        assert (backend.direct is not None) == direct
         push_hash = our_hash(backend.registration, VERSION, PUSH)
         port = backend.desk.identities[f"{VERSION}+push"].side_channel_port
         ctx = mp.get_context("spawn")
@@ -148,6 +163,7 @@ class Rig:
         for layer in backend.mirror_layers:  # written, as the forwards write them
             layer.view(np.uint8).fill(7)
         self.layout = backend.desk.staging.layout
+        self.source = "staging" if backend.direct is None else "pool"
 
     def once(self, tokens: int) -> tuple[float, float]:
         """(seconds from the decode's registration to its notification, the WRITE's
@@ -160,7 +176,12 @@ class Rig:
         self.room += 1
         external = secrets.token_hex(8)
         assert self.tickets.open(self.room, VERSION, PUSH, push_key(external))
-        blocks = backend.desk.try_allocate(tokens)
+        if self.pins is not None:  # scattered pool pages, pinned as a DirectSender pins
+            n = self.layout.num_blocks_for(tokens)
+            blocks = tuple(_scattered(self.rng, self.layout.num_blocks, n))
+            self.pins.pin(blocks)
+        else:
+            blocks = backend.desk.try_allocate(tokens)
         assert blocks is not None
         assert backend.desk.hold(self.room, blocks, tokens)
         self.tickets.take(self.room)
@@ -173,6 +194,7 @@ class Rig:
         while pusher.busy:
             backend.poll()
         assert pusher.counts.pushed == pushed + 1
+        assert self.pins is None or self.pins.num_pinned == 0  # the WRITE's end unpinned them
         return elapsed, pusher.counts.write_s - written_s
 
     def close(self) -> None:
@@ -206,7 +228,7 @@ def run(
                 "name": "transfer",
                 "protocol": "vllm-push",
                 "pool_layout": pool_layout,
-                "source": "staging",
+                "source": rig.source,
                 "tokens": tokens,
                 "layout": "scattered",
                 "gb_s": round(gb_s, 3),

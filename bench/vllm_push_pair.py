@@ -1,7 +1,8 @@
 """vLLM push against the native push, interleaved (``bench/transfer_bandwidth.py --protocol
 push,vllm-push --interleave``): one native thread push (to scattered decode pages) and one
-vLLM push (``bench/vllm_push.py``'s ``Rig``: the staging region WRITten into scattered
-decode blocks on the decode's registration) of the same bytes, one right after the other,
+vLLM push (``bench/vllm_push.py``'s ``Rig``: the staging region, or with a vllm_blocks pool
+the pool's own pages, ``"source": "pool"``, WRITten into scattered decode blocks on the
+decode's registration) of the same bytes, one right after the other,
 ``repeats`` times (who goes first alternates; the first pair is a warm-up), so that both
 see the same machine load. Both decodes and both worker backends live for the whole run.
 One row per protocol and prompt length, medians over the repeats, and on the vLLM row the
@@ -29,6 +30,7 @@ import transfer_bandwidth as tb
 import vllm_push
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
+from prefill_worker.kv.layout import VLLM_BLOCKS
 
 
 def _tree() -> str:
@@ -64,23 +66,26 @@ def run_pair(pool_layout: str, repeats: int, chunk_pages: int) -> None:
     while not conn.poll(0.001):
         backend.poll()
     assert conn.recv() == "registered"
-    rig = vllm_push.Rig(regions)
+    rig = vllm_push.Rig(regions, direct=pool_layout == VLLM_BLOCKS)
     rng = np.random.default_rng(1)
-    copy_dst = np.ones(2 * lay.num_layers * tb.NUM_DECODE_PAGES * lay.page_bytes, np.uint8)
+    decode_pages = tb.layout(tb.NUM_DECODE_PAGES, pool_layout).num_pages
+    copy_dst = np.ones(2 * lay.num_layers * decode_pages * lay.page_bytes, np.uint8)
+    chunk_pages = chunk_pages * tb.PAGE_SIZE // lay.page_size  # the same tokens per chunk
     room = 1
     common = {"interleaved": True, "command": " ".join(["python", *sys.argv]), "tree": _tree()}
     try:
         for tokens in vllm_push.TOKENS:
-            n = tokens // tb.PAGE_SIZE
+            n = tokens // lay.page_size
             nbytes = n * lay.page_bytes * 2 * lay.num_layers
             native, vllm, writes, copies, loads = [], [], [], [], []
             for i in range(repeats + 1):
                 for which in ("native", "vllm") if i % 2 == 0 else ("vllm", "native"):
                     if which == "native":
-                        src = tb.scattered(rng, tb.NUM_LOCAL_PAGES, n)
-                        dst = tb.scattered(rng, tb.NUM_DECODE_PAGES, n)
+                        src = tb.scattered(rng, lay.num_pages, n)
+                        dst = tb.scattered(rng, decode_pages, n)
                         room += 1
-                        native.append(tb.push_once(backend, conn, room, src, dst, chunk_pages)[0])
+                        args = (backend, conn, room, src, dst, chunk_pages, lay.page_size)
+                        native.append(tb.push_once(*args)[0])
                     else:
                         elapsed, write_s = rig.once(tokens)
                         vllm.append(elapsed)
@@ -106,7 +111,7 @@ def run_pair(pool_layout: str, repeats: int, chunk_pages: int) -> None:
                     {
                         "name": "transfer",
                         "protocol": "vllm-push",
-                        "source": "staging",
+                        "source": rig.source,
                         "gb_s": round(vllm_gb_s, 3),
                         "native_push_gb_s": round(native_gb_s, 3),
                         "vllm_push_vs_native": round(vllm_gb_s / native_gb_s, 3),

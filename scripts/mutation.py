@@ -88,6 +88,7 @@ MODULES: dict[str, list[str]] = {
     "prefill_worker/kv/pages.py": _POOL,
     "prefill_worker/kv/tables.py": [*_POOL, *_CACHE, _S + "test_page_table_edges.py", *_SLIDING],
     "prefill_worker/kv/sliding.py": _SLIDING,
+    "prefill_worker/kv/pins.py": [_S + "test_page_table_edges.py"],
     "prefill_worker/kv/block_hash.py": _EVENTS,
     "prefill_worker/kv/aux.py": [*_POOL, "tests/unit/transfer/test_pagemap.py"],
     "prefill_worker/kv/cache_events.py": _EVENTS,

@@ -11,6 +11,18 @@ per-layer K or V view is ``[num_pages, page_size, kv_heads, head_dim]``. A trans
 the pool as ``num_regions`` regions of ``num_pages`` runs of ``region_page_bytes`` each: 2L
 regions of one layer's page, or one region of whole pages.
 
+A third K/V kind, ``vllm_blocks``, is vLLM's ``LBHNC`` block layout (its CPU/NIXL layout), a
+page being one vLLM block (``page_size`` = the decodes' block size)::
+
+    vllm_blocks  [num_layers, num_pages, kv_heads, page_size, 2 * head_dim]   K‖V innermost
+
+One page of one layer is one contiguous run of ``2 * page_bytes`` (every head's K and V), so a
+vLLM decode's block of a layer is one descriptor (docs/vllm.md, "A pool in vLLM's layout").
+``k_base_addrs[l]`` is the layer's first byte and ``v_base_addrs[l]`` ``head_dim * itemsize``
+after it; the per-layer K/V views are strided (a token ``2 * head_dim`` items after the one
+before, a head ``page_size * 2 * head_dim``): ``token_stride_bytes``, ``head_stride_bytes``.
+It is L regions of one layer's page each.
+
 A multi-head latent attention (MLA) model's pool is the third kind, ``mla``: one plane per
 layer, no K/V split and no heads (``num_kv_heads`` is 1, ``head_dim`` is ``kv_lora_rank +
 qk_rope_head_dim``), ``[num_layers, num_pages, page_size, 1, head_dim]``; ``k_base_addrs``
@@ -29,7 +41,8 @@ from dataclasses import dataclass
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}  # fp8: KV only
 LAYER_MAJOR = "layer_major"
 PAGE_MAJOR = "page_major"
-POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR)  # the layouts a K/V (MHA/GQA) pool may take
+VLLM_BLOCKS = "vllm_blocks"  # vLLM's LBHNC blocks: [L, P, KV, page_size, 2 * D]
+POOL_LAYOUTS = (LAYER_MAJOR, PAGE_MAJOR, VLLM_BLOCKS)  # the layouts a K/V (MHA/GQA) pool may take
 MLA = "mla"  # one latent plane per layer (multi-head latent attention)
 KV_KINDS = (*POOL_LAYOUTS, MLA)
 
@@ -85,10 +98,31 @@ class KVLayout:
 
     @property
     def num_regions(self) -> int:
-        """Descriptor regions: 2L (layer-major), 1 (page-major) or L (mla)."""
+        """Descriptor regions: 2L (layer-major), 1 (page-major) or L (mla, vllm_blocks)."""
         if self.kind == PAGE_MAJOR:
             return 1
+        if self.kind == VLLM_BLOCKS:
+            return self.num_layers
         return self.planes * self.num_layers
+
+    @property
+    def token_stride_bytes(self) -> int:
+        """From one token's K (or V) of a head to the next token's, within a page."""
+        row = self.head_dim * self.itemsize
+        return 2 * row if self.kind == VLLM_BLOCKS else self.num_kv_heads * row
+
+    @property
+    def head_stride_bytes(self) -> int:
+        """From one head's K (or V) of a token to the next head's, within a page."""
+        row = self.head_dim * self.itemsize
+        return self.page_size * 2 * row if self.kind == VLLM_BLOCKS else row
+
+    @property
+    def plane_span_bytes(self) -> int:
+        """From a per-layer K (or V) view's first byte to past its last."""
+        if self.kind == VLLM_BLOCKS:  # V's last row ends where the layer's region does
+            return self.num_pages * self.page_stride_bytes - self.head_dim * self.itemsize
+        return (self.num_pages - 1) * self.page_stride_bytes + self.page_bytes
 
     @property
     def region_page_bytes(self) -> int:
@@ -160,7 +194,9 @@ class KVRegions:
     @property
     def region_base_addrs(self) -> tuple[int, ...]:
         """Where each descriptor region starts: K of every layer then V (layer-major), each
-        layer's latent (mla), or the pool (page-major)."""
+        layer's latent (mla) or K‖V (vllm_blocks), or the pool (page-major)."""
+        if self.layout.kind == VLLM_BLOCKS:
+            return self.k_base_addrs
         if self.layout.kind != PAGE_MAJOR:
             return self.k_base_addrs + self.v_base_addrs
         return self.k_base_addrs[:1]
@@ -183,6 +219,13 @@ def addresses_error(
             f"k_base_addrs/v_base_addrs: one address per layer needed ({n} layers, got "
             f"{len(k_base_addrs)} and {len(v_base_addrs)})"
         )
+    if layout.kind == VLLM_BLOCKS:
+        row = layout.head_dim * layout.itemsize
+        if any(v != k + row for k, v in zip(k_base_addrs, v_base_addrs, strict=True)):
+            return (
+                "k_base_addrs/v_base_addrs: a vllm_blocks pool puts each layer's V "
+                f"head_dim * itemsize ({row}) bytes after its K; these addresses do not"
+            )
     if layout.kind == PAGE_MAJOR:
         base, page = k_base_addrs[0], layout.page_bytes
         want_k = tuple(base + 2 * i * page for i in range(n))

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import MISS, NoPrefixCache, PrefixCache, PrefixHit
 from prefill_worker.kv.sliding import SlidingPageTable
 
@@ -51,15 +52,23 @@ class PageTable:
         page_size: int,
         cache: PrefixCache | None = None,
         sliding: SlidingPageTable | None = None,
+        *,
+        pins: PagePins | None = None,
     ) -> None:
+        """``sliding``: a windowed sliding pool's bookkeeping (``kv.sliding``); ``pins``:
+        pages transfers keep past their requests (``kv.pins``), over ``pool``."""
         assert page_size > 0
         assert sliding is None or cache is None or isinstance(cache, NoPrefixCache), (
             "a windowed sliding pool bypasses the prefix cache (docs/prefix-cache.md)"
         )
+        assert pins is None or pins.pool is pool, "pins over another pool"
         self.pool = pool
         self.page_size = page_size
         self.cache: PrefixCache = cache or NoPrefixCache(pool)
         self.sliding = sliding
+        self._pins = pins
+        if pins is not None:
+            pins.bind(self.cache)
         self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
@@ -167,10 +176,12 @@ class PageTable:
 
     def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
         """Every page reference in the pool is one entry of this table (or of ``detached``),
-        or the cache's own."""
+        a pin, or the cache's own."""
         held = Counter(page_id for h in self._held.values() for page_id in h.page_ids)
         held.update(page_id for page_ids in detached for page_id in page_ids)
         held.update(self.cache.cached_page_ids())
+        if self._pins is not None:
+            held.update(self._pins.pinned())
         for page_id in range(self.pool.num_pages):
             assert held[page_id] == self.pool.refcount(page_id), f"page {page_id} leaked"
         self.pool.check_integrity()

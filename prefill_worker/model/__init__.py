@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, VLLM_BLOCKS, KVLayout
 from prefill_worker.kv.state_layout import StateComponent, StateRegions
 from prefill_worker.model.attention import (
     AttentionBackend,
@@ -229,6 +229,11 @@ def build(
         backend_name = attention.name
     dtype_name = kv_dtype_name(kv_dtype, DTYPE_NAMES[torch_dtype])
     check_kv_backend(dtype_name, backend_name)
+    if pool_layout == VLLM_BLOCKS and backend_name != "sdpa":  # strided K/V views: sdpa's
+        raise ValueError(  # gather reads any strides; flashinfer's paged kernels do not
+            f"pool layout {VLLM_BLOCKS} is read by the sdpa attention backend only "
+            f"(resolved {backend_name!r}): set model.attention_backend sdpa"
+        )
     one_page = KVLayout(
         len(spec.linear.full_layers) if spec.linear is not None else spec.num_layers,
         model.local.num_kv_heads,

@@ -7,14 +7,18 @@ One allocation holds every layer's K and V, in the pool layout ``layout.kind`` n
                  k[l] = storage[l, 0], v[l] = storage[l, 1]        contiguous
     page_major   storage [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
                  k[l] = storage[:, l, 0], v[l] = storage[:, l, 1]  strided views
+    vllm_blocks  storage [num_layers, num_pages, num_kv_heads, page_size, 2 * head_dim]
+                 k[l] = storage[l, ..., :D], v[l] = storage[l, ..., D:], each permuted to
+                 [num_pages, page_size, KV, D]                       strided views
     mla          storage [num_layers, num_pages, page_size, 1, kv_lora_rank + rope_dim]
                  k[l] = storage[l] (the layer's latent plane), v = ()
 
 An MLA row is SGLang's (``MLATokenToKVPool``): the normalised latent, then the roped key
 part (``write_latent``). Every ``k[l]``/``v[l]`` is a ``[num_pages, page_size, KV, D]`` view
 of the storage (never a copy): page p of layer l at ``k_base_addrs[l] + p *
-page_stride_bytes``, one page itself contiguous. Writers and attention index them by (page,
-offset), which works for any page stride.
+page_stride_bytes``, one page itself contiguous (``vllm_blocks``: one page of one layer, K‖V
+of every head, is; vLLM's ``LBHNC`` blocks, so a vLLM decode's block is one run of the pool).
+Writers and attention index them by (page, offset), which works for any strides.
 
 A sliding-window model's pool may keep its sliding layers in their own page space
 (``cache.sliding_pool: windowed``, docs/models.md "The sliding-window pool"): then the storage
@@ -42,9 +46,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, VLLM_BLOCKS, KVLayout, KVRegions
 from prefill_worker.model.kv_mirror import KVMirror, MirrorTargets, MirrorWrites, PoolRuns
 from prefill_worker.model.quant.kv import FP8_E4M3, to_pool
 
@@ -117,6 +122,13 @@ class KVCache:
             self.k: tuple[torch.Tensor, ...] = tuple(self._storage)  # each [P, ps, 1, D]
             self.v: tuple[torch.Tensor, ...] = ()
             return
+        if layout.kind == VLLM_BLOCKS:
+            blocks = (layout.num_pages, layout.num_kv_heads, layout.page_size, 2 * layout.head_dim)
+            self._storage = torch.zeros(  # [L, P, KV, page_size, 2D]: vLLM's LBHNC
+                (layout.num_layers, *blocks), dtype=dtype, device=device
+            )
+            self._set_block_views()
+            return
         if layout.kind == LAYER_MAJOR:
             self._storage = torch.zeros(  # [L, 2, P, page_size, KV, D]
                 (layout.num_layers, 2, layout.num_pages, *page), dtype=dtype, device=device
@@ -156,6 +168,29 @@ class KVCache:
             held += self._sliding_storage.numel() * self._sliding_storage.element_size()
         return held
 
+    def share_storage(self, buffer: np.ndarray, num_kv_heads: int, heads: range) -> None:
+        """A ``vllm_blocks`` pool moves into ``buffer`` (uint8, ``[L, P, num_kv_heads,
+        page_size, 2D]`` of the pool's dtype: a tensor-parallel group's shared pool, every
+        rank its own ``heads`` of it), keeping what it holds (once, at start-up, before the
+        pool's addresses are handed out). The K/V views then stride over the whole group's
+        heads; ``regions`` no longer describes the pool (the group's pool is described by
+        the leader, ``transfer.vllm.direct``)."""
+        lay = self.layout
+        if lay.kind != VLLM_BLOCKS or len(heads) != lay.num_kv_heads:
+            raise ValueError(f"a {lay.kind} pool of {lay.num_kv_heads} heads into heads {heads}")
+        dtype = KV_TORCH_DTYPES[lay.dtype]
+        whole = torch.from_numpy(buffer).view(dtype)
+        shape = (lay.num_layers, lay.num_pages, num_kv_heads, lay.page_size, 2 * lay.head_dim)
+        mine = whole.view(shape)[:, :, heads.start : heads.stop]
+        mine.copy_(self._storage)
+        self._storage = mine
+        self._set_block_views()
+
+    def _set_block_views(self) -> None:
+        d = self.layout.head_dim
+        self.k = tuple(s[..., :d].transpose(1, 2) for s in self._storage)  # [P, ps, KV, D]
+        self.v = tuple(s[..., d:].transpose(1, 2) for s in self._storage)
+
     def attach_mirror(self, mirror: KVMirror) -> None:
         """From now on a forward may also write ``mirror`` (once, at start-up)."""
         lay = self.layout
@@ -173,6 +208,10 @@ class KVCache:
                 f"the pool is {self.k[0].dtype} on {self.k[0].device}"
             )
         self._mirror = (mirror, PoolRuns(self.k, self.v, lay.page_size, mirror.run))
+
+    @property
+    def has_mirror(self) -> bool:
+        return self._mirror is not None
 
     @contextmanager
     def mirroring(self, targets: MirrorTargets | None) -> Iterator[MirrorWrites | None]:

@@ -65,7 +65,9 @@ class Engine:
         self._clock = clock
         self.limits = limits
         # no prefix cache: the table uses NoPrefixCache
-        self._table = PageTable(kv.pages, limits.page_size, kv.prefix_cache, kv.sliding)
+        self._table = PageTable(
+            kv.pages, limits.page_size, kv.prefix_cache, kv.sliding, pins=kv.pins
+        )
         self._costs = CostEstimator(clock, limits.chunk_size, limits.max_batch_tokens)
         self._sink = sink
         self._life = RequestLifecycle(

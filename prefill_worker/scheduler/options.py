@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import PrefixCache
 from prefill_worker.kv.sliding import SlidingPageTable
 
@@ -35,11 +36,12 @@ class EngineLimits:
 
 @dataclass(frozen=True, slots=True)
 class EngineKV:
-    """The page pool and aux rows the engine allocates from; ``prefix_cache`` is over
-    ``pages`` (None: no prefix cache); ``sliding``: a windowed sliding pool's bookkeeping
-    (``kv.sliding``; None: the sliding layers share ``pages``)."""
+    """The page pool and aux rows the engine allocates from; ``prefix_cache`` and ``pins``
+    are over ``pages`` (None: no prefix cache, no pins); ``sliding``: a windowed sliding
+    pool's bookkeeping (``kv.sliding``; None: the sliding layers share ``pages``)."""
 
     pages: PagePool
     aux: AuxPool
     prefix_cache: PrefixCache | None = None
     sliding: SlidingPageTable | None = None
+    pins: PagePins | None = None  # pages transfers keep past their requests (kv.pins)

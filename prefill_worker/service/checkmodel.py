@@ -92,6 +92,24 @@ class PoolShape:
     mla: MlaDims | None = None
 
 
+LAYOUT_SERVES = {  # cache.layout -> the decodes a pool of it serves (docs/vllm.md, protocol.md)
+    "layer_major": "native decodes of the same layout, SGLang decodes, vLLM pull and push "
+    "(through the staging region the forward mirrors into)",
+    "page_major": "native decodes of the same layout, SGLang decodes, vLLM pull and push "
+    "(through the staging region the forward mirrors into)",
+    "vllm_blocks": "native decodes of the same layout and TP, vLLM pull and push straight from "
+    "the pool (no staging region, at TP 1); not SGLang decodes",
+}
+
+
+def layout_note(config: Config) -> str:
+    """Which protocols the configured pool layout serves (an MLA model's pool is ``mla``
+    whatever it says: native and SGLang decodes)."""
+    layout = config.cache.layout
+    served = ", ".join(config.transfer.protocols)
+    return f"cache.layout {layout}: serves {LAYOUT_SERVES[layout]}; served here: {served}"
+
+
 def check_model(config: Config, require_model: bool = False) -> ModelCheck:
     path = Path(config.model.path)
     if not path.is_dir():

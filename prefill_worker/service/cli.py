@@ -104,9 +104,10 @@ def main(
 
 
 def _check(config: Config, require_model: bool) -> int:
-    from prefill_worker.service.checkmodel import check_model
+    from prefill_worker.service.checkmodel import check_model, layout_note
 
     check = check_model(config, require_model)
+    check.notes.insert(0, layout_note(config))
     for line in check.problems:
         print(f"config error: {line}", file=sys.stderr)
     if check.problems:

@@ -31,6 +31,7 @@ from prefill_worker.ingress.http import HttpApi, is_front_id
 from prefill_worker.ingress.validate import Limits
 from prefill_worker.ingress.zmq_front import Ingress
 from prefill_worker.kv.cache_events import CacheEventSink, NullCacheEvents
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.kv_events.wire import EventGroup
 from prefill_worker.model import KVCache, ModelInfo, build
@@ -176,6 +177,7 @@ class Daemon:
         runner, kv_cache, info = self._load(placement)
         sglang_dsa = attach_sglang_index(cfg, runner, kv_cache.device_name)
         pages, aux = make_pools(cfg, kv_cache)
+        pins = PagePins(pages)  # pages vLLM decodes still read from a vllm_blocks pool
         warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         with watch("transfer"):
@@ -191,6 +193,7 @@ class Daemon:
                 attach_draft(self._drafting, aux.num_rows),
                 sglang_dsa,
                 sglang_mamba(cfg, runner),
+                pins,
             )
         self._closers.append(("transfer", transfer.backend.close))
         guard = start_listener_guard(cfg.transfer.ucx_silent_close_s, self.registry)
@@ -217,7 +220,15 @@ class Daemon:
         can_share = info.state is None or info.state.copy == PAGES
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, can_share)
         engine = make_engine(
-            cfg, runner, backend, (pages, aux), self._reply, self.metrics, prefix_cache, self.tracer
+            cfg,
+            runner,
+            backend,
+            (pages, aux),
+            self._reply,
+            self.metrics,
+            prefix_cache,
+            self.tracer,
+            pins,
         )
         self._engine = engine
         limits = (

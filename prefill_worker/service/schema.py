@@ -98,6 +98,29 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _vllm_blocks_pool(self) -> Config:
+        """A pool in vLLM's block layout (``cache.layout: vllm_blocks``, docs/vllm.md): a page
+        is one vLLM block, so the decodes' block size is the page size; SGLang decodes'
+        pages keep K and V apart, token-major, which from this pool would be a descriptor per
+        head per token: refused."""
+        if self.cache.layout != "vllm_blocks":
+            return self
+        protocols, block_size = self.transfer.protocols, self.transfer.vllm_block_size
+        if "sglang" in protocols:
+            raise ValueError(
+                "cache.layout vllm_blocks with transfer.protocol sglang: SGLang decodes keep K "
+                "and V apart, token by token, so each head of each token would be a transfer "
+                "descriptor; use layer_major or page_major for SGLang decodes"
+            )
+        if "vllm" in protocols and block_size != self.cache.page_size:
+            raise ValueError(
+                f"cache.layout vllm_blocks with transfer.vllm_block_size {block_size}: a page "
+                f"is one vLLM block; set cache.page_size {self.cache.page_size} and "
+                "vllm_block_size (the decodes' --block-size) equal"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _decodes_agree_on_the_kv_dtype(self) -> Config:
         """An FP8 pool's pages land byte for byte in the decode's pool, so each protocol's
         handshake must say so: SGLang decodes compare ``/route``'s ``kv_cache_dtype`` with

@@ -32,6 +32,7 @@ from prefill_worker.kv.draft_rows import DraftRows
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
 from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
@@ -255,6 +256,7 @@ def start_transfer(
     draft: DraftSide | None = None,
     sglang_dsa: StateRegions | None = None,
     mamba: StagedState | None = None,
+    pins: PagePins | None = None,
 ) -> Transfer:
     """The backends of ``transfer.protocol``; ``wake`` wakes the engine (the SGLang control
     thread calls it when a message arrives); ``is_live`` is the daemon's liveness verdict
@@ -269,7 +271,8 @@ def start_transfer(
     that speculate. ``sglang_dsa``: a DSA model's index keys in SGLang's FP8 pages
     (``service.sglang_index``), which the SGLang backend sends; its rooms are then served.
     ``mamba``: a hybrid model's state staged for SGLang decodes (``sglang_mamba``), which then
-    carry its state too."""
+    carry its state too. ``pins``: the engine's page pins, with which the vLLM backend
+    serves a ``vllm_blocks`` pool straight from its pages (``transfer.vllm.direct``)."""
     cfg = config.transfer
     with startup_step("transfer", (ValueError,)):
         hooks = Hooks(on_reject=metrics.on_bootstrap_reject, is_engine_live=is_live, wake=wake)
@@ -292,7 +295,7 @@ def start_transfer(
                 )
                 linear_state = state if linear else None
                 options = _vllm_options(config, sliding, linear_state, regions.layout.num_layers)
-                vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging)
+                vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging, pins)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
                 mirror_layers = vllm.mirror_layers
@@ -546,6 +549,7 @@ def make_engine(
     metrics: WorkerMetrics,
     prefix_cache: PrefixCache,
     tracer: RequestTracer | None = None,
+    pins: PagePins | None = None,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -565,7 +569,7 @@ def make_engine(
         return Engine(
             runner,
             transfer,
-            EngineKV(pages, aux, prefix_cache),
+            EngineKV(pages, aux, prefix_cache, pins=pins),
             sink,
             limits,
             overlap=cfg.scheduler.overlap,

@@ -3,7 +3,9 @@
 
 Once every rank has loaded (``agree_loaded``), and before the first step, the leader creates
 the region, sends its path to the followers (a broadcast on the default group, as the load
-barrier is), each follower maps it and attaches its heads of it as its pool's KV mirror, and
+barrier is), each follower maps it and attaches its heads of it as its pool's KV mirror (a
+``vllm_blocks`` pool instead moves into its heads of it: the region is the group's pool, no
+mirror, nothing staged; docs/vllm.md, "A pool in vLLM's layout"), and
 one all-reduce says every rank has: then the leader unlinks the file. A follower then runs
 the stages of the leader's repacks that each step carries, for its heads
 (``FollowerStaging``). The leader's vLLM
@@ -22,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from prefill_worker.batch import BatchOutput, BatchPlan, ModelRunner
+from prefill_worker.kv.layout import VLLM_BLOCKS
 from prefill_worker.model.kv_cache import TORCH_DTYPES, KVCache
 from prefill_worker.model.kv_mirror import KVMirror
 from prefill_worker.service.config import Config
 from prefill_worker.service.startup import startup_step
 from prefill_worker.tp.channel import LeaderChannel
+from prefill_worker.transfer.vllm.direct import is_direct
 from prefill_worker.transfer.vllm.shared import GroupStaging, SharedRegion, Stage, writer_heads
 from prefill_worker.transfer.vllm.staging import (
     PoolViews,
@@ -40,11 +44,15 @@ _PATH_BYTES = 4096  # the broadcast's fixed size: a path, NUL-padded
 
 
 def _layout(config: Config, kv_cache: KVCache, num_kv_heads: int) -> StagingLayout | None:
-    """The shared region's shape, or None where this group stages nothing."""
+    """The shared region's shape, or None where this group stages nothing. A ``vllm_blocks``
+    pool: the group's pool itself, every rank's heads of every page (``_share``)."""
     regions = kv_cache.regions(0, 0)
     if "vllm" not in config.transfer.protocols or regions.device != "cpu":
         return None  # a device pool: the leader's vLLM backend refuses it (exit 78)
     cfg = config.transfer
+    if is_direct(regions):
+        lay = regions.layout
+        return staging_layout(regions, lay.page_size, lay.num_pages, num_kv_heads)
     return staging_layout(regions, cfg.vllm_block_size, cfg.vllm_staging_blocks, num_kv_heads)
 
 
@@ -92,7 +100,12 @@ def follow_staging(
 
 
 def _attach(kv_cache: KVCache, layout: StagingLayout, staging: GroupStaging) -> None:
-    if staging.heads is None:
+    """This rank's heads of the region: its pool's home (a ``vllm_blocks`` pool: no mirror,
+    the region is the group's pool) or its KV mirror."""
+    if staging.heads is None:  # a replicated head's second holder: its first holder's there
+        return
+    if kv_cache.layout.kind == VLLM_BLOCKS:
+        kv_cache.share_storage(staging.buffer, staging.num_kv_heads, staging.heads)
         return
     pool = StagingPool(layout, staging.buffer)
     layers = [pool.layer_view(i) for i in range(layout.num_layers)]

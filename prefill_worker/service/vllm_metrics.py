@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.pusher import VllmPusher
+from prefill_worker.transfer.vllm.staging import StagingPool
 
 PUSH_FAILURES = ("handshake", "write", "blocks", "decode_tp")  # pusher.PushCounts.failed keys
 
@@ -54,12 +55,19 @@ class VllmPullCollector(Collector):
         )
         staged.add_metric(["mirror"], self._desk.counts.mirrored_tokens)
         staged.add_metric(["repack"], self._desk.counts.repacked_tokens)
+        staged.add_metric(["pool"], self._desk.counts.pool_tokens)
         yield staged
-        total = staging.layout.num_blocks
+        direct = not isinstance(staging, StagingPool)  # a vllm_blocks pool: no staging region
+        total = 0 if direct else staging.layout.num_blocks
         yield GaugeMetricFamily(
             "prefill_worker_vllm_staging_blocks_used",
             "staging blocks held for vLLM decodes or being filled",
-            value=total - staging.num_free,
+            value=0 if direct else total - staging.num_free,
+        )
+        yield GaugeMetricFamily(
+            "prefill_worker_vllm_pool_pages_pinned",
+            "pool pages kept for vLLM decodes past their requests (a vllm_blocks pool)",
+            value=staging.layout.num_blocks - staging.num_free if direct else 0,
         )
         yield GaugeMetricFamily(
             "prefill_worker_vllm_staging_blocks_capacity",

@@ -67,6 +67,7 @@ def dump_pool(kv_cache: KVCache, path: Path, state: Any = None) -> None:
         dump["conv"] = state.stacked_conv.clone()
         dump["recurrent"] = state.stacked_recurrent.clone()
     partial = path.with_suffix(".partial")
+    dump["mirror"] = kv_cache.has_mirror
     torch.save(dump, partial)
     os.replace(partial, path)
 

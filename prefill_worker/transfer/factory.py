@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.state_layout import StateRegions
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.draft import DraftSide
@@ -85,14 +86,16 @@ def make_vllm_backend(
     tickets: Tickets,
     hooks: Hooks = DEFAULT_HOOKS,
     group: GroupStaging | None = None,
+    pins: PagePins | None = None,
 ) -> VllmBackend:
     """This worker as a vLLM prefill (``transfer/vllm``): the staging region registered with
-    a NIXL agent of its own, a side channel bound per vLLM version served. ``StagingRefused``
+    a NIXL agent of its own (a ``vllm_blocks`` pool itself, with ``pins``: ``vllm.direct``),
+    a side channel bound per vLLM version served. ``StagingRefused``
     (a ``ValueError``) for a pool it cannot stage (MLA, device memory)."""
     from prefill_worker.transfer.vllm.backend import VllmBackend
     from prefill_worker.transfer.vllm.channel import serve_side_channels
 
-    return VllmBackend(regions, options, tickets, serve_side_channels, hooks, group)
+    return VllmBackend(regions, options, tickets, serve_side_channels, hooks, group, pins)
 
 
 def serve_protocols(

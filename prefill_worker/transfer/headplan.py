@@ -53,10 +53,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefill_worker.kv.heads import kv_head_range
-from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
+from prefill_worker.kv.layout import MLA, VLLM_BLOCKS, KVLayout, KVRegions
 from prefill_worker.transfer.pagemap import (
     STRIDED_COLUMNS,
     device_id,
+    kv_descriptor_table,
     layer_view_table,
     region_indices,
 )
@@ -140,6 +141,13 @@ def slice_layout_error(local: KVLayout, remote: KVLayout, head_slice: HeadSlice)
     pool only into an mla pool (its one latent "head" copies whole)."""
     if (local.kind == MLA) != (remote.kind == MLA):
         return f"a pool of kind {local.kind} cannot be written into one of kind {remote.kind}"
+    if VLLM_BLOCKS in (local.kind, remote.kind) and (
+        local.kind != remote.kind or not head_slice.is_whole_page
+    ):  # its pages hold K‖V per head: a head slice is not a token run
+        return (
+            f"a {local.kind} pool into a {remote.kind} one by {head_slice}: a vllm_blocks "
+            "pool is written whole pages into a vllm_blocks pool only (the same TP)"
+        )
     ours = (local.num_layers, local.head_dim, local.dtype, local.page_size)
     theirs = (remote.num_layers, remote.head_dim, remote.dtype, remote.page_size)
     if ours != theirs:
@@ -198,6 +206,8 @@ def write_table(regions: KVRegions, head_offset: int, num_heads: int, is_whole: 
     """One side's list for a slice: whole pages per layer-plane (``pagemap.layer_view_table``,
     2L rows, L for an mla pool) when the slice is the whole page, else token runs
     (``slice_table``)."""
+    if is_whole and regions.layout.kind == VLLM_BLOCKS:  # L regions of K‖V pages
+        return kv_descriptor_table(regions)
     if is_whole:
         return layer_view_table(regions)
     return slice_table(regions, head_offset, num_heads)
@@ -205,6 +215,8 @@ def write_table(regions: KVRegions, head_offset: int, num_heads: int, is_whole: 
 
 def write_indices(pages: np.ndarray, layout: KVLayout, is_whole: bool) -> np.ndarray:
     """Indices into ``write_table``'s list of ``pages``, in the same order on both sides."""
+    if is_whole and layout.kind == VLLM_BLOCKS:
+        return region_indices(pages, layout.num_regions, layout.num_pages)
     if is_whole:
         return region_indices(pages, layout.planes * layout.num_layers, layout.num_pages)
     return slice_indices(pages, layout)

@@ -43,8 +43,8 @@ _FRAME_VERSION = 1
 
 StatusCode = Literal["ok", "failed", "aborted"]
 Dtype = Literal["float32", "bfloat16", "float16", "fp8_e4m3"]  # fp8_e4m3: an FP8 KV pool
-PoolLayout = Literal["layer_major", "page_major"]  # what cache.layout may pick
-KvKind = Literal["layer_major", "page_major", "mla"]  # a pool's kind on the wire
+PoolLayout = Literal["layer_major", "page_major", "vllm_blocks"]  # what cache.layout may pick
+KvKind = Literal["layer_major", "page_major", "vllm_blocks", "mla"]  # a pool's kind on the wire
 Positive = Annotated[int, Meta(ge=1)]
 assert set(get_args(Dtype)) == set(DTYPE_ITEMSIZE)
 assert get_args(PoolLayout) == POOL_LAYOUTS

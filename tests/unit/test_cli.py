@@ -26,6 +26,17 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_check_config_ok() -> None:
     proc = cli("check-config", "configs/default.yaml")
     assert proc.returncode == 0, proc.stderr
+    assert "cache.layout layer_major: serves native decodes of the same layout, SGLang" in (
+        proc.stdout
+    )
+
+
+def test_check_config_says_what_a_vllm_blocks_pool_serves() -> None:
+    flags = ["--set", "cache.layout=vllm_blocks", "--set", "cache.page_size=32"]
+    proc = cli("check-config", "configs/default.yaml", *flags)
+    assert proc.returncode == 0, proc.stderr
+    assert "vLLM pull and push straight from the pool" in proc.stdout
+    assert "not SGLang decodes" in proc.stdout
 
 
 def test_check_config_bad_exits_78_naming_each_problem(tmp_path: Path) -> None:

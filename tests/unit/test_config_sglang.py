@@ -82,3 +82,17 @@ def test_allowed_networks_are_cidr_blocks() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides=['transfer.sglang_allowed_networks=["10.0.0.1/8"]'])
     assert "sglang_allowed_networks" in "\n".join(info.value.problems)
+
+
+def test_a_vllm_blocks_pool_serves_no_sglang_and_one_vllm_block_a_page() -> None:
+    blocks = ["cache.layout=vllm_blocks", "http_api.enabled=true", "cache.page_size=32"]
+    with pytest.raises(ConfigError) as sglang:
+        load_config(None, env={}, overrides=[*blocks, "transfer.protocol=sglang,vllm"])
+    assert "SGLang decodes keep K and V apart" in "\n".join(sglang.value.problems)
+    sized = [*blocks, "transfer.protocol=native,vllm", "transfer.vllm_block_size=16"]
+    with pytest.raises(ConfigError) as size:
+        load_config(None, env={}, overrides=sized)
+    assert "set cache.page_size 32 and vllm_block_size" in "\n".join(size.value.problems)
+    config = load_config(None, env={}, overrides=[*sized[:-1], "transfer.vllm_block_size=32"])
+    assert config.cache.layout == "vllm_blocks"
+    assert load_config(None, env={}, overrides=blocks).transfer.protocol == "native"

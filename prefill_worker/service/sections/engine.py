@@ -85,14 +85,16 @@ class CacheConfig(Section):
         "model (Qwen3-Next, Qwen3.5) has one linear-attention state slot per row, often tens "
         "of MiB each (`check-config` prints the bytes; docs/models.md).",
     )
-    layout: Literal["layer_major", "page_major"] = Field(
+    layout: Literal["layer_major", "page_major", "vllm_blocks"] = Field(
         "layer_major",
         description=(
-            "KV pool layout: `layer_major` (each layer's K and V its own region) or "
+            "KV pool layout: `layer_major` (each layer's K and V its own region), "
             "`page_major` (every layer's K and V of a page together: one transfer descriptor "
-            "per run of pages). Decode pools must use the same. An MLA model (DeepSeek-V3) "
-            "always gets the `mla` pool (one latent row per token and layer; docs/models.md) "
-            "and refuses `page_major`."
+            "per run of pages) or `vllm_blocks` (vLLM's LBHNC blocks, a page one vLLM block: "
+            "vLLM decodes push and pull straight from the pool, no staging region; "
+            "page_size = transfer.vllm_block_size; no SGLang decodes; docs/vllm.md). Native "
+            "decode pools must use the same. An MLA model (DeepSeek-V3) always gets the `mla` "
+            "pool (one latent row per token and layer; docs/models.md) and refuses the others."
         ),
     )
     kv_dtype: Literal["auto", "fp8_e4m3"] = Field(

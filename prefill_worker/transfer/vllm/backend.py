@@ -1,8 +1,9 @@
 """The transfer backend vLLM decodes pull from: this worker as a vLLM prefill.
 
 It owns a NIXL agent with the staging region registered (``staging``: one region per layer,
-vLLM's ``LBHNC`` blocks) and the side channel where decodes fetch that agent's metadata
-(``handshake``: a ZMQ ROUTER answering ``get_meta_msg``). It never writes: the decode READs
+vLLM's ``LBHNC`` blocks; a ``vllm_blocks`` pool registers itself instead, ``direct``) and
+the side channel where decodes fetch that agent's metadata (``handshake``: a ZMQ ROUTER
+answering ``get_meta_msg``). It never writes: the decode READs
 the blocks named in the HTTP answer's ``kv_transfer_params`` and sends a notification when
 done. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
 leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
@@ -18,6 +19,7 @@ run's holds are counted as unknown.
 
 from __future__ import annotations
 
+import logging
 import math
 import select
 import time
@@ -30,10 +32,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.pins import PagePins
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
 from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
+from prefill_worker.transfer.vllm.direct import DirectSender, PoolBlocks, is_direct
 from prefill_worker.transfer.vllm.groups import VllmGroups, layer_names, one_group
 from prefill_worker.transfer.vllm.handshake import CompatFactors, compat_hash
 from prefill_worker.transfer.vllm.holds import HoldTable
@@ -59,10 +63,13 @@ from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingLayout,
     StagingPool,
+    StagingRefused,
     staging_layout,
 )
 from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
+
+log = logging.getLogger(__name__)
 
 NOTIFY_POLL_S = 0.02  # while blocks are held: how soon a READ's notice frees them
 REPACK_POLL_S = 0.002  # while a repack runs: how soon its end lets the answer go
@@ -155,14 +162,27 @@ class VllmBackend:
         side_channel: SideChannelFactory,
         hooks: Hooks = DEFAULT_HOOKS,
         group: GroupStaging | None = None,
+        pins: PagePins | None = None,
     ) -> None:
         """``group``: a tensor-parallel worker's shared region (``shared``), which this
-        backend registers and answers for as one prefill rank holding every KV head."""
+        backend registers and answers for as one prefill rank holding every KV head.
+        ``pins``: the engine's page pins, with which a ``vllm_blocks`` pool is served
+        straight from its pages (``direct``; at TP > 1 ``group`` is the group's pool)."""
         check_cache_dtype(options.identity, regions.layout.dtype)
         self.clock = hooks.clock
         heads = None if group is None else group.num_kv_heads
-        layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
-        staging = StagingPool(layout, None if group is None else group.buffer)
+        staging: StagingPool | PoolBlocks
+        self.direct: PoolBlocks | None = None  # the pool is the blocks: no staging region
+        if is_direct(regions):
+            if pins is None:
+                raise StagingRefused("a vllm_blocks pool served without the engine's page pins")
+            if options.state is not None:
+                raise StagingRefused("kv layout vllm_blocks: a linear-attention model's state")
+            staging = self.direct = PoolBlocks(regions, options.block_size, pins, group)
+            log.info("vllm: decodes served from the vllm_blocks pool itself (no staging region)")
+        else:
+            layout = staging_layout(regions, options.block_size, options.num_blocks, heads)
+            staging = StagingPool(layout, None if group is None else group.buffer)
         self.state_staging: StateStaging | None = None  # a linear hybrid's state pages
         if options.state is not None:  # at TP > 1 the leader's whole slots (state_gather)
             blocks, page_bytes = staging.layout.num_blocks, staging.layout.block_bytes
@@ -237,6 +257,8 @@ class VllmBackend:
         the blocks of the chunks the senders mirror (``sender.mirror_slots``); at TP > 1 this
         rank's heads of them (``mirror_heads``)."""
         staging = self.desk.staging
+        if not isinstance(staging, StagingPool):  # the pool itself: nothing to mirror
+            return ()
         return tuple(staging.layer_view(i) for i in range(staging.layout.num_layers))
 
     # -- the TransferBackend seam -------------------------------------------------------
@@ -249,6 +271,8 @@ class VllmBackend:
         allowed_peer: str | None = None,
         traceparent: str | None = None,
     ) -> KVSender:
+        if self.direct is not None:
+            return DirectSender(self.desk, self.direct, room, num_prompt_tokens)
         return VllmSender(self.desk, room, num_prompt_tokens)
 
     def poll(self) -> None:

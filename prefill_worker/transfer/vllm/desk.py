@@ -30,7 +30,7 @@ from prefill_worker.transfer.vllm.holds import BadNotification, HoldTable
 from prefill_worker.transfer.vllm.profiles import PULL, PUSH, channel_key
 from prefill_worker.transfer.vllm.push import Early, Expected, PushBook
 from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
-from prefill_worker.transfer.vllm.staging import PoolViews, StagingPool, repack
+from prefill_worker.transfer.vllm.staging import BlockStore, PoolViews, StagingPool, repack
 from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
 
@@ -89,6 +89,7 @@ class StageCounts:
     mirrored_tokens: int = 0  # by the forward, into the blocks
     repacked_tokens: int = 0  # copied from the pool on the repack thread
     repacks: int = 0  # repacks begun (one per run of tokens no forward wrote)
+    pool_tokens: int = 0  # served from the pool itself (a vllm_blocks pool: ``direct``)
 
 
 class PullDesk:
@@ -97,7 +98,7 @@ class PullDesk:
 
     def __init__(
         self,
-        staging: StagingPool,
+        staging: BlockStore,
         pool: PoolViews,
         holds: HoldTable,
         tickets: Tickets,
@@ -131,7 +132,9 @@ class PullDesk:
         return [future]
 
     def try_allocate(self, num_tokens: int) -> tuple[int, ...] | None:
-        return self.staging.try_allocate(self.staging.layout.num_blocks_for(num_tokens))
+        staging = self.staging
+        assert isinstance(staging, StagingPool), "a request's blocks in the pool are its pages"
+        return staging.try_allocate(staging.layout.num_blocks_for(num_tokens))
 
     def why_full(self, num_tokens: int) -> str:
         need = self.staging.layout.num_blocks_for(num_tokens)
@@ -147,9 +150,10 @@ class PullDesk:
         """The repack of prompt positions ``tokens`` (within the prompt pages ``page_ids``
         hold, from ``first_page``), queued behind the ones before it; its bytes when done. At
         TP > 1 also the followers' (``shared.Stage``), a second future."""
-        group = self._group
+        group, staging = self._group, self.staging
+        assert isinstance(staging, StagingPool), "the pool's own pages need no repack"
         heads = None if group is None else group.heads
-        args = (self._pool, self.staging, tuple(page_ids), first_page, blocks, tokens, heads)
+        args = (self._pool, staging, tuple(page_ids), first_page, blocks, tokens, heads)
         futures = [self._repacker.submit(repack, *args)]
         if group is not None and group.stages is not None:
             stage = Stage(list(page_ids), first_page, list(blocks), tokens.start, tokens.stop)

@@ -9,13 +9,14 @@ posted and waited for on the ``vllm-push-write`` thread: one descriptor per bloc
 (the whole block at decode TP 1, the pull's READ in the other direction; the rank's head
 slice at TP d > 1), each with the notification ``"<decode request id>:1"`` that ends that
 rank's wait (vLLM's decode counts one per producer rank: this worker is one). The source is
-the staging region, which the forward filled as for a pull (docs/vllm.md, "vLLM's push
-mode", says why not the pool).
+whichever regions the backend registered: the staging region, which the forward filled as
+for a pull, or a ``vllm_blocks`` pool's own pages (``direct``; docs/vllm.md, "vLLM's push
+mode", says why each, and why this agent rather than the push engine's).
 
 A decode that registered fewer blocks than we staged had the rest in its prefix cache: as
 vLLM's prefill does, the WRITE sends our last blocks into them. Every path frees the
 request's staging blocks: the WRITEs settled (done or failed), the handshake refused, the
-registration unusable, ``close``.
+registration unusable, ``close`` (a ``vllm_blocks`` pool's pages: unpins them).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -83,6 +84,19 @@ def staging_layout(
         raise StagingRefused(f"block_size ({block_size}) and num_blocks ({num_blocks}) >= 1")
     heads = lay.num_kv_heads if num_kv_heads is None else num_kv_heads
     return StagingLayout(lay.num_layers, heads, lay.head_dim, lay.itemsize, block_size, num_blocks)
+
+
+class BlockStore(Protocol):
+    """Where the blocks vLLM decodes read (and push WRITEs come from) live: a ``StagingPool``,
+    or the pool itself when it is in vLLM's layout (``direct.PoolBlocks``)."""
+
+    layout: StagingLayout
+    region_base_addrs: tuple[int, ...]  # one per layer
+
+    @property
+    def num_free(self) -> int: ...
+
+    def free(self, block_ids: Sequence[int]) -> None: ...
 
 
 class StagingPool:
@@ -157,11 +171,11 @@ class PoolViews:
     @staticmethod
     def _view(regions: KVRegions, base_addr: int) -> np.ndarray:
         lay = regions.layout
-        span = (lay.num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
+        span = lay.plane_span_bytes
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base_addr))
         row_bytes = lay.head_dim * lay.itemsize
         shape = (lay.num_pages, lay.page_size, lay.num_kv_heads)
-        strides = (lay.page_stride_bytes, lay.num_kv_heads * row_bytes, row_bytes)
+        strides = (lay.page_stride_bytes, lay.token_stride_bytes, lay.head_stride_bytes)
         rows = raw.view(_row_type(row_bytes))
         return np.lib.stride_tricks.as_strided(rows, shape, strides, writeable=False)
 
@@ -176,12 +190,14 @@ def _uniform_view(regions: KVRegions) -> np.ndarray | None:
     if any(k[i] != k[0] + i * layer_stride or v[i] != k[i] + kv_stride for i in range(len(k))):
         return None
     low = min(k + v)
-    span = max(k + v) - low + (lay.num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
+    span = max(k + v) - low + lay.plane_span_bytes
     raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(low))
     row_bytes = lay.head_dim * lay.itemsize
     shape = (2, lay.num_layers, lay.num_pages, lay.page_size, lay.num_kv_heads)
-    strides = (kv_stride, layer_stride, lay.page_stride_bytes, lay.num_kv_heads * row_bytes)
-    view = np.ndarray(shape, _row_type(row_bytes), raw, k[0] - low, (*strides, row_bytes))
+    strides = (kv_stride, layer_stride, lay.page_stride_bytes, lay.token_stride_bytes)
+    view = np.ndarray(
+        shape, _row_type(row_bytes), raw, k[0] - low, (*strides, lay.head_stride_bytes)
+    )
     view.flags.writeable = False
     return view
 

@@ -23,7 +23,7 @@ from tests.integration.model.conftest import (
 )
 
 TOL = 1e-4
-POOL_LAYOUTS = pytest.mark.parametrize("pool_layout", ["layer_major", "page_major"])
+POOL_LAYOUTS = pytest.mark.parametrize("pool_layout", ["layer_major", "page_major", "vllm_blocks"])
 
 
 def num_pages(length: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from prefill_worker.kv.aux import AuxPool, AuxRow
-from prefill_worker.kv.layout import POOL_LAYOUTS, KVLayout
+from prefill_worker.kv.layout import LAYER_MAJOR, PAGE_MAJOR, KVLayout
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.transfer.base import KVPoll
 from tests.integration.transfer.peers import PoolSpec, decode_main, regions_over
@@ -36,9 +36,10 @@ def small_spec(dtype: str, pool_layout: str, head_dim: int = 8, num_pages: int =
     return PoolSpec(KVLayout(2, 2, head_dim, dtype, 4, num_pages, pool_layout), num_aux_rows=8)
 
 
-@pytest.fixture(scope="module", params=POOL_LAYOUTS, autouse=True)
+@pytest.fixture(scope="module", params=(LAYER_MAJOR, PAGE_MAJOR), autouse=True)
 def pool_layout(request: pytest.FixtureRequest) -> str:
-    """Every transfer test runs once per pool layout (``kv.layout``)."""
+    """Every transfer test runs once per K/V-plane pool layout (``kv.layout``); a
+    ``vllm_blocks`` pool has its own test (``test_vllm_blocks_native``)."""
     return str(request.param)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from prefill_worker.kv.aux import AUX_ROW_BYTES
-from prefill_worker.kv.layout import LAYER_MAJOR, MLA, KVLayout, KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, MLA, VLLM_BLOCKS, KVLayout, KVRegions
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,12 @@ def layer_page_offset(lay: KVLayout, layer: int, kv: int, page: int) -> int:
     its latent (``kv`` 0, an mla pool)."""
     if lay.kind in (LAYER_MAJOR, MLA):
         return (kv * lay.num_layers + layer) * lay.region_bytes + page * lay.page_bytes
+    if lay.kind == VLLM_BLOCKS:  # K‖V interleaved: a plane's first row (not a run)
+        return (
+            layer * lay.region_bytes
+            + page * lay.region_page_bytes
+            + kv * lay.head_dim * lay.itemsize
+        )
     return page * lay.region_page_bytes + (2 * layer + kv) * lay.page_bytes
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from prefill_worker.batch import BatchOutput, BatchPlan, ChunkPlan
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import VLLM_BLOCKS, KVLayout
 from prefill_worker.model.kv_cache import KVCache
-from prefill_worker.service.vllm_group import FollowerStaging, Unmirrored
-from prefill_worker.transfer.vllm.shared import Stage
+from prefill_worker.service.vllm_group import FollowerStaging, Unmirrored, _attach
+from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import StagingLayout, StagingPool
 
 L, D, PS, PAGES, BS = 2, 4, 4, 8, 8
@@ -57,3 +57,23 @@ def test_a_replica_rank_copies_nothing() -> None:
     _, staging, follower = _follower(None)
     follower.apply([Stage([5, 2], 0, [2], 0, 6)])
     assert not any(staging.layer_view(i).any() for i in range(L))
+
+
+def test_a_vllm_blocks_rank_moves_its_pool_into_its_heads_and_mirrors_nothing() -> None:
+    """At TP > 1 a vllm_blocks pool is the region the group shares (``_attach``): the rank's
+    pool becomes its heads of it, no KV mirror; a replica rank keeps its own pool."""
+    lay = KVLayout(L, 1, D, "float32", BS, PAGES, VLLM_BLOCKS)
+    region = StagingLayout(L, 2, D, 4, BS, PAGES)
+    buffer = np.zeros(L * region.region_bytes, np.uint8)
+    kv = KVCache(lay, torch.device("cpu"))
+    _attach(kv, region, GroupStaging(buffer, 2, range(1, 2)))
+    assert not kv.has_mirror
+    kv.write(0, torch.tensor([BS + 2]), torch.ones(1, 1, D), torch.ones(1, 1, D))
+    block = torch.from_numpy(buffer[: region.region_bytes].view(np.float32)).view(
+        PAGES, 2, BS, 2 * D
+    )
+    assert torch.equal(block[1, 1, 2], torch.ones(2 * D)) and int((block != 0).sum()) == 2 * D
+    replica = KVCache(lay, torch.device("cpu"))
+    _attach(replica, region, GroupStaging(buffer, 2, None))
+    replica.write(0, torch.tensor([0]), torch.ones(1, 1, D), torch.ones(1, 1, D))
+    assert int((block != 0).sum()) == 2 * D and not replica.has_mirror

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from prefill_worker.kv.layout import MLA, PAGE_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.layout import MLA, PAGE_MAJOR, VLLM_BLOCKS, KVLayout, KVRegions
 
 OURS = KVLayout(2, 2, 8, "bfloat16", 4, 24)
 
@@ -36,7 +36,9 @@ def test_page_major_layouts_of_different_shapes_hash_apart() -> None:
 def test_an_unknown_kind_or_dtype_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError) as kind:
         dataclasses.replace(OURS, kind="ring")
-    assert str(kind.value) == "pool layout 'ring' is not one of layer_major, page_major, mla"
+    assert str(kind.value) == (
+        "pool layout 'ring' is not one of layer_major, page_major, vllm_blocks, mla"
+    )
     with pytest.raises(ValueError) as dtype:
         dataclasses.replace(OURS, dtype="int8")
     assert str(dtype.value) == ("dtype 'int8' is not one of float32, bfloat16, float16, fp8_e4m3")
@@ -78,6 +80,35 @@ def test_an_mla_pool_is_one_latent_plane_per_layer() -> None:
     with pytest.raises(ValueError, match="no V"):
         KVRegions(small, (4096, 8192), (1, 2), "cpu", 0, 1)
 
+
+def test_a_vllm_blocks_pool_is_one_k_v_run_per_page_and_layer() -> None:
+    """vLLM's LBHNC: per layer [pages, heads, page_size, 2 * head_dim], so a page of a layer is
+    one region run of K and V (2 * page_bytes), a token 2 * head_dim items after the one before
+    and a head page_size * 2 * head_dim; L regions, one per layer, each starting at its K."""
+    lay = dataclasses.replace(OURS, kind=VLLM_BLOCKS)  # 2 layers, 2 heads of 8, bf16, pages of 4
+    row = 8 * 2
+    assert (lay.planes, lay.num_regions) == (2, 2)
+    assert lay.page_bytes == 4 * 2 * row
+    assert lay.region_page_bytes == lay.page_stride_bytes == 2 * lay.page_bytes
+    assert (lay.token_stride_bytes, lay.head_stride_bytes) == (2 * row, 4 * 2 * row)
+    assert (OURS.token_stride_bytes, OURS.head_stride_bytes) == (2 * row, row)
+    assert lay.plane_span_bytes == 24 * 2 * lay.page_bytes - row  # V's last row ends the layer
+    assert OURS.plane_span_bytes == 23 * OURS.page_stride_bytes + OURS.page_bytes
+    assert lay.pool_bytes == OURS.pool_bytes == 2 * 2 * 24 * lay.page_bytes
+    assert len({lay.compat_hash(), OURS.compat_hash(), PAGED.compat_hash()}) == 3
+    base = 1 << 20
+    k = (base, base + lay.region_bytes)
+    regions = KVRegions(lay, k, tuple(a + row for a in k), "cpu", 0, 1)
+    assert regions.region_base_addrs == k
+    with pytest.raises(ValueError) as refused:
+        KVRegions(lay, k, tuple(a + 2 * row for a in k), "cpu", 0, 1)
+    assert str(refused.value) == (
+        "k_base_addrs/v_base_addrs: a vllm_blocks pool puts each layer's V head_dim * "
+        f"itemsize ({row}) bytes after its K; these addresses do not"
+    )
+
+
+PAGED = dataclasses.replace(OURS, kind=PAGE_MAJOR)
 
 SCALED = KVLayout(2, 2, 8, "fp8_e4m3", 4, 24, kv_scales=(0.5, 0.25, 1.0, 2.0))
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefill_worker.kv.layout import LAYER_MAJOR, MLA, PAGE_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.layout import (
+    LAYER_MAJOR,
+    MLA,
+    PAGE_MAJOR,
+    VLLM_BLOCKS,
+    KVLayout,
+    KVRegions,
+)
+from prefill_worker.model.kv_cache import KVCache
 from prefill_worker.transfer.vllm.staging import (
     PoolViews,
     StagingPool,
@@ -31,6 +39,12 @@ def _pool(
         view = t[order]
         k = tuple(t[j, 0].data_ptr() for j in order)
         v = tuple(t[j, 1].data_ptr() for j in order)
+    elif kind == VLLM_BLOCKS:  # the runner's own pool: [L, P, H, ps, 2D]
+        cache = KVCache(lay, torch.device("cpu"))
+        cache._storage.copy_(torch.randn(cache._storage.shape).to(torch.bfloat16))
+        t = cache._storage
+        view = torch.stack([torch.stack([k, v]) for k, v in zip(cache.k, cache.v, strict=True)])
+        k, v = cache.k_base_addrs, cache.v_base_addrs
     else:
         t = torch.randn(PAGES, L, 2, page_size, H, D).to(torch.bfloat16)
         view = t.permute(1, 2, 0, 3, 4, 5)
@@ -54,6 +68,7 @@ def _expected(view: torch.Tensor, page_ids: list[int], n: int, bs: int) -> torch
         (LAYER_MAJOR, 16, 100, 3, False),
         (PAGE_MAJOR, 64, 70, 1, False),
         (LAYER_MAJOR, 16, 100, 3, True),
+        (VLLM_BLOCKS, 16, 100, 3, False),  # strided K/V views (a TP > 1 worker stages it)
     ],
 )
 def test_repack_in_chunks_matches_lbhnc(
