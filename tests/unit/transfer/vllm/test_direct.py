@@ -37,7 +37,7 @@ class _Rig:
     def __init__(self, clock: FakeClock) -> None:
         self.pool = PagePool(PAGES)
         self.pins = PagePins(self.pool)
-        self.table = PageTable(self.pool, PS, PagePrefixCache(self.pool, PS), self.pins)
+        self.table = PageTable(self.pool, PS, PagePrefixCache(self.pool, PS), pins=self.pins)
         self.blocks = PoolBlocks(REGIONS, PS, self.pins)
         holds, tickets = HoldTable(30.0, 5.0), Tickets(8)
         repacker = ThreadPoolExecutor(1)
