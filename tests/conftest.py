@@ -54,5 +54,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return _CONTROLLER.make_scheduler(config, log)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each phase's seconds, for ``PW_XDIST_COSTS_OUT`` (``tests/xdist_groups.py``)."""
+    _CONTROLLER.record(report.nodeid, report.duration)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     _CONTROLLER.close()

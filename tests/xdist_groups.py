@@ -8,9 +8,12 @@ both processes, and each started the session and module children it needed (a se
 decode per version, a second vLLM import per decode, ~50 s each). Here the processes write
 each test's unit to a file (a folder the controller names in ``workerinput``) as they finish
 collecting, and the controller's ``GroupScheduling`` reads it: a unit goes to one process
-whole, the costliest unit first (its ``cost``, the sum of its tests' estimates).
+whole, the costliest unit first, so that the run does not end on a long unit started last.
 
-Without xdist (``-n 0``) nothing here runs."""
+A unit's cost is its seconds in ``tests/xdist_costs.json`` (each test's setup, call and
+teardown, summed: measured by a run with ``PW_XDIST_COSTS_OUT=tests/xdist_costs.json``, which
+updates the units that run saw), else its number of tests (a second each). Without xdist
+(``-n 0``) nothing here runs."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,8 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_DIR = "pw_xdist_groups"  # the workerinput key: where the processes write their units
+COSTS = Path(__file__).with_name("xdist_costs.json")  # measured seconds per unit
+MIN_RECORDED_S = 2.0  # a unit quicker than this is left to its count of tests
 
 
 def work_units(
@@ -78,10 +84,12 @@ def write_units(config: pytest.Config, units: dict[str, tuple[str, float]]) -> N
 
 
 class Controller:
-    """The controller's side: names the folder, makes the scheduler, removes the folder."""
+    """The controller's side: names the folder, makes the scheduler, records what each unit
+    took when asked (``PW_XDIST_COSTS_OUT``), removes the folder."""
 
     def __init__(self) -> None:
         self.directory: Path | None = None
+        self.durations: defaultdict[str, float] = defaultdict(float)  # per test, its phases
 
     def configure_node(self, node: Any) -> None:
         if self.directory is None:
@@ -102,9 +110,30 @@ class Controller:
         found: dict[str, list[Any]] = json.loads(files[0].read_text())
         return {nodeid: (unit, float(cost)) for nodeid, (unit, cost) in found.items()}
 
+    def record(self, nodeid: str, duration_s: float) -> None:
+        self.durations[nodeid] += duration_s
+
     def close(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        """``PW_XDIST_COSTS_OUT``: the units this run measured, written over their old costs."""
+        out = os.environ.get("PW_XDIST_COSTS_OUT")
+        if self.directory is None:
+            return
+        if out and self.durations:
+            units = self.units()
+            measured: defaultdict[str, float] = defaultdict(float)
+            for nodeid, seconds in self.durations.items():
+                measured[units.get(nodeid, (nodeid.split("::")[0], 0.0))[0]] += seconds
+            costs = read_costs(Path(out))
+            for unit, seconds in measured.items():
+                costs.pop(unit, None)
+                if seconds >= MIN_RECORDED_S:
+                    costs[unit] = round(seconds)
+            Path(out).write_text(json.dumps(dict(sorted(costs.items())), indent=1) + "\n")
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def read_costs(path: Path = COSTS) -> dict[str, float]:
+    return dict(json.loads(path.read_text())) if path.exists() else {}
 
 
 class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
@@ -114,6 +143,7 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
         super().__init__(config, log)
         self._controller = controller
         self._units: dict[str, tuple[str, float]] | None = None
+        self._costs = read_costs()
 
     def schedule(self) -> None:
         if self._units is None and self.collection_is_completed:
@@ -124,13 +154,15 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
         found = (self._units or {}).get(nodeid)
         return found[0] if found else nodeid.split("::")[0]
 
-    def _cost(self, nodeids: Sequence[str]) -> float:
+    def _cost(self, scope: str) -> float:
+        """Its measured seconds, else its number of tests (not those skipped at collection)."""
+        if scope in self._costs:
+            return self._costs[scope]
         units = self._units or {}
-        return sum(units.get(nodeid, ("", 1.0))[1] for nodeid in nodeids)
+        return sum(units.get(nodeid, ("", 1.0))[1] for nodeid in self.workqueue[scope])
 
     def _assign_work_unit(self, node: Any) -> None:
-        """The costliest unit left (the first of equals, in collection order) to ``node``:
-        the long units start first, so the run does not end on one started last."""
-        scope = max(self.workqueue, key=lambda s: self._cost(list(self.workqueue[s])))
+        """The costliest unit left (the first of equals, in collection order) to ``node``."""
+        scope = max(self.workqueue, key=self._cost)
         self.workqueue.move_to_end(scope, last=False)
         super()._assign_work_unit(node)
