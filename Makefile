@@ -114,8 +114,9 @@ format:
 
 # Two pytest processes (pytest-xdist): most of the suite's time is child processes starting and
 # peers waited for, which overlap on 2 cores. A work unit is a module, or all of one SGLang
-# version's tests, or a shared child's (tests/conftest.py): a session or module fixture starts
-# once per process that runs it. PYTEST_WORKERS=0 runs in this process, as before.
+# version's tests, or a shared child's (tests/conftest.py), handed out costliest first by
+# tests/xdist_groups.py: a session or module fixture starts once per process that runs it.
+# PYTEST_WORKERS=0 runs in this process, as before.
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup)
 

@@ -13,31 +13,51 @@ from hypothesis import settings
 
 from prefill_worker.testing import launch
 from tests.patience import SCALE, patient
+from tests.xdist_groups import Controller, work_units, write_units
 
 settings.register_profile("prefill-worker", deadline=None)
 settings.load_profile("prefill-worker")
 launch.PATIENCE = SCALE  # child processes' start and stop waits (tests/patience.py)
 
-# Session-scoped children that tests of several modules share: one process runs them all, so
-# the child starts once (``tests/interop/conftest.py``: vLLM's decode, an import of ~40 s).
-SHARED_CHILDREN = ("vllm_decode",)
+# Session-scoped children that tests of several modules share: their tests and those modules
+# are one work unit, so that the child (and each module's own children) starts once
+# (``tests/interop/conftest.py``: vLLM's decodes, each a vLLM import).
+SHARED_CHILDREN = ("vllm_decode", "vllm_push_decodes")
 
 
-def xdist_group(item: pytest.Function) -> str:
-    """The work unit of a test under ``--dist loadgroup``: all of one SGLang version's tests
-    (they share that version's decode process, and the last of them kills it), the tests of
-    a shared child, else the test's module (as ``--dist loadfile``)."""
-    if "sglang_version" in item.fixturenames:  # a session fixture with a param per version
-        return f"sglang-{item.callspec.params['sglang_version']}"
-    shared = [name for name in SHARED_CHILDREN if name in item.fixturenames]
-    return shared[0] if shared else item.nodeid.split("::")[0]
-
-
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test's work unit (``xdist_group``, ``tests/xdist_groups.py``, written for the
+    controller's scheduler) and its pytest-timeout limit. Last: after the interop conftest's
+    skips, on the order pytest runs the tests in."""
     limit_s = patient(float(config.getini("timeout") or 0))  # pytest-timeout's, per test
-    for item in items:
-        if isinstance(item, pytest.Function):
-            item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
-            if limit_s and item.get_closest_marker("timeout") is None:
-                item.add_marker(pytest.mark.timeout(limit_s))
+    functions = [item for item in items if isinstance(item, pytest.Function)]
+    units = work_units(functions, SHARED_CHILDREN)
+    for item in functions:
+        item.add_marker(pytest.mark.xdist_group(units[item.nodeid][0]))
+        if limit_s and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit_s))
+    write_units(config, units)
+
+
+_CONTROLLER = Controller()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: object) -> None:
+    """xdist's controller, per process: where to write its units."""
+    _CONTROLLER.configure_node(node)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    return _CONTROLLER.make_scheduler(config, log)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each phase's seconds, for ``PW_XDIST_COSTS_OUT`` (``tests/xdist_groups.py``)."""
+    _CONTROLLER.record(report.nodeid, report.duration)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _CONTROLLER.close()

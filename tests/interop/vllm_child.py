@@ -70,6 +70,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
+from prefill_worker.testing.nixl_progress import wake_on_events_only
 from tests.interop.vllm_child_groups import SlidingGroups
 
 TICK_S = 0.01  # between commands, one engine step per tick
@@ -410,6 +411,7 @@ def main(spec_json: str) -> None:
     commands the decode keeps stepping (heartbeats of held requests go out)."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    wake_on_events_only()  # NIXL's progress thread idles at 1 ms polls otherwise (0.3 core)
     decodes = {"main": Decode(json.loads(spec_json))}
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], TICK_S)
