@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.sliding_pool import REFUSED, WINDOWED
+from prefill_worker.service.sliding_pool import windowed_refusal
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
@@ -163,8 +164,9 @@ def load_model(
     the DP ranks (``parallel.ep_size`` = ``dp_size``)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
-        if cfg.cache.sliding_pool == WINDOWED:
-            raise ValueError(REFUSED)
+        refused = windowed_refusal(cfg)
+        if refused is not None:
+            raise ValueError(refused)
         started = time.monotonic()
         more = {"dp": dp} if dp.size > 1 else {}
         runner, kv_cache, info = build_model(
@@ -283,7 +285,8 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                sglang = _sglang_options(config, sglang_sliding(sliding), mamba)
+                layers = sglang_sliding(sliding, regions)
+                sglang = _sglang_options(config, layers, mamba)
                 backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
@@ -358,12 +361,23 @@ def sliding_model(info: ModelInfo) -> SlidingModel | None:
     return SlidingModel(info.architecture, layers)
 
 
-def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
+def sglang_sliding(sliding: SlidingModel | None, regions: KVRegions) -> SlidingLayers | None:
     """What SGLang decodes get of a sliding model: its layers where SGLang runs the model on
-    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool)."""
+    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool). With a
+    windowed sliding pool (``regions.layer_pages``) the layers name its page count; a model
+    whose SGLang decodes hold a full pool cannot be served from one (``ValueError``)."""
+    pool_pages = 0
+    if sliding is not None and regions.layer_pages:
+        pool_pages = regions.layer_pages[sliding.layers.sliding[0]]
     if sliding is None or sliding.architecture not in HYBRID_SWA_ARCHITECTURES:
+        if pool_pages:
+            raise ValueError(
+                f"cache.sliding_pool windowed: SGLang runs {sliding and sliding.architecture} "
+                "on a full pool (no hybrid SWA memory), whose decodes want every sliding "
+                "page; use sliding_pool full"
+            )
         return None
-    return sliding.layers
+    return dataclasses.replace(sliding.layers, pool_pages=pool_pages)
 
 
 def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:

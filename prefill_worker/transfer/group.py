@@ -184,8 +184,10 @@ class GroupSender:
     def num_cached_tokens(self) -> int:
         return self._local.num_cached_tokens()
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        self._local.send_pages(page_ids, first_page)
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
+        self._local.send_pages(page_ids, first_page, sliding_page_ids)
         if not self._is_bound:
             self._is_bound = True
             self._mirror_bind()
