@@ -191,9 +191,10 @@ class KVRegions:
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout, self.k_base_addrs, self.v_base_addrs)
-        if why is None and self.layer_pages:
-            if self.layout.kind != LAYER_MAJOR or len(self.layer_pages) != self.layout.num_layers:
-                why = "layer_pages: one page count per layer, of a layer_major pool only"
+        pages = self.layer_pages
+        bad = pages and (self.layout.kind != LAYER_MAJOR or len(pages) != self.layout.num_layers)
+        if why is None and bad:
+            why = "layer_pages: one page count per layer, of a layer_major pool only"
         if why is not None:
             raise ValueError(why)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefill_worker.kv.sliding import max_pages_per_request
+from prefill_worker.model.hf_config import read_spec
 from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
 
@@ -35,6 +36,15 @@ def windowed_refusal(config: Config) -> str | None:
             "(a TP group's ranks do not send their sliding pages yet); use sliding_pool full"
         )
     return None
+
+
+def windowed_pages(config: Config) -> int:
+    """The windowed sliding pool's page count for ``config``'s model (read from its
+    checkpoint's config; ``ValueError`` for a model without sliding layers)."""
+    spec = read_spec(config.model.path)
+    if spec.sliding is None:
+        raise ValueError("cache.sliding_pool windowed: the model has no sliding-window layers")
+    return sliding_pool_size(config, spec.sliding).num_pages
 
 
 @dataclass(frozen=True, slots=True)

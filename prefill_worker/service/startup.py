@@ -8,13 +8,13 @@ order and owns what they return; nothing here keeps state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv.sliding import SlidingPageTable
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.kv_events.wire import DENSE, FULL_ATTENTION, MLA_ATTENTION, EventGroup
@@ -51,7 +52,7 @@ from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.sliding_pool import windowed_refusal
+from prefill_worker.service.sliding_pool import WINDOWED, windowed_pages, windowed_refusal
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
@@ -168,7 +169,9 @@ def load_model(
         if refused is not None:
             raise ValueError(refused)
         started = time.monotonic()
-        more = {"dp": dp} if dp.size > 1 else {}
+        more: dict[str, object] = {"dp": dp} if dp.size > 1 else {}
+        if cfg.cache.sliding_pool == WINDOWED:  # its sliding layers' own page space
+            more["sliding_pages"] = windowed_pages(cfg)
         runner, kv_cache, info = build_model(
             cfg.model.path,
             on_progress=on_progress,
@@ -208,6 +211,20 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
 
 
+def make_sliding(config: Config, kv_cache: KVCache, info: ModelInfo) -> SlidingPageTable | None:
+    """A windowed sliding pool's bookkeeping (``kv.sliding``); None without one."""
+    space = kv_cache.sliding
+    if space is None:
+        return None
+    assert info.sliding_window is not None, "a sliding pool of a model without a window"
+    with startup_step("sliding pool"):
+        pool = PagePool(space.num_pages)
+        cfg = config
+        return SlidingPageTable(
+            pool, cfg.cache.page_size, info.sliding_window, cfg.scheduler.chunk_size
+        )
+
+
 def warm_up_model(
     config: Config,
     runner: ModelRunner,
@@ -215,16 +232,24 @@ def warm_up_model(
     vocab_size: int,
     metrics: WorkerMetrics,
     status: Callable[[str], None],
+    sliding: SlidingPageTable | None = None,
 ) -> None:
     """The warm-up forward (``scheduler.warmup_tokens``; 0: none) before readiness;
-    ``status`` (sd_notify's STATUS) says it is under way."""
+    ``status`` (sd_notify's STATUS) says it is under way; ``sliding``: a windowed sliding
+    pool's bookkeeping, whose pages the warm-up chunks take and give back."""
     cfg = config.scheduler
     if cfg.warmup_tokens == 0:
         return
     status("warming up")
     with startup_step("warm-up"):
         done = warm_up(
-            runner, pages, config.cache.page_size, cfg.warmup_tokens, vocab_size, cfg.chunk_size
+            runner,
+            pages,
+            config.cache.page_size,
+            cfg.warmup_tokens,
+            vocab_size,
+            cfg.chunk_size,
+            sliding,
         )
     metrics.warmup_seconds.set(done.duration_s)
     log.info("warm-up: %d tokens in %.2f s", done.num_tokens, done.duration_s)
@@ -564,6 +589,7 @@ def make_engine(
     prefix_cache: PrefixCache,
     tracer: RequestTracer | None = None,
     pins: PagePins | None = None,
+    sliding: SlidingPageTable | None = None,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -583,7 +609,7 @@ def make_engine(
         return Engine(
             runner,
             transfer,
-            EngineKV(pages, aux, prefix_cache, pins=pins),
+            EngineKV(pages, aux, prefix_cache, sliding, pins=pins),
             sink,
             limits,
             overlap=cfg.scheduler.overlap,
