@@ -310,7 +310,7 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                layers = sglang_sliding(sliding, regions)
+                layers = sglang_sliding(sliding, windowed_pages_of(regions, sliding))
                 sglang = _sglang_options(config, layers, mamba)
                 backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
@@ -386,14 +386,18 @@ def sliding_model(info: ModelInfo) -> SlidingModel | None:
     return SlidingModel(info.architecture, layers)
 
 
-def sglang_sliding(sliding: SlidingModel | None, regions: KVRegions) -> SlidingLayers | None:
+def windowed_pages_of(regions: KVRegions, sliding: SlidingModel | None) -> int:
+    """A windowed sliding pool's page count (``KVRegions.layer_pages``); 0 without one."""
+    if sliding is None or not regions.layer_pages:
+        return 0
+    return regions.layer_pages[sliding.layers.sliding[0]]
+
+
+def sglang_sliding(sliding: SlidingModel | None, pool_pages: int = 0) -> SlidingLayers | None:
     """What SGLang decodes get of a sliding model: its layers where SGLang runs the model on
     a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool). With a
-    windowed sliding pool (``regions.layer_pages``) the layers name its page count; a model
-    whose SGLang decodes hold a full pool cannot be served from one (``ValueError``)."""
-    pool_pages = 0
-    if sliding is not None and regions.layer_pages:
-        pool_pages = regions.layer_pages[sliding.layers.sliding[0]]
+    windowed sliding pool of ``pool_pages`` pages the layers name it; a model whose SGLang
+    decodes hold a full pool cannot be served from one (``ValueError``)."""
     if sliding is None or sliding.architecture not in HYBRID_SWA_ARCHITECTURES:
         if pool_pages:
             raise ValueError(
