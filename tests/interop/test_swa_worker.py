@@ -98,14 +98,13 @@ def test_a_prompt_past_the_window_lands_in_both_pools(
     assert_pools_whole(one.worker)
 
 
+@pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)  # Gemma 3: refused at start
 def test_a_windowed_worker_sends_its_window_pages(
     decode_process: SglangDecodeProcess, family: str, served, tmp_path: Path
 ) -> None:
     """The same prompt from the full-pool worker and a windowed one to decodes with a hybrid
     SWA pool: the same bytes land (every full layer, each sliding layer's window pages); a
     full-pool decode is refused by the windowed worker."""
-    if family != "gpt_oss":
-        pytest.skip("SGLang runs Gemma 3 on a full pool: a windowed worker refuses to start")
     checkpoint, one = served
     num_layers, heads, dim, sliding = SHAPES[family]
     layout = KVLayout(num_layers, heads, dim, "float32", PAGE, 64)
