@@ -134,6 +134,7 @@ class LoadSnapshot:
     num_free_aux_rows: int = 0
     num_total_aux_rows: int = 0
     num_cached_pages: int = 0  # held by the prefix cache (in use by requests or idle)
+    num_used_sliding_pages: int = 0  # a windowed sliding pool's (``kv.sliding``), held
     costs: CostSignals = CostSignals()
 
     @property

@@ -185,11 +185,31 @@ class KVRegions:
     device: str  # "cpu" (NIXL DRAM) or "cuda:N" (NIXL VRAM on device N)
     aux_base_addr: int
     num_aux_rows: int
+    # a windowed sliding pool (``cache.sliding_pool``, layer_major): each layer's page count,
+    # its sliding layers' own page space; () when every layer has ``layout.num_pages``
+    layer_pages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         why = addresses_error(self.layout, self.k_base_addrs, self.v_base_addrs)
+        pages = self.layer_pages
+        bad = pages and (self.layout.kind != LAYER_MAJOR or len(pages) != self.layout.num_layers)
+        if why is None and bad:
+            why = "layer_pages: one page count per layer, of a layer_major pool only"
         if why is not None:
             raise ValueError(why)
+
+    @property
+    def region_num_pages(self) -> tuple[int, ...]:
+        """The pages of each descriptor region (``region_base_addrs``' order)."""
+        if self.layer_pages:
+            return self.layer_pages * 2  # K of every layer, then V
+        return (self.layout.num_pages,) * len(self.region_base_addrs)
+
+    @property
+    def region_offsets(self) -> tuple[int, ...]:
+        """Each region's first descriptor index in a region-major list of its pages."""
+        counts = self.region_num_pages
+        return tuple(sum(counts[:i]) for i in range(len(counts)))
 
     @property
     def region_base_addrs(self) -> tuple[int, ...]:

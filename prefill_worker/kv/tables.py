@@ -135,6 +135,13 @@ class PageTable:
             return ()
         return self.sliding.pages_for(request_id, start, end)
 
+    def sliding_entries(self, request_id: str) -> tuple[int, ...]:
+        """The request's sliding entries as held now (``kv.sliding``); () without a windowed
+        sliding pool."""
+        if self.sliding is None:
+            return ()
+        return self.sliding.get(request_id)
+
     def chunk_done(self, request_id: str, next_start: int) -> None:
         """The forward of the chunk ending at ``next_start`` ran: its full pages may be
         shared (``commit``), and sliding pages no later query sees go back."""

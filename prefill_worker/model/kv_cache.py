@@ -254,9 +254,15 @@ class KVCache:
 
     def regions(self, aux_base_addr: int, num_aux_rows: int) -> KVRegions:
         """The pool's ``KVRegions``, with the aux rows the daemon allocated. A windowed
-        sliding pool has none yet: no transfer reads its sliding page space (docs/models.md)."""
+        sliding pool's sliding layers are regions of their own page count (``layer_pages``),
+        in the sliding storage (docs/models.md, "The sliding-window pool")."""
+        layer_pages: tuple[int, ...] = ()
         if self.sliding is not None:
-            raise ValueError("a windowed sliding pool (cache.sliding_pool) has no transfer regions")
+            sliding, n = self.sliding, self.layout.num_pages
+            layer_pages = tuple(
+                sliding.num_pages if i in sliding.layers else n
+                for i in range(self.layout.num_layers)
+            )
         return KVRegions(
             layout=self.layout,
             k_base_addrs=self.k_base_addrs,
@@ -264,6 +270,7 @@ class KVCache:
             device=self.device_name,
             aux_base_addr=aux_base_addr,
             num_aux_rows=num_aux_rows,
+            layer_pages=layer_pages,
         )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

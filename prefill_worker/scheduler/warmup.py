@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prefill_worker.batch import BatchPlan, ChunkPlan, ModelRunner
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.sliding import SlidingPageTable
 from prefill_worker.request import SamplingParams
 
 _REQUEST_ID = "warm-up"
@@ -42,6 +43,7 @@ def warm_up(
     num_tokens: int,
     vocab_size: int,
     chunk_tokens: int,
+    sliding: SlidingPageTable | None = None,
 ) -> WarmUp:
     """Run the warm-up prompt (``num_tokens`` >= 1, at most what the pool holds); every page
     goes back to ``pages``. Raises ``WarmUpError`` with the runner's error."""
@@ -55,6 +57,10 @@ def warm_up(
     step = max(1, min(chunk_tokens, -(-num_tokens // 2)))
     bounds = [*range(0, num_tokens, step), num_tokens]
     started = time.monotonic()
+    # a windowed sliding pool: its pages per chunk, as the engine's
+    if sliding is not None and not sliding.try_reserve(_REQUEST_ID, num_tokens):
+        pages.free(page_ids)
+        raise WarmUpError("the sliding pool is not empty before the warm-up")
     try:
         for batch_id, (start, end) in enumerate(itertools.pairwise(bounds)):
             last = end == num_tokens
@@ -67,8 +73,11 @@ def warm_up(
                 _GREEDY if last else None,
                 state_slot=0,  # before any request: a hybrid model's first slot is free
                 next_token_id=None if last else token_ids[end],
+                sliding_page_ids=_sliding_pages(sliding, start, end),
             )
             output = runner.run(BatchPlan(batch_id, (chunk,)))
+            if sliding is not None:
+                sliding.chunk_done(_REQUEST_ID, end)
             errors = [s.error for s in output.sampled if s.error is not None]
             if errors:
                 raise WarmUpError(f"the warm-up could not sample: {errors[0]}")
@@ -78,4 +87,10 @@ def warm_up(
         raise WarmUpError(f"the warm-up forward failed: {exc!r}") from exc
     finally:
         pages.free(page_ids)
+        if sliding is not None:
+            sliding.release(_REQUEST_ID)
     return WarmUp(num_tokens, time.monotonic() - started)
+
+
+def _sliding_pages(sliding: SlidingPageTable | None, start: int, end: int) -> tuple[int, ...]:
+    return () if sliding is None else sliding.pages_for(_REQUEST_ID, start, end)

@@ -58,6 +58,7 @@ from prefill_worker.service.startup import (
     make_engine,
     make_pools,
     make_prefix_cache,
+    make_sliding,
     sglang_mamba,
     sliding_model,
     start_http,
@@ -178,7 +179,10 @@ class Daemon:
         sglang_dsa = attach_sglang_index(cfg, runner, kv_cache.device_name)
         pages, aux = make_pools(cfg, kv_cache)
         pins = PagePins(pages)  # pages vLLM decodes still read from a vllm_blocks pool
-        warm_up_model(cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status)
+        sliding = make_sliding(cfg, kv_cache, info)  # a windowed sliding pool's pages
+        warm_up_model(
+            cfg, runner, pages, info.vocab_size, self.metrics, self.notifier.status, sliding
+        )
         regions = kv_cache.regions(aux.base_addr, aux.num_rows)
         with watch("transfer"):
             transfer = start_transfer(
@@ -218,6 +222,7 @@ class Daemon:
             self._start_kv_events(kv_event_groups(info, kv_cache.layout))
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
         can_share = info.state is None or info.state.copy == PAGES
+        can_share = can_share and sliding is None  # a windowed sliding pool: no prefix cache
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, can_share)
         engine = make_engine(
             cfg,
@@ -229,6 +234,7 @@ class Daemon:
             prefix_cache,
             self.tracer,
             pins,
+            sliding,
         )
         self._engine = engine
         limits = (

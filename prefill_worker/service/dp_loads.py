@@ -13,7 +13,7 @@ from prefill_worker.load import LoadSnapshot
 
 _COUNTS = ("num_bootstrapping", "num_waiting", "num_prefilling", "num_transferring")
 _PAGES = ("num_free_pages", "num_total_pages", "num_free_aux_rows", "num_total_aux_rows")
-_SUMMED = (*_COUNTS, *_PAGES, "num_cached_pages")
+_SUMMED = (*_COUNTS, *_PAGES, "num_cached_pages", "num_used_sliding_pages")
 
 
 def combined(loads: Sequence[LoadSnapshot]) -> LoadSnapshot:

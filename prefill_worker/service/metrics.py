@@ -132,6 +132,11 @@ class WorkerMetrics:
         self.kv_pages_total = Gauge(
             "prefill_worker_kv_pages_capacity", "KV pages in the pool", registry=registry
         )
+        self.sliding_pages_used = Gauge(
+            "prefill_worker_sliding_pages_used",
+            "Pages of a windowed sliding pool (cache.sliding_pool) held by requests",
+            registry=registry,
+        )
         self.aux_rows_used = Gauge(
             "prefill_worker_aux_rows_used", "Aux rows held by requests", registry=registry
         )

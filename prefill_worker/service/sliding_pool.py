@@ -7,16 +7,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefill_worker.kv.sliding import max_pages_per_request
+from prefill_worker.model.hf_config import read_spec
 from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
 
 WINDOWED = "windowed"
-REFUSED = (
-    "cache.sliding_pool windowed: the transfers (native, SGLang's swa component, vLLM's "
-    "sliding group) do not read the sliding layers' own page space yet, so a windowed worker "
-    "would send its decodes the wrong pages; use sliding_pool full (docs/models.md, 'The "
-    "sliding-window pool')"
-)
+SERVED_PROTOCOLS = ("sglang",)  # read the sliding layers' own page space (a decode's window)
+
+
+def windowed_refusal(config: Config) -> str | None:
+    """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. Only
+    SGLang's protocol reads the sliding layers' own page space (its decodes with a hybrid
+    SWA pool), at worker TP 1; native and vLLM 0.34's sliding group do not yet
+    (docs/models.md, 'The sliding-window pool')."""
+    if config.cache.sliding_pool != WINDOWED:
+        return None
+    others = [p for p in config.transfer.protocols if p not in SERVED_PROTOCOLS]
+    if others:
+        return (
+            f"cache.sliding_pool windowed: the {', '.join(others)} protocol's transfers do not "
+            "read the sliding layers' own page space yet (only sglang's, to decodes with a "
+            "hybrid SWA pool), so a windowed worker would send its decodes the wrong pages; "
+            "use sliding_pool full (docs/models.md, 'The sliding-window pool')"
+        )
+    if config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
+        return (
+            "cache.sliding_pool windowed: served at parallel.tp_size 1 and dp_size 1 only "
+            "(a TP group's ranks do not send their sliding pages yet); use sliding_pool full"
+        )
+    return None
+
+
+def windowed_pages(config: Config) -> int:
+    """The windowed sliding pool's page count for ``config``'s model (read from its
+    checkpoint's config; ``ValueError`` for a model without sliding layers)."""
+    spec = read_spec(config.model.path)
+    if spec.sliding is None:
+        raise ValueError("cache.sliding_pool windowed: the model has no sliding-window layers")
+    return sliding_pool_size(config, spec.sliding).num_pages
 
 
 @dataclass(frozen=True, slots=True)

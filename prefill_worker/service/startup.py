@@ -8,6 +8,7 @@ order and owns what they return; nothing here keeps state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from prefill_worker.kv.page_cache import PagePrefixCache
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.pins import PagePins
 from prefill_worker.kv.prefix_cache import NoPrefixCache, PrefixCache
+from prefill_worker.kv.sliding import SlidingPageTable
 from prefill_worker.kv.state_layout import LINEAR_STATE, StateRegions
 from prefill_worker.kv_events import KVEventPublisher, KVEventsError
 from prefill_worker.kv_events.wire import DENSE, FULL_ATTENTION, MLA_ATTENTION, EventGroup
@@ -50,7 +52,7 @@ from prefill_worker.scheduler.warmup import warm_up
 from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.http import AdminAccess, Health, HttpServer
 from prefill_worker.service.metrics import WorkerMetrics
-from prefill_worker.service.sliding_pool import REFUSED, WINDOWED
+from prefill_worker.service.sliding_pool import WINDOWED, windowed_pages, windowed_refusal
 from prefill_worker.service.telemetry import EngineEvents, IngressEvents, KVEventsTelemetry
 from prefill_worker.service.tracing import RequestTracer
 from prefill_worker.service.vllm_metrics import VllmPullCollector
@@ -163,10 +165,13 @@ def load_model(
     the DP ranks (``parallel.ep_size`` = ``dp_size``)."""
     cfg = config
     with startup_step("model load", (CheckpointError, ValueError)):
-        if cfg.cache.sliding_pool == WINDOWED:
-            raise ValueError(REFUSED)
+        refused = windowed_refusal(cfg)
+        if refused is not None:
+            raise ValueError(refused)
         started = time.monotonic()
-        more = {"dp": dp} if dp.size > 1 else {}
+        more: dict[str, object] = {"dp": dp} if dp.size > 1 else {}
+        if cfg.cache.sliding_pool == WINDOWED:  # its sliding layers' own page space
+            more["sliding_pages"] = windowed_pages(cfg)
         runner, kv_cache, info = build_model(
             cfg.model.path,
             on_progress=on_progress,
@@ -206,6 +211,20 @@ def make_pools(config: Config, kv_cache: KVCache) -> tuple[PagePool, AuxPool]:
         return PagePool(kv_cache.layout.num_pages), AuxPool(config.cache.num_aux_rows)
 
 
+def make_sliding(config: Config, kv_cache: KVCache, info: ModelInfo) -> SlidingPageTable | None:
+    """A windowed sliding pool's bookkeeping (``kv.sliding``); None without one."""
+    space = kv_cache.sliding
+    if space is None:
+        return None
+    assert info.sliding_window is not None, "a sliding pool of a model without a window"
+    with startup_step("sliding pool"):
+        pool = PagePool(space.num_pages)
+        cfg = config
+        return SlidingPageTable(
+            pool, cfg.cache.page_size, info.sliding_window, cfg.scheduler.chunk_size
+        )
+
+
 def warm_up_model(
     config: Config,
     runner: ModelRunner,
@@ -213,16 +232,24 @@ def warm_up_model(
     vocab_size: int,
     metrics: WorkerMetrics,
     status: Callable[[str], None],
+    sliding: SlidingPageTable | None = None,
 ) -> None:
     """The warm-up forward (``scheduler.warmup_tokens``; 0: none) before readiness;
-    ``status`` (sd_notify's STATUS) says it is under way."""
+    ``status`` (sd_notify's STATUS) says it is under way; ``sliding``: a windowed sliding
+    pool's bookkeeping, whose pages the warm-up chunks take and give back."""
     cfg = config.scheduler
     if cfg.warmup_tokens == 0:
         return
     status("warming up")
     with startup_step("warm-up"):
         done = warm_up(
-            runner, pages, config.cache.page_size, cfg.warmup_tokens, vocab_size, cfg.chunk_size
+            runner,
+            pages,
+            config.cache.page_size,
+            cfg.warmup_tokens,
+            vocab_size,
+            cfg.chunk_size,
+            sliding,
         )
     metrics.warmup_seconds.set(done.duration_s)
     log.info("warm-up: %d tokens in %.2f s", done.num_tokens, done.duration_s)
@@ -283,7 +310,8 @@ def start_transfer(
             if "native" in cfg.protocols:
                 backends["native"] = _native_backend(config, regions, hooks, state, draft)
             if "sglang" in cfg.protocols:
-                sglang = _sglang_options(config, sglang_sliding(sliding), mamba)
+                layers = sglang_sliding(sliding, windowed_pages_of(regions, sliding))
+                sglang = _sglang_options(config, layers, mamba)
                 backends["sglang"] = make_sglang_backend(regions, sglang, hooks, draft, sglang_dsa)
             if "vllm" in cfg.protocols:
                 versions = tuple(cfg.vllm_versions)
@@ -358,12 +386,27 @@ def sliding_model(info: ModelInfo) -> SlidingModel | None:
     return SlidingModel(info.architecture, layers)
 
 
-def sglang_sliding(sliding: SlidingModel | None) -> SlidingLayers | None:
+def windowed_pages_of(regions: KVRegions, sliding: SlidingModel | None) -> int:
+    """A windowed sliding pool's page count (``KVRegions.layer_pages``); 0 without one."""
+    if sliding is None or not regions.layer_pages:
+        return 0
+    return regions.layer_pages[sliding.layers.sliding[0]]
+
+
+def sglang_sliding(sliding: SlidingModel | None, pool_pages: int = 0) -> SlidingLayers | None:
     """What SGLang decodes get of a sliding model: its layers where SGLang runs the model on
-    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool)."""
+    a hybrid SWA pool (gpt-oss; not Gemma 3), else None (every decode a full pool). With a
+    windowed sliding pool of ``pool_pages`` pages the layers name it; a model whose SGLang
+    decodes hold a full pool cannot be served from one (``ValueError``)."""
     if sliding is None or sliding.architecture not in HYBRID_SWA_ARCHITECTURES:
+        if pool_pages:
+            raise ValueError(
+                f"cache.sliding_pool windowed: SGLang runs {sliding and sliding.architecture} "
+                "on a full pool (no hybrid SWA memory), whose decodes want every sliding "
+                "page; use sliding_pool full"
+            )
         return None
-    return sliding.layers
+    return dataclasses.replace(sliding.layers, pool_pages=pool_pages)
 
 
 def sglang_mamba(config: Config, runner: ModelRunner) -> StagedState | None:
@@ -550,6 +593,7 @@ def make_engine(
     prefix_cache: PrefixCache,
     tracer: RequestTracer | None = None,
     pins: PagePins | None = None,
+    sliding: SlidingPageTable | None = None,
 ) -> Engine:
     cfg = config
     pages, aux = pools
@@ -569,7 +613,7 @@ def make_engine(
         return Engine(
             runner,
             transfer,
-            EngineKV(pages, aux, prefix_cache, pins=pins),
+            EngineKV(pages, aux, prefix_cache, sliding, pins=pins),
             sink,
             limits,
             overlap=cfg.scheduler.overlap,

@@ -41,6 +41,7 @@ class EngineEvents:
     def on_load(self, load: LoadSnapshot) -> None:
         self._metrics.set_queue_sizes(load.queue_sizes())
         self._metrics.set_kv_pages(load.num_used_pages, load.num_total_pages, load.num_cached_pages)
+        self._metrics.sliding_pages_used.set(load.num_used_sliding_pages)
         self._metrics.set_aux_rows(load.num_used_aux_rows, load.num_total_aux_rows)
         self._metrics.set_costs(load.costs)
 

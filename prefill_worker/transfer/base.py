@@ -53,13 +53,17 @@ class KVSender(Protocol):
         """Prefix the decode peer already holds; meaningful once READY."""
         ...
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         """Start writing local pages holding prompt pages [first_page, first_page+len).
 
         The decode's ``want`` gives ``num_cached_tokens`` (a multiple of the page size, the
         prefix it already holds) and ``dst_page_ids`` for prompt pages from
         ``num_cached_tokens // page_size`` on: the sender skips the cached pages and maps the
-        rest onto ``dst_page_ids``."""
+        rest onto ``dst_page_ids``. ``sliding_page_ids``: a windowed sliding pool's entries
+        of the same prompt pages (``kv.sliding``; -1 where none is held), where a sliding
+        layer's window pages are read from; () without one."""
         ...
 
     def send_aux(self, aux_row: int) -> None:
@@ -101,8 +105,13 @@ class ForwardingSender:
     def num_cached_tokens(self) -> int:
         return self._inner.num_cached_tokens()
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        self._inner.send_pages(page_ids, first_page)
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
+        if sliding_page_ids:  # only a windowed sliding pool's senders take them
+            self._inner.send_pages(page_ids, first_page, sliding_page_ids)
+        else:
+            self._inner.send_pages(page_ids, first_page)
 
     def send_aux(self, aux_row: int) -> None:
         self._inner.send_aux(aux_row)

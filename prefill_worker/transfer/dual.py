@@ -44,9 +44,14 @@ class DualSender:
         chosen = self._chosen
         return chosen.mirror_slots(start, end) if isinstance(chosen, MirroringSender) else ()
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         assert self._chosen is not None, "send_pages before READY"
-        self._chosen.send_pages(page_ids, first_page)
+        if sliding_page_ids:  # only a windowed sliding pool's senders take them
+            self._chosen.send_pages(page_ids, first_page, sliding_page_ids)
+        else:
+            self._chosen.send_pages(page_ids, first_page)
 
     def send_aux(self, aux_row: int) -> None:
         assert self._chosen is not None, "send_aux before READY"

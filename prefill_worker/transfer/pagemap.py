@@ -156,9 +156,10 @@ def _page_runs(regions: KVRegions, bases: tuple[int, ...], num_bytes: int) -> np
     """One strided row per base: ``num_bytes`` at every page, a page ``page_stride_bytes``
     after the one before it, in either layout."""
     lay = regions.layout
+    counts = regions.layer_pages * 2 or (lay.num_pages,) * len(bases)  # a windowed pool
     rows = [
-        [base, num_bytes, device_id(regions.device), lay.page_stride_bytes, lay.num_pages]
-        for base in bases
+        [base, num_bytes, device_id(regions.device), lay.page_stride_bytes, count]
+        for base, count in zip(bases, counts, strict=True)
     ]
     return np.array(rows, dtype=np.uint64).reshape(len(bases), len(STRIDED_COLUMNS))
 

@@ -65,7 +65,9 @@ class RefusingSender(ForwardingSender):
         self._inner.fail(self._reason)  # READY (or later): the claim came, nothing sent yet
         return KVPoll.FAILED
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         raise AssertionError("a refusing sender sends no pages")
 
     def send_aux(self, aux_row: int) -> None:

@@ -47,6 +47,9 @@ class SlidingLayers:
     sliding: tuple[int, ...]
     num_layers: int
     window_tokens: int
+    # a windowed sliding pool (``cache.sliding_pool``): the sliding layers' own page count,
+    # a request's window then read from its sliding pages; 0: they share the pool's pages
+    pool_pages: int = 0
 
     @property
     def full(self) -> tuple[int, ...]:

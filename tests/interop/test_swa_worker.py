@@ -7,12 +7,17 @@ three chunks):
   (``--disable-hybrid-swa-memory``: every layer in its KV pool): both say Success, the K/V
   that landed equal transformers' (every position of the full layer, the last 23 of a sliding
   one: what the decode reads), and the window pages are byte for byte the full-pool decode's;
-- Gemma 3, which SGLang runs on a full pool: every layer lands as a dense model's.
+- Gemma 3, which SGLang runs on a full pool: every layer lands as a dense model's;
+- gpt-oss from a worker with a windowed sliding pool (``cache.sliding_pool=windowed``: its
+  sliding layers in their own page space, the last window kept): the window pages land byte
+  for byte as the full-pool worker's, and a decode without a hybrid SWA pool (which wants
+  every sliding page) is refused by name and counted.
 
-The worker's pages and aux rows are all back afterwards."""
+The worker's pages (both page spaces) and aux rows are all back afterwards."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +36,8 @@ from tests.interop.decodes import SglangDecode, dump, new_room
 
 pytestmark = pytest.mark.interop
 
+REJECTS = re.compile(r'^prefill_worker_bootstrap_rejects_total\{reason="(\w+)"\} (\S+)$', re.M)
+SLIDING_USED = re.compile(r"^prefill_worker_sliding_pages_used (\S+)$", re.M)
 PAGE, KEPT, TOL = 16, 23, 1e-4  # a decode keeps sliding_window - 1 = 23 tokens
 SHAPES = {  # layers, KV heads, head_dim, sliding layers (tests/checkpoints.py)
     "gpt_oss": (3, 2, 12, (0, 2)),
@@ -89,6 +96,71 @@ def test_a_prompt_past_the_window_lands_in_both_pools(
     if "swa" in landed:
         check_swa(landed["swa"], full, reference, sliding, num_layers, (heads, dim))
     assert_pools_whole(one.worker)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"], indirect=True)  # Gemma 3: refused at start
+def test_a_windowed_worker_sends_its_window_pages(
+    decode_process: SglangDecodeProcess, family: str, served, tmp_path: Path
+) -> None:
+    """The same prompt from the full-pool worker and a windowed one to decodes with a hybrid
+    SWA pool: the same bytes land (every full layer, each sliding layer's window pages); a
+    full-pool decode is refused by the windowed worker."""
+    checkpoint, one = served
+    num_layers, heads, dim, sliding = SHAPES[family]
+    layout = KVLayout(num_layers, heads, dim, "float32", PAGE, 64)
+    settings = ("scheduler.optimistic_prefill=false", "cache.sliding_pool=windowed")
+    (tmp_path / "windowed").mkdir()
+    windowed = launch(tmp_path / "windowed", checkpoint, PAGE, "float32", "sglang",
+                      "layer_major", *settings)  # fmt: skip
+    try:
+        other = windowed.ready()
+        ids = prompt(70, seed=5)
+        landed = {}
+        for name, worker in (("full", one), ("windowed", other)):
+            decode = SglangDecode(decode_process, worker.sglang, layout, swa=(sliding, KEPT, 32))
+            client = BlockingRouterClient(worker.worker.ingress)
+            try:
+                room = new_room()
+                decode.want(room, len(ids))
+                result = client.prefill(ids, room, timeout_s=60)
+                assert result.status is OutcomeStatus.OK, result
+                assert decode.wait(room) == ("Success", None)
+                landed[name] = (dump(decode, room, tmp_path), decode.swa_pages[room])
+            finally:
+                client.close()
+        (full, full_pages), (got, got_pages) = landed["full"], landed["windowed"]
+        assert len(got_pages) == len(full_pages) == 3
+        assert sorted(got) == sorted(full)
+        row = heads * dim * 4  # one token of one layer's K (or V), fp32
+        for key in full:  # the full layers in its KV pool, the window in its SWA pool
+            first = layer_pages(70, PAGE, 0, KEPT, WINDOW).start if key.startswith("swa_") else 0
+            num_bytes = (70 - first * PAGE) * row  # a last page's tail holds no token
+            assert got[key].tobytes()[:num_bytes] == full[key].tobytes()[:num_bytes], key
+        refuse_a_full_pool_decode(decode_process, other, layout)
+        assert_pools_whole(other.worker)
+        text = other.worker.http("/metrics")[1]
+        assert [float(v) for v in SLIDING_USED.findall(text)] == [0.0], text
+        assert other.worker.child.stop() == 0, other.worker.log()
+    finally:
+        windowed.worker.child.kill()
+
+
+def refuse_a_full_pool_decode(process: SglangDecodeProcess, one, layout: KVLayout) -> None:  # type: ignore[no-untyped-def]
+    """A decode without a hybrid SWA pool wants every sliding page: refused, counted."""
+    decode = SglangDecode(process, one.sglang, layout)
+    client = BlockingRouterClient(one.worker.ingress)
+    try:
+        room, ids = new_room(), prompt(40, seed=7)
+        decode.want(room, len(ids))
+        result = client.prefill(ids, room, timeout_s=60)
+        assert result.status is OutcomeStatus.FAILED, result
+        assert "hybrid SWA memory off" in str(result.error), result.error
+        state, reason = decode.wait(room)
+        assert state == "Failed" and "sliding_pool windowed" in str(reason), reason
+    finally:
+        client.close()
+    counts = dict(REJECTS.findall(one.worker.http("/metrics")[1]))
+    assert float(counts.get("unsupported", 0)) >= 1, counts
 
 
 def check_swa(landed, full, reference, sliding, num_layers, shape) -> None:  # type: ignore[no-untyped-def]

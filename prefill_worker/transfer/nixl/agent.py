@@ -112,7 +112,9 @@ def region_tables(regions: KVRegions) -> tuple[np.ndarray, np.ndarray]:
     lay = regions.layout
     addrs = regions.region_base_addrs
     dev = device_id(regions.device)
-    kv = np.array([[a, lay.region_bytes, dev] for a in addrs], dtype=np.uint64)
+    counts = regions.region_num_pages  # a windowed sliding pool's sliding layers: their own
+    sizes = [lay.region_bytes if n == lay.num_pages else n * lay.page_bytes for n in counts]
+    kv = np.array([[a, size, dev] for a, size in zip(addrs, sizes, strict=True)], np.uint64)
     aux_bytes = regions.num_aux_rows * AUX_ROW_BYTES
     aux = np.array([[regions.aux_base_addr, aux_bytes, 0]], dtype=np.uint64)
     return kv, aux

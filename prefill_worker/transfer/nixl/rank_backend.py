@@ -97,7 +97,9 @@ class RankSender:
     def num_cached_tokens(self) -> int:
         return self._targets[0][1].num_cached_tokens if self._targets else 0
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         if self._state.is_terminal:
             return
         self._state = KVPoll.TRANSFERRING

@@ -40,9 +40,11 @@ class PageRoute(Protocol):
         src: np.ndarray,
         dst: np.ndarray,
         first_page: int,
+        sliding: np.ndarray | None = None,
     ) -> Sequence[RoutedWrite]:
         """The writes of our pages ``src`` (prompt pages from ``first_page`` on) whose KV-list
-        pages are ``dst``."""
+        pages are ``dst``; ``sliding``: the same prompt pages' entries in a windowed sliding
+        pool (``kv.sliding``), None without one."""
         ...
 
 

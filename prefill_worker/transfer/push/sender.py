@@ -187,7 +187,9 @@ class PushSender(Generic[P]):
         """The same in CPU time of the threads that did it."""
         return self._index_cpu_s + self._writes.prep_cpu_s
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         if self._state.is_terminal:
             return
         assert self._wants and self.peers, "send_pages before READY"
@@ -203,7 +205,12 @@ class PushSender(Generic[P]):
             if peer.is_fed and peer.route is None:
                 self._post_pages(peer, src, dst)
             elif peer.is_fed:  # prompt page of src[0]: after the pages the decode holds
-                self._post_routed(peer, want, src, dst, first_page + len(page_ids) - len(src))
+                sliding = None
+                if sliding_page_ids:  # a windowed sliding pool's entries of the same pages
+                    sliding = np.asarray(sliding_page_ids[len(page_ids) - len(src) :], np.int64)
+                self._post_routed(
+                    peer, want, src, dst, first_page + len(page_ids) - len(src), sliding
+                )
             if self._has_paged_state:  # into every decode rank, whoever writes its KV
                 self._post_state_pages(peer, src, dst)
 
@@ -401,11 +408,21 @@ class PushSender(Generic[P]):
         self._writes.add(write, self._ctx.clock())
 
     def _post_routed(
-        self, peer: P, want: wire.Want, src: np.ndarray, dst: np.ndarray, first_page: int
+        self,
+        peer: P,
+        want: wire.Want,
+        src: np.ndarray,
+        dst: np.ndarray,
+        first_page: int,
+        sliding: np.ndarray | None,
     ) -> None:
         """Each part of the pages where the peer's route sends it (whole pages)."""
         assert peer.route is not None
-        for part in peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page):
+        try:
+            parts = peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page, sliding)
+        except ValueError as exc:
+            return self.fail(str(exc))
+        for part in parts:
             if not len(part.local):
                 continue
             if part.is_state:

@@ -28,7 +28,13 @@ from prefill_worker.transfer.sglang.dialect import SglangPeer
 from prefill_worker.transfer.sglang.dsa import accept_index_pool, index_want
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
 from prefill_worker.transfer.sglang.mamba import accept_mamba, mamba_want
-from prefill_worker.transfer.sglang.swa import WindowRoute, accept_window, window_route, window_want
+from prefill_worker.transfer.sglang.swa import (
+    WindowRoute,
+    accept_window,
+    window_route,
+    window_want,
+    windowed_full_pool,
+)
 from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
@@ -71,6 +77,8 @@ class StateComponents:
             if isinstance(window, Refusal):
                 return window
             return Accepted(window.registration, window.layout, window.swa)
+        if self._sliding is not None and self._sliding.pool_pages:
+            return Refusal(RejectReason.UNSUPPORTED, windowed_full_pool())
         if self._dsa is not None:  # its index pool (``sglang.dsa``)
             index = accept_index_pool(reg, ours, self._dsa, self._limits)
             if isinstance(index, Refusal):

@@ -167,9 +167,22 @@ def window_route(
     return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, ours.page_size)
 
 
+def local_offsets(sliding: SlidingLayers, local_pages: int) -> np.ndarray:
+    """Each of our 2L regions' first index in our per-layer list (``pagemap.
+    layer_view_table``): ``local_pages`` each, or a windowed sliding pool's sliding layers
+    ``sliding.pool_pages`` (``KVRegions.layer_pages``)."""
+    counts = [
+        sliding.pool_pages if sliding.pool_pages and i in sliding.sliding else local_pages
+        for i in range(sliding.num_layers)
+    ] * 2
+    return (np.cumsum(counts) - np.asarray(counts)).astype(np.int32)
+
+
 class WindowRoute:
     """``PageRoute`` of one decode with a hybrid SWA pool; ``local_pages`` is our pool's page
-    count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's."""
+    count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's. With a windowed
+    sliding pool (``sliding.pool_pages``) a sliding layer's window pages are read from the
+    request's sliding pages (``writes``' ``sliding``), in the sliding layers' own regions."""
 
     def __init__(
         self,
@@ -183,7 +196,10 @@ class WindowRoute:
         self._full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
         self._sliding = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
         self._window_tokens, self._page_size = sliding.window_tokens, page_size
-        self._local_pages, self._peer_pages, self._swa_pages = local_pages, peer_pages, swa_pages
+        self._peer_pages, self._swa_pages = peer_pages, swa_pages
+        offsets = local_offsets(sliding, local_pages)
+        self._full_at, self._sliding_at = offsets[self._full], offsets[self._sliding]
+        self.is_windowed = sliding.pool_pages > 0
 
     def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
         """The prompt pages whose sliding layers the decode keeps."""
@@ -214,10 +230,11 @@ class WindowRoute:
         src: np.ndarray,
         dst: np.ndarray,
         first_page: int,
+        sliding: np.ndarray | None = None,
     ) -> Sequence[RoutedWrite]:
         assert isinstance(want, WindowWant), "checked at bind"
         full = RoutedWrite(
-            _indices(self._full, self._local_pages, src),
+            _at(self._full_at, src),
             _indices(np.arange(len(self._full)), self._peer_pages, dst),
             is_state=False,
         )
@@ -225,12 +242,26 @@ class WindowRoute:
         offsets = np.arange(first_page, first_page + len(src)) - window.start
         kept = offsets >= 0
         swa_dst = want.dst_window_pages[offsets[kept]]
+        if self.is_windowed:  # the window's own pages (``kv.sliding``: held until release)
+            if sliding is None or len(sliding) != len(src):
+                raise ValueError("a windowed sliding pool's pages were not given with the chunk")
+            swa_src = np.asarray(sliding)[kept]
+            if swa_src.size and int(swa_src.min()) < 0:
+                raise ValueError("a window page of the sliding pool is not held")
+        else:
+            swa_src = src[kept]
         part = RoutedWrite(
-            _indices(self._sliding, self._local_pages, src[kept]),
+            _at(self._sliding_at, swa_src),
             _indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst),
             is_state=True,
         )
         return (full, part)
+
+
+def _at(offsets: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``pages`` in each region starting at ``offsets``,
+    region-major."""
+    return np.add.outer(offsets, np.asarray(pages, dtype=np.int32)).ravel()
 
 
 def _indices(regions: np.ndarray, num_pages: int, pages: np.ndarray) -> np.ndarray:
@@ -238,6 +269,15 @@ def _indices(regions: np.ndarray, num_pages: int, pages: np.ndarray) -> np.ndarr
     region), region-major, as ``pagemap.region_indices``."""
     base = np.asarray(regions, dtype=np.int32) * np.int32(num_pages)
     return np.add.outer(base, np.asarray(pages, dtype=np.int32)).ravel()
+
+
+def windowed_full_pool() -> str:
+    """Why a decode without a hybrid SWA pool is refused by a windowed worker."""
+    return (
+        "the decode holds every sliding layer's pages (hybrid SWA memory off); this worker "
+        "keeps its sliding layers' last window only (cache.sliding_pool windowed): start the "
+        "decode without --disable-hybrid-swa-memory, or the worker with sliding_pool full"
+    )
 
 
 def _unsupported(why: str) -> Refusal:

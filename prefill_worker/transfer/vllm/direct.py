@@ -112,7 +112,9 @@ class DirectSender:
     def num_cached_tokens(self) -> int:
         return 0
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         assert self._state is not KVPoll.BOOTSTRAPPING, "send_pages before READY"
         if self._state.is_terminal:
             return

@@ -65,7 +65,9 @@ class VllmSender:
         self._mirrored.append(range(start, end))
         return block_slots(self._blocks, self._desk.staging.layout.block_size, start, end)
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         assert self._blocks is not None, "send_pages before READY"
         self._state = KVPoll.TRANSFERRING
         ps = self._desk.page_size

@@ -20,6 +20,8 @@ from prefill_worker.kv.pages import PagePool
 from prefill_worker.kv.sliding import SlidingPageTable, sliding_pool_pages
 from prefill_worker.model import build
 from prefill_worker.request import SamplingParams
+from prefill_worker.transfer.nixl.agent import region_tables
+from prefill_worker.transfer.pagemap import layer_view_table
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.model.conftest import (
     NUM_PAGES,
@@ -112,7 +114,7 @@ def test_chunks_over_a_reused_sliding_pool_match_transformers(family):
 
 def test_a_windowed_pool_holds_the_sliding_layers_apart(family):
     """The full layers' storage holds only them; the sliding layers' storage its own pages;
-    the pool has no transfer regions; a chunk without sliding entries is refused."""
+    its transfer regions each of its own page count; a chunk without sliding entries is refused."""
     path, _ = family
     runner, kv_cache, info, table = windowed(path, num_requests=1)
     full = [i for i in range(info.num_layers) if i not in info.sliding_layers]
@@ -122,8 +124,19 @@ def test_a_windowed_pool_holds_the_sliding_layers_apart(family):
     assert kv_cache.num_bytes == layer_bytes * (
         len(full) * NUM_PAGES + len(info.sliding_layers) * table.pool.num_pages
     )
-    with pytest.raises(ValueError, match="no transfer regions"):
-        kv_cache.regions(0, 1)
+    regions = kv_cache.regions(0, 1)  # the sliding layers: regions of their own page count
+    num_sliding = table.pool.num_pages
+    want = tuple(
+        num_sliding if i in info.sliding_layers else NUM_PAGES
+        for i in range(len(full) + len(info.sliding_layers))
+    )
+    assert regions.layer_pages == want and regions.region_num_pages == want * 2
+    assert regions.k_base_addrs == tuple(k.data_ptr() for k in kv_cache.k)
+    rows = layer_view_table(regions)  # what a transfer lists: each region's own page count
+    assert [int(r[4]) for r in rows] == list(want * 2)
+    kv_rows, _ = region_tables(regions)  # and registers: each region's own bytes
+    assert [int(r[1]) for r in kv_rows] == [n * kv_cache.layout.page_bytes for n in want * 2]
+    assert regions.region_offsets[len(full) + len(info.sliding_layers)] == sum(want)
     budget = kv_cache.num_bytes + 5 * layer_bytes * len(full)  # room for 5 more full pages
     _, sized, _ = build(
         path, dtype="float32", page_size=PAGE_SIZE, num_pages=None, memory_bytes=budget,

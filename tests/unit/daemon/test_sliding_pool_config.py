@@ -1,6 +1,6 @@
 """``cache.sliding_pool``: check-config's arithmetic of a windowed sliding pool (its pages, its
 bytes, the pool left with the full layers), its problems, and start-up's refusal (exit 78)
-while no transfer reads the sliding page space."""
+where no transfer reads the sliding page space (every protocol but sglang, TP > 1)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from prefill_worker.kv.sliding import max_pages_per_request
 from prefill_worker.service.checkmodel import check_model
 from prefill_worker.service.config import EX_CONFIG, load_config
+from prefill_worker.service.sliding_pool import windowed_refusal
 from prefill_worker.service.startup import StartupError, load_model
 from tests.checkpoints import make_checkpoint
 
@@ -54,11 +55,26 @@ def test_a_sliding_pool_under_one_quota_is_a_problem(gpt_oss: Path) -> None:
     assert any("cache.sliding_pages 3" in p for p in check_model(cfg).problems)
 
 
-def test_start_up_refuses_windowed_before_loading(gpt_oss: Path) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (("transfer.protocol=native",), "the native protocol's transfers do not read"),
+        (("transfer.protocol=both",), "the native protocol's transfers do not read"),
+        (("transfer.protocol=sglang", "parallel.tp_size=2"), "parallel.tp_size 1"),
+    ],
+)
+def test_start_up_refuses_windowed_where_no_transfer_reads_it(
+    gpt_oss: Path, overrides: tuple[str, ...], why: str
+) -> None:
     def never(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was loaded")
 
     with pytest.raises(StartupError) as refused:
-        load_model(config(gpt_oss, "cache.sliding_pool=windowed"), never)
+        load_model(config(gpt_oss, "cache.sliding_pool=windowed", *overrides), never)
     assert refused.value.exit_code == EX_CONFIG
-    assert "do not read the sliding layers' own page space" in str(refused.value)
+    assert why in str(refused.value)
+
+
+def test_start_up_loads_windowed_for_sglang_alone(gpt_oss: Path) -> None:
+    cfg = config(gpt_oss, "cache.sliding_pool=windowed", "transfer.protocol=sglang")
+    assert windowed_refusal(cfg) is None

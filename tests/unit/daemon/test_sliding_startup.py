@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from prefill_worker.model import ModelInfo
 from prefill_worker.service.startup import sglang_sliding, sliding_model
 from prefill_worker.transfer.swa_window import SlidingLayers
@@ -31,3 +33,11 @@ def test_sglang_decodes_get_the_window_for_gpt_oss_only() -> None:
     gemma = dataclasses.replace(GPT_OSS, architecture="Gemma3ForCausalLM")
     assert sglang_sliding(sliding_model(gemma)) is None
     assert sglang_sliding(None) is None
+
+
+def test_a_windowed_pool_names_its_pages_and_refuses_a_full_pool_model() -> None:
+    layers = sglang_sliding(sliding_model(GPT_OSS), pool_pages=12)
+    assert layers == SlidingLayers((0, 2), 3, 23, pool_pages=12)
+    gemma = dataclasses.replace(GPT_OSS, architecture="Gemma3ForCausalLM")
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM on a full pool"):
+        sglang_sliding(sliding_model(gemma), pool_pages=12)

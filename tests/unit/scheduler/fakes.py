@@ -129,6 +129,7 @@ class FakeSender:
         self.state = KVPoll.READY if backend.auto_want else KVPoll.BOOTSTRAPPING
         self.cached = 0
         self.sent: list[tuple[tuple[int, ...], int]] = []
+        self.sliding_sent: list[tuple[int, ...]] = []  # a windowed pool's entries, per send
         self.aux: list[AuxRow] = []
         self.worker_failure: str | None = None
         self.decode_failure: str | None = None
@@ -155,12 +156,16 @@ class FakeSender:
     def num_cached_tokens(self) -> int:
         return self.cached
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
         if self.send_raises is not None:
             raise self.send_raises
         self._expect(not self.is_closed and self.state in (KVPoll.READY, KVPoll.TRANSFERRING))
         self._expect(all(self.backend.pool.refcount(p) > 0 for p in page_ids))
+        self._expect(not sliding_page_ids or len(sliding_page_ids) == len(page_ids))
         self.sent.append((tuple(page_ids), first_page))
+        self.sliding_sent.append(tuple(sliding_page_ids))
         self.state = KVPoll.TRANSFERRING
 
     def send_aux(self, aux_row: int) -> None:

@@ -98,6 +98,13 @@ def test_windows_survive_chunks_and_every_sliding_page_returns(overlap: bool) ->
     assert by_id == {"a": FinishReason.OK, "b": FinishReason.ABORTED_BY_ROUTER,
                      "c": FinishReason.OK, "d": FinishReason.OK}  # fmt: skip
     assert pool.num_free == pool.num_pages and aux.num_free == aux.num_rows
+    for name in ("a", "c", "d"):  # each send named the sliding pages of its window
+        sender, n = backend.senders[name], lengths[name]
+        first_window_page = max(0, n - WINDOW + 1) // PS
+        for (page_ids, first), entries in zip(sender.sent, sender.sliding_sent, strict=True):
+            assert len(entries) == len(page_ids), name
+            kept = [e for i, e in enumerate(entries) if first + i >= first_window_page]
+            assert all(e != NO_PAGE for e in kept), (name, first, entries)
     assert sliding_pool.num_free == sliding_pool.num_pages
     assert sliding.num_available_pages == sliding_pool.num_pages
     entries = [c.sliding_page_ids for p in runner.plans for c in p.chunks]

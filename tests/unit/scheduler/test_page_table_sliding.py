@@ -24,6 +24,7 @@ def test_without_a_sliding_pool_a_chunk_has_no_entries() -> None:
     table = PageTable(PagePool(4), PS)
     assert table.try_reserve("a", [1, 2, 3]) is not None
     assert table.sliding_pages_for("a", 0, 3) == ()
+    assert table.sliding_entries("a") == ()
     table.chunk_done("a", 3)
     table.release("a")
     table.check_integrity()
@@ -34,8 +35,10 @@ def test_entries_grow_per_chunk_and_shrink_after_it() -> None:
     assert table.try_reserve("a", list(range(12))) is not None
     first = table.sliding_pages_for("a", 0, 4)
     assert len(first) == 2 and NO_PAGE not in first
+    assert table.sliding_entries("a") == first
     table.chunk_done("a", 4)  # later queries see positions >= 2: page 0 goes back
     assert sliding_pool.num_used == 1
+    assert table.sliding_entries("a") == (NO_PAGE, first[1])  # what a send reads
     assert table.sliding_pages_for("a", 4, 8)[0] == NO_PAGE
     table.chunk_done("a", 8)
     table.sliding_pages_for("a", 8, 12)

@@ -10,6 +10,7 @@ import pytest
 
 from prefill_worker.batch import BatchOutput, BatchPlan, SampledToken
 from prefill_worker.kv.pages import PagePool
+from prefill_worker.kv.sliding import NO_PAGE, SlidingPageTable
 from prefill_worker.scheduler.warmup import WarmUpError, warm_up
 
 
@@ -98,3 +99,36 @@ def test_no_token_or_a_busy_pool_is_refused_in_words() -> None:
     with pytest.raises(WarmUpError) as busy:
         warm_up(Recorder(), pages, page_size=4, num_tokens=16, vocab_size=10, chunk_tokens=8)
     assert str(busy.value) == "the KV pool is not empty before the warm-up"
+
+
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_a_windowed_sliding_pool_gives_each_chunk_its_window_and_takes_it_back(
+    fail_at: int | None,
+) -> None:
+    """Window 6, pages of 4, chunks of 8: each chunk holds the sliding pages of positions
+    ``[start - 5, end)``; every page returns, after a failing forward too."""
+    pages, runner = PagePool(32), Recorder(fail_at=fail_at)
+    sliding = SlidingPageTable(PagePool(8), 4, window=6, chunk_size=8)
+    if fail_at is None:
+        warm_up(runner, pages, 4, 24, 100, 8, sliding)
+    else:
+        with pytest.raises(WarmUpError):
+            warm_up(runner, pages, 4, 24, 100, 8, sliding)
+    entries = [plan.chunks[0].sliding_page_ids for plan in runner.plans]
+    held = [[i for i, p in enumerate(e) if p != NO_PAGE] for e in entries]
+    assert held[:2] == [[0, 1], [0, 1, 2, 3]]  # [0, 8), then [3, 16): pages 0..3
+    if fail_at is None:
+        assert held[2] == [2, 3, 4, 5]  # [11, 24): pages 2..5 (0 and 1 went back)
+    assert sliding.pool.num_free == sliding.pool.num_pages and not sliding.num_available_pages < 8
+    assert pages.num_free == pages.num_pages
+    sliding.check_integrity()
+
+
+def test_a_sliding_pool_already_in_use_fails_the_warm_up_and_keeps_the_kv_pool_whole() -> None:
+    pages, runner = PagePool(32), Recorder()
+    sliding = SlidingPageTable(PagePool(8), 4, window=6, chunk_size=8)
+    assert sliding.try_reserve("other", 40)
+    assert sliding.try_reserve("another", 40) is False  # its quota (8 pages) holds the pool
+    with pytest.raises(WarmUpError, match="sliding pool is not empty"):
+        warm_up(runner, pages, 4, 24, 100, 8, sliding)
+    assert not runner.plans and pages.num_free == pages.num_pages

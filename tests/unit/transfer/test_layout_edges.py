@@ -133,3 +133,20 @@ def test_the_hash_covers_the_scales_as_docs_protocol_states() -> None:
     assert SCALED.compat_hash() == hashlib.sha256(key.encode()).hexdigest()[:16]
     unscaled = dataclasses.replace(SCALED, kv_scales=())
     assert unscaled.compat_hash() == hashlib.sha256(b"2/2/8/fp8_e4m3/4").hexdigest()[:16]
+
+
+def test_a_windowed_pool_names_each_layers_page_count() -> None:
+    """A windowed sliding pool (layer 0 slides, its own 5 pages): regions K0 K1 V0 V1 of 5,
+    24, 5 and 24 pages, starting at 0, 5, 29 and 34 of a region-major list."""
+    addrs = dict(k_base_addrs=(0x1000, 0x9000), v_base_addrs=(0x2000, 0xA000), device="cpu")
+    regions = KVRegions(OURS, **addrs, aux_base_addr=0, num_aux_rows=1, layer_pages=(5, 24))
+    assert regions.region_num_pages == (5, 24, 5, 24)
+    assert regions.region_offsets == (0, 5, 29, 34)
+    plain = KVRegions(OURS, **addrs, aux_base_addr=0, num_aux_rows=1)
+    assert plain.region_num_pages == (24,) * 4 and plain.region_offsets == (0, 24, 48, 72)
+    why = "layer_pages: one page count per layer, of a layer_major pool only"
+    with pytest.raises(ValueError, match=why):
+        KVRegions(OURS, **addrs, aux_base_addr=0, num_aux_rows=1, layer_pages=(5,))
+    mla = dataclasses.replace(OURS, kind=MLA, num_kv_heads=1)
+    with pytest.raises(ValueError, match=why):
+        KVRegions(mla, (0x1000, 0x9000), (), "cpu", 0, 1, layer_pages=(5, 24))

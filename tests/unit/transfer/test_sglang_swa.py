@@ -327,3 +327,55 @@ def test_a_model_whose_every_layer_slides_sends_only_the_window() -> None:
     sender.send_pages([0, 1, 2, 3], 0)
     [write] = rig.agent.handles  # no full layer: nothing for the KV list
     assert write.args[3] == "swa" and list(write.args[2]) == [2, 3, 18, 19, 34, 35, 50, 51]
+
+
+def windowed_rig() -> tuple[test_push_sender.Rig, object]:
+    """The rig of ``test_a_page_goes_in_parts...`` from a windowed sliding pool of 6 pages:
+    our list is K0 (6 pages), K1 (16), V0 (6), V1 (16), so regions start at 0, 6, 22, 28."""
+    rig = test_push_sender.Rig("sglang")
+    swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 1, 8), "float32", 128),) * 2, 9)
+    rig.peer.state = StateLists(StateRegions(swa, ((100,), (200,)), "cpu"), "swa")
+    rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5, pool_pages=6), 16, 16, 9, 4)
+    sender = rig.hub.create_sender(7, "req-7", 16)
+    pages, window = (np.array(p, "<i4").tobytes() for p in ([3, 4, 5, 6], [5, 8]))
+    rig.hub.want(rig.peer, WindowWant(7, pages, 2, 0, packed_dst_window_pages=window))
+    assert sender.poll() is KVPoll.READY, sender.failure_reason()
+    return rig, sender
+
+
+def test_a_windowed_pool_sends_the_window_from_its_sliding_pages() -> None:
+    rig, sender = windowed_rig()
+    sender.send_pages([0, 1], 0, [-1, -1])  # fallen out of the window: not held, not sent
+    sender.send_pages([2, 3], 2, [4, 1])  # the window's sliding pages
+    first, full, window = rig.agent.handles
+    assert list(first.args[2]) == [6, 7, 28, 29] and list(first.args[4]) == [3, 4, 19, 20]
+    assert list(full.args[2]) == [8, 9, 30, 31] and list(full.args[4]) == [5, 6, 21, 22]
+    _, local, local_idx, remote, remote_idx, _ = window.args
+    assert (local, remote) == ("kv", "swa")
+    assert list(local_idx) == [4, 1, 26, 23] and list(remote_idx) == [5, 8, 14, 17]
+
+
+@pytest.mark.parametrize(("entries", "why"), [((), "were not given"), ((4, -1), "not held")])
+def test_a_window_page_the_sliding_pool_lacks_fails_the_room(
+    entries: tuple[int, ...], why: str
+) -> None:
+    rig, sender = windowed_rig()
+    sender.send_pages([2, 3], 2, entries)
+    assert sender.poll() is KVPoll.FAILED and why in str(sender.failure_reason())
+    assert not rig.agent.handles  # not even the full layers' part
+
+
+def test_a_windowed_worker_refuses_a_full_pool_decode() -> None:
+    rig = desk_rig(dataclasses.replace(SLIDING, pool_pages=6))
+    reg = swa_registration(
+        f6=struct.pack("<6Q", *range(0x1000, 0x7000, 0x1000)),
+        f18=b"DRAM," * 5 + b"DRAM",
+        f19=struct.pack("<6Q", *[512] * 6),
+        f8=b"",
+        f13=b"",
+        f14=b"",
+        f20=b"",
+        f24=b"",
+    )
+    rig.send(reg)
+    assert not rig.peers and rig.rejects == ["unsupported"]
