@@ -54,7 +54,8 @@ class FullPoolWindow:
     its list ``peer_pages`` per region), fed from a windowed sliding pool."""
 
     def __init__(self, sliding: SlidingLayers, local_pages: int, peer_pages: int, page_size: int):
-        assert sliding.pool_pages, "a route of a windowed sliding pool"
+        if not sliding.pool_pages:
+            raise ValueError("FullPoolWindow: a route of a windowed sliding pool only")
         n = sliding.num_layers
         full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
         slide = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
