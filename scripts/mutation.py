@@ -190,7 +190,10 @@ MODULES: dict[str, list[str]] = {
         _T + "test_native_desk_tp.py",
         _T + "test_native_desk_state.py",
         _T + "test_native_draft.py",
+        _T + "test_window_route.py",
     ],
+    # A windowed sliding pool's window, read from its own pages (issue #43).
+    "prefill_worker/transfer/push/window_route.py": [_T + "test_window_route.py", _SWA],
     # The tensor-parallel group's transfer mirror and its agreement (issue #27).
     "prefill_worker/transfer/group.py": _GROUP,
     "prefill_worker/tp/mirror.py": _GROUP,

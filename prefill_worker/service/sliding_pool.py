@@ -12,22 +12,22 @@ from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
 
 WINDOWED = "windowed"
-SERVED_PROTOCOLS = ("sglang",)  # read the sliding layers' own page space (a decode's window)
+SERVED_PROTOCOLS = ("native", "sglang")  # read the sliding layers' own page space
 
 
 def windowed_refusal(config: Config) -> str | None:
-    """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. Only
-    SGLang's protocol reads the sliding layers' own page space (its decodes with a hybrid
-    SWA pool), at worker TP 1; native and vLLM 0.34's sliding group do not yet
-    (docs/models.md, 'The sliding-window pool')."""
+    """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. The
+    native protocol (decodes of TP 1) and SGLang's (its decodes with a hybrid SWA pool) read
+    the sliding layers' own page space, at worker TP 1; vLLM 0.34's sliding group does not
+    yet (docs/models.md, 'The sliding-window pool')."""
     if config.cache.sliding_pool != WINDOWED:
         return None
     others = [p for p in config.transfer.protocols if p not in SERVED_PROTOCOLS]
     if others:
         return (
             f"cache.sliding_pool windowed: the {', '.join(others)} protocol's transfers do not "
-            "read the sliding layers' own page space yet (only sglang's, to decodes with a "
-            "hybrid SWA pool), so a windowed worker would send its decodes the wrong pages; "
+            "read the sliding layers' own page space yet (only native's and sglang's), so a "
+            "windowed worker would send its decodes the wrong pages; "
             "use sliding_pool full (docs/models.md, 'The sliding-window pool')"
         )
     if config.parallel.tp_size > 1 or config.parallel.dp_size > 1:

@@ -308,7 +308,13 @@ def start_transfer(
         mirror_layers: tuple[np.ndarray, ...] = ()
         try:
             if "native" in cfg.protocols:
-                backends["native"] = _native_backend(config, regions, hooks, state, draft)
+                native_sliding = None
+                if sliding is not None:  # a windowed pool's sliding layers read from it
+                    pool_pages = windowed_pages_of(regions, sliding)
+                    native_sliding = dataclasses.replace(sliding.layers, pool_pages=pool_pages)
+                backends["native"] = _native_backend(
+                    config, regions, hooks, state, draft, native_sliding
+                )
             if "sglang" in cfg.protocols:
                 layers = sglang_sliding(sliding, windowed_pages_of(regions, sliding))
                 sglang = _sglang_options(config, layers, mamba)
@@ -521,6 +527,7 @@ def _native_backend(
     hooks: Hooks,
     state: StateRegions | None,
     draft: DraftSide | None = None,
+    sliding: SlidingLayers | None = None,
 ) -> TransferBackend:
     cfg = config.transfer
     curve = None
@@ -542,7 +549,7 @@ def _native_backend(
         limits=_limits(config),
         curve=curve,
     )
-    return make_backend(regions, options, hooks, state, draft)
+    return make_backend(regions, options, hooks, state, draft, sliding)
 
 
 def kv_event_groups(info: ModelInfo, layout: KVLayout) -> tuple[EventGroup, ...]:

@@ -26,6 +26,7 @@ from prefill_worker.transfer.options import (
     SglangOptions,
     VllmOptions,
 )
+from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.vllm.tickets import Tickets
 
 if TYPE_CHECKING:
@@ -51,16 +52,18 @@ def make_backend(
     hooks: Hooks = DEFAULT_HOOKS,
     state: StateRegions | None = None,
     draft: DraftSide | None = None,
+    sliding: SlidingLayers | None = None,
 ) -> TransferBackend:
     """The native backend, its bootstrap server bound (``bootstrap_endpoint`` is the actual
     address, port 0 allowed); with ``state`` (a hybrid model's state pool) it sends each
     request's state slot too, with ``draft`` (a draft model's pool and rows) the draft's
-    pages and row to decodes that registered a draft pool. Raises ``OSError`` when the
-    bootstrap address cannot be bound, and NIXL's own errors (or ``RuntimeError``) when no
-    agent can be made."""
+    pages and row to decodes that registered a draft pool, with ``sliding`` of a windowed
+    sliding pool (``pool_pages``) each sliding layer's window from its own pages. Raises
+    ``OSError`` when the bootstrap address cannot be bound, and NIXL's own errors (or
+    ``RuntimeError``) when no agent can be made."""
     from prefill_worker.transfer.native.backend import NixlBackend
 
-    return NixlBackend(regions, options, hooks, state, draft)
+    return NixlBackend(regions, options, hooks, state, draft, sliding)
 
 
 def make_sglang_backend(

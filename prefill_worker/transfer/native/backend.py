@@ -47,6 +47,7 @@ from prefill_worker.transfer.push.hub import HubBackend
 from prefill_worker.transfer.push.peer import Peer
 from prefill_worker.transfer.push.refusals import ExpiringTable, Refusals
 from prefill_worker.transfer.push.sender import PushContext
+from prefill_worker.transfer.swa_window import SlidingLayers
 
 REFUSED_KEEP_S = 60.0  # how long a refused registration explains a room's missing handshake
 _MAX_REFUSED_NAMES = 8
@@ -62,10 +63,13 @@ class NixlBackend(HubBackend[Peer]):
         hooks: Hooks = DEFAULT_HOOKS,
         state: StateRegions | None = None,
         draft: DraftSide | None = None,
+        sliding: SlidingLayers | None = None,
     ) -> None:
         """``state``: a hybrid model's state pool, each request's slot (its aux row) sent
         whole after its last pages and before its aux row. ``draft``: a draft model's pool
-        and rows, for decodes that register a draft pool (``native.draft``)."""
+        and rows, for decodes that register a draft pool (``native.draft``). ``sliding``: a
+        sliding-window model's layers; with a windowed sliding pool (``pool_pages``) each
+        decode gets its sliding layers' window from it (``push.window_route``)."""
         self.regions, self.options = regions, options
         self.agent_name = options.nixl.agent_name or f"prefill-{uuid.uuid4().hex[:12]}"
         self.peer_timeout_s = options.peer_timeout_s
@@ -142,6 +146,7 @@ class NixlBackend(HubBackend[Peer]):
             regions,
             None if state is None else state.component,
             draft,
+            sliding,
         )
         self._next_heartbeat = clock()
 

@@ -36,6 +36,7 @@ from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions, 
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.peer import RoutedWrite
+from prefill_worker.transfer.push.window_route import local_offsets, region_at, window_sources
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
 from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
 from prefill_worker.transfer.validate import (
@@ -167,17 +168,6 @@ def window_route(
     return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, ours.page_size)
 
 
-def local_offsets(sliding: SlidingLayers, local_pages: int) -> np.ndarray:
-    """Each of our 2L regions' first index in our per-layer list (``pagemap.
-    layer_view_table``): ``local_pages`` each, or a windowed sliding pool's sliding layers
-    ``sliding.pool_pages`` (``KVRegions.layer_pages``)."""
-    counts = [
-        sliding.pool_pages if sliding.pool_pages and i in sliding.sliding else local_pages
-        for i in range(sliding.num_layers)
-    ] * 2
-    return (np.cumsum(counts) - np.asarray(counts)).astype(np.int32)
-
-
 class WindowRoute:
     """``PageRoute`` of one decode with a hybrid SWA pool; ``local_pages`` is our pool's page
     count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's. With a windowed
@@ -234,7 +224,7 @@ class WindowRoute:
     ) -> Sequence[RoutedWrite]:
         assert isinstance(want, WindowWant), "checked at bind"
         full = RoutedWrite(
-            _at(self._full_at, src),
+            region_at(self._full_at, src),
             _indices(np.arange(len(self._full)), self._peer_pages, dst),
             is_state=False,
         )
@@ -242,26 +232,14 @@ class WindowRoute:
         offsets = np.arange(first_page, first_page + len(src)) - window.start
         kept = offsets >= 0
         swa_dst = want.dst_window_pages[offsets[kept]]
-        if self.is_windowed:  # the window's own pages (``kv.sliding``: held until release)
-            if sliding is None or len(sliding) != len(src):
-                raise ValueError("a windowed sliding pool's pages were not given with the chunk")
-            swa_src = np.asarray(sliding)[kept]
-            if swa_src.size and int(swa_src.min()) < 0:
-                raise ValueError("a window page of the sliding pool is not held")
-        else:
-            swa_src = src[kept]
+        # a windowed pool: the window's own pages (``kv.sliding``: held until release)
+        swa_src = window_sources(sliding, len(src), kept) if self.is_windowed else src[kept]
         part = RoutedWrite(
-            _at(self._sliding_at, swa_src),
+            region_at(self._sliding_at, swa_src),
             _indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst),
             is_state=True,
         )
         return (full, part)
-
-
-def _at(offsets: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    """Descriptor indices of ``pages`` in each region starting at ``offsets``,
-    region-major."""
-    return np.add.outer(offsets, np.asarray(pages, dtype=np.int32)).ravel()
 
 
 def _indices(regions: np.ndarray, num_pages: int, pages: np.ndarray) -> np.ndarray:

@@ -4,7 +4,9 @@ every layer, and a prompt
 longer than the window lands in the decode's pages with every full layer's K/V at every
 position and every sliding layer's over the last ``window - 1`` positions (all a decode
 reads) equal to transformers', beside the first token transformers picks. The pools are
-whole afterwards and the worker drains to exit 0. At TP 2 the same (each rank computes and
+whole afterwards and the worker drains to exit 0. A windowed worker (``cache.sliding_pool
+windowed``, TP 1) sends the same from its sliding layers' own pages, which are whole
+afterwards too (no prefix cache there, so no KV events). At TP 2 the same (each rank computes and
 writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every expert), into
 one decode of TP 1). The KV events name only the model's full-attention KV-cache group, as
 vLLM 0.34 numbers the groups (gpt-oss [L0] [L2] [L1]: group 2; Gemma 3 [L0] [L2] [L3] [L1]:
@@ -54,12 +56,22 @@ def references(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unt
     return reference
 
 
-@pytest.mark.parametrize(("family", "tp_size"), [("gpt_oss", 1), ("gpt_oss", 2), ("gemma3", 2)])
+@pytest.mark.parametrize(
+    ("family", "tp_size", "sliding_pool"),
+    [
+        ("gpt_oss", 1, "full"),
+        ("gpt_oss", 1, "windowed"),
+        ("gpt_oss", 2, "full"),
+        ("gemma3", 2, "full"),
+    ],
+)
 def test_a_sliding_prompt_lands_whole_at_a_native_decode(
-    tmp_path: Path, references, family: str, tp_size: int
+    tmp_path: Path, references, family: str, tp_size: int, sliding_pool: str
 ) -> None:  # type: ignore[no-untyped-def]
     (checkpoint, out), ids = references(family), IDS
-    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}", *KV_EVENTS)
+    windowed = sliding_pool == "windowed"  # no prefix cache there, so no KV events
+    overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
+    overrides += ("cache.sliding_pool=windowed",) if windowed else KV_EVENTS
     worker = start_worker(tmp_path, checkpoint, *overrides)
     try:
         worker.child.wait_ready(120)
@@ -86,9 +98,14 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
         def pools_whole() -> bool:
             metrics = worker.http("/metrics")[1]
             used = ("prefill_worker_aux_rows_used 0.0", "prefill_worker_kv_pages_used 0.0")
+            if windowed:  # the sliding layers' own pages too
+                used += ("prefill_worker_sliding_pages_used 0.0",)
             return all(line in metrics.splitlines() for line in used)
 
         wait_until(pools_whole, 30, "every aux row and page back")
+        if windowed:
+            assert worker.child.stop() == 0, worker.log()
+            return
         full_pages = len(ids) // 4
 
         def stored_events() -> list[dict[str, object]]:

@@ -58,8 +58,11 @@ def test_a_sliding_pool_under_one_quota_is_a_problem(gpt_oss: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "why"),
     [
-        (("transfer.protocol=native",), "the native protocol's transfers do not read"),
-        (("transfer.protocol=both",), "the native protocol's transfers do not read"),
+        (
+            ("transfer.protocol=vllm", "http_api.enabled=true"),
+            "the vllm protocol's transfers do not read",
+        ),
+        (("transfer.protocol=native", "parallel.tp_size=2"), "parallel.tp_size 1"),
         (("transfer.protocol=sglang", "parallel.tp_size=2"), "parallel.tp_size 1"),
     ],
 )
@@ -75,6 +78,7 @@ def test_start_up_refuses_windowed_where_no_transfer_reads_it(
     assert why in str(refused.value)
 
 
-def test_start_up_loads_windowed_for_sglang_alone(gpt_oss: Path) -> None:
-    cfg = config(gpt_oss, "cache.sliding_pool=windowed", "transfer.protocol=sglang")
+@pytest.mark.parametrize("protocol", ["sglang", "native", "both"])
+def test_start_up_loads_windowed_for_native_and_sglang(gpt_oss: Path, protocol: str) -> None:
+    cfg = config(gpt_oss, "cache.sliding_pool=windowed", f"transfer.protocol={protocol}")
     assert windowed_refusal(cfg) is None

@@ -1,0 +1,92 @@
+"""A windowed sliding pool's pages as a push reads them (``cache.sliding_pool windowed``):
+where each of our regions' pages sit in our per-layer descriptor list (a sliding layer's
+region holds ``SlidingLayers.pool_pages`` pages, not the pool's), which of a request's
+sliding pages hold its window (``window_sources``: the one seam every protocol's route
+reads a sliding layer's window from), and ``FullPoolWindow``, the ``PageRoute`` of a decode
+whose pool holds every layer at every position (the native decode): its full layers get
+every page, its sliding layers the pages of the window a decode reads
+(``swa_window.layer_pages``, ``WINDOW``) from our sliding pages, into the decode's pages of
+the same positions. Its pages before the window are not written: a decode's sliding layer
+never reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefill_worker.transfer import wire
+from prefill_worker.transfer.push.peer import RoutedWrite
+from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
+
+
+def local_offsets(sliding: SlidingLayers, local_pages: int) -> np.ndarray:
+    """Each of our 2L regions' first index in our per-layer list (``pagemap.
+    layer_view_table``): ``local_pages`` each, or a windowed sliding pool's sliding layers
+    ``sliding.pool_pages`` (``KVRegions.layer_pages``)."""
+    counts = [
+        sliding.pool_pages if sliding.pool_pages and i in sliding.sliding else local_pages
+        for i in range(sliding.num_layers)
+    ] * 2
+    return (np.cumsum(counts) - np.asarray(counts)).astype(np.int32)
+
+
+def region_at(offsets: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``pages`` in each region starting at ``offsets``,
+    region-major."""
+    return np.add.outer(offsets, np.asarray(pages, dtype=np.int32)).ravel()
+
+
+def window_sources(sliding: np.ndarray | None, num_pages: int, kept: np.ndarray) -> np.ndarray:
+    """The sliding-pool pages holding a chunk's window pages (``kept`` of its
+    ``num_pages``), from the chunk's sliding entries (``KVSender.send_pages``'
+    ``sliding_page_ids``); ``ValueError`` when they are missing or one is not held."""
+    if sliding is None or len(sliding) != num_pages:
+        raise ValueError("a windowed sliding pool's pages were not given with the chunk")
+    pages = np.asarray(sliding)[kept]
+    if pages.size and int(pages.min()) < 0:
+        raise ValueError("a window page of the sliding pool is not held")
+    return pages
+
+
+class FullPoolWindow:
+    """``PageRoute`` of a decode holding every layer's K/V at every position (whole pages,
+    its list ``peer_pages`` per region), fed from a windowed sliding pool."""
+
+    def __init__(self, sliding: SlidingLayers, local_pages: int, peer_pages: int, page_size: int):
+        if not sliding.pool_pages:
+            raise ValueError("FullPoolWindow: a route of a windowed sliding pool only")
+        n = sliding.num_layers
+        full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
+        slide = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
+        offsets = local_offsets(sliding, local_pages)
+        self._full_at, self._sliding_at = offsets[full], offsets[slide]
+        self._full_peer, self._sliding_peer = full * peer_pages, slide * peer_pages
+        self._window_tokens, self._page_size = sliding.window_tokens, page_size
+
+    def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
+        """The prompt pages whose sliding layers the decode reads."""
+        prefix = want.num_cached_tokens
+        return layer_pages(num_prompt_tokens, self._page_size, prefix, self._window_tokens, WINDOW)
+
+    def check(self, want: wire.Want, num_prompt_tokens: int) -> str | None:
+        return None  # its pages are checked as every want's (``pagemap.check_want``)
+
+    def writes(
+        self,
+        want: wire.Want,
+        num_prompt_tokens: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        first_page: int,
+        sliding: np.ndarray | None = None,
+    ) -> Sequence[RoutedWrite]:
+        dst = np.asarray(dst, dtype=np.int32)
+        full = RoutedWrite(region_at(self._full_at, src), region_at(self._full_peer, dst), False)
+        start = self.window(want, num_prompt_tokens).start
+        kept = np.arange(first_page, first_page + len(src)) >= start
+        pages = window_sources(sliding, len(src), kept)
+        part = RoutedWrite(
+            region_at(self._sliding_at, pages), region_at(self._sliding_peer, dst[kept]), False
+        )
+        return (full, part)
