@@ -91,11 +91,8 @@ class Handoff:
         """Prompt pages ``[first_page, end)``, with their sliding entries (a windowed
         sliding pool: the window pages, held until the request ends)."""
         assert req.sender is not None
-        entries = self._table.sliding_entries(req.request_id)
-        if entries:
-            req.sender.send_pages(req.page_ids[first_page:end], first_page, entries[first_page:end])
-        else:
-            req.sender.send_pages(req.page_ids[first_page:end], first_page)
+        entries = self._table.sliding_entries(req.request_id)  # () without a windowed pool
+        req.sender.send_pages(req.page_ids[first_page:end], first_page, entries[first_page:end])
 
     def end_prefill(self, req: Request, token: SampledToken) -> None:
         """The aux row goes after the last pages; then the request is TRANSFERRING."""

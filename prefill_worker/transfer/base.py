@@ -108,10 +108,7 @@ class ForwardingSender:
     def send_pages(
         self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
     ) -> None:
-        if sliding_page_ids:  # only a windowed sliding pool's senders take them
-            self._inner.send_pages(page_ids, first_page, sliding_page_ids)
-        else:
-            self._inner.send_pages(page_ids, first_page)
+        self._inner.send_pages(page_ids, first_page, sliding_page_ids)
 
     def send_aux(self, aux_row: int) -> None:
         self._inner.send_aux(aux_row)

@@ -48,10 +48,7 @@ class DualSender:
         self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
     ) -> None:
         assert self._chosen is not None, "send_pages before READY"
-        if sliding_page_ids:  # only a windowed sliding pool's senders take them
-            self._chosen.send_pages(page_ids, first_page, sliding_page_ids)
-        else:
-            self._chosen.send_pages(page_ids, first_page)
+        self._chosen.send_pages(page_ids, first_page, sliding_page_ids)
 
     def send_aux(self, aux_row: int) -> None:
         assert self._chosen is not None, "send_aux before READY"

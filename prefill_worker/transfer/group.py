@@ -187,10 +187,7 @@ class GroupSender:
     def send_pages(
         self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
     ) -> None:
-        if sliding_page_ids:  # only a windowed sliding pool's senders take them
-            self._local.send_pages(page_ids, first_page, sliding_page_ids)
-        else:
-            self._local.send_pages(page_ids, first_page)
+        self._local.send_pages(page_ids, first_page, sliding_page_ids)
         if not self._is_bound:
             self._is_bound = True
             self._mirror_bind()

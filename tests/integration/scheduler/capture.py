@@ -19,8 +19,10 @@ class CapturingSender(FakeSender):
     kv_cache: KVCache
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
-    def send_pages(self, page_ids: Sequence[int], first_page: int) -> None:
-        super().send_pages(page_ids, first_page)
+    def send_pages(
+        self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
+    ) -> None:
+        super().send_pages(page_ids, first_page, sliding_page_ids)
         for i, page_id in enumerate(page_ids):
             k = torch.stack([layer[page_id] for layer in self.kv_cache.k]).clone()
             v = (

@@ -365,7 +365,7 @@ class Inner:
     def num_cached_tokens(self) -> int:
         return 8
 
-    def send_pages(self, page_ids, first_page) -> None:  # type: ignore[no-untyped-def]
+    def send_pages(self, page_ids, first_page, sliding_page_ids=()) -> None:  # type: ignore[no-untyped-def]
         self.calls.append(("pages", list(page_ids), first_page))
 
     def send_aux(self, aux_row: int) -> None:
