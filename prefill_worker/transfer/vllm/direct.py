@@ -25,6 +25,7 @@ from prefill_worker.kv.pins import PagePins
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.vllm.desk import PullDesk
+from prefill_worker.transfer.vllm.sender import TicketSender
 from prefill_worker.transfer.vllm.shared import GroupStaging
 from prefill_worker.transfer.vllm.staging import StagingLayout, StagingRefused, staging_layout
 
@@ -85,7 +86,7 @@ class PoolBlocks:
         self._pins.pin(page_ids)
 
 
-class DirectSender:
+class DirectSender(TicketSender):
     """A vLLM request's ``KVSender`` over a ``vllm_blocks`` pool: its pages, pinned as they are
     handed over, are the blocks its answer names::
 
@@ -99,10 +100,9 @@ class DirectSender:
     last forward."""
 
     def __init__(self, desk: PullDesk, blocks: PoolBlocks, room: int, num_tokens: int) -> None:
-        self._desk, self._blocks, self._room, self._num_tokens = desk, blocks, room, num_tokens
-        self._state = KVPoll.BOOTSTRAPPING
+        super().__init__(desk, room, num_tokens)
+        self._blocks = blocks
         self._pages: dict[int, int] = {}  # prompt page index -> pool page, pinned, until held
-        self._reason: str | None = None
 
     def poll(self) -> KVPoll:
         if self._state is KVPoll.BOOTSTRAPPING and self._desk.tickets.is_open(self._room):
@@ -138,21 +138,8 @@ class DirectSender:
         self._pages = {}
         if extra:
             self._blocks.free(extra)
-        if self._desk.hold(self._room, blocks, self._num_tokens):  # frees them if not
+        if self._hold(blocks):  # the desk frees them if not
             self._desk.counts.pool_tokens += self._num_tokens
-            self._state = KVPoll.SUCCESS
-        else:
-            self.fail("the HTTP request gave up before its KV was staged")
-
-    def fail(self, reason: str) -> None:
-        if not self._state.is_terminal:
-            self._state, self._reason = KVPoll.FAILED, reason
-
-    def failure_reason(self) -> str | None:
-        return self._reason
-
-    def why_no_handshake(self) -> str | None:
-        return None
 
     def transfer_stats(self) -> TransferStats:
         return TransferStats(0)  # nothing copied: the decode READs, or the pusher WRITEs

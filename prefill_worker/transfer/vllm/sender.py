@@ -34,14 +34,41 @@ from prefill_worker.transfer.vllm.desk import PullDesk
 from prefill_worker.transfer.vllm.staging import block_slots
 
 
-class VllmSender:
-    """KVSender over the desk's staging blocks for one room."""
+class TicketSender:
+    """What a vLLM request's senders share (``VllmSender``, ``direct.DirectSender``): the room's
+    ticket ends in its blocks held under the desk's lease (``_hold``), or in a failure."""
 
     def __init__(self, desk: PullDesk, room: int, num_prompt_tokens: int) -> None:
         self._desk, self._room, self._num_tokens = desk, room, num_prompt_tokens
         self._state = KVPoll.BOOTSTRAPPING
-        self._blocks: tuple[int, ...] | None = None  # owned until held or closed
         self._reason: str | None = None
+
+    def _hold(self, blocks: tuple[int, ...]) -> bool:
+        """Hand ``blocks`` to the desk's hold table (SUCCESS); False (FAILED) when the HTTP
+        request is gone, the desk then freeing them."""
+        if self._desk.hold(self._room, blocks, self._num_tokens):
+            self._state = KVPoll.SUCCESS
+            return True
+        self.fail("the HTTP request gave up before its KV was staged")
+        return False
+
+    def fail(self, reason: str) -> None:
+        if not self._state.is_terminal:
+            self._state, self._reason = KVPoll.FAILED, reason
+
+    def failure_reason(self) -> str | None:
+        return self._reason
+
+    def why_no_handshake(self) -> str | None:
+        return None
+
+
+class VllmSender(TicketSender):
+    """KVSender over the desk's staging blocks for one room."""
+
+    def __init__(self, desk: PullDesk, room: int, num_prompt_tokens: int) -> None:
+        super().__init__(desk, room, num_prompt_tokens)
+        self._blocks: tuple[int, ...] | None = None  # owned until held or closed
         self._written = 0
         self._mirrored: list[range] = []  # prompt positions the forward writes into the blocks
         self._mirrored_bytes = 0  # of those, in pages sent
@@ -94,20 +121,7 @@ class VllmSender:
         self._written = self._mirrored_bytes + sum(f.result() for f in self._repacks)
         blocks, self._blocks = self._blocks, None
         assert blocks is not None, "held twice"
-        if self._desk.hold(self._room, blocks, self._num_tokens):
-            self._state = KVPoll.SUCCESS
-        else:
-            self.fail("the HTTP request gave up before its KV was staged")
-
-    def fail(self, reason: str) -> None:
-        if not self._state.is_terminal:
-            self._state, self._reason = KVPoll.FAILED, reason
-
-    def failure_reason(self) -> str | None:
-        return self._reason
-
-    def why_no_handshake(self) -> str | None:
-        return None
+        self._hold(blocks)
 
     def transfer_stats(self) -> TransferStats:
         return TransferStats(self._written)  # the decode READs: no writes of ours to count
