@@ -1,6 +1,7 @@
 """``cache.sliding_pool``: check-config's arithmetic of a windowed sliding pool (its pages, its
 bytes, the pool left with the full layers), its problems, and start-up's refusal (exit 78)
-where no transfer reads the sliding page space (every protocol but sglang, TP > 1)."""
+where no transfer reads the sliding page space (vLLM; TP > 1 over any protocol but native;
+DP > 1)."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def test_a_sliding_pool_under_one_quota_is_a_problem(gpt_oss: Path) -> None:
             ("transfer.protocol=vllm", "http_api.enabled=true"),
             "the vllm protocol's transfers do not read",
         ),
-        (("transfer.protocol=native", "parallel.tp_size=2"), "parallel.tp_size 1"),
-        (("transfer.protocol=sglang", "parallel.tp_size=2"), "parallel.tp_size 1"),
+        (("transfer.protocol=sglang", "parallel.tp_size=2"), "tp_size 2: served over native"),
+        (("transfer.protocol=native", "parallel.dp_size=2"), "parallel.dp_size 1 only"),
     ],
 )
 def test_start_up_refuses_windowed_where_no_transfer_reads_it(
@@ -78,7 +79,16 @@ def test_start_up_refuses_windowed_where_no_transfer_reads_it(
     assert why in str(refused.value)
 
 
-@pytest.mark.parametrize("protocol", ["sglang", "native", "both"])
-def test_start_up_loads_windowed_for_native_and_sglang(gpt_oss: Path, protocol: str) -> None:
-    cfg = config(gpt_oss, "cache.sliding_pool=windowed", f"transfer.protocol={protocol}")
+@pytest.mark.parametrize(
+    ("protocol", "tp_size"), [("sglang", 1), ("native", 1), ("both", 1), ("native", 2)]
+)
+def test_start_up_loads_windowed_for_native_and_sglang(
+    gpt_oss: Path, protocol: str, tp_size: int
+) -> None:
+    cfg = config(
+        gpt_oss,
+        "cache.sliding_pool=windowed",
+        f"transfer.protocol={protocol}",
+        f"parallel.tp_size={tp_size}",
+    )
     assert windowed_refusal(cfg) is None
