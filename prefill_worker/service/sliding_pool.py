@@ -17,9 +17,10 @@ SERVED_PROTOCOLS = ("native", "sglang")  # read the sliding layers' own page spa
 
 def windowed_refusal(config: Config) -> str | None:
     """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. The
-    native protocol (decodes of any TP size, from a worker of any TP size) and SGLang's (its
-    decodes with a hybrid SWA pool, at worker TP 1) read the sliding layers' own page space;
-    vLLM 0.34's sliding group does not yet (docs/models.md, 'The sliding-window pool')."""
+    native protocol (decodes of any TP size, from a worker of any TP or DP size) and SGLang's
+    (its decodes with a hybrid SWA pool, at worker TP 1, DP 1) read the sliding layers' own
+    page space; vLLM 0.34's sliding group does not yet (docs/models.md, 'The sliding-window
+    pool')."""
     if config.cache.sliding_pool != WINDOWED:
         return None
     others = [p for p in config.transfer.protocols if p not in SERVED_PROTOCOLS]
@@ -31,16 +32,12 @@ def windowed_refusal(config: Config) -> str | None:
             "use sliding_pool full (docs/models.md, 'The sliding-window pool')"
         )
     parallel = config.parallel
-    if parallel.dp_size > 1:
+    is_parallel = parallel.tp_size > 1 or parallel.dp_size > 1
+    if is_parallel and list(config.transfer.protocols) != ["native"]:
         return (
-            "cache.sliding_pool windowed: served at parallel.dp_size 1 only (a DP rank's "
-            "sliding pages are not proven to reach its decodes yet); use sliding_pool full"
-        )
-    if parallel.tp_size > 1 and list(config.transfer.protocols) != ["native"]:
-        return (
-            f"cache.sliding_pool windowed at parallel.tp_size {parallel.tp_size}: served over "
-            "native alone (a TP group's ranks send their sliding pages to native decodes "
-            "only); use sliding_pool full"
+            f"cache.sliding_pool windowed at parallel.tp_size {parallel.tp_size}, dp_size "
+            f"{parallel.dp_size}: served over native alone (a TP group's ranks, or DP ranks, "
+            "send their sliding pages to native decodes only); use sliding_pool full"
         )
     return None
 

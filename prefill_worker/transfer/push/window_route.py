@@ -84,7 +84,7 @@ def chunk_writes(
     last ones: ``pagemap.map_pages``)."""
     page_ids, first_page, sliding_page_ids = chunk
     skipped = len(page_ids) - len(src)
-    sliding = np.asarray(sliding_page_ids[skipped:], np.int64) if sliding_page_ids else None
+    sliding = np.asarray(sliding_page_ids[skipped:])  # none given: window_sources says so
     return route.writes(want, num_prompt_tokens, src, dst, first_page + skipped, sliding)
 
 
@@ -130,7 +130,7 @@ class FullPoolWindow:
         first_page: int,
         sliding: np.ndarray | None = None,
     ) -> Sequence[RoutedWrite]:
-        dst, runs = np.asarray(dst, dtype=np.int32), self._runs
+        dst, runs = np.asarray(dst), self._runs  # region_at makes the indices int32
         full = RoutedWrite(
             token_runs(region_at(self._full_at, src), runs),
             token_runs(region_at(self._full_peer, dst), runs),

@@ -16,6 +16,7 @@ page is no reusable prefix."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from prefill_worker.ingress.client import BlockingRouterClient
 from prefill_worker.model.parallel import gather_kv_heads
 from prefill_worker.request import OutcomeStatus
 from prefill_worker.transfer import KVReceiver, RoomState, describe_worker
+from prefill_worker.transfer.decode.ranks import rank_bootstrap
 from tests.checkpoints import hf_model, make_checkpoint, prompt
 from tests.integration.daemon.conftest import Decode, decode_pool, start_worker, wait_until
 from tests.integration.daemon.test_hybrid_daemon import published_events
@@ -135,6 +137,44 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
         assert worker.child.stop() == 0, worker.log()
     finally:
         worker.child.kill()
+
+
+def test_each_dp_rank_sends_its_own_windowed_pool(tmp_path: Path, references) -> None:  # type: ignore[no-untyped-def]
+    """Attention DP 2, windowed: each DP rank (a whole TP-1 worker) holds its own sliding
+    pool and sends its rooms' window from it to a native decode on its bootstrap."""
+    checkpoint, out = references("gpt_oss")
+    overrides = ("cache.num_pages=32", "parallel.dp_size=2", "cache.sliding_pool=windowed")
+    worker = start_worker(tmp_path, checkpoint, *overrides)
+    try:
+        worker.child.wait_ready(120)
+        endpoints = json.loads(worker.http("/readyz")[1])
+        router = BlockingRouterClient(worker.ingress)
+        for room in (4400, 4401):  # rank 0's, rank 1's
+            decode = Decode(rank_bootstrap(endpoints, room))
+            try:
+                decode.want(room, len(IDS))
+                with ThreadPoolExecutor(1) as pool:
+                    sent = pool.submit(router.prefill, IDS, room, timeout_s=60)
+                    status = decode.wait([room])[room]
+                    result = sent.result(60)
+                assert result.status is OutcomeStatus.OK, result
+                assert status.state is RoomState.DONE, status
+                assert_landed(out, lambda layer: decode.kv(room, len(IDS), layer))  # noqa: B023
+            finally:
+                decode.close()
+        router.close()
+
+        def pools_whole() -> bool:
+            lines = worker.http("/metrics")[1].splitlines()
+            return all(f"prefill_worker_{name}_used 0.0" in lines for name in POOLS)
+
+        wait_until(pools_whole, 30, "every rank's aux rows, pages and sliding pages back")
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()
+
+
+POOLS = ("aux_rows", "kv_pages", "sliding_pages")
 
 
 def assert_landed(out, kv) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,7 @@
 """``cache.sliding_pool``: check-config's arithmetic of a windowed sliding pool (its pages, its
 bytes, the pool left with the full layers), its problems, and start-up's refusal (exit 78)
-where no transfer reads the sliding page space (vLLM; TP > 1 over any protocol but native;
-DP > 1)."""
+where no transfer reads the sliding page space (vLLM; TP or DP > 1 over any protocol but
+native)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def test_a_sliding_pool_under_one_quota_is_a_problem(gpt_oss: Path) -> None:
             ("transfer.protocol=vllm", "http_api.enabled=true"),
             "the vllm protocol's transfers do not read",
         ),
-        (("transfer.protocol=sglang", "parallel.tp_size=2"), "tp_size 2: served over native"),
-        (("transfer.protocol=native", "parallel.dp_size=2"), "parallel.dp_size 1 only"),
+        (("transfer.protocol=sglang", "parallel.tp_size=2"), "tp_size 2, dp_size 1: served"),
+        (("transfer.protocol=sglang", "parallel.dp_size=2"), "tp_size 1, dp_size 2: served"),
     ],
 )
 def test_start_up_refuses_windowed_where_no_transfer_reads_it(
@@ -80,15 +80,17 @@ def test_start_up_refuses_windowed_where_no_transfer_reads_it(
 
 
 @pytest.mark.parametrize(
-    ("protocol", "tp_size"), [("sglang", 1), ("native", 1), ("both", 1), ("native", 2)]
+    "overrides",
+    [
+        ("transfer.protocol=sglang",),
+        ("transfer.protocol=native",),
+        ("transfer.protocol=both",),
+        ("transfer.protocol=native", "parallel.tp_size=2"),
+        ("transfer.protocol=native", "parallel.dp_size=2"),
+    ],
 )
 def test_start_up_loads_windowed_for_native_and_sglang(
-    gpt_oss: Path, protocol: str, tp_size: int
+    gpt_oss: Path, overrides: tuple[str, ...]
 ) -> None:
-    cfg = config(
-        gpt_oss,
-        "cache.sliding_pool=windowed",
-        f"transfer.protocol={protocol}",
-        f"parallel.tp_size={tp_size}",
-    )
+    cfg = config(gpt_oss, "cache.sliding_pool=windowed", *overrides)
     assert windowed_refusal(cfg) is None

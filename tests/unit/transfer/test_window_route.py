@@ -28,6 +28,9 @@ from prefill_worker.transfer.validate import BootstrapLimits
 from tests.unit.transfer.test_native_desk_tp import DESCRIBED, OUR_REGIONS, OURS, Desk
 from tests.unit.transfer.test_native_draft import theirs
 
+GIVEN = r"^a windowed sliding pool's pages were not given with the chunk$"
+HELD = r"^a window page of the sliding pool is not held$"
+ONLY = r"^FullPoolWindow: a route of a windowed sliding pool only$"
 # layers 0 and 2 slide (their own 5 pages), layer 1 is full (8 pages); a decode keeps 7
 LAYERS = SlidingLayers((0, 2), 3, 7, pool_pages=5)
 
@@ -52,9 +55,9 @@ def test_full_layers_send_every_page_and_sliding_layers_their_window() -> None:
     assert full.remote.tolist() == [15, 16, 17, 18, 19, 45, 46, 47, 48, 49]
     assert part.local.tolist() == [2, 0, 15, 13, 20, 18, 33, 31]  # K0 K2 V0 V2, sliding pages
     assert part.remote.tolist() == [8, 9, 28, 29, 38, 39, 58, 59]  # the decode's pages 3, 4
-    assert not full.is_state and not part.is_state and route.check(want(), 20) is None
+    assert full.is_state is False and part.is_state is False and route.check(want(), 20) is None
     assert {str(a.dtype) for a in (full.local, full.remote, part.local, part.remote)} == {"int32"}
-    with pytest.raises(ValueError, match="windowed sliding pool only"):
+    with pytest.raises(ValueError, match=ONLY):
         FullPoolWindow(dataclasses.replace(LAYERS, pool_pages=0), 8, 10, 4)
 
 
@@ -68,7 +71,7 @@ def test_a_later_chunk_and_a_prefix_move_the_window() -> None:
 
 @pytest.mark.parametrize(
     ("sliding", "why"),
-    [(None, "were not given"), (np.array([0]), "were not given"), (np.array([-1, 1]), "not held")],
+    [(None, GIVEN), (np.array([0]), GIVEN), (np.array([-1, 1]), HELD)],
 )
 def test_a_window_page_missing_from_the_sliding_pool_is_an_error(
     sliding: np.ndarray | None, why: str
@@ -110,7 +113,7 @@ def test_a_chunks_writes_skip_the_pages_the_decode_holds() -> None:
     assert full.local.tolist() == [9, 10, 27, 28] and full.remote.tolist() == [10, 11, 40, 41]
     assert part.local.tolist() == [1, 3, 14, 16, 19, 21, 32, 34]  # pages 4, 5: sliding 1, 3
     assert part.remote.tolist() == [0, 1, 20, 21, 30, 31, 50, 51]
-    with pytest.raises(ValueError, match="were not given"):
+    with pytest.raises(ValueError, match=GIVEN):
         chunk_writes(route, want(16), 24, (chunk[0], 2, []), np.array([4, 5]), np.array([0, 1]))
 
 
@@ -153,12 +156,33 @@ def test_the_desk_routes_decodes_of_any_tp_and_refuses_a_draft_pool() -> None:
     msg = wire.Register.of("drafty", metadata, regions, layout.compat_hash(), draft=theirs())
     d.desk.dispatch(b"drafty", msg)
     reply = d.server.sent[-1][1]
-    assert not reply.is_ok and reply.reason.startswith("a decode with a draft pool"), reply
-    assert "sliding_pool windowed" in reply.reason and b"drafty" not in d.hub.peers
+    assert not reply.is_ok and reply.reason == DRAFT_REFUSED, reply
+    assert b"drafty" not in d.hub.peers
     assert d.hub.counter.counts == {"unsupported": 1}
     assert "drafty" not in d.agent.added  # refused before NIXL saw it
+
+
+DRAFT_REFUSED = (
+    "a decode with a draft pool: this worker keeps its sliding layers' window only "
+    "(cache.sliding_pool windowed) and sends it to decodes without a draft; start the worker "
+    "with sliding_pool full"
+)
 
 
 def test_a_desk_without_a_windowed_pool_routes_nothing() -> None:
     d = Desk()
     assert d.register(b"tp1", 4).is_ok and d.hub.peers[b"tp1"].route is None
+
+
+def test_a_sliding_model_in_the_full_pool_takes_a_draft_decode() -> None:
+    d = Desk()
+    layers = SlidingLayers((0,), 2, 7)  # pool_pages 0: the sliding layers share the pool
+    args = (d.hub, d.server, d.agent, OURS, BootstrapLimits(), DESCRIBED)
+    d.desk = BootstrapDesk(*args, regions=OUR_REGIONS, sliding=layers)  # type: ignore[arg-type]
+    layout = dataclasses.replace(OURS, num_pages=32)
+    regions = KVRegions(layout, (1 << 30, 2 << 30), (3 << 30, 4 << 30), "cpu", 5 << 30, 4)
+    msg = wire.Register.of("drafty", wire.frame_metadata(b"drafty"), regions,
+                           layout.compat_hash(), draft=theirs())  # fmt: skip
+    d.desk.dispatch(b"drafty", msg)
+    assert d.server.sent[-1][1].is_ok  # a worker without a draft writes the target's alone
+    assert d.hub.peers[b"drafty"].route is None and d.hub.counter.counts == {}
