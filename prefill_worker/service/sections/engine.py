@@ -124,8 +124,8 @@ class CacheConfig(Section):
         "`windowed` gives them their own page space holding only the window each still needs "
         "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
         "cache). Served over `transfer.protocol` native (decodes of any TP size, from any "
-        "`parallel.tp_size`) and, at TP 1, sglang (decodes with hybrid SWA memory, "
-        "gpt-oss); the worker refuses `windowed` at start "
+        "`parallel.tp_size` or `dp_size`) and, at TP 1 and DP 1, sglang (decodes with "
+        "hybrid SWA memory, gpt-oss); the worker refuses `windowed` at start "
         "for vllm; `check-config` shows its arithmetic (docs/models.md, 'The sliding-window "
         "pool').",
     )

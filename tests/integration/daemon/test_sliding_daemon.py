@@ -10,6 +10,7 @@ to one of TP 2 (two ``KVReceiver`` ranks, a KV head each). At TP 2 the same (eac
 computes and writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every
 expert), into one decode of TP 1: token runs of its head; windowed, into a decode of TP 2
 too: whole pages of its head, each rank's sliding pages the leader's, which the step names).
+At attention DP 2, windowed, each DP rank sends its rooms from its own sliding pool.
 The KV events name only the model's full-attention KV-cache group, as vLLM 0.34 numbers the
 groups (gpt-oss [L0] [L2] [L1]: group 2; Gemma 3 [L0] [L2] [L3] [L1]: group 3): a sliding
 page is no reusable prefix."""
