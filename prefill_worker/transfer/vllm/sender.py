@@ -115,6 +115,8 @@ class VllmSender(TicketSender):
 
     def send_aux(self, aux_row: int) -> None:
         assert self._blocks is not None, "send_aux before READY"
+        if self._state.is_terminal:  # failed staging a chunk: its blocks wait for close
+            return
         self._repacks.extend(self._desk.stage_state(aux_row, self._blocks))  # slot = aux row
         self._state, self._is_aux_sent = KVPoll.TRANSFERRING, True
         self._try_hold()

@@ -180,6 +180,7 @@ def test_a_missing_window_page_fails_the_room_and_frees_its_blocks() -> None:
     assert "not held" in (sender.failure_reason() or "")
     assert desk.counts.repacks == 0  # nothing queued
     sender.send_pages(pages, 0, entries)  # a later chunk of a failed room: ignored
-    assert sender.poll() is KVPoll.FAILED
+    sender.send_aux(0)  # and its last step: it stays failed, nothing held
+    assert sender.poll() is KVPoll.FAILED and desk.tickets.take(2) is None
     sender.close()
     assert desk.staging.num_free == BLOCKS
