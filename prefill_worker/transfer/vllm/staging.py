@@ -179,7 +179,8 @@ class PoolViews:
         if self.sliding:
             self.kv = None
             for layers in (self.full, self.sliding):
-                self.runs[layers] = _uniform_view(regions, layers, pages[layers[0]])
+                if layers:
+                    self.runs[layers] = _uniform_view(regions, layers, pages[layers[0]])
         else:
             self.kv = _uniform_view(regions, range(lay.num_layers), lay.num_pages)
 

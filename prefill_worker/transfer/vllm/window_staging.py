@@ -86,7 +86,9 @@ def check_window(
     kept = _overlap(tokens, window.kept(num_tokens))
     ps = window.page_size
     pages = np.arange(first_page, first_page + num_pages)
-    wanted = (pages >= kept.start // ps) & (pages < -(-kept.stop // ps)) & (len(kept) > 0)
+    wanted = (pages >= kept.start // ps) & (pages < -(-kept.stop // ps))
+    if not kept or not wanted.any():
+        return  # no window position in these pages: no sliding page read
     given = np.asarray(sliding_page_ids, dtype=np.int64) if len(sliding_page_ids) else None
     window_sources(given, num_pages, wanted)
 

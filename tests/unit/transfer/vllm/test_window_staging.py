@@ -132,8 +132,9 @@ def test_a_window_page_not_given_or_not_held_is_refused() -> None:
         check_window(window, [*entries[:8], -1, *entries[9:]], len(pages), 0, tokens, n)
     with pytest.raises(ValueError, match="were not given"):
         check_window(window, (), len(pages), 0, tokens, n)
-    early = [-1] * 7  # pages before the window: no sliding page needed
+    early = [-1] * 7  # pages before the window: no sliding page needed, nor any given
     check_window(window, early, 7, 0, range(0, 28), n)
+    check_window(window, (), 7, 0, range(0, 28), n)
 
 
 def _desk(pool: Windowed) -> PullDesk:
