@@ -10,7 +10,6 @@ from prefill_worker.kv.sliding import max_pages_per_request
 from prefill_worker.model.hf_config import read_spec
 from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
-from prefill_worker.transfer.vllm.profiles import PROFILES
 
 WINDOWED = "windowed"
 SERVED_PROTOCOLS = ("native", "sglang", "vllm")  # read the sliding layers' own page space
@@ -45,17 +44,11 @@ def windowed_refusal(config: Config) -> str | None:
 def vllm_refusal(config: Config) -> str | None:
     """Why a windowed pool cannot serve this config's vLLM decodes, or None: served from a
     ``layer_major`` pool (its staging region, ``transfer/vllm/window_staging.py``) at worker TP
-    1, when every version listed has KV-cache groups (0.34). Push mode and a request naming
-    another version are refused per request, as from a full pool (``Tickets.why_refused``)."""
-    cfg, why = config.transfer, None
-    groupless = [v for v in cfg.vllm_versions if not PROFILES[v].serves_kv_groups]
+    1. A request in push mode, or naming a version without KV-cache groups (0.33), is
+    refused per request, as from a full pool (``Tickets.why_refused``)."""
+    why = None
     if config.cache.layout != "layer_major":
         why = f"cache.layout {config.cache.layout}: vLLM decodes are staged from a layer_major pool"
-    elif groupless:
-        why = (
-            f"transfer.vllm_versions {', '.join(groupless)}: no KV-cache groups, so no sliding "
-            "group to hold a window; list 0.34.0 only"
-        )
     elif config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
         why = "vLLM decodes are staged from it at parallel.tp_size 1 and dp_size 1 only"
     return None if why is None else f"cache.sliding_pool windowed: {why}; or use sliding_pool full"

@@ -125,7 +125,7 @@ class CacheConfig(Section):
         "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
         "cache). Served at TP 1 over `transfer.protocol` native (decodes of TP 1), sglang "
         "(decodes with hybrid SWA memory, gpt-oss) and vllm (0.34 pull decodes; a "
-        '`layer_major` pool and `transfer.vllm_versions` ["0.34.0"]); `check-config` shows '
+        "`layer_major` pool); `check-config` shows "
         "its arithmetic (docs/models.md, 'The sliding-window pool').",
     )
     sliding_pages: int | None = Field(
