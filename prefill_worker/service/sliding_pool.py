@@ -12,17 +12,20 @@ from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
 
 WINDOWED = "windowed"
-SERVED_PROTOCOLS = ("native", "sglang")  # read the sliding layers' own page space
+SERVED_PROTOCOLS = ("native", "sglang", "vllm")  # read the sliding layers' own page space
 
 
 def windowed_refusal(config: Config) -> str | None:
     """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. The
-    native protocol (decodes of any TP size, from a worker of any TP or DP size) and SGLang's
-    (its decodes with a hybrid SWA pool, at worker TP 1, DP 1) read the sliding layers' own
-    page space; vLLM 0.34's sliding group does not yet (docs/models.md, 'The sliding-window
-    pool')."""
+    native protocol (decodes of any TP size, from a worker of any TP or DP size), SGLang's
+    (its decodes with a hybrid SWA pool) and vLLM 0.34's pulls (its sliding KV-cache groups,
+    ``vllm_refusal``), these two at worker TP 1 and DP 1, read the sliding layers' own page
+    space (docs/models.md, 'The sliding-window pool')."""
     if config.cache.sliding_pool != WINDOWED:
         return None
+    vllm = vllm_refusal(config) if "vllm" in config.transfer.protocols else None
+    if vllm is not None:
+        return vllm
     others = [p for p in config.transfer.protocols if p not in SERVED_PROTOCOLS]
     if others:
         return (
@@ -40,6 +43,19 @@ def windowed_refusal(config: Config) -> str | None:
             "send their sliding pages to native decodes only); use sliding_pool full"
         )
     return None
+
+
+def vllm_refusal(config: Config) -> str | None:
+    """Why a windowed pool cannot serve this config's vLLM decodes, or None: served from a
+    ``layer_major`` pool (its staging region, ``transfer/vllm/window_staging.py``) at worker TP
+    1. A request in push mode, or naming a version without KV-cache groups (0.33), is
+    refused per request, as from a full pool (``Tickets.why_refused``)."""
+    why = None
+    if config.cache.layout != "layer_major":
+        why = f"cache.layout {config.cache.layout}: vLLM decodes are staged from a layer_major pool"
+    elif config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
+        why = "vLLM decodes are staged from it at parallel.tp_size 1 and dp_size 1 only"
+    return None if why is None else f"cache.sliding_pool windowed: {why}; or use sliding_pool full"
 
 
 def windowed_pages(config: Config) -> int:

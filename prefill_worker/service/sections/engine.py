@@ -125,9 +125,8 @@ class CacheConfig(Section):
         "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
         "cache). Served over `transfer.protocol` native (decodes of any TP size, from any "
         "`parallel.tp_size` or `dp_size`) and, at TP 1 and DP 1, sglang (decodes with "
-        "hybrid SWA memory, gpt-oss); the worker refuses `windowed` at start "
-        "for vllm; `check-config` shows its arithmetic (docs/models.md, 'The sliding-window "
-        "pool').",
+        "hybrid SWA memory, gpt-oss) and vllm (0.34 pull decodes; a `layer_major` pool); "
+        "`check-config` shows its arithmetic (docs/models.md, 'The sliding-window pool').",
     )
     sliding_pages: int | None = Field(
         None,
