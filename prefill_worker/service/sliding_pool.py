@@ -17,9 +17,10 @@ SERVED_PROTOCOLS = ("native", "sglang", "vllm")  # read the sliding layers' own 
 
 def windowed_refusal(config: Config) -> str | None:
     """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. The
-    native protocol (decodes of TP 1), SGLang's (its decodes with a hybrid SWA pool) and
-    vLLM 0.34's pulls (its sliding KV-cache groups, ``vllm_refusal``) read the sliding
-    layers' own page space, at worker TP 1 (docs/models.md, 'The sliding-window pool')."""
+    native protocol (decodes of any TP size, from a worker of any TP or DP size), SGLang's
+    (its decodes with a hybrid SWA pool) and vLLM 0.34's pulls (its sliding KV-cache groups,
+    ``vllm_refusal``), these two at worker TP 1 and DP 1, read the sliding layers' own page
+    space (docs/models.md, 'The sliding-window pool')."""
     if config.cache.sliding_pool != WINDOWED:
         return None
     vllm = vllm_refusal(config) if "vllm" in config.transfer.protocols else None
@@ -33,10 +34,13 @@ def windowed_refusal(config: Config) -> str | None:
             "windowed worker would send its decodes the wrong pages; "
             "use sliding_pool full (docs/models.md, 'The sliding-window pool')"
         )
-    if config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
+    parallel = config.parallel
+    is_parallel = parallel.tp_size > 1 or parallel.dp_size > 1
+    if is_parallel and list(config.transfer.protocols) != ["native"]:
         return (
-            "cache.sliding_pool windowed: served at parallel.tp_size 1 and dp_size 1 only "
-            "(a TP group's ranks do not send their sliding pages yet); use sliding_pool full"
+            f"cache.sliding_pool windowed at parallel.tp_size {parallel.tp_size}, dp_size "
+            f"{parallel.dp_size}: served over native alone (a TP group's ranks, or DP ranks, "
+            "send their sliding pages to native decodes only); use sliding_pool full"
         )
     return None
 

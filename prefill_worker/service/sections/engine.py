@@ -123,10 +123,10 @@ class CacheConfig(Section):
         "their K/V for every position in the one pool (what every decode can take); "
         "`windowed` gives them their own page space holding only the window each still needs "
         "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
-        "cache). Served at TP 1 over `transfer.protocol` native (decodes of TP 1), sglang "
-        "(decodes with hybrid SWA memory, gpt-oss) and vllm (0.34 pull decodes; a "
-        "`layer_major` pool); `check-config` shows "
-        "its arithmetic (docs/models.md, 'The sliding-window pool').",
+        "cache). Served over `transfer.protocol` native (decodes of any TP size, from any "
+        "`parallel.tp_size` or `dp_size`) and, at TP 1 and DP 1, sglang (decodes with "
+        "hybrid SWA memory, gpt-oss) and vllm (0.34 pull decodes; a `layer_major` pool); "
+        "`check-config` shows its arithmetic (docs/models.md, 'The sliding-window pool').",
     )
     sliding_pages: int | None = Field(
         None,

@@ -28,7 +28,12 @@ call, which the follower reports to the leader in its step answer, ``tp/channel.
 group's ``prefill_worker_transfer_bytes_total`` and this rank's
 ``prefill_worker_tp_write_bytes_total``). A rank writes nothing for a room whose decode ranks
 the head plan gives to other ranks (an MLA latent into a decode of TP 1: rank 0 alone).
-Torch-free; importing it imports NIXL.
+
+A windowed sliding pool (``cache.sliding_pool``; ``sliding``) is written as the leader's
+push writes it (``push.window_route.FullPoolWindow``, whole pages or this rank's head slice
+in token runs): full layers whole, each sliding layer's window from the room's sliding
+pages, which the ``pages`` op carries (every rank holds the same sliding pages: the step's
+plan names them). Torch-free; importing it imports NIXL.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVRegions
@@ -50,6 +56,8 @@ from prefill_worker.transfer.draft import pool_into, with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
 from prefill_worker.transfer.pagemap import map_pages
+from prefill_worker.transfer.push.window_route import FullPoolWindow, chunk_writes, full_pool_route
+from prefill_worker.transfer.swa_window import SlidingLayers
 
 log = logging.getLogger(__name__)
 _WRITE_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, *NIXL_ERRORS)
@@ -64,13 +72,14 @@ class _DecodeRank:
     agent_name: str
     writer: RankWriter
     name: str | None
+    route: FullPoolWindow | None = None  # a windowed sliding pool's pages into its pool
 
 
 class RankSender:
     """One room on this rank (the module docstring's states)."""
 
-    def __init__(self, backend: RankBackend, room: int) -> None:
-        self._backend, self.room = backend, room
+    def __init__(self, backend: RankBackend, room: int, num_prompt_tokens: int = 0) -> None:
+        self._backend, self.room, self._num_prompt_tokens = backend, room, num_prompt_tokens
         self._state = KVPoll.READY
         self._reason: str | None = None
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
@@ -114,12 +123,31 @@ class RankSender:
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
                 if len(src):
-                    handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
-                    self._backend.count_posted(rank.writer)
-                    self._handles.append((handle, self._backend.clock(), num_bytes, rank.writer))
-                    self._num_writes += 1
+                    self._post(rank, want, src, dst, (page_ids, first_page, sliding_page_ids))
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
+
+    def _post(
+        self,
+        rank: _DecodeRank,
+        want: wire.Want,
+        src: np.ndarray,
+        dst: np.ndarray,
+        chunk: tuple[Sequence[int], int, Sequence[int]],
+    ) -> None:
+        """One WRITE of this rank's slice of ``src`` into ``dst``: every region, or where the
+        decode rank's route sends each (``ValueError`` for a window page not given)."""
+        assert rank.name is not None
+        if rank.route is None:
+            handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
+        else:
+            parts = chunk_writes(rank.route, want, self._num_prompt_tokens, chunk, src, dst)
+            local = np.concatenate([part.local for part in parts])
+            remote = np.concatenate([part.remote for part in parts])
+            handle, num_bytes = rank.writer.post_indices(rank.name, local, remote, b"")
+        self._backend.count_posted(rank.writer)
+        self._handles.append((handle, self._backend.clock(), num_bytes, rank.writer))
+        self._num_writes += 1
 
     def send_aux(self, aux_row: int) -> None:
         self._is_last = True
@@ -201,11 +229,15 @@ class RankBackend:
         write_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         draft: KVRegions | None = None,
+        sliding: SlidingLayers | None = None,
     ) -> None:
         """``draft``: this rank's draft pool (``model.draft``), written with the target's
         pages into a decode rank that registered a draft pool (its layers after the
-        target's, ``transfer.draft.with_draft_layers``); any other gets the target's."""
+        target's, ``transfer.draft.with_draft_layers``); any other gets the target's.
+        ``sliding``: a windowed sliding pool's layers (``pool_pages`` > 0; the module
+        docstring), None or 0 without one."""
         self.agent, self.place, self._regions, self._draft = agent, place, regions, draft
+        self._sliding = sliding
         both = regions if draft is None else with_draft_layers(regions, draft)
         self.write_timeout_s, self.clock = write_timeout_s, clock
         self.page_size = regions.layout.page_size
@@ -242,7 +274,22 @@ class RankBackend:
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
             return
-        self._ranks[msg.agent_name] = _DecodeRank(msg.agent_name, writer, name)
+        self._ranks[msg.agent_name] = _DecodeRank(
+            msg.agent_name, writer, name, self._route(writer, theirs, dst_rank, dst_tp)
+        )
+
+    def _route(
+        self, writer: RankWriter, theirs: KVRegions, dst_rank: int, dst_tp: int
+    ) -> FullPoolWindow | None:
+        """A windowed sliding pool's route into the decode rank (None: no windowed pool, or
+        this rank feeds it nothing)."""
+        head_slice = writer.slice_for(dst_rank, dst_tp)
+        if head_slice is None:
+            return None
+        ours, is_whole = self._regions.layout, head_slice.is_whole_page
+        return full_pool_route(
+            self._sliding, ours.num_pages, theirs.layout.num_pages, self.page_size, is_whole
+        )
 
     def _decode_pool(self, msg: wire.Register) -> KVRegions:
         """The decode rank's pool as this rank writes it: with its draft pool's layers after
@@ -275,7 +322,7 @@ class RankBackend:
         allowed_peer: str | None = None,
         traceparent: str | None = None,
     ) -> RankSender:
-        return RankSender(self, room)
+        return RankSender(self, room, num_prompt_tokens)
 
     def count_posted(self, writer: RankWriter) -> None:
         """A write through ``writer`` was posted: it may land until released or over."""

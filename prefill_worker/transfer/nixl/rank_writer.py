@@ -117,6 +117,14 @@ class RankWriter:
         is_whole = peer.head_slice.is_whole_page
         local_idx = write_indices(src_pages, self._regions.layout, is_whole)
         remote_idx = write_indices(dst_pages, peer.regions.layout, is_whole)
+        return self.post_indices(name, local_idx, remote_idx, notif)
+
+    def post_indices(
+        self, name: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes
+    ) -> tuple[Any, int]:
+        """``post`` of descriptor indices given (a route's: ``push.window_route``, whose
+        ``runs`` are 1 for a whole-page slice, else ``page_size``)."""
+        peer = self._peers[name]
         handle = self._agent.make_prepped_xfer(
             "WRITE", peer.local, local_idx, peer.remote, remote_idx, notif
         )

@@ -416,12 +416,18 @@ class PushSender(Generic[P]):
         first_page: int,
         sliding: np.ndarray | None,
     ) -> None:
-        """Each part of the pages where the peer's route sends it (whole pages)."""
+        """Each part of the pages where the peer's route sends it: whole pages, or the
+        token runs of its head slice (the route's indices then address those lists)."""
         assert peer.route is not None
         try:
             parts = peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page, sliding)
         except ValueError as exc:
             return self.fail(str(exc))
+        pages, head_slice = self._ctx.pages, peer.head_slice
+        local_list, desc_bytes = pages.local, pages.region_bytes
+        if head_slice is not None:
+            local_list = pages.sliced[(head_slice.src_head_offset, head_slice.num_heads)]
+            desc_bytes = head_slice.num_heads * pages.head_bytes
         for part in parts:
             if not len(part.local):
                 continue
@@ -430,9 +436,9 @@ class PushSender(Generic[P]):
                 remote_list = peer.state.prepped
             else:
                 remote_list = peer.lists.kv
-            num_bytes = len(part.local) * self._ctx.pages.region_bytes
+            num_bytes = len(part.local) * desc_bytes
             write = self._ctx.poster.post(
-                self._ctx.pages.local, part.local, remote_list, part.remote, b"", num_bytes
+                local_list, part.local, remote_list, part.remote, b"", num_bytes
             )
             self._writes.add(write, self._ctx.clock())
 
