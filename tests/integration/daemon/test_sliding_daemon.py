@@ -6,7 +6,8 @@ position and every sliding layer's over the last ``window - 1`` positions (all a
 reads) equal to transformers', beside the first token transformers picks. The pools are
 whole afterwards and the worker drains to exit 0. A windowed worker (``cache.sliding_pool
 windowed``, TP 1) sends the same from its sliding layers' own pages, which are whole
-afterwards too (no prefix cache there, so no KV events). At TP 2 the same (each rank computes and
+afterwards too (held by no request: the prefix cache keeps the prompt's last window, which the
+metric does not count; run without KV events). At TP 2 the same (each rank computes and
 writes its KV head, with its 3 query heads (gpt-oss: their sinks, half of every expert), into
 one decode of TP 1). The KV events name only the model's full-attention KV-cache group, as
 vLLM 0.34 numbers the groups (gpt-oss [L0] [L2] [L1]: group 2; Gemma 3 [L0] [L2] [L3] [L1]:
@@ -69,7 +70,7 @@ def test_a_sliding_prompt_lands_whole_at_a_native_decode(
     tmp_path: Path, references, family: str, tp_size: int, sliding_pool: str
 ) -> None:  # type: ignore[no-untyped-def]
     (checkpoint, out), ids = references(family), IDS
-    windowed = sliding_pool == "windowed"  # no prefix cache there, so no KV events
+    windowed = sliding_pool == "windowed"  # run without KV events
     overrides = ("cache.num_pages=32", f"parallel.tp_size={tp_size}")
     overrides += ("cache.sliding_pool=windowed",) if windowed else KV_EVENTS
     worker = start_worker(tmp_path, checkpoint, *overrides)

@@ -33,10 +33,10 @@ def test_a_chunked_prompt_keeps_only_its_window_after_each_chunk() -> None:
     table.pages_for("r", 16, 24)
     table.chunk_done("r", 24)
     table.pages_for("r", 24, 30)
-    table.chunk_done("r", 30)  # the last chunk: positions [25, 30) stay, pages 6 and 7
-    held = [i for i, p in enumerate(table.get("r")) if p != NO_PAGE]
-    assert held == [6, 7] and pool.num_used == 2
-    assert table.num_available_pages == 62  # the spent quota shrank to the window
+    table.chunk_done("r", 30)  # the last chunk: positions [25, 30) stay, and [23, 28), the
+    held = [i for i, p in enumerate(table.get("r")) if p != NO_PAGE]  # last whole page's
+    assert held == [5, 6, 7] and pool.num_used == 3  # window (a kept window's): pages 5-7
+    assert table.num_available_pages == 61  # the spent quota shrank to the window
     table.check_integrity()
     table.release("r")
     assert pool.num_free == 64
@@ -140,7 +140,8 @@ def test_overlapped_chunks_always_find_their_window(
     for rid, end in in_flight.items():
         table.chunk_done(rid, end)
         tail = [i for i, p in enumerate(table.get(rid)) if p != NO_PAGE]
-        assert tail == list(range(max(0, end - window + 1) // page_size, -(-end // page_size)))
+        whole = end // page_size * page_size  # the last whole page's end: its window too
+        assert tail == list(range(max(0, whole - window + 1) // page_size, -(-end // page_size)))
     for rid in lengths:
         table.release(rid)
     assert pool.num_free == pool.num_pages
