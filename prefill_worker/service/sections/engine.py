@@ -123,7 +123,8 @@ class CacheConfig(Section):
         "their K/V for every position in the one pool (what every decode can take); "
         "`windowed` gives them their own page space holding only the window each still needs "
         "and the chunks in flight (about half a gpt-oss pool for long prompts; prefix hits "
-        "only at a cached chain's end, whose window it keeps). Served at TP 1 over `transfer.protocol` native (decodes of TP 1) and sglang "
+        "only at a cached chain's end, whose window it keeps). Served at TP 1 over "
+        "`transfer.protocol` native (decodes of TP 1) and sglang "
         "(decodes with hybrid SWA memory, gpt-oss); the worker refuses `windowed` at start "
         "for vllm; `check-config` shows its arithmetic (docs/models.md, 'The sliding-window "
         "pool').",
