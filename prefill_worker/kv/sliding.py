@@ -213,17 +213,27 @@ class SlidingPageTable:
 
     def release(self, request_id: str) -> None:
         """Every page and the unspent quota back (finish, abort, failure, shutdown)."""
+        self.pool.free(self.detach(request_id))
+
+    def detach(self, request_id: str) -> tuple[int, ...]:
+        """Forget the request and give its unspent quota back, but keep its pages: a forward
+        still reads and writes them; ``free_detached`` once it was collected."""
         held = self._held.pop(request_id)
         self._unspent -= held.quota - len(held.owned)
-        self.pool.free(held.held)
+        return tuple(held.held)
 
-    def check_integrity(self) -> None:
+    def free_detached(self, page_ids: Sequence[int]) -> None:
+        self.pool.free(page_ids)
+
+    def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
+        """``detached``: pages ``detach`` handed out, not freed yet."""
         owned = [p for held in self._held.values() for p in held.owned]
         for request_id, held in self._held.items():
             assert len(held.owned) <= held.quota, f"{request_id} holds more than its quota"
         assert len(owned) == len(set(owned)), "a sliding page has two owners"
         refs = Counter(p for held in self._held.values() for p in held.held)
         refs.update(p for pages in self._windows.values() for p in pages)
+        refs.update(p for pages in detached for p in pages)
         assert not set(owned) & {p for w in self._windows.values() for p in w}, "owned, kept"
         for page_id, count in refs.items():
             assert self.pool.refcount(page_id) == count, f"sliding page {page_id}"

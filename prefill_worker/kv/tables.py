@@ -45,6 +45,15 @@ class _Held:
     speculative: bool = False  # not claimed yet: evicts and trusts nothing
 
 
+@dataclass(frozen=True, slots=True)
+class Detached:
+    """A request that ended while a forward used its pages (``PageTable.detach``): its full
+    pages and sliding pages, both freed once that forward was collected."""
+
+    page_ids: tuple[int, ...]
+    sliding_page_ids: tuple[int, ...] = ()
+
+
 class PageTable:
     """request_id → its pages, in prompt order; reserves from and releases to one pool,
     through one prefix cache (``NoPrefixCache`` when none is given)."""
@@ -188,25 +197,25 @@ class PageTable:
             sliding.keep_window(request_id, held.chain[-1], len(held.chain))
         sliding.release(request_id)
 
-    def detach(self, request_id: str) -> tuple[int, ...]:
-        """Forget the request but keep its pages allocated; ``free_detached`` later. Its
-        sliding pages go back now: no other request reads them before writing them (a
-        chunk's new entries lie at or after its page-aligned start, written by its own
-        forward, which runs after the one in flight), and the forward in flight, which may
-        read a page already handed out again, computes rows the engine drops."""
-        if self.sliding is not None:
-            self.sliding.release(request_id)
-        return self._held.pop(request_id).page_ids
+    def detach(self, request_id: str) -> Detached:
+        """Forget the request but keep its pages, full and sliding, allocated while the
+        forward in flight uses them; ``free_detached`` once it was collected. It keeps no
+        window for the prefix cache."""
+        sliding = () if self.sliding is None else self.sliding.detach(request_id)
+        return Detached(self._held.pop(request_id).page_ids, sliding)
 
-    def free_detached(self, page_ids: Sequence[int], trusted: bool = True) -> None:
+    def free_detached(self, detached: Detached, trusted: bool = True) -> None:
         """``trusted``: as ``release`` would have (the request was not speculative)."""
-        self.cache.release(page_ids, trusted)
+        self.cache.release(detached.page_ids, trusted)
+        if self.sliding is not None:
+            self.sliding.free_detached(detached.sliding_page_ids)
 
-    def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
+    def check_integrity(self, detached: Iterable[Detached] = ()) -> None:
         """Every page reference in the pool is one entry of this table (or of ``detached``),
         a pin, or the cache's own."""
+        detached = list(detached)
         held = Counter(page_id for h in self._held.values() for page_id in h.page_ids)
-        held.update(page_id for page_ids in detached for page_id in page_ids)
+        held.update(page_id for d in detached for page_id in d.page_ids)
         held.update(self.cache.cached_page_ids())
         if self._pins is not None:
             held.update(self._pins.pinned())
@@ -215,6 +224,6 @@ class PageTable:
         self.pool.check_integrity()
         self.cache.check_integrity()
         if self.sliding is not None:
-            self.sliding.check_integrity()
+            self.sliding.check_integrity(d.sliding_page_ids for d in detached)
             cached = self.cache.cached_hashes()
             assert all(k in cached for k in self.sliding.window_keys()), "a window uncached"

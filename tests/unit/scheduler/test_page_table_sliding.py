@@ -72,14 +72,23 @@ def test_short_of_full_pages_gives_the_sliding_quota_back() -> None:
     table.check_integrity()
 
 
-def test_detach_returns_the_sliding_pages_at_once() -> None:
+def test_detach_keeps_the_sliding_pages_until_the_forward_is_collected() -> None:
+    """A request that ends while a forward uses its pages (``detach``): its sliding pages, as
+    its full pages, stay allocated (nobody gets them, nobody clears them) until
+    ``free_detached``; its quota goes back at once."""
     table, pool, sliding_pool = tables()
     assert table.try_reserve("a", list(range(12))) is not None
-    table.sliding_pages_for("a", 0, 4)
-    page_ids = table.detach("a")
-    assert sliding_pool.num_free == 8 and pool.num_used == 6
-    table.check_integrity([page_ids])
-    table.free_detached(page_ids)
+    entries = table.sliding_pages_for("a", 0, 4)
+    detached = table.detach("a")
+    assert "a" not in table and "a" not in table.sliding  # type: ignore[operator]
+    assert detached.sliding_page_ids == entries and detached.page_ids == tuple(range(6))
+    assert sliding_pool.num_used == 2 and pool.num_used == 6
+    assert table.sliding.num_available_pages == 6  # type: ignore[union-attr]  # quota back
+    table.check_integrity([detached])
+    with pytest.raises(AssertionError, match="leaked"):
+        table.check_integrity()
+    table.free_detached(detached)
+    assert sliding_pool.num_free == 8 and pool.num_free == 16
     table.check_integrity()
 
 
@@ -240,9 +249,10 @@ def test_a_detached_request_keeps_no_window() -> None:
     tokens = list(range(9))
     assert table.try_reserve("a", tokens) is not None
     prefill(table, "a", tokens)
-    page_ids = table.detach("a")
+    detached = table.detach("a")
+    assert sliding_pool.num_used == len(detached.sliding_page_ids) > 0
+    table.free_detached(detached)
     assert sliding_pool.num_used == 0
-    table.free_detached(page_ids)
     assert table.lookup([*tokens[:8], 5]).num_tokens == 0
     table.check_integrity()
 
