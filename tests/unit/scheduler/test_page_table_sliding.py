@@ -292,3 +292,20 @@ def test_integrity_sees_a_leaked_sliding_page() -> None:
     sliding_pool.try_alloc(1)  # nobody's
     with pytest.raises(AssertionError, match="leaked"):
         table.check_integrity()
+
+
+def test_no_window_is_kept_for_a_chain_end_evicted_under_the_request() -> None:
+    """B computed the same prompt as A, whose pages hold B's chain; A's last page is evicted
+    while B runs (idle: A had gone). B's release keeps no window for a block not cached."""
+    table, cache, sliding_pool = cached_tables()
+    tokens = list(range(9))  # a chain of 4 pages
+    for rid in ("a", "b"):
+        assert table.try_reserve(rid, tokens) is not None
+        prefill(table, rid, tokens)
+    table.release("a")
+    assert len(table.sliding.window_keys()) == 1  # type: ignore[union-attr]
+    assert cache.try_make_room(table.pool.num_free + 1)  # A's last page, and its window
+    assert table.sliding.window_keys() == ()  # type: ignore[union-attr]
+    table.release("b")
+    assert table.sliding.window_keys() == () and sliding_pool.num_used == 0  # type: ignore[union-attr]
+    table.check_integrity()
