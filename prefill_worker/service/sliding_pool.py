@@ -97,7 +97,8 @@ def sliding_pool_note(size: SlidingPoolSize, layer_page_bytes: int, page_size: i
         f"sliding pool (windowed): {size.num_sliding_layers} sliding layers × {size.num_pages} "
         f"pages of {page_size} tokens (quota {size.quota} pages a request: window - 1 and two "
         f"chunks) = {num_bytes / 2**30:.2f} GiB beside the pool, which holds the "
-        f"{size.num_full_layers} full layers only; no prefix cache"
+        f"{size.num_full_layers} full layers only; prefix hits at a cached chain's end, "
+        "whose last window stays in the sliding pool's spare pages"
     )
 
 
