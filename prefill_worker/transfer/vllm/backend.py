@@ -35,7 +35,15 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pins import PagePins
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
-from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
+from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import (
+    DEFAULT_HOOKS,
+    Hooks,
+    NixlOptions,
+    VllmIdentity,
+    VllmOptions,
+)
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.direct import DirectSender, PoolBlocks, is_direct
 from prefill_worker.transfer.vllm.groups import VllmGroups, layer_names, one_group
@@ -196,6 +204,7 @@ class VllmBackend:
         self.desk.groups = options.groups
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
+        self._push_registered: tuple[Any, Any] | None = None  # (the push agent, its regions)
         self.agent: Any = make_agent(
             nixl.agent_name or engine_id,
             list(nixl.backends),
@@ -243,12 +252,38 @@ class VllmBackend:
         self.bootstrap_endpoint = f"tcp://{host}:{ports[first]}"
         self.pusher: VllmPusher | None = None
         if PUSH in options.modes:
-            hashes = {v: our_hash(registration, v, PUSH) for v in options.versions}
-            base = staging.region_base_addrs
-            self.pusher = VllmPusher(self.agent, base, lay, hashes, staging.free, self.clock)
+            try:
+                name = f"{nixl.agent_name or engine_id}-push"
+                free = staging.free
+                self.pusher = self._open_pusher(name, nixl, registration, table, free, hooks)
+            except BaseException:
+                self._channel.close()
+                self._deregister()
+                raise
         self.endpoints: Mapping[str, str] = {
             f"vllm_side_channel_{version}": f"tcp://{host}:{at}" for version, at in ports.items()
         }
+
+    def _open_pusher(
+        self,
+        name: str,
+        nixl: NixlOptions,
+        registration: PullRegistration,
+        table: np.ndarray,
+        free: Callable[[Sequence[int]], None],
+        hooks: Hooks,
+    ) -> VllmPusher:
+        """The push side: an agent of its own with the same regions registered, NIXL's
+        progress thread off, owned by a transfer thread (``pusher`` says why)."""
+        agent = make_agent(name, list(nixl.backends), nixl.ucx_net_devices)
+        self._push_registered = (agent, agent.register_memory(table, "DRAM"))
+        if hooks.poster_factory is None:
+            poster: WritePoster = PushThread(agent, "nixl-push-vllm", hooks.wake)
+        else:
+            poster = hooks.poster_factory(agent)
+        hashes = {v: our_hash(registration, v, PUSH) for v in registration.versions}
+        bases, lay = registration.region_base_addrs, registration.layout
+        return VllmPusher(agent, poster, bases, lay, hashes, free, self.clock)
 
     @property
     def mirror_layers(self) -> tuple[np.ndarray, ...]:
@@ -326,17 +361,20 @@ class VllmBackend:
         now = self.clock()
         if self.desk.has_repacks():
             return now + REPACK_POLL_S
-        if self.desk.pushes.expected or (self.pusher is not None and self.pusher.busy):
+        pusher = self.pusher
+        if self.desk.pushes.expected or (pusher is not None and pusher.needs_polling):
             return now + PUSH_POLL_S
-        if len(self.desk.holds):
+        if len(self.desk.holds) or (pusher is not None and pusher.busy):  # WRITEs: wake fd
             return now + NOTIFY_POLL_S
         deadline = self.desk.holds.next_deadline()
         return min(now + _IDLE_POLL_S, math.inf if deadline is None else deadline)
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
-        if timeout_s > 0 and wake_fd is not None:
-            select.select([wake_fd], [], [], timeout_s)
+        push_fd = None if self.pusher is None else self.pusher.wake_fd
+        fds = [fd for fd in (wake_fd, push_fd) if fd is not None]
+        if timeout_s > 0 and fds:
+            select.select(fds, [], [], timeout_s)
         elif timeout_s > 0:
             time.sleep(timeout_s)
 
@@ -353,6 +391,9 @@ class VllmBackend:
             self._deregister()
 
     def _deregister(self) -> None:
+        if self._push_registered is not None:  # the pusher closed first: the agent is ours
+            agent, registered = self._push_registered
+            agent.deregister_memory(registered)
         self.agent.deregister_memory(self._registered)
         if self._registered_state is not None:
             self.agent.deregister_memory(self._registered_state)
