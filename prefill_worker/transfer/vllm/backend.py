@@ -6,9 +6,10 @@ the side channel where decodes fetch that agent's metadata (``handshake``: a ZMQ
 answering ``get_meta_msg``). That agent never writes: a pull decode READs the blocks named
 in the HTTP answer's ``kv_transfer_params`` and sends a notification when done; a push
 decode's WRITE goes from the pusher's own agent on its transfer thread (``pusher``), whose
-wake fd ``wait`` sleeps on. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
-leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
-``NOTIFY_POLL_S`` while blocks are held (every ``_IDLE_POLL_S`` otherwise), and every
+wake fd ``wait`` sleeps on. ``poll()`` (engine thread) drains the notifications into the
+desk's holds and ends leases; NIXL has no fd to sleep on for them, so ``next_poll_at`` asks
+for a turn every ``NOTIFY_POLL_S`` while blocks are held (every ``_IDLE_POLL_S``
+otherwise), every ``PUSH_POLL_S`` while a push waits for its registration, and every
 ``REPACK_POLL_S`` while the repack thread (``desk``) works, so a request's answer leaves
 soon after its last repack ends.
 
