@@ -211,7 +211,10 @@ class VllmBackend:
             nixl.agent_name or engine_id,
             list(nixl.backends),
             nixl.ucx_net_devices,
-            progress_thread=True,
+            # a pull decode's READ over UCX's TCP is served only while this side progresses;
+            # serving push alone, the engine thread is the agent's only user and progresses it
+            # as it drains notifications (an idle progress thread costs ~0.37 of a core)
+            progress_thread=PULL in options.modes,
         )
         lay = staging.layout
         table = np.array(
