@@ -165,11 +165,10 @@ $(INTEROP)/sglang-%/.installed: | $(BIN)/python
 interop: interop-deps vllm-deps smg kv-events-deps
 	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q $(XDIST) -m interop tests/interop tests/smg
 
-# CI's tests (.ci/run runs `make lint` before): make test's and make interop's in one pytest
-# run on CI_WORKERS processes. On CI's 2 cores each suite's two processes left a fifth of the
-# CPU idle (waiting on children starting and on peers); a third process fills it, and one run
-# ends on one tail instead of two (docs/testing.md "CI time"). The same tests as the two
-# targets: interop tests live in tests/interop and tests/smg and none is slow.
+# make test's and make interop's tests in one pytest run on CI_WORKERS processes (after
+# `make lint`): on 2 cores each suite's two processes leave a fifth of the CPU idle (waiting on
+# children starting and on peers), which a third process fills (docs/testing.md "CI time").
+# CI runs the two targets, as the README says.
 CI_WORKERS ?= 3
 .PHONY: test-all
 test-all: interop-deps vllm-deps smg kv-events-deps
