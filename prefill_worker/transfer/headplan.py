@@ -195,6 +195,14 @@ def slice_indices(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
     return np.add.outer(starts * page_size, np.arange(page_size, dtype=np.int32)).ravel()
 
 
+def token_runs(indices: np.ndarray, page_size: int) -> np.ndarray:
+    """Descriptor indices of whole pages in a per-layer-plane list (``r * num_pages + p``)
+    as the indices of the same pages' token runs in ``slice_table``'s list of the same pool,
+    in the same order: each page's ``page_size`` tokens."""
+    starts = np.asarray(indices, dtype=np.int32) * np.int32(page_size)
+    return np.add.outer(starts, np.arange(page_size, dtype=np.int32)).ravel()
+
+
 def num_descriptors(head_slice: HeadSlice, num_layers: int, page_size: int, num_pages: int) -> int:
     """Descriptors (per side) one slice costs for ``num_pages`` pages: 2L per page whole,
     2L * page_size per page sliced."""

@@ -6,9 +6,12 @@ room's binding (``RankSender.bind``: the decode ranks' `want`s) before its pages
 
     mirror op   create      a RankSender, READY (its pages wait for their bind)
                 peer        add_peer(register): the decode rank's agent and pool, this
-                            rank's slice of it (``RankWriter``; none: not fed here)
+                            rank's slice of it (``RankWriter``; none: not fed here), and
+                            its hybrid SWA pool when the register names one (SGLang's)
                 bind        the room's decode ranks and their wants
                 pages       one WRITE per fed decode rank of this rank's heads  TRANSFERRING
+                            (and one of the window's pages into its hybrid SWA pool:
+                            ``swa_window.window_slots`` of its want, a ``WindowWant``)
                 aux         every page sent: SUCCESS once every write landed
                 fail/close  FAILED; writes in flight released (cancelled)
                 drop        the decode rank left the leader: its rooms FAILED (their
@@ -48,8 +51,14 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.draft import pool_into, with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
-from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
-from prefill_worker.transfer.pagemap import map_pages
+from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter, WindowPool
+from prefill_worker.transfer.pagemap import map_pages, num_prompt_pages
+from prefill_worker.transfer.swa_window import (
+    SWA_KIND,
+    WindowWant,
+    swa_pool_regions,
+    window_slots,
+)
 
 log = logging.getLogger(__name__)
 _WRITE_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, *NIXL_ERRORS)
@@ -69,8 +78,9 @@ class _DecodeRank:
 class RankSender:
     """One room on this rank (the module docstring's states)."""
 
-    def __init__(self, backend: RankBackend, room: int) -> None:
+    def __init__(self, backend: RankBackend, room: int, num_prompt_tokens: int = 0) -> None:
         self._backend, self.room = backend, room
+        self._num_prompt_pages = num_prompt_pages(max(num_prompt_tokens, 1), backend.page_size)
         self._state = KVPoll.READY
         self._reason: str | None = None
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
@@ -113,13 +123,23 @@ class RankSender:
                 return self.fail(f"decode agent {rank.agent_name} registered again")
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
-                if len(src):
-                    handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
-                    self._backend.count_posted(rank.writer)
-                    self._handles.append((handle, self._backend.clock(), num_bytes, rank.writer))
-                    self._num_writes += 1
+                writes = [(src, dst, False)]
+                if isinstance(want, WindowWant):  # the window's pages into its SWA pool too
+                    first = first_page + len(page_ids) - len(src)
+                    window = want.dst_window_pages
+                    kept, slots = window_slots(window, self._num_prompt_pages, first, len(src))
+                    writes.append((src[kept], slots, True))
+                for pages, into, is_window in writes:
+                    if len(pages):
+                        self._post(rank.writer, rank.name, pages, into, is_window)
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
+
+    def _post(self, writer: RankWriter, name: str, src: Any, dst: Any, is_window: bool) -> None:
+        handle, num_bytes = writer.post(name, src, dst, b"", window=is_window)
+        self._backend.count_posted(writer)
+        self._handles.append((handle, self._backend.clock(), num_bytes, writer))
+        self._num_writes += 1
 
     def send_aux(self, aux_row: int) -> None:
         self._is_last = True
@@ -237,7 +257,7 @@ class RankBackend:
         writer = RankWriter(self.agent, self.place, ours)
         try:
             metadata = wire.unframe_metadata(msg.metadata)
-            name = writer.add_peer(metadata, theirs, dst_rank, dst_tp)
+            name = writer.add_peer(metadata, theirs, dst_rank, dst_tp, _window_pool(msg))
         except _WRITE_ERRORS as exc:  # the leader checked it; its rooms' binds fail
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
@@ -275,7 +295,7 @@ class RankBackend:
         allowed_peer: str | None = None,
         traceparent: str | None = None,
     ) -> RankSender:
-        return RankSender(self, room)
+        return RankSender(self, room, num_prompt_tokens)
 
     def count_posted(self, writer: RankWriter) -> None:
         """A write through ``writer`` was posted: it may land until released or over."""
@@ -328,3 +348,12 @@ class RankBackend:
         self._ranks.clear()
         self._leaving.clear()
         self.agent.deregister_memory(self._registration)
+
+
+def _window_pool(msg: wire.Register) -> WindowPool | None:
+    """The decode rank's hybrid SWA pool (a state pool of kind ``SWA_KIND``), if it has one:
+    its pages of our sliding layers. ``ValueError`` when its addresses do not fit."""
+    pools = [] if msg.state is UNSET else [p for p in msg.state if p.kind == SWA_KIND]
+    if not pools:
+        return None
+    return WindowPool(pools[0].layer_ids, swa_pool_regions(pools[0].regions(msg.device)))

@@ -18,10 +18,14 @@ window pages there, position by position (``prefill.py`` and ``nixl/conn.py``,
                                          (pages before the window: not sent)
 
 Only gpt-oss among the served families runs on it (``HYBRID_SWA_ARCHITECTURES``, SGLang's
-``is_hybrid_swa_model``; Gemma 3 is not, so its decodes hold the full pool). A decode of
-attention TP > 1 with one (SGLang slices its SWA pages per head), an older decode (no
-``state_data_lens``: the pool's size unknown) or any other state layout is refused by name.
-A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as a dense model's.
+``is_hybrid_swa_model``; Gemma 3 is not, so its decodes hold the full pool). A decode rank of
+attention TP > 1 holds its heads of each SWA page, as of each KV page: a worker rank writes
+it the same head slice into both (whole pages when the slice is the page; else token runs,
+the sender's, ``push/sender.py``); the other ranks of a worker's TP group write theirs from
+the registration and want the leader mirrors (``sglang.desk``, ``nixl/rank_backend.py``).
+An older decode (no ``state_data_lens``: the pool's size unknown) or any other state layout is
+refused by name. A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as
+a dense model's.
 """
 
 from __future__ import annotations
@@ -37,8 +41,16 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.peer import RoutedWrite
 from prefill_worker.transfer.push.window_route import local_offsets, region_at, window_sources
+from prefill_worker.transfer.sglang.accept import rank_layout
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
-from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
+from prefill_worker.transfer.swa_window import (
+    SWA_KIND,
+    WINDOW,
+    SlidingLayers,
+    WindowWant,
+    layer_pages,
+    window_slots,
+)
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
     Refusal,
@@ -47,18 +59,6 @@ from prefill_worker.transfer.validate import (
 )
 
 HYBRID_SWA_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
-SWA_KIND = "sliding_window_kv"  # SGLang's "swa" state type
-
-
-class WindowWant(wire.Want, frozen=True):
-    """A want whose decode holds a hybrid SWA pool: also the window's pages in that pool,
-    packed int32 like ``dst_page_ids``."""
-
-    packed_dst_window_pages: bytes = b""
-
-    @property
-    def dst_window_pages(self) -> np.ndarray:
-        return np.frombuffer(self.packed_dst_window_pages, dtype="<i4")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,13 +75,8 @@ class WindowPool:
 def accept_window(
     reg: Registration, ours: KVLayout, sliding: SlidingLayers, limits: BootstrapLimits
 ) -> WindowPool | Refusal:
-    """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers."""
-    if reg.tp_size != 1:
-        return _unsupported(
-            f"a decode of attention TP {reg.tp_size} with a hybrid SWA pool (SGLang slices "
-            "its SWA pages per head): run it at attention TP 1, or with "
-            "--disable-hybrid-swa-memory"
-        )
+    """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers
+    (``ours``: our layout of the model's every head; a decode rank holds its own)."""
     if len(reg.state) != 1:
         return _unsupported(
             f"the decode registered {len(reg.state)} state components; this model's decode "
@@ -97,10 +92,11 @@ def accept_window(
             f"{len(sliding.sliding)} sliding layers ({num_buffers}: K and V of each)"
         )
         return Refusal(RejectReason.LAYOUT_MISMATCH, why)
-    if set(swa.item_lens) != {ours.page_bytes}:
+    page_bytes = rank_layout(reg, ours).page_bytes  # its heads of a page
+    if set(swa.item_lens) != {page_bytes}:
         why = (
             f"decode SWA page is {sorted(set(swa.item_lens))} bytes; this worker's is "
-            f"{ours.page_bytes}: the page size, KV dtype or head layout differ"
+            f"{page_bytes}: the page size, KV dtype or head layout differ"
         )
         return Refusal(RejectReason.LAYOUT_MISMATCH, why)
     return _window_pool(reg, ours, sliding, limits)
@@ -115,20 +111,21 @@ def _window_pool(
             "the decode's SWA buffers come without one size for all (state_data_lens, sent "
             "from SGLang 0.5.23 on)"
         )
-    num_items = swa.data_lens[0] // ours.page_bytes
+    theirs = rank_layout(reg, ours)  # its heads of each page
+    num_items = swa.data_lens[0] // theirs.page_bytes
     if not 1 <= num_items <= limits.max_peer_pages:
         why = (
             f"decode SWA pool of {num_items} pages; this worker takes 1 to "
             f"{limits.max_peer_pages} (transfer.max_peer_pages)"
         )
         return Refusal(RejectReason.TOO_LARGE, why)
-    region_bytes = num_items * ours.page_bytes
+    region_bytes = num_items * theirs.page_bytes
     refusal = outside_address_space("SWA region", [(a, region_bytes) for a in swa.data_ptrs])
     if refusal is not None:
         return refusal
     full = dataclasses.replace(ours, num_layers=len(sliding.full))
-    page = (ours.page_size, ours.num_kv_heads, ours.head_dim)
-    tensors = tuple(StateTensor(n, page, ours.dtype, ours.page_bytes) for n in ("k", "v"))
+    page = (theirs.page_size, theirs.num_kv_heads, theirs.head_dim)
+    tensors = tuple(StateTensor(n, page, ours.dtype, theirs.page_bytes) for n in ("k", "v"))
     component = StateComponent(SWA_KIND, sliding.sliding, tensors, num_items, PAGES)
     half = len(sliding.sliding)
     bases = (swa.data_ptrs[:half], swa.data_ptrs[half:])
@@ -229,9 +226,7 @@ class WindowRoute:
             is_state=False,
         )
         window = self.window(want, num_prompt_tokens)
-        offsets = np.arange(first_page, first_page + len(src)) - window.start
-        kept = offsets >= 0
-        swa_dst = want.dst_window_pages[offsets[kept]]
+        kept, swa_dst = window_slots(want.dst_window_pages, window.stop, first_page, len(src))
         # a windowed pool: the window's own pages (``kv.sliding``: held until release)
         swa_src = window_sources(sliding, len(src), kept) if self.is_windowed else src[kept]
         part = RoutedWrite(

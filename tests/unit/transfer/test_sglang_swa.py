@@ -16,6 +16,7 @@ from prefill_worker.kv.layout import KVLayout
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
@@ -71,10 +72,25 @@ def test_a_swa_registration_is_its_full_layers_and_a_pool_of_window_pages() -> N
     assert pool.swa.device == "cpu"
 
 
+def test_a_decode_rank_of_attention_tp_2_holds_its_heads_of_each_swa_page() -> None:
+    """Rank 1 of 2: one head of each page, its SWA pool's pages of that head (256 B)."""
+    sizes = {"f13": packed_lists([256] * 4, fmt="I"), "f24": packed_lists([256 * 9] * 4, fmt="Q")}
+    reg = swa_registration(f10=b"2", f11=b"1", **sizes)
+    pool = accept_window(reg, LAYOUT, SLIDING, BootstrapLimits())
+    assert not isinstance(pool, Refusal), pool
+    component = pool.swa.component
+    assert component.num_items == 9
+    assert [(t.item_shape, t.item_bytes) for t in component.tensors] == [((4, 1, 16), 256)] * 2
+
+
 @pytest.mark.parametrize(
     ("frames_at", "reason", "words"),
     [
-        ({"f10": b"2", "f11": b"0"}, RejectReason.UNSUPPORTED, "attention TP 2 with a hybrid"),
+        (  # a rank of attention TP 2 holds one head of each page: 256 B
+            {"f10": b"2", "f11": b"0"},
+            RejectReason.LAYOUT_MISMATCH,
+            "decode SWA page is [512] bytes; this worker's is 256",
+        ),
         (
             {
                 "f8": packed_lists(SWA_PTRS, [1], fmt="Q"),
@@ -229,11 +245,11 @@ def test_a_swa_pool_nixl_cannot_address_refuses_the_decode() -> None:
 
 def test_a_refused_swa_decode_hears_why_on_its_request() -> None:
     rig = desk_rig()
-    rig.send(swa_registration(f10=b"2", f11=b"0"))
+    rig.send(swa_registration(f24=b""))  # an older decode: its SWA pool's size unknown
     assert not rig.peers and rig.rejects == ["unsupported"]
     rig.send(request([8, 4]))
     reason = rig.replies.sent[-1][1][4].decode()
-    assert reason.startswith("registration refused: a decode of attention TP 2 with a hybrid")
+    assert reason.startswith("registration refused: the decode's SWA buffers come without")
 
 
 def test_a_model_without_sliding_layers_refuses_the_swa_decode() -> None:
@@ -289,6 +305,35 @@ def test_a_page_goes_in_parts_full_layers_then_the_window() -> None:
         rig.land(i)
     sender.progress()
     assert sender.transfer_stats().bytes == (4 + 4 + 4) * 128
+
+
+def test_a_decode_rank_of_other_heads_gets_token_runs_of_both_parts() -> None:
+    """The same chunk into a decode holding 2 heads of which ours is head 1 (a TP-2 worker's
+    rank 1 into a decode of attention TP 1): each whole-page index i becomes the page's token
+    runs 4i..4i+3, from our list of that head's runs into the decode's (KV and SWA pool)."""
+    rig = test_push_sender.Rig("sglang")
+    swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 2, 8), "float32", 256),) * 2, 9)
+    rig.peer.state = StateLists(StateRegions(swa, ((100,), (200,)), "cpu"), "swa-runs")
+    rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5), 16, 16, 9, 4)
+    rig.peer.head_slice = HeadSlice(1, 0, 0, 1, 1, 1, 2)
+    object.__setattr__(rig.ctx.pages, "head_bytes", 32)  # one head of a token, fp32
+    rig.ctx.pages.sliced[(0, 1)] = "ours-head"
+    sender = rig.hub.create_sender(7, "req-7", 16)
+    pages, window = (np.array(p, "<i4").tobytes() for p in ([3, 4, 5, 6], [5, 8]))
+    rig.hub.want(rig.peer, WindowWant(7, pages, 2, 0, packed_dst_window_pages=window))
+    sender.send_pages([2, 3], 2)
+    full, part = rig.agent.handles
+    runs = lambda *pages: [4 * p + t for p in pages for t in range(4)]  # noqa: E731
+    _, local, local_idx, remote, remote_idx, _ = full.args
+    assert (local, remote) == ("ours-head", rig.peer.lists.kv)
+    assert list(local_idx) == runs(18, 19, 50, 51) and list(remote_idx) == runs(5, 6, 21, 22)
+    _, local, local_idx, remote, remote_idx, _ = part.args
+    assert (local, remote) == ("ours-head", "swa-runs")
+    assert list(local_idx) == runs(2, 3, 34, 35) and list(remote_idx) == runs(5, 8, 14, 17)
+    for i in range(2):
+        rig.land(i)
+    sender.progress()
+    assert sender.transfer_stats().bytes == 2 * 4 * 4 * 32  # 8 page-planes of 4 tokens' head
 
 
 @pytest.mark.parametrize(
