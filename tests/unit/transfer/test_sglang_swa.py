@@ -83,6 +83,15 @@ def test_a_decode_rank_of_attention_tp_2_holds_its_heads_of_each_swa_page() -> N
     assert [(t.item_shape, t.item_bytes) for t in component.tensors] == [((4, 1, 16), 256)] * 2
 
 
+def test_a_windowed_worker_refuses_a_decode_of_attention_tp_2() -> None:
+    sizes = {"f13": packed_lists([256] * 4, fmt="I"), "f24": packed_lists([256 * 9] * 4, fmt="Q")}
+    reg = swa_registration(f10=b"2", f11=b"1", **sizes)
+    windowed = dataclasses.replace(SLIDING, pool_pages=8)
+    refusal = accept_window(reg, LAYOUT, windowed, BootstrapLimits())
+    assert isinstance(refusal, Refusal) and refusal.reason is RejectReason.UNSUPPORTED
+    assert "attention TP 2 with a hybrid SWA pool at a worker with a windowed" in refusal.message
+
+
 @pytest.mark.parametrize(
     ("frames_at", "reason", "words"),
     [
