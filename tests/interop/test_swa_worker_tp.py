@@ -10,7 +10,10 @@ code, a prompt past the window (70 tokens, window 24, pages of 16, three chunks)
   them, and the window pages are byte for byte the full-pool decode's;
 - the ranks of decodes of attention TP 2, with hybrid SWA memory and without (each worker
   rank writes its decode rank's head whole, pages and window pages): each rank holds, byte
-  for byte, its head of what the decode of attention TP 1 holds.
+  for byte, its head of what the decode of attention TP 1 holds;
+- and from a worker of TP 1 (both heads; started beside the group) to the ranks of a decode
+  of attention TP 2 with hybrid SWA memory: token runs of each rank's head into its pages
+  and window pages, byte for byte that worker's decode of attention TP 1.
 
 The worker's pages and aux rows are all back afterwards."""
 
@@ -44,18 +47,30 @@ LENGTH = 70
 
 
 @pytest.fixture(scope="module")
-def group(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def workers(sglang_version: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The worker at TP 2 and at TP 1, started together; each waited for by its fixture."""
     if sglang_version != "0.5.23":
         pytest.skip("sliding-window models are proven against SGLang 0.5.23")
     tmp_path = tmp_path_factory.mktemp("swa-tp2")
     checkpoint = make_checkpoint("gpt_oss", tmp_path / "gpt_oss")
-    settings = ("scheduler.optimistic_prefill=false", f"parallel.tp_size={TP_SIZE}")
-    served = launch(tmp_path, checkpoint, PAGE, "float32", "sglang", "layer_major", *settings)
+    settings = ("scheduler.optimistic_prefill=false",)  # the same chunks for every decode
+    group = launch(tmp_path, checkpoint, PAGE, "float32", "sglang", "layer_major", *settings,
+                   f"parallel.tp_size={TP_SIZE}")  # fmt: skip
+    (tmp_path / "tp1").mkdir()
+    one = launch(tmp_path / "tp1", checkpoint, PAGE, "float32", "sglang", "layer_major", *settings)
     try:
-        yield checkpoint, served.ready()
-        assert served.worker.child.stop() == 0, served.worker.log()
+        yield checkpoint, group, one
+        for started in (group, one):
+            assert started.worker.child.stop() == 0, started.worker.log()
     finally:
-        served.worker.child.kill()
+        group.worker.child.kill()
+        one.worker.child.kill()
+
+
+@pytest.fixture(scope="module")
+def group(workers):  # type: ignore[no-untyped-def]
+    checkpoint, group, _ = workers
+    return checkpoint, group.ready()
 
 
 def test_decodes_of_attention_tp_1_get_every_ranks_head(
@@ -114,6 +129,31 @@ def test_decodes_of_attention_tp_2_get_their_head_whole(
                 else:
                     got, expected = swa[f"{plane}{FULL.index(layer)}"], mine
                 assert np.array_equal(as_head(got), expected), (rank, layer, plane)
+    assert_pools_whole(served.worker)
+
+
+def test_a_tp_1_worker_writes_each_decode_rank_its_head_of_the_window(
+    decode_process: SglangDecodeProcess,
+    rank_processes: list[SglangDecodeProcess],
+    workers,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    _, _, one = workers
+    served = one.ready()
+    ids = prompt(LENGTH, seed=7)
+    half = dataclasses.replace(LAYOUT, num_kv_heads=HEADS // TP_SIZE)
+    client = BlockingRouterClient(served.worker.ingress)
+    try:
+        [whole] = receive(client, [SglangDecode(decode_process, served.sglang, LAYOUT, swa=SWA)],
+                          ids, tmp_path)  # fmt: skip
+        ranks = [SglangDecode(p, served.sglang, half, swa=SWA) for p in rank_processes]
+        landed = receive(client, ranks, ids, tmp_path)
+    finally:
+        client.close()
+    for rank, (pages, swa_pages) in enumerate(landed):
+        assert len(swa_pages) == len(whole[1])
+        for name, got in pages.items():  # k0, v0 (the full layer); swa_k0.. (the window)
+            assert np.array_equal(as_head(got), head_of(whole[0][name], rank)), (rank, name)
     assert_pools_whole(served.worker)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
@@ -241,6 +241,39 @@ def test_the_swa_pool_is_prepared_for_the_decode_agent() -> None:
     assert peer.state is not None and peer.state.prepped is swa
     # one strided row per buffer: its address, a page, the device, a page on, 9 pages
     assert swa.table.tolist() == [[a, 512, 0, 512, 9] for a in SWA_PTRS]
+
+
+def test_a_tp_2_leader_writes_its_head_of_the_swa_pool_and_mirrors_the_pool() -> None:
+    """The leader of a worker of TP 2 (rank 0: head 0 of 2, every layer) and a decode of
+    attention TP 1 (both heads): its SWA pool is listed as token runs of head 0 (64 B a
+    token, 128 B apart), ours of every layer; the mirrored `register` names the pool, so the
+    other rank writes head 1 of the window too."""
+    ours = KVRegions(
+        dataclasses.replace(LAYOUT, num_kv_heads=1),
+        (1 << 20, 2 << 20, 3 << 20),
+        (4 << 20, 5 << 20, 6 << 20),
+        "cpu",
+        0,
+        0,
+    )
+    agent = ListingAgent()
+    rig = DeskRig(layout=ours.layout, regions=ours, sliding=SLIDING, agent=agent)
+    rig.desk.lead(2, LAYOUT.num_kv_heads)
+    rig.send(swa_registration())
+    [peer] = rig.peers.values()
+    assert peer.head_slice is not None and peer.head_slice.num_heads == 1
+    local, kv, _, swa = agent.lists
+    assert local.name == "NIXL_INIT_AGENT" and len(local.table) == 6  # our 3 layers' K, V
+    tokens = peer.regions.layout.num_pages * 4
+    assert kv.table.tolist() == [[a, 64, 0, 128, tokens] for a in (0x1000, 0x2000)]
+    assert peer.state is not None and peer.state.prepped is swa
+    assert swa.table.tolist() == [[a, 64, 0, 128, 9 * 4] for a in SWA_PTRS]
+    held = peer.registration
+    assert held is not None and held.tp == wire.DecodeRank(0, 1, 0, 2)
+    assert held.regions.layout.num_layers == 1  # its KV list: the full layer
+    [pool] = held.state  # type: ignore[misc]
+    assert (pool.kind, pool.layer_ids, pool.num_items) == (SWA_KIND, (0, 2), 9)
+    assert pool.base_addrs == ((0x10000, 0x20000), (0x30000, 0x40000))
 
 
 def test_a_swa_pool_nixl_cannot_address_refuses_the_decode() -> None:
