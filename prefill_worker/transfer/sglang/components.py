@@ -34,9 +34,10 @@ from prefill_worker.transfer.sglang.swa import (
     window_route,
     window_want,
     windowed_full_pool,
+    windowed_slices,
 )
 from prefill_worker.transfer.slot_stage import StagedState
-from prefill_worker.transfer.swa_window import SlidingLayers
+from prefill_worker.transfer.swa_window import SWA_KIND, SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
 
 
@@ -95,6 +96,15 @@ class StateComponents:
                 return Refusal(RejectReason.NIXL_REFUSED, why)
             return Accepted(pool.registration, ours, pool.state, share)
         return Accepted(reg, ours)
+
+    def refuse_slices(self, state: StateRegions | None) -> Refusal | None:
+        """Why a decode rank holding other heads than ours cannot take its state pool
+        ``state`` as token runs of ours: a hybrid SWA pool fed from a windowed sliding pool
+        (not built); None otherwise."""
+        is_swa = state is not None and state.component.kind == SWA_KIND
+        if is_swa and self._sliding is not None and self._sliding.pool_pages:
+            return Refusal(RejectReason.UNSUPPORTED, windowed_slices())
+        return None
 
     def route(
         self, ours: KVLayout, peer: KVRegions, state: StateLists | None

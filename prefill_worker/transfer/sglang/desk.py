@@ -153,6 +153,12 @@ class SglangDesk:
         )
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
+        head_slice = rank_slice(reg, layout, self._prefill_tp)
+        sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
+        # its state pool in other heads than ours
+        refusal = None if sliced is None else self._components.refuse_slices(state)
+        if refusal is not None:
+            return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
             if held.regions != peer_regions(reg, layout, self._num_draft_layers):
@@ -172,8 +178,6 @@ class SglangDesk:
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
         regions = peer_regions(reg, layout, self._num_draft_layers)
-        head_slice = rank_slice(reg, layout, self._prefill_tp)
-        sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
             lists, prepped = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, state)
         except NIXL_ERRORS as exc:

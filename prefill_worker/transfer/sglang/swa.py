@@ -23,7 +23,8 @@ attention TP > 1 holds its heads of each SWA page, as of each KV page: a worker 
 it the same head slice into both (whole pages when the slice is the page; else token runs,
 the sender's, ``push/sender.py``); the other ranks of a worker's TP group write theirs from
 the registration and want the leader mirrors (``sglang.desk``, ``nixl/rank_backend.py``).
-A decode of attention TP > 1 at a worker with a windowed sliding pool, an older decode (no
+A decode rank of other heads than the worker rank's at a worker with a windowed sliding pool
+(``windowed_slices``: the desk's check, where the head slice is known), an older decode (no
 ``state_data_lens``: the pool's size unknown) or any other state layout is refused by name.
 A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as a dense
 model's.
@@ -78,12 +79,6 @@ def accept_window(
 ) -> WindowPool | Refusal:
     """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers
     (``ours``: our layout of the model's every head; a decode rank holds its own)."""
-    if reg.tp_size != 1 and sliding.pool_pages:
-        return _unsupported(
-            f"a decode of attention TP {reg.tp_size} with a hybrid SWA pool at a worker with a "
-            "windowed sliding pool (its heads' token runs of that pool are not built): run "
-            "the decode at attention TP 1, or the worker with cache.sliding_pool full"
-        )
     if len(reg.state) != 1:
         return _unsupported(
             f"the decode registered {len(reg.state)} state components; this model's decode "
@@ -257,6 +252,17 @@ def windowed_full_pool() -> str:
         "the decode holds every sliding layer's pages (hybrid SWA memory off); this worker "
         "keeps its sliding layers' last window only (cache.sliding_pool windowed): start the "
         "decode without --disable-hybrid-swa-memory, or the worker with sliding_pool full"
+    )
+
+
+def windowed_slices() -> str:
+    """Why a decode rank holding other heads than ours (a decode of another attention TP)
+    with a hybrid SWA pool is refused by a windowed worker."""
+    return (
+        "a decode rank of other KV heads than this worker rank's with a hybrid SWA pool, at a "
+        "worker with a windowed sliding pool (its heads' token runs of that pool are not "
+        "built): run the decode at the worker's attention TP, or the worker with "
+        "cache.sliding_pool full"
     )
 
 

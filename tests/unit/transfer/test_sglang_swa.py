@@ -83,13 +83,18 @@ def test_a_decode_rank_of_attention_tp_2_holds_its_heads_of_each_swa_page() -> N
     assert [(t.item_shape, t.item_bytes) for t in component.tensors] == [((4, 1, 16), 256)] * 2
 
 
-def test_a_windowed_worker_refuses_a_decode_of_attention_tp_2() -> None:
+def test_a_windowed_worker_refuses_a_decode_rank_of_other_heads() -> None:
+    """A decode of attention TP 2 at a windowed worker of TP 1 (rank 1 holds head 1 of our
+    2): its window's token runs would come from the windowed pool, not built: refused,
+    counted, before NIXL hears of it."""
+    agent = ListingAgent()
+    rig = DeskRig(layout=LAYOUT, sliding=dataclasses.replace(SLIDING, pool_pages=8), agent=agent)
     sizes = {"f13": packed_lists([256] * 4, fmt="I"), "f24": packed_lists([256 * 9] * 4, fmt="Q")}
-    reg = swa_registration(f10=b"2", f11=b"1", **sizes)
-    windowed = dataclasses.replace(SLIDING, pool_pages=8)
-    refusal = accept_window(reg, LAYOUT, windowed, BootstrapLimits())
-    assert isinstance(refusal, Refusal) and refusal.reason is RejectReason.UNSUPPORTED
-    assert "attention TP 2 with a hybrid SWA pool at a worker with a windowed" in refusal.message
+    kv = {"f19": struct.pack("<2Q", 256, 256), "f12": b"256"}  # its KV list: one head too
+    rig.send(swa_registration(f10=b"2", f11=b"1", **sizes, **kv))
+    assert not rig.peers and rig.rejects == ["unsupported"] and not agent.lists
+    rig.send(request([8, 4]))
+    assert b"windowed sliding pool (its heads' token runs" in rig.replies.sent[-1][1][4]
 
 
 @pytest.mark.parametrize(
