@@ -37,7 +37,7 @@ from prefill_worker.transfer.sglang.swa import (
     windowed_slices,
 )
 from prefill_worker.transfer.slot_stage import StagedState
-from prefill_worker.transfer.swa_window import SWA_KIND, SlidingLayers
+from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason
 
 
@@ -101,9 +101,8 @@ class StateComponents:
         """Why a decode rank holding other heads than ours cannot take its state pool
         ``state`` as token runs of ours: a hybrid SWA pool fed from a windowed sliding pool
         (not built); None otherwise."""
-        is_swa = state is not None and state.component.kind == SWA_KIND
-        if is_swa and self._sliding is not None and self._sliding.pool_pages:
-            return Refusal(RejectReason.UNSUPPORTED, windowed_slices())
+        if state is not None and self._sliding is not None and self._sliding.pool_pages:
+            return Refusal(RejectReason.UNSUPPORTED, windowed_slices())  # its one kind: swa
         return None
 
     def route(
