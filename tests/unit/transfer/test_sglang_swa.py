@@ -355,16 +355,17 @@ def test_a_page_goes_in_parts_full_layers_then_the_window() -> None:
 
 
 def test_a_decode_rank_of_other_heads_gets_token_runs_of_both_parts() -> None:
-    """The same chunk into a decode holding 2 heads of which ours is head 1 (a TP-2 worker's
-    rank 1 into a decode of attention TP 1): each whole-page index i becomes the page's token
-    runs 4i..4i+3, from our list of that head's runs into the decode's (KV and SWA pool)."""
+    """The same chunk into a decode holding 4 heads of which ours are heads 2 and 3 (a TP-2
+    worker's rank 1 into a decode of attention TP 1): each whole-page index i becomes the
+    page's token runs 4i..4i+3, from our list of those heads' runs into the decode's (KV and
+    SWA pool)."""
     rig = test_push_sender.Rig("sglang")
-    swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 2, 8), "float32", 256),) * 2, 9)
+    swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 4, 8), "float32", 512),) * 2, 9)
     rig.peer.state = StateLists(StateRegions(swa, ((100,), (200,)), "cpu"), "swa-runs")
     rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5), 16, 16, 9, 4)
-    rig.peer.head_slice = HeadSlice(1, 0, 0, 1, 1, 1, 2)
+    rig.peer.head_slice = HeadSlice(1, 0, 0, 2, 2, 2, 4)
     object.__setattr__(rig.ctx.pages, "head_bytes", 32)  # one head of a token, fp32
-    rig.ctx.pages.sliced[(0, 1)] = "ours-head"
+    rig.ctx.pages.sliced[(0, 2)] = "ours-head"
     sender = rig.hub.create_sender(7, "req-7", 16)
     pages, window = (np.array(p, "<i4").tobytes() for p in ([3, 4, 5, 6], [5, 8]))
     rig.hub.want(rig.peer, WindowWant(7, pages, 2, 0, packed_dst_window_pages=window))
@@ -380,7 +381,8 @@ def test_a_decode_rank_of_other_heads_gets_token_runs_of_both_parts() -> None:
     for i in range(2):
         rig.land(i)
     sender.progress()
-    assert sender.transfer_stats().bytes == 2 * 4 * 4 * 32  # 8 page-planes of 4 tokens' head
+    # 8 page-planes (2 pages: K and V of the full layer, then of the sliding one) x 4 tokens
+    assert sender.transfer_stats().bytes == 2 * 4 * 4 * 2 * 32
 
 
 @pytest.mark.parametrize(
