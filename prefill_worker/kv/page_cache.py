@@ -61,6 +61,7 @@ class PagePrefixCache:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._trusted: set[int] = set()
         self._untrusted: OrderedDict[int, None] = OrderedDict()
+        self._watchers: list[Callable[[Sequence[int]], None]] = []
 
     @property
     def num_pages(self) -> int:
@@ -161,6 +162,12 @@ class PagePrefixCache:
     def cached_page_ids(self) -> Collection[int]:
         return self._hash_of.keys()
 
+    def cached_hashes(self) -> Collection[int]:
+        return self._blocks.keys()
+
+    def watch(self, on_evicted: Callable[[Sequence[int]], None]) -> None:
+        self._watchers.append(on_evicted)
+
     def check_integrity(self) -> None:
         assert len(self._blocks) == len(self._hash_of) <= self.max_pages
         for digest, block in self._blocks.items():
@@ -204,6 +211,8 @@ class PagePrefixCache:
             page_ids.append(page_id)
             hashes.append(digest)
         self._pool.free(sorted(page_ids))  # sorted: adjacent pages free as one run
+        for on_evicted in self._watchers:
+            on_evicted(hashes)
         if hashes and report:
             self._events.blocks_removed(hashes)
         return len(page_ids)

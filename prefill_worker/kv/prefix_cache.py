@@ -15,7 +15,7 @@ released it, and speculative admission and storing evict only idle pages nobody 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,6 +100,15 @@ class PrefixCache(Protocol):
         """Every page the cache holds a reference on."""
         ...
 
+    def cached_hashes(self) -> Collection[int]:
+        """The block hash of every cached page."""
+        ...
+
+    def watch(self, on_evicted: Callable[[Sequence[int]], None]) -> None:
+        """Call ``on_evicted`` with the block hashes of the pages each eviction drops (a
+        windowed sliding pool's kept windows go with them: ``kv.sliding``)."""
+        ...
+
     def check_integrity(self) -> None: ...
 
 
@@ -144,6 +153,12 @@ class NoPrefixCache:
 
     def cached_page_ids(self) -> Collection[int]:
         return ()
+
+    def cached_hashes(self) -> Collection[int]:
+        return ()
+
+    def watch(self, on_evicted: Callable[[Sequence[int]], None]) -> None:
+        return None  # nothing is ever evicted
 
     def check_integrity(self) -> None:
         return None

@@ -12,7 +12,10 @@ prefix cache, the first pages may be a hit (shared, already computed)::
 Every page goes back through the cache's ``release``, so the cache sees pages go idle. With a
 windowed sliding pool (``kv.sliding``) the table also owns each request's sliding entries:
 reserved with its pages, grown per planned chunk (``sliding_pages_for``), trimmed after each
-chunk (``chunk_done``) and released with its pages on every path. A *speculative* request
+chunk (``chunk_done``) and released with its pages on every path. A hit then also needs its
+window kept in the sliding pool (``lookup`` truncates it to one that is); a request released
+keeps its cached chain's window there, and the cache's evictions drop windows
+(docs/prefix-cache.md, "A windowed sliding pool"). A *speculative* request
 (optimistic prefill, before its decode claimed it) evicts and stores only what no claimed
 request trusts (``prefix_cache``) until ``claim``.
 """
@@ -42,6 +45,15 @@ class _Held:
     speculative: bool = False  # not claimed yet: evicts and trusts nothing
 
 
+@dataclass(frozen=True, slots=True)
+class Detached:
+    """A request that ended while a forward used its pages (``PageTable.detach``): its full
+    pages and sliding pages, both freed once that forward was collected."""
+
+    page_ids: tuple[int, ...]
+    sliding_page_ids: tuple[int, ...] = ()
+
+
 class PageTable:
     """request_id → its pages, in prompt order; reserves from and releases to one pool,
     through one prefix cache (``NoPrefixCache`` when none is given)."""
@@ -58,9 +70,6 @@ class PageTable:
         """``sliding``: a windowed sliding pool's bookkeeping (``kv.sliding``); ``pins``:
         pages transfers keep past their requests (``kv.pins``), over ``pool``."""
         assert page_size > 0
-        assert sliding is None or cache is None or isinstance(cache, NoPrefixCache), (
-            "a windowed sliding pool bypasses the prefix cache (docs/prefix-cache.md)"
-        )
         assert pins is None or pins.pool is pool, "pins over another pool"
         self.pool = pool
         self.page_size = page_size
@@ -69,6 +78,8 @@ class PageTable:
         self._pins = pins
         if pins is not None:
             pins.bind(self.cache)
+        if sliding is not None:  # an evicted block's kept window goes with it
+            self.cache.watch(sliding.forget_windows)
         self._held: dict[str, _Held] = {}
 
     def __len__(self) -> int:
@@ -88,8 +99,18 @@ class PageTable:
 
     def lookup(self, token_ids: Sequence[int], max_hit_tokens: int | None = None) -> PrefixHit:
         """The prompt's cached prefix (at most ``max_hit_tokens`` tokens, rounded down to
-        whole pages); nothing is reserved yet."""
-        return self.cache.match(token_ids, max_hit_tokens)
+        whole pages; with a windowed sliding pool, to the longest whose window is kept);
+        nothing is reserved yet."""
+        hit = self.cache.match(token_ids, max_hit_tokens)
+        if self.sliding is None or not hit.page_ids:
+            return hit
+        num_pages = self.sliding.usable_pages(hit.block_hashes)
+        return PrefixHit(
+            hit.page_ids[:num_pages],
+            hit.block_hashes[:num_pages],
+            num_pages * self.page_size,
+            hit.num_query_tokens,
+        )
 
     def try_reserve(
         self,
@@ -103,7 +124,10 @@ class PageTable:
         assert request_id not in self._held, f"{request_id} already holds pages"
         num_new = num_pages_for(len(token_ids), self.page_size) - len(hit.page_ids)
         sliding = self.sliding
-        if sliding is not None and not sliding.try_reserve(request_id, len(token_ids)):
+        key = hit.block_hashes[-1] if hit.block_hashes else None  # its kept window's
+        if sliding is not None and not sliding.try_reserve(
+            request_id, len(token_ids), key, len(hit.page_ids)
+        ):
             return None
         self.cache.acquire(hit.page_ids)  # first: the hit's own pages must not be evicted
         if not self.cache.try_make_room(num_new, speculative):
@@ -162,30 +186,36 @@ class PageTable:
         held.is_storing = len(held.chain) == end
 
     def release(self, request_id: str) -> None:
+        """Every page back; with a windowed sliding pool the window of its cached chain is
+        kept (``kv.sliding``), so a later prompt sharing that prefix may hit it."""
         held = self._held.pop(request_id)
         self.cache.release(held.page_ids, trusted=not held.speculative)
-        if self.sliding is not None:
-            self.sliding.release(request_id)
+        sliding = self.sliding
+        if sliding is None:
+            return
+        if held.chain and held.chain[-1] in self.cache.cached_hashes():
+            sliding.keep_window(request_id, held.chain[-1], len(held.chain))
+        sliding.release(request_id)
 
-    def detach(self, request_id: str) -> tuple[int, ...]:
-        """Forget the request but keep its pages allocated; ``free_detached`` later. Its
-        sliding pages go back now: no other request reads them before writing them (a
-        chunk's new entries lie at or after its page-aligned start, written by its own
-        forward, which runs after the one in flight), and the forward in flight, which may
-        read a page already handed out again, computes rows the engine drops."""
-        if self.sliding is not None:
-            self.sliding.release(request_id)
-        return self._held.pop(request_id).page_ids
+    def detach(self, request_id: str) -> Detached:
+        """Forget the request but keep its pages, full and sliding, allocated while the
+        forward in flight uses them; ``free_detached`` once it was collected. It keeps no
+        window for the prefix cache."""
+        sliding = () if self.sliding is None else self.sliding.detach(request_id)
+        return Detached(self._held.pop(request_id).page_ids, sliding)
 
-    def free_detached(self, page_ids: Sequence[int], trusted: bool = True) -> None:
+    def free_detached(self, detached: Detached, trusted: bool = True) -> None:
         """``trusted``: as ``release`` would have (the request was not speculative)."""
-        self.cache.release(page_ids, trusted)
+        self.cache.release(detached.page_ids, trusted)
+        if self.sliding is not None:
+            self.sliding.free_detached(detached.sliding_page_ids)
 
-    def check_integrity(self, detached: Iterable[Sequence[int]] = ()) -> None:
+    def check_integrity(self, detached: Iterable[Detached] = ()) -> None:
         """Every page reference in the pool is one entry of this table (or of ``detached``),
         a pin, or the cache's own."""
+        detached = list(detached)
         held = Counter(page_id for h in self._held.values() for page_id in h.page_ids)
-        held.update(page_id for page_ids in detached for page_id in page_ids)
+        held.update(page_id for d in detached for page_id in d.page_ids)
         held.update(self.cache.cached_page_ids())
         if self._pins is not None:
             held.update(self._pins.pinned())
@@ -194,4 +224,6 @@ class PageTable:
         self.pool.check_integrity()
         self.cache.check_integrity()
         if self.sliding is not None:
-            self.sliding.check_integrity()
+            self.sliding.check_integrity(d.sliding_page_ids for d in detached)
+            cached = self.cache.cached_hashes()
+            assert all(k in cached for k in self.sliding.window_keys()), "a window uncached"

@@ -271,7 +271,7 @@ class Engine:
             num_free_pages=self._table.num_available_pages,
             num_total_pages=self._table.pool.num_pages,
             num_cached_pages=self._table.cache.num_pages,
-            num_used_sliding_pages=0 if sliding is None else sliding.pool.num_used,
+            num_used_sliding_pages=0 if sliding is None else sliding.num_held_pages,
             num_free_aux_rows=self._aux.num_free,
             num_total_aux_rows=self._aux.num_rows,
             costs=costs,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from prefill_worker.batch import BatchOutput, ChunkPlan, SampledToken
 from prefill_worker.inbox import EngineMessage
 from prefill_worker.kv.aux import AuxPool
-from prefill_worker.kv.tables import PageTable, num_pages_for
+from prefill_worker.kv.tables import Detached, PageTable, num_pages_for
 from prefill_worker.request import (
     AbortRequest,
     FinishReason,
@@ -79,7 +79,7 @@ class RequestLifecycle:
         self._poll_budget = limits.poll_budget
         self._claimed: dict[str, Request] = {}  # claimed, still BOOTSTRAPPING: looked at each turn
         # pages of ended requests a forward may write, and whether they were claimed (trusted)
-        self._deferred: list[tuple[tuple[int, ...], bool]] = []
+        self._deferred: list[tuple[Detached, bool]] = []
         self._unclosed: list[KVSender] = []  # their senders whose destination it may write
         self.handoff = Handoff(self.queues, table, aux, self.deadlines, clock, limits)
         self.outcome_counts: Counter[FinishReason] = Counter()
@@ -251,8 +251,8 @@ class RequestLifecycle:
         for sender in self._unclosed:
             sender.close()
         self._unclosed.clear()
-        for page_ids, trusted in self._deferred:
-            self._table.free_detached(page_ids, trusted)
+        for detached, trusted in self._deferred:
+            self._table.free_detached(detached, trusted)
         self._deferred.clear()
 
     def fail_all(self, reason: FinishReason, error: str) -> None:
@@ -303,7 +303,7 @@ class RequestLifecycle:
 
     def check_integrity(self) -> None:
         self.queues.check_integrity()
-        self._table.check_integrity(page_ids for page_ids, _ in self._deferred)
+        self._table.check_integrity(detached for detached, _ in self._deferred)
         self._aux.check_integrity()
         held = sum(1 for r in self.queues.live.values() if r.aux_row is not None)
         assert self._aux.num_rows - self._aux.num_free == held

@@ -222,7 +222,6 @@ class Daemon:
             self._start_kv_events(kv_event_groups(info, kv_cache.layout))
         # a hit skips the prefix's state unless that state lives in the pages (DSA's index keys)
         can_share = info.state is None or info.state.copy == PAGES
-        can_share = can_share and sliding is None  # a windowed sliding pool: no prefix cache
         prefix_cache = make_prefix_cache(cfg, pages, self.cache_events, can_share)
         engine = make_engine(
             cfg,

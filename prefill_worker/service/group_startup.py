@@ -78,7 +78,8 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
     """Refuse (``ValueError``: exit 78) at TP > 1 what no transfer sends from a
     tensor-parallel group yet, though the model runs sharded; one condition per protocol and
     kind (a group serves one protocol: ``service.schema``). Served: a DSA model's index keys
-    to SGLang decodes (every rank holds them; the leader writes them into every decode rank),
+    to SGLang and native decodes (every rank holds them, as the MLA latent beside them; the
+    leader writes them into every decode rank: the push's paged state component),
     a linear-attention hybrid's state to native, SGLang and vLLM 0.34 decodes (the leader
     gathers whole slots, ``model.state_gather``, and writes each decode rank its state or its
     share; its vLLM backend stages them in vLLM's page layout), and gpt-oss's and Gemma 3's
@@ -86,19 +87,15 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
     (the group's shared staging holds every head: docs/vllm.md, "Workers with TP > 1") and
     SGLang decodes (every rank its heads of each page; into a hybrid SWA pool, of the full
     layers' pages and of the sliding layers' window pages: docs/sglang.md, "Workers with
-    TP > 1"). Refused below: the rest."""
+    TP > 1"). Refused below: the rest (a DSA model over vLLM: its decodes get no index keys
+    from any worker; at TP 1 each of its rooms is refused ``state_unsupported``)."""
     if tp_size == 1:
         return
     where = f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}"
-    if spec.indexer is not None and "native" in protocols:
-        raise ValueError(
-            f"{where}: native decodes' index keys (DSA) from a tensor-parallel group are not "
-            "proven; serve it over sglang, or at tensor parallel 1"
-        )
     if spec.indexer is not None and "vllm" in protocols:
         raise ValueError(
             f"{where}: the transfer of its index keys (DSA) to vLLM decodes is not built; "
-            "serve it over sglang, or at tensor parallel 1"
+            "serve it over sglang or native"
         )
 
 

@@ -15,6 +15,7 @@ for a configuration problem, 1 for anything else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -30,7 +31,14 @@ from prefill_worker.service.config import EX_CONFIG, Config
 from prefill_worker.service.fdlimit import raise_fd_limit, start_listener_guard
 from prefill_worker.service.group_startup import tp_timeouts
 from prefill_worker.service.logs import configure_logging
-from prefill_worker.service.startup import ModelBuilder, StartupError, load_model
+from prefill_worker.service.startup import (
+    ModelBuilder,
+    SlidingModel,
+    StartupError,
+    load_model,
+    sliding_model,
+    windowed_pages_of,
+)
 from prefill_worker.service.teardown import prepare_exit
 from prefill_worker.service.vllm_group import Unmirrored, follow_staging
 from prefill_worker.tp.channel import FollowerChannel
@@ -63,7 +71,7 @@ def run_follower(
         if staging is not None and staging.heads is None:  # its head is another rank's
             steps = Unmirrored(runner)
         draft = runner.draft_kv.regions(0, 0) if isinstance(runner, DraftingRunner) else None
-        target = _transfer_target(config, kv_cache, heads, placement, draft)
+        target = _transfer_target(config, kv_cache, heads, placement, draft, sliding_model(info))
         channel = FollowerChannel(membership.control, placement.rank, placement.size)
         guard = start_listener_guard(config.transfer.ucx_silent_close_s)  # its agent's listener
         try:
@@ -89,10 +97,12 @@ def _transfer_target(
     num_kv_heads: int,
     placement: Placement,
     draft: KVRegions | None = None,
+    sliding: SlidingModel | None = None,
 ) -> MirrorTarget | None:
     """This rank's own transfer backend behind the mirror, for the native protocol or
     SGLang's (the configuration refuses any other choice at TP > 1: docs/parallelism.md),
-    with its draft pool (``model.draft``) beside its target pool."""
+    with its draft pool (``model.draft``) beside its target pool, and a windowed sliding
+    pool's layers (native only: ``service.sliding_pool.windowed_refusal``)."""
     cfg = config.transfer
     if cfg.protocols not in (("native",), ("sglang",)):
         return None
@@ -106,7 +116,11 @@ def _transfer_target(
     agent = make_agent(name, list(cfg.nixl_backends), devices)
     place = RankPlace(placement.rank, placement.size, num_kv_heads)
     regions = kv_cache.regions(0, 0)  # the aux rows are the leader's
-    return MirrorTarget(RankBackend(agent, place, regions, cfg.peer_timeout_s, draft=draft))
+    layers = None
+    if is_native and sliding is not None:  # its sliding layers' own pages, if windowed
+        layers = dataclasses.replace(sliding.layers, pool_pages=windowed_pages_of(regions, sliding))
+    backend = RankBackend(agent, place, regions, cfg.peer_timeout_s, draft=draft, sliding=layers)
+    return MirrorTarget(backend)
 
 
 def main(argv: Sequence[str] | None = None, build_model: ModelBuilder = build) -> int:

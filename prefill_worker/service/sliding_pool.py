@@ -12,16 +12,20 @@ from prefill_worker.model.hf_sliding import SlidingSpec
 from prefill_worker.service.schema import Config
 
 WINDOWED = "windowed"
-SERVED_PROTOCOLS = ("native", "sglang")  # read the sliding layers' own page space
+SERVED_PROTOCOLS = ("native", "sglang", "vllm")  # read the sliding layers' own page space
 
 
 def windowed_refusal(config: Config) -> str | None:
     """Why ``cache.sliding_pool windowed`` cannot start with this config, or None. The
-    native protocol (decodes of TP 1) and SGLang's (its decodes with a hybrid SWA pool) read
-    the sliding layers' own page space, at worker TP 1; vLLM 0.34's sliding group does not
-    yet (docs/models.md, 'The sliding-window pool')."""
+    native protocol (decodes of any TP size, from a worker of any TP or DP size), SGLang's
+    (its decodes with a hybrid SWA pool) and vLLM 0.34's pulls (its sliding KV-cache groups,
+    ``vllm_refusal``), these two at worker TP 1 and DP 1, read the sliding layers' own page
+    space (docs/models.md, 'The sliding-window pool')."""
     if config.cache.sliding_pool != WINDOWED:
         return None
+    vllm = vllm_refusal(config) if "vllm" in config.transfer.protocols else None
+    if vllm is not None:
+        return vllm
     others = [p for p in config.transfer.protocols if p not in SERVED_PROTOCOLS]
     if others:
         return (
@@ -30,12 +34,28 @@ def windowed_refusal(config: Config) -> str | None:
             "windowed worker would send its decodes the wrong pages; "
             "use sliding_pool full (docs/models.md, 'The sliding-window pool')"
         )
-    if config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
+    parallel = config.parallel
+    is_parallel = parallel.tp_size > 1 or parallel.dp_size > 1
+    if is_parallel and list(config.transfer.protocols) != ["native"]:
         return (
-            "cache.sliding_pool windowed: served at parallel.tp_size 1 and dp_size 1 only "
-            "(a TP group's ranks do not send their sliding pages yet); use sliding_pool full"
+            f"cache.sliding_pool windowed at parallel.tp_size {parallel.tp_size}, dp_size "
+            f"{parallel.dp_size}: served over native alone (a TP group's ranks, or DP ranks, "
+            "send their sliding pages to native decodes only); use sliding_pool full"
         )
     return None
+
+
+def vllm_refusal(config: Config) -> str | None:
+    """Why a windowed pool cannot serve this config's vLLM decodes, or None: served from a
+    ``layer_major`` pool (its staging region, ``transfer/vllm/window_staging.py``) at worker TP
+    1. A request in push mode, or naming a version without KV-cache groups (0.33), is
+    refused per request, as from a full pool (``Tickets.why_refused``)."""
+    why = None
+    if config.cache.layout != "layer_major":
+        why = f"cache.layout {config.cache.layout}: vLLM decodes are staged from a layer_major pool"
+    elif config.parallel.tp_size > 1 or config.parallel.dp_size > 1:
+        why = "vLLM decodes are staged from it at parallel.tp_size 1 and dp_size 1 only"
+    return None if why is None else f"cache.sliding_pool windowed: {why}; or use sliding_pool full"
 
 
 def windowed_pages(config: Config) -> int:
@@ -77,7 +97,8 @@ def sliding_pool_note(size: SlidingPoolSize, layer_page_bytes: int, page_size: i
         f"sliding pool (windowed): {size.num_sliding_layers} sliding layers × {size.num_pages} "
         f"pages of {page_size} tokens (quota {size.quota} pages a request: window - 1 and two "
         f"chunks) = {num_bytes / 2**30:.2f} GiB beside the pool, which holds the "
-        f"{size.num_full_layers} full layers only; no prefix cache"
+        f"{size.num_full_layers} full layers only; prefix hits at a cached chain's end, "
+        "whose last window stays in the sliding pool's spare pages"
     )
 
 

@@ -328,7 +328,9 @@ def start_transfer(
                     max_open, versions, modes, needs_kv_groups=needs_groups, has_linear_state=linear
                 )
                 linear_state = state if linear else None
-                options = _vllm_options(config, sliding, linear_state, regions.layout.num_layers)
+                pool_pages = windowed_pages_of(regions, sliding)
+                num_layers = regions.layout.num_layers
+                options = _vllm_options(config, sliding, linear_state, num_layers, pool_pages)
                 vllm = make_vllm_backend(regions, options, tickets, hooks, vllm_staging, pins)
                 backends["vllm"] = vllm
                 metrics.registry.register(VllmPullCollector(vllm.desk, vllm.pusher))
@@ -477,8 +479,13 @@ def _vllm_options(
     sliding: SlidingModel | None = None,
     state: StateRegions | None = None,
     num_kv_layers: int = 0,
+    window_pages: int = 0,
 ) -> VllmOptions:
+    """``window_pages``: a windowed sliding pool's page count (0: a full pool)."""
     cfg = config.transfer
+    window = None
+    if sliding is not None and window_pages:
+        window = dataclasses.replace(sliding.layers, pool_pages=window_pages)
     agent_name = None if cfg.agent_name is None else f"{cfg.agent_name}-vllm"
     model = cfg.vllm_model or config.http_api.served_model_name or config.model.path
     return VllmOptions(
@@ -505,6 +512,7 @@ def _vllm_options(
         else decode_ssm_dtype(
             cfg.vllm_mamba_ssm_dtype, config.model.path, state.component.tensors[0].dtype
         ),
+        window=window,
     )
 
 

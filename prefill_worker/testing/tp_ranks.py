@@ -56,9 +56,9 @@ class FailingRunner:
 def dump_pool(kv_cache: KVCache, path: Path, state: Any = None) -> None:
     """``state``: a hybrid model's ``StateCache`` (this rank's heads), dumped beside."""
     layout = kv_cache.layout
-    pages = range(layout.num_pages)
     k, v = [], []
     for layer in range(layout.num_layers):
+        pages = range(len(kv_cache.k[layer]))  # a windowed pool's sliding layers: their own
         both = [kv_cache.read_page(layer, page) for page in pages]
         k.append(torch.stack([pair[0] for pair in both]).clone())
         v.append(torch.stack([pair[1] for pair in both]).clone())

@@ -265,6 +265,6 @@ class MirrorTarget:
             while queued and sender.poll() in _PUSHING:
                 op = queued.popleft()
                 if op.kind == "pages":
-                    sender.send_pages(op.page_ids, op.first)
+                    sender.send_pages(op.page_ids, op.first, op.sliding_page_ids)
                 else:
                     sender.send_aux(op.first)

@@ -76,7 +76,9 @@ HELD_AUX_POLL_S = 0.002  # how soon the engine looks again while an aux row wait
 class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
     """One sender call to repeat on every follower's backend (``kind``: create | pages | aux |
     fail | close | peer | bind; the fields each kind uses, the others left at their defaults;
-    ``peer``: ``register``; ``bind``: ``agent_names`` and their ``wants``)."""
+    ``peer``: ``register``; ``bind``: ``agent_names`` and their ``wants``; ``pages``: a
+    windowed sliding pool's entries of the same pages too, ``sliding_page_ids``: every rank
+    holds the same, the step's plan gave them)."""
 
     kind: str
     room: int
@@ -89,6 +91,7 @@ class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
     register: wire.Register | None = None
     agent_names: list[str] = []
     wants: list[wire.Want | WindowWant] = []  # a hybrid SWA decode's names its window too
+    sliding_page_ids: list[int] = []
 
 
 @runtime_checkable
@@ -192,9 +195,11 @@ class GroupSender:
         if not self._is_bound:
             self._is_bound = True
             self._mirror_bind()
-        self._mirror.mirror(
-            MirrorOp("pages", self._room, page_ids=list(page_ids), first=first_page)
+        pages, sliding = list(page_ids), list(sliding_page_ids)
+        op = MirrorOp(
+            "pages", self._room, page_ids=pages, first=first_page, sliding_page_ids=sliding
         )
+        self._mirror.mirror(op)
 
     def send_aux(self, aux_row: int) -> None:
         self._mirror.mirror(MirrorOp("aux", self._room, first=aux_row))

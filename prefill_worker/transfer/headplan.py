@@ -43,7 +43,10 @@ Descriptor lists for slices (``slice_table``), one per side, in the row form NIX
                                                 head_offset heads into the token
 
 Layer-major pages of a layer are adjacent, so a layer-plane is one row of num_pages *
-page_size tokens; page-major ones are not, so it is a row per page (2L * num_pages rows).
+page_size tokens; page-major ones are not, so it is a row per page (2L * num_pages rows). A
+windowed sliding pool's sliding layer-planes hold their own page count
+(``KVRegions.layer_pages``), so later planes start earlier: ``transfer.push.window_route``
+indexes such a list (``FullPoolWindow`` with ``runs`` page_size).
 """
 
 from __future__ import annotations
@@ -173,13 +176,17 @@ def slice_table(regions: KVRegions, head_offset: int, num_heads: int) -> np.ndar
         raise ValueError(f"heads [{head_offset}, +{num_heads}) outside {lay.num_kv_heads}")
     bases = [a + head_offset * head_bytes for a in regions.k_base_addrs + regions.v_base_addrs]
     num_bytes, dev = num_heads * head_bytes, device_id(regions.device)
+    counts = regions.layer_pages * 2 or (lay.num_pages,) * len(bases)  # a windowed pool
     if lay.page_stride_bytes == lay.page_bytes:  # a layer's pages are adjacent
-        rows = [[b, num_bytes, dev, token_bytes, lay.num_pages * lay.page_size] for b in bases]
+        rows = [
+            [b, num_bytes, dev, token_bytes, n * lay.page_size]
+            for b, n in zip(bases, counts, strict=True)
+        ]
     else:
         rows = [
             [b + p * lay.page_stride_bytes, num_bytes, dev, token_bytes, lay.page_size]
-            for b in bases
-            for p in range(lay.num_pages)
+            for b, n in zip(bases, counts, strict=True)
+            for p in range(n)
         ]
     return np.array(rows, dtype=np.uint64).reshape(len(rows), len(STRIDED_COLUMNS))
 
@@ -193,14 +200,6 @@ def slice_indices(pages: np.ndarray, layout: KVLayout) -> np.ndarray:
         np.asarray(pages, dtype=np.int32),
     ).ravel()
     return np.add.outer(starts * page_size, np.arange(page_size, dtype=np.int32)).ravel()
-
-
-def token_runs(indices: np.ndarray, page_size: int) -> np.ndarray:
-    """Descriptor indices of whole pages in a per-layer-plane list (``r * num_pages + p``)
-    as the indices of the same pages' token runs in ``slice_table``'s list of the same pool,
-    in the same order: each page's ``page_size`` tokens."""
-    starts = np.asarray(indices, dtype=np.int32) * np.int32(page_size)
-    return np.add.outer(starts, np.arange(page_size, dtype=np.int32)).ravel()
 
 
 def num_descriptors(head_slice: HeadSlice, num_layers: int, page_size: int, num_pages: int) -> int:

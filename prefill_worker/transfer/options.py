@@ -109,6 +109,9 @@ class VllmOptions:
     state: StateRegions | None = None
     # The decode's recurrent-state dtype (its mamba_ssm_cache_dtype, resolved), those pages'.
     state_ssm_dtype: str = "float32"
+    # A windowed sliding pool's sliding layers (``pool_pages`` set): their window is staged
+    # from the sliding pages (transfer.vllm.window_staging); None: a full pool.
+    window: SlidingLayers | None = None
 
 
 @dataclass(frozen=True, slots=True)

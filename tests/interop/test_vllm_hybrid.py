@@ -7,8 +7,11 @@ list per group, a sliding group's its window's: vLLM pairs every region (its gro
 ours, else it raises), reads with no load error, the full layer's every token and the sliding
 layers' window blocks byte for byte the worker's pool, transformers' K/V within 1e-4 (fp32)
 where transformers keeps them. A request naming vLLM 0.33 is refused by the HTTP front
-(``swa_unsupported``, 400 with the reason); staging and pool whole after each. One worker and
-one decode for the module (the decode imports vLLM: ~1 min)."""
+(``swa_unsupported``, 400 with the reason); staging and pool whole after each. The same from a
+second worker whose sliding layers keep only their window (``cache.sliding_pool windowed``):
+the full layer's every token, the sliding layers' held window byte for byte its sliding pages,
+the window blocks' earlier positions zeros, its sliding pool whole. One decode for the module
+(it imports vLLM: ~1 min), pulling from both workers."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from tests.interop.test_vllm_worker import (
     BLOCK,
     PAGE,
     _in_pool,
+    _metric,
     _pool,
     _post,
     _prefill,
@@ -34,6 +38,7 @@ from tests.interop.test_vllm_worker import (
     _start,
 )
 from tests.interop.vllm_decode import VllmDecodeProcess, vllm_pythonpath
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.interop
 
@@ -47,6 +52,7 @@ FAMILIES = {  # vLLM's layer name suffix, each layer's group (tests/checkpoints.
 }
 # gpt-oss by default (each family is a decode process importing vLLM, ~1 min);
 # PW_VLLM_SWA_FAMILIES="gpt_oss gemma3" runs both, as they passed when this was built.
+SLIDING_USED = "prefill_worker_sliding_pages_used"  # a windowed worker's sliding pool
 RUN_FAMILIES = os.environ.get("PW_VLLM_SWA_FAMILIES", "gpt_oss").split()
 
 
@@ -64,7 +70,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
 @pytest.fixture(scope="module")
 def decode(checkpoint: Path) -> Iterator[VllmDecodeProcess]:
     log_path = checkpoint.parent / "decode.log"
-    process = VllmDecodeProcess(checkpoint, log_path, num_blocks=64, version=VERSION)
+    process = VllmDecodeProcess(checkpoint, log_path, num_blocks=128, version=VERSION)
     try:
         yield process
     finally:
@@ -80,6 +86,29 @@ def served(
     try:
         worker.child.wait_ready(120)
         assert decode.call("info", timeout_s=300)["attn_backend_name"] == "CPU_ATTN"  # vLLM up
+        yield worker, api
+        assert worker.child.stop() == 0, worker.log()
+    finally:
+        worker.child.kill()
+
+
+@pytest.fixture(scope="module")
+def windowed(
+    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, decode: VllmDecodeProcess
+) -> Iterator[tuple[Worker, str]]:
+    """A second worker, its sliding layers in their own page space (``cache.sliding_pool
+    windowed``): the same decode pulls from both (its blocks are never freed: 128 do)."""
+    tmp = tmp_path_factory.mktemp("vllm-swa-windowed")
+    worker, api = _start(
+        tmp,
+        checkpoint,
+        checkpoint,
+        "scheduler.optimistic_prefill=false",
+        "cache.sliding_pool=windowed",
+        'transfer.vllm_versions=["0.34.0"]',
+    )
+    try:
+        worker.child.wait_ready(120)
         yield worker, api
         assert worker.child.stop() == 0, worker.log()
     finally:
@@ -136,3 +165,50 @@ def test_a_request_for_vllm_0_33_is_refused_with_the_reason(served: tuple[Worker
         answer
     ), answer
     _staging_whole(worker)
+
+
+def test_a_windowed_worker_sends_the_full_layers_and_the_held_windows(
+    windowed: tuple[Worker, str],
+    decode: VllmDecodeProcess,
+    family: str,
+    checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    """From a windowed pool (``transfer/vllm/window_staging.py``): the same block lists; the
+    full layer's every token and each sliding layer's held window (from the page of position
+    ``n - 23`` on) byte for byte the worker's pool (its sliding pages), transformers' K/V
+    where transformers keeps them; the sliding blocks' positions before the held window are
+    zeros; staging, pool and sliding pool whole after each prompt."""
+    worker, api = windowed
+    suffix, group_of = FAMILIES[family]
+    full = max(group_of.values())
+    for n in (1, 31, 33, 300):  # one page; a block's worth; two blocks; the window's 2 of 10
+        ids = prompt(n, seed=400 + n)
+        params = _prefill(api, ids, VERSION)
+        num_blocks = -(-n // BLOCK)
+        sent = params["remote_block_ids"]
+        window = min(num_blocks, WINDOW_BLOCKS)
+        assert [len(g) for g in sent] == [
+            num_blocks if g == full else window for g in range(full + 1)
+        ]
+        outcome = decode.pull_and_wait(f"windowed-{n}", params)
+        assert outcome["finished"] and outcome["load_errors"] == [], outcome
+        pulled = decode.blocks(f"windowed-{n}", tmp_path / f"{n}.npz")
+        pool_k, pool_v = _pool(worker)  # the sliding layers' own pages for those layers
+        _, hf_kv = hf_reference(checkpoint, ids)
+        for layer, (k_ref, v_ref) in enumerate(hf_kv):
+            heads, dim = k_ref.shape[1], k_ref.shape[2]
+            tokens = _tokens(pulled[f"model.layers.{layer}.{suffix}"], heads, dim)
+            first = (num_blocks - len(sent[group_of[layer]])) * BLOCK  # the blocks' first token
+            tokens = tokens[: n - first]
+            held = 0  # the first position the worker holds of this layer, from ``first``
+            if group_of[layer] != full:
+                held = max(first, max(0, n - KEPT) // PAGE * PAGE) - first
+                assert not tokens[:held].view(torch.int32).any(), f"{n} layer {layer}: zeros"
+            kept = n if group_of[layer] == full else min(n, KEPT)  # what transformers keeps
+            torch.testing.assert_close(tokens[-kept:, :, :dim], k_ref[-kept:], atol=1e-4, rtol=0)
+            torch.testing.assert_close(tokens[-kept:, :, dim:], v_ref[-kept:], atol=1e-4, rtol=0)
+            assert _in_pool(pool_k[layer], tokens[held:, :, :dim], PAGE), f"K {n} layer {layer}"
+            assert _in_pool(pool_v[layer], tokens[held:, :, dim:], PAGE), f"V {n} layer {layer}"
+        _staging_whole(worker)
+        wait_until(lambda: _metric(worker, SLIDING_USED) == 0, 10.0, "the sliding pool whole")

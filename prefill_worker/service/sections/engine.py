@@ -122,11 +122,12 @@ class CacheConfig(Section):
         description="A sliding-window model's (gpt-oss, Gemma 3) sliding layers: `full` keeps "
         "their K/V for every position in the one pool (what every decode can take); "
         "`windowed` gives them their own page space holding only the window each still needs "
-        "and the chunks in flight (about half a gpt-oss pool for long prompts; no prefix "
-        "cache). Served at TP 1 over `transfer.protocol` native (decodes of TP 1) and sglang "
-        "(decodes with hybrid SWA memory, gpt-oss); the worker refuses `windowed` at start "
-        "for vllm; `check-config` shows its arithmetic (docs/models.md, 'The sliding-window "
-        "pool').",
+        "and the chunks in flight (about half a gpt-oss pool for long prompts; prefix hits "
+        "only at a cached chain's end, whose window it keeps). Served over "
+        "`transfer.protocol` native (decodes of any TP size, from any `parallel.tp_size` or "
+        "`dp_size`) and, at TP 1 and DP 1, sglang (decodes with hybrid SWA memory, gpt-oss) "
+        "and vllm (0.34 pull decodes; a `layer_major` pool); `check-config` shows its "
+        "arithmetic (docs/models.md, 'The sliding-window pool').",
     )
     sliding_pages: int | None = Field(
         None,

@@ -37,7 +37,7 @@ from prefill_worker.transfer.nixl.rank_writer import RankPlace, prep_local_slice
 from prefill_worker.transfer.nixl.state_lists import StateLists, prep_state_list
 from prefill_worker.transfer.push.hub import PushHub
 from prefill_worker.transfer.push.peer import Peer
-from prefill_worker.transfer.push.window_route import FullPoolWindow
+from prefill_worker.transfer.push.window_route import full_pool_route
 from prefill_worker.transfer.swa_window import SlidingLayers
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
@@ -134,7 +134,7 @@ class BootstrapDesk:
         if isinstance(rank, Refusal):
             return self._refuse(identity, rank, msg.agent_name)
         layout, head_slice, is_fed = rank
-        refusal = check_register(msg, layout, self._limits) or self._windowed_refusal(msg, rank)
+        refusal = check_register(msg, layout, self._limits) or self._windowed_refusal(msg)
         if refusal is not None:
             return self._refuse(identity, refusal, msg.agent_name)
         state = self._decode_state(msg)
@@ -178,11 +178,10 @@ class BootstrapDesk:
             return self._refuse(identity, Refusal(RejectReason.NIXL_REFUSED, why), msg.agent_name)
         peer = Peer(identity, name, regions, lists, self._hub.clock(), head_slice=head_slice)
         peer.state = state_lists
-        if self._sliding is not None:  # full layers whole, sliding layers their window
-            ours, theirs = self._layout, regions.layout
-            peer.route = FullPoolWindow(
-                self._sliding, ours.num_pages, theirs.num_pages, ours.page_size
-            )
+        ours, theirs = self._layout, regions.layout  # full layers whole, sliding their window
+        peer.route = full_pool_route(
+            self._sliding, ours.num_pages, theirs.num_pages, ours.page_size, head_slice is None
+        )
         peer.is_fed, peer.registration = is_fed, msg
         if msg.tp is not UNSET:
             peer.tp_rank, peer.tp_size = msg.tp.tp_rank, msg.tp.tp_size
@@ -214,24 +213,17 @@ class BootstrapDesk:
             return layout, None, False
         return layout, None if head_slice.is_whole_page else head_slice, True
 
-    def _windowed_refusal(
-        self, msg: wire.Register, rank: tuple[KVLayout, HeadSlice | None, bool]
-    ) -> Refusal | None:
-        """A windowed sliding pool (``push.window_route``) feeds whole pages of a decode of
-        TP 1 only: a decode rank taking head slices, or a draft pool, is refused by name."""
-        if self._sliding is None:
-            return None
-        if rank[1] is not None or (msg.tp is not UNSET and msg.tp.tp_size > 1):
-            why = "a decode of TP > 1 (head slices)"
-        elif msg.draft is not UNSET:
-            why = "a decode with a draft pool"
-        else:
+    def _windowed_refusal(self, msg: wire.Register) -> Refusal | None:
+        """A windowed sliding pool (``push.window_route``) feeds a decode of any TP size
+        (whole pages or its head slices) but not a draft pool (its layers follow the
+        target's in our lists, which the route does not address): refused by name."""
+        if self._sliding is None or msg.draft is UNSET:
             return None
         return Refusal(
             RejectReason.UNSUPPORTED,
-            f"{why}: this worker keeps its sliding layers' window only (cache.sliding_pool "
-            "windowed) and sends it to whole-page decodes of TP 1 without a draft; start the "
-            "worker with sliding_pool full",
+            "a decode with a draft pool: this worker keeps its sliding layers' window only "
+            "(cache.sliding_pool windowed) and sends it to decodes without a draft; start "
+            "the worker with sliding_pool full",
         )
 
     def _decode_state(self, msg: wire.Register) -> StateRegions | Refusal | None:

@@ -31,7 +31,12 @@ call, which the follower reports to the leader in its step answer, ``tp/channel.
 group's ``prefill_worker_transfer_bytes_total`` and this rank's
 ``prefill_worker_tp_write_bytes_total``). A rank writes nothing for a room whose decode ranks
 the head plan gives to other ranks (an MLA latent into a decode of TP 1: rank 0 alone).
-Torch-free; importing it imports NIXL.
+
+A windowed sliding pool (``cache.sliding_pool``; ``sliding``) is written as the leader's
+push writes it (``push.window_route.FullPoolWindow``, whole pages or this rank's head slice
+in token runs): full layers whole, each sliding layer's window from the room's sliding
+pages, which the ``pages`` op carries (every rank holds the same sliding pages: the step's
+plan names them). Torch-free; importing it imports NIXL.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from msgspec import UNSET
 
 from prefill_worker.kv.layout import KVRegions
@@ -53,8 +59,10 @@ from prefill_worker.transfer.draft import pool_into, with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
 from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter, WindowPool
 from prefill_worker.transfer.pagemap import map_pages, num_prompt_pages
+from prefill_worker.transfer.push.window_route import FullPoolWindow, chunk_writes, full_pool_route
 from prefill_worker.transfer.swa_window import (
     SWA_KIND,
+    SlidingLayers,
     WindowWant,
     swa_pool_regions,
     window_slots,
@@ -73,13 +81,14 @@ class _DecodeRank:
     agent_name: str
     writer: RankWriter
     name: str | None
+    route: FullPoolWindow | None = None  # a windowed sliding pool's pages into its pool
 
 
 class RankSender:
     """One room on this rank (the module docstring's states)."""
 
     def __init__(self, backend: RankBackend, room: int, num_prompt_tokens: int = 0) -> None:
-        self._backend, self.room = backend, room
+        self._backend, self.room, self._num_prompt_tokens = backend, room, num_prompt_tokens
         self._num_prompt_pages = num_prompt_pages(max(num_prompt_tokens, 1), backend.page_size)
         self._state = KVPoll.READY
         self._reason: str | None = None
@@ -123,22 +132,38 @@ class RankSender:
                 return self.fail(f"decode agent {rank.agent_name} registered again")
             try:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
-                writes = [(src, dst, False)]
+                if len(src):
+                    self._post(rank, want, src, dst, (page_ids, first_page, sliding_page_ids))
                 if isinstance(want, WindowWant):  # the window's pages into its SWA pool too
                     first = first_page + len(page_ids) - len(src)
-                    window = want.dst_window_pages
-                    kept, slots = window_slots(window, self._num_prompt_pages, first, len(src))
-                    writes.append((src[kept], slots, True))
-                for pages, into, is_window in writes:
-                    if len(pages):
-                        self._post(rank.writer, rank.name, pages, into, is_window)
+                    window, pages = want.dst_window_pages, self._num_prompt_pages
+                    kept, slots = window_slots(window, pages, first, len(src))
+                    if len(slots):
+                        self._post(rank, want, src[kept], slots, None)
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
 
-    def _post(self, writer: RankWriter, name: str, src: Any, dst: Any, is_window: bool) -> None:
-        handle, num_bytes = writer.post(name, src, dst, b"", window=is_window)
-        self._backend.count_posted(writer)
-        self._handles.append((handle, self._backend.clock(), num_bytes, writer))
+    def _post(
+        self,
+        rank: _DecodeRank,
+        want: wire.Want,
+        src: np.ndarray,
+        dst: np.ndarray,
+        chunk: tuple[Sequence[int], int, Sequence[int]] | None,
+    ) -> None:
+        """One WRITE of this rank's slice of ``src`` into ``dst``: every region, or where the
+        decode rank's route sends each (``ValueError`` for a window page not given); no
+        ``chunk``: the window's pages into the decode rank's hybrid SWA pool."""
+        assert rank.name is not None
+        if chunk is None or rank.route is None:
+            handle, num_bytes = rank.writer.post(rank.name, src, dst, b"", window=chunk is None)
+        else:
+            parts = chunk_writes(rank.route, want, self._num_prompt_tokens, chunk, src, dst)
+            local = np.concatenate([part.local for part in parts])
+            remote = np.concatenate([part.remote for part in parts])
+            handle, num_bytes = rank.writer.post_indices(rank.name, local, remote, b"")
+        self._backend.count_posted(rank.writer)
+        self._handles.append((handle, self._backend.clock(), num_bytes, rank.writer))
         self._num_writes += 1
 
     def send_aux(self, aux_row: int) -> None:
@@ -221,11 +246,15 @@ class RankBackend:
         write_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         draft: KVRegions | None = None,
+        sliding: SlidingLayers | None = None,
     ) -> None:
         """``draft``: this rank's draft pool (``model.draft``), written with the target's
         pages into a decode rank that registered a draft pool (its layers after the
-        target's, ``transfer.draft.with_draft_layers``); any other gets the target's."""
+        target's, ``transfer.draft.with_draft_layers``); any other gets the target's.
+        ``sliding``: a windowed sliding pool's layers (``pool_pages`` > 0; the module
+        docstring), None or 0 without one."""
         self.agent, self.place, self._regions, self._draft = agent, place, regions, draft
+        self._sliding = sliding
         both = regions if draft is None else with_draft_layers(regions, draft)
         self.write_timeout_s, self.clock = write_timeout_s, clock
         self.page_size = regions.layout.page_size
@@ -262,7 +291,22 @@ class RankBackend:
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
             return
-        self._ranks[msg.agent_name] = _DecodeRank(msg.agent_name, writer, name)
+        self._ranks[msg.agent_name] = _DecodeRank(
+            msg.agent_name, writer, name, self._route(writer, theirs, dst_rank, dst_tp)
+        )
+
+    def _route(
+        self, writer: RankWriter, theirs: KVRegions, dst_rank: int, dst_tp: int
+    ) -> FullPoolWindow | None:
+        """A windowed sliding pool's route into the decode rank (None: no windowed pool, or
+        this rank feeds it nothing)."""
+        head_slice = writer.slice_for(dst_rank, dst_tp)
+        if head_slice is None:
+            return None
+        ours, is_whole = self._regions.layout, head_slice.is_whole_page
+        return full_pool_route(
+            self._sliding, ours.num_pages, theirs.layout.num_pages, self.page_size, is_whole
+        )
 
     def _decode_pool(self, msg: wire.Register) -> KVRegions:
         """The decode rank's pool as this rank writes it: with its draft pool's layers after

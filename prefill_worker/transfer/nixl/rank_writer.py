@@ -151,13 +151,23 @@ class RankWriter:
         ``dst_pages`` (``window``: our sliding layers' pages into its hybrid SWA pool's): the
         handle (``agent.check_xfer_state`` says when it landed) and the bytes its descriptors
         cover. ``ValueError`` for a window into a decode rank without that pool."""
-        peer = self._peers[name]
-        part = peer.window if window else peer.kv
-        if part is None:
-            raise ValueError(f"decode agent {name} registered no hybrid SWA pool")
-        is_whole = peer.head_slice.is_whole_page
+        part = self._part_of(name, window)
+        is_whole = self._peers[name].head_slice.is_whole_page
         local_idx = write_indices(src_pages, part.ours, is_whole)
         remote_idx = write_indices(dst_pages, part.theirs, is_whole)
+        return self.post_indices(name, local_idx, remote_idx, notif, window)
+
+    def post_indices(
+        self,
+        name: str,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        window: bool = False,
+    ) -> tuple[Any, int]:
+        """``post`` of descriptor indices given (a route's: ``push.window_route``, whose
+        ``runs`` are 1 for a whole-page slice, else ``page_size``)."""
+        part = self._part_of(name, window)
         handle = self._agent.make_prepped_xfer(
             "WRITE", part.local, local_idx, part.remote, remote_idx, notif
         )
@@ -166,6 +176,13 @@ class RankWriter:
             handle.release()
             raise RuntimeError(f"NIXL refused a write to {name}")
         return handle, len(local_idx) * part.descriptor_bytes
+
+    def _part_of(self, name: str, window: bool) -> _Part:
+        peer = self._peers[name]
+        part = peer.window if window else peer.kv
+        if part is None:
+            raise ValueError(f"decode agent {name} registered no hybrid SWA pool")
+        return part
 
     def close(self) -> None:
         """Release every prepared list and forget the decode agents (errors logged: the peer

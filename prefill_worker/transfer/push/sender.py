@@ -43,7 +43,7 @@ from prefill_worker.kv.state_layout import PAGES
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
-from prefill_worker.transfer.headplan import slice_indices, token_runs
+from prefill_worker.transfer.headplan import slice_indices
 from prefill_worker.transfer.nixl.poster import Write, WritePoster
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.nixl.writes import WriteSet
@@ -416,15 +416,18 @@ class PushSender(Generic[P]):
         first_page: int,
         sliding: np.ndarray | None,
     ) -> None:
-        """Each part of the pages where the peer's route sends it: whole pages, or, into a
-        decode rank holding other heads than ours (``Peer.head_slice``), the same pages' token
-        runs of its heads (its lists, the KV and the state pool's, are token runs then)."""
+        """Each part of the pages where the peer's route sends it: whole pages, or the
+        token runs of its head slice (the route's indices then address those lists)."""
         assert peer.route is not None
         try:
             parts = peer.route.writes(want, self.num_prompt_tokens, src, dst, first_page, sliding)
         except ValueError as exc:
             return self.fail(str(exc))
         pages, head_slice = self._ctx.pages, peer.head_slice
+        local_list, desc_bytes = pages.local, pages.region_bytes
+        if head_slice is not None:
+            local_list = pages.sliced[(head_slice.src_head_offset, head_slice.num_heads)]
+            desc_bytes = head_slice.num_heads * pages.head_bytes
         for part in parts:
             if not len(part.local):
                 continue
@@ -433,14 +436,10 @@ class PushSender(Generic[P]):
                 remote_list = peer.state.prepped
             else:
                 remote_list = peer.lists.kv
-            local_list, local, remote = pages.local, part.local, part.remote
-            num_bytes = len(local) * pages.region_bytes
-            if head_slice is not None:
-                local_list = pages.sliced[(head_slice.src_head_offset, head_slice.num_heads)]
-                page_size = self._ctx.layout.page_size
-                local, remote = token_runs(local, page_size), token_runs(remote, page_size)
-                num_bytes = len(local) * head_slice.num_heads * pages.head_bytes
-            write = self._ctx.poster.post(local_list, local, remote_list, remote, b"", num_bytes)
+            num_bytes = len(part.local) * desc_bytes
+            write = self._ctx.poster.post(
+                local_list, part.local, remote_list, part.remote, b"", num_bytes
+            )
             self._writes.add(write, self._ctx.clock())
 
     def _post_state(self) -> None:

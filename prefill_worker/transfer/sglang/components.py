@@ -106,10 +106,11 @@ class StateComponents:
         return None
 
     def route(
-        self, ours: KVLayout, peer: KVRegions, state: StateLists | None
+        self, ours: KVLayout, peer: KVRegions, state: StateLists | None, is_whole: bool = True
     ) -> WindowRoute | None:
-        """Where each page's regions go for a decode holding a hybrid SWA pool; else None."""
-        return window_route(self._sliding, ours, peer, state)
+        """Where each page's regions go for a decode holding a hybrid SWA pool (whole pages,
+        or, ``is_whole`` False, its head slice's token runs); else None."""
+        return window_route(self._sliding, ours, peer, state, is_whole)
 
     def want(
         self, req: TransferRequest, peer: SglangPeer

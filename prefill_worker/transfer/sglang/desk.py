@@ -202,7 +202,7 @@ class SglangDesk:
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
             state=prepped,
             local_state=accepted.share,
-            route=self._components.route(self._layout, regions, prepped),
+            route=self._components.route(self._layout, regions, prepped, sliced is None),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer

@@ -42,7 +42,12 @@ from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions, 
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.peer import RoutedWrite
-from prefill_worker.transfer.push.window_route import local_offsets, region_at, window_sources
+from prefill_worker.transfer.push.window_route import (
+    local_offsets,
+    region_at,
+    token_runs,
+    window_sources,
+)
 from prefill_worker.transfer.sglang.accept import rank_layout
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
 from prefill_worker.transfer.swa_window import (
@@ -156,22 +161,30 @@ def window_want(req: TransferRequest) -> WindowWant | Refusal:
 
 
 def window_route(
-    sliding: SlidingLayers | None, ours: KVLayout, peer: KVRegions, swa: StateLists | None
+    sliding: SlidingLayers | None,
+    ours: KVLayout,
+    peer: KVRegions,
+    swa: StateLists | None,
+    is_whole: bool = True,
 ) -> WindowRoute | None:
     """Where a decode with a hybrid SWA pool (``swa``; None: it has none) takes each of our
-    regions; ``peer`` is its KV list."""
+    regions; ``peer`` is its KV list; whole pages (``is_whole``: the decode rank's heads are
+    ours), else a head slice's token runs."""
     if swa is None or sliding is None:
         return None
     swa_pages = swa.regions.component.num_items
-    peer_pages = peer.layout.num_pages
-    return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, ours.page_size)
+    peer_pages, page_size = peer.layout.num_pages, ours.page_size
+    runs = 1 if is_whole else page_size
+    return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, page_size, runs)
 
 
 class WindowRoute:
     """``PageRoute`` of one decode with a hybrid SWA pool; ``local_pages`` is our pool's page
     count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's. With a windowed
     sliding pool (``sliding.pool_pages``) a sliding layer's window pages are read from the
-    request's sliding pages (``writes``' ``sliding``), in the sliding layers' own regions."""
+    request's sliding pages (``writes``' ``sliding``), in the sliding layers' own regions.
+    Whole pages (``runs`` 1), or a head slice's token runs (``runs`` page_size: every list
+    ``headplan.slice_table``'s, ``window_route.token_runs``)."""
 
     def __init__(
         self,
@@ -180,6 +193,7 @@ class WindowRoute:
         peer_pages: int,
         swa_pages: int,
         page_size: int,
+        runs: int = 1,
     ) -> None:
         n = sliding.num_layers
         self._full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
@@ -188,7 +202,7 @@ class WindowRoute:
         self._peer_pages, self._swa_pages = peer_pages, swa_pages
         offsets = local_offsets(sliding, local_pages)
         self._full_at, self._sliding_at = offsets[self._full], offsets[self._sliding]
-        self.is_windowed = sliding.pool_pages > 0
+        self.is_windowed, self._runs = sliding.pool_pages > 0, runs
 
     def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
         """The prompt pages whose sliding layers the decode keeps."""
@@ -222,9 +236,10 @@ class WindowRoute:
         sliding: np.ndarray | None = None,
     ) -> Sequence[RoutedWrite]:
         assert isinstance(want, WindowWant), "checked at bind"
+        runs = self._runs
         full = RoutedWrite(
-            region_at(self._full_at, src),
-            _indices(np.arange(len(self._full)), self._peer_pages, dst),
+            token_runs(region_at(self._full_at, src), runs),
+            token_runs(_indices(np.arange(len(self._full)), self._peer_pages, dst), runs),
             is_state=False,
         )
         window = self.window(want, num_prompt_tokens)
@@ -232,8 +247,8 @@ class WindowRoute:
         # a windowed pool: the window's own pages (``kv.sliding``: held until release)
         swa_src = window_sources(sliding, len(src), kept) if self.is_windowed else src[kept]
         part = RoutedWrite(
-            region_at(self._sliding_at, swa_src),
-            _indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst),
+            token_runs(region_at(self._sliding_at, swa_src), runs),
+            token_runs(_indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst), runs),
             is_state=True,
         )
         return (full, part)

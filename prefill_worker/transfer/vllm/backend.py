@@ -68,6 +68,7 @@ from prefill_worker.transfer.vllm.staging import (
 )
 from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
+from prefill_worker.transfer.vllm.window_staging import StagedWindow, staged_window
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,21 @@ def our_hash(registration: PullRegistration, version: str, mode: str = PULL) -> 
         transfer_mode=mode,
     ).for_profile(PROFILES[version])
     return compat_hash(factors)
+
+
+def _staged_window(
+    regions: KVRegions, options: VllmOptions, group: GroupStaging | None
+) -> StagedWindow | None:
+    """A windowed sliding pool's staging (``window_staging``), or None for a full pool."""
+    if options.window is None:
+        return None
+    if options.groups is None or group is not None or is_direct(regions):
+        raise StagingRefused(
+            "cache.sliding_pool windowed: vLLM decodes are staged from it at worker TP 1, in "
+            "their KV-cache groups, from a layer_major pool"
+        )
+    ps = regions.layout.page_size
+    return staged_window(options.window, options.groups, ps, options.block_size)
 
 
 def check_cache_dtype(identity: VllmIdentity, pool_dtype: str) -> None:
@@ -190,10 +206,11 @@ class VllmBackend:
             self.state_staging = StateStaging(options.state, blocks, page_bytes, ssm_dtype)
         self.mirror_heads = None if group is None else group.heads
         holds = HoldTable(options.lease_s, options.read_grace_s)
+        window = _staged_window(regions, options, group)
         self._repacker = ThreadPoolExecutor(1, thread_name_prefix="vllm-repack")
-        pool = PoolViews(regions)
+        pool = PoolViews(regions, () if window is None else window.sliding)
         self.desk = PullDesk(staging, pool, holds, tickets, self.clock, self._repacker, group)
-        self.desk.groups = options.groups
+        self.desk.groups, self.desk.window = options.groups, window
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
         self.agent: Any = make_agent(
@@ -257,8 +274,8 @@ class VllmBackend:
         the blocks of the chunks the senders mirror (``sender.mirror_slots``); at TP > 1 this
         rank's heads of them (``mirror_heads``)."""
         staging = self.desk.staging
-        if not isinstance(staging, StagingPool):  # the pool itself: nothing to mirror
-            return ()
+        if not isinstance(staging, StagingPool) or self.desk.window is not None:
+            return ()  # the pool itself, or a windowed sliding pool's (repacked): no mirror
         return tuple(staging.layer_view(i) for i in range(staging.layout.num_layers))
 
     # -- the TransferBackend seam -------------------------------------------------------

@@ -33,6 +33,7 @@ from prefill_worker.transfer.vllm.shared import GroupStaging, Stage
 from prefill_worker.transfer.vllm.staging import BlockStore, PoolViews, StagingPool, repack
 from prefill_worker.transfer.vllm.state_staging import StateStaging
 from prefill_worker.transfer.vllm.tickets import Tickets
+from prefill_worker.transfer.vllm.window_staging import StagedWindow, check_window, repack_window
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class PullDesk:
         self.page_size = pool.page_size
         self.groups: VllmGroups | None = None  # a hybrid model's KV-cache groups
         self.state_staging: StateStaging | None = None  # its linear layers' state pages
+        self.window: StagedWindow | None = None  # a windowed sliding pool (window_staging)
         self.counts = StageCounts()
         self.bad_log = RateLimitedLog(log, BAD_NOTIFICATION_LOG_S)
 
@@ -145,19 +147,48 @@ class PullDesk:
         )
 
     def begin_stage(
-        self, page_ids: Sequence[int], first_page: int, blocks: Sequence[int], tokens: range
+        self,
+        page_ids: Sequence[int],
+        first_page: int,
+        blocks: Sequence[int],
+        tokens: range,
+        sliding_page_ids: Sequence[int] = (),
+        num_tokens: int = 0,
     ) -> list[Future[int]]:
         """The repack of prompt positions ``tokens`` (within the prompt pages ``page_ids``
         hold, from ``first_page``), queued behind the ones before it; its bytes when done. At
-        TP > 1 also the followers' (``shared.Stage``), a second future."""
+        TP > 1 also the followers' (``shared.Stage``), a second future. A windowed sliding
+        pool's (``window``) copies its sliding layers' window from ``sliding_page_ids`` (of
+        the same prompt pages) of the ``num_tokens`` prompt: ``ValueError``, nothing queued,
+        when one of them is not given or not held."""
         group, staging = self._group, self.staging
         assert isinstance(staging, StagingPool), "the pool's own pages need no repack"
+        if self.window is not None:
+            assert group is None, "a windowed sliding pool is staged at TP 1"
+            window, pages, sliding = self.window, tuple(page_ids), tuple(sliding_page_ids)
+            check_window(window, sliding, len(pages), first_page, tokens, num_tokens)
+            future = self._repacker.submit(
+                repack_window,
+                self._pool,
+                staging,
+                window,
+                pages,
+                sliding,
+                first_page,
+                blocks,
+                tokens,
+                num_tokens,
+            )
+            return self._begun([future], tokens)
         heads = None if group is None else group.heads
         args = (self._pool, staging, tuple(page_ids), first_page, blocks, tokens, heads)
         futures = [self._repacker.submit(repack, *args)]
         if group is not None and group.stages is not None:
             stage = Stage(list(page_ids), first_page, list(blocks), tokens.start, tokens.stop)
             futures.append(group.stages.put(stage))
+        return self._begun(futures, tokens)
+
+    def _begun(self, futures: list[Future[int]], tokens: range) -> list[Future[int]]:
         self._repacks.extend(futures)
         self.counts.repacks += 1
         self.counts.repacked_tokens += len(tokens)

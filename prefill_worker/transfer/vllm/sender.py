@@ -87,8 +87,8 @@ class VllmSender(TicketSender):
 
     def mirror_slots(self, start: int, end: int) -> Sequence[int]:
         """The staging rows of positions [start, end) once the blocks are this request's."""
-        if self._blocks is None or self._state.is_terminal:
-            return ()
+        if self._blocks is None or self._state.is_terminal or self._desk.window is not None:
+            return ()  # a windowed sliding pool has no mirror: its sends are repacked
         self._mirrored.append(range(start, end))
         return block_slots(self._blocks, self._desk.staging.layout.block_size, start, end)
 
@@ -96,16 +96,27 @@ class VllmSender(TicketSender):
         self, page_ids: Sequence[int], first_page: int, sliding_page_ids: Sequence[int] = ()
     ) -> None:
         assert self._blocks is not None, "send_pages before READY"
+        if self._state.is_terminal:
+            return
         self._state = KVPoll.TRANSFERRING
-        ps = self._desk.page_size
-        sent = range(first_page * ps, min((first_page + len(page_ids)) * ps, self._num_tokens))
+        ps, n, blocks = self._desk.page_size, self._num_tokens, self._blocks
+        sent = range(first_page * ps, min((first_page + len(page_ids)) * ps, n))
         gaps = _not_in(sent, self._mirrored)
         for tokens in gaps:
-            self._repacks.extend(self._desk.begin_stage(page_ids, first_page, self._blocks, tokens))
+            try:
+                begun = self._desk.begin_stage(
+                    page_ids, first_page, blocks, tokens, sliding_page_ids, n
+                )
+            except ValueError as exc:  # a windowed pool's window page missing: nothing queued
+                self.fail(f"vllm staging: {exc}")
+                return
+            self._repacks.extend(begun)
         self._mirrored_bytes += self._desk.note_mirrored(len(sent) - sum(map(len, gaps)))
 
     def send_aux(self, aux_row: int) -> None:
         assert self._blocks is not None, "send_aux before READY"
+        if self._state.is_terminal:  # failed staging a chunk: its blocks wait for close
+            return
         self._repacks.extend(self._desk.stage_state(aux_row, self._blocks))  # slot = aux row
         self._state, self._is_aux_sent = KVPoll.TRANSFERRING, True
         self._try_hold()

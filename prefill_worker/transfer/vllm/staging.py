@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from prefill_worker.kv.layout import MLA, KVRegions
+from prefill_worker.kv.layout import MLA, VLLM_BLOCKS, KVLayout, KVRegions
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # bytes are moved, never read as numbers
 
@@ -159,47 +159,73 @@ class PoolViews:
     and its V at one distance from its K (both pool layouts as the runner allocates them),
     ``kv`` is one view ``[2, num_layers, num_pages, page_size, heads]`` and a piece of a page
     moves for every layer and both planes in one copy; otherwise ``kv`` is None and the copy
-    goes layer by layer over ``k``/``v`` (``[num_pages, page_size, heads]`` each)."""
+    goes layer by layer over ``k``/``v`` (``[num_pages, page_size, heads]`` each).
 
-    def __init__(self, regions: KVRegions) -> None:
+    A windowed sliding pool (``KVRegions.layer_pages``; ``sliding``: its sliding layers) is
+    two page spaces: ``runs`` then holds a view of each (``full`` and ``sliding``, by their
+    layers; None where uneven), which a repack of those layers copies from (``repack``'s
+    ``layers``), each layer's ``k``/``v`` of its own page count."""
+
+    def __init__(self, regions: KVRegions, sliding: Sequence[int] = ()) -> None:
         lay = regions.layout
         self.page_size = lay.page_size
-        self.k = [self._view(regions, a) for a in regions.k_base_addrs]
-        self.v = [self._view(regions, a) for a in regions.v_base_addrs]
-        self.kv = _uniform_view(regions)
+        pages = regions.layer_pages or (lay.num_pages,) * lay.num_layers
+        k, v = regions.k_base_addrs, regions.v_base_addrs
+        self.k = [self._view(regions, a, n) for a, n in zip(k, pages, strict=True)]
+        self.v = [self._view(regions, a, n) for a, n in zip(v, pages, strict=True)]
+        self.sliding = tuple(sliding)
+        self.full = tuple(i for i in range(lay.num_layers) if i not in self.sliding)
+        self.runs: dict[tuple[int, ...], np.ndarray | None] = {}
+        if self.sliding:
+            self.kv = None
+            for layers in (self.full, self.sliding):
+                if layers:
+                    self.runs[layers] = _uniform_view(regions, layers, pages[layers[0]])
+        else:
+            self.kv = _uniform_view(regions, range(lay.num_layers), lay.num_pages)
 
     @staticmethod
-    def _view(regions: KVRegions, base_addr: int) -> np.ndarray:
+    def _view(regions: KVRegions, base_addr: int, num_pages: int) -> np.ndarray:
         lay = regions.layout
-        span = lay.plane_span_bytes
+        span = _plane_span(lay, num_pages)
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base_addr))
         row_bytes = lay.head_dim * lay.itemsize
-        shape = (lay.num_pages, lay.page_size, lay.num_kv_heads)
+        shape = (num_pages, lay.page_size, lay.num_kv_heads)
         strides = (lay.page_stride_bytes, lay.token_stride_bytes, lay.head_stride_bytes)
         rows = raw.view(_row_type(row_bytes))
         return np.lib.stride_tricks.as_strided(rows, shape, strides, writeable=False)
 
 
-def _uniform_view(regions: KVRegions) -> np.ndarray | None:
-    """``[2, num_layers, num_pages, page_size, heads]`` over the pool, or None when the layers'
-    addresses are not evenly spaced (or one layer only: nothing to gain)."""
-    lay, k, v = regions.layout, regions.k_base_addrs, regions.v_base_addrs
+def _uniform_view(regions: KVRegions, layers: Sequence[int], num_pages: int) -> np.ndarray | None:
+    """``[2, len(layers), num_pages, page_size, heads]`` over ``layers`` of the pool, or None
+    when their addresses are not evenly spaced (or one layer only: nothing to gain)."""
+    lay = regions.layout
+    k = [regions.k_base_addrs[i] for i in layers]
+    v = [regions.v_base_addrs[i] for i in layers]
     if len(k) < 2:
         return None
     layer_stride, kv_stride = k[1] - k[0], v[0] - k[0]
     if any(k[i] != k[0] + i * layer_stride or v[i] != k[i] + kv_stride for i in range(len(k))):
         return None
     low = min(k + v)
-    span = max(k + v) - low + lay.plane_span_bytes
+    span = max(k + v) - low + _plane_span(lay, num_pages)
     raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(low))
     row_bytes = lay.head_dim * lay.itemsize
-    shape = (2, lay.num_layers, lay.num_pages, lay.page_size, lay.num_kv_heads)
+    shape = (2, len(k), num_pages, lay.page_size, lay.num_kv_heads)
     strides = (kv_stride, layer_stride, lay.page_stride_bytes, lay.token_stride_bytes)
     view = np.ndarray(
         shape, _row_type(row_bytes), raw, k[0] - low, (*strides, lay.head_stride_bytes)
     )
     view.flags.writeable = False
     return view
+
+
+def _plane_span(lay: KVLayout, num_pages: int) -> int:
+    """A per-layer K (or V) view of ``num_pages`` pages, first byte to past its last (a
+    windowed pool's sliding layers have their own page count; ``vllm_blocks`` never does)."""
+    if lay.kind == VLLM_BLOCKS:
+        return lay.plane_span_bytes
+    return (num_pages - 1) * lay.page_stride_bytes + lay.page_bytes
 
 
 def _row_type(num_bytes: int) -> np.dtype[np.void]:
@@ -224,11 +250,14 @@ def repack(
     block_ids: Sequence[int],
     tokens: range,
     heads: range | None = None,
+    layers: tuple[int, ...] | None = None,
 ) -> int:
     """Copy prompt positions ``tokens`` (within prompt pages [first_page, first_page +
     len(page_ids)), held in our pages ``page_ids``) into the request's staging ``block_ids``;
     returns the bytes copied (of every head: at TP > 1 the group's). ``heads``: the staged
-    heads the pool holds (a tensor-parallel rank's); None: all.
+    heads the pool holds (a tensor-parallel rank's); None: all. ``layers``: a windowed pool's
+    full or sliding layers only (a key of ``PoolViews.runs``, ``page_ids`` then their pages);
+    None: every layer.
 
     One pass, no gather: the tokens are cut where a page or a block ends, and each piece (at
     most ``min(page_size, block_size)`` tokens of one page and one block) is one strided copy
@@ -244,8 +273,10 @@ def repack(
     for t0, t1 in _pieces(start, stop, ps, bs):
         page, block = page_ids[t0 // ps - first_page], block_ids[t0 // bs]
         src_slots, dst_slots = slice(t0 % ps, t0 % ps + t1 - t0), slice(t0 % bs, t0 % bs + t1 - t0)
-        _copy_piece(pool, dst[:, block, :, dst_slots], page, src_slots)
-    return (stop - start) * staging.layout.token_bytes
+        _copy_piece(pool, dst[:, block, :, dst_slots], page, src_slots, layers)
+    lay = staging.layout
+    num_layers = lay.num_layers if layers is None else len(layers)
+    return (stop - start) * lay.token_bytes // lay.num_layers * num_layers
 
 
 def _pieces(start: int, stop: int, page_size: int, block_size: int) -> list[tuple[int, int]]:
@@ -257,12 +288,19 @@ def _pieces(start: int, stop: int, page_size: int, block_size: int) -> list[tupl
     return list(itertools.pairwise(bounds))
 
 
-def _copy_piece(pool: PoolViews, dst: np.ndarray, page: int, slots: slice) -> None:
+def _copy_piece(
+    pool: PoolViews, dst: np.ndarray, page: int, slots: slice, layers: tuple[int, ...] | None
+) -> None:
     """``dst`` ([layers, heads, n, 2]: K then V of n tokens in one block) from ``slots`` of our
-    ``page``."""
-    if pool.kv is not None:  # [2, L, n, H] -> [L, H, n, 2]
+    ``page`` (of ``layers`` only, when given)."""
+    if layers is not None:
+        run = pool.runs.get(layers)
+        if run is not None:  # [2, n_layers, n, H] -> [n_layers, H, n, 2], into those rows
+            dst[list(layers)] = run[:, :, page, slots].transpose(1, 3, 2, 0)
+            return
+    elif pool.kv is not None:  # [2, L, n, H] -> [L, H, n, 2]
         np.copyto(dst, pool.kv[:, :, page, slots].transpose(1, 3, 2, 0))
         return
-    for layer, (k, v) in enumerate(zip(pool.k, pool.v, strict=True)):
-        np.copyto(dst[layer, :, :, 0], k[page, slots].T)
-        np.copyto(dst[layer, :, :, 1], v[page, slots].T)
+    for layer in range(len(pool.k)) if layers is None else layers:
+        np.copyto(dst[layer, :, :, 0], pool.k[layer][page, slots].T)
+        np.copyto(dst[layer, :, :, 1], pool.v[layer][page, slots].T)

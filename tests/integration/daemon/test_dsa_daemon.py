@@ -47,9 +47,13 @@ PROMPTS = {6301: 37, 6302: 50, 6303: 23}  # room: prompt tokens (chunks are 16, 
 
 class IndexDecode(Decode):
     """A decode with an MLA pool and an index pool of the worker's component: per indexed
-    layer ``[DECODE_PAGES, page_size, index_head_dim]``, zeros."""
+    layer ``[DECODE_PAGES, page_size, index_head_dim]``, zeros. ``tp``: this receiver is
+    rank ``tp[0]`` of a decode of TP ``tp[1]`` (each rank holds the whole latent and index
+    keys); ``io_thread``: the receiver's own I/O thread answers the worker."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(
+        self, bootstrap: str, tp: tuple[int, int] | None = None, io_thread: bool = False
+    ) -> None:
         layout = describe_worker(bootstrap, 30.0)
         (component,) = describe_state(bootstrap, 30.0)
         self.component: StateComponent = component
@@ -63,8 +67,9 @@ class IndexDecode(Decode):
             for _ in component.layer_ids
         ]
         regions = state_regions_from_tensors(component, [self.index])
+        rank = None if tp is None else (*tp, 1)
         self.receiver = KVReceiver.from_tensors(
-            self.k, self.v, bootstrap, num_aux_rows=8, state=regions
+            self.k, self.v, bootstrap, num_aux_rows=8, state=regions, tp=rank, io_thread=io_thread
         )
         self.receiver.wait_registered(timeout_s=patient(30))
         self._next_page, self._next_slot, self.rooms = DECODE_PAGES - 1, 0, {}

@@ -31,7 +31,8 @@ ABORTED = "p2"
 
 
 class PoisoningPool(PagePool):
-    """The sliding pool; a page's K/V of every sliding layer become NaN when it is freed."""
+    """The sliding pool; a page's K/V of every sliding layer become NaN when it is freed (its
+    last reference dropped: a kept window's page outlives its request, ``kv.sliding``)."""
 
     def __init__(self, num_pages: int, kv_cache, layers: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
         super().__init__(num_pages)
@@ -39,10 +40,11 @@ class PoisoningPool(PagePool):
 
     def free(self, page_ids) -> None:  # type: ignore[no-untyped-def]
         page_ids = list(page_ids)
-        for layer in self.layers:
-            self.kv_cache.k[layer][page_ids] = float("nan")
-            self.kv_cache.v[layer][page_ids] = float("nan")
         super().free(page_ids)
+        gone = [p for p in page_ids if self.refcount(p) == 0]
+        for layer in self.layers:
+            self.kv_cache.k[layer][gone] = float("nan")
+            self.kv_cache.v[layer][gone] = float("nan")
 
 
 @pytest.fixture(scope="module")

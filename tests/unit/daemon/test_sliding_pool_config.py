@@ -1,6 +1,7 @@
 """``cache.sliding_pool``: check-config's arithmetic of a windowed sliding pool (its pages, its
 bytes, the pool left with the full layers), its problems, and start-up's refusal (exit 78)
-where no transfer reads the sliding page space (every protocol but sglang, TP > 1)."""
+where no transfer reads the sliding page space (vLLM decodes from another layout or at TP >
+1; TP or DP > 1 over any protocol but native)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def config(path: Path, *overrides: str):  # type: ignore[no-untyped-def]
     base = [f"model.path={path}", "model.dtype=float32", "cache.page_size=16"]
     return load_config(ROOT / "configs" / "tiny-test.yaml", env={}, overrides=[*base, *overrides])
+
+
+VLLM = ("transfer.protocol=vllm", "http_api.enabled=true")
+VLLM_34 = (*VLLM, 'transfer.vllm_versions=["0.34.0"]')
 
 
 def pool_note(notes: list[str]) -> str:
@@ -58,12 +63,10 @@ def test_a_sliding_pool_under_one_quota_is_a_problem(gpt_oss: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "why"),
     [
-        (
-            ("transfer.protocol=vllm", "http_api.enabled=true"),
-            "the vllm protocol's transfers do not read",
-        ),
-        (("transfer.protocol=native", "parallel.tp_size=2"), "parallel.tp_size 1"),
-        (("transfer.protocol=sglang", "parallel.tp_size=2"), "parallel.tp_size 1"),
+        ((*VLLM_34, "cache.layout=page_major"), "layer_major pool"),
+        ((*VLLM_34, "parallel.tp_size=2"), "vLLM decodes are staged from it at parallel.tp_size 1"),
+        (("transfer.protocol=sglang", "parallel.tp_size=2"), "tp_size 2, dp_size 1: served"),
+        (("transfer.protocol=sglang", "parallel.dp_size=2"), "tp_size 1, dp_size 2: served"),
     ],
 )
 def test_start_up_refuses_windowed_where_no_transfer_reads_it(
@@ -78,7 +81,18 @@ def test_start_up_refuses_windowed_where_no_transfer_reads_it(
     assert why in str(refused.value)
 
 
-@pytest.mark.parametrize("protocol", ["sglang", "native", "both"])
-def test_start_up_loads_windowed_for_native_and_sglang(gpt_oss: Path, protocol: str) -> None:
-    cfg = config(gpt_oss, "cache.sliding_pool=windowed", f"transfer.protocol={protocol}")
+@pytest.mark.parametrize("protocol", ["sglang", "native", "both", "vllm", "native,sglang,vllm"])
+def test_start_up_loads_windowed_for_native_sglang_and_vllm_0_34(
+    gpt_oss: Path, protocol: str
+) -> None:
+    cfg = config(gpt_oss, "cache.sliding_pool=windowed", *VLLM_34, f"transfer.protocol={protocol}")
+    assert windowed_refusal(cfg) is None
+    # 0.33.0 listed too (the default list): its requests are refused one by one, as from a
+    # full pool (Tickets.why_refused), so start-up does not refuse the worker
+    assert windowed_refusal(config(gpt_oss, "cache.sliding_pool=windowed", *VLLM)) is None
+
+
+@pytest.mark.parametrize("parallel", ["parallel.tp_size=2", "parallel.dp_size=2"])
+def test_start_up_loads_windowed_over_native_at_tp_or_dp_2(gpt_oss: Path, parallel: str) -> None:
+    cfg = config(gpt_oss, "cache.sliding_pool=windowed", "transfer.protocol=native", parallel)
     assert windowed_refusal(cfg) is None

@@ -99,16 +99,17 @@ def test_the_indexer_is_replicated_and_only_mla_heads_split():
     assert split_of(spec.family, "model.layers.3.self_attn.q_b_proj.weight").dim == 0
 
 
-def test_a_tp_worker_serves_it_to_sglang_decodes_only():
+def test_a_tp_worker_serves_it_to_sglang_and_native_decodes():
     """The model splits, and every rank holds the index keys: a group's leader writes them
-    into every SGLang decode rank (tests/interop/test_dsa_landing.py); over native or vLLM
-    the daemon's group refuses it at start (exit 78)."""
+    into every SGLang decode rank (tests/interop/test_dsa_landing.py) and every native one
+    (tests/integration/daemon/test_dsa_tp.py); over vLLM (whose decodes get no index keys
+    from any worker) the daemon's group refuses it at start (exit 78)."""
     from prefill_worker.service.group_startup import check_group_transfer
 
     spec = spec_from_dict(DEEPSEEK_V32_EXP)
     check_group_transfer(spec, 1, ("native",))
+    check_group_transfer(spec, 1, ("vllm",))
     check_group_transfer(spec, 2, ("sglang",))
-    with pytest.raises(ValueError, match=r"native decodes' index keys \(DSA\) from a tensor"):
-        check_group_transfer(spec, 2, ("native",))
+    check_group_transfer(spec, 2, ("native",))
     with pytest.raises(ValueError, match=r"index keys \(DSA\) to vLLM decodes is not built"):
         check_group_transfer(spec, 2, ("vllm",))

@@ -89,12 +89,44 @@ def test_with_the_cache_off_nothing_is_shared_or_kept() -> None:
     assert off.match([1, 2, 3, 4, 5]) == MISS and MISS.num_query_tokens == 0
     assert off.store([1, 2, 3, 4, 5], pages, (), 2) == ()
     assert (off.num_pages, off.num_evictable, tuple(off.cached_page_ids())) == (0, 0, ())
+    assert tuple(off.cached_hashes()) == ()
+    off.watch(lambda hashes: pytest.fail("nothing is ever evicted"))
     assert off.try_make_room(1) and not off.try_make_room(2)  # exactly the free pages
     with pytest.raises(AssertionError, match=r"^nothing is cached$"):
         off.acquire(pages[:1])
     off.release(pages)
     assert pool.num_free == 4 and off.reset()
     off.check_integrity()
+
+
+def test_watchers_hear_every_eviction_and_the_cached_hashes_follow() -> None:
+    """A windowed sliding pool drops a kept window with its block (``kv.sliding``): every
+    eviction, at the cap, for room, and by a reset, names the blocks it dropped."""
+    pool = PagePool(6)
+    cache = PagePrefixCache(pool, PS, max_pages=3)
+    heard: list[list[int]] = []
+    cache.watch(lambda hashes: heard.append(list(hashes)))
+    cache.watch(lambda hashes: heard.append(["again", *hashes]))
+    prompt, other = [1, 2, 3, 4, 5, 6, 7], [9, 9, 9]
+    h0, h1, h2 = block_hashes(prompt, PS)
+    (g0,) = block_hashes(other, PS)
+    pages, others = pool.try_alloc(3), pool.try_alloc(1)
+    assert pages is not None and others is not None
+    assert cache.store(prompt, pages, (), 3) == (h0, h1, h2)
+    assert set(cache.cached_hashes()) == {h0, h1, h2}
+    cache.release(pages)
+    assert heard == []
+    assert cache.store(other, others, (), 1) == (g0,)  # at the cap: one idle page goes
+    assert heard == [[h2], ["again", h2]]  # the prompt's last page first
+    assert set(cache.cached_hashes()) == {h0, h1, g0}
+    heard.clear()
+    assert cache.try_make_room(pool.num_free + 1)
+    assert heard == [[h1], ["again", h1]]
+    heard.clear()
+    cache.release(others)
+    assert cache.reset()
+    assert sorted(heard[0]) == sorted([h0, g0]) and len(heard) == 2
+    assert tuple(cache.cached_hashes()) == ()
 
 
 @pytest.mark.parametrize(("length", "num_hashes"), [(1, 0), (2, 1), (3, 1), (4, 2), (7, 3)])

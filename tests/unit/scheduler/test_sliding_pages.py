@@ -33,10 +33,10 @@ def test_a_chunked_prompt_keeps_only_its_window_after_each_chunk() -> None:
     table.pages_for("r", 16, 24)
     table.chunk_done("r", 24)
     table.pages_for("r", 24, 30)
-    table.chunk_done("r", 30)  # the last chunk: positions [25, 30) stay, pages 6 and 7
-    held = [i for i, p in enumerate(table.get("r")) if p != NO_PAGE]
-    assert held == [6, 7] and pool.num_used == 2
-    assert table.num_available_pages == 62  # the spent quota shrank to the window
+    table.chunk_done("r", 30)  # the last chunk: positions [25, 30) stay, and [23, 28), the
+    held = [i for i, p in enumerate(table.get("r")) if p != NO_PAGE]  # last whole page's
+    assert held == [5, 6, 7] and pool.num_used == 3  # window (a kept window's): pages 5-7
+    assert table.num_available_pages == 61  # the spent quota shrank to the window
     table.check_integrity()
     table.release("r")
     assert pool.num_free == 64
@@ -140,8 +140,68 @@ def test_overlapped_chunks_always_find_their_window(
     for rid, end in in_flight.items():
         table.chunk_done(rid, end)
         tail = [i for i, p in enumerate(table.get(rid)) if p != NO_PAGE]
-        assert tail == list(range(max(0, end - window + 1) // page_size, -(-end // page_size)))
+        whole = end // page_size * page_size  # the last whole page's end: its window too
+        assert tail == list(range(max(0, whole - window + 1) // page_size, -(-end // page_size)))
     for rid in lengths:
         table.release(rid)
     assert pool.num_free == pool.num_pages
+    table.check_integrity()
+
+
+def test_window_first_is_the_page_of_the_first_position_a_prefix_end_needs() -> None:
+    table = SlidingPageTable(PagePool(64), PS, window=6, chunk_size=8)
+    assert [table.window_first(n) for n in range(5)] == [0, 0, 0, 1, 2]  # (4n - 5) // 4
+    exact = SlidingPageTable(PagePool(16), 1, window=3, chunk_size=2)
+    assert [exact.window_first(n) for n in range(4)] == [0, 0, 0, 1]
+
+
+def test_a_whole_page_prompt_keeps_its_window_and_a_one_page_hit_uses_one() -> None:
+    pool = PagePool(64)
+    table = SlidingPageTable(pool, PS, window=6, chunk_size=8)
+    assert table.try_reserve("r", 16)
+    for start in (0, 8):
+        table.pages_for("r", start, start + 8)
+        table.chunk_done("r", start + 8)
+    assert table.keep_window("r", 7, 4)  # entries end exactly at the chain's end
+    assert not table.keep_window("r", 5, 1)  # page 0: not held any more
+    table.release("r")
+    assert table.window_keys() == (7,) and pool.num_used == 2  # [11, 16): pages 2 and 3
+    table.forget_windows([7])
+    assert pool.num_free == 64
+    assert table.try_reserve("s", 5)
+    table.pages_for("s", 0, 5)
+    table.chunk_done("s", 5)
+    assert table.keep_window("s", 11, 1)  # a one-page chain: [0, 4)
+    table.release("s")
+    assert table.usable_pages([11]) == 1 and table.usable_pages([3, 11]) == 2
+    assert table.usable_pages([11, 3]) == 1 and table.usable_pages([3]) == 0
+    assert table.try_reserve("t", 9, 11, 1)
+    assert table.get("t") == table.get("t")[:1] and pool.num_used == 1
+    table.release("t")
+    table.check_integrity()
+
+
+def test_room_for_a_reservation_evicts_exactly_enough_and_never_the_hit() -> None:
+    window, chunk = 6, 4
+    table = SlidingPageTable(PagePool(12), PS, window, chunk)  # quota 5: (5 + 8) / 4 + 1
+    for key, tokens in ((1, 8), (2, 8), (3, 8)):  # windows of 2 pages ([3, 8))
+        assert table.try_reserve(f"r{key}", tokens)
+        table.pages_for(f"r{key}", 0, 4)
+        table.chunk_done(f"r{key}", 4)
+        table.pages_for(f"r{key}", 4, 8)
+        table.chunk_done(f"r{key}", 8)
+        assert table.keep_window(f"r{key}", key, 2)
+        table.release(f"r{key}")
+    assert table.num_available_pages == 6 and table.window_keys() == (1, 2, 3)
+    assert table.try_reserve("a", 100)  # 5 of 6: nothing evicted
+    assert table.window_keys() == (1, 2, 3) and table.num_available_pages == 1
+    assert table.try_reserve("b", 8, 1, 2)  # quota 2, 1 short: 2's window goes, not 1's
+    assert table.window_keys() == (3, 1) and table.get("b") == table.get("b")[:2]
+    assert not table.try_reserve("c", 16)  # quota 4, 3 short: 3's window frees 2, 1's none (b's)
+    assert table.window_keys() == (3, 1)
+    table.check_integrity()
+    table.release("a")
+    table.release("b")
+    table.forget_windows([1, 3])
+    assert table.pool.num_free == 12
     table.check_integrity()

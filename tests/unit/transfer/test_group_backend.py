@@ -17,6 +17,7 @@ import pytest
 from prefill_worker.kv.aux import AuxPool
 from prefill_worker.kv.pages import PagePool
 from prefill_worker.tp.mirror import MirrorTarget, RankLink
+from prefill_worker.tp.step import decode_step, encode_step
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.group import FOLLOWER_FAILED, GroupBackend, GroupSender, agree
@@ -185,3 +186,24 @@ def test_a_room_failed_while_its_aux_row_is_held_never_sends_it() -> None:
     assert mine.aux == [] and mine.errors == []
     assert sender.poll() is KVPoll.FAILED
     assert group.backend.next_poll_at() == math.inf
+
+
+def test_a_windowed_pools_sliding_pages_reach_the_follower() -> None:
+    """The ``pages`` op carries a windowed sliding pool's entries of the same pages (every
+    rank holds the same sliding pages), through the step's encoding too."""
+    group = Group()
+    sender, mine, theirs = group.open()
+    mine.want()
+    theirs.want()
+    pages = group.pool.try_alloc(2)
+    assert pages is not None
+    sender.send_pages(pages, 3, [5, -1])
+    ops, rooms = group.link.take()
+    ops = decode_step(encode_step(None, ops, rooms)).ops  # as the step carries them
+    assert [op.sliding_page_ids for op in ops if op.kind == "pages"] == [[5, -1]]
+    group.target.apply(ops)
+    assert mine.sliding_sent == theirs.sliding_sent == [(5, -1)]
+    assert theirs.sent == mine.sent == [(tuple(pages), 3)]
+    sender.send_pages(pages, 5)  # no windowed pool: none
+    group.step()
+    assert theirs.sliding_sent == [(5, -1), ()]

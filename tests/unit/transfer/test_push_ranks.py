@@ -15,7 +15,9 @@ import pytest
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.headplan import plan_rank, slice_indices
+from prefill_worker.transfer.push.window_route import FullPoolWindow
 from prefill_worker.transfer.sglang.frames import Endpoint
+from prefill_worker.transfer.swa_window import SlidingLayers
 from tests.unit.transfer.test_push_sender import LAYOUT, Rig
 
 ROOM = 7
@@ -274,3 +276,35 @@ def test_a_rank_fed_nothing_does_not_hold_back_the_next_ranks_writes() -> None:
     sender.send_pages([1, 2], 0)
     [write] = rig.agent.handles
     assert write.args[1] == "ours-1"  # rank 1's heads, written all the same
+
+
+def test_a_windowed_pool_writes_each_rank_its_routed_token_runs() -> None:
+    """A windowed sliding pool (``push.window_route``) into decode ranks of head slices: the
+    route's token runs, from our slice's list, the slice's bytes a run (not a whole page's)."""
+    rig = Rig("native")
+    rig.ctx = dataclasses.replace(rig.ctx, pages=dataclasses.replace(rig.ctx.pages, head_bytes=5))
+    rig.hub.ctx = rig.ctx
+    layers = SlidingLayers((0,), 2, 7, pool_pages=3)
+    ranks = _ranks(rig)
+    for peer in ranks:
+        peer.route = FullPoolWindow(layers, LAYOUT.num_pages, LAYOUT.num_pages, 4, runs=4)
+    sender = rig.hub.create_sender(ROOM, "req", 16)
+    for rank, peer in enumerate(ranks):
+        rig.hub.want(peer, _want(rank))
+    sender.send_pages([1, 2, 3, 4], 0, [-1, 2, 0, 1])  # the window [9, 16): pages 2, 3
+    assert len(rig.agent.handles) == 4  # full layers and sliding layers, per rank
+    for rank in range(2):
+        full, part = rig.agent.handles[2 * rank : 2 * rank + 2]
+        dst = np.array([8 + rank, 10 + rank, 12 + rank, 14 + rank])
+        sliding = np.array([-1, 2, 0, 1])
+        expected = ranks[rank].route.writes(_want(rank), 16, np.arange(1, 5), dst, 0, sliding)
+        for handle, write in zip((full, part), expected, strict=True):
+            _, local, local_idx, _, remote_idx, _ = handle.args
+            assert local == f"ours-{rank}"
+            assert np.array_equal(local_idx, write.local)
+            assert np.array_equal(remote_idx, write.remote)
+    for index in range(4):
+        rig.land(index)
+    sender.progress()
+    runs = 4 * 2 * 4 + 2 * 2 * 4  # the full layer's 4 pages, the window's 2, K and V, 4 tokens
+    assert sender.transfer_stats().bytes == 2 * runs * 5  # a run: one head of 5 bytes

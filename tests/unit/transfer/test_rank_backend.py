@@ -10,9 +10,11 @@ failed or is still in flight counts nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
@@ -20,6 +22,8 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.nixl.rank_backend import RankBackend, RankSender
 from prefill_worker.transfer.nixl.rank_writer import RankPlace
+from prefill_worker.transfer.push.window_route import FullPoolWindow
+from prefill_worker.transfer.swa_window import SlidingLayers
 from tests.clocks import FakeClock
 
 LAYERS, HEAD_DIM, PAGE_SIZE, PAGES = 2, 4, 4, 8
@@ -217,3 +221,44 @@ def test_a_native_decode_names_its_draft_pool_apart_and_gets_the_draft_heads_too
     (_, plain_src, plain_dst), (_, spec_src, spec_dst) = agent.posted
     assert len(plain_src) == len(plain_dst) == 2 * LAYERS * PAGE_SIZE  # a token run per head
     assert len(spec_src) == len(spec_dst) == 2 * (LAYERS + 1) * PAGE_SIZE  # K, V of the draft too
+
+
+WINDOWED = SlidingLayers((0,), LAYERS, 7, pool_pages=3)  # layer 0 slides, in its 3 pages
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_windowed_pool_writes_the_routes_pages(tp: int) -> None:
+    """A windowed sliding pool: full layers whole, the sliding layer's window from the
+    sliding pages the op carries, as the leader's route (token runs of this rank's head into
+    a decode of TP 1, whole pages into its own decode rank at TP 2); one write a chunk."""
+    agent, clock = FakeAgent(), FakeClock(0.0)
+    ours = dataclasses.replace(regions(1), layer_pages=(3, PAGES))
+    backend = RankBackend(agent, RankPlace(1, 2, 2), ours, 5.0, clock, sliding=WINDOWED)
+    names = [f"d{tp}-{j}" for j in range(tp)]
+    for j, name in enumerate(names):
+        backend.add_peer(register(name, j, tp))
+    sender = backend.create_sender(1, "r1", 16)  # 4 pages: the window [9, 16) is pages 2, 3
+    want = wire.Want.of(1, [7, 5, 3, 1], 0, 0)
+    sender.bind(names, [want] * tp)
+    sender.send_pages([0, 1, 4, 6], 0, [-1, -1, 2, 0])
+    route = FullPoolWindow(WINDOWED, PAGES, PAGES, PAGE_SIZE, PAGE_SIZE if tp == 1 else 1)
+    sliding = np.array([-1, -1, 2, 0])
+    parts = route.writes(want, 16, np.array([0, 1, 4, 6]), np.array([7, 5, 3, 1]), 0, sliding)
+    [(_, local, remote)] = agent.posted  # the decode rank this rank feeds, one write
+    assert local == [i for p in parts for i in p.local.tolist()]
+    assert remote == [i for p in parts for i in p.remote.tolist()]
+    assert len(local) == (4 + 2) * 2 * (PAGE_SIZE if tp == 1 else 1)
+    other = backend.create_sender(2, "r2", 16)
+    other.bind(names, [want] * tp)
+    other.send_pages([0, 1], 0, [-1, -1])  # before the window: the full layer's pages only
+    assert len(agent.posted[1][1]) == 2 * 2 * (PAGE_SIZE if tp == 1 else 1)
+    other.send_pages([4, 6], 2, [2, -1])  # a window page not held: the room fails here
+    assert other.poll() is KVPoll.FAILED and "not held" in (other.failure_reason() or "")
+    assert len(agent.posted) == 2
+
+
+def test_a_backend_without_a_windowed_pool_writes_every_region(rank: Any) -> None:
+    backend, agent, _ = rank
+    plain = RankBackend(agent, RankPlace(1, 2, 2), regions(1), 5.0, sliding=None)
+    plain.add_peer(register("d", 0, 2))
+    assert backend.decode_ranks == {} and plain.decode_ranks["d"].route is None

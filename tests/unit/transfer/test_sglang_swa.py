@@ -362,7 +362,7 @@ def test_a_decode_rank_of_other_heads_gets_token_runs_of_both_parts() -> None:
     rig = test_push_sender.Rig("sglang")
     swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 4, 8), "float32", 512),) * 2, 9)
     rig.peer.state = StateLists(StateRegions(swa, ((100,), (200,)), "cpu"), "swa-runs")
-    rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5), 16, 16, 9, 4)
+    rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5), 16, 16, 9, 4, runs=4)
     rig.peer.head_slice = HeadSlice(1, 0, 0, 2, 2, 2, 4)
     object.__setattr__(rig.ctx.pages, "head_bytes", 32)  # one head of a token, fp32
     rig.ctx.pages.sliced[(0, 2)] = "ours-head"
