@@ -165,6 +165,16 @@ $(INTEROP)/sglang-%/.installed: | $(BIN)/python
 interop: interop-deps vllm-deps smg kv-events-deps
 	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q $(XDIST) -m interop tests/interop tests/smg
 
+# make test's and make interop's tests in one pytest run on CI_WORKERS processes (after
+# `make lint`): on 2 cores each suite's two processes leave a fifth of the CPU idle (waiting on
+# children starting and on peers), which a third process fills (docs/testing.md "CI time").
+# CI runs the two targets, as the README says.
+CI_WORKERS ?= 3
+.PHONY: test-all
+test-all: interop-deps vllm-deps smg kv-events-deps
+	PW_SGLANG_VERSIONS="$(SGLANG_VERSIONS)" $(BIN)/pytest -q -n $(CI_WORKERS) --dist loadgroup \
+	  -m "not slow or interop" --durations=30 $(TEST_ALL_ARGS)
+
 # vLLM's own NixlConnector as the decode (tests/interop/vllm_decode.py), each version in a
 # directory of its own like SGLang's: vllm and xgrammar without their dependencies (with them
 # they pull torch 2.14 and ~10 GB of CUDA wheels), the tvm-ffi xgrammar 0.2.8 wants, the

@@ -16,7 +16,9 @@ length::
 
 ``gb_s``: the prompt's KV (every layer's K and V, the native rows' bytes) over the time from
 the decode sending its registration to the decode holding the worker's notification (the
-worker's engine loop polls every ``PUSH_POLL_S`` for it, the WRITE runs on its push thread):
+rig turns the backend as the engine does: ``poll``, then ``wait``, which sleeps until
+``PUSH_POLL_S`` while the registration is awaited and on the transfer thread's wake fd while
+the WRITE runs, as the native rows' loop sleeps in ``wait`` during their push):
 what a push decode waits for once it registered. The request's staged blocks are held as a
 finished request's are (``desk.hold``); no forward runs here (the staging is what the KV
 mirror fills during the forwards, off this path). ``native_push_gb_s`` is the same run's
@@ -188,11 +190,13 @@ class Rig:
         local = _scattered(self.rng, self.decode_blocks, len(blocks))
         written_s, pushed = pusher.counts.write_s, pusher.counts.pushed
         self.conn.send(("push", f"cmpl-{external}-0-{secrets.token_hex(4)}", local))
-        while not self.conn.poll(0.0005):
-            backend.poll()
+        while not self.conn.poll(0):  # as the engine turns: poll, then sleep until the next
+            backend.poll()  # turn it asks for (1 ms while the registration is awaited) or a
+            backend.wait(0.01, self.conn.fileno())  # wake (the WRITE's transfer thread)
         elapsed = self.conn.recv()
         while pusher.busy:
             backend.poll()
+            backend.wait(0.01)
         assert pusher.counts.pushed == pushed + 1
         assert self.pins is None or self.pins.num_pinned == 0  # the WRITE's end unpinned them
         return elapsed, pusher.counts.write_s - written_s

@@ -12,8 +12,9 @@ whole, the costliest unit first, so that the run does not end on a long unit sta
 
 A unit's cost is its seconds in ``tests/xdist_costs.json`` (each test's setup, call and
 teardown, summed: measured by a run with ``PW_XDIST_COSTS_OUT=tests/xdist_costs.json``, which
-updates the units that run saw), else its number of tests (a second each). Without xdist
-(``-n 0``) nothing here runs."""
+updates the units that run saw), else its number of tests (a second each) up to
+``MIN_RECORDED_S``, the least a recorded unit took. Without xdist (``-n 0``) nothing here
+runs."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_DIR = "pw_xdist_groups"  # the workerinput key: where the processes write their units
 COSTS = Path(__file__).with_name("xdist_costs.json")  # measured seconds per unit
-MIN_RECORDED_S = 2.0  # a unit quicker than this is left to its count of tests
+MIN_RECORDED_S = 2.0  # a unit quicker than this is left out of the table (its cost: below)
 
 
 def work_units(
@@ -63,10 +64,17 @@ def work_units(
         for name in shared_children:
             if name in item.fixturenames:
                 parent[root(module)] = root(name)  # the shared child names the unit
+    # A unit with shared children is named after the first of them in ``shared_children``,
+    # whatever order the union went in (the name keys its cost in tests/xdist_costs.json).
+    names: dict[str, str] = {}
+    for name in reversed(shared_children):
+        if name in parent:
+            names[root(name)] = name
     units = {}
     for item in items:
         skipped = any(mark.name == "skip" for mark in item.iter_markers())
-        units[item.nodeid] = (root(keys[item.nodeid]), 0.0 if skipped else 1.0)
+        key = root(keys[item.nodeid])
+        units[item.nodeid] = (names.get(key, key), 0.0 if skipped else 1.0)
     return units
 
 
@@ -155,11 +163,14 @@ class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
         return found[0] if found else nodeid.split("::")[0]
 
     def _cost(self, scope: str) -> float:
-        """Its measured seconds, else its number of tests (not those skipped at collection)."""
+        """Its measured seconds, else its number of tests (not those skipped at collection)
+        up to ``MIN_RECORDED_S``: a unit that a run measured quicker than that is left out
+        of the table, and 150 quick unit tests must not go before a minute of interop."""
         if scope in self._costs:
             return self._costs[scope]
         units = self._units or {}
-        return sum(units.get(nodeid, ("", 1.0))[1] for nodeid in self.workqueue[scope])
+        count = sum(units.get(nodeid, ("", 1.0))[1] for nodeid in self.workqueue[scope])
+        return min(count, MIN_RECORDED_S)
 
     def _assign_work_unit(self, node: Any) -> None:
         """The costliest unit left (the first of equals, in collection order) to ``node``."""

@@ -66,7 +66,7 @@ class Handoff:
         self._table.claim(req.request_id)  # its pages are no longer speculative
         num_pages = num_pages_for(req.num_computed_tokens, self.page_size)
         if num_pages:
-            self._send(req, 0, num_pages)
+            self.send(req, 0, num_pages)
         token = req.held_token
         if token is not None:
             self._queues.unhold(req)
@@ -77,7 +77,7 @@ class Handoff:
         assert req.sender is not None
         if req.is_claimed:
             end = num_pages_for(req.num_computed_tokens, self.page_size)
-            self._send(req, first_page, end)
+            self.send(req, first_page, end)
         if token is None:
             return
         if req.is_claimed:
@@ -87,9 +87,10 @@ class Handoff:
             self._queues.hold(req)
             self._deadlines.push(req.held_at + self.hold_s, DeadlineKind.HOLD, req)
 
-    def _send(self, req: Request, first_page: int, end: int) -> None:
+    def send(self, req: Request, first_page: int, end: int) -> None:
         """Prompt pages ``[first_page, end)``, with their sliding entries (a windowed
-        sliding pool: the window pages, held until the request ends)."""
+        sliding pool: the window pages, held until the request ends; a prefix hit's start
+        with its kept window's)."""
         assert req.sender is not None
         entries = self._table.sliding_entries(req.request_id)  # () without a windowed pool
         req.sender.send_pages(req.page_ids[first_page:end], first_page, entries[first_page:end])

@@ -207,8 +207,7 @@ class RequestLifecycle:
                 self._guarded(req, self._send_hit, req)
 
     def _send_hit(self, req: Request) -> None:
-        assert req.sender is not None
-        req.sender.send_pages(req.page_ids[: req.num_prefix_hit_tokens // self.page_size], 0)
+        self.handoff.send(req, 0, req.num_prefix_hit_tokens // self.page_size)
 
     def consume(self, batch: ScheduledBatch, output: BatchOutput) -> None:
         sampled = {token.request_id: token for token in output.sampled}

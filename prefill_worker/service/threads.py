@@ -30,6 +30,7 @@ EDGE_THREADS = frozenset(
         "kv-events",
         "nixl-push",
         "nixl-push-sglang",
+        "nixl-push-vllm",
     }
 )
 

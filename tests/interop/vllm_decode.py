@@ -115,6 +115,10 @@ class VllmDecodeProcess(JsonLineChild):
         }
         env = {**os.environ, **VLLM_ENV}
         env["PYTHONPATH"] = os.pathsep.join(str(p) for p in vllm_pythonpath(version))
+        # vLLM caches what it learns of a model class (a subprocess that imports it, seconds
+        # of CPU) by the class's file hash, one file per class whatever the version: a cache
+        # of its own per version, else 0.33's and 0.34's differing qwen3.py evict each other.
+        env["VLLM_CACHE_ROOT"] = str(INTEROP_DIR / f"vllm-{version}" / ".vllm-cache")
         argv = [sys.executable, "-m", "tests.interop.vllm_child", json.dumps(spec)]
         super().__init__(argv, env, log_path, cwd=ROOT)
 

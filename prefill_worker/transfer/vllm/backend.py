@@ -3,11 +3,13 @@
 It owns a NIXL agent with the staging region registered (``staging``: one region per layer,
 vLLM's ``LBHNC`` blocks; a ``vllm_blocks`` pool registers itself instead, ``direct``) and
 the side channel where decodes fetch that agent's metadata (``handshake``: a ZMQ ROUTER
-answering ``get_meta_msg``). It never writes: the decode READs
-the blocks named in the HTTP answer's ``kv_transfer_params`` and sends a notification when
-done. ``poll()`` (engine thread) drains those notifications into the desk's holds and ends
-leases; NIXL has no fd to sleep on, so ``next_poll_at`` asks for a turn every
-``NOTIFY_POLL_S`` while blocks are held (every ``_IDLE_POLL_S`` otherwise), and every
+answering ``get_meta_msg``). That agent never writes: a pull decode READs the blocks named
+in the HTTP answer's ``kv_transfer_params`` and sends a notification when done; a push
+decode's WRITE goes from the pusher's own agent on its transfer thread (``pusher``), whose
+wake fd ``wait`` sleeps on. ``poll()`` (engine thread) drains the notifications into the
+desk's holds and ends leases; NIXL has no fd to sleep on for them, so ``next_poll_at`` asks
+for a turn every ``NOTIFY_POLL_S`` while blocks are held (every ``_IDLE_POLL_S``
+otherwise), every ``PUSH_POLL_S`` while a push waits for its registration, and every
 ``REPACK_POLL_S`` while the repack thread (``desk``) works, so a request's answer leaves
 soon after its last repack ends.
 
@@ -35,7 +37,15 @@ from prefill_worker.kv.layout import KVRegions
 from prefill_worker.kv.pins import PagePins
 from prefill_worker.transfer.base import KVSender
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, make_agent
-from prefill_worker.transfer.options import DEFAULT_HOOKS, Hooks, VllmIdentity, VllmOptions
+from prefill_worker.transfer.nixl.poster import WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
+from prefill_worker.transfer.options import (
+    DEFAULT_HOOKS,
+    Hooks,
+    NixlOptions,
+    VllmIdentity,
+    VllmOptions,
+)
 from prefill_worker.transfer.vllm.desk import PullDesk, PullIdentity
 from prefill_worker.transfer.vllm.direct import DirectSender, PoolBlocks, is_direct
 from prefill_worker.transfer.vllm.groups import VllmGroups, layer_names, one_group
@@ -213,11 +223,15 @@ class VllmBackend:
         self.desk.groups, self.desk.window = options.groups, window
         engine_id = options.engine_id or f"prefill-vllm-{uuid.uuid4().hex[:12]}"
         nixl = options.nixl
+        self._push_registered: tuple[Any, Any] | None = None  # (the push agent, its regions)
         self.agent: Any = make_agent(
             nixl.agent_name or engine_id,
             list(nixl.backends),
             nixl.ucx_net_devices,
-            progress_thread=True,
+            # a pull decode's READ over UCX's TCP is served only while this side progresses;
+            # serving push alone, the engine thread is the agent's only user and progresses it
+            # as it drains notifications (an idle progress thread costs ~0.37 of a core)
+            progress_thread=PULL in options.modes,
         )
         lay = staging.layout
         table = np.array(
@@ -260,12 +274,38 @@ class VllmBackend:
         self.bootstrap_endpoint = f"tcp://{host}:{ports[first]}"
         self.pusher: VllmPusher | None = None
         if PUSH in options.modes:
-            hashes = {v: our_hash(registration, v, PUSH) for v in options.versions}
-            base = staging.region_base_addrs
-            self.pusher = VllmPusher(self.agent, base, lay, hashes, staging.free, self.clock)
+            try:
+                name = f"{nixl.agent_name or engine_id}-push"
+                free = staging.free
+                self.pusher = self._open_pusher(name, nixl, registration, table, free, hooks)
+            except BaseException:
+                self._channel.close()
+                self._deregister()
+                raise
         self.endpoints: Mapping[str, str] = {
             f"vllm_side_channel_{version}": f"tcp://{host}:{at}" for version, at in ports.items()
         }
+
+    def _open_pusher(
+        self,
+        name: str,
+        nixl: NixlOptions,
+        registration: PullRegistration,
+        table: np.ndarray,
+        free: Callable[[Sequence[int]], None],
+        hooks: Hooks,
+    ) -> VllmPusher:
+        """The push side: an agent of its own with the same regions registered, NIXL's
+        progress thread off, owned by a transfer thread (``pusher`` says why)."""
+        agent = make_agent(name, list(nixl.backends), nixl.ucx_net_devices)
+        self._push_registered = (agent, agent.register_memory(table, "DRAM"))
+        if hooks.poster_factory is None:
+            poster: WritePoster = PushThread(agent, "nixl-push-vllm", hooks.wake)
+        else:
+            poster = hooks.poster_factory(agent)
+        hashes = {v: our_hash(registration, v, PUSH) for v in registration.versions}
+        bases, lay = registration.region_base_addrs, registration.layout
+        return VllmPusher(agent, poster, bases, lay, hashes, free, self.clock)
 
     @property
     def mirror_layers(self) -> tuple[np.ndarray, ...]:
@@ -343,17 +383,20 @@ class VllmBackend:
         now = self.clock()
         if self.desk.has_repacks():
             return now + REPACK_POLL_S
-        if self.desk.pushes.expected or (self.pusher is not None and self.pusher.busy):
+        pusher = self.pusher
+        if self.desk.pushes.expected or (pusher is not None and pusher.needs_polling):
             return now + PUSH_POLL_S
-        if len(self.desk.holds):
+        if len(self.desk.holds) or (pusher is not None and pusher.busy):  # WRITEs: wake fd
             return now + NOTIFY_POLL_S
         deadline = self.desk.holds.next_deadline()
         return min(now + _IDLE_POLL_S, math.inf if deadline is None else deadline)
 
     def wait(self, timeout_s: float, wake_fd: int | None = None) -> None:
         timeout_s = min(timeout_s, self.next_poll_at() - self.clock())
-        if timeout_s > 0 and wake_fd is not None:
-            select.select([wake_fd], [], [], timeout_s)
+        push_fd = None if self.pusher is None else self.pusher.wake_fd
+        fds = [fd for fd in (wake_fd, push_fd) if fd is not None]
+        if timeout_s > 0 and fds:
+            select.select(fds, [], [], timeout_s)
         elif timeout_s > 0:
             time.sleep(timeout_s)
 
@@ -370,6 +413,9 @@ class VllmBackend:
             self._deregister()
 
     def _deregister(self) -> None:
+        if self._push_registered is not None:  # the pusher closed first: the agent is ours
+            agent, registered = self._push_registered
+            agent.deregister_memory(registered)
         self.agent.deregister_memory(self._registered)
         if self._registered_state is not None:
             self.agent.deregister_memory(self._registered_state)

@@ -18,7 +18,7 @@ not).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ class DecodeLink:
     @property
     def tp_size(self) -> int:
         return len(self.remotes)
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
 
 
 def tp_refusal(decode_tp_size: int, num_kv_heads: int) -> str | None:
@@ -167,9 +171,12 @@ def link_decode(
     expected_hash: str,
     reg: Registration,
     version: str,
+    run: Callable[..., Any] = _call,
 ) -> DecodeLink:
-    """The decode's every rank handshaken, checked and loaded on ``agent`` (on the caller's
-    thread: the pusher's link thread). ``LinkRefused`` with the reason, nothing left loaded."""
+    """The decode's every rank handshaken and checked on the caller's thread (the pusher's
+    link thread), then loaded on ``agent`` through ``run`` (where the agent lives: the push
+    side's transfer thread, ``PushThread.run``). ``LinkRefused`` with the reason, nothing
+    left loaded."""
     tp = reg.decode_tp_size
     why = tp_refusal(tp, layout.num_kv_heads)
     if why is not None:
@@ -179,6 +186,19 @@ def link_decode(
         check_metadata(p, expected_hash, version, reg.decode_engine_id, layout, tp)
         for p in payloads
     ]
+    link: DecodeLink = run(_load, agent, metas, region_base_addrs, layout, tp)
+    return link
+
+
+def _load(
+    agent: Any,
+    metas: Sequence[NixlAgentMetadata],
+    region_base_addrs: Sequence[int],
+    layout: StagingLayout,
+    tp: int,
+) -> DecodeLink:
+    """The checked ranks' agents loaded and blocks prepared on ``agent``; ``LinkRefused``
+    with nothing left loaded."""
     num_blocks = min(m.num_blocks for m in metas)
     names: list[str] = []
     remotes: list[Any] = []

@@ -1,22 +1,31 @@
-"""vLLM's push mode, the WRITE: a matched registration's staged blocks written into the
-decode's own blocks from the vLLM backend's agent, the agent the decode registered with.
+"""vLLM's push mode, the WRITE: a matched registration's blocks written into the decode's
+own blocks through the push side's transfer thread, as the native and SGLang pushes write.
+
+The push side has an agent of its own (``backend``: the same regions registered, NIXL's
+progress thread off), owned by a ``nixl.push_thread.PushThread``: every NIXL call on it runs
+on that thread, which posts, progresses and releases each WRITE as a ticket
+(``nixl.poster.Write``) and writes its wake fd when one settles, so the engine sleeps until
+then instead of polling. The vLLM backend's own agent (the one whose metadata the side
+channels hand out) still receives the decodes' ``PUSH_REG`` and heartbeats and serves the
+pulls' READs; a decode takes our WRITE's notification from whichever agent sent it.
 
 For each decode engine (and vLLM version) this worker first links to it as vLLM's prefill
-does before its first WRITE (``link.py``: every rank's handshake, hash and metadata checked,
-its agent loaded and its blocks prepared), on the ``vllm-push-link`` thread (a dead decode
-costs its 5 s timeout there, never the engine's). Then per request one WRITE per decode rank,
-posted and waited for on the ``vllm-push-write`` thread: one descriptor per block per layer
-(the whole block at decode TP 1, the pull's READ in the other direction; the rank's head
-slice at TP d > 1), each with the notification ``"<decode request id>:1"`` that ends that
-rank's wait (vLLM's decode counts one per producer rank: this worker is one). The source is
-whichever regions the backend registered: the staging region, which the forward filled as
-for a pull, or a ``vllm_blocks`` pool's own pages (``direct``; docs/vllm.md, "vLLM's push
-mode", says why each, and why this agent rather than the push engine's).
+does before its first WRITE (``link.py``: every rank's handshake, hash and metadata checked
+on the ``vllm-push-link`` thread, where a dead decode costs its 5 s timeout, never the
+engine's; its agent loaded and its blocks prepared on the transfer thread). Then per request
+one WRITE per decode rank: one descriptor per block per layer (the whole block at decode
+TP 1, the pull's READ in the other direction; the rank's head slice at TP d > 1), each with
+the notification ``"<decode request id>:1"`` that ends that rank's wait (vLLM's decode
+counts one per producer rank: this worker is one). The source is whichever regions the
+backend registered: the staging region, which the forward filled as for a pull, or a
+``vllm_blocks`` pool's own pages (``direct``; docs/vllm.md, "vLLM's push mode", says why
+each, and why this agent and thread).
 
 A decode that registered fewer blocks than we staged had the rest in its prefix cache: as
 vLLM's prefill does, the WRITE sends our last blocks into them. Every path frees the
-request's staging blocks: the WRITEs settled (done or failed), the handshake refused, the
-registration unusable, ``close`` (a ``vllm_blocks`` pool's pages: unpins them).
+request's blocks once no byte of its WRITEs can land any more: the WRITEs settled (done, or
+failed or timed out and released), the handshake refused, the registration unusable,
+``close`` (a ``vllm_blocks`` pool's pages: unpins them).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 
 from prefill_worker.lograte import RateLimitedLog
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
+from prefill_worker.transfer.nixl.poster import Write, WritePoster
 from prefill_worker.transfer.vllm.link import (
     DecodeLink,
     LinkRefused,
@@ -44,7 +54,7 @@ from prefill_worker.transfer.vllm.staging import StagingLayout
 
 log = logging.getLogger(__name__)
 
-WRITE_TIMEOUT_S = 60.0  # a WRITE not settled by then is given up (its blocks freed)
+WRITE_TIMEOUT_S = 60.0  # a WRITE not settled by then is released (cancelled), its blocks freed
 _LOG_S = 10.0
 _Key = tuple[str, str, int]  # a link: the decode engine, the vLLM version, the decode's TP
 
@@ -71,35 +81,54 @@ class RankWrite:
 
 
 @dataclass(slots=True)
+class Pending:
+    """A request's WRITEs in flight, one per decode rank, posted at ``started``
+    (``perf_counter``); ``failure``: why it failed, once a rank's did (the others released)."""
+
+    job: PushJob
+    key: _Key
+    writes: list[Write]
+    started: float
+    failure: str | None = None
+
+    @property
+    def is_settled(self) -> bool:
+        """No byte of it can land any more."""
+        return all(w.is_settled or w.state() == "DONE" for w in self.writes)
+
+
+@dataclass(slots=True)
 class PushCounts:
     pushed: int = 0  # requests written
     pushed_bytes: int = 0
-    write_s: float = 0.0  # the WRITEs' time, posted to settled, all of them
+    write_s: float = 0.0  # the WRITEs' time, posted to seen settled by ``poll``, all of them
     failed: Counter[str] = field(default_factory=Counter)  # why -> requests not written
 
 
 class VllmPusher:
-    """Links to decodes, and the WRITEs; the engine thread calls ``push`` and ``poll``."""
+    """Links to decodes, and the WRITEs; the engine thread calls ``push`` and ``poll``.
+    ``agent`` is the push side's, owned by ``poster`` (every NIXL call on it goes through
+    ``poster``); ``close`` closes the poster."""
 
     def __init__(
         self,
         agent: Any,
+        poster: WritePoster,
         region_base_addrs: Sequence[int],
         layout: StagingLayout,
         hashes: Mapping[str, str],  # version -> our push-mode compatibility hash
         free: Callable[[Sequence[int]], None],
         clock: Callable[[], float],
     ) -> None:
-        self._agent, self._layout, self._hashes = agent, layout, hashes
+        self._agent, self._poster, self._layout, self._hashes = agent, poster, layout, hashes
         self._free, self._clock = free, clock
         self._bases = tuple(region_base_addrs)
         table = local_slices(self._bases, layout, 1)  # whole blocks: entry l * num_blocks + b
-        self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, "DRAM")
+        self._local = poster.run(agent.prep_xfer_dlist, "NIXL_INIT_AGENT", table, "DRAM")
         self._links: dict[_Key, DecodeLink] = {}
         self._linking: dict[_Key, tuple[Future[DecodeLink], list[PushJob]]] = {}
-        self._writes: list[tuple[Future[str], PushJob, _Key]] = []
+        self._writes: list[Pending] = []
         self._link_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-push-link")
-        self._write_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-push-write")
         self.counts = PushCounts()
         self._log = RateLimitedLog(log, _LOG_S)
 
@@ -108,8 +137,19 @@ class VllmPusher:
         return bool(self._linking or self._writes)
 
     @property
+    def wake_fd(self) -> int | None:
+        """Readable when a WRITE changed state (None: ``poll`` must look, ``needs_polling``)."""
+        return self._poster.wake_fd
+
+    @property
+    def needs_polling(self) -> bool:
+        """Whether only a poll moves what is pending: a link being made (no fd), or WRITEs
+        on a poster that has no thread of its own."""
+        return bool(self._linking) or (bool(self._writes) and self._poster.needs_polling)
+
+    @property
     def num_blocks_owned(self) -> int:
-        jobs = [j for _, js in self._linking.values() for j in js] + [j for _, j, _ in self._writes]
+        jobs = [j for _, js in self._linking.values() for j in js] + [p.job for p in self._writes]
         return sum(len(j.blocks) for j in jobs)
 
     def push(self, job: PushJob) -> None:
@@ -133,6 +173,7 @@ class VllmPusher:
 
     def poll(self) -> None:
         """Links made (their jobs written) or refused (their blocks freed); WRITEs settled."""
+        self._poster.clear_wake()  # before reading states: a later change wakes the engine
         for key, (future, jobs) in list(self._linking.items()):
             if not future.done():
                 continue
@@ -146,33 +187,22 @@ class VllmPusher:
             self._links[key] = link
             for job in jobs:
                 self._write(job, link, key)
-        still = []
-        for written, job, key in self._writes:
-            if not written.done():
-                still.append((written, job, key))
-                continue
-            state = written.result()
-            if state == "DONE":
-                self.counts.pushed += 1
-                self.counts.pushed_bytes += (
-                    len(job.blocks) * self._layout.num_layers * (self._layout.block_bytes)
-                )
-                self._free(job.blocks)
-            else:
-                self._drop_link(key)  # the decode may be gone: the next one handshakes anew
-                self._fail(job, "write", state)
-        self._writes = still
+        self._writes = [p for p in self._writes if not self._settle(p)]
 
     def close(self) -> None:
-        """Waits for the WRITEs in flight (nothing frees blocks a WRITE reads), then frees
-        every block this side owns and forgets the decodes."""
+        """Cancels the WRITEs in flight and stops the transfer thread (nothing frees blocks a
+        WRITE may still read), then frees every block this side owns and forgets the
+        decodes."""
         self._link_pool.shutdown(wait=True, cancel_futures=True)
-        self._write_pool.shutdown(wait=True)
+        for pending in self._writes:
+            for write in pending.writes:
+                write.release()
+        self._poster.close()  # from here the agent is ours, on this thread
         for _, jobs in self._linking.values():
             for job in jobs:
                 self._free(job.blocks)
-        for _, job, _ in self._writes:
-            self._free(job.blocks)
+        for pending in self._writes:
+            self._free(pending.job.blocks)
         self._linking.clear()
         self._writes.clear()
         for key in list(self._links):
@@ -187,10 +217,11 @@ class VllmPusher:
         self._log.warning(self._clock(), "vllm push of %s failed: %s", job.hold_id, detail)
 
     def _link(self, reg: Registration, version: str) -> DecodeLink:
-        """On the link thread: the decode's ranks handshaken, checked and loaded."""
-        return link_decode(
-            self._agent, self._bases, self._layout, self._hashes[version], reg, version
-        )
+        """On the link thread: the decode's ranks handshaken and checked, then loaded on the
+        transfer thread."""
+        hash_ = self._hashes[version]
+        run = self._poster.run
+        return link_decode(self._agent, self._bases, self._layout, hash_, reg, version, run)
 
     def _write(self, job: PushJob, link: DecodeLink, key: _Key) -> None:
         theirs = job.registration.block_ids()
@@ -205,71 +236,79 @@ class VllmPusher:
         local = [layer * lay.num_blocks + b for layer in range(lay.num_layers) for b in ours]
         remote = [layer * n + b for layer in range(lay.num_layers) for b in theirs]
         if link.local is None:  # TP 1: whole blocks
-            writes = [RankWrite(self._local, local, link.remotes[0], remote)]
+            ranks = [RankWrite(self._local, local, link.remotes[0], remote)]
         else:  # rank r: its slices, entries r * num_layers * num_blocks further on
             step = lay.num_layers * lay.num_blocks
-            writes = [
+            ranks = [
                 RankWrite(link.local, [i + r * step for i in local], theirs_r, remote)
                 for r, theirs_r in enumerate(link.remotes)
             ]
         notif = f"{job.registration.request_id}:1".encode()
-        future = self._write_pool.submit(self._post, writes, notif)
-        self._writes.append((future, job, key))
+        num_bytes = len(local) * lay.block_bytes // len(ranks)
+        writes = [
+            self._poster.post(w.local, w.local_idx, w.remote, w.remote_idx, notif, num_bytes)
+            for w in ranks
+        ]
+        self._writes.append(Pending(job, key, writes, time.perf_counter()))
         return None
 
-    def _post(self, writes: list[RankWrite], notif: bytes) -> str:
-        """On the write thread: every rank's WRITE posted, then waited for; "DONE" or why
-        not."""
-        start = time.perf_counter()
-        handles: list[Any] = []
-        try:
-            return self._post_and_wait(writes, notif, handles)
-        finally:
-            for handle in handles:
-                try:
-                    self._agent.release_xfer_handle(handle)
-                except NIXL_ERRORS:
-                    log.warning("vllm push: releasing a WRITE's handle failed")
-            self.counts.write_s += time.perf_counter() - start
+    def _settle(self, pending: Pending) -> bool:
+        """Whether ``pending`` is over (its blocks freed, counted): every rank DONE, or a
+        failure whose WRITEs are all settled. A rank that failed or ran past
+        ``WRITE_TIMEOUT_S`` releases the others (cancelled)."""
+        elapsed = time.perf_counter() - pending.started
+        if pending.failure is None:
+            states = [w.state() for w in pending.writes]
+            failed = [s for s in states if s.startswith("ERR")]
+            if failed:
+                pending.failure = failed[0]
+            elif all(s == "DONE" for s in states):
+                self._done(pending, elapsed)
+                return True
+            elif elapsed > WRITE_TIMEOUT_S:
+                pending.failure = f"ERR (not settled in {WRITE_TIMEOUT_S:.0f} s: {states})"
+            else:
+                return False
+        for write in pending.writes:
+            write.release()  # cancels one in flight; retries one NIXL refused to release
+        if not pending.is_settled:
+            return False
+        self.counts.write_s += elapsed
+        self._drop_link(pending.key)  # the decode may be gone: the next one handshakes anew
+        self._fail(pending.job, "write", pending.failure)
+        return True
 
-    def _post_and_wait(self, writes: list[RankWrite], notif: bytes, handles: list[Any]) -> str:
-        agent = self._agent
-        states = []
-        for w in writes:
-            try:
-                handle = agent.make_prepped_xfer(
-                    "WRITE", w.local, w.local_idx, w.remote, w.remote_idx, notif
-                )
-            except NIXL_ERRORS as exc:
-                return f"ERR (posting: {exc})"
-            handles.append(handle)
-            try:
-                states.append(str(agent.transfer(handle)))  # over cma: the copy, here
-            except NIXL_ERRORS as exc:
-                return f"ERR ({exc})"
-        deadline = time.monotonic() + WRITE_TIMEOUT_S
-        pause = 0.0001
-        try:
-            while time.monotonic() < deadline:
-                if "ERR" in states:
-                    return "ERR (ERR)"
-                if all(state == "DONE" for state in states):
-                    return "DONE"
-                time.sleep(pause)
-                pause = min(pause * 2, 0.002)
-                states = [
-                    state if state == "DONE" else str(agent.check_xfer_state(handle))
-                    for state, handle in zip(states, handles, strict=True)
-                ]
-        except NIXL_ERRORS as exc:
-            return f"ERR ({exc})"
-        return f"ERR ({states})"
+    def _abandon(self, key: _Key) -> None:
+        """Another WRITE to the decode ``key`` failed: its WRITEs not done yet are released
+        (failed), so that none is in flight when its lists are forgotten."""
+        for pending in self._writes:
+            if pending.key != key or pending.failure is not None:
+                continue
+            if all(w.state() == "DONE" for w in pending.writes):
+                continue
+            pending.failure = "ERR (another WRITE to this decode failed)"
+            for write in pending.writes:
+                write.release()
+
+    def _done(self, pending: Pending, elapsed: float) -> None:
+        for write in pending.writes:
+            write.release()  # a settled ticket: nothing; an inline write: its handle
+        job, lay = pending.job, self._layout
+        self.counts.pushed += 1
+        self.counts.pushed_bytes += len(job.blocks) * lay.num_layers * lay.block_bytes
+        self.counts.write_s += elapsed
+        self._free(job.blocks)
 
     def _drop_link(self, key: _Key) -> None:
         link = self._links.pop(key, None)
         if link is None:
             return
+        self._abandon(key)
+        # after every release asked so far: no WRITE of the link's lists is left in flight
+        self._poster.run_later(self._forget, link, key[0])
+
+    def _forget(self, link: DecodeLink, engine_id: str) -> None:
         try:
             forget(self._agent, link)
         except NIXL_ERRORS as exc:
-            log.warning("vllm push: forgetting decode %s: %s", key[0], exc)
+            log.warning("vllm push: forgetting decode %s: %s", engine_id, exc)

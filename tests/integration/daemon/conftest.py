@@ -116,11 +116,14 @@ def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PREFILL_WORKER_")}
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def shared_worker(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[Worker]:
     """configs/tiny-test.yaml as it is (port 0 everywhere) with a ready file, shared by the
     tests that leave it serving. At the end SIGTERM must drain it to exit 0 and remove the
-    ready file (a stale one would name dead ports)."""
+    ready file (a stale one would name dead ports). Session-scoped, so one start per pytest
+    process: under ``-n`` a process runs this package's modules between others' (costliest
+    first, ``tests/xdist_groups.py``), and a package fixture was stopped and started again
+    each time it left the package."""
     tmp_path = tmp_path_factory.mktemp("shared-worker")
     ready_file = tmp_path / "endpoints.json"
     args = [sys.executable, "-m", "prefill_worker", "serve", "configs/tiny-test.yaml"]

@@ -9,12 +9,16 @@ them is tests/interop/test_vllm_worker_tp.py); one of TP 3 for our 2 heads is re
 
 from __future__ import annotations
 
+import contextlib
+import select
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from prefill_worker.transfer.nixl.poster import InlinePoster, WritePoster
+from prefill_worker.transfer.nixl.push_thread import PushThread
 from prefill_worker.transfer.vllm.handshake import SideChannel, encode_payload
 from prefill_worker.transfer.vllm.link import LinkRefused, check_metadata, fetch_payload
 from prefill_worker.transfer.vllm.profiles import PROFILES, LayerRegion, agent_metadata
@@ -71,13 +75,24 @@ class _List:
         pass
 
 
+class _Handle:
+    def __init__(self, agent: _Agent, index: int) -> None:
+        self.agent, self.index, self.is_released = agent, index, False
+
+    def release(self) -> None:
+        self.is_released = True
+
+
 class _Agent:
-    """What the pusher calls: the lists it prepares and the WRITEs it posts are recorded
-    (every WRITE is DONE at once); nothing is copied."""
+    """What the pusher calls: the lists it prepares and the WRITEs it posts are recorded;
+    nothing is copied. A WRITE's state is ``states[index]`` (DONE unless set); the one whose
+    notification is in ``fail`` is an ERR."""
 
     def __init__(self) -> None:
         self.loaded: list[bytes] = []
         self.writes: list[tuple[_List, list[int], _List, list[int], bytes]] = []
+        self.handles: list[_Handle] = []
+        self.states: dict[int, str] = {}
 
     def prep_xfer_dlist(self, name: str, table: Any, mem: str) -> _List:
         return _List(name, table)
@@ -91,16 +106,20 @@ class _Agent:
 
     def make_prepped_xfer(
         self, op: str, local: _List, lidx: Any, remote: _List, ridx: Any, notif: bytes
-    ) -> int:
+    ) -> _Handle:
         assert op == "WRITE"
         self.writes.append((local, list(lidx), remote, list(ridx), notif))
-        return len(self.writes)
+        self.handles.append(_Handle(self, len(self.handles)))
+        return self.handles[-1]
 
-    def transfer(self, handle: int) -> str:
-        return "DONE"
+    def transfer(self, handle: _Handle) -> str:
+        return self.check_xfer_state(handle)
 
-    def release_xfer_handle(self, handle: int) -> None:
-        pass
+    def check_xfer_state(self, handle: _Handle) -> str:
+        return self.states.get(handle.index, "DONE")
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
 
 
 @pytest.fixture
@@ -129,8 +148,10 @@ def _job(port: int, blocks: tuple[int, ...] = (0, 1), **reg: Any) -> PushJob:
     return PushJob("pw-1", blocks, Registration(**fields), "0.34.0")
 
 
-def _pusher(freed: list[int], agent: _Agent) -> VllmPusher:
-    return VllmPusher(agent, [0, 1 << 20], LAYOUT, {"0.34.0": HASH}, freed.extend, lambda: 0.0)
+def _pusher(freed: list[int], agent: _Agent, poster: WritePoster | None = None) -> VllmPusher:
+    poster = InlinePoster(agent) if poster is None else poster
+    hashes = {"0.34.0": HASH}
+    return VllmPusher(agent, poster, [0, 1 << 20], LAYOUT, hashes, freed.extend, lambda: 0.0)
 
 
 def test_a_refused_decode_gets_no_write_and_its_blocks_come_back(
@@ -167,8 +188,9 @@ def test_a_decode_with_more_blocks_than_staged_is_refused_after_its_link(
 ) -> None:
     freed: list[int] = []
     agent = _Agent()
+    hashes = {"0.34.0": "b" * 64}
     pusher = VllmPusher(
-        agent, [0, 1 << 20], LAYOUT, {"0.34.0": "b" * 64}, freed.extend, lambda: 0.0
+        agent, InlinePoster(agent), [0, 1 << 20], LAYOUT, hashes, freed.extend, lambda: 0.0
     )
     pusher.push(_job(decode_channel.port, (4,), local_block_ids=[[5, 6]]))
     wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the link")
@@ -229,3 +251,118 @@ def test_a_decode_of_tp_2_gets_each_rank_its_heads_of_our_blocks() -> None:
 def test_a_rank_holding_whole_blocks_is_not_a_rank_of_tp_2() -> None:
     with pytest.raises(LinkRefused, match="1/2 of a block: a rank's heads"):
         check_metadata(_payload(), HASH, "0.34.0", "decode-1", LAYOUT, 2)
+
+
+@contextlib.contextmanager
+def _decode(ranks: dict[tuple[int, int], bytes]) -> Iterator[SideChannel]:
+    """A decode's side channel serving ``ranks``' payloads from a thread."""
+    channel = SideChannel("127.0.0.1", 0, ranks)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [channel.serve(20) for _ in iter(stop.is_set, True)])
+    thread.start()
+    try:
+        yield channel
+    finally:
+        stop.set()
+        thread.join()
+        channel.close()
+
+
+def _linked(pusher: VllmPusher, agent: _Agent, n: int = 1) -> None:
+    wait_until(lambda: (pusher.poll(), len(agent.writes) >= n)[1], 10.0, "the link")
+
+
+def test_a_write_settling_on_the_transfer_thread_wakes_the_engine() -> None:
+    """Through a real ``PushThread``: the handshake's agent and lists are loaded on it, the
+    WRITE is posted there and, while in flight, asks for no polling; its end writes the wake
+    fd, and the poll that follows frees the blocks."""
+    agent = _Agent()
+    agent.states[0] = "PROC"
+    freed: list[int] = []
+    pusher = _pusher(freed, agent, PushThread(agent, "test-vllm-push"))
+    with _decode({(0, 0): _payload()}) as channel:
+        pusher.push(_job(channel.port))
+        assert pusher.needs_polling  # the link: no fd
+        _linked(pusher, agent)
+    assert agent.loaded == [b"blob"] and pusher.busy and not pusher.needs_polling
+    fd = pusher.wake_fd
+    assert fd is not None
+    agent.states[0] = "DONE"
+    for _ in range(3):  # each turn only once the fd says so (the post, then the end)
+        assert select.select([fd], [], [], 10.0)[0] == [fd]
+        pusher.poll()  # clears the fd, then reads the states
+        if not pusher.busy:
+            break
+    assert not pusher.busy and pusher.counts.pushed == 1 and sorted(freed) == [0, 1]
+    assert agent.handles[0].is_released
+    pusher.close()
+    assert agent.loaded == []
+
+
+def test_a_rank_that_fails_releases_the_other_and_the_blocks_come_back_once_settled() -> None:
+    half = LAYOUT.block_bytes // 2
+    ranks = {(0, r): _payload(block_bytes=half, blob=f"rank-{r}".encode()) for r in range(2)}
+    agent = _Agent()
+    agent.states.update({0: "ERR", 1: "PROC"})
+    freed: list[int] = []
+    pusher = _pusher(freed, agent)
+    with _decode(ranks) as channel:
+        pusher.push(_job(channel.port, (1, 2), decode_tp_size=2, local_block_ids=[[5, 9]]))
+        wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the link and WRITEs")
+    assert len(agent.writes) == 2 and all(h.is_released for h in agent.handles)
+    assert sorted(freed) == [1, 2] and pusher.counts.failed["write"] == 1
+    assert pusher.counts.pushed == 0 and agent.loaded == []  # forgotten: the next one links
+    pusher.close()
+
+
+def test_a_write_past_its_timeout_is_released_and_its_blocks_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("prefill_worker.transfer.vllm.pusher.WRITE_TIMEOUT_S", 0.0)
+    agent = _Agent()
+    agent.states[0] = "PROC"  # never ends
+    freed: list[int] = []
+    pusher = _pusher(freed, agent)
+    with _decode({(0, 0): _payload()}) as channel:
+        pusher.push(_job(channel.port))
+        wait_until(lambda: (pusher.poll(), not pusher.busy)[1], 10.0, "the timeout")
+    assert agent.handles[0].is_released and sorted(freed) == [0, 1]
+    assert pusher.counts.failed["write"] == 1 and agent.loaded == []
+    pusher.close()
+
+
+def test_a_failed_write_fails_the_others_in_flight_to_that_decode_before_forgetting_it() -> None:
+    """Its lists are released only after no WRITE of them is in flight; one already DONE
+    counts as pushed."""
+    agent = _Agent()
+    agent.states.update({0: "PROC", 1: "PROC", 2: "PROC"})
+    freed: list[int] = []
+    pusher = _pusher(freed, agent)
+    with _decode({(0, 0): _payload()}) as channel:
+        pusher.push(_job(channel.port))
+        _linked(pusher, agent)
+        pusher.push(_job(channel.port, (2, 3)))
+        pusher.push(_job(channel.port, (4, 5)))
+    assert len(agent.writes) == 3 and pusher.num_blocks_owned == 6
+    agent.states.update({1: "ERR", 2: "DONE"})
+    pusher.poll()
+    assert pusher.counts.failed["write"] == 1  # the ERR; the first abandoned this turn
+    pusher.poll()
+    assert not pusher.busy and sorted(freed) == [0, 1, 2, 3, 4, 5]
+    assert pusher.counts.failed["write"] == 2 and pusher.counts.pushed == 1
+    assert all(h.is_released for h in agent.handles) and agent.loaded == []
+    pusher.close()
+
+
+def test_close_cancels_the_writes_in_flight_then_frees_their_blocks() -> None:
+    agent = _Agent()
+    agent.states[0] = "PROC"
+    freed: list[int] = []
+    pusher = _pusher(freed, agent, PushThread(agent, "test-vllm-push"))
+    with _decode({(0, 0): _payload()}) as channel:
+        pusher.push(_job(channel.port))
+        _linked(pusher, agent)
+    pusher.poll()
+    assert pusher.busy and not freed
+    pusher.close()
+    assert agent.handles[0].is_released and sorted(freed) == [0, 1] and agent.loaded == []
