@@ -24,7 +24,6 @@ from prefill_worker.tp.group import Placement, Timeouts, agree_loaded, join, ope
 from prefill_worker.tp.leader import Heartbeat, LeaderGroup
 from prefill_worker.tp.mirror import RankLink
 from prefill_worker.transfer.base import TransferBackend
-from prefill_worker.transfer.sglang.swa import HYBRID_SWA_ARCHITECTURES
 
 log = logging.getLogger("prefill_worker.service.daemon")
 
@@ -84,10 +83,12 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
     a linear-attention hybrid's state to native, SGLang and vLLM 0.34 decodes (the leader
     gathers whole slots, ``model.state_gather``, and writes each decode rank its state or its
     share; its vLLM backend stages them in vLLM's page layout), and gpt-oss's and Gemma 3's
-    pages to native decodes (head slices of every page, as a dense model's) and vLLM decodes
-    (the group's shared staging holds every head: docs/vllm.md, "Workers with TP > 1").
-    Refused below: the rest (a DSA model over vLLM: its decodes get no index keys from any
-    worker; at TP 1 each of its rooms is refused ``state_unsupported``)."""
+    pages to native decodes (head slices of every page, as a dense model's), vLLM decodes
+    (the group's shared staging holds every head: docs/vllm.md, "Workers with TP > 1") and
+    SGLang decodes (every rank its heads of each page; into a hybrid SWA pool, of the full
+    layers' pages and of the sliding layers' window pages: docs/sglang.md, "Workers with
+    TP > 1"). Refused below: the rest (a DSA model over vLLM: its decodes get no index keys
+    from any worker; at TP 1 each of its rooms is refused ``state_unsupported``)."""
     if tp_size == 1:
         return
     where = f"{spec.architecture} at tensor parallel {tp_size} over {'/'.join(protocols)}"
@@ -95,11 +96,6 @@ def check_group_transfer(spec: ModelSpec, tp_size: int, protocols: tuple[str, ..
         raise ValueError(
             f"{where}: the transfer of its index keys (DSA) to vLLM decodes is not built; "
             "serve it over sglang or native"
-        )
-    if spec.architecture in HYBRID_SWA_ARCHITECTURES and "sglang" in protocols:
-        raise ValueError(
-            f"{where}: sending its sliding layers' window pages from more than one rank is "
-            "not built; serve it over native, or at tensor parallel 1"
         )
 
 

@@ -54,6 +54,7 @@ import msgspec
 from prefill_worker.request import TransferStats
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll, KVSender, TransferBackend
+from prefill_worker.transfer.swa_window import WindowWant
 
 if TYPE_CHECKING:  # importing the poster imports NIXL; this module stays free of it
     from prefill_worker.transfer.nixl.poster import Telemetry, Write
@@ -89,7 +90,7 @@ class MirrorOp(msgspec.Struct, array_like=True, frozen=True):
     reason: str = ""
     register: wire.Register | None = None
     agent_names: list[str] = []
-    wants: list[wire.Want] = []
+    wants: list[wire.Want | WindowWant] = []  # a hybrid SWA decode's names its window too
     sliding_page_ids: list[int] = []
 
 

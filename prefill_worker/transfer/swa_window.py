@@ -17,10 +17,16 @@ Two modes, after what the decode holds:
   the ``window - 1`` keys before it).
 
 SGLang's protocol sends ``window`` to a decode that registered a hybrid SWA pool
-(``transfer/sglang/swa.py``) and ``full_pool`` to one without. ``guard_unproven`` wraps the
-backend of every protocol whose sends of a sliding-window model are not proven against its
-decode (every one but ``PROVEN_PROTOCOLS``) in ``StateGuard``: each room is refused when its
-decode claims it, with ``refusal(...)`` (``swa_unsupported: ...``), before a byte is written.
+(``transfer/sglang/swa.py``) and ``full_pool`` to one without. Such a decode's want
+(``WindowWant``: its window's pages in that pool, ``window_slots``) and its pool (a paged
+state component of kind ``SWA_KIND``; ``swa_pool_regions``: as a KV pool of the sliding
+layers) are read here too, by the leader's route and by every rank of a tensor-parallel
+group (``transfer/nixl/rank_backend.py``: each writes its heads of the window).
+
+``guard_unproven`` wraps the backend of every protocol whose sends of a sliding-window model
+are not proven against its decode (every one but ``PROVEN_PROTOCOLS``) in ``StateGuard``:
+each room is refused when its decode claims it, with ``refusal(...)``
+(``swa_unsupported: ...``), before a byte is written.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
+from prefill_worker.kv.state_layout import StateRegions
+from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import TransferBackend
 from prefill_worker.transfer.state_guard import StateGuard
 
@@ -37,6 +48,19 @@ PROVEN_PROTOCOLS = ("native", "sglang", "vllm")
 FULL_POOL = "full_pool"
 WINDOW = "window"
 SWA_UNSUPPORTED = "swa_unsupported"
+SWA_KIND = "sliding_window_kv"  # SGLang's "swa" state type: a decode's hybrid SWA pool
+
+
+class WindowWant(wire.Want, frozen=True, tag="window_want"):
+    """A want whose decode holds a hybrid SWA pool: also the window's pages in that pool,
+    packed int32 like ``dst_page_ids`` (tagged apart: a group's mirror carries it to every
+    rank, ``transfer/group.py``)."""
+
+    packed_dst_window_pages: bytes = b""
+
+    @property
+    def dst_window_pages(self) -> np.ndarray:
+        return np.frombuffer(self.packed_dst_window_pages, dtype="<i4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +105,37 @@ def layer_pages(
         return range(first, end)
     start = max(prefix_len, seq_len - window_tokens)
     return range(start // page_size, end)
+
+
+def window_slots(
+    window_pages: np.ndarray, num_prompt_pages: int, first_page: int, num_pages: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which of a chunk's ``num_pages`` pages (prompt pages from ``first_page``) a decode's
+    hybrid SWA pool keeps, and where: (a mask over the chunk's pages, their pages in the SWA
+    pool). The window is the prompt's last ``len(window_pages)`` pages, page for page (its
+    length checked against ``layer_pages`` when the want was bound)."""
+    offsets = np.arange(first_page, first_page + num_pages) - (num_prompt_pages - len(window_pages))
+    kept = offsets >= 0
+    return kept, np.asarray(window_pages)[offsets[kept]]
+
+
+def swa_pool_regions(pool: StateRegions) -> KVRegions:
+    """A hybrid SWA pool (its component's tensors K and V, items of one page
+    ``[page_size, heads, head_dim]``) as a layer-major KV pool of the sliding layers, its
+    items its pages: what head slices and page copies address (``transfer.headplan``)."""
+    component = pool.component
+    page_size, num_heads, head_dim = component.tensors[0].item_shape
+    layout = KVLayout(
+        len(component.layer_ids),
+        num_heads,
+        head_dim,
+        component.tensors[0].dtype,
+        page_size,
+        component.num_items,
+        LAYER_MAJOR,
+    )
+    k_bases, v_bases = pool.base_addrs
+    return KVRegions(layout, tuple(k_bases), tuple(v_bases), pool.device, 0, 0)
 
 
 def pages_sent(

@@ -6,9 +6,12 @@ room's binding (``RankSender.bind``: the decode ranks' `want`s) before its pages
 
     mirror op   create      a RankSender, READY (its pages wait for their bind)
                 peer        add_peer(register): the decode rank's agent and pool, this
-                            rank's slice of it (``RankWriter``; none: not fed here)
+                            rank's slice of it (``RankWriter``; none: not fed here), and
+                            its hybrid SWA pool when the register names one (SGLang's)
                 bind        the room's decode ranks and their wants
                 pages       one WRITE per fed decode rank of this rank's heads  TRANSFERRING
+                            (and one of the window's pages into its hybrid SWA pool:
+                            ``swa_window.window_slots`` of its want, a ``WindowWant``)
                 aux         every page sent: SUCCESS once every write landed
                 fail/close  FAILED; writes in flight released (cancelled)
                 drop        the decode rank left the leader: its rooms FAILED (their
@@ -54,10 +57,16 @@ from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
 from prefill_worker.transfer.draft import pool_into, with_draft_layers
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS, mem_type, region_tables
-from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter
-from prefill_worker.transfer.pagemap import map_pages
+from prefill_worker.transfer.nixl.rank_writer import RankPlace, RankWriter, WindowPool
+from prefill_worker.transfer.pagemap import map_pages, num_prompt_pages
 from prefill_worker.transfer.push.window_route import FullPoolWindow, chunk_writes, full_pool_route
-from prefill_worker.transfer.swa_window import SlidingLayers
+from prefill_worker.transfer.swa_window import (
+    SWA_KIND,
+    SlidingLayers,
+    WindowWant,
+    swa_pool_regions,
+    window_slots,
+)
 
 log = logging.getLogger(__name__)
 _WRITE_ERRORS: tuple[type[Exception], ...] = (ValueError, RuntimeError, *NIXL_ERRORS)
@@ -80,6 +89,7 @@ class RankSender:
 
     def __init__(self, backend: RankBackend, room: int, num_prompt_tokens: int = 0) -> None:
         self._backend, self.room, self._num_prompt_tokens = backend, room, num_prompt_tokens
+        self._num_prompt_pages = num_prompt_pages(max(num_prompt_tokens, 1), backend.page_size)
         self._state = KVPoll.READY
         self._reason: str | None = None
         self._targets: list[tuple[_DecodeRank, wire.Want]] = []
@@ -124,6 +134,12 @@ class RankSender:
                 src, dst = map_pages(page_ids, first_page, num_cached_pages, want.dst_page_ids)
                 if len(src):
                     self._post(rank, want, src, dst, (page_ids, first_page, sliding_page_ids))
+                if isinstance(want, WindowWant):  # the window's pages into its SWA pool too
+                    first = first_page + len(page_ids) - len(src)
+                    window, pages = want.dst_window_pages, self._num_prompt_pages
+                    kept, slots = window_slots(window, pages, first, len(src))
+                    if len(slots):
+                        self._post(rank, want, src[kept], slots, None)
             except _WRITE_ERRORS as exc:
                 return self.fail(f"tensor-parallel rank {self._backend.place.rank}: {exc}")
 
@@ -133,13 +149,14 @@ class RankSender:
         want: wire.Want,
         src: np.ndarray,
         dst: np.ndarray,
-        chunk: tuple[Sequence[int], int, Sequence[int]],
+        chunk: tuple[Sequence[int], int, Sequence[int]] | None,
     ) -> None:
         """One WRITE of this rank's slice of ``src`` into ``dst``: every region, or where the
-        decode rank's route sends each (``ValueError`` for a window page not given)."""
+        decode rank's route sends each (``ValueError`` for a window page not given); no
+        ``chunk``: the window's pages into the decode rank's hybrid SWA pool."""
         assert rank.name is not None
-        if rank.route is None:
-            handle, num_bytes = rank.writer.post(rank.name, src, dst, b"")
+        if chunk is None or rank.route is None:
+            handle, num_bytes = rank.writer.post(rank.name, src, dst, b"", window=chunk is None)
         else:
             parts = chunk_writes(rank.route, want, self._num_prompt_tokens, chunk, src, dst)
             local = np.concatenate([part.local for part in parts])
@@ -269,7 +286,7 @@ class RankBackend:
         writer = RankWriter(self.agent, self.place, ours)
         try:
             metadata = wire.unframe_metadata(msg.metadata)
-            name = writer.add_peer(metadata, theirs, dst_rank, dst_tp)
+            name = writer.add_peer(metadata, theirs, dst_rank, dst_tp, _window_pool(msg))
         except _WRITE_ERRORS as exc:  # the leader checked it; its rooms' binds fail
             log.error("decode agent %s not added on this rank: %s", msg.agent_name, exc)
             writer.close()
@@ -375,3 +392,12 @@ class RankBackend:
         self._ranks.clear()
         self._leaving.clear()
         self.agent.deregister_memory(self._registration)
+
+
+def _window_pool(msg: wire.Register) -> WindowPool | None:
+    """The decode rank's hybrid SWA pool (a state pool of kind ``SWA_KIND``), if it has one:
+    its pages of our sliding layers. ``ValueError`` when its addresses do not fit."""
+    pools = [] if msg.state is UNSET else [p for p in msg.state if p.kind == SWA_KIND]
+    if not pools:
+        return None
+    return WindowPool(pools[0].layer_ids, swa_pool_regions(pools[0].regions(msg.device)))

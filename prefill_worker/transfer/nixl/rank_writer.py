@@ -8,6 +8,10 @@ pool, which holds its heads only (``kv.heads``); it writes, into each decode ran
                          ─▶ plan_rank(KV, r, p, d)'s slice for j, or None (not fed by r)
                        post(name, src_pages, dst_pages) ─▶ one NIXL WRITE of that slice
 
+A decode rank with a hybrid SWA pool (SGLang's, ``transfer/sglang/swa.py``) is two pools
+(``WindowPool``): its KV list takes our full layers' pages, its SWA pool our sliding layers'
+window pages (``post(..., window=True)``), the same head slice of each.
+
 Which rank sends the aux row and the status, and when (after every rank's writes landed), is
 the group's business, not this class's: it moves KV bytes and reports each write's state.
 ``prep_slice_lists``/``prep_local_slice`` prepare the same token-run lists for the push
@@ -16,6 +20,7 @@ engine (a TP-1 worker feeding a decode of TP > 1). Importing it imports NIXL (``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from prefill_worker.kv.heads import kv_head_range
-from prefill_worker.kv.layout import KVRegions
+from prefill_worker.kv.layout import LAYER_MAJOR, KVLayout, KVRegions
 from prefill_worker.transfer.headplan import (
     HeadSlice,
     plan_rank,
@@ -51,12 +56,28 @@ class RankPlace:
 
 
 @dataclass(frozen=True, slots=True)
-class _Peer:
-    head_slice: HeadSlice
+class WindowPool:
+    """A decode rank's hybrid SWA pool: ``regions``, its pages of our ``sliding`` layers
+    (``swa_window.swa_pool_regions``); its KV list then holds our other layers."""
+
+    sliding: tuple[int, ...]
     regions: KVRegions
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    ours: KVLayout  # our layout of the layers this part writes
+    theirs: KVLayout
     local: Any  # this rank's prepared list for the slice's source side
     remote: Any  # the decode rank's prepared list
     descriptor_bytes: int  # what one descriptor of either list covers
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    head_slice: HeadSlice
+    kv: _Part
+    window: _Part | None  # a hybrid SWA pool's (``WindowPool``)
 
 
 class RankWriter:
@@ -69,7 +90,7 @@ class RankWriter:
                 f"{place.num_kv_heads} KV heads; its pool has {regions.layout.num_kv_heads}"
             )
         self._agent, self.place, self._regions = agent, place, regions
-        self._local: dict[tuple[int, int, bool], Any] = {}  # by (offset, heads, whole)
+        self._local: dict[tuple[int, int, bool, tuple[int, ...]], Any] = {}  # (.., layers)
         self._peers: dict[str, _Peer] = {}
 
     def slice_for(self, dst_rank: int, dst_tp: int) -> HeadSlice | None:
@@ -79,66 +100,97 @@ class RankWriter:
         return next((s for s in slices if s.dst_rank == dst_rank), None)
 
     def add_peer(
-        self, metadata: bytes, regions: KVRegions, dst_rank: int, dst_tp: int
+        self,
+        metadata: bytes,
+        regions: KVRegions,
+        dst_rank: int,
+        dst_tp: int,
+        window: WindowPool | None = None,
     ) -> str | None:
-        """Add decode rank ``dst_rank`` (its NIXL metadata and pool): its agent name, or None
-        when this rank writes nothing into it. ``ValueError`` when its pool does not fit."""
+        """Add decode rank ``dst_rank`` (its NIXL metadata and pool, with its hybrid SWA pool
+        when it has one): its agent name, or None when this rank writes nothing into it.
+        ``ValueError`` when its pool does not fit."""
         head_slice = self.slice_for(dst_rank, dst_tp)
         if head_slice is None:
             return None
-        why = slice_layout_error(self._regions.layout, regions.layout, head_slice)
-        if why is not None:
-            raise ValueError(why)
+        every = tuple(range(self._regions.layout.num_layers))
+        full = every if window is None else tuple(i for i in every if i not in window.sliding)
+        pairs = [(full, regions)] + ([] if window is None else [(window.sliding, window.regions)])
+        for layers, theirs in pairs:
+            why = slice_layout_error(
+                _layers_of(self._regions, layers).layout, theirs.layout, head_slice
+            )
+            if why is not None:
+                raise ValueError(why)
         name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
-        table = write_table(
-            regions, head_slice.dst_head_offset, head_slice.num_heads, head_slice.is_whole_page
-        )
-        remote = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
-        local = self._local_list(head_slice)
-        self._peers[name] = _Peer(head_slice, regions, local, remote, int(table[0][1]))
+        kv, *rest = [self._part(name, head_slice, layers, theirs) for layers, theirs in pairs]
+        self._peers[name] = _Peer(head_slice, kv, rest[0] if rest else None)
         return name
 
-    def _local_list(self, s: HeadSlice) -> Any:
-        key = (s.src_head_offset, s.num_heads, s.is_whole_page)
+    def _part(self, name: str, s: HeadSlice, layers: tuple[int, ...], theirs: KVRegions) -> _Part:
+        table = write_table(theirs, s.dst_head_offset, s.num_heads, s.is_whole_page)
+        remote = self._agent.prep_xfer_dlist(name, table, mem_type(theirs.device))
+        ours = _layers_of(self._regions, layers)
+        key = (s.src_head_offset, s.num_heads, s.is_whole_page, layers)
         if key not in self._local:
-            table = write_table(self._regions, *key)
-            device = mem_type(self._regions.device)
-            self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, device)
-        return self._local[key]
+            local_table = write_table(ours, *key[:3])
+            device = mem_type(ours.device)
+            self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_table, device)
+        return _Part(ours.layout, theirs.layout, self._local[key], remote, int(table[0][1]))
 
     def post(
-        self, name: str, src_pages: np.ndarray, dst_pages: np.ndarray, notif: bytes
+        self,
+        name: str,
+        src_pages: np.ndarray,
+        dst_pages: np.ndarray,
+        notif: bytes,
+        window: bool = False,
     ) -> tuple[Any, int]:
         """Start one WRITE of this rank's slice of ``src_pages`` into the decode rank's
-        ``dst_pages``: the handle (``agent.check_xfer_state`` says when it landed) and the
-        bytes its descriptors cover."""
-        peer = self._peers[name]
-        is_whole = peer.head_slice.is_whole_page
-        local_idx = write_indices(src_pages, self._regions.layout, is_whole)
-        remote_idx = write_indices(dst_pages, peer.regions.layout, is_whole)
-        return self.post_indices(name, local_idx, remote_idx, notif)
+        ``dst_pages`` (``window``: our sliding layers' pages into its hybrid SWA pool's): the
+        handle (``agent.check_xfer_state`` says when it landed) and the bytes its descriptors
+        cover. ``ValueError`` for a window into a decode rank without that pool."""
+        part = self._part_of(name, window)
+        is_whole = self._peers[name].head_slice.is_whole_page
+        local_idx = write_indices(src_pages, part.ours, is_whole)
+        remote_idx = write_indices(dst_pages, part.theirs, is_whole)
+        return self.post_indices(name, local_idx, remote_idx, notif, window)
 
     def post_indices(
-        self, name: str, local_idx: np.ndarray, remote_idx: np.ndarray, notif: bytes
+        self,
+        name: str,
+        local_idx: np.ndarray,
+        remote_idx: np.ndarray,
+        notif: bytes,
+        window: bool = False,
     ) -> tuple[Any, int]:
         """``post`` of descriptor indices given (a route's: ``push.window_route``, whose
         ``runs`` are 1 for a whole-page slice, else ``page_size``)."""
-        peer = self._peers[name]
+        part = self._part_of(name, window)
         handle = self._agent.make_prepped_xfer(
-            "WRITE", peer.local, local_idx, peer.remote, remote_idx, notif
+            "WRITE", part.local, local_idx, part.remote, remote_idx, notif
         )
         state = self._agent.transfer(handle)
         if state == "ERR":
             handle.release()
             raise RuntimeError(f"NIXL refused a write to {name}")
-        return handle, len(local_idx) * peer.descriptor_bytes
+        return handle, len(local_idx) * part.descriptor_bytes
+
+    def _part_of(self, name: str, window: bool) -> _Part:
+        peer = self._peers[name]
+        part = peer.window if window else peer.kv
+        if part is None:
+            raise ValueError(f"decode agent {name} registered no hybrid SWA pool")
+        return part
 
     def close(self) -> None:
         """Release every prepared list and forget the decode agents (errors logged: the peer
         is gone either way)."""
         for name, peer in self._peers.items():
-            peer.remote.release()
+            for part in (peer.kv, peer.window):
+                if part is not None:
+                    part.remote.release()
             try:
                 self._agent.remove_remote_agent(name)
             except NIXL_ERRORS as exc:
@@ -147,6 +199,19 @@ class RankWriter:
             local.release()
         self._peers.clear()
         self._local.clear()
+
+
+def _layers_of(regions: KVRegions, layers: tuple[int, ...]) -> KVRegions:
+    """``regions`` of ``layers`` alone (all of them: ``regions`` itself); a layer-major pool
+    (one base per layer plane) only."""
+    if layers == tuple(range(regions.layout.num_layers)):
+        return regions
+    if regions.layout.kind != LAYER_MAJOR or regions.layer_pages:
+        raise ValueError(f"a {regions.layout.kind} pool cannot be written by layer subsets")
+    layout = dataclasses.replace(regions.layout, num_layers=len(layers), kv_scales=())
+    k = tuple(regions.k_base_addrs[i] for i in layers)
+    v = tuple(regions.v_base_addrs[i] for i in layers)
+    return KVRegions(layout, k, v, regions.device, regions.aux_base_addr, regions.num_aux_rows)
 
 
 def prep_slice_lists(

@@ -34,6 +34,7 @@ from prefill_worker.transfer.sglang.swa import (
     window_route,
     window_want,
     windowed_full_pool,
+    windowed_slices,
 )
 from prefill_worker.transfer.slot_stage import StagedState
 from prefill_worker.transfer.swa_window import SlidingLayers
@@ -96,11 +97,20 @@ class StateComponents:
             return Accepted(pool.registration, ours, pool.state, share)
         return Accepted(reg, ours)
 
+    def refuse_slices(self, state: StateRegions | None) -> Refusal | None:
+        """Why a decode rank holding other heads than ours cannot take its state pool
+        ``state`` as token runs of ours: a hybrid SWA pool fed from a windowed sliding pool
+        (not built); None otherwise."""
+        if state is not None and self._sliding is not None and self._sliding.pool_pages:
+            return Refusal(RejectReason.UNSUPPORTED, windowed_slices())  # its one kind: swa
+        return None
+
     def route(
-        self, ours: KVLayout, peer: KVRegions, state: StateLists | None
+        self, ours: KVLayout, peer: KVRegions, state: StateLists | None, is_whole: bool = True
     ) -> WindowRoute | None:
-        """Where each page's regions go for a decode holding a hybrid SWA pool; else None."""
-        return window_route(self._sliding, ours, peer, state)
+        """Where each page's regions go for a decode holding a hybrid SWA pool (whole pages,
+        or, ``is_whole`` False, its head slice's token runs); else None."""
+        return window_route(self._sliding, ours, peer, state, is_whole)
 
     def want(
         self, req: TransferRequest, peer: SglangPeer

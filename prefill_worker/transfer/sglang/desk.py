@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from msgspec import UNSET, UnsetType
 
 from prefill_worker.kv.heads import kv_head_range
 from prefill_worker.kv.layout import MLA, KVLayout, KVRegions
@@ -63,6 +64,7 @@ from prefill_worker.transfer.sglang.accept import (
 from prefill_worker.transfer.sglang.components import StateComponents
 from prefill_worker.transfer.sglang.control import ReplySockets
 from prefill_worker.transfer.sglang.dialect import SglangPeer
+from prefill_worker.transfer.swa_window import SWA_KIND, swa_pool_regions
 from prefill_worker.transfer.validate import BootstrapLimits, Refusal, RejectReason, check_want_size
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,12 @@ class SglangDesk:
         )
         if refusal is not None:
             return self._refuse(reg.agent_name, refusal)
+        head_slice = rank_slice(reg, layout, self._prefill_tp)
+        sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
+        # its state pool in other heads than ours
+        refusal = None if sliced is None else self._components.refuse_slices(state)
+        if refusal is not None:
+            return self._refuse(reg.agent_name, refusal)
         held = self._hub.peers.get(reg.agent_name.encode())
         if held is not None:  # SGLang registers once per prefill; a repeat changes nothing
             if held.regions != peer_regions(reg, layout, self._num_draft_layers):
@@ -170,8 +178,6 @@ class SglangDesk:
             why = f"metadata names agent {name!r}, not {reg.agent_name!r}"
             return self._refuse(reg.agent_name, Refusal(RejectReason.BAD_METADATA, why))
         regions = peer_regions(reg, layout, self._num_draft_layers)
-        head_slice = rank_slice(reg, layout, self._prefill_tp)
-        sliced = None if head_slice is None or head_slice.is_whole_page else head_slice
         try:
             lists, prepped = self._run(self._prep, name, regions, reg.aux_ptrs, sliced, state)
         except NIXL_ERRORS as exc:
@@ -189,29 +195,36 @@ class SglangDesk:
             tp_size=reg.tp_size,
             head_slice=sliced,
             is_fed=head_slice is not None,
-            registration=self._for_group(reg, regions),
+            registration=self._for_group(reg, regions, state),
             aux_ptrs=reg.aux_ptrs,
             endpoint=reg.endpoint,
             prefill_ranks=target_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp),
             status_ranks=status_ranks(reg.tp_rank, reg.tp_size, self._prefill_tp, self._is_mla),
             state=prepped,
             local_state=accepted.share,
-            route=self._components.route(self._layout, regions, prepped),
+            route=self._components.route(self._layout, regions, prepped, sliced is None),
             num_draft_entries=num_draft_entries(reg, layout),
         )
         self._hub.peers[identity] = peer
         self._refused.clear(name)
         log.info("sglang: decode %s registered (%d pages)", name, regions.layout.num_pages)
 
-    def _for_group(self, reg: frames.Registration, regions: KVRegions) -> wire.Register | None:
+    def _for_group(
+        self, reg: frames.Registration, regions: KVRegions, state: StateRegions | None
+    ) -> wire.Register | None:
         """The decode rank as a native `register`, which the group's mirror hands the other
-        ranks (their own NIXL agents write their heads into it); None at TP 1."""
+        ranks (their own NIXL agents write their heads into it); None at TP 1. A hybrid SWA
+        pool goes with it (each rank writes its heads of the window there too); the other
+        kinds' pools are the leader's alone to write."""
         if self._prefill_tp == 1:
             return None
         heads = kv_head_range(self._layout.num_kv_heads, reg.tp_rank, reg.tp_size)
         rank = wire.DecodeRank(reg.tp_rank, reg.tp_size, heads.start, heads.stop)
         metadata = wire.frame_metadata(reg.agent_metadata)
-        return wire.Register.of(reg.agent_name, metadata, regions, "sglang", rank)
+        pools: tuple[wire.StatePool, ...] | UnsetType = UNSET
+        if state is not None and state.component.kind == SWA_KIND:
+            pools = (wire.StatePool.of(state.component, state.base_addrs),)
+        return wire.Register.of(reg.agent_name, metadata, regions, "sglang", rank, pools)
 
     def _take_address(self, reg: frames.Registration) -> Refusal | None:
         """A live decode keeps its ``ip:port``: another agent registering there is refused.
@@ -243,8 +256,9 @@ class SglangDesk:
         one. Runs where the agent lives."""
         if head_slice is None:
             table = kv_descriptor_table(regions)
-        else:
-            self._prep_local(head_slice, regions)
+        else:  # a hybrid SWA decode's KV list is of the full layers: our pool is routed whole
+            is_swa = state is not None and state.component.kind == SWA_KIND
+            self._prep_local(head_slice, None if is_swa else regions)
             table = slice_table(regions, head_slice.dst_head_offset, head_slice.num_heads)
         kv = self._agent.prep_xfer_dlist(name, table, mem_type(regions.device))
         lists = None
@@ -253,6 +267,13 @@ class SglangDesk:
             lists = PreppedLists(kv, self._agent.prep_xfer_dlist(name, first_rows, AUX_MEM_TYPE))
             if state is None:
                 return lists, None
+            if head_slice is not None and state.component.kind == SWA_KIND:
+                # a hybrid SWA pool of more heads than ours: our heads' token runs of it
+                slices = slice_table(
+                    swa_pool_regions(state), head_slice.dst_head_offset, head_slice.num_heads
+                )
+                swa = self._agent.prep_xfer_dlist(name, slices, mem_type(state.device))
+                return lists, StateLists(state, swa)
             return lists, StateLists(state, prep_state_list(self._agent, name, state))
         except BaseException:
             (kv if lists is None else lists).release()
@@ -262,14 +283,18 @@ class SglangDesk:
         """The staged shares' lists (at close, before the agent)."""
         self._components.release()
 
-    def _prep_local(self, head_slice: HeadSlice, remote: KVRegions) -> None:
+    def _prep_local(self, head_slice: HeadSlice, remote: KVRegions | None) -> None:
         """Our token runs of the slice's heads, once: of the target's layers, or of the
-        target's and the draft's for a decode that holds a draft pool (``remote``)."""
+        target's and the draft's for a decode that holds a draft pool (``remote``); None:
+        of our pool's layers (a route picks its pages: ``sglang.swa``)."""
         assert self._regions is not None, "a desk that slices heads needs our regions"
         key = (head_slice.src_head_offset, head_slice.num_heads)
-        local = self._hub.ctx.pages_into(remote).sliced
+        ctx = self._hub.ctx
+        local = ctx.pages.sliced if remote is None else ctx.pages_into(remote).sliced
         if key not in local:
-            ours = pool_into(self._regions, self._draft, remote)
+            ours = (
+                self._regions if remote is None else pool_into(self._regions, self._draft, remote)
+            )
             local[key] = prep_local_slice(self._agent, ours, *key)
 
     def _refuse(self, agent_name: str, refusal: Refusal) -> None:

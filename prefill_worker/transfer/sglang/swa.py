@@ -18,10 +18,16 @@ window pages there, position by position (``prefill.py`` and ``nixl/conn.py``,
                                          (pages before the window: not sent)
 
 Only gpt-oss among the served families runs on it (``HYBRID_SWA_ARCHITECTURES``, SGLang's
-``is_hybrid_swa_model``; Gemma 3 is not, so its decodes hold the full pool). A decode of
-attention TP > 1 with one (SGLang slices its SWA pages per head), an older decode (no
+``is_hybrid_swa_model``; Gemma 3 is not, so its decodes hold the full pool). A decode rank of
+attention TP > 1 holds its heads of each SWA page, as of each KV page: a worker rank writes
+it the same head slice into both (whole pages when the slice is the page; else token runs,
+the sender's, ``push/sender.py``); the other ranks of a worker's TP group write theirs from
+the registration and want the leader mirrors (``sglang.desk``, ``nixl/rank_backend.py``).
+A decode rank of other heads than the worker rank's at a worker with a windowed sliding pool
+(``windowed_slices``: the desk's check, where the head slice is known), an older decode (no
 ``state_data_lens``: the pool's size unknown) or any other state layout is refused by name.
-A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as a dense model's.
+A decode without one gets every layer's pages (``swa_window.FULL_POOL``), as a dense
+model's.
 """
 
 from __future__ import annotations
@@ -36,9 +42,22 @@ from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions, 
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.push.peer import RoutedWrite
-from prefill_worker.transfer.push.window_route import local_offsets, region_at, window_sources
+from prefill_worker.transfer.push.window_route import (
+    local_offsets,
+    region_at,
+    token_runs,
+    window_sources,
+)
+from prefill_worker.transfer.sglang.accept import rank_layout
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest
-from prefill_worker.transfer.swa_window import WINDOW, SlidingLayers, layer_pages
+from prefill_worker.transfer.swa_window import (
+    SWA_KIND,
+    WINDOW,
+    SlidingLayers,
+    WindowWant,
+    layer_pages,
+    window_slots,
+)
 from prefill_worker.transfer.validate import (
     BootstrapLimits,
     Refusal,
@@ -47,18 +66,6 @@ from prefill_worker.transfer.validate import (
 )
 
 HYBRID_SWA_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
-SWA_KIND = "sliding_window_kv"  # SGLang's "swa" state type
-
-
-class WindowWant(wire.Want, frozen=True):
-    """A want whose decode holds a hybrid SWA pool: also the window's pages in that pool,
-    packed int32 like ``dst_page_ids``."""
-
-    packed_dst_window_pages: bytes = b""
-
-    @property
-    def dst_window_pages(self) -> np.ndarray:
-        return np.frombuffer(self.packed_dst_window_pages, dtype="<i4")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,13 +82,8 @@ class WindowPool:
 def accept_window(
     reg: Registration, ours: KVLayout, sliding: SlidingLayers, limits: BootstrapLimits
 ) -> WindowPool | Refusal:
-    """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers."""
-    if reg.tp_size != 1:
-        return _unsupported(
-            f"a decode of attention TP {reg.tp_size} with a hybrid SWA pool (SGLang slices "
-            "its SWA pages per head): run it at attention TP 1, or with "
-            "--disable-hybrid-swa-memory"
-        )
+    """The decode's hybrid SWA pool, or why it cannot take this model's sliding layers
+    (``ours``: our layout of the model's every head; a decode rank holds its own)."""
     if len(reg.state) != 1:
         return _unsupported(
             f"the decode registered {len(reg.state)} state components; this model's decode "
@@ -97,10 +99,11 @@ def accept_window(
             f"{len(sliding.sliding)} sliding layers ({num_buffers}: K and V of each)"
         )
         return Refusal(RejectReason.LAYOUT_MISMATCH, why)
-    if set(swa.item_lens) != {ours.page_bytes}:
+    page_bytes = rank_layout(reg, ours).page_bytes  # its heads of a page
+    if set(swa.item_lens) != {page_bytes}:
         why = (
             f"decode SWA page is {sorted(set(swa.item_lens))} bytes; this worker's is "
-            f"{ours.page_bytes}: the page size, KV dtype or head layout differ"
+            f"{page_bytes}: the page size, KV dtype or head layout differ"
         )
         return Refusal(RejectReason.LAYOUT_MISMATCH, why)
     return _window_pool(reg, ours, sliding, limits)
@@ -115,20 +118,21 @@ def _window_pool(
             "the decode's SWA buffers come without one size for all (state_data_lens, sent "
             "from SGLang 0.5.23 on)"
         )
-    num_items = swa.data_lens[0] // ours.page_bytes
+    theirs = rank_layout(reg, ours)  # its heads of each page
+    num_items = swa.data_lens[0] // theirs.page_bytes
     if not 1 <= num_items <= limits.max_peer_pages:
         why = (
             f"decode SWA pool of {num_items} pages; this worker takes 1 to "
             f"{limits.max_peer_pages} (transfer.max_peer_pages)"
         )
         return Refusal(RejectReason.TOO_LARGE, why)
-    region_bytes = num_items * ours.page_bytes
+    region_bytes = num_items * theirs.page_bytes
     refusal = outside_address_space("SWA region", [(a, region_bytes) for a in swa.data_ptrs])
     if refusal is not None:
         return refusal
     full = dataclasses.replace(ours, num_layers=len(sliding.full))
-    page = (ours.page_size, ours.num_kv_heads, ours.head_dim)
-    tensors = tuple(StateTensor(n, page, ours.dtype, ours.page_bytes) for n in ("k", "v"))
+    page = (theirs.page_size, theirs.num_kv_heads, theirs.head_dim)
+    tensors = tuple(StateTensor(n, page, ours.dtype, theirs.page_bytes) for n in ("k", "v"))
     component = StateComponent(SWA_KIND, sliding.sliding, tensors, num_items, PAGES)
     half = len(sliding.sliding)
     bases = (swa.data_ptrs[:half], swa.data_ptrs[half:])
@@ -157,22 +161,30 @@ def window_want(req: TransferRequest) -> WindowWant | Refusal:
 
 
 def window_route(
-    sliding: SlidingLayers | None, ours: KVLayout, peer: KVRegions, swa: StateLists | None
+    sliding: SlidingLayers | None,
+    ours: KVLayout,
+    peer: KVRegions,
+    swa: StateLists | None,
+    is_whole: bool = True,
 ) -> WindowRoute | None:
     """Where a decode with a hybrid SWA pool (``swa``; None: it has none) takes each of our
-    regions; ``peer`` is its KV list."""
+    regions; ``peer`` is its KV list; whole pages (``is_whole``: the decode rank's heads are
+    ours), else a head slice's token runs."""
     if swa is None or sliding is None:
         return None
     swa_pages = swa.regions.component.num_items
-    peer_pages = peer.layout.num_pages
-    return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, ours.page_size)
+    peer_pages, page_size = peer.layout.num_pages, ours.page_size
+    runs = 1 if is_whole else page_size
+    return WindowRoute(sliding, ours.num_pages, peer_pages, swa_pages, page_size, runs)
 
 
 class WindowRoute:
     """``PageRoute`` of one decode with a hybrid SWA pool; ``local_pages`` is our pool's page
     count, ``peer_pages`` its KV list's, ``swa_pages`` its SWA pool's. With a windowed
     sliding pool (``sliding.pool_pages``) a sliding layer's window pages are read from the
-    request's sliding pages (``writes``' ``sliding``), in the sliding layers' own regions."""
+    request's sliding pages (``writes``' ``sliding``), in the sliding layers' own regions.
+    Whole pages (``runs`` 1), or a head slice's token runs (``runs`` page_size: every list
+    ``headplan.slice_table``'s, ``window_route.token_runs``)."""
 
     def __init__(
         self,
@@ -181,6 +193,7 @@ class WindowRoute:
         peer_pages: int,
         swa_pages: int,
         page_size: int,
+        runs: int = 1,
     ) -> None:
         n = sliding.num_layers
         self._full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
@@ -189,7 +202,7 @@ class WindowRoute:
         self._peer_pages, self._swa_pages = peer_pages, swa_pages
         offsets = local_offsets(sliding, local_pages)
         self._full_at, self._sliding_at = offsets[self._full], offsets[self._sliding]
-        self.is_windowed = sliding.pool_pages > 0
+        self.is_windowed, self._runs = sliding.pool_pages > 0, runs
 
     def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
         """The prompt pages whose sliding layers the decode keeps."""
@@ -223,20 +236,19 @@ class WindowRoute:
         sliding: np.ndarray | None = None,
     ) -> Sequence[RoutedWrite]:
         assert isinstance(want, WindowWant), "checked at bind"
+        runs = self._runs
         full = RoutedWrite(
-            region_at(self._full_at, src),
-            _indices(np.arange(len(self._full)), self._peer_pages, dst),
+            token_runs(region_at(self._full_at, src), runs),
+            token_runs(_indices(np.arange(len(self._full)), self._peer_pages, dst), runs),
             is_state=False,
         )
         window = self.window(want, num_prompt_tokens)
-        offsets = np.arange(first_page, first_page + len(src)) - window.start
-        kept = offsets >= 0
-        swa_dst = want.dst_window_pages[offsets[kept]]
+        kept, swa_dst = window_slots(want.dst_window_pages, window.stop, first_page, len(src))
         # a windowed pool: the window's own pages (``kv.sliding``: held until release)
         swa_src = window_sources(sliding, len(src), kept) if self.is_windowed else src[kept]
         part = RoutedWrite(
-            region_at(self._sliding_at, swa_src),
-            _indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst),
+            token_runs(region_at(self._sliding_at, swa_src), runs),
+            token_runs(_indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst), runs),
             is_state=True,
         )
         return (full, part)
@@ -255,6 +267,17 @@ def windowed_full_pool() -> str:
         "the decode holds every sliding layer's pages (hybrid SWA memory off); this worker "
         "keeps its sliding layers' last window only (cache.sliding_pool windowed): start the "
         "decode without --disable-hybrid-swa-memory, or the worker with sliding_pool full"
+    )
+
+
+def windowed_slices() -> str:
+    """Why a decode rank holding other heads than ours (a decode of another attention TP)
+    with a hybrid SWA pool is refused by a windowed worker."""
+    return (
+        "a decode rank of other KV heads than this worker rank's with a hybrid SWA pool, at a "
+        "worker with a windowed sliding pool (its heads' token runs of that pool are not "
+        "built): run the decode at the worker's attention TP, or the worker with "
+        "cache.sliding_pool full"
     )
 
 

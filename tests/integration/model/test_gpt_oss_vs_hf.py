@@ -196,25 +196,23 @@ def test_bf16_is_within_transformers_own_bf16_error(checkpoint, hf):
     bf16_within_hf_error(checkpoint, hf)
 
 
-def test_a_tp_group_is_refused_only_for_sglang_decodes(checkpoint):
-    """At TP 2 the native protocol sends head slices of every page (as for a dense model) and
-    vLLM's decodes read every rank's heads from the shared staging region; SGLang's hybrid
-    SWA window is routed by the leader alone, so that is refused at start."""
+def test_a_tp_group_serves_every_protocol(checkpoint):
+    """At TP 2 the native protocol sends head slices of every page (as for a dense model),
+    vLLM's decodes read every rank's heads from the shared staging region, and SGLang's get
+    every rank's heads of each page (into a hybrid SWA pool, of the full layers' pages and
+    of the window's): none is refused at start."""
     from prefill_worker.model.hf_config import read_spec
     from prefill_worker.service.group_startup import check_group_transfer
 
     spec = read_spec(checkpoint)
-    check_group_transfer(spec, 2, ("native",))
-    check_group_transfer(spec, 2, ("vllm",))
-    check_group_transfer(spec, 1, ("sglang",))
-    with pytest.raises(ValueError, match="window pages from more than one rank"):
-        check_group_transfer(spec, 2, ("sglang",))
+    for protocol in ("native", "vllm", "sglang"):
+        check_group_transfer(spec, 2, (protocol,))
 
 
 def test_a_refused_tp_group_stops_before_any_rank_starts(checkpoint, tmp_path):
-    """The daemon's TP start-up refuses what ``check_group_transfer`` refuses (here gpt-oss
-    over SGLang's protocol) as a configuration error (exit 78) before it starts a follower
-    (the rank command here would leave a file behind if it ran)."""
+    """The daemon's TP start-up refuses a model that does not split (here gpt-oss's 6
+    attention heads over 4 ranks) as a configuration error (exit 78) before it starts a
+    follower (the rank command here would leave a file behind if it ran)."""
     from prefill_worker.service.config import load_config
     from prefill_worker.service.group_startup import start_tp_group
     from prefill_worker.service.startup import StartupError
@@ -225,7 +223,7 @@ def test_a_refused_tp_group_stops_before_any_rank_starts(checkpoint, tmp_path):
     config = load_config(root / "configs" / "tiny-test.yaml", env={}, overrides=overrides)
     started = tmp_path / "started"
     command = ["sh", "-c", f"touch {started}"]
-    with pytest.raises(StartupError, match="over sglang: sending its sliding layers") as caught:
-        start_tp_group(config, Placement(0, 2, 0, 0, False), command, lambda: None, b"")
+    with pytest.raises(StartupError, match="6 attention heads do not split over 4") as caught:
+        start_tp_group(config, Placement(0, 4, 0, 0, False), command, lambda: None, b"")
     assert caught.value.exit_code == 78 and caught.value.step == "tp group"
     assert not started.exists()

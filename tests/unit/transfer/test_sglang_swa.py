@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from prefill_worker.kv.layout import KVLayout
+from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.base import KVPoll
+from prefill_worker.transfer.headplan import HeadSlice
 from prefill_worker.transfer.nixl.agent import NIXL_ERRORS
 from prefill_worker.transfer.nixl.state_lists import StateLists
 from prefill_worker.transfer.sglang.frames import Registration, TransferRequest, parse
@@ -71,10 +72,39 @@ def test_a_swa_registration_is_its_full_layers_and_a_pool_of_window_pages() -> N
     assert pool.swa.device == "cpu"
 
 
+def test_a_decode_rank_of_attention_tp_2_holds_its_heads_of_each_swa_page() -> None:
+    """Rank 1 of 2: one head of each page, its SWA pool's pages of that head (256 B)."""
+    sizes = {"f13": packed_lists([256] * 4, fmt="I"), "f24": packed_lists([256 * 9] * 4, fmt="Q")}
+    reg = swa_registration(f10=b"2", f11=b"1", **sizes)
+    pool = accept_window(reg, LAYOUT, SLIDING, BootstrapLimits())
+    assert not isinstance(pool, Refusal), pool
+    component = pool.swa.component
+    assert component.num_items == 9
+    assert [(t.item_shape, t.item_bytes) for t in component.tensors] == [((4, 1, 16), 256)] * 2
+
+
+def test_a_windowed_worker_refuses_a_decode_rank_of_other_heads() -> None:
+    """A decode of attention TP 2 at a windowed worker of TP 1 (rank 1 holds head 1 of our
+    2): its window's token runs would come from the windowed pool, not built: refused,
+    counted, before NIXL hears of it."""
+    agent = ListingAgent()
+    rig = DeskRig(layout=LAYOUT, sliding=dataclasses.replace(SLIDING, pool_pages=8), agent=agent)
+    sizes = {"f13": packed_lists([256] * 4, fmt="I"), "f24": packed_lists([256 * 9] * 4, fmt="Q")}
+    kv = {"f19": struct.pack("<2Q", 256, 256), "f12": b"256"}  # its KV list: one head too
+    rig.send(swa_registration(f10=b"2", f11=b"1", **sizes, **kv))
+    assert not rig.peers and rig.rejects == ["unsupported"] and not agent.lists
+    rig.send(request([8, 4]))
+    assert b"windowed sliding pool (its heads' token runs" in rig.replies.sent[-1][1][4]
+
+
 @pytest.mark.parametrize(
     ("frames_at", "reason", "words"),
     [
-        ({"f10": b"2", "f11": b"0"}, RejectReason.UNSUPPORTED, "attention TP 2 with a hybrid"),
+        (  # a rank of attention TP 2 holds one head of each page: 256 B
+            {"f10": b"2", "f11": b"0"},
+            RejectReason.LAYOUT_MISMATCH,
+            "decode SWA page is [512] bytes; this worker's is 256",
+        ),
         (
             {
                 "f8": packed_lists(SWA_PTRS, [1], fmt="Q"),
@@ -218,6 +248,39 @@ def test_the_swa_pool_is_prepared_for_the_decode_agent() -> None:
     assert swa.table.tolist() == [[a, 512, 0, 512, 9] for a in SWA_PTRS]
 
 
+def test_a_tp_2_leader_writes_its_head_of_the_swa_pool_and_mirrors_the_pool() -> None:
+    """The leader of a worker of TP 2 (rank 0: head 0 of 2, every layer) and a decode of
+    attention TP 1 (both heads): its SWA pool is listed as token runs of head 0 (64 B a
+    token, 128 B apart), ours of every layer; the mirrored `register` names the pool, so the
+    other rank writes head 1 of the window too."""
+    ours = KVRegions(
+        dataclasses.replace(LAYOUT, num_kv_heads=1),
+        (1 << 20, 2 << 20, 3 << 20),
+        (4 << 20, 5 << 20, 6 << 20),
+        "cpu",
+        0,
+        0,
+    )
+    agent = ListingAgent()
+    rig = DeskRig(layout=ours.layout, regions=ours, sliding=SLIDING, agent=agent)
+    rig.desk.lead(2, LAYOUT.num_kv_heads)
+    rig.send(swa_registration())
+    [peer] = rig.peers.values()
+    assert peer.head_slice is not None and peer.head_slice.num_heads == 1
+    local, kv, _, swa = agent.lists
+    assert local.name == "NIXL_INIT_AGENT" and len(local.table) == 6  # our 3 layers' K, V
+    tokens = peer.regions.layout.num_pages * 4
+    assert kv.table.tolist() == [[a, 64, 0, 128, tokens] for a in (0x1000, 0x2000)]
+    assert peer.state is not None and peer.state.prepped is swa
+    assert swa.table.tolist() == [[a, 64, 0, 128, 9 * 4] for a in SWA_PTRS]
+    held = peer.registration
+    assert held is not None and held.tp == wire.DecodeRank(0, 1, 0, 2)
+    assert held.regions.layout.num_layers == 1  # its KV list: the full layer
+    [pool] = held.state  # type: ignore[misc]
+    assert (pool.kind, pool.layer_ids, pool.num_items) == (SWA_KIND, (0, 2), 9)
+    assert pool.base_addrs == ((0x10000, 0x20000), (0x30000, 0x40000))
+
+
 def test_a_swa_pool_nixl_cannot_address_refuses_the_decode() -> None:
     agent = ListingAgent(fail_at=3)  # the KV list, the aux rows, then the SWA pool's
     rig = desk_rig(agent=agent)
@@ -229,11 +292,11 @@ def test_a_swa_pool_nixl_cannot_address_refuses_the_decode() -> None:
 
 def test_a_refused_swa_decode_hears_why_on_its_request() -> None:
     rig = desk_rig()
-    rig.send(swa_registration(f10=b"2", f11=b"0"))
+    rig.send(swa_registration(f24=b""))  # an older decode: its SWA pool's size unknown
     assert not rig.peers and rig.rejects == ["unsupported"]
     rig.send(request([8, 4]))
     reason = rig.replies.sent[-1][1][4].decode()
-    assert reason.startswith("registration refused: a decode of attention TP 2 with a hybrid")
+    assert reason.startswith("registration refused: the decode's SWA buffers come without")
 
 
 def test_a_model_without_sliding_layers_refuses_the_swa_decode() -> None:
@@ -289,6 +352,37 @@ def test_a_page_goes_in_parts_full_layers_then_the_window() -> None:
         rig.land(i)
     sender.progress()
     assert sender.transfer_stats().bytes == (4 + 4 + 4) * 128
+
+
+def test_a_decode_rank_of_other_heads_gets_token_runs_of_both_parts() -> None:
+    """The same chunk into a decode holding 4 heads of which ours are heads 2 and 3 (a TP-2
+    worker's rank 1 into a decode of attention TP 1): each whole-page index i becomes the
+    page's token runs 4i..4i+3, from our list of those heads' runs into the decode's (KV and
+    SWA pool)."""
+    rig = test_push_sender.Rig("sglang")
+    swa = StateComponent(SWA_KIND, (0,), (StateTensor("k", (4, 4, 8), "float32", 512),) * 2, 9)
+    rig.peer.state = StateLists(StateRegions(swa, ((100,), (200,)), "cpu"), "swa-runs")
+    rig.peer.route = WindowRoute(SlidingLayers((0,), 2, 5), 16, 16, 9, 4, runs=4)
+    rig.peer.head_slice = HeadSlice(1, 0, 0, 2, 2, 2, 4)
+    object.__setattr__(rig.ctx.pages, "head_bytes", 32)  # one head of a token, fp32
+    rig.ctx.pages.sliced[(0, 2)] = "ours-head"
+    sender = rig.hub.create_sender(7, "req-7", 16)
+    pages, window = (np.array(p, "<i4").tobytes() for p in ([3, 4, 5, 6], [5, 8]))
+    rig.hub.want(rig.peer, WindowWant(7, pages, 2, 0, packed_dst_window_pages=window))
+    sender.send_pages([2, 3], 2)
+    full, part = rig.agent.handles
+    runs = lambda *pages: [4 * p + t for p in pages for t in range(4)]  # noqa: E731
+    _, local, local_idx, remote, remote_idx, _ = full.args
+    assert (local, remote) == ("ours-head", rig.peer.lists.kv)
+    assert list(local_idx) == runs(18, 19, 50, 51) and list(remote_idx) == runs(5, 6, 21, 22)
+    _, local, local_idx, remote, remote_idx, _ = part.args
+    assert (local, remote) == ("ours-head", "swa-runs")
+    assert list(local_idx) == runs(2, 3, 34, 35) and list(remote_idx) == runs(5, 8, 14, 17)
+    for i in range(2):
+        rig.land(i)
+    sender.progress()
+    # 8 page-planes (2 pages: K and V of the full layer, then of the sliding one) x 4 tokens
+    assert sender.transfer_stats().bytes == 2 * 4 * 4 * 2 * 32
 
 
 @pytest.mark.parametrize(
