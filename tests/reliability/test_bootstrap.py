@@ -158,7 +158,10 @@ def test_big_wants_from_an_unregistered_peer_cost_nothing(rig: Rig, raw) -> None
 # ── rooms ────────────────────────────────────────────────────────────────────────────────────
 
 
-def test_a_room_named_for_a_decode_goes_only_to_it(rig: Rig) -> None:
+def test_a_room_named_for_a_decode_goes_only_to_it(rig_factory) -> None:  # type: ignore[no-untyped-def]
+    # the thief's want must still wait when the prefill comes: tiny-test's 5 s passed first
+    # once at load (its room failed 'prefill request never arrived', the path not taken)
+    rig = rig_factory("scheduler.bootstrap_timeout_s=120")
     thief = LiveDecode(rig.worker.bootstrap)
     try:
         room = rig.next_room()

@@ -180,8 +180,10 @@ def test_a_windowed_sliding_pool_matches_transformers_at_tp_2(world, reference):
         for result in results:
             torch.testing.assert_close(result[f"{key}_logits"], hf_logits[-1], atol=TOL, rtol=0)
         check_window_kv(results, key, hf_kv, 2)
-    # the last windows: long's pages 1 and 2, short's 0 and 1
-    assert {result["sliding_pages_held"] for result in results} == {4}
+    # the last windows, each kept from its last whole page's end (what a prefix hit on the
+    # cached chain reads, kv/sliding.py): long's pages 0 to 2 (its whole pages end at 32,
+    # whose window starts at 9), short's 0 and 1
+    assert {result["sliding_pages_held"] for result in results} == {5}
 
 
 def no_index_keys(model: torch.nn.Module, ids: list[int]) -> dict[int, torch.Tensor]:
