@@ -33,6 +33,17 @@ def local_offsets(sliding: SlidingLayers, local_pages: int) -> np.ndarray:
     return (np.cumsum(counts) - np.asarray(counts)).astype(np.int32)
 
 
+def layer_planes(sliding: SlidingLayers) -> tuple[np.ndarray, np.ndarray]:
+    """The regions (K planes, then V planes: layer ``i``'s are ``i`` and ``num_layers + i``)
+    of the full layers and of the sliding layers."""
+    n = sliding.num_layers
+
+    def planes(layers: Sequence[int]) -> np.ndarray:
+        return np.array([*layers, *(n + i for i in layers)], np.int32)
+
+    return planes(sliding.full), planes(sliding.sliding)
+
+
 def region_at(offsets: np.ndarray, pages: np.ndarray) -> np.ndarray:
     """Descriptor indices of ``pages`` in each region starting at ``offsets``,
     region-major."""
@@ -105,9 +116,7 @@ class FullPoolWindow:
             raise ValueError("FullPoolWindow: a route of a windowed sliding pool only")
         if runs not in (1, page_size):
             raise ValueError(f"FullPoolWindow: {runs} runs a page of {page_size} tokens")
-        n = sliding.num_layers
-        full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
-        slide = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
+        full, slide = layer_planes(sliding)
         offsets = local_offsets(sliding, local_pages)
         self._full_at, self._sliding_at = offsets[full], offsets[slide]
         self._full_peer, self._sliding_peer = full * peer_pages, slide * peer_pages

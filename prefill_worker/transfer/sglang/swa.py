@@ -41,8 +41,10 @@ from prefill_worker.kv.layout import KVLayout, KVRegions
 from prefill_worker.kv.state_layout import PAGES, StateComponent, StateRegions, StateTensor
 from prefill_worker.transfer import wire
 from prefill_worker.transfer.nixl.state_lists import StateLists
+from prefill_worker.transfer.pagemap import region_indices
 from prefill_worker.transfer.push.peer import RoutedWrite
 from prefill_worker.transfer.push.window_route import (
+    layer_planes,
     local_offsets,
     region_at,
     token_runs,
@@ -195,13 +197,12 @@ class WindowRoute:
         page_size: int,
         runs: int = 1,
     ) -> None:
-        n = sliding.num_layers
-        self._full = np.array([*sliding.full, *(n + i for i in sliding.full)], np.int32)
-        self._sliding = np.array([*sliding.sliding, *(n + i for i in sliding.sliding)], np.int32)
+        full, slide = layer_planes(sliding)
+        self._num_full, self._num_sliding = len(full), len(slide)
         self._window_tokens, self._page_size = sliding.window_tokens, page_size
         self._peer_pages, self._swa_pages = peer_pages, swa_pages
         offsets = local_offsets(sliding, local_pages)
-        self._full_at, self._sliding_at = offsets[self._full], offsets[self._sliding]
+        self._full_at, self._sliding_at = offsets[full], offsets[slide]
         self.is_windowed, self._runs = sliding.pool_pages > 0, runs
 
     def window(self, want: wire.Want, num_prompt_tokens: int) -> range:
@@ -239,7 +240,7 @@ class WindowRoute:
         runs = self._runs
         full = RoutedWrite(
             token_runs(region_at(self._full_at, src), runs),
-            token_runs(_indices(np.arange(len(self._full)), self._peer_pages, dst), runs),
+            token_runs(region_indices(dst, self._num_full, self._peer_pages), runs),
             is_state=False,
         )
         window = self.window(want, num_prompt_tokens)
@@ -248,17 +249,10 @@ class WindowRoute:
         swa_src = window_sources(sliding, len(src), kept) if self.is_windowed else src[kept]
         part = RoutedWrite(
             token_runs(region_at(self._sliding_at, swa_src), runs),
-            token_runs(_indices(np.arange(len(self._sliding)), self._swa_pages, swa_dst), runs),
+            token_runs(region_indices(swa_dst, self._num_sliding, self._swa_pages), runs),
             is_state=True,
         )
         return (full, part)
-
-
-def _indices(regions: np.ndarray, num_pages: int, pages: np.ndarray) -> np.ndarray:
-    """Descriptor indices of ``pages`` in each of ``regions`` (a list of ``num_pages`` per
-    region), region-major, as ``pagemap.region_indices``."""
-    base = np.asarray(regions, dtype=np.int32) * np.int32(num_pages)
-    return np.add.outer(base, np.asarray(pages, dtype=np.int32)).ravel()
 
 
 def windowed_full_pool() -> str:
